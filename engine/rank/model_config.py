@@ -1,0 +1,165 @@
+"""The Qwen3.5 text model's shape, read from an HF `config.json`.
+
+Torch-free so that the controller can check a tensor-parallel size against the head counts
+before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+ACCEPTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, "
+                f"num_hidden_layers is {self.num_hidden_layers}"
+            )
+        for kind in self.layer_types:
+            if kind not in ("linear_attention", "full_attention"):
+                raise ValueError(f"unknown layer type {kind!r} in layer_types")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads {self.linear_num_key_heads}"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the DeltaNet conv1d: [Q | K | V] of all heads."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    def check_tp_size(self, tp_size: int) -> None:
+        """Raise ValueError unless `tp_size` splits every head group evenly."""
+        if tp_size < 1:
+            raise ValueError(f"tensor-parallel size must be >= 1, got {tp_size}")
+        counts = {
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+        }
+        for name, count in counts.items():
+            if count % tp_size:
+                raise ValueError(
+                    f"tensor-parallel size {tp_size} does not divide {name}={count}"
+                )
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in ACCEPTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}: deltaserve serves Qwen3.5 text models "
+                f"(model_type one of {', '.join(ACCEPTED_MODEL_TYPES)})"
+            )
+        top_eos = raw.get("eos_token_id")
+        if model_type == "qwen3_5":
+            if "text_config" not in raw:
+                raise ValueError("model_type 'qwen3_5' config has no text_config")
+            text = dict(raw["text_config"])
+            tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            dtype = raw.get("torch_dtype") or raw.get("dtype") or text.get("dtype")
+        else:
+            text = raw
+            tie = raw.get("tie_word_embeddings", False)
+            dtype = raw.get("torch_dtype") or raw.get("dtype")
+        n_layers = int(text["num_hidden_layers"])
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = int(text.get("full_attention_interval", 4))
+            layer_types = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(n_layers)
+            ]
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0)))
+        partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}")
+        eos = text.get("eos_token_id", top_eos)
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+        return cls(
+            vocab_size=int(text["vocab_size"]),
+            hidden_size=int(text["hidden_size"]),
+            intermediate_size=int(text["intermediate_size"]),
+            num_hidden_layers=n_layers,
+            num_attention_heads=int(text["num_attention_heads"]),
+            num_key_value_heads=int(text["num_key_value_heads"]),
+            head_dim=int(head_dim),
+            linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
+            linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            layer_types=tuple(layer_types),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            partial_rotary_factor=partial,
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(tie),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(dtype or "bfloat16"),
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {model_dir}")
+        with open(path) as f:
+            return cls.from_dict(json.load(f))

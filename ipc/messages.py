@@ -1,0 +1,186 @@
+"""The control plane's wire schema: one tagged union of commands, one of replies.
+
+Sender and receiver of every message:
+- commands: replica controller (event-loop process) -> every rank process, the same bytes to
+  each rank; each carries a sequence number `seq` that increases by one per command.
+- replies: rank process -> controller, exactly one per command per rank, carrying `rank` and
+  the command's `seq`.
+
+msgspec msgpack only, decoded strictly against these types; no pickle on any socket.
+`RequestId`s are assigned by the engine, unique for its lifetime, never reused.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+RequestId = int
+
+
+class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """What a rank needs to sample one request's tokens; sent once, with its first chunk.
+
+    `seed` is always set (the engine draws one for unseeded requests), so every sample is a
+    function of (seed, output index) alone, whatever else is in the batch.
+    """
+
+    seed: int
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    num_logprobs: int = 0  # alternatives to return beside the sampled token's logprob
+
+
+class NewRequest(msgspec.Struct, frozen=True, array_like=True):
+    """Carried by a request's first chunk: the rank takes a state slot and KV blocks for
+    `reserve_tokens` positions (prompt + max_tokens) and keeps the sampling spec."""
+
+    reserve_tokens: int
+    sampling: SamplingSpec
+
+
+class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """One request's share of a unified step: `token_ids` at positions start, start+1, ...
+
+    A decode item is one token; a prefill chunk any number. `sample` asks for a token after
+    the last position (decode items and the final prompt chunk). `new` is set on the first
+    chunk only (start == 0).
+    """
+
+    request_id: RequestId
+    start: int
+    token_ids: list[int]
+    sample: bool
+    new: NewRequest | None = None
+
+
+class Sample(msgspec.Struct, frozen=True, array_like=True):
+    """A sampled token with its logprob and the best `num_logprobs` alternatives, best
+    first, as (token_id, logprob) pairs. Logprobs are of the model's raw distribution."""
+
+    request_id: RequestId
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
+# ---- commands: controller -> ranks --------------------------------------------------------
+
+
+class RunUnifiedStep(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    """Run one forward over `items` (ordered, each request at most once), then sample on
+    rank 0. Reply: rank 0 `StepResult` with one `Sample` per item with `sample` set; others
+    `Ack`."""
+
+    seq: int
+    items: list[StepItem]
+
+
+class DropRequests(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Free the state of `request_ids`. Reply: `DropAck` from every rank, one flag per id,
+    in order, saying whether the rank held it. `expect` is what the scheduler believes."""
+
+    seq: int
+    request_ids: list[RequestId]
+    expect: Literal["must_exist", "must_be_absent"]
+
+
+class Ping(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Liveness probe. Reply: `Ack` from every rank."""
+
+    seq: int
+
+
+class Snapshot(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Ask each rank what it holds. Reply: `SnapshotReply` from every rank."""
+
+    seq: int
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Leave the serve loop and exit 0. Reply: `Ack` from every rank, then the rank exits."""
+
+    seq: int
+
+
+Command = RunUnifiedStep | DropRequests | Ping | Snapshot | Shutdown
+
+# Commands that change rank state run only after the start gate releases them.
+GATED_COMMANDS = (RunUnifiedStep, DropRequests)
+
+
+# ---- replies: ranks -> controller ---------------------------------------------------------
+
+
+class Ack(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    rank: int
+    seq: int
+
+
+class DropAck(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    rank: int
+    seq: int
+    existed: list[bool]
+
+
+class StepResult(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    rank: int
+    seq: int
+    samples: list[Sample]
+
+
+class SnapshotReply(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """A rank's lifecycle snapshot. `slots_used`/`blocks_used` count what live requests hold;
+    `num_slots`/`num_blocks` are the rank's whole capacity."""
+
+    rank: int
+    seq: int
+    request_ids: list[RequestId]
+    slots_used: int
+    blocks_used: int
+    num_slots: int
+    num_blocks: int
+    state_heads: int  # DeltaNet value heads this rank holds state for (its TP shard)
+    kv_heads: int  # full-attention KV heads this rank caches (its TP shard)
+
+
+class Failure(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The rank could not carry out command `seq`; the replica is poisoned with `reason`."""
+
+    rank: int
+    seq: int
+    reason: str
+
+
+Reply = Ack | DropAck | StepResult | SnapshotReply | Failure
+
+
+# ---- rank start-up --------------------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Sent once by each rank after its weights and cache are in place."""
+
+    rank: int
+    num_slots: int
+    num_blocks: int
+    block_size: int
+
+
+class StartupFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    rank: int
+    reason: str
+
+
+StartupReply = Ready | StartupFailed
+
+command_encoder = msgspec.msgpack.Encoder()
+command_decoder = msgspec.msgpack.Decoder(Command)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+startup_decoder = msgspec.msgpack.Decoder(StartupReply)
