@@ -1,0 +1,81 @@
+"""Gated full attention of Qwen3.5, heads split across ranks.
+
+q_proj yields, per head, [query | gate] (so it splits on head boundaries); per-head zero-centred
+q/k norms; RoPE (rotate-half) on the first `rotary_dim` dims only; causal GQA attention over the
+paged cache; output times sigmoid(gate), then the row-parallel o_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+from deltaserve.engine.rank.batch import StepBatch
+from deltaserve.engine.rank.cache import StateCache
+from deltaserve.engine.rank.linear import ColumnParallelLinear, RowParallelLinear
+from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.rank.norm import RMSNorm
+from deltaserve.engine.rank.parallel import tp_size
+from deltaserve.kernels.paged_attention import paged_attention
+from torch import nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class Rope:
+    """Rotary position embedding on the leading `rotary_dim` dims of each head."""
+
+    def __init__(self, rotary_dim: int, theta: float, device: torch.device) -> None:
+        self.rotary_dim = rotary_dim
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim
+        self.inv_freq = 1.0 / (theta**exponents)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x [T, heads, hd]; cos/sin computed in fp32 and cast, as HF does
+        freqs = positions[:, None].float() * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig, cache_layer: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        tp = tp_size()
+        hd = config.head_dim
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = config.num_key_value_heads // tp
+        self.head_dim = hd
+        self.cache_layer = cache_layer
+        hidden = config.hidden_size
+        self.q_proj = ColumnParallelLinear(hidden, (config.num_attention_heads * 2 * hd,), dtype, device)
+        self.k_proj = ColumnParallelLinear(hidden, (config.num_key_value_heads * hd,), dtype, device)
+        self.v_proj = ColumnParallelLinear(hidden, (config.num_key_value_heads * hd,), dtype, device)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, hidden, dtype, device)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype, device)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype, device)
+        self.rope = Rope(config.rotary_dim, config.rope_theta, device)
+
+    def forward(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
+        tokens = x.shape[0]
+        hd = self.head_dim
+        q_and_gate = self.q_proj(x).view(tokens, self.num_heads, 2 * hd)
+        q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:]
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, hd)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, hd)
+        q = self.rope(self.q_norm(q), batch.positions)
+        k = self.rope(self.k_norm(k), batch.positions)
+
+        k_cache, v_cache = cache.kv[self.cache_layer, 0], cache.kv[self.cache_layer, 1]
+        k_cache[batch.kv_index] = k
+        v_cache[batch.kv_index] = v
+        out = torch.empty_like(q)
+        for span in batch.spans:
+            piece = slice(span.offset, span.offset + span.length)
+            out[piece] = paged_attention(
+                q[piece], k_cache, v_cache, span.block_table, cache.block_size, span.start, hd**-0.5
+            )
+        out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(tokens, self.num_heads * hd))

@@ -1,0 +1,37 @@
+"""The flattened inputs of one unified step, built by the executor, read by every layer.
+
+Tokens of all requests in the step are laid end to end; each request's piece is a `SeqSpan`.
+Passed explicitly to every layer's forward (no global context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSpan:
+    offset: int  # index of the span's first token in the flat batch
+    length: int  # tokens of this request in the step (1 for a decode item)
+    start: int  # position of the span's first token within its request
+    slot: int  # DeltaNet state slot
+    block_table: torch.Tensor  # [blocks] int64, KV blocks of the request in order
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    kv_index: torch.Tensor  # [T] int64, flat KV cache row (block * block_size + offset) per token
+    spans: tuple[SeqSpan, ...]
+    logits_index: torch.Tensor  # [S] int64, flat index of each token whose next token is sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

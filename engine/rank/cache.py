@@ -1,0 +1,83 @@
+"""A rank's request state: paged KV for the full-attention layers and one DeltaNet state slot
+per live request (conv window + fp32 recurrent state for every DeltaNet layer).
+
+Holds only this rank's heads. Who owns which slot and blocks is the executor's business; this
+class owns the memory and the free lists.
+"""
+
+from __future__ import annotations
+
+import torch
+from deltaserve.engine.rank.model_config import ModelConfig
+
+
+class StateCache:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_slots: int,
+        num_blocks: int,
+        block_size: int,
+        tp_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_slots < 1 or num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"cache needs num_slots, num_blocks, block_size >= 1, got {num_slots}, {num_blocks}, {block_size}"
+            )
+        self.num_slots = num_slots
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.kv_heads = config.num_key_value_heads // tp_size
+        self.state_heads = config.linear_num_value_heads // tp_size
+        n_full = len(config.full_attention_layers)
+        n_linear = len(config.linear_attention_layers)
+        # [layer, k|v, block * block_size + offset, head, head_dim]
+        self.kv = torch.zeros(
+            (n_full, 2, num_blocks * block_size, self.kv_heads, config.head_dim), dtype=dtype, device=device
+        )
+        conv_channels = config.linear_conv_dim // tp_size
+        # [layer, slot, channel, width - 1]: the last pre-conv inputs of the request
+        self.conv = torch.zeros(
+            (n_linear, num_slots, conv_channels, config.linear_conv_kernel_dim - 1), dtype=dtype, device=device
+        )
+        # [layer, slot, value head, dk, dv], fp32 whatever the model dtype
+        self.recurrent = torch.zeros(
+            (n_linear, num_slots, self.state_heads, config.linear_key_head_dim, config.linear_value_head_dim),
+            dtype=torch.float32,
+            device=device,
+        )
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._free_blocks = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.free_slots >= 1 and self.free_blocks >= self.blocks_for(num_tokens)
+
+    def allocate(self, num_tokens: int) -> tuple[int, list[int]]:
+        """Take a zeroed state slot and the KV blocks for `num_tokens` positions."""
+        if not self.can_allocate(num_tokens):
+            raise MemoryError(
+                f"no room for {num_tokens} tokens: {self.free_slots} free slots, "
+                f"{self.free_blocks} free blocks of {self.block_size}"
+            )
+        slot = self._free_slots.pop()
+        blocks = [self._free_blocks.pop() for _ in range(self.blocks_for(num_tokens))]
+        self.conv[:, slot].zero_()
+        self.recurrent[:, slot].zero_()
+        return slot, blocks
+
+    def free(self, slot: int, blocks: list[int]) -> None:
+        self._free_slots.append(slot)
+        self._free_blocks.extend(reversed(blocks))

@@ -1,0 +1,100 @@
+"""Gated DeltaNet (linear attention) layer of Qwen3.5, heads split across ranks.
+
+in_proj_qkv rows are [Q all key heads | K all key heads | V all value heads]; each section is
+split by heads, so a rank holds matching Q, K, V (and conv channels, z, a, b, A_log, dt_bias)
+of its heads. Per request the layer keeps a conv window and an fp32 recurrent state in the
+request's slot of the StateCache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deltaserve.engine.rank.batch import StepBatch
+from deltaserve.engine.rank.cache import StateCache
+from deltaserve.engine.rank.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    new_param,
+    sharded_loader,
+)
+from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.rank.norm import GatedRMSNorm
+from deltaserve.engine.rank.parallel import tp_size
+from deltaserve.kernels.causal_conv1d import causal_conv1d
+from deltaserve.kernels.gated_delta import chunk_gated_delta, recurrent_gated_delta
+from torch import nn
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) in fp32, as HF and flash-linear-attention do."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class Conv1dWeight(nn.Module):
+    """Holds `conv1d.weight` [channels, 1, width] under its checkpoint name."""
+
+    def __init__(self, sections: tuple[int, ...], width: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        channels = sum(sections)
+        loader = sharded_loader(sections, 0, (channels, 1, width))
+        self.weight = new_param((channels // tp_size(), 1, width), loader, dtype, device)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig, cache_layer: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        tp = tp_size()
+        hidden = config.hidden_size
+        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.num_k_heads, self.num_v_heads = nk // tp, nv // tp
+        self.cache_layer = cache_layer
+        sections = (config.linear_key_dim, config.linear_key_dim, config.linear_value_dim)
+        self.in_proj_qkv = ColumnParallelLinear(hidden, sections, dtype, device)
+        self.in_proj_z = ColumnParallelLinear(hidden, (config.linear_value_dim,), dtype, device)
+        self.in_proj_b = ColumnParallelLinear(hidden, (nv,), dtype, device)
+        self.in_proj_a = ColumnParallelLinear(hidden, (nv,), dtype, device)
+        self.conv1d = Conv1dWeight(sections, config.linear_conv_kernel_dim, dtype, device)
+        self.A_log = new_param((nv // tp,), sharded_loader(None, 0, (nv,)), dtype, device)
+        self.dt_bias = new_param((nv // tp,), sharded_loader(None, 0, (nv,)), dtype, device)
+        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps, dtype, device)
+        self.out_proj = RowParallelLinear(config.linear_value_dim, hidden, dtype, device)
+
+    def forward(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
+        tokens = x.shape[0]
+        nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.dk, self.dv
+        qkv = self.in_proj_qkv(x)  # [T, conv channels]
+        z = self.in_proj_z(x).view(tokens, nv, dv)
+        beta = self.in_proj_b(x).sigmoid()  # [T, nv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+
+        conv_state = cache.conv[self.cache_layer]  # [slots, channels, width - 1]
+        recurrent = cache.recurrent[self.cache_layer]  # [slots, nv, dk, dv]
+        weight = self.conv1d.weight[:, 0]
+        mixed = torch.empty_like(qkv)
+        for span in batch.spans:
+            piece = slice(span.offset, span.offset + span.length)
+            mixed[piece] = causal_conv1d(qkv[piece], weight, conv_state[span.slot])
+        q, k, v = mixed.split((nk * dk, nk * dk, nv * dv), dim=-1)
+        q = l2_normalize(q.reshape(tokens, nk, dk)) * dk**-0.5
+        k = l2_normalize(k.reshape(tokens, nk, dk))
+        v = v.reshape(tokens, nv, dv)
+
+        core = torch.empty((tokens, nv, dv), dtype=torch.float32, device=x.device)
+        decodes = [s for s in batch.spans if s.length == 1]
+        if decodes:  # one batched recurrent step for every single-token span
+            rows = torch.tensor([s.offset for s in decodes], device=x.device)
+            slots = torch.tensor([s.slot for s in decodes], device=x.device)
+            state = recurrent[slots]
+            core[rows] = recurrent_gated_delta(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
+            recurrent[slots] = state
+        for span in batch.spans:
+            if span.length > 1:
+                piece = slice(span.offset, span.offset + span.length)
+                core[piece] = chunk_gated_delta(
+                    q[piece], k[piece], v[piece], g[piece], beta[piece], recurrent[span.slot]
+                )
+        out = self.norm(core.to(x.dtype), z)
+        return self.out_proj(out.reshape(tokens, nv * dv))

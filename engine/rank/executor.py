@@ -1,0 +1,228 @@
+"""One rank's model work: keeps each live request's slot, blocks and position, turns a
+unified step's items into a StepBatch, runs the model, samples on rank 0.
+
+Knows nothing of sockets or of the protocol around it: the rank process calls `run_step`,
+`drop` and `snapshot` with plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from deltaserve.engine.rank.batch import SeqSpan, StepBatch
+from deltaserve.engine.rank.cache import StateCache
+from deltaserve.engine.rank.loader import load_weights
+from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.rank.parallel import tp_rank, tp_size
+from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
+from deltaserve.engine.rank.sampler import Sampler
+from deltaserve.ipc.messages import Sample, StepItem
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+class StepError(ValueError):
+    """A step this rank cannot run as asked: its own state disagrees with the command."""
+
+
+def resolve_dtype(name: str, device: torch.device, config: ModelConfig) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        name = config.torch_dtype
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorConfig:
+    model_dir: str
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_slots: int = 8
+    num_blocks: int = 256
+
+
+@dataclass(slots=True)
+class LiveRequest:
+    """A request this rank holds state for. Invariant: positions 0 .. num_tokens-1 are in the
+    cache; the next item must start at num_tokens."""
+
+    slot: int
+    blocks: list[int]
+    block_table: torch.Tensor
+    capacity: int  # positions the blocks can hold (reserve_tokens)
+    num_tokens: int = 0
+    prompt_done: bool = False  # its last prompt chunk has run; later items are decode inputs
+
+
+@dataclass(slots=True)
+class RankSnapshot:
+    request_ids: list[int]
+    slots_used: int
+    blocks_used: int
+    num_slots: int
+    num_blocks: int
+    state_heads: int
+    kv_heads: int
+
+
+@dataclass(slots=True)
+class _Plan:
+    spans: list[SeqSpan] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    kv_rows: list[torch.Tensor] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+
+
+class Executor:
+    def __init__(self, config: ExecutorConfig) -> None:
+        if config.world_size != tp_size() or config.rank != tp_rank():
+            raise ValueError(
+                f"executor for rank {config.rank} of {config.world_size}, but torch.distributed "
+                f"says rank {tp_rank()} of {tp_size()}"
+            )
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model_config = ModelConfig.from_model_dir(config.model_dir)
+        self.model_config.check_tp_size(config.world_size)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
+        self.model = Qwen3_5ForCausalLM(self.model_config, self.dtype, self.device)
+        load_weights(self.model, config.model_dir, self.model_config.tie_word_embeddings)
+        self.cache = StateCache(
+            self.model_config,
+            config.num_slots,
+            config.num_blocks,
+            config.block_size,
+            config.world_size,
+            self.dtype,
+            self.device,
+        )
+        self.sampler = Sampler() if config.rank == 0 else None
+        self.requests: dict[int, LiveRequest] = {}
+
+    @property
+    def num_slots(self) -> int:
+        return self.cache.num_slots
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    def run_step(self, items: list[StepItem]) -> list[Sample]:
+        """Run the step, then sample on rank 0: one Sample per item with `sample`, in order."""
+        logits = self.forward(items)
+        if self.sampler is None:
+            return []
+        for item in items:
+            req = self.requests[item.request_id]
+            if not req.prompt_done:  # decode inputs are the rank's own samples, already seen
+                self.sampler.observe(item.request_id, item.token_ids, is_prompt=True)
+            req.prompt_done = req.prompt_done or item.sample
+        return self.sampler.sample([item.request_id for item in items if item.sample], logits)
+
+    def forward(self, items: list[StepItem], every_position: bool = False) -> torch.Tensor | None:
+        """Advance every item's request through the model; return fp32 logits on rank 0 of
+        the positions that sample (or of every position: golden tests), None elsewhere."""
+        self._admit_new(items)
+        batch = self._build_batch(items, every_position)
+        logits = self.model(batch, self.cache)
+        for item in items:
+            self.requests[item.request_id].num_tokens = item.start + len(item.token_ids)
+        return logits
+
+    def _admit_new(self, items: list[StepItem]) -> None:
+        """Check every item against this rank's state, then take slots for new requests; on
+        any mismatch nothing is changed."""
+        new_tokens = 0
+        new_count = 0
+        for item in items:
+            held = self.requests.get(item.request_id)
+            if item.new is not None:
+                if held is not None:
+                    raise StepError(f"request {item.request_id} is new but already held")
+                if item.start != 0:
+                    raise StepError(f"new request {item.request_id} starts at {item.start}, not 0")
+                if item.new.reserve_tokens < len(item.token_ids):
+                    raise StepError(f"request {item.request_id} reserves fewer tokens than its chunk")
+                new_tokens += self.cache.blocks_for(item.new.reserve_tokens)
+                new_count += 1
+            elif held is None:
+                raise StepError(f"request {item.request_id} is not held by rank {self.config.rank}")
+            elif item.start != held.num_tokens:
+                raise StepError(
+                    f"request {item.request_id} item starts at {item.start}, rank {self.config.rank} "
+                    f"holds {held.num_tokens} positions"
+                )
+            elif item.start + len(item.token_ids) > held.capacity:
+                raise StepError(f"request {item.request_id} runs past its {held.capacity} reserved positions")
+        if new_count > self.cache.free_slots or new_tokens > self.cache.free_blocks:
+            raise StepError(
+                f"step needs {new_count} slots and {new_tokens} blocks; rank {self.config.rank} has "
+                f"{self.cache.free_slots} slots and {self.cache.free_blocks} blocks free"
+            )
+        for item in items:
+            if item.new is not None:
+                slot, blocks = self.cache.allocate(item.new.reserve_tokens)
+                table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+                self.requests[item.request_id] = LiveRequest(slot, blocks, table, item.new.reserve_tokens)
+                if self.sampler is not None:
+                    self.sampler.add(item.request_id, item.new.sampling)
+
+    def _build_batch(self, items: list[StepItem], every_position: bool) -> StepBatch:
+        plan = _Plan()
+        offset = 0
+        bs = self.cache.block_size
+        for item in items:
+            req = self.requests[item.request_id]
+            length = len(item.token_ids)
+            plan.spans.append(SeqSpan(offset, length, item.start, req.slot, req.block_table))
+            plan.ids.extend(item.token_ids)
+            positions = torch.arange(item.start, item.start + length)
+            plan.positions.extend(range(item.start, item.start + length))
+            plan.kv_rows.append(req.block_table.cpu()[positions // bs] * bs + positions % bs)
+            if every_position:
+                plan.sampled.extend(range(offset, offset + length))
+            elif item.sample:
+                plan.sampled.append(offset + length - 1)
+            offset += length
+        to = {"dtype": torch.int64, "device": self.device}
+        return StepBatch(
+            input_ids=torch.tensor(plan.ids, **to),
+            positions=torch.tensor(plan.positions, **to),
+            kv_index=torch.cat(plan.kv_rows).to(self.device),
+            spans=tuple(plan.spans),
+            logits_index=torch.tensor(plan.sampled, **to),
+        )
+
+    def drop(self, request_ids: list[int]) -> list[bool]:
+        existed = []
+        for request_id in request_ids:
+            req = self.requests.pop(request_id, None)
+            existed.append(req is not None)
+            if req is not None:
+                self.cache.free(req.slot, req.blocks)
+                if self.sampler is not None:
+                    self.sampler.remove(request_id)
+        return existed
+
+    def snapshot(self) -> RankSnapshot:
+        return RankSnapshot(
+            request_ids=sorted(self.requests),
+            slots_used=self.cache.num_slots - self.cache.free_slots,
+            blocks_used=self.cache.num_blocks - self.cache.free_blocks,
+            num_slots=self.cache.num_slots,
+            num_blocks=self.cache.num_blocks,
+            state_heads=self.cache.state_heads,
+            kv_heads=self.cache.kv_heads,
+        )

@@ -1,0 +1,79 @@
+"""Linear layers split across tensor-parallel ranks, and the loading rule of each parameter.
+
+Every parameter carries a `weight_loader(param, checkpoint_tensor)` that copies this rank's
+shard of the full checkpoint tensor and names the parameter if the shape is wrong (the idea
+of nano-vllm's `layers/linear.py`). Column-parallel layers split output rows; row-parallel
+layers split input columns and all-reduce their output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from deltaserve.engine.rank.parallel import all_reduce, shard, tp_size
+from torch import nn
+
+WeightLoader = Callable[[nn.Parameter, torch.Tensor], None]
+
+
+def check_and_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"shape {tuple(loaded.shape)} does not fit parameter of shape {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def sharded_loader(sections: tuple[int, ...] | None, dim: int, full_shape: tuple[int, ...]) -> WeightLoader:
+    """A loader that checks the full checkpoint shape, then copies this rank's shard."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if tuple(loaded.shape) != full_shape:
+            raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, expected {full_shape}")
+        check_and_copy(param, shard(loaded, sections or (full_shape[dim],), dim))
+
+    return load
+
+
+def new_param(shape: tuple[int, ...], loader: WeightLoader, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    param.weight_loader = loader
+    return param
+
+
+def replicated_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """A parameter every rank holds whole."""
+    return new_param(shape, check_and_copy, dtype, device)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's rows split across ranks, section by section."""
+
+    def __init__(
+        self,
+        in_features: int,
+        sections: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        out_features = sum(sections)
+        local = out_features // tp_size()
+        loader = sharded_loader(sections, 0, (out_features, in_features))
+        self.weight = new_param((local, in_features), loader, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T: W's columns split, output all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        local = in_features // tp_size()
+        loader = sharded_loader(None, 1, (out_features, in_features))
+        self.weight = new_param((out_features, local), loader, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(F.linear(x, self.weight))

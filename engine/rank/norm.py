@@ -1,0 +1,32 @@
+"""RMSNorm modules holding their (replicated) weight; the math is in kernels/rmsnorm.py."""
+
+from __future__ import annotations
+
+import torch
+from deltaserve.engine.rank.linear import replicated_param
+from deltaserve.kernels.rmsnorm import gated_rms_norm, rms_norm
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred: scales by (1 + w)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = replicated_param((dim,), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """Plain w, times silu(z): only inside the DeltaNet layer."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = replicated_param((dim,), dtype, device)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, z, self.weight, self.eps)
