@@ -8,6 +8,7 @@ class owns the memory and the free lists.
 from __future__ import annotations
 
 import torch
+
 from deltaserve.engine.rank.model_config import ModelConfig
 
 

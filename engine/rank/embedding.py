@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from deltaserve.engine.rank.linear import new_param, sharded_loader
 from deltaserve.engine.rank.parallel import all_reduce, gather_last_dim, tp_rank, tp_size
-from torch import nn
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.loader import load_weights

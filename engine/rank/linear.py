@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from deltaserve.engine.rank.parallel import all_reduce, shard, tp_size
 from torch import nn
+
+from deltaserve.engine.rank.parallel import all_reduce, shard, tp_size
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor], None]
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from deltaserve.engine.rank.linear import ColumnParallelLinear, RowParallelLinear
 from torch import nn
+
+from deltaserve.engine.rank.linear import ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nn.Module):

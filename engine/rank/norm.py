@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from deltaserve.engine.rank.linear import replicated_param
 from deltaserve.kernels.rmsnorm import gated_rms_norm, rms_norm
-from torch import nn
 
 
 class RMSNorm(nn.Module):

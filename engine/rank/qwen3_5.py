@@ -8,6 +8,8 @@ Module names follow the HF text checkpoint (`model.layers.N.linear_attn.in_proj_
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from deltaserve.engine.rank.attention import GatedAttention
 from deltaserve.engine.rank.batch import StepBatch
 from deltaserve.engine.rank.cache import StateCache
@@ -16,7 +18,6 @@ from deltaserve.engine.rank.embedding import VocabParallelEmbedding
 from deltaserve.engine.rank.mlp import MLP
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import RMSNorm
-from torch import nn
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,216 @@
+"""Batched token sampling on rank 0.
+
+The order of operations follows vLLM v1 (`vllm/v1/sample/sampler.py`, `ops/penalties.py`,
+`ops/topk_topp_sampler.py`, `logits_processor` min-p), written anew:
+  raw logprobs (log_softmax of the untouched logits, vLLM's default "raw_logprobs")
+  -> penalties (repetition on prompt+output tokens, then frequency and presence on output tokens)
+  -> greedy rows: argmax
+  -> random rows: temperature -> min-p -> top-k -> top-p -> exponential race.
+The race (`argmax(probs / q)`, q ~ Exp(1)) draws q from a per-request `torch.Generator`
+re-seeded for every token from (seed, output index), so a request's tokens depend on its own
+logits and seed only, never on its batch companions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from deltaserve.ipc.messages import Sample, SamplingSpec
+
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing by them overflows.
+SAMPLING_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed for output token `index` of a request seeded with `seed`."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 1  # 63 bits
+
+
+def _has_penalties(spec: SamplingSpec) -> bool:
+    return (
+        spec.repetition_penalty != 1.0
+        or spec.presence_penalty != 0.0
+        or spec.frequency_penalty != 0.0
+    )
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """One request's sampling state. History is kept only when penalties are on, sparsely
+    (a penalty touches only the tokens seen), so no per-request vocab-sized tensor exists."""
+
+    spec: SamplingSpec
+    num_sampled: int = 0
+    seen: set[int] = field(default_factory=set)  # prompt and output tokens (repetition)
+    output_counts: dict[int, int] = field(default_factory=dict)  # output occurrences
+    generator: torch.Generator | None = None
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self._requests: dict[int, _RequestState] = {}
+
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._requests
+
+    def add(self, request_id: int, spec: SamplingSpec) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"sampler already holds request {request_id}")
+        self._requests[request_id] = _RequestState(spec)
+
+    def remove(self, request_id: int) -> None:
+        """Forget a request; idempotent."""
+        self._requests.pop(request_id, None)
+
+    def observe(self, request_id: int, token_ids: list[int], is_prompt: bool) -> None:
+        """Record history for penalties: repetition counts prompt+output tokens (as vLLM),
+        presence/frequency count output tokens only."""
+        state = self._state(request_id)
+        if not _has_penalties(state.spec):
+            return
+        state.seen.update(token_ids)
+        if not is_prompt:
+            for t in token_ids:
+                state.output_counts[t] = state.output_counts.get(t, 0) + 1
+
+    def sample(self, request_ids: list[int], logits: torch.Tensor) -> list[Sample]:
+        """Sample one token per row of `logits` [n, vocab] (row i for request_ids[i])."""
+        if logits.dim() != 2 or logits.shape[0] != len(request_ids):
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} does not match {len(request_ids)} requests"
+            )
+        if not request_ids:
+            return []
+        states = [self._state(r) for r in request_ids]
+        logits = logits.float()
+        # Raw logprobs without materialising log_softmax: logit - logsumexp(row).
+        log_normaliser = torch.logsumexp(logits, dim=-1)
+
+        work = logits
+        penalised = [i for i, s in enumerate(states) if _has_penalties(s.spec)]
+        if penalised:
+            work = logits.clone()
+            for i in penalised:
+                _apply_penalties(work[i], states[i])
+
+        tokens = work.argmax(dim=-1)  # greedy rows keep these
+        random_rows = [i for i, s in enumerate(states) if s.spec.temperature >= SAMPLING_EPS]
+        if random_rows:
+            tokens = tokens.clone()
+            drawn = self._sample_random(work, random_rows, [states[i] for i in random_rows])
+            tokens[random_rows] = drawn
+
+        token_logprobs = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - log_normaliser
+        max_alternatives = max(s.spec.num_logprobs for s in states)
+        top_ids: list[list[int]] = [[] for _ in states]
+        top_values: list[list[float]] = [[] for _ in states]
+        if max_alternatives > 0:
+            values, ids = logits.topk(max_alternatives, dim=-1)  # sorted, best first
+            values = values - log_normaliser.unsqueeze(1)
+            top_ids, top_values = ids.tolist(), values.tolist()
+
+        token_list = tokens.tolist()
+        logprob_list = token_logprobs.tolist()
+        samples = []
+        for i, (request_id, state) in enumerate(zip(request_ids, states, strict=True)):
+            k = state.spec.num_logprobs
+            alternatives = list(zip(top_ids[i][:k], top_values[i][:k], strict=True))
+            samples.append(Sample(request_id, token_list[i], logprob_list[i], alternatives))
+            state.num_sampled += 1
+            if _has_penalties(state.spec):
+                t = token_list[i]
+                state.seen.add(t)
+                state.output_counts[t] = state.output_counts.get(t, 0) + 1
+        return samples
+
+    def _state(self, request_id: int) -> _RequestState:
+        state = self._requests.get(request_id)
+        if state is None:
+            raise ValueError(f"sampler holds no request {request_id}")
+        return state
+
+    def _sample_random(
+        self, work: torch.Tensor, rows: list[int], states: list[_RequestState]
+    ) -> torch.Tensor:
+        device = work.device
+        temps = torch.tensor([s.spec.temperature for s in states], device=device)
+        scaled = work[rows] / temps.unsqueeze(1)  # [r, vocab], a copy
+        drawn = torch.empty(len(rows), dtype=torch.long, device=device)
+        for j, state in enumerate(states):
+            if state.generator is None:
+                state.generator = torch.Generator(device=device)
+            state.generator.manual_seed(token_seed(state.spec.seed, state.num_sampled))
+            drawn[j] = _draw(scaled[j], state.spec, state.generator)
+        return drawn
+
+
+# Top-p first looks for the nucleus among this many best tokens (one topk instead of a sort
+# of the whole vocabulary); only a flatter distribution falls back to the full sort.
+_TOP_P_CANDIDATES = 1024
+
+
+def _draw(x: torch.Tensor, spec: SamplingSpec, generator: torch.Generator) -> torch.Tensor:
+    """One random token from temperature-scaled logits `x` [vocab]: min-p, top-k, top-p,
+    then the exponential race. Top-k and top-p shrink the row to sorted candidates (values
+    `x`, token ids `ids`), so the later work is over those, not the whole vocabulary."""
+    vocab = x.shape[0]
+    ids: torch.Tensor | None = None  # None: x is indexed by token id
+    if spec.min_p > 0.0:
+        # vLLM MinPLogitsProcessor: prob < min_p * max prob, i.e. x < max x + log(min_p).
+        x = x.masked_fill(x < x.max() + math.log(spec.min_p), float("-inf"))
+    if 0 < spec.top_k < vocab:
+        # NOTE: vLLM keeps every token tied with the k-th; topk keeps exactly k.
+        x, ids = x.topk(spec.top_k)
+        if spec.top_p < 1.0:
+            x = _top_p_sorted(x, x.logsumexp(dim=0), spec.top_p)
+    elif spec.top_p < 1.0:
+        log_normaliser = x.logsumexp(dim=0)
+        candidates, ids = x.topk(min(_TOP_P_CANDIDATES, vocab))
+        kept = _top_p_sorted(candidates, log_normaliser, spec.top_p)
+        if candidates.shape[0] < vocab and not bool(torch.isinf(kept[-1])):
+            # The last candidate is inside the nucleus, which may reach further: sort all.
+            candidates, ids = x.sort(descending=True)
+            kept = _top_p_sorted(candidates, log_normaliser, spec.top_p)
+        x = kept
+    probs = torch.softmax(x, dim=-1)
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    best = (probs / q).argmax()
+    return best if ids is None else ids[best]
+
+
+def _top_p_sorted(x: torch.Tensor, log_normaliser: torch.Tensor, p: float) -> torch.Tensor:
+    """Top-p over logits sorted best first, probabilities taken against `log_normaliser`.
+    vLLM's apply_top_k_top_p drops a token when the ascending cumulative probability up to
+    it is <= 1 - p, i.e. keeps it while the mass of the tokens better than it is < p (so the
+    best token always stays)."""
+    probs = (x - log_normaliser).exp()
+    mass_before = probs.cumsum(dim=0) - probs
+    return x.masked_fill(mass_before >= p, float("-inf"))
+
+
+def _apply_penalties(row: torch.Tensor, state: _RequestState) -> None:
+    """vLLM's apply_penalties for one row, in place and only on the tokens seen: repetition
+    divides positive / multiplies negative logits of tokens in prompt or output; then
+    frequency * count and presence * [count > 0] (output only) are subtracted (OpenAI's
+    definition)."""
+    spec = state.spec
+    if spec.repetition_penalty != 1.0 and state.seen:
+        ids = torch.tensor(sorted(state.seen), dtype=torch.long, device=row.device)
+        values = row[ids]
+        penalty = spec.repetition_penalty
+        row[ids] = torch.where(values > 0, values / penalty, values * penalty)
+    if state.output_counts and (spec.frequency_penalty != 0.0 or spec.presence_penalty != 0.0):
+        ids = torch.tensor(list(state.output_counts), dtype=torch.long, device=row.device)
+        counts = torch.tensor(list(state.output_counts.values()), dtype=row.dtype, device=row.device)
+        row[ids] -= spec.frequency_penalty * counts + spec.presence_penalty
