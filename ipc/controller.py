@@ -1,0 +1,633 @@
+"""The replica controller: the event loop's handle on one replica's rank processes.
+
+It spawns the ranks, sends each command (same bytes to every rank), runs the start gate for
+state-changing commands, collects exactly one reply per rank and validates the set
+(ipc/validate.py). Anything fatal poisons the replica: the first reason is kept, every later
+call raises ReplicaPoisoned at once, `on_poison` is called once, and the ranks are killed
+from here (never from inside a collective). Nothing here blocks the event loop: replies,
+gate receipts and rank deaths (pidfds) all arrive as loop callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import tempfile
+import weakref
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+import zmq
+
+from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.ipc.channels import PullChannel, PushChannel, ipc_endpoint
+from deltaserve.ipc.faults import FaultPlan
+from deltaserve.ipc.gate import CANCEL, EXECUTE, Doorbell, StartGate
+from deltaserve.ipc.launch import RankConfig, describe_exit, spawn_rank
+from deltaserve.ipc.messages import (
+    GATED_COMMANDS,
+    Command,
+    DropRequests,
+    Failure,
+    Ping,
+    Ready,
+    RunUnifiedStep,
+    Sample,
+    Shutdown,
+    Snapshot,
+    SnapshotReply,
+    StartupFailed,
+    StepItem,
+    command_encoder,
+    reply_decoder,
+    startup_decoder,
+)
+from deltaserve.ipc.validate import (
+    PlanRejected,
+    ReplyError,
+    ReplySet,
+    StepPlan,
+    check_drop_plan,
+    check_plan,
+)
+
+__all__ = ["PlanRejected", "ReplicaConfig", "ReplicaController", "ReplicaPoisoned", "ReplicaStartupError"]
+
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
+CANCEL_GRACE_S = 1.0  # after a Cancel, how long ranks that got the command may take to ack it
+# A rank's Failure is often a peer's death seen through a collective ("connection reset by
+# peer") before that peer's exit is visible; hold a Failure back this long so that the death,
+# if there is one, is the reason the replica is poisoned with.
+FAILURE_HOLD_S = 0.25
+EXIT_WAIT_S = 5.0  # how long to wait for killed (or shut down) ranks to be reaped
+SHUTDOWN_ACK_S = 10.0  # how long a graceful shutdown waits for every rank's ack
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    model_dir: str
+    tp_size: int = 1
+    device: str = "cpu"  # "cpu" | "cuda"
+    device_ids: tuple[int, ...] | None = None  # cuda ordinals, default range(tp_size)
+    dtype: str = "auto"
+    block_size: int = 16
+    num_slots: int = 8
+    num_blocks: int = 256
+    startup_timeout_s: float = 120.0
+    step_timeout_s: float = 60.0
+    gate_timeout_s: float = 10.0  # every rank must record receipt of a gated command by then
+    fault: FaultPlan | None = None  # tests only (ipc/faults.py)
+    journal_dir: str | None = None  # tests: ranks log gated commands to DIR/rank{r}.log
+    noop_executor: bool = False  # tools/bench_ipc.py only: ranks do no model work
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r} (pick GPUs with device_ids)")
+        if self.device_ids is not None:
+            if self.device == "cpu":
+                raise ValueError(f"device_ids {self.device_ids} given with device 'cpu'; they name CUDA devices")
+            if len(self.device_ids) != self.tp_size:
+                raise ValueError(f"device_ids {self.device_ids} has {len(self.device_ids)} entries for tp_size {self.tp_size}")
+            if len(set(self.device_ids)) != len(self.device_ids):
+                raise ValueError(f"device_ids {self.device_ids} names a device twice")
+            if min(self.device_ids) < 0:
+                raise ValueError(f"device_ids {self.device_ids} has a negative ordinal")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "num_slots", "num_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("startup_timeout_s", "step_timeout_s", "gate_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.fault is not None and self.fault.rank >= self.tp_size:
+            raise ValueError(f"fault.rank {self.fault.rank} is outside tp_size {self.tp_size}")
+
+    def rank_devices(self) -> list[str]:
+        """Each rank's device, after checking the ordinals against this machine."""
+        if self.device == "cpu":
+            return ["cpu"] * self.tp_size
+        ids = self.device_ids if self.device_ids is not None else tuple(range(self.tp_size))
+        import torch
+
+        count = torch.cuda.device_count()
+        for ordinal in ids:
+            if ordinal >= count:
+                raise ValueError(f"CUDA device {ordinal} does not exist: this machine has {count} CUDA device(s)")
+        return [f"cuda:{ordinal}" for ordinal in ids]
+
+
+class ReplicaPoisoned(RuntimeError):
+    """Fatal: the replica is unusable; `reason` is the first thing that went wrong."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"replica poisoned: {reason}")
+        self.reason = reason
+
+
+class ReplicaStartupError(RuntimeError):
+    """The ranks did not all come up; everything started has been torn down."""
+
+
+@dataclass(slots=True, eq=False)
+class _Flight:
+    """One command in flight: at most one at a time."""
+
+    replies: ReplySet
+    future: asyncio.Future
+    gated: bool
+    digest: int = 0  # crc32 of the frame, which every rank's gate receipt must match
+    released: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+
+class ReplicaController:
+    """Use `await ReplicaController.start(config)`; see the module docstring."""
+
+    def __init__(self, config: ReplicaConfig, model_config: ModelConfig, devices: list[str],
+                 on_poison: Callable[[str], None] | None) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tp_size = config.tp_size
+        self.num_slots = self.num_blocks = self.block_size = 0
+        self._devices = devices
+        self._on_poison = on_poison
+        self._loop = asyncio.get_running_loop()
+        self._lock = asyncio.Lock()
+        self._seq = 0
+        self._flight: _Flight | None = None
+        self._last_replies: ReplySet | None = None
+        self._held_failure: str | None = None
+        self._poison_reason: str | None = None
+        self._starting = True
+        self._ready: list[Ready | None] = [None] * config.tp_size
+        self._startup: asyncio.Future = self._loop.create_future()
+        self._stopping = False
+        self._closed = False
+        self._teardown_task: asyncio.Task | None = None
+        self._shutdown_task: asyncio.Task | None = None
+        self._procs: list = []
+        self._pidfds: list[int] = []
+        self._run_dir = tempfile.mkdtemp(prefix="deltaserve-")  # 0700, unique per replica
+        try:
+            reply_endpoint = ipc_endpoint(self._run_dir, "reply")
+            command_endpoints = [ipc_endpoint(self._run_dir, f"cmd{r}") for r in range(config.tp_size)]
+            self._gate = StartGate.create(config.tp_size)
+        except BaseException:
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            raise
+        self._receipt_bell = Doorbell()
+        self._release_bells = [Doorbell() for _ in range(config.tp_size)]
+        self._ctx = zmq.Context(io_threads=1)
+        self._replies = PullChannel(self._ctx, reply_endpoint, bind=True)
+        self._commands = [PushChannel(self._ctx, ep, bind=True) for ep in command_endpoints]
+        # last resort if the owner never shuts down: kill ranks, free the segment and folder
+        self._finalizer = weakref.finalize(
+            self, _emergency_cleanup, self._procs, self._gate.name, self._run_dir
+        )
+
+    # ---- public API -------------------------------------------------------------------
+
+    @classmethod
+    async def start(cls, config: ReplicaConfig,
+                    on_poison: Callable[[str], None] | None = None) -> ReplicaController:
+        """Check the config against the model and machine, spawn the ranks, wait for all of
+        them to be Ready. On any failure everything started is torn down and this raises."""
+        model_config = ModelConfig.from_model_dir(config.model_dir)
+        model_config.check_tp_size(config.tp_size)
+        devices = config.rank_devices()
+        self = cls(config, model_config, devices, on_poison)
+        try:
+            await self._launch()
+        except BaseException as exc:
+            if self._poison_reason is None:
+                self._poison(f"start-up interrupted: {exc!r}")
+            await self._await_teardown()
+            if isinstance(exc, ReplicaPoisoned):
+                raise ReplicaStartupError(f"replica failed to start: {self._poison_reason}") from None
+            raise
+        return self
+
+    @property
+    def poison_reason(self) -> str | None:
+        return self._poison_reason
+
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the last command sent (rejected plans send nothing)."""
+        return self._seq
+
+    @property
+    def rank_pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
+
+    @property
+    def exit_codes(self) -> list[int | None]:
+        return [proc.returncode for proc in self._procs]
+
+    @property
+    def run_dir(self) -> str:
+        return self._run_dir
+
+    @property
+    def gate_name(self) -> str:
+        return self._gate.name
+
+    async def run_step(self, items: list[StepItem]) -> dict[int, Sample]:
+        """Run one unified step on every rank; rank 0's samples by request id."""
+        self._check_open()
+        plan = check_plan(items, self.model_config.vocab_size)
+        return await self._call(lambda seq: RunUnifiedStep(seq, items), plan)
+
+    async def drop(self, request_ids: list[int],
+                   expect: Literal["must_exist", "must_be_absent"]) -> None:
+        self._check_open()
+        check_drop_plan(request_ids, expect)
+        if request_ids:
+            await self._call(lambda seq: DropRequests(seq, list(request_ids), expect))
+
+    async def snapshot(self) -> list[SnapshotReply]:
+        self._check_open()
+        return await self._call(Snapshot)
+
+    async def ping(self) -> None:
+        self._check_open()
+        await self._call(Ping)
+
+    async def shutdown(self) -> None:
+        """Stop the ranks (gracefully if healthy), free everything; idempotent."""
+        if self._shutdown_task is None:
+            self._shutdown_task = self._loop.create_task(self._shutdown())
+        await asyncio.shield(self._shutdown_task)
+
+    # ---- start-up ------------------------------------------------------------------------
+
+    async def _launch(self) -> None:
+        config, loop = self.config, self._loop
+        self._replies.watch(loop, self._on_frame)
+        loop.add_reader(self._receipt_bell.fd, self._on_receipt_bell)
+        deadline = loop.time() + config.startup_timeout_s
+        timer = loop.call_at(deadline, self._on_startup_timeout)
+        try:
+            for rank in range(self.tp_size):
+                self._spawn(rank)
+            await self._startup
+            self._check_capacity()
+            await self._call(Ping, patient_until=deadline)  # every command pipe is up
+        finally:
+            timer.cancel()
+        self._starting = False
+
+    def _spawn(self, rank: int) -> None:
+        config = self.config
+        journal = None if config.journal_dir is None else f"{config.journal_dir}/rank{rank}.log"
+        proc = spawn_rank(RankConfig(
+            rank=rank,
+            world_size=self.tp_size,
+            parent_pid=os.getpid(),
+            command_endpoint=self._commands[rank].endpoint,
+            reply_endpoint=self._replies.endpoint,
+            gate_name=self._gate.name,
+            receipt_fd=self._receipt_bell.fd,
+            release_fd=self._release_bells[rank].fd,
+            release_timeout_s=config.gate_timeout_s + 5.0,
+            model_dir=str(config.model_dir),
+            device=self._devices[rank],
+            dtype=config.dtype,
+            block_size=config.block_size,
+            num_slots=config.num_slots,
+            num_blocks=config.num_blocks,
+            dist_init_method=f"file://{self._run_dir}/dist-store",
+            dist_timeout_s=max(config.startup_timeout_s, 2 * config.step_timeout_s),
+            noop_executor=config.noop_executor,
+            journal_path=journal,
+            fault=config.fault,
+        ))
+        self._procs.append(proc)
+        pidfd = os.pidfd_open(proc.pid)
+        self._pidfds.append(pidfd)
+        self._loop.add_reader(pidfd, self._on_rank_exit, rank)
+
+    def _on_startup_frame(self, frame: bytes) -> None:
+        try:
+            msg = startup_decoder.decode(frame)
+        except msgspec.DecodeError as exc:
+            self._poison(f"malformed start-up frame ({len(frame)} bytes): {exc}")
+            return
+        if not 0 <= msg.rank < self.tp_size or self._ready[msg.rank] is not None:
+            self._poison(f"start-up message {msg!r} from an unknown or repeated rank")
+        elif type(msg) is StartupFailed:
+            self._poison(f"rank {msg.rank} failed to start: {msg.reason}")
+        else:
+            self._ready[msg.rank] = msg
+            if all(ready is not None for ready in self._ready):
+                self._startup.set_result(None)
+
+    def _check_capacity(self) -> None:
+        first = self._ready[0]
+        for ready in self._ready:
+            if (ready.num_slots, ready.num_blocks, ready.block_size) != (
+                first.num_slots, first.num_blocks, first.block_size
+            ):
+                raise self._fail(
+                    f"ranks disagree on capacity: rank 0 has {first}, rank {ready.rank} has {ready}"
+                )
+        self.num_slots, self.num_blocks, self.block_size = (
+            first.num_slots, first.num_blocks, first.block_size
+        )
+
+    def _on_startup_timeout(self) -> None:
+        if self._starting:
+            waiting = [r for r, ready in enumerate(self._ready) if ready is None]
+            self._poison(
+                f"rank(s) {waiting or 'all'} not ready within startup_timeout_s="
+                f"{self.config.startup_timeout_s}"
+            )
+
+    # ---- one command ---------------------------------------------------------------------
+
+    def _check_open(self, stopping_ok: bool = False) -> None:
+        if self._poison_reason is not None:
+            raise ReplicaPoisoned(self._poison_reason)
+        if (self._stopping and not stopping_ok) or self._closed:
+            raise ReplicaPoisoned("replica is shut down")
+
+    async def _call(self, make: Callable[[int], Command], plan: StepPlan | None = None,
+                    patient_until: float | None = None, stopping_ok: bool = False) -> object:
+        """Send one command, wait for (and validate) every rank's reply. One at a time; a
+        caller that is cancelled leaves the command to finish (or time out) on its own."""
+        await self._lock.acquire()
+        try:
+            self._check_open(stopping_ok)
+            self._seq += 1
+            command = make(self._seq)
+            frame = command_encoder.encode(command)
+            gated = isinstance(command, GATED_COMMANDS)
+            flight = _Flight(ReplySet(command, self.tp_size, plan), self._loop.create_future(), gated)
+        except BaseException:
+            self._lock.release()
+            raise
+        self._flight = flight
+        flight.future.add_done_callback(self._end_flight)
+        if gated:
+            flight.digest = zlib.crc32(frame)
+            timeout = self.config.gate_timeout_s
+        else:
+            timeout = self.config.step_timeout_s
+        flight.timer = self._loop.call_later(timeout, self._on_flight_timeout, flight)
+        for rank, channel in enumerate(self._commands):
+            sent = channel.send(frame)
+            while not sent and patient_until is not None and self._loop.time() < patient_until:
+                await asyncio.sleep(0.002)
+                if flight.future.done():
+                    break
+                sent = channel.send(frame)
+            if not sent:
+                self._poison(
+                    f"could not deliver {flight.replies.name} seq {command.seq} to rank {rank}: "
+                    f"its command channel has no live peer"
+                )
+                break
+        try:
+            return await asyncio.shield(flight.future)
+        except ReplicaPoisoned:
+            pass
+        await self._await_teardown()
+        raise ReplicaPoisoned(self._poison_reason) from None
+
+    def _end_flight(self, future: asyncio.Future) -> None:
+        flight = self._flight
+        if flight is not None and flight.future is future:
+            flight.timer.cancel()
+            self._flight = None
+            if not future.cancelled() and future.exception() is None:
+                self._last_replies = flight.replies
+        self._lock.release()
+
+    def _on_receipt_bell(self) -> None:
+        self._receipt_bell.drain()
+        flight = self._flight
+        if flight is None or not flight.gated or flight.released or flight.future.done():
+            return
+        seq = flight.replies.seq
+        for rank in range(self.tp_size):
+            receipt = self._gate.receipt(rank)
+            if receipt is None or receipt[0] != seq:
+                return
+            if receipt[1] != flight.digest:
+                self._poison(
+                    f"rank {rank} received different bytes for {flight.replies.name} seq {seq} "
+                    f"(crc32 {receipt[1]:#010x}, sent {flight.digest:#010x})"
+                )
+                return
+        self._gate.decide(seq, EXECUTE)
+        for bell in self._release_bells:
+            bell.ring()
+        flight.released = True
+        flight.timer.cancel()
+        flight.timer = self._loop.call_later(self.config.step_timeout_s, self._on_flight_timeout, flight)
+
+    def _on_frame(self, frame: bytes) -> None:
+        if self._poison_reason is not None or self._closed:
+            return
+        try:
+            if not self._startup.done():
+                self._on_startup_frame(frame)
+                return
+            try:
+                reply = reply_decoder.decode(frame)
+            except msgspec.DecodeError as exc:
+                self._poison(f"malformed reply frame ({len(frame)} bytes): {exc}")
+                return
+            flight = self._flight
+            if type(reply) is Failure:
+                what = f"seq {reply.seq}"
+                if flight is not None and flight.replies.seq == reply.seq:
+                    what = f"{flight.replies.name} {what}"
+                self._hold_failure(f"rank {reply.rank} failed {what}: {reply.reason}")
+                return
+            if flight is None or reply.seq != flight.replies.seq:
+                self._poison(self._stray_reason(reply))
+                return
+            if flight.gated and not flight.released:
+                self._poison(
+                    f"rank {reply.rank} replied to {flight.replies.name} seq {reply.seq} "
+                    f"before the gate released it"
+                )
+                return
+            if flight.replies.add(reply) and not flight.future.done():
+                flight.future.set_result(flight.replies.result())
+        except ReplyError as exc:
+            self._poison(str(exc))
+        except Exception as exc:  # never let a reader callback die
+            self._poison(f"controller error on a reply frame: {exc!r}")
+
+    def _hold_failure(self, reason: str) -> None:
+        """Poison with a rank's Failure after FAILURE_HOLD_S, unless something (a rank's
+        death) poisons first; later Failures add nothing."""
+        if self._held_failure is None:
+            self._held_failure = reason
+            self._loop.call_later(FAILURE_HOLD_S, self._poison, reason)
+
+    def _stray_reason(self, reply: object) -> str:
+        last = self._last_replies
+        if (last is not None and reply.seq == last.seq and 0 <= reply.rank < self.tp_size
+                and last.replies[reply.rank] is not None):
+            return f"rank {reply.rank} sent a second reply to {last.name} seq {last.seq}"
+        return (f"{type(reply).__name__} from rank {reply.rank} for seq {reply.seq}, "
+                f"but no command with that seq awaits a reply")
+
+    def _on_flight_timeout(self, flight: _Flight) -> None:
+        if flight is not self._flight or flight.future.done():
+            return
+        replies = flight.replies
+        if flight.gated and not flight.released:
+            late = [r for r in range(self.tp_size)
+                    if (receipt := self._gate.receipt(r)) is None or receipt[0] != replies.seq]
+            self._poison(
+                f"rank(s) {late} did not receive {replies.name} seq {replies.seq} within "
+                f"gate_timeout_s={self.config.gate_timeout_s}"
+            )
+        else:
+            self._poison(
+                f"no reply from rank(s) {replies.missing_ranks()} to {replies.name} seq "
+                f"{replies.seq} within step_timeout_s={self.config.step_timeout_s}"
+            )
+
+    # ---- poison and teardown ---------------------------------------------------------------
+
+    def _on_rank_exit(self, rank: int) -> None:
+        self._loop.remove_reader(self._pidfds[rank])
+        code = self._procs[rank].poll()
+        if self._stopping or self._closed:
+            return
+        reason = f"rank {rank} (pid {self._procs[rank].pid}) {describe_exit(code or 0)}"
+        if self._held_failure is not None:
+            reason += f"; then: {self._held_failure}"
+        self._poison(reason, confirm_deaths=False)
+
+    def _fail(self, reason: str) -> ReplicaPoisoned:
+        self._poison(reason)
+        return ReplicaPoisoned(self._poison_reason)
+
+    def _poison(self, reason: str, confirm_deaths: bool = True) -> None:
+        """Keep the first reason, cancel an unreleased gate, fail the waiters, notify, and
+        start tearing the ranks down."""
+        if self._poison_reason is not None or self._closed:
+            return
+        if confirm_deaths:  # a rank that died explains the rest (confirmed by exit code)
+            for rank, proc in enumerate(self._procs):
+                code = proc.poll()
+                if code is not None and not self._stopping:
+                    reason = f"rank {rank} (pid {proc.pid}) {describe_exit(code)}; then: {reason}"
+                    break
+        self._poison_reason = reason
+        flight = self._flight
+        cancelled_seq = None
+        if flight is not None and flight.gated and not flight.released:
+            cancelled_seq = flight.replies.seq
+            self._gate.decide(cancelled_seq, CANCEL)
+            for bell in self._release_bells:
+                bell.ring()
+        if flight is not None and not flight.future.done():
+            flight.future.set_exception(ReplicaPoisoned(reason))
+        if not self._startup.done():
+            self._startup.set_exception(ReplicaPoisoned(reason))
+            self._startup.exception()  # retrieved here; _launch may be past awaiting it
+        if self._on_poison is not None and not self._starting and not self._stopping:
+            self._loop.call_soon(self._notify_poison, reason)
+        self._teardown_task = self._loop.create_task(self._teardown(cancelled_seq))
+
+    def _notify_poison(self, reason: str) -> None:
+        try:
+            self._on_poison(reason)
+        except Exception as exc:  # the callback's bug must not stop the teardown
+            self._loop.call_exception_handler({"message": "on_poison callback failed", "exception": exc})
+
+    async def _await_teardown(self) -> None:
+        if self._teardown_task is None:
+            self._teardown_task = self._loop.create_task(self._teardown(None))
+        await asyncio.shield(self._teardown_task)
+
+    async def _teardown(self, cancelled_seq: int | None) -> None:
+        try:
+            if cancelled_seq is not None:
+                await self._await_cancel_acks(cancelled_seq)
+            for proc, pidfd in zip(self._procs, self._pidfds, strict=True):
+                if proc.poll() is None:
+                    try:
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            await self._await_exits(EXIT_WAIT_S)
+        finally:
+            self._release()
+
+    async def _await_cancel_acks(self, seq: int) -> None:
+        """Give live ranks a moment to see the Cancel (so none is killed mid-decision)."""
+        deadline = self._loop.time() + CANCEL_GRACE_S
+        while self._loop.time() < deadline:
+            if all(proc.poll() is not None or self._gate.done_seq(rank) == seq
+                   for rank, proc in enumerate(self._procs)):
+                return
+            await asyncio.sleep(0.002)
+
+    async def _await_exits(self, timeout_s: float) -> bool:
+        deadline = self._loop.time() + timeout_s
+        while any(proc.poll() is None for proc in self._procs):
+            if self._loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    def _release(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        flight = self._flight
+        if flight is not None and not flight.future.done():  # e.g. a Shutdown never acked
+            flight.future.set_exception(ReplicaPoisoned(self._poison_reason or "replica is shut down"))
+        for pidfd in self._pidfds:
+            self._loop.remove_reader(pidfd)
+            os.close(pidfd)
+        self._loop.remove_reader(self._receipt_bell.fd)
+        self._replies.close()
+        for channel in self._commands:
+            channel.close()
+        self._ctx.term()
+        self._receipt_bell.close()
+        for bell in self._release_bells:
+            bell.close()
+        self._gate.close(unlink=True)
+        shutil.rmtree(self._run_dir, ignore_errors=True)
+        if all(proc.returncode is not None for proc in self._procs):
+            self._finalizer.detach()
+
+    async def _shutdown(self) -> None:
+        if self._poison_reason is None and not self._closed:
+            self._stopping = True
+            try:
+                await asyncio.wait_for(self._call(Shutdown, stopping_ok=True), SHUTDOWN_ACK_S)
+            except (ReplicaPoisoned, TimeoutError):
+                pass
+            await self._await_exits(EXIT_WAIT_S)
+        await self._await_teardown()
+
+
+def _emergency_cleanup(procs: list, gate_name: str, run_dir: str) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    try:
+        os.unlink(f"/dev/shm/{gate_name}")
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,74 @@
+"""Starting rank processes: the rank's whole configuration, and the spawn.
+
+A rank is `python -m deltaserve.ipc.rank_main`, its `RankConfig` msgspec-encoded on stdin
+(no pickle, no fork of the event-loop process's state). The controller keeps a pidfd per rank
+to notice its death from the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import msgspec
+
+from deltaserve.ipc.faults import FaultPlan
+
+
+class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything a rank process needs, sent by the controller on the rank's stdin."""
+
+    rank: int
+    world_size: int
+    parent_pid: int  # the rank exits if its parent changes (it also has PR_SET_PDEATHSIG)
+    command_endpoint: str
+    reply_endpoint: str
+    gate_name: str
+    receipt_fd: int  # eventfd shared by all ranks: rung after recording a receipt
+    release_fd: int  # eventfd of this rank: rung by the controller after a decision
+    release_timeout_s: float  # longest wait for a gate decision
+    model_dir: str
+    device: str  # "cpu" or "cuda:N"
+    dtype: str
+    block_size: int
+    num_slots: int
+    num_blocks: int
+    dist_init_method: str  # file:// in the run dir
+    dist_timeout_s: float
+    noop_executor: bool = False  # tools/bench_ipc.py only
+    journal_path: str | None = None  # tests: append-only log of gated commands
+    fault: FaultPlan | None = None
+
+
+rank_config_decoder = msgspec.msgpack.Decoder(RankConfig)
+
+
+def spawn_rank(config: RankConfig) -> subprocess.Popen:
+    """Start one rank; its stdout/stderr are the controller's."""
+    env = dict(os.environ)
+    if config.device == "cpu":
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltaserve.ipc.rank_main", f"--rank={config.rank}"],
+        stdin=subprocess.PIPE,
+        pass_fds=(config.receipt_fd, config.release_fd),
+        env=env,
+    )
+    try:
+        proc.stdin.write(msgspec.msgpack.encode(config))
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # it died at once; the controller sees its exit
+    return proc
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        import signal
+
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

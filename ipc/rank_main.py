@@ -1,0 +1,277 @@
+"""A rank process: `python -m deltaserve.ipc.rank_main`, its RankConfig on stdin.
+
+Start-up: die with the parent, connect the channels, attach the gate, bind the device, join
+the process group (gloo on CPU, NCCL on CUDA; file:// rendezvous in the private run dir),
+build the Executor, send `Ready` (or `StartupFailed`).
+Serve: receive a command, decode it strictly, check its seq; a gated command (step, drop) is
+recorded in the gate and runs only once the controller's decision is EXECUTE; reply; repeat
+until `Shutdown`. An error becomes a `Failure` reply; nothing here crashes on bad input.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import zlib
+from datetime import timedelta
+
+import msgspec
+import zmq
+
+from deltaserve.ipc import faults
+from deltaserve.ipc.channels import PullChannel, PushChannel
+from deltaserve.ipc.gate import CANCEL, EXECUTE, Doorbell, StartGate
+from deltaserve.ipc.launch import RankConfig, rank_config_decoder
+from deltaserve.ipc.messages import (
+    GATED_COMMANDS,
+    Ack,
+    DropAck,
+    DropRequests,
+    Failure,
+    Ping,
+    Ready,
+    RunUnifiedStep,
+    Shutdown,
+    Snapshot,
+    SnapshotReply,
+    StartupFailed,
+    StepResult,
+    command_decoder,
+    command_encoder,
+)
+
+PR_SET_PDEATHSIG = 1
+IDLE_POLL_MS = 500  # the serve loop re-checks its parent at least this often
+REPLY_LINGER_MS = 2000  # how long a leaving rank tries to flush its last reply
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the thread that spawned it exits (LESSONS: vLLM 55510)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def build_executor(config: RankConfig) -> object:
+    if config.noop_executor:
+        from deltaserve.ipc.noop_executor import NoopExecutor
+
+        return NoopExecutor(config.rank, config.num_slots, config.num_blocks, config.block_size)
+    import torch
+    import torch.distributed as dist
+
+    if config.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(config.device))
+        backend = "nccl"
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
+        backend = "gloo"
+    if config.world_size > 1:
+        dist.init_process_group(
+            backend,
+            init_method=config.dist_init_method,
+            rank=config.rank,
+            world_size=config.world_size,
+            timeout=timedelta(seconds=config.dist_timeout_s),
+        )
+    from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+
+    return Executor(
+        ExecutorConfig(
+            model_dir=config.model_dir,
+            rank=config.rank,
+            world_size=config.world_size,
+            device=config.device,
+            dtype=config.dtype,
+            block_size=config.block_size,
+            num_slots=config.num_slots,
+            num_blocks=config.num_blocks,
+        )
+    )
+
+
+class RankServer:
+    """The serve loop of one rank; owns its executor, channels and gate view."""
+
+    def __init__(self, config: RankConfig, executor: object, commands: PullChannel,
+                 replies: PushChannel, gate: StartGate) -> None:
+        self.config = config
+        self.rank = config.rank
+        self.executor = executor
+        self.commands = commands
+        self.replies = replies
+        self.gate = gate
+        self.receipt_bell = Doorbell(config.receipt_fd)
+        self.release_bell = Doorbell(config.release_fd)
+        self.fault = config.fault if config.fault and config.fault.rank == config.rank else None
+        self.journal_fd = -1
+        if config.journal_path:
+            self.journal_fd = os.open(config.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.expected_seq = 1
+        self.num_steps = 0
+
+    def parent_alive(self) -> bool:
+        return os.getppid() == self.config.parent_pid
+
+    def check_parent(self) -> None:
+        if not self.parent_alive():
+            os._exit(1)
+
+    def journal(self, event: str, seq: int, name: str) -> None:
+        if self.journal_fd >= 0:
+            os.write(self.journal_fd, f"{event} {seq} {name}\n".encode())
+
+    def send(self, reply: object) -> None:
+        self.replies.send(command_encoder.encode(reply))
+
+    def serve(self) -> int:
+        while True:
+            frame = self.commands.recv(IDLE_POLL_MS)
+            if frame is None:
+                self.check_parent()
+                continue
+            if self.handle(frame):
+                return 0
+
+    def handle(self, frame: bytes) -> bool:
+        """Carry out one command frame; True when the rank should exit.
+
+        The receipt goes into the gate before the frame is decoded, so the controller's
+        release overlaps the decode; it names the frame's position in the stream (= its seq
+        when nothing was lost) and its crc32, which the controller checks against what it sent.
+        """
+        seq = self.expected_seq
+        self.expected_seq = seq + 1
+        fault = self.fault
+        if fault is not None and fault.kind in faults.RECEIPT_FAULTS:
+            self.fault_before_receipt(fault, frame)
+        self.gate.record_receipt(self.rank, seq, zlib.crc32(frame))
+        self.receipt_bell.ring()
+        try:
+            command = command_decoder.decode(frame)
+        except msgspec.DecodeError as exc:
+            self.send(Failure(self.rank, seq, f"malformed command frame ({len(frame)} bytes): {exc}"))
+            return False
+        name = type(command).__name__
+        if command.seq != seq:
+            self.send(Failure(self.rank, command.seq, f"{name} seq {command.seq} out of order; expected seq {seq}"))
+            return False
+        is_step = type(command) is RunUnifiedStep
+        if is_step:
+            self.num_steps += 1
+        armed = fault is not None and fault.fires(seq, self.num_steps if is_step else 0)
+        gated = isinstance(command, GATED_COMMANDS)
+        if gated:
+            self.journal("recv", seq, name)
+            decision = self.gate.wait_decision(
+                seq, self.release_bell, self.config.release_timeout_s, self.check_parent
+            )
+            if decision != EXECUTE:
+                self.journal("cancel" if decision == CANCEL else "timeout", seq, name)
+                self.gate.mark_done(self.rank, seq)
+                if decision != CANCEL:
+                    self.send(Failure(self.rank, seq, f"gate never decided {name} seq {seq}"))
+                return False
+            if armed:
+                self.fault_after_release(fault)
+            self.journal("exec", seq, name)
+        try:
+            reply = self.execute(command)
+        except Exception as exc:  # a rank-local mismatch or a device/collective error
+            reply = Failure(self.rank, seq, f"{type(exc).__name__}: {exc}")
+        if gated:
+            self.gate.mark_done(self.rank, seq)
+        if armed:
+            self.fault_reply(fault, command, reply)
+        else:
+            self.send(reply)
+        return type(command) is Shutdown
+
+    def execute(self, command: object) -> object:
+        rank, seq = self.rank, command.seq
+        kind = type(command)
+        if kind is RunUnifiedStep:
+            samples = self.executor.run_step(command.items)
+            return StepResult(rank, seq, samples) if rank == 0 else Ack(rank, seq)
+        if kind is DropRequests:
+            return DropAck(rank, seq, self.executor.drop(command.request_ids))
+        if kind is Snapshot:
+            s = self.executor.snapshot()
+            return SnapshotReply(rank, seq, list(s.request_ids), s.slots_used, s.blocks_used,
+                                 s.num_slots, s.num_blocks, s.state_heads, s.kv_heads)
+        if kind is Ping or kind is Shutdown:
+            return Ack(rank, seq)
+        raise TypeError(f"no handler for {kind.__name__}")
+
+    # ---- fault injection (tests only; reached only when the plan fires) ----------------
+
+    def fault_before_receipt(self, fault: faults.FaultPlan, frame: bytes) -> None:
+        """Faults that strike before the receipt need the command's kind first."""
+        try:
+            header = faults.header_decoder.decode(frame)
+        except msgspec.DecodeError:
+            return
+        is_step = type(header) is faults.StepHeader
+        if not fault.fires(header.seq, self.num_steps + 1 if is_step else 0):
+            return
+        if fault.kind == "die_before_receipt":
+            self.journal("die", header.seq, type(header).__name__)
+            faults.die()
+        if fault.kind == "stall_before_receipt":
+            faults.stall(fault.stall_s, self.parent_alive)
+
+    def fault_after_release(self, fault: faults.FaultPlan) -> None:
+        if fault.kind == "die_after_release":
+            faults.die()
+        elif fault.kind == "stall":
+            faults.stall(fault.stall_s, self.parent_alive)
+        elif fault.kind == "die_mid_step":
+            faults.arm_die_mid_step()
+
+    def fault_reply(self, fault: faults.FaultPlan, command: object, reply: object) -> None:
+        if fault.kind in faults.REPLY_FAULTS:
+            for frame in faults.mangled_frames(fault.kind, reply, self.config.world_size):
+                self.replies.send(frame)
+            return
+        if fault.kind == "close_reply_socket":
+            self.replies.close()
+            faults.stall(fault.stall_s, self.parent_alive)
+            os._exit(1)
+        if fault.kind == "die_mid_step":
+            faults.die()  # the executor ran no module (no-op executor): die now
+        if fault.kind == "diverge" and type(command) is RunUnifiedStep:
+            self.executor.drop([command.items[0].request_id])
+        self.send(reply)
+
+
+def main() -> int:
+    config = rank_config_decoder.decode(sys.stdin.buffer.read())
+    die_with_parent(config.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides when ranks stop
+    ctx = zmq.Context(io_threads=1)
+    replies = PushChannel(ctx, config.reply_endpoint, bind=False, linger_ms=REPLY_LINGER_MS)
+    try:
+        commands = PullChannel(ctx, config.command_endpoint, bind=False)
+        gate = StartGate.attach(config.gate_name, config.world_size)
+        executor = build_executor(config)
+    except Exception as exc:
+        replies.send(command_encoder.encode(StartupFailed(config.rank, f"{type(exc).__name__}: {exc}")))
+        replies.close()
+        ctx.term()
+        return 1
+    replies.send(command_encoder.encode(
+        Ready(config.rank, executor.num_slots, executor.num_blocks, executor.block_size)
+    ))
+    code = RankServer(config, executor, commands, replies, gate).serve()
+    commands.close()
+    replies.close()  # lingers until the Shutdown ack is out
+    ctx.term()
+    os._exit(code)  # skip interpreter teardown: torch and process-group destructors can block
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Checks the controller makes: plans before dispatch, reply sets after.
+
+A plan error is provable without asking a rank, so it is rejected (`PlanRejected`) and the
+replica stays healthy. A reply error means a rank's state or the protocol broke after the
+command left, so it is fatal (`ReplyError`; the controller poisons the replica).
+Pure functions and one small class: tested without processes (tests/test_ipc_validate.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from deltaserve.ipc.messages import (
+    Ack,
+    Command,
+    DropAck,
+    DropRequests,
+    Failure,
+    Ping,
+    Reply,
+    RunUnifiedStep,
+    Sample,
+    Shutdown,
+    Snapshot,
+    SnapshotReply,
+    StepItem,
+    StepResult,
+)
+
+MAX_LOGPROBS = 20
+
+
+class PlanRejected(ValueError):
+    """A provably malformed plan; nothing was sent and the replica is healthy."""
+
+
+class ReplyError(Exception):
+    """A reply set that breaks the protocol; fatal to the replica."""
+
+
+class StepPlan(NamedTuple):
+    item_ids: set[int]  # every request in the step
+    sampled_ids: set[int]  # those whose item asks for a sample
+
+
+def check_plan(items: list[StepItem], vocab_size: int) -> StepPlan:
+    """Raise PlanRejected for anything wrong with `items` that needs no rank state."""
+    if not items:
+        raise PlanRejected("step has no items")
+    item_ids: set[int] = set()
+    sampled_ids: set[int] = set()
+    for item in items:
+        rid = item.request_id
+        if rid in item_ids:
+            raise PlanRejected(f"request {rid} appears twice in one step")
+        item_ids.add(rid)
+        if item.sample:
+            sampled_ids.add(rid)
+        tokens = item.token_ids
+        start = item.start
+        if len(tokens) == 1:
+            if not 0 <= tokens[0] < vocab_size:
+                raise PlanRejected(
+                    f"request {rid}: token id {tokens[0]} outside the vocabulary 0..{vocab_size - 1}"
+                )
+        elif not tokens:
+            raise PlanRejected(f"request {rid}: item has no token_ids")
+        elif min(tokens) < 0 or max(tokens) >= vocab_size:
+            bad = next(t for t in tokens if not 0 <= t < vocab_size)
+            raise PlanRejected(
+                f"request {rid}: token id {bad} outside the vocabulary 0..{vocab_size - 1}"
+            )
+        if start != 0:
+            if start < 0:
+                raise PlanRejected(f"request {rid}: negative start {start}")
+            if item.new is not None:
+                raise PlanRejected(
+                    f"request {rid}: `new` on an item starting at {start}; only a first chunk "
+                    f"(start 0) carries it"
+                )
+        elif item.new is None:
+            raise PlanRejected(f"request {rid}: first chunk (start 0) without `new`")
+        else:
+            _check_new(rid, len(tokens), item.new)
+    return StepPlan(item_ids, sampled_ids)
+
+
+def _check_new(rid: int, chunk_len: int, new: object) -> None:
+    reserve = new.reserve_tokens
+    if reserve < chunk_len:
+        raise PlanRejected(
+            f"request {rid}: reserve_tokens {reserve} is less than its first chunk of {chunk_len}"
+        )
+    spec = new.sampling
+    if spec.temperature < 0:
+        raise PlanRejected(f"request {rid}: temperature {spec.temperature} < 0")
+    if spec.top_k < 0:
+        raise PlanRejected(f"request {rid}: top_k {spec.top_k} < 0")
+    if not 0 < spec.top_p <= 1:
+        raise PlanRejected(f"request {rid}: top_p {spec.top_p} outside (0, 1]")
+    if not 0 <= spec.min_p <= 1:
+        raise PlanRejected(f"request {rid}: min_p {spec.min_p} outside [0, 1]")
+    if spec.repetition_penalty <= 0:
+        raise PlanRejected(f"request {rid}: repetition_penalty {spec.repetition_penalty} <= 0")
+    if not 0 <= spec.num_logprobs <= MAX_LOGPROBS:
+        raise PlanRejected(
+            f"request {rid}: num_logprobs {spec.num_logprobs} outside 0..{MAX_LOGPROBS}"
+        )
+
+
+def check_drop_plan(request_ids: list[int], expect: str) -> None:
+    if expect not in ("must_exist", "must_be_absent"):
+        raise PlanRejected(f"drop expect must be 'must_exist' or 'must_be_absent', got {expect!r}")
+    if len(set(request_ids)) != len(request_ids):
+        seen: set[int] = set()
+        dup = next(r for r in request_ids if r in seen or seen.add(r))
+        raise PlanRejected(f"request {dup} appears twice in one drop")
+
+
+# (variant rank 0 sends, variant the other ranks send), by command
+EXPECTED_REPLY: dict[type, tuple[type, type]] = {
+    RunUnifiedStep: (StepResult, Ack),
+    DropRequests: (DropAck, DropAck),
+    Ping: (Ack, Ack),
+    Snapshot: (SnapshotReply, SnapshotReply),
+    Shutdown: (Ack, Ack),
+}
+
+
+class ReplySet:
+    """The replies to one command: exactly one per rank, each of the expected variant."""
+
+    __slots__ = ("command", "name", "seq", "num_ranks", "plan", "replies", "missing", "_want")
+
+    def __init__(self, command: Command, num_ranks: int, plan: StepPlan | None = None) -> None:
+        self.command = command
+        self.name = type(command).__name__
+        self.seq = command.seq
+        self.num_ranks = num_ranks
+        self.plan = plan
+        self.replies: list[Reply | None] = [None] * num_ranks
+        self.missing = num_ranks
+        self._want = EXPECTED_REPLY[type(command)]
+
+    def add(self, reply: Reply) -> bool:
+        """Take one reply (whose seq the caller matched); True once every rank has replied."""
+        rank = reply.rank
+        kind = type(reply)
+        if not 0 <= rank < self.num_ranks:
+            raise ReplyError(
+                f"{kind.__name__} for {self.name} seq {self.seq} claims rank {rank}, "
+                f"outside 0..{self.num_ranks - 1}"
+            )
+        if self.replies[rank] is not None:
+            raise ReplyError(f"rank {rank} sent a second reply to {self.name} seq {self.seq}")
+        if kind is Failure:
+            raise ReplyError(f"rank {rank} failed {self.name} seq {self.seq}: {reply.reason}")
+        want = self._want[0] if rank == 0 else self._want[1]
+        if kind is not want:
+            raise ReplyError(
+                f"rank {rank} replied {kind.__name__} to {self.name} seq {self.seq}; "
+                f"expected {want.__name__}"
+            )
+        self.replies[rank] = reply
+        self.missing -= 1
+        return self.missing == 0
+
+    def missing_ranks(self) -> list[int]:
+        return [rank for rank, reply in enumerate(self.replies) if reply is None]
+
+    def result(self) -> object:
+        """The command's result once complete: samples by request id (step), the replies by
+        rank (snapshot), else None. Raises ReplyError if the set is inconsistent."""
+        kind = type(self.command)
+        if kind is RunUnifiedStep:
+            return align_samples(self.replies[0].samples, self.plan)
+        if kind is DropRequests:
+            check_drop_acks(self.command, self.replies)
+            return None
+        if kind is Snapshot:
+            return list(self.replies)
+        return None
+
+
+def align_samples(samples: list[Sample], plan: StepPlan) -> dict[int, Sample]:
+    """Key rank 0's samples by request id; order does not matter, but every sampled item
+    needs exactly one, and nothing else may have one."""
+    by_id = {sample.request_id: sample for sample in samples}
+    if len(by_id) != len(samples):
+        seen: set[int] = set()
+        dup = next(s.request_id for s in samples if s.request_id in seen or seen.add(s.request_id))
+        raise ReplyError(f"rank 0 returned two samples for request {dup}")
+    if by_id.keys() != plan.sampled_ids:
+        for rid in sorted(by_id.keys() - plan.sampled_ids):
+            if rid in plan.item_ids:
+                raise ReplyError(
+                    f"rank 0 returned a sample for request {rid}, whose item asked for none "
+                    f"(not its final chunk)"
+                )
+            raise ReplyError(f"rank 0 returned a sample for request {rid}, which is not in the step")
+        missing = sorted(plan.sampled_ids - by_id.keys())
+        raise ReplyError(f"rank 0 returned no sample for request(s) {missing}")
+    return by_id
+
+
+def check_drop_acks(command: DropRequests, replies: list[DropAck]) -> None:
+    """Every rank must answer as the scheduler expects for every id; a mixed answer means
+    the ranks diverged, a uniform unexpected one that the scheduler and ranks did."""
+    ids = command.request_ids
+    want = command.expect == "must_exist"
+    for reply in replies:
+        if len(reply.existed) != len(ids):
+            raise ReplyError(
+                f"rank {reply.rank} answered {len(reply.existed)} flags to DropRequests seq "
+                f"{command.seq} of {len(ids)} requests"
+            )
+    if all((all(r.existed) if want else not any(r.existed)) for r in replies):
+        return
+    for i, rid in enumerate(ids):
+        held = [r.rank for r in replies if r.existed[i]]
+        if 0 < len(held) < len(replies):
+            lacking = [r.rank for r in replies if not r.existed[i]]
+            raise ReplyError(
+                f"ranks disagree on request {rid}: rank(s) {held} held it, rank(s) {lacking} did not"
+            )
+        if bool(held) != want:
+            state = "no rank held it" if want else "every rank still held it"
+            raise ReplyError(
+                f"request {rid} dropped with expect={command.expect}, but {state}"
+            )

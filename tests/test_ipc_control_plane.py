@@ -1,0 +1,359 @@
+"""The replica controller with real rank processes, real ZeroMQ, shared memory and gloo, over
+the tiny checkpoint: TP=2 agrees with TP=1, drops free everything, refused plans and configs
+change nothing, ranks die with their parent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import zmq
+
+from deltaserve.ipc.channels import PullChannel, PushChannel, ipc_endpoint
+from deltaserve.ipc.controller import (
+    PlanRejected,
+    ReplicaConfig,
+    ReplicaController,
+    ReplicaPoisoned,
+    ReplicaStartupError,
+)
+from deltaserve.ipc.gate import Doorbell, StartGate
+from deltaserve.ipc.launch import RankConfig, spawn_rank
+from deltaserve.ipc.messages import (
+    Ack,
+    Failure,
+    NewRequest,
+    Ping,
+    Ready,
+    SamplingSpec,
+    Shutdown,
+    StepItem,
+    command_encoder,
+    reply_decoder,
+    startup_decoder,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CALL_BOUND_S = 30.0  # no call in this file may take longer
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(1000 + 37 * i + 101 * salt) % 150000 for i in range(n)]
+
+
+def first(rid: int, tokens: list[int], reserve: int, sample: bool = True, logprobs: int = 2) -> StepItem:
+    return StepItem(rid, 0, tokens, sample, NewRequest(reserve, SamplingSpec(seed=rid, num_logprobs=logprobs)))
+
+
+def child_pids() -> set[int]:
+    """Live (non-zombie) children of this process, from /proc."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == me and fields[0] != "Z":
+                found.add(int(entry))
+    return found
+
+
+def assert_gone(controller: ReplicaController) -> None:
+    for pid in controller.rank_pids:
+        assert not Path(f"/proc/{pid}").exists(), f"rank pid {pid} is still there"
+    assert not Path(controller.run_dir).exists(), "run dir left behind"
+    assert not Path(f"/dev/shm/{controller.gate_name}").exists(), "gate segment left behind"
+
+
+async def bounded(awaitable: object, bound_s: float = CALL_BOUND_S) -> object:
+    return await asyncio.wait_for(awaitable, bound_s)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tp1(tiny_model_dir: Path):
+    controller = await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), tp_size=1))
+    yield controller
+    await controller.shutdown()
+    assert controller.exit_codes == [0]
+    assert_gone(controller)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tp2(tiny_model_dir: Path):
+    controller = await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), tp_size=2))
+    yield controller
+    await controller.shutdown()
+    assert controller.exit_codes == [0, 0]
+    assert_gone(controller)
+
+
+async def unified_run(controller: ReplicaController, base: int) -> list[tuple[int, int, float]]:
+    """A: prefill, then decode while B prefills in two chunks in the same steps (mixed
+    unified steps), then both decode. Returns (request, token, logprob) in order."""
+    a, b = base + 1, base + 2
+    pa, pb = prompt(70, salt=1), prompt(90, salt=2)
+    out = []
+    res = await bounded(controller.run_step([first(a, pa, 100)]))
+    tok_a, pos_a = res[a].token_id, len(pa)
+    out.append((a, tok_a, res[a].logprob))
+    # step 2: decode A + B's first chunk (no sample); step 3: decode A + B's last chunk
+    res = await bounded(controller.run_step([StepItem(a, pos_a, [tok_a], True),
+                                             first(b, pb[:50], 120, sample=False)]))
+    assert set(res) == {a}
+    tok_a, pos_a = res[a].token_id, pos_a + 1
+    out.append((a, tok_a, res[a].logprob))
+    res = await bounded(controller.run_step([StepItem(b, 50, pb[50:], True),
+                                             StepItem(a, pos_a, [tok_a], True)]))
+    tok_a, tok_b, pos_a, pos_b = res[a].token_id, res[b].token_id, pos_a + 1, len(pb)
+    out += [(a, tok_a, res[a].logprob), (b, tok_b, res[b].logprob)]
+    for _ in range(4):
+        res = await bounded(controller.run_step([StepItem(a, pos_a, [tok_a], True),
+                                                 StepItem(b, pos_b, [tok_b], True)]))
+        tok_a, tok_b, pos_a, pos_b = res[a].token_id, res[b].token_id, pos_a + 1, pos_b + 1
+        out += [(a, tok_a, res[a].logprob), (b, tok_b, res[b].logprob)]
+    await bounded(controller.drop([a, b], "must_exist"))
+    return out
+
+
+async def test_unified_steps_tp2_match_tp1(tp1: ReplicaController, tp2: ReplicaController) -> None:
+    """Prefill and decode advanced together in one step give the same greedy tokens (and
+    logprobs to fp32 noise) whether the model is split over two ranks or not."""
+    one = await unified_run(tp1, base=100)
+    two = await unified_run(tp2, base=100)
+    assert [(r, t) for r, t, _ in one] == [(r, t) for r, t, _ in two]
+    assert max(abs(x[2] - y[2]) for x, y in zip(one, two, strict=True)) < 1e-3
+
+
+async def test_snapshot_reports_each_rank_shard(tp2: ReplicaController, tiny_model_dir: Path) -> None:
+    """Each rank reports its own share of the heads and the same requests."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config = config.get("text_config", config)
+    await bounded(tp2.run_step([first(7, prompt(20), 40)]))
+    snaps = await bounded(tp2.snapshot())
+    assert [s.rank for s in snaps] == [0, 1]
+    for snap in snaps:
+        assert snap.request_ids == [7] and snap.slots_used == 1 and snap.blocks_used > 0
+        assert snap.state_heads == config["linear_num_value_heads"] // 2
+        assert snap.kv_heads == config["num_key_value_heads"] // 2
+    await bounded(tp2.drop([7], "must_exist"))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+async def test_drop_refill_readmit_and_full_capacity(tp: int, tp1: ReplicaController,
+                                                     tp2: ReplicaController) -> None:
+    """Fill every slot, drop them all: snapshots show nothing held and full capacity, a
+    dropped request is absent, and re-admitting a prompt gives the clean first token."""
+    controller = tp1 if tp == 1 else tp2
+    probe = prompt(40, salt=9)
+    clean = (await bounded(controller.run_step([first(200, probe, 60)])))[200]
+    await bounded(controller.drop([200], "must_exist"))
+    await bounded(controller.drop([200], "must_be_absent"))
+
+    fill = [first(300 + i, prompt(30 + i, salt=i), 64) for i in range(controller.num_slots)]
+    res = await bounded(controller.run_step(fill))
+    assert sorted(res) == [300 + i for i in range(controller.num_slots)]
+    snaps = await bounded(controller.snapshot())
+    assert all(s.slots_used == controller.num_slots for s in snaps)
+    await bounded(controller.run_step([StepItem(rid, len(item.token_ids), [res[rid].token_id], True)
+                                       for rid, item in zip(sorted(res), fill, strict=True)]))
+    await bounded(controller.drop(sorted(res), "must_exist"))
+    for snap in await bounded(controller.snapshot()):
+        assert (snap.request_ids, snap.slots_used, snap.blocks_used) == ([], 0, 0)
+        assert (snap.num_slots, snap.num_blocks) == (controller.num_slots, controller.num_blocks)
+
+    # readmission, whole and in two chunks, on slots and blocks that others just used
+    again = (await bounded(controller.run_step([first(400, probe, 60)])))[400]
+    assert (again.token_id, again.top_logprobs[0][0]) == (clean.token_id, clean.top_logprobs[0][0])
+    assert abs(again.logprob - clean.logprob) < 1e-4
+    await bounded(controller.run_step([first(401, probe[:25], 60, sample=False)]))
+    chunked = (await bounded(controller.run_step([StepItem(401, 25, probe[25:], True)])))[401]
+    assert chunked.token_id == clean.token_id
+    await bounded(controller.drop([400, 401], "must_exist"))
+    # a full-capacity request fits again
+    big = controller.num_blocks * controller.block_size
+    await bounded(controller.run_step([first(402, probe, big)]))
+    await bounded(controller.drop([402], "must_exist"))
+    assert controller.poison_reason is None
+
+
+async def test_rejected_plans_leave_the_replica_healthy(tp2: ReplicaController) -> None:
+    """Plans provably wrong before dispatch raise PlanRejected; nothing reaches a rank."""
+    seq_before = tp2.last_seq
+    bad_steps = [
+        [],
+        [first(1, [5], 8), first(1, [6], 8)],
+        [StepItem(1, 0, [], True, NewRequest(8, SamplingSpec(seed=0)))],
+        [StepItem(1, -3, [5], True)],
+        [StepItem(1, 4, [5], True, NewRequest(8, SamplingSpec(seed=0)))],
+        [StepItem(1, 0, [5], True)],
+        [StepItem(1, 3, [tp2.model_config.vocab_size], True)],
+    ]
+    for items in bad_steps:
+        with pytest.raises(PlanRejected):
+            await tp2.run_step(items)
+    with pytest.raises(PlanRejected, match="appears twice"):
+        await tp2.drop([3, 3], "must_exist")
+    assert tp2.last_seq == seq_before
+    await bounded(tp2.ping())
+    assert tp2.poison_reason is None
+
+
+async def test_rank_local_mismatch_poisons(tiny_model_dir: Path) -> None:
+    """A drop that no rank can honour (the scheduler and the ranks disagree) is fatal: the
+    replica is poisoned, torn down, and every later call fails at once with the reason."""
+    reasons: list[str] = []
+    controller = await ReplicaController.start(ReplicaConfig(str(tiny_model_dir)), on_poison=reasons.append)
+    try:
+        with pytest.raises(ReplicaPoisoned, match="request 999 dropped with expect=must_exist, but no rank held it"):
+            await bounded(controller.drop([999], "must_exist"))
+        await asyncio.sleep(0)
+        assert reasons == [controller.poison_reason]
+        t0 = time.monotonic()
+        with pytest.raises(ReplicaPoisoned, match="request 999"):
+            await controller.ping()
+        assert time.monotonic() - t0 < 0.05
+    finally:
+        await controller.shutdown()
+    assert_gone(controller)
+
+
+class TestPreload:
+    """Configs that cannot work are refused with a ValueError before any rank starts."""
+
+    @pytest.mark.parametrize(
+        ("kwargs", "message"),
+        [
+            ({"tp_size": 3}, "tensor-parallel size 3 does not divide"),
+            ({"device": "cuda", "device_ids": (7,)}, "CUDA device 7 does not exist: this machine has"),
+        ],
+    )
+    async def test_refused_before_spawn(self, tiny_model_dir: Path, kwargs: dict, message: str) -> None:
+        before = child_pids()
+        with pytest.raises(ValueError, match=message):
+            await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), **kwargs))
+        assert child_pids() == before
+
+
+async def test_startup_failure_is_reported_and_cleaned_up(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A rank that cannot load its weights reports StartupFailed; start() raises with the
+    rank's reason and leaves no process behind."""
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    before = child_pids()
+    with pytest.raises(ReplicaStartupError, match="rank 0 failed to start: .*safetensors"):
+        await bounded(ReplicaController.start(ReplicaConfig(str(broken))))
+    assert child_pids() == before
+
+
+async def test_startup_timeout(tiny_model_dir: Path) -> None:
+    before = child_pids()
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaStartupError, match="not ready within startup_timeout_s=0.3"):
+        await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), startup_timeout_s=0.3))
+    assert time.monotonic() - t0 < 0.3 + 5.0
+    assert child_pids() == before
+
+
+PARENT = textwrap.dedent("""
+    import asyncio, sys
+    from deltaserve.ipc.controller import ReplicaConfig, ReplicaController
+
+    async def main():
+        controller = await ReplicaController.start(ReplicaConfig(sys.argv[1], tp_size=2))
+        print(*controller.rank_pids, flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+""")
+
+
+async def test_ranks_die_with_their_parent(tiny_model_dir: Path) -> None:
+    """SIGKILL the controller's process: its ranks go too (PR_SET_PDEATHSIG)."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_model_dir)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(parent.stdout.readline), 60)
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2 and all(Path(f"/proc/{p}").exists() for p in pids)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        # orphans are reaped by init; a pid left would be a rank still running
+        assert not [p for p in pids if Path(f"/proc/{p}").exists()
+                    and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+async def test_rank_answers_malformed_commands_and_keeps_serving(tiny_model_dir: Path) -> None:
+    """Rank side of strict decoding, driven by hand over its real sockets: a frame that is
+    not a Command and a command out of sequence each get a Failure reply; the rank keeps
+    serving and exits 0 on Shutdown."""
+    run_dir = tempfile.mkdtemp(prefix="deltaserve-test-")
+    ctx = zmq.Context()
+    commands = PushChannel(ctx, ipc_endpoint(run_dir, "cmd0"), bind=True)
+    replies = PullChannel(ctx, ipc_endpoint(run_dir, "reply"), bind=True)
+    gate, receipt, release = StartGate.create(1), Doorbell(), Doorbell()
+    proc = spawn_rank(RankConfig(
+        rank=0, world_size=1, parent_pid=os.getpid(), command_endpoint=commands.endpoint,
+        reply_endpoint=replies.endpoint, gate_name=gate.name, receipt_fd=receipt.fd,
+        release_fd=release.fd, release_timeout_s=5.0, model_dir=str(tiny_model_dir),
+        device="cpu", dtype="auto", block_size=16, num_slots=2, num_blocks=16,
+        dist_init_method=f"file://{run_dir}/dist", dist_timeout_s=30.0,
+    ))
+
+    def reply(decoder: object = reply_decoder) -> object:
+        frame = replies.recv(30_000)
+        assert frame is not None, "rank sent nothing within 30 s"
+        return decoder.decode(frame)
+
+    def send(frame: bytes) -> None:
+        deadline = time.monotonic() + 10
+        while not commands.send(frame):  # the rank connects after it starts
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    try:
+        assert isinstance(await asyncio.to_thread(reply, startup_decoder), Ready)
+        send(b"\xc1 not a command")
+        failure = await asyncio.to_thread(reply)
+        assert isinstance(failure, Failure) and failure.seq == 1
+        assert "malformed command frame" in failure.reason
+        send(command_encoder.encode(Ping(2)))
+        assert await asyncio.to_thread(reply) == Ack(0, 2)
+        send(command_encoder.encode(Ping(9)))
+        failure = await asyncio.to_thread(reply)
+        assert isinstance(failure, Failure) and "Ping seq 9 out of order; expected seq 3" in failure.reason
+        send(command_encoder.encode(Shutdown(4)))
+        assert await asyncio.to_thread(reply) == Ack(0, 4)
+        assert await asyncio.to_thread(proc.wait, 10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        commands.close()
+        replies.close()
+        ctx.term()
+        gate.close(unlink=True)
+        receipt.close()
+        release.close()
+        shutil.rmtree(run_dir, ignore_errors=True)

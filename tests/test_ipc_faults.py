@@ -1,0 +1,153 @@
+"""The fault matrix at TP=2 (so that a rank survives each fault): every fault poisons the
+replica with the right reason, within its bound, exactly once; no rank runs a command the
+gate did not release to all; no process, socket folder or shared-memory segment is left.
+
+Ranks keep an append-only journal of gated commands (recv / exec / cancel / die lines) in the
+test's folder: that is how a test sees that a surviving rank never ran the step."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from deltaserve.ipc.controller import ReplicaConfig, ReplicaController, ReplicaPoisoned
+from deltaserve.ipc.faults import FAULT_EXIT_CODE, FaultPlan
+from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+
+pytestmark = pytest.mark.asyncio
+
+STEP_TIMEOUT_S = 2.0
+GATE_TIMEOUT_S = 1.0
+FAULT_STEP = 2  # the fault strikes the second RunUnifiedStep...
+FAULT_SEQ = 3  # ...which is command seq 3 (seq 1 is the start-up Ping)
+DIED = rf"rank 1 \(pid \d+\) exited with code {FAULT_EXIT_CODE}"
+
+# kind -> (reason the replica must be poisoned with, bound on detecting it in seconds)
+MATRIX = {
+    "die_before_receipt": (DIED, 2.0),
+    "stall_before_receipt": (rf"rank\(s\) \[1\] did not receive RunUnifiedStep seq {FAULT_SEQ} within gate_timeout_s", GATE_TIMEOUT_S + 2.0),
+    "die_after_release": (DIED, 2.0),
+    "die_mid_step": (DIED, 2.0),
+    "stall": (rf"no reply from rank\(s\) \[0, 1\] to RunUnifiedStep seq {FAULT_SEQ} within step_timeout_s", STEP_TIMEOUT_S + 2.0),
+    "malformed_reply": (r"malformed reply frame", 2.0),
+    "duplicate_reply": (rf"rank 1 sent a second reply to RunUnifiedStep seq {FAULT_SEQ}", 2.0),
+    "wrong_rank": (rf"Ack for RunUnifiedStep seq {FAULT_SEQ} claims rank 3, outside 0..1", 2.0),
+    "wrong_variant": (rf"rank 1 replied DropAck to RunUnifiedStep seq {FAULT_SEQ}; expected Ack", 2.0),
+    # rank 1 forgets request 1 after step 2: its next step with request 1 fails on rank 1...
+    "diverge": (rf"rank 1 failed RunUnifiedStep seq {FAULT_SEQ + 1}: StepError: request 1 is not held by rank 1", 2.0),
+    # ...and a drop of request 1 gets a mixed answer
+    "diverge_then_drop": (r"ranks disagree on request 1: rank\(s\) \[0\] held it, rank\(s\) \[1\] did not", 2.0),
+    "close_reply_socket": (rf"no reply from rank\(s\) \[1\] to RunUnifiedStep seq {FAULT_SEQ} within step_timeout_s", STEP_TIMEOUT_S + 2.0),
+}
+
+
+def journal(folder: Path, rank: int) -> list[tuple[str, int]]:
+    path = folder / f"rank{rank}.log"
+    if not path.exists():
+        return []
+    return [(event, int(seq)) for event, seq, _ in (line.split() for line in path.read_text().splitlines())]
+
+
+def first(rid: int, n: int) -> StepItem:
+    tokens = [(500 + 31 * i + rid) % 100000 for i in range(n)]
+    return StepItem(rid, 0, tokens, True, NewRequest(n + 32, SamplingSpec(seed=rid)))
+
+
+async def start(model_dir: Path, journal_dir: Path, fault: FaultPlan | None,
+                reasons: list[str]) -> ReplicaController:
+    config = ReplicaConfig(str(model_dir), tp_size=2, step_timeout_s=STEP_TIMEOUT_S,
+                           gate_timeout_s=GATE_TIMEOUT_S, fault=fault, journal_dir=str(journal_dir))
+    return await asyncio.wait_for(ReplicaController.start(config, on_poison=reasons.append), 120)
+
+
+async def wait_poisoned(controller: ReplicaController, bound_s: float) -> None:
+    deadline = time.monotonic() + bound_s
+    while controller.poison_reason is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
+async def assert_torn_down(controller: ReplicaController, reasons: list[str], reason: str) -> None:
+    """Poisoned once with `reason`; later calls fail at once; nothing left behind."""
+    assert re.search(reason, controller.poison_reason), controller.poison_reason
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaPoisoned) as info:
+        await controller.ping()
+    assert time.monotonic() - t0 < 0.1
+    assert info.value.reason == controller.poison_reason
+    await asyncio.wait_for(controller.shutdown(), 10)
+    await asyncio.sleep(0)
+    assert reasons == [controller.poison_reason]
+    for pid in controller.rank_pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not Path(controller.run_dir).exists()
+    assert not Path(f"/dev/shm/{controller.gate_name}").exists()
+
+
+@pytest.mark.parametrize("case", list(MATRIX))
+async def test_fault(case: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    reason, bound_s = MATRIX[case]
+    kind = "diverge" if case.startswith("diverge") else case
+    reasons: list[str] = []
+    fault = FaultPlan(rank=1, kind=kind, at_step=FAULT_STEP, stall_s=60.0)
+    controller = await start(tiny_model_dir, tmp_path, fault, reasons)
+    try:
+        step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
+        decode = StepItem(1, 24, [step1[1].token_id], True)
+        t0 = time.monotonic()
+        try:
+            # step 2: request 1 decodes while request 2 prefills
+            step2 = await asyncio.wait_for(controller.run_step([decode, first(2, 40)]), bound_s + 5)
+            if case == "diverge":  # the ranks now disagree on request 1
+                decode = StepItem(1, 25, [step2[1].token_id], True)
+                await asyncio.wait_for(controller.run_step([decode]), bound_s + 5)
+            if case == "diverge_then_drop":
+                await asyncio.wait_for(controller.drop([1], "must_exist"), bound_s + 5)
+        except ReplicaPoisoned as exc:
+            assert exc.reason == controller.poison_reason
+        else:  # a duplicate can only be seen once it arrives, after a complete reply set
+            assert kind == "duplicate_reply", f"{kind}: the faulty step succeeded"
+            await wait_poisoned(controller, bound_s)
+        elapsed = time.monotonic() - t0
+        assert controller.poison_reason is not None, f"{kind}: never poisoned"
+        assert elapsed < bound_s, f"{kind}: poisoned after {elapsed:.2f} s, bound {bound_s} s"
+        last_seq = controller.last_seq
+        await assert_torn_down(controller, reasons, reason)
+    finally:
+        await controller.shutdown()
+
+    ranks = [journal(tmp_path, 0), journal(tmp_path, 1)]
+    # no rank ran anything after the command that went wrong
+    assert all(seq <= last_seq for entries in ranks for _, seq in entries)
+    if kind in ("die_before_receipt", "stall_before_receipt"):
+        # the survivor got the step and was told to cancel it: it never ran it
+        assert ("recv", FAULT_SEQ) in ranks[0] and ("cancel", FAULT_SEQ) in ranks[0]
+        assert ("exec", FAULT_SEQ) not in ranks[0]
+        assert ("exec", FAULT_SEQ) not in ranks[1]
+    if kind == "die_before_receipt":
+        assert ranks[1][-1] == ("die", FAULT_SEQ)
+    if kind == "die_after_release":
+        assert ("exec", FAULT_SEQ) in ranks[0] and ("exec", FAULT_SEQ) not in ranks[1]
+    assert controller.exit_codes[1] in (FAULT_EXIT_CODE, -signal.SIGKILL)
+
+
+async def test_idle_rank_death_noticed_from_sentinel(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A rank killed while nothing is in flight poisons the replica within a second."""
+    reasons: list[str] = []
+    controller = await start(tiny_model_dir, tmp_path, None, reasons)
+    try:
+        await asyncio.wait_for(controller.run_step([first(1, 8)]), 30)
+        os.kill(controller.rank_pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        while not reasons and time.monotonic() - t0 < 1.0:
+            await asyncio.sleep(0.005)
+        assert reasons, "rank death not noticed within 1 s"
+        await assert_torn_down(controller, reasons, r"rank 0 \(pid \d+\) was killed by SIGKILL")
+    finally:
+        await controller.shutdown()

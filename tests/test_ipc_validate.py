@@ -1,0 +1,248 @@
+"""The controller's checks without processes: plans it must refuse before dispatch, reply
+sets it must accept (shuffled) or find fatal, and the gate's shared words."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deltaserve.ipc.controller import ReplicaConfig
+from deltaserve.ipc.gate import CANCEL, EXECUTE, StartGate
+from deltaserve.ipc.messages import (
+    Ack,
+    DropAck,
+    DropRequests,
+    Failure,
+    NewRequest,
+    Ping,
+    RunUnifiedStep,
+    Sample,
+    SamplingSpec,
+    SnapshotReply,
+    StepItem,
+    StepResult,
+)
+from deltaserve.ipc.validate import (
+    PlanRejected,
+    ReplyError,
+    ReplySet,
+    check_drop_plan,
+    check_plan,
+)
+
+VOCAB = 1000
+SPEC = SamplingSpec(seed=1)
+
+
+def new(reserve: int = 64, **spec: object) -> NewRequest:
+    return NewRequest(reserve, SamplingSpec(seed=1, **spec))
+
+
+def step_items() -> list[StepItem]:
+    return [
+        StepItem(1, 10, [5], True),  # decode
+        StepItem(2, 0, [1, 2, 3], False, new()),  # first chunk, more to come
+        StepItem(3, 0, [4, 5], True, new()),  # whole prompt: samples
+        StepItem(4, 16, [7, 8, 9], True),  # last chunk
+    ]
+
+
+class TestPlan:
+    """A plan error is provable before dispatch: PlanRejected names the request and value."""
+
+    def test_valid_plan(self) -> None:
+        plan = check_plan(step_items(), VOCAB)
+        assert plan.item_ids == {1, 2, 3, 4}
+        assert plan.sampled_ids == {1, 3, 4}
+
+    @pytest.mark.parametrize(
+        ("item", "message"),
+        [
+            (StepItem(1, 3, [5], True), "request 1 appears twice"),
+            (StepItem(9, 3, [], True), "request 9: item has no token_ids"),
+            (StepItem(9, -1, [5], True), "request 9: negative start -1"),
+            (StepItem(9, 4, [5], True, new()), "request 9: `new` on an item starting at 4"),
+            (StepItem(9, 0, [5], True), "request 9: first chunk .start 0. without `new`"),
+            (StepItem(9, 3, [VOCAB], True), f"request 9: token id {VOCAB} outside"),
+            (StepItem(9, 3, [1, -2, 3], True), "request 9: token id -2 outside"),
+            (StepItem(9, 0, [1, 2, 3], True, new(reserve=2)), "reserve_tokens 2 is less than"),
+            (StepItem(9, 0, [1], True, new(top_p=0.0)), "top_p 0.0"),
+            (StepItem(9, 0, [1], True, new(temperature=-1.0)), "temperature -1.0"),
+            (StepItem(9, 0, [1], True, new(num_logprobs=21)), "num_logprobs 21"),
+        ],
+    )
+    def test_rejected(self, item: StepItem, message: str) -> None:
+        with pytest.raises(PlanRejected, match=message):
+            check_plan([StepItem(1, 10, [5], True), item], VOCAB)
+
+    def test_empty_step_rejected(self) -> None:
+        with pytest.raises(PlanRejected, match="no items"):
+            check_plan([], VOCAB)
+
+    def test_drop_plan(self) -> None:
+        check_drop_plan([1, 2], "must_exist")
+        with pytest.raises(PlanRejected, match="request 2 appears twice"):
+            check_drop_plan([1, 2, 2], "must_exist")
+        with pytest.raises(PlanRejected, match="expect"):
+            check_drop_plan([1], "maybe")
+
+
+def sample(rid: int) -> Sample:
+    return Sample(rid, rid + 100, -0.5, [])
+
+
+def step_replies(samples: list[Sample], num_ranks: int = 2, seq: int = 7) -> ReplySet:
+    items = step_items()
+    replies = ReplySet(RunUnifiedStep(seq, items), num_ranks, check_plan(items, VOCAB))
+    for rank in range(1, num_ranks):
+        assert not replies.add(Ack(rank, seq))
+    assert replies.add(StepResult(0, seq, samples))
+    return replies
+
+
+class TestStepReplies:
+    """Results are aligned by request id: shuffled is fine; unknown, duplicate, non-final
+    and missing samples are fatal."""
+
+    def test_shuffled_results_accepted(self) -> None:
+        samples = [sample(1), sample(3), sample(4)]
+        random.Random(0).shuffle(samples)
+        result = step_replies(samples).result()
+        assert sorted(result) == [1, 3, 4]
+        assert all(result[rid].token_id == rid + 100 for rid in result)
+
+    @pytest.mark.parametrize(
+        ("samples", "message"),
+        [
+            ([sample(1), sample(3), sample(4), sample(99)], "request 99, which is not in the step"),
+            ([sample(1), sample(3), sample(4), sample(3)], "two samples for request 3"),
+            ([sample(1), sample(2), sample(3), sample(4)], "request 2, whose item asked for none"),
+            ([sample(1), sample(4)], r"no sample for request\(s\) \[3\]"),
+        ],
+    )
+    def test_bad_results_fatal(self, samples: list[Sample], message: str) -> None:
+        replies = step_replies(samples)
+        with pytest.raises(ReplyError, match=message):
+            replies.result()
+
+    @pytest.mark.parametrize(
+        ("reply", "message"),
+        [
+            (Ack(2, 7), "claims rank 2, outside 0..1"),
+            (Ack(-1, 7), "claims rank -1"),
+            (StepResult(1, 7, []), "rank 1 replied StepResult to RunUnifiedStep seq 7; expected Ack"),
+            (Failure(1, 7, "StepError: request 1 is not held"), "rank 1 failed RunUnifiedStep seq 7: StepError"),
+        ],
+    )
+    def test_bad_reply_fatal(self, reply: object, message: str) -> None:
+        replies = ReplySet(RunUnifiedStep(7, step_items()), 2, check_plan(step_items(), VOCAB))
+        with pytest.raises(ReplyError, match=message):
+            replies.add(reply)
+
+    def test_rank0_must_carry_the_result(self) -> None:
+        replies = ReplySet(RunUnifiedStep(7, step_items()), 2, check_plan(step_items(), VOCAB))
+        with pytest.raises(ReplyError, match="rank 0 replied Ack .* expected StepResult"):
+            replies.add(Ack(0, 7))
+
+    def test_second_reply_fatal(self) -> None:
+        replies = ReplySet(Ping(3), 2)
+        replies.add(Ack(1, 3))
+        with pytest.raises(ReplyError, match="rank 1 sent a second reply to Ping seq 3"):
+            replies.add(Ack(1, 3))
+        assert replies.missing_ranks() == [0]
+
+
+def drop_replies(expect: str, answers: list[list[bool]]) -> ReplySet:
+    command = DropRequests(4, [10, 11], expect)
+    replies = ReplySet(command, len(answers))
+    for rank, existed in enumerate(answers):
+        replies.add(DropAck(rank, 4, existed))
+    return replies
+
+
+class TestDropAcks:
+    """must_exist needs every rank True, must_be_absent every rank False."""
+
+    def test_expected_answers(self) -> None:
+        assert drop_replies("must_exist", [[True, True], [True, True]]).result() is None
+        assert drop_replies("must_be_absent", [[False, False], [False, False]]).result() is None
+
+    @pytest.mark.parametrize(
+        ("expect", "answers", "message"),
+        [
+            ("must_exist", [[True, True], [True, False]], r"disagree on request 11: rank\(s\) \[0\] held it, rank\(s\) \[1\] did not"),
+            ("must_be_absent", [[False, True], [False, False]], "disagree on request 11"),
+            ("must_exist", [[True, False], [True, False]], "request 11 dropped with expect=must_exist, but no rank held it"),
+            ("must_be_absent", [[True, False], [True, False]], "request 10 .* every rank still held it"),
+            ("must_exist", [[True], [True, True]], "rank 0 answered 1 flags"),
+        ],
+    )
+    def test_unexpected_answers_fatal(self, expect: str, answers: list, message: str) -> None:
+        with pytest.raises(ReplyError, match=message):
+            drop_replies(expect, answers).result()
+
+    def test_snapshot_variant(self) -> None:
+        from deltaserve.ipc.messages import Snapshot
+
+        replies = ReplySet(Snapshot(5), 1)
+        snap = SnapshotReply(0, 5, [], 0, 0, 8, 256, 8, 4)
+        assert replies.add(snap)
+        assert replies.result() == [snap]
+
+
+class TestGateWords:
+    """Payload first, sequence last; a reader trusts nothing mid-update or stale."""
+
+    def test_receipt_and_decision(self) -> None:
+        gate = StartGate.create(2)
+        try:
+            rank_view = StartGate.attach(gate.name, 2)
+            assert gate.receipt(1) == (0, 0)
+            rank_view.record_receipt(1, 5, 0xDEADBEEF)
+            assert gate.receipt(1) == (5, 0xDEADBEEF)
+            assert rank_view.decision(5) == 0
+            gate.decide(5, EXECUTE)
+            assert rank_view.decision(5) == EXECUTE
+            assert rank_view.decision(6) == 0
+            gate.decide(6, CANCEL)
+            assert rank_view.decision(6) == CANCEL
+            rank_view.mark_done(1, 6)
+            assert gate.done_seq(1) == 6
+            rank_view.close()
+        finally:
+            gate.close(unlink=True)
+
+    def test_half_written_words_are_not_trusted(self) -> None:
+        gate = StartGate.create(1)
+        try:
+            words = gate._words
+            gate.decide(3, EXECUTE)
+            words[1] = 4  # sequence published, payload still seq 3's
+            assert gate.decision(4) == 0
+            gate.record_receipt(0, 8, 123)
+            words[8 + 1] = 9  # receipt seq moved on, tag still names seq 8
+            assert gate.receipt(0) is None
+            del words  # the gate's mapping can close only without outside views
+        finally:
+            gate.close(unlink=True)
+
+
+class TestReplicaConfig:
+    """Configs that cannot work are refused with a ValueError naming the field."""
+
+    @pytest.mark.parametrize(
+        ("kwargs", "message"),
+        [
+            ({"device": "cuda", "tp_size": 2, "device_ids": (0, 0)}, r"device_ids \(0, 0\) names a device twice"),
+            ({"device": "cpu", "device_ids": (0,)}, "device_ids .* given with device 'cpu'"),
+            ({"device": "cuda", "tp_size": 2, "device_ids": (0,)}, "has 1 entries for tp_size 2"),
+            ({"device": "cuda:1"}, "device must be 'cpu' or 'cuda'"),
+            ({"tp_size": 0}, "tp_size must be >= 1"),
+            ({"num_slots": 0}, "num_slots must be >= 1"),
+            ({"step_timeout_s": 0}, "step_timeout_s must be > 0"),
+        ],
+    )
+    def test_bad_config(self, kwargs: dict, message: str) -> None:
+        with pytest.raises(ValueError, match=message):
+            ReplicaConfig("/nonexistent", **kwargs)
