@@ -1,0 +1,251 @@
+"""AsyncEngine: the public asyncio API over one replica.
+
+`generate` validates and tokenizes synchronously (bad input raises at once, naming the
+problem), assigns engine RequestIds (never reused) and seeds, and hands the choices to the
+scheduler tick, which owns all request state from then on (engine/scheduler.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import time
+import uuid
+from typing import Any
+
+from deltaserve.engine.config import EngineConfig, resolve_limits
+from deltaserve.engine.events import EngineDeadError, LoadSnapshot, QueueFullError
+from deltaserve.engine.metrics import EngineMetrics
+from deltaserve.engine.planner import StepBudget
+from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.request import Request
+from deltaserve.engine.sampling_params import MAX_SEED, SamplingParams
+from deltaserve.engine.scheduler import Scheduler, Submission
+from deltaserve.engine.stream import EventSink, RequestStream
+from deltaserve.engine.tokenizer import eos_token_ids, load_tokenizer
+from deltaserve.ipc.controller import ReplicaConfig, ReplicaController
+from deltaserve.ipc.messages import SnapshotReply
+
+
+class AsyncEngine:
+    """Start with `await AsyncEngine.start(config)` (or `async with`), stop with `shutdown`."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any, max_model_len: int) -> None:
+        """Holds the parts; `start` is the way in (it also launches the replica)."""
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids(config.model, model_config)
+        self._next_request_id = itertools.count(1)
+        self._streams: dict[str, EventSink] = {}  # client request id -> unresolved sink
+        self._shutting_down = False
+        self._controller: ReplicaController | None = None
+        self._scheduler: Scheduler | None = None
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    async def start(cls, config: EngineConfig) -> AsyncEngine:
+        if config.monitor_endpoint is not None:
+            raise ValueError("monitor_endpoint is not supported yet: no monitor publisher is wired in")
+        model_config = ModelConfig.from_model_dir(config.model)
+        model_config.check_tp_size(config.tp_size)
+        limits = resolve_limits(config, model_config)
+        tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model)
+        self = cls(config, model_config, tokenizer, limits.max_model_len)
+        await self._launch(limits.num_kv_blocks)
+        return self
+
+    async def _launch(self, num_kv_blocks: int) -> None:
+        config = self.config
+        replica = ReplicaConfig(
+            model_dir=config.model,
+            tp_size=config.tp_size,
+            device=config.device,
+            device_ids=config.device_ids,
+            dtype=config.dtype,
+            block_size=config.block_size,
+            num_slots=config.max_num_seqs,
+            num_blocks=num_kv_blocks,
+            startup_timeout_s=config.startup_timeout_s,
+            step_timeout_s=config.step_timeout_s,
+            fault=config.fault,
+        )
+        # The controller's poison callback is routed through the engine: the scheduler that
+        # handles it needs the started controller.
+        self._controller = await ReplicaController.start(replica, on_poison=self._on_poison)
+        try:
+            self._scheduler = Scheduler(
+                self._controller,
+                self.tokenizer,
+                self.eos_token_ids,
+                StepBudget(config.max_num_batched_tokens, config.max_num_seqs),
+                self.max_model_len,
+                force_mixed=config.force_mixed_steps,
+            )
+        except BaseException:
+            await self._controller.shutdown()
+            raise
+        if self._controller.poison_reason is not None:
+            self._scheduler.on_poison(self._controller.poison_reason)
+        self._task = asyncio.get_running_loop().create_task(self._scheduler.run(), name="deltaserve-scheduler")
+
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    def _on_poison(self, reason: str) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_poison(reason)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        return self._scheduler.dead_reason is not None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._scheduler.dead_reason
+
+    @property
+    def metrics(self) -> EngineMetrics:
+        return self._scheduler.metrics
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._scheduler
+
+    async def wait_closed(self) -> None:
+        """Return once the engine has stopped: after `shutdown`, or after failing closed
+        (every owner told, replica torn down, no rank process left)."""
+        await asyncio.shield(self._task)
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """Process ids of the replica's ranks (operations, and tests that kill one)."""
+        return self._controller.rank_pids
+
+    def load(self) -> LoadSnapshot:
+        return self._scheduler.load()
+
+    async def rank_snapshots(self) -> list[SnapshotReply]:
+        self._check_alive()
+        return await self._controller.snapshot()
+
+    def _check_alive(self) -> None:
+        if self._scheduler.dead_reason is not None:
+            raise EngineDeadError(f"engine is dead: {self._scheduler.dead_reason}")
+        if self._shutting_down:
+            raise EngineDeadError("engine is shut down")
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
+        """Submit a prompt; returns the stream of its events. Raises ValueError (bad input),
+        QueueFullError (waiting queue at its bound) or EngineDeadError, synchronously."""
+        self._check_alive()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt_ids = self._prompt_ids(prompt)
+        self._check_fits(prompt_ids, params)
+        if request_id is None:
+            request_id = f"req-{uuid.uuid4().hex}"
+        elif request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use by a running request")
+        queued = self._scheduler.num_queued
+        if queued + params.n > self.config.max_queued_requests:
+            raise QueueFullError(
+                f"waiting queue is full: {queued} queued + {params.n} new > "
+                f"max_queued_requests {self.config.max_queued_requests}"
+            )
+        now = time.monotonic()
+        requests = []
+        for index in range(params.n):
+            requests.append(
+                Request(
+                    request_id=next(self._next_request_id),
+                    index=index,
+                    prompt_ids=prompt_ids,
+                    params=params,
+                    seed=self._seed(params, index),
+                    arrival_time_s=now,
+                )
+            )
+        sink = EventSink(
+            request_id, tuple(r.request_id for r in requests), self._scheduler.wake_threadsafe, self._forget
+        )
+        self._streams[request_id] = sink
+        self._scheduler.submit(Submission(sink, requests))
+        return RequestStream(sink, prompt_ids)
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel every choice of `request_id`; idempotent, unknown ids are ignored."""
+        sink = self._streams.get(request_id)
+        if sink is not None and self._scheduler.dead_reason is None:
+            self._scheduler.cancel(sink.request_ids)
+
+    def _forget(self, sink: EventSink) -> None:
+        if self._streams.get(sink.client_id) is sink:
+            del self._streams[sink.client_id]
+
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[int, ...]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, list | tuple):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for i, t in enumerate(ids):
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt token {i} is {t!r}: ids must be integers in [0, {vocab})")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        return tuple(ids)
+
+    def _check_fits(self, prompt_ids: tuple[int, ...], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"stop_token_ids has {t}, outside the vocabulary [0, {vocab})")
+        need = len(prompt_ids) + params.max_tokens
+        if need > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        ledger = self._scheduler.ledger
+        if not ledger.fits_ever(need):
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need} "
+                f"positions need {ledger.blocks_for(need)} KV blocks; the cache has {ledger.num_blocks} "
+                f"blocks of {ledger.block_size}"
+            )
+
+    @staticmethod
+    def _seed(params: SamplingParams, index: int) -> int:
+        if params.seed is not None:
+            return (params.seed + index) % (MAX_SEED + 1)
+        if params.is_greedy:
+            return 0
+        return secrets.randbits(63)
+
+    # ---- shutdown ---------------------------------------------------------------------------
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop admitting, let running requests finish for up to `drain_timeout_s`, abort
+        the rest, stop the replica. Idempotent."""
+        self._shutting_down = True
+        if not self._task.done():
+            await self._scheduler.stop(drain_timeout_s)
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self._controller.shutdown()

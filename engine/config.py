@@ -1,0 +1,101 @@
+"""The engine's configuration, checked at construction.
+
+Values that depend on the model (max_model_len, the KV block count) are resolved once at
+start by `resolve_limits` and live on the engine, never written back into the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from deltaserve.engine.rank.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from deltaserve.ipc.faults import FaultPlan
+
+DEFAULT_MAX_MODEL_LEN = 8192
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str
+    tp_size: int = 1
+    device: str = "cpu"
+    device_ids: tuple[int, ...] | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None  # default min(max_position_embeddings, 8192)
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_queued_requests: int = 256
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default max_num_seqs * max_model_len / block_size
+    step_timeout_s: float = 60.0
+    startup_timeout_s: float = 120.0
+    monitor_endpoint: str | None = None
+    force_mixed_steps: bool = False  # tests: the planner staggers prefills beside decodes
+    fault: FaultPlan | None = None  # tests only
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a model folder path, got {self.model!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        positive = {
+            "tp_size": self.tp_size,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_queued_requests": self.max_queued_requests,
+            "block_size": self.block_size,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so that every decode fits in a step"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        for name in ("step_timeout_s", "startup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.device_ids is not None:
+            if self.device != "cuda":
+                raise ValueError("device_ids is only meaningful with device='cuda'")
+            if len(self.device_ids) != self.tp_size:
+                raise ValueError(
+                    f"device_ids has {len(self.device_ids)} entries for tp_size {self.tp_size}"
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """Model-dependent limits, resolved once at start."""
+
+    max_model_len: int
+    num_kv_blocks: int
+
+
+def resolve_limits(config: EngineConfig, model_config: ModelConfig) -> EngineLimits:
+    model_max = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        max_model_len = min(model_max, DEFAULT_MAX_MODEL_LEN)
+    elif config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's "
+            f"max_position_embeddings {model_max}"
+        )
+    else:
+        max_model_len = config.max_model_len
+    num_kv_blocks = config.num_kv_blocks
+    if num_kv_blocks is None:
+        num_kv_blocks = -(-config.max_num_seqs * max_model_len // config.block_size)
+    return EngineLimits(max_model_len, num_kv_blocks)

@@ -1,0 +1,95 @@
+"""Incremental detokenization with stop strings.
+
+Token-to-text follows vLLM's incremental detokenizer (`detokenize_incrementally`, prefix and
+read offsets), written anew: decode a short window ending at the newest token and the same
+window without it; the difference is the new text. While the window's text ends in U+FFFD the
+newest bytes may be half a UTF-8 character (byte-level BPE splits characters across tokens),
+so nothing is emitted until a later token completes it; a U+FFFD in the middle is a real
+invalid sequence and is emitted.
+
+Stop strings are matched on the text (so across token boundaries, as vLLM's
+`check_stop_strings`): the stop string and everything after it is never emitted, and at most
+len(longest stop) - 1 characters are withheld while a stop string could still be completing.
+
+Unlike vLLM we decode no prompt tokens as left context: Qwen's byte-level BPE needs none (no
+SentencePiece space rules, no clean-up), and without it the deltas always add up to exactly
+`decode(output_ids)`, even when the prompt ends inside a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """One choice's output text. `add` takes each generated token that contributes text,
+    `flush` ends it; both return the text delta to emit now. After a stop string matched,
+    `stop_matched` names it and further calls return ""."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode_fn = backend.decode if backend is not None else tokenizer.decode
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._stops = tuple(stop)
+        self._hold_chars = max((len(s) for s in self._stops), default=1) - 1
+        self.text = ""  # all output text decoded so far (cut at a stop string)
+        self._num_emitted_chars = 0
+        self.stop_matched: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._decode_fn(ids, skip_special_tokens=self._skip_special)
+
+    def add(self, token_id: int) -> str:
+        if self.stop_matched is not None:
+            return ""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+            return ""  # maybe half a character: wait for the next token
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return self._append(new_text[len(prefix_text) :], final=False)
+
+    def flush(self) -> str:
+        """End of generation: emit everything still withheld (an unfinished character too)."""
+        if self.stop_matched is not None:
+            return ""
+        delta = ""
+        if self._read_offset < len(self._ids):
+            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            new_text = self._decode(self._ids[self._prefix_offset :])
+            delta = new_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset = len(self._ids)
+        return self._append(delta, final=True)
+
+    def _append(self, delta: str, final: bool) -> str:
+        old_len = len(self.text)
+        self.text += delta
+        if self._stops and delta:
+            # Earlier text held no stop string, so a match must end inside `delta`.
+            search_from = max(0, old_len - self._hold_chars)
+            hits = [(self.text.find(s, search_from), s) for s in self._stops]
+            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            if hits:
+                pos, stop = min(hits)
+                self.text = self.text[:pos]
+                self.stop_matched = stop
+                final = True
+        end = len(self.text) if final else len(self.text) - self._hold_chars
+        if end <= self._num_emitted_chars:
+            return ""
+        out = self.text[self._num_emitted_chars : end]
+        self._num_emitted_chars = end
+        return out

@@ -1,0 +1,51 @@
+"""Engine counters and latency histograms, updated by the scheduler tick only.
+
+Every terminal reason is counted, aborts and errors included (vLLM PR 30587). Plain numbers
+so that the HTTP layer can render them in the Prometheus text format.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Cumulative-bucket histogram (Prometheus semantics: bucket i counts values <= bound i)."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS_S
+    counts: list[int] = field(default_factory=list)  # per bucket, non-cumulative; last is +Inf
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, count of values <= bound) pairs, ending with (+inf, count)."""
+        out, running = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    request_success_total: dict[str, int] = field(
+        default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0}
+    )
+    time_to_first_token_s: Histogram = field(default_factory=Histogram)
+    inter_token_latency_s: Histogram = field(default_factory=Histogram)
+    e2e_request_latency_s: Histogram = field(default_factory=Histogram)

@@ -1,0 +1,150 @@
+"""One choice of a generate call, as the scheduler tick sees it.
+
+A request is a few stored counters; the rest is derived (nano-vllm `Sequence`, vLLM v1
+`Request`). Every status write and counter change is one of the named methods below, so the
+lifecycle can be read in one place:
+
+  WAITING --admit--> RUNNING --finish(stop|length|abort|error)--> FINISHED_*
+  WAITING --finish(abort|error)--> FINISHED_*         (never reached a rank)
+
+Invariants: 0 <= num_computed <= num_tokens; while decoding, num_computed == num_tokens - 1
+(the newest sampled token is the next step's input); `on_ranks` once a first chunk was sent.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal
+
+from deltaserve.engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED_BY_REASON.values()
+
+
+_FINISHED_BY_REASON: dict[str, RequestStatus] = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+    "error": RequestStatus.FINISHED_ERROR,
+}
+# The one mapping from terminal status to the finish reason clients see (OpenAI's names).
+FINISH_REASON: dict[RequestStatus, FinishReason] = {s: r for r, s in _FINISHED_BY_REASON.items()}
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    request_id: int  # engine-assigned, never reused
+    index: int  # which of the caller's n choices
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int  # resolved: the caller's seed (+ index) or one drawn at submit
+    arrival_time_s: float
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed: int = 0  # positions whose state the ranks hold
+    on_ranks: bool = False  # ranks hold (or are about to hold) state for it
+    _output_ids: list[int] = field(default_factory=list)
+    first_token_time_s: float | None = None
+    last_token_time_s: float | None = None
+
+    @property
+    def output_ids(self) -> tuple[int, ...]:
+        return tuple(self._output_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self._output_ids)
+
+    @property
+    def reserve_tokens(self) -> int:
+        """Positions reserved for the whole lifetime: prompt + max_tokens."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return FINISH_REASON.get(self.status)
+
+    def input_tokens(self, start: int, num_tokens: int) -> list[int]:
+        """Token ids at positions start .. start+num_tokens-1 (prompt, then output)."""
+        if start != self.num_computed or start + num_tokens > self.num_tokens:
+            raise ValueError(
+                f"request {self.request_id}: positions {start}..{start + num_tokens - 1} asked, "
+                f"{self.num_computed} computed of {self.num_tokens} known"
+            )
+        p = len(self.prompt_ids)
+        if start + num_tokens <= p:
+            return list(self.prompt_ids[start : start + num_tokens])
+        return [*self.prompt_ids[start:], *self._output_ids[max(0, start - p) : start + num_tokens - p]]
+
+    # ---- transitions -------------------------------------------------------------------
+
+    def admit(self) -> None:
+        self._expect(RequestStatus.WAITING, "admit")
+        self.status = RequestStatus.RUNNING
+
+    def mark_dispatched(self) -> None:
+        """Its first chunk is going to the ranks: from now on they hold its state."""
+        self._expect(RequestStatus.RUNNING, "dispatch")
+        self.on_ranks = True
+
+    def advance(self, num_tokens: int) -> None:
+        """A step ran `num_tokens` more of its positions."""
+        self._expect(RequestStatus.RUNNING, "advance")
+        if num_tokens < 1 or self.num_computed + num_tokens > self.num_tokens:
+            raise ValueError(
+                f"request {self.request_id}: cannot advance {num_tokens} from "
+                f"{self.num_computed} of {self.num_tokens} positions"
+            )
+        self.num_computed += num_tokens
+
+    def append_token(self, token_id: int, now_s: float) -> None:
+        self._expect(RequestStatus.RUNNING, "append a token")
+        if self.num_computed != self.num_tokens:
+            raise ValueError(
+                f"request {self.request_id}: sampled with {self.num_computed} of "
+                f"{self.num_tokens} positions computed"
+            )
+        self._output_ids.append(token_id)
+        if self.first_token_time_s is None:
+            self.first_token_time_s = now_s
+        self.last_token_time_s = now_s
+
+    def finish(self, reason: FinishReason) -> None:
+        if self.status.is_finished:
+            raise ValueError(f"request {self.request_id} already {self.status.value}")
+        if reason in ("stop", "length") and self.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {self.request_id} cannot end with {reason!r} while {self.status.value}")
+        self.status = _FINISHED_BY_REASON[reason]
+
+    def _expect(self, status: RequestStatus, action: str) -> None:
+        if self.status is not status:
+            raise ValueError(f"cannot {action} request {self.request_id}: it is {self.status.value}")

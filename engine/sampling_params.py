@@ -1,0 +1,118 @@
+"""Per-request sampling parameters, checked once at construction.
+
+Ranges follow vLLM's `SamplingParams` (presence/frequency penalties in [-2, 2], repetition
+penalty > 0, logprobs up to 20). Conventions chosen here, and refused otherwise:
+- `top_k = 0` disables top-k (vLLM also accepts -1; we refuse it so that there is one way).
+- `temperature = 0` is greedy; `seed` only matters for random sampling.
+- `stop` is a sequence of non-empty strings (a bare string is refused: it is a common slip
+  that would otherwise be read as one stop string per character).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from deltaserve.ipc.messages import SamplingSpec
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+# Seeds travel as msgpack ints and seed torch generators: keep them non-negative int64.
+MAX_SEED = 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (isinstance(value, int | float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check_range("temperature", self.temperature, 0.0, math.inf)
+        _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables top-k), got {self.top_k!r}")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}] or None, got {self.seed!r}")
+        if isinstance(self.stop, str) or not isinstance(self.stop, tuple | list):
+            raise ValueError(f"stop must be a list or tuple of strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} allowed")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        if isinstance(self.stop_token_ids, str) or not isinstance(self.stop_token_ids, tuple | list):
+            raise ValueError(f"stop_token_ids must be a list or tuple of ints, got {self.stop_token_ids!r}")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
+            )
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        # Lists are accepted for convenience and frozen here, at construction, into tuples.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_spec(self, seed: int) -> SamplingSpec:
+        """The rank-side part of these parameters, with the seed resolved by the engine."""
+        return SamplingSpec(
+            seed=seed,
+            temperature=float(self.temperature),
+            top_k=self.top_k,
+            top_p=float(self.top_p),
+            min_p=float(self.min_p),
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            repetition_penalty=float(self.repetition_penalty),
+            num_logprobs=self.logprobs or 0,
+        )
+
+
+def _check_range(
+    name: str, value: object, low: float, high: float, *, low_open: bool = False
+) -> None:
+    """Raise ValueError naming `name` unless low <= value <= high (low < value if low_open)."""
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    below = value <= low if low_open else value < low
+    if below or value > high:
+        left = "(" if low_open else "["
+        right = ")" if high == math.inf else "]"
+        raise ValueError(f"{name} must be in {left}{low}, {high}{right}, got {value!r}")

@@ -1,0 +1,390 @@
+"""The scheduler tick: one asyncio task owns every request's state.
+
+Each tick (DESIGN.md section 5):
+  drain   take every submission and cancellation that arrived, in arrival order;
+  prune   cancel requests whose owner left (closed sink); drop what ranks hold (must_exist);
+  publish the load snapshot (the one place monitors hook in: `load_listeners`);
+  admit   first come first served while slots and KV blocks allow; refuse what never fits;
+  plan    one unified step (planner.py);
+then dispatch through the replica controller, await it, drain again (a cancellation that
+arrived during the step wins over its result), commit the results.
+
+Completion commit boundary: a request's last token and its FinishedEvent are delivered only
+after the all-rank drop of its state succeeded. Fail closed: a poisoned replica (or any
+error in the tick) ends every unresolved choice with exactly one ErrorEvent, publishes an idle
+terminal snapshot, and tears the replica down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from deltaserve.engine.capacity import CapacityLedger
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.events import ErrorEvent, Event, FinishedEvent, LoadSnapshot, TokenEvent
+from deltaserve.engine.metrics import EngineMetrics
+from deltaserve.engine.planner import PlanInput, StepBudget, StepPlan, plan_step
+from deltaserve.engine.request import Request
+from deltaserve.engine.stream import EventSink
+from deltaserve.ipc.controller import ReplicaPoisoned
+from deltaserve.ipc.messages import NewRequest, Sample, StepItem
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Submission:
+    sink: EventSink
+    requests: list[Request]
+
+
+@dataclass(slots=True)
+class Cancellation:
+    request_ids: tuple[int, ...]
+
+
+@dataclass(eq=False, slots=True)
+class _Entry:
+    request: Request
+    sink: EventSink
+    detokenizer: IncrementalDetokenizer
+
+
+class Scheduler:
+    def __init__(
+        self,
+        controller: Any,  # ipc.controller.ReplicaController
+        tokenizer: Any,
+        eos_token_ids: frozenset[int],
+        budget: StepBudget,
+        max_model_len: int,
+        force_mixed: bool = False,
+    ) -> None:
+        self._controller = controller
+        self._tokenizer = tokenizer
+        self._eos_token_ids = eos_token_ids
+        self._budget = budget
+        self._force_mixed = force_mixed
+        self.max_model_len = max_model_len
+        self.ledger = CapacityLedger(controller.num_slots, controller.num_blocks, controller.block_size)
+        self.metrics = EngineMetrics()
+        self.steps_total = 0
+        self.dead_reason: str | None = None
+        self.load_listeners: list[Callable[[LoadSnapshot], None]] = []
+        self.plan_listeners: list[Callable[[StepPlan], None]] = []  # tests read plans here
+        self._inbox: deque[Submission | Cancellation] = deque()
+        self._entries: dict[int, _Entry] = {}  # every unresolved request
+        self._waiting: deque[_Entry] = deque()
+        self._running: dict[int, _Entry] = {}  # admitted, in admission order
+        self._pending_drop: dict[int, list[Event]] = {}  # on ranks, ended; events held back
+        self._wake_event = asyncio.Event()
+        self._idle_event = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._poison_reason: str | None = None
+        self._stopping = False
+        self._abort_all = False
+        self._load = self._snapshot()
+
+    # ---- called from outside the tick (event-loop thread) -----------------------------
+
+    @property
+    def num_queued(self) -> int:
+        """Choices submitted and not yet admitted (the bounded waiting queue)."""
+        inbox = sum(len(m.requests) for m in self._inbox if isinstance(m, Submission))
+        return len(self._waiting) + inbox
+
+    def load(self) -> LoadSnapshot:
+        return self._load
+
+    def submit(self, submission: Submission) -> None:
+        self._inbox.append(submission)
+        self.wake()
+
+    def cancel(self, request_ids: tuple[int, ...]) -> None:
+        self._inbox.append(Cancellation(request_ids))
+        self.wake()
+
+    def wake(self) -> None:
+        self._wake_event.set()
+
+    def wake_threadsafe(self) -> None:
+        """For finalizers: may run at any point, even after the loop closed."""
+        try:
+            self._loop.call_soon_threadsafe(self._wake_event.set)
+        except RuntimeError:
+            pass
+
+    def on_poison(self, reason: str) -> None:
+        """The controller's callback: a rank died or the replica was poisoned, maybe idle."""
+        if self._poison_reason is None:
+            self._poison_reason = reason
+        self.wake()
+
+    async def stop(self, drain_timeout_s: float) -> None:
+        """Let running requests finish for up to `drain_timeout_s`, then abort the rest;
+        returns once every request has its terminal event (the tick then exits)."""
+        self._stopping = True
+        self.wake()
+        if drain_timeout_s > 0 and (self._entries or self._inbox):
+            self._idle_event.clear()
+            try:
+                await asyncio.wait_for(self._idle_event.wait(), drain_timeout_s)
+            except TimeoutError:
+                pass
+        self._abort_all = True
+        self.wake()
+
+    # ---- the tick -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            while True:
+                if self._poison_reason is not None:
+                    await self._fail_closed(f"replica poisoned: {self._poison_reason}")
+                    return
+                self._drain()
+                await self._prune()
+                self._publish_load()
+                if not self._entries:
+                    self._idle_event.set()
+                    if self._stopping:
+                        return
+                self._admit()
+                plan = plan_step(
+                    [PlanInput(r, e.request.prompt_len, e.request.num_computed) for r, e in self._running.items()],
+                    self._budget,
+                    self._force_mixed,
+                )
+                if plan.chunks:
+                    await self._step(plan)
+                else:
+                    await self._wait_for_work()
+        except ReplicaPoisoned as exc:
+            await self._fail_closed(f"replica poisoned: {exc.reason}")
+        except asyncio.CancelledError:
+            await self._fail_closed("engine task cancelled")
+            raise
+        except Exception as exc:
+            logger.exception("scheduler tick failed")
+            await self._fail_closed(f"internal error in the scheduler: {exc!r}")
+
+    async def _wait_for_work(self) -> None:
+        self._wake_event.clear()
+        if self._inbox or self._poison_reason is not None or (self._abort_all and self._entries):
+            return
+        if any(e.sink.closed for e in self._entries.values()):
+            return
+        await self._wake_event.wait()
+
+    def _drain(self) -> None:
+        while self._inbox:
+            message = self._inbox.popleft()
+            if isinstance(message, Submission):
+                for request in message.requests:
+                    detok = IncrementalDetokenizer(self._tokenizer, request.params.stop)
+                    entry = _Entry(request, message.sink, detok)
+                    self._entries[request.request_id] = entry
+                    self._waiting.append(entry)
+            else:
+                for request_id in message.request_ids:
+                    entry = self._entries.get(request_id)
+                    if entry is not None:
+                        self._cancel(entry)
+        if self._abort_all:
+            for entry in list(self._entries.values()):
+                self._cancel(entry)
+
+    def _cancel_closed_owners(self) -> None:
+        for entry in list(self._entries.values()):
+            if entry.sink.closed:
+                self._cancel(entry)
+
+    def _cancel(self, entry: _Entry) -> None:
+        """Idempotent. What ranks hold is dropped before the abort is delivered."""
+        request = entry.request
+        rid = request.request_id
+        if request.is_finished:
+            return  # already ended, maybe waiting for its drop
+        if rid in self._running:
+            del self._running[rid]
+        else:
+            self._waiting.remove(entry)
+        request.finish("abort")
+        event = FinishedEvent(request.index, "abort", request.prompt_len, request.num_output_tokens, "")
+        if request.on_ranks:
+            self._pending_drop[rid] = [event]
+            return
+        if rid in self.ledger:
+            self.ledger.release(rid)
+        del self._entries[rid]
+        self._deliver(entry, event)
+
+    async def _prune(self) -> None:
+        self._cancel_closed_owners()
+        await self._flush_drops()
+
+    async def _flush_drops(self) -> None:
+        if not self._pending_drop:
+            return
+        request_ids = list(self._pending_drop)
+        await self._controller.drop(request_ids, "must_exist")
+        for rid in request_ids:
+            events = self._pending_drop.pop(rid)
+            entry = self._entries.pop(rid)
+            self.ledger.release(rid)
+            for event in events:
+                self._deliver(entry, event)
+
+    def _snapshot(self, is_dead: bool = False) -> LoadSnapshot:
+        return LoadSnapshot(
+            running=len(self._running) + len(self._pending_drop),
+            waiting=self.num_queued,
+            free_slots=self.ledger.free_slots,
+            free_blocks=self.ledger.free_blocks,
+            num_slots=self.ledger.num_slots,
+            num_blocks=self.ledger.num_blocks,
+            steps_total=self.steps_total,
+            is_dead=is_dead,
+        )
+
+    def _publish_load(self, snapshot: LoadSnapshot | None = None) -> None:
+        """The single place load leaves the tick: `load()` and every load listener (the
+        monitor publisher hooks in here)."""
+        self._load = snapshot or self._snapshot()
+        for listener in self.load_listeners:
+            try:
+                listener(self._load)
+            except Exception:
+                logger.exception("load listener failed")
+
+    def _admit(self) -> None:
+        """First come first served; stop at the first request that does not fit now."""
+        while self._waiting:
+            entry = self._waiting[0]
+            request = entry.request
+            reserve = request.reserve_tokens
+            if reserve > self.max_model_len or not self.ledger.fits_ever(reserve):
+                self._waiting.popleft()
+                request.finish("error")
+                del self._entries[request.request_id]
+                message = (
+                    f"request needs {reserve} positions (prompt {request.prompt_len} + max_tokens "
+                    f"{request.params.max_tokens}); max_model_len is {self.max_model_len} and the "
+                    f"KV cache holds {self.ledger.num_blocks * self.ledger.block_size}"
+                )
+                self._deliver(entry, ErrorEvent(request.index, message))
+                continue
+            if not self.ledger.can_admit(reserve):
+                return
+            self._waiting.popleft()
+            self.ledger.admit(request.request_id, reserve)
+            request.admit()
+            self._running[request.request_id] = entry
+
+    async def _step(self, plan: StepPlan) -> None:
+        items = []
+        for chunk in plan.chunks:
+            request = self._running[chunk.request_id].request
+            tokens = request.input_tokens(chunk.start, chunk.num_tokens)
+            new = None
+            if chunk.start == 0:
+                new = NewRequest(request.reserve_tokens, request.params.to_spec(request.seed))
+                request.mark_dispatched()
+            items.append(StepItem(chunk.request_id, chunk.start, tokens, chunk.sample, new))
+        for listener in self.plan_listeners:
+            listener(plan)
+        samples = await self._controller.run_step(items)
+        self.steps_total += 1
+        # Cancellations that arrived while the step ran win over its results.
+        self._drain()
+        self._cancel_closed_owners()
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            entry = self._entries.get(chunk.request_id)
+            if entry is None or entry.request.is_finished:
+                continue
+            entry.request.advance(chunk.num_tokens)
+            if chunk.sample:
+                if not chunk.is_decode:
+                    self.metrics.prompt_tokens_total += entry.request.prompt_len
+                self._commit_sample(entry, samples[chunk.request_id], now)
+        await self._flush_drops()
+
+    def _commit_sample(self, entry: _Entry, sample: Sample, now: float) -> None:
+        request, params = entry.request, entry.request.params
+        previous = request.last_token_time_s
+        request.append_token(sample.token_id, now)
+        self.metrics.generation_tokens_total += 1
+        if previous is None:
+            self.metrics.time_to_first_token_s.observe(now - request.arrival_time_s)
+        else:
+            self.metrics.inter_token_latency_s.observe(now - previous)
+        token = sample.token_id
+        reason = None
+        text = ""
+        if (not params.ignore_eos and token in self._eos_token_ids) or token in params.stop_token_ids:
+            reason = "stop"  # the stop token's text is not part of the output (as vLLM)
+        else:
+            text = entry.detokenizer.add(token)
+            if entry.detokenizer.stop_matched is not None:
+                reason = "stop"
+        if reason is None and request.num_output_tokens >= params.max_tokens:
+            reason = "length"
+        event = TokenEvent(request.index, token, text, sample.logprob, list(sample.top_logprobs))
+        if reason is None:
+            self._deliver(entry, event)
+            return
+        tail = entry.detokenizer.flush()
+        request.finish(reason)
+        del self._running[request.request_id]
+        finished = FinishedEvent(request.index, reason, request.prompt_len, request.num_output_tokens, tail)
+        self._pending_drop[request.request_id] = [event, finished]
+
+    def _deliver(self, entry: _Entry, event: Event) -> None:
+        entry.sink.put(event)
+        if isinstance(event, FinishedEvent | ErrorEvent):
+            reason = event.reason if isinstance(event, FinishedEvent) else "error"
+            self.metrics.request_success_total[reason] += 1
+            self.metrics.e2e_request_latency_s.observe(time.monotonic() - entry.request.arrival_time_s)
+
+    async def _fail_closed(self, reason: str) -> None:
+        """Exactly one ErrorEvent to every unresolved choice, an idle terminal snapshot,
+        replica teardown. New submissions already fail: `dead_reason` is set first."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.error("engine failed closed: %s", reason)
+        self._drain_submissions_only()
+        message = f"engine failed: {reason}"
+        for entry in self._entries.values():
+            if not entry.request.is_finished:
+                entry.request.finish("error")
+            self._deliver(entry, ErrorEvent(entry.request.index, message))
+        self._entries.clear()
+        self._waiting.clear()
+        self._running.clear()
+        self._pending_drop.clear()
+        self._idle_event.set()
+        self._publish_load(
+            LoadSnapshot(0, 0, self.ledger.num_slots, self.ledger.num_blocks, self.ledger.num_slots,
+                         self.ledger.num_blocks, self.steps_total, is_dead=True)
+        )
+        try:
+            await self._controller.shutdown()
+        except Exception:
+            logger.exception("replica teardown after failure")
+
+    def _drain_submissions_only(self) -> None:
+        """Submissions still in the inbox have owners waiting too: make them entries."""
+        while self._inbox:
+            message = self._inbox.popleft()
+            if isinstance(message, Submission):
+                for request in message.requests:
+                    detok = IncrementalDetokenizer(self._tokenizer, request.params.stop)
+                    self._entries[request.request_id] = _Entry(request, message.sink, detok)

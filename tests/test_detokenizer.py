@@ -1,0 +1,116 @@
+"""Incremental detokenization and stop strings, with the real Qwen3.5 vocabulary."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Hello, world! Plain ASCII text with numbers 12345.",
+    "你好，世界！今天天气很好。这是一个测试。",
+    "日本語のテキストと한국어 텍스트 mixed with English.",
+    "Emoji: 🎉👍🏽👨‍👩‍👧‍👦 🇯🇵 and ✓ ∑ ∞ €.",
+    "naïve café — Zürich; ﬁne ligatures and \u00a0spaces\n\ttabs",
+    "🙂" * 7 + "𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _stream(tokenizer, ids, stop=()):
+    """Feed `ids` one by one; returns (deltas, flush, detokenizer)."""
+    detok = IncrementalDetokenizer(tokenizer, stop)
+    deltas = [detok.add(t) for t in ids]
+    return deltas, detok.flush(), detok
+
+
+class TestIncremental:
+    @pytest.mark.parametrize("text", TEXTS)
+    def test_round_trip_token_by_token(self, tokenizer, text):
+        """Deltas never carry half a character, and together give the whole text."""
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert len(ids) > 3
+        deltas, tail, _ = _stream(tokenizer, ids)
+        assert all("\ufffd" not in d for d in deltas), deltas
+        assert "".join(deltas) + tail == text
+        assert tail == ""
+
+    def test_split_characters_wait_for_completion(self, tokenizer):
+        ids = tokenizer.encode("🎉👍🏽", add_special_tokens=False)
+        deltas, tail, _ = _stream(tokenizer, ids)
+        assert "" in deltas  # at least one token held back mid-character
+        assert "".join(deltas) == "🎉👍🏽" and tail == ""
+
+    def test_random_tokens_match_full_decode(self, tokenizer):
+        """Any id sequence (byte fragments, special tokens, ids past the tokenizer's size):
+        deltas + flush equal one decode of all ids with special tokens skipped."""
+        rng = random.Random(0)
+        vocab = len(tokenizer)
+        for _ in range(200):
+            ids = [
+                rng.randrange(256) if rng.random() < 0.5 else rng.randrange(vocab + 200)
+                for _ in range(rng.randrange(1, 25))
+            ]
+            deltas, tail, detok = _stream(tokenizer, ids)
+            full = tokenizer.decode(ids, skip_special_tokens=True)
+            assert "".join(deltas) + tail == full, ids
+            assert detok.text == full
+
+    def test_special_tokens_give_no_text(self, tokenizer):
+        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        ids = tokenizer.encode("ok", add_special_tokens=False) + [im_end]
+        deltas, tail, _ = _stream(tokenizer, ids)
+        assert "".join(deltas) + tail == "ok"
+
+
+class TestStopStrings:
+    def _run(self, tokenizer, text, stop):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        detok = IncrementalDetokenizer(tokenizer, stop)
+        emitted = ""
+        hold = max(len(s) for s in stop) - 1
+        for i, t in enumerate(ids):
+            emitted += detok.add(t)
+            if detok.stop_matched is not None:
+                return emitted + detok.flush(), detok, i + 1, len(ids)
+            # Withheld text is bounded by the longest stop (plus any unfinished character).
+            decoded = tokenizer.decode(ids[: i + 1])
+            if not decoded.endswith("\ufffd"):
+                assert len(decoded) - len(emitted) <= hold
+        return emitted + detok.flush(), detok, len(ids), len(ids)
+
+    def test_stop_spanning_tokens(self, tokenizer):
+        text = "The quick brown fox jumps over the lazy dog and keeps running."
+        stop = "ps over the la"
+        out, detok, used, total = self._run(tokenizer, text, (stop,))
+        assert out == text[: text.index(stop)]
+        assert detok.stop_matched == stop
+        assert used < total  # matched before the text ran out
+
+    def test_stop_in_multibyte_text(self, tokenizer):
+        text = "我们今天去公园散步，然后🎉回家吃饭。"
+        out, detok, _, _ = self._run(tokenizer, text, ("🎉回",))
+        assert out == "我们今天去公园散步，然后"
+        assert detok.stop_matched == "🎉回"
+
+    def test_earliest_of_several_stops_wins(self, tokenizer):
+        text = "alpha beta gamma delta epsilon"
+        out, detok, _, _ = self._run(tokenizer, text, ("delta", "a gam", "beta gamma delta ep"))
+        assert out == "alpha bet"
+        assert detok.stop_matched == "a gam"
+
+    def test_no_match_flushes_withheld_text(self, tokenizer):
+        text = "nothing to see here, move along"
+        out, detok, _, _ = self._run(tokenizer, text, ("zzz-long-stop-string",))
+        assert out == text and detok.stop_matched is None
+
+    def test_stop_at_very_start(self, tokenizer):
+        out, detok, used, _ = self._run(tokenizer, "Stop right there", ("Stop",))
+        assert out == "" and detok.stop_matched == "Stop" and used == 1

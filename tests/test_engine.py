@@ -1,0 +1,431 @@
+"""AsyncEngine end to end on the tiny model: real rank processes, CPU, TP=1 and TP=2.
+
+One engine per configuration is shared by the module's tests (none of them kills it); each
+test leaves it idle with nothing held on any rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from deltaserve.engine.async_engine import AsyncEngine
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.events import (
+    EngineDeadError,
+    ErrorEvent,
+    FinishedEvent,
+    QueueFullError,
+    TokenEvent,
+)
+from deltaserve.engine.generate import generate_tokens
+from deltaserve.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+TEXTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away, there lived a",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    # > 64 tokens: crosses the DeltaNet chunk, and is chunked by the 32-token step budget
+    " ".join(f"item{i} costs {i * 7 % 13} coins;" for i in range(14)),
+]
+MAX_TOKENS = 10
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2)
+
+
+def engine_config(model: Path, **overrides) -> EngineConfig:
+    base = dict(
+        model=str(model), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
+        num_kv_blocks=64, block_size=16, max_queued_requests=8, startup_timeout_s=90.0,
+    )
+    return EngineConfig(**{**base, **overrides})
+
+
+async def collect(stream, timeout_s: float = 60.0) -> tuple[list[TokenEvent], object]:
+    """All token events and the one terminal event of a single-choice stream."""
+    events = await asyncio.wait_for(_drain(stream), timeout_s)
+    assert events and isinstance(events[-1], FinishedEvent | ErrorEvent), events[-1:]
+    assert all(isinstance(e, TokenEvent) for e in events[:-1])
+    return events[:-1], events[-1]
+
+
+async def _drain(stream) -> list:
+    return [e async for e in stream]
+
+
+def ids_of(tokens: list[TokenEvent]) -> list[int]:
+    return [t.token_id for t in tokens]
+
+
+async def assert_idle_and_empty(engine: AsyncEngine) -> None:
+    """Nothing running or waiting, and every rank holds no request, slot or block."""
+    for _ in range(250):
+        load = engine.load()
+        if load.running == 0 and load.waiting == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert (load.running, load.waiting) == (0, 0), load
+    assert (load.free_slots, load.free_blocks) == (load.num_slots, load.num_blocks), load
+    for snap in await engine.rank_snapshots():
+        assert (snap.request_ids, snap.slots_used, snap.blocks_used) == ([], 0, 0), snap
+
+
+class PlanLog:
+    """Records every dispatched plan (the scheduler's plan listeners)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.plans = []
+        self._engine = engine
+        engine.scheduler.plan_listeners.append(self.plans.append)
+
+    def close(self) -> None:
+        self._engine.scheduler.plan_listeners.remove(self.plans.append)
+
+    def request_ids(self) -> set[int]:
+        return {c.request_id for p in self.plans for c in p.chunks}
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    out = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
+    assert len(out[-1]) > 64
+    return out
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_model_dir):
+    engine = await AsyncEngine.start(engine_config(tiny_model_dir))
+    yield engine
+    await engine.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def reference(engine, prompts):
+    """Greedy tokens of each prompt run alone (batch of one)."""
+    out = []
+    for p in prompts:
+        tokens, fin = await collect(engine.generate(p, GREEDY))
+        assert fin.reason == "length" and len(tokens) == MAX_TOKENS
+        out.append(tokens)
+    return out
+
+
+class TestGreedy:
+    async def test_alone_twice_is_bit_identical(self, engine, prompts, reference):
+        for p, ref in zip(prompts, reference, strict=True):
+            tokens, _ = await collect(engine.generate(p, GREEDY))
+            assert [(t.token_id, t.logprob, t.top_logprobs) for t in tokens] == [
+                (t.token_id, t.logprob, t.top_logprobs) for t in ref
+            ]
+        await assert_idle_and_empty(engine)
+
+    async def test_batched_equals_alone(self, engine, prompts, reference):
+        log = PlanLog(engine)
+        try:
+            streams = [engine.generate(p, GREEDY) for p in prompts]
+            results = await asyncio.gather(*(collect(s) for s in streams))
+        finally:
+            log.close()
+        assert max(len(p.chunks) for p in log.plans) == len(prompts)  # they did share steps
+        for (tokens, fin), ref, p in zip(results, reference, prompts, strict=True):
+            assert ids_of(tokens) == ids_of(ref)
+            for a, b in zip(tokens, ref, strict=True):
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert (fin.reason, fin.prompt_tokens, fin.output_tokens) == ("length", len(p), MAX_TOKENS)
+        await assert_idle_and_empty(engine)
+
+    async def test_last_token_and_finish_arrive_after_the_drop(self, engine, prompts):
+        """Completion commit boundary: when the last token (and the FinishedEvent) reach
+        the caller, no rank holds the request any more."""
+        stream = engine.generate(prompts[0], SamplingParams(max_tokens=4, temperature=0))
+        rid = stream.request_ids[0]
+        seen = 0
+        async for event in stream:
+            seen += isinstance(event, TokenEvent)
+            if seen == 4:
+                held = {r for snap in await engine.rank_snapshots() for r in snap.request_ids}
+                assert rid not in held
+        assert seen == 4 and isinstance(event, FinishedEvent)
+
+    async def test_matches_in_process_generate(self, tiny_model_dir, prompts, reference):
+        """The engine agrees with `deltaserve generate` (one executor, no control plane)."""
+        for p, ref in zip(prompts[1:3], reference[1:3], strict=True):
+            samples = await asyncio.to_thread(generate_tokens, tiny_model_dir, p, MAX_TOKENS, ignore_eos=True)
+            assert [s.token_id for s in samples] == ids_of(ref)
+            for s, t in zip(samples, ref, strict=True):
+                assert s.logprob == pytest.approx(t.logprob, abs=1e-4)
+
+
+class TestSampling:
+    async def test_concurrent_mixed_sampling_is_reproducible_per_seed(self, engine, prompts, reference):
+        seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, top_k=200, seed=77,
+                                repetition_penalty=1.1, frequency_penalty=0.3)
+
+        async def run(order: list[int]) -> dict[int, list[int]]:
+            kinds = {0: (prompts[0], GREEDY), 1: (prompts[1], seeded), 2: (prompts[2], seeded),
+                     3: (prompts[3], GREEDY)}
+            streams = {k: engine.generate(kinds[k][0], kinds[k][1]) for k in order}
+            got = await asyncio.gather(*(collect(s) for s in streams.values()))
+            return {k: ids_of(t) for k, (t, _) in zip(streams, got, strict=True)}
+
+        first = await run([0, 1, 2, 3])
+        second = await run([2, 3, 1, 0])
+        assert first == second
+        assert first[0] == ids_of(reference[0]) and first[3] == ids_of(reference[3])
+        alone, _ = await collect(engine.generate(prompts[1], seeded))
+        assert ids_of(alone) == first[1]
+        other, _ = await collect(engine.generate(prompts[1], dataclasses.replace(seeded, seed=78)))
+        assert ids_of(other) != first[1]
+        await assert_idle_and_empty(engine)
+
+    async def test_n_choices_are_seeded_children(self, engine, prompts):
+        params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, n=3)
+        stream = engine.generate(prompts[0], params)
+        assert len(set(stream.request_ids)) == 3
+        events = await asyncio.wait_for(_drain(stream), 60)
+        by_index = {i: [e.token_id for e in events if isinstance(e, TokenEvent) and e.index == i] for i in range(3)}
+        finals = [e for e in events if isinstance(e, FinishedEvent)]
+        assert sorted(f.index for f in finals) == [0, 1, 2]
+        for i in range(3):
+            single = SamplingParams(max_tokens=6, temperature=1.0, seed=5 + i)
+            tokens, _ = await collect(engine.generate(prompts[0], single))
+            assert ids_of(tokens) == by_index[i]
+        assert by_index[0] != by_index[1]
+
+
+class TestStopping:
+    async def test_stop_string_across_token_boundary(self, engine, prompts):
+        tokens, fin = await collect(engine.generate(prompts[1], SamplingParams(max_tokens=24, temperature=0)))
+        texts = [t.text for t in tokens]
+        full = "".join(texts) + fin.text
+        # A stop string made of the end of one token's text and the start of the next.
+        k = next(i for i in range(2, len(texts) - 1) if len(texts[i]) >= 2 and len(texts[i + 1]) >= 2
+                 and full.find(texts[i][-2:] + texts[i + 1][:2]) == len("".join(texts[:i])) + len(texts[i]) - 2)
+        stop = texts[k][-2:] + texts[k + 1][:2]
+        params = SamplingParams(max_tokens=24, temperature=0, stop=("never-appears", stop))
+        stopped, fin2 = await collect(engine.generate(prompts[1], params))
+        assert fin2.reason == "stop"
+        assert "".join(t.text for t in stopped) + fin2.text == full[: full.index(stop)]
+        assert ids_of(stopped) == ids_of(tokens[: k + 2])  # ended on the token completing the stop
+        assert fin2.output_tokens == k + 2
+        await assert_idle_and_empty(engine)
+
+    async def test_stop_token_ids_and_length(self, engine, prompts, reference):
+        ref = ids_of(reference[2])
+        j = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
+        tokens, fin = await collect(engine.generate(
+            prompts[2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=(ref[j],))))
+        assert ids_of(tokens) == ref[: j + 1] and tokens[-1].text == ""
+        assert (fin.reason, fin.output_tokens) == ("stop", j + 1)
+        tokens, fin = await collect(engine.generate(prompts[2], SamplingParams(max_tokens=3, temperature=0)))
+        assert ids_of(tokens) == ref[:3] and (fin.reason, fin.output_tokens) == ("length", 3)
+        await assert_idle_and_empty(engine)
+
+
+class TestRefusals:
+    async def test_impossible_requests_are_refused_naming_the_numbers(self, engine, prompts):
+        with pytest.raises(ValueError, match=r"= 257 exceeds max_model_len 256"):
+            engine.generate(prompts[0], SamplingParams(max_tokens=257 - len(prompts[0])))
+        with pytest.raises(ValueError, match="ids must be integers in"):
+            engine.generate([1, 2, 248320], GREEDY)
+        with pytest.raises(ValueError, match="empty"):
+            engine.generate([], GREEDY)
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            engine.generate([1], SamplingParams(stop_token_ids=(10**7,)))
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingParams(top_p=0)
+        await assert_idle_and_empty(engine)
+
+    async def test_queue_bound(self, engine, prompts):
+        streams = [engine.generate(prompts[0], GREEDY) for _ in range(8)]
+        with pytest.raises(QueueFullError, match="max_queued_requests 8"):
+            engine.generate(prompts[0], GREEDY)
+        for s in streams:
+            await s.aclose()
+        await assert_idle_and_empty(engine)
+
+
+class TestCancellation:
+    async def test_cancelled_before_admission_is_never_dispatched(self, engine, prompts):
+        log = PlanLog(engine)
+        try:
+            early = engine.generate(prompts[0], GREEDY, request_id="early")
+            await engine.abort("early")  # drained together with the submission
+            # Fill every slot, then queue one more and cancel it while it waits.
+            busy = [engine.generate(p, SamplingParams(max_tokens=20, temperature=0)) for p in prompts]
+            queued = engine.generate(prompts[0], GREEDY, request_id="queued")
+            for _ in range(500):
+                await asyncio.sleep(0.01)
+                if engine.load().running == 4:
+                    break
+            assert (engine.load().running, engine.load().waiting) == (4, 1)
+            await engine.abort("queued")
+            await engine.abort("queued")  # idempotent
+            for s in (early, queued):
+                tokens, fin = await collect(s)
+                assert tokens == [] and (fin.reason, fin.output_tokens) == ("abort", 0)
+            for s in busy:
+                await collect(s)
+        finally:
+            log.close()
+        assert not set(early.request_ids + queued.request_ids) & log.request_ids()
+        await assert_idle_and_empty(engine)
+
+    async def test_cancelled_mid_step_gets_no_later_token(self, engine, prompts):
+        stream = engine.generate(prompts[1], SamplingParams(max_tokens=50, temperature=0), request_id="mid")
+        rid = stream.request_ids[0]
+        log = PlanLog(engine)
+        sampled_steps = []
+
+        def cancel_on_fourth_sample(plan) -> None:
+            if any(c.request_id == rid and c.sample for c in plan.chunks):
+                sampled_steps.append(plan)
+                if len(sampled_steps) == 4:  # abort while this step runs on the ranks
+                    asyncio.get_running_loop().create_task(engine.abort("mid"))
+
+        engine.scheduler.plan_listeners.append(cancel_on_fourth_sample)
+        try:
+            tokens, fin = await collect(stream)
+        finally:
+            engine.scheduler.plan_listeners.remove(cancel_on_fourth_sample)
+            log.close()
+        assert len(sampled_steps) == 4
+        assert len(tokens) == 3 and (fin.reason, fin.output_tokens) == ("abort", 3)
+        await assert_idle_and_empty(engine)
+
+    async def test_consumer_walking_away_leaks_nothing(self, engine, prompts):
+        """break, a cancelled consumer task and aclose each cancel the request (counted as
+        aborts, not run to their length) and leave nothing on the ranks."""
+        before = dict(engine.metrics.request_success_total)
+        params = SamplingParams(max_tokens=60, temperature=0)
+        seen = 0
+        async for _ in engine.generate(prompts[0], params):
+            seen += 1
+            if seen == 3:
+                break  # the stream object is dropped here
+
+        two_events = asyncio.Event()
+
+        async def consume(stream) -> None:
+            count = 0
+            async for _ in stream:
+                count += 1
+                if count == 2:
+                    two_events.set()
+
+        task = asyncio.create_task(consume(engine.generate(prompts[1], params)))
+        await two_events.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        closed = engine.generate(prompts[2], params)
+        await closed.__anext__()
+        await closed.aclose()
+        assert [e async for e in closed] == []
+        await assert_idle_and_empty(engine)
+        after = engine.metrics.request_success_total
+        assert after["abort"] - before["abort"] == 3 and after["length"] == before["length"]
+
+
+# ---- forced mixed steps, on an engine whose EOS is a token the model is known to produce ----
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def eos_case(tmp_path_factory, tiny_model_dir, reference):
+    """A copy of the tiny model whose generation_config names as EOS the token that prompt 0
+    produces first at output index j >= 1."""
+    ref0 = ids_of(reference[0])
+    j = next(i for i in range(1, len(ref0)) if ref0[i] not in ref0[:i])
+    folder = tmp_path_factory.mktemp("tiny_eos")
+    for f in Path(tiny_model_dir).iterdir():
+        if f.name != "generation_config.json":
+            os.symlink(f, folder / f.name)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [ref0[j]]}))
+    return folder, j
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def mixed_engine(eos_case):
+    engine = await AsyncEngine.start(engine_config(eos_case[0], force_mixed_steps=True))
+    yield engine
+    await engine.shutdown()
+
+
+class TestForcedMixed:
+    async def test_prefill_and_decode_share_steps_and_agree(self, mixed_engine, prompts, reference, eos_case):
+        log = PlanLog(mixed_engine)
+        try:
+            streams = [mixed_engine.generate(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                               logprobs=2, ignore_eos=True)) for p in prompts]
+            results = await asyncio.gather(*(collect(s) for s in streams))
+        finally:
+            log.close()
+        mixed = [p for p in log.plans if p.is_mixed]
+        assert mixed, "no step mixed prefill and decode"
+        long_id = streams[3].request_ids[0]
+        assert any(c.request_id == long_id and not c.is_decode for p in mixed for c in p.chunks)
+        for (tokens, fin), ref in zip(results, reference, strict=True):
+            assert ids_of(tokens) == ids_of(ref) and fin.reason == "length"
+        await assert_idle_and_empty(mixed_engine)
+
+    async def test_eos_from_generation_config(self, mixed_engine, prompts, reference, eos_case):
+        _, j = eos_case
+        tokens, fin = await collect(mixed_engine.generate(prompts[0], GREEDY))
+        assert ids_of(tokens) == ids_of(reference[0])[: j + 1]
+        assert (fin.reason, fin.output_tokens) == ("stop", j + 1) and tokens[-1].text == ""
+        tokens, fin = await collect(mixed_engine.generate(
+            prompts[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)))
+        assert ids_of(tokens) == ids_of(reference[0]) and fin.reason == "length"
+        await assert_idle_and_empty(mixed_engine)
+
+
+# ---- tensor parallel ----------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tp2_engine(tiny_model_dir):
+    # A cache (24 blocks of 16 = 384 positions) smaller than max_model_len (512).
+    engine = await AsyncEngine.start(engine_config(tiny_model_dir, tp_size=2, max_model_len=512, num_kv_blocks=24))
+    yield engine
+    await engine.shutdown()
+
+
+class TestTensorParallel:
+    async def test_tp2_matches_tp1(self, tp2_engine, prompts, reference):
+        streams = [tp2_engine.generate(p, GREEDY) for p in prompts]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        for (tokens, _), ref in zip(results, reference, strict=True):
+            assert ids_of(tokens) == ids_of(ref)
+            for a, b in zip(tokens, ref, strict=True):
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+        snaps = await tp2_engine.rank_snapshots()
+        assert [s.rank for s in snaps] == [0, 1]
+        await assert_idle_and_empty(tp2_engine)
+
+    async def test_request_larger_than_the_cache_is_refused(self, tp2_engine, prompts):
+        with pytest.raises(ValueError, match=r"= 400 positions need 25 KV blocks; the cache has 24 blocks of 16"):
+            tp2_engine.generate(prompts[0], SamplingParams(max_tokens=400 - len(prompts[0])))
+        await assert_idle_and_empty(tp2_engine)
+
+    async def test_shutdown_drains_then_refuses(self, tp2_engine, prompts):
+        """Last in the module: shutdown lets a running request finish within the drain
+        timeout, then every call fails with EngineDeadError."""
+        stream = tp2_engine.generate(prompts[0], GREEDY)
+        await tp2_engine.shutdown(drain_timeout_s=30)
+        tokens, fin = await collect(stream)
+        assert fin.reason == "length" and len(tokens) == MAX_TOKENS
+        await tp2_engine.shutdown()  # idempotent
+        with pytest.raises(EngineDeadError):
+            tp2_engine.generate(prompts[0], GREEDY)
+        with pytest.raises(EngineDeadError):
+            await tp2_engine.rank_snapshots()

@@ -1,0 +1,201 @@
+"""Sampler rules (engine/rank/sampler.py) and SamplingParams validation, on plain tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deltaserve.engine.rank.sampler import Sampler
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.ipc.messages import SamplingSpec
+
+VOCAB = 50
+
+
+def _logits(seed: int, rows: int = 1, vocab: int = VOCAB) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * 3.0
+
+
+def _draw(spec: SamplingSpec, logits_rows: list[torch.Tensor], companions: int = 0) -> list[int]:
+    """Sample request 7 once per given logits row, with `companions` other random requests
+    placed before it in the batch; returns request 7's tokens."""
+    sampler = Sampler()
+    sampler.add(7, spec)
+    for c in range(companions):
+        sampler.add(100 + c, SamplingSpec(seed=1000 + c, temperature=1.3, top_p=0.8))
+    out = []
+    for step, row in enumerate(logits_rows):
+        ids = [100 + c for c in range(companions)] + [7]
+        batch = torch.cat([_logits(9000 + step * 31 + c) for c in range(companions)] + [row[None]])
+        samples = sampler.sample(ids, batch)
+        assert [s.request_id for s in samples] == ids
+        out.append(samples[-1].token_id)
+    return out
+
+
+class TestSampler:
+    def test_greedy_is_argmax_and_logprobs_are_raw(self):
+        """Greedy rows take the argmax; logprobs are log_softmax of the raw logits and the
+        alternatives come best first, as many as asked."""
+        sampler = Sampler()
+        for r in range(4):
+            sampler.add(r, SamplingSpec(seed=r, temperature=0.0, num_logprobs=r * 2))
+        logits = _logits(0, rows=4)
+        samples = sampler.sample([0, 1, 2, 3], logits)
+        raw = torch.log_softmax(logits, dim=-1)
+        for r, s in enumerate(samples):
+            assert s.token_id == int(logits[r].argmax())
+            assert s.logprob == pytest.approx(float(raw[r, s.token_id]), abs=1e-6)
+            assert len(s.top_logprobs) == r * 2
+            values = [v for _, v in s.top_logprobs]
+            assert values == sorted(values, reverse=True)
+            for tok, v in s.top_logprobs:
+                assert v == pytest.approx(float(raw[r, tok]), abs=1e-6)
+            if s.top_logprobs:
+                assert s.top_logprobs[0][0] == s.token_id
+
+    def test_seeded_sampling_reproducible_and_batch_independent(self):
+        spec = SamplingSpec(seed=1234, temperature=0.9, top_k=20, top_p=0.95)
+        rows = [_logits(50 + i)[0] for i in range(12)]
+        alone = _draw(spec, rows)
+        assert _draw(spec, rows) == alone
+        assert _draw(spec, rows, companions=3) == alone
+        other_seed = _draw(SamplingSpec(seed=1235, temperature=0.9, top_k=20, top_p=0.95), rows)
+        assert other_seed != alone  # 12 draws over a flat-ish distribution: a seed matters
+
+    def test_top_k_one_is_greedy(self):
+        rows = [_logits(300 + i)[0] for i in range(8)]
+        assert _draw(SamplingSpec(seed=5, temperature=1.5, top_k=1), rows) == [
+            int(r.argmax()) for r in rows
+        ]
+
+    def test_temperature_sampling_matches_softmax(self):
+        """Chi-square of 4000 seeded draws against softmax(logits / T); fixed seeds, so the
+        statistic is deterministic; the bound is the 0.999 quantile for 7 degrees of freedom."""
+        logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, 2.0, 1.5, -1.0, 0.2]])
+        temperature = 0.8
+        expected = torch.softmax(logits[0] / temperature, dim=-1)
+        sampler = Sampler()
+        sampler.add(0, SamplingSpec(seed=42, temperature=temperature))
+        n = 4000
+        counts = torch.zeros(8)
+        for _ in range(n):
+            counts[sampler.sample([0], logits)[0].token_id] += 1
+        chi2 = float((((counts - n * expected) ** 2) / (n * expected)).sum())
+        assert chi2 < 24.3, (chi2, counts.tolist(), (n * expected).tolist())
+
+    def test_filters_restrict_support(self):
+        """top_k, top_p and min_p never let a token outside their set through."""
+        logits = torch.tensor([[3.0, 2.9, 2.0, 1.0, 0.0, -1.0]])
+        probs = torch.softmax(logits[0], dim=-1)  # ~[.41,.37,.15,.06,.02,.01]
+        cases = {
+            SamplingSpec(seed=1, temperature=1.0, top_k=2): {0, 1},
+            SamplingSpec(seed=2, temperature=1.0, top_p=0.7): {0, 1},
+            SamplingSpec(seed=3, temperature=1.0, top_p=0.8): {0, 1, 2},
+            SamplingSpec(seed=4, temperature=1.0, min_p=0.3): {0, 1, 2},
+            SamplingSpec(seed=5, temperature=1.0, min_p=0.5): {0, 1},
+        }
+        assert float(probs[:2].sum()) < 0.8 < float(probs[:3].sum())
+        for spec, allowed in cases.items():
+            sampler = Sampler()
+            sampler.add(0, spec)
+            seen = {sampler.sample([0], logits)[0].token_id for _ in range(300)}
+            assert seen == allowed, (spec, seen)
+
+    def test_top_p_nucleus_wider_than_the_candidates(self):
+        """A flat distribution whose nucleus holds thousands of tokens (past the 1024 first
+        looked at) matches vLLM's sort-based rule exactly."""
+        vocab, p = 5000, 0.5
+        logits = torch.linspace(1.0, 0.0, vocab)[torch.randperm(vocab, generator=torch.Generator().manual_seed(0))]
+        ascending, order = logits.sort()
+        drop = ascending.softmax(0).cumsum(0) <= 1 - p
+        nucleus = set(order[~drop].tolist())
+        assert len(nucleus) > 1500
+        sampler = Sampler()
+        sampler.add(0, SamplingSpec(seed=11, temperature=1.0, top_p=p))
+        drawn = [sampler.sample([0], logits[None])[0].token_id for _ in range(300)]
+        assert set(drawn) <= nucleus
+        rank = {t: r for r, t in enumerate(logits.argsort(descending=True).tolist())}
+        assert max(rank[t] for t in drawn) > 1024
+
+    def test_penalties(self):
+        """Repetition hits prompt and output tokens; presence/frequency only output tokens."""
+        logits = torch.tensor([[3.0, 2.5, 0.0, -1.0]])
+
+        def greedy_after(spec: SamplingSpec, prompt: list[int], output: list[int]) -> int:
+            sampler = Sampler()
+            sampler.add(0, spec)
+            sampler.observe(0, prompt, is_prompt=True)
+            sampler.observe(0, output, is_prompt=False)
+            return sampler.sample([0], logits)[0].token_id
+
+        base = dict(seed=0, temperature=0.0)
+        assert greedy_after(SamplingSpec(**base), [0], []) == 0
+        assert greedy_after(SamplingSpec(**base, repetition_penalty=2.0), [0], []) == 1
+        assert greedy_after(SamplingSpec(**base, repetition_penalty=2.0), [], [0]) == 1
+        assert greedy_after(SamplingSpec(**base, repetition_penalty=1.1), [0], []) == 0
+        assert greedy_after(SamplingSpec(**base, presence_penalty=1.0), [0, 0, 0], []) == 0
+        assert greedy_after(SamplingSpec(**base, presence_penalty=1.0), [], [0]) == 1
+        assert greedy_after(SamplingSpec(**base, frequency_penalty=0.3), [], [0]) == 0
+        assert greedy_after(SamplingSpec(**base, frequency_penalty=0.3), [], [0, 0]) == 1
+        assert greedy_after(SamplingSpec(**base, frequency_penalty=-2.0), [], [3, 3, 3]) == 3
+        # A sampled token counts as output history by itself.
+        sampler = Sampler()
+        sampler.add(0, SamplingSpec(**base, frequency_penalty=0.6))
+        assert [sampler.sample([0], logits)[0].token_id for _ in range(2)] == [0, 1]
+
+    def test_unknown_request_and_shape_errors(self):
+        sampler = Sampler()
+        sampler.add(1, SamplingSpec(seed=0))
+        with pytest.raises(ValueError, match="request 2"):
+            sampler.sample([2], _logits(0))
+        with pytest.raises(ValueError, match="shape"):
+            sampler.sample([1], _logits(0, rows=2))
+        with pytest.raises(ValueError, match="already"):
+            sampler.add(1, SamplingSpec(seed=0))
+        sampler.remove(1)
+        sampler.remove(1)
+        assert 1 not in sampler
+
+
+class TestSamplingParams:
+    @pytest.mark.parametrize(
+        "field,value",
+        [
+            ("max_tokens", 0),
+            ("max_tokens", 1.5),
+            ("temperature", -0.1),
+            ("temperature", math.nan),
+            ("temperature", math.inf),
+            ("top_p", 0.0),
+            ("top_p", 1.01),
+            ("top_k", -1),
+            ("min_p", 1.5),
+            ("presence_penalty", 2.5),
+            ("frequency_penalty", -2.1),
+            ("repetition_penalty", 0.0),
+            ("seed", -1),
+            ("seed", 2**63),
+            ("logprobs", 21),
+            ("logprobs", -1),
+            ("n", 0),
+            ("n", 17),
+            ("stop", ("",)),
+            ("stop", "abc"),
+            ("stop_token_ids", (-3,)),
+            ("ignore_eos", 1),
+        ],
+    )
+    def test_bad_values_name_the_field(self, field, value):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
+
+    def test_lists_become_tuples_and_spec(self):
+        p = SamplingParams(stop=["a", "bc"], stop_token_ids=[5], logprobs=3, temperature=0)
+        assert p.stop == ("a", "bc") and p.stop_token_ids == (5,)
+        assert p.is_greedy
+        spec = p.to_spec(seed=9)
+        assert spec.seed == 9 and spec.num_logprobs == 3 and spec.temperature == 0.0
