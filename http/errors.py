@@ -1,0 +1,95 @@
+"""OpenAI-shaped API errors: `{"error": {"message", "type", "param", "code"}}`.
+
+Raised anywhere in the request path (parsing, admission, the engine) and turned into a JSON
+response in one place (the server's error middleware). Free of aiohttp so that the request
+parser stays pure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    """A request failure with its HTTP status and the OpenAI error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(
+    message: str, *, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, type="invalid_request_error", param=param, code=None)
+
+
+def unsupported(param: str, why: str) -> ApiError:
+    """A parameter we cannot honour: refused, never silently ignored."""
+    return ApiError(
+        400,
+        f"parameter '{param}' is not supported: {why}",
+        type="invalid_request_error",
+        param=param,
+        code="unsupported_parameter",
+    )
+
+
+def unauthorized() -> ApiError:
+    return ApiError(
+        401,
+        "invalid or missing API key (send 'Authorization: Bearer <key>')",
+        type="authentication_error",
+        code="invalid_api_key",
+    )
+
+
+def model_not_found(requested: str, served: str) -> ApiError:
+    return ApiError(
+        404,
+        f"model '{requested}' does not exist; this server serves '{served}'",
+        type="not_found_error",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def queue_full(message: str) -> ApiError:
+    return ApiError(429, message, type="rate_limit_error", code="queue_full")
+
+
+def engine_dead(reason: str | None) -> ApiError:
+    return ApiError(
+        503,
+        f"the engine is dead: {reason or 'unknown reason'}",
+        type="service_unavailable",
+        code="engine_dead",
+    )
+
+
+def shutting_down() -> ApiError:
+    return ApiError(
+        503,
+        "the server is shutting down and admits no new requests",
+        type="service_unavailable",
+        code="shutting_down",
+    )

@@ -1,0 +1,438 @@
+"""Parse and check OpenAI `/v1/completions` and `/v1/chat/completions` request bodies.
+
+Pure (no aiohttp, no engine): a JSON value in, a frozen request description out, or an
+`ApiError` (400) that names the offending field. Every field is on an explicit list: fields we
+honour are parsed, fields we cannot honour are refused unless they carry their no-op value,
+and unknown fields are refused. Value ranges that the engine's `SamplingParams` checks are left
+to it (its ValueError names the field); the OpenAI-only limits are checked here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from deltaserve.http.errors import ApiError, bad_request, unsupported
+
+if TYPE_CHECKING:
+    from deltaserve.engine.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+# Sampling fields shared by both endpoints (OpenAI names plus the vLLM extras).
+_SAMPLING_KEYS = frozenset(
+    {
+        "temperature", "top_p", "n", "seed", "stop", "presence_penalty", "frequency_penalty",
+        "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
+    }
+)  # fmt: skip
+# Harmless metadata: accepted and not used for generation.
+_METADATA_KEYS = frozenset({"user"})
+_COMPLETION_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | {
+    "model", "prompt", "max_tokens", "stream", "stream_options", "logprobs", "echo",
+    "best_of", "logit_bias", "suffix",
+}  # fmt: skip
+_CHAT_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | {
+    "model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
+    "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "response_format",
+    "parallel_tool_calls", "chat_template_kwargs",
+}  # fmt: skip
+_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingFields:
+    """The sampling knobs of one request, type-checked, in `SamplingParams` terms.
+
+    `max_tokens` None means "whatever context is left after the prompt" (resolved by the
+    server once the prompt is tokenized)."""
+
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Build the engine's params (which check ranges and raise ValueError naming the
+        field)."""
+        from deltaserve.engine.sampling_params import SamplingParams
+
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+            n=self.n,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """`prompts` holds each prompt as text or token ids; choices are indexed prompt-major:
+    choice `p * n + i` is the i-th sample of prompt p."""
+
+    model: str | None
+    prompts: tuple[str | tuple[int, ...], ...]
+    sampling: SamplingFields
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """`messages` are normalised to `{"role", "content": str}`; `logprobs` asks for the chat
+    logprobs shape (then `sampling.logprobs` is the number of alternatives, 0..20)."""
+
+    model: str | None
+    messages: tuple[dict[str, str], ...]
+    sampling: SamplingFields
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- entry points ------------------------------------------------------------------------
+
+
+def parse_completion_request(body: object) -> CompletionRequest:
+    obj = _object(body)
+    _refuse_unknown(obj, _COMPLETION_KEYS)
+    if obj.get("echo") not in (None, False):
+        raise unsupported("echo", "echo=true (returning the prompt) is not supported")
+    if obj.get("best_of") not in (None, 1):
+        raise unsupported("best_of", "only best_of=1 is supported; use n for several samples")
+    if obj.get("suffix") not in (None, ""):
+        raise unsupported("suffix", "insertion (suffix) is not supported")
+    _refuse_logit_bias(obj)
+    logprobs = _opt_int(obj, "logprobs")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in 0..{MAX_LOGPROBS}, got {logprobs}", "logprobs")
+    max_tokens = _opt_int(obj, "max_tokens", default=DEFAULT_COMPLETION_MAX_TOKENS)
+    stream, include_usage = _stream(obj)
+    return CompletionRequest(
+        model=_opt_str(obj, "model"),
+        prompts=_prompts(obj),
+        sampling=_sampling(obj, max_tokens=max_tokens, logprobs=logprobs),
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def parse_chat_request(body: object) -> ChatRequest:
+    obj = _object(body)
+    _refuse_unknown(obj, _CHAT_KEYS)
+    if obj.get("tools") not in (None, []):
+        raise unsupported("tools", "tool calling is not supported")
+    if obj.get("tool_choice") not in (None, "none"):
+        raise unsupported("tool_choice", "tool calling is not supported")
+    if obj.get("parallel_tool_calls") is not None:
+        raise unsupported("parallel_tool_calls", "tool calling is not supported")
+    response_format = obj.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise unsupported("response_format", "only {'type': 'text'} is supported")
+    _refuse_logit_bias(obj)
+    logprobs = _opt_bool(obj, "logprobs", default=False)
+    top_logprobs = _opt_int(obj, "top_logprobs")
+    if top_logprobs is not None:
+        if not logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        if not 0 <= top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {top_logprobs}", "top_logprobs"
+            )
+    max_tokens = _opt_int(obj, "max_tokens")
+    max_completion_tokens = _opt_int(obj, "max_completion_tokens")
+    if max_tokens is not None and max_completion_tokens is not None:
+        if max_tokens != max_completion_tokens:
+            raise bad_request(
+                f"max_tokens ({max_tokens}) and max_completion_tokens "
+                f"({max_completion_tokens}) disagree; send one",
+                "max_completion_tokens",
+            )
+    template_kwargs = obj.get("chat_template_kwargs")
+    if template_kwargs is None:
+        template_kwargs = {}
+    elif not isinstance(template_kwargs, dict):
+        raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+    stream, include_usage = _stream(obj)
+    return ChatRequest(
+        model=_opt_str(obj, "model"),
+        messages=_messages(obj),
+        sampling=_sampling(
+            obj,
+            max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
+            logprobs=(top_logprobs or 0) if logprobs else None,
+        ),
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        chat_template_kwargs=dict(template_kwargs),
+    )
+
+
+# ---- pieces ------------------------------------------------------------------------------
+
+
+def _object(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
+    return body
+
+
+def _refuse_unknown(obj: dict[str, Any], known: frozenset[str]) -> None:
+    for key in obj:
+        if key not in known:
+            raise unsupported(key, "unknown or unsupported parameter")
+
+
+def _refuse_logit_bias(obj: dict[str, Any]) -> None:
+    if obj.get("logit_bias") not in (None, {}):
+        raise unsupported("logit_bias", "logit_bias is not supported")
+
+
+def _stream(obj: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _opt_bool(obj, "stream", default=False)
+    options = obj.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+    if not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    for key in options:
+        if key != "include_usage":
+            raise unsupported(f"stream_options.{key}", "only include_usage is supported")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise bad_request(
+            "stream_options.include_usage must be a boolean", "stream_options.include_usage"
+        )
+    return stream, bool(include_usage)
+
+
+def _sampling(
+    obj: dict[str, Any], *, max_tokens: int | None, logprobs: int | None
+) -> SamplingFields:
+    d = SamplingFields()
+    return SamplingFields(
+        max_tokens=max_tokens,
+        temperature=_opt_float(obj, "temperature", d.temperature),
+        top_p=_opt_float(obj, "top_p", d.top_p),
+        top_k=_opt_int(obj, "top_k", default=d.top_k),
+        min_p=_opt_float(obj, "min_p", d.min_p),
+        seed=_opt_int(obj, "seed"),
+        presence_penalty=_opt_float(obj, "presence_penalty", d.presence_penalty),
+        frequency_penalty=_opt_float(obj, "frequency_penalty", d.frequency_penalty),
+        repetition_penalty=_opt_float(obj, "repetition_penalty", d.repetition_penalty),
+        stop=_stop(obj),
+        stop_token_ids=_token_ids(obj.get("stop_token_ids") or [], "stop_token_ids", empty_ok=True),
+        ignore_eos=_opt_bool(obj, "ignore_eos", default=False),
+        logprobs=logprobs,
+        n=_opt_int(obj, "n", default=d.n),
+    )
+
+
+def _stop(obj: dict[str, Any]) -> tuple[str, ...]:
+    value = obj.get("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise bad_request(
+            f"stop must be a string or a list of strings, got {_json_type(value)}", "stop"
+        )
+    for i, s in enumerate(items):
+        if not isinstance(s, str):
+            raise bad_request(f"stop[{i}] must be a string, got {_json_type(s)}", "stop")
+        if not s:
+            raise bad_request(f"stop[{i}] is an empty string", "stop")
+    return tuple(items)
+
+
+def _prompts(obj: dict[str, Any]) -> tuple[str | tuple[int, ...], ...]:
+    if "prompt" not in obj or obj["prompt"] is None:
+        raise bad_request("prompt is required", "prompt")
+    prompt = obj["prompt"]
+    if isinstance(prompt, str):
+        return (_text_prompt(prompt, "prompt"),)
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request(
+            "prompt must be a string, a list of token ids, or a non-empty list of either",
+            "prompt",
+        )
+    if isinstance(prompt[0], int | float):  # one prompt as token ids
+        return (_token_ids(prompt, "prompt"),)
+    out: list[str | tuple[int, ...]] = []
+    for i, item in enumerate(prompt):
+        if isinstance(item, str):
+            out.append(_text_prompt(item, f"prompt[{i}]"))
+        elif isinstance(item, list):
+            out.append(_token_ids(item, f"prompt[{i}]"))
+        else:
+            raise bad_request(
+                f"prompt[{i}] must be a string or a list of token ids, got {_json_type(item)}",
+                "prompt",
+            )
+    return tuple(out)
+
+
+def _text_prompt(text: str, name: str) -> str:
+    if not text:
+        raise bad_request(f"{name} is empty", "prompt")
+    return text
+
+
+def _token_ids(value: object, name: str, *, empty_ok: bool = False) -> tuple[int, ...]:
+    param = name.split("[")[0]
+    if not isinstance(value, list):
+        raise bad_request(f"{name} must be a list of token ids, got {_json_type(value)}", param)
+    if not value and not empty_ok:
+        raise bad_request(f"{name} is an empty list of token ids", param)
+    for i, t in enumerate(value):
+        if not _is_int(t) or t < 0:
+            raise bad_request(
+                f"{name}[{i}] must be a non-negative integer token id, got {t!r}", param
+            )
+    return tuple(value)
+
+
+def _messages(obj: dict[str, Any]) -> tuple[dict[str, str], ...]:
+    messages = obj.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} must be an object, got {_json_type(m)}", "messages")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad_request(
+                f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", "messages"
+            )
+        for key, value in m.items():
+            if key in ("role", "content"):
+                continue
+            if key in ("tool_calls", "function_call", "refusal", "name") and value in (None, []):
+                continue
+            raise unsupported(f"{where}.{key}", "messages carry only role and content")
+        out.append({"role": role, "content": _content(m.get("content"), where)})
+    return tuple(out)
+
+
+def _content(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(
+            f"{where}.content must be a string or a list of content parts, got "
+            f"{_json_type(content)}",
+            "messages",
+        )
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise bad_request(f"{at} must be an object, got {_json_type(part)}", "messages")
+        if part.get("type") != "text":
+            raise unsupported(
+                f"{at}.type", f"only text content parts are supported, got {part.get('type')!r}"
+            )
+        for key in part:
+            if key not in ("type", "text"):
+                raise unsupported(f"{at}.{key}", "text parts carry only type and text")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad_request(f"{at}.text must be a string, got {_json_type(text)}", "messages")
+        texts.append(text)
+    return "\n".join(texts)  # as vLLM joins text parts
+
+
+# ---- typed field readers -----------------------------------------------------------------
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _opt_int(obj: dict[str, Any], name: str, *, default: int | None = None) -> int | None:
+    value = obj.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not _is_int(value):
+        raise bad_request(f"{name} must be an integer, got {_json_type(value)} {value!r}", name)
+    return value
+
+
+def _opt_float(obj: dict[str, Any], name: str, default: float) -> float:
+    value = obj.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad_request(f"{name} must be a number, got {_json_type(value)} {value!r}", name)
+    return float(value)
+
+
+def _opt_bool(obj: dict[str, Any], name: str, *, default: bool) -> bool:
+    value = obj.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean, got {_json_type(value)} {value!r}", name)
+    return value
+
+
+def _opt_str(obj: dict[str, Any], name: str) -> str | None:
+    value = obj.get(name)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"{name} must be a string, got {_json_type(value)}", name)
+    return value
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+__all__ = [
+    "ApiError",
+    "ChatRequest",
+    "CompletionRequest",
+    "SamplingFields",
+    "parse_chat_request",
+    "parse_completion_request",
+]

@@ -1,0 +1,258 @@
+"""Turn engine events into OpenAI response bodies and SSE chunks.
+
+One formatter per endpoint (completions, chat), each with the same four calls used by the
+server for both modes: `start` (chunks before any token), `token` (a chunk for one
+TokenEvent), `finish` (a chunk for one FinishedEvent), and `response` (the whole body when not
+streaming). A `ChoiceState` per choice accumulates text, logprobs and counts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+# vLLM clamps -inf logprobs (tokens of zero probability) to a finite number; JSON has no inf.
+MIN_LOGPROB = -9999.0
+SSE_DONE = b"data: [DONE]\n\n"
+
+_json_encode = msgspec.json.Encoder().encode
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + _json_encode(payload) + b"\n\n"
+
+
+def clamp_logprob(x: float) -> float:
+    return x if x >= MIN_LOGPROB else MIN_LOGPROB  # also maps NaN to the floor
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's byte-level alphabet (bytes_to_unicode), which the Qwen
+    tokenizer's vocabulary strings are written in."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1))
+    printable += list(range(0xAE, 0xFF + 1))
+    chars = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+class TokenStrings:
+    """Text and raw bytes of single tokens, for logprobs; cached per token id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def text(self, token_id: int) -> str:
+        s = self._text.get(token_id)
+        if s is None:
+            s = self._tokenizer.decode([token_id])
+            self._text[token_id] = s
+        return s
+
+    def bytes(self, token_id: int) -> list[int]:
+        b = self._bytes.get(token_id)
+        if b is None:
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and piece and all(c in _BYTE_DECODER for c in piece):
+                b = [_BYTE_DECODER[c] for c in piece]
+            else:  # added/special tokens are stored as plain text
+                b = list(self.text(token_id).encode("utf-8"))
+            self._bytes[token_id] = b
+        return b
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    text: list[str] = field(default_factory=list)
+    text_len: int = 0
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    logprobs: list[Any] = field(default_factory=list)  # per-token entries in endpoint shape
+
+    def add_text(self, delta: str) -> None:
+        if delta:
+            self.text.append(delta)
+            self.text_len += len(delta)
+
+
+class CompletionFormatter:
+    """`/v1/completions`: `text_completion` objects; logprobs in the legacy shape
+    (tokens, token_logprobs, top_logprobs as token->logprob dicts, text_offset)."""
+
+    def __init__(self, request_id: str, model: str, strings: TokenStrings, logprobs: bool) -> None:
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.strings = strings
+        self.want_logprobs = logprobs
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _entry(self, ev: Any, offset: int) -> tuple[str, float, dict[str, float], int]:
+        top: dict[str, float] = {}
+        for tid, lp in ev.top_logprobs:
+            top.setdefault(self.strings.text(tid), clamp_logprob(lp))
+        # OpenAI always includes the sampled token among the alternatives.
+        token = self.strings.text(ev.token_id)
+        top.setdefault(token, clamp_logprob(ev.logprob))
+        return token, clamp_logprob(ev.logprob), top, offset
+
+    @staticmethod
+    def _logprobs_json(entries: list[Any]) -> dict[str, Any]:
+        return {
+            "tokens": [e[0] for e in entries],
+            "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [e[2] for e in entries],
+            "text_offset": [e[3] for e in entries],
+        }
+
+    def start(self, index: int) -> dict[str, Any] | None:
+        return None
+
+    def token(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any] | None:
+        entry = self._entry(ev, state.text_len) if self.want_logprobs else None
+        state.add_text(ev.text)
+        if entry is not None:
+            state.logprobs.append(entry)
+        elif not ev.text:
+            return None  # nothing to send yet (mid-character or withheld for a stop string)
+        logprobs = self._logprobs_json([entry]) if entry is not None else None
+        choice = {"index": index, "text": ev.text, "logprobs": logprobs, "finish_reason": None}
+        return self._chunk([choice])
+
+    def finish(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any]:
+        state.add_text(ev.text)
+        choice = {"index": index, "text": ev.text, "logprobs": None, "finish_reason": ev.reason}
+        return self._chunk([choice])
+
+    def response(self, states: list[ChoiceState], usage_json: dict[str, int]) -> dict[str, Any]:
+        choices = [
+            {
+                "index": i,
+                "text": "".join(s.text),
+                "logprobs": self._logprobs_json(s.logprobs) if self.want_logprobs else None,
+                "finish_reason": s.finish_reason,
+            }
+            for i, s in enumerate(states)
+        ]
+        body = self._chunk(choices)
+        body["usage"] = usage_json
+        return body
+
+    def usage_chunk(self, usage_json: dict[str, int]) -> dict[str, Any]:
+        body = self._chunk([])
+        body["usage"] = usage_json
+        return body
+
+
+class ChatFormatter:
+    """`/v1/chat/completions`: `chat.completion(.chunk)` objects; logprobs in the chat shape
+    (content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}])."""
+
+    def __init__(self, request_id: str, model: str, strings: TokenStrings, logprobs: bool) -> None:
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.strings = strings
+        self.want_logprobs = logprobs
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _entry(self, ev: Any) -> dict[str, Any]:
+        s = self.strings
+        return {
+            "token": s.text(ev.token_id),
+            "logprob": clamp_logprob(ev.logprob),
+            "bytes": s.bytes(ev.token_id),
+            "top_logprobs": [
+                {"token": s.text(tid), "logprob": clamp_logprob(lp), "bytes": s.bytes(tid)}
+                for tid, lp in ev.top_logprobs
+            ],
+        }
+
+    def start(self, index: int) -> dict[str, Any] | None:
+        delta = {"role": "assistant", "content": ""}
+        return self._chunk(
+            [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]
+        )
+
+    def token(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any] | None:
+        entry = self._entry(ev) if self.want_logprobs else None
+        state.add_text(ev.text)
+        if entry is not None:
+            state.logprobs.append(entry)
+        elif not ev.text:
+            return None
+        logprobs = {"content": [entry]} if entry is not None else None
+        choice = {
+            "index": index,
+            "delta": {"content": ev.text},
+            "logprobs": logprobs,
+            "finish_reason": None,
+        }
+        return self._chunk([choice])
+
+    def finish(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any]:
+        state.add_text(ev.text)
+        delta = {"content": ev.text} if ev.text else {}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": ev.reason}
+        return self._chunk([choice])
+
+    def response(self, states: list[ChoiceState], usage_json: dict[str, int]) -> dict[str, Any]:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": "".join(s.text)},
+                "logprobs": {"content": s.logprobs} if self.want_logprobs else None,
+                "finish_reason": s.finish_reason,
+            }
+            for i, s in enumerate(states)
+        ]
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage_json,
+        }
+
+    def usage_chunk(self, usage_json: dict[str, int]) -> dict[str, Any]:
+        body = self._chunk([])
+        body["usage"] = usage_json
+        return body

@@ -1,0 +1,310 @@
+"""`deltaserve serve`: start an engine, serve it over HTTP, shut down cleanly.
+
+Exit codes: 0 after SIGTERM/SIGINT (running requests drained for up to --shutdown-timeout,
+the rest ended with a terminal error); 1 when the engine dies (a rank crashed, a step failed)
+or cannot start; 2 for bad arguments. Signal handlers are installed here only, never by the
+library code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import deltaserve
+
+log = logging.getLogger("deltaserve.serve")
+
+DEMO_PRESET = "tiny"
+DEMO_MODEL_NAME = "deltaserve-demo-tiny"
+RUNNER_SHUTDOWN_TIMEOUT_S = 5.0  # handlers end by themselves once the engine ends the streams
+
+
+def _engine_default(name: str) -> object:
+    from deltaserve.engine.config import EngineConfig
+
+    for f in fields(EngineConfig):
+        if f.name == name:
+            return f.default
+    raise KeyError(name)
+
+
+def _device_ids(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--device-ids must be like 0,1 (got {text!r})") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--device-ids is empty")
+    return ids
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"--port must be in 0..65535, got {port}")
+    return port
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = _engine_default
+    p = argparse.ArgumentParser(
+        prog="deltaserve serve",
+        description="Serve a Qwen3.5-family checkpoint over an OpenAI-compatible HTTP API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    eng = p.add_argument_group("engine (EngineConfig fields, one flag each)")
+    eng.add_argument("--model", default=None,
+                     help="checkpoint directory (HF layout); omitted: a tiny built-in demo "
+                          "checkpoint, made once under ~/.cache/deltaserve")  # fmt: skip
+    eng.add_argument("--tp", "--tensor-parallel-size", dest="tp_size", type=int,
+                     default=d("tp_size"), help="tensor-parallel size (one rank process per device)")  # fmt: skip
+    eng.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                     help="device kind; default: cuda if available, else cpu")  # fmt: skip
+    eng.add_argument("--device-ids", type=_device_ids, default=d("device_ids"),
+                     help="cuda ordinals, comma separated; default: 0..tp-1")  # fmt: skip
+    eng.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=d("dtype"),
+                     help="weight/activation dtype; auto: the checkpoint's (float32 on cpu)")  # fmt: skip
+    eng.add_argument("--max-model-len", type=int, default=d("max_model_len"),
+                     help="longest prompt + completion in tokens; default: "
+                          "min(max_position_embeddings, 8192)")  # fmt: skip
+    eng.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"),
+                     help="most requests running at once (DeltaNet state slots)")  # fmt: skip
+    eng.add_argument("--max-num-batched-tokens", type=int, default=d("max_num_batched_tokens"),
+                     help="token budget of one scheduler step (prefill chunks + decodes)")  # fmt: skip
+    eng.add_argument("--max-queued-requests", type=int, default=d("max_queued_requests"),
+                     help="waiting requests beyond which new ones get HTTP 429")  # fmt: skip
+    eng.add_argument("--block-size", type=int, default=d("block_size"),
+                     help="KV cache positions per block")  # fmt: skip
+    eng.add_argument("--num-kv-blocks", type=int, default=d("num_kv_blocks"),
+                     help="KV blocks; default: max_num_seqs * max_model_len / block_size")  # fmt: skip
+    eng.add_argument("--step-timeout", dest="step_timeout_s", type=float,
+                     default=d("step_timeout_s"), help="seconds a step may take before the "
+                     "replica is declared dead")  # fmt: skip
+    eng.add_argument("--startup-timeout", dest="startup_timeout_s", type=float,
+                     default=d("startup_timeout_s"), help="seconds for every rank to load")  # fmt: skip
+    eng.add_argument("--monitor-endpoint", default=d("monitor_endpoint"),
+                     help="ZeroMQ PUB endpoint for load snapshots, e.g. tcp://127.0.0.1:5557")  # fmt: skip
+    srv = p.add_argument_group("server")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients send; default: the --model argument")  # fmt: skip
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every route but /health")  # fmt: skip
+    srv.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
+                     help="seconds running requests may take to finish after SIGTERM")  # fmt: skip
+    srv.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
+                     help="largest accepted request body (HTTP 413 beyond)")  # fmt: skip
+    srv.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def demo_model_dir() -> Path:
+    return Path.home() / ".cache" / "deltaserve" / f"demo-{deltaserve.__version__}"
+
+
+def ensure_demo_model() -> tuple[Path, bool]:
+    """The demo checkpoint's folder, made on first use (atomically: written beside, then
+    renamed), and whether it was made now."""
+    target = demo_model_dir()
+    if (target / "config.json").is_file():
+        return target, False
+    from deltaserve.tools.make_model import make_model
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
+    try:
+        make_model(tmp, preset=DEMO_PRESET, dtype="fp32", seed=0)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target, True
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )  # fmt: skip
+    if args.model is None:
+        path = demo_model_dir()
+        log.info("no --model given: serving the built-in demo checkpoint (random '%s' weights) "
+                 "from %s%s", DEMO_PRESET, path,
+                 "" if (path / "config.json").is_file() else " (making it now, once)")  # fmt: skip
+        model_dir, _ = ensure_demo_model()
+        args.model = str(model_dir)
+        args.served_model_name = args.served_model_name or DEMO_MODEL_NAME
+    elif not Path(args.model).is_dir():
+        print(
+            f"deltaserve serve: error: --model {args.model!r} is not a directory", file=sys.stderr
+        )
+        return 2
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # windows
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(_serve(args))
+
+
+def _engine_config(args: argparse.Namespace):  # -> EngineConfig
+    from deltaserve.engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        tp_size=args.tp_size,
+        device=args.device or _default_device(),
+        device_ids=args.device_ids,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queued_requests=args.max_queued_requests,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        step_timeout_s=args.step_timeout_s,
+        startup_timeout_s=args.startup_timeout_s,
+        monitor_endpoint=args.monitor_endpoint,
+    )
+
+
+async def _start_engine(config, stop: asyncio.Event):  # -> AsyncEngine | None
+    """Start the engine, saying every few seconds that weights are still loading; None if
+    a signal came first."""
+    from deltaserve.engine.async_engine import AsyncEngine
+
+    t0 = time.monotonic()
+    log.info("loading %s on %s (tp=%d, dtype=%s) ...", config.model, config.device,
+             config.tp_size, config.dtype)  # fmt: skip
+    task = asyncio.ensure_future(AsyncEngine.start(config))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        while not task.done():
+            await asyncio.wait({task, stopped}, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set() and not task.done():
+                task.cancel()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await task
+                return None
+            if not task.done():
+                log.info("still loading weights ... %.0f s", time.monotonic() - t0)
+    finally:
+        stopped.cancel()
+    engine = task.result()
+    log.info(
+        "engine ready in %.1f s: max_model_len=%d", time.monotonic() - t0, engine.max_model_len
+    )
+    return engine
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from deltaserve.http.server import STATE, ServerConfig, build_app, start_server
+
+    try:
+        server_config = ServerConfig(
+            served_model_name=args.served_model_name or args.model,
+            api_key=args.api_key,
+            max_request_bytes=args.max_request_bytes,
+        )
+        engine_config = _engine_config(args)
+    except ValueError as exc:
+        print(f"deltaserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    loop = asyncio.get_running_loop()
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:  # first: drain; second: abort what still runs
+        (force if stop.is_set() else stop).set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        engine = await _start_engine(engine_config, stop)
+    except Exception as exc:
+        log.error("the engine failed to start: %s", exc)
+        return 1
+    if engine is None:
+        log.info("signal received while loading: stopped")
+        return 0
+    exit_code = 0
+    runner = None
+    try:
+        app = build_app(engine, server_config)
+        try:
+            runner, site = await start_server(
+                app, args.host, args.port, shutdown_timeout_s=RUNNER_SHUTDOWN_TIMEOUT_S
+            )
+        except OSError as exc:
+            log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+            return 1
+        host, port = runner.addresses[0][:2]
+        log.info("ready: serving '%s' at http://%s:%d/v1 (health: /health, metrics: /metrics)",
+                 server_config.served_model_name, host, port)  # fmt: skip
+        if not await _wait_stop_or_death(stop, engine):
+            log.info("signal received: admitting no new requests, draining for up to %.1f s "
+                     "(a second signal aborts at once)", args.shutdown_timeout)  # fmt: skip
+            app[STATE].draining = True
+            await site.stop()  # stop listening; open connections get 503 for new requests
+            await _drain(engine, args.shutdown_timeout, force)
+        if engine.is_dead:
+            log.error("the engine died: %s; shutting down", engine.dead_reason)
+            exit_code = 1
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        with contextlib.suppress(Exception):
+            await engine.shutdown()
+    log.info("stopped (exit code %d)", exit_code)
+    return exit_code
+
+
+async def _drain(engine, timeout_s: float, force: asyncio.Event) -> None:
+    drain = asyncio.ensure_future(engine.shutdown(drain_timeout_s=timeout_s))
+    forced = asyncio.ensure_future(force.wait())
+    await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
+    forced.cancel()
+    if not drain.done():
+        log.warning("second signal: aborting the running requests now")
+        await engine.shutdown(drain_timeout_s=0.0)
+    await drain
+
+
+async def _wait_stop_or_death(stop: asyncio.Event, engine) -> bool:
+    """Wait for a stop signal or the engine's death; True if the engine died first."""
+    while not stop.is_set():
+        if engine.is_dead:
+            return True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=0.2)
+    return False

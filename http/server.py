@@ -1,0 +1,483 @@
+"""The aiohttp application: OpenAI-compatible routes over one `AsyncEngine`.
+
+Requests flow: read JSON -> parse (protocol.py) -> `engine.generate` per prompt -> events
+formatted (responses.py) as one JSON body or as SSE chunks. The request's streams are closed
+in `finally`, so a client that disconnects (aiohttp cancels the handler; the server must run
+with `handler_cancellation=True`) or a failed write cancels its requests at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+import deltaserve
+from deltaserve.engine.events import (
+    EngineDeadError,
+    ErrorEvent,
+    FinishedEvent,
+    QueueFullError,
+    TokenEvent,
+)
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.http import errors
+from deltaserve.http.errors import ApiError
+from deltaserve.http.metrics import render_metrics
+from deltaserve.http.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    SamplingFields,
+    parse_chat_request,
+    parse_completion_request,
+)
+from deltaserve.http.responses import (
+    SSE_DONE,
+    ChatFormatter,
+    ChoiceState,
+    CompletionFormatter,
+    TokenStrings,
+    sse,
+    usage,
+)
+
+if TYPE_CHECKING:
+    from deltaserve.engine.async_engine import AsyncEngine
+
+log = logging.getLogger("deltaserve.http")
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+# Keys a client may not pass through chat_template_kwargs: they would change what the call
+# returns or replace the template itself.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+     "tokenize", "return_dict", "continue_final_message"}
+)  # fmt: skip
+_SAMPLING_FIELD_NAMES = frozenset(SamplingFields.__dataclass_fields__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must be a non-empty string")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty when given")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+
+
+class ServerState:
+    """What the handlers share: the engine, the config, and whether we still admit."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.strings = TokenStrings(engine.tokenizer)
+        self.created = int(time.time())
+        self.draining = False  # set by the serve command on SIGTERM
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.config.served_model_name:
+            raise errors.model_not_found(requested, self.config.served_model_name)
+
+    def check_admitting(self) -> None:
+        if self.engine.is_dead:
+            raise errors.engine_dead(self.engine.dead_reason)
+        if self.draining:
+            raise errors.shutting_down()
+
+
+STATE = web.AppKey("deltaserve_state", ServerState)
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
+    """Serve it with `start_server` (or an AppRunner with handler_cancellation=True), so
+    that a client's disconnect cancels its requests."""
+    app = web.Application(
+        client_max_size=config.max_request_bytes,
+        middlewares=[_error_middleware, _auth_middleware],
+    )
+    app[STATE] = ServerState(engine, config)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/version", version)
+    return app
+
+
+async def start_server(
+    app: web.Application, host: str, port: int, *, shutdown_timeout_s: float = 5.0
+) -> tuple[web.AppRunner, web.TCPSite]:
+    """Listen on host:port (0: any free port; see `runner.addresses`). Handlers are
+    cancelled when their client disconnects, which cancels the client's requests."""
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, site
+
+
+# ---- middleware --------------------------------------------------------------------------
+
+
+def _error_response(err: ApiError) -> web.Response:
+    return _json(err.body(), err.status)
+
+
+_json_bytes = msgspec.json.Encoder().encode
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return _error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            exc.status
+        )
+        message = exc.text or exc.reason
+        if exc.status == 404:
+            message = f"no route {request.method} {request.path}"
+        elif exc.status == 413:
+            limit = request.app[STATE].config.max_request_bytes
+            message = f"request body too large: the limit is {limit} bytes"
+        return _error_response(
+            ApiError(exc.status, message, type="invalid_request_error", code=code)
+        )
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _error_response(_internal_error())
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    key = request.app[STATE].config.api_key
+    if key is not None and request.path != "/health":
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), key):
+            raise errors.unauthorized()
+    return await handler(request)
+
+
+# ---- simple routes -----------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        state.check_admitting()
+    except ApiError as err:
+        return _error_response(err)
+    return web.Response(status=200)
+
+
+async def version(request: web.Request) -> web.Response:
+    return _json({"version": deltaserve.__version__})
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    card = {
+        "id": state.config.served_model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "deltaserve",
+        "root": state.engine.config.model,
+        "parent": None,
+        "max_model_len": state.engine.max_model_len,
+    }
+    return _json({"object": "list", "data": [card]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    text = render_metrics(state.engine, state.config.served_model_name)
+    return web.Response(
+        body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    )
+
+
+# ---- generation routes -------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = parse_completion_request(await _read_json(request))
+    state.check_model(req.model)
+    state.check_admitting()
+    max_tokens = req.sampling.max_tokens
+    params = _params(
+        req.sampling,
+        DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
+        logprobs_param="logprobs",
+    )
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    prompts = [p if isinstance(p, str) else list(p) for p in req.prompts]
+    formatter = CompletionFormatter(
+        request_id, state.config.served_model_name, state.strings, req.sampling.logprobs is not None
+    )
+    streams = await _open_streams(state, prompts, [params] * len(prompts), request_id)
+    return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = parse_chat_request(await _read_json(request))
+    state.check_model(req.model)
+    state.check_admitting()
+    prompt_ids = _apply_chat_template(
+        state.engine.tokenizer, req.messages, req.chat_template_kwargs
+    )
+    max_tokens = req.sampling.max_tokens
+    if max_tokens is None:  # as vLLM: whatever context the prompt leaves
+        max_tokens = max(1, state.engine.max_model_len - len(prompt_ids))
+    params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs")
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    formatter = ChatFormatter(
+        request_id, state.config.served_model_name, state.strings, req.logprobs
+    )
+    streams = await _open_streams(state, [prompt_ids], [params], request_id)
+    return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
+
+
+async def _read_json(request: web.Request) -> object:
+    raw = await request.read()  # raises 413 past client_max_size
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise errors.bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+def _params(fields: SamplingFields, max_tokens: int, *, logprobs_param: str) -> SamplingParams:
+    try:
+        return fields.to_sampling_params(max_tokens)
+    except ValueError as exc:
+        raise errors.bad_request(str(exc), _param_of(str(exc), logprobs_param)) from None
+
+
+def _param_of(message: str, logprobs_param: str = "logprobs") -> str | None:
+    """The field a SamplingParams/engine ValueError names (its messages start with it)."""
+    first = message.split(" ", 1)[0].rstrip(":,")
+    if first == "logprobs":
+        return logprobs_param
+    if first in _SAMPLING_FIELD_NAMES:
+        return first
+    if first.startswith("prompt"):
+        return "prompt"
+    return None
+
+
+def _apply_chat_template(
+    tokenizer: Any, messages: Sequence[dict[str, str]], kwargs: dict[str, Any]
+) -> list[int]:
+    for key in kwargs:
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise errors.unsupported(f"chat_template_kwargs.{key}", "reserved by the server")
+    if not getattr(tokenizer, "chat_template", None):
+        raise errors.bad_request("the model has no chat template; use /v1/completions", "messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False, **kwargs
+        )
+    except Exception as exc:  # jinja errors from the template (e.g. role order)
+        raise errors.bad_request(
+            f"the chat template rejected the messages: {exc}", "messages"
+        ) from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def _open_streams(
+    state: ServerState,
+    prompts: list[str | list[int]],
+    params: list[SamplingParams],
+    request_id: str,
+) -> list[Any]:
+    """Submit every prompt, or none: a refusal closes the streams already opened."""
+    streams: list[Any] = []
+    try:
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(state.engine.generate(prompt, p, request_id=rid))
+    except BaseException as exc:
+        for s in streams:
+            await s.aclose()
+        if isinstance(exc, QueueFullError):
+            raise errors.queue_full(str(exc)) from None
+        if isinstance(exc, EngineDeadError):
+            raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
+        if isinstance(exc, ValueError):
+            raise errors.bad_request(str(exc), _param_of(str(exc))) from None
+        raise
+    return streams
+
+
+async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """Events of several streams as (stream index, event), in arrival order."""
+    if len(streams) == 1:
+        async for ev in streams[0]:
+            yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: Any) -> None:
+        try:
+            async for ev in stream:
+                queue.put_nowait((i, ev, None))
+        except Exception as exc:
+            queue.put_nowait((i, None, exc))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_count = len(streams)
+        while open_count:
+            i, ev, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if ev is None:
+                open_count -= 1
+            else:
+                yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _RequestFailed(Exception):
+    def __init__(self, err: ApiError) -> None:
+        self.err = err
+
+
+def _terminal_error(state: ServerState, ev: Any) -> ApiError:
+    """The error a client sees for an ErrorEvent or an abort that reached it."""
+    if state.engine.is_dead:
+        return errors.engine_dead(state.engine.dead_reason or getattr(ev, "message", None))
+    if isinstance(ev, FinishedEvent):  # "abort" reaches a live client only on shutdown
+        return ApiError(503, "the request was aborted: the server is shutting down",
+                        type="service_unavailable", code="aborted")  # fmt: skip
+    return ApiError(500, f"the request failed: {ev.message}", type="internal_error",
+                    code="request_failed")  # fmt: skip
+
+
+async def _respond(
+    request: web.Request,
+    formatter: CompletionFormatter | ChatFormatter,
+    streams: list[Any],
+    n: int,
+    stream: bool,
+    include_usage: bool,
+) -> web.StreamResponse:
+    state = request.app[STATE]
+    states = [ChoiceState() for _ in range(len(streams) * n)]
+    response: web.StreamResponse | None = None
+    try:
+        if stream:
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await response.prepare(request)
+            for idx in range(len(states)):
+                chunk = formatter.start(idx)
+                if chunk is not None:
+                    await response.write(sse(chunk))
+        events = _merged(streams)
+        try:
+            async for p, ev in events:
+                idx = p * n + ev.index
+                chunk = _apply(state, formatter, idx, ev, states[idx])
+                if response is not None and chunk is not None:
+                    await response.write(sse(chunk))
+        finally:
+            await events.aclose()
+        prompt_tokens = sum(states[p * n].prompt_tokens for p in range(len(streams)))
+        usage_json = usage(prompt_tokens, sum(s.output_tokens for s in states))
+        if response is None:
+            return _json(formatter.response(states, usage_json))
+        if include_usage:
+            await response.write(sse(formatter.usage_chunk(usage_json)))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response
+    except _RequestFailed as failed:
+        if response is None:
+            raise failed.err from None
+        await _end_with_error(response, failed.err)
+        return response
+    except ConnectionResetError:  # the client went away mid-write: cancelled in `finally`
+        if response is None:
+            raise
+        return response
+    except Exception:
+        if response is None:
+            raise
+        log.exception("streaming %s failed", formatter.id)
+        await _end_with_error(response, _internal_error())
+        return response
+    finally:
+        for s in streams:  # idempotent; cancels whatever is still running
+            await s.aclose()
+
+
+async def _end_with_error(response: web.StreamResponse, err: ApiError) -> None:
+    """Headers are sent: the error travels as an SSE event (the openai client raises it)."""
+    with contextlib.suppress(ConnectionResetError):
+        await response.write(sse(err.body()))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+
+
+def _internal_error() -> ApiError:
+    return ApiError(500, "internal server error", type="internal_error", code="internal_error")
+
+
+def _json(body: dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(body=_json_bytes(body), status=status, content_type="application/json")
+
+
+def _apply(
+    state: ServerState,
+    formatter: CompletionFormatter | ChatFormatter,
+    idx: int,
+    ev: Any,
+    choice: ChoiceState,
+) -> dict[str, Any] | None:
+    if isinstance(ev, TokenEvent):
+        return formatter.token(idx, ev, choice)
+    if isinstance(ev, FinishedEvent):
+        if ev.reason == "abort":
+            raise _RequestFailed(_terminal_error(state, ev))
+        choice.finish_reason = ev.reason
+        choice.prompt_tokens = ev.prompt_tokens
+        choice.output_tokens = ev.output_tokens
+        return formatter.finish(idx, ev, choice)
+    if isinstance(ev, ErrorEvent):
+        raise _RequestFailed(_terminal_error(state, ev))
+    raise TypeError(f"unexpected engine event {type(ev).__name__}")

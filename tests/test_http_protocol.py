@@ -1,0 +1,206 @@
+"""Request parsing for the OpenAI endpoints (http/protocol.py): what is honoured, what is
+refused with a 400 naming the field. Pure: no server, no engine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deltaserve.http.errors import ApiError
+from deltaserve.http.protocol import parse_chat_request, parse_completion_request
+from deltaserve.http.responses import TokenStrings, clamp_logprob
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def refused(parse, body, param: str | None = None, words: str = "") -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse(body)
+    err = info.value
+    assert err.status == 400, err.message
+    if param is not None:
+        assert err.param == param, (err.param, err.message)
+    assert words.lower() in err.message.lower(), err.message
+    return err
+
+
+class TestCompletionPrompt:
+    def test_forms(self):
+        assert parse_completion_request({"prompt": "hi"}).prompts == ("hi",)
+        assert parse_completion_request({"prompt": [1, 2, 3]}).prompts == ((1, 2, 3),)
+        many = parse_completion_request({"prompt": ["a", [5, 6], "b"]}).prompts
+        assert many == ("a", (5, 6), "b")
+        assert parse_completion_request({"prompt": [[7], [8, 9]]}).prompts == ((7,), (8, 9))
+
+    @pytest.mark.parametrize(
+        "prompt, words",
+        [
+            (None, "required"),
+            ("", "empty"),
+            ([], "non-empty"),
+            ([[]], "empty list"),
+            ([1, -2], "prompt[1]"),
+            ([1, True], "prompt[1]"),
+            (["a", 3.5], "prompt[1]"),
+            ({"text": "x"}, "prompt must be"),
+        ],
+    )
+    def test_bad_prompts(self, prompt, words):
+        refused(parse_completion_request, {"prompt": prompt}, "prompt", words)
+
+
+class TestCompletionFields:
+    def test_defaults(self):
+        r = parse_completion_request({"model": "m", "prompt": "x"})
+        s = r.sampling
+        assert (r.model, r.stream, r.include_usage) == ("m", False, False)
+        assert (s.max_tokens, s.temperature, s.n, s.logprobs, s.stop) == (16, 1.0, 1, None, ())
+
+    def test_everything_honoured(self):
+        r = parse_completion_request(
+            {
+                "prompt": "x", "max_tokens": 5, "temperature": 0, "top_p": 0.5, "n": 2,
+                "seed": 7, "stop": "\n", "logprobs": 3, "presence_penalty": 0.1,
+                "frequency_penalty": -0.2, "top_k": 4, "min_p": 0.05, "repetition_penalty": 1.1,
+                "ignore_eos": True, "stop_token_ids": [9], "stream": True,
+                "stream_options": {"include_usage": True}, "user": "u", "echo": False,
+                "best_of": 1, "logit_bias": {}, "suffix": None,
+            }
+        )  # fmt: skip
+        s = r.sampling
+        assert (r.stream, r.include_usage) == (True, True)
+        assert (s.max_tokens, s.temperature, s.top_p, s.n, s.seed) == (5, 0.0, 0.5, 2, 7)
+        assert (s.stop, s.logprobs, s.top_k, s.min_p) == (("\n",), 3, 4, 0.05)
+        assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.1, -0.2, 1.1)
+        assert (s.ignore_eos, s.stop_token_ids) == (True, (9,))
+        p = s.to_sampling_params(5)
+        assert p.stop == ("\n",) and p.n == 2 and p.logprobs == 3 and p.temperature == 0.0
+
+    @pytest.mark.parametrize(
+        "extra, param, words",
+        [
+            ({"echo": True}, "echo", "echo"),
+            ({"best_of": 3}, "best_of", "best_of"),
+            ({"logit_bias": {"5": 1}}, "logit_bias", "logit_bias"),
+            ({"suffix": "tail"}, "suffix", "suffix"),
+            ({"frobnicate": 1}, "frobnicate", "unknown"),
+            ({"messages": []}, "messages", "unknown"),
+            ({"logprobs": 21}, "logprobs", "0..20"),
+            ({"logprobs": True}, "logprobs", "integer"),
+            ({"max_tokens": "5"}, "max_tokens", "integer"),
+            ({"max_tokens": 2.5}, "max_tokens", "integer"),
+            ({"temperature": "hot"}, "temperature", "number"),
+            ({"stream": "yes"}, "stream", "boolean"),
+            ({"stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
+            ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
+             "stream_options.continuous_usage_stats", "include_usage"),
+            ({"stop": ["a", 3]}, "stop", "stop[1]"),
+            ({"stop": [""]}, "stop", "empty"),
+            ({"stop_token_ids": [1, "x"]}, "stop_token_ids", "stop_token_ids[1]"),
+            ({"model": 3}, "model", "string"),
+        ],
+    )  # fmt: skip
+    def test_refusals_name_the_field(self, extra, param, words):
+        refused(parse_completion_request, {"prompt": "x", **extra}, param, words)
+
+    def test_body_must_be_object(self):
+        refused(parse_completion_request, ["prompt"], None, "JSON object")
+
+    def test_engine_ranges_name_the_field(self):
+        """Ranges are the engine's SamplingParams' job; its error names the field."""
+        s = parse_completion_request({"prompt": "x", "temperature": -1}).sampling
+        with pytest.raises(ValueError, match="^temperature"):
+            s.to_sampling_params(16)
+        s = parse_completion_request({"prompt": "x", "n": 0}).sampling
+        with pytest.raises(ValueError, match="^n must"):
+            s.to_sampling_params(16)
+
+
+class TestChat:
+    def test_messages_and_parts(self):
+        r = parse_chat_request(
+            {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                 {"type": "text", "text": "b"}]},
+                    {"role": "assistant", "content": "ok", "tool_calls": None},
+                ],
+                "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 2,
+            }
+        )  # fmt: skip
+        assert r.messages == (
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "a\nb"},
+            {"role": "assistant", "content": "ok"},
+        )
+        assert (r.sampling.max_tokens, r.logprobs, r.sampling.logprobs) == (9, True, 2)
+
+    def test_max_tokens_default_and_logprobs_off(self):
+        r = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]})
+        assert r.sampling.max_tokens is None  # resolved to the context left by the server
+        assert (r.logprobs, r.sampling.logprobs) == (False, None)
+        r = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+        assert r.sampling.logprobs == 0
+
+    @pytest.mark.parametrize(
+        "extra, param, words",
+        [
+            ({"tools": [{"type": "function"}]}, "tools", "tool"),
+            ({"tool_choice": "auto"}, "tool_choice", "tool"),
+            ({"response_format": {"type": "json_object"}}, "response_format", "text"),
+            ({"logit_bias": {"1": 2}}, "logit_bias", "logit_bias"),
+            ({"top_logprobs": 3}, "top_logprobs", "logprobs=true"),
+            ({"logprobs": True, "top_logprobs": 25}, "top_logprobs", "0..20"),
+            ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "disagree"),
+            ({"prompt": "x"}, "prompt", "unknown"),
+            ({"echo": True}, "echo", "unknown"),
+            ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "object"),
+        ],
+    )
+    def test_refusals(self, extra, param, words):
+        body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+        refused(parse_chat_request, body, param, words)
+
+    @pytest.mark.parametrize(
+        "messages, param, words",
+        [
+            ([], "messages", "non-empty"),
+            ("hi", "messages", "non-empty"),
+            ([{"role": "tool", "content": "x"}], "messages", "messages[0].role"),
+            ([{"role": "user"}], "messages", "messages[0].content"),
+            ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+             "messages[0].content[0].type", "text"),
+            ([{"role": "user", "content": "x", "name": "bob"}], "messages[0].name", "role and content"),
+            ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages", "text must"),
+        ],
+    )  # fmt: skip
+    def test_bad_messages(self, messages, param, words):
+        refused(parse_chat_request, {"messages": messages}, param, words)
+
+
+def test_token_bytes_rebuild_the_text(tmp_path):
+    """Chat logprobs carry each token's raw bytes: joined, they are the text's UTF-8, even
+    where one character spans tokens."""
+    from transformers import AutoTokenizer
+
+    from deltaserve.tools.tokenizer_files import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    strings = TokenStrings(tok)
+    text = "Grüße, 世界! 🦜 naïve <|im_end|>"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(bytes(strings.bytes(t)) for t in ids) == text.encode()
+    assert strings.text(ids[0]) == tok.decode([ids[0]])
+    assert clamp_logprob(float("-inf")) == -9999.0 and clamp_logprob(-1.5) == -1.5
+
+
+def test_aiohttp_imports_from_repo_root():
+    """`http/` must stay a namespace package: run from the root, stdlib http still wins."""
+    assert not (REPO / "http" / "__init__.py").exists()
+    code = "import http, aiohttp, deltaserve.http.protocol; assert hasattr(http, 'HTTPStatus')"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
