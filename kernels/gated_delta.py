@@ -14,7 +14,11 @@ h * r ... h * r + r - 1 (r = value heads / key heads), i.e. value head j reads k
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from deltaserve.kernels.triton_compat import check_index, check_launchable, check_rows, tl, triton
 
 CHUNK_SIZE = 64
 
@@ -93,3 +97,191 @@ def chunk_gated_delta(
         s = c[:, -1].exp()[:, None, None] * s + (kc * tail).transpose(1, 2) @ u
     state.copy_(s)
     return out.transpose(0, 1)
+
+
+# ---- decode step on the GPU: one fused kernel per layer for every decode request ----------
+
+
+def gated_delta_decode_reference(
+    mixed: torch.Tensor,  # [T, 2 * nk * dk + nv * dv] post-conv [q | k | v] of each token
+    a: torch.Tensor,  # [T, nv] in_proj_a output (raw)
+    b: torch.Tensor,  # [T, nv] in_proj_b output (raw)
+    a_log: torch.Tensor,  # [nv]
+    dt_bias: torch.Tensor,  # [nv]
+    state: torch.Tensor,  # [slots, nv, dk, dv] fp32, updated in place at `slots`
+    rows: torch.Tensor,  # [D] token of each decode request
+    slots: torch.Tensor,  # [D] its state slot
+    out: torch.Tensor,  # [T, nv, dv]; rows `rows` are written
+    num_k_heads: int,
+    eps: float = 1e-6,
+) -> None:
+    """What the kernel computes, as the DeltaNet layer does it in plain torch: L2-normalised
+    q (times dk^-0.5) and k, beta = sigmoid(b) in the model dtype, g = -exp(A_log) *
+    softplus(a + dt_bias) in fp32, then one `recurrent_gated_delta` step."""
+    nv, dk, dv = state.shape[1:]
+    nk = num_k_heads
+    rows, slots = rows.long(), slots.long()
+    q, k, v = mixed[rows].split((nk * dk, nk * dk, nv * dv), dim=-1)
+    q = q.reshape(-1, nk, dk).float()
+    k = k.reshape(-1, nk, dk).float()
+    q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + eps) * dk**-0.5
+    k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + eps)
+    beta = b[rows].sigmoid()
+    g = -a_log.float().exp() * torch.nn.functional.softplus(a[rows].float() + dt_bias)
+    s = state[slots]
+    o = recurrent_gated_delta(q, k, v.reshape(-1, nv, dv), g, beta, s)
+    state[slots] = s
+    out[rows] = o.to(out.dtype)
+
+
+@triton.jit
+def _gated_delta_decode_kernel(
+    mixed_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, rows_ptr, slots_ptr, out_ptr,
+    stride_mixed, stride_a, stride_b, stride_slot, stride_out,
+    q_scale, eps,
+    NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, EVICT: tl.constexpr,
+):
+    # program: (decode request i, value head h, block of BV value columns)
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    # a negative slot is a padding row of a CUDA graph: every mask is empty, nothing is touched
+    num_k = tl.where(slot >= 0, DK, 0)
+    num_v = tl.where(slot >= 0, DV, 0)
+    slot = tl.maximum(slot, 0)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    offs_v = vb * BV + tl.arange(0, BV)
+    mk = offs_k < num_k
+    mv = offs_v < num_v
+    smask = mk[:, None] & mv[None, :]
+    # state first: the one big read, in flight while the small vectors arrive
+    s_ptrs = state_ptr + slot * stride_slot + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    s = tl.load(s_ptrs, mask=smask, other=0.0, eviction_policy=EVICT)
+    kh = h // (NV // NK)
+    base = mixed_ptr + row * stride_mixed
+    q = tl.load(base + kh * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(base + (NK + kh) * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(base + 2 * NK * DK + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + row * stride_a + h).to(tl.float32)
+    b = tl.load(b_ptr + row * stride_b + h)
+    a_log = tl.load(a_log_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * q_scale
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
+    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)  # rounded as torch does
+    x = a + dt_bias
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    decay = tl.exp(-tl.exp(a_log) * softplus)
+
+    s = s * decay
+    u = beta * (v - tl.sum(s * k[:, None], 0))  # [BV]
+    s = s + k[:, None] * u[None, :]
+    o = tl.sum(s * q[:, None], 0)
+    tl.store(s_ptrs, s, mask=smask, eviction_policy=EVICT)
+    tl.store(out_ptr + row * stride_out + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
+
+
+def gated_delta_decode(
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    num_k_heads: int,
+    eps: float = 1e-6,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    evict_first: bool = False,
+) -> None:
+    """Triton launch of `gated_delta_decode_reference` (same arguments): each request's fp32
+    state is read and written once, in place in its slot. Rows with slot < 0 are skipped.
+    `block_v`, `num_warps`, `evict_first` override the tuned launch (tools/bench_decode.py)."""
+    check_launchable(mixed, state)
+    num_slots, nv, dk, dv = state.shape
+    nk = num_k_heads
+    if nk < 1 or nv % nk:
+        raise ValueError(f"value heads {nv} are not a multiple of key heads {nk}")
+    if state.dtype != torch.float32 or state.stride()[1:] != (dk * dv, dv, 1):
+        raise ValueError(f"state: expected fp32 [slots, nv, dk, dv] with contiguous heads, got "
+                         f"{state.dtype} strides {state.stride()}")
+    tokens = mixed.shape[0]
+    check_rows("mixed", mixed, 2 * nk * dk + nv * dv)
+    check_rows("a", a, nv)
+    check_rows("b", b, nv)
+    if a.shape[0] != tokens or b.shape[0] != tokens or out.shape[0] != tokens:
+        raise ValueError(f"a, b, out need {tokens} rows, got {a.shape[0]}, {b.shape[0]}, {out.shape[0]}")
+    if a_log.shape != (nv,) or dt_bias.shape != (nv,):
+        raise ValueError(f"A_log and dt_bias need shape ({nv},), got {tuple(a_log.shape)}, {tuple(dt_bias.shape)}")
+    if out.dim() != 3 or out.shape[1:] != (nv, dv) or out.stride()[1:] != (dv, 1):
+        raise ValueError(f"out: expected [T, {nv}, {dv}] with contiguous heads, got {tuple(out.shape)} {out.stride()}")
+    num = rows.shape[0]
+    check_index("rows", rows, num)
+    check_index("slots", slots, num)
+    if num == 0:
+        return
+    bk = triton.next_power_of_2(dk)
+    # tuned on the H200 at 4B shapes (bench/results): small tiles while the grid is small
+    programs = num * nv
+    bv = block_v or min(triton.next_power_of_2(dv), 16 if programs <= 64 else 32 if programs <= 256 else 64)
+    warps = num_warps or (2 if bv <= 32 else 4)
+    grid = (num, nv, triton.cdiv(dv, bv))
+    _gated_delta_decode_kernel[grid](
+        mixed, a, b, a_log, dt_bias, state, rows, slots, out,
+        mixed.stride(0), a.stride(0), b.stride(0), state.stride(0), out.stride(0),
+        dk**-0.5, eps,
+        NK=nk, NV=nv, DK=dk, DV=dv, BK=bk, BV=bv, EVICT="evict_first" if evict_first else "",
+        num_warps=warps,
+    )
+
+
+# ---- prefill on the GPU: flash-linear-attention's chunked kernel when it is installed -------
+
+
+@functools.cache
+def fla_chunk_kernel():
+    """fla-core's `chunk_gated_delta_rule` (optional, GPU only), or None when absent."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # not installed, or no usable GPU backend
+        return None
+    return chunk_gated_delta_rule
+
+
+def chunk_gated_delta_packed(
+    q: torch.Tensor,  # [L, nk, dk] sequences packed end to end, normalised and scaled as above
+    k: torch.Tensor,  # [L, nk, dk]
+    v: torch.Tensor,  # [L, nv, dv]
+    g: torch.Tensor,  # [L, nv]
+    beta: torch.Tensor,  # [L, nv]
+    state: torch.Tensor,  # [slots, nv, dk, dv] fp32; each sequence's slot updated in place
+    slots: list[int],  # slot of each sequence
+    lengths: list[int],  # tokens of each sequence, summing to L
+) -> torch.Tensor:  # [L, nv, dv] fp32
+    """Prefill of several sequences in one call of fla's varlen chunk kernel on CUDA (when
+    installed); otherwise `chunk_gated_delta` sequence by sequence."""
+    kernel = fla_chunk_kernel() if q.is_cuda else None
+    if kernel is None:
+        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        offset = 0
+        for slot, length in zip(slots, lengths, strict=True):
+            piece = slice(offset, offset + length)
+            out[piece] = chunk_gated_delta(q[piece], k[piece], v[piece], g[piece], beta[piece], state[slot])
+            offset += length
+        return out
+    bounds = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+    index = torch.tensor(slots, dtype=torch.int64, device=state.device)
+    out, final = kernel(
+        q[None].float(), k[None].float(), v[None].float(), g[None].float(), beta[None].float(),
+        scale=1.0, initial_state=state[index], output_final_state=True,
+        cu_seqlens=bounds.to(q.device), cu_seqlens_cpu=bounds,
+    )
+    state[index] = final.float()
+    return out[0].float()

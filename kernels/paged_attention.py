@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve.kernels.triton_compat import INTERPRET, check_index, check_launchable, tl, triton
+
 
 def request_rows(block_table: torch.Tensor, block_size: int, num_positions: int) -> torch.Tensor:
     """Cache rows of positions 0 .. num_positions-1 of a request, in order."""
@@ -36,3 +38,233 @@ def paged_attention(
     scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype)
     return torch.einsum("hlp,phd->lhd", probs, v)
+
+
+# ---- decode step on the GPU: one query token per request, all requests in one launch ------
+# Split-K over the context ("flash-decoding"): each program reads one KV head of one request
+# over one partition of its positions, for all the query heads of that KV head at once (so K
+# and V are read once); a second kernel merges the partitions by their log-sum-exp.
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor,  # [T, nh, hd] queries of the step
+    k_cache: torch.Tensor,  # [rows, nkv, hd]
+    v_cache: torch.Tensor,  # [rows, nkv, hd]
+    block_tables: torch.Tensor,  # [D, max_blocks] KV blocks of each decode request
+    seq_lens: torch.Tensor,  # [D] positions each attends to (its own included)
+    rows: torch.Tensor,  # [D] token of each decode request in q / out
+    block_size: int,
+    scale: float,
+    out: torch.Tensor,  # [T, nh, hd]; rows `rows` are written
+) -> None:
+    """`paged_attention` on one query per request, request by request."""
+    for i, (row, length) in enumerate(zip(rows.tolist(), seq_lens.tolist(), strict=True)):
+        table = block_tables[i, : -(-length // block_size)].long()
+        out[row : row + 1] = paged_attention(
+            q[row : row + 1], k_cache, v_cache, table, block_size, length - 1, scale
+        )
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, rows_ptr, out_ptr, part_ptr, lse_ptr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_table, stride_out_row, stride_out_head,
+    scale, block_size, num_heads,
+    GROUP: tl.constexpr, BG: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
+    BN: tl.constexpr, NUM_PARTS: tl.constexpr, EXACT: tl.constexpr,
+):
+    # program: (decode request i, KV head kvh, partition p of the context)
+    i = tl.program_id(0)
+    kvh = tl.program_id(1)
+    p = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + i)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    offs_g = tl.arange(0, BG)
+    offs_d = tl.arange(0, BD)
+    heads = kvh * GROUP + offs_g
+    mq = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HD)
+    q = tl.load(q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=mq, other=0.0)
+    m_i = tl.full([BG], float("-inf"), tl.float32)
+    l_i = tl.zeros([BG], tl.float32)
+    acc = tl.zeros([BG, BD], tl.float32)
+    part_len = tl.cdiv(tl.cdiv(seq_len, NUM_PARTS), BN) * BN
+    begin = p * part_len
+    end = tl.minimum(begin + part_len, seq_len)
+    for n0 in range(begin, end, BN):
+        pos = n0 + tl.arange(0, BN)
+        mn = pos < end
+        block = tl.load(tables_ptr + i * stride_table + pos // block_size, mask=mn, other=0).to(tl.int64)
+        cache_row = block * block_size + pos % block_size
+        mkv = mn[:, None] & (offs_d[None, :] < HD)
+        k = tl.load(k_ptr + cache_row[:, None] * stride_k_row + kvh * stride_k_head + offs_d[None, :], mask=mkv, other=0.0)
+        v = tl.load(v_ptr + cache_row[:, None] * stride_v_row + kvh * stride_v_head + offs_d[None, :], mask=mkv, other=0.0)
+        if EXACT:  # fp32 model (or the interpreter, whose bf16 dot is wrong): fp32 products
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * scale  # [BG, BN]
+        scores = tl.where(mn[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        probs = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(probs, 1)
+        if EXACT:
+            pv = tl.dot(probs.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(probs.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    result = acc / safe_l[:, None]  # an empty partition (or a padding row) gives zeros
+    if NUM_PARTS == 1:
+        o_ptrs = out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + offs_d[None, :]
+        tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=mq)
+    else:
+        # partials: part [D, nh, NUM_PARTS, HD] fp32, lse [D, nh, NUM_PARTS]
+        slot = (i * num_heads + heads) * NUM_PARTS + p
+        tl.store(part_ptr + slot[:, None] * HD + offs_d[None, :], result, mask=mq)
+        lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
+        tl.store(lse_ptr + slot, lse, mask=offs_g < GROUP)
+
+
+@triton.jit
+def _merge_parts_kernel(
+    part_ptr, lse_ptr, rows_ptr, out_ptr, stride_out_row, stride_out_head, num_heads,
+    HD: tl.constexpr, BD: tl.constexpr, NUM_PARTS: tl.constexpr, BP: tl.constexpr,
+):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    offs_p = tl.arange(0, BP)
+    offs_d = tl.arange(0, BD)
+    base = (i * num_heads + h) * NUM_PARTS
+    lse = tl.load(lse_ptr + base + offs_p, mask=offs_p < NUM_PARTS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
+    total = tl.sum(weight, 0)
+    mask = (offs_p[:, None] < NUM_PARTS) & (offs_d[None, :] < HD)
+    parts = tl.load(part_ptr + (base + offs_p[:, None]) * HD + offs_d[None, :], mask=mask, other=0.0)
+    result = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * stride_out_row + h * stride_out_head + offs_d,
+             result.to(out_ptr.dtype.element_ty), mask=offs_d < HD)
+
+
+def decode_partitions(num_requests: int, num_kv_heads: int, max_seq_len: int, tile: int,
+                      per_sm: int = 2) -> int:
+    """How many partitions split each request's context: enough programs to fill an H200's
+    132 SMs `per_sm` times over, never more than `max_seq_len` has tiles. Each request divides
+    its own context evenly among them (in the kernel), so a CUDA graph can fix this number
+    while the lengths change."""
+    tiles = max(1, -(-max_seq_len // tile))
+    return max(1, min(tiles, -(-132 * per_sm // max(1, num_requests * num_kv_heads))))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+    block_size: int,
+    scale: float,
+    out: torch.Tensor,
+    max_seq_len: int,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+    parts_per_sm: int = 2,
+) -> None:
+    """Triton launch of `paged_decode_attention_reference` (same arguments) plus
+    `max_seq_len`, a host-side bound on `seq_lens` that sizes the grid (a CUDA graph keeps
+    it fixed). A request with seq_len 0 (a padding row) gets zeros. The keyword arguments
+    override the tuned launch (tools/bench_decode.py)."""
+    check_launchable(q, k_cache)
+    tokens, num_heads, hd = q.shape
+    _, num_kv, _ = k_cache.shape
+    if num_kv < 1 or num_heads % num_kv:
+        raise ValueError(f"query heads {num_heads} are not a multiple of KV heads {num_kv}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[2] != hd or k_cache.dtype != q.dtype:
+        raise ValueError(f"k/v cache {tuple(k_cache.shape)}/{tuple(v_cache.shape)} {k_cache.dtype} "
+                         f"do not fit queries {tuple(q.shape)} {q.dtype}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t.stride(2) != 1:
+            raise ValueError(f"{name}: head_dim must be contiguous, got strides {t.stride()}")
+    if out.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)}")
+    num = rows.shape[0]
+    check_index("rows", rows, num)
+    check_index("seq_lens", seq_lens, num)
+    if block_tables.dim() != 2 or block_tables.shape[0] != num or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables: expected [{num}, max_blocks] contiguous rows, got "
+                         f"{tuple(block_tables.shape)} strides {block_tables.stride()}")
+    if max_seq_len > block_tables.shape[1] * block_size:
+        raise ValueError(f"max_seq_len {max_seq_len} exceeds the block tables' "
+                         f"{block_tables.shape[1]} blocks of {block_size}")
+    if num == 0:
+        return
+    group = num_heads // num_kv
+    tile = block_n or (64 if hd <= 128 else 32)
+    num_parts = decode_partitions(num, num_kv, max_seq_len, tile, parts_per_sm)
+    bd = triton.next_power_of_2(hd)
+    part = lse = out  # unused when there is one partition
+    if num_parts > 1:
+        part = torch.empty((num, num_heads, num_parts, hd), dtype=torch.float32, device=q.device)
+        lse = torch.empty((num, num_heads, num_parts), dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(num, num_kv, num_parts)](
+        q, k_cache, v_cache, block_tables, seq_lens, rows, out, part, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        scale, block_size, num_heads,
+        GROUP=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd,
+        BN=tile, NUM_PARTS=num_parts, EXACT=q.dtype == torch.float32 or INTERPRET, num_warps=num_warps,
+        # tuned on the H200 (bench/results): two stages win once the grid is large
+        num_stages=num_stages or (2 if num * num_kv >= 256 else 3),
+    )
+    if num_parts > 1:
+        _merge_parts_kernel[(num, num_heads)](
+            part, lse, rows, out, out.stride(0), out.stride(1), num_heads,
+            HD=hd, BD=bd, NUM_PARTS=num_parts, BP=triton.next_power_of_2(num_parts), num_warps=4,
+        )
+
+
+# ---- writing the step's K and V into the cache: one launch for both ----------------------
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, index_ptr,
+    stride_k, stride_v, stride_kc, stride_vc, width,
+    BW: tl.constexpr,
+):
+    t = tl.program_id(0)
+    dest = tl.load(index_ptr + t).to(tl.int64)
+    limit = tl.where(dest >= 0, width, 0)  # a negative row (CUDA-graph padding) is skipped
+    dest = tl.maximum(dest, 0)
+    offs = tl.program_id(1) * BW + tl.arange(0, BW)
+    m = offs < limit
+    tl.store(k_cache_ptr + dest * stride_kc + offs, tl.load(k_ptr + t * stride_k + offs, mask=m), mask=m)
+    tl.store(v_cache_ptr + dest * stride_vc + offs, tl.load(v_ptr + t * stride_v + offs, mask=m), mask=m)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor) -> None:
+    """k_cache[index] = k and v_cache[index] = v (k, v [T, nkv, hd]; caches [rows, nkv, hd]);
+    entries with index < 0 are skipped. The idea of nano-vllm's `store_kvcache`."""
+    check_launchable(k, k_cache)
+    tokens = k.shape[0]
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 3 or t.shape[1:] != k_cache.shape[1:] or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name}: expected [*, {k_cache.shape[1]}, {k_cache.shape[2]}] with contiguous "
+                             f"rows, got {tuple(t.shape)} strides {t.stride()}")
+    if v.shape[0] != tokens:
+        raise ValueError(f"k has {tokens} rows, v {v.shape[0]}")
+    check_index("index", index, tokens)
+    if tokens == 0:
+        return
+    width = k.shape[1] * k.shape[2]
+    block = min(2048, triton.next_power_of_2(width))
+    _store_kv_kernel[(tokens, triton.cdiv(width, block))](
+        k, v, k_cache, v_cache, index, k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
+        width, BW=block, num_warps=4,
+    )

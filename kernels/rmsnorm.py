@@ -1,7 +1,9 @@
-"""The two RMSNorms of Qwen3.5, plain torch, computed in fp32.
+"""The two RMSNorms of Qwen3.5, computed in fp32: plain torch references and Triton kernels.
 
 Every norm of the model is zero-centred, x * rsqrt(mean(x^2) + eps) * (1 + w), except the
 gated norm inside the DeltaNet layer, which scales by plain w and multiplies by silu(z).
+`rms_norm` and `gated_rms_norm` run the reference on the CPU and one Triton kernel on CUDA
+(the reference's roundings kept); `*_reference` are the plain torch versions.
 """
 
 from __future__ import annotations
@@ -9,16 +11,98 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltaserve.kernels.triton_compat import HAS_TRITON, check_launchable, tl, triton
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * (1.0 + weight.float())).to(x.dtype)
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_reference(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As HF does it: normalise in fp32, cast back, scale by w, then gate by silu(z) in fp32."""
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     y = weight * y
     return (y.float() * F.silu(z.float())).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda and HAS_TRITON:
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda and HAS_TRITON:
+        return gated_rms_norm_triton(x, z, weight, eps)
+    return gated_rms_norm_reference(x, z, weight, eps)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, z_ptr, w_ptr, out_ptr, stride_x, stride_z, dim, eps,
+    GATED: tl.constexpr, BD: tl.constexpr,
+):
+    # program: one row of `dim` features
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BD)
+    m = offs < dim
+    x = tl.load(x_ptr + r * stride_x + offs, mask=m, other=0.0)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / dim + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0)
+    if GATED:
+        y = (xf * inv).to(x.dtype).to(tl.float32)  # cast back, then w * y in the model dtype
+        y = (w.to(tl.float32) * y).to(x.dtype).to(tl.float32)
+        z = tl.load(z_ptr + r * stride_z + offs, mask=m, other=0.0).to(tl.float32)
+        y = y * z * tl.sigmoid(z)
+    else:
+        y = xf * inv * (1.0 + w.to(tl.float32))
+    tl.store(out_ptr + r * dim + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    """[..., dim] as [rows, dim] without a copy where the strides allow (q[..., :hd] of a
+    [T, heads, 2 hd] tensor does), else a contiguous copy."""
+    if t.dim() < 1 or t.shape[-1] < 1:
+        raise ValueError(f"{name}: expected [..., dim] with dim >= 1, got {tuple(t.shape)}")
+    if t.stride(-1) == 1:
+        try:
+            return t.view(-1, t.shape[-1])
+        except RuntimeError:
+            pass
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def _launch(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    check_launchable(x, weight)
+    dim = x.shape[-1]
+    if weight.shape != (dim,) or weight.stride(0) != 1:
+        raise ValueError(f"weight: expected contiguous ({dim},), got {tuple(weight.shape)}")
+    rows = _rows("x", x)
+    gate = rows
+    if z is not None:
+        if z.shape != x.shape:
+            raise ValueError(f"z {tuple(z.shape)} must match x {tuple(x.shape)}")
+        gate = _rows("z", z)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0] == 0:
+        return out
+    block = triton.next_power_of_2(dim)
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows, gate, weight, out, rows.stride(0), gate.stride(0), dim, eps,
+        GATED=z is not None, BD=block, num_warps=8 if block >= 2048 else 4 if block >= 512 else 1,
+    )
+    return out
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_reference` in one kernel; out is a new contiguous tensor of x's shape."""
+    return _launch(x, None, weight, eps)
+
+
+def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`gated_rms_norm_reference` in one kernel."""
+    return _launch(x, z, weight, eps)

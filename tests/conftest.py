@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run under Triton's interpreter (tests/test_kernels.py); the
+# switch must be set before Triton is first imported. The model's CPU path never uses Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from deltaserve.tools.make_model import make_model
 
@@ -21,3 +28,10 @@ def tiny_vlm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     plus `model.visual.*` and `mtp.*` tensors to skip, in 2 shards with an index file."""
     return make_model(tmp_path_factory.mktemp("tiny_vlm"), preset="tiny", dtype="fp32", seed=0,
                       vlm_names=True, shard_size="20MB")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long", action="store_true", default=False,
+        help="run the load / fault suite at its long size (GPU or soak run), not the CI size",
+    )  # fmt: skip

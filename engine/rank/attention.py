@@ -8,14 +8,17 @@ paged cache; output times sigmoid(gate), then the row-parallel o_proj.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from deltaserve.engine.rank.batch import StepBatch
 from deltaserve.engine.rank.cache import StateCache
+from deltaserve.engine.rank.cudagraph import decode_meta_of
 from deltaserve.engine.rank.linear import ColumnParallelLinear, RowParallelLinear
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import RMSNorm
 from deltaserve.engine.rank.parallel import tp_size
-from deltaserve.kernels.paged_attention import paged_attention
-from torch import nn
+from deltaserve.kernels.paged_attention import paged_attention, paged_decode_attention, store_kv
+from deltaserve.kernels.rope import norm_rope
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -65,10 +68,12 @@ class GatedAttention(nn.Module):
         q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:]
         k = self.k_proj(x).view(tokens, self.num_kv_heads, hd)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, hd)
+        k_cache, v_cache = cache.kv[self.cache_layer, 0], cache.kv[self.cache_layer, 1]
+        if x.is_cuda:
+            out = self._attend_cuda(q, k, v, k_cache, v_cache, batch, cache)
+            return self.o_proj((out * torch.sigmoid(gate)).reshape(tokens, self.num_heads * hd))
         q = self.rope(self.q_norm(q), batch.positions)
         k = self.rope(self.k_norm(k), batch.positions)
-
-        k_cache, v_cache = cache.kv[self.cache_layer, 0], cache.kv[self.cache_layer, 1]
         k_cache[batch.kv_index] = k
         v_cache[batch.kv_index] = v
         out = torch.empty_like(q)
@@ -79,3 +84,33 @@ class GatedAttention(nn.Module):
             )
         out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(tokens, self.num_heads * hd))
+
+    def _attend_cuda(
+        self,
+        q: torch.Tensor,  # [T, nh, hd]
+        k: torch.Tensor,  # [T, nkv, hd]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [rows, nkv, hd]
+        v_cache: torch.Tensor,
+        batch: StepBatch,
+        cache: StateCache,
+    ) -> torch.Tensor:
+        """q/k norms and RoPE in one kernel, K/V stored in one; all decode items in one
+        paged-attention launch; prefill spans by the reference."""
+        meta = decode_meta_of(batch, q.device)
+        q, k = norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, batch.positions,
+                         self.rope.inv_freq, self.q_norm.eps)
+        store_kv(k, v.contiguous(), k_cache, v_cache, batch.kv_index)
+        out = torch.empty_like(q)
+        scale = self.head_dim**-0.5
+        if meta.num_decodes:
+            paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.rows,
+                cache.block_size, scale, out, meta.max_seq_len,
+            )
+        for span in meta.prefill:
+            piece = slice(span.offset, span.offset + span.length)
+            out[piece] = paged_attention(
+                q[piece], k_cache, v_cache, span.block_table, cache.block_size, span.start, scale
+            )
+        return out

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from deltaserve.engine.rank.batch import StepBatch
 from deltaserve.engine.rank.cache import StateCache
+from deltaserve.engine.rank.cudagraph import decode_meta_of
 from deltaserve.engine.rank.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -21,9 +24,13 @@ from deltaserve.engine.rank.linear import (
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import GatedRMSNorm
 from deltaserve.engine.rank.parallel import tp_size
-from deltaserve.kernels.causal_conv1d import causal_conv1d
-from deltaserve.kernels.gated_delta import chunk_gated_delta, recurrent_gated_delta
-from torch import nn
+from deltaserve.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+from deltaserve.kernels.gated_delta import (
+    chunk_gated_delta,
+    chunk_gated_delta_packed,
+    gated_delta_decode,
+    recurrent_gated_delta,
+)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -63,6 +70,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(config.linear_value_dim, hidden, dtype, device)
 
     def forward(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
+        if x.is_cuda:
+            return self._forward_cuda(x, batch, cache)
         tokens = x.shape[0]
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.dk, self.dv
         qkv = self.in_proj_qkv(x)  # [T, conv channels]
@@ -97,4 +106,41 @@ class GatedDeltaNet(nn.Module):
                     q[piece], k[piece], v[piece], g[piece], beta[piece], recurrent[span.slot]
                 )
         out = self.norm(core.to(x.dtype), z)
+        return self.out_proj(out.reshape(tokens, nv * dv))
+
+    def _forward_cuda(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
+        """Decode items: one conv kernel and one fused recurrent kernel for all of them, state
+        updated in place in its slot. Prefill spans: the conv reference per span, then fla's
+        chunked kernel over all of them packed (the torch reference when fla is absent)."""
+        tokens = x.shape[0]
+        nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.dk, self.dv
+        meta = decode_meta_of(batch, x.device)
+        qkv = self.in_proj_qkv(x)  # [T, conv channels]
+        z = self.in_proj_z(x).view(tokens, nv, dv)
+        b = self.in_proj_b(x)  # [T, nv] raw: sigmoid in the kernel
+        a = self.in_proj_a(x)  # [T, nv] raw: decay in the kernel
+        conv_state = cache.conv[self.cache_layer]  # [slots, channels, width - 1]
+        recurrent = cache.recurrent[self.cache_layer]  # [slots, nv, dk, dv]
+        weight = self.conv1d.weight[:, 0]
+        mixed = torch.empty_like(qkv)
+        core = torch.empty((tokens, nv, dv), dtype=x.dtype, device=x.device)
+        if meta.num_decodes:
+            causal_conv1d_update(qkv, weight, conv_state, meta.rows, meta.slots, mixed)
+            gated_delta_decode(
+                mixed, a, b, self.A_log, self.dt_bias, recurrent, meta.rows, meta.slots, core, nk
+            )
+        if meta.prefill:
+            pieces = [slice(s.offset, s.offset + s.length) for s in meta.prefill]
+            for span, piece in zip(meta.prefill, pieces, strict=True):
+                mixed[piece] = causal_conv1d(qkv[piece], weight, conv_state[span.slot])
+            rows = torch.cat([torch.arange(p.start, p.stop) for p in pieces]).to(x.device)
+            q, k, v = mixed[rows].split((nk * dk, nk * dk, nv * dv), dim=-1)
+            q = l2_normalize(q.reshape(-1, nk, dk)) * dk**-0.5
+            k = l2_normalize(k.reshape(-1, nk, dk))
+            g = -self.A_log.float().exp() * F.softplus(a[rows].float() + self.dt_bias)
+            core[rows] = chunk_gated_delta_packed(
+                q, k, v.reshape(-1, nv, dv), g, b[rows].sigmoid(), recurrent,
+                [s.slot for s in meta.prefill], [s.length for s in meta.prefill],
+            ).to(x.dtype)
+        out = self.norm(core, z)
         return self.out_proj(out.reshape(tokens, nv * dv))

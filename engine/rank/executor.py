@@ -13,6 +13,7 @@ import torch
 
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch
 from deltaserve.engine.rank.cache import StateCache
+from deltaserve.engine.rank.cudagraph import DecodeGraphs, with_decode_meta
 from deltaserve.engine.rank.loader import load_weights
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.parallel import tp_rank, tp_size
@@ -47,6 +48,8 @@ class ExecutorConfig:
     block_size: int = 16
     num_slots: int = 8
     num_blocks: int = 256
+    max_model_len: int = 0  # longest request in positions; 0: the whole cache
+    cuda_graphs: bool = True  # decode-only steps replay CUDA graphs (one CUDA rank only)
 
 
 @dataclass(slots=True)
@@ -78,7 +81,7 @@ class _Plan:
     spans: list[SeqSpan] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    kv_rows: list[torch.Tensor] = field(default_factory=list)
+    kv_rows: list[int] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)
 
 
@@ -107,6 +110,11 @@ class Executor:
         )
         self.sampler = Sampler() if config.rank == 0 else None
         self.requests: dict[int, LiveRequest] = {}
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graphs and config.world_size == 1:
+            max_len = config.max_model_len or config.num_blocks * config.block_size
+            self.graphs = DecodeGraphs(self.model, self.cache, config.num_slots, self.cache.blocks_for(max_len))
+            self.graphs.capture()
 
     @property
     def num_slots(self) -> int:
@@ -137,7 +145,11 @@ class Executor:
         the positions that sample (or of every position: golden tests), None elsewhere."""
         self._admit_new(items)
         batch = self._build_batch(items, every_position)
-        logits = self.model(batch, self.cache)
+        logits = self.graphs.run(batch) if self.graphs is not None and not every_position else None
+        if logits is None:
+            if self.device.type == "cuda":
+                batch = with_decode_meta(batch, self.device)  # index tensors once for all layers
+            logits = self.model(batch, self.cache)
         for item in items:
             self.requests[item.request_id].num_tokens = item.start + len(item.token_ids)
         return logits
@@ -189,9 +201,9 @@ class Executor:
             length = len(item.token_ids)
             plan.spans.append(SeqSpan(offset, length, item.start, req.slot, req.block_table))
             plan.ids.extend(item.token_ids)
-            positions = torch.arange(item.start, item.start + length)
-            plan.positions.extend(range(item.start, item.start + length))
-            plan.kv_rows.append(req.block_table.cpu()[positions // bs] * bs + positions % bs)
+            positions = range(item.start, item.start + length)
+            plan.positions.extend(positions)
+            plan.kv_rows.extend(req.blocks[p // bs] * bs + p % bs for p in positions)
             if every_position:
                 plan.sampled.extend(range(offset, offset + length))
             elif item.sample:
@@ -201,7 +213,7 @@ class Executor:
         return StepBatch(
             input_ids=torch.tensor(plan.ids, **to),
             positions=torch.tensor(plan.positions, **to),
-            kv_index=torch.cat(plan.kv_rows).to(self.device),
+            kv_index=torch.tensor(plan.kv_rows, **to),
             spans=tuple(plan.spans),
             logits_index=torch.tensor(plan.sampled, **to),
         )

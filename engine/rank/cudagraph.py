@@ -1,0 +1,200 @@
+"""The GPU decode step: the device index tensors of a step's decode items, and CUDA graphs of
+decode-only steps.
+
+`DecodeMeta` holds, for every single-token span of a step, its token row, state slot,
+context length and block table as device tensors, so that the DeltaNet and attention layers
+run all decode items in one kernel each. Build it once per step (`with_decode_meta`); a
+layer given a plain StepBatch builds its own (correct, but one host-to-device copy per layer).
+
+`DecodeGraphs` captures one CUDA graph per batch bucket (1, 2, 4, ... up to max_batch) of a
+decode-only step and replays it: a step then costs a few copies into static buffers and one
+launch instead of ~15 kernel launches per layer from Python. The idea is vLLM's and
+nano-vllm's (`model_runner.capture_cudagraph`): static inputs, padding rows that touch
+nothing (slot -1, KV row -1, context length 0), one memory pool shared by all buckets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deltaserve.engine.rank.batch import SeqSpan, StepBatch
+from deltaserve.engine.rank.cache import StateCache
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeMeta:
+    rows: torch.Tensor  # [D] int32, flat token index of each decode span
+    slots: torch.Tensor  # [D] int32, its DeltaNet state slot (-1: padding)
+    seq_lens: torch.Tensor  # [D] int32, positions it attends to, its own included (0: padding)
+    block_tables: torch.Tensor  # [D, max_blocks] int64, its KV blocks (padded with block 0)
+    max_seq_len: int  # host-side bound on seq_lens: sizes the attention grid
+    prefill: tuple[SeqSpan, ...]  # the step's spans of more than one token (run by reference)
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.rows.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class GpuStepBatch(StepBatch):
+    """A StepBatch that carries its DecodeMeta, built once for all layers."""
+
+    decode: DecodeMeta | None = None
+
+
+def _stacked_tables(tables: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    """[len(tables), width] int64, rows padded with block 0: one cat, one small host-to-device
+    copy and one gather, not one copy per request."""
+    if not tables:
+        return torch.zeros((0, width), dtype=torch.int64, device=device)
+    flat = torch.cat([t.to(device=device, dtype=torch.int64) for t in tables])
+    lengths = torch.tensor([int(t.shape[0]) for t in tables], dtype=torch.int64)
+    cols = torch.arange(width, dtype=torch.int64)[None, :]
+    index = torch.where(cols < lengths[:, None], (lengths.cumsum(0) - lengths)[:, None] + cols, -1)
+    index = index.to(device)
+    return flat[index.clamp(min=0)].masked_fill_(index < 0, 0)
+
+
+def build_decode_meta(spans: tuple[SeqSpan, ...], device: torch.device) -> DecodeMeta:
+    decodes = [s for s in spans if s.length == 1]
+    host = torch.tensor(
+        [[s.offset for s in decodes], [s.slot for s in decodes], [s.start + 1 for s in decodes]],
+        dtype=torch.int32,
+    ).reshape(3, len(decodes))
+    dev = host.to(device)
+    width = max((int(s.block_table.shape[0]) for s in decodes), default=1)
+    return DecodeMeta(
+        rows=dev[0],
+        slots=dev[1],
+        seq_lens=dev[2],
+        block_tables=_stacked_tables([s.block_table for s in decodes], width, device),
+        max_seq_len=max((s.start + 1 for s in decodes), default=1),
+        prefill=tuple(s for s in spans if s.length > 1),
+    )
+
+
+def with_decode_meta(batch: StepBatch, device: torch.device) -> GpuStepBatch:
+    """The executor's one call per step on CUDA: the same batch, plus its DecodeMeta."""
+    return GpuStepBatch(
+        input_ids=batch.input_ids,
+        positions=batch.positions,
+        kv_index=batch.kv_index,
+        spans=batch.spans,
+        logits_index=batch.logits_index,
+        decode=build_decode_meta(batch.spans, device),
+    )
+
+
+def decode_meta_of(batch: StepBatch, device: torch.device) -> DecodeMeta:
+    """The batch's DecodeMeta, or one built now (a plain StepBatch)."""
+    if isinstance(batch, GpuStepBatch) and batch.decode is not None:
+        return batch.decode
+    return build_decode_meta(batch.spans, device)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    sizes, n = [], 1
+    while n < max_batch:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, max_batch]
+
+
+class DecodeGraphs:
+    """One CUDA graph per batch bucket of a decode-only step over `model` and `cache`.
+
+    Requires one rank (no collectives captured). Every request's block table must have at most
+    `max_blocks` blocks. `run` returns None for a step it cannot replay (not decode-only, too
+    large a batch or block table): the caller then runs the model eagerly.
+    """
+
+    def __init__(self, model: nn.Module, cache: StateCache, max_batch: int, max_blocks: int) -> None:
+        if max_batch < 1 or max_blocks < 1:
+            raise ValueError(f"max_batch and max_blocks must be >= 1, got {max_batch}, {max_blocks}")
+        self.model = model
+        self.cache = cache
+        self.max_batch = max_batch
+        self.max_blocks = max_blocks
+        device = cache.kv.device
+        self.device = device
+        i64 = {"dtype": torch.int64, "device": device}
+        self.tokens = torch.zeros((3, max_batch), **i64)  # input_ids, positions, kv_index
+        self.meta = torch.zeros((3, max_batch), dtype=torch.int32, device=device)  # rows, slots, seq_lens
+        self.tables = torch.zeros((max_batch, max_blocks), **i64)
+        self.arange = torch.arange(max_batch, **i64)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def _batch(self, size: int) -> GpuStepBatch:
+        meta = DecodeMeta(
+            rows=self.meta[0, :size],
+            slots=self.meta[1, :size],
+            seq_lens=self.meta[2, :size],
+            block_tables=self.tables[:size],
+            max_seq_len=self.max_blocks * self.cache.block_size,
+            prefill=(),
+        )
+        return GpuStepBatch(
+            input_ids=self.tokens[0, :size],
+            positions=self.tokens[1, :size],
+            kv_index=self.tokens[2, :size],
+            spans=(),
+            logits_index=self.arange[:size],
+            decode=meta,
+        )
+
+    def _pad_all(self) -> None:
+        self.tokens.zero_()
+        self.tokens[2].fill_(-1)
+        self.meta[0].copy_(self.arange.to(torch.int32))
+        self.meta[1].fill_(-1)
+        self.meta[2].zero_()
+        self.tables.zero_()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (so smaller ones reuse its memory pool)."""
+        self._pad_all()
+        for size in sorted(batch_buckets(self.max_batch), reverse=True):
+            batch = self._batch(size)
+            self.model(batch, self.cache)  # warm-up: compiles kernels, settles allocations
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.model(batch, self.cache)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+
+    def can_run(self, batch: StepBatch) -> bool:
+        return (
+            bool(self.graphs)
+            and 0 < len(batch.spans) <= self.max_batch
+            and all(s.length == 1 and s.block_table.shape[0] <= self.max_blocks for s in batch.spans)
+        )
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> torch.Tensor | None:
+        """Replay the smallest bucket that holds the step; fp32 logits of `batch.logits_index`."""
+        if not self.can_run(batch):
+            return None
+        n = len(batch.spans)
+        size = min(b for b in self.graphs if b >= n)
+        self._pad_all()
+        self.tokens[0, :n].copy_(batch.input_ids, non_blocking=True)
+        self.tokens[1, :n].copy_(batch.positions, non_blocking=True)
+        self.tokens[2, :n].copy_(batch.kv_index, non_blocking=True)
+        host = torch.tensor(
+            [[s.offset for s in batch.spans], [s.slot for s in batch.spans], [s.start + 1 for s in batch.spans]],
+            dtype=torch.int32,
+        )
+        self.meta[:, :n].copy_(host, non_blocking=True)
+        tables = [s.block_table for s in batch.spans]
+        self.tables[:n].copy_(_stacked_tables(tables, self.max_blocks, self.device))
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[batch.logits_index]

@@ -1,0 +1,113 @@
+"""Per-head zero-centred RMSNorm then RoPE (rotate-half, on the leading `rotary_dim` dims) of
+the full-attention layer's queries and keys: the plain torch reference and one Triton kernel
+for both q and k.
+
+The reference is what the layer does on the CPU (`RMSNorm` then `Rope` of
+engine/rank/attention.py), roundings included: the norm's output is cast to the model dtype,
+cos and sin are computed in fp32 and cast, and each product and the sum round to the model
+dtype. In torch that is ~13 small kernels per tensor; a decode step at batch 1 is bound by
+such launches, so the GPU path does it in one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.kernels.rmsnorm import rms_norm_reference
+from deltaserve.kernels.triton_compat import check_launchable, tl, triton
+
+
+def norm_rope_reference(
+    x: torch.Tensor,  # [T, heads, hd]
+    weight: torch.Tensor,  # [hd] zero-centred norm weight
+    positions: torch.Tensor,  # [T]
+    inv_freq: torch.Tensor,  # [rotary_dim / 2] fp32
+    eps: float,
+) -> torch.Tensor:  # [T, heads, hd]
+    x = rms_norm_reference(x, weight, eps)
+    rotary_dim = 2 * inv_freq.shape[0]
+    freqs = positions[:, None].float() * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    first, second = rot.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+@triton.jit
+def _norm_rope_kernel(
+    q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_out_ptr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, eps,
+    QH: tl.constexpr, KH: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr,
+):
+    # program: (token t, head h of q then k); one head of HD features
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    is_q = h < QH
+    hk = tl.maximum(h - QH, 0)
+    hq = tl.minimum(h, QH - 1)
+    src = tl.where(is_q, q_ptr + t * stride_q_row + hq * stride_q_head, k_ptr + t * stride_k_row + hk * stride_k_head)
+    w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
+    dst = tl.where(is_q, q_out_ptr + (t * QH + hq) * HD, k_out_ptr + (t * KH + hk) * HD)
+    offs = tl.arange(0, BD)
+    m = offs < HD
+    x = tl.load(src + offs, mask=m, other=0.0)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / HD + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    y = (xf * inv * (1.0 + w)).to(x.dtype)  # the norm's output, in the model dtype
+    # the partner of dim d < 2 HALF is d + HALF (first half, sign -) or d - HALF (second half)
+    in_rot = offs < 2 * HALF
+    first = offs < HALF
+    partner = tl.where(first, offs + HALF, offs - HALF)
+    xp = tl.load(src + partner, mask=in_rot, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)
+    yp = (xp * inv * (1.0 + wp)).to(x.dtype)
+    pos = tl.load(pos_ptr + t).to(tl.float32)
+    freq = tl.load(inv_freq_ptr + tl.where(first, offs, offs - HALF), mask=in_rot, other=0.0)
+    angle = pos * freq
+    cos = tl.cos(angle).to(x.dtype).to(tl.float32)
+    sin = tl.sin(angle).to(x.dtype).to(tl.float32)
+    rotated = tl.where(first, -yp.to(tl.float32), yp.to(tl.float32))
+    a = (y.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
+    b = (rotated * sin).to(x.dtype).to(tl.float32)
+    out = tl.where(in_rot, (a + b).to(x.dtype), y)
+    tl.store(dst + offs, out, mask=m)
+
+
+def norm_rope(
+    q: torch.Tensor,  # [T, nh, hd], head dim contiguous (rows may be strided: q of [q | gate])
+    k: torch.Tensor,  # [T, nkv, hd]
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    positions: torch.Tensor,  # [T]
+    inv_freq: torch.Tensor,  # [rotary_dim / 2] fp32
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_rope_reference` of q and of k in one launch; new contiguous outputs."""
+    check_launchable(q, k)
+    tokens, num_q, hd = q.shape
+    num_k = k.shape[1]
+    if k.shape[0] != tokens or k.shape[2] != hd or k.dtype != q.dtype:
+        raise ValueError(f"k {tuple(k.shape)} {k.dtype} does not fit q {tuple(q.shape)} {q.dtype}")
+    if q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError(f"head dims must be contiguous, got strides {q.stride()}, {k.stride()}")
+    if q_weight.shape != (hd,) or k_weight.shape != (hd,):
+        raise ValueError(f"norm weights must be ({hd},), got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
+    half = inv_freq.shape[0]
+    if inv_freq.dtype != torch.float32 or 2 * half > hd:
+        raise ValueError(f"inv_freq: expected fp32 of at most {hd // 2}, got {inv_freq.dtype} {half}")
+    if positions.shape != (tokens,):
+        raise ValueError(f"positions: expected ({tokens},), got {tuple(positions.shape)}")
+    q_out = torch.empty((tokens, num_q, hd), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((tokens, num_k, hd), dtype=k.dtype, device=k.device)
+    if tokens == 0:
+        return q_out, k_out
+    block = triton.next_power_of_2(hd)
+    _norm_rope_kernel[(tokens, num_q + num_k)](
+        q, k, q_weight, k_weight, positions, inv_freq, q_out, k_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
+        QH=num_q, KH=num_k, HD=hd, BD=block, HALF=half, num_warps=1 if block <= 256 else 2,
+    )
+    return q_out, k_out

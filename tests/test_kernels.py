@@ -1,0 +1,330 @@
+"""Every Triton kernel against its plain-torch reference (kernels/*.py), and the GPU model path
+against the CPU one.
+
+Inputs are drawn fresh for every check; outputs are poisoned with NaN before the kernel runs,
+so an unwritten element fails. Shapes are small and awkward (head dims 12/20/24/100, a
+partial last tile, permuted rows and slots, padding rows) plus, on CUDA only, the real
+Qwen3.5-4B shapes. Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1)
+when triton is installed, else these tests skip.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+# relative L2 error bounds: fp32 kernels reorder sums only; bf16 outputs differ by rounding
+# (the interpreter also truncates where the GPU rounds to nearest)
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The kernel modules: compiled for the GPU, or run by Triton's interpreter on the CPU."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed and there is no GPU")
+    if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        # triton reads the flag when it is first imported, before any test runs
+        pytest.skip("no GPU: set TRITON_INTERPRET=1 for the whole session to use the interpreter")
+    names = ["gated_delta", "causal_conv1d", "paged_attention", "rmsnorm", "rope"]
+    return {n: importlib.import_module(f"deltaserve.kernels.{n}") for n in names}
+
+
+@pytest.fixture(scope="module")
+def device():
+    return torch.device("cuda" if CUDA else "cpu")
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert not torch.isnan(got).any(), f"{what}: NaN left (an element the kernel did not write)"
+    err = ((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30)).item()
+    assert err <= TOLERANCE[dtype], f"{what}: relative error {err:.2e} > {TOLERANCE[dtype]:.0e}"
+
+
+def pick(n: int, k: int, device) -> torch.Tensor:
+    """k distinct indices of range(n), in random order, int32."""
+    return torch.randperm(n)[:k].to(device=device, dtype=torch.int32)
+
+
+DELTA_SHAPES = [  # (key heads, value heads, dk, dv, tokens, decodes, slots)
+    (2, 4, 16, 32, 5, 3, 6),
+    (1, 3, 20, 12, 4, 4, 5),
+    pytest.param(16, 32, 128, 128, 64, 64, 70, marks=needs_cuda),  # Qwen3.5-4B, batch 64
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nk,nv,dk,dv,tokens,decodes,slots", DELTA_SHAPES)
+def test_gated_delta_decode(kernels, device, dtype, nk, nv, dk, dv, tokens, decodes, slots):
+    """Two decode steps in a row: outputs, every request's state, untouched other slots, and a
+    padding row (slot -1) that writes nothing."""
+    mod = kernels["gated_delta"]
+    width = 2 * nk * dk + nv * dv
+    state = torch.randn(slots, nv, dk, dv, device=device)
+    want_state = state.clone()
+    a_log = torch.randn(nv, device=device).to(dtype)
+    dt_bias = torch.randn(nv, device=device).to(dtype)
+    slot_ids = pick(slots, decodes, device)
+    for step in range(2):
+        mixed = torch.randn(tokens, width, device=device).to(dtype)
+        a = torch.randn(tokens, nv, device=device).to(dtype)
+        b = torch.randn(tokens, nv, device=device).to(dtype)
+        rows = pick(tokens, decodes, device)
+        got = poisoned((tokens, nv, dv), dtype, device)
+        want = poisoned((tokens, nv, dv), dtype, device)
+        mod.gated_delta_decode_reference(mixed, a, b, a_log, dt_bias, want_state, rows, slot_ids, want, nk)
+        mod.gated_delta_decode(mixed, a, b, a_log, dt_bias, state, rows, slot_ids, got, nk)
+        r = rows.long()
+        assert_close(got[r].float(), want[r].float(), dtype, f"output, step {step}")
+        assert_close(state, want_state, dtype, f"state, step {step}")
+    # a padding row: nothing read or written
+    before = state.clone()
+    out = poisoned((tokens, nv, dv), dtype, device)
+    one = torch.tensor([0], dtype=torch.int32, device=device)
+    mod.gated_delta_decode(mixed, a, b, a_log, dt_bias, state, one, -one - 1, out, nk)
+    assert torch.equal(state, before) and torch.isnan(out).all(), "a slot -1 row changed something"
+
+
+CONV_SHAPES = [  # (channels, width, tokens, decodes, slots)
+    (37, 4, 5, 3, 4),
+    (260, 3, 3, 2, 2),
+    pytest.param(8192, 4, 64, 64, 66, marks=needs_cuda),  # 4B: q, k (16 x 128), v (32 x 128)
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("channels,width,tokens,decodes,slots", CONV_SHAPES)
+def test_causal_conv1d_update(kernels, device, dtype, channels, width, tokens, decodes, slots):
+    """Reference in fp32 on the same (rounded) inputs: the CPU's bf16 depthwise conv is very
+    slow, and the window update is a copy either way."""
+    mod = kernels["causal_conv1d"]
+    weight = torch.randn(channels, width, device=device).to(dtype)
+    state = torch.randn(slots, channels, width - 1, device=device).to(dtype)
+    want_state = state.to(torch.float32, copy=True)
+    slot_ids = pick(slots, decodes, device)
+    for step in range(width):  # long enough for every state column to be replaced
+        x = torch.randn(tokens, channels, device=device).to(dtype)
+        rows = pick(tokens, decodes, device)
+        got = poisoned((tokens, channels), dtype, device)
+        want = poisoned((tokens, channels), torch.float32, device)
+        mod.causal_conv1d_update_reference(x.float(), weight.float(), want_state, rows, slot_ids, want)
+        mod.causal_conv1d_update(x, weight, state, rows, slot_ids, got)
+        r = rows.long()
+        assert_close(got[r].float(), want[r], dtype, f"output, step {step}")
+        assert torch.equal(state.float(), want_state), f"state differs at step {step}"
+
+
+ATTENTION_SHAPES = [  # (heads, kv heads, head dim, block size, blocks, context lengths)
+    (4, 2, 24, 4, 40, [1, 7, 33]),
+    (8, 2, 32, 16, 24, [100, 3, 17]),
+    (2, 1, 16, 8, 50, [300]),
+    pytest.param(16, 4, 256, 16, 8400, [1000 + 17 * i for i in range(64)], marks=needs_cuda),  # 4B
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nh,nkv,hd,block_size,blocks,lengths", ATTENTION_SHAPES)
+def test_paged_decode_attention(kernels, device, dtype, nh, nkv, hd, block_size, blocks, lengths):
+    """Block tables scattered over the cache; a padding row (context 0) gets zeros."""
+    mod = kernels["paged_attention"]
+    num = len(lengths)
+    tokens = num + 2
+    q = torch.randn(tokens, nh, hd, device=device).to(dtype)
+    k_cache = torch.randn(blocks * block_size, nkv, hd, device=device).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    width = max(-(-n // block_size) for n in lengths) + 1
+    tables = torch.randperm(blocks)[: num * width].view(num, width).to(device)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    rows = pick(tokens, num, device)
+    scale = hd**-0.5
+    got, want = poisoned(q.shape, dtype, device), poisoned(q.shape, dtype, device)
+    mod.paged_decode_attention_reference(q, k_cache, v_cache, tables, seq_lens, rows, block_size, scale, want)
+    mod.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, rows, block_size, scale, got, max(lengths))
+    r = rows.long()
+    assert_close(got[r].float(), want[r].float(), dtype, "attention output")
+    # the same with a looser length bound (as a CUDA graph runs it) and a padding row
+    spare = next(i for i in range(tokens) if i not in set(rows.tolist()))
+    pad_rows = torch.cat([rows, rows.new_tensor([spare])])
+    pad_lens = torch.cat([seq_lens, seq_lens.new_zeros(1)])
+    pad_tables = torch.cat([tables, tables[:1]])
+    got = poisoned(q.shape, dtype, device)
+    mod.paged_decode_attention(q, k_cache, v_cache, pad_tables, pad_lens, pad_rows, block_size, scale, got,
+                               width * block_size)
+    assert_close(got[r].float(), want[r].float(), dtype, "attention output, graph-style bound")
+    assert (got[spare] == 0).all(), "a padding row did not get zeros"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv(kernels, device, dtype):
+    mod = kernels["paged_attention"]
+    k, v = torch.randn(5, 3, 20, device=device).to(dtype), torch.randn(5, 3, 20, device=device).to(dtype)
+    k_cache = torch.randn(30, 3, 20, device=device).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    index = torch.tensor([7, -1, 0, 29, 12], device=device)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    keep = index >= 0
+    want_k[index[keep]], want_v[index[keep]] = k[keep], v[keep]
+    mod.store_kv(k, v, k_cache, v_cache, index)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+NORM_SHAPES = [  # (leading shape, dim)
+    ((5, 3), 24),
+    ((7,), 100),
+    pytest.param((64,), 2560, marks=needs_cuda),  # 4B hidden
+    pytest.param((64, 16), 256, marks=needs_cuda),  # 4B q_norm over heads
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead,dim", NORM_SHAPES)
+def test_rms_norm(kernels, device, dtype, lead, dim):
+    """Zero-centred norm on a strided view (q of [T, heads, 2 hd]) and the gated norm."""
+    mod = kernels["rmsnorm"]
+    x = torch.randn(*lead, 2 * dim, device=device).to(dtype)[..., :dim]  # rows strided by 2 dim
+    w = torch.randn(dim, device=device).to(dtype)
+    assert_close(mod.rms_norm_triton(x, w, 1e-6).float(), mod.rms_norm_reference(x, w, 1e-6).float(),
+                 dtype, "rms_norm")
+    x = torch.randn(*lead, dim, device=device).to(dtype)
+    z = torch.randn(*lead, dim, device=device).to(dtype)
+    assert_close(mod.gated_rms_norm_triton(x, z, w, 1e-6).float(),
+                 mod.gated_rms_norm_reference(x, z, w, 1e-6).float(), dtype, "gated_rms_norm")
+
+
+ROPE_SHAPES = [  # (query heads, kv heads, head dim, rotary dim)
+    (4, 2, 24, 6),
+    (3, 1, 40, 40),
+    pytest.param(16, 4, 256, 64, marks=needs_cuda),  # 4B: rotary on a quarter of 256
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nh,nkv,hd,rotary", ROPE_SHAPES)
+def test_norm_rope(kernels, device, dtype, nh, nkv, hd, rotary):
+    """q read from the [q | gate] layout of q_proj (strided rows), positions up to 300k."""
+    mod = kernels["rope"]
+    tokens = 7
+    q = torch.randn(tokens, nh, 2 * hd, device=device).to(dtype)[..., :hd]
+    k = torch.randn(tokens, nkv, hd, device=device).to(dtype)
+    qw, kw = torch.randn(hd, device=device).to(dtype), torch.randn(hd, device=device).to(dtype)
+    positions = torch.randint(0, 300_000, (tokens,), device=device)
+    exponents = torch.arange(0, rotary, 2, dtype=torch.float32, device=device) / rotary
+    inv_freq = 1.0 / (1e7**exponents)
+    got_q, got_k = mod.norm_rope(q, k, qw, kw, positions, inv_freq, 1e-6)
+    assert_close(got_q.float(), mod.norm_rope_reference(q, qw, positions, inv_freq, 1e-6).float(), dtype, "q")
+    assert_close(got_k.float(), mod.norm_rope_reference(k, kw, positions, inv_freq, 1e-6).float(), dtype, "k")
+
+
+@needs_cuda
+def test_fla_chunk_matches_reference(kernels):
+    """Packed prefill of several sequences (fla's varlen kernel) equals the reference
+    sequence by sequence, states included."""
+    mod = kernels["gated_delta"]
+    if mod.fla_chunk_kernel() is None:
+        pytest.skip("fla-core is not installed")
+    nk, nv, dk, dv, lengths = 2, 4, 64, 64, [63, 130, 1]
+    total = sum(lengths)
+    dev = torch.device("cuda")
+    q = torch.nn.functional.normalize(torch.randn(total, nk, dk, device=dev), dim=-1) * dk**-0.5
+    k = torch.nn.functional.normalize(torch.randn(total, nk, dk, device=dev), dim=-1)
+    v = torch.randn(total, nv, dv, device=dev)
+    g = -torch.rand(total, nv, device=dev)
+    beta = torch.rand(total, nv, device=dev)
+    state = torch.randn(5, nv, dk, dv, device=dev) * 0.1
+    want_state = state.clone()
+    slots = [3, 0, 4]
+    got = mod.chunk_gated_delta_packed(q, k, v, g, beta, state, slots, lengths)
+    offset, want = 0, torch.empty_like(got)
+    for slot, n in zip(slots, lengths, strict=True):
+        piece = slice(offset, offset + n)
+        want[piece] = mod.chunk_gated_delta(q[piece], k[piece], v[piece], g[piece], beta[piece], want_state[slot])
+        offset += n
+    assert_close(got, want, torch.bfloat16, "fla chunk output (tf32 inside)")
+    assert_close(state, want_state, torch.bfloat16, "fla chunk final states")
+
+
+# ---- the GPU model path (kernels wired into the layers, CUDA graphs) against the CPU one ----
+
+
+def _steps(vocab: int = 240000):
+    """Mixed steps: chunked prefill across the 64-token chunk, prefill beside decodes, decodes."""
+    from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+
+    gen = torch.Generator().manual_seed(11)
+    ids = {r: torch.randint(0, vocab, (n,), generator=gen).tolist() for r, n in [(1, 90), (2, 5), (3, 1)]}
+    spec = SamplingSpec(seed=0)
+    yield [StepItem(1, 0, ids[1][:70], False, NewRequest(200, spec)), StepItem(2, 0, ids[2], True, NewRequest(200, spec))]
+    yield [StepItem(1, 70, ids[1][70:], True, None), StepItem(2, 5, [7], True, None),
+           StepItem(3, 0, ids[3], True, NewRequest(200, spec))]
+    for t in range(6):
+        yield [StepItem(2, 6 + t, [8 + t], True, None), StepItem(1, 90 + t, [9 + t], True, None),
+               StepItem(3, 1 + t, [10 + t], True, None)]
+
+
+def _run_steps(model_dir: str, device: str, graphs: bool = False) -> list[torch.Tensor]:
+    """Logits of every step of `_steps` through one executor (fp32), eagerly with the step's
+    DecodeMeta on CUDA, or replaying CUDA graphs for decode-only steps."""
+    from deltaserve.engine.rank.cudagraph import DecodeGraphs, with_decode_meta
+    from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+
+    ex = Executor(ExecutorConfig(model_dir, device=device, dtype="float32", num_slots=4, num_blocks=64))
+    runner = None
+    if graphs:
+        runner = DecodeGraphs(ex.model, ex.cache, max_batch=4, max_blocks=16)
+        runner.capture()
+    out = []
+    for items in _steps():
+        ex._admit_new(items)
+        batch = ex._build_batch(items, False)
+        logits = runner.run(batch) if runner is not None else None
+        if logits is None:
+            if device != "cpu":
+                batch = with_decode_meta(batch, ex.device)
+            logits = ex.model(batch, ex.cache)
+        for item in items:
+            ex.requests[item.request_id].num_tokens = item.start + len(item.token_ids)
+        out.append(logits.float().cpu())
+    return out
+
+
+def _assert_steps_match(got: list[torch.Tensor], want: list[torch.Tensor], bound: float, what: str) -> None:
+    from deltaserve.tools.golden import compare_logprobs
+
+    for step, (ours, reference) in enumerate(zip(got, want, strict=True)):
+        report = compare_logprobs(ours, reference)
+        print(f"{what}, step {step}: {report.as_dict()}")
+        assert report.argmax_mismatches == 0, f"{what}: step {step} argmax differs ({report})"
+        assert report.max_abs_diff <= bound, f"{what}: step {step} top-8 logprobs differ by {report.max_abs_diff}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("prefill", ["reference", "fla"])
+def test_cuda_executor_matches_cpu(tiny_model_dir, monkeypatch, prefill):
+    """The tiny model on CUDA (Triton decode kernels; DeltaNet prefill by the torch reference
+    or by fla's chunked kernel) gives the CPU's log-probabilities over mixed steps (chunked
+    prefill, prefill beside decodes, decodes); CUDA-graph replays give the eager CUDA ones."""
+    from deltaserve.kernels import gated_delta
+
+    if prefill == "reference":
+        monkeypatch.setattr(gated_delta, "fla_chunk_kernel", lambda: None)
+    elif gated_delta.fla_chunk_kernel() is None:
+        pytest.skip("fla-core is not installed")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # the conv reference: full fp32
+    model_dir = str(tiny_model_dir)
+    cpu = _run_steps(model_dir, "cpu")
+    eager = _run_steps(model_dir, "cuda")
+    # fla computes its chunks with tf32 products: a looser bound than plain fp32
+    _assert_steps_match(eager, cpu, 2e-3 if prefill == "reference" else 5e-2, f"cuda ({prefill} prefill) vs cpu")
+    _assert_steps_match(_run_steps(model_dir, "cuda", graphs=True), eager, 1e-4, "graphs vs eager")

@@ -1,0 +1,463 @@
+"""Decode benchmark on one GPU: ceilings, kernels, the Executor's forward step, HF transformers.
+
+Reported gpt-fast style (STYLE.md): tokens/s beside achieved GB/s and the fraction of the
+memory roofline, i.e. the bytes a decode step must move (every weight read once, the fp32
+DeltaNet state and conv windows read and written once, the KV of every context position read
+once) over the copy bandwidth measured in the same run. HF transformers decodes the same
+random checkpoint in the same run.
+
+    python -m tools.bench_decode --out /tmp/bench.json        # on the GPU machine
+    python -m tools.bench_decode --preset tiny --device cpu --batches 1 2 --context 24 \\
+        --steps 2 --no-kernels --out /tmp/smoke.json          # smoke test of the script
+
+The checkpoint is made where the benchmark runs (`python -m tools.make_model --preset 4b
+--dtype bf16 --device cuda`), never carried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_events(fn: Callable[[], None], reps: int, warmup: int = 3) -> float:
+    """Median seconds of fn() over reps, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def time_graph(calls: list[Callable[[], None]], reps: int = 20) -> float:
+    """Median seconds per call, the calls captured back to back in one CUDA graph (so launch
+    gaps are those of a graphed decode step, not of Python)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # compile and warm up outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return time_events(graph.replay, reps) / len(calls)
+
+
+def ceilings(device: torch.device) -> dict:
+    """Copy bandwidth (bytes read + written) and the bf16 matmul rate, on random data."""
+    n = 1 << 30  # 2 GiB of bf16 per buffer
+    src = torch.randn(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    copy_s = time_events(partial(dst.copy_, src), reps=20)
+    src = dst = None
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    mm_s = time_events(lambda: a @ b, reps=10)
+    return {"copy_GBps": 2 * n * 2 / copy_s / 1e9, "bf16_matmul_TFLOPs": 2 * 8192**3 / mm_s / 1e12}
+
+
+# ---- kernels at 4B shapes ------------------------------------------------------------------
+
+
+def bench_kernels(device: torch.device, copy_gbps: float, batches: list[int], context: int,
+                  sweep: bool) -> list[dict]:
+    """Each decode kernel at 4B shapes, timed inside a CUDA graph with its inputs rotated so
+    that no call finds them in the L2; with `sweep`, also the launch variants it was tuned on."""
+    from deltaserve.kernels.causal_conv1d import causal_conv1d_update
+    from deltaserve.kernels.gated_delta import gated_delta_decode
+    from deltaserve.kernels.paged_attention import paged_decode_attention
+    from deltaserve.kernels.rmsnorm import gated_rms_norm_triton, rms_norm_triton
+    from deltaserve.kernels.rope import norm_rope
+
+    rows = []
+
+    def record(kernel: str, batch: int, config: str, seconds: float, nbytes: int) -> None:
+        gbps = nbytes / seconds / 1e9
+        rows.append({"kernel": kernel, "batch": batch, "config": config, "us": seconds * 1e6,
+                     "GBps": gbps, "fraction_of_copy": gbps / copy_gbps})
+
+    nk, nv, dk, dv, pool = 16, 32, 128, 128, 256
+    state = torch.randn(pool, nv, dk, dv, device=device) * 0.1
+    a_log = torch.randn(nv, device=device).bfloat16()
+    dt_bias = torch.randn(nv, device=device).bfloat16()
+    channels = 2 * nk * dk + nv * dv
+    conv_state = torch.randn(pool, channels, 3, device=device).bfloat16()
+    conv_w = torch.randn(channels, 4, device=device).bfloat16()
+    nh, nkv, hd, bs = 16, 4, 256, 16
+    blocks_per = -(-context // bs)
+    kv_rows = pool * blocks_per * bs
+    k_cache = torch.randn(kv_rows, nkv, hd, device=device).bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(pool * blocks_per, device=device).view(pool, blocks_per)
+    for batch in batches:
+        sets = max(4, min(32, pool // batch))  # rotate slots so that no call hits the L2
+        perm = [torch.randperm(pool, device=device)[:batch].int() for _ in range(sets)]
+        ident = torch.arange(batch, device=device, dtype=torch.int32)
+        mixed = torch.randn(batch, channels, device=device).bfloat16()
+        a = torch.randn(batch, nv, device=device).bfloat16()
+        b = torch.randn(batch, nv, device=device).bfloat16()
+        core = torch.empty(batch, nv, dv, device=device, dtype=torch.bfloat16)
+        state_bytes = 2 * batch * nv * dk * dv * 4
+        configs = [(None, None, False), (16, 2, False), (16, 1, False), (32, 2, False), (32, 4, False),
+                   (64, 2, False), (64, 4, False), (128, 4, False), (16, 2, True), (32, 2, True),
+                   (64, 4, True), (128, 4, True)]
+        for block_v, warps, evict in configs if sweep else configs[:1]:
+            calls = [
+                partial(gated_delta_decode, mixed, a, b, a_log, dt_bias, state, ident, s, core, nk,
+                        block_v=block_v, num_warps=warps, evict_first=evict)
+                for s in perm
+            ]
+            name = "default" if block_v is None else f"BV={block_v},w={warps}{',evict' if evict else ''}"
+            record("gated_delta_decode", batch, name, time_graph(calls), state_bytes)
+        qkv = torch.randn(batch, channels, device=device).bfloat16()
+        mixed_out = torch.empty_like(qkv)
+        calls = [partial(causal_conv1d_update, qkv, conv_w, conv_state, ident, s, mixed_out) for s in perm]
+        record("causal_conv1d_update", batch, "default", time_graph(calls),
+               2 * batch * channels * 3 * 2 + 2 * batch * channels * 2)
+        x = torch.randn(batch, 2560, device=device).bfloat16()
+        w = torch.randn(2560, device=device).bfloat16()
+        q = torch.randn(batch, nh, hd, device=device).bfloat16()
+        out = torch.empty_like(q)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        attention_configs = [{}, {"block_n": 32, "num_stages": 2}, {"block_n": 32, "num_stages": 3},
+                             {"block_n": 64, "num_stages": 2}, {"block_n": 64, "num_warps": 8, "num_stages": 2},
+                             {"block_n": 16, "num_stages": 3}, {"parts_per_sm": 4}, {"parts_per_sm": 8},
+                             {"block_n": 64, "num_stages": 2, "parts_per_sm": 4}]
+        for extra in attention_configs if sweep else attention_configs[:1]:
+            calls = [
+                partial(paged_decode_attention, q, k_cache, v_cache, tables[s.long()], seq_lens, ident, bs,
+                        hd**-0.5, out, context, **extra)
+                for s in perm
+            ]
+            name = ",".join(f"{k}={v}" for k, v in extra.items()) or "default"
+            record("paged_decode_attention", batch, f"ctx {context} {name}", time_graph(calls),
+                   batch * context * nkv * hd * 2 * 2)
+        qg = torch.randn(batch, nh, 2 * hd, device=device).bfloat16()[..., :hd]
+        kk = torch.randn(batch, nkv, hd, device=device).bfloat16()
+        inv_freq = 1.0 / (1e7 ** (torch.arange(0, 64, 2, device=device).float() / 64))
+        positions = torch.full((batch,), context, device=device)
+        record("norm_rope", batch, "q 16 + k 4 heads", time_graph(
+            [partial(norm_rope, qg, kk, w[:hd], w[:hd], positions, inv_freq, 1e-6)] * 8),
+            2 * batch * (nh + nkv) * hd * 2)
+        record("rms_norm", batch, "hidden 2560", time_graph([partial(rms_norm_triton, x, w, 1e-6)] * 8),
+               2 * batch * 2560 * 2)
+        z = torch.randn(batch, nv, dv, device=device).bfloat16()
+        wg = torch.randn(dv, device=device).bfloat16()
+        record("gated_rms_norm", batch, "32 x 128", time_graph([partial(gated_rms_norm_triton, core, z, wg, 1e-6)] * 8),
+               3 * batch * nv * dv * 2)
+    return rows
+
+
+def bench_fla_prefill(device: torch.device, tokens: int = 4096) -> dict | None:
+    from deltaserve.kernels.gated_delta import chunk_gated_delta_packed, fla_chunk_kernel
+
+    if fla_chunk_kernel() is None:
+        return None
+    nk, nv, dk, dv = 16, 32, 128, 128
+    q = torch.nn.functional.normalize(torch.randn(tokens, nk, dk, device=device), dim=-1) * dk**-0.5
+    k = torch.nn.functional.normalize(torch.randn(tokens, nk, dk, device=device), dim=-1)
+    v = torch.randn(tokens, nv, dv, device=device)
+    g = -torch.rand(tokens, nv, device=device)
+    beta = torch.rand(tokens, nv, device=device)
+    state = torch.zeros(2, nv, dk, dv, device=device)
+    seconds = time_events(lambda: chunk_gated_delta_packed(q, k, v, g, beta, state, [0], [tokens]), reps=10)
+    return {"tokens": tokens, "ms_per_layer": seconds * 1e3}
+
+
+# ---- the model -------------------------------------------------------------------------------
+
+
+def step_bytes(config, params_bytes: int, batch: int, context: int, dtype_bytes: int) -> int:
+    """Bytes one decode step must move: weights once, DeltaNet state and conv windows read and
+    written, every context position's K and V read (its own K and V written)."""
+    n_linear = len(config.linear_attention_layers)
+    n_full = len(config.full_attention_layers)
+    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    conv = config.linear_conv_dim * (config.linear_conv_kernel_dim - 1) * dtype_bytes
+    kv = config.num_key_value_heads * config.head_dim * 2 * dtype_bytes
+    return params_bytes + batch * (n_linear * 2 * (state + conv) + n_full * kv * (context + 1))
+
+
+def bench_model(args, device: torch.device, copy_gbps: float | None) -> dict:
+    from deltaserve.engine.rank.cudagraph import DecodeGraphs, with_decode_meta
+    from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+    from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+
+    max_batch = max(args.batches)
+    total_steps = len(args.batches) * (args.steps + 3) * 3 + 8
+    reserve = args.context + total_steps
+    blocks_per = -(-reserve // args.block_size)
+    config = ExecutorConfig(args.model, device=str(device), dtype=args.dtype, block_size=args.block_size,
+                            num_slots=max_batch, num_blocks=max_batch * blocks_per)
+    started = time.monotonic()
+    ex = Executor(config)
+    sync(device)
+    result = {"load_s": time.monotonic() - started}
+    params_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
+    dtype_bytes = ex.dtype.itemsize
+    gen = torch.Generator().manual_seed(0)
+    spec = SamplingSpec(seed=0)
+    last = {}
+    started = time.monotonic()
+    chunk = max(1, 8192 // args.context)
+    for first in range(0, max_batch, chunk):  # prefill: several prompts per step
+        ids = range(first, min(max_batch, first + chunk))
+        items = [StepItem(r, 0, torch.randint(0, 240000, (args.context,), generator=gen).tolist(), True,
+                          NewRequest(reserve, spec)) for r in ids]
+        logits = ex.forward(items)
+        for r, row in zip(ids, logits.argmax(-1).tolist(), strict=True):
+            last[r] = row
+    sync(device)
+    result["prefill_s"] = time.monotonic() - started
+    result["prefill_tokens"] = max_batch * args.context
+
+    def decode_items(batch: int) -> list:
+        return [StepItem(r, ex.requests[r].num_tokens, [last[r]], True, None) for r in range(batch)]
+
+    def finish(items, logits) -> None:
+        for item, token in zip(items, logits.argmax(-1).tolist(), strict=True):
+            ex.requests[item.request_id].num_tokens = item.start + 1
+            last[item.request_id] = token
+
+    def run_eager(batch: int) -> None:
+        items = decode_items(batch)
+        finish(items, ex.forward(items))
+
+    def run_meta(batch: int) -> None:
+        items = decode_items(batch)
+        ex._admit_new(items)
+        step = with_decode_meta(ex._build_batch(items, False), device)
+        finish(items, ex.model(step, ex.cache))
+
+    graphs = None
+    if device.type == "cuda" and not args.no_graphs:
+        started = time.monotonic()
+        graphs = DecodeGraphs(ex.model, ex.cache, max_batch=max_batch, max_blocks=blocks_per)
+        graphs.capture()
+        result["graph_capture_s"] = time.monotonic() - started
+
+    def run_graph(batch: int) -> None:
+        items = decode_items(batch)
+        ex._admit_new(items)
+        logits = graphs.run(ex._build_batch(items, False))
+        finish(items, logits)
+
+    modes = {"executor_forward": run_eager, "eager_meta_once": run_meta}
+    if graphs is not None:
+        modes["cuda_graph"] = run_graph
+    rows = []
+    for batch in args.batches:
+        for mode, fn in modes.items():
+            for _ in range(2):
+                fn(batch)
+            sync(device)
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                fn(batch)
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            step_s = statistics.median(times)
+            context = ex.requests[0].num_tokens
+            nbytes = step_bytes(ex.model_config, params_bytes, batch, context, dtype_bytes)
+            row = {"mode": mode, "batch": batch, "context": context, "step_ms": step_s * 1e3,
+                   "tokens_per_s": batch / step_s, "bytes_per_step": nbytes, "GBps": nbytes / step_s / 1e9}
+            if mode == "cuda_graph":  # the GPU's part alone: replay with the step's inputs in place
+                graph = graphs.graphs[min(b for b in graphs.graphs if b >= batch)][0]
+                row["graph_replay_ms"] = time_events(graph.replay, reps=args.steps) * 1e3
+            if copy_gbps:
+                row["roofline_ms"] = nbytes / (copy_gbps * 1e9) * 1e3
+                row["fraction_of_roofline"] = row["roofline_ms"] / row["step_ms"]
+                if "graph_replay_ms" in row:
+                    row["fraction_of_roofline_replay"] = row["roofline_ms"] / row["graph_replay_ms"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result.update({"params_bytes": params_bytes, "decode": rows})
+    if device.type == "cuda":
+        result["profiles"] = {}
+        for batch in sorted({min(args.batches), max_batch}):
+            for mode, fn in modes.items():
+                if mode != "executor_forward":
+                    result["profiles"][f"{mode}_b{batch}"] = profile_step(fn, batch, device)
+    return result
+
+
+def profile_step(fn: Callable[[int], None], batch: int, device: torch.device, top: int = 25) -> dict:
+    """GPU time per kernel name over one step (torch.profiler): where a step's time goes, and
+    how much of it is kernels at all (the rest is launch gaps and host work)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        fn(batch)
+        sync(device)
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn(batch)
+            sync(device)
+        wall = time.perf_counter() - t0
+        kernels = []
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = getattr(e, "self_cuda_time_total", 0)
+            if us > 0:
+                kernels.append({"name": e.key[:90], "count": e.count, "us": us})
+        kernels.sort(key=lambda k: -k["us"])
+        return {"wall_ms_profiled": wall * 1e3, "kernel_ms_total": sum(k["us"] for k in kernels) / 1e3,
+                "kernel_launches": sum(k["count"] for k in kernels), "top": kernels[:top]}
+    except Exception as exc:  # the profiler is a diagnostic: never lose the run to it
+        return {"error": repr(exc)}
+
+
+def bench_hf(args, device: torch.device, batches: list[int]) -> list[dict]:
+    """HF transformers' generate on the same checkpoint: decode time per token from two runs
+    that differ only in the number of new tokens."""
+    from transformers import Qwen3_5ForCausalLM
+
+    dtype = torch.bfloat16 if args.dtype in ("bfloat16", "auto") and device.type == "cuda" else torch.float32
+    model = Qwen3_5ForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    for batch in batches:
+        ids = torch.randint(0, 240000, (batch, args.context), generator=gen).to(device)
+
+        generate(model, ids, 2, device)  # warm-up
+        short = generate(model, ids, 1, device)
+        long = generate(model, ids, 1 + args.hf_steps, device)
+        step_s = (long - short) / args.hf_steps
+        rows.append({"batch": batch, "context": args.context, "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s})
+        print(json.dumps({"hf": rows[-1]}), flush=True)
+    return rows
+
+
+def generate(model, ids: torch.Tensor, new_tokens: int, device: torch.device) -> float:
+    """Seconds for HF's greedy generate of exactly `new_tokens` tokens after `ids`."""
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def hardware(device: torch.device) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
+    for name in ("triton", "transformers", "fla"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception:
+            info[name] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update({"gpu": props.name, "sms": props.multi_processor_count,
+                     "memory_GiB": props.total_memory / 2**30})
+        try:
+            info["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,power.limit,clocks.max.sm,clocks.max.mem",
+                 "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench_decode", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: make one)")
+    parser.add_argument("--preset", default="4b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--context", type=int, default=1000, help="prompt tokens before decoding")
+    parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch and mode")
+    parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--hf-steps", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-kernels", action="store_true")
+    parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also time the kernels' launch variants")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    report = {"command": " ".join([sys.executable, "-m", "tools.bench_decode", *sys.argv[1:]]),
+              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "hardware": hardware(device),
+              "git_commit": os.environ.get("DELTASERVE_COMMIT")}
+
+    def save() -> None:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+    copy_gbps = None
+    if device.type == "cuda":
+        report["ceilings"] = ceilings(device)
+        copy_gbps = report["ceilings"]["copy_GBps"]
+        print(json.dumps(report["ceilings"]), flush=True)
+        if not args.no_kernels:
+            report["kernels"] = bench_kernels(device, copy_gbps, args.batches, args.context, args.sweep)
+            report["fla_chunk_prefill"] = bench_fla_prefill(device)
+        save()
+    if args.model is None:
+        args.model = f"/tmp/bench_{args.preset}_{'bf16' if args.dtype == 'bfloat16' else 'fp32'}"
+        started = time.monotonic()
+        make = [sys.executable, "-m", "tools.make_model", "--preset", args.preset, "--out", args.model,
+                "--dtype", "bf16" if args.dtype == "bfloat16" else "fp32", "--device", device.type]
+        subprocess.run(make, check=True)
+        report["make_model"] = {"command": " ".join(make), "seconds": time.monotonic() - started}
+    report["model"] = bench_model(args, device, copy_gbps)
+    save()
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    if args.hf_batches:
+        report["hf_transformers"] = bench_hf(args, device, args.hf_batches)
+    save()
+    print_table(report)
+    return 0
+
+
+def print_table(report: dict) -> None:
+    for row in report.get("kernels", []):
+        print(f"kernel {row['kernel']:24s} b={row['batch']:3d} {row['config']:18s} {row['us']:9.1f} us "
+              f"{row['GBps']:8.0f} GB/s {row['fraction_of_copy']:6.1%}")
+    for row in report["model"]["decode"]:
+        frac = row.get("fraction_of_roofline", math.nan)
+        replay = f" (replay alone {row['graph_replay_ms']:.2f} ms)" if "graph_replay_ms" in row else ""
+        print(f"model {row['mode']:17s} b={row['batch']:3d} ctx={row['context']:5d} {row['step_ms']:8.2f} ms "
+              f"{row['tokens_per_s']:9.1f} tok/s {row['GBps']:7.0f} GB/s roofline {frac:6.1%}{replay}")
+    for name, prof in report["model"].get("profiles", {}).items():
+        if "error" in prof:
+            print(f"profile {name}: {prof['error']}")
+            continue
+        print(f"profile {name}: {prof['kernel_launches']} kernels, {prof['kernel_ms_total']:.2f} ms of kernel time "
+              f"in a {prof['wall_ms_profiled']:.2f} ms step; top: "
+              + "; ".join(f"{k['name'][:40]} x{k['count']} {k['us'] / 1e3:.2f} ms" for k in prof["top"][:6]))
+    for row in report.get("hf_transformers", []):
+        print(f"hf b={row['batch']:3d} {row['step_ms']:8.2f} ms {row['tokens_per_s']:8.1f} tok/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
