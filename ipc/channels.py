@@ -82,14 +82,19 @@ class PullChannel:
                     frame = self.socket.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     return
-                on_frame(frame)
+                try:
+                    on_frame(frame)
+                except Exception as exc:  # keep draining: a frame left behind raises no edge
+                    loop.call_exception_handler({"message": "PullChannel frame handler failed", "exception": exc})
 
         self._loop = loop
         loop.add_reader(self.socket.getsockopt(zmq.FD), drain)
         loop.call_soon(drain)  # frames queued before the watch began raise no edge
 
     def close(self) -> None:
-        if self._loop is not None:
-            self._loop.remove_reader(self.socket.getsockopt(zmq.FD))
-            self._loop = None
-        self.socket.close()
+        loop, self._loop = self._loop, None
+        try:
+            if loop is not None and not loop.is_closed():
+                loop.remove_reader(self.socket.getsockopt(zmq.FD))
+        finally:
+            self.socket.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import signal
 import tempfile
 import weakref
 import zlib
@@ -21,15 +20,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-import msgspec
 import zmq
 
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.ipc.channels import PullChannel, PushChannel, ipc_endpoint
-from deltaserve.ipc.faults import FaultPlan
 from deltaserve.ipc.gate import CANCEL, EXECUTE, Doorbell, StartGate
-from deltaserve.ipc.launch import RankConfig, describe_exit, spawn_rank
+from deltaserve.ipc.launch import (
+    RankConfig,
+    describe_exit,
+    emergency_cleanup,
+    kill_all,
+    spawn_rank,
+)
 from deltaserve.ipc.messages import (
+    DECODE_ERRORS,
     GATED_COMMANDS,
     Command,
     DropRequests,
@@ -47,6 +51,11 @@ from deltaserve.ipc.messages import (
     reply_decoder,
     startup_decoder,
 )
+from deltaserve.ipc.replica_config import (
+    ReplicaConfig,
+    ReplicaPoisoned,
+    ReplicaStartupError,
+)
 from deltaserve.ipc.validate import (
     PlanRejected,
     ReplyError,
@@ -58,7 +67,6 @@ from deltaserve.ipc.validate import (
 
 __all__ = ["PlanRejected", "ReplicaConfig", "ReplicaController", "ReplicaPoisoned", "ReplicaStartupError"]
 
-DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
 CANCEL_GRACE_S = 1.0  # after a Cancel, how long ranks that got the command may take to ack it
 # A rank's Failure is often a peer's death seen through a collective ("connection reset by
 # peer") before that peer's exit is visible; hold a Failure back this long so that the death,
@@ -66,74 +74,6 @@ CANCEL_GRACE_S = 1.0  # after a Cancel, how long ranks that got the command may 
 FAILURE_HOLD_S = 0.25
 EXIT_WAIT_S = 5.0  # how long to wait for killed (or shut down) ranks to be reaped
 SHUTDOWN_ACK_S = 10.0  # how long a graceful shutdown waits for every rank's ack
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaConfig:
-    model_dir: str
-    tp_size: int = 1
-    device: str = "cpu"  # "cpu" | "cuda"
-    device_ids: tuple[int, ...] | None = None  # cuda ordinals, default range(tp_size)
-    dtype: str = "auto"
-    block_size: int = 16
-    num_slots: int = 8
-    num_blocks: int = 256
-    startup_timeout_s: float = 120.0
-    step_timeout_s: float = 60.0
-    gate_timeout_s: float = 10.0  # every rank must record receipt of a gated command by then
-    fault: FaultPlan | None = None  # tests only (ipc/faults.py)
-    journal_dir: str | None = None  # tests: ranks log gated commands to DIR/rank{r}.log
-    noop_executor: bool = False  # tools/bench_ipc.py only: ranks do no model work
-
-    def __post_init__(self) -> None:
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r} (pick GPUs with device_ids)")
-        if self.device_ids is not None:
-            if self.device == "cpu":
-                raise ValueError(f"device_ids {self.device_ids} given with device 'cpu'; they name CUDA devices")
-            if len(self.device_ids) != self.tp_size:
-                raise ValueError(f"device_ids {self.device_ids} has {len(self.device_ids)} entries for tp_size {self.tp_size}")
-            if len(set(self.device_ids)) != len(self.device_ids):
-                raise ValueError(f"device_ids {self.device_ids} names a device twice")
-            if min(self.device_ids) < 0:
-                raise ValueError(f"device_ids {self.device_ids} has a negative ordinal")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "num_slots", "num_blocks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("startup_timeout_s", "step_timeout_s", "gate_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.fault is not None and self.fault.rank >= self.tp_size:
-            raise ValueError(f"fault.rank {self.fault.rank} is outside tp_size {self.tp_size}")
-
-    def rank_devices(self) -> list[str]:
-        """Each rank's device, after checking the ordinals against this machine."""
-        if self.device == "cpu":
-            return ["cpu"] * self.tp_size
-        ids = self.device_ids if self.device_ids is not None else tuple(range(self.tp_size))
-        import torch
-
-        count = torch.cuda.device_count()
-        for ordinal in ids:
-            if ordinal >= count:
-                raise ValueError(f"CUDA device {ordinal} does not exist: this machine has {count} CUDA device(s)")
-        return [f"cuda:{ordinal}" for ordinal in ids]
-
-
-class ReplicaPoisoned(RuntimeError):
-    """Fatal: the replica is unusable; `reason` is the first thing that went wrong."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"replica poisoned: {reason}")
-        self.reason = reason
-
-
-class ReplicaStartupError(RuntimeError):
-    """The ranks did not all come up; everything started has been torn down."""
 
 
 @dataclass(slots=True, eq=False)
@@ -190,7 +130,7 @@ class ReplicaController:
         self._commands = [PushChannel(self._ctx, ep, bind=True) for ep in command_endpoints]
         # last resort if the owner never shuts down: kill ranks, free the segment and folder
         self._finalizer = weakref.finalize(
-            self, _emergency_cleanup, self._procs, self._gate.name, self._run_dir
+            self, emergency_cleanup, self._procs, self._gate.name, self._run_dir
         )
 
     # ---- public API -------------------------------------------------------------------
@@ -318,13 +258,13 @@ class ReplicaController:
     def _on_startup_frame(self, frame: bytes) -> None:
         try:
             msg = startup_decoder.decode(frame)
-        except msgspec.DecodeError as exc:
+        except DECODE_ERRORS as exc:
             self._poison(f"malformed start-up frame ({len(frame)} bytes): {exc}")
             return
         if not 0 <= msg.rank < self.tp_size or self._ready[msg.rank] is not None:
             self._poison(f"start-up message {msg!r} from an unknown or repeated rank")
         elif type(msg) is StartupFailed:
-            self._poison(f"rank {msg.rank} failed to start: {msg.reason}")
+            self._poison(f"rank {msg.rank} failed to start: {msg.reason}", confirm_deaths=False)
         else:
             self._ready[msg.rank] = msg
             if all(ready is not None for ready in self._ready):
@@ -378,7 +318,7 @@ class ReplicaController:
         flight.future.add_done_callback(self._end_flight)
         if gated:
             flight.digest = zlib.crc32(frame)
-            timeout = self.config.gate_timeout_s
+            timeout = self._gate_timeout_s
         else:
             timeout = self.config.step_timeout_s
         flight.timer = self._loop.call_later(timeout, self._on_flight_timeout, flight)
@@ -400,7 +340,7 @@ class ReplicaController:
         except ReplicaPoisoned:
             pass
         await self._await_teardown()
-        raise ReplicaPoisoned(self._poison_reason) from None
+        raise ReplicaPoisoned(self._poison_reason or "replica is shut down") from None
 
     def _end_flight(self, future: asyncio.Future) -> None:
         flight = self._flight
@@ -443,7 +383,7 @@ class ReplicaController:
                 return
             try:
                 reply = reply_decoder.decode(frame)
-            except msgspec.DecodeError as exc:
+            except DECODE_ERRORS as exc:
                 self._poison(f"malformed reply frame ({len(frame)} bytes): {exc}")
                 return
             flight = self._flight
@@ -484,6 +424,12 @@ class ReplicaController:
         return (f"{type(reply).__name__} from rank {reply.rank} for seq {reply.seq}, "
                 f"but no command with that seq awaits a reply")
 
+    @property
+    def _gate_timeout_s(self) -> float:
+        """A step timeout shorter than the gate's bounds the receipt wait too: a rank stopped
+        between steps is not noticed later than one stopped mid-step."""
+        return min(self.config.gate_timeout_s, self.config.step_timeout_s)
+
     def _on_flight_timeout(self, flight: _Flight) -> None:
         if flight is not self._flight or flight.future.done():
             return
@@ -493,7 +439,7 @@ class ReplicaController:
                     if (receipt := self._gate.receipt(r)) is None or receipt[0] != replies.seq]
             self._poison(
                 f"rank(s) {late} did not receive {replies.name} seq {replies.seq} within "
-                f"gate_timeout_s={self.config.gate_timeout_s}"
+                f"gate_timeout_s={self._gate_timeout_s}"
             )
         else:
             self._poison(
@@ -509,6 +455,9 @@ class ReplicaController:
         if self._stopping or self._closed:
             return
         reason = f"rank {rank} (pid {self._procs[rank].pid}) {describe_exit(code or 0)}"
+        if self._starting:  # its StartupFailed, if it sent one, says more: let it arrive
+            self._loop.call_later(FAILURE_HOLD_S, self._poison, reason, False)
+            return
         if self._held_failure is not None:
             reason += f"; then: {self._held_failure}"
         self._poison(reason, confirm_deaths=False)
@@ -560,12 +509,7 @@ class ReplicaController:
         try:
             if cancelled_seq is not None:
                 await self._await_cancel_acks(cancelled_seq)
-            for proc, pidfd in zip(self._procs, self._pidfds, strict=True):
-                if proc.poll() is None:
-                    try:
-                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            kill_all(self._procs, self._pidfds)
             await self._await_exits(EXIT_WAIT_S)
         finally:
             self._release()
@@ -588,25 +532,26 @@ class ReplicaController:
         return True
 
     def _release(self) -> None:
+        """Free everything this replica holds, each step on its own: one that fails (a loop
+        already closed, say) must not leave the segment or the run dir behind."""
         if self._closed:
             return
         self._closed = True
         flight = self._flight
         if flight is not None and not flight.future.done():  # e.g. a Shutdown never acked
             flight.future.set_exception(ReplicaPoisoned(self._poison_reason or "replica is shut down"))
-        for pidfd in self._pidfds:
-            self._loop.remove_reader(pidfd)
-            os.close(pidfd)
-        self._loop.remove_reader(self._receipt_bell.fd)
-        self._replies.close()
-        for channel in self._commands:
-            channel.close()
-        self._ctx.term()
-        self._receipt_bell.close()
-        for bell in self._release_bells:
-            bell.close()
-        self._gate.close(unlink=True)
-        shutil.rmtree(self._run_dir, ignore_errors=True)
+        steps = [lambda: self._gate.close(unlink=True),
+                 lambda: shutil.rmtree(self._run_dir, ignore_errors=True)]
+        steps += [lambda fd=fd: self._loop.remove_reader(fd)
+                  for fd in (*self._pidfds, self._receipt_bell.fd)]
+        steps += [self._replies.close, *(channel.close for channel in self._commands), self._ctx.term]
+        steps += [lambda fd=fd: os.close(fd) for fd in self._pidfds]
+        steps += [self._receipt_bell.close, *(bell.close for bell in self._release_bells)]
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:
+                self._loop.call_exception_handler({"message": "replica teardown step failed", "exception": exc})
         if all(proc.returncode is not None for proc in self._procs):
             self._finalizer.detach()
 
@@ -620,14 +565,3 @@ class ReplicaController:
             await self._await_exits(EXIT_WAIT_S)
         await self._await_teardown()
 
-
-def _emergency_cleanup(procs: list, gate_name: str, run_dir: str) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    try:
-        os.unlink(f"/dev/shm/{gate_name}")
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(run_dir, ignore_errors=True)

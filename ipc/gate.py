@@ -6,11 +6,13 @@ each writer on its own 64-byte line:
     line 0      [decision, release_seq]           the controller only
     line 1 + r  [receipt_tag, receipt_seq, done]  rank r only
 
-Protocol for gated command `seq`: rank r writes its receipt (a crc32 of the frame it got) and
-rings the controller's doorbell; when every rank's receipt carries `seq` and the controller's
-digest, the controller publishes `decision = EXECUTE`, else (a rank died, a send failed, the
-gate timed out) `CANCEL`, and rings every rank's doorbell. A rank runs the command only after
-reading EXECUTE for its `seq`, and writes `done = seq` when it has finished (run or cancelled).
+Protocol for gated command `seq`: rank r writes its receipt (seq and a crc32 of the frame; it
+does so for every frame, before decoding it) and rings the controller's doorbell; when every
+rank's receipt carries `seq` and the controller's digest, the controller publishes
+`decision = EXECUTE`, else (a rank died, a send failed, the gate timed out) `CANCEL`, and rings
+every rank's doorbell. A rank runs the command only after reading EXECUTE for its `seq`, and
+writes `done = seq` when it has finished (run or cancelled). A rank checks the decision once
+before it sleeps (the release often lands while it decodes): no spinning on two shared cores.
 
 Memory ordering (LESSONS, vLLM 29389/27858): a writer stores the payload word first and the
 sequence word last; a reader reads the sequence, the payload, the sequence again, and trusts

@@ -1,4 +1,4 @@
-"""Starting rank processes: the rank's whole configuration, and the spawn.
+"""Rank processes: the rank's whole configuration, the spawn, the kill.
 
 A rank is `python -m deltaserve.ipc.rank_main`, its `RankConfig` msgspec-encoded on stdin
 (no pickle, no fork of the event-loop process's state). The controller keeps a pidfd per rank
@@ -8,6 +8,8 @@ to notice its death from the event loop.
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -65,10 +67,32 @@ def spawn_rank(config: RankConfig) -> subprocess.Popen:
 
 def describe_exit(code: int) -> str:
     if code < 0:
-        import signal
-
         try:
             return f"was killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def kill_all(procs: list[subprocess.Popen], pidfds: list[int]) -> None:
+    """SIGKILL every rank still running, through its pidfd (no pid-reuse race)."""
+    for proc, pidfd in zip(procs, pidfds, strict=True):
+        if proc.poll() is None:
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def emergency_cleanup(procs: list[subprocess.Popen], gate_name: str, run_dir: str) -> None:
+    """Last resort (a controller dropped without shutdown): kill its ranks, free the gate
+    segment and the run dir."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    try:
+        os.unlink(f"/dev/shm/{gate_name}")
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(run_dir, ignore_errors=True)

@@ -45,7 +45,7 @@ class NewRequest(msgspec.Struct, frozen=True, array_like=True):
     sampling: SamplingSpec
 
 
-class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
     """One request's share of a unified step: `token_ids` at positions start, start+1, ...
 
     A decode item is one token; a prefill chunk any number. `sample` asks for a token after
@@ -60,7 +60,7 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True)
     new: NewRequest | None = None
 
 
-class Sample(msgspec.Struct, frozen=True, array_like=True):
+class Sample(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A sampled token with its logprob and the best `num_logprobs` alternatives, best
     first, as (token_id, logprob) pairs. Logprobs are of the model's raw distribution."""
 
@@ -184,3 +184,6 @@ command_encoder = msgspec.msgpack.Encoder()
 command_decoder = msgspec.msgpack.Decoder(Command)
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 startup_decoder = msgspec.msgpack.Decoder(StartupReply)
+# What these decoders raise on bad bytes: msgspec.DecodeError (ValidationError included), but
+# UnicodeDecodeError for a string that is not UTF-8 and RecursionError for very deep nesting.
+DECODE_ERRORS = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)

@@ -11,13 +11,13 @@ until `Shutdown`. An error becomes a `Failure` reply; nothing here crashes on ba
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import sys
 import zlib
 from datetime import timedelta
 
-import msgspec
 import zmq
 
 from deltaserve.ipc import faults
@@ -25,6 +25,7 @@ from deltaserve.ipc.channels import PullChannel, PushChannel
 from deltaserve.ipc.gate import CANCEL, EXECUTE, Doorbell, StartGate
 from deltaserve.ipc.launch import RankConfig, rank_config_decoder
 from deltaserve.ipc.messages import (
+    DECODE_ERRORS,
     GATED_COMMANDS,
     Ack,
     DropAck,
@@ -45,6 +46,7 @@ from deltaserve.ipc.messages import (
 PR_SET_PDEATHSIG = 1
 IDLE_POLL_MS = 500  # the serve loop re-checks its parent at least this often
 REPLY_LINGER_MS = 2000  # how long a leaving rank tries to flush its last reply
+GC_GEN0_THRESHOLD = 20_000  # allocations between young collections (CPython default 700)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -153,7 +155,7 @@ class RankServer:
         self.receipt_bell.ring()
         try:
             command = command_decoder.decode(frame)
-        except msgspec.DecodeError as exc:
+        except DECODE_ERRORS as exc:
             self.send(Failure(self.rank, seq, f"malformed command frame ({len(frame)} bytes): {exc}"))
             return False
         name = type(command).__name__
@@ -213,7 +215,7 @@ class RankServer:
         """Faults that strike before the receipt need the command's kind first."""
         try:
             header = faults.header_decoder.decode(frame)
-        except msgspec.DecodeError:
+        except DECODE_ERRORS:
             return
         is_step = type(header) is faults.StepHeader
         if not fault.fires(header.seq, self.num_steps + 1 if is_step else 0):
@@ -263,6 +265,11 @@ def main() -> int:
         replies.close()
         ctx.term()
         return 1
+    # Start-up objects (torch, the model) never die: keep them out of every collection, and
+    # let the short-lived objects of a step die by refcount before a collection looks.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
     replies.send(command_encoder.encode(
         Ready(config.rank, executor.num_slots, executor.num_blocks, executor.block_size)
     ))

@@ -92,7 +92,6 @@ async def time_raw(tp: int, sizes: list[int], iters: int, warmup: int,
             state["future"].set_result(None)
 
     if zmq_asyncio:
-        actx = zmq.asyncio.Context.shadow(ctx)
         apull = zmq.asyncio.Socket.shadow(pull.socket.underlying)
     else:
         pull.watch(loop, on_frame)
@@ -133,8 +132,7 @@ async def time_raw(tp: int, sizes: list[int], iters: int, warmup: int,
         for proc in procs:
             proc.wait(timeout=10)
         if zmq_asyncio:
-            apull.close(linger=0)
-            actx.term()
+            apull.close(linger=0)  # the shadow closes the socket; `ctx` terms below
         pull.close()
         for push in pushes:
             push.close()
@@ -159,6 +157,12 @@ def echo(run_dir: str, rank: int) -> None:
     pull.close()
     push.close()
     ctx.term()
+
+
+def frame_bytes(n: int) -> tuple[int, int]:
+    command = command_encoder.encode(RunUnifiedStep(1, decode_items(n)))
+    reply = command_encoder.encode(StepResult(0, 1, [Sample(i, 0, 0.0, []) for i in range(n)]))
+    return len(command), len(reply)
 
 
 def hardware() -> dict:
@@ -188,7 +192,9 @@ async def run(args: argparse.Namespace) -> dict:
         raw_aio = await time_raw(tp, args.sizes, args.iters, args.warmup, zmq_asyncio=True)
         for n in args.sizes:
             ratio = ctl[n]["median_us"] / raw[n]["median_us"]
-            results.append({"tp": tp, "requests": n, "controller": ctl[n], "raw_zmq": raw[n],
+            frames = frame_bytes(n)
+            results.append({"tp": tp, "requests": n, "command_bytes": frames[0],
+                            "rank0_reply_bytes": frames[1], "controller": ctl[n], "raw_zmq": raw[n],
                             "raw_zmq_asyncio_recv": raw_aio[n], "median_ratio": round(ratio, 2)})
             print(f"tp={tp} requests={n:4d}  controller median {ctl[n]['median_us']:7.1f} us "
                   f"p90 {ctl[n]['p90_us']:7.1f} | raw zmq median {raw[n]['median_us']:7.1f} us "
@@ -231,7 +237,8 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
     report = {
         "benchmark": "ipc control-plane round trip (no-op executor) vs raw ZeroMQ",
-        "command": "python -m tools.bench_ipc " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python -m tools.bench_ipc", *sys.argv[1:]]),
+        "target": "median under 5x the raw round trip and under 300 us at 256 requests, TP=2",
         "started": started,
         "hardware": hw,
         "loop": args.loop,

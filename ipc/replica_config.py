@@ -1,0 +1,77 @@
+"""What a replica is made of, checked before any rank starts, and the errors it raises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deltaserve.ipc.faults import FaultPlan
+
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    model_dir: str
+    tp_size: int = 1
+    device: str = "cpu"  # "cpu" | "cuda"
+    device_ids: tuple[int, ...] | None = None  # cuda ordinals, default range(tp_size)
+    dtype: str = "auto"
+    block_size: int = 16
+    num_slots: int = 8
+    num_blocks: int = 256
+    startup_timeout_s: float = 120.0
+    step_timeout_s: float = 60.0
+    gate_timeout_s: float = 10.0  # every rank must record receipt of a gated command by then
+    fault: FaultPlan | None = None  # tests only (ipc/faults.py)
+    journal_dir: str | None = None  # tests: ranks log gated commands to DIR/rank{r}.log
+    noop_executor: bool = False  # tools/bench_ipc.py only: ranks do no model work
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r} (pick GPUs with device_ids)")
+        if self.device_ids is not None:
+            if self.device == "cpu":
+                raise ValueError(f"device_ids {self.device_ids} given with device 'cpu'; they name CUDA devices")
+            if len(self.device_ids) != self.tp_size:
+                raise ValueError(f"device_ids {self.device_ids} has {len(self.device_ids)} entries for tp_size {self.tp_size}")
+            if len(set(self.device_ids)) != len(self.device_ids):
+                raise ValueError(f"device_ids {self.device_ids} names a device twice")
+            if min(self.device_ids) < 0:
+                raise ValueError(f"device_ids {self.device_ids} has a negative ordinal")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "num_slots", "num_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("startup_timeout_s", "step_timeout_s", "gate_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.fault is not None and self.fault.rank >= self.tp_size:
+            raise ValueError(f"fault.rank {self.fault.rank} is outside tp_size {self.tp_size}")
+
+    def rank_devices(self) -> list[str]:
+        """Each rank's device, after checking the ordinals against this machine."""
+        if self.device == "cpu":
+            return ["cpu"] * self.tp_size
+        ids = self.device_ids if self.device_ids is not None else tuple(range(self.tp_size))
+        import torch
+
+        count = torch.cuda.device_count()
+        for ordinal in ids:
+            if ordinal >= count:
+                raise ValueError(f"CUDA device {ordinal} does not exist: this machine has {count} CUDA device(s)")
+        return [f"cuda:{ordinal}" for ordinal in ids]
+
+
+class ReplicaPoisoned(RuntimeError):
+    """Fatal: the replica is unusable; `reason` is the first thing that went wrong."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"replica poisoned: {reason}")
+        self.reason = reason
+
+
+class ReplicaStartupError(RuntimeError):
+    """The ranks did not all come up; everything started has been torn down."""
