@@ -36,6 +36,7 @@ class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: int
     num_slots: int
     num_blocks: int
+    max_model_len: int
     dist_init_method: str  # file:// in the run dir
     dist_timeout_s: float
     noop_executor: bool = False  # tools/bench_ipc.py only

@@ -3,20 +3,8 @@ measure the control plane alone. Tests use the real Executor."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from deltaserve.engine.rank.executor import RankSnapshot
 from deltaserve.ipc.messages import Sample, StepItem
-
-
-@dataclass(slots=True)
-class NoopSnapshot:
-    request_ids: list[int]
-    slots_used: int
-    blocks_used: int
-    num_slots: int
-    num_blocks: int
-    state_heads: int
-    kv_heads: int
 
 
 class NoopExecutor:
@@ -34,5 +22,5 @@ class NoopExecutor:
     def drop(self, request_ids: list[int]) -> list[bool]:
         return [False] * len(request_ids)
 
-    def snapshot(self) -> NoopSnapshot:
-        return NoopSnapshot([], 0, 0, self.num_slots, self.num_blocks, 0, 0)
+    def snapshot(self) -> RankSnapshot:
+        return RankSnapshot([], 0, 0, self.num_slots, self.num_blocks, 0, 0)

@@ -92,6 +92,7 @@ def build_executor(config: RankConfig) -> object:
             block_size=config.block_size,
             num_slots=config.num_slots,
             num_blocks=config.num_blocks,
+            max_model_len=config.max_model_len,
         )
     )
 

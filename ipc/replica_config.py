@@ -19,6 +19,7 @@ class ReplicaConfig:
     block_size: int = 16
     num_slots: int = 8
     num_blocks: int = 256
+    max_model_len: int = 0  # longest request in positions (sizes CUDA graphs); 0: whole cache
     startup_timeout_s: float = 120.0
     step_timeout_s: float = 60.0
     gate_timeout_s: float = 10.0  # every rank must record receipt of a gated command by then
