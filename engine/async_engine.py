@@ -3,6 +3,10 @@
 `generate` validates and tokenizes synchronously (bad input raises at once, naming the
 problem), assigns engine RequestIds (never reused) and seeds, and hands the choices to the
 scheduler tick, which owns all request state from then on (engine/scheduler.py).
+
+With `monitor_endpoint` set ("auto", ipc://PATH or tcp://HOST:PORT) the engine binds a
+monitor publisher (engine/monitor.py, docs/MONITOR.md) before loading anything; unset, it
+publishes nothing (`deltaserve serve` sets "auto").
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 from deltaserve.engine.config import EngineConfig, resolve_limits
 from deltaserve.engine.events import EngineDeadError, LoadSnapshot, QueueFullError
 from deltaserve.engine.metrics import EngineMetrics
+from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.request import Request
@@ -44,17 +49,33 @@ class AsyncEngine:
         self._controller: ReplicaController | None = None
         self._scheduler: Scheduler | None = None
         self._task: asyncio.Task | None = None
+        self._monitor: MonitorPublisher | None = None
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
-        if config.monitor_endpoint is not None:
-            raise ValueError("monitor_endpoint is not supported yet: no monitor publisher is wired in")
+        t0 = time.monotonic()
         model_config = ModelConfig.from_model_dir(config.model)
         model_config.check_tp_size(config.tp_size)
         limits = resolve_limits(config, model_config)
-        tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model)
-        self = cls(config, model_config, tokenizer, limits.max_model_len)
-        await self._launch(limits.num_kv_blocks)
+        monitor = None
+        if config.monitor_endpoint is not None:
+            monitor = MonitorPublisher(config.monitor_endpoint)  # "starting" from now on
+        try:
+            loop = asyncio.get_running_loop()
+            tokenizer = await loop.run_in_executor(None, load_tokenizer, config.model)
+            self = cls(config, model_config, tokenizer, limits.max_model_len)
+            self._monitor = monitor
+            await self._launch(limits.num_kv_blocks)
+        except BaseException as exc:
+            if monitor is not None:
+                monitor.failed_to_start(f"start failed: {exc!r}")
+                await monitor.aclose()
+            raise
+        if monitor is not None:
+            c = self._controller
+            monitor.ready(model=config.model, tp_size=config.tp_size, device=config.device,
+                          num_slots=c.num_slots, num_blocks=c.num_blocks, block_size=c.block_size,
+                          max_model_len=self.max_model_len, startup_s=time.monotonic() - t0)  # fmt: skip
         return self
 
     async def _launch(self, num_kv_blocks: int) -> None:
@@ -68,6 +89,7 @@ class AsyncEngine:
             block_size=config.block_size,
             num_slots=config.max_num_seqs,
             num_blocks=num_kv_blocks,
+            max_model_len=self.max_model_len,
             startup_timeout_s=config.startup_timeout_s,
             step_timeout_s=config.step_timeout_s,
             fault=config.fault,
@@ -87,6 +109,8 @@ class AsyncEngine:
         except BaseException:
             await self._controller.shutdown()
             raise
+        if self._monitor is not None:
+            self._monitor.attach(self._scheduler)
         if self._controller.poison_reason is not None:
             self._scheduler.on_poison(self._controller.poison_reason)
         self._task = asyncio.get_running_loop().create_task(self._scheduler.run(), name="deltaserve-scheduler")
@@ -125,6 +149,11 @@ class AsyncEngine:
         await asyncio.shield(self._task)
 
     @property
+    def monitor_endpoint(self) -> str | None:
+        """Where monitors connect (`deltaserve monitor ENDPOINT`); None without a publisher."""
+        return None if self._monitor is None else self._monitor.endpoint
+
+    @property
     def rank_pids(self) -> list[int]:
         """Process ids of the replica's ranks (operations, and tests that kill one)."""
         return self._controller.rank_pids
@@ -150,6 +179,16 @@ class AsyncEngine:
         """Submit a prompt; returns the stream of its events. Raises ValueError (bad input),
         QueueFullError (waiting queue at its bound) or EngineDeadError, synchronously."""
         self._check_alive()
+        try:
+            return self._submit(prompt, params, request_id)
+        except QueueFullError as exc:
+            self._scheduler.notify_refused(request_id or "", "queue_full", str(exc))
+            raise
+        except ValueError as exc:
+            self._scheduler.notify_refused(request_id or "", "invalid", str(exc))
+            raise
+
+    def _submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> RequestStream:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = self._prompt_ids(prompt)
@@ -248,4 +287,8 @@ class AsyncEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        await self._controller.shutdown()
+        try:
+            await self._controller.shutdown()
+        finally:
+            if self._monitor is not None:
+                await self._monitor.aclose()  # its last message: shut_down

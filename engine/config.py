@@ -34,7 +34,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # default max_num_seqs * max_model_len / block_size
     step_timeout_s: float = 60.0
     startup_timeout_s: float = 120.0
-    monitor_endpoint: str | None = None
+    monitor_endpoint: str | None = None  # None: no monitor; "auto", ipc://PATH, tcp://HOST:PORT
     force_mixed_steps: bool = False  # tests: the planner staggers prefills beside decodes
     fault: FaultPlan | None = None  # tests only
 
@@ -67,6 +67,13 @@ class EngineConfig:
         for name in ("step_timeout_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        endpoint = self.monitor_endpoint
+        if endpoint is not None and (
+            not isinstance(endpoint, str) or not (endpoint == "auto" or endpoint.startswith(("ipc://", "tcp://")))
+        ):
+            raise ValueError(
+                f"monitor_endpoint must be 'auto', ipc://PATH or tcp://HOST:PORT, got {endpoint!r}"
+            )
         if self.device_ids is not None:
             if self.device != "cuda":
                 raise ValueError("device_ids is only meaningful with device='cuda'")

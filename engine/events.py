@@ -1,4 +1,5 @@
-"""What a generate call's stream yields, the engine's errors, and its load snapshot.
+"""What a generate call's stream yields, the engine's errors, its load snapshot, and the
+lifecycle transitions the scheduler reports to its listeners (monitors).
 
 Every choice of a request ends with exactly one terminal event: `FinishedEvent` or
 `ErrorEvent`. Events are msgspec Structs so that monitors and the HTTP layer can encode them
@@ -7,9 +8,15 @@ as they are.
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
+
+from deltaserve.engine.monitor_schema import EngineState
+
+if TYPE_CHECKING:
+    from deltaserve.engine.request import Request
 
 
 class TokenEvent(msgspec.Struct, frozen=True):
@@ -45,19 +52,52 @@ class ErrorEvent(msgspec.Struct, frozen=True):
 Event = TokenEvent | FinishedEvent | ErrorEvent
 
 
-class LoadSnapshot(msgspec.Struct, frozen=True):
-    """The scheduler's view, taken once per tick (and a last, idle one when the engine dies).
-    Schema version 1; monitors receive it msgspec-encoded."""
+class LoadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """The scheduler's view, taken once per tick (and a last, idle one when the engine dies
+    or stops). Monitors receive it as a `Load` message (engine/monitor_schema.py).
 
-    running: int  # admitted requests (holding a slot)
+    `state`: serving, draining (shutdown called, running requests finishing) or dead (failed
+    closed, or stopped; nothing more will run). The step_* fields describe the step the
+    previous tick ran, all zero if it ran none."""
+
+    state: EngineState = "serving"
+    running: int  # admitted requests (holding a slot), including those awaiting their drop
     waiting: int  # submitted, not admitted
     free_slots: int
     free_blocks: int
     num_slots: int
     num_blocks: int
     steps_total: int
-    is_dead: bool = False
-    schema_version: int = 1
+    step_prefill_tokens: int = 0
+    step_decode_tokens: int = 0
+    step_duration_s: float = 0.0  # dispatch to validated replies
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+
+    @property
+    def is_dead(self) -> bool:
+        return self.state == "dead"
+
+
+Transition = Literal[
+    "queued", "admitted", "first_token", "finished", "rejected", "dropped",  # a request's
+    "poisoned", "terminal",  # the engine's: failing closed, and done tearing down
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Lifecycle:
+    """One transition, for `lifecycle_listeners`. `request` is None for the engine's own
+    transitions and for a submission refused before it got an engine id; `reason` is the
+    finish reason, or "queue_full" / "invalid" for rejected; `message` says why for
+    rejected, dropped, poisoned and terminal. `time_s` is monotonic."""
+
+    transition: Transition
+    time_s: float
+    request: Request | None = None
+    client_id: str = ""
+    reason: str = ""
+    message: str = ""
 
 
 class EngineDeadError(RuntimeError):

@@ -3,11 +3,14 @@
 Each tick (DESIGN.md section 5):
   drain   take every submission and cancellation that arrived, in arrival order;
   prune   cancel requests whose owner left (closed sink); drop what ranks hold (must_exist);
-  publish the load snapshot (the one place monitors hook in: `load_listeners`);
+  publish the load snapshot (the one place load leaves the tick: `load_listeners`);
   admit   first come first served while slots and KV blocks allow; refuse what never fits;
   plan    one unified step (planner.py);
 then dispatch through the replica controller, await it, drain again (a cancellation that
 arrived during the step wins over its result), commit the results.
+
+Monitors hook in through `load_listeners` and `lifecycle_listeners` (engine/monitor.py):
+every request transition and the engine's failure pass through `_notify`, once each.
 
 Completion commit boundary: a request's last token and its FinishedEvent are delivered only
 after the all-rank drop of its state succeeded. Fail closed: a poisoned replica (or any
@@ -27,7 +30,16 @@ from typing import Any
 
 from deltaserve.engine.capacity import CapacityLedger
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.events import ErrorEvent, Event, FinishedEvent, LoadSnapshot, TokenEvent
+from deltaserve.engine.events import (
+    EngineState,
+    ErrorEvent,
+    Event,
+    FinishedEvent,
+    Lifecycle,
+    LoadSnapshot,
+    TokenEvent,
+    Transition,
+)
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.planner import PlanInput, StepBudget, StepPlan, plan_step
 from deltaserve.engine.request import Request
@@ -78,6 +90,7 @@ class Scheduler:
         self.dead_reason: str | None = None
         self.load_listeners: list[Callable[[LoadSnapshot], None]] = []
         self.plan_listeners: list[Callable[[StepPlan], None]] = []  # tests read plans here
+        self.lifecycle_listeners: list[Callable[[Lifecycle], None]] = []
         self._inbox: deque[Submission | Cancellation] = deque()
         self._entries: dict[int, _Entry] = {}  # every unresolved request
         self._waiting: deque[_Entry] = deque()
@@ -89,6 +102,9 @@ class Scheduler:
         self._poison_reason: str | None = None
         self._stopping = False
         self._abort_all = False
+        self._stopped = False  # stopped cleanly: the tick has exited
+        self._last_plan: StepPlan | None = None  # the step of the previous tick, if any
+        self._last_step_s = 0.0
         self._load = self._snapshot()
 
     # ---- called from outside the tick (event-loop thread) -----------------------------
@@ -112,6 +128,10 @@ class Scheduler:
 
     def wake(self) -> None:
         self._wake_event.set()
+
+    def notify_refused(self, client_id: str, reason: str, message: str) -> None:
+        """AsyncEngine.generate refused a submission (`reason` "queue_full" or "invalid")."""
+        self._notify("rejected", client_id=client_id, reason=reason, message=message)
 
     def wake_threadsafe(self) -> None:
         """For finalizers: may run at any point, even after the loop closed."""
@@ -154,6 +174,8 @@ class Scheduler:
                 if not self._entries:
                     self._idle_event.set()
                     if self._stopping:
+                        self._stopped = True
+                        self._publish_load()  # the last one: idle, state dead
                         return
                 self._admit()
                 plan = plan_step(
@@ -186,11 +208,7 @@ class Scheduler:
         while self._inbox:
             message = self._inbox.popleft()
             if isinstance(message, Submission):
-                for request in message.requests:
-                    detok = IncrementalDetokenizer(self._tokenizer, request.params.stop)
-                    entry = _Entry(request, message.sink, detok)
-                    self._entries[request.request_id] = entry
-                    self._waiting.append(entry)
+                self._waiting.extend(self._add_entries(message))
             else:
                 for request_id in message.request_ids:
                     entry = self._entries.get(request_id)
@@ -199,6 +217,16 @@ class Scheduler:
         if self._abort_all:
             for entry in list(self._entries.values()):
                 self._cancel(entry)
+
+    def _add_entries(self, submission: Submission) -> list[_Entry]:
+        entries = []
+        for request in submission.requests:
+            detok = IncrementalDetokenizer(self._tokenizer, request.params.stop)
+            entry = _Entry(request, submission.sink, detok)
+            self._entries[request.request_id] = entry
+            self._notify("queued", entry)
+            entries.append(entry)
+        return entries
 
     def _cancel_closed_owners(self) -> None:
         for entry in list(self._entries.values()):
@@ -241,22 +269,36 @@ class Scheduler:
             for event in events:
                 self._deliver(entry, event)
 
-    def _snapshot(self, is_dead: bool = False) -> LoadSnapshot:
+    def _state(self) -> EngineState:
+        if self.dead_reason is not None or self._stopped:
+            return "dead"
+        return "draining" if self._stopping else "serving"
+
+    def _snapshot(self) -> LoadSnapshot:
+        """Counts as they stand; once failed closed, idle (every reservation is void)."""
+        plan, failed = self._last_plan, self.dead_reason is not None
+        num_decodes = plan.num_decodes if plan else 0
         return LoadSnapshot(
+            state=self._state(),
             running=len(self._running) + len(self._pending_drop),
             waiting=self.num_queued,
-            free_slots=self.ledger.free_slots,
-            free_blocks=self.ledger.free_blocks,
+            free_slots=self.ledger.num_slots if failed else self.ledger.free_slots,
+            free_blocks=self.ledger.num_blocks if failed else self.ledger.free_blocks,
             num_slots=self.ledger.num_slots,
             num_blocks=self.ledger.num_blocks,
             steps_total=self.steps_total,
-            is_dead=is_dead,
+            step_prefill_tokens=plan.num_tokens - num_decodes if plan else 0,
+            step_decode_tokens=num_decodes,
+            step_duration_s=self._last_step_s if plan else 0.0,
+            prompt_tokens_total=self.metrics.prompt_tokens_total,
+            generation_tokens_total=self.metrics.generation_tokens_total,
         )
 
-    def _publish_load(self, snapshot: LoadSnapshot | None = None) -> None:
+    def _publish_load(self) -> None:
         """The single place load leaves the tick: `load()` and every load listener (the
-        monitor publisher hooks in here)."""
-        self._load = snapshot or self._snapshot()
+        monitor publisher hooks in here). The previous tick's step is reported once."""
+        self._load = self._snapshot()
+        self._last_plan = None
         for listener in self.load_listeners:
             try:
                 listener(self._load)
@@ -286,6 +328,7 @@ class Scheduler:
             self.ledger.admit(request.request_id, reserve)
             request.admit()
             self._running[request.request_id] = entry
+            self._notify("admitted", entry)
 
     async def _step(self, plan: StepPlan) -> None:
         items = []
@@ -299,7 +342,10 @@ class Scheduler:
             items.append(StepItem(chunk.request_id, chunk.start, tokens, chunk.sample, new))
         for listener in self.plan_listeners:
             listener(plan)
+        t0 = time.perf_counter()
         samples = await self._controller.run_step(items)
+        self._last_step_s = time.perf_counter() - t0
+        self._last_plan = plan
         self.steps_total += 1
         # Cancellations that arrived while the step ran win over its results.
         self._drain()
@@ -323,6 +369,7 @@ class Scheduler:
         self.metrics.generation_tokens_total += 1
         if previous is None:
             self.metrics.time_to_first_token_s.observe(now - request.arrival_time_s)
+            self._notify("first_token", entry)
         else:
             self.metrics.inter_token_latency_s.observe(now - previous)
         token = sample.token_id
@@ -352,6 +399,27 @@ class Scheduler:
             reason = event.reason if isinstance(event, FinishedEvent) else "error"
             self.metrics.request_success_total[reason] += 1
             self.metrics.e2e_request_latency_s.observe(time.monotonic() - entry.request.arrival_time_s)
+            if isinstance(event, FinishedEvent):
+                self._notify("finished", entry, reason=event.reason)
+            elif self.dead_reason is None:  # refused at admission: it can never fit
+                self._notify("rejected", entry, reason="invalid", message=event.message)
+            else:
+                self._notify("dropped", entry, message=self.dead_reason)
+
+    def _notify(self, transition: Transition, entry: _Entry | None = None, *, client_id: str = "",
+                reason: str = "", message: str = "") -> None:
+        """The one place lifecycle transitions leave the tick; nearly free without listeners."""
+        if not self.lifecycle_listeners:
+            return
+        request = None
+        if entry is not None:
+            request, client_id = entry.request, entry.sink.client_id
+        event = Lifecycle(transition, time.monotonic(), request, client_id, reason, message)
+        for listener in self.lifecycle_listeners:
+            try:
+                listener(event)
+            except Exception:
+                logger.exception("lifecycle listener failed")
 
     async def _fail_closed(self, reason: str) -> None:
         """Exactly one ErrorEvent to every unresolved choice, an idle terminal snapshot,
@@ -360,6 +428,7 @@ class Scheduler:
             return
         self.dead_reason = reason
         logger.error("engine failed closed: %s", reason)
+        self._notify("poisoned", message=reason)
         self._drain_submissions_only()
         message = f"engine failed: {reason}"
         for entry in self._entries.values():
@@ -371,20 +440,16 @@ class Scheduler:
         self._running.clear()
         self._pending_drop.clear()
         self._idle_event.set()
-        self._publish_load(
-            LoadSnapshot(0, 0, self.ledger.num_slots, self.ledger.num_blocks, self.ledger.num_slots,
-                         self.ledger.num_blocks, self.steps_total, is_dead=True)
-        )
+        self._publish_load()
         try:
             await self._controller.shutdown()
         except Exception:
             logger.exception("replica teardown after failure")
+        self._notify("terminal", message=reason)
 
     def _drain_submissions_only(self) -> None:
         """Submissions still in the inbox have owners waiting too: make them entries."""
         while self._inbox:
             message = self._inbox.popleft()
             if isinstance(message, Submission):
-                for request in message.requests:
-                    detok = IncrementalDetokenizer(self._tokenizer, request.params.stop)
-                    self._entries[request.request_id] = _Entry(request, message.sink, detok)
+                self._add_entries(message)

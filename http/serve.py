@@ -100,8 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "replica is declared dead")  # fmt: skip
     eng.add_argument("--startup-timeout", dest="startup_timeout_s", type=float,
                      default=d("startup_timeout_s"), help="seconds for every rank to load")  # fmt: skip
-    eng.add_argument("--monitor-endpoint", default=d("monitor_endpoint"),
-                     help="ZeroMQ PUB endpoint for load snapshots, e.g. tcp://127.0.0.1:5557")  # fmt: skip
+    eng.add_argument("--monitor-endpoint", default="auto",
+                     help="ZeroMQ PUB endpoint for monitors (deltaserve monitor ENDPOINT; "
+                          "docs/MONITOR.md): auto (an ipc:// socket in a private 0700 folder), "
+                          "ipc://PATH, tcp://HOST:PORT, or off")  # fmt: skip
     srv = p.add_argument_group("server")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send; default: the --model argument")  # fmt: skip
@@ -195,7 +197,7 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         num_kv_blocks=args.num_kv_blocks,
         step_timeout_s=args.step_timeout_s,
         startup_timeout_s=args.startup_timeout_s,
-        monitor_endpoint=args.monitor_endpoint,
+        monitor_endpoint=None if args.monitor_endpoint == "off" else args.monitor_endpoint,
     )
 
 
@@ -269,8 +271,9 @@ async def _serve(args: argparse.Namespace) -> int:
             log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
             return 1
         host, port = runner.addresses[0][:2]
-        log.info("ready: serving '%s' at http://%s:%d/v1 (health: /health, metrics: /metrics)",
-                 server_config.served_model_name, host, port)  # fmt: skip
+        log.info("ready: serving '%s' at http://%s:%d/v1 (health: /health, metrics: /metrics, "
+                 "monitor: %s)", server_config.served_model_name, host, port,
+                 engine.monitor_endpoint or "off")  # fmt: skip
         if not await _wait_stop_or_death(stop, engine):
             log.info("signal received: admitting no new requests, draining for up to %.1f s "
                      "(a second signal aborts at once)", args.shutdown_timeout)  # fmt: skip
