@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -37,6 +36,7 @@ from deltaserve.ipc.messages import (
     StepResult,
     command_encoder,
 )
+from deltaserve.tools.hardware import host_info
 
 SETUP = b"SETUP"
 QUIT = b"QUIT"
@@ -166,22 +166,7 @@ def frame_bytes(n: int) -> tuple[int, int]:
 
 
 def hardware() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu_model": cpu,
-        "cores": os.cpu_count(),
-        "load_avg_1m_at_start": os.getloadavg()[0],
-        "python": platform.python_version(),
-        "pyzmq": zmq.__version__,
-        "libzmq": zmq.zmq_version(),
-    }
+    return {**host_info(), "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
 
 
 async def run(args: argparse.Namespace) -> dict:

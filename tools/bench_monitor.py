@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -43,33 +41,16 @@ from deltaserve.engine.events import Lifecycle, LoadSnapshot
 from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.tools.hardware import host_info
 
 PROMPT_TOKENS = 32
 
 
-def hardware(device: str) -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+def hardware() -> dict:
     import torch
 
-    gpu = torch.cuda.get_device_name(0) if device == "cuda" else None
-    return {
-        "gpu": gpu,
-        "cpu_model": cpu,
-        "cores": os.cpu_count(),
-        "load_avg_1m_at_start": os.getloadavg()[0],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "pyzmq": zmq.__version__,
-        "libzmq": zmq.zmq_version(),
-        "msgspec": msgspec.__version__,
-    }
+    return {**host_info(), "torch": torch.__version__, "pyzmq": zmq.__version__,
+            "libzmq": zmq.zmq_version(), "msgspec": msgspec.__version__}  # fmt: skip
 
 
 async def workload(engine: AsyncEngine, requests: int, max_tokens: int, vocab: int) -> dict:
@@ -315,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    hw = hardware(args.device)
+    hw = hardware()
     figures = asyncio.run(run(args))
     result = {
         "command": " ".join([Path(sys.executable).name, "-m", "deltaserve.tools.bench_monitor",
