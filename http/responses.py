@@ -96,9 +96,10 @@ class ChoiceState:
             self.text_len += len(delta)
 
 
-class CompletionFormatter:
-    """`/v1/completions`: `text_completion` objects; logprobs in the legacy shape
-    (tokens, token_logprobs, top_logprobs as token->logprob dicts, text_offset)."""
+class _Formatter:
+    """What both endpoints' bodies share: id, object kind, created, model, choices."""
+
+    chunk_object = ""
 
     def __init__(self, request_id: str, model: str, strings: TokenStrings, logprobs: bool) -> None:
         self.id = request_id
@@ -107,14 +108,26 @@ class CompletionFormatter:
         self.strings = strings
         self.want_logprobs = logprobs
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def _chunk(self, choices: list[dict[str, Any]], kind: str | None = None) -> dict[str, Any]:
         return {
             "id": self.id,
-            "object": "text_completion",
+            "object": kind or self.chunk_object,
             "created": self.created,
             "model": self.model,
             "choices": choices,
         }
+
+    def usage_chunk(self, usage_json: dict[str, int]) -> dict[str, Any]:
+        body = self._chunk([])
+        body["usage"] = usage_json
+        return body
+
+
+class CompletionFormatter(_Formatter):
+    """`/v1/completions`: `text_completion` objects; logprobs in the legacy shape
+    (tokens, token_logprobs, top_logprobs as token->logprob dicts, text_offset)."""
+
+    chunk_object = "text_completion"
 
     def _entry(self, ev: Any, offset: int) -> tuple[str, float, dict[str, float], int]:
         top: dict[str, float] = {}
@@ -167,31 +180,12 @@ class CompletionFormatter:
         body["usage"] = usage_json
         return body
 
-    def usage_chunk(self, usage_json: dict[str, int]) -> dict[str, Any]:
-        body = self._chunk([])
-        body["usage"] = usage_json
-        return body
 
-
-class ChatFormatter:
+class ChatFormatter(_Formatter):
     """`/v1/chat/completions`: `chat.completion(.chunk)` objects; logprobs in the chat shape
     (content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}])."""
 
-    def __init__(self, request_id: str, model: str, strings: TokenStrings, logprobs: bool) -> None:
-        self.id = request_id
-        self.model = model
-        self.created = int(time.time())
-        self.strings = strings
-        self.want_logprobs = logprobs
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+    chunk_object = "chat.completion.chunk"
 
     def _entry(self, ev: Any) -> dict[str, Any]:
         s = self.strings
@@ -243,16 +237,6 @@ class ChatFormatter:
             }
             for i, s in enumerate(states)
         ]
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": usage_json,
-        }
-
-    def usage_chunk(self, usage_json: dict[str, int]) -> dict[str, Any]:
-        body = self._chunk([])
+        body = self._chunk(choices, "chat.completion")
         body["usage"] = usage_json
         return body
