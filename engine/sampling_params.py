@@ -20,6 +20,9 @@ MAX_N = 16
 MAX_STOP_STRINGS = 16
 # Seeds travel as msgpack ints and seed torch generators: keep them non-negative int64.
 MAX_SEED = 2**63 - 1
+# top_k at or above the vocabulary size means "off" on the rank; larger values are sent as
+# this (msgpack cannot carry ints past 2**64, and one such request used to kill the engine).
+MAX_WIRE_TOP_K = 2**31 - 1
 
 
 def _is_int(value: object) -> bool:
@@ -95,7 +98,7 @@ class SamplingParams:
         return SamplingSpec(
             seed=seed,
             temperature=float(self.temperature),
-            top_k=self.top_k,
+            top_k=min(self.top_k, MAX_WIRE_TOP_K),
             top_p=float(self.top_p),
             min_p=float(self.min_p),
             presence_penalty=float(self.presence_penalty),

@@ -272,6 +272,12 @@ async def _read_json(request: web.Request) -> object:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise errors.bad_request(f"the request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec raises this, not DecodeError, for bad UTF-8
+        raise errors.bad_request(
+            f"the request body is not valid UTF-8 ({exc.reason}): JSON must be UTF-8"
+        ) from None
+    except RecursionError:  # msgspec's own depth limit: e.g. 100k nested arrays
+        raise errors.bad_request("the request body's JSON is nested too deeply") from None
 
 
 def _params(fields: SamplingFields, max_tokens: int, *, logprobs_param: str) -> SamplingParams:

@@ -16,6 +16,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from serve_helpers import wait_idle
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
@@ -73,19 +74,6 @@ async def served(tiny_model_dir):
         await client.close()
         await runner.cleanup()
         await engine.shutdown()
-
-
-async def wait_idle(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
-    """Until the scheduler holds nothing; then every rank must hold nothing either."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        load = engine.load()
-        if load.running == 0 and load.waiting == 0:
-            break
-        assert time.monotonic() < deadline, f"engine not idle after {timeout_s}s: {load}"
-        await asyncio.sleep(0.02)
-    for snap in await engine.rank_snapshots():
-        assert snap.request_ids == [] and snap.slots_used == 0 and snap.blocks_used == 0, snap
 
 
 @pytest_asyncio.fixture(autouse=True, loop_scope="module")

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import shutil
 import signal
-import sys
-import time
 from pathlib import Path
 
-import aiohttp
 import openai
 import pytest
+from serve_helpers import ServeProcess, get, rank_pids, wait_gone
 
 import deltaserve
 from deltaserve.engine.async_engine import AsyncEngine
@@ -32,48 +29,6 @@ from deltaserve.http import serve
 from deltaserve.http.server import ServerConfig, build_app, start_server
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
-DELTASERVE = str(Path(sys.executable).with_name("deltaserve"))
-
-
-def rank_pids(parent_pid: int) -> list[int]:
-    """Live rank processes (`python -m deltaserve.ipc.rank_main`) whose parent is
-    `parent_pid`, from /proc (the engine exposes no public accessor for them)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        state, ppid = fields[0], int(fields[1])
-        if ppid == parent_pid and state != "Z" and b"deltaserve.ipc.rank_main" in cmdline:
-            pids.append(int(entry))
-    return sorted(pids)
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
-async def wait_gone(pids: list[int], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, (
-            f"rank processes still alive: {[p for p in pids if alive(p)]}"
-        )
-        await asyncio.sleep(0.05)
-
-
-async def get(url: str) -> tuple[int, str]:
-    async with aiohttp.ClientSession() as s, s.get(url) as r:
-        return r.status, await r.text()
 
 
 async def open_stream(client: openai.AsyncOpenAI, model: str, max_tokens: int):
@@ -138,57 +93,6 @@ async def test_rank_sigkill_in_process(tiny_model_dir):
         await runner.cleanup()
         await engine.shutdown()
     assert rank_pids(os.getpid()) == []
-
-
-class ServeProcess:
-    """`deltaserve serve ...` with stderr collected; `url` once it logged its ready line."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.lines: list[str] = []
-        self.url: str | None = None
-        self._ready = asyncio.Event()
-        self._reader = asyncio.ensure_future(self._read())
-
-    async def _read(self) -> None:
-        async for raw in self.proc.stderr:
-            line = raw.decode(errors="replace").rstrip()
-            self.lines.append(line)
-            m = re.search(r"ready: serving .* at (http://[\d.]+:\d+)/v1", line)
-            if m:
-                self.url = m.group(1)
-                self._ready.set()
-        self._ready.set()
-
-    @classmethod
-    async def start(
-        cls, *args: str, env: dict | None = None, timeout_s: float = 180
-    ) -> ServeProcess:
-        proc = await asyncio.create_subprocess_exec(
-            DELTASERVE, "serve", "--port", "0", *args,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
-        self = cls(proc)
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
-        finally:
-            if self.url is None:
-                await self.kill()
-        assert self.url is not None, "server did not become ready:\n" + self.log()
-        return self
-
-    def log(self) -> str:
-        return "\n".join(self.lines[-40:])
-
-    async def wait(self, timeout_s: float) -> int:
-        code = await asyncio.wait_for(self.proc.wait(), timeout_s)
-        await self._reader
-        return code
-
-    async def kill(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.kill()
-            await self.proc.wait()
 
 
 async def test_serve_tp2_greedy_then_sigterm_drains(tiny_model_dir):

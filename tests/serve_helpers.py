@@ -1,0 +1,206 @@
+"""Helpers shared by the tests that run a server: a real `deltaserve serve` subprocess on a
+free port, an in-process server (engine + aiohttp app), the rank processes of a parent found
+from /proc, and "nothing leaked" checks.
+
+Imported as `serve_helpers` (pytest puts tests/ on sys.path; tests/ has no __init__.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from deltaserve.engine.async_engine import AsyncEngine
+from deltaserve.engine.config import EngineConfig
+from deltaserve.http.server import ServerConfig, build_app, start_server
+
+DELTASERVE = str(Path(sys.executable).with_name("deltaserve"))
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LONG_FIGURES = REPO_ROOT / "bench" / "results" / "load_suite_long.json"
+
+
+# ---- processes ---------------------------------------------------------------------------
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def rank_pids(parent_pid: int) -> list[int]:
+    """Live rank processes (`python -m deltaserve.ipc.rank_main`) whose parent is
+    `parent_pid`, from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _stat_fields(entry)
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if fields is None:
+            continue
+        state, ppid = fields[0], int(fields[1])
+        if ppid == parent_pid and state != "Z" and b"deltaserve.ipc.rank_main" in cmdline:
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+def alive(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+async def wait_gone(pids: list[int], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, (
+            f"processes still alive: {[p for p in pids if alive(p)]}"
+        )
+        await asyncio.sleep(0.05)
+
+
+# ---- HTTP --------------------------------------------------------------------------------
+
+
+async def get(url: str, headers: dict | None = None) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
+        return r.status, await r.text()
+
+
+async def health(url: str) -> int | None:
+    """/health's status, or None when nothing listens any more."""
+    try:
+        return (await get(url + "/health"))[0]
+    except aiohttp.ClientConnectionError:
+        return None
+
+
+class ServeProcess:
+    """`deltaserve serve --port 0 ...` with stderr collected; `url` once it logged its
+    ready line."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self._ready = asyncio.Event()
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        async for raw in self.proc.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            self.lines.append(line)
+            m = re.search(r"ready: serving .* at (http://[\d.]+:\d+)/v1", line)
+            if m:
+                self.url = m.group(1)
+                self._ready.set()
+        self._ready.set()
+
+    @classmethod
+    async def start(
+        cls, *args: str, env: dict | None = None, timeout_s: float = 180
+    ) -> ServeProcess:
+        proc = await asyncio.create_subprocess_exec(
+            DELTASERVE, "serve", "--port", "0", *args,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        self = cls(proc)
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        finally:
+            if self.url is None:
+                await self.kill()
+        assert self.url is not None, "server did not become ready:\n" + self.log()
+        return self
+
+    def log(self, lines: int = 40) -> str:
+        return "\n".join(self.lines[-lines:])
+
+    async def wait(self, timeout_s: float) -> int:
+        code = await asyncio.wait_for(self.proc.wait(), timeout_s)
+        await self._reader
+        return code
+
+    async def kill(self, grace_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`: a server killed outright cannot remove its
+        replica's run folder."""
+        if self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), grace_s)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+
+
+# ---- in-process server -------------------------------------------------------------------
+
+
+@dataclass
+class InProcessServer:
+    engine: AsyncEngine
+    url: str  # http://127.0.0.1:PORT
+
+
+@contextlib.asynccontextmanager
+async def in_process_server(
+    config: EngineConfig, server_config: ServerConfig
+) -> AsyncIterator[InProcessServer]:
+    """A real engine (rank processes, ZeroMQ, shared memory) behind the aiohttp app on a
+    free loopback port, served from this event loop."""
+    engine = await AsyncEngine.start(config)
+    try:
+        runner, _ = await start_server(build_app(engine, server_config), "127.0.0.1", 0)
+        try:
+            yield InProcessServer(engine, f"http://127.0.0.1:{runner.addresses[0][1]}")
+        finally:
+            await runner.cleanup()
+    finally:
+        await engine.shutdown()
+
+
+async def wait_idle(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
+    """Until the scheduler holds nothing; then every slot and block must be free in the
+    scheduler's ledger and on every rank."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = engine.load()
+        if load.running == 0 and load.waiting == 0:
+            break
+        assert time.monotonic() < deadline, f"engine not idle after {timeout_s}s: {load}"
+        await asyncio.sleep(0.02)
+    assert load.free_slots == load.num_slots and load.free_blocks == load.num_blocks, load
+    for snap in await engine.rank_snapshots():
+        assert snap.request_ids == [] and snap.slots_used == 0 and snap.blocks_used == 0, snap
+
+
+def record_long_figures(is_long: bool, name: str, figures: dict) -> None:
+    """With `pytest --long`, keep a test's figures (requests, disconnects, faults, leaks) in
+    bench/results/load_suite_long.json, one entry per test."""
+    if not is_long:
+        return
+    data = json.loads(LONG_FIGURES.read_text()) if LONG_FIGURES.exists() else {}
+    data["command"] = ("python -m pytest --long --timeout 5400 -q tests/test_load.py "
+                       "tests/test_load_faults.py")  # fmt: skip
+    data["hardware"] = {"cores": os.cpu_count(), "python": platform.python_version(),
+                        "machine": platform.machine()}  # fmt: skip
+    entry = {**figures, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    data.setdefault("tests", {})[name] = entry
+    LONG_FIGURES.parent.mkdir(parents=True, exist_ok=True)
+    LONG_FIGURES.write_text(json.dumps(data, indent=1) + "\n")

@@ -1,0 +1,347 @@
+"""Bad input against the real server (engine, rank process, aiohttp app on 127.0.0.1): every
+malformed, oversized or out-of-range request gets a 4xx whose message names the problem, and
+the server stays healthy (an autouse fixture checks /health and that nothing stays on the
+rank after every test).
+
+- hand-picked cases: oversized body, invalid UTF-8, lone surrogates, deep nesting, huge
+  n / max_tokens / logprobs / seed, token ids out of the vocabulary, ...;
+- property-based fuzzing (hypothesis) of both endpoints' JSON bodies and of raw bytes: the
+  answer is 200 (a valid request, fully served) or a 4xx OpenAI error body, never a 5xx;
+- the same parsers without a server, many more examples: whatever they accept becomes
+  sampling parameters that the control plane can encode (a huge top_k once killed the engine);
+- `--api-key` is enforced on every route and method but /health.
+
+`pytest --long` runs the fuzzers with 10x the examples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from serve_helpers import get, in_process_server, wait_idle
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.http.errors import ApiError
+from deltaserve.http.protocol import parse_chat_request, parse_completion_request
+from deltaserve.http.server import ServerConfig, build_app
+from deltaserve.ipc.messages import command_encoder
+
+aio = pytest.mark.asyncio(loop_scope="module")  # one server for the module
+
+API_KEY = "sk-bad-input"
+MODEL = "tiny-bad"
+MAX_MODEL_LEN = 48
+MAX_BODY = 64 * 1024
+VOCAB = 248320
+HUGE = 10**30
+QUICK_EXAMPLES, LONG_EXAMPLES = 40, 400
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(tiny_model_dir):
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=MAX_MODEL_LEN,
+                          max_num_seqs=4, max_queued_requests=64)  # fmt: skip
+    server_config = ServerConfig(MODEL, api_key=API_KEY, max_request_bytes=MAX_BODY)
+    async with in_process_server(config, server_config) as s:
+        yield s
+
+
+@pytest_asyncio.fixture(autouse=True, loop_scope="module")
+async def stays_healthy(server):
+    yield
+    await wait_idle(server.engine, timeout_s=30)
+    assert (await get(server.url + "/health"))[0] == 200
+
+
+@pytest.fixture
+def examples(request: pytest.FixtureRequest) -> int:
+    return LONG_EXAMPLES if request.config.getoption("--long") else QUICK_EXAMPLES
+
+
+async def post(url: str, data: bytes, key: str | None = API_KEY) -> tuple[int, str, bytes]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as s,
+        s.post(url, data=data, headers=headers) as r,
+    ):
+        return r.status, r.headers.get("Content-Type", ""), await r.read()
+
+
+def check_error_body(raw: bytes) -> dict:
+    err = json.loads(raw)["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert err["param"] is None or isinstance(err["param"], str), err
+    return err
+
+
+def j(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+# (path, body bytes, status, param or None, words the message must contain)
+CASES = {
+    "oversized body": (C, b'{"prompt": "' + b"a" * MAX_BODY + b'"}', 413, None, str(MAX_BODY)),
+    "invalid utf-8": (C, b'{"prompt": "\xff\xfe"}', 400, None, "UTF-8"),
+    "lone surrogate": (C, b'{"prompt": "\\ud800"}', 400, None, "not valid JSON"),
+    "deep nesting": (C, b"[" * 20_000 + b"]" * 20_000, 400, None, "nested too deeply"),
+    "huge integer literal": (C, b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}", 400, None, "out of range"),
+    "float overflow": (C, b'{"prompt": "x", "temperature": 1e400}', 400, None, "out of range"),
+    "truncated": (C, b'{"prompt": "x",', 400, None, "not valid JSON"),
+    "empty body": (C, b"", 400, None, "not valid JSON"),
+    "not an object": (CHAT, b'["hi"]', 400, None, "JSON object"),
+    "huge n": (C, j({"prompt": "x", "n": HUGE}), 400, "n", "n must be"),
+    "huge max_tokens": (C, j({"prompt": "x", "max_tokens": HUGE}), 400, None, "max_tokens"),
+    "negative max_tokens": (C, j({"prompt": "x", "max_tokens": -1}), 400, "max_tokens", "max_tokens must"),
+    "huge logprobs": (C, j({"prompt": "x", "logprobs": HUGE}), 400, "logprobs", "0..20"),
+    "huge top_logprobs": (CHAT, j({"messages": USER, "logprobs": True, "top_logprobs": HUGE}), 400, "top_logprobs", "0..20"),
+    "huge max_completion_tokens": (CHAT, j({"messages": USER, "max_completion_tokens": HUGE}), 400, None, "max_model_len"),
+    "huge seed": (C, j({"prompt": "x", "seed": 2**64}), 400, "seed", "seed must be"),
+    "prompt id = vocab": (C, j({"prompt": [VOCAB]}), 400, "prompt", f"[0, {VOCAB})"),
+    "prompt id 2**64": (C, j({"prompt": [1, 2**64]}), 400, "prompt", f"[0, {VOCAB})"),
+    "negative prompt id": (C, j({"prompt": [-1]}), 400, "prompt", "non-negative"),
+    "bad id in 2nd prompt": (C, j({"prompt": ["x", [5, VOCAB + 5]]}), 400, "prompt", f"[0, {VOCAB})"),
+    "stop id out of vocab": (C, j({"prompt": "x", "stop_token_ids": [HUGE]}), 400, "stop_token_ids", "vocabulary"),
+    "prompt longer than the model": (C, j({"prompt": list(range(1, MAX_MODEL_LEN + 1))}), 400, None, "max_model_len"),
+    "chat longer than the model": (CHAT, j({"messages": [{"role": "user", "content": "word " * 200}]}), 400, None, "max_model_len"),
+    "unknown field": (C, j({"prompt": "x", "guided_regex": "a+"}), 400, "guided_regex", "unknown"),
+    "stream not a bool": (C, j({"prompt": "x", "stream": "yes"}), 400, "stream", "boolean"),
+    "temperature nan-ish string": (C, j({"prompt": "x", "temperature": "NaN"}), 400, "temperature", "number"),
+}  # fmt: skip
+
+
+@aio
+@pytest.mark.parametrize("case", list(CASES))
+async def test_bad_request_named(server, case):
+    path, data, status, param, words = CASES[case]
+    got, content_type, raw = await post(server.url + path, data)
+    assert got == status, raw[:300]
+    assert content_type.startswith("application/json")
+    err = check_error_body(raw)
+    if param is not None:
+        assert err["param"] == param, err
+    assert words in err["message"], err
+
+
+@aio
+async def test_huge_top_k_means_off_and_the_engine_lives(server):
+    """top_k past the vocabulary samples as if top-k were off (same seed, same tokens);
+    before the fix, a top_k over 2**64 could not be encoded and killed the engine."""
+    base = {"prompt": "Sphinx of black quartz", "max_tokens": 4, "temperature": 1.0, "seed": 7,
+            "logprobs": 0, "ignore_eos": True}  # fmt: skip
+    texts = []
+    for top_k in (0, 2**40, HUGE):
+        status, _, raw = await post(server.url + C, j({**base, "top_k": top_k}))
+        assert status == 200, raw
+        texts.append(json.loads(raw)["choices"][0]["logprobs"]["tokens"])
+    assert texts[0] == texts[1] == texts[2]
+    assert not server.engine.is_dead
+
+
+# ---- fuzzing -----------------------------------------------------------------------------
+
+_ints = st.integers(-(2**70), 2**70) | st.sampled_from([0, 1, -1, 2**31, 2**63, 2**64, VOCAB])
+_floats = st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([1e-320, 1e308, -0.0])
+_scalars = st.none() | st.booleans() | _ints | _floats | st.text(max_size=12)
+JSON = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=10,
+)  # fmt: skip
+_ids = st.lists(st.integers(-2, VOCAB + 2), max_size=8)
+_small = st.integers(-2, 24)
+PLAUSIBLE = {
+    "model": st.sampled_from([MODEL, "other", ""]),
+    "prompt": st.text(max_size=30) | _ids | st.lists(st.text(max_size=8) | _ids, max_size=3),
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant", "system", "tool", "x"])},
+            optional={"content": st.text(max_size=20) | st.lists(
+                st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
+                                       "text": st.text(max_size=8)}), max_size=2),
+                      "name": st.none() | st.text(max_size=4)},
+        ),
+        max_size=4,
+    ),
+    "max_tokens": _small | st.just(HUGE), "max_completion_tokens": _small,
+    "n": st.integers(-1, 17), "logprobs": st.integers(-1, 21) | st.booleans(),
+    "top_logprobs": st.integers(-1, 21), "temperature": st.floats(-1, 3) | st.just(0),
+    "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-1, 10**25), "min_p": st.floats(-0.5, 1.5),
+    "seed": _ints, "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3),
+    "stop_token_ids": _ids, "stream": st.booleans(), "ignore_eos": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | _ints}),
+    "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),
+    "repetition_penalty": st.floats(-1, 3), "echo": st.booleans(), "best_of": st.integers(0, 3),
+    "logit_bias": st.dictionaries(st.text(max_size=3), _ints, max_size=2),
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "tools", "x"]), JSON, max_size=2),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+    "user": JSON,
+}  # fmt: skip
+
+
+VALID = {
+    "max_tokens": st.integers(1, 4), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(0, 50) | st.just(HUGE), "min_p": st.floats(0, 1),
+    "seed": st.integers(0, 2**63 - 1), "n": st.integers(1, 2), "ignore_eos": st.booleans(),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
+    "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=2), "stream": st.booleans(),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.1, 2), "model": st.just(MODEL),
+}  # fmt: skip
+VALID_PROMPT = st.text(min_size=1, max_size=20) | st.lists(
+    st.integers(0, VOCAB - 1), min_size=1, max_size=8
+)
+VALID_MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                           "content": st.text(max_size=16)}),
+    min_size=1, max_size=3,
+)  # fmt: skip
+
+
+def valid_bodies(required: str) -> st.SearchStrategy[dict]:
+    """Bodies that should be served: every field in range (a chat template may still refuse
+    an odd order of roles)."""
+    first = {"prompt": VALID_PROMPT, "messages": VALID_MESSAGES}[required]
+    return st.fixed_dictionaries({required: first, "max_tokens": VALID["max_tokens"]},
+                                 optional={k: v for k, v in VALID.items() if k != "max_tokens"})  # fmt: skip
+
+
+def bodies(required: str) -> st.SearchStrategy[dict]:
+    """Bodies with the required field, any subset of the known ones (plausible or arbitrary
+    values), and now and then an unknown field."""
+    optional = {k: v | JSON for k, v in PLAUSIBLE.items() if k != required}
+    optional["some_unknown_field"] = JSON
+    return st.fixed_dictionaries({required: PLAUSIBLE[required] | JSON}, optional=optional)
+
+
+def check_served(status: int, content_type: str, raw: bytes) -> None:
+    """200 with a complete response, or a 4xx error body: never a 5xx, never a stream that
+    ends without [DONE] or with an error event."""
+    assert status == 200 or 400 <= status < 500, (status, raw[:500])
+    if status != 200:
+        check_error_body(raw)
+    elif content_type.startswith("text/event-stream"):
+        events = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+        assert events and events[-1] == b"[DONE]", raw[-300:]
+        for e in events[:-1]:
+            assert b'"error"' not in e[:12], e
+    else:
+        assert json.loads(raw)["choices"], raw[:300]
+
+
+def run_fuzz(
+    server, loop: asyncio.AbstractEventLoop, path: str, strategy, examples: int
+) -> list[int]:
+    """Hypothesis in a worker thread; each example posts through the server's loop. Returns
+    the statuses seen."""
+    statuses = []
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(strategy)
+    def one(data: bytes) -> None:
+        future = asyncio.run_coroutine_threadsafe(post(server.url + path, data), loop)
+        result = future.result(timeout=120)
+        statuses.append(result[0])
+        check_served(*result)
+
+    one()
+    return statuses
+
+
+@aio
+@pytest.mark.parametrize("path, required", [(C, "prompt"), (CHAT, "messages")])
+async def test_fuzz_json_bodies(server, examples, path, required):
+    """Half the bodies are valid (served in full), half anything (refused with a 4xx)."""
+    strategy = (valid_bodies(required) | bodies(required)).map(j)
+    loop = asyncio.get_running_loop()
+    statuses = await asyncio.to_thread(run_fuzz, server, loop, path, strategy, examples)
+    assert 200 in statuses and any(400 <= s < 500 for s in statuses), statuses
+
+
+@aio
+async def test_fuzz_raw_bytes(server, examples):
+    """Arbitrary bytes, and valid bodies with bytes flipped, cut or inserted."""
+    valid = j({"prompt": "hi", "max_tokens": 2, "temperature": 0})
+
+    def mutate(draw_data: tuple[int, int, bytes]) -> bytes:
+        at, cut, insert = draw_data
+        at %= len(valid)
+        return valid[:at] + insert + valid[at + cut :]
+
+    mutated = st.tuples(st.integers(0, 10**6), st.integers(0, 4), st.binary(max_size=4)).map(mutate)
+    strategy = st.binary(max_size=64) | mutated
+    loop = asyncio.get_running_loop()
+    for path in (C, CHAT):
+        await asyncio.to_thread(run_fuzz, server, loop, path, strategy, examples)
+
+
+@pytest.mark.parametrize("parse, required", [(parse_completion_request, "prompt"),
+                                             (parse_chat_request, "messages")])  # fmt: skip
+def test_fuzz_parsers_accept_only_encodable_params(request, parse, required):
+    """No server: whatever a parser accepts becomes SamplingParams (or a ValueError naming
+    the field) whose wire form the control plane can encode."""
+    examples = 5 * (LONG_EXAMPLES if request.config.getoption("--long") else QUICK_EXAMPLES)
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(valid_bodies(required) | bodies(required))
+    def one(body: dict) -> None:
+        try:
+            req = parse(body)
+        except ApiError as err:
+            assert 400 <= err.status < 500 and err.message
+            return
+        try:
+            params = req.sampling.to_sampling_params(req.sampling.max_tokens or 16)
+        except ValueError as exc:
+            assert str(exc)
+            return
+        assert isinstance(params, SamplingParams)
+        command_encoder.encode(params.to_spec(seed=2**63 - 1))
+
+    one()
+
+
+# ---- API key -----------------------------------------------------------------------------
+
+
+@aio
+async def test_api_key_on_every_route_but_health(server):
+    app = build_app(server.engine, ServerConfig(MODEL, api_key=API_KEY))  # the route table
+    routes = {(r.method, r.resource.canonical) for r in app.router.routes()}
+    routes |= {("GET", "/nope"), ("POST", "/v1/nope"), ("DELETE", "/v1/models"),
+               ("OPTIONS", "/v1/completions"), ("PUT", "/health/x")}  # fmt: skip
+    assert ("POST", "/v1/completions") in routes and ("GET", "/metrics") in routes
+    wrong = [None, "Bearer wrong", f"Basic {API_KEY}", API_KEY, f"Bearer {API_KEY}x",
+             f"Bearer{API_KEY}", "Bearer "]  # fmt: skip
+    async with aiohttp.ClientSession() as s:
+        for method, path in sorted(routes):
+            for auth in wrong:
+                headers = {} if auth is None else {"Authorization": auth}
+                async with s.request(method, server.url + path, headers=headers, data=b"{") as r:
+                    body = await r.read()
+                if path == "/health":
+                    assert r.status == 200, (method, auth)
+                    continue
+                assert r.status == 401, (method, path, auth, r.status)
+                if method != "HEAD":
+                    assert check_error_body(body)["code"] == "invalid_api_key"
+        ok = {"Authorization": f"Bearer {API_KEY}"}
+        for path, status in (("/v1/models", 200), ("/metrics", 200), ("/nope", 404)):
+            async with s.get(server.url + path, headers=ok) as r:
+                assert r.status == status, path
+        async with s.post(server.url + C, headers=ok, data=b"{") as r:
+            assert r.status == 400  # past the key check, the body is looked at
