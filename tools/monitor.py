@@ -21,6 +21,7 @@ import msgspec
 import zmq
 
 from deltaserve.engine import monitor_schema as schema
+from deltaserve.ipc.messages import DECODE_ERRORS
 
 RECENT_EVENTS = 14
 LATENCY_WINDOW = 500  # finished requests the percentiles are over
@@ -229,7 +230,7 @@ def _messages(sock: zmq.Socket, count: int | None, on_undecodable, timeout_ms: i
             if len(frames) != 2:
                 raise msgspec.ValidationError(f"expected 2 frames [topic, body], got {len(frames)}")
             yield frames[0], schema.decode(frames[0], frames[1])
-        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        except DECODE_ERRORS as exc:  # bad msgpack, bad UTF-8, too deep: never crash the view
             on_undecodable(frames[0], exc)
 
 
