@@ -36,9 +36,9 @@ class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: int
     num_slots: int
     num_blocks: int
-    max_model_len: int
     dist_init_method: str  # file:// in the run dir
     dist_timeout_s: float
+    max_model_len: int = 0  # longest request (sizes CUDA graphs); 0: the whole cache
     noop_executor: bool = False  # tools/bench_ipc.py only
     journal_path: str | None = None  # tests: append-only log of gated commands
     fault: FaultPlan | None = None
