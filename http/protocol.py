@@ -68,22 +68,8 @@ class SamplingFields:
         field)."""
         from deltaserve.engine.sampling_params import SamplingParams
 
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs,
-            n=self.n,
-        )
+        knobs = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "max_tokens"}
+        return SamplingParams(max_tokens=max_tokens, **knobs)
 
 
 @dataclass(frozen=True, slots=True)
