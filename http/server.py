@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -271,6 +272,9 @@ async def _read_json(request: web.Request) -> object:
     try:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
+        body = _decode_non_finite(raw, exc)
+        if body is not None:
+            return body
         raise errors.bad_request(f"the request body is not valid JSON: {exc}") from None
     except UnicodeDecodeError as exc:  # msgspec raises this, not DecodeError, for bad UTF-8
         raise errors.bad_request(
@@ -278,6 +282,20 @@ async def _read_json(request: web.Request) -> object:
         ) from None
     except RecursionError:  # msgspec's own depth limit: e.g. 100k nested arrays
         raise errors.bad_request("the request body's JSON is nested too deeply") from None
+
+
+def _decode_non_finite(raw: bytes, exc: msgspec.DecodeError) -> object | None:
+    """The body, when msgspec refused it only for a non-finite number (`NaN`, `Infinity`, or
+    a float out of range such as 1e400, which Python's json module reads as nan / inf): the
+    field checks then refuse that value naming its field. None for any other error."""
+    if not (str(exc).startswith("Number out of range") or b"NaN" in raw or b"Infinity" in raw):
+        return None
+    try:
+        body = json.loads(raw.decode("utf-8"))
+        msgspec.json.encode(body)  # what else msgspec refuses (lone surrogates) stays refused
+    except (ValueError, RecursionError):  # UnicodeError and JSONDecodeError are ValueErrors
+        return None
+    return body
 
 
 def _params(fields: SamplingFields, max_tokens: int, *, logprobs_param: str) -> SamplingParams:

@@ -8,6 +8,7 @@ Pure functions and one small class: tested without processes (tests/test_ipc_val
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from deltaserve.ipc.messages import (
@@ -92,6 +93,11 @@ def _check_new(rid: int, chunk_len: int, new: object) -> None:
             f"request {rid}: reserve_tokens {reserve} is less than its first chunk of {chunk_len}"
         )
     spec = new.sampling
+    # NaN compares false and would slip past every range check below; inf is no sampling value
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        if not math.isfinite(value := getattr(spec, name)):
+            raise PlanRejected(f"request {rid}: {name} {value} is not a finite number")
     if spec.temperature < 0:
         raise PlanRejected(f"request {rid}: temperature {spec.temperature} < 0")
     if spec.top_k < 0:

@@ -3,6 +3,7 @@ sets it must accept (shuffled) or find fatal, and the gate's shared words."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -74,6 +75,18 @@ class TestPlan:
     )
     def test_rejected(self, item: StepItem, message: str) -> None:
         with pytest.raises(PlanRejected, match=message):
+            check_plan([StepItem(1, 10, [5], True), item], VOCAB)
+
+    @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+    @pytest.mark.parametrize(
+        "name",
+        ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"],
+    )
+    def test_non_finite_sampling_rejected(self, name: str, value: float) -> None:
+        """NaN passes every range comparison and inf is no sampling value: both are refused
+        before dispatch, naming the field."""
+        item = StepItem(9, 0, [1], True, new(**{name: value}))
+        with pytest.raises(PlanRejected, match=f"request 9: {name} {value} is not a finite number"):
             check_plan([StepItem(1, 10, [5], True), item], VOCAB)
 
     def test_empty_step_rejected(self) -> None:
