@@ -3,6 +3,9 @@
 `generate` validates and tokenizes synchronously (bad input raises at once, naming the
 problem), assigns engine RequestIds (never reused) and seeds, and hands the choices to the
 scheduler tick, which owns all request state from then on (engine/scheduler.py).
+Tokenizing a large text takes seconds (~1 s per MiB): `await engine.encode(text)` (or
+`run_tokenizer`, e.g. for a chat template) does it in a worker thread, off the event loop,
+and `generate` then takes the ids. The HTTP server always goes that way.
 
 With `monitor_endpoint` set ("auto", ipc://PATH or tcp://HOST:PORT) the engine binds a
 monitor publisher (engine/monitor.py, docs/MONITOR.md) before loading anything; unset, it
@@ -12,11 +15,13 @@ publishes nothing (`deltaserve serve` sets "auto").
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import secrets
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from deltaserve.engine.config import EngineConfig, resolve_limits
 from deltaserve.engine.events import EngineDeadError, LoadSnapshot, QueueFullError
@@ -28,9 +33,16 @@ from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import MAX_SEED, SamplingParams
 from deltaserve.engine.scheduler import Scheduler, Submission
 from deltaserve.engine.stream import EventSink, RequestStream
-from deltaserve.engine.tokenizer import eos_token_ids, load_tokenizer
+from deltaserve.engine.tokenizer import (
+    INLINE_TOKENIZE_CHARS,
+    TokenizerWorker,
+    eos_token_ids,
+    load_tokenizer,
+)
 from deltaserve.ipc.controller import ReplicaConfig, ReplicaController
 from deltaserve.ipc.messages import SnapshotReply
+
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -50,6 +62,8 @@ class AsyncEngine:
         self._scheduler: Scheduler | None = None
         self._task: asyncio.Task | None = None
         self._monitor: MonitorPublisher | None = None
+        # large inputs are tokenized here, on a second tokenizer instance of the same folder
+        self._tokenizer_worker = TokenizerWorker(functools.partial(load_tokenizer, config.model))
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -171,6 +185,23 @@ class AsyncEngine:
         if self._shutting_down:
             raise EngineDeadError("engine is shut down")
 
+    # ---- tokenization -----------------------------------------------------------------------
+
+    async def run_tokenizer(self, fn: Callable[[Any], T], size: int) -> T:
+        """`fn(tokenizer)`: on the event loop when `size` (characters of input) is small,
+        else in the tokenizer worker thread (its own instance of this engine's tokenizer),
+        so that the loop, the scheduler tick and the HTTP server keep running meanwhile."""
+        if size <= INLINE_TOKENIZE_CHARS:
+            return fn(self.tokenizer)
+        return await self._tokenizer_worker.run(fn)
+
+    async def encode(self, text: str) -> list[int]:
+        """The token ids `generate(text, ...)` would use, without blocking the event loop on
+        a large text; pass them to `generate`."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a string, got {type(text).__name__}")
+        return await self.run_tokenizer(lambda tok: tok.encode(text, add_special_tokens=False), len(text))
+
     # ---- requests ---------------------------------------------------------------------------
 
     def generate(
@@ -239,9 +270,11 @@ class AsyncEngine:
         elif isinstance(prompt, list | tuple):
             ids = list(prompt)
             vocab = self.model_config.vocab_size
-            for i, t in enumerate(ids):
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt token {i} is {t!r}: ids must be integers in [0, {vocab})")
+            # one fast pass (a prompt can hold a million ids), the slow one only to name the culprit
+            if ids and not (all(type(t) is int for t in ids) and min(ids) >= 0 and max(ids) < vocab):
+                for i, t in enumerate(ids):
+                    if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                        raise ValueError(f"prompt token {i} is {t!r}: ids must be integers in [0, {vocab})")
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
@@ -281,6 +314,7 @@ class AsyncEngine:
         """Stop admitting, let running requests finish for up to `drain_timeout_s`, abort
         the rest, stop the replica. Idempotent."""
         self._shutting_down = True
+        self._tokenizer_worker.close()
         if not self._task.done():
             await self._scheduler.stop(drain_timeout_s)
             try:

@@ -1,12 +1,24 @@
-"""Loading the model folder's tokenizer and its end-of-sequence ids."""
+"""Loading the model folder's tokenizer and its end-of-sequence ids; the worker thread that
+tokenizes large inputs off the event loop."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import queue
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from deltaserve.engine.rank.model_config import ModelConfig
+
+T = TypeVar("T")
+
+# Texts up to this many characters are tokenized on the event loop (a few ms at most);
+# larger ones in the TokenizerWorker (an 8 MiB prompt takes seconds).
+INLINE_TOKENIZE_CHARS = 4096
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
@@ -33,3 +45,64 @@ def eos_token_ids(model_dir: str | Path, model_config: ModelConfig) -> frozenset
         if eos is not None:
             ids.update(int(i) for i in (eos if isinstance(eos, list) else [eos]))
     return frozenset(ids)
+
+
+class TokenizerWorker:
+    """One dedicated daemon thread for tokenizer work too large for the event loop.
+
+    It uses its own tokenizer instance, made by `factory` in the thread at its first job, so
+    nothing it does can collide with the loop's instance (the detokenizer, small prompts):
+    a HF fast tokenizer's Rust object refuses a mutable borrow ("Already borrowed") while
+    another thread is inside `encode`, and transformers may reconfigure it per call. The
+    Rust encoder releases the GIL, so the loop runs meanwhile. Jobs run one at a time in
+    order; a job whose caller went away (its await cancelled) before it started is skipped.
+    """
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self._factory = factory
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    async def run(self, fn: Callable[[Any], T]) -> T:
+        """`fn(tokenizer)` in the worker thread; its result, or its exception raised here."""
+        if self._closed:
+            raise RuntimeError("the tokenizer worker is closed")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="deltaserve-tokenizer", daemon=True)
+            self._thread.start()
+        self._jobs.put((loop, future, fn))
+        return await future
+
+    def close(self) -> None:
+        """Let the thread end after the job it is running (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+
+    def _serve(self) -> None:
+        tokenizer = None
+        while (job := self._jobs.get()) is not None:
+            loop, future, fn = job
+            if future.cancelled():
+                continue
+            result, error = None, None
+            try:
+                if tokenizer is None:
+                    tokenizer = self._factory()
+                result = fn(tokenizer)
+            except Exception as exc:  # the caller's to handle
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(_resolve, future, result, error)
+
+
+def _resolve(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

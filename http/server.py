@@ -1,7 +1,9 @@
 """The aiohttp application: OpenAI-compatible routes over one `AsyncEngine`.
 
-Requests flow: read JSON -> parse (protocol.py) -> `engine.generate` per prompt -> events
-formatted (responses.py) as one JSON body or as SSE chunks. The request's streams are closed
+Requests flow: read JSON -> parse (protocol.py) -> tokenize (`engine.encode` /
+`engine.run_tokenizer`: a large input in the engine's tokenizer thread, so the event loop
+keeps serving) -> `engine.generate` per prompt -> events formatted (responses.py) as one JSON
+body or as SSE chunks. The request's streams are closed
 in `finally`, so a client that disconnects (aiohttp cancels the handler; the server must run
 with `handler_cancellation=True`) or a failed write cancels its requests at once.
 """
@@ -239,7 +241,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         logprobs_param="logprobs",
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    prompts = [p if isinstance(p, str) else list(p) for p in req.prompts]
+    # text is tokenized here, a large one off the event loop, before any prompt is submitted
+    prompts = [await state.engine.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
     formatter = CompletionFormatter(
         request_id, state.config.served_model_name, state.strings, req.sampling.logprobs is not None
     )
@@ -252,8 +255,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat_request(await _read_json(request))
     state.check_model(req.model)
     state.check_admitting()
-    prompt_ids = _apply_chat_template(
-        state.engine.tokenizer, req.messages, req.chat_template_kwargs
+    prompt_ids = await _apply_chat_template(
+        state.engine, req.messages, req.chat_template_kwargs, size=len(await request.read())
     )
     max_tokens = req.sampling.max_tokens
     if max_tokens is None:  # as vLLM: whatever context the prompt leaves
@@ -317,23 +320,29 @@ def _param_of(message: str, logprobs_param: str = "logprobs") -> str | None:
     return None
 
 
-def _apply_chat_template(
-    tokenizer: Any, messages: Sequence[dict[str, str]], kwargs: dict[str, Any]
+async def _apply_chat_template(
+    engine: AsyncEngine, messages: Sequence[dict[str, str]], kwargs: dict[str, Any], size: int
 ) -> list[int]:
+    """The prompt's token ids: the template rendered and tokenized, off the event loop when
+    the request (`size` bytes, which bounds what the template sees) is large."""
     for key in kwargs:
         if key in _RESERVED_TEMPLATE_KWARGS:
             raise errors.unsupported(f"chat_template_kwargs.{key}", "reserved by the server")
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(engine.tokenizer, "chat_template", None):
         raise errors.bad_request("the model has no chat template; use /v1/completions", "messages")
-    try:
-        text = tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False, **kwargs
-        )
-    except Exception as exc:  # jinja errors from the template (e.g. role order)
-        raise errors.bad_request(
-            f"the chat template rejected the messages: {exc}", "messages"
-        ) from None
-    return tokenizer.encode(text, add_special_tokens=False)
+
+    def render(tokenizer: Any) -> list[int]:
+        try:
+            text = tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=False, **kwargs
+            )
+        except Exception as exc:  # jinja errors from the template (e.g. role order)
+            raise errors.bad_request(
+                f"the chat template rejected the messages: {exc}", "messages"
+            ) from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return await engine.run_tokenizer(render, size)
 
 
 async def _open_streams(

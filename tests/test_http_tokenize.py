@@ -1,0 +1,157 @@
+"""Large inputs are tokenized off the event loop: while the server tokenizes a prompt of
+megabytes (seconds of work), /health still answers at once.
+
+Also the tokenizer worker on its own: results and errors come back to the caller, a job
+whose caller left before it started is skipped, jobs run in order on one thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from serve_helpers import in_process_server
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.tokenizer import INLINE_TOKENIZE_CHARS, TokenizerWorker
+from deltaserve.http.server import ServerConfig
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "tiny-tokenize"
+MAX_MODEL_LEN = 256
+HEALTH_LIMIT_S = 0.5
+WORDS = ["hello", "world", "quick", "brown", "fox", "jumps", "lazy", "dog", "Ünïcödé", "数据", "1234"]
+
+
+def big_text(num_bytes: int, seed: int) -> str:
+    rng = random.Random(seed)
+    parts, size = [], 0
+    while size < num_bytes:
+        w = rng.choice(WORDS)
+        parts.append(w)
+        size += len(w.encode()) + 1
+    return " ".join(parts)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(tiny_model_dir):
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=2)
+    async with in_process_server(config, ServerConfig(MODEL, max_request_bytes=8 * 2**20)) as s:
+        yield s
+
+
+async def post_watching_health(url: str, path: str, body: dict) -> tuple[int, dict, list[float], float]:
+    """POST `body`; meanwhile time /health over and over. Returns the POST's status and JSON,
+    every /health latency, and how long the POST took."""
+    latencies = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+
+        async def big() -> tuple[int, dict]:
+            async with s.post(url + path, json=body) as r:
+                return r.status, await r.json()
+
+        t0 = time.monotonic()
+        task = asyncio.ensure_future(big())
+        while not task.done():
+            t = time.monotonic()
+            async with s.get(url + "/health") as r:
+                assert r.status == 200
+            latencies.append(time.monotonic() - t)
+            await asyncio.sleep(0.02)
+        status, answer = await task
+    return status, answer, latencies, time.monotonic() - t0
+
+
+async def test_health_answers_while_a_large_prompt_is_tokenized(server):
+    """~2 MiB of text (about 2 s of tokenizing on a small CPU, and the worker's tokenizer is
+    loaded first): the completion is refused as too long only after it was tokenized in
+    full, and /health answered within 0.5 s all along. Then the same through the chat
+    template with 0.5 MiB."""
+    text = big_text(2 * 2**20, seed=1)
+    status, answer, latencies, took = await post_watching_health(
+        server.url, "/v1/completions", {"prompt": text, "max_tokens": 1}
+    )
+    assert status == 400 and "max_model_len" in answer["error"]["message"], answer
+    assert max(latencies) < HEALTH_LIMIT_S, (max(latencies), took)
+    assert took > 0.5 and len(latencies) >= 5, (took, latencies)  # the window was watched
+    print(f"completion: {took:.2f} s, {len(latencies)} /health calls, slowest {max(latencies) * 1e3:.0f} ms")
+
+    text = big_text(2**19, seed=2)
+    messages = [{"role": "user", "content": text}]
+    status, answer, latencies, took = await post_watching_health(
+        server.url, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}
+    )
+    assert status == 400 and "max_model_len" in answer["error"]["message"], answer
+    assert len(latencies) >= 2 and max(latencies) < HEALTH_LIMIT_S, (max(latencies), took)
+    print(f"chat: {took:.2f} s, {len(latencies)} /health calls, slowest {max(latencies) * 1e3:.0f} ms")
+
+
+async def test_encode_matches_the_tokenizer_inline_and_in_the_worker(server):
+    tok = server.engine.tokenizer
+    small = "Sphinx of black quartz, judge my vow."
+    large = big_text(4 * INLINE_TOKENIZE_CHARS, seed=3)
+    assert len(large) > INLINE_TOKENIZE_CHARS >= len(small)
+    for text in (small, large):
+        assert await server.engine.encode(text) == tok.encode(text, add_special_tokens=False)
+
+
+# ---- the worker alone ----------------------------------------------------------------------
+
+
+async def test_worker_results_errors_order_and_one_thread():
+    made = []
+
+    def factory() -> str:
+        made.append(threading.current_thread().name)
+        return "TOK"
+
+    worker = TokenizerWorker(factory)
+    try:
+        threads = set()
+
+        def job(i: int):
+            def fn(tok: str) -> tuple[str, int]:
+                threads.add(threading.current_thread().name)
+                return tok, i
+
+            return fn
+
+        results = await asyncio.gather(*(worker.run(job(i)) for i in range(20)))
+        assert results == [("TOK", i) for i in range(20)]
+        assert made == ["deltaserve-tokenizer"] and threads == {"deltaserve-tokenizer"}
+
+        def fails(tok: str) -> None:
+            raise ValueError("no good")
+
+        with pytest.raises(ValueError, match="no good"):
+            await worker.run(fails)
+        assert await worker.run(lambda tok: tok.lower()) == "tok"  # still serving
+    finally:
+        worker.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        await worker.run(lambda tok: tok)
+
+
+async def test_worker_skips_a_job_whose_caller_left():
+    gate = threading.Event()
+    ran = []
+    worker = TokenizerWorker(lambda: None)
+    try:
+        first = asyncio.ensure_future(worker.run(lambda tok: gate.wait(10)))
+        second = asyncio.ensure_future(worker.run(lambda tok: ran.append("second")))
+        await asyncio.sleep(0.05)  # the first is running, the second queued
+        second.cancel()
+        await asyncio.sleep(0)
+        gate.set()
+        assert await first is True
+        assert await worker.run(lambda tok: "third") == "third"
+        assert ran == []
+    finally:
+        worker.close()
+
