@@ -4,6 +4,10 @@ Every norm of the model is zero-centred, x * rsqrt(mean(x^2) + eps) * (1 + w), e
 gated norm inside the DeltaNet layer, which scales by plain w and multiplies by silu(z).
 `rms_norm` and `gated_rms_norm` run the reference on the CPU and one Triton kernel on CUDA
 (the reference's roundings kept); `*_reference` are the plain torch versions.
+
+`add_rms_norm` is the pre-norm of every block after the first: the residual add (in the
+model dtype, as HF adds) and the norm of the sum in one pass, returning both (vLLM's
+fused_add_rms_norm idea): one kernel and one read of the stream instead of two.
 """
 
 from __future__ import annotations
@@ -20,6 +24,14 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (y * (1.0 + weight.float())).to(x.dtype)
 
 
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype first."""
+    total = x + residual
+    return rms_norm_reference(total, weight, eps), total
+
+
 def gated_rms_norm_reference(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As HF does it: normalise in fp32, cast back, scale by w, then gate by silu(z) in fp32."""
     xf = x.float()
@@ -34,6 +46,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda and HAS_TRITON:
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_reference(x, residual, weight, eps)
+
+
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.is_cuda and HAS_TRITON:
         return gated_rms_norm_triton(x, z, weight, eps)
@@ -42,14 +62,18 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, z_ptr, w_ptr, out_ptr, stride_x, stride_z, dim, eps,
-    GATED: tl.constexpr, BD: tl.constexpr,
+    x_ptr, z_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_z, dim, eps,
+    GATED: tl.constexpr, ADD: tl.constexpr, BD: tl.constexpr,
 ):
-    # program: one row of `dim` features
+    # program: one row of `dim` features; ADD: z is the residual, the sum goes to sum_ptr
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     m = offs < dim
     x = tl.load(x_ptr + r * stride_x + offs, mask=m, other=0.0)
+    if ADD:
+        res = tl.load(z_ptr + r * stride_z + offs, mask=m, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + r * dim + offs, x, mask=m)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, 0) / dim + eps)
     w = tl.load(w_ptr + offs, mask=m, other=0.0)
@@ -76,7 +100,10 @@ def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]).contiguous()
 
 
-def _launch(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float, add: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm, sum): z is the gate, or with `add` the residual; sum is x + z (else x)."""
     check_launchable(x, weight)
     dim = x.shape[-1]
     if weight.shape != (dim,) or weight.stride(0) != 1:
@@ -88,21 +115,30 @@ def _launch(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: 
             raise ValueError(f"z {tuple(z.shape)} must match x {tuple(x.shape)}")
         gate = _rows("z", z)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    total = torch.empty_like(out) if add else x
     if rows.shape[0] == 0:
-        return out
+        return out, total
     block = triton.next_power_of_2(dim)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, gate, weight, out, rows.stride(0), gate.stride(0), dim, eps,
-        GATED=z is not None, BD=block, num_warps=8 if block >= 2048 else 4 if block >= 512 else 1,
+        rows, gate, weight, out, total, rows.stride(0), gate.stride(0), dim, eps,
+        GATED=z is not None and not add, ADD=add, BD=block,
+        num_warps=8 if block >= 2048 else 4 if block >= 512 else 1,
     )
-    return out
+    return out, total
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`rms_norm_reference` in one kernel; out is a new contiguous tensor of x's shape."""
-    return _launch(x, None, weight, eps)
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_reference` in one kernel."""
+    return _launch(x, residual, weight, eps, add=True)
 
 
 def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`gated_rms_norm_reference` in one kernel."""
-    return _launch(x, z, weight, eps)
+    return _launch(x, z, weight, eps)[0]

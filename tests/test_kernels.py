@@ -34,7 +34,7 @@ def kernels():
     if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         # triton reads the flag when it is first imported, before any test runs
         pytest.skip("no GPU: set TRITON_INTERPRET=1 for the whole session to use the interpreter")
-    names = ["gated_delta", "causal_conv1d", "paged_attention", "rmsnorm", "rope"]
+    names = ["gated_delta", "causal_conv1d", "paged_attention", "rmsnorm", "rope", "activation"]
     return {n: importlib.import_module(f"deltaserve.kernels.{n}") for n in names}
 
 
@@ -201,6 +201,23 @@ def test_rms_norm(kernels, device, dtype, lead, dim):
     z = torch.randn(*lead, dim, device=device).to(dtype)
     assert_close(mod.gated_rms_norm_triton(x, z, w, 1e-6).float(),
                  mod.gated_rms_norm_reference(x, z, w, 1e-6).float(), dtype, "gated_rms_norm")
+    residual = torch.randn(*lead, dim, device=device).to(dtype)
+    got_norm, got_sum = mod.add_rms_norm_triton(x, residual, w, 1e-6)
+    want_norm, want_sum = mod.add_rms_norm_reference(x, residual, w, 1e-6)
+    if CUDA or dtype == torch.float32:  # the interpreter truncates bf16 where the GPU rounds
+        assert torch.equal(got_sum, want_sum), "add_rms_norm: the sum is one rounding of x + residual"
+    assert_close(got_sum.float(), want_sum.float(), dtype, "add_rms_norm sum")
+    assert_close(got_norm.float(), want_norm.float(), dtype, "add_rms_norm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,width", [(3, 40), (5, 1500), pytest.param(64, 9216, marks=needs_cuda)])
+def test_silu_and_mul(kernels, device, dtype, tokens, width):
+    """Over the merged [gate | up] output; 1500 is not a multiple of the kernel's block."""
+    mod = kernels["activation"]
+    gate_up = (2 * torch.randn(tokens, 2 * width, device=device)).to(dtype)
+    assert_close(mod.silu_and_mul_triton(gate_up).float(), mod.silu_and_mul_reference(gate_up).float(),
+                 dtype, "silu_and_mul")
 
 
 ROPE_SHAPES = [  # (query heads, kv heads, head dim, rotary dim)

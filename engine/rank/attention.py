@@ -53,9 +53,10 @@ class GatedAttention(nn.Module):
         self.head_dim = hd
         self.cache_layer = cache_layer
         hidden = config.hidden_size
-        self.q_proj = ColumnParallelLinear(hidden, (config.num_attention_heads * 2 * hd,), dtype, device)
-        self.k_proj = ColumnParallelLinear(hidden, (config.num_key_value_heads * hd,), dtype, device)
-        self.v_proj = ColumnParallelLinear(hidden, (config.num_key_value_heads * hd,), dtype, device)
+        kv_rows = (config.num_key_value_heads * hd,)
+        self.qkv_proj = ColumnParallelLinear(  # checkpoint q_proj, k_proj, v_proj
+            hidden, ((config.num_attention_heads * 2 * hd,), kv_rows, kv_rows), dtype, device
+        )
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, hidden, dtype, device)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype, device)
@@ -64,10 +65,11 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
         tokens = x.shape[0]
         hd = self.head_dim
-        q_and_gate = self.q_proj(x).view(tokens, self.num_heads, 2 * hd)
+        q_and_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
+        q_and_gate = q_and_gate.view(tokens, self.num_heads, 2 * hd)
         q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:]
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, hd)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, hd)
+        k = k.view(tokens, self.num_kv_heads, hd)
+        v = v.view(tokens, self.num_kv_heads, hd)
         k_cache, v_cache = cache.kv[self.cache_layer, 0], cache.kv[self.cache_layer, 1]
         if x.is_cuda:
             out = self._attend_cuda(q, k, v, k_cache, v_cache, batch, cache)

@@ -59,10 +59,9 @@ class GatedDeltaNet(nn.Module):
         self.num_k_heads, self.num_v_heads = nk // tp, nv // tp
         self.cache_layer = cache_layer
         sections = (config.linear_key_dim, config.linear_key_dim, config.linear_value_dim)
-        self.in_proj_qkv = ColumnParallelLinear(hidden, sections, dtype, device)
-        self.in_proj_z = ColumnParallelLinear(hidden, (config.linear_value_dim,), dtype, device)
-        self.in_proj_b = ColumnParallelLinear(hidden, (nv,), dtype, device)
-        self.in_proj_a = ColumnParallelLinear(hidden, (nv,), dtype, device)
+        self.in_proj = ColumnParallelLinear(  # checkpoint in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+            hidden, (sections, (config.linear_value_dim,), (nv,), (nv,)), dtype, device
+        )
         self.conv1d = Conv1dWeight(sections, config.linear_conv_kernel_dim, dtype, device)
         self.A_log = new_param((nv // tp,), sharded_loader(None, 0, (nv,)), dtype, device)
         self.dt_bias = new_param((nv // tp,), sharded_loader(None, 0, (nv,)), dtype, device)
@@ -74,10 +73,10 @@ class GatedDeltaNet(nn.Module):
             return self._forward_cuda(x, batch, cache)
         tokens = x.shape[0]
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.dk, self.dv
-        qkv = self.in_proj_qkv(x)  # [T, conv channels]
-        z = self.in_proj_z(x).view(tokens, nv, dv)
-        beta = self.in_proj_b(x).sigmoid()  # [T, nv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        qkv, z, b, a = self.in_proj(x).split(self.in_proj.local_sizes, dim=-1)  # qkv: conv channels
+        z = z.reshape(tokens, nv, dv)
+        beta = b.sigmoid()  # [T, nv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
         conv_state = cache.conv[self.cache_layer]  # [slots, channels, width - 1]
         recurrent = cache.recurrent[self.cache_layer]  # [slots, nv, dk, dv]
@@ -115,10 +114,8 @@ class GatedDeltaNet(nn.Module):
         tokens = x.shape[0]
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.dk, self.dv
         meta = decode_meta_of(batch, x.device)
-        qkv = self.in_proj_qkv(x)  # [T, conv channels]
-        z = self.in_proj_z(x).view(tokens, nv, dv)
-        b = self.in_proj_b(x)  # [T, nv] raw: sigmoid in the kernel
-        a = self.in_proj_a(x)  # [T, nv] raw: decay in the kernel
+        qkv, z, b, a = self.in_proj(x).split(self.in_proj.local_sizes, dim=-1)  # b, a raw: in the kernel
+        z = z.reshape(tokens, nv, dv)
         conv_state = cache.conv[self.cache_layer]  # [slots, channels, width - 1]
         recurrent = cache.recurrent[self.cache_layer]  # [slots, nv, dk, dv]
         weight = self.conv1d.weight[:, 0]

@@ -29,5 +29,12 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out.masked_fill(outside[:, None], 0.0))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Full-vocabulary fp32 logits on rank 0 (None elsewhere)."""
-        return gather_last_dim(F.linear(hidden, self.weight).float())
+        """Full-vocabulary fp32 logits on rank 0 (None elsewhere).
+
+        On CUDA the GEMM writes fp32 from its fp32 accumulator: a bf16 output would round a
+        logit of 20 to a step of 0.125, an error of ~0.03 nat before any layer is wrong."""
+        if hidden.is_cuda and hidden.dtype != torch.float32:
+            logits = torch.mm(hidden, self.weight.t(), out_dtype=torch.float32)
+        else:
+            logits = F.linear(hidden, self.weight).float()
+        return gather_last_dim(logits)

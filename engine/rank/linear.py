@@ -48,20 +48,36 @@ def replicated_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's rows split across ranks, section by section."""
+    """y = x W^T with W's rows split across ranks; `parts` are projections of the same input
+    stacked into one GEMM (one weight read per step, one kernel instead of several).
+
+    Each part is a tuple of sections split across ranks one by one (the DeltaNet's [Q | K | V]
+    rows), so a rank holds matching heads of every section. The checkpoint keeps one tensor
+    per part: `weight.weight_loader(param, tensor, part)` copies this rank's shard of it into
+    the part's rows (nano-vllm's packed modules). Split the output with `local_sizes`.
+    """
 
     def __init__(
         self,
         in_features: int,
-        sections: tuple[int, ...],
+        parts: tuple[tuple[int, ...], ...],
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         super().__init__()
-        out_features = sum(sections)
-        local = out_features // tp_size()
-        loader = sharded_loader(sections, 0, (out_features, in_features))
-        self.weight = new_param((local, in_features), loader, dtype, device)
+        tp = tp_size()
+        self.local_sizes = tuple(sum(sections) // tp for sections in parts)
+        offsets = [sum(self.local_sizes[:i]) for i in range(len(parts))]
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, part: int = 0) -> None:
+            full_shape = (sum(parts[part]), in_features)
+            if tuple(loaded.shape) != full_shape:
+                raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, expected {full_shape}")
+            rows = param.data.narrow(0, offsets[part], self.local_sizes[part])
+            rows.copy_(shard(loaded, parts[part], 0))
+
+        self.weight = new_param((sum(self.local_sizes), in_features), load, dtype, device)
+        self.weight.num_parts = len(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

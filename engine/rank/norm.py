@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from deltaserve.engine.rank.linear import replicated_param
-from deltaserve.kernels.rmsnorm import gated_rms_norm, rms_norm
+from deltaserve.kernels.rmsnorm import add_rms_norm, gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +19,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):

@@ -2,7 +2,8 @@
 
 Module names follow the HF text checkpoint (`model.layers.N.linear_attn.in_proj_qkv.weight`,
 ...), so the loader maps names one to one. Layers repeat DeltaNet x3 then full attention x1
-(config.layer_types); every block is pre-norm with a SwiGLU MLP.
+(config.layer_types); every block is pre-norm with a SwiGLU MLP. Projections of the same
+input run as one GEMM (`packed_modules`); the residual add runs inside the next norm.
 """
 
 from __future__ import annotations
@@ -18,6 +19,19 @@ from deltaserve.engine.rank.embedding import VocabParallelEmbedding
 from deltaserve.engine.rank.mlp import MLP
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import RMSNorm
+
+# checkpoint module -> (our merged module, part): one GEMM where HF runs several
+PACKED_MODULES: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "in_proj_qkv": ("in_proj", 0),
+    "in_proj_z": ("in_proj", 1),
+    "in_proj_b": ("in_proj", 2),
+    "in_proj_a": ("in_proj", 3),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 class DecoderLayer(nn.Module):
@@ -35,10 +49,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: StepBatch, cache: StateCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this block's MLP output, the residual stream before it): the caller's next norm
+        adds the two (HF: x = x + mixer(norm(x)); x = x + mlp(norm(x)))."""
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        x = x + mixer(self.input_layernorm(x), batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(mixer(h, batch, cache), residual)
+        return self.mlp(h), residual
 
 
 class Qwen3_5TextModel(nn.Module):
@@ -52,6 +74,8 @@ class Qwen3_5TextModel(nn.Module):
 
 
 class Qwen3_5ForCausalLM(nn.Module):
+    packed_modules = PACKED_MODULES
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.config = config
@@ -68,7 +92,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         """Run every layer over the step; return fp32 logits [S, vocab] of the tokens at
         `batch.logits_index` on rank 0 (None on the other ranks)."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, batch, cache)
-        x = self.model.norm(x[batch.logits_index])
+            x, residual = layer(x, residual, batch, cache)
+        x, _ = self.model.norm.add(x[batch.logits_index], residual[batch.logits_index])
         return self.output_embedding.logits(x)
