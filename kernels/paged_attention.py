@@ -7,6 +7,7 @@ of L queries at positions start .. start+L-1 attends to its request's positions 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from deltaserve.kernels.triton_compat import INTERPRET, check_index, check_launchable, tl, triton
 
@@ -38,6 +39,28 @@ def paged_attention(
     scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype)
     return torch.einsum("hlp,phd->lhd", probs, v)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [L, nh, hd], one request's queries
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    start: int,
+    scale: float,
+) -> torch.Tensor:  # [L, nh, hd]
+    """`paged_attention` through torch's fused SDPA (flash attention on the GPU): the causal
+    mask aligned to the bottom right, since a chunk's queries start at `start`, and GQA
+    without repeating K and V. Never materialises the [heads, L, P] scores."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    length = q.shape[0]
+    rows = request_rows(block_table, block_size, start + length)
+    k, v = k_cache[rows].transpose(0, 1)[None], v_cache[rows].transpose(0, 1)[None]  # [1, nkv, P, hd]
+    mask = causal_lower_right(length, start + length)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 # ---- decode step on the GPU: one query token per request, all requests in one launch ------

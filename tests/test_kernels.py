@@ -167,6 +167,23 @@ def test_paged_decode_attention(kernels, device, dtype, nh, nkv, hd, block_size,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nh,nkv,hd,start,length", [(4, 2, 24, 0, 9), (6, 3, 20, 13, 7),
+                                                    pytest.param(16, 4, 256, 1000, 3000, marks=needs_cuda)])
+def test_paged_prefill_attention(kernels, device, dtype, nh, nkv, hd, start, length):
+    """A chunk after `start` cached positions (bottom-right causal mask), blocks out of order."""
+    mod = kernels["paged_attention"]
+    block_size = 16
+    blocks = -(-(start + length) // block_size)
+    k_cache = torch.randn(blocks + 5, block_size, nkv, hd, device=device).to(dtype).flatten(0, 1)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(blocks + 5)[:blocks].to(device)
+    q = torch.randn(length, nh, hd, device=device).to(dtype)
+    want = mod.paged_attention(q, k_cache, v_cache, table, block_size, start, hd**-0.5)
+    got = mod.paged_prefill_attention(q, k_cache, v_cache, table, block_size, start, hd**-0.5)
+    assert_close(got.float(), want.float(), dtype, "prefill attention")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv(kernels, device, dtype):
     mod = kernels["paged_attention"]
     k, v = torch.randn(5, 3, 20, device=device).to(dtype), torch.randn(5, 3, 20, device=device).to(dtype)

@@ -17,7 +17,12 @@ from deltaserve.engine.rank.linear import ColumnParallelLinear, RowParallelLinea
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import RMSNorm
 from deltaserve.engine.rank.parallel import tp_size
-from deltaserve.kernels.paged_attention import paged_attention, paged_decode_attention, store_kv
+from deltaserve.kernels.paged_attention import (
+    paged_attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+    store_kv,
+)
 from deltaserve.kernels.rope import norm_rope
 
 
@@ -98,7 +103,7 @@ class GatedAttention(nn.Module):
         cache: StateCache,
     ) -> torch.Tensor:
         """q/k norms and RoPE in one kernel, K/V stored in one; all decode items in one
-        paged-attention launch; prefill spans by the reference."""
+        paged-attention launch; each prefill span through fused SDPA."""
         meta = decode_meta_of(batch, q.device)
         q, k = norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, batch.positions,
                          self.rope.inv_freq, self.q_norm.eps)
@@ -112,7 +117,7 @@ class GatedAttention(nn.Module):
             )
         for span in meta.prefill:
             piece = slice(span.offset, span.offset + span.length)
-            out[piece] = paged_attention(
+            out[piece] = paged_prefill_attention(
                 q[piece], k_cache, v_cache, span.block_table, cache.block_size, span.start, scale
             )
         return out
