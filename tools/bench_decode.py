@@ -204,7 +204,7 @@ def step_bytes(config, params_bytes: int, batch: int, context: int, dtype_bytes:
     return params_bytes + batch * (n_linear * 2 * (state + conv) + n_full * kv * (context + 1))
 
 
-def bench_model(args, device: torch.device, copy_gbps: float | None) -> dict:
+def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflops: float | None) -> dict:
     from deltaserve.engine.rank.cudagraph import DecodeGraphs, with_decode_meta
     from deltaserve.engine.rank.executor import Executor, ExecutorConfig
     from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
@@ -299,6 +299,9 @@ def bench_model(args, device: torch.device, copy_gbps: float | None) -> dict:
             rows.append(row)
             print(json.dumps(row), flush=True)
     result.update({"params_bytes": params_bytes, "decode": rows})
+    if args.prefill:
+        ex.drop(list(range(max_batch)))  # the decode requests' slots and blocks
+        result["prefill"] = bench_prefill(ex, device, args.prefill, matmul_tflops)
     if device.type == "cuda":
         result["profiles"] = {}
         for batch in sorted({min(args.batches), max_batch}):
@@ -335,7 +338,94 @@ def profile_step(fn: Callable[[int], None], batch: int, device: torch.device, to
         return {"error": repr(exc)}
 
 
-def bench_hf(args, device: torch.device, batches: list[int]) -> list[dict]:
+def prefill_flops(config, params_bytes: int, dtype_bytes: int, tokens: int) -> float:
+    """Model FLOPs of one prompt of `tokens` tokens: 2 per weight per token for every matrix
+    but the output embedding (only the last position's logits), plus causal attention's
+    QK^T and PV (2 x 2 x T^2 / 2 x heads x head_dim per full-attention layer)."""
+    embedding = config.vocab_size * config.hidden_size
+    matrix_params = params_bytes // dtype_bytes - embedding * (1 if config.tie_word_embeddings else 2)
+    attention = len(config.full_attention_layers) * 2 * tokens * tokens * config.num_attention_heads * config.head_dim
+    return 2.0 * matrix_params * tokens + attention + 2.0 * embedding
+
+
+def bench_prefill(ex, device: torch.device, lengths: list[int], matmul_tflops: float | None) -> list[dict]:
+    """One prompt of each length in one forward step (as the engine runs a prompt that fits
+    max_num_batched_tokens): seconds, tokens/s, model FLOP/s and its fraction of the measured
+    bf16 matmul rate."""
+    from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+
+    params_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
+    rows = []
+    gen = torch.Generator().manual_seed(2)
+    for n in lengths:
+        times = []
+        for rep in range(3):
+            ids = torch.randint(0, 240000, (n,), generator=gen).tolist()
+            rid = 10_000 + rep
+            sync(device)
+            t0 = time.perf_counter()
+            ex.forward([StepItem(rid, 0, ids, True, NewRequest(n + 1, SamplingSpec(seed=0)))])
+            sync(device)
+            times.append(time.perf_counter() - t0)
+            ex.drop([rid])
+        seconds = min(times[1:])  # the first run compiles
+        flops = prefill_flops(ex.model_config, params_bytes, ex.dtype.itemsize, n)
+        row = {"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds, "model_TFLOPs": flops / seconds / 1e12}
+        if matmul_tflops:
+            row["fraction_of_matmul"] = row["model_TFLOPs"] / matmul_tflops
+        rows.append(row)
+        print(json.dumps({"prefill": row}), flush=True)
+    return rows
+
+
+def bench_hf_prefill(model, device: torch.device, lengths: list[int]) -> list[dict]:
+    rows = []
+    for n in lengths:
+        ids = torch.randint(0, 240000, (1, n)).to(device)
+        times = []
+        for _ in range(3):
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model(ids, logits_to_keep=1)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        rows.append({"tokens": n, "seconds": min(times[1:]), "tokens_per_s": n / min(times[1:])})
+        print(json.dumps({"hf_prefill": rows[-1]}), flush=True)
+    return rows
+
+
+async def bench_engine(args, batches: list[int], context: int, new_tokens: int) -> list[dict]:
+    """AsyncEngine through its rank process (greedy, ignore_eos): `batch` requests of
+    `context` prompt tokens decoding together; time per output token once all decode."""
+    import asyncio
+
+    from deltaserve.engine import AsyncEngine, EngineConfig, SamplingParams
+
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
+                          max_model_len=context + new_tokens + 16, max_num_batched_tokens=8192)  # fmt: skip
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    async with await AsyncEngine.start(config) as engine:
+
+        async def one(ids: list[int]) -> list[float]:
+            return [time.perf_counter() async for e in engine.generate(ids, params) if hasattr(e, "token_id")]
+
+        for batch in batches:
+            prompts = [torch.randint(0, 240000, (context,), generator=gen).tolist() for _ in range(batch)]
+            stamps = await asyncio.gather(*(one(ids) for ids in prompts))
+            start = max(s[0] for s in stamps)  # every request decoding from here on
+            end = min(s[-1] for s in stamps)
+            steps = min(sum(1 for t in s if start < t <= end) for s in stamps)
+            step_s = (end - start) / max(steps, 1)
+            rows.append({"batch": batch, "context": context, "ms_per_output_token": step_s * 1e3,
+                         "tokens_per_s": batch / step_s})  # fmt: skip
+            print(json.dumps({"engine": rows[-1]}), flush=True)
+    return rows
+
+
+def bench_hf(args, device: torch.device, batches: list[int]) -> tuple[list[dict], list[dict]]:
     """HF transformers' generate on the same checkpoint: decode time per token from two runs
     that differ only in the number of new tokens."""
     from transformers import Qwen3_5ForCausalLM
@@ -353,7 +443,7 @@ def bench_hf(args, device: torch.device, batches: list[int]) -> list[dict]:
         step_s = (long - short) / args.hf_steps
         rows.append({"batch": batch, "context": args.context, "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s})
         print(json.dumps({"hf": rows[-1]}), flush=True)
-    return rows
+    return rows, bench_hf_prefill(model, device, args.hf_prefill)
 
 
 def generate(model, ids: torch.Tensor, new_tokens: int, device: torch.device) -> float:
@@ -404,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time the kernels' launch variants")
+    parser.add_argument("--prefill", type=int, nargs="*", default=[1024, 4096, 16384], help="prompt lengths")
+    parser.add_argument("--hf-prefill", type=int, nargs="*", default=[1024, 4096])
+    parser.add_argument("--engine-batches", type=int, nargs="*", default=[1, 8, 32, 64])
+    parser.add_argument("--engine-tokens", type=int, default=128, help="output tokens per engine request")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     report = {"command": " ".join([sys.executable, "-m", "tools.bench_decode", *sys.argv[1:]]),
@@ -429,11 +523,22 @@ def main(argv: list[str] | None = None) -> int:
                 "--dtype", "bf16" if args.dtype == "bfloat16" else "fp32", "--device", device.type]
         subprocess.run(make, check=True)
         report["make_model"] = {"command": " ".join(make), "seconds": time.monotonic() - started}
-    report["model"] = bench_model(args, device, copy_gbps)
+    matmul = report.get("ceilings", {}).get("bf16_matmul_TFLOPs")
+    report["model"] = bench_model(args, device, copy_gbps, matmul)
     save()
     torch.cuda.empty_cache() if device.type == "cuda" else None
+    if args.engine_batches:
+        import asyncio
+
+        report["engine"] = asyncio.run(bench_engine(args, args.engine_batches, args.context, args.engine_tokens))
+        for row in report["engine"]:
+            decode = next((r for r in report["model"]["decode"] if r["batch"] == row["batch"] and "roofline_ms" in r), None)
+            if decode:
+                row["roofline_ms"] = decode["roofline_ms"]
+                row["ratio_to_roofline"] = row["ms_per_output_token"] / decode["roofline_ms"]
+        save()
     if args.hf_batches:
-        report["hf_transformers"] = bench_hf(args, device, args.hf_batches)
+        report["hf_transformers"], report["hf_prefill"] = bench_hf(args, device, args.hf_batches)
     save()
     print_table(report)
     return 0
@@ -455,6 +560,15 @@ def print_table(report: dict) -> None:
         print(f"profile {name}: {prof['kernel_launches']} kernels, {prof['kernel_ms_total']:.2f} ms of kernel time "
               f"in a {prof['wall_ms_profiled']:.2f} ms step; top: "
               + "; ".join(f"{k['name'][:40]} x{k['count']} {k['us'] / 1e3:.2f} ms" for k in prof["top"][:6]))
+    for row in report["model"].get("prefill", []):
+        frac = row.get("fraction_of_matmul", math.nan)
+        print(f"prefill {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s "
+              f"{row['model_TFLOPs']:6.1f} TFLOP/s = {frac:6.1%} of matmul")
+    for row in report.get("engine", []):
+        print(f"engine b={row['batch']:3d} {row['ms_per_output_token']:8.2f} ms/step {row['tokens_per_s']:9.1f} tok/s "
+              f"x{row.get('ratio_to_roofline', math.nan):.2f} of roofline")
+    for row in report.get("hf_prefill", []):
+        print(f"hf prefill {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s")
     for row in report.get("hf_transformers", []):
         print(f"hf b={row['batch']:3d} {row['step_ms']:8.2f} ms {row['tokens_per_s']:8.1f} tok/s")
 

@@ -6,9 +6,14 @@
    checkpoint: prompts of 100, 1000 and 4097 tokens, the last 64 prompt positions and 64
    greedy decode steps each. Gate (GPU issue): mean <= 0.03 and p99 <= 0.12 nat over the
    top-8 logprob differences, argmax regret <= 0.20 nat.
+   Beside it, on the same positions: HF transformers itself in bf16 against HF in fp32 (the
+   bf16 floor of this checkpoint: a random deep network amplifies rounding, so that floor,
+   not zero, is what bf16 can reach) and our executor in fp32 on CUDA against HF in fp32 (the
+   GPU kernels at real shapes, where only summation order differs).
 2. CUDA-graph decode and eager decode give the same tokens.
 3. AsyncEngine on CUDA through real rank processes: start-up time, greedy tokens equal to the
-   executor's, time per output token at batch 1.
+   executor's run of the same steps (whole prompt, then one token a step), time per output
+   token at batch 1.
 """
 
 from __future__ import annotations
@@ -56,26 +61,58 @@ def our_logits(ex: Executor, rid: int, ids: list[int]) -> tuple[torch.Tensor, li
     return torch.cat(rows).float(), tokens[:DECODE_STEPS]
 
 
-def golden(model_dir: str, ex: Executor, device: str, lengths: tuple[int, ...]) -> dict:
+def golden(model_dir: str, ex: Executor, device: str, lengths: tuple[int, ...]) -> tuple[dict, list]:
+    """The gate, the HF bf16 floor; and the cases [(ids, our tokens, HF fp32 logits)]."""
     from transformers import Qwen3_5ForCausalLM
 
     hf = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    reports, ours_all, ref_all = {}, [], []
+    reports, ours_all, cases = {}, [], []
     for i, n in enumerate(lengths):
         ids = prompt_ids(n, seed=i)
         ours, tokens = our_logits(ex, 100 + i, ids)
-        with torch.inference_mode():
-            ref = hf(torch.tensor([ids + tokens], device=device), logits_to_keep=min(n, 64) + DECODE_STEPS)
-        ref = ref.logits[0].float()
-        reports[f"prompt_{n}"] = compare_logprobs(ours, ref).as_dict()
+        cases.append((ids, tokens, hf_logits(hf, ids, tokens, device)))
+        reports[f"prompt_{n}"] = compare_logprobs(ours, cases[-1][2]).as_dict()
         ours_all.append(ours)
-        ref_all.append(ref)
-    pooled = compare_logprobs(torch.cat(ours_all), torch.cat(ref_all)).as_dict()
+    refs = torch.cat([ref for _, _, ref in cases])
+    pooled = compare_logprobs(torch.cat(ours_all), refs).as_dict()
+    hf = hf.to(torch.bfloat16)  # the checkpoint is bf16: this is exactly HF's bf16 model
+    floor = torch.cat([hf_logits(hf, ids, tokens, device) for ids, tokens, _ in cases])
     del hf
     if device == "cuda":
         torch.cuda.empty_cache()
     passed = all(pooled[k] <= bound for k, bound in GATE.items())
-    return {"per_prompt": reports, "pooled": pooled, "gate": GATE, "passed": passed}
+    report = {"per_prompt": reports, "pooled": pooled, "gate": GATE, "passed": passed,
+              "hf_bf16_vs_hf_fp32": compare_logprobs(floor, refs).as_dict()}  # fmt: skip
+    return report, cases
+
+
+def hf_logits(hf, ids: list[int], tokens: list[int], device: str) -> torch.Tensor:
+    """HF's fp32 logits of the positions `our_logits` returns, on the CPU."""
+    with torch.inference_mode():
+        out = hf(torch.tensor([ids + tokens], device=device), logits_to_keep=min(len(ids), 64) + DECODE_STEPS)
+    return out.logits[0].float().cpu()
+
+
+def fp32_check(model_dir: str, device: str, cases: list) -> dict:
+    """Our executor in fp32 (eager) against HF fp32 on the gate's cases."""
+    ex = Executor(ExecutorConfig(model_dir, device=device, dtype="float32", num_slots=2, num_blocks=1024,
+                                 max_model_len=4096 + DECODE_STEPS + 64, cuda_graphs=False))  # fmt: skip
+    ours = torch.cat([our_logits(ex, 400 + i, ids)[0].cpu() for i, (ids, _, _) in enumerate(cases)])
+    del ex
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return compare_logprobs(ours, torch.cat([ref for _, _, ref in cases])).as_dict()
+
+
+def engine_reference(ex: Executor, rid: int, ids: list[int], steps: int) -> list[int]:
+    """Greedy tokens of the engine's own schedule for one request: the whole prompt in one
+    step, then one token a step (bf16 sums depend on how the prompt is cut)."""
+    logits = ex.forward([StepItem(rid, 0, ids, True, NewRequest(len(ids) + steps, SamplingSpec(seed=0)))])
+    tokens = [int(logits[-1].argmax())]
+    for step in range(steps - 1):
+        tokens.append(int(ex.forward([StepItem(rid, len(ids) + step, [tokens[-1]], True)])[0].argmax()))
+    ex.drop([rid])
+    return tokens
 
 
 def graphs_vs_eager(ex: Executor) -> dict:
@@ -118,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda; cpu only to try the script on a tiny model")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompt-lengths", default=",".join(map(str, PROMPT_LENGTHS)))
+    p.add_argument("--fp32-check", action="store_true", help="also run our executor in fp32 against HF fp32")
     args = p.parse_args(argv)
     result: dict = {"command": " ".join([sys.executable, "-m", "tools.gate_bf16", *sys.argv[1:]]),
                     "hardware": {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none", "host": platform.node(),
@@ -133,19 +171,26 @@ def main(argv: list[str] | None = None) -> int:
                                  num_blocks=2048, max_model_len=4096 + DECODE_STEPS + 64))  # fmt: skip
     result["executor_start_s"] = time.perf_counter() - t0
     lengths = tuple(int(n) for n in args.prompt_lengths.split(","))
-    result["golden"] = golden(args.model, ex, args.device, lengths)
+    result["golden"], cases = golden(args.model, ex, args.device, lengths)
     result["graphs_vs_eager"] = graphs_vs_eager(ex)
     ids = prompt_ids(100, seed=0)
-    _, reference = our_logits(ex, 300, ids)
+    reference = engine_reference(ex, 300, ids, 32)
     del ex
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    result["engine"] = asyncio.run(engine_run(args.model, args.device, args.dtype, reference[:32], ids))
+    result["engine"] = asyncio.run(engine_run(args.model, args.device, args.dtype, reference, ids))
+    if args.fp32_check:
+        result["ours_fp32_vs_hf_fp32"] = fp32_check(args.model, args.device, cases)
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).write_text(text)
     pooled = result["golden"]["pooled"]
     print(text)
+    floor = result["golden"]["hf_bf16_vs_hf_fp32"]
+    print(f"HF bf16 vs HF fp32 (the floor): mean {floor['mean_abs_diff']:.4f} p99 {floor['p99_abs_diff']:.4f} "
+          f"regret {floor['max_regret']:.4f}")
+    if "ours_fp32_vs_hf_fp32" in result:
+        print(f"ours fp32 vs HF fp32: {result['ours_fp32_vs_hf_fp32']}")
     print(f"gate {'PASS' if result['golden']['passed'] else 'FAIL'}: mean {pooled['mean_abs_diff']:.4f} "
           f"p99 {pooled['p99_abs_diff']:.4f} regret {pooled['max_regret']:.4f} | graphs==eager "
           f"{result['graphs_vs_eager']['tokens_equal']} | engine==executor "
