@@ -92,7 +92,9 @@ class AsyncEngine:
                           max_model_len=self.max_model_len, startup_s=time.monotonic() - t0)  # fmt: skip
         return self
 
-    async def _launch(self, num_kv_blocks: int) -> None:
+    async def _launch(self, num_kv_blocks: int | None) -> None:
+        """Start the replica; `num_kv_blocks` None: each rank sizes its KV cache from
+        gpu_memory_utilization and the ranks agree on the smallest (their Ready says)."""
         config = self.config
         replica = ReplicaConfig(
             model_dir=config.model,
@@ -102,8 +104,10 @@ class AsyncEngine:
             dtype=config.dtype,
             block_size=config.block_size,
             num_slots=config.max_num_seqs,
-            num_blocks=num_kv_blocks,
+            num_blocks=0 if num_kv_blocks is None else num_kv_blocks,
             max_model_len=self.max_model_len,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             startup_timeout_s=config.startup_timeout_s,
             step_timeout_s=config.step_timeout_s,
             fault=config.fault,

@@ -1,11 +1,15 @@
 """The engine's configuration, checked at construction.
 
 Values that depend on the model (max_model_len, the KV block count) are resolved once at
-start by `resolve_limits` and live on the engine, never written back into the config.
+start by `resolve_limits` and live on the engine, never written back into the config. On
+CUDA with no `num_kv_blocks`, the ranks size the KV cache themselves from
+`gpu_memory_utilization` (engine/rank/memory_budget.py) and the engine learns the count from
+their `Ready`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,7 +35,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_queued_requests: int = 256
     block_size: int = 16
-    num_kv_blocks: int | None = None  # default max_num_seqs * max_model_len / block_size
+    # default: on cuda what gpu_memory_utilization leaves, on cpu max_num_seqs * max_model_len
+    # / block_size
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9  # share of each device's memory the engine may use (cuda)
     step_timeout_s: float = 60.0
     startup_timeout_s: float = 120.0
     monitor_endpoint: str | None = None  # None: no monitor; "auto", ipc://PATH, tcp://HOST:PORT
@@ -64,6 +71,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        util = self.gpu_memory_utilization
+        if not isinstance(util, int | float) or isinstance(util, bool) or not (math.isfinite(util) and 0 < util <= 1):
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
         for name in ("step_timeout_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -88,7 +98,7 @@ class EngineLimits:
     """Model-dependent limits, resolved once at start."""
 
     max_model_len: int
-    num_kv_blocks: int
+    num_kv_blocks: int | None  # None: the ranks size it from gpu_memory_utilization (cuda)
 
 
 def resolve_limits(config: EngineConfig, model_config: ModelConfig) -> EngineLimits:
@@ -103,6 +113,6 @@ def resolve_limits(config: EngineConfig, model_config: ModelConfig) -> EngineLim
     else:
         max_model_len = config.max_model_len
     num_kv_blocks = config.num_kv_blocks
-    if num_kv_blocks is None:
+    if num_kv_blocks is None and config.device != "cuda":
         num_kv_blocks = -(-config.max_num_seqs * max_model_len // config.block_size)
     return EngineLimits(max_model_len, num_kv_blocks)

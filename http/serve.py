@@ -94,7 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--block-size", type=int, default=d("block_size"),
                      help="KV cache positions per block")  # fmt: skip
     eng.add_argument("--num-kv-blocks", type=int, default=d("num_kv_blocks"),
-                     help="KV blocks; default: max_num_seqs * max_model_len / block_size")  # fmt: skip
+                     help="KV blocks; default: on cuda what --gpu-memory-utilization leaves, "
+                          "on cpu max_num_seqs * max_model_len / block_size")  # fmt: skip
+    eng.add_argument("--gpu-memory-utilization", type=float, default=d("gpu_memory_utilization"),
+                     help="share (0, 1] of each GPU's total memory the engine may use: weights, "
+                          "activations and CUDA graphs first, the request state (max_num_seqs "
+                          "state slots, then as many KV blocks as fit) takes the rest; cuda only, "
+                          "unused with --num-kv-blocks")  # fmt: skip
     eng.add_argument("--step-timeout", dest="step_timeout_s", type=float,
                      default=d("step_timeout_s"), help="seconds a step may take before the "
                      "replica is declared dead")  # fmt: skip
@@ -195,6 +201,7 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         max_queued_requests=args.max_queued_requests,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         step_timeout_s=args.step_timeout_s,
         startup_timeout_s=args.startup_timeout_s,
         monitor_endpoint=None if args.monitor_endpoint == "off" else args.monitor_endpoint,
@@ -224,9 +231,10 @@ async def _start_engine(config, stop: asyncio.Event):  # -> AsyncEngine | None
     finally:
         stopped.cancel()
     engine = task.result()
-    log.info(
-        "engine ready in %.1f s: max_model_len=%d", time.monotonic() - t0, engine.max_model_len
-    )
+    load = engine.load()
+    log.info("engine ready in %.1f s: max_model_len=%d, %d state slots, %d KV blocks of %d "
+             "(%d tokens of KV)", time.monotonic() - t0, engine.max_model_len, load.num_slots,
+             load.num_blocks, config.block_size, load.num_blocks * config.block_size)  # fmt: skip
     return engine
 
 

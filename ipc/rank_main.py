@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import logging
 import os
 import signal
 import sys
@@ -93,6 +94,8 @@ def build_executor(config: RankConfig) -> object:
             num_slots=config.num_slots,
             num_blocks=config.num_blocks,
             max_model_len=config.max_model_len,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
     )
 
@@ -255,6 +258,10 @@ def main() -> int:
     config = rank_config_decoder.decode(sys.stdin.buffer.read())
     die_with_parent(config.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides when ranks stop
+    # deltaserve's own start-up lines (the memory budget) on stderr, other libraries' warnings
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.getLogger("deltaserve").setLevel(logging.INFO)
     ctx = zmq.Context(io_threads=1)
     replies = PushChannel(ctx, config.reply_endpoint, bind=False, linger_ms=REPLY_LINGER_MS)
     try:

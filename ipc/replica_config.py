@@ -18,8 +18,10 @@ class ReplicaConfig:
     dtype: str = "auto"
     block_size: int = 16
     num_slots: int = 8
-    num_blocks: int = 256
+    num_blocks: int = 256  # 0: each rank sizes it from gpu_memory_utilization (cuda only)
     max_model_len: int = 0  # longest request in positions (sizes CUDA graphs); 0: whole cache
+    gpu_memory_utilization: float = 0.9  # when num_blocks is 0: share of each device's memory
+    max_num_batched_tokens: int = 2048  # when num_blocks is 0: tokens of the profiling step
     startup_timeout_s: float = 120.0
     step_timeout_s: float = 60.0
     gate_timeout_s: float = 10.0  # every rank must record receipt of a gated command by then
@@ -43,9 +45,13 @@ class ReplicaConfig:
                 raise ValueError(f"device_ids {self.device_ids} has a negative ordinal")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "num_slots", "num_blocks"):
+        for name in ("block_size", "num_slots", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks < 0 or (self.num_blocks == 0 and self.device != "cuda"):
+            raise ValueError(f"num_blocks must be >= 1 (or 0 on cuda: size from memory), got {self.num_blocks}")
+        if self.num_blocks == 0 and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("startup_timeout_s", "step_timeout_s", "gate_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -15,6 +15,7 @@ from deltaserve.engine.rank.batch import SeqSpan, StepBatch
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs, with_decode_meta
 from deltaserve.engine.rank.loader import load_weights
+from deltaserve.engine.rank.memory_budget import size_kv_cache
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.parallel import tp_rank, tp_size
 from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
@@ -47,8 +48,10 @@ class ExecutorConfig:
     dtype: str = "auto"
     block_size: int = 16
     num_slots: int = 8
-    num_blocks: int = 256
+    num_blocks: int = 256  # 0: what gpu_memory_utilization leaves (CUDA; memory_budget.py)
     max_model_len: int = 0  # longest request in positions; 0: the whole cache
+    gpu_memory_utilization: float = 0.9  # share of the device's memory, when num_blocks is 0
+    max_num_batched_tokens: int = 2048  # tokens of the profiling step, when num_blocks is 0
     cuda_graphs: bool = True  # decode-only steps replay CUDA graphs (one CUDA rank only)
 
 
@@ -99,18 +102,21 @@ class Executor:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         self.model = Qwen3_5ForCausalLM(self.model_config, self.dtype, self.device)
         load_weights(self.model, config.model_dir, self.model_config.tie_word_embeddings)
+        self.sampler = Sampler() if config.rank == 0 else None
+        self.requests: dict[int, LiveRequest] = {}
+        self.graphs: DecodeGraphs | None = None
+        num_blocks = config.num_blocks
+        if num_blocks == 0:  # profiles a step through run_step, then budgets (all ranks agree)
+            num_blocks = size_kv_cache(self).num_blocks
         self.cache = StateCache(
             self.model_config,
             config.num_slots,
-            config.num_blocks,
+            num_blocks,
             config.block_size,
             config.world_size,
             self.dtype,
             self.device,
         )
-        self.sampler = Sampler() if config.rank == 0 else None
-        self.requests: dict[int, LiveRequest] = {}
-        self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs and config.world_size == 1:
             max_len = config.max_model_len or config.num_blocks * config.block_size
             self.graphs = DecodeGraphs(self.model, self.cache, config.num_slots, self.cache.blocks_for(max_len))

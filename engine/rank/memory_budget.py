@@ -1,0 +1,263 @@
+"""The request state's size on CUDA from `gpu_memory_utilization` (vLLM's name and meaning:
+the share of the device's total memory this engine may use).
+
+When the executor gets `num_blocks=0`, `size_kv_cache` runs, after the weights are loaded
+and before the cache exists: one profiling step of `max_num_batched_tokens` prompt tokens
+over `max_num_seqs` requests (each sampled on rank 0), through the executor's own
+`run_step` on a small throw-away cache, measures the activation peak; then
+
+    budget = total * utilization - in use (weights, CUDA context, NCCL, other processes)
+             - activation peak - CUDA-graph reserve
+    slots  = max_num_seqs            (the scheduler's bound; one DeltaNet state each)
+    blocks = (budget - slots * slot bytes) // block bytes      (all of it, as vLLM)
+
+Every rank computes its own and they agree on the minimum (all_reduce MIN) before anything
+is allocated, so every rank's `Ready` carries the same capacity. A budget that cannot hold
+the slots plus one max_model_len request fails start-up, naming the numbers. The arithmetic
+(`cache_sizes`, `blocks_for_budget`, `profile_lengths`) is pure and unit-tested; a fake
+`probe` stands in for the CUDA memory statistics in the CPU tests.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.distributed as dist
+
+from deltaserve.engine.rank.cache import StateCache
+from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+
+if TYPE_CHECKING:
+    from deltaserve.engine.rank.executor import Executor
+
+log = logging.getLogger("deltaserve.rank")
+
+GiB = 2**30
+# CUDA graphs allocate from a private pool that eager steps cannot reuse: the decode
+# activations of the largest batch bucket and static buffers, on top of the fp32 logits that
+# every bucket keeps (counted separately). An estimate, to be checked on the GPU.
+GRAPH_POOL_RESERVE_BYTES = 256 * 2**20
+# The profiling step samples with penalties, top-p and 20 logprobs: the sampler's largest
+# temporaries (a penalised copy, a temperature-scaled copy, a top-k of every row).
+PROFILE_SAMPLING = SamplingSpec(seed=0, temperature=1.0, top_p=0.95, repetition_penalty=1.1, num_logprobs=20)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSizes:
+    """Bytes on one rank (its share of the heads) of one state slot and one KV block."""
+
+    slot_bytes: int  # every DeltaNet layer's conv window (model dtype) + recurrent state (fp32)
+    block_bytes: int  # every full-attention layer's K and V for block_size positions
+
+
+def cache_sizes(config: ModelConfig, tp_size: int, dtype: torch.dtype, block_size: int) -> CacheSizes:
+    """What StateCache allocates per slot and per block (tests hold the two together)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    fp32 = 4
+    conv = (config.linear_conv_dim // tp_size) * (config.linear_conv_kernel_dim - 1) * item
+    recurrent = (
+        (config.linear_num_value_heads // tp_size) * config.linear_key_head_dim * config.linear_value_head_dim * fp32
+    )
+    kv = 2 * block_size * (config.num_key_value_heads // tp_size) * config.head_dim * item
+    return CacheSizes(
+        slot_bytes=len(config.linear_attention_layers) * (conv + recurrent),
+        block_bytes=len(config.full_attention_layers) * kv,
+    )
+
+
+def blocks_for_budget(budget_bytes: int, num_slots: int, sizes: CacheSizes) -> int:
+    """KV blocks that fit in `budget_bytes` once `num_slots` state slots are taken (>= 0)."""
+    return max(0, (budget_bytes - num_slots * sizes.slot_bytes) // sizes.block_bytes)
+
+
+def profile_lengths(num_tokens: int, num_seqs: int, max_len: int) -> list[int]:
+    """Prompt lengths of the profiling step: `num_seqs` requests (so the sampler sees as many
+    rows as a full decode batch), `num_tokens` in all (at most num_seqs * max_len), none
+    longer than `max_len`; like a real step, long prefill chunks beside one-token items."""
+    if min(num_tokens, num_seqs, max_len) < 1:
+        raise ValueError(f"profile needs tokens, sequences and length >= 1, got {num_tokens}, {num_seqs}, {max_len}")
+    num_seqs = min(num_seqs, num_tokens)
+    lengths = [1] * num_seqs
+    rest = min(num_tokens, num_seqs * max_len) - num_seqs
+    for i in range(num_seqs):
+        add = min(rest, max_len - 1)
+        lengths[i] += add
+        rest -= add
+    return lengths
+
+
+class MemoryProbe(Protocol):
+    def in_use_and_total(self) -> tuple[int, int]: ...
+    def start_peak(self) -> None: ...
+    def peak_since_start(self) -> int: ...
+
+
+class CudaMemory:
+    """The device's memory as `size_kv_cache` reads it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._base = 0
+
+    def in_use_and_total(self) -> tuple[int, int]:
+        """Bytes in use on the whole device (this process's tensors, CUDA context, NCCL
+        buffers, other processes), after returning the allocator's cached blocks."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free, total
+
+    def start_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._base = torch.cuda.memory_allocated(self.device)
+
+    def peak_since_start(self) -> int:
+        """Most bytes allocated at once since `start_peak`, above what was allocated then."""
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self._base
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBudget:
+    total: int  # the device's memory
+    utilization: float
+    in_use: int  # on the device after loading and profiling, before the cache
+    weights: int  # this rank's parameters (part of in_use)
+    activations: int  # the profiling step's peak
+    profile_tokens: int
+    reserve: int  # CUDA graphs
+    sizes: CacheSizes
+    num_slots: int
+    local_blocks: int  # what this rank's budget holds
+    num_blocks: int  # the minimum over ranks: what every rank allocates
+    block_size: int
+
+    @property
+    def budget(self) -> int:
+        return int(self.total * self.utilization) - self.in_use - self.activations - self.reserve
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.num_slots * self.sizes.slot_bytes + self.num_blocks * self.sizes.block_bytes
+
+    def _accounts(self) -> str:
+        return (
+            f"gpu_memory_utilization {self.utilization:g} of {self.total / GiB:.2f} GiB = "
+            f"{self.total * self.utilization / GiB:.2f} GiB; in use {self.in_use / GiB:.2f} GiB "
+            f"(weights {self.weights / GiB:.2f} GiB), activations {self.activations / GiB:.2f} GiB "
+            f"({self.profile_tokens} batched tokens), CUDA-graph reserve {self.reserve / GiB:.2f} GiB"
+        )
+
+    def describe(self) -> str:
+        return (
+            f"memory budget: {self._accounts()} -> cache {self.cache_bytes / GiB:.2f} GiB: "
+            f"{self.num_slots} state slots ({self.num_slots * self.sizes.slot_bytes / GiB:.2f} GiB) + "
+            f"{self.num_blocks} KV blocks of {self.block_size} ({self.num_blocks * self.block_size} "
+            f"tokens of KV, {self.num_blocks * self.sizes.block_bytes / GiB:.2f} GiB)"
+        )
+
+    def shortfall(self, rank: int, max_model_len: int, need_blocks: int) -> str:
+        agreed = "" if self.local_blocks == self.num_blocks else f" (this rank fits {self.local_blocks}; another fewer)"
+        return (
+            f"not enough device memory for the request state on rank {rank}: {self._accounts()} "
+            f"leave {self.budget / GiB:.2f} GiB; {self.num_slots} state slots (max_num_seqs) take "
+            f"{self.num_slots * self.sizes.slot_bytes / GiB:.2f} GiB and one max_model_len "
+            f"{max_model_len} request needs {need_blocks} KV blocks of {self.block_size} "
+            f"({need_blocks * self.sizes.block_bytes / GiB:.2f} GiB), but {self.num_blocks} fit{agreed}. "
+            f"Raise --gpu-memory-utilization, or lower --max-num-seqs, --max-model-len or "
+            f"--max-num-batched-tokens"
+        )
+
+
+def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> MemoryBudget:
+    """Profile, budget, agree over ranks; the executor then allocates `num_blocks` blocks.
+    Called from `Executor.__init__` after the weights are loaded, before its cache exists
+    (an existing cache is put back afterwards: tests)."""
+    config = executor.config
+    if probe is None:
+        if executor.device.type != "cuda":
+            raise ValueError("num_blocks=0 sizes the KV cache from device memory: CUDA only; give num_blocks")
+        probe = CudaMemory(executor.device)
+    if not 0 < config.gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
+    if config.max_model_len < 1:
+        raise ValueError("num_blocks=0 (size the KV cache from memory) needs max_model_len")
+    sizes = cache_sizes(executor.model_config, config.world_size, executor.dtype, config.block_size)
+    lengths = profile_lengths(config.max_num_batched_tokens, config.num_slots, config.max_model_len)
+    activations = _profile(executor, lengths, probe)
+    in_use, total = probe.in_use_and_total()
+    reserve = 0
+    if config.cuda_graphs:  # each captured bucket (1, 2, 4, ... max) keeps its fp32 logits
+        reserve = GRAPH_POOL_RESERVE_BYTES + 2 * config.num_slots * executor.model_config.vocab_size * 4
+    weights = sum(t.numel() * t.element_size() for t in (*executor.model.parameters(), *executor.model.buffers()))
+    budget = int(total * config.gpu_memory_utilization) - in_use - activations - reserve
+    local = blocks_for_budget(budget, config.num_slots, sizes)
+    result = MemoryBudget(
+        total=total,
+        utilization=config.gpu_memory_utilization,
+        in_use=in_use,
+        weights=weights,
+        activations=activations,
+        profile_tokens=sum(lengths),
+        reserve=reserve,
+        sizes=sizes,
+        num_slots=config.num_slots,
+        local_blocks=local,
+        num_blocks=_min_over_ranks(local, executor.device),
+        block_size=config.block_size,
+    )
+    need = -(-config.max_model_len // config.block_size)
+    if result.num_blocks < need:
+        raise MemoryError(result.shortfall(config.rank, config.max_model_len, need))
+    if config.rank == 0:
+        log.info("%s", result.describe())
+    return result
+
+
+def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
+    """The activation peak of one step of `lengths` new prompts, each sampled, run by the
+    executor itself on a cache just large enough."""
+    config = executor.config
+    saved = getattr(executor, "cache", None)
+    block_size = config.block_size
+    executor.cache = StateCache(
+        executor.model_config,
+        len(lengths),
+        sum(-(-n // block_size) for n in lengths),
+        block_size,
+        config.world_size,
+        executor.dtype,
+        executor.device,
+    )
+    base = 1 << 62  # request ids no real request has (the executor is fresh anyway)
+    items = [
+        StepItem(base + i, 0, [0] * n, True, NewRequest(n, PROFILE_SAMPLING)) for i, n in enumerate(lengths)
+    ]
+    try:
+        probe.start_peak()
+        executor.run_step(items)
+        peak = probe.peak_since_start()
+    except torch.OutOfMemoryError as exc:
+        raise MemoryError(
+            f"the profiling step ({sum(lengths)} tokens, {len(lengths)} sequences) ran out of device "
+            f"memory: lower --max-num-batched-tokens or --max-num-seqs ({exc})"
+        ) from None
+    finally:
+        executor.drop([item.request_id for item in items])
+        executor.cache = saved
+        if saved is None:
+            del executor.cache
+    return peak
+
+
+def _min_over_ranks(value: int, device: torch.device) -> int:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
