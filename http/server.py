@@ -3,9 +3,9 @@
 Requests flow: read JSON -> parse (protocol.py) -> tokenize (`engine.encode` /
 `engine.run_tokenizer`: a large input in the engine's tokenizer thread, so the event loop
 keeps serving) -> `engine.generate` per prompt -> events formatted (responses.py) as one JSON
-body or as SSE chunks. The request's streams are closed
-in `finally`, so a client that disconnects (aiohttp cancels the handler; the server must run
-with `handler_cancellation=True`) or a failed write cancels its requests at once.
+body or as SSE chunks. The request's streams are closed in `finally`, so a client that
+disconnects (aiohttp cancels the handler; the server must run with
+`handler_cancellation=True`) or a failed write cancels its requests at once.
 """
 
 from __future__ import annotations
