@@ -106,12 +106,18 @@ def batch_buckets(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """One CUDA graph per batch bucket of a decode-only step over `model` and `cache`.
 
-    Requires one rank (no collectives captured). Every request's block table must have at most
-    `max_blocks` blocks. `run` returns None for a step it cannot replay (not decode-only, too
-    large a batch or block table): the caller then runs the model eagerly.
+    At TP > 1 every rank captures the same buckets in the same order at start-up and replays
+    the same bucket each step (every rank runs every step), so the NCCL collectives inside
+    (all-reduce after each row-parallel layer, the logits all-gather) pair up across ranks;
+    the warm-up run before each capture creates the communicators.
+
+    `run` replays steps that `can_run`: single-token spans only, at most `max_batch` of them,
+    each with at most `max_blocks` blocks; the caller runs the rest eagerly.
     """
 
-    def __init__(self, model: nn.Module, cache: StateCache, max_batch: int, max_blocks: int) -> None:
+    def __init__(
+        self, model: nn.Module, cache: StateCache, max_batch: int, max_blocks: int
+    ) -> None:
         if max_batch < 1 or max_blocks < 1:
             raise ValueError(f"max_batch and max_blocks must be >= 1, got {max_batch}, {max_blocks}")
         self.model = model
@@ -179,9 +185,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor | None:
-        """Replay the smallest bucket that holds the step; fp32 logits of `batch.logits_index`."""
-        if not self.can_run(batch):
-            return None
+        """Replay the smallest bucket that holds the step (one `can_run`); fp32 logits of
+        `batch.logits_index` on rank 0, None on the others."""
         n = len(batch.spans)
         size = min(b for b in self.graphs if b >= n)
         self._pad_all()
@@ -197,4 +202,4 @@ class DecodeGraphs:
         self.tables[:n].copy_(_stacked_tables(tables, self.max_blocks, self.device))
         graph, logits = self.graphs[size]
         graph.replay()
-        return logits[batch.logits_index]
+        return None if logits is None else logits[batch.logits_index]

@@ -7,6 +7,8 @@ Knows nothing of sockets or of the protocol around it: the rank process calls `r
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +23,8 @@ from deltaserve.engine.rank.parallel import tp_rank, tp_size
 from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
 from deltaserve.engine.rank.sampler import Sampler
 from deltaserve.ipc.messages import Sample, StepItem
+
+log = logging.getLogger("deltaserve.rank")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -52,7 +56,7 @@ class ExecutorConfig:
     max_model_len: int = 0  # longest request in positions; 0: the whole cache
     gpu_memory_utilization: float = 0.9  # share of the device's memory, when num_blocks is 0
     max_num_batched_tokens: int = 2048  # tokens of the profiling step, when num_blocks is 0
-    cuda_graphs: bool = True  # decode-only steps replay CUDA graphs (one CUDA rank only)
+    cuda_graphs: bool = True  # single-token items replay CUDA graphs (CUDA, any TP size)
 
 
 @dataclass(slots=True)
@@ -100,8 +104,10 @@ class Executor:
         self.model_config = ModelConfig.from_model_dir(config.model_dir)
         self.model_config.check_tp_size(config.world_size)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
+        started = time.monotonic()
         self.model = Qwen3_5ForCausalLM(self.model_config, self.dtype, self.device)
         load_weights(self.model, config.model_dir, self.model_config.tie_word_embeddings)
+        log.info("rank %d: weights loaded in %.1f s", config.rank, time.monotonic() - started)
         self.sampler = Sampler() if config.rank == 0 else None
         self.requests: dict[int, LiveRequest] = {}
         self.graphs: DecodeGraphs | None = None
@@ -117,10 +123,13 @@ class Executor:
             self.dtype,
             self.device,
         )
-        if self.device.type == "cuda" and config.cuda_graphs and config.world_size == 1:
-            max_len = config.max_model_len or config.num_blocks * config.block_size
+        if self.device.type == "cuda" and config.cuda_graphs:
+            started = time.monotonic()
+            max_len = config.max_model_len or self.cache.num_blocks * config.block_size
             self.graphs = DecodeGraphs(self.model, self.cache, config.num_slots, self.cache.blocks_for(max_len))
             self.graphs.capture()
+            log.info("rank %d: %d decode CUDA graphs captured in %.1f s", config.rank,
+                     len(self.graphs.graphs), time.monotonic() - started)  # fmt: skip
 
     @property
     def num_slots(self) -> int:
@@ -150,15 +159,45 @@ class Executor:
         """Advance every item's request through the model; return fp32 logits on rank 0 of
         the positions that sample (or of every position: golden tests), None elsewhere."""
         self._admit_new(items)
-        batch = self._build_batch(items, every_position)
-        logits = self.graphs.run(batch) if self.graphs is not None and not every_position else None
-        if logits is None:
-            if self.device.type == "cuda":
-                batch = with_decode_meta(batch, self.device)  # index tensors once for all layers
-            logits = self.model(batch, self.cache)
+        if self.graphs is None or every_position:
+            logits = self._run_eager(self._build_batch(items, every_position))
+        else:
+            logits = self._run_with_graphs(items)
         for item in items:
             self.requests[item.request_id].num_tokens = item.start + len(item.token_ids)
         return logits
+
+    def _run_eager(self, batch: StepBatch) -> torch.Tensor | None:
+        if self.device.type == "cuda":
+            batch = with_decode_meta(batch, self.device)  # index tensors once for all layers
+        return self.model(batch, self.cache)
+
+    def _run_with_graphs(self, items: list[StepItem]) -> torch.Tensor | None:
+        """Single-token items replay a decode CUDA graph; prompt chunks run eagerly in a
+        forward of their own. A mixed step so pays Python's per-kernel launch cost once for
+        its prompt tokens instead of making its decodes pay it too (SGLang likewise keeps
+        prefill and decode batches apart). The requests are disjoint, so order is free."""
+        singles = [item for item in items if len(item.token_ids) == 1]
+        decode = self._build_batch(singles, False)
+        if not singles or not self.graphs.can_run(decode):
+            return self._run_eager(self._build_batch(items, False))
+        if len(singles) == len(items):
+            return self.graphs.run(decode)
+        chunks = [item for item in items if len(item.token_ids) > 1]
+        chunk_logits = self._run_eager(self._build_batch(chunks, False))
+        decode_logits = self.graphs.run(decode)
+        if decode_logits is None:  # not rank 0
+            return None
+        # rows of [decode samples | chunk samples] back into the items' order
+        first_chunk_row = sum(item.sample for item in singles)
+        order, next_row = [], [0, first_chunk_row]
+        for item in items:
+            if item.sample:
+                kind = int(len(item.token_ids) > 1)
+                order.append(next_row[kind])
+                next_row[kind] += 1
+        merged = torch.cat((decode_logits, chunk_logits))
+        return merged[torch.tensor(order, device=merged.device)]
 
     def _admit_new(self, items: list[StepItem]) -> None:
         """Check every item against this rank's state, then take slots for new requests; on

@@ -25,11 +25,18 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
-    """Concatenate every rank's `x` along the last dim on rank 0; other ranks get None."""
+    """Concatenate every rank's `x` along the last dim on rank 0; other ranks get None.
+
+    On CUDA an all-gather (a collective NCCL can capture in a CUDA graph, where a gather is
+    point-to-point work); on the CPU (gloo) a gather to rank 0."""
     size = tp_size()
     if size == 1:
         return x
     x = x.contiguous()
+    if x.is_cuda:
+        parts = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(parts, x)
+        return torch.cat(parts.unbind(0), dim=-1) if tp_rank() == 0 else None
     parts = [torch.empty_like(x) for _ in range(size)] if tp_rank() == 0 else None
     dist.gather(x, parts, dst=0)
     return torch.cat(parts, dim=-1) if parts is not None else None
