@@ -194,7 +194,9 @@ class AsyncEngine:
     async def run_tokenizer(self, fn: Callable[[Any], T], size: int) -> T:
         """`fn(tokenizer)`: on the event loop when `size` (characters of input) is small,
         else in the tokenizer worker thread (its own instance of this engine's tokenizer),
-        so that the loop, the scheduler tick and the HTTP server keep running meanwhile."""
+        so that the loop, the scheduler tick and the HTTP server keep running meanwhile.
+        Raises EngineDeadError once the engine is dead or shut down."""
+        self._check_alive()
         if size <= INLINE_TOKENIZE_CHARS:
             return fn(self.tokenizer)
         return await self._tokenizer_worker.run(fn)
@@ -318,7 +320,6 @@ class AsyncEngine:
         """Stop admitting, let running requests finish for up to `drain_timeout_s`, abort
         the rest, stop the replica. Idempotent."""
         self._shutting_down = True
-        self._tokenizer_worker.close()
         if not self._task.done():
             await self._scheduler.stop(drain_timeout_s)
             try:
@@ -328,5 +329,6 @@ class AsyncEngine:
         try:
             await self._controller.shutdown()
         finally:
+            self._tokenizer_worker.close()  # after the drain: its requests were tokenized
             if self._monitor is not None:
                 await self._monitor.aclose()  # its last message: shut_down

@@ -241,8 +241,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         logprobs_param="logprobs",
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    # text is tokenized here, a large one off the event loop, before any prompt is submitted
-    prompts = [await state.engine.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
+    prompts = [p if isinstance(p, str) else list(p) for p in req.prompts]
     formatter = CompletionFormatter(
         request_id, state.config.served_model_name, state.strings, req.sampling.logprobs is not None
     )
@@ -342,7 +341,10 @@ async def _apply_chat_template(
             ) from None
         return tokenizer.encode(text, add_special_tokens=False)
 
-    return await engine.run_tokenizer(render, size)
+    try:
+        return await engine.run_tokenizer(render, size)
+    except EngineDeadError as exc:  # it died or shut down meanwhile
+        raise errors.engine_dead(engine.dead_reason or str(exc)) from None
 
 
 async def _open_streams(
@@ -351,9 +353,11 @@ async def _open_streams(
     params: list[SamplingParams],
     request_id: str,
 ) -> list[Any]:
-    """Submit every prompt, or none: a refusal closes the streams already opened."""
+    """Submit every prompt, or none: a refusal closes the streams already opened. Text is
+    tokenized first, every prompt before any is submitted (a large one off the event loop)."""
     streams: list[Any] = []
     try:
+        prompts = [await state.engine.encode(p) if isinstance(p, str) else p for p in prompts]
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             streams.append(state.engine.generate(prompt, p, request_id=rid))

@@ -18,6 +18,7 @@ import pytest_asyncio
 from serve_helpers import in_process_server
 
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.events import EngineDeadError
 from deltaserve.engine.tokenizer import INLINE_TOKENIZE_CHARS, TokenizerWorker
 from deltaserve.http.server import ServerConfig
 
@@ -99,6 +100,15 @@ async def test_encode_matches_the_tokenizer_inline_and_in_the_worker(server):
     assert len(large) > INLINE_TOKENIZE_CHARS >= len(small)
     for text in (small, large):
         assert await server.engine.encode(text) == tok.encode(text, add_special_tokens=False)
+
+
+async def test_no_tokenizing_once_shutting_down(server, monkeypatch):
+    """A handler that passed the admission check when shutdown began gets EngineDeadError
+    (HTTP 503), not the closed worker's error."""
+    monkeypatch.setattr(server.engine, "_shutting_down", True)
+    for text in ("short", big_text(2 * INLINE_TOKENIZE_CHARS, seed=4)):
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await server.engine.encode(text)
 
 
 # ---- the worker alone ----------------------------------------------------------------------
