@@ -70,6 +70,7 @@ def golden(model_dir: str, ex: Executor, device: str, lengths: tuple[int, ...]) 
     for i, n in enumerate(lengths):
         ids = prompt_ids(n, seed=i)
         ours, tokens = our_logits(ex, 100 + i, ids)
+        ours = ours.cpu()
         cases.append((ids, tokens, hf_logits(hf, ids, tokens, device)))
         reports[f"prompt_{n}"] = compare_logprobs(ours, cases[-1][2]).as_dict()
         ours_all.append(ours)
