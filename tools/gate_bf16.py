@@ -43,8 +43,12 @@ def prompt_ids(length: int, seed: int) -> list[int]:
     return [gen.randrange(248044) for _ in range(length)]
 
 
-def our_logits(ex: Executor, rid: int, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """Logits of the last 64 prompt positions and of 64 greedy decode steps; the tokens."""
+def our_logits(
+    ex: Executor, rid: int, ids: list[int], forced: list[int] | None = None
+) -> tuple[torch.Tensor, list[int]]:
+    """Logits of the last 64 prompt positions and of 64 greedy decode steps; the tokens.
+    With `forced`, those tokens are fed instead of our own picks (teacher forcing), so the
+    positions match another run's even where greedy choices would part."""
     n = len(ids)
     new = NewRequest(n + DECODE_STEPS, SamplingSpec(seed=0))
     cut = max(n - 64, 0)
@@ -52,11 +56,11 @@ def our_logits(ex: Executor, rid: int, ids: list[int]) -> tuple[torch.Tensor, li
         ex.forward([StepItem(rid, 0, ids[:cut], False, new)])
         new = None
     rows = [ex.forward([StepItem(rid, cut, ids[cut:], True, new)], every_position=True)]
-    tokens = [int(rows[0][-1].argmax())]
+    tokens = [int(rows[0][-1].argmax()) if forced is None else forced[0]]
     for step in range(DECODE_STEPS):
         logits = ex.forward([StepItem(rid, n + step, [tokens[-1]], True)])
         rows.append(logits)
-        tokens.append(int(logits[0].argmax()))
+        tokens.append(int(logits[0].argmax()) if forced is None else forced[min(step + 1, len(forced) - 1)])
     ex.drop([rid])
     return torch.cat(rows).float(), tokens[:DECODE_STEPS]
 
@@ -95,10 +99,10 @@ def hf_logits(hf, ids: list[int], tokens: list[int], device: str) -> torch.Tenso
 
 
 def fp32_check(model_dir: str, device: str, cases: list) -> dict:
-    """Our executor in fp32 (eager) against HF fp32 on the gate's cases."""
+    """Our executor in fp32 (eager) against HF fp32 on the gate's cases, fed the same tokens."""
     ex = Executor(ExecutorConfig(model_dir, device=device, dtype="float32", num_slots=2, num_blocks=1024,
                                  max_model_len=4096 + DECODE_STEPS + 64, cuda_graphs=False))  # fmt: skip
-    ours = torch.cat([our_logits(ex, 400 + i, ids)[0].cpu() for i, (ids, _, _) in enumerate(cases)])
+    ours = torch.cat([our_logits(ex, 400 + i, ids, tokens)[0].cpu() for i, (ids, tokens, _) in enumerate(cases)])
     del ex
     if device == "cuda":
         torch.cuda.empty_cache()
