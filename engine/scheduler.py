@@ -21,6 +21,7 @@ terminal snapshot, and tears the replica down.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
@@ -351,7 +352,9 @@ class Scheduler:
         self._drain()
         self._cancel_closed_owners()
         now = time.monotonic()
+        rows = itertools.count()  # samples come in step order: one row per chunk that samples
         for chunk in plan.chunks:
+            row = next(rows) if chunk.sample else -1
             entry = self._entries.get(chunk.request_id)
             if entry is None or entry.request.is_finished:
                 continue
@@ -359,7 +362,7 @@ class Scheduler:
             if chunk.sample:
                 if not chunk.is_decode:
                     self.metrics.prompt_tokens_total += entry.request.prompt_len
-                self._commit_sample(entry, samples[chunk.request_id], now)
+                self._commit_sample(entry, samples.sample(row), now)
         await self._flush_drops()
 
     def _commit_sample(self, entry: _Entry, sample: Sample, now: float) -> None:

@@ -41,7 +41,7 @@ from deltaserve.ipc.messages import (
     Ping,
     Ready,
     RunUnifiedStep,
-    Sample,
+    SampleColumns,
     Shutdown,
     Snapshot,
     SnapshotReply,
@@ -180,8 +180,9 @@ class ReplicaController:
     def gate_name(self) -> str:
         return self._gate.name
 
-    async def run_step(self, items: list[StepItem]) -> dict[int, Sample]:
-        """Run one unified step on every rank; rank 0's samples by request id."""
+    async def run_step(self, items: list[StepItem]) -> SampleColumns:
+        """Run one unified step on every rank; rank 0's samples, matched by request id and
+        returned in step order (row i: the i-th item with `sample` set)."""
         self._check_open()
         plan = check_plan(items, self.model_config.vocab_size)
         return await self._call(lambda seq: RunUnifiedStep(seq, items), plan)

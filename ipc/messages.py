@@ -62,7 +62,8 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
 
 class Sample(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A sampled token with its logprob and the best `num_logprobs` alternatives, best
-    first, as (token_id, logprob) pairs. Logprobs are of the model's raw distribution."""
+    first, as (token_id, logprob) pairs. Logprobs are of the model's raw distribution.
+    What the executor returns; the wire carries a step's samples as `SampleColumns`."""
 
     request_id: RequestId
     token_id: int
@@ -70,13 +71,57 @@ class Sample(msgspec.Struct, frozen=True, array_like=True, gc=False):
     top_logprobs: list[tuple[int, float]]
 
 
+class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Rank 0's samples of one step as parallel columns: row i is request_ids[i]'s token
+    and logprob; `top_logprobs` holds alternatives only for requests that asked for some
+    (num_logprobs > 0), keyed by request id. The event-loop process decodes three lists in C
+    instead of a struct and a list per sample, and one list comparison matches them to the
+    step (ipc/validate.py). Decoding checks that the columns line up."""
+
+    request_ids: list[RequestId]
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: dict[RequestId, list[tuple[int, float]]]
+
+    def __post_init__(self) -> None:
+        if not len(self.token_ids) == len(self.logprobs) == len(self.request_ids):
+            raise ValueError(
+                f"sample columns differ in length: {len(self.request_ids)} request_ids, "
+                f"{len(self.token_ids)} token_ids, {len(self.logprobs)} logprobs"
+            )
+
+    @classmethod
+    def from_samples(cls, samples: list[Sample]) -> SampleColumns:
+        return cls(
+            [s.request_id for s in samples],
+            [s.token_id for s in samples],
+            [s.logprob for s in samples],
+            {s.request_id: s.top_logprobs for s in samples if s.top_logprobs},
+        )
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def sample(self, row: int) -> Sample:
+        rid = self.request_ids[row]
+        top = self.top_logprobs.get(rid, [])
+        return Sample(rid, self.token_ids[row], self.logprobs[row], top)
+
+    def by_id(self) -> dict[RequestId, Sample]:
+        """Every row as a Sample, keyed by request id (tests, tools; not the hot path)."""
+        return {self.request_ids[row]: self.sample(row) for row in range(len(self))}
+
+
 # ---- commands: controller -> ranks --------------------------------------------------------
 
 
 class RunUnifiedStep(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
     """Run one forward over `items` (ordered, each request at most once), then sample on
-    rank 0. Reply: rank 0 `StepResult` with one `Sample` per item with `sample` set; others
-    `Ack`."""
+    rank 0. Reply: rank 0 `StepResult` with one sample per item with `sample` set (in any
+    order); others `Ack`.
+
+    Items stay one struct each on the wire: the executor takes `StepItem`s, and msgspec
+    decodes them straight into structs in C, cheaper than any conversion from columns."""
 
     seq: int
     items: list[StepItem]
@@ -132,7 +177,7 @@ class DropAck(msgspec.Struct, frozen=True, tag=True, array_like=True):
 class StepResult(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
     rank: int
     seq: int
-    samples: list[Sample]
+    samples: SampleColumns
 
 
 class SnapshotReply(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -35,6 +35,7 @@ from deltaserve.ipc.messages import (
     Ping,
     Ready,
     RunUnifiedStep,
+    SampleColumns,
     Shutdown,
     Snapshot,
     SnapshotReply,
@@ -202,7 +203,9 @@ class RankServer:
         kind = type(command)
         if kind is RunUnifiedStep:
             samples = self.executor.run_step(command.items)
-            return StepResult(rank, seq, samples) if rank == 0 else Ack(rank, seq)
+            if rank != 0:
+                return Ack(rank, seq)
+            return StepResult(rank, seq, SampleColumns.from_samples(samples))
         if kind is DropRequests:
             return DropAck(rank, seq, self.executor.drop(command.request_ids))
         if kind is Snapshot:

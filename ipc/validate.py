@@ -17,10 +17,11 @@ from deltaserve.ipc.messages import (
     DropAck,
     DropRequests,
     Failure,
+    NewRequest,
     Ping,
     Reply,
     RunUnifiedStep,
-    Sample,
+    SampleColumns,
     Shutdown,
     Snapshot,
     SnapshotReply,
@@ -41,7 +42,7 @@ class ReplyError(Exception):
 
 class StepPlan(NamedTuple):
     item_ids: set[int]  # every request in the step
-    sampled_ids: set[int]  # those whose item asks for a sample
+    sampled_ids: list[int]  # those whose item asks for a sample, in step order: the result's
 
 
 def check_plan(items: list[StepItem], vocab_size: int) -> StepPlan:
@@ -49,14 +50,14 @@ def check_plan(items: list[StepItem], vocab_size: int) -> StepPlan:
     if not items:
         raise PlanRejected("step has no items")
     item_ids: set[int] = set()
-    sampled_ids: set[int] = set()
+    sampled_ids: list[int] = []
     for item in items:
         rid = item.request_id
         if rid in item_ids:
             raise PlanRejected(f"request {rid} appears twice in one step")
         item_ids.add(rid)
         if item.sample:
-            sampled_ids.add(rid)
+            sampled_ids.append(rid)
         tokens = item.token_ids
         start = item.start
         if len(tokens) == 1:
@@ -86,7 +87,12 @@ def check_plan(items: list[StepItem], vocab_size: int) -> StepPlan:
     return StepPlan(item_ids, sampled_ids)
 
 
-def _check_new(rid: int, chunk_len: int, new: object) -> None:
+def first_duplicate(ids: list[int]) -> int:
+    seen: set[int] = set()
+    return next(rid for rid in ids if rid in seen or seen.add(rid))
+
+
+def _check_new(rid: int, chunk_len: int, new: NewRequest) -> None:
     reserve = new.reserve_tokens
     if reserve < chunk_len:
         raise PlanRejected(
@@ -118,9 +124,7 @@ def check_drop_plan(request_ids: list[int], expect: str) -> None:
     if expect not in ("must_exist", "must_be_absent"):
         raise PlanRejected(f"drop expect must be 'must_exist' or 'must_be_absent', got {expect!r}")
     if len(set(request_ids)) != len(request_ids):
-        seen: set[int] = set()
-        dup = next(r for r in request_ids if r in seen or seen.add(r))
-        raise PlanRejected(f"request {dup} appears twice in one drop")
+        raise PlanRejected(f"request {first_duplicate(request_ids)} appears twice in one drop")
 
 
 # (variant rank 0 sends, variant the other ranks send), by command
@@ -136,7 +140,17 @@ EXPECTED_REPLY: dict[type, tuple[type, type]] = {
 class ReplySet:
     """The replies to one command: exactly one per rank, each of the expected variant."""
 
-    __slots__ = ("command", "name", "seq", "num_ranks", "plan", "replies", "missing", "_want")
+    __slots__ = (
+        "command",
+        "name",
+        "seq",
+        "num_ranks",
+        "plan",
+        "replies",
+        "missing",
+        "samples",
+        "_want",
+    )
 
     def __init__(self, command: Command, num_ranks: int, plan: StepPlan | None = None) -> None:
         self.command = command
@@ -146,6 +160,7 @@ class ReplySet:
         self.plan = plan
         self.replies: list[Reply | None] = [None] * num_ranks
         self.missing = num_ranks
+        self.samples: SampleColumns | None = None  # rank 0's, aligned on arrival
         self._want = EXPECTED_REPLY[type(command)]
 
     def add(self, reply: Reply) -> bool:
@@ -167,6 +182,8 @@ class ReplySet:
                 f"rank {rank} replied {kind.__name__} to {self.name} seq {self.seq}; "
                 f"expected {want.__name__}"
             )
+        if kind is StepResult:  # checked now, while the other ranks' acks are on their way
+            self.samples = align_samples(reply.samples, self.plan)
         self.replies[rank] = reply
         self.missing -= 1
         return self.missing == 0
@@ -175,11 +192,11 @@ class ReplySet:
         return [rank for rank, reply in enumerate(self.replies) if reply is None]
 
     def result(self) -> object:
-        """The command's result once complete: samples by request id (step), the replies by
-        rank (snapshot), else None. Raises ReplyError if the set is inconsistent."""
+        """The command's result once complete: rank 0's samples in step order (step), the
+        replies by rank (snapshot), else None. Raises ReplyError if the set is inconsistent."""
         kind = type(self.command)
         if kind is RunUnifiedStep:
-            return align_samples(self.replies[0].samples, self.plan)
+            return self.samples
         if kind is DropRequests:
             check_drop_acks(self.command, self.replies)
             return None
@@ -188,25 +205,44 @@ class ReplySet:
         return None
 
 
-def align_samples(samples: list[Sample], plan: StepPlan) -> dict[int, Sample]:
-    """Key rank 0's samples by request id; order does not matter, but every sampled item
-    needs exactly one, and nothing else may have one."""
-    by_id = {sample.request_id: sample for sample in samples}
-    if len(by_id) != len(samples):
-        seen: set[int] = set()
-        dup = next(s.request_id for s in samples if s.request_id in seen or seen.add(s.request_id))
-        raise ReplyError(f"rank 0 returned two samples for request {dup}")
-    if by_id.keys() != plan.sampled_ids:
-        for rid in sorted(by_id.keys() - plan.sampled_ids):
+def align_samples(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
+    """Rank 0's samples matched to the step by request id, returned in the step's order.
+
+    Any order is accepted, but every sampled item needs exactly one sample and nothing else
+    may have one; alternatives only for sampled requests. In the usual case the ids already
+    come in step order, and one list comparison proves it.
+    """
+    want = plan.sampled_ids
+    if samples.request_ids != want:
+        samples = _reorder(samples, plan)
+    top = samples.top_logprobs
+    if top and not top.keys() <= set(want):
+        rid = min(top.keys() - set(want))
+        raise ReplyError(f"rank 0 returned top logprobs for request {rid}, which has no sample")
+    return samples
+
+
+def _reorder(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
+    ids, want = samples.request_ids, plan.sampled_ids
+    row_of = dict(zip(ids, range(len(ids)), strict=True))
+    if len(row_of) != len(ids):
+        raise ReplyError(f"rank 0 returned two samples for request {first_duplicate(ids)}")
+    wanted = set(want)
+    if row_of.keys() != wanted:
+        for rid in sorted(row_of.keys() - wanted):
             if rid in plan.item_ids:
                 raise ReplyError(
                     f"rank 0 returned a sample for request {rid}, whose item asked for none "
                     f"(not its final chunk)"
                 )
             raise ReplyError(f"rank 0 returned a sample for request {rid}, which is not in the step")
-        missing = sorted(plan.sampled_ids - by_id.keys())
+        missing = sorted(wanted - row_of.keys())
         raise ReplyError(f"rank 0 returned no sample for request(s) {missing}")
-    return by_id
+    rows = [row_of[rid] for rid in want]
+    tokens, logprobs = samples.token_ids, samples.logprobs
+    return SampleColumns(
+        list(want), [tokens[r] for r in rows], [logprobs[r] for r in rows], samples.top_logprobs
+    )
 
 
 def check_drop_acks(command: DropRequests, replies: list[DropAck]) -> None:

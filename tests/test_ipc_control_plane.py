@@ -36,6 +36,7 @@ from deltaserve.ipc.messages import (
     NewRequest,
     Ping,
     Ready,
+    Sample,
     SamplingSpec,
     Shutdown,
     StepItem,
@@ -83,6 +84,13 @@ async def bounded(awaitable: object, bound_s: float = CALL_BOUND_S) -> object:
     return await asyncio.wait_for(awaitable, bound_s)
 
 
+async def run(controller: ReplicaController, items: list[StepItem]) -> dict[int, Sample]:
+    """One step of `items`; rank 0's samples by request id. They come back in step order."""
+    samples = await bounded(controller.run_step(items))
+    assert samples.request_ids == [item.request_id for item in items if item.sample]
+    return samples.by_id()
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def tp1(tiny_model_dir: Path):
     controller = await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), tp_size=1))
@@ -107,22 +115,23 @@ async def unified_run(controller: ReplicaController, base: int) -> list[tuple[in
     a, b = base + 1, base + 2
     pa, pb = prompt(70, salt=1), prompt(90, salt=2)
     out = []
-    res = await bounded(controller.run_step([first(a, pa, 100)]))
+    res = await run(controller, [first(a, pa, 100)])
     tok_a, pos_a = res[a].token_id, len(pa)
     out.append((a, tok_a, res[a].logprob))
     # step 2: decode A + B's first chunk (no sample); step 3: decode A + B's last chunk
-    res = await bounded(controller.run_step([StepItem(a, pos_a, [tok_a], True),
-                                             first(b, pb[:50], 120, sample=False)]))
+    res = await run(
+        controller, [StepItem(a, pos_a, [tok_a], True), first(b, pb[:50], 120, sample=False)]
+    )
     assert set(res) == {a}
     tok_a, pos_a = res[a].token_id, pos_a + 1
     out.append((a, tok_a, res[a].logprob))
-    res = await bounded(controller.run_step([StepItem(b, 50, pb[50:], True),
-                                             StepItem(a, pos_a, [tok_a], True)]))
+    res = await run(controller, [StepItem(b, 50, pb[50:], True), StepItem(a, pos_a, [tok_a], True)])
     tok_a, tok_b, pos_a, pos_b = res[a].token_id, res[b].token_id, pos_a + 1, len(pb)
     out += [(a, tok_a, res[a].logprob), (b, tok_b, res[b].logprob)]
     for _ in range(4):
-        res = await bounded(controller.run_step([StepItem(a, pos_a, [tok_a], True),
-                                                 StepItem(b, pos_b, [tok_b], True)]))
+        res = await run(
+            controller, [StepItem(a, pos_a, [tok_a], True), StepItem(b, pos_b, [tok_b], True)]
+        )
         tok_a, tok_b, pos_a, pos_b = res[a].token_id, res[b].token_id, pos_a + 1, pos_b + 1
         out += [(a, tok_a, res[a].logprob), (b, tok_b, res[b].logprob)]
     await bounded(controller.drop([a, b], "must_exist"))
@@ -142,7 +151,7 @@ async def test_snapshot_reports_each_rank_shard(tp2: ReplicaController, tiny_mod
     """Each rank reports its own share of the heads and the same requests."""
     config = json.loads((tiny_model_dir / "config.json").read_text())
     config = config.get("text_config", config)
-    await bounded(tp2.run_step([first(7, prompt(20), 40)]))
+    await run(tp2, [first(7, prompt(20), 40)])
     snaps = await bounded(tp2.snapshot())
     assert [s.rank for s in snaps] == [0, 1]
     for snap in snaps:
@@ -159,33 +168,36 @@ async def test_drop_refill_readmit_and_full_capacity(tp: int, tp1: ReplicaContro
     dropped request is absent, and re-admitting a prompt gives the clean first token."""
     controller = tp1 if tp == 1 else tp2
     probe = prompt(40, salt=9)
-    clean = (await bounded(controller.run_step([first(200, probe, 60)])))[200]
+    clean = (await run(controller, [first(200, probe, 60)]))[200]
     await bounded(controller.drop([200], "must_exist"))
     await bounded(controller.drop([200], "must_be_absent"))
 
     fill = [first(300 + i, prompt(30 + i, salt=i), 64) for i in range(controller.num_slots)]
-    res = await bounded(controller.run_step(fill))
+    res = await run(controller, fill)
     assert sorted(res) == [300 + i for i in range(controller.num_slots)]
     snaps = await bounded(controller.snapshot())
     assert all(s.slots_used == controller.num_slots for s in snaps)
-    await bounded(controller.run_step([StepItem(rid, len(item.token_ids), [res[rid].token_id], True)
-                                       for rid, item in zip(sorted(res), fill, strict=True)]))
+    decodes = [
+        StepItem(rid, len(item.token_ids), [res[rid].token_id], True)
+        for rid, item in zip(sorted(res), fill, strict=True)
+    ]
+    await run(controller, decodes)
     await bounded(controller.drop(sorted(res), "must_exist"))
     for snap in await bounded(controller.snapshot()):
         assert (snap.request_ids, snap.slots_used, snap.blocks_used) == ([], 0, 0)
         assert (snap.num_slots, snap.num_blocks) == (controller.num_slots, controller.num_blocks)
 
     # readmission, whole and in two chunks, on slots and blocks that others just used
-    again = (await bounded(controller.run_step([first(400, probe, 60)])))[400]
+    again = (await run(controller, [first(400, probe, 60)]))[400]
     assert (again.token_id, again.top_logprobs[0][0]) == (clean.token_id, clean.top_logprobs[0][0])
     assert abs(again.logprob - clean.logprob) < 1e-4
-    await bounded(controller.run_step([first(401, probe[:25], 60, sample=False)]))
-    chunked = (await bounded(controller.run_step([StepItem(401, 25, probe[25:], True)])))[401]
+    await run(controller, [first(401, probe[:25], 60, sample=False)])
+    chunked = (await run(controller, [StepItem(401, 25, probe[25:], True)]))[401]
     assert chunked.token_id == clean.token_id
     await bounded(controller.drop([400, 401], "must_exist"))
     # a full-capacity request fits again
     big = controller.num_blocks * controller.block_size
-    await bounded(controller.run_step([first(402, probe, big)]))
+    await run(controller, [first(402, probe, big)])
     await bounded(controller.drop([402], "must_exist"))
     assert controller.poison_reason is None
 

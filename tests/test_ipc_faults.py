@@ -99,13 +99,13 @@ async def test_fault(case: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     controller = await start(tiny_model_dir, tmp_path, fault, reasons)
     try:
         step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
-        decode = StepItem(1, 24, [step1[1].token_id], True)
+        decode = StepItem(1, 24, [step1.by_id()[1].token_id], True)
         t0 = time.monotonic()
         try:
             # step 2: request 1 decodes while request 2 prefills
             step2 = await asyncio.wait_for(controller.run_step([decode, first(2, 40)]), bound_s + 5)
             if case == "diverge":  # the ranks now disagree on request 1
-                decode = StepItem(1, 25, [step2[1].token_id], True)
+                decode = StepItem(1, 25, [step2.by_id()[1].token_id], True)
                 await asyncio.wait_for(controller.run_step([decode]), bound_s + 5)
             if case == "diverge_then_drop":
                 await asyncio.wait_for(controller.drop([1], "must_exist"), bound_s + 5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import msgspec
 import pytest
 
 from deltaserve.ipc.controller import ReplicaConfig
@@ -19,10 +20,12 @@ from deltaserve.ipc.messages import (
     Ping,
     RunUnifiedStep,
     Sample,
+    SampleColumns,
     SamplingSpec,
     SnapshotReply,
     StepItem,
     StepResult,
+    reply_decoder,
 )
 from deltaserve.ipc.validate import (
     PlanRejected,
@@ -55,7 +58,7 @@ class TestPlan:
     def test_valid_plan(self) -> None:
         plan = check_plan(step_items(), VOCAB)
         assert plan.item_ids == {1, 2, 3, 4}
-        assert plan.sampled_ids == {1, 3, 4}
+        assert plan.sampled_ids == [1, 3, 4]  # in step order: the order results are handed on
 
     @pytest.mark.parametrize(
         ("item", "message"),
@@ -101,8 +104,8 @@ class TestPlan:
             check_drop_plan([1], "maybe")
 
 
-def sample(rid: int) -> Sample:
-    return Sample(rid, rid + 100, -0.5, [])
+def sample(rid: int, top: int = 0) -> Sample:
+    return Sample(rid, rid + 100, -0.5, [(rid + 100 + k, -0.5 - k) for k in range(top)])
 
 
 def step_replies(samples: list[Sample], num_ranks: int = 2, seq: int = 7) -> ReplySet:
@@ -110,7 +113,7 @@ def step_replies(samples: list[Sample], num_ranks: int = 2, seq: int = 7) -> Rep
     replies = ReplySet(RunUnifiedStep(seq, items), num_ranks, check_plan(items, VOCAB))
     for rank in range(1, num_ranks):
         assert not replies.add(Ack(rank, seq))
-    assert replies.add(StepResult(0, seq, samples))
+    assert replies.add(StepResult(0, seq, SampleColumns.from_samples(samples)))
     return replies
 
 
@@ -118,12 +121,18 @@ class TestStepReplies:
     """Results are aligned by request id: shuffled is fine; unknown, duplicate, non-final
     and missing samples are fatal."""
 
-    def test_shuffled_results_accepted(self) -> None:
-        samples = [sample(1), sample(3), sample(4)]
-        random.Random(0).shuffle(samples)
+    def test_results_in_step_order_accepted(self) -> None:
+        samples = [sample(1), sample(3, top=2), sample(4)]
         result = step_replies(samples).result()
-        assert sorted(result) == [1, 3, 4]
-        assert all(result[rid].token_id == rid + 100 for rid in result)
+        assert [result.sample(row) for row in range(3)] == samples
+
+    @pytest.mark.parametrize("seed", range(3))
+    def test_shuffled_results_accepted_in_step_order(self, seed: int) -> None:
+        samples = [sample(1), sample(3, top=2), sample(4)]
+        shuffled = random.Random(seed).sample(samples, len(samples))
+        result = step_replies(shuffled).result()
+        assert result.request_ids == [1, 3, 4]
+        assert [result.sample(row) for row in range(3)] == samples
 
     @pytest.mark.parametrize(
         ("samples", "message"),
@@ -135,16 +144,33 @@ class TestStepReplies:
         ],
     )
     def test_bad_results_fatal(self, samples: list[Sample], message: str) -> None:
-        replies = step_replies(samples)
-        with pytest.raises(ReplyError, match=message):
-            replies.result()
+        with pytest.raises(ReplyError, match=message):  # as soon as rank 0's reply arrives
+            step_replies(samples)
+
+    def test_alternatives_without_a_sample_fatal(self) -> None:
+        result = SampleColumns.from_samples([sample(1), sample(3), sample(4)])
+        result = msgspec.structs.replace(result, top_logprobs={2: [(5, -1.0)]})
+        replies = ReplySet(RunUnifiedStep(7, step_items()), 1, check_plan(step_items(), VOCAB))
+        with pytest.raises(ReplyError, match="top logprobs for request 2, which has no sample"):
+            replies.add(StepResult(0, 7, result))
+
+    def test_misaligned_sample_columns_do_not_decode(self) -> None:
+        """Columns of different lengths are a decode error (a protocol error), never a crash."""
+        with pytest.raises(ValueError, match="sample columns differ in length"):
+            SampleColumns([1, 2], [5], [0.0], {})
+        frame = msgspec.msgpack.encode(["StepResult", 0, 7, [[1, 2], [5], [0.0], {}]])
+        with pytest.raises(msgspec.ValidationError, match="sample columns differ in length"):
+            reply_decoder.decode(frame)
 
     @pytest.mark.parametrize(
         ("reply", "message"),
         [
             (Ack(2, 7), "claims rank 2, outside 0..1"),
             (Ack(-1, 7), "claims rank -1"),
-            (StepResult(1, 7, []), "rank 1 replied StepResult to RunUnifiedStep seq 7; expected Ack"),
+            (
+                StepResult(1, 7, SampleColumns([], [], [], {})),
+                "rank 1 replied StepResult to RunUnifiedStep seq 7; expected Ack",
+            ),
             (Failure(1, 7, "StepError: request 1 is not held"), "rank 1 failed RunUnifiedStep seq 7: StepError"),
         ],
     )

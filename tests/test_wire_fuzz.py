@@ -27,6 +27,7 @@ from deltaserve.ipc.messages import (
     Ready,
     RunUnifiedStep,
     Sample,
+    SampleColumns,
     SamplingSpec,
     Shutdown,
     Snapshot,
@@ -87,6 +88,7 @@ _item = st.builds(StepItem, request_id=_rid, start=st.integers(-1, 40),
                   new=st.none() | st.builds(NewRequest, st.integers(-1, 64), _spec))  # fmt: skip
 _sample = st.builds(Sample, request_id=_rid, token_id=st.integers(0, VOCAB), logprob=st.floats(),
                     top_logprobs=st.lists(st.tuples(st.integers(0, VOCAB), st.floats()), max_size=2))  # fmt: skip
+_samples = st.lists(_sample, max_size=4).map(SampleColumns.from_samples)
 COMMANDS = st.one_of(
     st.builds(RunUnifiedStep, _seq, st.lists(_item, max_size=4)),
     st.builds(DropRequests, _seq, st.lists(_rid, max_size=4),
@@ -96,7 +98,7 @@ COMMANDS = st.one_of(
 REPLIES = st.one_of(
     st.builds(Ack, _rank, _seq),
     st.builds(DropAck, _rank, _seq, st.lists(st.booleans(), max_size=4)),
-    st.builds(StepResult, _rank, _seq, st.lists(_sample, max_size=4)),
+    st.builds(StepResult, _rank, _seq, _samples),
     st.builds(SnapshotReply, _rank, _seq, st.lists(_rid, max_size=3), *[st.integers(0, 9)] * 6),
     st.builds(Failure, _rank, _seq, st.text(max_size=10)),
 )  # fmt: skip
@@ -144,7 +146,8 @@ VALID = {
                                    StepItem(2, 8, [9], True)]),
                 DropRequests(5, [1, 2], "must_exist"), Ping(1), Snapshot(2), Shutdown(3)],
     "reply": [Ack(1, 4), DropAck(0, 5, [True, False]), Failure(1, 2, "boom"),
-              StepResult(0, 4, [Sample(1, 5, -0.5, [(5, -0.5), (6, -1.5)])]),
+              StepResult(0, 4, SampleColumns.from_samples(
+                  [Sample(1, 5, -0.5, [(5, -0.5), (6, -1.5)]), Sample(2, 7, -0.1, [])])),
               SnapshotReply(0, 2, [1], 1, 2, 8, 256, 8, 4)],
     "startup": [Ready(0, 8, 256, 16), StartupFailed(1, "no such file")],
     "rank_config": [_CONFIG, msgspec.structs.replace(_CONFIG, fault=None)],

@@ -32,6 +32,7 @@ from deltaserve.ipc.messages import (
     Ack,
     RunUnifiedStep,
     Sample,
+    SampleColumns,
     StepItem,
     StepResult,
     command_encoder,
@@ -44,6 +45,11 @@ QUIT = b"QUIT"
 
 def decode_items(n: int) -> list[StepItem]:
     return [StepItem(request_id=i, start=100 + i, token_ids=[1000 + i], sample=True) for i in range(n)]
+
+
+def noop_result(n: int) -> StepResult:
+    """Rank 0's reply to `decode_items(n)` from the no-op executor."""
+    return StepResult(0, 1, SampleColumns.from_samples([Sample(i, 0, 0.0, []) for i in range(n)]))
 
 
 def figures(samples_s: list[float]) -> dict[str, float]:
@@ -114,10 +120,9 @@ async def time_raw(tp: int, sizes: list[int], iters: int, warmup: int,
     out = {}
     try:
         for n in sizes:
-            items = decode_items(n)
-            frame = command_encoder.encode(RunUnifiedStep(1, items))
-            result = StepResult(0, 1, [Sample(i, 0, 0.0, []) for i in range(n)])
-            replies = [command_encoder.encode(result)] + [command_encoder.encode(Ack(r, 1)) for r in range(1, tp)]
+            frame = command_encoder.encode(RunUnifiedStep(1, decode_items(n)))
+            acks = [command_encoder.encode(Ack(r, 1)) for r in range(1, tp)]
+            replies = [command_encoder.encode(noop_result(n)), *acks]
             await round_trip([SETUP + reply for reply in replies])
             samples = []
             for i in range(warmup + iters):
@@ -161,7 +166,7 @@ def echo(run_dir: str, rank: int) -> None:
 
 def frame_bytes(n: int) -> tuple[int, int]:
     command = command_encoder.encode(RunUnifiedStep(1, decode_items(n)))
-    reply = command_encoder.encode(StepResult(0, 1, [Sample(i, 0, 0.0, []) for i in range(n)]))
+    reply = command_encoder.encode(noop_result(n))
     return len(command), len(reply)
 
 
