@@ -54,6 +54,8 @@ def spawn_rank(config: RankConfig) -> subprocess.Popen:
     env = dict(os.environ)
     if config.device == "cpu":
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
+    else:  # keep Triton autotuning results (fla's prefill kernels) on disk: a restart skips them
+        env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "deltaserve.ipc.rank_main", f"--rank={config.rank}"],
         stdin=subprocess.PIPE,
