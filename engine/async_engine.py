@@ -75,11 +75,11 @@ class AsyncEngine:
         if config.monitor_endpoint is not None:
             monitor = MonitorPublisher(config.monitor_endpoint)  # "starting" from now on
         try:
-            loop = asyncio.get_running_loop()
-            tokenizer = await loop.run_in_executor(None, load_tokenizer, config.model)
-            self = cls(config, model_config, tokenizer, limits.max_model_len)
+            # the tokenizer loads in a thread while the ranks start: each takes seconds
+            tokenizer = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model)
+            self = cls(config, model_config, None, limits.max_model_len)
             self._monitor = monitor
-            await self._launch(limits.num_kv_blocks)
+            await self._launch(limits.num_kv_blocks, tokenizer)
         except BaseException as exc:
             if monitor is not None:
                 monitor.failed_to_start(f"start failed: {exc!r}")
@@ -92,9 +92,10 @@ class AsyncEngine:
                           max_model_len=self.max_model_len, startup_s=time.monotonic() - t0)  # fmt: skip
         return self
 
-    async def _launch(self, num_kv_blocks: int | None) -> None:
-        """Start the replica; `num_kv_blocks` None: each rank sizes its KV cache from
-        gpu_memory_utilization and the ranks agree on the smallest (their Ready says)."""
+    async def _launch(self, num_kv_blocks: int | None, tokenizer: asyncio.Future) -> None:
+        """Start the replica, then take the tokenizer loaded meanwhile; `num_kv_blocks` None:
+        each rank sizes its KV cache from gpu_memory_utilization and the ranks agree on the
+        smallest (their Ready says)."""
         config = self.config
         replica = ReplicaConfig(
             model_dir=config.model,
@@ -116,6 +117,7 @@ class AsyncEngine:
         # handles it needs the started controller.
         self._controller = await ReplicaController.start(replica, on_poison=self._on_poison)
         try:
+            self.tokenizer = await tokenizer
             self._scheduler = Scheduler(
                 self._controller,
                 self.tokenizer,
