@@ -15,6 +15,7 @@ h * r ... h * r + r - 1 (r = value heads / key heads), i.e. value head j reads k
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -255,6 +256,25 @@ def fla_chunk_kernel():
     return chunk_gated_delta_rule
 
 
+@dataclass(frozen=True, slots=True)
+class PackedSpans:
+    """The sequences of a packed prefill: built once per step and shared by every layer, so
+    no layer copies indices to the GPU (a copy from pageable memory waits for the stream,
+    and 24 such waits per step serialise the host's launches with the GPU's work)."""
+
+    slots: list[int]  # slot of each sequence
+    lengths: list[int]  # tokens of each sequence
+    slot_index: torch.Tensor  # [n] int64 on the device
+    bounds: torch.Tensor  # [n + 1] int64 on the CPU: cumulative lengths (fla's cu_seqlens)
+    bounds_device: torch.Tensor
+
+    @classmethod
+    def build(cls, slots: list[int], lengths: list[int], device: torch.device) -> PackedSpans:
+        bounds = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+        index = torch.tensor(slots, dtype=torch.int64).to(device)
+        return cls(list(slots), list(lengths), index, bounds, bounds.to(device))
+
+
 def chunk_gated_delta_packed(
     q: torch.Tensor,  # [L, nk, dk] sequences packed end to end, normalised and scaled as above
     k: torch.Tensor,  # [L, nk, dk]
@@ -262,8 +282,7 @@ def chunk_gated_delta_packed(
     g: torch.Tensor,  # [L, nv]
     beta: torch.Tensor,  # [L, nv]
     state: torch.Tensor,  # [slots, nv, dk, dv] fp32; each sequence's slot updated in place
-    slots: list[int],  # slot of each sequence
-    lengths: list[int],  # tokens of each sequence, summing to L
+    spans: PackedSpans,  # the sequences' slots and lengths (summing to L)
 ) -> torch.Tensor:  # [L, nv, dv] fp32
     """Prefill of several sequences in one call of fla's varlen chunk kernel on CUDA (when
     installed); otherwise `chunk_gated_delta` sequence by sequence."""
@@ -271,17 +290,16 @@ def chunk_gated_delta_packed(
     if kernel is None:
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         offset = 0
-        for slot, length in zip(slots, lengths, strict=True):
+        for slot, length in zip(spans.slots, spans.lengths, strict=True):
             piece = slice(offset, offset + length)
             out[piece] = chunk_gated_delta(q[piece], k[piece], v[piece], g[piece], beta[piece], state[slot])
             offset += length
         return out
-    bounds = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
-    index = torch.tensor(slots, dtype=torch.int64, device=state.device)
+    index = spans.slot_index
     out, final = kernel(
         q[None].float(), k[None].float(), v[None].float(), g[None].float(), beta[None].float(),
         scale=1.0, initial_state=state[index], output_final_state=True,
-        cu_seqlens=bounds.to(q.device), cu_seqlens_cpu=bounds,
+        cu_seqlens=spans.bounds_device, cu_seqlens_cpu=spans.bounds,
     )
     state[index] = final.float()
     return out[0].float()

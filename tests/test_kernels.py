@@ -279,7 +279,7 @@ def test_fla_chunk_matches_reference(kernels):
     state = torch.randn(5, nv, dk, dv, device=dev) * 0.1
     want_state = state.clone()
     slots = [3, 0, 4]
-    got = mod.chunk_gated_delta_packed(q, k, v, g, beta, state, slots, lengths)
+    got = mod.chunk_gated_delta_packed(q, k, v, g, beta, state, mod.PackedSpans.build(slots, lengths, dev))
     offset, want = 0, torch.empty_like(got)
     for slot, n in zip(slots, lengths, strict=True):
         piece = slice(offset, offset + n)

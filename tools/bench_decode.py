@@ -175,7 +175,11 @@ def bench_kernels(device: torch.device, copy_gbps: float, batches: list[int], co
 
 
 def bench_fla_prefill(device: torch.device, tokens: int = 4096) -> dict | None:
-    from deltaserve.kernels.gated_delta import chunk_gated_delta_packed, fla_chunk_kernel
+    from deltaserve.kernels.gated_delta import (
+        PackedSpans,
+        chunk_gated_delta_packed,
+        fla_chunk_kernel,
+    )
 
     if fla_chunk_kernel() is None:
         return None
@@ -186,7 +190,8 @@ def bench_fla_prefill(device: torch.device, tokens: int = 4096) -> dict | None:
     g = -torch.rand(tokens, nv, device=device)
     beta = torch.rand(tokens, nv, device=device)
     state = torch.zeros(2, nv, dk, dv, device=device)
-    seconds = time_events(lambda: chunk_gated_delta_packed(q, k, v, g, beta, state, [0], [tokens]), reps=10)
+    spans = PackedSpans.build([0], [tokens], device)
+    seconds = time_events(lambda: chunk_gated_delta_packed(q, k, v, g, beta, state, spans), reps=10)
     return {"tokens": tokens, "ms_per_layer": seconds * 1e3}
 
 

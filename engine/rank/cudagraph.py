@@ -22,6 +22,7 @@ from torch import nn
 
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch
 from deltaserve.engine.rank.cache import StateCache
+from deltaserve.kernels.gated_delta import PackedSpans
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +32,9 @@ class DecodeMeta:
     seq_lens: torch.Tensor  # [D] int32, positions it attends to, its own included (0: padding)
     block_tables: torch.Tensor  # [D, max_blocks] int64, its KV blocks (padded with block 0)
     max_seq_len: int  # host-side bound on seq_lens: sizes the attention grid
-    prefill: tuple[SeqSpan, ...]  # the step's spans of more than one token (run by reference)
+    prefill: tuple[SeqSpan, ...]  # the step's spans of more than one token
+    prefill_rows: torch.Tensor | None = None  # [P] int64, their token rows, packed in order
+    packed: PackedSpans | None = None  # their slots and lengths for the chunked kernel
 
     @property
     def num_decodes(self) -> int:
@@ -66,13 +69,21 @@ def build_decode_meta(spans: tuple[SeqSpan, ...], device: torch.device) -> Decod
     ).reshape(3, len(decodes))
     dev = host.to(device)
     width = max((int(s.block_table.shape[0]) for s in decodes), default=1)
+    prefill = tuple(s for s in spans if s.length > 1)
+    prefill_rows = packed = None
+    if prefill:
+        rows = [r for s in prefill for r in range(s.offset, s.offset + s.length)]
+        prefill_rows = torch.tensor(rows, dtype=torch.int64).to(device)
+        packed = PackedSpans.build([s.slot for s in prefill], [s.length for s in prefill], device)
     return DecodeMeta(
         rows=dev[0],
         slots=dev[1],
         seq_lens=dev[2],
         block_tables=_stacked_tables([s.block_table for s in decodes], width, device),
         max_seq_len=max((s.start + 1 for s in decodes), default=1),
-        prefill=tuple(s for s in spans if s.length > 1),
+        prefill=prefill,
+        prefill_rows=prefill_rows,
+        packed=packed,
     )
 
 

@@ -127,17 +127,16 @@ class GatedDeltaNet(nn.Module):
                 mixed, a, b, self.A_log, self.dt_bias, recurrent, meta.rows, meta.slots, core, nk
             )
         if meta.prefill:
-            pieces = [slice(s.offset, s.offset + s.length) for s in meta.prefill]
-            for span, piece in zip(meta.prefill, pieces, strict=True):
+            for span in meta.prefill:
+                piece = slice(span.offset, span.offset + span.length)
                 mixed[piece] = causal_conv1d(qkv[piece], weight, conv_state[span.slot])
-            rows = torch.cat([torch.arange(p.start, p.stop) for p in pieces]).to(x.device)
+            rows = meta.prefill_rows
             q, k, v = mixed[rows].split((nk * dk, nk * dk, nv * dv), dim=-1)
             q = l2_normalize(q.reshape(-1, nk, dk)) * dk**-0.5
             k = l2_normalize(k.reshape(-1, nk, dk))
             g = -self.A_log.float().exp() * F.softplus(a[rows].float() + self.dt_bias)
             core[rows] = chunk_gated_delta_packed(
-                q, k, v.reshape(-1, nv, dv), g, b[rows].sigmoid(), recurrent,
-                [s.slot for s in meta.prefill], [s.length for s in meta.prefill],
+                q, k, v.reshape(-1, nv, dv), g, b[rows].sigmoid(), recurrent, meta.packed
             ).to(x.dtype)
         out = self.norm(core, z)
         return self.out_proj(out.reshape(tokens, nv * dv))
