@@ -304,15 +304,15 @@ def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflo
             rows.append(row)
             print(json.dumps(row), flush=True)
     result.update({"params_bytes": params_bytes, "decode": rows})
-    if args.prefill:
-        ex.drop(list(range(max_batch)))  # the decode requests' slots and blocks
-        result["prefill"] = bench_prefill(ex, device, args.prefill, matmul_tflops)
     if device.type == "cuda":
         result["profiles"] = {}
         for batch in sorted({min(args.batches), max_batch}):
             for mode, fn in modes.items():
                 if mode != "executor_forward":
                     result["profiles"][f"{mode}_b{batch}"] = profile_step(fn, batch, device)
+    if args.prefill:
+        ex.drop(list(range(max_batch)))  # the decode requests' slots and blocks
+        result["prefill"] = bench_prefill(ex, device, args.prefill, matmul_tflops)
     return result
 
 
@@ -400,14 +400,15 @@ def bench_hf_prefill(model, device: torch.device, lengths: list[int]) -> list[di
     return rows
 
 
-async def bench_engine(args, batches: list[int], context: int, new_tokens: int) -> list[dict]:
-    """AsyncEngine through its rank process (greedy, ignore_eos): `batch` requests of
-    `context` prompt tokens decoding together; time per output token once all decode."""
+async def bench_engine(args, batches: list[int], context: int, new_tokens: int, tp: int = 1) -> list[dict]:
+    """AsyncEngine through its rank processes (greedy, ignore_eos) at tensor-parallel size
+    `tp`: `batch` requests of `context` prompt tokens decoding together; time per output
+    token once all decode."""
     import asyncio
 
     from deltaserve.engine import AsyncEngine, EngineConfig, SamplingParams
 
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(batches), tp_size=tp,
                           max_model_len=context + new_tokens + 16, max_num_batched_tokens=8192)  # fmt: skip
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(3)
@@ -424,7 +425,7 @@ async def bench_engine(args, batches: list[int], context: int, new_tokens: int) 
             end = min(s[-1] for s in stamps)
             steps = min(sum(1 for t in s if start < t <= end) for s in stamps)
             step_s = (end - start) / max(steps, 1)
-            rows.append({"batch": batch, "context": context, "ms_per_output_token": step_s * 1e3,
+            rows.append({"tp": tp, "batch": batch, "context": context, "ms_per_output_token": step_s * 1e3,
                          "tokens_per_s": batch / step_s})  # fmt: skip
             print(json.dumps({"engine": rows[-1]}), flush=True)
     return rows
@@ -503,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-prefill", type=int, nargs="*", default=[1024, 4096])
     parser.add_argument("--engine-batches", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--engine-tokens", type=int, default=128, help="output tokens per engine request")
+    parser.add_argument("--engine-tp", type=int, nargs="+", default=[1], help="TP sizes of the engine runs")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     report = {"command": " ".join([sys.executable, "-m", "tools.bench_decode", *sys.argv[1:]]),
@@ -535,9 +537,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine_batches:
         import asyncio
 
-        report["engine"] = asyncio.run(bench_engine(args, args.engine_batches, args.context, args.engine_tokens))
+        report["engine"] = [row for tp in args.engine_tp for row in
+                            asyncio.run(bench_engine(args, args.engine_batches, args.context, args.engine_tokens, tp))]
         for row in report["engine"]:
-            decode = next((r for r in report["model"]["decode"] if r["batch"] == row["batch"] and "roofline_ms" in r), None)
+            decode = next((r for r in report["model"]["decode"]
+                           if r["batch"] == row["batch"] and "roofline_ms" in r and row["tp"] == 1), None)  # fmt: skip
             if decode:
                 row["roofline_ms"] = decode["roofline_ms"]
                 row["ratio_to_roofline"] = row["ms_per_output_token"] / decode["roofline_ms"]
@@ -570,7 +574,7 @@ def print_table(report: dict) -> None:
         print(f"prefill {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s "
               f"{row['model_TFLOPs']:6.1f} TFLOP/s = {frac:6.1%} of matmul")
     for row in report.get("engine", []):
-        print(f"engine b={row['batch']:3d} {row['ms_per_output_token']:8.2f} ms/step {row['tokens_per_s']:9.1f} tok/s "
+        print(f"engine tp={row['tp']} b={row['batch']:3d} {row['ms_per_output_token']:8.2f} ms/step {row['tokens_per_s']:9.1f} tok/s "
               f"x{row.get('ratio_to_roofline', math.nan):.2f} of roofline")
     for row in report.get("hf_prefill", []):
         print(f"hf prefill {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s")
