@@ -108,6 +108,7 @@ class AsyncEngine:
             num_blocks=0 if num_kv_blocks is None else num_kv_blocks,
             max_model_len=self.max_model_len,
             gpu_memory_utilization=config.gpu_memory_utilization,
+            cuda_graphs=not config.enforce_eager,
             max_num_batched_tokens=config.max_num_batched_tokens,
             startup_timeout_s=config.startup_timeout_s,
             step_timeout_s=config.step_timeout_s,

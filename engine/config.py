@@ -39,6 +39,7 @@ class EngineConfig:
     # / block_size
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9  # share of each device's memory the engine may use (cuda)
+    enforce_eager: bool = False  # cuda: never replay CUDA graphs (vLLM's flag)
     step_timeout_s: float = 60.0
     startup_timeout_s: float = 120.0
     monitor_endpoint: str | None = None  # None: no monitor; "auto", ipc://PATH, tcp://HOST:PORT

@@ -248,6 +248,7 @@ class ReplicaController:
             max_model_len=config.max_model_len,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            cuda_graphs=config.cuda_graphs,
             dist_init_method=f"file://{self._run_dir}/dist-store",
             dist_timeout_s=max(config.startup_timeout_s, 2 * config.step_timeout_s),
             noop_executor=config.noop_executor,

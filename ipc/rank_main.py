@@ -97,6 +97,7 @@ def build_executor(config: RankConfig) -> object:
             max_model_len=config.max_model_len,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            cuda_graphs=config.cuda_graphs,
         )
     )
 

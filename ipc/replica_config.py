@@ -22,6 +22,7 @@ class ReplicaConfig:
     max_model_len: int = 0  # longest request in positions (sizes CUDA graphs); 0: whole cache
     gpu_memory_utilization: float = 0.9  # when num_blocks is 0: share of each device's memory
     max_num_batched_tokens: int = 2048  # when num_blocks is 0: tokens of the profiling step
+    cuda_graphs: bool = True  # cuda: single-token items replay CUDA graphs
     startup_timeout_s: float = 120.0
     step_timeout_s: float = 60.0
     gate_timeout_s: float = 10.0  # every rank must record receipt of a gated command by then
