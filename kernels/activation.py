@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels.triton_compat import HAS_TRITON, check_launchable, tl, triton
+from deltaserve.kernels.triton_compat import HAS_TRITON, check_launchable, gpu_path, tl, triton
 
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -20,7 +20,7 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 I] -> [T, I]: silu(gate) * up."""
-    if gate_up.is_cuda and HAS_TRITON:
+    if gpu_path(gate_up) and HAS_TRITON:
         return silu_and_mul_triton(gate_up)
     return silu_and_mul_reference(gate_up)
 

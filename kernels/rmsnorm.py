@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels.triton_compat import HAS_TRITON, check_launchable, tl, triton
+from deltaserve.kernels.triton_compat import HAS_TRITON, check_launchable, gpu_path, tl, triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,7 +41,7 @@ def gated_rms_norm_reference(x: torch.Tensor, z: torch.Tensor, weight: torch.Ten
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.is_cuda and HAS_TRITON:
+    if gpu_path(x) and HAS_TRITON:
         return rms_norm_triton(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
@@ -49,13 +49,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.is_cuda and HAS_TRITON:
+    if gpu_path(x) and HAS_TRITON:
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_reference(x, residual, weight, eps)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.is_cuda and HAS_TRITON:
+    if gpu_path(x) and HAS_TRITON:
         return gated_rms_norm_triton(x, z, weight, eps)
     return gated_rms_norm_reference(x, z, weight, eps)
 

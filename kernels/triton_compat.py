@@ -39,6 +39,14 @@ except ImportError:  # CPU-only install
     tl = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Tests set this under TRITON_INTERPRET=1 to run the model's GPU code path, Triton kernels
+# included, on CPU tensors: CI then covers that path's logic without a GPU.
+GPU_PATH_ON_CPU = False
+
+
+def gpu_path(t: torch.Tensor) -> bool:
+    """Whether work on `t` takes the GPU code path (kernels, per-step DecodeMeta)."""
+    return t.is_cuda or (GPU_PATH_ON_CPU and INTERPRET)
 
 
 def check_launchable(*tensors) -> None:

@@ -328,6 +328,19 @@ def _assert_steps_match(got: list[torch.Tensor], want: list[torch.Tensor], bound
         assert report.max_abs_diff <= bound, f"{what}: step {step} top-8 logprobs differ by {report.max_abs_diff}"
 
 
+@pytest.mark.skipif(CUDA, reason="the GPU runs this path for real in test_cuda_executor_matches_cpu")
+def test_gpu_path_under_interpreter_matches_cpu(kernels, tiny_model_dir, monkeypatch):
+    """The layers' GPU code path (per-step DecodeMeta and packed prefill indices, Triton decode
+    kernels, fused norms, SDPA prefill), run on CPU tensors by Triton's interpreter, gives
+    the CPU path's log-probabilities over mixed steps. (CUDA graphs and fla need a GPU.)"""
+    from deltaserve.kernels import triton_compat
+
+    model_dir = str(tiny_model_dir)
+    cpu = _run_steps(model_dir, "cpu")
+    monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
+    _assert_steps_match(_run_steps(model_dir, "cpu"), cpu, 2e-3, "GPU path under the interpreter vs cpu")
+
+
 @needs_cuda
 @pytest.mark.parametrize("prefill", ["reference", "fla"])
 def test_cuda_executor_matches_cpu(tiny_model_dir, monkeypatch, prefill):

@@ -24,6 +24,7 @@ from deltaserve.kernels.paged_attention import (
     store_kv,
 )
 from deltaserve.kernels.rope import norm_rope
+from deltaserve.kernels.triton_compat import gpu_path
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +77,7 @@ class GatedAttention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, hd)
         v = v.view(tokens, self.num_kv_heads, hd)
         k_cache, v_cache = cache.kv[self.cache_layer, 0], cache.kv[self.cache_layer, 1]
-        if x.is_cuda:
+        if gpu_path(x):
             out = self._attend_cuda(q, k, v, k_cache, v_cache, batch, cache)
             return self.o_proj((out * torch.sigmoid(gate)).reshape(tokens, self.num_heads * hd))
         q = self.rope(self.q_norm(q), batch.positions)

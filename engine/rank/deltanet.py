@@ -31,6 +31,7 @@ from deltaserve.kernels.gated_delta import (
     gated_delta_decode,
     recurrent_gated_delta,
 )
+from deltaserve.kernels.triton_compat import gpu_path
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -69,7 +70,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(config.linear_value_dim, hidden, dtype, device)
 
     def forward(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
-        if x.is_cuda:
+        if gpu_path(x):
             return self._forward_cuda(x, batch, cache)
         tokens = x.shape[0]
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.dk, self.dv

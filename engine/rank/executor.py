@@ -23,6 +23,7 @@ from deltaserve.engine.rank.parallel import tp_rank, tp_size
 from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
 from deltaserve.engine.rank.sampler import Sampler
 from deltaserve.ipc.messages import Sample, StepItem
+from deltaserve.kernels.triton_compat import gpu_path
 
 log = logging.getLogger("deltaserve.rank")
 
@@ -168,7 +169,7 @@ class Executor:
         return logits
 
     def _run_eager(self, batch: StepBatch) -> torch.Tensor | None:
-        if self.device.type == "cuda":
+        if gpu_path(batch.input_ids):
             batch = with_decode_meta(batch, self.device)  # index tensors once for all layers
         return self.model(batch, self.cache)
 
