@@ -311,10 +311,11 @@ def _run_steps(model_dir: str, device: str, graphs: bool = False) -> list[torch.
     """Logits of every step of `_steps` through one executor (fp32): eagerly, or on CUDA with
     graphs, where single-token items replay a graph beside an eager forward of the chunks."""
     from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+    from deltaserve.kernels.triton_compat import gpu_path
 
     config = ExecutorConfig(model_dir, device=device, dtype="float32", num_slots=4, num_blocks=64, cuda_graphs=graphs)
     ex = Executor(config)
-    assert (ex.graphs is not None) == (graphs and device == "cuda")
+    assert (ex.graphs is not None) == (graphs and gpu_path(ex.cache.kv))
     return [ex.forward(items).float().cpu() for items in _steps()]
 
 
@@ -339,6 +340,8 @@ def test_gpu_path_under_interpreter_matches_cpu(kernels, tiny_model_dir, monkeyp
     cpu = _run_steps(model_dir, "cpu")
     monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
     _assert_steps_match(_run_steps(model_dir, "cpu"), cpu, 2e-3, "GPU path under the interpreter vs cpu")
+    # the decode graphs' static buffers, run eagerly (no capture off CUDA), mixed steps split
+    _assert_steps_match(_run_steps(model_dir, "cpu", graphs=True), cpu, 2e-3, "graph buffers vs cpu")
 
 
 @needs_cuda

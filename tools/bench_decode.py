@@ -210,7 +210,7 @@ def step_bytes(config, params_bytes: int, batch: int, context: int, dtype_bytes:
 
 
 def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflops: float | None) -> dict:
-    from deltaserve.engine.rank.cudagraph import DecodeGraphs, with_decode_meta
+    from deltaserve.engine.rank.cudagraph import with_decode_meta
     from deltaserve.engine.rank.executor import Executor, ExecutorConfig
     from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 
@@ -219,9 +219,10 @@ def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflo
     reserve = args.context + total_steps
     blocks_per = -(-reserve // args.block_size)
     config = ExecutorConfig(args.model, device=str(device), dtype=args.dtype, block_size=args.block_size,
-                            num_slots=max_batch, num_blocks=max_batch * blocks_per)
+                            num_slots=max_batch, num_blocks=max_batch * blocks_per, max_model_len=reserve,
+                            cuda_graphs=not args.no_graphs)  # fmt: skip
     started = time.monotonic()
-    ex = Executor(config)
+    ex = Executor(config)  # loads the weights, captures the decode graphs
     sync(device)
     result = {"load_s": time.monotonic() - started}
     params_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
@@ -260,22 +261,9 @@ def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflo
         step = with_decode_meta(ex._build_batch(items, False), device)
         finish(items, ex.model(step, ex.cache))
 
-    graphs = None
-    if device.type == "cuda" and not args.no_graphs:
-        started = time.monotonic()
-        graphs = DecodeGraphs(ex.model, ex.cache, max_batch=max_batch, max_blocks=blocks_per)
-        graphs.capture()
-        result["graph_capture_s"] = time.monotonic() - started
-
-    def run_graph(batch: int) -> None:
-        items = decode_items(batch)
-        ex._admit_new(items)
-        logits = graphs.run(ex._build_batch(items, False))
-        finish(items, logits)
-
+    graphs = ex.graphs
+    # executor_forward: the executor's step as the rank runs it (graph replays when captured)
     modes = {"executor_forward": run_eager, "eager_meta_once": run_meta}
-    if graphs is not None:
-        modes["cuda_graph"] = run_graph
     rows = []
     for batch in args.batches:
         for mode, fn in modes.items():
@@ -293,7 +281,7 @@ def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflo
             nbytes = step_bytes(ex.model_config, params_bytes, batch, context, dtype_bytes)
             row = {"mode": mode, "batch": batch, "context": context, "step_ms": step_s * 1e3,
                    "tokens_per_s": batch / step_s, "bytes_per_step": nbytes, "GBps": nbytes / step_s / 1e9}
-            if mode == "cuda_graph":  # the GPU's part alone: replay with the step's inputs in place
+            if mode == "executor_forward" and graphs is not None:  # the GPU's part alone: replay in place
                 graph = graphs.graphs[min(b for b in graphs.graphs if b >= batch)][0]
                 row["graph_replay_ms"] = time_events(graph.replay, reps=args.steps) * 1e3
             if copy_gbps:
@@ -308,8 +296,7 @@ def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflo
         result["profiles"] = {}
         for batch in sorted({min(args.batches), max_batch}):
             for mode, fn in modes.items():
-                if mode != "executor_forward":
-                    result["profiles"][f"{mode}_b{batch}"] = profile_step(fn, batch, device)
+                result["profiles"][f"{mode}_b{batch}"] = profile_step(fn, batch, device)
     if args.prefill:
         ex.drop(list(range(max_batch)))  # the decode requests' slots and blocks
         result["prefill"] = bench_prefill(ex, device, args.prefill, matmul_tflops)

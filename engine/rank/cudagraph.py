@@ -115,15 +115,21 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """One CUDA graph per batch bucket of a decode-only step over `model` and `cache`.
+    """One CUDA graph per batch bucket of single-token items over `model` and `cache`.
+
+    A step's inputs are three rows of int64, [token | position | slot] per item (slot -1 pads
+    a bucket), copied to the GPU in one transfer from a pinned buffer; everything else is
+    computed inside the graph: the KV row from the slot's block table (kept on the GPU per
+    slot, `set_table` at admission), the context length, the block tables of the batch. So a
+    step costs Python one small copy and one launch.
 
     At TP > 1 every rank captures the same buckets in the same order at start-up and replays
     the same bucket each step (every rank runs every step), so the NCCL collectives inside
     (all-reduce after each row-parallel layer, the logits all-gather) pair up across ranks;
     the warm-up run before each capture creates the communicators.
 
-    `run` replays steps that `can_run`: single-token spans only, at most `max_batch` of them,
-    each with at most `max_blocks` blocks; the caller runs the rest eagerly.
+    Off CUDA (the GPU path under Triton's interpreter, in tests) nothing is captured: `run`
+    runs the model on the same static buffers eagerly, so CI covers their plumbing.
     """
 
     def __init__(
@@ -137,80 +143,91 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         device = cache.kv.device
         self.device = device
+        self.is_cuda = device.type == "cuda"
         i64 = {"dtype": torch.int64, "device": device}
-        self.tokens = torch.zeros((3, max_batch), **i64)  # input_ids, positions, kv_index
-        self.meta = torch.zeros((3, max_batch), dtype=torch.int32, device=device)  # rows, slots, seq_lens
-        self.tables = torch.zeros((max_batch, max_blocks), **i64)
+        self.inputs = torch.zeros((3, max_batch), **i64)  # token, position, slot
+        self.inputs[2].fill_(-1)
+        self.host = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=self.is_cuda)
+        self.copied = torch.cuda.Event() if self.is_cuda else None  # host buffer free again
+        self.slot_tables = torch.zeros((cache.num_slots, max_blocks), **i64)
         self.arange = torch.arange(max_batch, **i64)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.pool = None
 
+    def set_table(self, slot: int, table: torch.Tensor) -> None:
+        """The block table of the request now in `slot` (at most `max_blocks` blocks)."""
+        self.slot_tables[slot].zero_()
+        self.slot_tables[slot, : table.shape[0]].copy_(table)
+
     def _batch(self, size: int) -> GpuStepBatch:
+        """The step over the first `size` rows of the static inputs, by tensor ops only (so a
+        capture records them): padding rows (slot -1) write KV row -1 and read nothing."""
+        tokens, positions, slots = self.inputs[:, :size]
+        bs = self.cache.block_size
+        valid = slots >= 0
+        tables = self.slot_tables[slots.clamp(min=0)]  # [size, max_blocks]
+        block = tables.gather(1, (positions // bs).clamp(max=self.max_blocks - 1)[:, None])[:, 0]
+        rows = self.arange[:size]
         meta = DecodeMeta(
-            rows=self.meta[0, :size],
-            slots=self.meta[1, :size],
-            seq_lens=self.meta[2, :size],
-            block_tables=self.tables[:size],
-            max_seq_len=self.max_blocks * self.cache.block_size,
+            rows=rows.to(torch.int32),
+            slots=slots.to(torch.int32),
+            seq_lens=torch.where(valid, positions + 1, 0).to(torch.int32),
+            block_tables=tables,
+            max_seq_len=self.max_blocks * bs,
             prefill=(),
         )
         return GpuStepBatch(
-            input_ids=self.tokens[0, :size],
-            positions=self.tokens[1, :size],
-            kv_index=self.tokens[2, :size],
+            input_ids=tokens,
+            positions=positions,
+            kv_index=torch.where(valid, block * bs + positions % bs, -1),
             spans=(),
-            logits_index=self.arange[:size],
+            logits_index=rows,
             decode=meta,
         )
-
-    def _pad_all(self) -> None:
-        self.tokens.zero_()
-        self.tokens[2].fill_(-1)
-        self.meta[0].copy_(self.arange.to(torch.int32))
-        self.meta[1].fill_(-1)
-        self.meta[2].zero_()
-        self.tables.zero_()
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first (so smaller ones reuse its memory pool)."""
-        self._pad_all()
         for size in sorted(batch_buckets(self.max_batch), reverse=True):
-            batch = self._batch(size)
-            self.model(batch, self.cache)  # warm-up: compiles kernels, settles allocations
+            if not self.is_cuda:
+                self.graphs[size] = (None, None)
+                continue
+            self.model(self._batch(size), self.cache)  # warm-up: compiles kernels, settles allocations
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.model(batch, self.cache)
+                logits = self.model(self._batch(size), self.cache)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = (graph, logits)
-        torch.cuda.synchronize(self.device)
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
 
-    def can_run(self, batch: StepBatch) -> bool:
-        return (
-            bool(self.graphs)
-            and 0 < len(batch.spans) <= self.max_batch
-            and all(s.length == 1 and s.block_table.shape[0] <= self.max_blocks for s in batch.spans)
-        )
+    def can_run(self, num_items: int, num_blocks: int) -> bool:
+        """Whether `num_items` single-token items whose tables hold at most `num_blocks`
+        blocks fit a captured bucket."""
+        return bool(self.graphs) and 0 < num_items <= self.max_batch and num_blocks <= self.max_blocks
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> torch.Tensor | None:
-        """Replay the smallest bucket that holds the step (one `can_run`); fp32 logits of
-        `batch.logits_index` on rank 0, None on the others."""
-        n = len(batch.spans)
+    def run(self, tokens: list[int], positions: list[int], slots: list[int], sampled: list[int]) -> torch.Tensor | None:
+        """Replay the smallest bucket that holds the items (one `can_run`); fp32 logits of
+        the rows `sampled` on rank 0, None on the others."""
+        n = len(tokens)
         size = min(b for b in self.graphs if b >= n)
-        self._pad_all()
-        self.tokens[0, :n].copy_(batch.input_ids, non_blocking=True)
-        self.tokens[1, :n].copy_(batch.positions, non_blocking=True)
-        self.tokens[2, :n].copy_(batch.kv_index, non_blocking=True)
-        host = torch.tensor(
-            [[s.offset for s in batch.spans], [s.slot for s in batch.spans], [s.start + 1 for s in batch.spans]],
-            dtype=torch.int32,
-        )
-        self.meta[:, :n].copy_(host, non_blocking=True)
-        tables = [s.block_table for s in batch.spans]
-        self.tables[:n].copy_(_stacked_tables(tables, self.max_blocks, self.device))
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy has read the pinned buffer
+        self.host[:, :n] = torch.tensor([tokens, positions, slots], dtype=torch.int64)
+        self.host[:2, n:size] = 0
+        self.host[2, n:size] = -1
+        self.inputs[:, :size].copy_(self.host[:, :size], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
         graph, logits = self.graphs[size]
-        graph.replay()
-        return None if logits is None else logits[batch.logits_index]
+        if graph is None:  # not CUDA: the same buffers, run eagerly
+            logits = self.model(self._batch(size), self.cache)
+        else:
+            graph.replay()
+        if logits is None:
+            return None
+        # a copy: the graph's output buffer is overwritten by the next replay
+        return logits[:n].clone() if len(sampled) == n else logits[torch.tensor(sampled, device=logits.device)]

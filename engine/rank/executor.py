@@ -124,7 +124,7 @@ class Executor:
             self.dtype,
             self.device,
         )
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if config.cuda_graphs and gpu_path(self.cache.kv):  # CUDA (or the interpreter, in tests)
             started = time.monotonic()
             max_len = config.max_model_len or self.cache.num_blocks * config.block_size
             self.graphs = DecodeGraphs(self.model, self.cache, config.num_slots, self.cache.blocks_for(max_len))
@@ -179,16 +179,19 @@ class Executor:
         its prompt tokens instead of making its decodes pay it too (SGLang likewise keeps
         prefill and decode batches apart). The requests are disjoint, so order is free."""
         singles = [item for item in items if len(item.token_ids) == 1]
-        decode = self._build_batch(singles, False)
-        if not singles or not self.graphs.can_run(decode):
+        held = [self.requests[item.request_id] for item in singles]
+        if not self.graphs.can_run(len(singles), max((len(r.blocks) for r in held), default=0)):
             return self._run_eager(self._build_batch(items, False))
-        if len(singles) == len(items):
-            return self.graphs.run(decode)
         chunks = [item for item in items if len(item.token_ids) > 1]
-        chunk_logits = self._run_eager(self._build_batch(chunks, False))
-        decode_logits = self.graphs.run(decode)
-        if decode_logits is None:  # not rank 0
-            return None
+        chunk_logits = self._run_eager(self._build_batch(chunks, False)) if chunks else None
+        decode_logits = self.graphs.run(
+            [item.token_ids[0] for item in singles],
+            [item.start for item in singles],
+            [r.slot for r in held],
+            [i for i, item in enumerate(singles) if item.sample],
+        )
+        if not chunks or decode_logits is None:  # decode-only, or not rank 0
+            return decode_logits
         # rows of [decode samples | chunk samples] back into the items' order
         first_chunk_row = sum(item.sample for item in singles)
         order, next_row = [], [0, first_chunk_row]
@@ -234,6 +237,8 @@ class Executor:
             if item.new is not None:
                 slot, blocks = self.cache.allocate(item.new.reserve_tokens)
                 table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+                if self.graphs is not None and len(blocks) <= self.graphs.max_blocks:
+                    self.graphs.set_table(slot, table)
                 self.requests[item.request_id] = LiveRequest(slot, blocks, table, item.new.reserve_tokens)
                 if self.sampler is not None:
                     self.sampler.add(item.request_id, item.new.sampling)
