@@ -154,6 +154,11 @@ def ensure_demo_model() -> tuple[Path, bool]:
 
 
 def _default_device() -> str:
+    """cuda when torch sees a GPU; without an NVIDIA driver, cpu without importing torch
+    (seconds of the start-up of a CPU machine, in a process that needs no torch)."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    if not (gpus.is_dir() and any(gpus.iterdir())) and not Path("/dev/nvidia0").exists():
+        return "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

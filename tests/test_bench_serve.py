@@ -124,3 +124,22 @@ def test_metrics_formulas():
     for bad_slo in (["ttft"], ["itl:5"], ["ttft:-1"], ["tpot:x"]):
         with pytest.raises(ValueError, match="goodput"):
             parse_goodput(bad_slo)
+
+
+def test_coldstart_tool(tiny_model_dir, tmp_path):
+    """`python -m tools.coldstart` times a real `deltaserve serve` to its first answer, keeps
+    the start-up phases it logged, and sees a clean SIGTERM exit."""
+    import subprocess
+
+    out = tmp_path / "coldstart.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.coldstart", "--runs", "1", "--out", str(out), "--",
+         "--model", str(tiny_model_dir), "--device", "cpu", "--max-num-seqs", "2"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["exit_code"] == 0
+    assert 0 < run["seconds_to_first_answer"] < 120
+    assert any("weights loaded" in line for line in run["phases"])
+    assert any("engine ready" in line for line in run["phases"])

@@ -1,0 +1,42 @@
+#!/bin/bash
+# Every GPU measurement of the open issues in one go, on one H200 (about 9 minutes):
+# decode / prefill / engine / HF (bench_decode), cold start, bench_serve at concurrency
+# 1 / 16 / 64 and the multi-turn run; the bf16 gate with `--gate` (about 6 more minutes).
+#
+#   OUT=/tmp/out bash tools/h200_suite.sh [--gate]      # from the repository root
+#
+# Needs the package importable (pip install -e . or PYTHONPATH) and a GPU; makes the random
+# 4B checkpoint at /tmp/m4b on the GPU (never carried). Results land in $OUT.
+set -u
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+T0=$(date +%s)
+say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+[ -f /tmp/m4b/config.json ] || python3 -m tools.make_model --preset 4b --out /tmp/m4b --dtype bf16 --device cuda >/dev/null
+say "checkpoint ready"
+timeout 330 python3 -m tools.bench_decode --model /tmp/m4b --batches 1 8 32 64 --steps 8 --hf-batches 1 \
+  --hf-steps 8 --out "$OUT/bench_decode.json" > "$OUT/bench_decode.log" 2>&1
+say "bench_decode rc=$?"
+grep -E "^(model|prefill|engine|hf)" "$OUT/bench_decode.log"
+SERVE=(--model /tmp/m4b --served-model-name m4b --device cuda --dtype bfloat16 --max-num-seqs 64 --max-model-len 8192)
+timeout 150 python3 -m tools.coldstart --runs 2 --out "$OUT/coldstart.json" -- "${SERVE[@]}"
+say "coldstart rc=$?"
+python3 -m deltaserve.tools.cli serve "${SERVE[@]}" --port 8123 > "$OUT/serve.log" 2>&1 &
+SERVER=$!
+for _ in $(seq 1 120); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+BENCH=(python3 -m tools.bench_serve --base-url http://127.0.0.1:8123 --model m4b --result-dir "$OUT")
+for c in 1 16 64; do
+  n=$(( c * 4 )); [ "$c" = 1 ] && n=4
+  timeout 150 "${BENCH[@]}" --random-input-len 1024 --random-output-len 256 --ignore-eos --num-prompts $n \
+    --max-concurrency $c --label "h200-4b-c$c" --result-filename "serve_c$c.json" 2>&1 \
+    | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Successful|Failed"
+  say "bench_serve c=$c"
+done
+timeout 150 "${BENCH[@]}" --multi-turn --num-conversations 12 --max-concurrency 4 --random-input-len 512 \
+  --random-output-len 128 --ignore-eos --label h200-4b-multiturn --result-filename multiturn.json 2>&1 | tail -2
+kill -TERM $SERVER; wait $SERVER; say "server exit code $?"
+if [ "${1:-}" = "--gate" ]; then
+  timeout 400 python3 -m tools.gate_bf16 --model /tmp/m4b --fp32-check --out "$OUT/gate_bf16.json" \
+    > "$OUT/gate.log" 2>&1
+  say "gate rc=$?"; tail -3 "$OUT/gate.log"
+fi
