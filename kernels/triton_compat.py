@@ -45,7 +45,7 @@ GPU_PATH_ON_CPU = False
 
 
 def gpu_path(t: torch.Tensor) -> bool:
-    """Whether work on `t` takes the GPU code path (kernels, per-step DecodeMeta)."""
+    """Whether work on `t` takes the GPU code path (kernels, per-step StepMeta)."""
     return t.is_cuda or (GPU_PATH_ON_CPU and INTERPRET)
 
 

@@ -331,7 +331,7 @@ def _assert_steps_match(got: list[torch.Tensor], want: list[torch.Tensor], bound
 
 @pytest.mark.skipif(CUDA, reason="the GPU runs this path for real in test_cuda_executor_matches_cpu")
 def test_gpu_path_under_interpreter_matches_cpu(kernels, tiny_model_dir, monkeypatch):
-    """The layers' GPU code path (per-step DecodeMeta and packed prefill indices, Triton decode
+    """The layers' GPU code path (per-step StepMeta and packed prefill indices, Triton decode
     kernels, fused norms, SDPA prefill), run on CPU tensors by Triton's interpreter, gives
     the CPU path's log-probabilities over mixed steps. (CUDA graphs and fla need a GPU.)"""
     from deltaserve.kernels import triton_compat

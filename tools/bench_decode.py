@@ -210,8 +210,8 @@ def step_bytes(config, params_bytes: int, batch: int, context: int, dtype_bytes:
 
 
 def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflops: float | None) -> dict:
-    from deltaserve.engine.rank.cudagraph import with_decode_meta
     from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+    from deltaserve.engine.rank.step_meta import with_step_meta
     from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 
     max_batch = max(args.batches)
@@ -258,7 +258,7 @@ def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflo
     def run_meta(batch: int) -> None:
         items = decode_items(batch)
         ex._admit_new(items)
-        step = with_decode_meta(ex._build_batch(items, False), device)
+        step = with_step_meta(ex._build_batch(items, False), device)
         finish(items, ex.model(step, ex.cache))
 
     graphs = ex.graphs

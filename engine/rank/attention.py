@@ -12,11 +12,11 @@ from torch import nn
 
 from deltaserve.engine.rank.batch import StepBatch
 from deltaserve.engine.rank.cache import StateCache
-from deltaserve.engine.rank.cudagraph import decode_meta_of
 from deltaserve.engine.rank.linear import ColumnParallelLinear, RowParallelLinear
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import RMSNorm
 from deltaserve.engine.rank.parallel import tp_size
+from deltaserve.engine.rank.step_meta import step_meta_of
 from deltaserve.kernels.paged_attention import (
     paged_attention,
     paged_decode_attention,
@@ -105,7 +105,7 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         """q/k norms and RoPE in one kernel, K/V stored in one; all decode items in one
         paged-attention launch; each prefill span through fused SDPA."""
-        meta = decode_meta_of(batch, q.device)
+        meta = step_meta_of(batch, q.device)
         q, k = norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, batch.positions,
                          self.rope.inv_freq, self.q_norm.eps)
         store_kv(k, v.contiguous(), k_cache, v_cache, batch.kv_index)

@@ -1,109 +1,19 @@
-"""The GPU decode step: the device index tensors of a step's decode items, and CUDA graphs of
-decode-only steps.
+"""CUDA graphs of the single-token items of a step (decode).
 
-`DecodeMeta` holds, for every single-token span of a step, its token row, state slot,
-context length and block table as device tensors, so that the DeltaNet and attention layers
-run all decode items in one kernel each. Build it once per step (`with_decode_meta`); a
-layer given a plain StepBatch builds its own (correct, but one host-to-device copy per layer).
-
-`DecodeGraphs` captures one CUDA graph per batch bucket (1, 2, 4, ... up to max_batch) of a
-decode-only step and replays it: a step then costs a few copies into static buffers and one
-launch instead of ~15 kernel launches per layer from Python. The idea is vLLM's and
-nano-vllm's (`model_runner.capture_cudagraph`): static inputs, padding rows that touch
-nothing (slot -1, KV row -1, context length 0), one memory pool shared by all buckets.
+`DecodeGraphs` captures one CUDA graph per batch bucket (1, 2, 4, ... up to max_batch) and
+replays it: a step then costs one small copy and one launch instead of ~15 kernel launches
+per layer from Python. The idea is vLLM's and nano-vllm's (`model_runner.capture_cudagraph`):
+static inputs, padding rows that touch nothing (slot -1, KV row -1, context length 0), one
+memory pool shared by all buckets.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from deltaserve.engine.rank.batch import SeqSpan, StepBatch
 from deltaserve.engine.rank.cache import StateCache
-from deltaserve.kernels.gated_delta import PackedSpans
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeMeta:
-    rows: torch.Tensor  # [D] int32, flat token index of each decode span
-    slots: torch.Tensor  # [D] int32, its DeltaNet state slot (-1: padding)
-    seq_lens: torch.Tensor  # [D] int32, positions it attends to, its own included (0: padding)
-    block_tables: torch.Tensor  # [D, max_blocks] int64, its KV blocks (padded with block 0)
-    max_seq_len: int  # host-side bound on seq_lens: sizes the attention grid
-    prefill: tuple[SeqSpan, ...]  # the step's spans of more than one token
-    prefill_rows: torch.Tensor | None = None  # [P] int64, their token rows, packed in order
-    packed: PackedSpans | None = None  # their slots and lengths for the chunked kernel
-
-    @property
-    def num_decodes(self) -> int:
-        return int(self.rows.shape[0])
-
-
-@dataclass(frozen=True, slots=True)
-class GpuStepBatch(StepBatch):
-    """A StepBatch that carries its DecodeMeta, built once for all layers."""
-
-    decode: DecodeMeta | None = None
-
-
-def _stacked_tables(tables: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
-    """[len(tables), width] int64, rows padded with block 0: one cat, one small host-to-device
-    copy and one gather, not one copy per request."""
-    if not tables:
-        return torch.zeros((0, width), dtype=torch.int64, device=device)
-    flat = torch.cat([t.to(device=device, dtype=torch.int64) for t in tables])
-    lengths = torch.tensor([int(t.shape[0]) for t in tables], dtype=torch.int64)
-    cols = torch.arange(width, dtype=torch.int64)[None, :]
-    index = torch.where(cols < lengths[:, None], (lengths.cumsum(0) - lengths)[:, None] + cols, -1)
-    index = index.to(device)
-    return flat[index.clamp(min=0)].masked_fill_(index < 0, 0)
-
-
-def build_decode_meta(spans: tuple[SeqSpan, ...], device: torch.device) -> DecodeMeta:
-    decodes = [s for s in spans if s.length == 1]
-    host = torch.tensor(
-        [[s.offset for s in decodes], [s.slot for s in decodes], [s.start + 1 for s in decodes]],
-        dtype=torch.int32,
-    ).reshape(3, len(decodes))
-    dev = host.to(device)
-    width = max((int(s.block_table.shape[0]) for s in decodes), default=1)
-    prefill = tuple(s for s in spans if s.length > 1)
-    prefill_rows = packed = None
-    if prefill:
-        rows = [r for s in prefill for r in range(s.offset, s.offset + s.length)]
-        prefill_rows = torch.tensor(rows, dtype=torch.int64).to(device)
-        packed = PackedSpans.build([s.slot for s in prefill], [s.length for s in prefill], device)
-    return DecodeMeta(
-        rows=dev[0],
-        slots=dev[1],
-        seq_lens=dev[2],
-        block_tables=_stacked_tables([s.block_table for s in decodes], width, device),
-        max_seq_len=max((s.start + 1 for s in decodes), default=1),
-        prefill=prefill,
-        prefill_rows=prefill_rows,
-        packed=packed,
-    )
-
-
-def with_decode_meta(batch: StepBatch, device: torch.device) -> GpuStepBatch:
-    """The executor's one call per step on CUDA: the same batch, plus its DecodeMeta."""
-    return GpuStepBatch(
-        input_ids=batch.input_ids,
-        positions=batch.positions,
-        kv_index=batch.kv_index,
-        spans=batch.spans,
-        logits_index=batch.logits_index,
-        decode=build_decode_meta(batch.spans, device),
-    )
-
-
-def decode_meta_of(batch: StepBatch, device: torch.device) -> DecodeMeta:
-    """The batch's DecodeMeta, or one built now (a plain StepBatch)."""
-    if isinstance(batch, GpuStepBatch) and batch.decode is not None:
-        return batch.decode
-    return build_decode_meta(batch.spans, device)
+from deltaserve.engine.rank.step_meta import GpuStepBatch, StepMeta
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -168,7 +78,7 @@ class DecodeGraphs:
         tables = self.slot_tables[slots.clamp(min=0)]  # [size, max_blocks]
         block = tables.gather(1, (positions // bs).clamp(max=self.max_blocks - 1)[:, None])[:, 0]
         rows = self.arange[:size]
-        meta = DecodeMeta(
+        meta = StepMeta(
             rows=rows.to(torch.int32),
             slots=slots.to(torch.int32),
             seq_lens=torch.where(valid, positions + 1, 0).to(torch.int32),
@@ -182,7 +92,7 @@ class DecodeGraphs:
             kv_index=torch.where(valid, block * bs + positions % bs, -1),
             spans=(),
             logits_index=rows,
-            decode=meta,
+            meta=meta,
         )
 
     @torch.inference_mode()

@@ -14,7 +14,6 @@ from torch import nn
 
 from deltaserve.engine.rank.batch import StepBatch
 from deltaserve.engine.rank.cache import StateCache
-from deltaserve.engine.rank.cudagraph import decode_meta_of
 from deltaserve.engine.rank.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -24,6 +23,7 @@ from deltaserve.engine.rank.linear import (
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import GatedRMSNorm
 from deltaserve.engine.rank.parallel import tp_size
+from deltaserve.engine.rank.step_meta import step_meta_of
 from deltaserve.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
 from deltaserve.kernels.gated_delta import (
     chunk_gated_delta,
@@ -114,7 +114,7 @@ class GatedDeltaNet(nn.Module):
         chunked kernel over all of them packed (the torch reference when fla is absent)."""
         tokens = x.shape[0]
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.dk, self.dv
-        meta = decode_meta_of(batch, x.device)
+        meta = step_meta_of(batch, x.device)
         qkv, z, b, a = self.in_proj(x).split(self.in_proj.local_sizes, dim=-1)  # b, a raw: in the kernel
         z = z.reshape(tokens, nv, dv)
         conv_state = cache.conv[self.cache_layer]  # [slots, channels, width - 1]

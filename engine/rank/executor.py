@@ -15,13 +15,14 @@ import torch
 
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch
 from deltaserve.engine.rank.cache import StateCache
-from deltaserve.engine.rank.cudagraph import DecodeGraphs, with_decode_meta
+from deltaserve.engine.rank.cudagraph import DecodeGraphs
 from deltaserve.engine.rank.loader import load_weights
 from deltaserve.engine.rank.memory_budget import size_kv_cache
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.parallel import tp_rank, tp_size
 from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
 from deltaserve.engine.rank.sampler import Sampler
+from deltaserve.engine.rank.step_meta import with_step_meta
 from deltaserve.ipc.messages import Sample, StepItem
 from deltaserve.kernels.triton_compat import gpu_path
 
@@ -170,7 +171,7 @@ class Executor:
 
     def _run_eager(self, batch: StepBatch) -> torch.Tensor | None:
         if gpu_path(batch.input_ids):
-            batch = with_decode_meta(batch, self.device)  # index tensors once for all layers
+            batch = with_step_meta(batch, self.device)  # index tensors once for all layers
         return self.model(batch, self.cache)
 
     def _run_with_graphs(self, items: list[StepItem]) -> torch.Tensor | None:
