@@ -157,7 +157,7 @@ def _default_device() -> str:
     """cuda when torch sees a GPU; without an NVIDIA driver, cpu without importing torch
     (seconds of the start-up of a CPU machine, in a process that needs no torch)."""
     gpus = Path("/proc/driver/nvidia/gpus")
-    if not (gpus.is_dir() and any(gpus.iterdir())) and not Path("/dev/nvidia0").exists():
+    if not (gpus.is_dir() and any(gpus.iterdir())) and not Path("/dev/nvidiactl").exists():
         return "cpu"
     import torch
 
