@@ -68,13 +68,10 @@ class ColumnParallelLinear(nn.Module):
         tp = tp_size()
         self.local_sizes = tuple(sum(sections) // tp for sections in parts)
         offsets = [sum(self.local_sizes[:i]) for i in range(len(parts))]
+        part_loaders = [sharded_loader(sections, 0, (sum(sections), in_features)) for sections in parts]
 
         def load(param: nn.Parameter, loaded: torch.Tensor, part: int = 0) -> None:
-            full_shape = (sum(parts[part]), in_features)
-            if tuple(loaded.shape) != full_shape:
-                raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, expected {full_shape}")
-            rows = param.data.narrow(0, offsets[part], self.local_sizes[part])
-            rows.copy_(shard(loaded, parts[part], 0))
+            part_loaders[part](param.data.narrow(0, offsets[part], self.local_sizes[part]), loaded)
 
         self.weight = new_param((sum(self.local_sizes), in_features), load, dtype, device)
         self.weight.num_parts = len(parts)
