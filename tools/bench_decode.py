@@ -198,15 +198,14 @@ def bench_fla_prefill(device: torch.device, tokens: int = 4096) -> dict | None:
 # ---- the model -------------------------------------------------------------------------------
 
 
-def step_bytes(config, params_bytes: int, batch: int, context: int, dtype_bytes: int) -> int:
-    """Bytes one decode step must move: weights once, DeltaNet state and conv windows read and
-    written, every context position's K and V read (its own K and V written)."""
-    n_linear = len(config.linear_attention_layers)
-    n_full = len(config.full_attention_layers)
-    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
-    conv = config.linear_conv_dim * (config.linear_conv_kernel_dim - 1) * dtype_bytes
-    kv = config.num_key_value_heads * config.head_dim * 2 * dtype_bytes
-    return params_bytes + batch * (n_linear * 2 * (state + conv) + n_full * kv * (context + 1))
+def step_bytes(config, params_bytes: int, batch: int, context: int, dtype: torch.dtype) -> int:
+    """Bytes one decode step must move: weights once, each request's state slot (DeltaNet
+    state and conv windows) read and written, every context position's K and V read (its own
+    K and V written)."""
+    from deltaserve.engine.rank.memory_budget import cache_sizes
+
+    per = cache_sizes(config, 1, dtype, block_size=1)  # block_bytes: K and V of one position
+    return params_bytes + batch * (2 * per.slot_bytes + per.block_bytes * (context + 1))
 
 
 def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflops: float | None) -> dict:
@@ -226,7 +225,6 @@ def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflo
     sync(device)
     result = {"load_s": time.monotonic() - started}
     params_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
-    dtype_bytes = ex.dtype.itemsize
     gen = torch.Generator().manual_seed(0)
     spec = SamplingSpec(seed=0)
     last = {}
@@ -278,7 +276,7 @@ def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflo
                 times.append(time.perf_counter() - t0)
             step_s = statistics.median(times)
             context = ex.requests[0].num_tokens
-            nbytes = step_bytes(ex.model_config, params_bytes, batch, context, dtype_bytes)
+            nbytes = step_bytes(ex.model_config, params_bytes, batch, context, ex.dtype)
             row = {"mode": mode, "batch": batch, "context": context, "step_ms": step_s * 1e3,
                    "tokens_per_s": batch / step_s, "bytes_per_step": nbytes, "GBps": nbytes / step_s / 1e9}
             if mode == "executor_forward" and graphs is not None:  # the GPU's part alone: replay in place

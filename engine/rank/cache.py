@@ -12,6 +12,25 @@ import torch
 from deltaserve.engine.rank.model_config import ModelConfig
 
 
+def cache_shapes(
+    config: ModelConfig, num_slots: int, num_blocks: int, block_size: int, tp_size: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Shapes of a rank's request state (its share of the heads), for `StateCache` and the
+    memory budget alike:
+    KV [layer, k|v, block * block_size + offset, head, head_dim] (model dtype);
+    conv [layer, slot, channel, width - 1], the last pre-conv inputs (model dtype);
+    recurrent [layer, slot, value head, dk, dv] (fp32)."""
+    n_full = len(config.full_attention_layers)
+    n_linear = len(config.linear_attention_layers)
+    kv = (n_full, 2, num_blocks * block_size, config.num_key_value_heads // tp_size, config.head_dim)
+    conv = (n_linear, num_slots, config.linear_conv_dim // tp_size, config.linear_conv_kernel_dim - 1)
+    recurrent = (
+        n_linear, num_slots, config.linear_num_value_heads // tp_size,
+        config.linear_key_head_dim, config.linear_value_head_dim,
+    )  # fmt: skip
+    return kv, conv, recurrent
+
+
 class StateCache:
     def __init__(
         self,
@@ -32,23 +51,10 @@ class StateCache:
         self.block_size = block_size
         self.kv_heads = config.num_key_value_heads // tp_size
         self.state_heads = config.linear_num_value_heads // tp_size
-        n_full = len(config.full_attention_layers)
-        n_linear = len(config.linear_attention_layers)
-        # [layer, k|v, block * block_size + offset, head, head_dim]
-        self.kv = torch.zeros(
-            (n_full, 2, num_blocks * block_size, self.kv_heads, config.head_dim), dtype=dtype, device=device
-        )
-        conv_channels = config.linear_conv_dim // tp_size
-        # [layer, slot, channel, width - 1]: the last pre-conv inputs of the request
-        self.conv = torch.zeros(
-            (n_linear, num_slots, conv_channels, config.linear_conv_kernel_dim - 1), dtype=dtype, device=device
-        )
-        # [layer, slot, value head, dk, dv], fp32 whatever the model dtype
-        self.recurrent = torch.zeros(
-            (n_linear, num_slots, self.state_heads, config.linear_key_head_dim, config.linear_value_head_dim),
-            dtype=torch.float32,
-            device=device,
-        )
+        kv, conv, recurrent = cache_shapes(config, num_slots, num_blocks, block_size, tp_size)
+        self.kv = torch.zeros(kv, dtype=dtype, device=device)
+        self.conv = torch.zeros(conv, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(recurrent, dtype=torch.float32, device=device)  # whatever the model dtype
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
 

@@ -21,13 +21,14 @@ the slots plus one max_model_len request fails start-up, naming the numbers. The
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
-from deltaserve.engine.rank.cache import StateCache
+from deltaserve.engine.rank.cache import StateCache, cache_shapes
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 
@@ -55,18 +56,10 @@ class CacheSizes:
 
 
 def cache_sizes(config: ModelConfig, tp_size: int, dtype: torch.dtype, block_size: int) -> CacheSizes:
-    """What StateCache allocates per slot and per block (tests hold the two together)."""
+    """What StateCache allocates per slot and per block."""
+    kv, conv, recurrent = cache_shapes(config, 1, 1, block_size, tp_size)
     item = torch.empty((), dtype=dtype).element_size()
-    fp32 = 4
-    conv = (config.linear_conv_dim // tp_size) * (config.linear_conv_kernel_dim - 1) * item
-    recurrent = (
-        (config.linear_num_value_heads // tp_size) * config.linear_key_head_dim * config.linear_value_head_dim * fp32
-    )
-    kv = 2 * block_size * (config.num_key_value_heads // tp_size) * config.head_dim * item
-    return CacheSizes(
-        slot_bytes=len(config.linear_attention_layers) * (conv + recurrent),
-        block_bytes=len(config.full_attention_layers) * kv,
-    )
+    return CacheSizes(slot_bytes=math.prod(conv) * item + math.prod(recurrent) * 4, block_bytes=math.prod(kv) * item)
 
 
 def blocks_for_budget(budget_bytes: int, num_slots: int, sizes: CacheSizes) -> int:
@@ -131,15 +124,12 @@ class MemoryBudget:
     activations: int  # the profiling step's peak
     profile_tokens: int
     reserve: int  # CUDA graphs
+    budget: int  # left for the request state: total * utilization - in_use - activations - reserve
     sizes: CacheSizes
     num_slots: int
     local_blocks: int  # what this rank's budget holds
     num_blocks: int  # the minimum over ranks: what every rank allocates
     block_size: int
-
-    @property
-    def budget(self) -> int:
-        return int(self.total * self.utilization) - self.in_use - self.activations - self.reserve
 
     @property
     def cache_bytes(self) -> int:
@@ -205,6 +195,7 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
         activations=activations,
         profile_tokens=sum(lengths),
         reserve=reserve,
+        budget=budget,
         sizes=sizes,
         num_slots=config.num_slots,
         local_blocks=local,
