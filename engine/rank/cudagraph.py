@@ -60,7 +60,8 @@ class DecodeGraphs:
         self.host = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=self.is_cuda)
         self.copied = torch.cuda.Event() if self.is_cuda else None  # host buffer free again
         self.slot_tables = torch.zeros((cache.num_slots, max_blocks), **i64)
-        self.arange = torch.arange(max_batch, **i64)
+        self.arange = torch.arange(max_batch, **i64)  # logits rows
+        self.rows = self.arange.to(torch.int32)  # token rows, as the kernels take them
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.pool = None
 
@@ -77,9 +78,8 @@ class DecodeGraphs:
         valid = slots >= 0
         tables = self.slot_tables[slots.clamp(min=0)]  # [size, max_blocks]
         block = tables.gather(1, (positions // bs).clamp(max=self.max_blocks - 1)[:, None])[:, 0]
-        rows = self.arange[:size]
         meta = StepMeta(
-            rows=rows.to(torch.int32),
+            rows=self.rows[:size],
             slots=slots.to(torch.int32),
             seq_lens=torch.where(valid, positions + 1, 0).to(torch.int32),
             block_tables=tables,
@@ -91,7 +91,7 @@ class DecodeGraphs:
             positions=positions,
             kv_index=torch.where(valid, block * bs + positions % bs, -1),
             spans=(),
-            logits_index=rows,
+            logits_index=self.arange[:size],
             meta=meta,
         )
 
