@@ -297,7 +297,8 @@ def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflo
                 result["profiles"][f"{mode}_b{batch}"] = profile_step(fn, batch, device)
     if args.prefill:
         ex.drop(list(range(max_batch)))  # the decode requests' slots and blocks
-        result["prefill"] = bench_prefill(ex, device, args.prefill, matmul_tflops)
+        result["prefill"], prefill_profiles = bench_prefill(ex, device, args.prefill, matmul_tflops)
+        result.setdefault("profiles", {}).update(prefill_profiles)
     return result
 
 
@@ -338,34 +339,45 @@ def prefill_flops(config, params_bytes: int, dtype_bytes: int, tokens: int) -> f
     return 2.0 * matrix_params * tokens + attention + 2.0 * embedding
 
 
-def bench_prefill(ex, device: torch.device, lengths: list[int], matmul_tflops: float | None) -> list[dict]:
-    """One prompt of each length in one forward step (as the engine runs a prompt that fits
-    max_num_batched_tokens): seconds, tokens/s, model FLOP/s and its fraction of the measured
-    bf16 matmul rate."""
+def bench_prefill(ex, device: torch.device, lengths: list[int], matmul_tflops: float | None,
+                  batched: int = 8) -> tuple[list[dict], dict]:
+    """Prompts in one forward step (as the engine runs prompts that fit max_num_batched_tokens):
+    one prompt of each length, then `batched` prompts of the shortest length together (what a
+    busy server's step holds); seconds, tokens/s, model FLOP/s and its fraction of the measured
+    bf16 matmul rate. Also the GPU profile of each shape's step."""
     from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 
     params_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
-    rows = []
+    rows, profiles = [], {}
     gen = torch.Generator().manual_seed(2)
-    for n in lengths:
+    batched = min(batched, ex.config.num_slots)
+    shapes = [(1, n) for n in lengths] + ([(batched, min(lengths))] if batched > 1 and lengths else [])
+    for count, n in shapes:
+        next_id = iter(range(10_000, 10_000_000))
+
+        def run(_: int) -> None:
+            rids = [next(next_id) for _ in range(count)]
+            ex.forward([StepItem(rid, 0, torch.randint(0, 240000, (n,), generator=gen).tolist(), True,
+                                 NewRequest(n + 1, SamplingSpec(seed=0))) for rid in rids])  # fmt: skip
+            sync(device)
+            ex.drop(rids)
+
         times = []
-        for rep in range(3):
-            ids = torch.randint(0, 240000, (n,), generator=gen).tolist()
-            rid = 10_000 + rep
-            sync(device)
+        for _ in range(3):
             t0 = time.perf_counter()
-            ex.forward([StepItem(rid, 0, ids, True, NewRequest(n + 1, SamplingSpec(seed=0)))])
-            sync(device)
+            run(0)
             times.append(time.perf_counter() - t0)
-            ex.drop([rid])
         seconds = min(times[1:])  # the first run compiles
-        flops = prefill_flops(ex.model_config, params_bytes, ex.dtype.itemsize, n)
-        row = {"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds, "model_TFLOPs": flops / seconds / 1e12}
+        flops = count * prefill_flops(ex.model_config, params_bytes, ex.dtype.itemsize, n)
+        row = {"prompts": count, "tokens": n, "seconds": seconds, "tokens_per_s": count * n / seconds,
+               "model_TFLOPs": flops / seconds / 1e12}
         if matmul_tflops:
             row["fraction_of_matmul"] = row["model_TFLOPs"] / matmul_tflops
         rows.append(row)
         print(json.dumps({"prefill": row}), flush=True)
-    return rows
+        if device.type == "cuda" and n <= 4096:
+            profiles[f"prefill_{count}x{n}"] = profile_step(run, 0, device)
+    return rows, profiles
 
 
 def bench_hf_prefill(model, device: torch.device, lengths: list[int]) -> list[dict]:
@@ -556,7 +568,7 @@ def print_table(report: dict) -> None:
               + "; ".join(f"{k['name'][:40]} x{k['count']} {k['us'] / 1e3:.2f} ms" for k in prof["top"][:6]))
     for row in report["model"].get("prefill", []):
         frac = row.get("fraction_of_matmul", math.nan)
-        print(f"prefill {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s "
+        print(f"prefill {row.get('prompts', 1)} x {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s "
               f"{row['model_TFLOPs']:6.1f} TFLOP/s = {frac:6.1%} of matmul")
     for row in report.get("engine", []):
         print(f"engine tp={row['tp']} b={row['batch']:3d} {row['ms_per_output_token']:8.2f} ms/step {row['tokens_per_s']:9.1f} tok/s "

@@ -1,9 +1,11 @@
 #!/bin/bash
-# Every GPU measurement of the open issues in one go, on one H200 (about 9 minutes):
-# decode / prefill / engine / HF (bench_decode), cold start, bench_serve at concurrency
-# 1 / 16 / 64 and the multi-turn run; the bf16 gate with `--gate` (about 6 more minutes).
+# Every GPU measurement of the open issues, on one H200, in parts that each fit a device call:
+#   decode  decode / prefill / engine / HF (bench_decode), about 5 minutes
+#   serve   cold start, bench_serve at concurrency 1 / 16 / 64 and the multi-turn run, about 5
+#   gate    the bf16 gate, about 6
 #
-#   OUT=/tmp/out bash tools/h200_suite.sh [--gate]      # from the repository root
+#   OUT=/tmp/out bash tools/h200_suite.sh [decode] [serve] [gate]   # from the repository root
+#   (no part named: decode and serve)
 #
 # Needs the package importable (pip install -e . or PYTHONPATH) and a GPU; makes the random
 # 4B checkpoint at /tmp/m4b on the GPU (never carried). Results land in $OUT.
@@ -14,10 +16,14 @@ T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 [ -f /tmp/m4b/config.json ] || python3 -m tools.make_model --preset 4b --out /tmp/m4b --dtype bf16 --device cuda >/dev/null
 say "checkpoint ready"
+PARTS=" ${*:-decode serve} "
+if [[ $PARTS == *" decode "* ]]; then
 timeout 330 python3 -m tools.bench_decode --model /tmp/m4b --batches 1 8 32 64 --steps 8 --hf-batches 1 \
   --hf-steps 8 --out "$OUT/bench_decode.json" > "$OUT/bench_decode.log" 2>&1
 say "bench_decode rc=$?"
-grep -E "^(model|prefill|engine|hf)" "$OUT/bench_decode.log"
+grep -E "^(model|prefill|engine|hf|profile)" "$OUT/bench_decode.log"
+fi
+if [[ $PARTS == *" serve "* ]]; then
 SERVE=(--model /tmp/m4b --served-model-name m4b --device cuda --dtype bfloat16 --max-num-seqs 64 --max-model-len 8192)
 timeout 150 python3 -m tools.coldstart --runs 2 --out "$OUT/coldstart.json" -- "${SERVE[@]}"
 say "coldstart rc=$?"
@@ -35,7 +41,8 @@ done
 timeout 150 "${BENCH[@]}" --multi-turn --num-conversations 12 --max-concurrency 4 --random-input-len 512 \
   --random-output-len 128 --ignore-eos --label h200-4b-multiturn --result-filename multiturn.json 2>&1 | tail -2
 kill -TERM $SERVER; wait $SERVER; say "server exit code $?"
-if [ "${1:-}" = "--gate" ]; then
+fi
+if [[ $PARTS == *" gate "* ]]; then
   timeout 400 python3 -m tools.gate_bf16 --model /tmp/m4b --fp32-check --out "$OUT/gate_bf16.json" \
     > "$OUT/gate.log" 2>&1
   say "gate rc=$?"; tail -3 "$OUT/gate.log"
