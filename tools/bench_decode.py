@@ -355,7 +355,7 @@ def bench_prefill(ex, device: torch.device, lengths: list[int], matmul_tflops: f
     for count, n in shapes:
         next_id = iter(range(10_000, 10_000_000))
 
-        def run(_: int) -> None:
+        def run(_: int, count: int = count, n: int = n, next_id=next_id) -> None:
             rids = [next(next_id) for _ in range(count)]
             ex.forward([StepItem(rid, 0, torch.randint(0, 240000, (n,), generator=gen).tolist(), True,
                                  NewRequest(n + 1, SamplingSpec(seed=0))) for rid in rids])  # fmt: skip
