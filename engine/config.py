@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 DEFAULT_MAX_MODEL_LEN = 8192
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
 DEVICES = ("cpu", "cuda")
+DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,9 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None  # default min(max_position_embeddings, 8192)
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
+    # tokens per step; default 8192 on cuda (vLLM's and SGLang's chunk for large GPUs: a prompt
+    # chunk that small leaves the matmuls and the launch overhead per token poor), 2048 on cpu
+    max_num_batched_tokens: int | None = None
     max_queued_requests: int = 256
     block_size: int = 16
     # default: on cuda what gpu_memory_utilization leaves, on cpu max_num_seqs * max_model_len
@@ -53,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", DEFAULT_BATCHED_TOKENS[self.device])
         positive = {
             "tp_size": self.tp_size,
             "max_num_seqs": self.max_num_seqs,

@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"),
                      help="most requests running at once (DeltaNet state slots)")  # fmt: skip
     eng.add_argument("--max-num-batched-tokens", type=int, default=d("max_num_batched_tokens"),
-                     help="token budget of one scheduler step (prefill chunks + decodes)")  # fmt: skip
+                     help="token budget of one scheduler step (prefill chunks + decodes); "
+                          "default: 8192 on cuda, 2048 on cpu")  # fmt: skip
     eng.add_argument("--max-queued-requests", type=int, default=d("max_queued_requests"),
                      help="waiting requests beyond which new ones get HTTP 429")  # fmt: skip
     eng.add_argument("--block-size", type=int, default=d("block_size"),

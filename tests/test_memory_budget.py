@@ -186,6 +186,9 @@ def test_engine_config_and_limits(tiny_model_dir):
     assert resolve_limits(cuda, model_config).num_kv_blocks is None  # the ranks size it
     fixed = EngineConfig(model=str(tiny_model_dir), device="cuda", max_model_len=64, num_kv_blocks=9)
     assert resolve_limits(fixed, model_config).num_kv_blocks == 9
+    # the step's token budget defaults by device; a given one is kept
+    assert (cpu.max_num_batched_tokens, cuda.max_num_batched_tokens) == (2048, 8192)
+    assert EngineConfig(model=str(tiny_model_dir), device="cuda", max_num_batched_tokens=512).max_num_batched_tokens == 512
 
 
 def test_replica_config_num_blocks_zero_is_cuda_only():
