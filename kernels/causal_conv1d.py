@@ -103,3 +103,116 @@ def causal_conv1d_update(
         x.stride(0), weight.stride(0), state.stride(0), state.stride(1), out.stride(0),
         channels, WIDTH=width, BC=block, num_warps=4,
     )
+
+
+# ---- prefill on the GPU: every prompt chunk of a step, packed in one token array ----
+
+
+def causal_conv1d_prefill_reference(
+    x: torch.Tensor,  # [T, C] pre-conv inputs of the step
+    weight: torch.Tensor,  # [C, width]
+    state: torch.Tensor,  # [slots, C, width - 1], updated in place at `slots`
+    offsets: torch.Tensor,  # [n] first token row of each span
+    lengths: torch.Tensor,  # [n] its tokens
+    slots: torch.Tensor,  # [n] its state slot
+    out: torch.Tensor,  # [T, C]; the spans' rows are written (SiLU applied)
+) -> None:
+    """`causal_conv1d` on each span, span by span."""
+    spans = zip(offsets.tolist(), lengths.tolist(), slots.tolist(), strict=True)
+    for offset, length, slot in spans:
+        piece = slice(offset, offset + length)
+        out[piece] = causal_conv1d(x[piece], weight, state[slot])
+
+
+@triton.jit
+def _conv_prefill_kernel(
+    x_ptr, w_ptr, state_ptr, offsets_ptr, lengths_ptr, slots_ptr, out_ptr,
+    stride_x, stride_w, stride_slot, stride_channel, stride_out,
+    channels,
+    WIDTH: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):
+    # program: (span i, block of BT tokens, block of BC channels). Token p's tap j reads input
+    # p - (WIDTH-1) + j of the span, or state column p + j when that input is negative: only token
+    # block 0 (BT >= WIDTH - 1) reads the state, and only it writes the new one, after a
+    # barrier. Offsets inside a span are int32 (the wrapper checks), the rest int64.
+    i = tl.program_id(0)
+    first = tl.program_id(1) * BT
+    length = tl.load(lengths_ptr + i)
+    if first >= length:
+        return
+    offset = tl.load(offsets_ptr + i).to(tl.int64)
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    pos = first + tl.arange(0, BT)  # [BT] token index within the span
+    offs = tl.program_id(2) * BC + tl.arange(0, BC)  # [BC] channels
+    m = offs < channels
+    rows = (pos < length)[:, None] & m[None, :]
+    x_span = x_ptr + offset * stride_x
+    acc = tl.zeros((BT, BC), dtype=tl.float32)
+    for j in tl.static_range(WIDTH):
+        src = pos - (WIDTH - 1) + j
+        xs = tl.load(x_span + src[:, None] * stride_x + offs[None, :], mask=rows & (src >= 0)[:, None], other=0.0)
+        acc += tl.load(w_ptr + offs * stride_w + j, mask=m, other=0.0).to(tl.float32)[None, :] * xs.to(tl.float32)
+    window = state_ptr + slot * stride_slot + offs * stride_channel  # [BC] this slot's columns
+    if first == 0:  # the old state: column c is tap t of token c - t
+        for c in tl.static_range(WIDTH - 1):
+            prev = tl.load(window + c, mask=m, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
+            for t in tl.static_range(c + 1):
+                tap = tl.load(w_ptr + offs * stride_w + t, mask=m, other=0.0).to(tl.float32)
+                acc += tl.where((pos == c - t)[:, None], (tap * prev)[None, :], 0.0)
+    y = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # the conv output is rounded to the model dtype first
+    out = out_ptr + offset * stride_out + pos[:, None] * stride_out + offs[None, :]
+    tl.store(out, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=rows)
+    if first == 0:  # the new state: inputs length - (WIDTH-1) .. length - 1, read before the barrier
+        cols = tl.arange(0, KP)  # [KP] state column
+        tail = length - (WIDTH - 1) + cols  # the input it takes, < 0: an old state column
+        m_state = m[:, None] & (cols < WIDTH - 1)[None, :]  # [BC, KP]
+        x_tail = tl.load(x_span + tail[None, :] * stride_x + offs[:, None], mask=m_state & (tail >= 0)[None, :],
+                         other=0.0)
+        kept = tl.load(window[:, None] + (length + cols)[None, :], mask=m_state & (tail < 0)[None, :], other=0.0)
+        new = tl.where((tail >= 0)[None, :], x_tail, kept.to(x_tail.dtype))
+        tl.debug_barrier()  # every thread of the program has read the old state
+        tl.store(window[:, None] + cols[None, :], new.to(state_ptr.dtype.element_ty), mask=m_state)
+
+
+def causal_conv1d_prefill(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    state: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths: torch.Tensor,
+    slots: torch.Tensor,
+    max_length: int,  # host-side bound on lengths: sizes the grid
+    out: torch.Tensor,
+) -> None:
+    """Triton launch of `causal_conv1d_prefill_reference` (same arguments, plus `max_length`),
+    every span in one kernel: a per-span torch conv costs a cat, a conv and copies per span
+    and layer. Spans must not share a slot; rows outside them are untouched."""
+    check_launchable(x, state)
+    channels, width = weight.shape
+    if width < 2:
+        raise ValueError(f"conv width must be >= 2, got {width}")
+    check_rows("x", x, channels)
+    check_rows("out", out, channels)
+    if out.shape[0] != x.shape[0]:
+        raise ValueError(f"out needs {x.shape[0]} rows, got {out.shape[0]}")
+    if weight.stride(1) != 1:
+        raise ValueError(f"weight: expected a contiguous last dim, got strides {weight.stride()}")
+    if state.dim() != 3 or state.shape[1:] != (channels, width - 1) or state.stride(2) != 1:
+        raise ValueError(f"state: expected [slots, {channels}, {width - 1}] with a contiguous last "
+                         f"dim, got {tuple(state.shape)} strides {state.stride()}")
+    num = offsets.shape[0]
+    check_index("offsets", offsets, num)
+    check_index("lengths", lengths, num)
+    check_index("slots", slots, num)
+    if num == 0 or max_length <= 0:
+        return
+    if max_length * max(x.stride(0), out.stride(0)) >= 2**31:
+        raise ValueError(f"a span of {max_length} rows overflows the kernel's int32 offsets")
+    block_t = max(32, triton.next_power_of_2(width - 1))  # token block 0 holds every state read
+    block_c = min(128, triton.next_power_of_2(channels))
+    grid = (num, triton.cdiv(max_length, block_t), triton.cdiv(channels, block_c))
+    _conv_prefill_kernel[grid](
+        x, weight, state, offsets, lengths, slots, out,
+        x.stride(0), weight.stride(0), state.stride(0), state.stride(1), out.stride(0),
+        channels, WIDTH=width, KP=triton.next_power_of_2(width - 1), BT=block_t, BC=block_c, num_warps=4,
+    )

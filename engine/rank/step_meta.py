@@ -29,6 +29,7 @@ class StepMeta:
     prefill: tuple[SeqSpan, ...]  # the step's spans of more than one token
     prefill_rows: torch.Tensor | None = None  # [P] int64, their token rows, packed in order
     packed: PackedSpans | None = None  # their slots and lengths for the chunked kernel
+    prefill_index: torch.Tensor | None = None  # [3, P] int32: each one's token offset, length, slot
 
     @property
     def num_decodes(self) -> int:
@@ -64,11 +65,13 @@ def build_step_meta(spans: tuple[SeqSpan, ...], device: torch.device) -> StepMet
     dev = host.to(device)
     width = max((int(s.block_table.shape[0]) for s in decodes), default=1)
     prefill = tuple(s for s in spans if s.length > 1)
-    prefill_rows = packed = None
+    prefill_rows = packed = prefill_index = None
     if prefill:
         rows = [r for s in prefill for r in range(s.offset, s.offset + s.length)]
         prefill_rows = torch.tensor(rows, dtype=torch.int64).to(device)
         packed = PackedSpans.build([s.slot for s in prefill], [s.length for s in prefill], device)
+        columns = zip(*[(s.offset, s.length, s.slot) for s in prefill], strict=True)
+        prefill_index = torch.tensor(list(columns), dtype=torch.int32).to(device)
     return StepMeta(
         rows=dev[0],
         slots=dev[1],
@@ -78,6 +81,7 @@ def build_step_meta(spans: tuple[SeqSpan, ...], device: torch.device) -> StepMet
         prefill=prefill,
         prefill_rows=prefill_rows,
         packed=packed,
+        prefill_index=prefill_index,
     )
 
 
