@@ -275,31 +275,68 @@ class PackedSpans:
         return cls(list(slots), list(lengths), index, bounds, bounds.to(device))
 
 
-def chunk_gated_delta_packed(
-    q: torch.Tensor,  # [L, nk, dk] sequences packed end to end, normalised and scaled as above
-    k: torch.Tensor,  # [L, nk, dk]
-    v: torch.Tensor,  # [L, nv, dv]
-    g: torch.Tensor,  # [L, nv]
-    beta: torch.Tensor,  # [L, nv]
+def _prefill_inputs(mixed, a, b, a_log, dt_bias, num_k_heads: int, dv: int, eps: float):
+    """The DeltaNet's per-token prefill inputs from the conv output and in_proj's a, b, as
+    `gated_delta_decode_reference` makes them: L2-normalised q (times dk^-0.5) and k in fp32,
+    g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) in the model dtype."""
+    nk = num_k_heads
+    dk = (mixed.shape[1] - a.shape[1] * dv) // (2 * nk)
+    q, k, v = mixed.split((nk * dk, nk * dk, a.shape[1] * dv), dim=-1)
+    q, k = q.reshape(-1, nk, dk).float(), k.reshape(-1, nk, dk).float()
+    q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + eps) * dk**-0.5
+    k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + eps)
+    g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    return q, k, v.reshape(-1, a.shape[1], dv), g, b.sigmoid()
+
+
+def gated_delta_prefill_reference(
+    mixed: torch.Tensor,  # [L, 2 * nk * dk + nv * dv] post-conv [q | k | v], sequences packed end to end
+    a: torch.Tensor,  # [L, nv] in_proj_a output (raw)
+    b: torch.Tensor,  # [L, nv] in_proj_b output (raw)
+    a_log: torch.Tensor,  # [nv]
+    dt_bias: torch.Tensor,  # [nv]
     state: torch.Tensor,  # [slots, nv, dk, dv] fp32; each sequence's slot updated in place
     spans: PackedSpans,  # the sequences' slots and lengths (summing to L)
-) -> torch.Tensor:  # [L, nv, dv] fp32
-    """Prefill of several sequences in one call of fla's varlen chunk kernel on CUDA (when
-    installed); otherwise `chunk_gated_delta` sequence by sequence."""
-    kernel = fla_chunk_kernel() if q.is_cuda else None
+    num_k_heads: int,
+    eps: float = 1e-6,
+) -> torch.Tensor:  # [L, nv, dv] in mixed's dtype
+    """`chunk_gated_delta` sequence by sequence, on the inputs the decode kernel derives."""
+    q, k, v, g, beta = _prefill_inputs(mixed, a, b, a_log, dt_bias, num_k_heads, state.shape[-1], eps)
+    out = torch.empty(v.shape, dtype=mixed.dtype, device=v.device)
+    offset = 0
+    for slot, length in zip(spans.slots, spans.lengths, strict=True):
+        piece = slice(offset, offset + length)
+        out[piece] = chunk_gated_delta(q[piece], k[piece], v[piece], g[piece], beta[piece], state[slot])
+        offset += length
+    return out
+
+
+def gated_delta_prefill(
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    spans: PackedSpans,
+    num_k_heads: int,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """`gated_delta_prefill_reference` (same arguments) in one call of fla's varlen chunk
+    kernel on CUDA when fla is installed: q, k, v go in as the model dtype (as HF's fla path
+    does; the state stays fp32), and the L2 norms and the decay are computed inside fla's
+    kernels instead of by a dozen elementwise passes here."""
+    kernel = fla_chunk_kernel() if mixed.is_cuda else None
     if kernel is None:
-        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        offset = 0
-        for slot, length in zip(spans.slots, spans.lengths, strict=True):
-            piece = slice(offset, offset + length)
-            out[piece] = chunk_gated_delta(q[piece], k[piece], v[piece], g[piece], beta[piece], state[slot])
-            offset += length
-        return out
+        return gated_delta_prefill_reference(mixed, a, b, a_log, dt_bias, state, spans, num_k_heads, eps)
+    nk, (nv, dk, dv) = num_k_heads, state.shape[1:]
+    q, k, v = mixed.split((nk * dk, nk * dk, nv * dv), dim=-1)
     index = spans.slot_index
     out, final = kernel(
-        q[None].float(), k[None].float(), v[None].float(), g[None].float(), beta[None].float(),
-        scale=1.0, initial_state=state[index], output_final_state=True,
+        q.reshape(1, -1, nk, dk), k.reshape(1, -1, nk, dk), v.reshape(1, -1, nv, dv), a[None], b.sigmoid()[None],
+        scale=dk**-0.5, initial_state=state[index], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, A_log=a_log.float(), dt_bias=dt_bias.float(),
         cu_seqlens=spans.bounds_device, cu_seqlens_cpu=spans.bounds,
-    )
+    )  # fmt: skip
     state[index] = final.float()
-    return out[0].float()
+    return out[0].to(mixed.dtype)

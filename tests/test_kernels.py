@@ -126,6 +126,45 @@ def test_causal_conv1d_update(kernels, device, dtype, channels, width, tokens, d
         assert torch.equal(state.float(), want_state), f"state differs at step {step}"
 
 
+PREFILL_CONV_SHAPES = [  # (channels, width, span lengths, slots)
+    (37, 4, [5, 2, 40, 3], 6),  # 2 < width - 1; 40 spans two token blocks of 32
+    (260, 3, [2, 33], 3),
+    pytest.param(8192, 4, [1024, 700, 2, 300], 8, marks=needs_cuda),  # 4B channels
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("channels,width,lengths,slots", PREFILL_CONV_SHAPES)
+def test_causal_conv1d_prefill(kernels, device, dtype, channels, width, lengths, slots):
+    """Spans at scattered offsets with rows between them (left untouched, as a step's decode
+    rows are), slots out of order, carried states; two chunks in a row, so the second reads
+    states the first wrote. Reference in fp32 on the same rounded inputs, as above."""
+    mod = kernels["causal_conv1d"]
+    weight = torch.randn(channels, width, device=device).to(dtype)
+    state = torch.randn(slots, channels, width - 1, device=device).to(dtype)
+    want_state = state.to(torch.float32, copy=True)
+    slot_ids = pick(slots, len(lengths), device)
+    row, offsets = 0, []
+    for gap, length in zip([1, 0, 2, 3], lengths, strict=False):  # rows before each span
+        offsets.append(row + gap)
+        row += gap + length
+    tokens = row + 1
+    offsets = torch.tensor(offsets, dtype=torch.int32, device=device)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    inside = torch.zeros(tokens, dtype=torch.bool, device=device)
+    for offset, length in zip(offsets.tolist(), lengths, strict=True):
+        inside[offset : offset + length] = True
+    for chunk in range(2):
+        x = torch.randn(tokens, channels, device=device).to(dtype)
+        got = poisoned((tokens, channels), dtype, device)
+        want = poisoned((tokens, channels), torch.float32, device)
+        mod.causal_conv1d_prefill_reference(x.float(), weight.float(), want_state, offsets, lens, slot_ids, want)
+        mod.causal_conv1d_prefill(x, weight, state, offsets, lens, slot_ids, max(lengths), got)
+        assert_close(got[inside].float(), want[inside], dtype, f"output, chunk {chunk}")
+        assert torch.isnan(got[~inside]).all(), f"a row outside the spans was written, chunk {chunk}"
+        assert torch.equal(state.float(), want_state), f"state differs after chunk {chunk}"
+
+
 ATTENTION_SHAPES = [  # (heads, kv heads, head dim, block size, blocks, context lengths)
     (4, 2, 24, 4, 40, [1, 7, 33]),
     (8, 2, 32, 16, 24, [100, 3, 17]),
@@ -263,30 +302,26 @@ def test_norm_rope(kernels, device, dtype, nh, nkv, hd, rotary):
 
 @needs_cuda
 def test_fla_chunk_matches_reference(kernels):
-    """Packed prefill of several sequences (fla's varlen kernel) equals the reference
-    sequence by sequence, states included."""
+    """Packed prefill of several sequences (fla's varlen kernel, bf16 inputs, L2 norms and
+    decay inside fla) equals the reference sequence by sequence, states included."""
     mod = kernels["gated_delta"]
     if mod.fla_chunk_kernel() is None:
         pytest.skip("fla-core is not installed")
-    nk, nv, dk, dv, lengths = 2, 4, 64, 64, [63, 130, 1]
+    nk, nv, dk, dv, lengths = 2, 4, 64, 64, [63, 130, 2]
     total = sum(lengths)
-    dev = torch.device("cuda")
-    q = torch.nn.functional.normalize(torch.randn(total, nk, dk, device=dev), dim=-1) * dk**-0.5
-    k = torch.nn.functional.normalize(torch.randn(total, nk, dk, device=dev), dim=-1)
-    v = torch.randn(total, nv, dv, device=dev)
-    g = -torch.rand(total, nv, device=dev)
-    beta = torch.rand(total, nv, device=dev)
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    mixed = torch.randn(total, 2 * nk * dk + nv * dv, device=dev).to(bf16)
+    a, b = torch.randn(total, nv, device=dev).to(bf16), torch.randn(total, nv, device=dev).to(bf16)
+    a_log, dt_bias = torch.rand(nv, device=dev).to(bf16), torch.randn(nv, device=dev).to(bf16)
     state = torch.randn(5, nv, dk, dv, device=dev) * 0.1
     want_state = state.clone()
-    slots = [3, 0, 4]
-    got = mod.chunk_gated_delta_packed(q, k, v, g, beta, state, mod.PackedSpans.build(slots, lengths, dev))
-    offset, want = 0, torch.empty_like(got)
-    for slot, n in zip(slots, lengths, strict=True):
-        piece = slice(offset, offset + n)
-        want[piece] = mod.chunk_gated_delta(q[piece], k[piece], v[piece], g[piece], beta[piece], want_state[slot])
-        offset += n
-    assert_close(got, want, torch.bfloat16, "fla chunk output (tf32 inside)")
-    assert_close(state, want_state, torch.bfloat16, "fla chunk final states")
+    spans = mod.PackedSpans.build([3, 0, 4], lengths, dev)
+    got = mod.gated_delta_prefill(mixed, a, b, a_log, dt_bias, state, spans, nk)
+    want = mod.gated_delta_prefill_reference(mixed, a, b, a_log, dt_bias, want_state, spans, nk)
+    assert got.dtype == bf16
+    assert_close(got.float(), want.float(), bf16, "fla chunk output (bf16 inputs)")
+    assert_close(state, want_state, bf16, "fla chunk final states")
+    assert torch.equal(state[[1, 2]], want_state[[1, 2]]), "slots of no sequence changed"
 
 
 # ---- the GPU model path (kernels wired into the layers, CUDA graphs) against the CPU one ----

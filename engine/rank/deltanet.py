@@ -24,11 +24,15 @@ from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import GatedRMSNorm
 from deltaserve.engine.rank.parallel import tp_size
 from deltaserve.engine.rank.step_meta import step_meta_of
-from deltaserve.kernels.causal_conv1d import causal_conv1d, causal_conv1d_update
+from deltaserve.kernels.causal_conv1d import (
+    causal_conv1d,
+    causal_conv1d_prefill,
+    causal_conv1d_update,
+)
 from deltaserve.kernels.gated_delta import (
     chunk_gated_delta,
-    chunk_gated_delta_packed,
     gated_delta_decode,
+    gated_delta_prefill,
     recurrent_gated_delta,
 )
 from deltaserve.kernels.triton_compat import gpu_path
@@ -110,10 +114,10 @@ class GatedDeltaNet(nn.Module):
 
     def _forward_cuda(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
         """Decode items: one conv kernel and one fused recurrent kernel for all of them, state
-        updated in place in its slot. Prefill spans: the conv reference per span, then fla's
-        chunked kernel over all of them packed (the torch reference when fla is absent)."""
+        updated in place in its slot. Prefill spans: the conv, then fla's chunked kernel over
+        all of them packed (the torch reference when fla is absent)."""
         tokens = x.shape[0]
-        nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.dk, self.dv
+        nk, nv, dv = self.num_k_heads, self.num_v_heads, self.dv
         meta = step_meta_of(batch, x.device)
         qkv, z, b, a = self.in_proj(x).split(self.in_proj.local_sizes, dim=-1)  # b, a raw: in the kernel
         z = z.reshape(tokens, nv, dv)
@@ -128,16 +132,14 @@ class GatedDeltaNet(nn.Module):
                 mixed, a, b, self.A_log, self.dt_bias, recurrent, meta.rows, meta.slots, core, nk
             )
         if meta.prefill:
-            for span in meta.prefill:
-                piece = slice(span.offset, span.offset + span.length)
-                mixed[piece] = causal_conv1d(qkv[piece], weight, conv_state[span.slot])
-            rows = meta.prefill_rows
-            q, k, v = mixed[rows].split((nk * dk, nk * dk, nv * dv), dim=-1)
-            q = l2_normalize(q.reshape(-1, nk, dk)) * dk**-0.5
-            k = l2_normalize(k.reshape(-1, nk, dk))
-            g = -self.A_log.float().exp() * F.softplus(a[rows].float() + self.dt_bias)
-            core[rows] = chunk_gated_delta_packed(
-                q, k, v.reshape(-1, nv, dv), g, b[rows].sigmoid(), recurrent, meta.packed
-            ).to(x.dtype)
+            offsets, lengths, slots = meta.prefill_index
+            max_length = max(span.length for span in meta.prefill)
+            causal_conv1d_prefill(qkv, weight, conv_state, offsets, lengths, slots, max_length, mixed)
+            prefill = (self.A_log, self.dt_bias, recurrent, meta.packed, nk)
+            if meta.num_decodes:  # prompt rows packed apart from the decode rows
+                rows = meta.prefill_rows
+                core[rows] = gated_delta_prefill(mixed[rows], a[rows], b[rows], *prefill)
+            else:  # every row is a prompt row, already packed
+                core = gated_delta_prefill(mixed, a, b, *prefill)
         out = self.norm(core, z)
         return self.out_proj(out.reshape(tokens, nv * dv))
