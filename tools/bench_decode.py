@@ -175,23 +175,18 @@ def bench_kernels(device: torch.device, copy_gbps: float, batches: list[int], co
 
 
 def bench_fla_prefill(device: torch.device, tokens: int = 4096) -> dict | None:
-    from deltaserve.kernels.gated_delta import (
-        PackedSpans,
-        chunk_gated_delta_packed,
-        fla_chunk_kernel,
-    )
+    """One DeltaNet layer's chunked prefill (fla) at 4B shapes, bf16 inputs."""
+    from deltaserve.kernels.gated_delta import PackedSpans, fla_chunk_kernel, gated_delta_prefill
 
     if fla_chunk_kernel() is None:
         return None
     nk, nv, dk, dv = 16, 32, 128, 128
-    q = torch.nn.functional.normalize(torch.randn(tokens, nk, dk, device=device), dim=-1) * dk**-0.5
-    k = torch.nn.functional.normalize(torch.randn(tokens, nk, dk, device=device), dim=-1)
-    v = torch.randn(tokens, nv, dv, device=device)
-    g = -torch.rand(tokens, nv, device=device)
-    beta = torch.rand(tokens, nv, device=device)
+    mixed = torch.randn(tokens, 2 * nk * dk + nv * dv, device=device).bfloat16()
+    a, b = torch.randn(tokens, nv, device=device).bfloat16(), torch.randn(tokens, nv, device=device).bfloat16()
+    a_log, dt_bias = torch.rand(nv, device=device).bfloat16(), torch.randn(nv, device=device).bfloat16()
     state = torch.zeros(2, nv, dk, dv, device=device)
     spans = PackedSpans.build([0], [tokens], device)
-    seconds = time_events(lambda: chunk_gated_delta_packed(q, k, v, g, beta, state, spans), reps=10)
+    seconds = time_events(lambda: gated_delta_prefill(mixed, a, b, a_log, dt_bias, state, spans, nk), reps=10)
     return {"tokens": tokens, "ms_per_layer": seconds * 1e3}
 
 
@@ -304,27 +299,40 @@ def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflo
 
 def profile_step(fn: Callable[[int], None], batch: int, device: torch.device, top: int = 25) -> dict:
     """GPU time per kernel name over one step (torch.profiler): where a step's time goes, and
-    how much of it is kernels at all (the rest is launch gaps and host work)."""
+    how much of it is kernels at all (the rest is launch gaps and host work); the host's
+    busiest torch calls beside it, and cProfile's busiest Python functions over a second run."""
+    import cProfile
+    import pstats
+
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     try:
         fn(batch)
         sync(device)
         t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn(batch)
             sync(device)
         wall = time.perf_counter() - t0
-        kernels = []
+        kernels, host = [], []
         for e in prof.key_averages():
-            us = getattr(e, "self_device_time_total", None)
-            if us is None:
-                us = getattr(e, "self_cuda_time_total", 0)
-            if us > 0:
-                kernels.append({"name": e.key[:90], "count": e.count, "us": us})
-        kernels.sort(key=lambda k: -k["us"])
+            if e.device_type == DeviceType.CUDA:
+                kernels.append({"name": e.key[:90], "count": e.count, "us": e.self_device_time_total})
+            else:
+                host.append({"name": e.key[:60], "count": e.count, "us": e.self_cpu_time_total})
+        kernels = sorted((k for k in kernels if k["us"] > 0), key=lambda k: -k["us"])
+        host.sort(key=lambda k: -k["us"])
+        profiler = cProfile.Profile()
+        t0 = time.perf_counter()
+        profiler.runcall(fn, batch)
+        python_wall = time.perf_counter() - t0
+        stats = pstats.Stats(profiler).sort_stats("tottime")
+        python = [{"function": f"{Path(f).name}:{line}:{name}", "calls": nc, "tottime_ms": tt * 1e3, "cumtime_ms": ct * 1e3}
+                  for (f, line, name), (_, nc, tt, ct, _) in sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]]  # fmt: skip
         return {"wall_ms_profiled": wall * 1e3, "kernel_ms_total": sum(k["us"] for k in kernels) / 1e3,
-                "kernel_launches": sum(k["count"] for k in kernels), "top": kernels[:top]}
+                "kernel_launches": sum(k["count"] for k in kernels), "top": kernels[:top],
+                "host_top": host[:top], "python_wall_ms": python_wall * 1e3, "python_top": python}  # fmt: skip
     except Exception as exc:  # the profiler is a diagnostic: never lose the run to it
         return {"error": repr(exc)}
 
