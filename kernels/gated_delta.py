@@ -15,6 +15,7 @@ h * r ... h * r + r - 1 (r = value heads / key heads), i.e. value head j reads k
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -246,14 +247,27 @@ def gated_delta_decode(
 # ---- prefill on the GPU: flash-linear-attention's chunked kernel when it is installed -------
 
 
+@dataclass(frozen=True, slots=True)
+class FlaPrefill:
+    """fla-core's chunked forward and its helpers, called directly: its public entry wraps
+    them in an autograd Function and an input guard whose Python cost (~1 ms per layer on
+    the H200's host) outweighed the kernels of a 1k-token prefill."""
+
+    forward: Callable  # chunk_gated_delta_rule_fwd
+    l2norm: Callable  # l2norm_fwd
+    chunk_indices: Callable  # prepare_chunk_indices
+
+
 @functools.cache
-def fla_chunk_kernel():
-    """fla-core's `chunk_gated_delta_rule` (optional, GPU only), or None when absent."""
+def fla_chunk_kernel() -> FlaPrefill | None:
+    """fla-core's prefill pieces (optional, GPU only), or None when absent."""
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.modules.norm.l2norm import l2norm_fwd
+        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+        from fla.ops.utils.index import prepare_chunk_indices
     except Exception:  # not installed, or no usable GPU backend
         return None
-    return chunk_gated_delta_rule
+    return FlaPrefill(chunk_gated_delta_rule_fwd, l2norm_fwd, prepare_chunk_indices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,12 +281,16 @@ class PackedSpans:
     slot_index: torch.Tensor  # [n] int64 on the device
     bounds: torch.Tensor  # [n + 1] int64 on the CPU: cumulative lengths (fla's cu_seqlens)
     bounds_device: torch.Tensor
+    chunk_indices: torch.Tensor | None = None  # fla's (sequence, chunk) table, on CUDA with fla
 
     @classmethod
     def build(cls, slots: list[int], lengths: list[int], device: torch.device) -> PackedSpans:
         bounds = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
         index = torch.tensor(slots, dtype=torch.int64).to(device)
-        return cls(list(slots), list(lengths), index, bounds, bounds.to(device))
+        bounds_device = bounds.to(device)
+        fla = fla_chunk_kernel() if device.type == "cuda" else None
+        chunks = None if fla is None else fla.chunk_indices(bounds_device, CHUNK_SIZE, cu_seqlens_cpu=bounds)
+        return cls(list(slots), list(lengths), index, bounds, bounds_device, chunks)
 
 
 def _prefill_inputs(mixed, a, b, a_log, dt_bias, num_k_heads: int, dv: int, eps: float):
@@ -326,17 +344,18 @@ def gated_delta_prefill(
     kernel on CUDA when fla is installed: q, k, v go in as the model dtype (as HF's fla path
     does; the state stays fp32), and the L2 norms and the decay are computed inside fla's
     kernels instead of by a dozen elementwise passes here."""
-    kernel = fla_chunk_kernel() if mixed.is_cuda else None
-    if kernel is None:
+    fla = fla_chunk_kernel() if mixed.is_cuda else None
+    if fla is None:
         return gated_delta_prefill_reference(mixed, a, b, a_log, dt_bias, state, spans, num_k_heads, eps)
     nk, (nv, dk, dv) = num_k_heads, state.shape[1:]
+    length = mixed.shape[0]
     q, k, v = mixed.split((nk * dk, nk * dk, nv * dv), dim=-1)
+    q, k = (fla.l2norm(x.reshape(-1, dk), eps)[0].view(1, length, nk, dk) for x in (q, k))
     index = spans.slot_index
-    out, final = kernel(
-        q.reshape(1, -1, nk, dk), k.reshape(1, -1, nk, dk), v.reshape(1, -1, nv, dv), a[None], b.sigmoid()[None],
-        scale=dk**-0.5, initial_state=state[index], output_final_state=True, use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True, A_log=a_log.float(), dt_bias=dt_bias.float(),
-        cu_seqlens=spans.bounds_device, cu_seqlens_cpu=spans.bounds,
+    _, out, _, final, _, _ = fla.forward(
+        q=q, k=k, v=v.reshape(1, length, nv, dv).contiguous(), g=a.contiguous()[None], beta=b.sigmoid()[None],
+        scale=dk**-0.5, initial_state=state[index], output_final_state=True, cu_seqlens=spans.bounds_device,
+        chunk_indices=spans.chunk_indices, use_gate_in_kernel=True, A_log=a_log.float(), dt_bias=dt_bias.float(),
     )  # fmt: skip
     state[index] = final.float()
     return out[0].to(mixed.dtype)

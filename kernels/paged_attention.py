@@ -41,6 +41,25 @@ def paged_attention(
     return torch.einsum("hlp,phd->lhd", probs, v)
 
 
+def prefill_attention(
+    q: torch.Tensor,  # [L, nh, hd], one request's queries at positions start .. start+L-1
+    k: torch.Tensor,  # [start + L, nkv, hd], its keys from position 0
+    v: torch.Tensor,
+    start: int,
+    scale: float,
+) -> torch.Tensor:  # [L, nh, hd]
+    """Torch's fused SDPA (flash attention on the GPU): the causal mask aligned to the bottom
+    right, since a chunk's queries start at `start`, and GQA without repeating K and V.
+    Never materialises the [heads, L, P] scores."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    length = q.shape[0]
+    mask = causal_lower_right(length, start + length) if start else None
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, is_causal=not start, scale=scale, enable_gqa=True)  # fmt: skip
+    return out[0].transpose(0, 1)
+
+
 def paged_prefill_attention(
     q: torch.Tensor,  # [L, nh, hd], one request's queries
     k_cache: torch.Tensor,
@@ -50,17 +69,10 @@ def paged_prefill_attention(
     start: int,
     scale: float,
 ) -> torch.Tensor:  # [L, nh, hd]
-    """`paged_attention` through torch's fused SDPA (flash attention on the GPU): the causal
-    mask aligned to the bottom right, since a chunk's queries start at `start`, and GQA
-    without repeating K and V. Never materialises the [heads, L, P] scores."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    length = q.shape[0]
-    rows = request_rows(block_table, block_size, start + length)
-    k, v = k_cache[rows].transpose(0, 1)[None], v_cache[rows].transpose(0, 1)[None]  # [1, nkv, P, hd]
-    mask = causal_lower_right(length, start + length)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    """`paged_attention` by `prefill_attention` over the request's keys gathered from the
+    cache (a later chunk of a prompt: the earlier chunks' keys are only there)."""
+    rows = request_rows(block_table, block_size, start + q.shape[0])
+    return prefill_attention(q, k_cache[rows], v_cache[rows], start, scale)
 
 
 # ---- decode step on the GPU: one query token per request, all requests in one launch ------

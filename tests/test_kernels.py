@@ -207,7 +207,8 @@ def test_paged_decode_attention(kernels, device, dtype, nh, nkv, hd, block_size,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("nh,nkv,hd,start,length", [(4, 2, 24, 0, 9), (6, 3, 20, 13, 7),
-                                                    pytest.param(16, 4, 256, 1000, 3000, marks=needs_cuda)])
+                                                    pytest.param(16, 4, 256, 1000, 3000, marks=needs_cuda),
+                                                    pytest.param(16, 4, 256, 0, 2048, marks=needs_cuda)])
 def test_paged_prefill_attention(kernels, device, dtype, nh, nkv, hd, start, length):
     """A chunk after `start` cached positions (bottom-right causal mask), blocks out of order."""
     mod = kernels["paged_attention"]

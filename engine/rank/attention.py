@@ -21,6 +21,7 @@ from deltaserve.kernels.paged_attention import (
     paged_attention,
     paged_decode_attention,
     paged_prefill_attention,
+    prefill_attention,
     store_kv,
 )
 from deltaserve.kernels.rope import norm_rope
@@ -118,7 +119,10 @@ class GatedAttention(nn.Module):
             )
         for span in meta.prefill:
             piece = slice(span.offset, span.offset + span.length)
-            out[piece] = paged_prefill_attention(
-                q[piece], k_cache, v_cache, span.block_table, cache.block_size, span.start, scale
-            )
+            if span.start == 0:  # a prompt's first chunk: its keys are all fresh, no cache gather
+                out[piece] = prefill_attention(q[piece], k[piece], v[piece], 0, scale)
+            else:
+                out[piece] = paged_prefill_attention(
+                    q[piece], k_cache, v_cache, span.block_table, cache.block_size, span.start, scale
+                )
         return out
