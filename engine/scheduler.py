@@ -97,6 +97,9 @@ class Scheduler:
         self._waiting: deque[_Entry] = deque()
         self._running: dict[int, _Entry] = {}  # admitted, in admission order
         self._pending_drop: dict[int, list[Event]] = {}  # on ranks, ended; events held back
+        # token events of the last step's running requests, delivered once the next step is
+        # released (see _flush_outbox)
+        self._outbox: list[tuple[_Entry, TokenEvent]] = []
         self._wake_event = asyncio.Event()
         self._idle_event = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -187,6 +190,7 @@ class Scheduler:
                 if plan.chunks:
                     await self._step(plan)
                 else:
+                    self._flush_outbox()
                     await self._wait_for_work()
         except ReplicaPoisoned as exc:
             await self._fail_closed(f"replica poisoned: {exc.reason}")
@@ -344,7 +348,8 @@ class Scheduler:
         for listener in self.plan_listeners:
             listener(plan)
         t0 = time.perf_counter()
-        samples = await self._controller.run_step(items)
+        samples = await self._controller.run_step(items, on_release=self._flush_outbox)
+        self._flush_outbox()  # a step the gate never released (a failure) still hands them out
         self._last_step_s = time.perf_counter() - t0
         self._last_plan = plan
         self.steps_total += 1
@@ -388,7 +393,7 @@ class Scheduler:
             reason = "length"
         event = TokenEvent(request.index, token, text, sample.logprob, list(sample.top_logprobs))
         if reason is None:
-            self._deliver(entry, event)
+            self._outbox.append((entry, event))
             return
         tail = entry.detokenizer.flush()
         request.finish(reason)
@@ -396,7 +401,18 @@ class Scheduler:
         finished = FinishedEvent(request.index, reason, request.prompt_len, request.num_output_tokens, tail)
         self._pending_drop[request.request_id] = [event, finished]
 
+    def _flush_outbox(self) -> None:
+        """Deliver the held token events. They wait from their step's commit until the next
+        step is released, because a consumer woken earlier (an SSE write per token) runs on
+        this loop before the ranks' gate receipts are read: 64 of them held every step's
+        release back by milliseconds. Now they run while the ranks compute."""
+        outbox, self._outbox = self._outbox, []
+        for entry, event in outbox:
+            entry.sink.put(event)
+
     def _deliver(self, entry: _Entry, event: Event) -> None:
+        if self._outbox and not isinstance(event, TokenEvent):
+            self._flush_outbox()  # a request's tokens always reach its owner before its end
         entry.sink.put(event)
         if isinstance(event, FinishedEvent | ErrorEvent):
             reason = event.reason if isinstance(event, FinishedEvent) else "error"

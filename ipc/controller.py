@@ -86,6 +86,7 @@ class _Flight:
     digest: int = 0  # crc32 of the frame, which every rank's gate receipt must match
     released: bool = False
     timer: asyncio.TimerHandle | None = None
+    on_release: Callable[[], None] | None = None  # called once the gate has released it
 
 
 class ReplicaController:
@@ -180,12 +181,14 @@ class ReplicaController:
     def gate_name(self) -> str:
         return self._gate.name
 
-    async def run_step(self, items: list[StepItem]) -> SampleColumns:
+    async def run_step(self, items: list[StepItem], on_release: Callable[[], None] | None = None) -> SampleColumns:
         """Run one unified step on every rank; rank 0's samples, matched by request id and
-        returned in step order (row i: the i-th item with `sample` set)."""
+        returned in step order (row i: the i-th item with `sample` set). `on_release` runs
+        as soon as the gate has released the step: work put there overlaps the step instead
+        of delaying its release."""
         self._check_open()
         plan = check_plan(items, self.model_config.vocab_size)
-        return await self._call(lambda seq: RunUnifiedStep(seq, items), plan)
+        return await self._call(lambda seq: RunUnifiedStep(seq, items), plan, on_release=on_release)
 
     async def drop(self, request_ids: list[int],
                    expect: Literal["must_exist", "must_be_absent"]) -> None:
@@ -305,7 +308,8 @@ class ReplicaController:
             raise ReplicaPoisoned("replica is shut down")
 
     async def _call(self, make: Callable[[int], Command], plan: StepPlan | None = None,
-                    patient_until: float | None = None, stopping_ok: bool = False) -> object:
+                    patient_until: float | None = None, stopping_ok: bool = False,
+                    on_release: Callable[[], None] | None = None) -> object:
         """Send one command, wait for (and validate) every rank's reply. One at a time; a
         caller that is cancelled leaves the command to finish (or time out) on its own."""
         await self._lock.acquire()
@@ -315,7 +319,8 @@ class ReplicaController:
             command = make(self._seq)
             frame = command_encoder.encode(command)
             gated = isinstance(command, GATED_COMMANDS)
-            flight = _Flight(ReplySet(command, self.tp_size, plan), self._loop.create_future(), gated)
+            flight = _Flight(ReplySet(command, self.tp_size, plan), self._loop.create_future(), gated,
+                             on_release=on_release)
         except BaseException:
             self._lock.release()
             raise
@@ -378,6 +383,11 @@ class ReplicaController:
         flight.released = True
         flight.timer.cancel()
         flight.timer = self._loop.call_later(self.config.step_timeout_s, self._on_flight_timeout, flight)
+        if flight.on_release is not None:
+            try:
+                flight.on_release()
+            except Exception as exc:  # never let a reader callback die
+                self._poison(f"controller error in a step's release callback: {exc!r}")
 
     def _on_frame(self, frame: bytes) -> None:
         if self._poison_reason is not None or self._closed:
