@@ -97,9 +97,9 @@ class Scheduler:
         self._waiting: deque[_Entry] = deque()
         self._running: dict[int, _Entry] = {}  # admitted, in admission order
         self._pending_drop: dict[int, list[Event]] = {}  # on ranks, ended; events held back
-        # token events of the last step's running requests, delivered once the next step is
-        # released (see _flush_outbox)
-        self._outbox: list[tuple[_Entry, TokenEvent]] = []
+        # the last step's samples of running requests (with their text, or None: not yet
+        # detokenized), delivered once the next step is released (see _flush_outbox)
+        self._outbox: list[tuple[_Entry, Sample, str | None]] = []
         self._wake_event = asyncio.Event()
         self._idle_event = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -381,9 +381,13 @@ class Scheduler:
         else:
             self.metrics.inter_token_latency_s.observe(now - previous)
         token = sample.token_id
+        stop_token = (not params.ignore_eos and token in self._eos_token_ids) or token in params.stop_token_ids
+        if not (stop_token or params.stop or request.num_output_tokens >= params.max_tokens):
+            self._outbox.append((entry, sample, None))  # nothing in its text can end it: detokenized later
+            return
         reason = None
         text = ""
-        if (not params.ignore_eos and token in self._eos_token_ids) or token in params.stop_token_ids:
+        if stop_token:
             reason = "stop"  # the stop token's text is not part of the output (as vLLM)
         else:
             text = entry.detokenizer.add(token)
@@ -391,10 +395,10 @@ class Scheduler:
                 reason = "stop"
         if reason is None and request.num_output_tokens >= params.max_tokens:
             reason = "length"
-        event = TokenEvent(request.index, token, text, sample.logprob, list(sample.top_logprobs))
         if reason is None:
-            self._outbox.append((entry, event))
+            self._outbox.append((entry, sample, text))
             return
+        event = TokenEvent(request.index, token, text, sample.logprob, list(sample.top_logprobs))
         tail = entry.detokenizer.flush()
         request.finish(reason)
         del self._running[request.request_id]
@@ -405,9 +409,13 @@ class Scheduler:
         """Deliver the held token events. They wait from their step's commit until the next
         step is released, because a consumer woken earlier (an SSE write per token) runs on
         this loop before the ranks' gate receipts are read: 64 of them held every step's
-        release back by milliseconds. Now they run while the ranks compute."""
+        release back by milliseconds. Now they, and the detokenization of requests without
+        stop strings, run while the ranks compute."""
         outbox, self._outbox = self._outbox, []
-        for entry, event in outbox:
+        for entry, sample, text in outbox:
+            if text is None:  # a request without stop strings: its text is made here, off the step's path
+                text = entry.detokenizer.add(sample.token_id)
+            event = TokenEvent(entry.request.index, sample.token_id, text, sample.logprob, list(sample.top_logprobs))
             entry.sink.put(event)
 
     def _deliver(self, entry: _Entry, event: Event) -> None:
