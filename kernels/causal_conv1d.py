@@ -40,6 +40,24 @@ def causal_conv1d_update_reference(
         out[row : row + 1] = causal_conv1d(x[row : row + 1], weight, state[slot])
 
 
+def _check_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
+    """The conv kernels' shared argument checks; returns (channels, width)."""
+    check_launchable(x, state)
+    channels, width = weight.shape
+    if width < 2:
+        raise ValueError(f"conv width must be >= 2, got {width}")
+    check_rows("x", x, channels)
+    check_rows("out", out, channels)
+    if out.shape[0] != x.shape[0]:
+        raise ValueError(f"out needs {x.shape[0]} rows, got {out.shape[0]}")
+    if weight.stride(1) != 1:
+        raise ValueError(f"weight: expected a contiguous last dim, got strides {weight.stride()}")
+    if state.dim() != 3 or state.shape[1:] != (channels, width - 1) or state.stride(2) != 1:
+        raise ValueError(f"state: expected [slots, {channels}, {width - 1}] with a contiguous last "
+                         f"dim, got {tuple(state.shape)} strides {state.stride()}")
+    return channels, width
+
+
 @triton.jit
 def _conv_update_kernel(
     x_ptr, w_ptr, state_ptr, rows_ptr, slots_ptr, out_ptr,
@@ -78,19 +96,7 @@ def causal_conv1d_update(
 ) -> None:
     """Triton launch of `causal_conv1d_update_reference` (same arguments), all requests in
     one kernel. Rows with slot < 0 are skipped."""
-    check_launchable(x, state)
-    channels, width = weight.shape
-    if width < 2:
-        raise ValueError(f"conv width must be >= 2, got {width}")
-    check_rows("x", x, channels)
-    check_rows("out", out, channels)
-    if out.shape[0] != x.shape[0]:
-        raise ValueError(f"out needs {x.shape[0]} rows, got {out.shape[0]}")
-    if weight.stride(1) != 1:
-        raise ValueError(f"weight: expected a contiguous last dim, got strides {weight.stride()}")
-    if state.dim() != 3 or state.shape[1:] != (channels, width - 1) or state.stride(2) != 1:
-        raise ValueError(f"state: expected [slots, {channels}, {width - 1}] with a contiguous last "
-                         f"dim, got {tuple(state.shape)} strides {state.stride()}")
+    channels, width = _check_conv(x, weight, state, out)
     num = rows.shape[0]
     check_index("rows", rows, num)
     check_index("slots", slots, num)
@@ -187,19 +193,7 @@ def causal_conv1d_prefill(
     """Triton launch of `causal_conv1d_prefill_reference` (same arguments, plus `max_length`),
     every span in one kernel: a per-span torch conv costs a cat, a conv and copies per span
     and layer. Spans must not share a slot; rows outside them are untouched."""
-    check_launchable(x, state)
-    channels, width = weight.shape
-    if width < 2:
-        raise ValueError(f"conv width must be >= 2, got {width}")
-    check_rows("x", x, channels)
-    check_rows("out", out, channels)
-    if out.shape[0] != x.shape[0]:
-        raise ValueError(f"out needs {x.shape[0]} rows, got {out.shape[0]}")
-    if weight.stride(1) != 1:
-        raise ValueError(f"weight: expected a contiguous last dim, got strides {weight.stride()}")
-    if state.dim() != 3 or state.shape[1:] != (channels, width - 1) or state.stride(2) != 1:
-        raise ValueError(f"state: expected [slots, {channels}, {width - 1}] with a contiguous last "
-                         f"dim, got {tuple(state.shape)} strides {state.stride()}")
+    channels, width = _check_conv(x, weight, state, out)
     num = offsets.shape[0]
     check_index("offsets", offsets, num)
     check_index("lengths", lengths, num)
