@@ -46,6 +46,12 @@ class EngineMetrics:
     request_success_total: dict[str, int] = field(
         default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0}
     )
+    # where the replica's time goes while there is work: steps in flight on the ranks, and the
+    # scheduler's own time between one step's results and the next step's dispatch (the ranks
+    # idle); their ratio is the engine's overhead per step
+    steps_total: int = 0
+    step_seconds_total: float = 0.0
+    scheduler_seconds_total: float = 0.0
     time_to_first_token_s: Histogram = field(default_factory=Histogram)
     inter_token_latency_s: Histogram = field(default_factory=Histogram)
     e2e_request_latency_s: Histogram = field(default_factory=Histogram)

@@ -87,7 +87,6 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.ledger = CapacityLedger(controller.num_slots, controller.num_blocks, controller.block_size)
         self.metrics = EngineMetrics()
-        self.steps_total = 0
         self.dead_reason: str | None = None
         self.load_listeners: list[Callable[[LoadSnapshot], None]] = []
         self.plan_listeners: list[Callable[[StepPlan], None]] = []  # tests read plans here
@@ -109,6 +108,7 @@ class Scheduler:
         self._stopped = False  # stopped cleanly: the tick has exited
         self._last_plan: StepPlan | None = None  # the step of the previous tick, if any
         self._last_step_s = 0.0
+        self._results_at: float | None = None  # when the last step's results came back
         self._load = self._snapshot()
 
     # ---- called from outside the tick (event-loop thread) -----------------------------
@@ -164,6 +164,10 @@ class Scheduler:
         self._abort_all = True
         self.wake()
 
+    @property
+    def steps_total(self) -> int:
+        return self.metrics.steps_total
+
     # ---- the tick -----------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -191,6 +195,7 @@ class Scheduler:
                     await self._step(plan)
                 else:
                     self._flush_outbox()
+                    self._results_at = None  # idle from here: not the scheduler's overhead
                     await self._wait_for_work()
         except ReplicaPoisoned as exc:
             await self._fail_closed(f"replica poisoned: {exc.reason}")
@@ -348,11 +353,15 @@ class Scheduler:
         for listener in self.plan_listeners:
             listener(plan)
         t0 = time.perf_counter()
+        if self._results_at is not None:  # the ranks sat idle since the last step's results
+            self.metrics.scheduler_seconds_total += t0 - self._results_at
         samples = await self._controller.run_step(items, on_release=self._flush_outbox)
         self._flush_outbox()  # a step the gate never released (a failure) still hands them out
-        self._last_step_s = time.perf_counter() - t0
+        self._results_at = time.perf_counter()
+        self._last_step_s = self._results_at - t0
+        self.metrics.steps_total += 1
+        self.metrics.step_seconds_total += self._last_step_s
         self._last_plan = plan
-        self.steps_total += 1
         # Cancellations that arrived while the step ran win over its results.
         self._drain()
         self._cancel_closed_owners()

@@ -270,9 +270,47 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             from deltaserve.tools.bench_multiturn import run_multi_turn
 
             return {**base, **await run_multi_turn(session, args, model, tokenizer, headers)}
+        before = await engine_counters(session, args.base_url, headers)
         metrics, outputs = await run_random(session, args, model, tokenizer, headers)
         print_summary("Serving Benchmark Result", metrics, args.metric_percentiles)
-        return {**base, **metrics, **per_request_fields(outputs)}
+        engine = engine_overhead(before, await engine_counters(session, args.base_url, headers))
+        for key, value in engine.items():
+            print(f"{key}: {value:.4g}")
+        return {**base, **metrics, **engine, **per_request_fields(outputs)}
+
+
+ENGINE_COUNTERS = ("deltaserve:steps_total", "deltaserve:step_seconds_total", "deltaserve:scheduler_seconds_total")
+
+
+async def engine_counters(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> dict[str, float]:
+    """Our server's step counters from /metrics, and when they were read (empty for a server
+    without them, e.g. vLLM)."""
+    read_at = time.perf_counter()
+    try:
+        async with session.get(base_url + "/metrics", headers=headers) as resp:
+            text = await resp.text() if resp.status == 200 else ""
+    except aiohttp.ClientError:
+        return {}
+    values = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name in ENGINE_COUNTERS:
+            values[name] = float(rest.rsplit(" ", 1)[1])
+    return {**values, "read_at": read_at} if values else {}
+
+
+def engine_overhead(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Between the two reads (the run and its uncounted first request): steps, mean step time
+    on the ranks, mean scheduler time between steps (the ranks idle), and the share of the
+    time the ranks were busy."""
+    if not before or set(before) != set(after):
+        return {}
+    duration = after["read_at"] - before["read_at"]
+    steps, step_s, sched_s = (after[k] - before[k] for k in ENGINE_COUNTERS)
+    if steps <= 0:
+        return {}
+    return {"engine_steps": steps, "engine_mean_step_ms": step_s / steps * 1e3,
+            "engine_mean_scheduler_ms": sched_s / steps * 1e3, "engine_busy_fraction": step_s / duration}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ for c in 1 16 64; do
   n=$(( c * 4 )); [ "$c" = 1 ] && n=4
   timeout 150 "${BENCH[@]}" --random-input-len 1024 --random-output-len 256 --ignore-eos --num-prompts $n \
     --max-concurrency $c --label "h200-4b-c$c" --result-filename "serve_c$c.json" 2>&1 \
-    | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Successful|Failed"
+    | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Successful|Failed|engine_"
   say "bench_serve c=$c"
 done
 timeout 150 "${BENCH[@]}" --multi-turn --num-conversations 12 --max-concurrency 4 --random-input-len 512 \
