@@ -121,6 +121,35 @@ class TestSampler:
         rank = {t: r for r, t in enumerate(logits.argsort(descending=True).tolist())}
         assert max(rank[t] for t in drawn) > 1024
 
+    def test_batched_rows_equal_the_row_by_row_rule(self):
+        """The random rows sampled together give each request exactly the token `_draw`
+        gives it alone from the same seed: every filter mix, a nucleus past the first 1024
+        candidates, several steps (the seed advances per token)."""
+        from deltaserve.engine.rank.sampler import _draw, token_seed
+
+        vocab = 3000
+        specs = [
+            SamplingSpec(seed=1, temperature=0.7),
+            SamplingSpec(seed=2, temperature=1.0, top_k=5),
+            SamplingSpec(seed=3, temperature=1.3, top_p=0.9),
+            SamplingSpec(seed=4, temperature=1.0, top_k=40, top_p=0.5),
+            SamplingSpec(seed=5, temperature=1.0, min_p=0.05),
+            SamplingSpec(seed=6, temperature=0.9, min_p=0.02, top_k=1500),
+            SamplingSpec(seed=7, temperature=50.0, top_p=0.95),  # flat: the nucleus passes 1024
+            SamplingSpec(seed=8, temperature=1.0, top_k=vocab + 5),  # no real cut
+        ]
+        sampler = Sampler()
+        for i, spec in enumerate(specs):
+            sampler.add(i, spec)
+        for step in range(3):
+            logits = _logits(500 + step, rows=len(specs), vocab=vocab)
+            got = [s.token_id for s in sampler.sample(list(range(len(specs))), logits)]
+            want = []
+            for spec, row in zip(specs, logits, strict=True):
+                generator = torch.Generator().manual_seed(token_seed(spec.seed, step))
+                want.append(int(_draw(row / spec.temperature, spec, generator)))
+            assert got == want, step
+
     def test_penalties(self):
         """Repetition hits prompt and output tokens; presence/frequency only output tokens."""
         logits = torch.tensor([[3.0, 2.5, 0.0, -1.0]])

@@ -143,16 +143,76 @@ class Sampler:
     def _sample_random(
         self, work: torch.Tensor, rows: list[int], states: list[_RequestState]
     ) -> torch.Tensor:
-        device = work.device
-        temps = torch.tensor([s.spec.temperature for s in states], device=device)
-        scaled = work[rows] / temps.unsqueeze(1)  # [r, vocab], a copy
-        drawn = torch.empty(len(rows), dtype=torch.long, device=device)
-        for j, state in enumerate(states):
+        """The random rows together: temperature, min-p, top-k and top-p are tensor ops over
+        all of them at once; only the exponential race's noise is drawn row by row, from each
+        request's own generator, so a request's tokens are exactly what `_draw` gives it alone
+        (the row-by-row reference kept for the rare nucleus wider than its candidates)."""
+        device, vocab = work.device, work.shape[1]
+        specs = [s.spec for s in states]
+        for state in states:
             if state.generator is None:
                 state.generator = torch.Generator(device=device)
             state.generator.manual_seed(token_seed(state.spec.seed, state.num_sampled))
-            drawn[j] = _draw(scaled[j], state.spec, state.generator)
+        scaled = work[rows] / torch.tensor([s.temperature for s in specs], device=device)[:, None]
+        x = scaled
+        if any(s.min_p > 0.0 for s in specs):
+            # vLLM MinPLogitsProcessor: prob < min_p * max prob, i.e. x < max x + log(min_p)
+            floor = torch.tensor([math.log(s.min_p) if s.min_p > 0.0 else -math.inf for s in specs], device=device)
+            x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + floor[:, None], float("-inf"))
+        # each row's candidates: its top-k, the _TOP_P_CANDIDATES best for top-p alone, or the
+        # whole vocabulary (in vocabulary order); the noise is drawn over exactly that many, in
+        # that order, as `_draw` does
+        widths = [s.top_k if 0 < s.top_k < vocab else min(_TOP_P_CANDIDATES, vocab) if s.top_p < 1.0 else vocab
+                  for s in specs]  # fmt: skip
+        drawn = torch.empty(len(rows), dtype=torch.long, device=device)
+        filtered = [0 < s.top_k < vocab or s.top_p < 1.0 for s in specs]
+        whole = [j for j, f in enumerate(filtered) if not f]
+        if whole:
+            rows_x = x if len(whole) == len(rows) else x[whole]
+            drawn[whole] = _race(rows_x, None, [vocab] * len(whole), [states[j] for j in whole])
+        cut = [j for j, f in enumerate(filtered) if f]
+        if cut:
+            sub = [specs[j] for j in cut]
+            cut_x = x if len(cut) == len(rows) else x[cut]
+            values, ids = cut_x.topk(max(widths[j] for j in cut))  # sorted, best first
+            col = torch.arange(values.shape[1], device=device)
+            values = values.masked_fill(col >= torch.tensor([widths[j] for j in cut], device=device)[:, None],
+                                        float("-inf"))  # fmt: skip
+            limited = [0 < s.top_k < vocab for s in sub]
+            if any(s.top_p < 1.0 for s in sub):
+                # top-p against the top-k's mass when top-k is set, else the whole row's
+                norm = values.logsumexp(dim=-1)
+                unlimited = [i for i, lim in enumerate(limited) if not lim]
+                if unlimited:
+                    norm[unlimited] = cut_x[unlimited].logsumexp(dim=-1)
+                probs = (values - norm[:, None]).exp()
+                mass_before = probs.cumsum(dim=-1) - probs
+                top_p = torch.tensor([s.top_p for s in sub], device=device)
+                values = values.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+            drawn[cut] = _race(values, ids, [widths[j] for j in cut], [states[j] for j in cut])
+            # a nucleus that kept its last candidate may reach past them: `_draw` sorts it all
+            open_ended = [i for i, s in enumerate(sub) if s.top_p < 1.0 and not limited[i]]
+            if open_ended:
+                last = values[open_ended, torch.tensor([widths[cut[i]] - 1 for i in open_ended], device=device)]
+                for i, inf in zip(open_ended, torch.isinf(last).tolist(), strict=True):
+                    if not inf:  # rare: the row-by-row rule, from the same generator state
+                        j, state = cut[i], states[cut[i]]
+                        state.generator.manual_seed(token_seed(state.spec.seed, state.num_sampled))
+                        drawn[j] = _draw(scaled[j], state.spec, state.generator)
         return drawn
+
+
+def _race(values: torch.Tensor, ids: torch.Tensor | None, widths: list[int],
+          states: list[_RequestState]) -> torch.Tensor:  # fmt: skip
+    """The exponential race over each row's candidates (`values`, -inf where excluded; token
+    ids `ids`, or None when the columns are the vocabulary): argmax(probs / q), q ~ Exp(1)
+    drawn from the row's own generator over its first `widths[j]` columns, as `_draw` draws
+    it (so a request's token never depends on its batch companions)."""
+    noise = torch.ones_like(values)
+    for j, (state, width) in enumerate(zip(states, widths, strict=True)):
+        noise[j, :width].exponential_(generator=state.generator)
+    best = (values.softmax(dim=-1) / noise).argmax(dim=-1)
+    return best if ids is None else ids.gather(1, best[:, None])[:, 0]
 
 
 # Top-p first looks for the nucleus among this many best tokens (one topk instead of a sort
