@@ -425,13 +425,21 @@ async def bench_engine(args, batches: list[int], context: int, new_tokens: int, 
 
         for batch in batches:
             prompts = [torch.randint(0, 240000, (context,), generator=gen).tolist() for _ in range(batch)]
+            m = engine.metrics
+            before = (m.steps_total, m.step_seconds_total, m.scheduler_seconds_total)
             stamps = await asyncio.gather(*(one(ids) for ids in prompts))
+            n_steps, ranks_s, sched_s = (b - a for a, b in zip(before, (m.steps_total, m.step_seconds_total,
+                                                                       m.scheduler_seconds_total), strict=True))  # fmt: skip
             start = max(s[0] for s in stamps)  # every request decoding from here on
             end = min(s[-1] for s in stamps)
             steps = min(sum(1 for t in s if start < t <= end) for s in stamps)
             step_s = (end - start) / max(steps, 1)
             rows.append({"tp": tp, "batch": batch, "context": context, "ms_per_output_token": step_s * 1e3,
-                         "tokens_per_s": batch / step_s})  # fmt: skip
+                         "tokens_per_s": batch / step_s,
+                         # every step of the run (its prefill too): time on the ranks, and the
+                         # scheduler's between steps (the ranks idle)
+                         "mean_step_ms": ranks_s / max(n_steps, 1) * 1e3,
+                         "mean_scheduler_ms": sched_s / max(n_steps, 1) * 1e3})  # fmt: skip
             print(json.dumps({"engine": rows[-1]}), flush=True)
     return rows
 
@@ -580,7 +588,8 @@ def print_table(report: dict) -> None:
               f"{row['model_TFLOPs']:6.1f} TFLOP/s = {frac:6.1%} of matmul")
     for row in report.get("engine", []):
         print(f"engine tp={row['tp']} b={row['batch']:3d} {row['ms_per_output_token']:8.2f} ms/step {row['tokens_per_s']:9.1f} tok/s "
-              f"x{row.get('ratio_to_roofline', math.nan):.2f} of roofline")
+              f"x{row.get('ratio_to_roofline', math.nan):.2f} of roofline; steps {row['mean_step_ms']:.2f} ms on the ranks "
+              f"+ {row['mean_scheduler_ms']:.2f} ms scheduler")
     for row in report.get("hf_prefill", []):
         print(f"hf prefill {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s")
     for row in report.get("hf_transformers", []):
