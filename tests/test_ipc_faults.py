@@ -101,9 +101,13 @@ async def test_fault(case: str, tiny_model_dir: Path, tmp_path: Path) -> None:
         step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
         decode = StepItem(1, 24, [step1.by_id()[1].token_id], True)
         t0 = time.monotonic()
+        released: list[float] = []  # the step's on_release calls
         try:
             # step 2: request 1 decodes while request 2 prefills
-            step2 = await asyncio.wait_for(controller.run_step([decode, first(2, 40)]), bound_s + 5)
+            step2 = await asyncio.wait_for(
+                controller.run_step([decode, first(2, 40)], on_release=lambda: released.append(time.monotonic())),
+                bound_s + 5,
+            )
             if case == "diverge":  # the ranks now disagree on request 1
                 decode = StepItem(1, 25, [step2.by_id()[1].token_id], True)
                 await asyncio.wait_for(controller.run_step([decode]), bound_s + 5)
@@ -125,6 +129,8 @@ async def test_fault(case: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     ranks = [journal(tmp_path, 0), journal(tmp_path, 1)]
     # no rank ran anything after the command that went wrong
     assert all(seq <= last_seq for entries in ranks for _, seq in entries)
+    # the release hook runs exactly once if the gate released the step, never if it cancelled it
+    assert len(released) == (0 if kind in ("die_before_receipt", "stall_before_receipt") else 1), released
     if kind in ("die_before_receipt", "stall_before_receipt"):
         # the survivor got the step and was told to cancel it: it never ran it
         assert ("recv", FAULT_SEQ) in ranks[0] and ("cancel", FAULT_SEQ) in ranks[0]
