@@ -104,6 +104,30 @@ def chunk_gated_delta(
 # ---- decode step on the GPU: one fused kernel per layer for every decode request ----------
 
 
+def delta_rule_inputs(
+    mixed: torch.Tensor,  # [T, 2 * nk * dk + nv * dv] post-conv [q | k | v] of each token
+    a: torch.Tensor,  # [T, nv] in_proj_a output (raw)
+    b: torch.Tensor,  # [T, nv] in_proj_b output (raw)
+    a_log: torch.Tensor,  # [nv]
+    dt_bias: torch.Tensor,  # [nv]
+    num_k_heads: int,
+    dv: int,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gated delta rule's per-token inputs (q, k, v, g, beta) from the conv output and
+    in_proj's raw a, b, as HF and flash-linear-attention make them: L2-normalised q (times
+    dk^-0.5) and k in fp32, g = -exp(A_log) * softplus(a + dt_bias) in fp32, beta = sigmoid(b)
+    in the model dtype. The one definition behind the CPU layer and both GPU references."""
+    nk = num_k_heads
+    dk = (mixed.shape[1] - a.shape[1] * dv) // (2 * nk)
+    q, k, v = mixed.split((nk * dk, nk * dk, a.shape[1] * dv), dim=-1)
+    q, k = q.reshape(-1, nk, dk).float(), k.reshape(-1, nk, dk).float()
+    q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + eps) * dk**-0.5
+    k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + eps)
+    g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    return q, k, v.reshape(-1, a.shape[1], dv), g, b.sigmoid()
+
+
 def gated_delta_decode_reference(
     mixed: torch.Tensor,  # [T, 2 * nk * dk + nv * dv] post-conv [q | k | v] of each token
     a: torch.Tensor,  # [T, nv] in_proj_a output (raw)
@@ -120,18 +144,10 @@ def gated_delta_decode_reference(
     """What the kernel computes, as the DeltaNet layer does it in plain torch: L2-normalised
     q (times dk^-0.5) and k, beta = sigmoid(b) in the model dtype, g = -exp(A_log) *
     softplus(a + dt_bias) in fp32, then one `recurrent_gated_delta` step."""
-    nv, dk, dv = state.shape[1:]
-    nk = num_k_heads
     rows, slots = rows.long(), slots.long()
-    q, k, v = mixed[rows].split((nk * dk, nk * dk, nv * dv), dim=-1)
-    q = q.reshape(-1, nk, dk).float()
-    k = k.reshape(-1, nk, dk).float()
-    q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + eps) * dk**-0.5
-    k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + eps)
-    beta = b[rows].sigmoid()
-    g = -a_log.float().exp() * torch.nn.functional.softplus(a[rows].float() + dt_bias)
+    q, k, v, g, beta = delta_rule_inputs(mixed[rows], a[rows], b[rows], a_log, dt_bias, num_k_heads, state.shape[-1], eps)
     s = state[slots]
-    o = recurrent_gated_delta(q, k, v.reshape(-1, nv, dv), g, beta, s)
+    o = recurrent_gated_delta(q, k, v, g, beta, s)
     state[slots] = s
     out[rows] = o.to(out.dtype)
 
@@ -293,20 +309,6 @@ class PackedSpans:
         return cls(list(slots), list(lengths), index, bounds, bounds_device, chunks)
 
 
-def _prefill_inputs(mixed, a, b, a_log, dt_bias, num_k_heads: int, dv: int, eps: float):
-    """The DeltaNet's per-token prefill inputs from the conv output and in_proj's a, b, as
-    `gated_delta_decode_reference` makes them: L2-normalised q (times dk^-0.5) and k in fp32,
-    g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) in the model dtype."""
-    nk = num_k_heads
-    dk = (mixed.shape[1] - a.shape[1] * dv) // (2 * nk)
-    q, k, v = mixed.split((nk * dk, nk * dk, a.shape[1] * dv), dim=-1)
-    q, k = q.reshape(-1, nk, dk).float(), k.reshape(-1, nk, dk).float()
-    q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + eps) * dk**-0.5
-    k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + eps)
-    g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
-    return q, k, v.reshape(-1, a.shape[1], dv), g, b.sigmoid()
-
-
 def gated_delta_prefill_reference(
     mixed: torch.Tensor,  # [L, 2 * nk * dk + nv * dv] post-conv [q | k | v], sequences packed end to end
     a: torch.Tensor,  # [L, nv] in_proj_a output (raw)
@@ -319,7 +321,7 @@ def gated_delta_prefill_reference(
     eps: float = 1e-6,
 ) -> torch.Tensor:  # [L, nv, dv] in mixed's dtype
     """`chunk_gated_delta` sequence by sequence, on the inputs the decode kernel derives."""
-    q, k, v, g, beta = _prefill_inputs(mixed, a, b, a_log, dt_bias, num_k_heads, state.shape[-1], eps)
+    q, k, v, g, beta = delta_rule_inputs(mixed, a, b, a_log, dt_bias, num_k_heads, state.shape[-1], eps)
     out = torch.empty(v.shape, dtype=mixed.dtype, device=v.device)
     offset = 0
     for slot, length in zip(spans.slots, spans.lengths, strict=True):
@@ -355,7 +357,7 @@ def gated_delta_prefill(
     _, out, _, final, _, _ = fla.forward(
         q=q, k=k, v=v.reshape(1, length, nv, dv).contiguous(), g=a.contiguous()[None], beta=b.sigmoid()[None],
         scale=dk**-0.5, initial_state=state[index], output_final_state=True, cu_seqlens=spans.bounds_device,
-        chunk_indices=spans.chunk_indices, use_gate_in_kernel=True, A_log=a_log.float(), dt_bias=dt_bias.float(),
+        chunk_indices=spans.chunk_indices, use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias,  # made fp32 inside fla's gate kernel
     )  # fmt: skip
     state[index] = final.float()
     return out[0].to(mixed.dtype)

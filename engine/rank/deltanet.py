@@ -9,7 +9,6 @@ request's slot of the StateCache.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.engine.rank.batch import StepBatch
@@ -31,17 +30,12 @@ from deltaserve.kernels.causal_conv1d import (
 )
 from deltaserve.kernels.gated_delta import (
     chunk_gated_delta,
+    delta_rule_inputs,
     gated_delta_decode,
     gated_delta_prefill,
     recurrent_gated_delta,
 )
 from deltaserve.kernels.triton_compat import gpu_path
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) in fp32, as HF and flash-linear-attention do."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 class Conv1dWeight(nn.Module):
@@ -60,7 +54,7 @@ class GatedDeltaNet(nn.Module):
         tp = tp_size()
         hidden = config.hidden_size
         nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
-        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.dv = config.linear_value_head_dim
         self.num_k_heads, self.num_v_heads = nk // tp, nv // tp
         self.cache_layer = cache_layer
         sections = (config.linear_key_dim, config.linear_key_dim, config.linear_value_dim)
@@ -77,11 +71,9 @@ class GatedDeltaNet(nn.Module):
         if gpu_path(x):
             return self._forward_cuda(x, batch, cache)
         tokens = x.shape[0]
-        nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.dk, self.dv
+        nk, nv, dv = self.num_k_heads, self.num_v_heads, self.dv
         qkv, z, b, a = self.in_proj(x).split(self.in_proj.local_sizes, dim=-1)  # qkv: conv channels
         z = z.reshape(tokens, nv, dv)
-        beta = b.sigmoid()  # [T, nv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
         conv_state = cache.conv[self.cache_layer]  # [slots, channels, width - 1]
         recurrent = cache.recurrent[self.cache_layer]  # [slots, nv, dk, dv]
@@ -90,10 +82,7 @@ class GatedDeltaNet(nn.Module):
         for span in batch.spans:
             piece = slice(span.offset, span.offset + span.length)
             mixed[piece] = causal_conv1d(qkv[piece], weight, conv_state[span.slot])
-        q, k, v = mixed.split((nk * dk, nk * dk, nv * dv), dim=-1)
-        q = l2_normalize(q.reshape(tokens, nk, dk)) * dk**-0.5
-        k = l2_normalize(k.reshape(tokens, nk, dk))
-        v = v.reshape(tokens, nv, dv)
+        q, k, v, g, beta = delta_rule_inputs(mixed, a, b, self.A_log, self.dt_bias, nk, dv)
 
         core = torch.empty((tokens, nv, dv), dtype=torch.float32, device=x.device)
         decodes = [s for s in batch.spans if s.length == 1]
