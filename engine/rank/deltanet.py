@@ -122,8 +122,7 @@ class GatedDeltaNet(nn.Module):
             )
         if meta.prefill:
             offsets, lengths, slots = meta.prefill_index
-            max_length = max(span.length for span in meta.prefill)
-            causal_conv1d_prefill(qkv, weight, conv_state, offsets, lengths, slots, max_length, mixed)
+            causal_conv1d_prefill(qkv, weight, conv_state, offsets, lengths, slots, meta.prefill_max_len, mixed)
             prefill = (self.A_log, self.dt_bias, recurrent, meta.packed, nk)
             if meta.num_decodes:  # prompt rows packed apart from the decode rows
                 rows = meta.prefill_rows

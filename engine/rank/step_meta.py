@@ -27,9 +27,10 @@ class StepMeta:
     block_tables: torch.Tensor  # [D, max_blocks] int64, its KV blocks (padded with block 0)
     max_seq_len: int  # host-side bound on seq_lens: sizes the attention grid
     prefill: tuple[SeqSpan, ...]  # the step's spans of more than one token
-    prefill_rows: torch.Tensor | None = None  # [P] int64, their token rows, packed in order
+    prefill_rows: torch.Tensor | None = None  # [P] int64, their token rows, packed (only beside decodes)
     packed: PackedSpans | None = None  # their slots and lengths for the chunked kernel
     prefill_index: torch.Tensor | None = None  # [3, P] int32: each one's token offset, length, slot
+    prefill_max_len: int = 0  # host-side bound on their lengths: sizes the conv's grid
 
     @property
     def num_decodes(self) -> int:
@@ -67,8 +68,9 @@ def build_step_meta(spans: tuple[SeqSpan, ...], device: torch.device) -> StepMet
     prefill = tuple(s for s in spans if s.length > 1)
     prefill_rows = packed = prefill_index = None
     if prefill:
-        rows = [r for s in prefill for r in range(s.offset, s.offset + s.length)]
-        prefill_rows = torch.tensor(rows, dtype=torch.int64).to(device)
+        if decodes:  # prompt rows are packed apart only when decode rows sit among them
+            rows = [r for s in prefill for r in range(s.offset, s.offset + s.length)]
+            prefill_rows = torch.tensor(rows, dtype=torch.int64).to(device)
         packed = PackedSpans.build([s.slot for s in prefill], [s.length for s in prefill], device)
         columns = zip(*[(s.offset, s.length, s.slot) for s in prefill], strict=True)
         prefill_index = torch.tensor(list(columns), dtype=torch.int32).to(device)
@@ -82,6 +84,7 @@ def build_step_meta(spans: tuple[SeqSpan, ...], device: torch.device) -> StepMet
         prefill_rows=prefill_rows,
         packed=packed,
         prefill_index=prefill_index,
+        prefill_max_len=max((s.length for s in prefill), default=0),
     )
 
 
