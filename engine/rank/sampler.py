@@ -153,17 +153,20 @@ class Sampler:
             if state.generator is None:
                 state.generator = torch.Generator(device=device)
             state.generator.manual_seed(token_seed(state.spec.seed, state.num_sampled))
-        scaled = work[rows] / torch.tensor([s.temperature for s in specs], device=device)[:, None]
-        x = scaled
-        if any(s.min_p > 0.0 for s in specs):
-            # vLLM MinPLogitsProcessor: prob < min_p * max prob, i.e. x < max x + log(min_p)
-            floor = torch.tensor([math.log(s.min_p) if s.min_p > 0.0 else -math.inf for s in specs], device=device)
-            x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + floor[:, None], float("-inf"))
         # each row's candidates: its top-k, the _TOP_P_CANDIDATES best for top-p alone, or the
         # whole vocabulary (in vocabulary order); the noise is drawn over exactly that many, in
         # that order, as `_draw` does
         widths = [s.top_k if 0 < s.top_k < vocab else min(_TOP_P_CANDIDATES, vocab) if s.top_p < 1.0 else vocab
                   for s in specs]  # fmt: skip
+        # the rows' knobs in one copy to the device: temperature, log(min_p), top_p, width
+        knobs = torch.tensor([[s.temperature for s in specs],
+                              [math.log(s.min_p) if s.min_p > 0.0 else -math.inf for s in specs],
+                              [s.top_p for s in specs], widths], device=device)  # fmt: skip
+        scaled = work[rows] / knobs[0][:, None]
+        x = scaled
+        if any(s.min_p > 0.0 for s in specs):
+            # vLLM MinPLogitsProcessor: prob < min_p * max prob, i.e. x < max x + log(min_p)
+            x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + knobs[1][:, None], float("-inf"))
         drawn = torch.empty(len(rows), dtype=torch.long, device=device)
         filtered = [0 < s.top_k < vocab or s.top_p < 1.0 for s in specs]
         whole = [j for j, f in enumerate(filtered) if not f]
@@ -176,8 +179,7 @@ class Sampler:
             cut_x = x if len(cut) == len(rows) else x[cut]
             values, ids = cut_x.topk(max(widths[j] for j in cut))  # sorted, best first
             col = torch.arange(values.shape[1], device=device)
-            values = values.masked_fill(col >= torch.tensor([widths[j] for j in cut], device=device)[:, None],
-                                        float("-inf"))  # fmt: skip
+            values = values.masked_fill(col >= knobs[3, cut][:, None], float("-inf"))
             limited = [0 < s.top_k < vocab for s in sub]
             if any(s.top_p < 1.0 for s in sub):
                 # top-p against the top-k's mass when top-k is set, else the whole row's
@@ -187,8 +189,7 @@ class Sampler:
                     norm[unlimited] = cut_x[unlimited].logsumexp(dim=-1)
                 probs = (values - norm[:, None]).exp()
                 mass_before = probs.cumsum(dim=-1) - probs
-                top_p = torch.tensor([s.top_p for s in sub], device=device)
-                values = values.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+                values = values.masked_fill(mass_before >= knobs[2, cut][:, None], float("-inf"))
             drawn[cut] = _race(values, ids, [widths[j] for j in cut], [states[j] for j in cut])
             # a nucleus that kept its last candidate may reach past them: `_draw` sorts it all
             open_ended = [i for i, s in enumerate(sub) if s.top_p < 1.0 and not limited[i]]
