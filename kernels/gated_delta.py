@@ -101,9 +101,6 @@ def chunk_gated_delta(
     return out.transpose(0, 1)
 
 
-# ---- decode step on the GPU: one fused kernel per layer for every decode request ----------
-
-
 def delta_rule_inputs(
     mixed: torch.Tensor,  # [T, 2 * nk * dk + nv * dv] post-conv [q | k | v] of each token
     a: torch.Tensor,  # [T, nv] in_proj_a output (raw)
@@ -126,6 +123,9 @@ def delta_rule_inputs(
     k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + eps)
     g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
     return q, k, v.reshape(-1, a.shape[1], dv), g, b.sigmoid()
+
+
+# ---- decode step on the GPU: one fused kernel per layer for every decode request ----------
 
 
 def gated_delta_decode_reference(
