@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import zlib
 from datetime import timedelta
 
@@ -50,6 +51,8 @@ IDLE_POLL_MS = 500  # the serve loop re-checks its parent at least this often
 REPLY_LINGER_MS = 2000  # how long a leaving rank tries to flush its last reply
 GC_GEN0_THRESHOLD = 20_000  # allocations between young collections (CPython default 700)
 
+log = logging.getLogger("deltaserve.rank")
+
 
 def die_with_parent(parent_pid: int) -> None:
     """SIGKILL this process when the thread that spawned it exits (LESSONS: vLLM 55510)."""
@@ -65,11 +68,13 @@ def build_executor(config: RankConfig) -> object:
         from deltaserve.ipc.noop_executor import NoopExecutor
 
         return NoopExecutor(config.rank, config.num_slots, config.num_blocks, config.block_size)
+    started = time.monotonic()
     import torch
     import torch.distributed as dist
 
     if config.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(config.device))
+        torch.cuda.init()  # the CUDA context, timed here rather than inside the model's build
         backend = "nccl"
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
@@ -82,6 +87,7 @@ def build_executor(config: RankConfig) -> object:
             world_size=config.world_size,
             timeout=timedelta(seconds=config.dist_timeout_s),
         )
+    log.info("rank %d: torch on %s ready in %.1f s", config.rank, config.device, time.monotonic() - started)
     from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 
     return Executor(
@@ -266,6 +272,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     logging.getLogger("deltaserve").setLevel(logging.INFO)
+    log.info("rank %d: process up", config.rank)  # its time stamp against the server's marks the spawn
     ctx = zmq.Context(io_threads=1)
     replies = PushChannel(ctx, config.reply_endpoint, bind=False, linger_ms=REPLY_LINGER_MS)
     try:

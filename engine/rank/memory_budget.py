@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -179,7 +180,10 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
         raise ValueError("num_blocks=0 (size the KV cache from memory) needs max_model_len")
     sizes = cache_sizes(executor.model_config, config.world_size, executor.dtype, config.block_size)
     lengths = profile_lengths(config.max_num_batched_tokens, config.num_slots, config.max_model_len)
+    started = time.monotonic()
     activations = _profile(executor, lengths, probe)
+    if config.rank == 0:  # the first step also compiles (or loads) every Triton kernel
+        log.info("profiling step of %d tokens in %.1f s", sum(lengths), time.monotonic() - started)
     in_use, total = probe.in_use_and_total()
     reserve = 0
     if config.cuda_graphs:  # each captured bucket (1, 2, 4, ... max) keeps its fp32 logits
