@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from deltaserve.ipc.faults import FaultPlan
 
@@ -64,9 +66,7 @@ class ReplicaConfig:
         if self.device == "cpu":
             return ["cpu"] * self.tp_size
         ids = self.device_ids if self.device_ids is not None else tuple(range(self.tp_size))
-        import torch
-
-        count = torch.cuda.device_count()
+        count = cuda_device_count()
         for ordinal in ids:
             if ordinal >= count:
                 raise ValueError(f"CUDA device {ordinal} does not exist: this machine has {count} CUDA device(s)")
@@ -83,3 +83,26 @@ class ReplicaPoisoned(RuntimeError):
 
 class ReplicaStartupError(RuntimeError):
     """The ranks did not all come up; everything started has been torn down."""
+
+
+def cuda_device_count() -> int:
+    """The CUDA devices this process may use, read as the CUDA runtime reads them: the
+    driver's GPUs, narrowed by CUDA_VISIBLE_DEVICES up to its first invalid entry. Without
+    torch: importing it here would cost the server seconds before its ranks even spawn."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    if not gpus.is_dir():
+        if not Path("/dev/nvidiactl").exists():
+            return 0
+        import torch  # a driver without the /proc listing: ask the runtime
+
+        return torch.cuda.device_count()
+    present = sum(1 for _ in gpus.iterdir())
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    count = 0
+    for entry in (e.strip() for e in visible.split(",")):
+        if not (entry.startswith(("GPU-", "MIG-")) or (entry.isdigit() and int(entry) < present)):
+            break
+        count += 1
+    return count
