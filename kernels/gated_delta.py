@@ -14,9 +14,15 @@ h * r ... h * r + r - 1 (r = value heads / key heads), i.e. value head j reads k
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import importlib.util
+import os
+import sys
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from importlib.machinery import ModuleSpec
 
 import torch
 
@@ -277,13 +283,55 @@ class FlaPrefill:
 @functools.cache
 def fla_chunk_kernel() -> FlaPrefill | None:
     """fla-core's prefill pieces (optional, GPU only), or None when absent."""
+    # fla's backend dispatch wraps each op in a per-call backend search; on CUDA its default
+    # Triton kernels are the ones we call anyway
+    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
     try:
-        from fla.modules.norm.l2norm import l2norm_fwd
-        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
-        from fla.ops.utils.index import prepare_chunk_indices
+        import_lazily(["fla.ops", "fla.modules", "fla.modules.norm"])
+        with compiler_disable_as_is():
+            from fla.modules.norm.l2norm import l2norm_fwd
+            from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+            from fla.ops.utils.index import prepare_chunk_indices
     except Exception:  # not installed, or no usable GPU backend
         return None
     return FlaPrefill(chunk_gated_delta_rule_fwd, l2norm_fwd, prepare_chunk_indices)
+
+
+def import_lazily(names: list[str]) -> None:
+    """Import packages `names` (parents first) without running their __init__, which for
+    fla's import every op and module it has: seconds of a rank's start-up for three
+    functions. Each runs its real __init__ the first time a name it defines is asked for
+    (`from fla.modules import X`: HF's fla path, in the benchmarks)."""
+    for name in names:
+        if name in sys.modules:
+            continue
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.submodule_search_locations is None:
+            raise ImportError(f"{name} is not a package")
+        package = importlib.util.module_from_spec(spec)  # its __init__ not run
+
+        def run_init(attr: str, package: types.ModuleType = package, spec: ModuleSpec = spec) -> object:
+            del package.__getattr__  # once: the real __init__ fills the module in
+            spec.loader.exec_module(package)
+            return getattr(package, attr)
+
+        package.__getattr__ = run_init
+        sys.modules[name] = package
+        parent, _, child = name.rpartition(".")
+        setattr(sys.modules[parent], child, package)
+
+
+@contextlib.contextmanager
+def compiler_disable_as_is() -> Iterator[None]:
+    """Within: `torch.compiler.disable` returns its function unchanged. Decorating with it
+    imports torch._dynamo (a second or more); outside torch.compile, which a rank never
+    runs, the decorated function and the function are the same."""
+    saved = torch.compiler.disable
+    torch.compiler.disable = lambda fn=None, recursive=True, reason=None: fn if fn is not None else (lambda f: f)
+    try:
+        yield
+    finally:
+        torch.compiler.disable = saved
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,9 @@ when triton is installed, else these tests skip.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -301,13 +303,48 @@ def test_norm_rope(kernels, device, dtype, nh, nkv, hd, rotary):
     assert_close(got_k.float(), mod.norm_rope_reference(k, kw, positions, inv_freq, 1e-6).float(), dtype, "k")
 
 
+def skip_without_fla(gated_delta) -> None:
+    """Skip when fla-core is absent; fail when it is installed and still not found (a
+    broken lazy import would otherwise fall back to the slow reference, silently)."""
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("fla-core is not installed")
+    assert gated_delta.fla_chunk_kernel() is not None, "fla-core is installed, but its prefill kernel did not import"
+
+
+def test_import_lazily_defers_the_package_init(tmp_path, monkeypatch):
+    """A lazily imported package's submodule loads without its __init__; the first name
+    asked of the package runs the __init__ once, into the same module."""
+    from deltaserve.kernels.gated_delta import import_lazily
+
+    top = tmp_path / "lazypkg"
+    (top / "inner").mkdir(parents=True)
+    (top / "__init__.py").write_text("")
+    (top / "inner" / "__init__.py").write_text("import sys\nsys.inits = getattr(sys, 'inits', 0) + 1\nfrom .leaf import X\nY = 2\n")
+    (top / "inner" / "leaf.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "inits", 0, raising=False)
+    for name in ("lazypkg", "lazypkg.inner", "lazypkg.inner.leaf"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import lazypkg  # noqa: F401  the parent must exist
+
+    import_lazily(["lazypkg.inner"])
+    from lazypkg.inner.leaf import X
+
+    assert X == 1 and sys.inits == 0, "the package __init__ ran during the lazy import"
+    from lazypkg.inner import Y
+
+    assert Y == 2 and sys.inits == 1
+    from lazypkg.inner import X as again
+
+    assert again is X and sys.inits == 1, "the __init__ ran twice or reloaded its submodule"
+
+
 @needs_cuda
 def test_fla_chunk_matches_reference(kernels):
     """Packed prefill of several sequences (fla's varlen kernel, bf16 inputs, L2 norms and
     decay inside fla) equals the reference sequence by sequence, states included."""
     mod = kernels["gated_delta"]
-    if mod.fla_chunk_kernel() is None:
-        pytest.skip("fla-core is not installed")
+    skip_without_fla(mod)
     nk, nv, dk, dv, lengths = 2, 4, 64, 64, [63, 130, 2]
     total = sum(lengths)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
@@ -390,8 +427,8 @@ def test_cuda_executor_matches_cpu(tiny_model_dir, monkeypatch, prefill):
 
     if prefill == "reference":
         monkeypatch.setattr(gated_delta, "fla_chunk_kernel", lambda: None)
-    elif gated_delta.fla_chunk_kernel() is None:
-        pytest.skip("fla-core is not installed")
+    else:
+        skip_without_fla(gated_delta)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # the conv reference: full fp32
     model_dir = str(tiny_model_dir)
     cpu = _run_steps(model_dir, "cpu")
