@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from deltaserve.kernels.triton_compat import INTERPRET, check_index, check_launchable, tl, triton
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what the flash kernel takes
+
 
 def request_rows(block_table: torch.Tensor, block_size: int, num_positions: int) -> torch.Tensor:
     """Cache rows of positions 0 .. num_positions-1 of a request, in order."""
@@ -48,15 +50,21 @@ def prefill_attention(
     start: int,
     scale: float,
 ) -> torch.Tensor:  # [L, nh, hd]
-    """Torch's fused SDPA (flash attention on the GPU): the causal mask aligned to the bottom
-    right, since a chunk's queries start at `start`, and GQA without repeating K and V.
-    Never materialises the [heads, L, P] scores."""
-    from torch.nn.attention.bias import causal_lower_right
-
+    """Flash attention on the GPU (FA2, inside torch), torch's SDPA elsewhere: the causal mask
+    aligned to the bottom right, since a chunk's queries start at `start`, and GQA without
+    repeating K and V. Never materialises the [heads, L, P] scores on the GPU."""
     length = q.shape[0]
-    mask = causal_lower_right(length, start + length) if start else None
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, is_causal=not start, scale=scale, enable_gqa=True)  # fmt: skip
+    q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
+    if q.is_cuda and q.dtype in FLASH_DTYPES and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0:
+        # Called directly: SDPA itself picks cuDNN on Hopper, which builds a graph for every new
+        # (query, key) length, and a bottom-right mask through torch.nn.attention.bias imports
+        # torch._dynamo (seconds of start-up). Flash's causal mask is bottom-right aligned.
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, True, False, scale=scale)[0]
+        return out[0].transpose(0, 1)
+    mask = None
+    if start:  # query i (position start + i) sees keys 0 .. start + i
+        mask = torch.ones(length, start + length, dtype=torch.bool, device=q.device).tril(start)
+    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=not start, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
