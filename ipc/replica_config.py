@@ -96,13 +96,18 @@ def cuda_device_count() -> int:
         import torch  # a driver without the /proc listing: ask the runtime
 
         return torch.cuda.device_count()
-    present = sum(1 for _ in gpus.iterdir())
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible_devices(sum(1 for _ in gpus.iterdir()), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def visible_devices(present: int, visible: str | None) -> int:
+    """How many of `present` GPUs CUDA_VISIBLE_DEVICES `visible` leaves: the CUDA runtime
+    reads its entries (ordinals, or GPU-/MIG- UUIDs) up to the first invalid or repeated one."""
     if visible is None:
         return present
-    count = 0
+    seen: set[str] = set()
     for entry in (e.strip() for e in visible.split(",")):
-        if not (entry.startswith(("GPU-", "MIG-")) or (entry.isdigit() and int(entry) < present)):
+        valid = entry.startswith(("GPU-", "MIG-")) or (entry.isdigit() and int(entry) < present)
+        if not valid or entry in seen:
             break
-        count += 1
-    return count
+        seen.add(entry)
+    return len(seen)

@@ -285,3 +285,14 @@ class TestReplicaConfig:
     def test_bad_config(self, kwargs: dict, message: str) -> None:
         with pytest.raises(ValueError, match=message):
             ReplicaConfig("/nonexistent", **kwargs)
+
+
+@pytest.mark.parametrize("visible,count", [
+    (None, 4), ("", 0), ("0,1", 2), ("3", 1), ("0,5,1", 1), ("-1", 0), ("GPU-8f2c,1", 2), ("1,1,2", 1), (" 2, 0", 2),
+])  # fmt: skip
+def test_visible_devices_read_as_the_cuda_runtime_does(visible: str | None, count: int) -> None:
+    """The server counts GPUs without torch; the count must match what a rank's CUDA sees,
+    or a missing ordinal would pass the server's check and fail later, inside a rank."""
+    from deltaserve.ipc.replica_config import visible_devices
+
+    assert visible_devices(4, visible) == count
