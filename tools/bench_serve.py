@@ -213,7 +213,9 @@ async def resolve_model(session: aiohttp.ClientSession, args: argparse.Namespace
     return card["id"], tokenizer
 
 
-async def run_random(session, args, model: str, tokenizer, headers) -> tuple[dict, list]:
+async def run_random(session, args, model: str, tokenizer, headers) -> tuple[dict, list, dict]:
+    """The run's metrics, its requests, and the engine's step counters over the run alone
+    (read after the initial test request, which may pay first-use compiles)."""
     rng = np.random.default_rng(args.seed)
     n = args.num_prompts
     in_lens = draw_lengths(rng, args.random_input_len, args.random_range_ratio, n)
@@ -245,13 +247,15 @@ async def run_random(session, args, model: str, tokenizer, headers) -> tuple[dic
         async with sem:
             return await one(i)
 
+    before = await engine_counters(session, args.base_url, headers)
     t0 = time.perf_counter()
     tasks = [asyncio.ensure_future(limited(i))
              async for i in arrivals(n, args.request_rate, args.burstiness, rng)]  # fmt: skip
     outputs = await asyncio.gather(*tasks)
     duration = time.perf_counter() - t0
+    engine = engine_overhead(before, await engine_counters(session, args.base_url, headers))
     metrics = compute_metrics(outputs, duration, args.metric_percentiles, args.goodput_slos)
-    return metrics, outputs
+    return metrics, outputs, engine
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -270,10 +274,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             from deltaserve.tools.bench_multiturn import run_multi_turn
 
             return {**base, **await run_multi_turn(session, args, model, tokenizer, headers)}
-        before = await engine_counters(session, args.base_url, headers)
-        metrics, outputs = await run_random(session, args, model, tokenizer, headers)
+        metrics, outputs, engine = await run_random(session, args, model, tokenizer, headers)
         print_summary("Serving Benchmark Result", metrics, args.metric_percentiles)
-        engine = engine_overhead(before, await engine_counters(session, args.base_url, headers))
         for key, value in engine.items():
             print(f"{key}: {value:.4g}")
         return {**base, **metrics, **engine, **per_request_fields(outputs)}
@@ -300,7 +302,7 @@ async def engine_counters(session: aiohttp.ClientSession, base_url: str, headers
 
 
 def engine_overhead(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Between the two reads (the run and its uncounted first request): steps, mean step time
+    """Between the two reads (the run): steps, mean step time
     on the ranks, mean scheduler time between steps (the ranks idle), and the share of the
     time the ranks were busy."""
     if not before or set(before) != set(after):
