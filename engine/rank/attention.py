@@ -105,7 +105,7 @@ class GatedAttention(nn.Module):
         cache: StateCache,
     ) -> torch.Tensor:
         """q/k norms and RoPE in one kernel, K/V stored in one; all decode items in one
-        paged-attention launch; each prefill span through fused SDPA."""
+        paged-attention launch; each prefill span through `prefill_attention` (flash on the GPU)."""
         meta = step_meta_of(batch, q.device)
         q, k = norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, batch.positions,
                          self.rope.inv_freq, self.q_norm.eps)
