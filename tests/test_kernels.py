@@ -36,7 +36,7 @@ def kernels():
     if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         # triton reads the flag when it is first imported, before any test runs
         pytest.skip("no GPU: set TRITON_INTERPRET=1 for the whole session to use the interpreter")
-    names = ["gated_delta", "causal_conv1d", "paged_attention", "rmsnorm", "rope", "activation"]
+    names = ["gated_delta", "causal_conv1d", "paged_attention", "rmsnorm", "rope", "activation", "skinny_linear"]
     return {n: importlib.import_module(f"deltaserve.kernels.{n}") for n in names}
 
 
@@ -277,6 +277,35 @@ def test_silu_and_mul(kernels, device, dtype, tokens, width):
     gate_up = (2 * torch.randn(tokens, 2 * width, device=device)).to(dtype)
     assert_close(mod.silu_and_mul_triton(gate_up).float(), mod.silu_and_mul_reference(gate_up).float(),
                  dtype, "silu_and_mul")
+
+
+LINEAR_SHAPES = [  # (rows, N, K): the GEMV (narrow, wide), split K in 3 and 2, 17 rows in a 32 tile
+    (1, 42, 1024),
+    (1, 4100, 512),
+    (3, 42, 384),
+    (17, 70, 256),
+    pytest.param(1, 18432, 2560, marks=needs_cuda),  # 4B gate_up
+    pytest.param(5, 2560, 9216, marks=needs_cuda),  # 4B down
+    pytest.param(32, 12352, 2560, marks=needs_cuda),  # 4B DeltaNet in_proj
+]
+
+
+@pytest.mark.parametrize("rows,n,k", LINEAR_SHAPES)
+def test_skinny_linear(kernels, device, rows, n, k):
+    """The decode GEMMs as `linear` picks them, against an fp32 product of the same bf16
+    inputs; split-K sums in a fixed order, so a second run gives the same bits."""
+    mod = kernels["skinny_linear"]
+    dtype = torch.bfloat16
+    x = torch.randn(rows, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    cfg, gemv = mod.decode_config(rows, n, k)
+    assert gemv == (rows == 1)
+    got = mod.skinny_linear(x, w, cfg, gemv, out=poisoned((rows, n), dtype, device))
+    assert not torch.isnan(got).any(), "skinny_linear left an output unwritten"
+    want = x.float() @ w.float().t()
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < 4e-3, f"skinny_linear {cfg}: relative error {err:.1e} (one bf16 rounding is ~1e-3)"
+    assert torch.equal(mod.skinny_linear(x, w, cfg, gemv), got), "skinny_linear is not deterministic"
 
 
 ROPE_SHAPES = [  # (query heads, kv heads, head dim, rotary dim)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.engine.rank.parallel import all_reduce, shard, tp_size
+from deltaserve.kernels.skinny_linear import linear
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor], None]
 
@@ -77,7 +77,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight.num_parts = len(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -90,4 +90,4 @@ class RowParallelLinear(nn.Module):
         self.weight = new_param((out_features, local), loader, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight))
+        return all_reduce(linear(x, self.weight))

@@ -1,0 +1,192 @@
+"""y = x W^T for decode's few rows: weight-streaming Triton kernels for the GPU path.
+
+A decode step multiplies a handful of rows (1 to max_num_seqs) by every weight matrix, so it
+is bound by reading the weights once. cuBLAS picks tiles made for many rows; measured on the
+H200 at the 4B shapes it streams the per-layer weights at 62-82% of the copy bandwidth and
+adds a split-K reduce launch to the narrow projections. Here each program owns BLOCK_N
+output features for all rows and walks a slice of K, so every weight byte is read once by
+one program, and the grid is sized to fill the machine (split K only when the outputs alone
+give too few programs; the partial sums are then added in a fixed order, never by atomics,
+so a result does not depend on scheduling).
+
+The weight tile is the left operand of the tensor-core product (`W_tile @ x_tile^T`): its
+BLOCK_N rows fill the MMA's 64-row side and the few token rows its narrow side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deltaserve.kernels.triton_compat import (
+    HAS_TRITON,
+    INTERPRET,
+    check_launchable,
+    gpu_path,
+    tl,
+    triton,
+)
+
+# Above this many rows cuBLAS's own tiles stream the weights as fast (tools/bench_linear.py:
+# at 64 rows it was as fast or faster on every 4B shape).
+MAX_ROWS = 32
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _skinny_dot_kernel(
+    x_ptr, w_ptr, out_ptr,
+    M, N, k_per_split,
+    stride_xm, stride_wn, stride_om, stride_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    n_ok = offs_n[:, None] < N
+    m_ok = offs_m[:, None] < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, k_per_split, BLOCK_K):
+        w = tl.load(w_ptrs, mask=n_ok, other=0.0)
+        x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot is wrong (Triton 3.x); CPU tests only
+            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(w, tl.trans(x))
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr,
+    N, k_per_split,
+    stride_wn, stride_split,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One row: products summed per thread along K, reduced across threads once at the end."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + k_start + offs_k
+    n_ok = offs_n[:, None] < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for _ in range(0, k_per_split, BLOCK_K):
+        w = tl.load(w_ptrs, mask=n_ok, other=0.0)
+        x = tl.load(x_ptrs)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + pid_k * stride_split + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum over splits in order 0..SPLIT_K-1 (fixed order: deterministic)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for s in range(1, SPLIT_K):
+        acc += tl.load(part_ptr + s * total + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def block_m_for(rows: int) -> int:
+    return max(16, triton.next_power_of_2(rows))
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig, gemv: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T in x's dtype, fp32 accumulation; `out` [M, N] if given."""
+    check_launchable(x, weight)
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
+    if k % (cfg.block_k * cfg.split_k):
+        raise ValueError(f"skinny_linear: K={k} is not a multiple of block_k*split_k={cfg.block_k * cfg.split_k}")
+    k_per_split = k // cfg.split_k
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"skinny_linear: out must be contiguous [{m}, {n}] {x.dtype}")
+    target = out if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    if gemv:
+        if m != 1:
+            raise ValueError("the GEMV kernel takes one row")
+        _gemv_kernel[grid](
+            x, weight, target, n, k_per_split, weight.stride(0), m * n,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    else:
+        _skinny_dot_kernel[grid](
+            x, weight, target, m, n, k_per_split, x.stride(0), weight.stride(0), n, m * n,
+            BLOCK_M=block_m_for(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    if cfg.split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, SPLIT_K=cfg.split_k, BLOCK=block)
+    return out
+
+
+def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None:
+    """The kernel for `rows` x [n, k], or None for cuBLAS; the rule read off bench_linear's
+    sweep at the 4B shapes on the H200 (bench/results/linear_h200_*.json).
+
+    One row: the GEMV, 4 rows per program on narrow outputs, 8 on wide ones. More rows: the
+    tensor-core kernel with 64-row weight tiles, K split in 3 or 4 only where the outputs give
+    fewer tiles than the H200 has SMs (the 2560-wide projections)."""
+    if rows == 1:
+        block_n = 4 if n <= 4096 else 8
+        for block_k in ((1024, 512, 256) if n <= 4096 else (512, 256)):
+            if k % block_k == 0:
+                return SkinnyConfig(block_n, block_k, 1, 4, 2), True
+        return None
+    if rows > MAX_ROWS or k % 128:
+        return None
+    split = 1
+    if triton.cdiv(n, 64) < 132:
+        split = next((s for s in (3, 4, 2) if (k // 128) % s == 0), 1)
+    return SkinnyConfig(64, 128, split, 4, 3), False
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The model's y = x W^T: the skinny kernels for a decode step's few rows on the GPU,
+    cuBLAS (F.linear) for everything else."""
+    if (
+        x.dtype in HALF_DTYPES
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and x.stride(1) == 1
+        and HAS_TRITON
+        and gpu_path(x)
+    ):
+        choice = decode_config(x.shape[0], weight.shape[0], weight.shape[1])
+        if choice is not None:
+            return skinny_linear(x, weight, *choice)
+    return F.linear(x, weight)
