@@ -45,6 +45,11 @@ GiB = 2**30
 GRAPH_POOL_RESERVE_BYTES = 256 * 2**20
 # The profiling step samples with penalties, top-p and 20 logprobs: the sampler's largest
 # temporaries (a penalised copy, a temperature-scaled copy, a top-k of every row).
+# After the profiling step, one short prompt of an odd length: Triton compiles a kernel again
+# for integer arguments that are 1, or not a multiple of 16, and fla autotunes its l2norm per
+# bucket of 65536 rows (head x token); the profiling step's 8192 tokens show neither, and the
+# first real prompt of another length paid those compiles (about 10 s on a fresh machine).
+WARM_PROMPT_TOKENS = 17
 PROFILE_SAMPLING = SamplingSpec(seed=0, temperature=1.0, top_p=0.95, repetition_penalty=1.1, num_logprobs=20)
 
 
@@ -216,14 +221,15 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
 
 def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
     """The activation peak of one step of `lengths` new prompts, each sampled, run by the
-    executor itself on a cache just large enough."""
+    executor itself on a cache just large enough; then the short warm-up prompt."""
     config = executor.config
     saved = getattr(executor, "cache", None)
     block_size = config.block_size
+    warm_len = min(WARM_PROMPT_TOKENS, config.max_model_len)
     executor.cache = StateCache(
         executor.model_config,
         len(lengths),
-        sum(-(-n // block_size) for n in lengths),
+        max(sum(-(-n // block_size) for n in lengths), -(-warm_len // block_size)),
         block_size,
         config.world_size,
         executor.dtype,
@@ -233,10 +239,14 @@ def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
     items = [
         StepItem(base + i, 0, [0] * n, True, NewRequest(n, PROFILE_SAMPLING)) for i, n in enumerate(lengths)
     ]
+    warm = [StepItem(base + len(items), 0, [0] * warm_len, True, NewRequest(warm_len, PROFILE_SAMPLING))]
     try:
         probe.start_peak()
         executor.run_step(items)
         peak = probe.peak_since_start()
+        executor.drop([item.request_id for item in items])
+        items = warm
+        executor.run_step(warm)
     except torch.OutOfMemoryError as exc:
         raise MemoryError(
             f"the profiling step ({sum(lengths)} tokens, {len(lengths)} sequences) ran out of device "
