@@ -276,7 +276,6 @@ class FlaPrefill:
     the H200's host) outweighed the kernels of a 1k-token prefill."""
 
     forward: Callable  # chunk_gated_delta_rule_fwd
-    l2norm: Callable  # l2norm_fwd
     chunk_indices: Callable  # prepare_chunk_indices
 
 
@@ -289,12 +288,11 @@ def fla_chunk_kernel() -> FlaPrefill | None:
     try:
         import_lazily(["fla.ops", "fla.modules", "fla.modules.norm"])
         with compiler_disable_as_is():
-            from fla.modules.norm.l2norm import l2norm_fwd
             from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
             from fla.ops.utils.index import prepare_chunk_indices
     except Exception:  # not installed, or no usable GPU backend
         return None
-    return FlaPrefill(chunk_gated_delta_rule_fwd, l2norm_fwd, prepare_chunk_indices)
+    return FlaPrefill(chunk_gated_delta_rule_fwd, prepare_chunk_indices)
 
 
 def import_lazily(names: list[str]) -> None:
@@ -379,6 +377,70 @@ def gated_delta_prefill_reference(
     return out
 
 
+@triton.jit
+def _fla_inputs_kernel(
+    mixed_ptr, a_ptr, b_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+    stride_mixed, stride_a, stride_b, eps,
+    NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+):
+    # program: (token t, key head h): q and k of head h L2-normalised as fla's l2norm does
+    # (x / sqrt(sum x^2 + eps) in fp32), then the value heads h * r .. h * r + r - 1 that
+    # read it: v copied, g = a copied, beta = sigmoid(b)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = mixed_ptr + t * stride_mixed
+    ok = tl.arange(0, BK)
+    mk = ok < DK
+    for part in tl.static_range(2):  # q, then k
+        x = tl.load(row + part * NK * DK + h * DK + ok, mask=mk, other=0.0).to(tl.float32)
+        y = x * (1 / tl.sqrt(tl.sum(x * x, 0) + eps))
+        dst = q_ptr if part == 0 else k_ptr
+        tl.store(dst + (t * NK + h) * DK + ok, y.to(dst.dtype.element_ty), mask=mk)
+    ov = tl.arange(0, BV)
+    mv = ov < DV
+    for j in tl.static_range(NV // NK):
+        vh = h * (NV // NK) + j
+        v = tl.load(row + 2 * NK * DK + vh * DV + ov, mask=mv, other=0.0)
+        tl.store(v_ptr + (t * NV + vh) * DV + ov, v, mask=mv)
+        tl.store(g_ptr + t * NV + vh, tl.load(a_ptr + t * stride_a + vh))
+        b = tl.load(b_ptr + t * stride_b + vh).to(tl.float32)
+        tl.store(beta_ptr + t * NV + vh, tl.sigmoid(b).to(beta_ptr.dtype.element_ty))
+
+
+def fla_inputs(
+    mixed: torch.Tensor,  # [T, 2 * nk * dk + nv * dv] post-conv [q | k | v], rows may be strided
+    a: torch.Tensor,  # [T, nv] in_proj_a output (raw), rows may be strided
+    b: torch.Tensor,  # [T, nv] in_proj_b output (raw)
+    num_k_heads: int,
+    dk: int,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What fla's chunked forward takes, contiguous, in one kernel: q, k [T, nk, dk] L2-normalised
+    (unscaled: fla scales q), v [T, nv, dv], g = a [T, nv] (fla makes the decay from it), beta =
+    sigmoid(b) [T, nv]. It stands for two row copies and two fla l2norm launches for q and k,
+    copies of v and a, and the sigmoid: seven launches per layer, which on the H200's host
+    cost more time than their kernels."""
+    check_launchable(mixed, a, b)
+    length, nv = a.shape
+    nk = num_k_heads
+    dv = (mixed.shape[1] - 2 * nk * dk) // nv
+    check_rows("mixed", mixed, 2 * nk * dk + nv * dv)
+    check_rows("a", a, nv)
+    check_rows("b", b, nv)
+    if nv % nk or b.shape[0] != length or mixed.shape[0] != length:
+        raise ValueError(f"fla_inputs: {nv} value heads over {nk} key heads, rows {mixed.shape[0]}/{length}/{b.shape[0]}")
+    new = functools.partial(torch.empty, dtype=mixed.dtype, device=mixed.device)
+    q, k, v = new((length, nk, dk)), new((length, nk, dk)), new((length, nv, dv))
+    g, beta = torch.empty((length, nv), dtype=a.dtype, device=a.device), new((length, nv), dtype=b.dtype)
+    if length:
+        _fla_inputs_kernel[(length, nk)](
+            mixed, a, b, q, k, v, g, beta, mixed.stride(0), a.stride(0), b.stride(0), eps,
+            NK=nk, NV=nv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv),
+        )
+    return q, k, v, g, beta
+
+
 def gated_delta_prefill(
     mixed: torch.Tensor,
     a: torch.Tensor,
@@ -397,14 +459,11 @@ def gated_delta_prefill(
     fla = fla_chunk_kernel() if mixed.is_cuda else None
     if fla is None:
         return gated_delta_prefill_reference(mixed, a, b, a_log, dt_bias, state, spans, num_k_heads, eps)
-    nk, (nv, dk, dv) = num_k_heads, state.shape[1:]
-    length = mixed.shape[0]
-    q, k, v = mixed.split((nk * dk, nk * dk, nv * dv), dim=-1)
-    q, k = (fla.l2norm(x.reshape(-1, dk), eps)[0].view(1, length, nk, dk) for x in (q, k))
+    dk = state.shape[2]
+    q, k, v, g, beta = fla_inputs(mixed, a, b, num_k_heads, dk, eps)
     index = spans.slot_index
     _, out, _, final, _, _ = fla.forward(
-        q=q, k=k, v=v.reshape(1, length, nv, dv).contiguous(), g=a.contiguous()[None], beta=b.sigmoid()[None],
-        scale=dk**-0.5, initial_state=state[index], output_final_state=True, cu_seqlens=spans.bounds_device,
+        q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=dk**-0.5, initial_state=state[index], output_final_state=True, cu_seqlens=spans.bounds_device,
         chunk_indices=spans.chunk_indices, use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias,  # made fp32 inside fla's gate kernel
     )  # fmt: skip
     state[index] = final.float()

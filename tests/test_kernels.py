@@ -368,6 +368,30 @@ def test_import_lazily_defers_the_package_init(tmp_path, monkeypatch):
     assert again is X and sys.inits == 1, "the __init__ ran twice or reloaded its submodule"
 
 
+@pytest.mark.parametrize("nk,nv,dk,dv,tokens", [(2, 4, 24, 20, 5), (1, 1, 16, 16, 1), pytest.param(16, 32, 128, 128, 1000, marks=needs_cuda)])
+def test_fla_inputs(kernels, device, nk, nv, dk, dv, tokens):
+    """fla's inputs from strided views of in_proj's output, as the layer passes them: q and k
+    L2-normalised as fla's l2norm does, v, g = a and beta = sigmoid(b) bit for bit."""
+    mod = kernels["gated_delta"]
+    bf16 = torch.bfloat16
+    width = 2 * nk * dk + nv * dv
+    packed = (3 * torch.randn(tokens, width + 2 * nv + 7, device=device)).to(bf16)  # [qkv | b | a | rest]
+    mixed, b, a = packed[:, :width], packed[:, width:width + nv], packed[:, width + nv:width + 2 * nv]
+    q, k, v, g, beta = mod.fla_inputs(mixed, a, b, nk, dk)
+    ulp = 2**-8 if CUDA else 2**-7  # one rounding of bf16; the interpreter truncates instead
+    for got, x in ((q, mixed[:, :nk * dk]), (k, mixed[:, nk * dk:2 * nk * dk])):
+        x = x.reshape(tokens, nk, dk).float()
+        want = x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+        assert got.shape == (tokens, nk, dk) and got.is_contiguous()
+        assert_close(got.float(), want, bf16, "fla_inputs q/k")
+        assert ((got.float() - want).abs() <= want.abs() * ulp + 1e-7).all(), "q/k: more than one rounding off"
+    assert torch.equal(v, mixed[:, 2 * nk * dk:].reshape(tokens, nv, dv)), "v"
+    assert torch.equal(g, a), "g is a as it came"
+    assert_close(beta.float(), b.float().sigmoid(), bf16, "beta")
+    want = b.float().sigmoid()
+    assert ((beta.float() - want).abs() <= want * ulp).all(), "beta is sigmoid(b), one rounding"
+
+
 @needs_cuda
 def test_fla_chunk_matches_reference(kernels):
     """Packed prefill of several sequences (fla's varlen kernel, bf16 inputs, L2 norms and
