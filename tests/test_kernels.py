@@ -304,7 +304,8 @@ def test_skinny_linear(kernels, device, rows, n, k):
     assert not torch.isnan(got).any(), "skinny_linear left an output unwritten"
     want = x.float() @ w.float().t()
     err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-    assert err < 4e-3, f"skinny_linear {cfg}: relative error {err:.1e} (one bf16 rounding is ~1e-3)"
+    bound = 4e-3 if CUDA else 8e-3  # one bf16 rounding is ~1e-3; the interpreter truncates instead
+    assert err < bound, f"skinny_linear {cfg}: relative error {err:.1e}"
     assert torch.equal(mod.skinny_linear(x, w, cfg, gemv), got), "skinny_linear is not deterministic"
 
 
@@ -378,7 +379,7 @@ def test_fla_inputs(kernels, device, nk, nv, dk, dv, tokens):
     packed = (3 * torch.randn(tokens, width + 2 * nv + 7, device=device)).to(bf16)  # [qkv | b | a | rest]
     mixed, b, a = packed[:, :width], packed[:, width:width + nv], packed[:, width + nv:width + 2 * nv]
     q, k, v, g, beta = mod.fla_inputs(mixed, a, b, nk, dk)
-    ulp = 2**-8 if CUDA else 2**-7  # one rounding of bf16; the interpreter truncates instead
+    ulp = 2**-8 if CUDA else 1.5 * 2**-7  # one rounding to bf16; the interpreter truncates instead
     for got, x in ((q, mixed[:, :nk * dk]), (k, mixed[:, nk * dk:2 * nk * dk])):
         x = x.reshape(tokens, nk, dk).float()
         want = x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
