@@ -42,6 +42,7 @@ class SkinnyConfig:
     split_k: int
     num_warps: int
     num_stages: int
+    evict_first: bool = False  # weights streamed past L2 (read once per step)
 
 
 @triton.jit
@@ -50,6 +51,7 @@ def _skinny_dot_kernel(
     M, N, k_per_split,
     stride_xm, stride_wn, stride_om, stride_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -63,7 +65,10 @@ def _skinny_dot_kernel(
     m_ok = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(0, k_per_split, BLOCK_K):
-        w = tl.load(w_ptrs, mask=n_ok, other=0.0)
+        if EVICT:
+            w = tl.load(w_ptrs, mask=n_ok, other=0.0, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs, mask=n_ok, other=0.0)
         x = tl.load(x_ptrs, mask=m_ok, other=0.0)
         if UPCAST:  # the interpreter's bf16 dot is wrong (Triton 3.x); CPU tests only
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
@@ -80,7 +85,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr,
     N, k_per_split,
     stride_wn, stride_split,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr,
 ):
     """One row: products summed per thread along K, reduced across threads once at the end."""
     pid_n = tl.program_id(0)
@@ -93,7 +98,10 @@ def _gemv_kernel(
     n_ok = offs_n[:, None] < N
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for _ in range(0, k_per_split, BLOCK_K):
-        w = tl.load(w_ptrs, mask=n_ok, other=0.0)
+        if EVICT:
+            w = tl.load(w_ptrs, mask=n_ok, other=0.0, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs, mask=n_ok, other=0.0)
         x = tl.load(x_ptrs)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
@@ -140,12 +148,14 @@ def skinny_linear(
             raise ValueError("the GEMV kernel takes one row")
         _gemv_kernel[grid](
             x, weight, target, n, k_per_split, weight.stride(0), m * n,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVICT=cfg.evict_first,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:
         _skinny_dot_kernel[grid](
             x, weight, target, m, n, k_per_split, x.stride(0), weight.stride(0), n, m * n,
             BLOCK_M=block_m_for(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET,
+            EVICT=cfg.evict_first,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if cfg.split_k > 1:
