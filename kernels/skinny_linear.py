@@ -168,15 +168,15 @@ def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None
     """The kernel for `rows` x [n, k], or None for cuBLAS; the rule read off bench_linear's
     sweep at the 4B shapes on the H200 (bench/results/linear_h200_*.json).
 
-    One row: the GEMV, 4 rows per program on narrow outputs, 8 on wide ones. More rows: the
+    One row: the GEMV; on narrow outputs 4 rows per program over long K slices with 8 warps,
+    on wide ones 8 rows per program with the weights evicted from L2 first. More rows: the
     tensor-core kernel with 64-row weight tiles, K split in 3 or 4 only where the outputs give
     fewer tiles than the H200 has SMs (the 2560-wide projections)."""
     if rows == 1:
-        block_n = 4 if n <= 4096 else 8
-        for block_k in ((1024, 512, 256) if n <= 4096 else (512, 256)):
-            if k % block_k == 0:
-                return SkinnyConfig(block_n, block_k, 1, 4, 2), True
-        return None
+        if n > 4096:
+            return (SkinnyConfig(8, 256, 1, 4, 2, evict_first=True), True) if k % 256 == 0 else None
+        block_k = next((b for b in (1024, 512, 256) if k % b == 0), None)
+        return (SkinnyConfig(4, block_k, 1, 8, 2), True) if block_k else None
     if rows > MAX_ROWS or k % 128:
         return None
     split = 1
