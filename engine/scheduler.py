@@ -47,6 +47,7 @@ from deltaserve.engine.request import Request
 from deltaserve.engine.stream import EventSink
 from deltaserve.ipc.controller import ReplicaPoisoned
 from deltaserve.ipc.messages import NewRequest, Sample, StepItem
+from deltaserve.ipc.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class Scheduler:
         self._last_step_s = 0.0
         self._results_at: float | None = None  # when the last step's results came back
         self._load = self._snapshot()
+        self._trace = StepTrace("scheduler")
 
     # ---- called from outside the tick (event-loop thread) -----------------------------
 
@@ -205,6 +207,8 @@ class Scheduler:
         except Exception as exc:
             logger.exception("scheduler tick failed")
             await self._fail_closed(f"internal error in the scheduler: {exc!r}")
+        finally:
+            self._trace.write()
 
     async def _wait_for_work(self) -> None:
         self._wake_event.clear()
@@ -356,6 +360,7 @@ class Scheduler:
         if self._results_at is not None:  # the ranks sat idle since the last step's results
             self.metrics.scheduler_seconds_total += t0 - self._results_at
         samples = await self._controller.run_step(items, on_release=self._flush_outbox)
+        self._trace.mark(self._controller.last_seq, "results")
         self._flush_outbox()  # a step the gate never released (a failure) still hands them out
         self._results_at = time.perf_counter()
         self._last_step_s = self._results_at - t0

@@ -56,6 +56,7 @@ from deltaserve.ipc.replica_config import (
     ReplicaPoisoned,
     ReplicaStartupError,
 )
+from deltaserve.ipc.step_trace import StepTrace
 from deltaserve.ipc.validate import (
     PlanRejected,
     ReplyError,
@@ -103,6 +104,7 @@ class ReplicaController:
         self._loop = asyncio.get_running_loop()
         self._lock = asyncio.Lock()
         self._seq = 0
+        self.trace = StepTrace("controller")
         self._flight: _Flight | None = None
         self._last_replies: ReplySet | None = None
         self._held_failure: str | None = None
@@ -316,6 +318,7 @@ class ReplicaController:
         try:
             self._check_open(stopping_ok)
             self._seq += 1
+            self.trace.mark(self._seq, "call")
             command = make(self._seq)
             frame = command_encoder.encode(command)
             gated = isinstance(command, GATED_COMMANDS)
@@ -345,6 +348,7 @@ class ReplicaController:
                     f"its command channel has no live peer"
                 )
                 break
+        self.trace.mark(command.seq, "sent")
         try:
             return await asyncio.shield(flight.future)
         except ReplicaPoisoned:
@@ -418,6 +422,7 @@ class ReplicaController:
                 )
                 return
             if flight.replies.add(reply) and not flight.future.done():
+                self.trace.mark(reply.seq, "replies")
                 flight.future.set_result(flight.replies.result())
         except ReplyError as exc:
             self._poison(str(exc))
@@ -552,6 +557,7 @@ class ReplicaController:
         if self._closed:
             return
         self._closed = True
+        self.trace.write()
         flight = self._flight
         if flight is not None and not flight.future.done():  # e.g. a Shutdown never acked
             flight.future.set_exception(ReplicaPoisoned(self._poison_reason or "replica is shut down"))

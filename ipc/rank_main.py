@@ -45,6 +45,7 @@ from deltaserve.ipc.messages import (
     command_decoder,
     command_encoder,
 )
+from deltaserve.ipc.step_trace import StepTrace
 
 PR_SET_PDEATHSIG = 1
 IDLE_POLL_MS = 500  # the serve loop re-checks its parent at least this often
@@ -127,6 +128,7 @@ class RankServer:
             self.journal_fd = os.open(config.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self.expected_seq = 1
         self.num_steps = 0
+        self.trace = StepTrace(f"rank{config.rank}")
 
     def parent_alive(self) -> bool:
         return os.getppid() == self.config.parent_pid
@@ -149,6 +151,7 @@ class RankServer:
                 self.check_parent()
                 continue
             if self.handle(frame):
+                self.trace.write()
                 return 0
 
     def handle(self, frame: bytes) -> bool:
@@ -160,6 +163,7 @@ class RankServer:
         """
         seq = self.expected_seq
         self.expected_seq = seq + 1
+        self.trace.mark(seq, "recv")
         fault = self.fault
         if fault is not None and fault.kind in faults.RECEIPT_FAULTS:
             self.fault_before_receipt(fault, frame)
@@ -190,6 +194,7 @@ class RankServer:
                 if decision != CANCEL:
                     self.send(Failure(self.rank, seq, f"gate never decided {name} seq {seq}"))
                 return False
+            self.trace.mark(seq, "released")
             if armed:
                 self.fault_after_release(fault)
             self.journal("exec", seq, name)
@@ -199,10 +204,12 @@ class RankServer:
             reply = Failure(self.rank, seq, f"{type(exc).__name__}: {exc}")
         if gated:
             self.gate.mark_done(self.rank, seq)
+        self.trace.mark(seq, "executed", len(command.items) if is_step else 0)
         if armed:
             self.fault_reply(fault, command, reply)
         else:
             self.send(reply)
+        self.trace.mark(seq, "replied")
         return type(command) is Shutdown
 
     def execute(self, command: object) -> object:
