@@ -257,6 +257,7 @@ class ReplicaController:
             dist_init_method=f"file://{self._run_dir}/dist-store",
             dist_timeout_s=max(config.startup_timeout_s, 2 * config.step_timeout_s),
             noop_executor=config.noop_executor,
+            noop_step_s=config.noop_step_s,
             journal_path=journal,
             fault=config.fault,
         ))

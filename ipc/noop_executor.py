@@ -1,26 +1,37 @@
-"""An executor that does no model work, for tools/bench_ipc.py only: it lets the benchmark
-measure the control plane alone. Tests use the real Executor."""
+"""An executor that does no model work, for benchmarks only (tools/bench_ipc.py, and the
+engine's own overhead): it lets them measure the control plane and the scheduler alone. It
+holds the ids of the requests it was given, so that the engine's drops find them. Tests use
+the real Executor."""
 
 from __future__ import annotations
+
+import time
 
 from deltaserve.engine.rank.executor import RankSnapshot
 from deltaserve.ipc.messages import Sample, StepItem
 
 
 class NoopExecutor:
-    def __init__(self, rank: int, num_slots: int, num_blocks: int, block_size: int) -> None:
+    def __init__(self, rank: int, num_slots: int, num_blocks: int, block_size: int, step_s: float = 0.0) -> None:
         self.rank = rank
         self.num_slots = num_slots
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.step_s = step_s  # slept per step: a stand-in for the GPU
+        self.held: set[int] = set()
 
     def run_step(self, items: list[StepItem]) -> list[Sample]:
+        self.held.update(item.request_id for item in items if item.new is not None)
+        if self.step_s:
+            time.sleep(self.step_s)
         if self.rank != 0:
             return []
         return [Sample(item.request_id, 0, 0.0, []) for item in items if item.sample]
 
     def drop(self, request_ids: list[int]) -> list[bool]:
-        return [False] * len(request_ids)
+        existed = [rid in self.held for rid in request_ids]
+        self.held.difference_update(request_ids)
+        return existed
 
     def snapshot(self) -> RankSnapshot:
-        return RankSnapshot([], 0, 0, self.num_slots, self.num_blocks, 0, 0)
+        return RankSnapshot(sorted(self.held), 0, 0, self.num_slots, self.num_blocks, 0, 0)

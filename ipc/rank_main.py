@@ -68,7 +68,7 @@ def build_executor(config: RankConfig) -> object:
     if config.noop_executor:
         from deltaserve.ipc.noop_executor import NoopExecutor
 
-        return NoopExecutor(config.rank, config.num_slots, config.num_blocks, config.block_size)
+        return NoopExecutor(config.rank, config.num_slots, config.num_blocks, config.block_size, config.noop_step_s)
     started = time.monotonic()
     import torch
     import torch.distributed as dist

@@ -30,7 +30,8 @@ class ReplicaConfig:
     gate_timeout_s: float = 10.0  # every rank must record receipt of a gated command by then
     fault: FaultPlan | None = None  # tests only (ipc/faults.py)
     journal_dir: str | None = None  # tests: ranks log gated commands to DIR/rank{r}.log
-    noop_executor: bool = False  # tools/bench_ipc.py only: ranks do no model work
+    noop_executor: bool = False  # benchmarks only: ranks do no model work
+    noop_step_s: float = 0.0  # ... and sleep this long per step (a stand-in for the GPU)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:

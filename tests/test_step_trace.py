@@ -1,0 +1,39 @@
+"""The step trace (ipc/step_trace.py) through the engine as bench_engine_overhead runs it: real
+rank processes with the no-op executor. Every step must carry every process's marks, in the
+order a step can only happen in, and the hop table must cover each step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from deltaserve.ipc import step_trace
+from deltaserve.tools.bench_engine_overhead import run_streams
+from deltaserve.tools.step_trace import hop_table, load
+
+# each pair: the first mark is made before the second can happen (clock shared by processes)
+CAUSAL = [
+    (("controller", "call"), ("rank0", "recv")),
+    (("rank0", "recv"), ("rank0", "released")),
+    (("rank0", "released"), ("rank0", "executed")),
+    (("rank0", "executed"), ("controller", "replies")),
+    (("controller", "replies"), ("scheduler", "results")),
+]
+
+
+async def test_every_step_is_traced_in_causal_order(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("DELTASERVE_STEP_TRACE", str(tmp_path))  # rank processes read it
+    monkeypatch.setattr(step_trace, "TRACE_DIR", str(tmp_path))  # this process read it at import
+    row = await run_streams(str(tiny_model_dir), streams=3, step_s=0.001, new_tokens=6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["controller.tsv", "rank0.tsv", "scheduler.tsv"]
+    marks = load(Path(tmp_path))
+    steps = {seq: m for seq, m in marks.items() if ("scheduler", "results") in m}
+    # two runs (warm-up and measured) of a prompt step and 5 decode steps each, at the least
+    assert len(steps) >= 2 * 6 and row["steps"] >= 6
+    for seq, m in steps.items():
+        for first, then in CAUSAL:
+            assert first in m and then in m, f"step {seq} lacks {first} or {then}: {sorted(m)}"
+            assert m[first] <= m[then], f"step {seq}: {first} after {then}"
+        assert m[("size", "")] in (1, 2, 3), f"step {seq} has {m[('size', '')]} items"
+    table = hop_table(marks)
+    assert sum(hops["steps"] for hops in table.values()) == len(steps)
+    assert table[3]["executor (forward, sample)"] >= 1e3, "the no-op executor sleeps 1 ms per step"
