@@ -46,6 +46,16 @@ class SkinnyConfig:
 
 
 @triton.jit
+def _load_weights(w_ptrs, n_ok, EVICT: tl.constexpr):
+    """A weight tile; EVICT: read past L2 (each weight is read once per step)."""
+    if EVICT:
+        w = tl.load(w_ptrs, mask=n_ok, other=0.0, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_ptrs, mask=n_ok, other=0.0)
+    return w
+
+
+@triton.jit
 def _skinny_dot_kernel(
     x_ptr, w_ptr, out_ptr,
     M, N, k_per_split,
@@ -65,10 +75,7 @@ def _skinny_dot_kernel(
     m_ok = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(0, k_per_split, BLOCK_K):
-        if EVICT:
-            w = tl.load(w_ptrs, mask=n_ok, other=0.0, eviction_policy="evict_first")
-        else:
-            w = tl.load(w_ptrs, mask=n_ok, other=0.0)
+        w = _load_weights(w_ptrs, n_ok, EVICT)
         x = tl.load(x_ptrs, mask=m_ok, other=0.0)
         if UPCAST:  # the interpreter's bf16 dot is wrong (Triton 3.x); CPU tests only
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
@@ -98,10 +105,7 @@ def _gemv_kernel(
     n_ok = offs_n[:, None] < N
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for _ in range(0, k_per_split, BLOCK_K):
-        if EVICT:
-            w = tl.load(w_ptrs, mask=n_ok, other=0.0, eviction_policy="evict_first")
-        else:
-            w = tl.load(w_ptrs, mask=n_ok, other=0.0)
+        w = _load_weights(w_ptrs, n_ok, EVICT)
         x = tl.load(x_ptrs)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
