@@ -74,13 +74,18 @@ class AsyncEngine:
         monitor = None
         if config.monitor_endpoint is not None:
             monitor = MonitorPublisher(config.monitor_endpoint)  # "starting" from now on
+        self = None
         try:
-            # the tokenizer loads in a thread while the ranks start: each takes seconds
+            # the tokenizer loads in a thread while the ranks start (each takes seconds), and
+            # the worker's own instance for large prompts in the worker's thread
             tokenizer = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model)
             self = cls(config, model_config, None, limits.max_model_len)
+            self._tokenizer_worker.start()
             self._monitor = monitor
             await self._launch(limits.num_kv_blocks, tokenizer)
         except BaseException as exc:
+            if self is not None:
+                self._tokenizer_worker.close()
             if monitor is not None:
                 monitor.failed_to_start(f"start failed: {exc!r}")
                 await monitor.aclose()

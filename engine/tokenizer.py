@@ -50,7 +50,7 @@ def eos_token_ids(model_dir: str | Path, model_config: ModelConfig) -> frozenset
 class TokenizerWorker:
     """One dedicated daemon thread for tokenizer work too large for the event loop.
 
-    It uses its own tokenizer instance, made by `factory` in the thread at its first job, so
+    It uses its own tokenizer instance, made by `factory` in the thread as it starts, so
     nothing it does can collide with the loop's instance (the detokenizer, small prompts):
     a HF fast tokenizer's Rust object refuses a mutable borrow ("Already borrowed") while
     another thread is inside `encode`, and transformers may reconfigure it per call. The
@@ -64,15 +64,21 @@ class TokenizerWorker:
         self._thread: threading.Thread | None = None
         self._closed = False
 
+    def start(self) -> None:
+        """Start the thread, which makes its tokenizer at once (idempotent). The engine calls
+        this at start-up: made at the first large prompt instead, the tokenizer (a second
+        second of loading for Qwen's) delayed that prompt by as much."""
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._serve, name="deltaserve-tokenizer", daemon=True)
+            self._thread.start()
+
     async def run(self, fn: Callable[[Any], T]) -> T:
         """`fn(tokenizer)` in the worker thread; its result, or its exception raised here."""
         if self._closed:
             raise RuntimeError("the tokenizer worker is closed")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name="deltaserve-tokenizer", daemon=True)
-            self._thread.start()
+        self.start()
         self._jobs.put((loop, future, fn))
         return await future
 
@@ -84,6 +90,8 @@ class TokenizerWorker:
 
     def _serve(self) -> None:
         tokenizer = None
+        with contextlib.suppress(Exception):  # a failure here is raised to the first job instead
+            tokenizer = self._factory()
         while (job := self._jobs.get()) is not None:
             loop, future, fn = job
             if future.cancelled():

@@ -148,6 +148,45 @@ async def test_worker_results_errors_order_and_one_thread():
         await worker.run(lambda tok: tok)
 
 
+async def test_worker_makes_its_tokenizer_at_start_and_retries_a_failed_one():
+    """The engine starts the worker at start-up so that the first large prompt does not wait
+    for a tokenizer to load; a load that failed then is tried again by the first job."""
+    made = threading.Event()
+    calls = []
+
+    def factory() -> str:
+        calls.append(threading.current_thread().name)
+        made.set()
+        return "TOK"
+
+    worker = TokenizerWorker(factory)
+    try:
+        worker.start()
+        worker.start()
+        assert made.wait(10), "start() made no tokenizer before any job"
+        assert await worker.run(lambda tok: tok) == "TOK"
+        assert calls == ["deltaserve-tokenizer"], "made once, in the worker's thread"
+    finally:
+        worker.close()
+
+    failures = iter([OSError("disk busy"), OSError("still busy")])
+
+    def flaky() -> str:
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        return "TOK"
+
+    worker = TokenizerWorker(flaky)
+    try:
+        worker.start()
+        with pytest.raises(OSError, match="still busy"):  # the start's failure, retried by job 1
+            await worker.run(lambda tok: tok)
+        assert await worker.run(lambda tok: tok) == "TOK"
+    finally:
+        worker.close()
+
+
 async def test_worker_skips_a_job_whose_caller_left():
     gate = threading.Event()
     ran = []
