@@ -66,8 +66,8 @@ class TokenizerWorker:
 
     def start(self) -> None:
         """Start the thread, which makes its tokenizer at once (idempotent). The engine calls
-        this at start-up: made at the first large prompt instead, the tokenizer (a second
-        second of loading for Qwen's) delayed that prompt by as much."""
+        this at start-up: made at the first large prompt instead, its loading (about a second
+        for Qwen's tokenizer) delayed that prompt by as much."""
         if self._thread is None and not self._closed:
             self._thread = threading.Thread(target=self._serve, name="deltaserve-tokenizer", daemon=True)
             self._thread.start()

@@ -43,13 +43,12 @@ GiB = 2**30
 # activations of the largest batch bucket and static buffers, on top of the fp32 logits that
 # every bucket keeps (counted separately). An estimate, to be checked on the GPU.
 GRAPH_POOL_RESERVE_BYTES = 256 * 2**20
+# After the profiling step, one short prompt of an odd length: Triton compiles a kernel again
+# for integer arguments that are 1, or not a multiple of 16, which the profiling step's 8192
+# tokens never show; else the first real prompt of such a length would pay those compiles.
+WARM_PROMPT_TOKENS = 17
 # The profiling step samples with penalties, top-p and 20 logprobs: the sampler's largest
 # temporaries (a penalised copy, a temperature-scaled copy, a top-k of every row).
-# After the profiling step, one short prompt of an odd length: Triton compiles a kernel again
-# for integer arguments that are 1, or not a multiple of 16, and fla autotunes its l2norm per
-# bucket of 65536 rows (head x token); the profiling step's 8192 tokens show neither, and the
-# first real prompt of another length paid those compiles (about 10 s on a fresh machine).
-WARM_PROMPT_TOKENS = 17
 PROFILE_SAMPLING = SamplingSpec(seed=0, temperature=1.0, top_p=0.95, repetition_penalty=1.1, num_logprobs=20)
 
 
