@@ -33,6 +33,7 @@ from deltaserve.kernels.triton_compat import (
 # at 64 rows it was as fast or faster on every 4B shape).
 MAX_ROWS = 32
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+SPLIT_BELOW_TILES = 132  # split K when the outputs give fewer 64-row tiles: the H200's SM count
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None
     if rows > MAX_ROWS or k % 128:
         return None
     split = 1
-    if triton.cdiv(n, 64) < 132:
+    if triton.cdiv(n, 64) < SPLIT_BELOW_TILES:
         split = next((s for s in (3, 4, 2) if (k // 128) % s == 0), 1)
     return SkinnyConfig(64, 128, split, 4, 3), False
 
@@ -194,9 +195,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     cuBLAS (F.linear) for everything else."""
     if (
         x.dtype in HALF_DTYPES
+        and weight.dtype == x.dtype
         and x.dim() == 2
         and 1 <= x.shape[0] <= MAX_ROWS
         and x.stride(1) == 1
+        and weight.stride(1) == 1
         and HAS_TRITON
         and gpu_path(x)
     ):
