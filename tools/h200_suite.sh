@@ -1,6 +1,7 @@
 #!/bin/bash
 # Every GPU measurement of the open issues, on one H200, in parts that each fit a device call:
-#   decode  decode / prefill / engine / HF (bench_decode), about 5 minutes
+#   decode  decode / prefill / engine / HF (bench_decode, engine steps traced), the skinny
+#           GEMM A/B, about 6 minutes
 #   serve   cold start, bench_serve at concurrency 1 / 16 / 64 and the multi-turn run, about 5
 #   gate    the bf16 gate, about 6
 #
@@ -18,10 +19,13 @@ say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 say "checkpoint ready"
 PARTS=" ${*:-decode serve} "
 if [[ $PARTS == *" decode "* ]]; then
-timeout 330 python3 -m tools.bench_decode --model /tmp/m4b --batches 1 8 32 64 --steps 8 --hf-batches 1 \
-  --hf-steps 8 --out "$OUT/bench_decode.json" > "$OUT/bench_decode.log" 2>&1
+DELTASERVE_STEP_TRACE=/tmp/step_trace timeout 330 python3 -m tools.bench_decode --model /tmp/m4b --batches 1 8 32 64 \
+  --steps 8 --hf-batches 1 --hf-steps 8 --out "$OUT/bench_decode.json" > "$OUT/bench_decode.log" 2>&1
 say "bench_decode rc=$?"
 grep -E "^(model|prefill|engine|hf|profile)" "$OUT/bench_decode.log"
+python3 -m tools.step_trace /tmp/step_trace --json "$OUT/step_trace.json" | grep -A9 -E "^steps of (1|64) items"
+timeout 120 python3 -m tools.bench_skinny_ab --model /tmp/m4b --out "$OUT/skinny_ab.json" 2>&1 | grep -E "^(skinny|cublas)"
+say "skinny A/B"
 fi
 if [[ $PARTS == *" serve "* ]]; then
 SERVE=(--model /tmp/m4b --served-model-name m4b --device cuda --dtype bfloat16 --max-num-seqs 64 --max-model-len 8192)
