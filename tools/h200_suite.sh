@@ -34,6 +34,9 @@ say "coldstart rc=$?"
 python3 -m deltaserve.tools.cli serve "${SERVE[@]}" --port 8123 > "$OUT/serve.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 1 120); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+LONG=$(python3 -c "print('hello world ' * 500)")  # over 4096 characters: the tokenizer worker's path
+curl -s -o /dev/null -w "first 1000-token prompt after start: %{time_total} s\n" localhost:8123/v1/completions \
+  -H 'Content-Type: application/json' -d "{\"model\":\"m4b\",\"prompt\":\"$LONG\",\"max_tokens\":1}"
 BENCH=(python3 -m tools.bench_serve --base-url http://127.0.0.1:8123 --model m4b --result-dir "$OUT")
 for c in 1 16 64; do
   n=$(( c * 4 )); [ "$c" = 1 ] && n=4
