@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 from deltaserve.kernels.skinny_linear import SkinnyConfig, skinny_linear
-from deltaserve.tools.bench_decode import ceilings, hardware
+from deltaserve.tools.bench_decode import ceilings, hardware, time_graph
 
 L2_BYTES = 50 << 20
 
@@ -38,29 +38,6 @@ def model_shapes(preset: str) -> list[tuple[str, int, int, int]]:
         ("attn_qkv", 8192 + 2048, hidden, attn),
         ("attn_o", hidden, 4096, attn),
     ]
-
-
-def time_calls(fns: list, replays: int = 8) -> float:
-    """Mean seconds per call of `fns` captured back to back in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns[:2]:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / replays / len(fns)
 
 
 def configs(n: int, k: int, rows: int) -> list[tuple[SkinnyConfig, bool]]:
@@ -103,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
             ref = torch.nn.functional.linear(x, weights[0])
             nbytes = n * k * 2
-            cublas_s = time_calls([partial(torch.nn.functional.linear, x, w) for w in weights])
+            cublas_s = time_graph([partial(torch.nn.functional.linear, x, w) for w in weights])
             row = {"shape": name, "N": n, "K": k, "rows": rows, "count": count,
                    "cublas_us": cublas_s * 1e6, "cublas_GBps": nbytes / cublas_s / 1e9, "tried": []}
             for cfg, gemv in configs(n, k, rows):
@@ -112,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     got = skinny_linear(x, weights[0], cfg, gemv)
                     err = (got.float() - ref.float()).abs().max().item()
-                    s = time_calls([partial(skinny_linear, x, w, cfg, gemv) for w in weights])
+                    s = time_graph([partial(skinny_linear, x, w, cfg, gemv) for w in weights])
                 except Exception as exc:  # a config Triton cannot build: record and go on
                     row["tried"].append({"cfg": cfg.__dict__, "gemv": gemv, "error": str(exc)[:200]})
                     continue
@@ -122,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             for top in ok[:3]:  # the best three again: weights evicted first, and twice the warps
                 for change in ({"evict_first": True}, {"num_warps": 2 * top["cfg"]["num_warps"]}):
                     cfg, gemv = SkinnyConfig(**{**top["cfg"], **change}), top["gemv"]
-                    s = time_calls([partial(skinny_linear, x, w, cfg, gemv) for w in weights])
+                    s = time_graph([partial(skinny_linear, x, w, cfg, gemv) for w in weights])
                     row["tried"].append({"cfg": cfg.__dict__, "gemv": gemv, "us": s * 1e6, "GBps": nbytes / s / 1e9})
             ok = [t for t in row["tried"] if "us" in t]
             ok.sort(key=lambda t: t["us"])
