@@ -243,8 +243,7 @@ def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
         probe.start_peak()
         executor.run_step(items)
         peak = probe.peak_since_start()
-        executor.drop([item.request_id for item in items])
-        items = warm
+        executor.drop([item.request_id for item in items])  # the warm-up prompt needs a slot
         executor.run_step(warm)
     except torch.OutOfMemoryError as exc:
         raise MemoryError(
@@ -252,7 +251,7 @@ def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
             f"memory: lower --max-num-batched-tokens or --max-num-seqs ({exc})"
         ) from None
     finally:
-        executor.drop([item.request_id for item in items])
+        executor.drop([item.request_id for item in items + warm])  # those still held; the rest are no-ops
         executor.cache = saved
         if saved is None:
             del executor.cache
