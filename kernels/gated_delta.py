@@ -463,8 +463,10 @@ def gated_delta_prefill(
     q, k, v, g, beta = fla_inputs(mixed, a, b, num_k_heads, dk, eps)
     index = spans.slot_index
     _, out, _, final, _, _ = fla.forward(
-        q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=dk**-0.5, initial_state=state[index], output_final_state=True, cu_seqlens=spans.bounds_device,
-        chunk_indices=spans.chunk_indices, use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias,  # made fp32 inside fla's gate kernel
+        q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=dk**-0.5,
+        initial_state=state[index], output_final_state=True,
+        cu_seqlens=spans.bounds_device, chunk_indices=spans.chunk_indices,
+        use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias,  # made fp32 inside fla's gate kernel
     )  # fmt: skip
     state[index] = final.float()
     return out[0].to(mixed.dtype)
