@@ -131,6 +131,7 @@ class AsyncEngine:
                 StepBudget(config.max_num_batched_tokens, config.max_num_seqs),
                 self.max_model_len,
                 force_mixed=config.force_mixed_steps,
+                pipeline=config.pipeline_steps,
             )
         except BaseException:
             await self._controller.shutdown()

@@ -43,6 +43,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9  # share of each device's memory the engine may use (cuda)
     enforce_eager: bool = False  # cuda: never replay CUDA graphs (vLLM's flag)
+    # send step N+1 while step N runs when it needs none of N's results (engine/scheduler.py;
+    # vLLM's async scheduling); off: every step waits for the one before to be committed
+    pipeline_steps: bool = True
     step_timeout_s: float = 60.0
     startup_timeout_s: float = 120.0
     monitor_endpoint: str | None = None  # None: no monitor; "auto", ipc://PATH, tcp://HOST:PORT

@@ -50,6 +50,7 @@ class EngineMetrics:
     # scheduler's own time between one step's results and the next step's dispatch (the ranks
     # idle); their ratio is the engine's overhead per step
     steps_total: int = 0
+    pipelined_steps_total: int = 0  # of those, sent while the one before still ran
     step_seconds_total: float = 0.0
     scheduler_seconds_total: float = 0.0
     time_to_first_token_s: Histogram = field(default_factory=Histogram)

@@ -9,6 +9,16 @@ Each tick (DESIGN.md section 5):
 then dispatch through the replica controller, await it, drain again (a cancellation that
 arrived during the step wins over its result), commit the results.
 
+Pipelining (LESSONS: plan step N+1 while the device runs step N): once the gate releases a
+step, the next one is planned and sent behind it if that needs none of the step's results:
+nothing new arrived or waits to be admitted, and the step's running requests each decode
+once more (none reaches max_tokens with this step's sample). Its items carry no token ids
+(the ranks use their own last samples) and it carries the drops of requests that ended
+meanwhile. The tick then commits step N with step N+1 already in flight (`_inflight`), and
+the next tick starts by awaiting N+1's release. A request that ends at step N (a stop token,
+a stop string, a cancellation) was in N+1 too: that sample is discarded and the request is
+dropped after N+1.
+
 Monitors hook in through `load_listeners` and `lifecycle_listeners` (engine/monitor.py):
 every request transition and the engine's failure pass through `_notify`, once each.
 
@@ -42,11 +52,11 @@ from deltaserve.engine.events import (
     Transition,
 )
 from deltaserve.engine.metrics import EngineMetrics
-from deltaserve.engine.planner import PlanInput, StepBudget, StepPlan, plan_step
+from deltaserve.engine.planner import PlanInput, PlannedChunk, StepBudget, StepPlan, plan_step
 from deltaserve.engine.request import Request
 from deltaserve.engine.stream import EventSink
-from deltaserve.ipc.controller import ReplicaPoisoned
-from deltaserve.ipc.messages import NewRequest, Sample, StepItem
+from deltaserve.ipc.controller import Flight, ReplicaPoisoned
+from deltaserve.ipc.messages import NewRequest, Sample, SampleColumns, StepItem
 from deltaserve.ipc.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
@@ -70,6 +80,16 @@ class _Entry:
     detokenizer: IncrementalDetokenizer
 
 
+@dataclass(eq=False, slots=True)
+class _Step:
+    """A step sent to the ranks and not yet committed."""
+
+    plan: StepPlan
+    flight: Flight
+    sent_at: float
+    drops: dict[int, list[Event]]  # requests it drops before it runs, with their held events
+
+
 class Scheduler:
     def __init__(
         self,
@@ -79,12 +99,14 @@ class Scheduler:
         budget: StepBudget,
         max_model_len: int,
         force_mixed: bool = False,
+        pipeline: bool = True,
     ) -> None:
         self._controller = controller
         self._tokenizer = tokenizer
         self._eos_token_ids = eos_token_ids
         self._budget = budget
         self._force_mixed = force_mixed
+        self._pipeline = pipeline
         self.max_model_len = max_model_len
         self.ledger = CapacityLedger(controller.num_slots, controller.num_blocks, controller.block_size)
         self.metrics = EngineMetrics()
@@ -107,6 +129,7 @@ class Scheduler:
         self._stopping = False
         self._abort_all = False
         self._stopped = False  # stopped cleanly: the tick has exited
+        self._inflight: _Step | None = None  # sent, not yet committed (pipelined: not yet awaited)
         self._last_plan: StepPlan | None = None  # the step of the previous tick, if any
         self._last_step_s = 0.0
         self._results_at: float | None = None  # when the last step's results came back
@@ -188,17 +211,19 @@ class Scheduler:
                         self._publish_load()  # the last one: idle, state dead
                         return
                 self._admit()
-                plan = plan_step(
-                    [PlanInput(r, e.request.prompt_len, e.request.num_computed) for r, e in self._running.items()],
-                    self._budget,
-                    self._force_mixed,
-                )
-                if plan.chunks:
-                    await self._step(plan)
-                else:
-                    self._flush_outbox()
-                    self._results_at = None  # idle from here: not the scheduler's overhead
-                    await self._wait_for_work()
+                if self._inflight is None:
+                    plan = plan_step(
+                        [PlanInput(r, e.request.prompt_len, e.request.num_computed) for r, e in self._running.items()],
+                        self._budget,
+                        self._force_mixed,
+                    )
+                    if not plan.chunks:
+                        self._flush_outbox()
+                        self._results_at = None  # idle from here: not the scheduler's overhead
+                        await self._wait_for_work()
+                        continue
+                    self._inflight = await self._send(plan)
+                await self._advance()
         except ReplicaPoisoned as exc:
             await self._fail_closed(f"replica poisoned: {exc.reason}")
         except asyncio.CancelledError:
@@ -269,15 +294,20 @@ class Scheduler:
 
     async def _prune(self) -> None:
         self._cancel_closed_owners()
-        await self._flush_drops()
+        if self._inflight is None:  # else they go with the next pipelined step, or after it
+            await self._flush_drops()
 
     async def _flush_drops(self) -> None:
         if not self._pending_drop:
             return
-        request_ids = list(self._pending_drop)
-        await self._controller.drop(request_ids, "must_exist")
-        for rid in request_ids:
-            events = self._pending_drop.pop(rid)
+        drops, self._pending_drop = self._pending_drop, {}
+        await self._controller.drop(list(drops), "must_exist")
+        self._dropped(drops)
+
+    def _dropped(self, drops: dict[int, list[Event]]) -> None:
+        """Every rank has dropped these requests: release their reservations and deliver
+        the events held back for them (the completion commit boundary)."""
+        for rid, events in drops.items():
             entry = self._entries.pop(rid)
             self.ledger.release(rid)
             for event in events:
@@ -292,9 +322,10 @@ class Scheduler:
         """Counts as they stand; once failed closed, idle (every reservation is void)."""
         plan, failed = self._last_plan, self.dead_reason is not None
         num_decodes = plan.num_decodes if plan else 0
+        dropping = len(self._inflight.drops) if self._inflight is not None else 0
         return LoadSnapshot(
             state=self._state(),
-            running=len(self._running) + len(self._pending_drop),
+            running=len(self._running) + len(self._pending_drop) + dropping,
             waiting=self.num_queued,
             free_slots=self.ledger.num_slots if failed else self.ledger.free_slots,
             free_blocks=self.ledger.num_blocks if failed else self.ledger.free_blocks,
@@ -344,7 +375,8 @@ class Scheduler:
             self._running[request.request_id] = entry
             self._notify("admitted", entry)
 
-    async def _step(self, plan: StepPlan) -> None:
+    async def _send(self, plan: StepPlan) -> _Step:
+        """Dispatch a planned step once the ranks are free."""
         items = []
         for chunk in plan.chunks:
             request = self._running[chunk.request_id].request
@@ -354,25 +386,72 @@ class Scheduler:
                 new = NewRequest(request.reserve_tokens, request.params.to_spec(request.seed))
                 request.mark_dispatched()
             items.append(StepItem(chunk.request_id, chunk.start, tokens, chunk.sample, new))
-        for listener in self.plan_listeners:
-            listener(plan)
-        t0 = time.perf_counter()
+        self._notify_plan(plan)
+        sent_at = time.perf_counter()
         if self._results_at is not None:  # the ranks sat idle since the last step's results
-            self.metrics.scheduler_seconds_total += t0 - self._results_at
-        samples = await self._controller.run_step(items, on_release=self._flush_outbox)
-        self._trace.mark(self._controller.last_seq, "results")
-        self._flush_outbox()  # a step the gate never released (a failure) still hands them out
-        self._results_at = time.perf_counter()
-        self._last_step_s = self._results_at - t0
+            self.metrics.scheduler_seconds_total += sent_at - self._results_at
+        return _Step(plan, await self._controller.send_step(items), sent_at, {})
+
+    def _follow(self, step: _Step) -> _Step | None:
+        """Plan and send the next step behind `step`, which the ranks are running, if it
+        needs none of its results (see the module docstring); else None."""
+        if not self._pipeline or self._stopping or self._inbox:
+            return None
+        if self._waiting and (self._pending_drop or self.ledger.can_admit(self._waiting[0].request.reserve_tokens)):
+            return None  # admission comes first
+        chunks = []
+        num_running = 0
+        for chunk in step.plan.chunks:
+            entry = self._running.get(chunk.request_id)
+            if entry is None:
+                continue  # ended while planned: dropped after `step`
+            if not chunk.sample:
+                return None  # a prompt chunked across steps: its next chunk needs planning
+            num_running += 1
+            request = entry.request
+            if request.num_output_tokens + 2 <= request.params.max_tokens:  # else `step` samples its last
+                chunks.append(PlannedChunk(chunk.request_id, chunk.start + chunk.num_tokens, 1, True, True))
+        if num_running != len(self._running) or not chunks:
+            return None  # someone admitted is not in `step`, or nobody decodes on
+        items = [StepItem(chunk.request_id, chunk.start, [], True) for chunk in chunks]
+        flight = self._controller.follow_step(items, list(self._pending_drop))
+        if flight is None:
+            return None
+        plan = StepPlan(tuple(chunks))
+        self._notify_plan(plan)
+        drops, self._pending_drop = self._pending_drop, {}
+        self.metrics.pipelined_steps_total += 1
+        return _Step(plan, flight, time.perf_counter(), drops)
+
+    async def _advance(self) -> None:
+        """Await the step in flight: once the gate releases it, hand out the last step's
+        tokens and send the next step behind it if it can go; then commit its results."""
+        step = self._inflight
+        if await step.flight.gate:
+            self._flush_outbox()
+            follower = self._follow(step)
+        else:
+            follower = None
+        samples = await self._controller.step_result(step.flight)
+        self._trace.mark(step.flight.seq, "results")
+        self._inflight = follower
+        self._commit(step, samples)
+
+    def _commit(self, step: _Step, samples: SampleColumns) -> None:
+        results_at = time.perf_counter()
+        # a pipelined step could start only once the one ahead of it ended
+        self._last_step_s = results_at - max(step.sent_at, self._results_at or 0.0)
+        self._results_at = results_at
         self.metrics.steps_total += 1
         self.metrics.step_seconds_total += self._last_step_s
-        self._last_plan = plan
+        self._last_plan = step.plan
+        self._dropped(step.drops)
         # Cancellations that arrived while the step ran win over its results.
         self._drain()
         self._cancel_closed_owners()
         now = time.monotonic()
         rows = itertools.count()  # samples come in step order: one row per chunk that samples
-        for chunk in plan.chunks:
+        for chunk in step.plan.chunks:
             row = next(rows) if chunk.sample else -1
             entry = self._entries.get(chunk.request_id)
             if entry is None or entry.request.is_finished:
@@ -382,7 +461,6 @@ class Scheduler:
                 if not chunk.is_decode:
                     self.metrics.prompt_tokens_total += entry.request.prompt_len
                 self._commit_sample(entry, samples.sample(row), now)
-        await self._flush_drops()
 
     def _commit_sample(self, entry: _Entry, sample: Sample, now: float) -> None:
         request, params = entry.request, entry.request.params
@@ -432,6 +510,10 @@ class Scheduler:
             event = TokenEvent(entry.request.index, sample.token_id, text, sample.logprob, list(sample.top_logprobs))
             entry.sink.put(event)
 
+    def _notify_plan(self, plan: StepPlan) -> None:
+        for listener in self.plan_listeners:
+            listener(plan)
+
     def _deliver(self, entry: _Entry, event: Event) -> None:
         if self._outbox and not isinstance(event, TokenEvent):
             self._flush_outbox()  # a request's tokens always reach its owner before its end
@@ -480,6 +562,7 @@ class Scheduler:
         self._waiting.clear()
         self._running.clear()
         self._pending_drop.clear()
+        self._inflight = None
         self._idle_event.set()
         self._publish_load()
         try:

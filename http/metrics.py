@@ -5,7 +5,7 @@ Names follow vLLM's (`vllm:` prefix) so that existing dashboards work unchanged:
   vllm:kv_cache_usage_perc                                      gauge, fraction 0..1
   vllm:prompt_tokens_total, vllm:generation_tokens_total        counters
   vllm:request_success_total{finished_reason=stop|length|abort} counter (aborts included)
-  deltaserve:steps_total, deltaserve:step_seconds_total,
+  deltaserve:steps_total, deltaserve:pipelined_steps_total, deltaserve:step_seconds_total,
   deltaserve:scheduler_seconds_total                            counters (engine overhead)
   vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
   vllm:e2e_request_latency_seconds                              histograms
@@ -103,6 +103,8 @@ def render_metrics(engine: Any, model_name: str) -> str:
     out.counter("vllm:generation_tokens_total", "Generated tokens.",
                 [({}, m.generation_tokens_total)])  # fmt: skip
     out.counter("deltaserve:steps_total", "Steps run on the ranks.", [({}, m.steps_total)])
+    out.counter("deltaserve:pipelined_steps_total", "Steps sent while the step before still ran.",
+                [({}, m.pipelined_steps_total)])  # fmt: skip
     out.counter("deltaserve:step_seconds_total", "Time steps spent in flight on the ranks.",
                 [({}, m.step_seconds_total)])  # fmt: skip
     out.counter("deltaserve:scheduler_seconds_total",

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "on cpu max_num_seqs * max_model_len / block_size")  # fmt: skip
     eng.add_argument("--enforce-eager", action="store_true",
                      help="cuda: run every step eagerly, capturing no CUDA graphs")
+    eng.add_argument("--no-pipelining", action="store_true",
+                     help="send each step only after the previous one's results are committed, "
+                          "instead of planning the next decode step while one runs")  # fmt: skip
     eng.add_argument("--gpu-memory-utilization", type=float, default=d("gpu_memory_utilization"),
                      help="share (0, 1] of each GPU's total memory the engine may use: weights, "
                           "activations and CUDA graphs first, the request state (max_num_seqs "
@@ -207,6 +210,7 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        pipeline_steps=not args.no_pipelining,
         step_timeout_s=args.step_timeout_s,
         startup_timeout_s=args.startup_timeout_s,
         monitor_endpoint=None if args.monitor_endpoint == "off" else args.monitor_endpoint,

@@ -6,6 +6,11 @@ state-changing commands, collects exactly one reply per rank and validates the s
 call raises ReplicaPoisoned at once, `on_poison` is called once, and the ranks are killed
 from here (never from inside a collective). Nothing here blocks the event loop: replies,
 gate receipts and rank deaths (pidfds) all arrive as loop callbacks.
+
+Commands go one at a time, with one exception (pipelining, `follow_step`): once the gate has
+released a step, the next step may be sent behind it, so that the ranks find it waiting when
+they finish. So at most two flights exist, and only the newer can be unreleased; its gate
+timer starts when the older ends.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import shutil
 import tempfile
 import weakref
 import zlib
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import zmq
@@ -78,16 +84,23 @@ SHUTDOWN_ACK_S = 10.0  # how long a graceful shutdown waits for every rank's ack
 
 
 @dataclass(slots=True, eq=False)
-class _Flight:
-    """One command in flight: at most one at a time."""
+class Flight:
+    """One command in flight. `future` holds its result (or ReplicaPoisoned); `gate` becomes
+    True once the gate has released it, False if it never will (it was cancelled)."""
 
     replies: ReplySet
     future: asyncio.Future
+    gate: asyncio.Future
     gated: bool
+    frame: bytes = b""
     digest: int = 0  # crc32 of the frame, which every rank's gate receipt must match
     released: bool = False
     timer: asyncio.TimerHandle | None = None
-    on_release: Callable[[], None] | None = None  # called once the gate has released it
+    unsent: list[int] = field(default_factory=list)  # ranks whose channel refused the frame
+
+    @property
+    def seq(self) -> int:
+        return self.replies.seq
 
 
 class ReplicaController:
@@ -102,11 +115,12 @@ class ReplicaController:
         self._devices = devices
         self._on_poison = on_poison
         self._loop = asyncio.get_running_loop()
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # held from a command's send until no flight is left
+        self._callers_waiting = 0  # commands waiting for the lock: no step may cut in line
         self._seq = 0
         self.trace = StepTrace("controller")
-        self._flight: _Flight | None = None
-        self._last_replies: ReplySet | None = None
+        self._flights: deque[Flight] = deque()  # oldest first; at most two (see the docstring)
+        self._ended: deque[ReplySet] = deque(maxlen=2)  # the last complete reply sets
         self._held_failure: str | None = None
         self._poison_reason: str | None = None
         self._starting = True
@@ -183,14 +197,37 @@ class ReplicaController:
     def gate_name(self) -> str:
         return self._gate.name
 
-    async def run_step(self, items: list[StepItem], on_release: Callable[[], None] | None = None) -> SampleColumns:
+    async def run_step(self, items: list[StepItem], drops: list[int] = ()) -> SampleColumns:
         """Run one unified step on every rank; rank 0's samples, matched by request id and
-        returned in step order (row i: the i-th item with `sample` set). `on_release` runs
-        as soon as the gate has released the step: work put there overlaps the step instead
-        of delaying its release."""
+        returned in step order (row i: the i-th item with `sample` set)."""
+        return await self.step_result(await self.send_step(items, drops))
+
+    async def send_step(self, items: list[StepItem], drops: list[int] = ()) -> Flight:
+        """Send one unified step once no other command is in flight, and return without
+        waiting for it: await `flight.gate` (released?) and `step_result(flight)`."""
         self._check_open()
-        plan = check_plan(items, self.model_config.vocab_size)
-        return await self._call(lambda seq: RunUnifiedStep(seq, items), plan, on_release=on_release)
+        plan = check_plan(items, self.model_config.vocab_size, drops)
+        await self._acquire()
+        return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops)), plan)
+
+    def follow_step(self, items: list[StepItem], drops: list[int] = ()) -> Flight | None:
+        """Send a step behind the one step in flight, which the gate has already released:
+        the ranks take it up as soon as they finish that one, so the engine's work between
+        steps overlaps the device's. Returns None, having sent nothing, when that is not the
+        state (or another command waits its turn). Its items may leave `token_ids` empty:
+        the ranks then use the token they sample in the step in flight."""
+        self._check_open()
+        plan = check_plan(items, self.model_config.vocab_size, drops)
+        if len(self._flights) != 1 or self._callers_waiting:
+            return None
+        ahead = self._flights[0]
+        if not ahead.released or type(ahead.replies.command) is not RunUnifiedStep:
+            return None
+        return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops)), plan)
+
+    async def step_result(self, flight: Flight) -> SampleColumns:
+        """The samples of a step sent with `send_step` or `follow_step`."""
+        return await self._finish(flight)
 
     async def drop(self, request_ids: list[int],
                    expect: Literal["must_exist", "must_be_absent"]) -> None:
@@ -311,45 +348,78 @@ class ReplicaController:
             raise ReplicaPoisoned("replica is shut down")
 
     async def _call(self, make: Callable[[int], Command], plan: StepPlan | None = None,
-                    patient_until: float | None = None, stopping_ok: bool = False,
-                    on_release: Callable[[], None] | None = None) -> object:
+                    patient_until: float | None = None, stopping_ok: bool = False) -> object:
         """Send one command, wait for (and validate) every rank's reply. One at a time; a
         caller that is cancelled leaves the command to finish (or time out) on its own."""
-        await self._lock.acquire()
+        await self._acquire(stopping_ok)
+        flight = self._begin(make(self._seq + 1), plan, patient=patient_until is not None)
+        unsent = flight.unsent
+        if patient_until is not None and unsent:  # start-up: a rank's socket may still be connecting
+            while unsent and self._loop.time() < patient_until and not flight.future.done():
+                await asyncio.sleep(0.002)
+                unsent = [rank for rank in unsent if not self._commands[rank].send(flight.frame)]
+            if unsent:
+                self._poison_unsent(flight, unsent)
+        return await self._finish(flight)
+
+    async def _acquire(self, stopping_ok: bool = False) -> None:
+        self._callers_waiting += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._callers_waiting -= 1
         try:
             self._check_open(stopping_ok)
-            self._seq += 1
-            self.trace.mark(self._seq, "call")
-            command = make(self._seq)
-            frame = command_encoder.encode(command)
-            gated = isinstance(command, GATED_COMMANDS)
-            flight = _Flight(ReplySet(command, self.tp_size, plan), self._loop.create_future(), gated,
-                             on_release=on_release)
         except BaseException:
             self._lock.release()
             raise
-        self._flight = flight
-        flight.future.add_done_callback(self._end_flight)
+
+    def _begin(self, command: Command, plan: StepPlan | None, patient: bool = False) -> Flight:
+        """Send `command` to every rank as a new flight (the lock is held). Ranks whose
+        channel refuses the frame are left in `flight.unsent` if `patient`, else poison."""
+        try:
+            frame = command_encoder.encode(command)
+        except BaseException:
+            if not self._flights:
+                self._lock.release()
+            raise
+        self._seq = command.seq
+        self.trace.mark(command.seq, "call")
+        gated = isinstance(command, GATED_COMMANDS)
+        flight = Flight(ReplySet(command, self.tp_size, plan), self._loop.create_future(),
+                        self._loop.create_future(), gated, frame)
         if gated:
             flight.digest = zlib.crc32(frame)
+        else:
+            flight.released = True
+            flight.gate.set_result(True)
+        self._flights.append(flight)
+        flight.future.add_done_callback(self._end_flight)
+        if len(self._flights) == 1:  # a follower's timer starts when the flight ahead ends
+            self._start_timer(flight)
+        flight.unsent = [rank for rank, channel in enumerate(self._commands) if not channel.send(frame)]
+        if flight.unsent and not patient:
+            self._poison_unsent(flight, flight.unsent)
+        self.trace.mark(command.seq, "sent")
+        return flight
+
+    def _poison_unsent(self, flight: Flight, unsent: list[int]) -> None:
+        self._poison(
+            f"could not deliver {flight.replies.name} seq {flight.seq} to rank {unsent[0]}: "
+            f"its command channel has no live peer"
+        )
+
+    def _start_timer(self, flight: Flight) -> None:
+        """Bound the wait for the gate (a gated command not yet released), else the reply."""
+        if flight.gated and not flight.released:
             timeout = self._gate_timeout_s
         else:
             timeout = self.config.step_timeout_s
+        if flight.timer is not None:
+            flight.timer.cancel()
         flight.timer = self._loop.call_later(timeout, self._on_flight_timeout, flight)
-        for rank, channel in enumerate(self._commands):
-            sent = channel.send(frame)
-            while not sent and patient_until is not None and self._loop.time() < patient_until:
-                await asyncio.sleep(0.002)
-                if flight.future.done():
-                    break
-                sent = channel.send(frame)
-            if not sent:
-                self._poison(
-                    f"could not deliver {flight.replies.name} seq {command.seq} to rank {rank}: "
-                    f"its command channel has no live peer"
-                )
-                break
-        self.trace.mark(command.seq, "sent")
+
+    async def _finish(self, flight: Flight) -> object:
         try:
             return await asyncio.shield(flight.future)
         except ReplicaPoisoned:
@@ -358,18 +428,29 @@ class ReplicaController:
         raise ReplicaPoisoned(self._poison_reason or "replica is shut down") from None
 
     def _end_flight(self, future: asyncio.Future) -> None:
-        flight = self._flight
-        if flight is not None and flight.future is future:
+        flight = next((f for f in self._flights if f.future is future), None)
+        if flight is None:
+            return
+        if flight.timer is not None:
             flight.timer.cancel()
-            self._flight = None
-            if not future.cancelled() and future.exception() is None:
-                self._last_replies = flight.replies
-        self._lock.release()
+        was_oldest = flight is self._flights[0]
+        self._flights.remove(flight)
+        ok = not future.cancelled() and future.exception() is None
+        if ok:
+            self._ended.append(flight.replies)
+        if not flight.gate.done():
+            flight.gate.set_result(False)
+        if not self._flights:
+            self._lock.release()
+        elif was_oldest and ok:
+            self._start_timer(self._flights[0])
 
     def _on_receipt_bell(self) -> None:
         self._receipt_bell.drain()
-        flight = self._flight
-        if flight is None or not flight.gated or flight.released or flight.future.done():
+        if not self._flights:
+            return
+        flight = self._flights[-1]  # only the newest flight can be waiting for the gate
+        if not flight.gated or flight.released or flight.future.done():
             return
         seq = flight.replies.seq
         for rank in range(self.tp_size):
@@ -386,13 +467,9 @@ class ReplicaController:
         for bell in self._release_bells:
             bell.ring()
         flight.released = True
-        flight.timer.cancel()
-        flight.timer = self._loop.call_later(self.config.step_timeout_s, self._on_flight_timeout, flight)
-        if flight.on_release is not None:
-            try:
-                flight.on_release()
-            except Exception as exc:  # never let a reader callback die
-                self._poison(f"controller error in a step's release callback: {exc!r}")
+        flight.gate.set_result(True)
+        if len(self._flights) == 1 or flight.timer is not None:  # else: timed when the one ahead ends
+            self._start_timer(flight)
 
     def _on_frame(self, frame: bytes) -> None:
         if self._poison_reason is not None or self._closed:
@@ -406,14 +483,14 @@ class ReplicaController:
             except DECODE_ERRORS as exc:
                 self._poison(f"malformed reply frame ({len(frame)} bytes): {exc}")
                 return
-            flight = self._flight
+            flight = next((f for f in self._flights if f.seq == reply.seq), None)
             if type(reply) is Failure:
                 what = f"seq {reply.seq}"
-                if flight is not None and flight.replies.seq == reply.seq:
+                if flight is not None:
                     what = f"{flight.replies.name} {what}"
                 self._hold_failure(f"rank {reply.rank} failed {what}: {reply.reason}")
                 return
-            if flight is None or reply.seq != flight.replies.seq:
+            if flight is None:
                 self._poison(self._stray_reason(reply))
                 return
             if flight.gated and not flight.released:
@@ -438,9 +515,8 @@ class ReplicaController:
             self._loop.call_later(FAILURE_HOLD_S, self._poison, reason)
 
     def _stray_reason(self, reply: object) -> str:
-        last = self._last_replies
-        if (last is not None and reply.seq == last.seq and 0 <= reply.rank < self.tp_size
-                and last.replies[reply.rank] is not None):
+        last = next((r for r in self._ended if r.seq == reply.seq), None)
+        if last is not None and 0 <= reply.rank < self.tp_size and last.replies[reply.rank] is not None:
             return f"rank {reply.rank} sent a second reply to {last.name} seq {last.seq}"
         return (f"{type(reply).__name__} from rank {reply.rank} for seq {reply.seq}, "
                 f"but no command with that seq awaits a reply")
@@ -451,8 +527,8 @@ class ReplicaController:
         between steps is not noticed later than one stopped mid-step."""
         return min(self.config.gate_timeout_s, self.config.step_timeout_s)
 
-    def _on_flight_timeout(self, flight: _Flight) -> None:
-        if flight is not self._flight or flight.future.done():
+    def _on_flight_timeout(self, flight: Flight) -> None:
+        if flight not in self._flights or flight.future.done():
             return
         replies = flight.replies
         if flight.gated and not flight.released:
@@ -499,21 +575,28 @@ class ReplicaController:
                     reason = f"rank {rank} (pid {proc.pid}) {describe_exit(code)}; then: {reason}"
                     break
         self._poison_reason = reason
-        flight = self._flight
         cancelled_seq = None
-        if flight is not None and flight.gated and not flight.released:
-            cancelled_seq = flight.replies.seq
+        newest = self._flights[-1] if self._flights else None
+        if newest is not None and newest.gated and not newest.released:
+            cancelled_seq = newest.seq
             self._gate.decide(cancelled_seq, CANCEL)
             for bell in self._release_bells:
                 bell.ring()
-        if flight is not None and not flight.future.done():
-            flight.future.set_exception(ReplicaPoisoned(reason))
+        self._fail_flights(reason)
         if not self._startup.done():
             self._startup.set_exception(ReplicaPoisoned(reason))
             self._startup.exception()  # retrieved here; _launch may be past awaiting it
         if self._on_poison is not None and not self._starting and not self._stopping:
             self._loop.call_soon(self._notify_poison, reason)
         self._teardown_task = self._loop.create_task(self._teardown(cancelled_seq))
+
+    def _fail_flights(self, reason: str) -> None:
+        for flight in list(self._flights):
+            if not flight.gate.done():
+                flight.gate.set_result(False)
+            if not flight.future.done():
+                flight.future.set_exception(ReplicaPoisoned(reason))
+                flight.future.exception()  # retrieved here: a follower's caller may never await it
 
     def _notify_poison(self, reason: str) -> None:
         try:
@@ -559,9 +642,7 @@ class ReplicaController:
             return
         self._closed = True
         self.trace.write()
-        flight = self._flight
-        if flight is not None and not flight.future.done():  # e.g. a Shutdown never acked
-            flight.future.set_exception(ReplicaPoisoned(self._poison_reason or "replica is shut down"))
+        self._fail_flights(self._poison_reason or "replica is shut down")  # e.g. a Shutdown never acked
         steps = [lambda: self._gate.close(unlink=True),
                  lambda: shutil.rmtree(self._run_dir, ignore_errors=True)]
         steps += [lambda fd=fd: self._loop.remove_reader(fd)

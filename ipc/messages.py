@@ -50,7 +50,9 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
 
     A decode item is one token; a prefill chunk any number. `sample` asks for a token after
     the last position (decode items and the final prompt chunk). `new` is set on the first
-    chunk only (start == 0).
+    chunk only (start == 0). Empty `token_ids` is a decode item whose token is the one the
+    ranks sampled for this request in its previous step: the scheduler sends such a step
+    before that sample has come back (a pipelined step).
     """
 
     request_id: RequestId
@@ -116,15 +118,18 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 
 class RunUnifiedStep(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
-    """Run one forward over `items` (ordered, each request at most once), then sample on
-    rank 0. Reply: rank 0 `StepResult` with one sample per item with `sample` set (in any
-    order); others `Ack`.
+    """First free the state of `drops` (every rank must hold each; none is in `items`), then
+    run one forward over `items` (ordered, each request at most once) and sample on rank 0.
+    Reply: rank 0 `StepResult` with one sample per item with `sample` set (in any order);
+    others `Ack`. A pipelined step carries the drops of requests that ended while it was
+    planned, so that they cost no command of their own.
 
     Items stay one struct each on the wire: the executor takes `StepItem`s, and msgspec
     decodes them straight into structs in C, cheaper than any conversion from columns."""
 
     seq: int
     items: list[StepItem]
+    drops: list[RequestId] = []
 
 
 class DropRequests(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -216,7 +216,7 @@ class RankServer:
         rank, seq = self.rank, command.seq
         kind = type(command)
         if kind is RunUnifiedStep:
-            samples = self.executor.run_step(command.items)
+            samples = self.executor.run_step(command.items, command.drops)
             if rank != 0:
                 return Ack(rank, seq)
             return StepResult(rank, seq, SampleColumns.from_samples(samples))

@@ -45,10 +45,11 @@ class StepPlan(NamedTuple):
     sampled_ids: list[int]  # those whose item asks for a sample, in step order: the result's
 
 
-def check_plan(items: list[StepItem], vocab_size: int) -> StepPlan:
-    """Raise PlanRejected for anything wrong with `items` that needs no rank state."""
+def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = ()) -> StepPlan:
+    """Raise PlanRejected for anything wrong with the step that needs no rank state."""
     if not items:
         raise PlanRejected("step has no items")
+    check_drop_plan(list(drops), "must_exist")
     item_ids: set[int] = set()
     sampled_ids: list[int] = []
     for item in items:
@@ -66,7 +67,8 @@ def check_plan(items: list[StepItem], vocab_size: int) -> StepPlan:
                     f"request {rid}: token id {tokens[0]} outside the vocabulary 0..{vocab_size - 1}"
                 )
         elif not tokens:
-            raise PlanRejected(f"request {rid}: item has no token_ids")
+            if start == 0:
+                raise PlanRejected(f"request {rid}: first chunk (start 0) has no token_ids")
         elif min(tokens) < 0 or max(tokens) >= vocab_size:
             bad = next(t for t in tokens if not 0 <= t < vocab_size)
             raise PlanRejected(
@@ -84,6 +86,9 @@ def check_plan(items: list[StepItem], vocab_size: int) -> StepPlan:
             raise PlanRejected(f"request {rid}: first chunk (start 0) without `new`")
         else:
             _check_new(rid, len(tokens), item.new)
+    if drops and not item_ids.isdisjoint(drops):
+        rid = min(item_ids.intersection(drops))
+        raise PlanRejected(f"request {rid} is both dropped and run in one step")
     return StepPlan(item_ids, sampled_ids)
 
 

@@ -203,6 +203,64 @@ class TestSampling:
         assert by_index[0] != by_index[1]
 
 
+class TestPipelining:
+    async def test_pipelined_steps_change_no_event(self, engine, tiny_model_dir, prompts, reference):
+        """A concurrent mix (greedy, seeded sampling with a penalty and logprobs, a stop token,
+        a stop string, max_tokens 1 and 2, n=2; more choices than slots, so admissions break
+        the pipeline) gives the same tokens, texts and ends per choice whether each step waits
+        for the one before to be committed or is sent while it runs; the pipelined engine
+        pipelines."""
+        ref2 = ids_of(reference[2])
+        j = next(i for i in range(2, len(ref2)) if ref2[i] not in ref2[:i])
+        stop = next(t.text for t in reference[0][3:] if t.text.strip())
+        cases = [
+            (prompts[0], GREEDY),
+            (prompts[1], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=3, presence_penalty=0.5,
+                                        logprobs=3)),
+            (prompts[2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=(ref2[j],))),
+            (prompts[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop=(stop,))),
+            (prompts[3], SamplingParams(max_tokens=2, temperature=0)),
+            (prompts[0], SamplingParams(max_tokens=1, temperature=0)),
+            (prompts[1], SamplingParams(max_tokens=9, temperature=1.0, seed=8, n=2)),
+        ]
+
+        async def run(eng: AsyncEngine) -> list[dict]:
+            """Each case's events by choice index (choices of one request may interleave
+            differently: a choice's end waits for its drop)."""
+            async def one(prompt, params) -> dict:
+                by_index: dict = {}
+                async for e in eng.generate(prompt, params):
+                    by_index.setdefault(e.index, []).append(e)
+                return by_index
+            return await asyncio.wait_for(asyncio.gather(*(one(p, params) for p, params in cases)), 120)
+
+        def strip_logprobs(runs: list[dict]) -> list:
+            return [{i: [(e.token_id, e.text, [t for t, _ in e.top_logprobs]) if isinstance(e, TokenEvent) else e
+                         for e in events] for i, events in choices.items()} for choices in runs]  # fmt: skip
+
+        def max_logprob_gap(a: list[dict], b: list[dict]) -> float:
+            """Logprobs differ by fp32 noise: the two engines batch the requests differently."""
+            gaps = [abs(x.logprob - y.logprob) for ca, cb in zip(a, b, strict=True) for i in ca
+                    for x, y in zip(ca[i][:-1], cb[i][:-1], strict=True)]  # fmt: skip
+            return max(gaps)
+
+        before = engine.metrics.pipelined_steps_total
+        pipelined = await run(engine)
+        assert engine.metrics.pipelined_steps_total - before >= 5
+        sync = await AsyncEngine.start(engine_config(tiny_model_dir, pipeline_steps=False))
+        try:
+            unpipelined = await run(sync)
+            assert strip_logprobs(unpipelined) == strip_logprobs(pipelined)
+            assert max_logprob_gap(unpipelined, pipelined) < 1e-3
+            assert sync.metrics.pipelined_steps_total == 0 and sync.metrics.steps_total > 10
+            await assert_idle_and_empty(sync)
+        finally:
+            await sync.shutdown()
+        finals = [events[-1] for choice in pipelined for events in choice.values()]
+        assert sorted(f.reason for f in finals) == ["length"] * 6 + ["stop"] * 2
+        await assert_idle_and_empty(engine)
+
+
 class TestStopping:
     async def test_stop_string_across_token_boundary(self, engine, prompts):
         tokens, fin = await collect(engine.generate(prompts[1], SamplingParams(max_tokens=24, temperature=0)))
@@ -286,11 +344,14 @@ class TestCancellation:
         rid = stream.request_ids[0]
         log = PlanLog(engine)
         sampled_steps = []
+        committed = []  # its tokens committed when the abort was sent
+        tokens0 = engine.metrics.generation_tokens_total
 
         def cancel_on_fourth_sample(plan) -> None:
             if any(c.request_id == rid and c.sample for c in plan.chunks):
                 sampled_steps.append(plan)
-                if len(sampled_steps) == 4:  # abort while this step runs on the ranks
+                if len(sampled_steps) == 4:  # abort while a step that samples it runs on the ranks
+                    committed.append(engine.metrics.generation_tokens_total - tokens0)
                     asyncio.get_running_loop().create_task(engine.abort("mid"))
 
         engine.scheduler.plan_listeners.append(cancel_on_fourth_sample)
@@ -300,7 +361,11 @@ class TestCancellation:
             engine.scheduler.plan_listeners.remove(cancel_on_fourth_sample)
             log.close()
         assert len(sampled_steps) == 4
-        assert len(tokens) == 3 and (fin.reason, fin.output_tokens) == ("abort", 3)
+        # The 4th step was sent after the 3rd committed, or (pipelined) while the 3rd ran:
+        # the step running when the abort arrives yields nothing, nor does any later one.
+        assert committed in ([3], [2])
+        n = committed[0]
+        assert len(tokens) == n and (fin.reason, fin.output_tokens) == ("abort", n)
         await assert_idle_and_empty(engine)
 
     async def test_consumer_walking_away_leaks_nothing(self, engine, prompts):
@@ -408,6 +473,7 @@ class TestTensorParallel:
             assert ids_of(tokens) == ids_of(ref)
             for a, b in zip(tokens, ref, strict=True):
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+        assert tp2_engine.metrics.pipelined_steps_total > 0  # rank 1 took rank 0's samples
         snaps = await tp2_engine.rank_snapshots()
         assert [s.rank for s in snaps] == [0, 1]
         await assert_idle_and_empty(tp2_engine)

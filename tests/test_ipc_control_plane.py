@@ -147,6 +147,56 @@ async def test_unified_steps_tp2_match_tp1(tp1: ReplicaController, tp2: ReplicaC
     assert max(abs(x[2] - y[2]) for x, y in zip(one, two, strict=True)) < 1e-3
 
 
+async def test_pipelined_steps_tp2(tp2: ReplicaController) -> None:
+    """A step sent behind a released step (`follow_step`) decodes from the ranks' own last
+    samples (rank 0's, broadcast to rank 1) and gives the tokens that explicit token ids give;
+    it drops what it carries before it runs. Only one step may follow, and only a released one."""
+    spec = SamplingSpec(seed=5, temperature=0.8, num_logprobs=2)
+    pa, pb = prompt(30, salt=3), prompt(45, salt=4)
+
+    def new(tokens: list[int]) -> NewRequest:
+        return NewRequest(len(tokens) + 12, spec)
+
+    # reference: request 301 and 302, explicit token ids, one step at a time
+    res = await run(tp2, [StepItem(301, 0, pa, True, new(pa)), StepItem(302, 0, pb, True, new(pb))])
+    explicit = [(res[301].token_id, res[302].token_id)]
+    for step in range(5):
+        res = await run(tp2, [StepItem(301, len(pa) + step, [explicit[-1][0]], True),
+                              StepItem(302, len(pb) + step, [explicit[-1][1]], True)])  # fmt: skip
+        explicit.append((res[301].token_id, res[302].token_id))
+    await bounded(tp2.drop([301, 302], "must_exist"))
+
+    # the same requests (same seeds) pipelined: each step follows the one before unseen
+    flight = await tp2.send_step([StepItem(311, 0, pa, True, new(pa)), StepItem(312, 0, pb, True, new(pb))])
+    assert tp2.follow_step([StepItem(311, len(pa), [], True)]) is None  # not yet released
+    assert await bounded(flight.gate) is True
+    flights = [flight]
+    for step in range(5):
+        follower = tp2.follow_step([StepItem(311, len(pa) + step, [], True), StepItem(312, len(pb) + step, [], True)])
+        assert follower is not None
+        assert tp2.follow_step([StepItem(311, len(pa) + step + 1, [], True)]) is None  # two in flight
+        flights.append(follower)
+        await bounded(tp2.step_result(flights[-2]))
+        assert await bounded(follower.gate) is True
+    pipelined = []
+    for flight in flights:
+        samples = (await bounded(tp2.step_result(flight))).by_id()
+        pipelined.append((samples[311].token_id, samples[312].token_id))
+    assert pipelined == explicit
+
+    # a followed step's drops: 312 goes while 311 decodes once more
+    flight = await tp2.send_step([StepItem(311, len(pa) + 5, [], True)])
+    assert await bounded(flight.gate)
+    follower = tp2.follow_step([StepItem(311, len(pa) + 6, [], True)], drops=[312])
+    await bounded(tp2.step_result(flight))
+    await bounded(tp2.step_result(follower))
+    for snap in await bounded(tp2.snapshot()):
+        assert snap.request_ids == [311]
+    await bounded(tp2.drop([311], "must_exist"))
+    assert tp2.follow_step([StepItem(311, 0, [1], True, new([1]))]) is None  # nothing in flight
+    assert tp2.poison_reason is None
+
+
 async def test_snapshot_reports_each_rank_shard(tp2: ReplicaController, tiny_model_dir: Path) -> None:
     """Each rank reports its own share of the heads and the same requests."""
     config = json.loads((tiny_model_dir / "config.json").read_text())
@@ -238,6 +288,19 @@ async def test_rank_local_mismatch_poisons(tiny_model_dir: Path) -> None:
         with pytest.raises(ReplicaPoisoned, match="request 999"):
             await controller.ping()
         assert time.monotonic() - t0 < 0.05
+    finally:
+        await controller.shutdown()
+    assert_gone(controller)
+
+
+async def test_last_sample_without_a_sample_poisons(tiny_model_dir: Path) -> None:
+    """An item without token_ids whose request's previous item sampled nothing has no input:
+    every rank refuses it alike (none waits in the broadcast), and the replica is poisoned."""
+    controller = await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), tp_size=2))
+    try:
+        await run(controller, [first(1, prompt(20), 40, sample=False)])
+        with pytest.raises(ReplicaPoisoned, match="request 1 item has no token_ids, but its previous item did not sample"):
+            await bounded(controller.run_step([StepItem(1, 20, [], True)]))
     finally:
         await controller.shutdown()
     assert_gone(controller)

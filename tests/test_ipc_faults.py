@@ -101,13 +101,11 @@ async def test_fault(case: str, tiny_model_dir: Path, tmp_path: Path) -> None:
         step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
         decode = StepItem(1, 24, [step1.by_id()[1].token_id], True)
         t0 = time.monotonic()
-        released: list[float] = []  # the step's on_release calls
+        flight = None
         try:
             # step 2: request 1 decodes while request 2 prefills
-            step2 = await asyncio.wait_for(
-                controller.run_step([decode, first(2, 40)], on_release=lambda: released.append(time.monotonic())),
-                bound_s + 5,
-            )
+            flight = await controller.send_step([decode, first(2, 40)])
+            step2 = await asyncio.wait_for(controller.step_result(flight), bound_s + 5)
             if case == "diverge":  # the ranks now disagree on request 1
                 decode = StepItem(1, 25, [step2.by_id()[1].token_id], True)
                 await asyncio.wait_for(controller.run_step([decode]), bound_s + 5)
@@ -129,8 +127,8 @@ async def test_fault(case: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     ranks = [journal(tmp_path, 0), journal(tmp_path, 1)]
     # no rank ran anything after the command that went wrong
     assert all(seq <= last_seq for entries in ranks for _, seq in entries)
-    # the release hook runs exactly once if the gate released the step, never if it cancelled it
-    assert len(released) == (0 if kind in ("die_before_receipt", "stall_before_receipt") else 1), released
+    # the step's gate outcome: released, unless the gate cancelled it
+    assert flight.gate.result() is (kind not in ("die_before_receipt", "stall_before_receipt"))
     if kind in ("die_before_receipt", "stall_before_receipt"):
         # the survivor got the step and was told to cancel it: it never ran it
         assert ("recv", FAULT_SEQ) in ranks[0] and ("cancel", FAULT_SEQ) in ranks[0]
@@ -157,3 +155,47 @@ async def test_idle_rank_death_noticed_from_sentinel(tiny_model_dir: Path, tmp_p
         await assert_torn_down(controller, reasons, r"rank 0 \(pid \d+\) was killed by SIGKILL")
     finally:
         await controller.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("kind", "at_step", "reason"),
+    [
+        # the step behind: its gate timer runs from the end of the step ahead
+        ("stall_before_receipt", 3, r"rank\(s\) \[1\] did not receive RunUnifiedStep seq 4 within gate_timeout_s"),
+        # the step ahead: the one behind it, sent but not released, is cancelled with it
+        ("die_mid_step", 2, DIED),
+    ],
+)
+async def test_fault_with_a_step_following(kind: str, at_step: int, reason: str, tiny_model_dir: Path,
+                                           tmp_path: Path) -> None:
+    """Two flights (a pipelined step behind a released one): a fault in either poisons the
+    replica once, every flight it reaches fails with that reason, and the step behind runs on
+    no rank."""
+    reasons: list[str] = []
+    fault = FaultPlan(rank=1, kind=kind, at_step=at_step, stall_s=60.0)
+    controller = await start(tiny_model_dir, tmp_path, fault, reasons)
+    try:
+        step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
+        ahead = await controller.send_step([StepItem(1, 24, [step1.by_id()[1].token_id], True)])  # seq 3
+        assert await asyncio.wait_for(ahead.gate, 10) is True
+        behind = controller.follow_step([StepItem(1, 25, [], True)])  # seq 4
+        assert behind is not None
+        t0 = time.monotonic()
+        outcomes = []
+        for flight in (ahead, behind):
+            try:
+                await asyncio.wait_for(controller.step_result(flight), STEP_TIMEOUT_S + 5)
+                outcomes.append("ok")
+            except ReplicaPoisoned as exc:
+                assert exc.reason == controller.poison_reason
+                outcomes.append("poisoned")
+        assert outcomes == (["ok", "poisoned"] if kind == "stall_before_receipt" else ["poisoned", "poisoned"])
+        assert time.monotonic() - t0 < GATE_TIMEOUT_S + 2.0
+        assert behind.gate.result() is False
+        await assert_torn_down(controller, reasons, reason)
+    finally:
+        await controller.shutdown()
+    ranks = [journal(tmp_path, 0), journal(tmp_path, 1)]
+    assert all(("exec", 4) not in entries for entries in ranks), ranks
+    if kind == "stall_before_receipt":  # rank 0 had the step behind and was told to cancel it
+        assert ("recv", 4) in ranks[0] and ("cancel", 4) in ranks[0]

@@ -64,7 +64,7 @@ class TestPlan:
         ("item", "message"),
         [
             (StepItem(1, 3, [5], True), "request 1 appears twice"),
-            (StepItem(9, 3, [], True), "request 9: item has no token_ids"),
+            (StepItem(9, 0, [], True, new()), "request 9: first chunk .start 0. has no token_ids"),
             (StepItem(9, -1, [5], True), "request 9: negative start -1"),
             (StepItem(9, 4, [5], True, new()), "request 9: `new` on an item starting at 4"),
             (StepItem(9, 0, [5], True), "request 9: first chunk .start 0. without `new`"),
@@ -91,6 +91,16 @@ class TestPlan:
         item = StepItem(9, 0, [1], True, new(**{name: value}))
         with pytest.raises(PlanRejected, match=f"request 9: {name} {value} is not a finite number"):
             check_plan([StepItem(1, 10, [5], True), item], VOCAB)
+
+    def test_pipelined_step(self) -> None:
+        """A decode item without token ids (the ranks' last sample) is valid; a step's drops
+        may not repeat a request nor name one that the step runs."""
+        plan = check_plan([StepItem(1, 10, [], True)], VOCAB, drops=[2, 3])
+        assert plan.sampled_ids == [1]
+        with pytest.raises(PlanRejected, match="request 2 appears twice in one drop"):
+            check_plan([StepItem(1, 10, [], True)], VOCAB, drops=[2, 2])
+        with pytest.raises(PlanRejected, match="request 1 is both dropped and run in one step"):
+            check_plan([StepItem(1, 10, [], True)], VOCAB, drops=[3, 1])
 
     def test_empty_step_rejected(self) -> None:
         with pytest.raises(PlanRejected, match="no items"):

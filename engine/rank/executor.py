@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch
@@ -19,7 +20,7 @@ from deltaserve.engine.rank.cudagraph import DecodeGraphs
 from deltaserve.engine.rank.loader import load_weights
 from deltaserve.engine.rank.memory_budget import size_kv_cache
 from deltaserve.engine.rank.model_config import ModelConfig
-from deltaserve.engine.rank.parallel import tp_rank, tp_size
+from deltaserve.engine.rank.parallel import broadcast_ints, tp_rank, tp_size
 from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
 from deltaserve.engine.rank.sampler import Sampler
 from deltaserve.engine.rank.step_meta import with_step_meta
@@ -72,6 +73,8 @@ class LiveRequest:
     capacity: int  # positions the blocks can hold (reserve_tokens)
     num_tokens: int = 0
     prompt_done: bool = False  # its last prompt chunk has run; later items are decode inputs
+    sampled_through: int = 0  # num_tokens after its last item that sampled (every rank)
+    last_token: int = -1  # rank 0: that item's sample, the input of an item without token_ids
 
 
 @dataclass(slots=True)
@@ -145,9 +148,10 @@ class Executor:
     def block_size(self) -> int:
         return self.cache.block_size
 
-    def run_step(self, items: list[StepItem]) -> list[Sample]:
-        """Run the step, then sample on rank 0: one Sample per item with `sample`, in order."""
-        logits = self.forward(items)
+    def run_step(self, items: list[StepItem], drops: list[int] = ()) -> list[Sample]:
+        """Drop `drops`, run the step, then sample on rank 0: one Sample per item with
+        `sample`, in order."""
+        logits = self.forward(items, drops=drops)
         if self.sampler is None:
             return []
         for item in items:
@@ -155,19 +159,40 @@ class Executor:
             if not req.prompt_done:  # decode inputs are the rank's own samples, already seen
                 self.sampler.observe(item.request_id, item.token_ids, is_prompt=True)
             req.prompt_done = req.prompt_done or item.sample
-        return self.sampler.sample([item.request_id for item in items if item.sample], logits)
+        samples = self.sampler.sample([item.request_id for item in items if item.sample], logits)
+        for sample in samples:
+            self.requests[sample.request_id].last_token = sample.token_id
+        return samples
 
-    def forward(self, items: list[StepItem], every_position: bool = False) -> torch.Tensor | None:
-        """Advance every item's request through the model; return fp32 logits on rank 0 of
-        the positions that sample (or of every position: golden tests), None elsewhere."""
-        self._admit_new(items)
+    def forward(self, items: list[StepItem], every_position: bool = False, drops: list[int] = ()) -> torch.Tensor | None:
+        """Drop `drops`, advance every item's request through the model; return fp32 logits
+        on rank 0 of the positions that sample (or of every position: golden tests), None
+        elsewhere."""
+        self._admit_new(items, drops)
+        items = self._with_last_samples(items)
         if self.graphs is None or every_position:
             logits = self._run_eager(self._build_batch(items, every_position))
         else:
             logits = self._run_with_graphs(items)
         for item in items:
-            self.requests[item.request_id].num_tokens = item.start + len(item.token_ids)
+            req = self.requests[item.request_id]
+            req.num_tokens = item.start + len(item.token_ids)
+            if item.sample:
+                req.sampled_through = req.num_tokens
         return logits
+
+    def _with_last_samples(self, items: list[StepItem]) -> list[StepItem]:
+        """Items without token_ids take their request's last sample, which only rank 0 has:
+        it sends them to the other ranks (one small broadcast, only in such a step)."""
+        pending = [i for i, item in enumerate(items) if not item.token_ids]
+        if not pending:
+            return items
+        tokens = [self.requests[items[i].request_id].last_token for i in pending]  # -1 off rank 0
+        tokens = broadcast_ints(tokens, self.device)
+        items = list(items)
+        for i, token in zip(pending, tokens, strict=True):
+            items[i] = msgspec.structs.replace(items[i], token_ids=[token])
+        return items
 
     def _run_eager(self, batch: StepBatch) -> torch.Tensor | None:
         if gpu_path(batch.input_ids):
@@ -204,11 +229,15 @@ class Executor:
         merged = torch.cat((decode_logits, chunk_logits))
         return merged[torch.tensor(order, device=merged.device)]
 
-    def _admit_new(self, items: list[StepItem]) -> None:
-        """Check every item against this rank's state, then take slots for new requests; on
-        any mismatch nothing is changed."""
+    def _admit_new(self, items: list[StepItem], drops: list[int]) -> None:
+        """Check every item and drop against this rank's state, then drop and take slots for
+        new requests; on any mismatch nothing is changed. Every rank holds the same state,
+        so all of them reach the same verdict (none waits in a collective for another)."""
         new_tokens = 0
         new_count = 0
+        for request_id in drops:
+            if request_id not in self.requests:
+                raise StepError(f"request {request_id} to drop is not held by rank {self.config.rank}")
         for item in items:
             held = self.requests.get(item.request_id)
             if item.new is not None:
@@ -227,13 +256,19 @@ class Executor:
                     f"request {item.request_id} item starts at {item.start}, rank {self.config.rank} "
                     f"holds {held.num_tokens} positions"
                 )
-            elif item.start + len(item.token_ids) > held.capacity:
+            elif item.start + max(1, len(item.token_ids)) > held.capacity:
                 raise StepError(f"request {item.request_id} runs past its {held.capacity} reserved positions")
+            elif not item.token_ids and held.sampled_through != item.start:
+                raise StepError(
+                    f"request {item.request_id} item has no token_ids, but its previous item "
+                    f"did not sample"
+                )
         if new_count > self.cache.free_slots or new_tokens > self.cache.free_blocks:
             raise StepError(
                 f"step needs {new_count} slots and {new_tokens} blocks; rank {self.config.rank} has "
                 f"{self.cache.free_slots} slots and {self.cache.free_blocks} blocks free"
             )
+        self.drop(drops)
         for item in items:
             if item.new is not None:
                 slot, blocks = self.cache.allocate(item.new.reserve_tokens)

@@ -24,6 +24,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def broadcast_ints(values: list[int], device: torch.device) -> list[int]:
+    """Rank 0's `values` on every rank; each rank passes a list of the same length."""
+    if tp_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.broadcast(tensor, src=0)
+    return tensor.tolist()
+
+
 def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     """Concatenate every rank's `x` along the last dim on rank 0; other ranks get None.
 
