@@ -71,7 +71,7 @@ async def test_bench_serve_random_and_multi_turn(tiny_model_dir, tmp_path):
         assert r["max_concurrency"] == 4 and 1 <= r["max_concurrent_requests"] <= 4
         # the engine's own counters over the run: 48 tokens at <= 4 per step need >= 12 steps
         assert r["engine_steps"] >= 12 and r["engine_mean_step_ms"] > 0 and r["engine_mean_scheduler_ms"] > 0
-        assert 0 < r["engine_busy_fraction"] <= 1
+        assert 0 < r["engine_busy_fraction"] <= 1 and 0 <= r["engine_pipelined_fraction"] < 1
         status, text = await get(server.url + "/metrics", {"Authorization": f"Bearer {KEY}"})
         assert status == 200
         assert generation_tokens(text) == 48 + 6  # + the uncounted initial test request

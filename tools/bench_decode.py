@@ -405,16 +405,18 @@ def bench_hf_prefill(model, device: torch.device, lengths: list[int]) -> list[di
     return rows
 
 
-async def bench_engine(args, batches: list[int], context: int, new_tokens: int, tp: int = 1) -> list[dict]:
+async def bench_engine(args, batches: list[int], context: int, new_tokens: int, tp: int = 1,
+                       pipeline: bool = True) -> list[dict]:
     """AsyncEngine through its rank processes (greedy, ignore_eos) at tensor-parallel size
-    `tp`: `batch` requests of `context` prompt tokens decoding together; time per output
-    token once all decode."""
+    `tp`, with pipelined steps or without: `batch` requests of `context` prompt tokens
+    decoding together; time per output token once all decode."""
     import asyncio
 
     from deltaserve.engine import AsyncEngine, EngineConfig, SamplingParams
 
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(batches), tp_size=tp,
-                          max_model_len=context + new_tokens + 16, max_num_batched_tokens=8192)  # fmt: skip
+                          max_model_len=context + new_tokens + 16, max_num_batched_tokens=8192,
+                          pipeline_steps=pipeline)  # fmt: skip
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(3)
     rows = []
@@ -434,7 +436,8 @@ async def bench_engine(args, batches: list[int], context: int, new_tokens: int, 
             end = min(s[-1] for s in stamps)
             steps = min(sum(1 for t in s if start < t <= end) for s in stamps)
             step_s = (end - start) / max(steps, 1)
-            rows.append({"tp": tp, "batch": batch, "context": context, "ms_per_output_token": step_s * 1e3,
+            rows.append({"tp": tp, "pipelined": pipeline, "batch": batch, "context": context,
+                         "ms_per_output_token": step_s * 1e3,
                          "tokens_per_s": batch / step_s,
                          # every step of the run (its prefill too): time on the ranks, and the
                          # scheduler's between steps (the ranks idle)
@@ -518,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-batches", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--engine-tokens", type=int, default=128, help="output tokens per engine request")
     parser.add_argument("--engine-tp", type=int, nargs="+", default=[1], help="TP sizes of the engine runs")
+    parser.add_argument("--engine-pipelining", nargs="+", choices=["on", "off"], default=["on", "off"],
+                        help="engine runs with pipelined steps, without, or both (an A/B in one run)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     report = {"command": " ".join([sys.executable, "-m", "tools.bench_decode", *sys.argv[1:]]),
@@ -550,8 +555,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine_batches:
         import asyncio
 
-        report["engine"] = [row for tp in args.engine_tp for row in
-                            asyncio.run(bench_engine(args, args.engine_batches, args.context, args.engine_tokens, tp))]
+        report["engine"] = [row for tp in args.engine_tp for pipeline in args.engine_pipelining for row in
+                            asyncio.run(bench_engine(args, args.engine_batches, args.context, args.engine_tokens, tp,
+                                                     pipeline == "on"))]  # fmt: skip
         for row in report["engine"]:
             decode = next((r for r in report["model"]["decode"]
                            if r["batch"] == row["batch"] and "roofline_ms" in r and row["tp"] == 1), None)  # fmt: skip
@@ -587,7 +593,8 @@ def print_table(report: dict) -> None:
         print(f"prefill {row.get('prompts', 1)} x {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s "
               f"{row['model_TFLOPs']:6.1f} TFLOP/s = {frac:6.1%} of matmul")
     for row in report.get("engine", []):
-        print(f"engine tp={row['tp']} b={row['batch']:3d} {row['ms_per_output_token']:8.2f} ms/step {row['tokens_per_s']:9.1f} tok/s "
+        mode = "pipelined" if row.get("pipelined", False) else "sync"
+        print(f"engine tp={row['tp']} {mode:9s} b={row['batch']:3d} {row['ms_per_output_token']:8.2f} ms/step {row['tokens_per_s']:9.1f} tok/s "
               f"x{row.get('ratio_to_roofline', math.nan):.2f} of roofline; steps {row['mean_step_ms']:.2f} ms on the ranks "
               f"+ {row['mean_scheduler_ms']:.2f} ms scheduler")
     for row in report.get("hf_prefill", []):

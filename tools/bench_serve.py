@@ -281,7 +281,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         return {**base, **metrics, **engine, **per_request_fields(outputs)}
 
 
-ENGINE_COUNTERS = ("deltaserve:steps_total", "deltaserve:step_seconds_total", "deltaserve:scheduler_seconds_total")
+ENGINE_COUNTERS = ("deltaserve:steps_total", "deltaserve:step_seconds_total", "deltaserve:scheduler_seconds_total",
+                   "deltaserve:pipelined_steps_total")
 
 
 async def engine_counters(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> dict[str, float]:
@@ -303,16 +304,17 @@ async def engine_counters(session: aiohttp.ClientSession, base_url: str, headers
 
 def engine_overhead(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Between the two reads (the run): steps, mean step time
-    on the ranks, mean scheduler time between steps (the ranks idle), and the share of the
-    time the ranks were busy."""
+    on the ranks, mean scheduler time between steps (the ranks idle), the share of the
+    time the ranks were busy, and the share of steps sent while the one before ran."""
     if not before or set(before) != set(after):
         return {}
     duration = after["read_at"] - before["read_at"]
-    steps, step_s, sched_s = (after[k] - before[k] for k in ENGINE_COUNTERS)
+    steps, step_s, sched_s, pipelined = (after[k] - before[k] for k in ENGINE_COUNTERS)
     if steps <= 0:
         return {}
     return {"engine_steps": steps, "engine_mean_step_ms": step_s / steps * 1e3,
-            "engine_mean_scheduler_ms": sched_s / steps * 1e3, "engine_busy_fraction": step_s / duration}  # fmt: skip
+            "engine_mean_scheduler_ms": sched_s / steps * 1e3, "engine_busy_fraction": step_s / duration,
+            "engine_pipelined_fraction": pipelined / steps}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,13 @@
 #!/bin/bash
 # Every GPU measurement of the open issues, on one H200, in parts that each fit a device call:
-#   decode  decode / prefill / engine / HF (bench_decode, engine steps traced), the skinny
-#           GEMM A/B, about 6 minutes
-#   serve   cold start, bench_serve at concurrency 1 / 16 / 64 and the multi-turn run, about 5
+#   decode  decode / prefill / engine (pipelined and not) / HF (bench_decode; the pipelined
+#           engine's steps traced), about 6 minutes
+#   skinny  the skinny GEMM A/B, about 2
+#   serve   cold start, bench_serve at concurrency 1 / 16 / 64 and the multi-turn run, then
+#           concurrency 1 and 64 again with --no-pipelining, about 6
 #   gate    the bf16 gate, about 6
 #
-#   OUT=/tmp/out bash tools/h200_suite.sh [decode] [serve] [gate]   # from the repository root
+#   OUT=/tmp/out bash tools/h200_suite.sh [decode] [skinny] [serve] [gate]   # from the repository root
 #   (no part named: decode and serve)
 #
 # Needs the package importable (pip install -e . or PYTHONPATH) and a GPU; makes the random
@@ -19,11 +21,15 @@ say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 say "checkpoint ready"
 PARTS=" ${*:-decode serve} "
 if [[ $PARTS == *" decode "* ]]; then
+# the pipelined engine runs last: its trace files overwrite the other's
 DELTASERVE_STEP_TRACE=/tmp/step_trace timeout 330 python3 -m tools.bench_decode --model /tmp/m4b --batches 1 8 32 64 \
-  --steps 8 --hf-batches 1 --hf-steps 8 --out "$OUT/bench_decode.json" > "$OUT/bench_decode.log" 2>&1
+  --steps 8 --hf-batches 1 --hf-steps 8 --engine-pipelining off on --out "$OUT/bench_decode.json" \
+  > "$OUT/bench_decode.log" 2>&1
 say "bench_decode rc=$?"
 grep -E "^(model|prefill|engine|hf|profile)" "$OUT/bench_decode.log"
 python3 -m tools.step_trace /tmp/step_trace --json "$OUT/step_trace.json" | grep -A9 -E "^steps of (1|64) items"
+fi
+if [[ $PARTS == *" skinny "* ]]; then
 timeout 120 python3 -m tools.bench_skinny_ab --model /tmp/m4b --out "$OUT/skinny_ab.json" 2>&1 | grep -E "^(skinny|cublas)"
 say "skinny A/B"
 fi
@@ -48,6 +54,17 @@ done
 timeout 150 "${BENCH[@]}" --multi-turn --num-conversations 12 --max-concurrency 4 --random-input-len 512 \
   --random-output-len 128 --ignore-eos --label h200-4b-multiturn --result-filename multiturn.json 2>&1 | tail -2
 kill -TERM $SERVER; wait $SERVER; say "server exit code $?"
+python3 -m deltaserve.tools.cli serve "${SERVE[@]}" --port 8123 --no-pipelining > "$OUT/serve_sync.log" 2>&1 &
+SERVER=$!
+for _ in $(seq 1 120); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+for c in 1 64; do
+  n=$(( c * 4 )); [ "$c" = 1 ] && n=4
+  timeout 150 "${BENCH[@]}" --random-input-len 1024 --random-output-len 256 --ignore-eos --num-prompts $n \
+    --max-concurrency $c --label "h200-4b-c$c-no-pipelining" --result-filename "serve_c${c}_sync.json" 2>&1 \
+    | grep -E "Output token throughput|Mean TPOT|Failed|engine_"
+  say "bench_serve --no-pipelining c=$c"
+done
+kill -TERM $SERVER; wait $SERVER; say "server (no pipelining) exit code $?"
 fi
 if [[ $PARTS == *" gate "* ]]; then
   timeout 400 python3 -m tools.gate_bf16 --model /tmp/m4b --fp32-check --out "$OUT/gate_bf16.json" \
