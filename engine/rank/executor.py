@@ -229,7 +229,7 @@ class Executor:
         merged = torch.cat((decode_logits, chunk_logits))
         return merged[torch.tensor(order, device=merged.device)]
 
-    def _admit_new(self, items: list[StepItem], drops: list[int]) -> None:
+    def _admit_new(self, items: list[StepItem], drops: list[int] = ()) -> None:
         """Check every item and drop against this rank's state, then drop and take slots for
         new requests; on any mismatch nothing is changed. Every rank holds the same state,
         so all of them reach the same verdict (none waits in a collective for another)."""
