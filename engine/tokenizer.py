@@ -21,14 +21,21 @@ T = TypeVar("T")
 INLINE_TOKENIZE_CHARS = 4096
 
 
+# transformers' lazy module is not thread-safe on first import: two threads loading at once
+# (the engine's loop tokenizer and the worker's) made one fail with "cannot import name
+# 'AutoTokenizer'", and the first large prompt then paid a second load.
+_LOAD_LOCK = threading.Lock()
+
+
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The folder's HF fast tokenizer (tokenizer.json); a slow one is refused."""
-    from transformers import AutoTokenizer
-
     path = Path(model_dir)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json in model folder {model_dir}")
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    with _LOAD_LOCK:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"the tokenizer in {model_dir} is not a fast (tokenizers) tokenizer")
     return tokenizer
