@@ -285,7 +285,7 @@ class Scheduler:
         request.finish("abort")
         event = FinishedEvent(request.index, "abort", request.prompt_len, request.num_output_tokens, "")
         if request.on_ranks:
-            self._pending_drop[rid] = [event]
+            self._hold_until_dropped(rid, [event])
             return
         if rid in self.ledger:
             self.ledger.release(rid)
@@ -400,6 +400,7 @@ class Scheduler:
         if self._waiting and (self._pending_drop or self.ledger.can_admit(self._waiting[0].request.reserve_tokens)):
             return None  # admission comes first
         chunks = []
+        last = []  # requests whose last token `step` samples (max_tokens): dropped right after it
         num_running = 0
         for chunk in step.plan.chunks:
             entry = self._running.get(chunk.request_id)
@@ -409,17 +410,21 @@ class Scheduler:
                 return None  # a prompt chunked across steps: its next chunk needs planning
             num_running += 1
             request = entry.request
-            if request.num_output_tokens + 2 <= request.params.max_tokens:  # else `step` samples its last
+            if request.num_output_tokens + 2 <= request.params.max_tokens:
                 chunks.append(PlannedChunk(chunk.request_id, chunk.start + chunk.num_tokens, 1, True, True))
+            else:
+                last.append(chunk.request_id)
         if num_running != len(self._running) or not chunks:
             return None  # someone admitted is not in `step`, or nobody decodes on
         items = [StepItem(chunk.request_id, chunk.start, [], True) for chunk in chunks]
-        flight = self._controller.follow_step(items, list(self._pending_drop))
+        # their events come when `step` commits (_hold_until_dropped)
+        drops = {**self._pending_drop, **{rid: [] for rid in last}}
+        flight = self._controller.follow_step(items, list(drops))
         if flight is None:
             return None
         plan = StepPlan(tuple(chunks))
         self._notify_plan(plan)
-        drops, self._pending_drop = self._pending_drop, {}
+        self._pending_drop = {}
         self.metrics.pipelined_steps_total += 1
         return _Step(plan, flight, time.perf_counter(), drops)
 
@@ -495,7 +500,17 @@ class Scheduler:
         request.finish(reason)
         del self._running[request.request_id]
         finished = FinishedEvent(request.index, reason, request.prompt_len, request.num_output_tokens, tail)
-        self._pending_drop[request.request_id] = [event, finished]
+        self._hold_until_dropped(request.request_id, [event, finished])
+
+    def _hold_until_dropped(self, request_id: int, events: list[Event]) -> None:
+        """Hold an ended request's events until every rank has dropped its state: by the step
+        in flight, if it already carries the drop (the step before sampled the request's
+        last token, by max_tokens), else by the next drop."""
+        inflight = self._inflight
+        if inflight is not None and request_id in inflight.drops:
+            inflight.drops[request_id].extend(events)
+        else:
+            self._pending_drop[request_id] = events
 
     def _flush_outbox(self) -> None:
         """Deliver the held token events. They wait from their step's commit until the next
