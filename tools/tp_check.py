@@ -17,13 +17,16 @@ import time
 PROMPTS = ([5, 6, 7, 8, 9] * 8, list(range(100, 190)))
 
 
-async def greedy_tokens(model: str, tp: int, device: str, dtype: str) -> list[list[int]]:
+async def greedy_tokens(model: str, tp: int, device: str, dtype: str) -> tuple[list[list[int]], int]:
+    """Each prompt's tokens, and how many steps were pipelined (their decode inputs, rank 0's
+    samples, broadcast to the other ranks)."""
     from deltaserve.engine import AsyncEngine, EngineConfig, SamplingParams
 
     config = EngineConfig(model=model, device=device, dtype=dtype, tp_size=tp, max_num_seqs=4, max_model_len=256)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     async with await AsyncEngine.start(config) as engine:
-        return [[e.token_id async for e in engine.generate(p, params) if hasattr(e, "token_id")] for p in PROMPTS]
+        tokens = [[e.token_id async for e in engine.generate(p, params) if hasattr(e, "token_id")] for p in PROMPTS]
+        return tokens, engine.metrics.pipelined_steps_total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,16 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    runs = {}
+    runs, pipelined = {}, {}
     for tp in (args.tp, 1):
         started = time.monotonic()
-        runs[tp] = asyncio.run(greedy_tokens(args.model, tp, args.device, args.dtype))
-        print(f"tp={tp} in {time.monotonic() - started:.1f} s: {runs[tp]}", flush=True)
+        runs[tp], pipelined[tp] = asyncio.run(greedy_tokens(args.model, tp, args.device, args.dtype))
+        print(f"tp={tp} in {time.monotonic() - started:.1f} s ({pipelined[tp]} steps pipelined): {runs[tp]}", flush=True)
     same = runs[args.tp] == runs[1]
     print(f"tp{args.tp} == tp1: {same}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": " ".join(["python -m tools.tp_check", *sys.argv[1:]]), "tokens": runs, "same": same}, f)
+            json.dump({"command": " ".join(["python -m tools.tp_check", *sys.argv[1:]]), "tokens": runs,
+                       "pipelined_steps": pipelined, "same": same}, f)  # fmt: skip
     return 0 if same else 1
 
 
