@@ -12,12 +12,13 @@ arrived during the step wins over its result), commit the results.
 Pipelining (LESSONS: plan step N+1 while the device runs step N): once the gate releases a
 step, the next one is planned and sent behind it if that needs none of the step's results:
 nothing new arrived or waits to be admitted, and the step's running requests each decode
-once more (none reaches max_tokens with this step's sample). Its items carry no token ids
-(the ranks use their own last samples) and it carries the drops of requests that ended
-meanwhile. The tick then commits step N with step N+1 already in flight (`_inflight`), and
-the next tick starts by awaiting N+1's release. A request that ends at step N (a stop token,
-a stop string, a cancellation) was in N+1 too: that sample is discarded and the request is
-dropped after N+1.
+once more, except those whose max_tokens step N reaches. Its items carry no token ids (the
+ranks use their own last samples) and it carries the drops of requests that ended meanwhile
+and of those that step N ends by max_tokens (their events wait in `_Step.drops` until it has
+run). The tick then commits step N with step N+1 already in flight (`_inflight`), and the
+next tick starts by awaiting N+1's release. A request that ends at step N otherwise (a stop
+token, a stop string, a cancellation) was in N+1 too: that sample is discarded and the
+request is dropped after N+1.
 
 Monitors hook in through `load_listeners` and `lifecycle_listeners` (engine/monitor.py):
 every request transition and the engine's failure pass through `_notify`, once each.

@@ -35,35 +35,35 @@ say "skinny A/B"
 fi
 if [[ $PARTS == *" serve "* ]]; then
 SERVE=(--model /tmp/m4b --served-model-name m4b --device cuda --dtype bfloat16 --max-num-seqs 64 --max-model-len 8192)
+BENCH=(python3 -m tools.bench_serve --base-url http://127.0.0.1:8123 --model m4b --result-dir "$OUT")
+start_server() {  # LOG [serve flags...]: in the background as $SERVER, until /health answers
+  local log=$1; shift
+  python3 -m deltaserve.tools.cli serve "${SERVE[@]}" --port 8123 "$@" > "$log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 120); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+}
+bench_random() {  # SUFFIX CONCURRENCY...: 1024 in / 256 out, 4 requests per stream
+  local suffix=$1; shift
+  for c in "$@"; do
+    n=$(( c * 4 )); [ "$c" = 1 ] && n=4
+    timeout 150 "${BENCH[@]}" --random-input-len 1024 --random-output-len 256 --ignore-eos --num-prompts $n \
+      --max-concurrency $c --label "h200-4b-c$c$suffix" --result-filename "serve_c$c$suffix.json" 2>&1 \
+      | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Successful|Failed|engine_"
+    say "bench_serve c=$c$suffix"
+  done
+}
 timeout 150 python3 -m tools.coldstart --runs 2 --out "$OUT/coldstart.json" -- "${SERVE[@]}"
 say "coldstart rc=$?"
-python3 -m deltaserve.tools.cli serve "${SERVE[@]}" --port 8123 > "$OUT/serve.log" 2>&1 &
-SERVER=$!
-for _ in $(seq 1 120); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+start_server "$OUT/serve.log"
 LONG=$(python3 -c "print('hello world ' * 500)")  # over 4096 characters: the tokenizer worker's path
 curl -s -o /dev/null -w "first 1000-token prompt after start: %{time_total} s\n" localhost:8123/v1/completions \
   -H 'Content-Type: application/json' -d "{\"model\":\"m4b\",\"prompt\":\"$LONG\",\"max_tokens\":1}"
-BENCH=(python3 -m tools.bench_serve --base-url http://127.0.0.1:8123 --model m4b --result-dir "$OUT")
-for c in 1 16 64; do
-  n=$(( c * 4 )); [ "$c" = 1 ] && n=4
-  timeout 150 "${BENCH[@]}" --random-input-len 1024 --random-output-len 256 --ignore-eos --num-prompts $n \
-    --max-concurrency $c --label "h200-4b-c$c" --result-filename "serve_c$c.json" 2>&1 \
-    | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Successful|Failed|engine_"
-  say "bench_serve c=$c"
-done
+bench_random "" 1 16 64
 timeout 150 "${BENCH[@]}" --multi-turn --num-conversations 12 --max-concurrency 4 --random-input-len 512 \
   --random-output-len 128 --ignore-eos --label h200-4b-multiturn --result-filename multiturn.json 2>&1 | tail -2
 kill -TERM $SERVER; wait $SERVER; say "server exit code $?"
-python3 -m deltaserve.tools.cli serve "${SERVE[@]}" --port 8123 --no-pipelining > "$OUT/serve_sync.log" 2>&1 &
-SERVER=$!
-for _ in $(seq 1 120); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
-for c in 1 64; do
-  n=$(( c * 4 )); [ "$c" = 1 ] && n=4
-  timeout 150 "${BENCH[@]}" --random-input-len 1024 --random-output-len 256 --ignore-eos --num-prompts $n \
-    --max-concurrency $c --label "h200-4b-c$c-no-pipelining" --result-filename "serve_c${c}_sync.json" 2>&1 \
-    | grep -E "Output token throughput|Mean TPOT|Failed|engine_"
-  say "bench_serve --no-pipelining c=$c"
-done
+start_server "$OUT/serve_sync.log" --no-pipelining
+bench_random _sync 1 64
 kill -TERM $SERVER; wait $SERVER; say "server (no pipelining) exit code $?"
 fi
 if [[ $PARTS == *" gate "* ]]; then

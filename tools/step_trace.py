@@ -2,7 +2,11 @@
 (ipc/step_trace.py): `python -m tools.step_trace DIR [--json OUT]`.
 
 For every step (a command the scheduler got results of), grouped by its number of items, the
-median time of each hop from the scheduler's hand-over to its next one, in microseconds.
+median time of each hop from the scheduler's hand-over to its next one, in microseconds. A
+pipelined step is sent before the step ahead of it has ended, so its "to rank 0" includes
+waiting for that step, and the scheduler's own hop before it is hidden; what the engine then
+costs the ranks is "rank 0 idle since the last step" (its reply to the step ahead until its
+release of this one).
 """
 
 from __future__ import annotations
@@ -47,8 +51,12 @@ def hop_table(marks: dict[int, dict[tuple[str, str], int]]) -> dict[int, dict[st
             if start in m and end in m:
                 hops[name].append((m[end] - m[start]) / 1e3)
         following = marks.get(seq + 1, {})
-        if ("controller", "call") in following:
-            hops["scheduler: commit + plan"].append((following[("controller", "call")] - m[("scheduler", "results")]) / 1e3)
+        call_next = following.get(("controller", "call"))
+        if call_next is not None and call_next > m[("scheduler", "results")]:  # not pipelined
+            hops["scheduler: commit + plan"].append((call_next - m[("scheduler", "results")]) / 1e3)
+        ahead = marks.get(seq - 1, {})
+        if ("rank0", "replied") in ahead and ("rank0", "released") in m:
+            hops["rank 0 idle since the last step"].append((m[("rank0", "released")] - ahead[("rank0", "replied")]) / 1e3)
         if ("controller", "call") in m and ("scheduler", "results") in m:
             hops["whole step (call to results)"].append((m[("scheduler", "results")] - m[("controller", "call")]) / 1e3)
     return {size: {name: statistics.median(v) for name, v in hops.items()} | {"steps": len(hops.get(HOPS[0][0], []))}
