@@ -189,8 +189,13 @@ async def test_pipelined_steps_tp2(tp2: ReplicaController) -> None:
     assert await bounded(flight.gate)
     follower = tp2.follow_step([StepItem(311, len(pa) + 6, [], True)], drops=[312])
     await bounded(tp2.step_result(flight))
+    assert await bounded(follower.gate)
+    # another command waiting for its turn: no step may follow (a chain cannot starve it)
+    snapshot = asyncio.ensure_future(tp2.snapshot())
+    await asyncio.sleep(0)
+    assert tp2.follow_step([StepItem(311, len(pa) + 7, [], True)]) is None
     await bounded(tp2.step_result(follower))
-    for snap in await bounded(tp2.snapshot()):
+    for snap in await bounded(snapshot):
         assert snap.request_ids == [311]
     await bounded(tp2.drop([311], "must_exist"))
     assert tp2.follow_step([StepItem(311, 0, [1], True, new([1]))]) is None  # nothing in flight
