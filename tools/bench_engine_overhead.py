@@ -24,7 +24,7 @@ from pathlib import Path
 from deltaserve.tools.hardware import host_info
 
 
-async def run_streams(model: str, streams: int, step_s: float, new_tokens: int, pipeline: bool) -> dict:
+async def run_streams(model: str, streams: int, step_s: float, new_tokens: int, pipeline: bool = True) -> dict:
     import deltaserve.engine.async_engine as async_engine
     from deltaserve.engine import AsyncEngine, EngineConfig, SamplingParams
 
