@@ -7,10 +7,8 @@ call raises ReplicaPoisoned at once, `on_poison` is called once, and the ranks a
 from here (never from inside a collective). Nothing here blocks the event loop: replies,
 gate receipts and rank deaths (pidfds) all arrive as loop callbacks.
 
-Commands go one at a time, with one exception (pipelining, `follow_step`): once the gate has
-released a step, the next step may be sent behind it, so that the ranks find it waiting when
-they finish. So at most two flights exist, and only the newer can be unreleased; its gate
-timer starts when the older ends.
+Commands go one at a time, except that a step may follow a released step (`follow_step`;
+ipc/flights.py has the rule); the follower's gate timer starts when the flight ahead ends.
 """
 
 from __future__ import annotations
@@ -21,18 +19,16 @@ import shutil
 import tempfile
 import weakref
 import zlib
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Literal
 
 import zmq
 
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.ipc.channels import PullChannel, PushChannel, ipc_endpoint
+from deltaserve.ipc.flights import Flight, Flights
 from deltaserve.ipc.gate import CANCEL, EXECUTE, Doorbell, StartGate
 from deltaserve.ipc.launch import (
-    RankConfig,
     describe_exit,
     emergency_cleanup,
     kill_all,
@@ -83,26 +79,6 @@ EXIT_WAIT_S = 5.0  # how long to wait for killed (or shut down) ranks to be reap
 SHUTDOWN_ACK_S = 10.0  # how long a graceful shutdown waits for every rank's ack
 
 
-@dataclass(slots=True, eq=False)
-class Flight:
-    """One command in flight. `future` holds its result (or ReplicaPoisoned); `gate` becomes
-    True once the gate has released it, False if it never will (it was cancelled)."""
-
-    replies: ReplySet
-    future: asyncio.Future
-    gate: asyncio.Future
-    gated: bool
-    frame: bytes = b""
-    digest: int = 0  # crc32 of the frame, which every rank's gate receipt must match
-    released: bool = False
-    timer: asyncio.TimerHandle | None = None
-    unsent: list[int] = field(default_factory=list)  # ranks whose channel refused the frame
-
-    @property
-    def seq(self) -> int:
-        return self.replies.seq
-
-
 class ReplicaController:
     """Use `await ReplicaController.start(config)`; see the module docstring."""
 
@@ -119,8 +95,7 @@ class ReplicaController:
         self._callers_waiting = 0  # commands waiting for the lock: no step may cut in line
         self._seq = 0
         self.trace = StepTrace("controller")
-        self._flights: deque[Flight] = deque()  # oldest first; at most two (see the docstring)
-        self._ended: deque[ReplySet] = deque(maxlen=2)  # the last complete reply sets
+        self._flights = Flights()
         self._held_failure: str | None = None
         self._poison_reason: str | None = None
         self._starting = True
@@ -218,10 +193,7 @@ class ReplicaController:
         the ranks then use the token they sample in the step in flight."""
         self._check_open()
         plan = check_plan(items, self.model_config.vocab_size, drops)
-        if len(self._flights) != 1 or self._callers_waiting:
-            return None
-        ahead = self._flights[0]
-        if not ahead.released or type(ahead.replies.command) is not RunUnifiedStep:
+        if self._callers_waiting or not self._flights.can_follow():
             return None
         return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops)), plan)
 
@@ -269,34 +241,13 @@ class ReplicaController:
         self._starting = False
 
     def _spawn(self, rank: int) -> None:
-        config = self.config
-        journal = None if config.journal_dir is None else f"{config.journal_dir}/rank{rank}.log"
-        proc = spawn_rank(RankConfig(
-            rank=rank,
-            world_size=self.tp_size,
-            parent_pid=os.getpid(),
+        proc = spawn_rank(self.config.rank_config(
+            rank, self._devices[rank], self._run_dir,
             command_endpoint=self._commands[rank].endpoint,
             reply_endpoint=self._replies.endpoint,
             gate_name=self._gate.name,
             receipt_fd=self._receipt_bell.fd,
             release_fd=self._release_bells[rank].fd,
-            release_timeout_s=config.gate_timeout_s + 5.0,
-            model_dir=str(config.model_dir),
-            device=self._devices[rank],
-            dtype=config.dtype,
-            block_size=config.block_size,
-            num_slots=config.num_slots,
-            num_blocks=config.num_blocks,
-            max_model_len=config.max_model_len,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            cuda_graphs=config.cuda_graphs,
-            dist_init_method=f"file://{self._run_dir}/dist-store",
-            dist_timeout_s=max(config.startup_timeout_s, 2 * config.step_timeout_s),
-            noop_executor=config.noop_executor,
-            noop_step_s=config.noop_step_s,
-            journal_path=journal,
-            fault=config.fault,
         ))
         self._procs.append(proc)
         pidfd = os.pidfd_open(proc.pid)
@@ -393,7 +344,7 @@ class ReplicaController:
         else:
             flight.released = True
             flight.gate.set_result(True)
-        self._flights.append(flight)
+        self._flights.add(flight)
         flight.future.add_done_callback(self._end_flight)
         if len(self._flights) == 1:  # a follower's timer starts when the flight ahead ends
             self._start_timer(flight)
@@ -428,29 +379,18 @@ class ReplicaController:
         raise ReplicaPoisoned(self._poison_reason or "replica is shut down") from None
 
     def _end_flight(self, future: asyncio.Future) -> None:
-        flight = next((f for f in self._flights if f.future is future), None)
-        if flight is None:
+        was_oldest = self._flights.end(future)
+        if was_oldest is None:
             return
-        if flight.timer is not None:
-            flight.timer.cancel()
-        was_oldest = flight is self._flights[0]
-        self._flights.remove(flight)
-        ok = not future.cancelled() and future.exception() is None
-        if ok:
-            self._ended.append(flight.replies)
-        if not flight.gate.done():
-            flight.gate.set_result(False)
         if not self._flights:
             self._lock.release()
-        elif was_oldest and ok:
-            self._start_timer(self._flights[0])
+        elif was_oldest and not future.cancelled() and future.exception() is None:
+            self._start_timer(self._flights.oldest)  # the follower's turn
 
     def _on_receipt_bell(self) -> None:
         self._receipt_bell.drain()
-        if not self._flights:
-            return
-        flight = self._flights[-1]  # only the newest flight can be waiting for the gate
-        if not flight.gated or flight.released or flight.future.done():
+        flight = self._flights.newest  # only the newest flight can be waiting for the gate
+        if flight is None or not flight.gated or flight.released or flight.future.done():
             return
         seq = flight.replies.seq
         for rank in range(self.tp_size):
@@ -483,7 +423,7 @@ class ReplicaController:
             except DECODE_ERRORS as exc:
                 self._poison(f"malformed reply frame ({len(frame)} bytes): {exc}")
                 return
-            flight = next((f for f in self._flights if f.seq == reply.seq), None)
+            flight = self._flights.by_seq(reply.seq)
             if type(reply) is Failure:
                 what = f"seq {reply.seq}"
                 if flight is not None:
@@ -491,7 +431,7 @@ class ReplicaController:
                 self._hold_failure(f"rank {reply.rank} failed {what}: {reply.reason}")
                 return
             if flight is None:
-                self._poison(self._stray_reason(reply))
+                self._poison(self._flights.stray_reason(reply, self.tp_size))
                 return
             if flight.gated and not flight.released:
                 self._poison(
@@ -513,13 +453,6 @@ class ReplicaController:
         if self._held_failure is None:
             self._held_failure = reason
             self._loop.call_later(FAILURE_HOLD_S, self._poison, reason)
-
-    def _stray_reason(self, reply: object) -> str:
-        last = next((r for r in self._ended if r.seq == reply.seq), None)
-        if last is not None and 0 <= reply.rank < self.tp_size and last.replies[reply.rank] is not None:
-            return f"rank {reply.rank} sent a second reply to {last.name} seq {last.seq}"
-        return (f"{type(reply).__name__} from rank {reply.rank} for seq {reply.seq}, "
-                f"but no command with that seq awaits a reply")
 
     @property
     def _gate_timeout_s(self) -> float:
@@ -576,27 +509,19 @@ class ReplicaController:
                     break
         self._poison_reason = reason
         cancelled_seq = None
-        newest = self._flights[-1] if self._flights else None
+        newest = self._flights.newest
         if newest is not None and newest.gated and not newest.released:
             cancelled_seq = newest.seq
             self._gate.decide(cancelled_seq, CANCEL)
             for bell in self._release_bells:
                 bell.ring()
-        self._fail_flights(reason)
+        self._flights.fail_all(reason)
         if not self._startup.done():
             self._startup.set_exception(ReplicaPoisoned(reason))
             self._startup.exception()  # retrieved here; _launch may be past awaiting it
         if self._on_poison is not None and not self._starting and not self._stopping:
             self._loop.call_soon(self._notify_poison, reason)
         self._teardown_task = self._loop.create_task(self._teardown(cancelled_seq))
-
-    def _fail_flights(self, reason: str) -> None:
-        for flight in list(self._flights):
-            if not flight.gate.done():
-                flight.gate.set_result(False)
-            if not flight.future.done():
-                flight.future.set_exception(ReplicaPoisoned(reason))
-                flight.future.exception()  # retrieved here: a follower's caller may never await it
 
     def _notify_poison(self, reason: str) -> None:
         try:
@@ -642,7 +567,7 @@ class ReplicaController:
             return
         self._closed = True
         self.trace.write()
-        self._fail_flights(self._poison_reason or "replica is shut down")  # e.g. a Shutdown never acked
+        self._flights.fail_all(self._poison_reason or "replica is shut down")  # e.g. a Shutdown never acked
         steps = [lambda: self._gate.close(unlink=True),
                  lambda: shutil.rmtree(self._run_dir, ignore_errors=True)]
         steps += [lambda fd=fd: self._loop.remove_reader(fd)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltaserve.ipc.faults import FaultPlan
+from deltaserve.ipc.launch import RankConfig
 
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
 
@@ -32,6 +33,34 @@ class ReplicaConfig:
     journal_dir: str | None = None  # tests: ranks log gated commands to DIR/rank{r}.log
     noop_executor: bool = False  # benchmarks only: ranks do no model work
     noop_step_s: float = 0.0  # ... and sleep this long per step (a stand-in for the GPU)
+
+    def rank_config(self, rank: int, device: str, run_dir: str, **channels: object) -> RankConfig:
+        """What rank `rank` is started with: this replica's settings, its device, and the
+        `channels` the controller made for it (endpoints, gate name, doorbell fds)."""
+        journal = None if self.journal_dir is None else f"{self.journal_dir}/rank{rank}.log"
+        return RankConfig(
+            rank=rank,
+            world_size=self.tp_size,
+            parent_pid=os.getpid(),
+            release_timeout_s=self.gate_timeout_s + 5.0,
+            model_dir=str(self.model_dir),
+            device=device,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            num_slots=self.num_slots,
+            num_blocks=self.num_blocks,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            cuda_graphs=self.cuda_graphs,
+            dist_init_method=f"file://{run_dir}/dist-store",
+            dist_timeout_s=max(self.startup_timeout_s, 2 * self.step_timeout_s),
+            noop_executor=self.noop_executor,
+            noop_step_s=self.noop_step_s,
+            journal_path=journal,
+            fault=self.fault,
+            **channels,
+        )
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
