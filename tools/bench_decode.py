@@ -388,23 +388,6 @@ def bench_prefill(ex, device: torch.device, lengths: list[int], matmul_tflops: f
     return rows, profiles
 
 
-def bench_hf_prefill(model, device: torch.device, lengths: list[int]) -> list[dict]:
-    rows = []
-    for n in lengths:
-        ids = torch.randint(0, 240000, (1, n)).to(device)
-        times = []
-        for _ in range(3):
-            sync(device)
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                model(ids, logits_to_keep=1)
-            sync(device)
-            times.append(time.perf_counter() - t0)
-        rows.append({"tokens": n, "seconds": min(times[1:]), "tokens_per_s": n / min(times[1:])})
-        print(json.dumps({"hf_prefill": rows[-1]}), flush=True)
-    return rows
-
-
 async def bench_engine(args, batches: list[int], context: int, new_tokens: int, tp: int = 1,
                        pipeline: bool = True) -> list[dict]:
     """AsyncEngine through its rank processes (greedy, ignore_eos) at tensor-parallel size
@@ -445,38 +428,6 @@ async def bench_engine(args, batches: list[int], context: int, new_tokens: int, 
                          "mean_scheduler_ms": sched_s / max(n_steps, 1) * 1e3})  # fmt: skip
             print(json.dumps({"engine": rows[-1]}), flush=True)
     return rows
-
-
-def bench_hf(args, device: torch.device, batches: list[int]) -> tuple[list[dict], list[dict]]:
-    """HF transformers' generate on the same checkpoint: decode time per token from two runs
-    that differ only in the number of new tokens."""
-    from transformers import Qwen3_5ForCausalLM
-
-    dtype = torch.bfloat16 if args.dtype in ("bfloat16", "auto") and device.type == "cuda" else torch.float32
-    model = Qwen3_5ForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
-    rows = []
-    gen = torch.Generator().manual_seed(1)
-    for batch in batches:
-        ids = torch.randint(0, 240000, (batch, args.context), generator=gen).to(device)
-
-        generate(model, ids, 2, device)  # warm-up
-        short = generate(model, ids, 1, device)
-        long = generate(model, ids, 1 + args.hf_steps, device)
-        step_s = (long - short) / args.hf_steps
-        rows.append({"batch": batch, "context": args.context, "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s})
-        print(json.dumps({"hf": rows[-1]}), flush=True)
-    return rows, bench_hf_prefill(model, device, args.hf_prefill)
-
-
-def generate(model, ids: torch.Tensor, new_tokens: int, device: torch.device) -> float:
-    """Seconds for HF's greedy generate of exactly `new_tokens` tokens after `ids`."""
-    sync(device)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    sync(device)
-    return time.perf_counter() - t0
 
 
 def hardware(device: torch.device) -> dict:
@@ -566,7 +517,10 @@ def main(argv: list[str] | None = None) -> int:
                 row["ratio_to_roofline"] = row["ms_per_output_token"] / decode["roofline_ms"]
         save()
     if args.hf_batches:
-        report["hf_transformers"], report["hf_prefill"] = bench_hf(args, device, args.hf_batches)
+        from deltaserve.tools.bench_hf import bench_hf
+
+        report["hf_transformers"], report["hf_prefill"] = bench_hf(
+            args.model, args.dtype, device, args.hf_batches, args.context, args.hf_steps, args.hf_prefill)
     save()
     print_table(report)
     return 0
