@@ -10,7 +10,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels.triton_compat import HAS_TRITON, check_launchable, gpu_path, tl, triton
+from deltaserve.kernels.triton_compat import (
+    HAS_TRITON,
+    check_launchable,
+    gpu_path,
+    pdl_options,
+    tl,
+    triton,
+    wait_for_previous_grid,
+)
 
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -26,8 +34,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, width, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, width, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
     # program: BLOCK features of one row
+    wait_for_previous_grid(GDC)
     r = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < width
@@ -46,5 +55,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((tokens, width), dtype=gate_up.dtype, device=gate_up.device)
     if tokens:
         block = min(1024, triton.next_power_of_2(width))
-        _silu_and_mul_kernel[(tokens, triton.cdiv(width, block))](gate_up, out, gate_up.stride(0), width, BLOCK=block)
+        _silu_and_mul_kernel[(tokens, triton.cdiv(width, block))](
+            gate_up, out, gate_up.stride(0), width, BLOCK=block, **pdl_options(gate_up)
+        )
     return out

@@ -9,7 +9,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels.triton_compat import check_index, check_launchable, check_rows, tl, triton
+from deltaserve.kernels.triton_compat import (
+    check_index,
+    check_launchable,
+    check_rows,
+    pdl_options,
+    tl,
+    triton,
+    wait_for_previous_grid,
+)
 
 
 def causal_conv1d(
@@ -63,9 +71,10 @@ def _conv_update_kernel(
     x_ptr, w_ptr, state_ptr, rows_ptr, slots_ptr, out_ptr,
     stride_x, stride_w, stride_slot, stride_channel, stride_out,
     channels,
-    WIDTH: tl.constexpr, BC: tl.constexpr,
+    WIDTH: tl.constexpr, BC: tl.constexpr, GDC: tl.constexpr = False,
 ):
     # program: (decode request i, block of BC channels); the state window shifts left by one
+    wait_for_previous_grid(GDC)
     i = tl.program_id(0)
     slot = tl.load(slots_ptr + i).to(tl.int64)
     row = tl.load(rows_ptr + i).to(tl.int64)
@@ -107,7 +116,7 @@ def causal_conv1d_update(
     _conv_update_kernel[grid](
         x, weight, state, rows, slots, out,
         x.stride(0), weight.stride(0), state.stride(0), state.stride(1), out.stride(0),
-        channels, WIDTH=width, BC=block, num_warps=4,
+        channels, WIDTH=width, BC=block, num_warps=4, **pdl_options(x),
     )
 
 

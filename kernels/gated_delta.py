@@ -26,7 +26,15 @@ from importlib.machinery import ModuleSpec
 
 import torch
 
-from deltaserve.kernels.triton_compat import check_index, check_launchable, check_rows, tl, triton
+from deltaserve.kernels.triton_compat import (
+    check_index,
+    check_launchable,
+    check_rows,
+    pdl_options,
+    tl,
+    triton,
+    wait_for_previous_grid,
+)
 
 CHUNK_SIZE = 64
 
@@ -164,9 +172,10 @@ def _gated_delta_decode_kernel(
     stride_mixed, stride_a, stride_b, stride_slot, stride_out,
     q_scale, eps,
     NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, EVICT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, EVICT: tl.constexpr, GDC: tl.constexpr = False,
 ):
     # program: (decode request i, value head h, block of BV value columns)
+    wait_for_previous_grid(GDC)
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -262,7 +271,7 @@ def gated_delta_decode(
         mixed.stride(0), a.stride(0), b.stride(0), state.stride(0), out.stride(0),
         dk**-0.5, eps,
         NK=nk, NV=nv, DK=dk, DV=dv, BK=bk, BV=bv, EVICT="evict_first" if evict_first else "",
-        num_warps=warps,
+        num_warps=warps, **pdl_options(mixed),
     )
 
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels.triton_compat import INTERPRET, check_index, check_launchable, tl, triton
+from deltaserve.kernels.triton_compat import (
+    INTERPRET,
+    check_index,
+    check_launchable,
+    pdl_options,
+    tl,
+    triton,
+    wait_for_previous_grid,
+)
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what the flash kernel takes
 
@@ -115,9 +123,10 @@ def _paged_decode_kernel(
     stride_table, stride_out_row, stride_out_head,
     scale, block_size, num_heads,
     GROUP: tl.constexpr, BG: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
-    BN: tl.constexpr, NUM_PARTS: tl.constexpr, EXACT: tl.constexpr,
+    BN: tl.constexpr, NUM_PARTS: tl.constexpr, EXACT: tl.constexpr, GDC: tl.constexpr = False,
 ):
     # program: (decode request i, KV head kvh, partition p of the context)
+    wait_for_previous_grid(GDC)
     i = tl.program_id(0)
     kvh = tl.program_id(1)
     p = tl.program_id(2)
@@ -174,8 +183,9 @@ def _paged_decode_kernel(
 @triton.jit
 def _merge_parts_kernel(
     part_ptr, lse_ptr, rows_ptr, out_ptr, stride_out_row, stride_out_head, num_heads,
-    HD: tl.constexpr, BD: tl.constexpr, NUM_PARTS: tl.constexpr, BP: tl.constexpr,
+    HD: tl.constexpr, BD: tl.constexpr, NUM_PARTS: tl.constexpr, BP: tl.constexpr, GDC: tl.constexpr = False,
 ):
+    wait_for_previous_grid(GDC)
     i = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(rows_ptr + i).to(tl.int64)
@@ -263,12 +273,13 @@ def paged_decode_attention(
         GROUP=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd,
         BN=tile, NUM_PARTS=num_parts, EXACT=q.dtype == torch.float32 or INTERPRET, num_warps=num_warps,
         # tuned on the H200 (bench/results): two stages win once the grid is large
-        num_stages=num_stages or (2 if num * num_kv >= 256 else 3),
+        num_stages=num_stages or (2 if num * num_kv >= 256 else 3), **pdl_options(q),
     )
     if num_parts > 1:
         _merge_parts_kernel[(num, num_heads)](
             part, lse, rows, out, out.stride(0), out.stride(1), num_heads,
             HD=hd, BD=bd, NUM_PARTS=num_parts, BP=triton.next_power_of_2(num_parts), num_warps=4,
+            **pdl_options(q),
         )
 
 
@@ -279,8 +290,9 @@ def paged_decode_attention(
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, index_ptr,
     stride_k, stride_v, stride_kc, stride_vc, width,
-    BW: tl.constexpr,
+    BW: tl.constexpr, GDC: tl.constexpr = False,
 ):
+    wait_for_previous_grid(GDC)
     t = tl.program_id(0)
     dest = tl.load(index_ptr + t).to(tl.int64)
     limit = tl.where(dest >= 0, width, 0)  # a negative row (CUDA-graph padding) is skipped
@@ -309,5 +321,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     block = min(2048, triton.next_power_of_2(width))
     _store_kv_kernel[(tokens, triton.cdiv(width, block))](
         k, v, k_cache, v_cache, index, k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
-        width, BW=block, num_warps=4,
+        width, BW=block, num_warps=4, **pdl_options(k),
     )

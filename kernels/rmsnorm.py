@@ -15,7 +15,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels.triton_compat import HAS_TRITON, check_launchable, gpu_path, tl, triton
+from deltaserve.kernels.triton_compat import (
+    HAS_TRITON,
+    check_launchable,
+    gpu_path,
+    pdl_options,
+    tl,
+    triton,
+    wait_for_previous_grid,
+)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,12 +71,14 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_z, dim, eps,
-    GATED: tl.constexpr, ADD: tl.constexpr, BD: tl.constexpr,
+    GATED: tl.constexpr, ADD: tl.constexpr, BD: tl.constexpr, GDC: tl.constexpr = False,
 ):
     # program: one row of `dim` features; ADD: z is the residual, the sum goes to sum_ptr
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     m = offs < dim
+    w = tl.load(w_ptr + offs, mask=m, other=0.0)  # a weight: read before the wait
+    wait_for_previous_grid(GDC)
     x = tl.load(x_ptr + r * stride_x + offs, mask=m, other=0.0)
     if ADD:
         res = tl.load(z_ptr + r * stride_z + offs, mask=m, other=0.0)
@@ -76,7 +86,6 @@ def _rms_norm_kernel(
         tl.store(sum_ptr + r * dim + offs, x, mask=m)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, 0) / dim + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0)
     if GATED:
         y = (xf * inv).to(x.dtype).to(tl.float32)  # cast back, then w * y in the model dtype
         y = (w.to(tl.float32) * y).to(x.dtype).to(tl.float32)
@@ -122,7 +131,7 @@ def _launch(
     _rms_norm_kernel[(rows.shape[0],)](
         rows, gate, weight, out, total, rows.stride(0), gate.stride(0), dim, eps,
         GATED=z is not None and not add, ADD=add, BD=block,
-        num_warps=8 if block >= 2048 else 4 if block >= 512 else 1,
+        num_warps=8 if block >= 2048 else 4 if block >= 512 else 1, **pdl_options(x),
     )
     return out, total
 

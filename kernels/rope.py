@@ -14,7 +14,13 @@ from __future__ import annotations
 import torch
 
 from deltaserve.kernels.rmsnorm import rms_norm_reference
-from deltaserve.kernels.triton_compat import check_launchable, tl, triton
+from deltaserve.kernels.triton_compat import (
+    check_launchable,
+    pdl_options,
+    tl,
+    triton,
+    wait_for_previous_grid,
+)
 
 
 def norm_rope_reference(
@@ -40,8 +46,10 @@ def _norm_rope_kernel(
     q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_out_ptr,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, eps,
     QH: tl.constexpr, KH: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     # program: (token t, head h of q then k); one head of HD features
+    wait_for_previous_grid(GDC)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     is_q = h < QH
@@ -109,5 +117,6 @@ def norm_rope(
         q, k, q_weight, k_weight, positions, inv_freq, q_out, k_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
         QH=num_q, KH=num_k, HD=hd, BD=block, HALF=half, num_warps=1 if block <= 256 else 2,
+        **pdl_options(q),
     )
     return q_out, k_out

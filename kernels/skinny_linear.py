@@ -25,8 +25,10 @@ from deltaserve.kernels.triton_compat import (
     INTERPRET,
     check_launchable,
     gpu_path,
+    pdl_options,
     tl,
     triton,
+    wait_for_previous_grid,
 )
 
 # Above this many rows cuBLAS's own tiles stream the weights as fast (tools/bench_linear.py:
@@ -57,12 +59,21 @@ def _load_weights(w_ptrs, n_ok, EVICT: tl.constexpr):
 
 
 @triton.jit
+def _dot_tile(acc, w, x_ptrs, m_ok, UPCAST: tl.constexpr):
+    """acc + w @ x^T of one K tile (x's rows past M read as zeros)."""
+    x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+    if UPCAST:  # the interpreter's bf16 dot is wrong (Triton 3.x); CPU tests only
+        return acc + tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+    return acc + tl.dot(w, tl.trans(x))
+
+
+@triton.jit
 def _skinny_dot_kernel(
     x_ptr, w_ptr, out_ptr,
     M, N, k_per_split,
     stride_xm, stride_wn, stride_om, stride_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    EVICT: tl.constexpr,
+    EVICT: tl.constexpr, GDC: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -75,15 +86,15 @@ def _skinny_dot_kernel(
     n_ok = offs_n[:, None] < N
     m_ok = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for _ in range(0, k_per_split, BLOCK_K):
-        w = _load_weights(w_ptrs, n_ok, EVICT)
-        x = tl.load(x_ptrs, mask=m_ok, other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong (Triton 3.x); CPU tests only
-            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(w, tl.trans(x))
+    w = _load_weights(w_ptrs, n_ok, EVICT)  # the first tile before the wait: weights are never written
+    wait_for_previous_grid(GDC)
+    for _ in range(BLOCK_K, k_per_split, BLOCK_K):  # each tile's successor is loaded before its use
         w_ptrs += BLOCK_K
+        w_next = _load_weights(w_ptrs, n_ok, EVICT)
+        acc = _dot_tile(acc, w, x_ptrs, m_ok, UPCAST)
         x_ptrs += BLOCK_K
+        w = w_next
+    acc = _dot_tile(acc, w, x_ptrs, m_ok, UPCAST)
     out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
 
@@ -93,7 +104,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr,
     N, k_per_split,
     stride_wn, stride_split,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, GDC: tl.constexpr = False,
 ):
     """One row: products summed per thread along K, reduced across threads once at the end."""
     pid_n = tl.program_id(0)
@@ -105,19 +116,23 @@ def _gemv_kernel(
     x_ptrs = x_ptr + k_start + offs_k
     n_ok = offs_n[:, None] < N
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for _ in range(0, k_per_split, BLOCK_K):
-        w = _load_weights(w_ptrs, n_ok, EVICT)
-        x = tl.load(x_ptrs)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    w = _load_weights(w_ptrs, n_ok, EVICT)  # the first tile before the wait: weights are never written
+    wait_for_previous_grid(GDC)
+    for _ in range(BLOCK_K, k_per_split, BLOCK_K):  # each tile's successor is loaded before its use
         w_ptrs += BLOCK_K
+        w_next = _load_weights(w_ptrs, n_ok, EVICT)
+        acc += w.to(tl.float32) * tl.load(x_ptrs).to(tl.float32)[None, :]
         x_ptrs += BLOCK_K
+        w = w_next
+    acc += w.to(tl.float32) * tl.load(x_ptrs).to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + pid_k * stride_split + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(part_ptr, out_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
     """out = sum over splits in order 0..SPLIT_K-1 (fixed order: deterministic)."""
+    wait_for_previous_grid(GDC)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
@@ -148,24 +163,27 @@ def skinny_linear(
         raise ValueError(f"skinny_linear: out must be contiguous [{m}, {n}] {x.dtype}")
     target = out if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    pdl = pdl_options(x)
     if gemv:
         if m != 1:
             raise ValueError("the GEMV kernel takes one row")
         _gemv_kernel[grid](
             x, weight, target, n, k_per_split, weight.stride(0), m * n,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVICT=cfg.evict_first,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     else:
         _skinny_dot_kernel[grid](
             x, weight, target, m, n, k_per_split, x.stride(0), weight.stride(0), n, m * n,
             BLOCK_M=block_m_for(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET,
             EVICT=cfg.evict_first,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     if cfg.split_k > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, SPLIT_K=cfg.split_k, BLOCK=block)
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            target, out, m * n, SPLIT_K=cfg.split_k, BLOCK=block, **pdl
+        )
     return out
 
 

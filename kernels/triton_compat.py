@@ -8,6 +8,7 @@ Triton's interpreter (tests/test_kernels.py).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -39,6 +40,16 @@ except ImportError:  # CPU-only install
     tl = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Programmatic dependent launch (Hopper on): a decode kernel is launched while the one before it
+# in the stream still runs, reads what no kernel writes (weights) and then waits in
+# `wait_for_previous_grid` for the earlier grid's results, so one kernel's ramp-up hides the
+# previous one's tail. DELTASERVE_PDL=0 turns it off (the A/B in tools/bench_decode).
+PDL = HAS_TRITON and os.environ.get("DELTASERVE_PDL", "1") != "0"
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # no Triton, or one without griddepcontrol
+    PDL = False
 # Tests set this under TRITON_INTERPRET=1 to run the model's GPU code path, Triton kernels
 # included, on CPU tensors: CI then covers that path's logic without a GPU.
 GPU_PATH_ON_CPU = False
@@ -47,6 +58,29 @@ GPU_PATH_ON_CPU = False
 def gpu_path(t: torch.Tensor) -> bool:
     """Whether work on `t` takes the GPU code path (kernels, per-step StepMeta)."""
     return t.is_cuda or (GPU_PATH_ON_CPU and INTERPRET)
+
+
+@functools.cache
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_options(t: torch.Tensor) -> dict:
+    """Launch options of a kernel that calls `wait_for_previous_grid(GDC)` before it reads or
+    writes anything an earlier kernel touches: PDL where the device has it, else none."""
+    if PDL and t.is_cuda and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+        return {"GDC": True, "launch_pdl": True}
+    return {}
+
+
+@triton.jit
+def wait_for_previous_grid(GDC: tl.constexpr):
+    """With GDC (launched by `pdl_options`): wait until the previous kernel in the stream has
+    finished and its writes are visible, then let the next kernel launch. Every read of an
+    activation and every write must come after this; only weights may be read before it."""
+    if GDC:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def check_launchable(*tensors) -> None:

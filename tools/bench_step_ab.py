@@ -1,10 +1,14 @@
-"""The decode graph step with the skinny GEMV/GEMM kernels against cuBLAS only, in one process
-on one GPU: `python -m tools.bench_skinny_ab --model DIR [--out FILE]`.
+"""The decode graph step under several kernel choices, in one process on one GPU:
+`python -m tools.bench_step_ab --model DIR [--modes pdl nopdl cublas rows64 pdl] [--out FILE]`.
 
 Same-run ratios are the only fair ones on lent machines whose hosts differ by 10-40%. Each
 mode builds its own executor (graphs captured with that mode's kernels), prefills `batch`
-prompts of 1000 tokens and times 40 decode steps of the graph path (median of the last 35);
-skinny runs twice, before and after cuBLAS, to show the drift.
+prompts of 1000 tokens and times 40 decode steps of the graph path (median of the last 35).
+Name a mode twice to see the drift between its first and last run. The modes:
+  pdl     the default: skinny kernels up to 32 rows, programmatic dependent launch
+  nopdl   the same kernels launched plainly (DELTASERVE_PDL=0)
+  cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
+  rows64  the skinny tensor-core kernel up to 64 rows, PDL
 """
 
 from __future__ import annotations
@@ -17,21 +21,25 @@ import time
 import torch
 
 import deltaserve.kernels.skinny_linear as skinny
+import deltaserve.kernels.triton_compat as triton_compat
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.bench_decode import hardware
+
+MODES = {"pdl": (32, True), "nopdl": (32, False), "cublas": (0, True), "rows64": (64, True)}  # max rows, PDL
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["pdl", "nopdl", "cublas", "rows64", "pdl"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     out: dict[str, list[float]] = {}
     next_id = 0
-    for mode in ("skinny", "cublas", "skinny"):
-        skinny.MAX_ROWS = 0 if mode == "cublas" else 32
+    for mode in args.modes:
+        skinny.MAX_ROWS, triton_compat.PDL = MODES[mode]
         ex = Executor(ExecutorConfig(args.model, device="cuda", dtype="bfloat16", block_size=16, num_slots=max(args.batches),
                                      num_blocks=max(args.batches) * 80, max_model_len=1270, cuda_graphs=True))  # fmt: skip
         gen = torch.Generator().manual_seed(0)
@@ -55,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         del ex
         torch.cuda.empty_cache()
     if args.out:
-        report = {"command": " ".join(["python -m tools.bench_skinny_ab", *sys.argv[1:]]),
+        report = {"command": " ".join(["python -m tools.bench_step_ab", *sys.argv[1:]]),
                   "hardware": hardware(torch.device("cuda")), "median_step_ms": out}  # fmt: skip
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
