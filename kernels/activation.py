@@ -1,8 +1,9 @@
-"""SiLU-and-mul of the SwiGLU MLP over the merged [gate | up] projection output.
+"""The gated products: SiLU-and-mul of the SwiGLU MLP over the merged [gate | up] projection
+output, and the sigmoid output gate of full attention.
 
-HF computes act_fn(gate) * up in the model dtype: silu rounded to the dtype, then the product
-rounded again. The reference keeps those roundings; the Triton kernel does the same in one
-pass over the merged tensor (one kernel instead of silu, mul and two slices).
+HF computes act_fn(gate) * up (and attn * sigmoid(gate)) in the model dtype: the activation
+rounded to the dtype, then the product rounded again. The references keep those roundings;
+each Triton kernel does the same in one pass (one kernel instead of activation, mul, slices).
 """
 
 from __future__ import annotations
@@ -57,5 +58,52 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(width))
         _silu_and_mul_kernel[(tokens, triton.cdiv(width, block))](
             gate_up, out, gate_up.stride(0), width, BLOCK=block, **pdl_options(gate_up)
+        )
+    return out
+
+
+def sigmoid_gate_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(gate)
+
+
+@triton.jit
+def _sigmoid_gate_kernel(
+    x_ptr, gate_ptr, out_ptr, stride_gate_row, stride_gate_head, heads, dim,
+    BLOCK: tl.constexpr, GDC: tl.constexpr = False,
+):
+    # program: one (token, head) row of `dim` features; x and out contiguous, gate strided
+    wait_for_previous_grid(GDC)
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < dim
+    x = tl.load(x_ptr + r * dim + offs, mask=m, other=0.0)
+    g = tl.load(gate_ptr + (r // heads) * stride_gate_row + (r % heads) * stride_gate_head + offs, mask=m, other=0.0)
+    act = tl.sigmoid(g.to(tl.float32)).to(g.dtype).to(tl.float32)
+    tl.store(out_ptr + r * dim + offs, (x.to(tl.float32) * act).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, dim] * sigmoid(gate) (gate: the same shape, rows may be strided, as the
+    gate half of q_proj's [query | gate] output)."""
+    if gpu_path(x) and HAS_TRITON:
+        return sigmoid_gate_triton(x, gate)
+    return sigmoid_gate_reference(x, gate)
+
+
+def sigmoid_gate_triton(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`sigmoid_gate_reference` in one kernel, into `out` (contiguous like x) or a new tensor."""
+    check_launchable(x, gate)
+    if x.dim() != 3 or gate.shape != x.shape or not x.is_contiguous() or gate.stride(2) != 1:
+        raise ValueError(f"sigmoid_gate: x {tuple(x.shape)} (contiguous) and gate {tuple(gate.shape)} "
+                         f"(unit last stride) must be [T, heads, dim], got strides {gate.stride()}")
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or not out.is_contiguous():
+        raise ValueError(f"sigmoid_gate: out must be contiguous {tuple(x.shape)}")
+    tokens, heads, dim = x.shape
+    if tokens:
+        _sigmoid_gate_kernel[(tokens * heads,)](
+            x, gate, out, gate.stride(0), gate.stride(1), heads, dim,
+            BLOCK=triton.next_power_of_2(dim), num_warps=1, **pdl_options(x),
         )
     return out

@@ -77,7 +77,6 @@ def _rms_norm_kernel(
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BD)
     m = offs < dim
-    w = tl.load(w_ptr + offs, mask=m, other=0.0)  # a weight: read before the wait
     wait_for_previous_grid(GDC)
     x = tl.load(x_ptr + r * stride_x + offs, mask=m, other=0.0)
     if ADD:
@@ -86,6 +85,7 @@ def _rms_norm_kernel(
         tl.store(sum_ptr + r * dim + offs, x, mask=m)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, 0) / dim + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0)
     if GATED:
         y = (xf * inv).to(x.dtype).to(tl.float32)  # cast back, then w * y in the model dtype
         y = (w.to(tl.float32) * y).to(x.dtype).to(tl.float32)

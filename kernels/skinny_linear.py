@@ -59,32 +59,12 @@ def _load_weights(w_ptrs, n_ok, EVICT: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_slice(w_ptr, offs_n, N, stride_wn, k_start, k_per_split, BLOCK_K: tl.constexpr):
-    """Ask L2 for this program's weight rows, one address per 128-byte line (GPU only)."""
-    rows = tl.minimum(offs_n, N - 1)
-    lines = tl.arange(0, BLOCK_K // 64) * 64
-    for k in range(0, k_per_split, BLOCK_K):
-        ptrs = w_ptr + rows[:, None] * stride_wn + (k_start + k + lines)[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _dot_tile(acc, w, x_ptrs, m_ok, UPCAST: tl.constexpr):
-    """acc + w @ x^T of one K tile (x's rows past M read as zeros)."""
-    x = tl.load(x_ptrs, mask=m_ok, other=0.0)
-    if UPCAST:  # the interpreter's bf16 dot is wrong (Triton 3.x); CPU tests only
-        return acc + tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-    return acc + tl.dot(w, tl.trans(x))
-
-
-@triton.jit
 def _skinny_dot_kernel(
     x_ptr, w_ptr, out_ptr,
     M, N, k_per_split,
     stride_xm, stride_wn, stride_om, stride_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    EVICT: tl.constexpr, GDC: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    EVICT: tl.constexpr, GDC: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -97,24 +77,16 @@ def _skinny_dot_kernel(
     n_ok = offs_n[:, None] < N
     m_ok = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if PREFETCH == 1:
-        w = _load_weights(w_ptrs, n_ok, EVICT)  # the first tile before the wait: weights are never written
-        wait_for_previous_grid(GDC)
-        for _ in range(BLOCK_K, k_per_split, BLOCK_K):  # each tile's successor is loaded before its use
-            w_ptrs += BLOCK_K
-            w_next = _load_weights(w_ptrs, n_ok, EVICT)
-            acc = _dot_tile(acc, w, x_ptrs, m_ok, UPCAST)
-            x_ptrs += BLOCK_K
-            w = w_next
-        acc = _dot_tile(acc, w, x_ptrs, m_ok, UPCAST)
-    else:
-        if PREFETCH == 2:
-            _prefetch_slice(w_ptr, offs_n, N, stride_wn, k_start, k_per_split, BLOCK_K)
-        wait_for_previous_grid(GDC)
-        for _ in range(0, k_per_split, BLOCK_K):
-            acc = _dot_tile(acc, _load_weights(w_ptrs, n_ok, EVICT), x_ptrs, m_ok, UPCAST)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
+    wait_for_previous_grid(GDC)
+    for _ in range(0, k_per_split, BLOCK_K):
+        w = _load_weights(w_ptrs, n_ok, EVICT)
+        x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot is wrong (Triton 3.x); CPU tests only
+            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(w, tl.trans(x))
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
 
@@ -125,7 +97,6 @@ def _gemv_kernel(
     N, k_per_split,
     stride_wn, stride_split,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, GDC: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0,
 ):
     """One row: products summed per thread along K, reduced across threads once at the end."""
     pid_n = tl.program_id(0)
@@ -137,25 +108,13 @@ def _gemv_kernel(
     x_ptrs = x_ptr + k_start + offs_k
     n_ok = offs_n[:, None] < N
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if PREFETCH == 1:
-        w = _load_weights(w_ptrs, n_ok, EVICT)  # the first tile before the wait: weights are never written
-        wait_for_previous_grid(GDC)
-        for _ in range(BLOCK_K, k_per_split, BLOCK_K):  # each tile's successor is loaded before its use
-            w_ptrs += BLOCK_K
-            w_next = _load_weights(w_ptrs, n_ok, EVICT)
-            acc += w.to(tl.float32) * tl.load(x_ptrs).to(tl.float32)[None, :]
-            x_ptrs += BLOCK_K
-            w = w_next
-        acc += w.to(tl.float32) * tl.load(x_ptrs).to(tl.float32)[None, :]
-    else:
-        if PREFETCH == 2:
-            _prefetch_slice(w_ptr, offs_n, N, stride_wn, k_start, k_per_split, BLOCK_K)
-        wait_for_previous_grid(GDC)
-        for _ in range(0, k_per_split, BLOCK_K):
-            w = _load_weights(w_ptrs, n_ok, EVICT)
-            acc += w.to(tl.float32) * tl.load(x_ptrs).to(tl.float32)[None, :]
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
+    wait_for_previous_grid(GDC)
+    for _ in range(0, k_per_split, BLOCK_K):
+        w = _load_weights(w_ptrs, n_ok, EVICT)
+        x = tl.load(x_ptrs)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + pid_k * stride_split + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
@@ -170,15 +129,6 @@ def _sum_splits_kernel(part_ptr, out_ptr, total, SPLIT_K: tl.constexpr, BLOCK: t
     for s in range(1, SPLIT_K):
         acc += tl.load(part_ptr + s * total + offs, mask=ok, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-# EXPERIMENT (tools/bench_step_ab): 0 none, 1 the first tile in registers, 2 the slice to L2
-PREFETCH_GEMV = 1
-PREFETCH_DOT = 0
-
-
-def _prefetch(mode: int, pdl: dict) -> int:
-    return mode if pdl or mode == 1 else 0  # L2 prefetch is inline PTX: not in the interpreter
 
 
 def block_m_for(rows: int) -> int:
@@ -210,13 +160,13 @@ def skinny_linear(
         _gemv_kernel[grid](
             x, weight, target, n, k_per_split, weight.stride(0), m * n,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVICT=cfg.evict_first,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, PREFETCH=_prefetch(PREFETCH_GEMV, pdl), **pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     else:
         _skinny_dot_kernel[grid](
             x, weight, target, m, n, k_per_split, x.stride(0), weight.stride(0), n, m * n,
             BLOCK_M=block_m_for(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET,
-            EVICT=cfg.evict_first, PREFETCH=_prefetch(PREFETCH_DOT, pdl),
+            EVICT=cfg.evict_first,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     if cfg.split_k > 1:

@@ -279,6 +279,18 @@ def test_silu_and_mul(kernels, device, dtype, tokens, width):
                  dtype, "silu_and_mul")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,dim", [(3, 2, 40), pytest.param(64, 16, 256, marks=needs_cuda)])
+def test_sigmoid_gate(kernels, device, dtype, tokens, heads, dim):
+    """attention's output gate, read from the gate half of [query | gate] rows (strided)."""
+    mod = kernels["activation"]
+    x = torch.randn(tokens, heads, dim, device=device).to(dtype)
+    q_and_gate = (3 * torch.randn(tokens, heads, 2 * dim, device=device)).to(dtype)
+    gate = q_and_gate[..., dim:]
+    got = mod.sigmoid_gate_triton(x, gate, out=poisoned(x.shape, dtype, device))
+    assert_close(got.float(), mod.sigmoid_gate_reference(x, gate).float(), dtype, "sigmoid_gate")
+
+
 LINEAR_SHAPES = [  # (rows, N, K): the GEMV (narrow, wide), split K in 3 and 2, 17 rows in a 32 tile
     (1, 42, 1024),
     (1, 4100, 512),

@@ -26,9 +26,7 @@ from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.bench_decode import hardware
 
-# max rows, PDL, GEMV prefetch, tensor-core kernel prefetch (kernels/skinny_linear.py)
-MODES = {"pdl": (32, True, 1, 0), "nopdl": (32, False, 1, 0), "cublas": (0, True, 1, 0), "rows64": (64, True, 1, 0),
-         "nopf": (32, True, 0, 0), "l2pf": (32, True, 2, 2), "rows64l2": (64, True, 1, 2)}
+MODES = {"pdl": (32, True), "nopdl": (32, False), "cublas": (0, True), "rows64": (64, True)}  # max rows, PDL
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, list[float]] = {}
     next_id = 0
     for mode in args.modes:
-        skinny.MAX_ROWS, triton_compat.PDL, skinny.PREFETCH_GEMV, skinny.PREFETCH_DOT = MODES[mode]
+        skinny.MAX_ROWS, triton_compat.PDL = MODES[mode]
         ex = Executor(ExecutorConfig(args.model, device="cuda", dtype="bfloat16", block_size=16, num_slots=max(args.batches),
                                      num_blocks=max(args.batches) * 80, max_model_len=1270, cuda_graphs=True))  # fmt: skip
         gen = torch.Generator().manual_seed(0)

@@ -17,6 +17,7 @@ from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import RMSNorm
 from deltaserve.engine.rank.parallel import tp_size
 from deltaserve.engine.rank.step_meta import step_meta_of
+from deltaserve.kernels.activation import sigmoid_gate
 from deltaserve.kernels.paged_attention import (
     paged_attention,
     paged_decode_attention,
@@ -80,7 +81,7 @@ class GatedAttention(nn.Module):
         k_cache, v_cache = cache.kv[self.cache_layer, 0], cache.kv[self.cache_layer, 1]
         if gpu_path(x):
             out = self._attend_cuda(q, k, v, k_cache, v_cache, batch, cache)
-            return self.o_proj((out * torch.sigmoid(gate)).reshape(tokens, self.num_heads * hd))
+            return self.o_proj(sigmoid_gate(out, gate).reshape(tokens, self.num_heads * hd))
         q = self.rope(self.q_norm(q), batch.positions)
         k = self.rope(self.k_norm(k), batch.positions)
         k_cache[batch.kv_index] = k
@@ -109,7 +110,7 @@ class GatedAttention(nn.Module):
         meta = step_meta_of(batch, q.device)
         q, k = norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, batch.positions,
                          self.rope.inv_freq, self.q_norm.eps)
-        store_kv(k, v.contiguous(), k_cache, v_cache, batch.kv_index)
+        store_kv(k, v, k_cache, v_cache, batch.kv_index)
         out = torch.empty_like(q)
         scale = self.head_dim**-0.5
         if meta.num_decodes:
