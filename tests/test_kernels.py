@@ -502,3 +502,43 @@ def test_cuda_executor_matches_cpu(tiny_model_dir, monkeypatch, prefill):
     # fla computes its chunks with tf32 products: a looser bound than plain fp32
     _assert_steps_match(eager, cpu, 2e-3 if prefill == "reference" else 5e-2, f"cuda ({prefill} prefill) vs cpu")
     _assert_steps_match(_run_steps(model_dir, "cuda", graphs=True), eager, 1e-4, "graphs (mixed steps split) vs eager")
+
+
+def test_every_pdl_kernel_waits_before_touching_memory():
+    """A kernel launched with PDL (`pdl_options`, kernels/triton_compat.py) may start while the
+    kernel before it still runs: one that loads or stores before `wait_for_previous_grid(GDC)`
+    races it, silently and only sometimes. Every Triton kernel with a GDC parameter must wait
+    before its first load or store, and every launch given PDL options must be of one."""
+    import ast
+    from pathlib import Path
+
+    import deltaserve.kernels as kernels_pkg
+
+    def name_of(call: ast.Call) -> str:
+        return getattr(call.func, "attr", getattr(call.func, "id", ""))
+
+    def first_statement(body: list[ast.stmt], names: set[str]) -> int | None:
+        for index, stmt in enumerate(body):
+            if any(isinstance(n, ast.Call) and name_of(n) in names for n in ast.walk(stmt)):
+                return index
+        return None
+
+    memory_ops = {"load", "store", "atomic_add", "_load_weights"}
+    waiting, launched = set(), set()
+    for path in Path(kernels_pkg.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            if "GDC" not in [a.arg for a in fn.args.args] or fn.name == "wait_for_previous_grid":
+                continue
+            wait = first_statement(fn.body, {"wait_for_previous_grid"})
+            memory = first_statement(fn.body, memory_ops)
+            assert wait is not None, f"{path.name}:{fn.name} takes GDC but never waits"
+            assert memory is None or wait < memory, f"{path.name}:{fn.name} touches memory before it waits"
+            waiting.add(fn.name)
+        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript)):
+            # kernel[grid](..., **pdl_options(x)) or kernel[grid](..., **pdl) with pdl = pdl_options(x)
+            spread = [k.value for k in call.keywords if k.arg is None]
+            if any(ast.unparse(v) in ("pdl", "pdl_options") or ast.unparse(v).startswith("pdl_options(") for v in spread):
+                launched.add(call.func.value.id)
+    assert len(launched) >= 10, f"the check found only {sorted(launched)}"
+    assert launched <= waiting, f"launched with PDL but no GDC wait: {sorted(launched - waiting)}"
