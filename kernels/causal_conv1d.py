@@ -71,9 +71,11 @@ def _conv_update_kernel(
     x_ptr, w_ptr, state_ptr, rows_ptr, slots_ptr, out_ptr,
     stride_x, stride_w, stride_slot, stride_channel, stride_out,
     channels,
-    WIDTH: tl.constexpr, BC: tl.constexpr, GDC: tl.constexpr = False,
+    WIDTH: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, GDC: tl.constexpr = False,
 ):
-    # program: (decode request i, block of BC channels); the state window shifts left by one
+    # program: (decode request i, block of BC channels); the state window shifts left by one.
+    # Every load comes before the first store: a store to the window could alias a later
+    # load, and the compiler would then keep each load behind the store before it.
     wait_for_previous_grid(GDC)
     i = tl.program_id(0)
     slot = tl.load(slots_ptr + i).to(tl.int64)
@@ -81,16 +83,17 @@ def _conv_update_kernel(
     limit = tl.where(slot >= 0, channels, 0)  # slot < 0: a CUDA-graph padding row, untouched
     slot = tl.maximum(slot, 0)
     offs = tl.program_id(1) * BC + tl.arange(0, BC)
+    taps = tl.arange(0, WP)[None, :]  # [1, WP]: tap j of the window, WIDTH - 1 the new input
     m = offs < limit
+    in_window = m[:, None] & (taps < WIDTH - 1)
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
-    acc = tl.load(w_ptr + offs * stride_w + (WIDTH - 1), mask=m, other=0.0).to(tl.float32) * x.to(tl.float32)
-    window = state_ptr + slot * stride_slot + offs * stride_channel
-    for j in tl.static_range(WIDTH - 1):
-        prev = tl.load(window + j, mask=m, other=0.0)
-        acc += tl.load(w_ptr + offs * stride_w + j, mask=m, other=0.0).to(tl.float32) * prev.to(tl.float32)
-        if j > 0:
-            tl.store(window + (j - 1), prev, mask=m)
-    tl.store(window + (WIDTH - 2), x.to(state_ptr.dtype.element_ty), mask=m)
+    window = state_ptr + slot * stride_slot + offs[:, None] * stride_channel + taps
+    prev = tl.load(window, mask=in_window, other=0.0)  # [BC, WP]
+    after = tl.load(window + 1, mask=m[:, None] & (taps < WIDTH - 2), other=0.0)  # the window shifted by one
+    w = tl.load(w_ptr + offs[:, None] * stride_w + taps, mask=m[:, None] & (taps < WIDTH), other=0.0)
+    inputs = tl.where(taps == WIDTH - 1, x[:, None], prev)
+    acc = tl.sum(w.to(tl.float32) * inputs.to(tl.float32), axis=1)
+    tl.store(window, tl.where(taps == WIDTH - 2, x[:, None].to(state_ptr.dtype.element_ty), after), mask=in_window)
     y = acc.to(x.dtype).to(tl.float32)  # the conv output is rounded to the model dtype first
     tl.store(out_ptr + row * stride_out + offs, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=m)
 
@@ -116,7 +119,7 @@ def causal_conv1d_update(
     _conv_update_kernel[grid](
         x, weight, state, rows, slots, out,
         x.stride(0), weight.stride(0), state.stride(0), state.stride(1), out.stride(0),
-        channels, WIDTH=width, BC=block, num_warps=4, **pdl_options(x),
+        channels, WIDTH=width, WP=triton.next_power_of_2(width), BC=block, num_warps=4, **pdl_options(x),
     )
 
 

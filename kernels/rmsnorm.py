@@ -70,17 +70,19 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, z_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_z, dim, eps,
+    x_ptr, z_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_z, stride_z_head, z_heads, dim, eps,
     GATED: tl.constexpr, ADD: tl.constexpr, BD: tl.constexpr, GDC: tl.constexpr = False,
 ):
-    # program: one row of `dim` features; ADD: z is the residual, the sum goes to sum_ptr
+    # program: one row of `dim` features; ADD: z is the residual, the sum goes to sum_ptr.
+    # z's row r is head r % z_heads of token r // z_heads: read in place from a strided view
     r = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + (r // z_heads) * stride_z + (r % z_heads) * stride_z_head
     offs = tl.arange(0, BD)
     m = offs < dim
     wait_for_previous_grid(GDC)
     x = tl.load(x_ptr + r * stride_x + offs, mask=m, other=0.0)
     if ADD:
-        res = tl.load(z_ptr + r * stride_z + offs, mask=m, other=0.0)
+        res = tl.load(z_row + offs, mask=m, other=0.0)
         x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + r * dim + offs, x, mask=m)
     xf = x.to(tl.float32)
@@ -89,7 +91,7 @@ def _rms_norm_kernel(
     if GATED:
         y = (xf * inv).to(x.dtype).to(tl.float32)  # cast back, then w * y in the model dtype
         y = (w.to(tl.float32) * y).to(x.dtype).to(tl.float32)
-        z = tl.load(z_ptr + r * stride_z + offs, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(z_row + offs, mask=m, other=0.0).to(tl.float32)
         y = y * z * tl.sigmoid(z)
     else:
         y = xf * inv * (1.0 + w.to(tl.float32))
@@ -118,18 +120,21 @@ def _launch(
     if weight.shape != (dim,) or weight.stride(0) != 1:
         raise ValueError(f"weight: expected contiguous ({dim},), got {tuple(weight.shape)}")
     rows = _rows("x", x)
-    gate = rows
+    gate, z_heads, stride_z_head = rows, 1, 0
     if z is not None:
         if z.shape != x.shape:
             raise ValueError(f"z {tuple(z.shape)} must match x {tuple(x.shape)}")
-        gate = _rows("z", z)
+        if z.dim() == 3 and z.stride(2) == 1:  # [T, heads, dim] rows of a wider tensor: no copy
+            gate, z_heads, stride_z_head = z, z.shape[1], z.stride(1)
+        else:
+            gate = _rows("z", z)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     total = torch.empty_like(out) if add else x
     if rows.shape[0] == 0:
         return out, total
     block = triton.next_power_of_2(dim)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, gate, weight, out, total, rows.stride(0), gate.stride(0), dim, eps,
+        rows, gate, weight, out, total, rows.stride(0), gate.stride(0), stride_z_head, z_heads, dim, eps,
         GATED=z is not None and not add, ADD=add, BD=block,
         num_warps=8 if block >= 2048 else 4 if block >= 512 else 1, **pdl_options(x),
     )

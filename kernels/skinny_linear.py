@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from deltaserve.kernels.activation import silu_and_mul
 from deltaserve.kernels.triton_compat import (
     HAS_TRITON,
     INTERPRET,
@@ -59,12 +60,31 @@ def _load_weights(w_ptrs, n_ok, EVICT: tl.constexpr):
 
 
 @triton.jit
+def _load_input(x_ptrs, mask, up, SILU_MUL: tl.constexpr):
+    """An input tile: x, or with SILU_MUL silu(gate) * up of [gate | up] rows (up `up`
+    elements on), rounded as `silu_and_mul` rounds: the MLP's activation never stored."""
+    if mask is None:  # the GEMV's one row
+        x = tl.load(x_ptrs)
+        if SILU_MUL:
+            u = tl.load(x_ptrs + up)
+    else:
+        x = tl.load(x_ptrs, mask=mask, other=0.0)
+        if SILU_MUL:
+            u = tl.load(x_ptrs + up, mask=mask, other=0.0)
+    if SILU_MUL:
+        g = x.to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(x.dtype).to(tl.float32)
+        x = (act * u.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _skinny_dot_kernel(
     x_ptr, w_ptr, out_ptr,
-    M, N, k_per_split,
+    M, N, k_per_split, up,
     stride_xm, stride_wn, stride_om, stride_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    EVICT: tl.constexpr, GDC: tl.constexpr = False,
+    EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False, GDC: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -80,7 +100,7 @@ def _skinny_dot_kernel(
     wait_for_previous_grid(GDC)
     for _ in range(0, k_per_split, BLOCK_K):
         w = _load_weights(w_ptrs, n_ok, EVICT)
-        x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+        x = _load_input(x_ptrs, m_ok, up, SILU_MUL)
         if UPCAST:  # the interpreter's bf16 dot is wrong (Triton 3.x); CPU tests only
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
         else:
@@ -94,9 +114,10 @@ def _skinny_dot_kernel(
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr,
-    N, k_per_split,
+    N, k_per_split, up,
     stride_wn, stride_split,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, GDC: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):
     """One row: products summed per thread along K, reduced across threads once at the end."""
     pid_n = tl.program_id(0)
@@ -111,7 +132,7 @@ def _gemv_kernel(
     wait_for_previous_grid(GDC)
     for _ in range(0, k_per_split, BLOCK_K):
         w = _load_weights(w_ptrs, n_ok, EVICT)
-        x = tl.load(x_ptrs)
+        x = _load_input(x_ptrs, None, up, SILU_MUL)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -136,14 +157,21 @@ def block_m_for(rows: int) -> int:
 
 
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, cfg: SkinnyConfig, gemv: bool = False, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cfg: SkinnyConfig,
+    gemv: bool = False,
+    out: torch.Tensor | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T in x's dtype, fp32 accumulation; `out` [M, N] if given."""
+    """x [M, K] @ weight[N, K]^T in x's dtype, fp32 accumulation; `out` [M, N] if given.
+    With `silu_mul`, x is the MLP's [gate | up] [M, 2K] and the product is of silu_and_mul(x)."""
     check_launchable(x, weight)
-    m, k = x.shape
-    n = weight.shape[0]
-    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
+    m = x.shape[0]
+    n, k = weight.shape
+    if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit"
+                         + (" (x is [gate | up])" if silu_mul else ""))
     if k % (cfg.block_k * cfg.split_k):
         raise ValueError(f"skinny_linear: K={k} is not a multiple of block_k*split_k={cfg.block_k * cfg.split_k}")
     k_per_split = k // cfg.split_k
@@ -158,15 +186,15 @@ def skinny_linear(
         if m != 1:
             raise ValueError("the GEMV kernel takes one row")
         _gemv_kernel[grid](
-            x, weight, target, n, k_per_split, weight.stride(0), m * n,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVICT=cfg.evict_first,
+            x, weight, target, n, k_per_split, k, weight.stride(0), m * n,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVICT=cfg.evict_first, SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     else:
         _skinny_dot_kernel[grid](
-            x, weight, target, m, n, k_per_split, x.stride(0), weight.stride(0), n, m * n,
+            x, weight, target, m, n, k_per_split, k, x.stride(0), weight.stride(0), n, m * n,
             BLOCK_M=block_m_for(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET,
-            EVICT=cfg.evict_first,
+            EVICT=cfg.evict_first, SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     if cfg.split_k > 1:
@@ -198,9 +226,10 @@ def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None
     return SkinnyConfig(64, 128, split, 4, 3), False
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
     """The model's y = x W^T: the skinny kernels for a decode step's few rows on the GPU,
-    cuBLAS (F.linear) for everything else."""
+    cuBLAS (F.linear) for everything else. With `silu_mul`, x is the MLP's [gate | up] and
+    y = silu_and_mul(x) W^T; the skinny kernels compute the activation as they read it."""
     if (
         x.dtype in HALF_DTYPES
         and weight.dtype == x.dtype
@@ -213,5 +242,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     ):
         choice = decode_config(x.shape[0], weight.shape[0], weight.shape[1])
         if choice is not None:
-            return skinny_linear(x, weight, *choice)
-    return F.linear(x, weight)
+            return skinny_linear(x, weight, *choice, silu_mul=silu_mul)
+    return F.linear(silu_and_mul(x) if silu_mul else x, weight)

@@ -260,6 +260,11 @@ def test_rms_norm(kernels, device, dtype, lead, dim):
     z = torch.randn(*lead, dim, device=device).to(dtype)
     assert_close(mod.gated_rms_norm_triton(x, z, w, 1e-6).float(),
                  mod.gated_rms_norm_reference(x, z, w, 1e-6).float(), dtype, "gated_rms_norm")
+    if len(lead) == 2:  # the DeltaNet's gate: [T, heads, dv] heads of a wider projection row, read in place
+        wide = torch.randn(lead[0], 3 * lead[1] * dim + 5, device=device).to(dtype)
+        z = wide[:, 7 : 7 + lead[1] * dim].view(lead[0], lead[1], dim)
+        assert_close(mod.gated_rms_norm_triton(x, z, w, 1e-6).float(),
+                     mod.gated_rms_norm_reference(x, z, w, 1e-6).float(), dtype, "gated_rms_norm, strided gate")
     residual = torch.randn(*lead, dim, device=device).to(dtype)
     got_norm, got_sum = mod.add_rms_norm_triton(x, residual, w, 1e-6)
     want_norm, want_sum = mod.add_rms_norm_reference(x, residual, w, 1e-6)
@@ -319,6 +324,25 @@ def test_skinny_linear(kernels, device, rows, n, k):
     bound = 4e-3 if CUDA else 8e-3  # one bf16 rounding is ~1e-3; the interpreter truncates instead
     assert err < bound, f"skinny_linear {cfg}: relative error {err:.1e}"
     assert torch.equal(mod.skinny_linear(x, w, cfg, gemv), got), "skinny_linear is not deterministic"
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 42, 1024), (3, 42, 384), pytest.param(17, 2560, 9216, marks=needs_cuda),
+                                      pytest.param(1, 2560, 9216, marks=needs_cuda)])
+def test_skinny_linear_of_silu_mul(kernels, device, rows, n, k):
+    """The MLP's down projection reading [gate | up] and making silu(gate) * up itself gives
+    what the two kernels give unfused (each checked against its reference above)."""
+    mod, act = kernels["skinny_linear"], kernels["activation"]
+    dtype = torch.bfloat16
+    gate_up = (2 * torch.randn(rows, 2 * k, device=device)).to(dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    cfg, gemv = mod.decode_config(rows, n, k)
+    got = mod.skinny_linear(gate_up, w, cfg, gemv, out=poisoned((rows, n), dtype, device), silu_mul=True)
+    assert not torch.isnan(got).any(), "skinny_linear left an output unwritten"
+    want = mod.skinny_linear(act.silu_and_mul_triton(gate_up), w, cfg, gemv)
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < 1e-3, f"skinny_linear(silu_mul) {cfg}: relative error {err:.1e} to the unfused kernels"
+    with pytest.raises(ValueError, match="gate | up"):
+        mod.skinny_linear(gate_up[:, :k], w, cfg, gemv, silu_mul=True)
 
 
 ROPE_SHAPES = [  # (query heads, kv heads, head dim, rotary dim)
@@ -523,7 +547,7 @@ def test_every_pdl_kernel_waits_before_touching_memory():
                 return index
         return None
 
-    memory_ops = {"load", "store", "atomic_add", "_load_weights"}
+    memory_ops = {"load", "store", "atomic_add", "_load_weights", "_load_input"}
     waiting, launched = set(), set()
     for path in Path(kernels_pkg.__file__).parent.glob("*.py"):
         tree = ast.parse(path.read_text())

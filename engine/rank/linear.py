@@ -89,5 +89,6 @@ class RowParallelLinear(nn.Module):
         loader = sharded_loader(None, 1, (out_features, in_features))
         self.weight = new_param((out_features, local), loader, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(linear(x, self.weight))
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """silu_mul: x is the MLP's [gate | up], multiplied as silu_and_mul(x) (skinny_linear.linear)."""
+        return all_reduce(linear(x, self.weight, silu_mul))

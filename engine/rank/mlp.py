@@ -1,4 +1,6 @@
-"""SwiGLU MLP: gate and up in one column-parallel GEMM, down row-parallel."""
+"""SwiGLU MLP: gate and up in one column-parallel GEMM, down row-parallel; the activation
+silu(gate) * up is made by the down projection as it reads its input (kernels/skinny_linear.py)
+on the GPU's decode steps, by `silu_and_mul` otherwise."""
 
 from __future__ import annotations
 
@@ -6,7 +8,6 @@ import torch
 from torch import nn
 
 from deltaserve.engine.rank.linear import ColumnParallelLinear, RowParallelLinear
-from deltaserve.kernels.activation import silu_and_mul
 
 
 class MLP(nn.Module):
@@ -16,4 +17,4 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), silu_mul=True)
