@@ -79,9 +79,21 @@ class GatedAttention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, hd)
         v = v.view(tokens, self.num_kv_heads, hd)
         k_cache, v_cache = cache.kv[self.cache_layer, 0], cache.kv[self.cache_layer, 1]
-        if gpu_path(x):
-            out = self._attend_cuda(q, k, v, k_cache, v_cache, batch, cache)
-            return self.o_proj(sigmoid_gate(out, gate).reshape(tokens, self.num_heads * hd))
+        attend = self._attend_cuda if gpu_path(x) else self._attend_reference
+        out = attend(q, k, v, k_cache, v_cache, batch, cache)
+        return self.o_proj(sigmoid_gate(out, gate).reshape(tokens, self.num_heads * hd))
+
+    def _attend_reference(
+        self,
+        q: torch.Tensor,  # [T, nh, hd]
+        k: torch.Tensor,  # [T, nkv, hd]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [rows, nkv, hd]
+        v_cache: torch.Tensor,
+        batch: StepBatch,
+        cache: StateCache,
+    ) -> torch.Tensor:
+        """The plain torch path (CPU): q/k norms and RoPE, K/V stored, each span attended."""
         q = self.rope(self.q_norm(q), batch.positions)
         k = self.rope(self.k_norm(k), batch.positions)
         k_cache[batch.kv_index] = k
@@ -90,10 +102,9 @@ class GatedAttention(nn.Module):
         for span in batch.spans:
             piece = slice(span.offset, span.offset + span.length)
             out[piece] = paged_attention(
-                q[piece], k_cache, v_cache, span.block_table, cache.block_size, span.start, hd**-0.5
+                q[piece], k_cache, v_cache, span.block_table, cache.block_size, span.start, self.head_dim**-0.5
             )
-        out = out * torch.sigmoid(gate)
-        return self.o_proj(out.reshape(tokens, self.num_heads * hd))
+        return out
 
     def _attend_cuda(
         self,
