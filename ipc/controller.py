@@ -408,7 +408,7 @@ class ReplicaController:
             bell.ring()
         flight.released = True
         flight.gate.set_result(True)
-        if len(self._flights) == 1 or flight.timer is not None:  # else: timed when the one ahead ends
+        if len(self._flights) == 1:  # else: timed when the one ahead ends (_end_flight)
             self._start_timer(flight)
 
     def _on_frame(self, frame: bytes) -> None:
