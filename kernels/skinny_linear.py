@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels.activation import sigmoid_gate, silu_and_mul
-from deltaserve.kernels.rmsnorm import add_rms_norm, gated_rms_norm
+from deltaserve.kernels.activation import silu_and_mul
 from deltaserve.kernels.triton_compat import (
     HAS_TRITON,
     INTERPRET,
@@ -50,87 +49,6 @@ class SkinnyConfig:
     evict_first: bool = False  # weights streamed past L2 (read once per step)
 
 
-# What a kernel does to its input as it reads it (constexpr PROLOGUE): the small op that would
-# otherwise be a kernel of its own between a projection and the one before it. Each keeps the
-# roundings of its unfused kernel, except ADD_NORM (below).
-PLAIN, SILU_MUL, SIGMOID_GATE, GATED_NORM, ADD_NORM = range(5)
-# the same, as the kernels see them (a @triton.jit function reads only constexpr globals)
-_PLAIN, _SILU_MUL, _SIGMOID_GATE, _GATED_NORM, _ADD_NORM = (tl.constexpr(i) if HAS_TRITON else i for i in range(5))
-# the ops `linear` folds into its kernels (tools/bench_step_ab.py turns some off for an A/B)
-FOLDED = frozenset({SILU_MUL, SIGMOID_GATE, GATED_NORM, ADD_NORM})
-
-
-@dataclass(frozen=True)
-class InputOp:
-    """An op on a projection's input x [M, K] that `linear` folds into the projection.
-
-    SILU_MUL: x is the MLP's [gate | up] [M, 2K]; the input is silu(gate) * up.
-    SIGMOID_GATE: x is attention's output; times sigmoid(aux), aux [M, K / hd, hd] strided.
-    GATED_NORM: the DeltaNet's per-head gated RMSNorm of x with gate aux (z) [M, K / hd, hd].
-    ADD_NORM: the block's pre-norm, rms_norm(x + aux) (aux: the residual); x + aux is
-    written to `total`. The kernel sums squares as it walks K and scales the products by
-    rsqrt(mean + eps) at the end, so the normalised input is never rounded to the model dtype
-    (the unfused norm rounds it once): it needs the whole of K in one program (no split K).
-    """
-
-    kind: int
-    aux: torch.Tensor | None = None
-    norm_weight: torch.Tensor | None = None
-    eps: float = 0.0
-    head_dim: int = 1
-    total: torch.Tensor | None = None
-
-    def unfused(self, x: torch.Tensor) -> torch.Tensor:
-        """The op by its own kernel (or torch reference on the CPU)."""
-        rows = x.shape[0]
-        if self.kind == SILU_MUL:
-            return silu_and_mul(x)
-        if self.kind == SIGMOID_GATE:
-            return sigmoid_gate(x.view(rows, -1, self.head_dim), self.aux).view(rows, -1)
-        if self.kind == GATED_NORM:
-            return gated_rms_norm(x.view(rows, -1, self.head_dim), self.aux, self.norm_weight, self.eps).view(rows, -1)
-        raise ValueError(f"input op {self.kind} has no unfused form here (add_norm_linear has)")
-
-
-@triton.jit
-def _load_input(x_rows, aux_rows, nw_ptr, ks, mask, up, stride_aux_head, eps,
-                PROLOGUE: tl.constexpr, HD: tl.constexpr):
-    """The input tile at columns `ks` of the rows at `x_rows` (aux's at `aux_rows`), after the
-    PROLOGUE op; _ADD_NORM gives x + residual, the kernel normalises. mask None: the GEMV's row."""
-    if mask is None:
-        x = tl.load(x_rows + ks)
-    else:
-        x = tl.load(x_rows + ks, mask=mask, other=0.0)
-    if PROLOGUE == _SILU_MUL:
-        if mask is None:
-            u = tl.load(x_rows + up + ks)
-        else:
-            u = tl.load(x_rows + up + ks, mask=mask, other=0.0)
-        g = x.to(tl.float32)
-        act = (g * tl.sigmoid(g)).to(x.dtype).to(tl.float32)
-        x = (act * u.to(tl.float32)).to(x.dtype)
-    elif PROLOGUE != _PLAIN:
-        aux_ptrs = aux_rows + (ks // HD) * stride_aux_head + ks % HD
-        if mask is None:
-            a = tl.load(aux_ptrs)
-        else:
-            a = tl.load(aux_ptrs, mask=mask, other=0.0)
-        if PROLOGUE == _SIGMOID_GATE:
-            act = tl.sigmoid(a.to(tl.float32)).to(a.dtype).to(tl.float32)
-            x = (x.to(tl.float32) * act).to(x.dtype)
-        elif PROLOGUE == _ADD_NORM:
-            x = (x.to(tl.float32) + a.to(tl.float32)).to(x.dtype)
-        else:  # _GATED_NORM, as gated_rms_norm rounds: per head of HD columns (whole in the tile)
-            xf = tl.reshape(x.to(tl.float32), (x.numel // HD, HD))
-            inv = tl.rsqrt(tl.sum(xf * xf, 1) / HD + eps)
-            y = (xf * inv[:, None]).to(x.dtype).to(tl.float32)
-            w = tl.load(nw_ptr + ks % HD).to(tl.float32) + tl.zeros(x.shape, tl.float32)
-            y = (tl.reshape(w, (x.numel // HD, HD)) * y).to(x.dtype).to(tl.float32)
-            z = tl.reshape(a.to(tl.float32), (x.numel // HD, HD))
-            x = tl.reshape(y * z * tl.sigmoid(z), x.shape).to(x.dtype)
-    return x
-
-
 @triton.jit
 def _load_weights(w_ptrs, n_ok, EVICT: tl.constexpr):
     """A weight tile; EVICT: read past L2 (each weight is read once per step)."""
@@ -142,55 +60,64 @@ def _load_weights(w_ptrs, n_ok, EVICT: tl.constexpr):
 
 
 @triton.jit
+def _load_input(x_ptrs, mask, up, SILU_MUL: tl.constexpr):
+    """An input tile: x, or with SILU_MUL silu(gate) * up of [gate | up] rows (up `up`
+    elements on), rounded as `silu_and_mul` rounds: the MLP's activation never stored."""
+    if mask is None:  # the GEMV's one row
+        x = tl.load(x_ptrs)
+        if SILU_MUL:
+            u = tl.load(x_ptrs + up)
+    else:
+        x = tl.load(x_ptrs, mask=mask, other=0.0)
+        if SILU_MUL:
+            u = tl.load(x_ptrs + up, mask=mask, other=0.0)
+    if SILU_MUL:
+        g = x.to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(x.dtype).to(tl.float32)
+        x = (act * u.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _skinny_dot_kernel(
-    x_ptr, w_ptr, out_ptr, aux_ptr, nw_ptr, sum_ptr,
+    x_ptr, w_ptr, out_ptr,
     M, N, k_per_split, up,
-    stride_xm, stride_wn, stride_om, stride_split, stride_aux, stride_aux_head, eps,
+    stride_xm, stride_wn, stride_om, stride_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    EVICT: tl.constexpr, PROLOGUE: tl.constexpr = _PLAIN, HD: tl.constexpr = 1, GDC: tl.constexpr = False,
+    EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False, GDC: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)[None, :]
+    offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + k_start + offs_k
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
-    aux_rows = aux_ptr + offs_m[:, None] * stride_aux
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     n_ok = offs_n[:, None] < N
     m_ok = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     wait_for_previous_grid(GDC)
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        ks = k0 + offs_k
+    for _ in range(0, k_per_split, BLOCK_K):
         w = _load_weights(w_ptrs, n_ok, EVICT)
-        x = _load_input(x_rows, aux_rows, nw_ptr, ks, m_ok, up, stride_aux_head, eps, PROLOGUE, HD)
-        if PROLOGUE == _ADD_NORM:  # x is the residual sum: store it once, scale by (1 + w)
-            if pid_n == 0:
-                tl.store(sum_ptr + offs_m[:, None] * k_per_split + ks, x, mask=m_ok)
-            h = x.to(tl.float32)
-            squares += tl.sum(h * h, 1)
-            x = (h * (1.0 + tl.load(nw_ptr + ks).to(tl.float32))).to(x.dtype)
+        x = _load_input(x_ptrs, m_ok, up, SILU_MUL)
         if UPCAST:  # the interpreter's bf16 dot is wrong (Triton 3.x); CPU tests only
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(w, tl.trans(x))
         w_ptrs += BLOCK_K
-    if PROLOGUE == _ADD_NORM:
-        acc *= tl.rsqrt(squares / k_per_split + eps)[None, :]
+        x_ptrs += BLOCK_K
     out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, aux_ptr, nw_ptr, sum_ptr,
+    x_ptr, w_ptr, out_ptr,
     N, k_per_split, up,
-    stride_wn, stride_split, stride_aux_head, eps,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr,
-    PROLOGUE: tl.constexpr = _PLAIN, HD: tl.constexpr = 1, GDC: tl.constexpr = False,
+    stride_wn, stride_split,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):
     """One row: products summed per thread along K, reduced across threads once at the end."""
     pid_n = tl.program_id(0)
@@ -199,24 +126,17 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + k_start + offs_k
     n_ok = offs_n[:, None] < N
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     wait_for_previous_grid(GDC)
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        ks = k0 + offs_k
+    for _ in range(0, k_per_split, BLOCK_K):
         w = _load_weights(w_ptrs, n_ok, EVICT)
-        x = _load_input(x_ptr, aux_ptr, nw_ptr, ks, None, up, stride_aux_head, eps, PROLOGUE, HD).to(tl.float32)
-        if PROLOGUE == _ADD_NORM:  # x is the residual sum: store it once, scale by (1 + w)
-            if pid_n == 0:
-                tl.store(sum_ptr + ks, x.to(sum_ptr.dtype.element_ty))
-            squares += x * x
-            x = x * (1.0 + tl.load(nw_ptr + ks).to(tl.float32))
-        acc += w.to(tl.float32) * x[None, :]
+        x = _load_input(x_ptrs, None, up, SILU_MUL)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     out = tl.sum(acc, axis=1)
-    if PROLOGUE == _ADD_NORM:
-        out *= tl.rsqrt(tl.sum(squares, 0) / k_per_split + eps)
     tl.store(out_ptr + pid_k * stride_split + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
@@ -242,21 +162,18 @@ def skinny_linear(
     cfg: SkinnyConfig,
     gemv: bool = False,
     out: torch.Tensor | None = None,
-    op: InputOp | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T in x's dtype, fp32 accumulation; `out` [M, N] if given.
-    With `op`, the product is of op(x), made as x is read (InputOp says what x is)."""
+    With `silu_mul`, x is the MLP's [gate | up] [M, 2K] and the product is of silu_and_mul(x)."""
     check_launchable(x, weight)
     m = x.shape[0]
     n, k = weight.shape
-    kind = PLAIN if op is None else op.kind
-    if x.shape[1] != (2 * k if kind == SILU_MUL else k) or x.stride(1) != 1 or weight.stride(1) != 1:
+    if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit"
-                         + (" (x is [gate | up])" if kind == SILU_MUL else ""))
+                         + (" (x is [gate | up])" if silu_mul else ""))
     if k % (cfg.block_k * cfg.split_k):
         raise ValueError(f"skinny_linear: K={k} is not a multiple of block_k*split_k={cfg.block_k * cfg.split_k}")
-    if not fusable(op, cfg):
-        raise ValueError(f"skinny_linear: input op {kind} does not fit {cfg}")
     k_per_split = k // cfg.split_k
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -265,29 +182,20 @@ def skinny_linear(
     target = out if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     pdl = pdl_options(x)
-    aux = norm_weight = total = x  # unused unless the op reads them
-    stride_aux = stride_aux_head = 0
-    hd, eps = 1, 0.0
-    if op is not None and op.aux is not None:
-        aux, stride_aux, eps = op.aux, op.aux.stride(0), op.eps
-        # aux column of input column c: (c // hd) * stride_aux_head + c % hd
-        hd, stride_aux_head = (op.head_dim, op.aux.stride(1)) if op.aux.dim() == 3 else (1, 1)
-        norm_weight = op.norm_weight if op.norm_weight is not None else x
-        total = op.total if op.total is not None else x
-    common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVICT=cfg.evict_first, PROLOGUE=kind, HD=hd,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if gemv:
         if m != 1:
             raise ValueError("the GEMV kernel takes one row")
         _gemv_kernel[grid](
-            x, weight, target, aux, norm_weight, total, n, k_per_split, k, weight.stride(0), m * n,
-            stride_aux_head, eps, **common,
+            x, weight, target, n, k_per_split, k, weight.stride(0), m * n,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVICT=cfg.evict_first, SILU_MUL=silu_mul,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     else:
         _skinny_dot_kernel[grid](
-            x, weight, target, aux, norm_weight, total, m, n, k_per_split, k,
-            x.stride(0), weight.stride(0), n, m * n, stride_aux, stride_aux_head, eps,
-            BLOCK_M=block_m_for(m), UPCAST=INTERPRET, **common,
+            x, weight, target, m, n, k_per_split, k, x.stride(0), weight.stride(0), n, m * n,
+            BLOCK_M=block_m_for(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET,
+            EVICT=cfg.evict_first, SILU_MUL=silu_mul,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     if cfg.split_k > 1:
         block = 1024
@@ -295,18 +203,6 @@ def skinny_linear(
             target, out, m * n, SPLIT_K=cfg.split_k, BLOCK=block, **pdl
         )
     return out
-
-
-def fusable(op: InputOp | None, cfg: SkinnyConfig) -> bool:
-    """Whether the kernel of `cfg` can make `op` as it reads its input: the pre-norm needs
-    all of K in one program, the gated norm whole heads in each tile."""
-    if op is None or op.kind not in FOLDED:
-        return op is None
-    if op.kind == ADD_NORM:
-        return cfg.split_k == 1
-    if op.kind == GATED_NORM:
-        return cfg.block_k % op.head_dim == 0
-    return True
 
 
 def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None:
@@ -330,8 +226,10 @@ def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None
     return SkinnyConfig(64, 128, split, 4, 3), False
 
 
-def skinny_choice(x: torch.Tensor, weight: torch.Tensor) -> tuple[SkinnyConfig, bool] | None:
-    """The skinny kernel for x W^T (decode_config), or None for cuBLAS."""
+def linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    """The model's y = x W^T: the skinny kernels for a decode step's few rows on the GPU,
+    cuBLAS (F.linear) for everything else. With `silu_mul`, x is the MLP's [gate | up] and
+    y = silu_and_mul(x) W^T; the skinny kernels compute the activation as they read it."""
     if (
         x.dtype in HALF_DTYPES
         and weight.dtype == x.dtype
@@ -342,31 +240,7 @@ def skinny_choice(x: torch.Tensor, weight: torch.Tensor) -> tuple[SkinnyConfig, 
         and HAS_TRITON
         and gpu_path(x)
     ):
-        return decode_config(x.shape[0], weight.shape[0], weight.shape[1])
-    return None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, op: InputOp | None = None) -> torch.Tensor:
-    """The model's y = op(x) W^T: the skinny kernels for a decode step's few rows on the GPU,
-    making `op` as they read x where it fits; cuBLAS (F.linear) for everything else, after
-    the op's own kernel."""
-    choice = skinny_choice(x, weight)
-    if choice is not None and op is not None and fusable(op, choice[0]):
-        return skinny_linear(x, weight, *choice, op=op)
-    if op is not None:
-        x = op.unfused(x)
-    return F.linear(x, weight) if choice is None else skinny_linear(x, weight, *choice)
-
-
-def add_norm_linear(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(add_rms_norm(x, residual) W^T, x + residual): a block's pre-norm and the projection
-    after it, in one kernel on a decode step (InputOp ADD_NORM), else the two kernels."""
-    choice = skinny_choice(x, weight)
-    if choice is not None:
-        op = InputOp(ADD_NORM, residual, norm_weight, eps, total=torch.empty_like(x))
-        if fusable(op, choice[0]):
-            return skinny_linear(x, weight, *choice, op=op), op.total
-    normed, total = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight), total
+        choice = decode_config(x.shape[0], weight.shape[0], weight.shape[1])
+        if choice is not None:
+            return skinny_linear(x, weight, *choice, silu_mul=silu_mul)
+    return F.linear(silu_and_mul(x) if silu_mul else x, weight)

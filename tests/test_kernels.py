@@ -326,69 +326,23 @@ def test_skinny_linear(kernels, device, rows, n, k):
     assert torch.equal(mod.skinny_linear(x, w, cfg, gemv), got), "skinny_linear is not deterministic"
 
 
-def _input_op(mod, norms, act, kind, rows, k, device):
-    """(x, the InputOp of `kind`, op(x) by the unfused kernel) for a projection of K=k inputs:
-    heads of 32 (64 at k >= 4096, 256 for the 4B attention's gate, 128 for its DeltaNet)."""
+@pytest.mark.parametrize("rows,n,k", [(1, 42, 1024), (3, 42, 384), pytest.param(17, 2560, 9216, marks=needs_cuda),
+                                      pytest.param(1, 2560, 9216, marks=needs_cuda)])
+def test_skinny_linear_of_silu_mul(kernels, device, rows, n, k):
+    """The MLP's down projection reading [gate | up] and making silu(gate) * up itself gives
+    what the two kernels give unfused (each checked against its reference above)."""
+    mod, act = kernels["skinny_linear"], kernels["activation"]
     dtype = torch.bfloat16
-    hd = {4096: 128 if kind == mod.GATED_NORM else 256}.get(k, 32)
-    if kind == mod.SILU_MUL:
-        x = (2 * torch.randn(rows, 2 * k, device=device)).to(dtype)
-        return x, mod.InputOp(mod.SILU_MUL), act.silu_and_mul_triton(x)
-    x = torch.randn(rows, k, device=device).to(dtype)
-    norm_weight = (1 + 0.3 * torch.randn(k if kind == mod.ADD_NORM else hd, device=device)).to(dtype)
-    if kind == mod.ADD_NORM:
-        residual = (3 * torch.randn(rows, k, device=device)).to(dtype)
-        total = poisoned((rows, k), dtype, device)
-        normed, want_total = norms.add_rms_norm_triton(x, residual, norm_weight, 1e-6)
-        return x, mod.InputOp(mod.ADD_NORM, residual, norm_weight, 1e-6, total=total), (normed, want_total)
-    # the gate or z: per head, in rows of a wider projection output (read in place)
-    wide = torch.randn(rows, k // hd, 3 * hd, device=device).to(dtype)
-    aux = wide[:, :, hd : 2 * hd]
-    heads = x.view(rows, k // hd, hd)
-    if kind == mod.SIGMOID_GATE:
-        return x, mod.InputOp(mod.SIGMOID_GATE, aux, head_dim=hd), act.sigmoid_gate_triton(heads, aux).view(rows, k)
-    want = norms.gated_rms_norm_triton(heads, aux, norm_weight, 1e-6).view(rows, k)
-    return x, mod.InputOp(mod.GATED_NORM, aux, norm_weight, 1e-6, hd), want
-
-
-OP_NAMES = ["SILU_MUL", "SIGMOID_GATE", "GATED_NORM", "ADD_NORM"]
-
-
-@pytest.mark.parametrize("op_name", OP_NAMES)
-@pytest.mark.parametrize("rows,n,k", [(1, 42, 1024), (3, 4100, 256), (2, 8448, 256),
-                                      pytest.param(17, 2560, 9216, marks=needs_cuda),
-                                      pytest.param(1, 12352, 2560, marks=needs_cuda),
-                                      pytest.param(32, 18432, 2560, marks=needs_cuda),
-                                      pytest.param(8, 2560, 4096, marks=needs_cuda),
-                                      pytest.param(1, 2560, 4096, marks=needs_cuda)])
-def test_skinny_linear_of_input_op(kernels, device, op_name, rows, n, k):
-    """A projection making its input op as it reads x (the MLP's activation, attention's gate,
-    the DeltaNet's gated norm, a block's add + pre-norm) gives what the op's own kernel (each
-    checked against its reference above) followed by the plain product gives; the pre-norm
-    also writes x + residual. Ops that do not fit the kernel's tiles are refused."""
-    mod, norms, act = kernels["skinny_linear"], kernels["rmsnorm"], kernels["activation"]
-    kind = getattr(mod, op_name)
-    x, op, want_input = _input_op(mod, norms, act, kind, rows, k, device)
-    w = (torch.randn(n, k, device=device) / k**0.5).to(torch.bfloat16)
+    gate_up = (2 * torch.randn(rows, 2 * k, device=device)).to(dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
     cfg, gemv = mod.decode_config(rows, n, k)
-    if not mod.fusable(op, cfg):  # the pre-norm under split K: refused, and `linear` unfuses it
-        assert kind == mod.ADD_NORM and cfg.split_k > 1
-        with pytest.raises(ValueError, match="does not fit"):
-            mod.skinny_linear(x, w, cfg, gemv, op=op)
-        return
-    got = mod.skinny_linear(x, w, cfg, gemv, out=poisoned((rows, n), torch.bfloat16, device), op=op)
+    got = mod.skinny_linear(gate_up, w, cfg, gemv, out=poisoned((rows, n), dtype, device), silu_mul=True)
     assert not torch.isnan(got).any(), "skinny_linear left an output unwritten"
-    if kind == mod.ADD_NORM:
-        want_input, want_total = want_input
-        assert torch.equal(op.total, want_total), "the pre-norm's residual sum differs from add_rms_norm's"
-    want = mod.skinny_linear(want_input, w, cfg, gemv)
+    want = mod.skinny_linear(act.silu_and_mul_triton(gate_up), w, cfg, gemv)
     err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-    # the pre-norm's input is not rounded to bf16 before the product (InputOp): ~one rounding
-    bound = 6e-3 if kind == mod.ADD_NORM else 1e-3
-    assert err < bound, f"skinny_linear({op_name}) {cfg}: relative error {err:.1e} to the unfused kernels"
-    if kind == mod.SILU_MUL:
-        with pytest.raises(ValueError, match="gate | up"):
-            mod.skinny_linear(x[:, :k], w, cfg, gemv, op=op)
+    assert err < 1e-3, f"skinny_linear(silu_mul) {cfg}: relative error {err:.1e} to the unfused kernels"
+    with pytest.raises(ValueError, match="gate | up"):
+        mod.skinny_linear(gate_up[:, :k], w, cfg, gemv, silu_mul=True)
 
 
 ROPE_SHAPES = [  # (query heads, kv heads, head dim, rotary dim)

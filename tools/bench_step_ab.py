@@ -1,17 +1,13 @@
 """The decode step under several kernel choices, interleaved in one process on one GPU:
-`python -m tools.bench_step_ab --model DIR [--modes pdl nofold nopdl cublas rows64] [--out FILE]`.
+`python -m tools.bench_step_ab --model DIR [--modes pdl nopdl cublas rows64] [--out FILE]`.
 
 Same-run ratios are the only fair ones on lent machines whose hosts differ by 10-40%, and
 even within a run clocks drift; so every mode's executor (graphs captured with that mode's
 kernels) lives at once, and the modes take turns: in each of `--rounds` rounds every mode
 runs 8 executor steps (host work included, as a rank runs them) and 20 replays of its graph
-alone (CUDA events). Reported: the median over rounds of each, and how far each mode's logits
-of the first decode step (the same inputs in every mode) are from the first mode's. The modes:
-  pdl     the default: skinny kernels up to 32 rows with their input ops folded in,
-          programmatic dependent launch
-  nofold  the same, but only the MLP's activation folded in: the norms and attention's
-          output gate as their own kernels (skinny_linear.FOLDED)
-  nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
+alone (CUDA events). Reported: the median over rounds of each. The modes:
+  pdl     the default: skinny kernels up to 32 rows, programmatic dependent launch
+  nopdl   the same kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   rows64  the skinny tensor-core kernel up to 64 rows, PDL
 """
@@ -31,16 +27,8 @@ import deltaserve.kernels.triton_compat as triton_compat
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.bench_decode import hardware, time_events
-from deltaserve.tools.golden import compare_logprobs
 
-ALL_FOLDED, ONLY_SILU = skinny.FOLDED, frozenset({skinny.SILU_MUL})
-MODES = {  # max rows of the skinny kernels, PDL, input ops folded in
-    "pdl": (32, True, ALL_FOLDED), "nofold": (32, True, ONLY_SILU), "nopdl": (32, False, ALL_FOLDED),
-    "cublas": (0, True, ALL_FOLDED), "rows64": (64, True, ALL_FOLDED),
-    "fold_gate": (32, True, ONLY_SILU | {skinny.SIGMOID_GATE}),
-    "fold_gnorm": (32, True, ONLY_SILU | {skinny.GATED_NORM}),
-    "fold_prenorm": (32, True, ONLY_SILU | {skinny.ADD_NORM}),
-}
+MODES = {"pdl": (32, True), "nopdl": (32, False), "cublas": (0, True), "rows64": (64, True)}  # max rows, PDL
 CONTEXT = 1000
 
 
@@ -48,32 +36,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["pdl", "nofold", "nopdl", "cublas"])
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["pdl", "nopdl", "cublas", "rows64"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     modes = list(dict.fromkeys(args.modes))
     executors = {}
     for mode in modes:  # each captures its graphs under its own kernel choices
-        skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLDED = MODES[mode]
+        skinny.MAX_ROWS, triton_compat.PDL = MODES[mode]
         executors[mode] = Executor(ExecutorConfig(
             args.model, device="cuda", dtype="bfloat16", block_size=16, num_slots=max(args.batches),
             num_blocks=max(args.batches) * 80, max_model_len=CONTEXT + 270, cuda_graphs=True))
-    skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLDED = MODES["pdl"]
+    skinny.MAX_ROWS, triton_compat.PDL = MODES["pdl"]
     results = []
     next_id = 0
     for batch in args.batches:
         ids = list(range(next_id, next_id + batch))
         next_id += batch
-        position, first_logits = {}, {}
+        position = {}
         for mode, ex in executors.items():
             gen = torch.Generator().manual_seed(0)  # the same prompts for every mode
             for i in range(0, batch, 8):
                 ex.forward([StepItem(r, 0, torch.randint(0, 240000, (CONTEXT,), generator=gen).tolist(), True,
                                      NewRequest(CONTEXT + 260, SamplingSpec(seed=0))) for r in ids[i:i + 8]])  # fmt: skip
-            position[mode] = CONTEXT + 1
-            first_logits[mode] = ex.forward([StepItem(r, CONTEXT, [7], True, None) for r in ids]).float()
-        numerics = {m: compare_logprobs(first_logits[m], first_logits[modes[0]]).as_dict() for m in modes[1:]}
+            position[mode] = CONTEXT
         step_ms: dict[str, list[float]] = {m: [] for m in modes}
         replay_ms: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(args.rounds):
@@ -93,12 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             ex.drop(ids)
             row = {"mode": mode, "batch": batch, "step_ms": round(statistics.median(step_ms[mode]), 4),
                    "replay_ms": round(statistics.median(replay_ms[mode]), 4),
-                   "replay_ms_rounds": [round(t, 4) for t in replay_ms[mode]],
-                   f"first_step_vs_{modes[0]}": numerics.get(mode)}
+                   "replay_ms_rounds": [round(t, 4) for t in replay_ms[mode]]}
             results.append(row)
-            gap = numerics[mode]["max_abs_diff"] if mode in numerics else 0.0
             print(f"{mode:7s} b={batch:3d} step {row['step_ms']:6.3f} ms  replay {row['replay_ms']:6.3f} ms  "
-                  f"rounds {row['replay_ms_rounds']}  top-8 logprob gap {gap:.4f}", flush=True)
+                  f"rounds {row['replay_ms_rounds']}", flush=True)
     if args.out:
         report = {"command": " ".join(["python -m tools.bench_step_ab", *sys.argv[1:]]),
                   "hardware": hardware(torch.device("cuda")), "results": results}

@@ -2,8 +2,7 @@
 
 q_proj yields, per head, [query | gate] (so it splits on head boundaries); per-head zero-centred
 q/k norms; RoPE (rotate-half) on the first `rotary_dim` dims only; causal GQA attention over the
-paged cache; output times sigmoid(gate) (made by o_proj's kernel on decode steps), then the
-row-parallel o_proj.
+paged cache; output times sigmoid(gate), then the row-parallel o_proj.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import RMSNorm
 from deltaserve.engine.rank.parallel import tp_size
 from deltaserve.engine.rank.step_meta import step_meta_of
+from deltaserve.kernels.activation import sigmoid_gate
 from deltaserve.kernels.paged_attention import (
     paged_attention,
     paged_decode_attention,
@@ -26,7 +26,6 @@ from deltaserve.kernels.paged_attention import (
     store_kv,
 )
 from deltaserve.kernels.rope import norm_rope
-from deltaserve.kernels.skinny_linear import SIGMOID_GATE, InputOp
 from deltaserve.kernels.triton_compat import gpu_path
 
 
@@ -71,19 +70,18 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype, device)
         self.rope = Rope(config.rotary_dim, config.rope_theta, device)
 
-    def forward(self, projected: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
-        """The layer from qkv_proj's output on (the block's norm runs qkv_proj: norm.py)."""
-        tokens = projected.shape[0]
+    def forward(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
+        tokens = x.shape[0]
         hd = self.head_dim
-        q_and_gate, k, v = projected.split(self.qkv_proj.local_sizes, dim=-1)
+        q_and_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
         q_and_gate = q_and_gate.view(tokens, self.num_heads, 2 * hd)
         q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:]
         k = k.view(tokens, self.num_kv_heads, hd)
         v = v.view(tokens, self.num_kv_heads, hd)
         k_cache, v_cache = cache.kv[self.cache_layer, 0], cache.kv[self.cache_layer, 1]
-        attend = self._attend_cuda if gpu_path(projected) else self._attend_reference
-        out = attend(q, k, v, k_cache, v_cache, batch, cache)  # [T, nh, hd], contiguous
-        return self.o_proj(out.view(tokens, self.num_heads * hd), InputOp(SIGMOID_GATE, gate, head_dim=hd))
+        attend = self._attend_cuda if gpu_path(x) else self._attend_reference
+        out = attend(q, k, v, k_cache, v_cache, batch, cache)
+        return self.o_proj(sigmoid_gate(out, gate).reshape(tokens, self.num_heads * hd))
 
     def _attend_reference(
         self,

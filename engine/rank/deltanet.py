@@ -67,13 +67,12 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps, dtype, device)
         self.out_proj = RowParallelLinear(config.linear_value_dim, hidden, dtype, device)
 
-    def forward(self, projected: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
-        """The layer from in_proj's output on (the block's norm runs in_proj: norm.py)."""
-        if gpu_path(projected):
-            return self._forward_cuda(projected, batch, cache)
-        tokens = projected.shape[0]
+    def forward(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
+        if gpu_path(x):
+            return self._forward_cuda(x, batch, cache)
+        tokens = x.shape[0]
         nk, nv, dv = self.num_k_heads, self.num_v_heads, self.dv
-        qkv, z, b, a = projected.split(self.in_proj.local_sizes, dim=-1)  # qkv: conv channels
+        qkv, z, b, a = self.in_proj(x).split(self.in_proj.local_sizes, dim=-1)  # qkv: conv channels
         z = z.reshape(tokens, nv, dv)
 
         conv_state = cache.conv[self.cache_layer]  # [slots, channels, width - 1]
@@ -85,11 +84,11 @@ class GatedDeltaNet(nn.Module):
             mixed[piece] = causal_conv1d(qkv[piece], weight, conv_state[span.slot])
         q, k, v, g, beta = delta_rule_inputs(mixed, a, b, self.A_log, self.dt_bias, nk, dv)
 
-        core = torch.empty((tokens, nv, dv), dtype=torch.float32, device=projected.device)
+        core = torch.empty((tokens, nv, dv), dtype=torch.float32, device=x.device)
         decodes = [s for s in batch.spans if s.length == 1]
         if decodes:  # one batched recurrent step for every single-token span
-            rows = torch.tensor([s.offset for s in decodes], device=projected.device)
-            slots = torch.tensor([s.slot for s in decodes], device=projected.device)
+            rows = torch.tensor([s.offset for s in decodes], device=x.device)
+            slots = torch.tensor([s.slot for s in decodes], device=x.device)
             state = recurrent[slots]
             core[rows] = recurrent_gated_delta(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
             recurrent[slots] = state
@@ -99,22 +98,23 @@ class GatedDeltaNet(nn.Module):
                 core[piece] = chunk_gated_delta(
                     q[piece], k[piece], v[piece], g[piece], beta[piece], recurrent[span.slot]
                 )
-        return self.out_proj(core.to(projected.dtype).reshape(tokens, nv * dv), self.norm.op(z))
+        out = self.norm(core.to(x.dtype), z)
+        return self.out_proj(out.reshape(tokens, nv * dv))
 
-    def _forward_cuda(self, projected: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
+    def _forward_cuda(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
         """Decode items: one conv kernel and one fused recurrent kernel for all of them, state
         updated in place in its slot. Prefill spans: the conv, then fla's chunked kernel over
         all of them packed (the torch reference when fla is absent)."""
-        tokens = projected.shape[0]
+        tokens = x.shape[0]
         nk, nv, dv = self.num_k_heads, self.num_v_heads, self.dv
-        meta = step_meta_of(batch, projected.device)
-        qkv, z, b, a = projected.split(self.in_proj.local_sizes, dim=-1)  # b, a raw: in the kernel
+        meta = step_meta_of(batch, x.device)
+        qkv, z, b, a = self.in_proj(x).split(self.in_proj.local_sizes, dim=-1)  # b, a raw: in the kernel
         z = z.reshape(tokens, nv, dv)
         conv_state = cache.conv[self.cache_layer]  # [slots, channels, width - 1]
         recurrent = cache.recurrent[self.cache_layer]  # [slots, nv, dk, dv]
         weight = self.conv1d.weight[:, 0]
         mixed = torch.empty_like(qkv)
-        core = torch.empty((tokens, nv, dv), dtype=projected.dtype, device=projected.device)
+        core = torch.empty((tokens, nv, dv), dtype=x.dtype, device=x.device)
         if meta.num_decodes:
             causal_conv1d_update(qkv, weight, conv_state, meta.rows, meta.slots, mixed)
             gated_delta_decode(
@@ -129,4 +129,5 @@ class GatedDeltaNet(nn.Module):
                 core[rows] = gated_delta_prefill(mixed[rows], a[rows], b[rows], *prefill)
             else:  # every row is a prompt row, already packed
                 core = gated_delta_prefill(mixed, a, b, *prefill)
-        return self.out_proj(core.reshape(tokens, nv * dv), self.norm.op(z))
+        out = self.norm(core, z)
+        return self.out_proj(out.reshape(tokens, nv * dv))

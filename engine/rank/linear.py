@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from deltaserve.engine.rank.parallel import all_reduce, shard, tp_size
-from deltaserve.kernels.skinny_linear import InputOp, linear
+from deltaserve.kernels.skinny_linear import linear
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor], None]
 
@@ -89,7 +89,6 @@ class RowParallelLinear(nn.Module):
         loader = sharded_loader(None, 1, (out_features, in_features))
         self.weight = new_param((out_features, local), loader, dtype, device)
 
-    def forward(self, x: torch.Tensor, op: InputOp | None = None) -> torch.Tensor:
-        """op: what to make of x first (the MLP's activation, an output gate or norm),
-        folded into the projection's kernel where it fits (skinny_linear.linear)."""
-        return all_reduce(linear(x, self.weight, op))
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """silu_mul: x is the MLP's [gate | up], multiplied as silu_and_mul(x) (skinny_linear.linear)."""
+        return all_reduce(linear(x, self.weight, silu_mul))

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deltaserve.engine.rank.linear import ColumnParallelLinear, replicated_param
-from deltaserve.kernels.rmsnorm import add_rms_norm, rms_norm
-from deltaserve.kernels.skinny_linear import GATED_NORM, InputOp, add_norm_linear
+from deltaserve.engine.rank.linear import replicated_param
+from deltaserve.kernels.rmsnorm import add_rms_norm, gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -25,16 +24,6 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual): the residual add fused into the norm."""
         return add_rms_norm(x, residual, self.weight, self.eps)
 
-    def project(
-        self, x: torch.Tensor, residual: torch.Tensor | None, proj: ColumnParallelLinear
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(proj(norm(x + residual)), x + residual): a block's pre-norm and the projection
-        after it, one kernel on a decode step (skinny_linear.add_norm_linear). No residual
-        (the first block): (proj(norm(x)), x)."""
-        if residual is None:
-            return proj(self(x)), x
-        return add_norm_linear(x, residual, self.weight, self.eps, proj.weight)
-
 
 class GatedRMSNorm(nn.Module):
     """Plain w, times silu(z): only inside the DeltaNet layer."""
@@ -44,7 +33,5 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = replicated_param((dim,), dtype, device)
 
-    def op(self, z: torch.Tensor) -> InputOp:
-        """The norm of out_proj's input [T, heads * dim], gated by z [T, heads, dim]: made by
-        out_proj's kernel as it reads it, or by `gated_rms_norm` first."""
-        return InputOp(GATED_NORM, z, self.weight, self.eps, z.shape[-1])
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, z, self.weight, self.eps)

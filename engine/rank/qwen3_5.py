@@ -3,8 +3,7 @@
 Module names follow the HF text checkpoint (`model.layers.N.linear_attn.in_proj_qkv.weight`,
 ...), so the loader maps names one to one. Layers repeat DeltaNet x3 then full attention x1
 (config.layer_types); every block is pre-norm with a SwiGLU MLP. Projections of the same
-input run as one GEMM (`packed_modules`); the residual add runs inside the next norm, and on
-decode steps the norm inside the projection after it (kernels/skinny_linear.py).
+input run as one GEMM (`packed_modules`); the residual add runs inside the next norm.
 """
 
 from __future__ import annotations
@@ -54,14 +53,14 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: StepBatch, cache: StateCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this block's MLP output, the residual stream before it): the caller's next norm
-        adds the two (HF: x = x + mixer(norm(x)); x = x + mlp(norm(x))). Each norm runs with
-        the projection after it (RMSNorm.project)."""
-        if self.is_linear:
-            mixer, in_proj = self.linear_attn, self.linear_attn.in_proj
+        adds the two (HF: x = x + mixer(norm(x)); x = x + mlp(norm(x)))."""
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
         else:
-            mixer, in_proj = self.self_attn, self.self_attn.qkv_proj
-        projected, residual = self.input_layernorm.project(x, residual, in_proj)
-        return self.mlp(mixer(projected, batch, cache), residual, self.post_attention_layernorm)
+            h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(mixer(h, batch, cache), residual)
+        return self.mlp(h), residual
 
 
 class Qwen3_5TextModel(nn.Module):
