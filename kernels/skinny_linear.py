@@ -37,6 +37,7 @@ from deltaserve.kernels.triton_compat import (
 MAX_ROWS = 32
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 SPLIT_BELOW_TILES = 132  # split K when the outputs give fewer 64-row tiles: the H200's SM count
+FOLD_SILU_MUL = True  # the GEMV makes the MLP's activation (tools/bench_step_ab.py turns it off)
 
 
 @dataclass(frozen=True)
@@ -60,31 +61,12 @@ def _load_weights(w_ptrs, n_ok, EVICT: tl.constexpr):
 
 
 @triton.jit
-def _load_input(x_ptrs, mask, up, SILU_MUL: tl.constexpr):
-    """An input tile: x, or with SILU_MUL silu(gate) * up of [gate | up] rows (up `up`
-    elements on), rounded as `silu_and_mul` rounds: the MLP's activation never stored."""
-    if mask is None:  # the GEMV's one row
-        x = tl.load(x_ptrs)
-        if SILU_MUL:
-            u = tl.load(x_ptrs + up)
-    else:
-        x = tl.load(x_ptrs, mask=mask, other=0.0)
-        if SILU_MUL:
-            u = tl.load(x_ptrs + up, mask=mask, other=0.0)
-    if SILU_MUL:
-        g = x.to(tl.float32)
-        act = (g * tl.sigmoid(g)).to(x.dtype).to(tl.float32)
-        x = (act * u.to(tl.float32)).to(x.dtype)
-    return x
-
-
-@triton.jit
 def _skinny_dot_kernel(
     x_ptr, w_ptr, out_ptr,
-    M, N, k_per_split, up,
+    M, N, k_per_split,
     stride_xm, stride_wn, stride_om, stride_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False, GDC: tl.constexpr = False,
+    EVICT: tl.constexpr, GDC: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -100,7 +82,7 @@ def _skinny_dot_kernel(
     wait_for_previous_grid(GDC)
     for _ in range(0, k_per_split, BLOCK_K):
         w = _load_weights(w_ptrs, n_ok, EVICT)
-        x = _load_input(x_ptrs, m_ok, up, SILU_MUL)
+        x = tl.load(x_ptrs, mask=m_ok, other=0.0)
         if UPCAST:  # the interpreter's bf16 dot is wrong (Triton 3.x); CPU tests only
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
         else:
@@ -119,7 +101,11 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False,
     GDC: tl.constexpr = False,
 ):
-    """One row: products summed per thread along K, reduced across threads once at the end."""
+    """One row: products summed per thread along K, reduced across threads once at the end.
+    SILU_MUL: x is [gate | up] (up `up` elements on) and the input silu(gate) * up, rounded as
+    `silu_and_mul` rounds: the MLP's activation is never stored. (Only here: in the
+    tensor-core kernel, arithmetic on the input tile stalls its pipelined loads; at 8 and 32
+    rows the step was 11-17% slower, bench/results/step_ab_h200_input_folds_at_89fb7f4.json.)"""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -132,7 +118,11 @@ def _gemv_kernel(
     wait_for_previous_grid(GDC)
     for _ in range(0, k_per_split, BLOCK_K):
         w = _load_weights(w_ptrs, n_ok, EVICT)
-        x = _load_input(x_ptrs, None, up, SILU_MUL)
+        x = tl.load(x_ptrs)
+        if SILU_MUL:
+            g = x.to(tl.float32)
+            act = (g * tl.sigmoid(g)).to(x.dtype).to(tl.float32)
+            x = (act * tl.load(x_ptrs + up).to(tl.float32)).to(x.dtype)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -165,8 +155,11 @@ def skinny_linear(
     silu_mul: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T in x's dtype, fp32 accumulation; `out` [M, N] if given.
-    With `silu_mul`, x is the MLP's [gate | up] [M, 2K] and the product is of silu_and_mul(x)."""
+    With `silu_mul` (the GEMV only), x is the MLP's [gate | up] [1, 2K] and the product is of
+    silu_and_mul(x)."""
     check_launchable(x, weight)
+    if silu_mul and not gemv:
+        raise ValueError("skinny_linear: silu_mul is the GEMV's alone")
     m = x.shape[0]
     n, k = weight.shape
     if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -192,9 +185,9 @@ def skinny_linear(
         )
     else:
         _skinny_dot_kernel[grid](
-            x, weight, target, m, n, k_per_split, k, x.stride(0), weight.stride(0), n, m * n,
+            x, weight, target, m, n, k_per_split, x.stride(0), weight.stride(0), n, m * n,
             BLOCK_M=block_m_for(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET,
-            EVICT=cfg.evict_first, SILU_MUL=silu_mul,
+            EVICT=cfg.evict_first,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     if cfg.split_k > 1:
@@ -229,7 +222,8 @@ def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None
 def linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
     """The model's y = x W^T: the skinny kernels for a decode step's few rows on the GPU,
     cuBLAS (F.linear) for everything else. With `silu_mul`, x is the MLP's [gate | up] and
-    y = silu_and_mul(x) W^T; the skinny kernels compute the activation as they read it."""
+    y = silu_and_mul(x) W^T; the GEMV computes the activation as it reads it (FOLD_SILU_MUL),
+    the other kernels after `silu_and_mul`."""
     if (
         x.dtype in HALF_DTYPES
         and weight.dtype == x.dtype
@@ -242,5 +236,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> tor
     ):
         choice = decode_config(x.shape[0], weight.shape[0], weight.shape[1])
         if choice is not None:
-            return skinny_linear(x, weight, *choice, silu_mul=silu_mul)
+            cfg, gemv = choice
+            if silu_mul and gemv and FOLD_SILU_MUL:
+                return skinny_linear(x, weight, cfg, gemv, silu_mul=True)
+            return skinny_linear(silu_and_mul(x) if silu_mul else x, weight, cfg, gemv)
     return F.linear(silu_and_mul(x) if silu_mul else x, weight)

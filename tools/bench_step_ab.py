@@ -1,13 +1,16 @@
 """The decode step under several kernel choices, interleaved in one process on one GPU:
-`python -m tools.bench_step_ab --model DIR [--modes pdl nopdl cublas rows64] [--out FILE]`.
+`python -m tools.bench_step_ab --model DIR [--modes pdl nosilu nopdl cublas rows64] [--out FILE]`.
 
 Same-run ratios are the only fair ones on lent machines whose hosts differ by 10-40%, and
 even within a run clocks drift; so every mode's executor (graphs captured with that mode's
 kernels) lives at once, and the modes take turns: in each of `--rounds` rounds every mode
 runs 8 executor steps (host work included, as a rank runs them) and 20 replays of its graph
-alone (CUDA events). Reported: the median over rounds of each. The modes:
+alone (CUDA events). Reported: the median over rounds of each, and how far each mode's logits
+of the first decode step (the same inputs in every mode) are from the first mode's: on a
+random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~1 nat. Modes:
   pdl     the default: skinny kernels up to 32 rows, programmatic dependent launch
-  nopdl   the same kernels launched plainly (DELTASERVE_PDL=0)
+  nosilu  the same, but the GEMV does not make the MLP's activation (silu_and_mul's kernel)
+  nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   rows64  the skinny tensor-core kernel up to 64 rows, PDL
 """
@@ -27,8 +30,12 @@ import deltaserve.kernels.triton_compat as triton_compat
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.bench_decode import hardware, time_events
+from deltaserve.tools.golden import compare_logprobs
 
-MODES = {"pdl": (32, True), "nopdl": (32, False), "cublas": (0, True), "rows64": (64, True)}  # max rows, PDL
+MODES = {  # max rows of the skinny kernels, PDL, the GEMV makes the MLP's activation
+    "pdl": (32, True, True), "nosilu": (32, True, False), "nopdl": (32, False, True),
+    "cublas": (0, True, True), "rows64": (64, True, True),
+}
 CONTEXT = 1000
 
 
@@ -36,30 +43,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["pdl", "nopdl", "cublas", "rows64"])
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["pdl", "nosilu", "nopdl", "cublas"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     modes = list(dict.fromkeys(args.modes))
     executors = {}
     for mode in modes:  # each captures its graphs under its own kernel choices
-        skinny.MAX_ROWS, triton_compat.PDL = MODES[mode]
+        skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLD_SILU_MUL = MODES[mode]
         executors[mode] = Executor(ExecutorConfig(
             args.model, device="cuda", dtype="bfloat16", block_size=16, num_slots=max(args.batches),
             num_blocks=max(args.batches) * 80, max_model_len=CONTEXT + 270, cuda_graphs=True))
-    skinny.MAX_ROWS, triton_compat.PDL = MODES["pdl"]
+    skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLD_SILU_MUL = MODES["pdl"]
     results = []
     next_id = 0
     for batch in args.batches:
         ids = list(range(next_id, next_id + batch))
         next_id += batch
-        position = {}
+        position, first_logits = {}, {}
         for mode, ex in executors.items():
             gen = torch.Generator().manual_seed(0)  # the same prompts for every mode
             for i in range(0, batch, 8):
                 ex.forward([StepItem(r, 0, torch.randint(0, 240000, (CONTEXT,), generator=gen).tolist(), True,
                                      NewRequest(CONTEXT + 260, SamplingSpec(seed=0))) for r in ids[i:i + 8]])  # fmt: skip
-            position[mode] = CONTEXT
+            position[mode] = CONTEXT + 1
+            first_logits[mode] = ex.forward([StepItem(r, CONTEXT, [7], True, None) for r in ids]).float()
+        numerics = {m: compare_logprobs(first_logits[m], first_logits[modes[0]]).as_dict() for m in modes[1:]}
         step_ms: dict[str, list[float]] = {m: [] for m in modes}
         replay_ms: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(args.rounds):
@@ -79,10 +88,12 @@ def main(argv: list[str] | None = None) -> int:
             ex.drop(ids)
             row = {"mode": mode, "batch": batch, "step_ms": round(statistics.median(step_ms[mode]), 4),
                    "replay_ms": round(statistics.median(replay_ms[mode]), 4),
-                   "replay_ms_rounds": [round(t, 4) for t in replay_ms[mode]]}
+                   "replay_ms_rounds": [round(t, 4) for t in replay_ms[mode]],
+                   f"first_step_vs_{modes[0]}": numerics.get(mode)}
             results.append(row)
+            gap = numerics[mode]["max_abs_diff"] if mode in numerics else 0.0
             print(f"{mode:7s} b={batch:3d} step {row['step_ms']:6.3f} ms  replay {row['replay_ms']:6.3f} ms  "
-                  f"rounds {row['replay_ms_rounds']}", flush=True)
+                  f"rounds {row['replay_ms_rounds']}  top-8 logprob gap {gap:.4f}", flush=True)
     if args.out:
         report = {"command": " ".join(["python -m tools.bench_step_ab", *sys.argv[1:]]),
                   "hardware": hardware(torch.device("cuda")), "results": results}
