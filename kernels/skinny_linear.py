@@ -202,18 +202,15 @@ def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None
     """The kernel for `rows` x [n, k], or None for cuBLAS; the rule read off bench_linear's
     sweep at the 4B shapes on the H200 (bench/results/linear_h200_*.json).
 
-    One row: the GEMV; on narrow outputs 2 rows per program over long K slices, on wide ones
-    8 rows per program over 512 columns at a time, 4 loads in flight, the weights evicted
-    from L2 first (linear_h200_gemv_at_63e9960.json: the DeltaNet's in_proj 20.0 -> 17.7 us,
-    the 2560-wide outputs 2-4% faster, the rest within 1%). More rows: the
+    One row: the GEMV; on narrow outputs 4 rows per program over long K slices with 8 warps,
+    on wide ones 8 rows per program with the weights evicted from L2 first. More rows: the
     tensor-core kernel with 64-row weight tiles, K split in 3 or 4 only where the outputs give
     fewer tiles than the H200 has SMs (the 2560-wide projections)."""
     if rows == 1:
         if n > 4096:
-            block_k = next((b for b in (512, 256) if k % b == 0), None)
-            return (SkinnyConfig(8, block_k, 1, 4, 4, evict_first=True), True) if block_k else None
+            return (SkinnyConfig(8, 256, 1, 4, 2, evict_first=True), True) if k % 256 == 0 else None
         block_k = next((b for b in (1024, 512, 256) if k % b == 0), None)
-        return (SkinnyConfig(2, block_k, 1, 4, 2), True) if block_k else None
+        return (SkinnyConfig(4, block_k, 1, 8, 2), True) if block_k else None
     if rows > MAX_ROWS or k % 128:
         return None
     split = 1

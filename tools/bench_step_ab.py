@@ -11,8 +11,6 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   pdl     the default: skinny kernels up to 32 rows, programmatic dependent launch
   nosilu  the same, but the GEMV does not make the MLP's activation (silu_and_mul's kernel)
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
-  gemv253 the GEMV's tiles of 253cb99 (4 rows per program on narrow outputs, 256 columns at
-          a time on wide ones)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   rows64  the skinny tensor-core kernel up to 64 rows, PDL
 """
@@ -34,25 +32,10 @@ from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.bench_decode import hardware, time_events
 from deltaserve.tools.golden import compare_logprobs
 
-MODES = {  # max rows of the skinny kernels, PDL, the GEMV makes the MLP's activation, GEMV tiles
-    "pdl": (32, True, True, None), "nosilu": (32, True, False, None), "nopdl": (32, False, True, None),
-    "cublas": (0, True, True, None), "rows64": (64, True, True, None), "gemv253": (32, True, True, "253cb99"),
+MODES = {  # max rows of the skinny kernels, PDL, the GEMV makes the MLP's activation
+    "pdl": (32, True, True), "nosilu": (32, True, False), "nopdl": (32, False, True),
+    "cublas": (0, True, True), "rows64": (64, True, True),
 }
-DECODE_CONFIG = skinny.decode_config
-
-
-def gemv_of_253cb99(rows: int, n: int, k: int) -> tuple[skinny.SkinnyConfig, bool] | None:
-    """decode_config with the GEMV tiles it had at 253cb99."""
-    if rows == 1 and k % 256 == 0:
-        if n > 4096:
-            return skinny.SkinnyConfig(8, 256, 1, 4, 2, evict_first=True), True
-        return skinny.SkinnyConfig(4, next(b for b in (1024, 512, 256) if k % b == 0), 1, 8, 2), True
-    return DECODE_CONFIG(rows, n, k)
-
-
-def set_mode(mode: str) -> None:
-    skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLD_SILU_MUL, gemv = MODES[mode]
-    skinny.decode_config = gemv_of_253cb99 if gemv == "253cb99" else DECODE_CONFIG
 CONTEXT = 1000
 
 
@@ -67,11 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     modes = list(dict.fromkeys(args.modes))
     executors = {}
     for mode in modes:  # each captures its graphs under its own kernel choices
-        set_mode(mode)
+        skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLD_SILU_MUL = MODES[mode]
         executors[mode] = Executor(ExecutorConfig(
             args.model, device="cuda", dtype="bfloat16", block_size=16, num_slots=max(args.batches),
             num_blocks=max(args.batches) * 80, max_model_len=CONTEXT + 270, cuda_graphs=True))
-    set_mode("pdl")
+    skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLD_SILU_MUL = MODES["pdl"]
     results = []
     next_id = 0
     for batch in args.batches:
