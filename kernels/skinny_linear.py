@@ -104,8 +104,8 @@ def _gemv_kernel(
     """One row: products summed per thread along K, reduced across threads once at the end.
     SILU_MUL: x is [gate | up] (up `up` elements on) and the input silu(gate) * up, rounded as
     `silu_and_mul` rounds: the MLP's activation is never stored. (Only here: in the
-    tensor-core kernel, arithmetic on the input tile stalls its pipelined loads; at 8 and 32
-    rows the step was 11-17% slower, bench/results/step_ab_h200_input_folds_at_89fb7f4.json.)"""
+    tensor-core kernel, arithmetic on the input tile stalls its pipelined loads; 8- and 32-row
+    steps took 14% and 21% longer, bench/results/step_ab_h200_gemv_silu_at_74f4f1f.json.)"""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
