@@ -127,6 +127,7 @@ class RankServer:
         if config.journal_path:
             self.journal_fd = os.open(config.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self.expected_seq = 1
+        self.ahead: bytes | None = None  # the next frame, its receipt already in the gate
         self.num_steps = 0
         self.trace = StepTrace(f"rank{config.rank}")
 
@@ -146,29 +147,51 @@ class RankServer:
 
     def serve(self) -> int:
         while True:
-            frame = self.commands.recv(IDLE_POLL_MS)
+            frame, receipted, self.ahead = self.ahead, self.ahead is not None, None
+            if frame is None:
+                frame = self.commands.recv(IDLE_POLL_MS)
             if frame is None:
                 self.check_parent()
                 continue
-            if self.handle(frame):
+            if self.handle(frame, receipted):
                 self.trace.write()
                 return 0
 
-    def handle(self, frame: bytes) -> bool:
-        """Carry out one command frame; True when the rank should exit.
-
-        The receipt goes into the gate before the frame is decoded, so the controller's
-        release overlaps the decode; it names the frame's position in the stream (= its seq
-        when nothing was lost) and its crc32, which the controller checks against what it sent.
-        """
+    def receive(self, frame: bytes) -> None:
+        """Put the receipt of the frame `expected_seq` names into the gate: its position in
+        the stream (= its seq when nothing was lost) and its crc32, which the controller
+        checks against what it sent. It goes in before the frame is decoded, so the
+        controller's release overlaps the decode."""
         seq = self.expected_seq
-        self.expected_seq = seq + 1
         self.trace.mark(seq, "recv")
         fault = self.fault
         if fault is not None and fault.kind in faults.RECEIPT_FAULTS:
             self.fault_before_receipt(fault, frame)
         self.gate.record_receipt(self.rank, seq, zlib.crc32(frame))
         self.receipt_bell.ring()
+
+    def receive_ahead(self) -> None:
+        """Before replying to a step that ran, the receipt of the next frame if it is already
+        here (a pipelined follower): the controller then meets it with the reply, and
+        releases the follower before it reacts to the step's results, not after. This rank
+        has marked the step done, so a receipt still implies the step ahead ended here. Not
+        after a failed step (its reply goes first, as the controller must see it to cancel),
+        nor under a fault plan that strikes at the reply or before a receipt."""
+        if self.fault is not None and self.fault.kind in faults.RECEIPT_FAULTS:
+            return
+        frame = self.commands.recv_nowait()
+        if frame is not None:
+            self.receive(frame)
+            self.ahead = frame
+
+    def handle(self, frame: bytes, receipted: bool = False) -> bool:
+        """Carry out one command frame (its receipt in the gate if `receipted`); True when
+        the rank should exit."""
+        if not receipted:
+            self.receive(frame)
+        seq = self.expected_seq
+        self.expected_seq = seq + 1
+        fault = self.fault
         try:
             command = command_decoder.decode(frame)
         except DECODE_ERRORS as exc:
@@ -205,6 +228,8 @@ class RankServer:
         if gated:
             self.gate.mark_done(self.rank, seq)
         self.trace.mark(seq, "executed", len(command.items) if is_step else 0)
+        if is_step and not armed and type(reply) is not Failure:
+            self.receive_ahead()
         if armed:
             self.fault_reply(fault, command, reply)
         else:

@@ -38,6 +38,10 @@ async def test_every_step_is_traced_in_causal_order(tiny_model_dir, tmp_path, mo
     pipelined = [seq for seq, m in steps.items()
                  if seq - 1 in steps and m[("controller", "call")] < steps[seq - 1][("scheduler", "results")]]  # fmt: skip
     assert len(pipelined) >= 2 * 3  # 5 of each run's 6 steps, as measured here
+    # the follower's receipt is in the gate before the reply to the step ahead goes out
+    # (rank_main.receive_ahead): the controller can release it before reacting to the results
+    early = [seq for seq in pipelined if steps[seq][("rank0", "recv")] < steps[seq - 1][("rank0", "replied")]]
+    assert len(early) >= 2 * 3, f"{len(early)} of {len(pipelined)} followers received before the reply ahead"
     table = hop_table(marks)
     assert sum(hops["steps"] for hops in table.values()) == len(steps)
     assert "rank 0 idle since the last step" in table[3]
