@@ -39,6 +39,11 @@ MODES = {  # max rows of the skinny kernels, PDL, the GEMV makes the MLP's activ
 CONTEXT = 1000
 
 
+def use_mode(mode: str) -> None:
+    """Set the module switches that choose a decode step's kernels."""
+    skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLD_SILU_MUL = MODES[mode]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -50,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     modes = list(dict.fromkeys(args.modes))
     executors = {}
     for mode in modes:  # each captures its graphs under its own kernel choices
-        skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLD_SILU_MUL = MODES[mode]
+        use_mode(mode)
         executors[mode] = Executor(ExecutorConfig(
             args.model, device="cuda", dtype="bfloat16", block_size=16, num_slots=max(args.batches),
             num_blocks=max(args.batches) * 80, max_model_len=CONTEXT + 270, cuda_graphs=True))
-    skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLD_SILU_MUL = MODES["pdl"]
+    use_mode("pdl")
     results = []
     next_id = 0
     for batch in args.batches:
