@@ -1,0 +1,200 @@
+"""Where a decode step's time goes on one GPU: `python -m tools.step_anatomy --model DIR
+[--batches 1 64] [--out FILE]`.
+
+For each batch, on the executor as a rank runs it (graphs captured, PDL as configured):
+- the graph's replay timed by CUDA events with the GPU idle (its launch included) and queued
+  behind a busy kernel (launch hidden): the difference is what the launch exposes;
+- the host cost of `graph.replay()` alone;
+- the rank's whole step (`run_step`: forward and sampling, greedy, the pipelined form of an
+  item) split at the replay call and the sampler: host before the launch, the launch, the
+  host until the sampler, the sampler (it waits for the GPU);
+- one profiled replay, queued: each kernel's share of the critical path (its end minus the
+  later of its start and the ends before it; under PDL a kernel starts early and waits), by
+  kernel name, and every projection's weight bytes over its share (achieved GB/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+
+import deltaserve.engine.rank.linear as rank_linear
+from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+from deltaserve.tools.bench_decode import hardware
+
+CONTEXT = 1000
+BUSY_CYCLES = 4_000_000  # ~2 ms at the H200's 1.98 GHz: the launch finishes behind it
+
+
+class StampedGraph:
+    """A captured graph whose replay() notes when the call began and returned."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, stamps: dict[str, float]) -> None:
+        self.graph, self.stamps = graph, stamps
+
+    def replay(self) -> None:
+        self.stamps["launch"] = time.perf_counter()
+        self.graph.replay()
+        self.stamps["launched"] = time.perf_counter()
+
+
+def median_ms(values: list[float]) -> float:
+    return round(statistics.median(values) * 1e3, 4)
+
+
+def replay_times(graph: torch.cuda.CUDAGraph, reps: int) -> dict:
+    """The replay with the GPU idle (the launch shows) and behind a busy kernel (it hides)."""
+    idle, queued, host = [], [], []
+    for busy in (False, True) * reps:
+        torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(BUSY_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        graph.replay()
+        t1 = time.perf_counter()
+        end.record()
+        end.synchronize()
+        (queued if busy else idle).append(start.elapsed_time(end) / 1e3)
+        if busy:
+            host.append(t1 - t0)
+    return {"replay_idle_ms": median_ms(idle), "replay_queued_ms": median_ms(queued),
+            "replay_call_host_ms": median_ms(host)}  # fmt: skip
+
+
+def critical_path(graph: torch.cuda.CUDAGraph, weight_bytes: list[int]) -> dict:
+    """One queued replay under torch.profiler: each kernel's share of the critical path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(BUSY_CYCLES)
+        graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    kernels = sorted((e for e in trace["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    kernels = [k for k in kernels if "sleep" not in k["name"].lower()]
+    frontier = kernels[0]["ts"]
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    launches, projections = [], iter(weight_bytes)
+    for k in kernels:
+        end = k["ts"] + k["dur"]
+        share = max(0.0, end - max(frontier, k["ts"]))
+        frontier = max(frontier, end)
+        name = k["name"].split("<")[0][:60]
+        entry = by_name[name]
+        entry[0] += 1
+        entry[1] += share
+        entry[2] += k["dur"]
+        row = {"name": name, "share_us": round(share, 2), "dur_us": round(k["dur"], 2)}
+        if name in ("_gemv_kernel", "_skinny_dot_kernel"):
+            nbytes = next(projections, None)
+            if nbytes is not None and share > 0:
+                row["GBps"] = round(nbytes / (share * 1e-6) / 1e9, 1)
+                row["bytes"] = nbytes
+        launches.append(row)
+    span = frontier - kernels[0]["ts"]
+    names = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return {"span_us": round(span, 1), "kernels": len(kernels),
+            "by_name": [{"name": n, "count": c, "share_us": round(s, 1), "dur_us": round(d, 1)} for n, (c, s, d) in names],
+            "launches": launches}  # fmt: skip
+
+
+def projection_bytes(ex: Executor, items: list[StepItem]) -> list[int]:
+    """The weight bytes of every projection of one eager step through `linear`, in order."""
+    seen: list[int] = []
+    original = rank_linear.linear
+
+    def recording(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        seen.append(weight.numel() * weight.element_size())
+        return original(x, weight, silu_mul)
+
+    rank_linear.linear = recording
+    try:
+        ex._run_eager(ex._build_batch(ex._with_last_samples(items), False))
+    finally:
+        rank_linear.linear = original
+    return seen
+
+
+def anatomy(ex: Executor, batch: int, first_id: int, steps: int) -> dict:
+    ids = list(range(first_id, first_id + batch))
+    gen = torch.Generator().manual_seed(0)
+    for i in range(0, batch, 8):
+        ex.run_step([StepItem(r, 0, torch.randint(0, 240000, (CONTEXT,), generator=gen).tolist(), True,
+                              NewRequest(CONTEXT + 4 * steps + 64, SamplingSpec(seed=0))) for r in ids[i:i + 8]])  # fmt: skip
+    size = min(b for b in ex.graphs.graphs if b >= batch)
+    graph, logits = ex.graphs.graphs[size]
+    stamps: dict[str, float] = {}
+    ex.graphs.graphs[size] = (StampedGraph(graph, stamps), logits)
+    sample = ex.sampler.sample
+
+    def stamped_sample(*args, **kwargs):
+        stamps["sample"] = time.perf_counter()
+        return sample(*args, **kwargs)
+
+    ex.sampler.sample = stamped_sample
+    segments: dict[str, list[float]] = defaultdict(list)
+    walls = []
+    for _ in range(steps):  # back to back, as a rank runs a follower: no sync but the sampler's
+        items = [StepItem(r, ex.requests[r].num_tokens, [], True, None) for r in ids]
+        t0 = time.perf_counter()
+        ex.run_step(items)
+        t1 = time.perf_counter()
+        walls.append(t1 - t0)
+        segments["host_before_launch"].append(stamps["launch"] - t0)
+        segments["launch_call"].append(stamps["launched"] - stamps["launch"])
+        segments["host_until_sampler"].append(stamps["sample"] - stamps["launched"])
+        segments["sampler_incl_gpu_wait"].append(t1 - stamps["sample"])
+    ex.sampler.sample = sample
+    ex.graphs.graphs[size] = (graph, logits)
+    row = {"batch": batch, "bucket": size, "run_step_ms": median_ms(walls),
+           **{k: median_ms(v) for k, v in segments.items()}, **replay_times(graph, reps=20)}  # fmt: skip
+    items = [StepItem(r, ex.requests[r].num_tokens, [], True, None) for r in ids]
+    row["critical_path"] = critical_path(graph, projection_bytes(ex, items))
+    ex.drop(ids)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    ex = Executor(ExecutorConfig(args.model, device="cuda", dtype="bfloat16", block_size=16,
+                                 num_slots=max(args.batches), num_blocks=max(args.batches) * 80,
+                                 max_model_len=CONTEXT + 270, cuda_graphs=True))  # fmt: skip
+    rows = []
+    for i, batch in enumerate(args.batches):
+        row = anatomy(ex, batch, first_id=i * 1000, steps=args.steps)
+        rows.append(row)
+        flat = {k: v for k, v in row.items() if k != "critical_path"}
+        print(json.dumps(flat), flush=True)
+        path = row["critical_path"]
+        print(f"b={batch}: {path['kernels']} kernels, critical path {path['span_us']} us", flush=True)
+        for entry in path["by_name"][:12]:
+            print(f"  {entry['name']:40s} x{entry['count']:4d}  share {entry['share_us']:8.1f} us  "
+                  f"dur {entry['dur_us']:8.1f} us", flush=True)
+    if args.out:
+        report = {"command": " ".join(["python -m tools.step_anatomy", *sys.argv[1:]]),
+                  "hardware": hardware(torch.device("cuda")), "results": rows}
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
