@@ -71,7 +71,7 @@ def replay_times(graph: torch.cuda.CUDAGraph, reps: int) -> dict:
             "replay_call_host_ms": median_ms(host)}  # fmt: skip
 
 
-def critical_path(graph: torch.cuda.CUDAGraph, weight_bytes: list[int]) -> dict:
+def critical_path(graph: torch.cuda.CUDAGraph, shapes: list[tuple[int, int, int]]) -> dict:
     """One queued replay under torch.profiler: each kernel's share of the critical path."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -87,7 +87,7 @@ def critical_path(graph: torch.cuda.CUDAGraph, weight_bytes: list[int]) -> dict:
     kernels = [k for k in kernels if "sleep" not in k["name"].lower()]
     frontier = kernels[0]["ts"]
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    launches, projections = [], iter(weight_bytes)
+    launches, projections = [], iter(shapes)
     for k in kernels:
         end = k["ts"] + k["dur"]
         share = max(0.0, end - max(frontier, k["ts"]))
@@ -99,10 +99,8 @@ def critical_path(graph: torch.cuda.CUDAGraph, weight_bytes: list[int]) -> dict:
         entry[2] += k["dur"]
         row = {"name": name, "share_us": round(share, 2), "dur_us": round(k["dur"], 2)}
         if name in ("_gemv_kernel", "_skinny_dot_kernel"):
-            nbytes = next(projections, None)
-            if nbytes is not None and share > 0:
-                row["GBps"] = round(nbytes / (share * 1e-6) / 1e9, 1)
-                row["bytes"] = nbytes
+            n, k, nbytes = next(projections, (0, 0, 0))
+            row.update(shape=[n, k], bytes=nbytes, GBps=round(nbytes / max(share, 1e-3) / 1e3, 1))
         launches.append(row)
     span = frontier - kernels[0]["ts"]
     names = sorted(by_name.items(), key=lambda kv: -kv[1][1])
@@ -111,13 +109,13 @@ def critical_path(graph: torch.cuda.CUDAGraph, weight_bytes: list[int]) -> dict:
             "launches": launches}  # fmt: skip
 
 
-def projection_bytes(ex: Executor, items: list[StepItem]) -> list[int]:
-    """The weight bytes of every projection of one eager step through `linear`, in order."""
-    seen: list[int] = []
+def projection_shapes(ex: Executor, items: list[StepItem]) -> list[tuple[int, int, int]]:
+    """(N, K, weight bytes) of every projection of one eager step through `linear`, in order."""
+    seen: list[tuple[int, int, int]] = []
     original = rank_linear.linear
 
     def recording(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        seen.append(weight.numel() * weight.element_size())
+        seen.append((*weight.shape, weight.numel() * weight.element_size()))
         return original(x, weight, silu_mul)
 
     rank_linear.linear = recording
@@ -126,6 +124,17 @@ def projection_bytes(ex: Executor, items: list[StepItem]) -> list[int]:
     finally:
         rank_linear.linear = original
     return seen
+
+
+def host_ops(ex: Executor, ids: list[int], steps: int = 10) -> list[dict]:
+    """The torch calls' host time per step over `steps` run_steps (CPU activity only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            ex.run_step([StepItem(r, ex.requests[r].num_tokens, [], True, None) for r in ids])
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+    return [{"name": e.key[:60], "calls": e.count // steps, "us": round(e.self_cpu_time_total / steps, 1)} for e in ops]
 
 
 def anatomy(ex: Executor, batch: int, first_id: int, steps: int) -> dict:
@@ -145,6 +154,13 @@ def anatomy(ex: Executor, batch: int, first_id: int, steps: int) -> dict:
         return sample(*args, **kwargs)
 
     ex.sampler.sample = stamped_sample
+    run = ex.graphs.run
+
+    def stamped_run(*args, **kwargs):
+        stamps["graphs_run"] = time.perf_counter()
+        return run(*args, **kwargs)
+
+    ex.graphs.run = stamped_run
     segments: dict[str, list[float]] = defaultdict(list)
     walls = []
     for _ in range(steps):  # back to back, as a rank runs a follower: no sync but the sampler's
@@ -154,15 +170,18 @@ def anatomy(ex: Executor, batch: int, first_id: int, steps: int) -> dict:
         t1 = time.perf_counter()
         walls.append(t1 - t0)
         segments["host_before_launch"].append(stamps["launch"] - t0)
+        segments["of_which_in_graphs_run"].append(stamps["launch"] - stamps["graphs_run"])
         segments["launch_call"].append(stamps["launched"] - stamps["launch"])
         segments["host_until_sampler"].append(stamps["sample"] - stamps["launched"])
         segments["sampler_incl_gpu_wait"].append(t1 - stamps["sample"])
     ex.sampler.sample = sample
+    del ex.graphs.run
     ex.graphs.graphs[size] = (graph, logits)
     row = {"batch": batch, "bucket": size, "run_step_ms": median_ms(walls),
            **{k: median_ms(v) for k, v in segments.items()}, **replay_times(graph, reps=20)}  # fmt: skip
     items = [StepItem(r, ex.requests[r].num_tokens, [], True, None) for r in ids]
-    row["critical_path"] = critical_path(graph, projection_bytes(ex, items))
+    row["host_ops_per_step"] = host_ops(ex, ids)
+    row["critical_path"] = critical_path(graph, projection_shapes(ex, items))
     ex.drop(ids)
     return row
 
@@ -181,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     for i, batch in enumerate(args.batches):
         row = anatomy(ex, batch, first_id=i * 1000, steps=args.steps)
         rows.append(row)
-        flat = {k: v for k, v in row.items() if k != "critical_path"}
+        flat = {k: v for k, v in row.items() if k not in ("critical_path", "host_ops_per_step")}
         print(json.dumps(flat), flush=True)
+        print("  host per step:", ", ".join(f"{o['name']} {o['us']}" for o in row["host_ops_per_step"][:8]))
         path = row["critical_path"]
         print(f"b={batch}: {path['kernels']} kernels, critical path {path['span_us']} us", flush=True)
         for entry in path["by_name"][:12]:

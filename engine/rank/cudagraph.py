@@ -96,9 +96,10 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first (so smaller ones reuse its memory pool)."""
-        for size in sorted(batch_buckets(self.max_batch), reverse=True):
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Capture every bucket (or `sizes`, again: tools/step_tiles.py), largest first (so
+        smaller ones reuse its memory pool)."""
+        for size in sorted(sizes or batch_buckets(self.max_batch), reverse=True):
             if not self.is_cuda:
                 self.graphs[size] = (None, None)
                 continue

@@ -1,0 +1,164 @@
+"""Tiles of the decode projections, judged inside the step: `python -m tools.step_tiles
+--model DIR [--batches 1 8 32 64] [--out FILE]`.
+
+A projection timed back to back (tools/bench_linear.py) is not timed as the step runs it:
+under PDL a kernel starts while its predecessor ends, and the tiles that won there lost in
+the step (bench/results/step_ab_h200_gemv_tiles_at_381bf8a.json). Here, for each batch, the
+decode graph is captured again with each candidate tile applied to every projection shape at
+once, and one queued replay is profiled (tools/step_anatomy.py): a projection's cost is its
+share of the critical path, summed over its launches. The best candidate per shape (cuBLAS
+among them) is then checked as a whole against the rule in kernels/skinny_linear.py by
+interleaved replays (CUDA events), and printed as the rule to adopt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+import torch
+
+import deltaserve.kernels.skinny_linear as skinny
+from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+from deltaserve.kernels.skinny_linear import SkinnyConfig
+from deltaserve.tools.bench_decode import hardware
+from deltaserve.tools.step_anatomy import BUSY_CYCLES, CONTEXT, critical_path, projection_shapes
+
+CUBLAS = "cublas"
+# (block_n, block_k, split_k, num_warps, num_stages, evict_first) per kernel; split_k 0: the
+# rule's own split for the shape
+GEMV = [(8, 256, 1, 4, 2, True), (8, 256, 1, 4, 3, True), (16, 256, 1, 8, 2, True), (4, 512, 1, 4, 2, True),
+        (8, 512, 1, 8, 2, True), (8, 128, 1, 4, 4, True), (8, 256, 1, 4, 2, False), (4, 256, 1, 2, 2, True),
+        (4, 1024, 1, 8, 2, False), (4, 1024, 1, 8, 3, False), (2, 1024, 1, 4, 2, False), (4, 512, 1, 4, 2, False),
+        (8, 512, 1, 8, 2, False), (4, 1024, 1, 8, 2, True), (4, 512, 2, 4, 2, False), (2, 512, 1, 4, 3, False)]  # fmt: skip
+DOT = [(64, 128, 0, 4, 3, False), (64, 128, 0, 4, 4, False), (64, 256, 0, 4, 3, False), (128, 128, 0, 8, 3, False),
+       (64, 64, 0, 4, 5, False), (64, 128, 0, 4, 3, True), (128, 64, 0, 4, 4, False), (64, 128, 1, 4, 3, False)]  # fmt: skip
+
+
+def candidate(tile: tuple, rows: int, n: int, k: int) -> SkinnyConfig | None:
+    """The tile as a config for this shape, or None where it does not divide K."""
+    block_n, block_k, split, warps, stages, evict = tile
+    if split == 0:
+        rule = skinny.decode_config(2, n, k)
+        split = rule[0].split_k if rule else 1
+    if k % (block_k * split):
+        return None
+    return SkinnyConfig(block_n, block_k, split, warps, stages, evict)
+
+
+def capture_with(ex: Executor, size: int, rows: int, choice: dict) -> None:
+    """Capture bucket `size` again, each shape (N, K) on `choice[(N, K)]`: a tile or cuBLAS."""
+    rule = skinny.decode_config
+
+    def chosen(r: int, n: int, k: int):
+        pick = choice.get((n, k))
+        if r != rows or pick is None:
+            return rule(r, n, k)
+        return None if pick == CUBLAS else (candidate(pick, rows, n, k), rows == 1)
+
+    skinny.decode_config, skinny.MAX_ROWS = chosen, max(skinny.MAX_ROWS, rows)
+    try:
+        ex.graphs.capture([size])
+    finally:
+        skinny.decode_config, skinny.MAX_ROWS = rule, 32
+
+
+def shares_by_shape(ex: Executor, size: int, shapes: list) -> dict:
+    graph = ex.graphs.graphs[size][0]
+    totals: dict[tuple[int, int], float] = defaultdict(float)
+    for launch in critical_path(graph, shapes)["launches"]:
+        if "shape" in launch:
+            totals[tuple(launch["shape"])] += launch["share_us"]
+    return dict(totals)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 10) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda._sleep(BUSY_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def sweep(ex: Executor, batch: int, first_id: int, rounds: int) -> dict:
+    ids = list(range(first_id, first_id + batch))
+    gen = torch.Generator().manual_seed(0)
+    for i in range(0, batch, 8):
+        ex.run_step([StepItem(r, 0, torch.randint(0, 240000, (CONTEXT,), generator=gen).tolist(), True,
+                              NewRequest(CONTEXT + 64, SamplingSpec(seed=0))) for r in ids[i:i + 8]])  # fmt: skip
+    ex.run_step([StepItem(r, CONTEXT, [], True, None) for r in ids])  # inputs for the replays
+    size = min(b for b in ex.graphs.graphs if b >= batch)
+    default = ex.graphs.graphs[size]
+    # the shapes of a step of `batch` rows, as the rule runs it (an eager step, then undone)
+    shapes = projection_shapes(ex, [StepItem(r, CONTEXT + 1, [], True, None) for r in ids])
+    distinct = sorted({(n, k) for n, k, _ in shapes})
+    tiles = GEMV if batch == 1 else DOT
+    options = {str(t): t for t in [*tiles, CUBLAS] if batch > 1 or t != CUBLAS}
+    measured: dict[tuple[int, int], dict] = {s: {} for s in distinct}
+    for shape, share in shares_by_shape(ex, size, shapes).items():  # the rule's own graph
+        measured[shape]["rule"] = share
+    for name, option in options.items():
+        choice = {s: option for s in distinct if option == CUBLAS or candidate(option, batch, *s)}
+        try:
+            capture_with(ex, size, batch, choice)
+        except Exception as exc:  # a tile that does not compile or launch: skipped
+            print(f"b={batch} {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        for shape, share in shares_by_shape(ex, size, shapes).items():
+            if shape in choice:
+                measured[shape][name] = share
+    best = {s: min(m.items(), key=lambda kv: kv[1]) for s, m in measured.items()}
+    picks = {s: options[name] for s, (name, _) in best.items() if name != "rule"}
+    capture_with(ex, size, batch, picks)
+    tuned = ex.graphs.graphs[size]
+    pairs = {"rule": [], "picks": []}
+    for _ in range(rounds):  # interleaved: the rule's graph and the picks' graph
+        pairs["rule"].append(replay_ms(default[0]))
+        pairs["picks"].append(replay_ms(tuned[0]))
+    ex.graphs.graphs[size] = default
+    ex.drop(ids)
+    return {"batch": batch,
+            "shares_us": {f"{n}x{k}": m for (n, k), m in measured.items()},
+            "picks": {f"{n}x{k}": [best[(n, k)][0], round(best[(n, k)][1], 1)] for (n, k) in best},
+            "replay_ms": {name: round(statistics.median(v), 4) for name, v in pairs.items()},
+            "replay_ms_rounds": {name: [round(t, 4) for t in v] for name, v in pairs.items()}}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    ex = Executor(ExecutorConfig(args.model, device="cuda", dtype="bfloat16", block_size=16,
+                                 num_slots=max(args.batches), num_blocks=max(args.batches) * 80,
+                                 max_model_len=CONTEXT + 270, cuda_graphs=True))  # fmt: skip
+    rows = []
+    for i, batch in enumerate(args.batches):
+        row = sweep(ex, batch, first_id=i * 1000, rounds=args.rounds)
+        rows.append(row)
+        for shape, (name, share) in row["picks"].items():
+            rule = row["shares_us"][shape]["rule"]
+            print(f"b={batch:3d} {shape:11s} best {name:34s} {share:8.1f} us  (the rule {rule:.1f} us)", flush=True)
+        print(f"b={batch:3d} replay: rule {row['replay_ms']['rule']:.4f} ms, picks {row['replay_ms']['picks']:.4f} ms",
+              flush=True)  # fmt: skip
+    if args.out:
+        report = {"command": " ".join(["python -m tools.step_tiles", *sys.argv[1:]]),
+                  "hardware": hardware(torch.device("cuda")), "results": rows}
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
