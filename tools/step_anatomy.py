@@ -31,6 +31,9 @@ from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.bench_decode import hardware
 
 CONTEXT = 1000
+# the kernels that start a projection (ours, or cuBLAS's), and those that add its split-K parts
+PROJECTION_KERNELS = ("_gemv_kernel", "_skinny_dot_kernel", "nvjet", "sm90_xmma", "cutlass")
+SPLIT_SUMS = ("_sum_splits_kernel", "void cublasLt::splitKreduce")
 BUSY_CYCLES = 4_000_000  # ~2 ms at the H200's 1.98 GHz: the launch finishes behind it
 
 
@@ -87,7 +90,7 @@ def critical_path(graph: torch.cuda.CUDAGraph, shapes: list[tuple[int, int, int]
     kernels = [k for k in kernels if "sleep" not in k["name"].lower()]
     frontier = kernels[0]["ts"]
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    launches, projections = [], iter(shapes)
+    launches, projections, current = [], iter(shapes), None
     for k in kernels:
         end = k["ts"] + k["dur"]
         share = max(0.0, end - max(frontier, k["ts"]))
@@ -98,9 +101,13 @@ def critical_path(graph: torch.cuda.CUDAGraph, shapes: list[tuple[int, int, int]
         entry[1] += share
         entry[2] += k["dur"]
         row = {"name": name, "share_us": round(share, 2), "dur_us": round(k["dur"], 2)}
-        if name in ("_gemv_kernel", "_skinny_dot_kernel"):
-            n, k, nbytes = next(projections, (0, 0, 0))
-            row.update(shape=[n, k], bytes=nbytes, GBps=round(nbytes / max(share, 1e-3) / 1e3, 1))
+        if name.startswith(PROJECTION_KERNELS):  # the next projection (cuBLAS's lm_head: none left)
+            n_out, k_in, nbytes = next(projections, (0, 0, 0))
+            if nbytes:
+                row.update(shape=[n_out, k_in], bytes=nbytes, GBps=round(nbytes / max(share, 1e-3) / 1e3, 1))
+                current = row
+        elif name.startswith(SPLIT_SUMS) and current is not None:  # the projection's split-K sum
+            row["shape"] = current["shape"]
         launches.append(row)
     span = frontier - kernels[0]["ts"]
     names = sorted(by_name.items(), key=lambda kv: -kv[1][1])

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         row = sweep(ex, batch, first_id=i * 1000, rounds=args.rounds)
         rows.append(row)
         for shape, (name, share) in row["picks"].items():
-            rule = row["shares_us"][shape]["rule"]
+            rule = row["shares_us"][shape].get("rule", float("nan"))
             print(f"b={batch:3d} {shape:11s} best {name:34s} {share:8.1f} us  (the rule {rule:.1f} us)", flush=True)
         print(f"b={batch:3d} replay: rule {row['replay_ms']['rule']:.4f} ms, picks {row['replay_ms']['picks']:.4f} ms",
               flush=True)  # fmt: skip
