@@ -32,12 +32,12 @@ from deltaserve.kernels.triton_compat import (
     wait_for_previous_grid,
 )
 
-# Above this many rows cuBLAS's own tiles stream the weights as fast (tools/bench_linear.py:
-# at 64 rows it was as fast or faster on every 4B shape).
-MAX_ROWS = 32
+# The most rows the skinny kernels take (above 32, only the TUNED shapes); 0: cuBLAS for all.
+MAX_ROWS = 64
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 SPLIT_BELOW_TILES = 132  # split K when the outputs give fewer 64-row tiles: the H200's SM count
 FOLD_SILU_MUL = True  # the GEMV makes the MLP's activation (tools/bench_step_ab.py turns it off)
+USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mode turns them off)
 
 
 @dataclass(frozen=True)
@@ -198,20 +198,37 @@ def skinny_linear(
     return out
 
 
+# Tiles for the 4B shapes by (most rows, N, K): each was the fastest inside the decode step on
+# the H200, by the projection's share of the step's critical path, and the whole step's replay
+# was faster with them (tools/step_tiles.py, bench/results/step_tiles_h200_*.json). Beside each:
+# its share against the general rule's (or cuBLAS's, above 32 rows), per step, in us.
+TUNED = {
+    (1, 12352, 2560): SkinnyConfig(2, 512, 1, 4, 3),  # DeltaNet in_proj: 410 against 459
+    (1, 2560, 9216): SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True),  # MLP down: 431 against 445
+    (32, 2560, 4096): SkinnyConfig(64, 128, 4, 4, 4),  # out/o_proj: 274 / 316 against 279 / 335 (8 / 32 rows)
+    (32, 2560, 9216): SkinnyConfig(64, 128, 3, 4, 4),  # MLP down: 472 / 480 against 513 / 589
+    (64, 2560, 9216): SkinnyConfig(64, 128, 3, 4, 4),  # MLP down: 505 against cuBLAS's 558
+    (64, 12352, 2560): SkinnyConfig(64, 64, 1, 4, 5),  # DeltaNet in_proj: 453 against cuBLAS's 482
+}
+
+
 def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None:
-    """The kernel for `rows` x [n, k], or None for cuBLAS; the rule read off bench_linear's
-    sweep at the 4B shapes on the H200 (bench/results/linear_h200_*.json).
+    """The kernel for `rows` x [n, k], or None for cuBLAS: a TUNED tile, else the rule read
+    off bench_linear's sweep at the 4B shapes on the H200 (bench/results/linear_h200_*.json).
 
     One row: the GEMV; on narrow outputs 4 rows per program over long K slices with 8 warps,
-    on wide ones 8 rows per program with the weights evicted from L2 first. More rows: the
-    tensor-core kernel with 64-row weight tiles, K split in 3 or 4 only where the outputs give
-    fewer tiles than the H200 has SMs (the 2560-wide projections)."""
+    on wide ones 8 rows per program with the weights evicted from L2 first. Up to 32 rows:
+    the tensor-core kernel with 64-row weight tiles, K split in 3 or 4 only where the outputs
+    give fewer tiles than the H200 has SMs (the 2560-wide projections). More: cuBLAS."""
+    most = 1 if rows == 1 else 32 if rows <= 32 else 64
+    if USE_TUNED and (most, n, k) in TUNED:
+        return TUNED[most, n, k], rows == 1
     if rows == 1:
         if n > 4096:
             return (SkinnyConfig(8, 256, 1, 4, 2, evict_first=True), True) if k % 256 == 0 else None
         block_k = next((b for b in (1024, 512, 256) if k % b == 0), None)
         return (SkinnyConfig(4, block_k, 1, 8, 2), True) if block_k else None
-    if rows > MAX_ROWS or k % 128:
+    if rows > 32 or k % 128:
         return None
     split = 1
     if triton.cdiv(n, 64) < SPLIT_BELOW_TILES:

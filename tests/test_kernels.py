@@ -304,6 +304,9 @@ LINEAR_SHAPES = [  # (rows, N, K): the GEMV (narrow, wide), split K in 3 and 2, 
     pytest.param(1, 18432, 2560, marks=needs_cuda),  # 4B gate_up
     pytest.param(5, 2560, 9216, marks=needs_cuda),  # 4B down
     pytest.param(32, 12352, 2560, marks=needs_cuda),  # 4B DeltaNet in_proj
+    pytest.param(1, 12352, 2560, marks=needs_cuda),  # the TUNED tiles: in_proj's GEMV
+    pytest.param(40, 12352, 2560, marks=needs_cuda),  # ... in_proj at 33-64 rows
+    pytest.param(64, 2560, 9216, marks=needs_cuda),  # ... down at 33-64 rows, K split in 3
 ]
 
 

@@ -1,5 +1,5 @@
 """The decode step under several kernel choices, interleaved in one process on one GPU:
-`python -m tools.bench_step_ab --model DIR [--modes pdl nosilu nopdl cublas rows64] [--out FILE]`.
+`python -m tools.bench_step_ab --model DIR [--modes pdl untuned nosilu nopdl cublas] [--out FILE]`.
 
 Same-run ratios are the only fair ones on lent machines whose hosts differ by 10-40%, and
 even within a run clocks drift; so every mode's executor (graphs captured with that mode's
@@ -8,11 +8,11 @@ runs 8 executor steps (host work included, as a rank runs them) and 20 replays o
 alone (CUDA events). Reported: the median over rounds of each, and how far each mode's logits
 of the first decode step (the same inputs in every mode) are from the first mode's: on a
 random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~1 nat. Modes:
-  pdl     the default: skinny kernels up to 32 rows, programmatic dependent launch
+  pdl     the default: skinny kernels (TUNED tiles) up to 64 rows, programmatic dependent launch
+  untuned the same without the TUNED tiles (the general rule; cuBLAS above 32 rows)
   nosilu  the same, but the GEMV does not make the MLP's activation (silu_and_mul's kernel)
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
-  rows64  the skinny tensor-core kernel up to 64 rows, PDL
 """
 
 from __future__ import annotations
@@ -32,23 +32,23 @@ from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.bench_decode import hardware, time_events
 from deltaserve.tools.golden import compare_logprobs
 
-MODES = {  # max rows of the skinny kernels, PDL, the GEMV makes the MLP's activation
-    "pdl": (32, True, True), "nosilu": (32, True, False), "nopdl": (32, False, True),
-    "cublas": (0, True, True), "rows64": (64, True, True),
+MODES = {  # max rows of the skinny kernels, PDL, the GEMV makes the MLP's activation, TUNED tiles
+    "pdl": (64, True, True, True), "untuned": (64, True, True, False), "nosilu": (64, True, False, True),
+    "nopdl": (64, False, True, True), "cublas": (0, True, True, True),
 }
 CONTEXT = 1000
 
 
 def use_mode(mode: str) -> None:
     """Set the module switches that choose a decode step's kernels."""
-    skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLD_SILU_MUL = MODES[mode]
+    skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLD_SILU_MUL, skinny.USE_TUNED = MODES[mode]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["pdl", "nosilu", "nopdl", "cublas"])
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["pdl", "untuned", "nopdl", "cublas"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

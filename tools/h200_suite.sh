@@ -2,7 +2,7 @@
 # Every GPU measurement of the open issues, on one H200, in parts that each fit a device call:
 #   decode  decode / prefill / engine (pipelined and not) / HF (bench_decode; the pipelined
 #           engine's steps traced), about 6 minutes
-#   step    the decode step A/B: the GEMV's activation, PDL, cuBLAS (bench_step_ab), about 4
+#   step    the decode step A/B: the TUNED tiles, PDL, cuBLAS (bench_step_ab), about 4
 #   serve   cold start, bench_serve at concurrency 1 / 16 / 64 and the multi-turn run, then
 #           concurrency 1 and 64 again with --no-pipelining, about 6
 #   gate    the bf16 gate, about 6
@@ -30,7 +30,7 @@ grep -E "^(model|prefill|engine|hf|profile)" "$OUT/bench_decode.log"
 python3 -m tools.step_trace /tmp/step_trace --json "$OUT/step_trace.json" | grep -A9 -E "^steps of (1|64) items"
 fi
 if [[ $PARTS == *" step "* ]]; then
-timeout 240 python3 -m tools.bench_step_ab --model /tmp/m4b --out "$OUT/step_ab.json" 2>&1 | grep -E "^(pdl|nosilu|nopdl|cublas|rows64) "
+timeout 240 python3 -m tools.bench_step_ab --model /tmp/m4b --out "$OUT/step_ab.json" 2>&1 | grep -E "^(pdl|untuned|nosilu|nopdl|cublas) "
 say "step A/B"
 fi
 if [[ $PARTS == *" serve "* ]]; then

@@ -52,7 +52,7 @@ def candidate(tile: tuple, rows: int, n: int, k: int) -> SkinnyConfig | None:
 
 def capture_with(ex: Executor, size: int, rows: int, choice: dict) -> None:
     """Capture bucket `size` again, each shape (N, K) on `choice[(N, K)]`: a tile or cuBLAS."""
-    rule = skinny.decode_config
+    rule, max_rows = skinny.decode_config, skinny.MAX_ROWS
 
     def chosen(r: int, n: int, k: int):
         pick = choice.get((n, k))
@@ -64,7 +64,7 @@ def capture_with(ex: Executor, size: int, rows: int, choice: dict) -> None:
     try:
         ex.graphs.capture([size])
     finally:
-        skinny.decode_config, skinny.MAX_ROWS = rule, 32
+        skinny.decode_config, skinny.MAX_ROWS = rule, max_rows
 
 
 def shares_by_shape(ex: Executor, size: int, shapes: list) -> dict:
