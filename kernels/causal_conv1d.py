@@ -48,7 +48,7 @@ def causal_conv1d_update_reference(
         out[row : row + 1] = causal_conv1d(x[row : row + 1], weight, state[slot])
 
 
-def check_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
+def _check_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
     """The conv kernels' shared argument checks; returns (channels, width)."""
     check_launchable(x, state)
     channels, width = weight.shape
@@ -67,29 +67,6 @@ def check_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, out: 
 
 
 @triton.jit
-def conv_step(x_row, w_ptr, window, chans, ok, stride_w, stride_channel, WIDTH: tl.constexpr, WP: tl.constexpr):
-    """One token through the conv on channels `chans` (mask `ok`) of one request, loads only:
-    returns SiLU of the conv (fp32, the conv rounded to the input's dtype first, as the torch
-    path rounds it) and the window shifted left by one with the new input last, for the caller
-    to store (`store_conv_window`) after every load of it."""
-    taps = tl.arange(0, WP)[None, :]  # [1, WP]: tap j of the window, WIDTH - 1 the new input
-    x = tl.load(x_row + chans, mask=ok, other=0.0)
-    ptrs = window + chans[:, None] * stride_channel + taps
-    prev = tl.load(ptrs, mask=ok[:, None] & (taps < WIDTH - 1), other=0.0)  # [n, WP]
-    after = tl.load(ptrs + 1, mask=ok[:, None] & (taps < WIDTH - 2), other=0.0)  # shifted by one
-    w = tl.load(w_ptr + chans[:, None] * stride_w + taps, mask=ok[:, None] & (taps < WIDTH), other=0.0)
-    inputs = tl.where(taps == WIDTH - 1, x[:, None], prev)
-    y = tl.sum(w.to(tl.float32) * inputs.to(tl.float32), axis=1).to(x.dtype).to(tl.float32)
-    return y * tl.sigmoid(y), tl.where(taps == WIDTH - 2, x[:, None].to(window.dtype.element_ty), after)
-
-
-@triton.jit
-def store_conv_window(window, chans, ok, shifted, stride_channel, WIDTH: tl.constexpr, WP: tl.constexpr):
-    taps = tl.arange(0, WP)[None, :]
-    tl.store(window + chans[:, None] * stride_channel + taps, shifted, mask=ok[:, None] & (taps < WIDTH - 1))
-
-
-@triton.jit
 def _conv_update_kernel(
     x_ptr, w_ptr, state_ptr, rows_ptr, slots_ptr, out_ptr,
     stride_x, stride_w, stride_slot, stride_channel, stride_out,
@@ -104,12 +81,21 @@ def _conv_update_kernel(
     slot = tl.load(slots_ptr + i).to(tl.int64)
     row = tl.load(rows_ptr + i).to(tl.int64)
     limit = tl.where(slot >= 0, channels, 0)  # slot < 0: a CUDA-graph padding row, untouched
-    window = state_ptr + tl.maximum(slot, 0) * stride_slot
+    slot = tl.maximum(slot, 0)
     offs = tl.program_id(1) * BC + tl.arange(0, BC)
+    taps = tl.arange(0, WP)[None, :]  # [1, WP]: tap j of the window, WIDTH - 1 the new input
     m = offs < limit
-    y, shifted = conv_step(x_ptr + row * stride_x, w_ptr, window, offs, m, stride_w, stride_channel, WIDTH, WP)
-    store_conv_window(window, offs, m, shifted, stride_channel, WIDTH, WP)
-    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+    in_window = m[:, None] & (taps < WIDTH - 1)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
+    window = state_ptr + slot * stride_slot + offs[:, None] * stride_channel + taps
+    prev = tl.load(window, mask=in_window, other=0.0)  # [BC, WP]
+    after = tl.load(window + 1, mask=m[:, None] & (taps < WIDTH - 2), other=0.0)  # the window shifted by one
+    w = tl.load(w_ptr + offs[:, None] * stride_w + taps, mask=m[:, None] & (taps < WIDTH), other=0.0)
+    inputs = tl.where(taps == WIDTH - 1, x[:, None], prev)
+    acc = tl.sum(w.to(tl.float32) * inputs.to(tl.float32), axis=1)
+    tl.store(window, tl.where(taps == WIDTH - 2, x[:, None].to(state_ptr.dtype.element_ty), after), mask=in_window)
+    y = acc.to(x.dtype).to(tl.float32)  # the conv output is rounded to the model dtype first
+    tl.store(out_ptr + row * stride_out + offs, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=m)
 
 
 def causal_conv1d_update(
@@ -122,7 +108,7 @@ def causal_conv1d_update(
 ) -> None:
     """Triton launch of `causal_conv1d_update_reference` (same arguments), all requests in
     one kernel. Rows with slot < 0 are skipped."""
-    channels, width = check_conv(x, weight, state, out)
+    channels, width = _check_conv(x, weight, state, out)
     num = rows.shape[0]
     check_index("rows", rows, num)
     check_index("slots", slots, num)
@@ -219,7 +205,7 @@ def causal_conv1d_prefill(
     """Triton launch of `causal_conv1d_prefill_reference` (same arguments, plus `max_length`),
     every span in one kernel: a per-span torch conv costs a cat, a conv and copies per span
     and layer. Spans must not share a slot; rows outside them are untouched."""
-    channels, width = check_conv(x, weight, state, out)
+    channels, width = _check_conv(x, weight, state, out)
     num = offsets.shape[0]
     check_index("offsets", offsets, num)
     check_index("lengths", lengths, num)

@@ -26,7 +26,6 @@ from importlib.machinery import ModuleSpec
 
 import torch
 
-from deltaserve.kernels.causal_conv1d import check_conv, conv_step, store_conv_window
 from deltaserve.kernels.triton_compat import (
     check_index,
     check_launchable,
@@ -170,25 +169,20 @@ def gated_delta_decode_reference(
 @triton.jit
 def _gated_delta_decode_kernel(
     mixed_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, rows_ptr, slots_ptr, out_ptr,
-    conv_w_ptr, conv_state_ptr, turns_ptr,
-    stride_mixed, stride_a, stride_b, stride_slot, stride_out, stride_w, stride_conv_slot, stride_channel,
+    stride_mixed, stride_a, stride_b, stride_slot, stride_out,
     q_scale, eps,
     NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, EVICT: tl.constexpr,
-    CONV: tl.constexpr = False, WIDTH: tl.constexpr = 4, WP: tl.constexpr = 4, GDC: tl.constexpr = False,
+    BK: tl.constexpr, BV: tl.constexpr, EVICT: tl.constexpr, GDC: tl.constexpr = False,
 ):
-    # program: (decode request i, value head h, block of BV value columns). CONV: mixed is the
-    # conv's input, and each program runs the conv on the channels it reads (q and k again in
-    # every program of their key head, v on its own columns; conv_step)
+    # program: (decode request i, value head h, block of BV value columns)
     wait_for_previous_grid(GDC)
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
     slot = tl.load(slots_ptr + i).to(tl.int64)
     # a negative slot is a padding row of a CUDA graph: every mask is empty, nothing is touched
-    valid = slot >= 0
-    num_k = tl.where(valid, DK, 0)
-    num_v = tl.where(valid, DV, 0)
+    num_k = tl.where(slot >= 0, DK, 0)
+    num_v = tl.where(slot >= 0, DV, 0)
     slot = tl.maximum(slot, 0)
     row = tl.load(rows_ptr + i).to(tl.int64)
     offs_k = tl.arange(0, BK)
@@ -201,20 +195,9 @@ def _gated_delta_decode_kernel(
     s = tl.load(s_ptrs, mask=smask, other=0.0, eviction_policy=EVICT)
     kh = h // (NV // NK)
     base = mixed_ptr + row * stride_mixed
-    q_chans = kh * DK + offs_k
-    k_chans = (NK + kh) * DK + offs_k
-    v_chans = 2 * NK * DK + h * DV + offs_v
-    if CONV:
-        window = conv_state_ptr + slot * stride_conv_slot
-        q, q_window = conv_step(base, conv_w_ptr, window, q_chans, mk, stride_w, stride_channel, WIDTH, WP)
-        k, k_window = conv_step(base, conv_w_ptr, window, k_chans, mk, stride_w, stride_channel, WIDTH, WP)
-        v, v_window = conv_step(base, conv_w_ptr, window, v_chans, mv, stride_w, stride_channel, WIDTH, WP)
-        dtype = mixed_ptr.dtype.element_ty  # rounded as the conv kernel's stored output is
-        q, k, v = q.to(dtype).to(tl.float32), k.to(dtype).to(tl.float32), v.to(dtype).to(tl.float32)
-    else:
-        q = tl.load(base + q_chans, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(base + k_chans, mask=mk, other=0.0).to(tl.float32)
-        v = tl.load(base + v_chans, mask=mv, other=0.0).to(tl.float32)
+    q = tl.load(base + kh * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(base + (NK + kh) * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(base + 2 * NK * DK + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + row * stride_a + h).to(tl.float32)
     b = tl.load(b_ptr + row * stride_b + h)
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
@@ -233,17 +216,6 @@ def _gated_delta_decode_kernel(
     o = tl.sum(s * q[:, None], 0)
     tl.store(s_ptrs, s, mask=smask, eviction_policy=EVICT)
     tl.store(out_ptr + row * stride_out + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
-    if CONV:
-        store_conv_window(window, v_chans, mv, v_window, stride_channel, WIDTH, WP)  # this program's alone
-        # q's and k's windows were read by every program of the key head: the last of them to
-        # arrive (its turn counted after its loads, acq_rel) stores them and resets the count
-        turns = turns_ptr + slot * NK + kh
-        arrived = tl.atomic_add(turns, 1, mask=valid, sem="acq_rel")
-        last = tl.where(valid, arrived, -1) == (NV // NK) * tl.num_programs(2) - 1
-        mk_last = offs_k < tl.where(last, num_k, 0)  # (mk & last: the interpreter makes it int)
-        store_conv_window(window, q_chans, mk_last, q_window, stride_channel, WIDTH, WP)
-        store_conv_window(window, k_chans, mk_last, k_window, stride_channel, WIDTH, WP)
-        tl.store(turns, 0, mask=last)
 
 
 def gated_delta_decode(
@@ -261,13 +233,10 @@ def gated_delta_decode(
     block_v: int | None = None,
     num_warps: int | None = None,
     evict_first: bool = False,
-    conv: ConvInput | None = None,
 ) -> None:
     """Triton launch of `gated_delta_decode_reference` (same arguments): each request's fp32
     state is read and written once, in place in its slot. Rows with slot < 0 are skipped.
-    With `conv`, `mixed` is the conv's input and the conv update runs in this kernel too (as
-    `causal_conv1d_update` then this). `block_v`, `num_warps`, `evict_first` override the
-    tuned launch (tools/bench_decode.py)."""
+    `block_v`, `num_warps`, `evict_first` override the tuned launch (tools/bench_decode.py)."""
     check_launchable(mixed, state)
     num_slots, nv, dk, dv = state.shape
     nk = num_k_heads
@@ -289,7 +258,6 @@ def gated_delta_decode(
     num = rows.shape[0]
     check_index("rows", rows, num)
     check_index("slots", slots, num)
-    width = conv.check(mixed, num_slots, nk) if conv is not None else 2
     if num == 0:
         return
     bk = triton.next_power_of_2(dk)
@@ -298,38 +266,13 @@ def gated_delta_decode(
     bv = block_v or min(triton.next_power_of_2(dv), 16 if programs <= 64 else 32 if programs <= 256 else 64)
     warps = num_warps or (2 if bv <= 32 else 4)
     grid = (num, nv, triton.cdiv(dv, bv))
-    weight, window, turns = (conv.weight, conv.state, conv.turns) if conv is not None else (mixed, mixed, rows)
     _gated_delta_decode_kernel[grid](
-        mixed, a, b, a_log, dt_bias, state, rows, slots, out, weight, window, turns,
+        mixed, a, b, a_log, dt_bias, state, rows, slots, out,
         mixed.stride(0), a.stride(0), b.stride(0), state.stride(0), out.stride(0),
-        weight.stride(0), window.stride(0), window.stride(1) if conv is not None else 0,
         dk**-0.5, eps,
         NK=nk, NV=nv, DK=dk, DV=dv, BK=bk, BV=bv, EVICT="evict_first" if evict_first else "",
-        CONV=conv is not None, WIDTH=width, WP=triton.next_power_of_2(width),
         num_warps=warps, **pdl_options(mixed),
     )
-
-
-@dataclass(frozen=True, slots=True)
-class ConvInput:
-    """The conv that `gated_delta_decode` runs first: the layer's weight [channels, width],
-    the conv windows [slots, channels, width - 1] (updated in place at the step's slots), and
-    `turns` [slots, key heads] int32, zero between launches (the count of programs that have
-    read a key head's q and k windows; the last one stores them)."""
-
-    weight: torch.Tensor
-    state: torch.Tensor
-    turns: torch.Tensor
-
-    def check(self, x: torch.Tensor, num_slots: int, num_k_heads: int) -> int:
-        """The width, once the shapes are checked against the conv input `x`."""
-        _, width = check_conv(x, self.weight, self.state, x)
-        if self.state.shape[0] != num_slots:
-            raise ValueError(f"conv state has {self.state.shape[0]} slots, the recurrent state {num_slots}")
-        if self.turns.shape != (num_slots, num_k_heads) or self.turns.dtype != torch.int32 or not self.turns.is_contiguous():
-            raise ValueError(f"turns: expected contiguous int32 [{num_slots}, {num_k_heads}], got "
-                             f"{self.turns.dtype} {tuple(self.turns.shape)}")
-        return width
 
 
 # ---- prefill on the GPU: flash-linear-attention's chunked kernel when it is installed -------

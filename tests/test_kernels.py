@@ -99,48 +99,6 @@ def test_gated_delta_decode(kernels, device, dtype, nk, nv, dk, dv, tokens, deco
     assert torch.equal(state, before) and torch.isnan(out).all(), "a slot -1 row changed something"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("nk,nv,dk,dv,tokens,decodes,slots", DELTA_SHAPES)
-def test_gated_delta_decode_with_conv(kernels, device, dtype, nk, nv, dk, dv, tokens, decodes, slots):
-    """The decode kernel running the conv update first (ConvInput) against the two references
-    in turn, over more steps than the conv is wide (every window column replaced; the q and k
-    windows are stored by whichever program of their key head comes last, and its count must
-    be back at zero for the next step), with a padding row beside the real ones each step."""
-    mod, conv_mod = kernels["gated_delta"], kernels["causal_conv1d"]
-    channels, width = 2 * nk * dk + nv * dv, 4
-    weight = torch.randn(channels, width, device=device).to(dtype)
-    conv_state = torch.randn(slots, channels, width - 1, device=device).to(dtype)
-    want_conv = conv_state.to(torch.float32, copy=True)
-    state = torch.randn(slots, nv, dk, dv, device=device)
-    want_state = state.clone()
-    a_log = torch.randn(nv, device=device).to(dtype)
-    dt_bias = torch.randn(nv, device=device).to(dtype)
-    turns = torch.zeros((slots, nk), dtype=torch.int32, device=device)
-    slot_ids = pick(slots, decodes, device)
-    for step in range(width + 1):
-        qkv = torch.randn(tokens, channels, device=device).to(dtype)
-        a = torch.randn(tokens, nv, device=device).to(dtype)
-        b = torch.randn(tokens, nv, device=device).to(dtype)
-        rows = pick(tokens, decodes, device)
-        mixed = poisoned((tokens, channels), torch.float32, device)
-        conv_mod.causal_conv1d_update_reference(qkv.float(), weight.float(), want_conv, rows, slot_ids, mixed)
-        want = poisoned((tokens, nv, dv), dtype, device)
-        mod.gated_delta_decode_reference(mixed.to(dtype), a, b, a_log, dt_bias, want_state, rows, slot_ids, want, nk)
-        got = poisoned((tokens, nv, dv), dtype, device)
-        padded_rows = torch.cat([rows, rows[:1]])
-        padded_slots = torch.cat([slot_ids, torch.tensor([-1], dtype=torch.int32, device=device)])
-        conv = mod.ConvInput(weight, conv_state, turns)
-        mod.gated_delta_decode(qkv, a, b, a_log, dt_bias, state, padded_rows, padded_slots, got, nk, conv=conv)
-        r = rows.long()
-        assert_close(got[r].float(), want[r].float(), dtype, f"output, step {step}")
-        assert_close(state, want_state, dtype, f"state, step {step}")
-        assert torch.equal(conv_state.float(), want_conv), f"conv windows differ at step {step}"
-        assert not turns.any(), f"turns not back at zero after step {step}"
-    with pytest.raises(ValueError, match="turns"):
-        bad = mod.ConvInput(weight, conv_state, turns.long())
-        mod.gated_delta_decode(qkv, a, b, a_log, dt_bias, state, rows, slot_ids, got, nk, conv=bad)
-
-
 CONV_SHAPES = [  # (channels, width, tokens, decodes, slots)
     (37, 4, 5, 3, 4),
     (260, 3, 3, 2, 2),

@@ -1,5 +1,5 @@
 """The decode step under several kernel choices, interleaved in one process on one GPU:
-`python -m tools.bench_step_ab --model DIR [--modes pdl untuned noconv nosilu nopdl cublas] [--out FILE]`.
+`python -m tools.bench_step_ab --model DIR [--modes pdl untuned nosilu nopdl cublas] [--out FILE]`.
 
 Same-run ratios are the only fair ones on lent machines whose hosts differ by 10-40%, and
 even within a run clocks drift; so every mode's executor (graphs captured with that mode's
@@ -10,7 +10,6 @@ of the first decode step (the same inputs in every mode) are from the first mode
 random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~1 nat. Modes:
   pdl     the default: skinny kernels (TUNED tiles) up to 64 rows, programmatic dependent launch
   untuned the same without the TUNED tiles (the general rule; cuBLAS above 32 rows)
-  noconv  the same, but the DeltaNet's conv update in a kernel of its own before the recurrence
   nosilu  the same, but the GEMV does not make the MLP's activation (silu_and_mul's kernel)
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
@@ -26,7 +25,6 @@ import time
 
 import torch
 
-import deltaserve.engine.rank.deltanet as deltanet
 import deltaserve.kernels.skinny_linear as skinny
 import deltaserve.kernels.triton_compat as triton_compat
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
@@ -34,22 +32,16 @@ from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.bench_decode import hardware, time_events
 from deltaserve.tools.golden import compare_logprobs
 
-DEFAULTS = {  # the module switches that choose a decode step's kernels, as they ship
-    (skinny, "MAX_ROWS"): 64, (triton_compat, "PDL"): True, (skinny, "FOLD_SILU_MUL"): True,
-    (skinny, "USE_TUNED"): True, (deltanet, "CONV_IN_DECODE"): True,
-}
-MODES = {
-    "pdl": {}, "untuned": {(skinny, "USE_TUNED"): False}, "noconv": {(deltanet, "CONV_IN_DECODE"): False},
-    "nosilu": {(skinny, "FOLD_SILU_MUL"): False}, "nopdl": {(triton_compat, "PDL"): False},
-    "cublas": {(skinny, "MAX_ROWS"): 0},
+MODES = {  # max rows of the skinny kernels, PDL, the GEMV makes the MLP's activation, TUNED tiles
+    "pdl": (64, True, True, True), "untuned": (64, True, True, False), "nosilu": (64, True, False, True),
+    "nopdl": (64, False, True, True), "cublas": (0, True, True, True),
 }
 CONTEXT = 1000
 
 
 def use_mode(mode: str) -> None:
     """Set the module switches that choose a decode step's kernels."""
-    for (module, name), value in (DEFAULTS | MODES[mode]).items():
-        setattr(module, name, value)
+    skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLD_SILU_MUL, skinny.USE_TUNED = MODES[mode]
 
 
 def main(argv: list[str] | None = None) -> int:

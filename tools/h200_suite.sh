@@ -30,7 +30,7 @@ grep -E "^(model|prefill|engine|hf|profile)" "$OUT/bench_decode.log"
 python3 -m tools.step_trace /tmp/step_trace --json "$OUT/step_trace.json" | grep -A9 -E "^steps of (1|64) items"
 fi
 if [[ $PARTS == *" step "* ]]; then
-timeout 240 python3 -m tools.bench_step_ab --model /tmp/m4b --out "$OUT/step_ab.json" 2>&1 | grep -E "^(pdl|untuned|noconv|nosilu|nopdl|cublas) "
+timeout 240 python3 -m tools.bench_step_ab --model /tmp/m4b --out "$OUT/step_ab.json" 2>&1 | grep -E "^(pdl|untuned|nosilu|nopdl|cublas) "
 say "step A/B"
 fi
 if [[ $PARTS == *" serve "* ]]; then

@@ -55,9 +55,6 @@ class StateCache:
         self.kv = torch.zeros(kv, dtype=dtype, device=device)
         self.conv = torch.zeros(conv, dtype=dtype, device=device)
         self.recurrent = torch.zeros(recurrent, dtype=torch.float32, device=device)  # whatever the model dtype
-        # the decode kernel's count per slot and key head, zero between launches (ConvInput)
-        key_heads = config.linear_num_key_heads // tp_size
-        self.conv_turns = torch.zeros((num_slots, key_heads), dtype=torch.int32, device=device)
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
 

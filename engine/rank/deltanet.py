@@ -29,7 +29,6 @@ from deltaserve.kernels.causal_conv1d import (
     causal_conv1d_update,
 )
 from deltaserve.kernels.gated_delta import (
-    ConvInput,
     chunk_gated_delta,
     delta_rule_inputs,
     gated_delta_decode,
@@ -37,8 +36,6 @@ from deltaserve.kernels.gated_delta import (
     recurrent_gated_delta,
 )
 from deltaserve.kernels.triton_compat import gpu_path
-
-CONV_IN_DECODE = True  # decode's conv update inside the recurrent kernel (tools/bench_step_ab.py turns it off)
 
 
 class Conv1dWeight(nn.Module):
@@ -105,8 +102,8 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(tokens, nv * dv))
 
     def _forward_cuda(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
-        """Decode items: one fused kernel (conv update, then the recurrent step) for all of
-        them, states updated in place in their slots. Prefill spans: the conv, then fla's chunked kernel over
+        """Decode items: one conv kernel and one fused recurrent kernel for all of them, state
+        updated in place in its slot. Prefill spans: the conv, then fla's chunked kernel over
         all of them packed (the torch reference when fla is absent)."""
         tokens = x.shape[0]
         nk, nv, dv = self.num_k_heads, self.num_v_heads, self.dv
@@ -118,10 +115,7 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0]
         mixed = torch.empty_like(qkv)
         core = torch.empty((tokens, nv, dv), dtype=x.dtype, device=x.device)
-        if meta.num_decodes and CONV_IN_DECODE:
-            conv = ConvInput(weight, conv_state, cache.conv_turns)
-            gated_delta_decode(qkv, a, b, self.A_log, self.dt_bias, recurrent, meta.rows, meta.slots, core, nk, conv=conv)
-        elif meta.num_decodes:
+        if meta.num_decodes:
             causal_conv1d_update(qkv, weight, conv_state, meta.rows, meta.slots, mixed)
             gated_delta_decode(
                 mixed, a, b, self.A_log, self.dt_bias, recurrent, meta.rows, meta.slots, core, nk
