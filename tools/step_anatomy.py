@@ -54,8 +54,10 @@ def median_ms(values: list[float]) -> float:
 
 
 def replay_times(graph: torch.cuda.CUDAGraph, reps: int) -> dict:
-    """The replay with the GPU idle (the launch shows) and behind a busy kernel (it hides)."""
-    idle, queued, host = [], [], []
+    """The replay with the GPU idle (the launch shows) and behind a busy kernel (it hides),
+    and the host's time in `replay()` in each case."""
+    gpu: dict[bool, list[float]] = {False: [], True: []}
+    host: dict[bool, list[float]] = {False: [], True: []}
     for busy in (False, True) * reps:
         torch.cuda.synchronize()
         if busy:
@@ -64,14 +66,12 @@ def replay_times(graph: torch.cuda.CUDAGraph, reps: int) -> dict:
         start.record()
         t0 = time.perf_counter()
         graph.replay()
-        t1 = time.perf_counter()
+        host[busy].append(time.perf_counter() - t0)
         end.record()
         end.synchronize()
-        (queued if busy else idle).append(start.elapsed_time(end) / 1e3)
-        if busy:
-            host.append(t1 - t0)
-    return {"replay_idle_ms": median_ms(idle), "replay_queued_ms": median_ms(queued),
-            "replay_call_host_ms": median_ms(host)}  # fmt: skip
+        gpu[busy].append(start.elapsed_time(end) / 1e3)
+    return {"replay_idle_ms": median_ms(gpu[False]), "replay_queued_ms": median_ms(gpu[True]),
+            "replay_call_host_ms": median_ms(host[True]), "replay_call_host_idle_ms": median_ms(host[False])}  # fmt: skip
 
 
 def critical_path(graph: torch.cuda.CUDAGraph, shapes: list[tuple[int, int, int]]) -> dict:
@@ -144,6 +144,15 @@ def host_ops(ex: Executor, ids: list[int], steps: int = 10) -> list[dict]:
     return [{"name": e.key[:60], "calls": e.count // steps, "us": round(e.self_cpu_time_total / steps, 1)} for e in ops]
 
 
+def launch_costs(ex: Executor, reps: int = 20) -> dict[int, tuple[float, float]]:
+    """Host ms of `graph.replay()` per bucket, with the GPU busy and idle."""
+    costs = {}
+    for size, (graph, _) in sorted(ex.graphs.graphs.items()):
+        times = replay_times(graph, reps)
+        costs[size] = (times["replay_call_host_ms"], times["replay_call_host_idle_ms"])
+    return costs
+
+
 def anatomy(ex: Executor, batch: int, first_id: int, steps: int) -> dict:
     ids = list(range(first_id, first_id + batch))
     gen = torch.Generator().manual_seed(0)
@@ -198,11 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--launch-only", action="store_true", help="only each bucket's launch cost")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     ex = Executor(ExecutorConfig(args.model, device="cuda", dtype="bfloat16", block_size=16,
                                  num_slots=max(args.batches), num_blocks=max(args.batches) * 80,
                                  max_model_len=CONTEXT + 270, cuda_graphs=True))  # fmt: skip
+    launches = launch_costs(ex)
+    print("graph.replay() host ms by bucket:", launches, flush=True)
+    if args.launch_only:
+        return 0
     rows = []
     for i, batch in enumerate(args.batches):
         row = anatomy(ex, batch, first_id=i * 1000, steps=args.steps)
@@ -217,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"dur {entry['dur_us']:8.1f} us", flush=True)
     if args.out:
         report = {"command": " ".join(["python -m tools.step_anatomy", *sys.argv[1:]]),
-                  "hardware": hardware(torch.device("cuda")), "results": rows}
+                  "hardware": hardware(torch.device("cuda")), "launch_host_ms": launches, "results": rows}
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     return 0
