@@ -26,6 +26,7 @@ from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.kernels.skinny_linear import SkinnyConfig
 from deltaserve.tools.bench_decode import hardware
+from deltaserve.tools.golden import compare_logprobs
 from deltaserve.tools.step_anatomy import BUSY_CYCLES, CONTEXT, critical_path, projection_shapes
 
 CUBLAS = "cublas"
@@ -36,7 +37,10 @@ GEMV = [(8, 256, 1, 4, 2, True), (8, 256, 1, 4, 3, True), (16, 256, 1, 8, 2, Tru
         (4, 1024, 1, 8, 2, False), (4, 1024, 1, 8, 3, False), (2, 1024, 1, 4, 2, False), (4, 512, 1, 4, 2, False),
         (8, 512, 1, 8, 2, False), (4, 1024, 1, 8, 2, True), (4, 512, 2, 4, 2, False), (2, 512, 1, 4, 3, False)]  # fmt: skip
 DOT = [(64, 128, 0, 4, 3, False), (64, 128, 0, 4, 4, False), (64, 256, 0, 4, 3, False), (128, 128, 0, 8, 3, False),
-       (64, 64, 0, 4, 5, False), (64, 128, 0, 4, 3, True), (128, 64, 0, 4, 4, False), (64, 128, 1, 4, 3, False)]  # fmt: skip
+       (64, 64, 0, 4, 5, False), (64, 128, 0, 4, 3, True), (128, 64, 0, 4, 4, False), (64, 128, 1, 4, 3, False),
+       # finer K splits for the narrow (2560-wide) outputs: 40 tiles of 64 fill few of 132 SMs
+       (64, 128, 8, 4, 3, False), (64, 128, 8, 4, 4, False), (64, 128, 16, 4, 3, False), (64, 64, 8, 4, 4, False),
+       (32, 128, 4, 4, 3, False), (32, 128, 8, 4, 3, False), (128, 128, 8, 8, 3, False), (64, 128, 2, 4, 4, False)]  # fmt: skip
 
 
 def candidate(tile: tuple, rows: int, n: int, k: int) -> SkinnyConfig | None:
@@ -89,6 +93,20 @@ def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def logits_gap(ex: Executor, rule: tuple, picks: tuple, batch: int) -> dict:
+    """The two graphs' logits of one step from the same states (each replay advances them, so
+    they are restored in between): a tile that computes wrong shows far beyond the rounding
+    gap (0.5-1 nat on a random checkpoint, tools/bench_step_ab.py)."""
+    saved = (ex.cache.recurrent.clone(), ex.cache.conv.clone())
+    logits = []
+    for graph, out in (rule, picks):
+        ex.cache.recurrent.copy_(saved[0])
+        ex.cache.conv.copy_(saved[1])
+        graph.replay()
+        logits.append(out[:batch].float().clone())
+    return compare_logprobs(logits[1], logits[0]).as_dict()
+
+
 def sweep(ex: Executor, batch: int, first_id: int, rounds: int) -> dict:
     ids = list(range(first_id, first_id + batch))
     gen = torch.Generator().manual_seed(0)
@@ -120,6 +138,7 @@ def sweep(ex: Executor, batch: int, first_id: int, rounds: int) -> dict:
     picks = {s: options[name] for s, (name, _) in best.items() if name != "rule"}
     capture_with(ex, size, batch, picks)
     tuned = ex.graphs.graphs[size]
+    gap = logits_gap(ex, default, tuned, batch)
     pairs = {"rule": [], "picks": []}
     for _ in range(rounds):  # interleaved: the rule's graph and the picks' graph
         pairs["rule"].append(replay_ms(default[0]))
@@ -129,6 +148,7 @@ def sweep(ex: Executor, batch: int, first_id: int, rounds: int) -> dict:
     return {"batch": batch,
             "shares_us": {f"{n}x{k}": m for (n, k), m in measured.items()},
             "picks": {f"{n}x{k}": [best[(n, k)][0], round(best[(n, k)][1], 1)] for (n, k) in best},
+            "picks_vs_rule_first_step": gap,
             "replay_ms": {name: round(statistics.median(v), 4) for name, v in pairs.items()},
             "replay_ms_rounds": {name: [round(t, 4) for t in v] for name, v in pairs.items()}}  # fmt: skip
 
@@ -150,13 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         for shape, (name, share) in row["picks"].items():
             rule = row["shares_us"][shape].get("rule", float("nan"))
             print(f"b={batch:3d} {shape:11s} best {name:34s} {share:8.1f} us  (the rule {rule:.1f} us)", flush=True)
-        print(f"b={batch:3d} replay: rule {row['replay_ms']['rule']:.4f} ms, picks {row['replay_ms']['picks']:.4f} ms",
-              flush=True)  # fmt: skip
-    if args.out:
-        report = {"command": " ".join(["python -m tools.step_tiles", *sys.argv[1:]]),
-                  "hardware": hardware(torch.device("cuda")), "results": rows}
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        print(f"b={batch:3d} replay: rule {row['replay_ms']['rule']:.4f} ms, picks {row['replay_ms']['picks']:.4f} ms; "
+              f"top-8 logprob gap {row['picks_vs_rule_first_step']['max_abs_diff']:.3f}", flush=True)  # fmt: skip
+        if args.out:  # after every batch: a run cut short keeps what it measured
+            report = {"command": " ".join(["python -m tools.step_tiles", *sys.argv[1:]]),
+                      "hardware": hardware(torch.device("cuda")), "results": rows}
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
     return 0
 
 
