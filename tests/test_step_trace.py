@@ -46,3 +46,31 @@ async def test_every_step_is_traced_in_causal_order(tiny_model_dir, tmp_path, mo
     assert sum(hops["steps"] for hops in table.values()) == len(steps)
     assert "rank 0 idle since the last step" in table[3]
     assert table[3]["executor (forward, sample)"] >= 1e3, "the no-op executor sleeps 1 ms per step"
+
+
+def test_critical_path_shares_of_overlapping_kernels():
+    """tools/step_anatomy.py's reading of a profiled replay, on a made-up trace: a PDL kernel
+    that starts while its predecessor runs is charged only what it adds after it, a kernel
+    fully inside another's time adds nothing, a gap is charged to the kernel after it, the
+    shares add up to the span, and projections (ours, cuBLAS's) take the shapes in launch
+    order with a split-K sum charged to its projection."""
+    from deltaserve.tools.step_anatomy import critical_path_shares
+
+    kernels = [  # ts, dur in us, listed out of order as a trace may be
+        {"name": "_rms_norm_kernel", "ts": 100.0, "dur": 2.0},
+        {"name": "_gemv_kernel", "ts": 101.0, "dur": 10.0},  # starts early (PDL), ends at 111
+        {"name": "_sum_splits_kernel", "ts": 110.0, "dur": 2.0},  # ends at 112
+        {"name": "_tiny_kernel", "ts": 110.5, "dur": 0.5},  # inside the others' time
+        {"name": "nvjet_sm90_tst_64x64<bf16>", "ts": 115.0, "dur": 5.0},  # after a 3 us gap
+        {"name": "nvjet_sm90_lm_head", "ts": 120.0, "dur": 4.0},  # no shape left: the lm_head
+    ]
+    path = critical_path_shares(list(reversed(kernels)), [(2560, 4096, 1000), (12352, 2560, 4000)])
+    rows = path["launches"]
+    assert [r["share_us"] for r in rows] == [2.0, 9.0, 1.0, 0.0, 8.0, 4.0]
+    assert path["span_us"] == 24.0 == sum(r["share_us"] for r in rows)
+    assert rows[1]["shape"] == [2560, 4096] and rows[1]["GBps"] == round(1000 / 9.0 / 1e3, 1)
+    assert rows[2]["shape"] == [2560, 4096] and "bytes" not in rows[2]
+    assert rows[4]["name"] == "nvjet_sm90_tst_64x64" and rows[4]["shape"] == [12352, 2560]
+    assert "shape" not in rows[5] and "shape" not in rows[3]
+    by_name = {e["name"]: e for e in path["by_name"]}
+    assert by_name["_gemv_kernel"]["share_us"] == 9.0 and by_name["_gemv_kernel"]["dur_us"] == 10.0

@@ -9,8 +9,8 @@ For each batch, on the executor as a rank runs it (graphs captured, PDL as confi
   item) split at the replay call and the sampler: host before the launch, the launch, the
   host until the sampler, the sampler (it waits for the GPU);
 - one profiled replay, queued: each kernel's share of the critical path (its end minus the
-  later of its start and the ends before it; under PDL a kernel starts early and waits), by
-  kernel name, and every projection's weight bytes over its share (achieved GB/s).
+  latest end before it; under PDL a kernel starts early and waits), by kernel name, and
+  every projection's weight bytes over its share (achieved GB/s).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def replay_times(graph: torch.cuda.CUDAGraph, reps: int) -> dict:
 
 
 def critical_path(graph: torch.cuda.CUDAGraph, shapes: list[tuple[int, int, int]]) -> dict:
-    """One queued replay under torch.profiler: each kernel's share of the critical path."""
+    """One queued replay under torch.profiler, its kernels' shares (`critical_path_shares`)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -86,14 +86,24 @@ def critical_path(graph: torch.cuda.CUDAGraph, shapes: list[tuple[int, int, int]
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
-    kernels = sorted((e for e in trace["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    kernels = [k for k in kernels if "sleep" not in k["name"].lower()]
+    kernels = [e for e in trace["traceEvents"] if e.get("cat") == "kernel" and "sleep" not in e["name"].lower()]
+    return critical_path_shares(kernels, shapes)
+
+
+def critical_path_shares(kernels: list[dict], shapes: list[tuple[int, int, int]]) -> dict:
+    """Each kernel's share of the critical path: its end minus the latest end of the kernels
+    before it (us), so a gap before it (its launch) is its own. Under PDL a kernel starts
+    while its predecessor runs and waits, so its duration overstates it; the shares add up
+    to the span. Kernels are
+    trace events (name, ts, dur); the projections among them (ours or cuBLAS's, in launch
+    order) take `shapes` (N, K, weight bytes) in turn, and a split-K sum its projection's."""
+    kernels = sorted(kernels, key=lambda e: e["ts"])
     frontier = kernels[0]["ts"]
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     launches, projections, current = [], iter(shapes), None
     for k in kernels:
         end = k["ts"] + k["dur"]
-        share = max(0.0, end - max(frontier, k["ts"]))
+        share = max(0.0, end - frontier)
         frontier = max(frontier, end)
         name = k["name"].split("<")[0][:60]
         entry = by_name[name]
