@@ -430,6 +430,16 @@ async def bench_engine(args, batches: list[int], context: int, new_tokens: int, 
     return rows
 
 
+def write_report(path: str | None, tool: str, **fields) -> None:
+    """`fields` as JSON at `path` (if any), with the command that made them and the GPU's
+    hardware: the step tools' result files."""
+    if path:
+        report = {"command": " ".join([f"python -m tools.{tool}", *sys.argv[1:]]),
+                  "hardware": hardware(torch.device("cuda")), **fields}  # fmt: skip
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def hardware(device: torch.device) -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
     for name in ("triton", "transformers", "fla"):

@@ -18,25 +18,22 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 
 import torch
 
 import deltaserve.kernels.skinny_linear as skinny
 import deltaserve.kernels.triton_compat as triton_compat
-from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
-from deltaserve.tools.bench_decode import hardware, time_events
+from deltaserve.tools.bench_decode import time_events, write_report
 from deltaserve.tools.golden import compare_logprobs
+from deltaserve.tools.step_anatomy import CONTEXT, step_executor
 
 MODES = {  # max rows of the skinny kernels, PDL, the GEMV makes the MLP's activation, TUNED tiles
     "pdl": (64, True, True, True), "untuned": (64, True, True, False), "nosilu": (64, True, False, True),
     "nopdl": (64, False, True, True), "cublas": (0, True, True, True),
 }
-CONTEXT = 1000
 
 
 def use_mode(mode: str) -> None:
@@ -56,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     executors = {}
     for mode in modes:  # each captures its graphs under its own kernel choices
         use_mode(mode)
-        executors[mode] = Executor(ExecutorConfig(
-            args.model, device="cuda", dtype="bfloat16", block_size=16, num_slots=max(args.batches),
-            num_blocks=max(args.batches) * 80, max_model_len=CONTEXT + 270, cuda_graphs=True))
+        executors[mode] = step_executor(args.model, max(args.batches))
     use_mode("pdl")
     results = []
     next_id = 0
@@ -99,11 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             gap = numerics[mode]["max_abs_diff"] if mode in numerics else 0.0
             print(f"{mode:7s} b={batch:3d} step {row['step_ms']:6.3f} ms  replay {row['replay_ms']:6.3f} ms  "
                   f"rounds {row['replay_ms_rounds']}  top-8 logprob gap {gap:.4f}", flush=True)
-    if args.out:
-        report = {"command": " ".join(["python -m tools.bench_step_ab", *sys.argv[1:]]),
-                  "hardware": hardware(torch.device("cuda")), "results": results}
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(args.out, "bench_step_ab", results=results)
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -28,13 +27,20 @@ import torch
 import deltaserve.engine.rank.linear as rank_linear
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
-from deltaserve.tools.bench_decode import hardware
+from deltaserve.tools.bench_decode import write_report
 
 CONTEXT = 1000
 # the kernels that start a projection (ours, or cuBLAS's), and those that add its split-K parts
 PROJECTION_KERNELS = ("_gemv_kernel", "_skinny_dot_kernel", "nvjet", "sm90_xmma", "cutlass")
 SPLIT_SUMS = ("_sum_splits_kernel", "void cublasLt::splitKreduce")
 BUSY_CYCLES = 4_000_000  # ~2 ms at the H200's 1.98 GHz: the launch finishes behind it
+
+
+def step_executor(model: str, max_batch: int) -> Executor:
+    """The 4B executor of the step tools: bf16 on CUDA, graphs up to `max_batch`, room for
+    CONTEXT positions and a few hundred steps per request."""
+    return Executor(ExecutorConfig(model, device="cuda", dtype="bfloat16", block_size=16, num_slots=max_batch,
+                                   num_blocks=max_batch * 80, max_model_len=CONTEXT + 270, cuda_graphs=True))  # fmt: skip
 
 
 class StampedGraph:
@@ -220,9 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch-only", action="store_true", help="only each bucket's launch cost")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    ex = Executor(ExecutorConfig(args.model, device="cuda", dtype="bfloat16", block_size=16,
-                                 num_slots=max(args.batches), num_blocks=max(args.batches) * 80,
-                                 max_model_len=CONTEXT + 270, cuda_graphs=True))  # fmt: skip
+    ex = step_executor(args.model, max(args.batches))
     launches = launch_costs(ex)
     print("graph.replay() host ms by bucket:", launches, flush=True)
     if args.launch_only:
@@ -239,11 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         for entry in path["by_name"][:12]:
             print(f"  {entry['name']:40s} x{entry['count']:4d}  share {entry['share_us']:8.1f} us  "
                   f"dur {entry['dur_us']:8.1f} us", flush=True)
-    if args.out:
-        report = {"command": " ".join(["python -m tools.step_anatomy", *sys.argv[1:]]),
-                  "hardware": hardware(torch.device("cuda")), "launch_host_ms": launches, "results": rows}
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(args.out, "step_anatomy", launch_host_ms=launches, results=rows)
     return 0
 
 

@@ -14,20 +14,24 @@ interleaved replays (CUDA events), and printed as the rule to adopt.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 from collections import defaultdict
 
 import torch
 
 import deltaserve.kernels.skinny_linear as skinny
-from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+from deltaserve.engine.rank.executor import Executor
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.kernels.skinny_linear import SkinnyConfig
-from deltaserve.tools.bench_decode import hardware
+from deltaserve.tools.bench_decode import write_report
 from deltaserve.tools.golden import compare_logprobs
-from deltaserve.tools.step_anatomy import BUSY_CYCLES, CONTEXT, critical_path, projection_shapes
+from deltaserve.tools.step_anatomy import (
+    BUSY_CYCLES,
+    CONTEXT,
+    critical_path,
+    projection_shapes,
+    step_executor,
+)
 
 CUBLAS = "cublas"
 # (block_n, block_k, split_k, num_warps, num_stages, evict_first) per kernel; split_k 0: the
@@ -160,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    ex = Executor(ExecutorConfig(args.model, device="cuda", dtype="bfloat16", block_size=16,
-                                 num_slots=max(args.batches), num_blocks=max(args.batches) * 80,
-                                 max_model_len=CONTEXT + 270, cuda_graphs=True))  # fmt: skip
+    ex = step_executor(args.model, max(args.batches))
     rows = []
     for i, batch in enumerate(args.batches):
         row = sweep(ex, batch, first_id=i * 1000, rounds=args.rounds)
@@ -172,11 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"b={batch:3d} {shape:11s} best {name:34s} {share:8.1f} us  (the rule {rule:.1f} us)", flush=True)
         print(f"b={batch:3d} replay: rule {row['replay_ms']['rule']:.4f} ms, picks {row['replay_ms']['picks']:.4f} ms; "
               f"top-8 logprob gap {row['picks_vs_rule_first_step']['max_abs_diff']:.3f}", flush=True)  # fmt: skip
-        if args.out:  # after every batch: a run cut short keeps what it measured
-            report = {"command": " ".join(["python -m tools.step_tiles", *sys.argv[1:]]),
-                      "hardware": hardware(torch.device("cuda")), "results": rows}
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
+        write_report(args.out, "step_tiles", results=rows)  # after every batch: a run cut short keeps it
     return 0
 
 
