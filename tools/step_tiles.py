@@ -26,10 +26,10 @@ from deltaserve.kernels.skinny_linear import SkinnyConfig
 from deltaserve.tools.bench_decode import write_report
 from deltaserve.tools.golden import compare_logprobs
 from deltaserve.tools.step_anatomy import (
-    BUSY_CYCLES,
     CONTEXT,
     critical_path,
     projection_shapes,
+    replay_times,
     step_executor,
 )
 
@@ -47,7 +47,7 @@ DOT = [(64, 128, 0, 4, 3, False), (64, 128, 0, 4, 4, False), (64, 256, 0, 4, 3, 
        (32, 128, 4, 4, 3, False), (32, 128, 8, 4, 3, False), (128, 128, 8, 8, 3, False), (64, 128, 2, 4, 4, False)]  # fmt: skip
 
 
-def candidate(tile: tuple, rows: int, n: int, k: int) -> SkinnyConfig | None:
+def candidate(tile: tuple, n: int, k: int) -> SkinnyConfig | None:
     """The tile as a config for this shape, or None where it does not divide K."""
     block_n, block_k, split, warps, stages, evict = tile
     if split == 0:
@@ -66,7 +66,7 @@ def capture_with(ex: Executor, size: int, rows: int, choice: dict) -> None:
         pick = choice.get((n, k))
         if r != rows or pick is None:
             return rule(r, n, k)
-        return None if pick == CUBLAS else (candidate(pick, rows, n, k), rows == 1)
+        return None if pick == CUBLAS else (candidate(pick, n, k), rows == 1)
 
     skinny.decode_config, skinny.MAX_ROWS = chosen, max(skinny.MAX_ROWS, rows)
     try:
@@ -82,19 +82,6 @@ def shares_by_shape(ex: Executor, size: int, shapes: list) -> dict:
         if "shape" in launch:
             totals[tuple(launch["shape"])] += launch["share_us"]
     return dict(totals)
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 10) -> float:
-    times = []
-    for _ in range(reps):
-        torch.cuda._sleep(BUSY_CYCLES)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def logits_gap(ex: Executor, rule: tuple, picks: tuple, batch: int) -> dict:
@@ -129,7 +116,7 @@ def sweep(ex: Executor, batch: int, first_id: int, rounds: int) -> dict:
     for shape, share in shares_by_shape(ex, size, shapes).items():  # the rule's own graph
         measured[shape]["rule"] = share
     for name, option in options.items():
-        choice = {s: option for s in distinct if option == CUBLAS or candidate(option, batch, *s)}
+        choice = {s: option for s in distinct if option == CUBLAS or candidate(option, *s)}
         try:
             capture_with(ex, size, batch, choice)
         except Exception as exc:  # a tile that does not compile or launch: skipped
@@ -145,8 +132,8 @@ def sweep(ex: Executor, batch: int, first_id: int, rounds: int) -> dict:
     gap = logits_gap(ex, default, tuned, batch)
     pairs = {"rule": [], "picks": []}
     for _ in range(rounds):  # interleaved: the rule's graph and the picks' graph
-        pairs["rule"].append(replay_ms(default[0]))
-        pairs["picks"].append(replay_ms(tuned[0]))
+        pairs["rule"].append(replay_times(default[0], 10)["replay_queued_ms"])
+        pairs["picks"].append(replay_times(tuned[0], 10)["replay_queued_ms"])
     ex.graphs.graphs[size] = default
     ex.drop(ids)
     return {"batch": batch,
