@@ -220,7 +220,7 @@ def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None
     on wide ones 8 rows per program with the weights evicted from L2 first. Up to 32 rows:
     the tensor-core kernel with 64-row weight tiles, K split in 3 or 4 only where the outputs
     give fewer tiles than the H200 has SMs (the 2560-wide projections). More: cuBLAS."""
-    most = 1 if rows == 1 else 32 if rows <= 32 else 64
+    most = 1 if rows == 1 else 32 if rows <= 32 else 64 if rows <= 64 else 0  # TUNED's row classes
     if USE_TUNED and (most, n, k) in TUNED:
         return TUNED[most, n, k], rows == 1
     if rows == 1:
