@@ -470,7 +470,8 @@ def test_fla_chunk_matches_reference(kernels):
 
 
 def _steps(vocab: int = 240000):
-    """Mixed steps: chunked prefill across the 64-token chunk, prefill beside decodes, decodes."""
+    """Mixed steps: chunked prefill across the 64-token chunk, prefill beside decodes, decodes;
+    the last decodes without tokens (as pipelined steps send them: each slot's last sample)."""
     from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 
     gen = torch.Generator().manual_seed(11)
@@ -480,20 +481,28 @@ def _steps(vocab: int = 240000):
     yield [StepItem(1, 70, ids[1][70:], True, None), StepItem(2, 5, [7], True, None),
            StepItem(3, 0, ids[3], True, NewRequest(200, spec))]
     for t in range(6):
-        yield [StepItem(2, 6 + t, [8 + t], True, None), StepItem(1, 90 + t, [9 + t], True, None),
-               StepItem(3, 1 + t, [10 + t], True, None)]
+        given = t < 3
+        yield [StepItem(2, 6 + t, [8 + t] * given, True, None), StepItem(1, 90 + t, [9 + t] * given, True, None),
+               StepItem(3, 1 + t, [10 + t] * given, True, None)]
 
 
 def _run_steps(model_dir: str, device: str, graphs: bool = False) -> list[torch.Tensor]:
     """Logits of every step of `_steps` through one executor (fp32): eagerly, or on CUDA with
-    graphs, where single-token items replay a graph beside an eager forward of the chunks."""
+    graphs, where single-token items replay a graph beside an eager forward of the chunks.
+    Each step samples (greedy), so that items without tokens have a last sample to read."""
     from deltaserve.engine.rank.executor import Executor, ExecutorConfig
     from deltaserve.kernels.triton_compat import gpu_path
 
     config = ExecutorConfig(model_dir, device=device, dtype="float32", num_slots=4, num_blocks=64, cuda_graphs=graphs)
     ex = Executor(config)
     assert (ex.graphs is not None) == (graphs and gpu_path(ex.cache.kv))
-    return [ex.forward(items).float().cpu() for items in _steps()]
+    logits = []
+    for items in _steps():
+        step = ex.launch_step(items)
+        ex.launch_sampling(step)
+        ex.finish_step(step)
+        logits.append(step.logits.float().cpu())
+    return logits
 
 
 def _assert_steps_match(got: list[torch.Tensor], want: list[torch.Tensor], bound: float, what: str) -> None:

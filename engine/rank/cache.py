@@ -55,6 +55,10 @@ class StateCache:
         self.kv = torch.zeros(kv, dtype=dtype, device=device)
         self.conv = torch.zeros(conv, dtype=dtype, device=device)
         self.recurrent = torch.zeros(recurrent, dtype=torch.float32, device=device)  # whatever the model dtype
+        # each slot's last sample, the input of a decode item sent without its token (a
+        # pipelined step): rank 0's sampler writes it on the device, so the next step need not
+        # wait for the host to read it; other ranks get it by broadcast when a step needs it
+        self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
 

@@ -28,7 +28,8 @@ class DecodeGraphs:
     """One CUDA graph per batch bucket of single-token items over `model` and `cache`.
 
     A step's inputs are three rows of int64, [token | position | slot] per item (slot -1 pads
-    a bucket), copied to the GPU in one transfer from a pinned buffer; everything else is
+    a bucket; token -1 is the slot's last sample, `cache.last_tokens`, read on the GPU),
+    copied to the GPU in one transfer from a pinned buffer; everything else is
     computed inside the graph: the KV row from the slot's block table (kept on the GPU per
     slot, `set_table` at admission), the context length, the block tables of the batch. So a
     step costs Python one small copy and one launch.
@@ -76,6 +77,7 @@ class DecodeGraphs:
         tokens, positions, slots = self.inputs[:, :size]
         bs = self.cache.block_size
         valid = slots >= 0
+        tokens = torch.where(tokens >= 0, tokens, self.cache.last_tokens[slots.clamp(min=0)])
         tables = self.slot_tables[slots.clamp(min=0)]  # [size, max_blocks]
         block = tables.gather(1, (positions // bs).clamp(max=self.max_blocks - 1)[:, None])[:, 0]
         meta = StepMeta(

@@ -11,7 +11,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import msgspec
 import torch
 
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch
@@ -20,10 +19,11 @@ from deltaserve.engine.rank.cudagraph import DecodeGraphs
 from deltaserve.engine.rank.loader import load_weights
 from deltaserve.engine.rank.memory_budget import size_kv_cache
 from deltaserve.engine.rank.model_config import ModelConfig
-from deltaserve.engine.rank.parallel import broadcast_ints, tp_rank, tp_size
+from deltaserve.engine.rank.parallel import broadcast, tp_rank, tp_size
 from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
-from deltaserve.engine.rank.sampler import Sampler
+from deltaserve.engine.rank.sampler import SampleLaunch, Sampler
 from deltaserve.engine.rank.step_meta import with_step_meta
+from deltaserve.engine.rank.transfer import to_device
 from deltaserve.ipc.messages import Sample, StepItem
 from deltaserve.kernels.triton_compat import gpu_path
 
@@ -34,6 +34,11 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 class StepError(ValueError):
     """A step this rank cannot run as asked: its own state disagrees with the command."""
+
+
+def item_length(item: StepItem) -> int:
+    """Positions the item advances: its tokens, or one (its request's last sample)."""
+    return len(item.token_ids) or 1
 
 
 def resolve_dtype(name: str, device: torch.device, config: ModelConfig) -> torch.dtype:
@@ -74,7 +79,6 @@ class LiveRequest:
     num_tokens: int = 0
     prompt_done: bool = False  # its last prompt chunk has run; later items are decode inputs
     sampled_through: int = 0  # num_tokens after its last item that sampled (every rank)
-    last_token: int = -1  # rank 0: that item's sample, the input of an item without token_ids
 
 
 @dataclass(slots=True)
@@ -89,12 +93,31 @@ class RankSnapshot:
 
 
 @dataclass(slots=True)
+class LaunchedStep:
+    """A step whose device work is queued: the forward, then on rank 0 the sampling and the
+    copy of its samples to the host (`launch_sampling`). `finish_step` waits for them."""
+
+    items: list[StepItem]
+    logits: torch.Tensor | None  # rank 0: the rows of the items that sample
+    sampling: SampleLaunch | None = None
+    done: torch.cuda.Event | None = None  # off rank 0 (CUDA): recorded after the forward
+
+    def ready(self) -> bool:
+        """Whether the device has finished it (a poll; never waits)."""
+        if self.sampling is not None:
+            return self.sampling.ready()
+        return self.done is None or self.done.query()
+
+
+@dataclass(slots=True)
 class _Plan:
     spans: list[SeqSpan] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     kv_rows: list[int] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)
+    last_sample_rows: list[int] = field(default_factory=list)  # items without token_ids
+    last_sample_slots: list[int] = field(default_factory=list)
 
 
 class Executor:
@@ -151,48 +174,64 @@ class Executor:
     def run_step(self, items: list[StepItem], drops: list[int] = ()) -> list[Sample]:
         """Drop `drops`, run the step, then sample on rank 0: one Sample per item with
         `sample`, in order."""
-        logits = self.forward(items, drops=drops)
+        step = self.launch_step(items, drops)
+        self.launch_sampling(step)
+        return self.finish_step(step)
+
+    def launch_step(self, items: list[StepItem], drops: list[int] = ()) -> LaunchedStep:
+        """Drop `drops` and queue the step's forward. The rank's serve loop queues step N+1
+        this way before it finishes N (`finish_step`), so the device never waits for the host
+        between pipelined steps; N+1's items without tokens read N's samples on the device."""
+        step = LaunchedStep(items, self.forward(items, drops=drops))
+        if self.sampler is None and self.device.type == "cuda":
+            step.done = torch.cuda.Event()
+            step.done.record()
+        return step
+
+    def launch_sampling(self, step: LaunchedStep) -> None:
+        """Rank 0: queue the step's sampling, after `finish_step` of the step before (its
+        samples count in this one's seeds and penalties), and write the tokens to their
+        slots' `last_tokens` on the device."""
         if self.sampler is None:
-            return []
-        for item in items:
+            return
+        for item in step.items:
             req = self.requests[item.request_id]
             if not req.prompt_done:  # decode inputs are the rank's own samples, already seen
                 self.sampler.observe(item.request_id, item.token_ids, is_prompt=True)
             req.prompt_done = req.prompt_done or item.sample
-        samples = self.sampler.sample([item.request_id for item in items if item.sample], logits)
-        for sample in samples:
-            self.requests[sample.request_id].last_token = sample.token_id
-        return samples
+        sampled = [item.request_id for item in step.items if item.sample]
+        step.sampling = self.sampler.launch(sampled, step.logits)
+        if sampled:
+            slots = to_device([self.requests[r].slot for r in sampled], torch.int64, self.device)
+            self.cache.last_tokens[slots] = step.sampling.tokens
+
+    def finish_step(self, step: LaunchedStep) -> list[Sample]:
+        """Wait for the step's samples on the host (rank 0; [] elsewhere, at once)."""
+        return [] if step.sampling is None else self.sampler.finish(step.sampling)
 
     def forward(self, items: list[StepItem], every_position: bool = False, drops: list[int] = ()) -> torch.Tensor | None:
         """Drop `drops`, advance every item's request through the model; return fp32 logits
         on rank 0 of the positions that sample (or of every position: golden tests), None
         elsewhere."""
         self._admit_new(items, drops)
-        items = self._with_last_samples(items)
+        self._share_last_samples(items)
         if self.graphs is None or every_position:
             logits = self._run_eager(self._build_batch(items, every_position))
         else:
             logits = self._run_with_graphs(items)
         for item in items:
             req = self.requests[item.request_id]
-            req.num_tokens = item.start + len(item.token_ids)
+            req.num_tokens = item.start + item_length(item)
             if item.sample:
                 req.sampled_through = req.num_tokens
         return logits
 
-    def _with_last_samples(self, items: list[StepItem]) -> list[StepItem]:
-        """Items without token_ids take their request's last sample, which only rank 0 has:
-        it sends them to the other ranks (one small broadcast, only in such a step)."""
-        pending = [i for i, item in enumerate(items) if not item.token_ids]
-        if not pending:
-            return items
-        tokens = [self.requests[items[i].request_id].last_token for i in pending]  # -1 off rank 0
-        tokens = broadcast_ints(tokens, self.device)
-        items = list(items)
-        for i, token in zip(pending, tokens, strict=True):
-            items[i] = msgspec.structs.replace(items[i], token_ids=[token])
-        return items
+    def _share_last_samples(self, items: list[StepItem]) -> None:
+        """Items without token_ids take their slot's last sample (`cache.last_tokens`),
+        which rank 0's sampler wrote: at TP > 1 it sends them to the other ranks first (one
+        small broadcast on the device, only in such a step)."""
+        if tp_size() > 1 and any(not item.token_ids for item in items):
+            broadcast(self.cache.last_tokens)
 
     def _run_eager(self, batch: StepBatch) -> torch.Tensor | None:
         if gpu_path(batch.input_ids):
@@ -204,14 +243,14 @@ class Executor:
         forward of their own. A mixed step so pays Python's per-kernel launch cost once for
         its prompt tokens instead of making its decodes pay it too (SGLang likewise keeps
         prefill and decode batches apart). The requests are disjoint, so order is free."""
-        singles = [item for item in items if len(item.token_ids) == 1]
+        singles = [item for item in items if len(item.token_ids) <= 1]
         held = [self.requests[item.request_id] for item in singles]
         if not self.graphs.can_run(len(singles), max((len(r.blocks) for r in held), default=0)):
             return self._run_eager(self._build_batch(items, False))
         chunks = [item for item in items if len(item.token_ids) > 1]
         chunk_logits = self._run_eager(self._build_batch(chunks, False)) if chunks else None
         decode_logits = self.graphs.run(
-            [item.token_ids[0] for item in singles],
+            [item.token_ids[0] if item.token_ids else -1 for item in singles],  # -1: last sample
             [item.start for item in singles],
             [r.slot for r in held],
             [i for i, item in enumerate(singles) if item.sample],
@@ -256,7 +295,7 @@ class Executor:
                     f"request {item.request_id} item starts at {item.start}, rank {self.config.rank} "
                     f"holds {held.num_tokens} positions"
                 )
-            elif item.start + max(1, len(item.token_ids)) > held.capacity:
+            elif item.start + item_length(item) > held.capacity:
                 raise StepError(f"request {item.request_id} runs past its {held.capacity} reserved positions")
             elif not item.token_ids and held.sampled_through != item.start:
                 raise StepError(
@@ -285,9 +324,12 @@ class Executor:
         bs = self.cache.block_size
         for item in items:
             req = self.requests[item.request_id]
-            length = len(item.token_ids)
+            length = item_length(item)
             plan.spans.append(SeqSpan(offset, length, item.start, req.slot, req.block_table))
-            plan.ids.extend(item.token_ids)
+            plan.ids.extend(item.token_ids or [-1])
+            if not item.token_ids:
+                plan.last_sample_rows.append(offset)
+                plan.last_sample_slots.append(req.slot)
             positions = range(item.start, item.start + length)
             plan.positions.extend(positions)
             plan.kv_rows.extend(req.blocks[p // bs] * bs + p % bs for p in positions)
@@ -296,14 +338,14 @@ class Executor:
             elif item.sample:
                 plan.sampled.append(offset + length - 1)
             offset += length
-        to = {"dtype": torch.int64, "device": self.device}
-        return StepBatch(
-            input_ids=torch.tensor(plan.ids, **to),
-            positions=torch.tensor(plan.positions, **to),
-            kv_index=torch.tensor(plan.kv_rows, **to),
-            spans=tuple(plan.spans),
-            logits_index=torch.tensor(plan.sampled, **to),
+        ids, positions, kv_index, logits_index = (
+            to_device(values, torch.int64, self.device)
+            for values in (plan.ids, plan.positions, plan.kv_rows, plan.sampled)
         )
+        if plan.last_sample_rows:  # the slots' last samples, read on the device
+            slots = to_device(plan.last_sample_slots, torch.int64, self.device)
+            ids[to_device(plan.last_sample_rows, torch.int64, self.device)] = self.cache.last_tokens[slots]
+        return StepBatch(ids, positions, kv_index, tuple(plan.spans), logits_index)
 
     def drop(self, request_ids: list[int]) -> list[bool]:
         existed = []

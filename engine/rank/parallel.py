@@ -24,13 +24,11 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def broadcast_ints(values: list[int], device: torch.device) -> list[int]:
-    """Rank 0's `values` on every rank; each rank passes a list of the same length."""
-    if tp_size() == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.broadcast(tensor, src=0)
-    return tensor.tolist()
+def broadcast(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` into every rank's `x`, in place (on CUDA queued on the stream)."""
+    if tp_size() > 1:
+        dist.broadcast(x, src=0)
+    return x
 
 
 def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:

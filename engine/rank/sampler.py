@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deltaserve.engine.rank.transfer import to_device
 from deltaserve.ipc.messages import Sample, SamplingSpec
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing by them overflows.
@@ -57,9 +58,25 @@ class _RequestState:
     generator: torch.Generator | None = None
 
 
+@dataclass(slots=True)
+class SampleLaunch:
+    """A step's samples, queued on the device: `tokens` there, and `host` [n, 2 + 2k] float64
+    (token, logprob, k alternatives' ids, their logprobs) once `done` has fired."""
+
+    request_ids: list[int]
+    states: list[_RequestState]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    done: torch.cuda.Event | None  # None: the host tensor is already filled (CPU)
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+
 class Sampler:
     def __init__(self) -> None:
         self._requests: dict[int, _RequestState] = {}
+        self._in_flight = False  # a launch not yet finished
 
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._requests
@@ -86,13 +103,24 @@ class Sampler:
 
     def sample(self, request_ids: list[int], logits: torch.Tensor) -> list[Sample]:
         """Sample one token per row of `logits` [n, vocab] (row i for request_ids[i])."""
+        return self.finish(self.launch(request_ids, logits))
+
+    def launch(self, request_ids: list[int], logits: torch.Tensor) -> SampleLaunch:
+        """Queue the sampling of one token per row of `logits` [n, vocab] (row i for
+        request_ids[i]) and the copy of the results to the host, without waiting for the
+        device: nothing here reads a device value (host-made tensors go up from pinned
+        memory), save the rare wide nucleus in `_sample_random`. `finish` must come before
+        the next launch: the next tokens' seeds and penalties count this one."""
+        if self._in_flight:
+            raise RuntimeError("sampler launch before the previous launch was finished")
         if logits.dim() != 2 or logits.shape[0] != len(request_ids):
             raise ValueError(
                 f"logits shape {tuple(logits.shape)} does not match {len(request_ids)} requests"
             )
-        if not request_ids:
-            return []
         states = [self._state(r) for r in request_ids]
+        num_alternatives = max((s.spec.num_logprobs for s in states), default=0)
+        if not request_ids:
+            return SampleLaunch([], [], torch.empty(0, dtype=torch.int64), torch.empty((0, 2)), None)
         logits = logits.float()
         # Raw logprobs without materialising log_softmax: logit - logsumexp(row).
         log_normaliser = torch.logsumexp(logits, dim=-1)
@@ -109,29 +137,41 @@ class Sampler:
         if random_rows:
             tokens = tokens.clone()
             drawn = self._sample_random(work, random_rows, [states[i] for i in random_rows])
-            tokens[random_rows] = drawn
+            tokens[to_device(random_rows, torch.int64, tokens.device)] = drawn
 
         token_logprobs = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - log_normaliser
-        max_alternatives = max(s.spec.num_logprobs for s in states)
-        top_ids: list[list[int]] = [[] for _ in states]
-        top_values: list[list[float]] = [[] for _ in states]
-        if max_alternatives > 0:
-            values, ids = logits.topk(max_alternatives, dim=-1)  # sorted, best first
-            values = values - log_normaliser.unsqueeze(1)
-            top_ids, top_values = ids.tolist(), values.tolist()
+        columns = [tokens[:, None].double(), token_logprobs[:, None].double()]
+        if num_alternatives > 0:
+            values, ids = logits.topk(num_alternatives, dim=-1)  # sorted, best first
+            columns += [ids.double(), (values - log_normaliser.unsqueeze(1)).double()]
+        # token, logprob, alternatives' ids, their logprobs: float64 holds every id and fp32
+        # value exactly, so one copy brings the whole step to the host
+        packed = torch.cat(columns, dim=1)
+        done = None
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            packed, done = host, torch.cuda.Event()
+            done.record()
+        self._in_flight = True
+        return SampleLaunch(list(request_ids), states, tokens, packed, done)
 
-        token_list = tokens.tolist()
-        logprob_list = token_logprobs.tolist()
+    def finish(self, launch: SampleLaunch) -> list[Sample]:
+        """Wait for a launch's results on the host; count the tokens in each request's state
+        (its next seed, its penalties)."""
+        if launch.done is not None:
+            launch.done.synchronize()
+        self._in_flight = False
+        k_max = (launch.host.shape[1] - 2) // 2
         samples = []
-        for i, (request_id, state) in enumerate(zip(request_ids, states, strict=True)):
-            k = state.spec.num_logprobs
-            alternatives = list(zip(top_ids[i][:k], top_values[i][:k], strict=True))
-            samples.append(Sample(request_id, token_list[i], logprob_list[i], alternatives))
+        for row, request_id, state in zip(launch.host.tolist(), launch.request_ids, launch.states, strict=True):
+            token, k = int(row[0]), state.spec.num_logprobs
+            alternatives = [(int(t), v) for t, v in zip(row[2 : 2 + k], row[2 + k_max : 2 + k_max + k], strict=True)]
+            samples.append(Sample(request_id, token, row[1], alternatives))
             state.num_sampled += 1
             if _has_penalties(state.spec):
-                t = token_list[i]
-                state.seen.add(t)
-                state.output_counts[t] = state.output_counts.get(t, 0) + 1
+                state.seen.add(token)
+                state.output_counts[token] = state.output_counts.get(token, 0) + 1
         return samples
 
     def _state(self, request_id: int) -> _RequestState:
@@ -159,10 +199,18 @@ class Sampler:
         widths = [s.top_k if 0 < s.top_k < vocab else min(_TOP_P_CANDIDATES, vocab) if s.top_p < 1.0 else vocab
                   for s in specs]  # fmt: skip
         # the rows' knobs in one copy to the device: temperature, log(min_p), top_p, width
-        knobs = torch.tensor([[s.temperature for s in specs],
-                              [math.log(s.min_p) if s.min_p > 0.0 else -math.inf for s in specs],
-                              [s.top_p for s in specs], widths], device=device)  # fmt: skip
-        scaled = work[rows] / knobs[0][:, None]
+        knobs = to_device([[s.temperature for s in specs],
+                           [math.log(s.min_p) if s.min_p > 0.0 else -math.inf for s in specs],
+                           [s.top_p for s in specs], widths], torch.float32, device)  # fmt: skip
+        index = {}  # row lists as device tensors, each sent up once (list indexing would sync)
+
+        def at(rows_list: list[int]) -> torch.Tensor:
+            key = tuple(rows_list)
+            if key not in index:
+                index[key] = to_device(rows_list, torch.int64, device)
+            return index[key]
+
+        scaled = (work if len(rows) == work.shape[0] else work[at(rows)]) / knobs[0][:, None]
         x = scaled
         if any(s.min_p > 0.0 for s in specs):
             # vLLM MinPLogitsProcessor: prob < min_p * max prob, i.e. x < max x + log(min_p)
@@ -171,31 +219,32 @@ class Sampler:
         filtered = [0 < s.top_k < vocab or s.top_p < 1.0 for s in specs]
         whole = [j for j, f in enumerate(filtered) if not f]
         if whole:
-            rows_x = x if len(whole) == len(rows) else x[whole]
-            drawn[whole] = _race(rows_x, None, [vocab] * len(whole), [states[j] for j in whole])
+            rows_x = x if len(whole) == len(rows) else x[at(whole)]
+            drawn[at(whole)] = _race(rows_x, None, [vocab] * len(whole), [states[j] for j in whole])
         cut = [j for j, f in enumerate(filtered) if f]
         if cut:
             sub = [specs[j] for j in cut]
-            cut_x = x if len(cut) == len(rows) else x[cut]
+            cut_x = x if len(cut) == len(rows) else x[at(cut)]
+            cut_knobs = knobs if len(cut) == len(rows) else knobs[:, at(cut)]
             values, ids = cut_x.topk(max(widths[j] for j in cut))  # sorted, best first
             col = torch.arange(values.shape[1], device=device)
-            values = values.masked_fill(col >= knobs[3, cut][:, None], float("-inf"))
+            values = values.masked_fill(col >= cut_knobs[3][:, None], float("-inf"))
             limited = [0 < s.top_k < vocab for s in sub]
             if any(s.top_p < 1.0 for s in sub):
                 # top-p against the top-k's mass when top-k is set, else the whole row's
                 norm = values.logsumexp(dim=-1)
                 unlimited = [i for i, lim in enumerate(limited) if not lim]
                 if unlimited:
-                    norm[unlimited] = cut_x[unlimited].logsumexp(dim=-1)
+                    norm[at(unlimited)] = cut_x[at(unlimited)].logsumexp(dim=-1)
                 probs = (values - norm[:, None]).exp()
                 mass_before = probs.cumsum(dim=-1) - probs
-                values = values.masked_fill(mass_before >= knobs[2, cut][:, None], float("-inf"))
-            drawn[cut] = _race(values, ids, [widths[j] for j in cut], [states[j] for j in cut])
+                values = values.masked_fill(mass_before >= cut_knobs[2][:, None], float("-inf"))
+            drawn[at(cut)] = _race(values, ids, [widths[j] for j in cut], [states[j] for j in cut])
             # a nucleus that kept its last candidate may reach past them: `_draw` sorts it all
             open_ended = [i for i, s in enumerate(sub) if s.top_p < 1.0 and not limited[i]]
             if open_ended:
-                last = values[open_ended, torch.tensor([widths[cut[i]] - 1 for i in open_ended], device=device)]
-                for i, inf in zip(open_ended, torch.isinf(last).tolist(), strict=True):
+                last = values[at(open_ended), at([widths[cut[i]] - 1 for i in open_ended])]
+                for i, inf in zip(open_ended, torch.isinf(last).tolist(), strict=True):  # waits
                     if not inf:  # rare: the row-by-row rule, from the same generator state
                         j, state = cut[i], states[cut[i]]
                         state.generator.manual_seed(token_seed(state.spec.seed, state.num_sampled))
@@ -267,11 +316,11 @@ def _apply_penalties(row: torch.Tensor, state: _RequestState) -> None:
     definition)."""
     spec = state.spec
     if spec.repetition_penalty != 1.0 and state.seen:
-        ids = torch.tensor(sorted(state.seen), dtype=torch.long, device=row.device)
+        ids = to_device(sorted(state.seen), torch.int64, row.device)
         values = row[ids]
         penalty = spec.repetition_penalty
         row[ids] = torch.where(values > 0, values / penalty, values * penalty)
     if state.output_counts and (spec.frequency_penalty != 0.0 or spec.presence_penalty != 0.0):
-        ids = torch.tensor(list(state.output_counts), dtype=torch.long, device=row.device)
-        counts = torch.tensor(list(state.output_counts.values()), dtype=row.dtype, device=row.device)
+        ids = to_device(list(state.output_counts), torch.int64, row.device)
+        counts = to_device(list(state.output_counts.values()), row.dtype, row.device)
         row[ids] -= spec.frequency_penalty * counts + spec.presence_penalty
