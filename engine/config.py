@@ -46,6 +46,10 @@ class EngineConfig:
     # send step N+1 while step N runs when it needs none of N's results (engine/scheduler.py;
     # vLLM's async scheduling); off: every step waits for the one before to be committed
     pipeline_steps: bool = True
+    # each rank queues a pipelined step N+1 on the device before it reads N's samples, so the
+    # device does not wait for the host between them; None: on cuda (on the cpu every op
+    # waits, and N's reply would only come after N+1's forward)
+    overlap_steps: bool | None = None
     step_timeout_s: float = 60.0
     startup_timeout_s: float = 120.0
     monitor_endpoint: str | None = None  # None: no monitor; "auto", ipc://PATH, tcp://HOST:PORT

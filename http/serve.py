@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--no-pipelining", action="store_true",
                      help="send each step only after the previous one's results are committed, "
                           "instead of planning the next decode step while one runs")  # fmt: skip
+    eng.add_argument("--no-overlap", action="store_true",
+                     help="cuda: each rank finishes a step (reads its samples) before it queues the "
+                          "pipelined step behind it, instead of queueing that one first")  # fmt: skip
     eng.add_argument("--gpu-memory-utilization", type=float, default=d("gpu_memory_utilization"),
                      help="share (0, 1] of each GPU's total memory the engine may use: weights, "
                           "activations and CUDA graphs first, the request state (max_num_seqs "
@@ -211,6 +214,7 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         pipeline_steps=not args.no_pipelining,
+        overlap_steps=False if args.no_overlap else None,
         step_timeout_s=args.step_timeout_s,
         startup_timeout_s=args.startup_timeout_s,
         monitor_endpoint=None if args.monitor_endpoint == "off" else args.monitor_endpoint,

@@ -6,6 +6,12 @@ build the Executor, send `Ready` (or `StartupFailed`).
 Serve: receive a command, decode it strictly, check its seq; a gated command (step, drop) is
 recorded in the gate and runs only once the controller's decision is EXECUTE; reply; repeat
 until `Shutdown`. An error becomes a `Failure` reply; nothing here crashes on bad input.
+
+Overlapped steps (`overlap_steps`, on CUDA): a step is queued on the device and left pending;
+while it runs the rank waits for a pipelined follower, and if one comes it records the
+follower's receipt, queues the follower's forward once released, and only then finishes the
+pending step (reads its samples) and replies. So the device runs N+1 right behind N while
+the host reads N's samples (vLLM's async scheduling and SGLang's overlap do the same).
 """
 
 from __future__ import annotations
@@ -18,13 +24,14 @@ import signal
 import sys
 import time
 import zlib
+from dataclasses import dataclass
 from datetime import timedelta
 
 import zmq
 
 from deltaserve.ipc import faults
 from deltaserve.ipc.channels import PullChannel, PushChannel
-from deltaserve.ipc.gate import CANCEL, EXECUTE, Doorbell, StartGate
+from deltaserve.ipc.gate import CANCEL, EXECUTE, WAKE_POLL_S, Doorbell, StartGate
 from deltaserve.ipc.launch import RankConfig, rank_config_decoder
 from deltaserve.ipc.messages import (
     DECODE_ERRORS,
@@ -109,6 +116,15 @@ def build_executor(config: RankConfig) -> object:
     )
 
 
+@dataclass(slots=True)
+class PendingStep:
+    """A released step queued on the device whose reply is not yet sent."""
+
+    seq: int
+    step: object  # the executor's LaunchedStep
+    num_items: int
+
+
 class RankServer:
     """The serve loop of one rank; owns its executor, channels and gate view."""
 
@@ -128,6 +144,8 @@ class RankServer:
             self.journal_fd = os.open(config.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self.expected_seq = 1
         self.ahead: bytes | None = None  # the next frame, its receipt already in the gate
+        self.overlap = config.overlap_steps
+        self.pending: PendingStep | None = None  # at most one: see launch_step
         self.num_steps = 0
         self.trace = StepTrace(f"rank{config.rank}")
 
@@ -148,6 +166,13 @@ class RankServer:
     def serve(self) -> int:
         while True:
             frame, receipted, self.ahead = self.ahead, self.ahead is not None, None
+            if frame is None and self.pending is not None:
+                frame = self.follower()
+                if frame is None:
+                    self.complete_pending()
+                    continue
+                self.receive(frame)
+                receipted = True
             if frame is None:
                 frame = self.commands.recv(IDLE_POLL_MS)
             if frame is None:
@@ -177,12 +202,77 @@ class RankServer:
         has marked the step done, so a receipt still implies the step ahead ended here. Not
         after a failed step (its reply goes first, as the controller must see it to cancel),
         nor under a fault plan that strikes at the reply or before a receipt."""
-        if self.fault is not None and self.fault.kind in faults.RECEIPT_FAULTS:
+        if not self.takes_receipts_ahead():
             return
         frame = self.commands.recv_nowait()
         if frame is not None:
             self.receive(frame)
             self.ahead = frame
+
+    def takes_receipts_ahead(self) -> bool:
+        """Not under a fault plan that strikes before a receipt: it must meet the frame as
+        it would one at a time."""
+        return self.fault is None or self.fault.kind not in faults.RECEIPT_FAULTS
+
+    def follower(self) -> bytes | None:
+        """While the pending step runs on the device, the next frame if it comes by then (a
+        pipelined follower, sent once the controller saw the step released); None once the
+        step is done without one. Polls: a sleep would let the device run dry."""
+        if not self.takes_receipts_ahead():
+            return None
+        step = self.pending.step
+        next_check = time.monotonic() + WAKE_POLL_S
+        while True:
+            frame = self.commands.recv_nowait()
+            if frame is not None:
+                return frame
+            if step.ready():
+                return self.commands.recv_nowait()
+            if time.monotonic() > next_check:
+                self.check_parent()
+                next_check = time.monotonic() + WAKE_POLL_S
+
+    def launch_step(self, command: RunUnifiedStep, seq: int) -> None:
+        """Queue a released step on the device and leave it pending. The step pending before
+        it is finished and replied to in between: after this one's forward is queued (so the
+        device has work while the host reads samples) and before its sampling (whose seeds
+        and penalties count that step's samples)."""
+        try:
+            step = self.executor.launch_step(command.items, command.drops)
+        except Exception as exc:  # a rank-local mismatch (nothing queued) or a device error
+            self.complete_pending()
+            self.reply_step(seq, Failure(self.rank, seq, f"{type(exc).__name__}: {exc}"), len(command.items))
+            return
+        self.complete_pending()
+        try:
+            self.executor.launch_sampling(step)
+        except Exception as exc:
+            self.reply_step(seq, Failure(self.rank, seq, f"{type(exc).__name__}: {exc}"), len(command.items))
+            return
+        self.pending = PendingStep(seq, step, len(command.items))
+
+    def complete_pending(self) -> None:
+        """Finish the pending step, if any: wait for its samples and send its reply."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            reply = self.step_reply(pending.seq, self.executor.finish_step(pending.step))
+        except Exception as exc:
+            reply = Failure(self.rank, pending.seq, f"{type(exc).__name__}: {exc}")
+        self.reply_step(pending.seq, reply, pending.num_items)
+
+    def reply_step(self, seq: int, reply: object, num_items: int) -> None:
+        self.gate.mark_done(self.rank, seq)
+        self.trace.mark(seq, "executed", num_items)
+        self.journal("reply", seq, "RunUnifiedStep")
+        self.send(reply)
+        self.trace.mark(seq, "replied")
+
+    def step_reply(self, seq: int, samples: list) -> Ack | StepResult:
+        if self.rank != 0:
+            return Ack(self.rank, seq)
+        return StepResult(self.rank, seq, SampleColumns.from_samples(samples))
 
     def handle(self, frame: bytes, receipted: bool = False) -> bool:
         """Carry out one command frame (its receipt in the gate if `receipted`); True when
@@ -195,10 +285,12 @@ class RankServer:
         try:
             command = command_decoder.decode(frame)
         except DECODE_ERRORS as exc:
+            self.complete_pending()
             self.send(Failure(self.rank, seq, f"malformed command frame ({len(frame)} bytes): {exc}"))
             return False
         name = type(command).__name__
         if command.seq != seq:
+            self.complete_pending()
             self.send(Failure(self.rank, command.seq, f"{name} seq {command.seq} out of order; expected seq {seq}"))
             return False
         is_step = type(command) is RunUnifiedStep
@@ -212,6 +304,7 @@ class RankServer:
                 seq, self.release_bell, self.config.release_timeout_s, self.check_parent
             )
             if decision != EXECUTE:
+                self.complete_pending()
                 self.journal("cancel" if decision == CANCEL else "timeout", seq, name)
                 self.gate.mark_done(self.rank, seq)
                 if decision != CANCEL:
@@ -221,6 +314,10 @@ class RankServer:
             if armed:
                 self.fault_after_release(fault)
             self.journal("exec", seq, name)
+        if is_step and self.overlap and not armed:
+            self.launch_step(command, seq)
+            return False
+        self.complete_pending()
         try:
             reply = self.execute(command)
         except Exception as exc:  # a rank-local mismatch or a device/collective error
@@ -230,6 +327,8 @@ class RankServer:
         self.trace.mark(seq, "executed", len(command.items) if is_step else 0)
         if is_step and not armed and type(reply) is not Failure:
             self.receive_ahead()
+        if gated:
+            self.journal("reply", seq, name)
         if armed:
             self.fault_reply(fault, command, reply)
         else:
@@ -241,10 +340,7 @@ class RankServer:
         rank, seq = self.rank, command.seq
         kind = type(command)
         if kind is RunUnifiedStep:
-            samples = self.executor.run_step(command.items, command.drops)
-            if rank != 0:
-                return Ack(rank, seq)
-            return StepResult(rank, seq, SampleColumns.from_samples(samples))
+            return self.step_reply(seq, self.executor.run_step(command.items, command.drops))
         if kind is DropRequests:
             return DropAck(rank, seq, self.executor.drop(command.request_ids))
         if kind is Snapshot:

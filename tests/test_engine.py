@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+import torch
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
@@ -256,9 +257,41 @@ class TestPipelining:
             await assert_idle_and_empty(sync)
         finally:
             await sync.shutdown()
+        # the ranks queue each follower before reading the samples of the step ahead (CUDA's
+        # default; tests/test_ipc_control_plane.py checks that they do)
+        overlapping = await AsyncEngine.start(engine_config(tiny_model_dir, overlap_steps=True))
+        try:
+            overlapped = await run(overlapping)
+            assert strip_logprobs(overlapped) == strip_logprobs(pipelined)
+            assert max_logprob_gap(overlapped, pipelined) < 1e-3
+            assert overlapping.metrics.pipelined_steps_total >= 5
+            await assert_idle_and_empty(overlapping)
+        finally:
+            await overlapping.shutdown()
         finals = [events[-1] for choice in pipelined for events in choice.values()]
         assert sorted(f.reason for f in finals) == ["length"] * 6 + ["stop"] * 2
         await assert_idle_and_empty(engine)
+
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="the ranks overlap steps on CUDA by default")
+    async def test_cuda_overlapped_steps_give_the_same_tokens(self, tiny_model_dir, prompts):
+        """On CUDA each rank queues a pipelined step before it reads the samples of the step
+        ahead (the device takes the follower's tokens from the slots' last samples, seeds and
+        penalties count them before its sampling): greedy, seeded top-p with a penalty and
+        seeded top-k decode the tokens of ranks that finish every step first."""
+        cases = [GREEDY, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=3,
+                                        presence_penalty=0.5),
+                 SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_k=20, seed=8)]  # fmt: skip
+
+        async def run(overlap: bool | None) -> list[list[int]]:
+            config = engine_config(tiny_model_dir, device="cuda", dtype="float32", num_kv_blocks=None,
+                                   max_num_seqs=16, max_num_batched_tokens=512, overlap_steps=overlap)
+            async with await AsyncEngine.start(config) as eng:
+                results = await asyncio.gather(*(collect(eng.generate(p, c)) for p in prompts for c in cases))
+                assert eng.metrics.pipelined_steps_total >= 5
+            return [ids_of(tokens) for tokens, _ in results]
+
+        assert await run(None) == await run(False)
 
 
 class TestStopping:
@@ -460,7 +493,10 @@ class TestForcedMixed:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def tp2_engine(tiny_model_dir):
     # A cache (24 blocks of 16 = 384 positions) smaller than max_model_len (512).
-    engine = await AsyncEngine.start(engine_config(tiny_model_dir, tp_size=2, max_model_len=512, num_kv_blocks=24))
+    # overlapped steps (the CUDA default), so that they meet the broadcast of the last samples
+    engine = await AsyncEngine.start(
+        engine_config(tiny_model_dir, tp_size=2, max_model_len=512, num_kv_blocks=24, overlap_steps=True)
+    )
     yield engine
     await engine.shutdown()
 

@@ -101,8 +101,11 @@ async def tp1(tiny_model_dir: Path):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def tp2(tiny_model_dir: Path):
-    controller = await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), tp_size=2))
+async def tp2(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Overlapped steps (the CUDA default) on gloo; tp1 runs each step to its end."""
+    journals = tmp_path_factory.mktemp("tp2_journal")
+    config = ReplicaConfig(str(tiny_model_dir), tp_size=2, overlap_steps=True, journal_dir=str(journals))
+    controller = await ReplicaController.start(config)
     yield controller
     await controller.shutdown()
     assert controller.exit_codes == [0, 0]
@@ -183,6 +186,12 @@ async def test_pipelined_steps_tp2(tp2: ReplicaController) -> None:
         samples = (await bounded(tp2.step_result(flight))).by_id()
         pipelined.append((samples[311].token_id, samples[312].token_id))
     assert pipelined == explicit
+    # the ranks overlapped: a follower ran before the reply to the step ahead of it went out
+    for rank in (0, 1):
+        lines = [line.split()[:2] for line in (Path(tp2.config.journal_dir) / f"rank{rank}.log").read_text().splitlines()]
+        order = {(event, int(seq)): i for i, (event, seq) in enumerate(lines)}
+        overlapped = [f.seq for f in flights[1:] if order[("exec", f.seq)] < order[("reply", f.seq - 1)]]
+        assert overlapped, f"rank {rank} never ran a follower before replying to the step ahead"
 
     # a followed step's drops: 312 goes while 311 decodes once more
     flight = await tp2.send_step([StepItem(311, len(pa) + 5, [], True)])

@@ -389,17 +389,18 @@ def bench_prefill(ex, device: torch.device, lengths: list[int], matmul_tflops: f
 
 
 async def bench_engine(args, batches: list[int], context: int, new_tokens: int, tp: int = 1,
-                       pipeline: bool = True) -> list[dict]:
+                       pipelining: str = "overlap") -> list[dict]:
     """AsyncEngine through its rank processes (greedy, ignore_eos) at tensor-parallel size
-    `tp`, with pipelined steps or without: `batch` requests of `context` prompt tokens
-    decoding together; time per output token once all decode."""
+    `tp`, with pipelined steps that the ranks overlap ("overlap", the default), pipelined
+    steps each finished before the next is queued ("on"), or none ("off"): `batch` requests
+    of `context` prompt tokens decoding together; time per output token once all decode."""
     import asyncio
 
     from deltaserve.engine import AsyncEngine, EngineConfig, SamplingParams
 
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(batches), tp_size=tp,
                           max_model_len=context + new_tokens + 16, max_num_batched_tokens=8192,
-                          pipeline_steps=pipeline)  # fmt: skip
+                          pipeline_steps=pipelining != "off", overlap_steps=pipelining == "overlap")  # fmt: skip
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(3)
     rows = []
@@ -419,7 +420,7 @@ async def bench_engine(args, batches: list[int], context: int, new_tokens: int, 
             end = min(s[-1] for s in stamps)
             steps = min(sum(1 for t in s if start < t <= end) for s in stamps)
             step_s = (end - start) / max(steps, 1)
-            rows.append({"tp": tp, "pipelined": pipeline, "batch": batch, "context": context,
+            rows.append({"tp": tp, "pipelined": pipelining != "off", "overlapped": pipelining == "overlap", "batch": batch, "context": context,
                          "ms_per_output_token": step_s * 1e3,
                          "tokens_per_s": batch / step_s,
                          # every step of the run (its prefill too): time on the ranks, and the
@@ -482,8 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-batches", type=int, nargs="*", default=[1, 8, 32, 64])
     parser.add_argument("--engine-tokens", type=int, default=128, help="output tokens per engine request")
     parser.add_argument("--engine-tp", type=int, nargs="+", default=[1], help="TP sizes of the engine runs")
-    parser.add_argument("--engine-pipelining", nargs="+", choices=["on", "off"], default=["on", "off"],
-                        help="engine runs with pipelined steps, without, or both (an A/B in one run)")
+    parser.add_argument("--engine-pipelining", nargs="+", choices=["overlap", "on", "off"], default=["overlap", "off"],
+                        help="engine runs with pipelined steps the ranks overlap, pipelined steps each "
+                             "finished before the next is queued, none; several: an A/B in one run")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     report = {"command": " ".join([sys.executable, "-m", "tools.bench_decode", *sys.argv[1:]]),
@@ -516,9 +518,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine_batches:
         import asyncio
 
-        report["engine"] = [row for tp in args.engine_tp for pipeline in args.engine_pipelining for row in
+        report["engine"] = [row for tp in args.engine_tp for pipelining in args.engine_pipelining for row in
                             asyncio.run(bench_engine(args, args.engine_batches, args.context, args.engine_tokens, tp,
-                                                     pipeline == "on"))]  # fmt: skip
+                                                     pipelining))]  # fmt: skip
         for row in report["engine"]:
             decode = next((r for r in report["model"]["decode"]
                            if r["batch"] == row["batch"] and "roofline_ms" in r and row["tp"] == 1), None)  # fmt: skip

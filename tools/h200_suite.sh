@@ -4,7 +4,7 @@
 #           engine's steps traced), about 6 minutes
 #   step    the decode step A/B: the TUNED tiles, PDL, cuBLAS (bench_step_ab), about 4
 #   serve   cold start, bench_serve at concurrency 1 / 16 / 64 and the multi-turn run, then
-#           concurrency 1 and 64 again with --no-pipelining, about 6
+#           concurrency 1 and 64 again with --no-overlap and with --no-pipelining, about 8
 #   gate    the bf16 gate, about 6
 #
 #   OUT=/tmp/out bash tools/h200_suite.sh [decode] [step] [serve] [gate]   # from the repository root
@@ -23,7 +23,7 @@ PARTS=" ${*:-decode serve} "
 if [[ $PARTS == *" decode "* ]]; then
 # the pipelined engine runs last: its trace files overwrite the other's
 DELTASERVE_STEP_TRACE=/tmp/step_trace timeout 330 python3 -m tools.bench_decode --model /tmp/m4b --batches 1 8 32 64 \
-  --steps 8 --hf-batches 1 --hf-steps 8 --engine-pipelining off on --out "$OUT/bench_decode.json" \
+  --steps 8 --hf-batches 1 --hf-steps 8 --engine-pipelining off on overlap --out "$OUT/bench_decode.json" \
   > "$OUT/bench_decode.log" 2>&1
 say "bench_decode rc=$?"
 grep -E "^(model|prefill|engine|hf|profile)" "$OUT/bench_decode.log"
@@ -62,6 +62,9 @@ bench_random "" 1 16 64
 timeout 150 "${BENCH[@]}" --multi-turn --num-conversations 12 --max-concurrency 4 --random-input-len 512 \
   --random-output-len 128 --ignore-eos --label h200-4b-multiturn --result-filename multiturn.json 2>&1 | tail -2
 kill -TERM $SERVER; wait $SERVER; say "server exit code $?"
+start_server "$OUT/serve_no_overlap.log" --no-overlap
+bench_random _no_overlap 1 64
+kill -TERM $SERVER; wait $SERVER; say "server (no overlap) exit code $?"
 start_server "$OUT/serve_sync.log" --no-pipelining
 bench_random _sync 1 64
 kill -TERM $SERVER; wait $SERVER; say "server (no pipelining) exit code $?"
