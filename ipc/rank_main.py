@@ -58,6 +58,12 @@ PR_SET_PDEATHSIG = 1
 IDLE_POLL_MS = 500  # the serve loop re-checks its parent at least this often
 REPLY_LINGER_MS = 2000  # how long a leaving rank tries to flush its last reply
 GC_GEN0_THRESHOLD = 20_000  # allocations between young collections (CPython default 700)
+# How long a finished pending step's reply may wait for the follower's release. It comes as
+# soon as the slowest rank has queued the step and taken the follower's receipt (~0.1 ms on
+# the H200; a few ms on a busy CPU, where rank 0 samples after the others), and that rank's
+# reply is needed too, so the wait costs nothing while every rank is well; but a rank that
+# never records its receipt must not hold the step's results hostage until the gate times out.
+RELEASE_HOLD_S = 0.05
 
 log = logging.getLogger("deltaserve.rank")
 
@@ -232,6 +238,25 @@ class RankServer:
                 self.check_parent()
                 next_check = time.monotonic() + WAKE_POLL_S
 
+    def await_release_while_pending(self, seq: int) -> None:
+        """Wait for the gate's word on `seq` while the pending step runs (polling: the device
+        is busy), then at most RELEASE_HOLD_S more (asleep); past that, finish the pending step
+        and reply to it before waiting on."""
+        step = self.pending.step
+        next_check = time.monotonic() + WAKE_POLL_S
+        hold_until = None
+        while not self.gate.decision(seq):
+            if step.ready():
+                hold_until = hold_until or time.monotonic() + RELEASE_HOLD_S
+                left = hold_until - time.monotonic()
+                if left <= 0:
+                    self.complete_pending()
+                    return
+                self.release_bell.wait(left)
+            elif time.monotonic() > next_check:
+                self.check_parent()
+                next_check = time.monotonic() + WAKE_POLL_S
+
     def launch_step(self, command: RunUnifiedStep, seq: int) -> None:
         """Queue a released step on the device and leave it pending. The step pending before
         it is finished and replied to in between: after this one's forward is queued (so the
@@ -300,6 +325,8 @@ class RankServer:
         gated = isinstance(command, GATED_COMMANDS)
         if gated:
             self.journal("recv", seq, name)
+            if self.pending is not None:
+                self.await_release_while_pending(seq)
             decision = self.gate.wait_decision(
                 seq, self.release_bell, self.config.release_timeout_s, self.check_parent
             )

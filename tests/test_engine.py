@@ -285,7 +285,7 @@ class TestPipelining:
 
         async def run(overlap: bool | None) -> list[list[int]]:
             config = engine_config(tiny_model_dir, device="cuda", dtype="float32", num_kv_blocks=None,
-                                   max_num_seqs=16, max_num_batched_tokens=512, overlap_steps=overlap)
+                                   max_num_seqs=16, max_num_batched_tokens=512, max_queued_requests=16, overlap_steps=overlap)
             async with await AsyncEngine.start(config) as eng:
                 results = await asyncio.gather(*(collect(eng.generate(p, c)) for p in prompts for c in cases))
                 assert eng.metrics.pipelined_steps_total >= 5

@@ -60,9 +60,9 @@ def first(rid: int, n: int) -> StepItem:
 
 
 async def start(model_dir: Path, journal_dir: Path, fault: FaultPlan | None,
-                reasons: list[str]) -> ReplicaController:
-    config = ReplicaConfig(str(model_dir), tp_size=2, step_timeout_s=STEP_TIMEOUT_S,
-                           gate_timeout_s=GATE_TIMEOUT_S, fault=fault, journal_dir=str(journal_dir))
+                reasons: list[str], overlap: bool = False) -> ReplicaController:
+    config = ReplicaConfig(str(model_dir), tp_size=2, step_timeout_s=STEP_TIMEOUT_S, gate_timeout_s=GATE_TIMEOUT_S,
+                           fault=fault, journal_dir=str(journal_dir), overlap_steps=overlap)
     return await asyncio.wait_for(ReplicaController.start(config, on_poison=reasons.append), 120)
 
 
@@ -166,14 +166,16 @@ async def test_idle_rank_death_noticed_from_sentinel(tiny_model_dir: Path, tmp_p
         ("die_mid_step", 2, DIED),
     ],
 )
-async def test_fault_with_a_step_following(kind: str, at_step: int, reason: str, tiny_model_dir: Path,
-                                           tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["finished_first", "overlapped"])
+async def test_fault_with_a_step_following(kind: str, at_step: int, reason: str, overlap: bool,
+                                           tiny_model_dir: Path, tmp_path: Path) -> None:
     """Two flights (a pipelined step behind a released one): a fault in either poisons the
     replica once, every flight it reaches fails with that reason, and the step behind runs on
-    no rank."""
+    no rank. Overlapped, the healthy rank 0 holds the step ahead pending while it waits for
+    the gate's word on the step behind, which is a cancel: it still replies to the one ahead."""
     reasons: list[str] = []
     fault = FaultPlan(rank=1, kind=kind, at_step=at_step, stall_s=60.0)
-    controller = await start(tiny_model_dir, tmp_path, fault, reasons)
+    controller = await start(tiny_model_dir, tmp_path, fault, reasons, overlap)
     try:
         step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
         ahead = await controller.send_step([StepItem(1, 24, [step1.by_id()[1].token_id], True)])  # seq 3
