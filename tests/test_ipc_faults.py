@@ -2,7 +2,7 @@
 replica with the right reason, within its bound, exactly once; no rank runs a command the
 gate did not release to all; no process, socket folder or shared-memory segment is left.
 
-Ranks keep an append-only journal of gated commands (recv / exec / cancel / die lines) in the
+Ranks keep an append-only journal of gated commands (recv / exec / reply / cancel / die lines) in the
 test's folder: that is how a test sees that a surviving rank never ran the step."""
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ median time of each hop from the scheduler's hand-over to its next one, in micro
 pipelined step is sent before the step ahead of it has ended, so its "to rank 0" includes
 waiting for that step, and the scheduler's own hop before it is hidden; what the engine then
 costs the ranks is "rank 0 idle since the last step" (its reply to the step ahead until its
-release of this one).
+release of this one). A rank that overlaps steps (ipc/rank_main.py) is released before it
+replies to the step ahead: such steps are counted apart, with how long before the reply.
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ def hop_table(marks: dict[int, dict[tuple[str, str], int]]) -> dict[int, dict[st
             hops["scheduler: commit + plan"].append((call_next - m[("scheduler", "results")]) / 1e3)
         ahead = marks.get(seq - 1, {})
         if ("rank0", "replied") in ahead and ("rank0", "released") in m:
-            hops["rank 0 idle since the last step"].append((m[("rank0", "released")] - ahead[("rank0", "replied")]) / 1e3)
+            gap = (m[("rank0", "released")] - ahead[("rank0", "replied")]) / 1e3
+            if gap >= 0:
+                hops["rank 0 idle since the last step"].append(gap)
+            else:
+                hops["rank 0 released before replying to the step ahead (overlapped)"].append(-gap)
         if ("controller", "call") in m and ("scheduler", "results") in m:
             hops["whole step (call to results)"].append((m[("scheduler", "results")] - m[("controller", "call")]) / 1e3)
     return {size: {name: statistics.median(v) for name, v in hops.items()} | {"steps": len(hops.get(HOPS[0][0], []))}
