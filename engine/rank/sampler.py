@@ -20,6 +20,7 @@ import torch
 
 from deltaserve.engine.rank.transfer import to_device
 from deltaserve.ipc.messages import Sample, SamplingSpec
+from deltaserve.kernels.logit_stats import logsumexp_argmax
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing by them overflows.
 SAMPLING_EPS = 1e-5
@@ -122,8 +123,9 @@ class Sampler:
         if not request_ids:
             return SampleLaunch([], [], torch.empty(0, dtype=torch.int64), torch.empty((0, 2)), None)
         logits = logits.float()
-        # Raw logprobs without materialising log_softmax: logit - logsumexp(row).
-        log_normaliser = torch.logsumexp(logits, dim=-1)
+        # Raw logprobs without materialising log_softmax: logit - logsumexp(row); one read of
+        # the logits on the GPU gives the argmax too.
+        log_normaliser, tokens = logsumexp_argmax(logits)
 
         work = logits
         penalised = [i for i, s in enumerate(states) if _has_penalties(s.spec)]
@@ -131,8 +133,7 @@ class Sampler:
             work = logits.clone()
             for i in penalised:
                 _apply_penalties(work[i], states[i])
-
-        tokens = work.argmax(dim=-1)  # greedy rows keep these
+            tokens = work.argmax(dim=-1)  # greedy rows keep these
         random_rows = [i for i, s in enumerate(states) if s.spec.temperature >= SAMPLING_EPS]
         if random_rows:
             tokens = tokens.clone()

@@ -1,0 +1,96 @@
+"""A step's logits in one read: each row's log-normaliser (logsumexp) and its argmax.
+
+The sampler needs both for every row (the raw logprobs, the greedy tokens). In torch they are
+several passes over [rows, vocab] fp32 (logsumexp alone is a max, a subtract-exp, a sum and
+a log); at 64 rows of a 248k vocabulary that is 64 MB per pass between two decode steps. The
+kernel splits each row into parts, one program each (so a single row still fills the GPU),
+keeps an online max, rescaled sum of exponentials and first argmax per part (the running
+softmax normaliser of Milakov & Gimelshein, "Online normalizer calculation for softmax"),
+and a second small kernel combines the parts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.kernels.triton_compat import HAS_TRITON, check_launchable, gpu_path, tl, triton
+
+BLOCK = 1024  # columns per load
+TARGET_PROGRAMS = 1024  # parts over all rows: several waves on 132 SMs
+
+
+def logsumexp_argmax_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.logsumexp(logits, dim=-1), logits.argmax(dim=-1)
+
+
+def logsumexp_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, vocab] fp32 -> (logsumexp [rows] fp32, argmax [rows] int64; the first of equal
+    maxima, as torch.argmax)."""
+    if gpu_path(logits) and HAS_TRITON:
+        return logsumexp_argmax_triton(logits)
+    return logsumexp_argmax_reference(logits)
+
+
+@triton.jit
+def _parts_kernel(x_ptr, stride_row, vocab, part_len, max_ptr, sum_ptr, arg_ptr, BLOCK: tl.constexpr):
+    # program: columns [part * part_len, (part + 1) * part_len) of one row
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    start = part * part_len
+    end = tl.minimum(start + part_len, vocab)
+    best = -float("inf")
+    total = 0.0
+    arg = start
+    for off in range(start, end, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_row + cols, mask=cols < end, other=-float("inf"))
+        block_max = tl.max(x, axis=0)
+        block_arg = off + tl.argmax(x, axis=0, tie_break_left=True)
+        new_best = tl.maximum(best, block_max)
+        total = total * tl.exp(best - new_best) + tl.sum(tl.exp(x - new_best), axis=0)
+        arg = tl.where(block_max > best, block_arg, arg)  # strictly greater: the first maximum stays
+        best = new_best
+    tl.store(max_ptr + row * parts + part, best)
+    tl.store(sum_ptr + row * parts + part, total)
+    tl.store(arg_ptr + row * parts + part, arg.to(tl.int64))
+
+
+@triton.jit
+def _combine_kernel(max_ptr, sum_ptr, arg_ptr, lse_ptr, out_arg_ptr, parts, PARTS: tl.constexpr):
+    # program: one row's parts, in column order
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, PARTS)
+    m = offs < parts
+    part_max = tl.load(max_ptr + row * parts + offs, mask=m, other=-float("inf"))
+    part_sum = tl.load(sum_ptr + row * parts + offs, mask=m, other=0.0)
+    part_arg = tl.load(arg_ptr + row * parts + offs, mask=m, other=0)
+    best = tl.max(part_max, axis=0)
+    total = tl.sum(part_sum * tl.exp(part_max - best), axis=0)
+    first = tl.argmax(part_max, axis=0, tie_break_left=True)  # the earliest part holding the maximum
+    arg = tl.sum(tl.where(offs == first, part_arg, 0), axis=0)
+    tl.store(lse_ptr + row, best + tl.log(total))
+    tl.store(out_arg_ptr + row, arg)
+
+
+def logsumexp_argmax_triton(
+    logits: torch.Tensor, target_programs: int = TARGET_PROGRAMS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_launchable(logits)
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError(f"logits: expected [rows, vocab] fp32 with a contiguous last dim, got "
+                         f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}")  # fmt: skip
+    rows, vocab = logits.shape
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    arg = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return lse, arg
+    parts = max(1, min(triton.cdiv(target_programs, rows), triton.cdiv(vocab, BLOCK)))
+    part_len = triton.cdiv(triton.cdiv(vocab, parts), BLOCK) * BLOCK
+    parts = triton.cdiv(vocab, part_len)
+    part_max = torch.empty((rows, parts), dtype=torch.float32, device=logits.device)
+    part_sum = torch.empty_like(part_max)
+    part_arg = torch.empty((rows, parts), dtype=torch.int64, device=logits.device)
+    _parts_kernel[(rows, parts)](logits, logits.stride(0), vocab, part_len, part_max, part_sum, part_arg, BLOCK=BLOCK)
+    _combine_kernel[(rows,)](part_max, part_sum, part_arg, lse, arg, parts, PARTS=triton.next_power_of_2(parts))
+    return lse, arg

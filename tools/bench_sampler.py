@@ -1,0 +1,69 @@
+"""The sampler between two decode steps, on the GPU: `python -m tools.bench_sampler [--out FILE]`.
+
+Times `Sampler.launch` + `finish` (what rank 0 adds to a step) over random fp32 logits of the
+4B vocabulary, greedy and seeded top-p rows, at 1 and 64 rows, with the logits' logsumexp and
+argmax taken by kernels/logit_stats.py ("fused") and by torch ("torch"), interleaved in one
+process. Reports the device time of one launch (CUDA events) and the bytes it must read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from deltaserve.engine.rank import sampler as sampler_module
+from deltaserve.engine.rank.sampler import Sampler
+from deltaserve.ipc.messages import SamplingSpec
+from deltaserve.kernels.logit_stats import logsumexp_argmax, logsumexp_argmax_reference
+from deltaserve.tools.bench_decode import write_report
+
+VOCAB = 248320
+MODES = {"fused": logsumexp_argmax, "torch": logsumexp_argmax_reference}
+
+
+def time_sampler(rows: int, spec: SamplingSpec, stats, reps: int) -> float:
+    """Median ms of device time of one launch + finish over `rows` rows."""
+    sampler_module.logsumexp_argmax = stats
+    sampler = Sampler()
+    for r in range(rows):
+        sampler.add(r, spec)
+    logits = torch.randn(rows, VOCAB, device="cuda") * 3
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        sampler.finish(sampler.launch(list(range(rows)), logits))
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    specs = {"greedy": SamplingSpec(seed=0, temperature=0.0),
+             "top_p": SamplingSpec(seed=1, temperature=0.8, top_p=0.95)}  # fmt: skip
+    rows_out = []
+    for rows in (1, 64):
+        for name, spec in specs.items():
+            figures = {mode: [] for mode in MODES}
+            for _ in range(args.rounds):  # interleaved
+                for mode, stats in MODES.items():
+                    figures[mode].append(time_sampler(rows, spec, stats, args.reps))
+            row = {"rows": rows, "sampling": name, "logits_MB": rows * VOCAB * 4 / 1e6,
+                   **{f"{mode}_ms": statistics.median(v) for mode, v in figures.items()}}  # fmt: skip
+            rows_out.append(row)
+            print(f"rows {rows:3d} {name:7s}: fused {row['fused_ms']:.3f} ms, torch {row['torch_ms']:.3f} ms", flush=True)
+    sampler_module.logsumexp_argmax = logsumexp_argmax
+    write_report(args.out, "bench_sampler", results=rows_out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
