@@ -354,11 +354,11 @@ class RankServer:
         self.trace.mark(seq, "executed", len(command.items) if is_step else 0)
         if is_step and not armed and type(reply) is not Failure:
             self.receive_ahead()
-        if gated:
-            self.journal("reply", seq, name)
         if armed:
             self.fault_reply(fault, command, reply)
         else:
+            if gated:
+                self.journal("reply", seq, name)
             self.send(reply)
         self.trace.mark(seq, "replied")
         return type(command) is Shutdown

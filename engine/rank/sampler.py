@@ -160,9 +160,9 @@ class Sampler:
     def finish(self, launch: SampleLaunch) -> list[Sample]:
         """Wait for a launch's results on the host; count the tokens in each request's state
         (its next seed, its penalties)."""
+        self._in_flight = False
         if launch.done is not None:
             launch.done.synchronize()
-        self._in_flight = False
         k_max = (launch.host.shape[1] - 2) // 2
         samples = []
         for row, request_id, state in zip(launch.host.tolist(), launch.request_ids, launch.states, strict=True):
