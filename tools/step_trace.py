@@ -18,6 +18,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+OVERLAPPED = "rank 0 released before replying to the step ahead (overlapped)"
 HOPS = [  # (name, from (process, event), to (process, event))
     ("controller: encode + send", ("controller", "call"), ("controller", "sent")),
     ("to rank 0", ("controller", "sent"), ("rank0", "recv")),
@@ -61,10 +62,11 @@ def hop_table(marks: dict[int, dict[tuple[str, str], int]]) -> dict[int, dict[st
             if gap >= 0:
                 hops["rank 0 idle since the last step"].append(gap)
             else:
-                hops["rank 0 released before replying to the step ahead (overlapped)"].append(-gap)
+                hops[OVERLAPPED].append(-gap)
         if ("controller", "call") in m and ("scheduler", "results") in m:
             hops["whole step (call to results)"].append((m[("scheduler", "results")] - m[("controller", "call")]) / 1e3)
-    return {size: {name: statistics.median(v) for name, v in hops.items()} | {"steps": len(hops.get(HOPS[0][0], []))}
+    return {size: {name: statistics.median(v) for name, v in hops.items()}
+            | {"steps": len(hops.get(HOPS[0][0], [])), "overlapped steps": len(hops.get(OVERLAPPED, []))}
             for size, hops in sorted(by_size.items())}
 
 
@@ -75,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     table = hop_table(load(args.trace_dir))
     for size, hops in table.items():
-        print(f"steps of {size} items ({hops['steps']} steps), median us:")
+        print(f"steps of {size} items ({hops['steps']} steps, {hops['overlapped steps']} overlapped), median us:")
         for name, us in hops.items():
-            if name != "steps":
+            if name not in ("steps", "overlapped steps"):
                 print(f"  {name:32s} {us:9.1f}")
     if args.json:
         args.json.write_text(json.dumps({str(k): v for k, v in table.items()}, indent=1))
