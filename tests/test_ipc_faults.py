@@ -201,3 +201,29 @@ async def test_fault_with_a_step_following(kind: str, at_step: int, reason: str,
     assert all(("exec", 4) not in entries for entries in ranks), ranks
     if kind == "stall_before_receipt":  # rank 0 had the step behind and was told to cancel it
         assert ("recv", 4) in ranks[0] and ("cancel", 4) in ranks[0]
+
+
+async def test_overlapped_follower_refused_by_the_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Overlapped, a follower that every rank refuses (its item starts past the positions the
+    ranks hold) fails only after the step ahead: each rank replies to that step before it
+    reports the follower's failure, so its samples arrive; then the replica is poisoned once
+    with the ranks' reason, and nothing is left behind."""
+    reasons: list[str] = []
+    controller = await start(tiny_model_dir, tmp_path, None, reasons, overlap=True)
+    try:
+        step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
+        ahead = await controller.send_step([StepItem(1, 24, [step1.by_id()[1].token_id], True)])  # seq 3
+        assert await asyncio.wait_for(ahead.gate, 10) is True
+        behind = controller.follow_step([StepItem(1, 30, [], True)])  # seq 4: the ranks hold 25
+        assert behind is not None
+        result = await asyncio.wait_for(controller.step_result(ahead), 30)
+        assert list(result.by_id()) == [1]
+        with pytest.raises(ReplicaPoisoned):
+            await asyncio.wait_for(controller.step_result(behind), 30)
+        await assert_torn_down(controller, reasons, r"rank \d failed RunUnifiedStep seq 4: StepError: request 1 "
+                                                    r"item starts at 30, rank \d holds 25 positions")
+    finally:
+        await controller.shutdown()
+    for rank in (0, 1):  # the reply to the step ahead went out before the follower's
+        entries = journal(tmp_path, rank)
+        assert entries.index(("reply", 3)) < entries.index(("reply", 4)), entries
