@@ -26,6 +26,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -53,6 +54,9 @@ from deltaserve.ipc.messages import (
     command_encoder,
 )
 from deltaserve.ipc.step_trace import StepTrace
+
+if TYPE_CHECKING:  # torch is imported only once the rank builds its executor
+    from deltaserve.engine.rank.executor import LaunchedStep
 
 PR_SET_PDEATHSIG = 1
 IDLE_POLL_MS = 500  # the serve loop re-checks its parent at least this often
@@ -127,7 +131,7 @@ class PendingStep:
     """A released step queued on the device whose reply is not yet sent."""
 
     seq: int
-    step: object  # the executor's LaunchedStep
+    step: LaunchedStep
     num_items: int
 
 

@@ -37,6 +37,18 @@ def _draw(spec: SamplingSpec, logits_rows: list[torch.Tensor], companions: int =
 
 
 class TestSampler:
+    def test_launch_waits_for_the_previous_finish(self):
+        """A launch counts the samples of the one before in its seeds and penalties, so a
+        second launch before the first is finished is refused, not silently mis-seeded."""
+        sampler = Sampler()
+        sampler.add(0, SamplingSpec(seed=1, temperature=1.0, presence_penalty=0.5))
+        first = sampler.launch([0], _logits(0))
+        with pytest.raises(RuntimeError, match="before the previous launch was finished"):
+            sampler.launch([0], _logits(1))
+        [sample] = sampler.finish(first)
+        assert sampler.finish(sampler.launch([0], _logits(1)))[0].request_id == 0
+        assert sample.request_id == 0
+
     def test_greedy_is_argmax_and_logprobs_are_raw(self):
         """Greedy rows take the argmax; logprobs are log_softmax of the raw logits and the
         alternatives come best first, as many as asked."""
