@@ -36,8 +36,7 @@ def kernels():
     if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         # triton reads the flag when it is first imported, before any test runs
         pytest.skip("no GPU: set TRITON_INTERPRET=1 for the whole session to use the interpreter")
-    names = ["gated_delta", "causal_conv1d", "paged_attention", "rmsnorm", "rope", "activation", "skinny_linear",
-             "logit_stats"]
+    names = ["gated_delta", "causal_conv1d", "paged_attention", "rmsnorm", "rope", "activation", "skinny_linear"]
     return {n: importlib.import_module(f"deltaserve.kernels.{n}") for n in names}
 
 
@@ -273,25 +272,6 @@ def test_rms_norm(kernels, device, dtype, lead, dim):
         assert torch.equal(got_sum, want_sum), "add_rms_norm: the sum is one rounding of x + residual"
     assert_close(got_sum.float(), want_sum.float(), dtype, "add_rms_norm sum")
     assert_close(got_norm.float(), want_norm.float(), dtype, "add_rms_norm")
-
-
-@pytest.mark.parametrize("rows,vocab,programs", [(3, 5001, 3), (3, 5001, 1024), pytest.param(1, 248320, 1024, marks=needs_cuda),
-                                                pytest.param(64, 248320, 1024, marks=needs_cuda)])  # fmt: skip
-def test_logsumexp_argmax(kernels, device, rows, vocab, programs):
-    """The sampler's one read of the logits: logsumexp as torch's, the argmax exactly, the
-    first of tied maxima included: ties planted in one block, in two blocks of one part (3
-    programs: one part of 5 blocks per row), in two parts (1024 programs: a part per block)."""
-    mod = kernels["logit_stats"]
-    logits = torch.randn(rows, vocab, device=device) * 4
-    logits[0, vocab - 7] = logits[0, 3] = logits[0].max() + 1.0  # the first of two, far apart
-    if rows > 1:
-        logits[1, 1500] = logits[1, 1501] = logits[1].max() + 1.0  # two in one block
-        logits[2, 2100] = logits[2, 100] = logits[2].max() + 1.0  # blocks 0 and 2
-    lse, arg = mod.logsumexp_argmax_triton(logits, programs)
-    want_lse, want_arg = mod.logsumexp_argmax_reference(logits)
-    assert torch.equal(arg, want_arg), f"argmax {arg.tolist()[:8]} != {want_arg.tolist()[:8]}"
-    assert arg[0].item() == 3
-    assert torch.allclose(lse, want_lse, rtol=1e-6, atol=1e-5), (lse - want_lse).abs().max()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import pytest
 import torch
@@ -240,3 +242,33 @@ class TestSamplingParams:
         assert p.is_greedy
         spec = p.to_spec(seed=9)
         assert spec.seed == 9 and spec.num_logprobs == 3 and spec.temperature == 0.0
+
+
+CUDA = torch.cuda.is_available()
+KERNELS = CUDA or os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter: set for the whole session
+
+
+@pytest.mark.skipif(not KERNELS or importlib.util.find_spec("triton") is None,
+                    reason="Triton kernels need triton and a GPU, or TRITON_INTERPRET=1")  # fmt: skip
+@pytest.mark.parametrize("rows,vocab,programs", [
+    (3, 5001, 3), (3, 5001, 1024),
+    pytest.param(1, 248320, 1024, marks=pytest.mark.skipif(not CUDA, reason="real shapes: CUDA")),
+    pytest.param(64, 248320, 1024, marks=pytest.mark.skipif(not CUDA, reason="real shapes: CUDA")),
+])  # fmt: skip
+def test_logsumexp_argmax_kernel(rows, vocab, programs):
+    """The sampler's one read of the logits (kernels/logit_stats.py): logsumexp as torch's,
+    the argmax exactly, the first of tied maxima included: ties planted in one block, in two
+    blocks of one part (3 programs: one part of 5 blocks per row), in two parts (1024
+    programs: a part per block)."""
+    from deltaserve.kernels import logit_stats
+
+    logits = torch.randn(rows, vocab, device="cuda" if CUDA else "cpu") * 4
+    logits[0, vocab - 7] = logits[0, 3] = logits[0].max() + 1.0  # the first of two, far apart
+    if rows > 1:
+        logits[1, 1500] = logits[1, 1501] = logits[1].max() + 1.0  # two in one block
+        logits[2, 2100] = logits[2, 100] = logits[2].max() + 1.0  # blocks 0 and 2
+    lse, arg = logit_stats.logsumexp_argmax_triton(logits, programs)
+    want_lse, want_arg = logit_stats.logsumexp_argmax_reference(logits)
+    assert torch.equal(arg, want_arg), f"argmax {arg.tolist()[:8]} != {want_arg.tolist()[:8]}"
+    assert arg[0].item() == 3
+    assert torch.allclose(lse, want_lse, rtol=1e-6, atol=1e-5), (lse - want_lse).abs().max()
