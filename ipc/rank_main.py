@@ -224,19 +224,27 @@ class RankServer:
         it would one at a time."""
         return self.fault is None or self.fault.kind not in faults.RECEIPT_FAULTS
 
+    def pending_ready(self) -> bool:
+        """Whether the device is done with the pending step. A device error counts as done:
+        `finish_step` then raises it, and it goes to the controller as the step's Failure
+        (rather than ending this loop, and the rank, without a word)."""
+        try:
+            return self.pending.step.ready()
+        except Exception:
+            return True
+
     def follower(self) -> bytes | None:
         """While the pending step runs on the device, the next frame if it comes by then (a
         pipelined follower, sent once the controller saw the step released); None once the
         step is done without one. Polls: a sleep would let the device run dry."""
         if not self.takes_receipts_ahead():
             return None
-        step = self.pending.step
         next_check = time.monotonic() + WAKE_POLL_S
         while True:
             frame = self.commands.recv_nowait()
             if frame is not None:
                 return frame
-            if step.ready():
+            if self.pending_ready():
                 return self.commands.recv_nowait()
             if time.monotonic() > next_check:
                 self.check_parent()
@@ -246,11 +254,10 @@ class RankServer:
         """Wait for the gate's word on `seq` while the pending step runs (polling: the device
         is busy), then at most RELEASE_HOLD_S more (asleep); past that, finish the pending step
         and reply to it before waiting on."""
-        step = self.pending.step
         next_check = time.monotonic() + WAKE_POLL_S
         hold_until = None
         while not self.gate.decision(seq):
-            if step.ready():
+            if self.pending_ready():
                 hold_until = hold_until or time.monotonic() + RELEASE_HOLD_S
                 left = hold_until - time.monotonic()
                 if left <= 0:
