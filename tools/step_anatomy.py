@@ -143,7 +143,7 @@ def projection_shapes(ex: Executor, items: list[StepItem]) -> list[tuple[int, in
 
     rank_linear.linear = recording
     try:
-        ex._run_eager(ex._build_batch(ex._with_last_samples(items), False))
+        ex._run_eager(ex._build_batch(items, False))
     finally:
         rank_linear.linear = original
     return seen
@@ -179,13 +179,13 @@ def anatomy(ex: Executor, batch: int, first_id: int, steps: int) -> dict:
     graph, logits = ex.graphs.graphs[size]
     stamps: dict[str, float] = {}
     ex.graphs.graphs[size] = (StampedGraph(graph, stamps), logits)
-    sample = ex.sampler.sample
+    launch = ex.sampler.launch
 
-    def stamped_sample(*args, **kwargs):
+    def stamped_launch(*args, **kwargs):
         stamps["sample"] = time.perf_counter()
-        return sample(*args, **kwargs)
+        return launch(*args, **kwargs)
 
-    ex.sampler.sample = stamped_sample
+    ex.sampler.launch = stamped_launch
     run = ex.graphs.run
 
     def stamped_run(*args, **kwargs):
@@ -206,7 +206,7 @@ def anatomy(ex: Executor, batch: int, first_id: int, steps: int) -> dict:
         segments["launch_call"].append(stamps["launched"] - stamps["launch"])
         segments["host_until_sampler"].append(stamps["sample"] - stamps["launched"])
         segments["sampler_incl_gpu_wait"].append(t1 - stamps["sample"])
-    ex.sampler.sample = sample
+    del ex.sampler.launch
     del ex.graphs.run
     ex.graphs.graphs[size] = (graph, logits)
     row = {"batch": batch, "bucket": size, "run_step_ms": median_ms(walls),
