@@ -32,7 +32,7 @@ import zmq
 
 from deltaserve.ipc import faults
 from deltaserve.ipc.channels import PullChannel, PushChannel
-from deltaserve.ipc.gate import CANCEL, EXECUTE, WAKE_POLL_S, Doorbell, StartGate
+from deltaserve.ipc.gate import CANCEL, EXECUTE, Doorbell, StartGate
 from deltaserve.ipc.launch import RankConfig, rank_config_decoder
 from deltaserve.ipc.messages import (
     DECODE_ERRORS,
@@ -132,7 +132,6 @@ class PendingStep:
 
     seq: int
     step: LaunchedStep
-    num_items: int
 
 
 class RankServer:
@@ -239,22 +238,18 @@ class RankServer:
         step is done without one. Polls: a sleep would let the device run dry."""
         if not self.takes_receipts_ahead():
             return None
-        next_check = time.monotonic() + WAKE_POLL_S
         while True:
             frame = self.commands.recv_nowait()
             if frame is not None:
                 return frame
             if self.pending_ready():
                 return self.commands.recv_nowait()
-            if time.monotonic() > next_check:
-                self.check_parent()
-                next_check = time.monotonic() + WAKE_POLL_S
+            self.check_parent()
 
     def await_release_while_pending(self, seq: int) -> None:
         """Wait for the gate's word on `seq` while the pending step runs (polling: the device
         is busy), then at most RELEASE_HOLD_S more (asleep); past that, finish the pending step
         and reply to it before waiting on."""
-        next_check = time.monotonic() + WAKE_POLL_S
         hold_until = None
         while not self.gate.decision(seq):
             if self.pending_ready():
@@ -264,9 +259,7 @@ class RankServer:
                     self.complete_pending()
                     return
                 self.release_bell.wait(left)
-            elif time.monotonic() > next_check:
-                self.check_parent()
-                next_check = time.monotonic() + WAKE_POLL_S
+            self.check_parent()
 
     def launch_step(self, command: RunUnifiedStep, seq: int) -> None:
         """Queue a released step on the device and leave it pending. The step pending before
@@ -275,17 +268,13 @@ class RankServer:
         and penalties count that step's samples)."""
         try:
             step = self.executor.launch_step(command.items, command.drops)
-        except Exception as exc:  # a rank-local mismatch (nothing queued) or a device error
             self.complete_pending()
-            self.reply_step(seq, Failure(self.rank, seq, f"{type(exc).__name__}: {exc}"), len(command.items))
-            return
-        self.complete_pending()
-        try:
             self.executor.launch_sampling(step)
-        except Exception as exc:
-            self.reply_step(seq, Failure(self.rank, seq, f"{type(exc).__name__}: {exc}"), len(command.items))
+        except Exception as exc:  # a rank-local mismatch (nothing queued) or a device error
+            self.complete_pending()  # if it was not yet: the step ahead's reply goes first
+            self.reply_step(seq, self.failure(seq, exc), len(command.items))
             return
-        self.pending = PendingStep(seq, step, len(command.items))
+        self.pending = PendingStep(seq, step)
 
     def complete_pending(self) -> None:
         """Finish the pending step, if any: wait for its samples and send its reply."""
@@ -295,8 +284,11 @@ class RankServer:
         try:
             reply = self.step_reply(pending.seq, self.executor.finish_step(pending.step))
         except Exception as exc:
-            reply = Failure(self.rank, pending.seq, f"{type(exc).__name__}: {exc}")
-        self.reply_step(pending.seq, reply, pending.num_items)
+            reply = self.failure(pending.seq, exc)
+        self.reply_step(pending.seq, reply, len(pending.step.items))
+
+    def failure(self, seq: int, exc: Exception) -> Failure:
+        return Failure(self.rank, seq, f"{type(exc).__name__}: {exc}")
 
     def reply_step(self, seq: int, reply: object, num_items: int) -> None:
         self.gate.mark_done(self.rank, seq)
@@ -359,7 +351,7 @@ class RankServer:
         try:
             reply = self.execute(command)
         except Exception as exc:  # a rank-local mismatch or a device/collective error
-            reply = Failure(self.rank, seq, f"{type(exc).__name__}: {exc}")
+            reply = self.failure(seq, exc)
         if gated:
             self.gate.mark_done(self.rank, seq)
         self.trace.mark(seq, "executed", len(command.items) if is_step else 0)

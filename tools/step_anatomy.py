@@ -100,9 +100,9 @@ def critical_path_shares(kernels: list[dict], shapes: list[tuple[int, int, int]]
     """Each kernel's share of the critical path: its end minus the latest end of the kernels
     before it (us), so a gap before it (its launch) is its own. Under PDL a kernel starts
     while its predecessor runs and waits, so its duration overstates it; the shares add up
-    to the span. Kernels are
-    trace events (name, ts, dur); the projections among them (ours or cuBLAS's, in launch
-    order) take `shapes` (N, K, weight bytes) in turn, and a split-K sum its projection's."""
+    to the span. Kernels are trace events (name, ts, dur); the projections among them (ours
+    or cuBLAS's, in launch order) take `shapes` (N, K, weight bytes) in turn, and a split-K
+    sum its projection's."""
     kernels = sorted(kernels, key=lambda e: e["ts"])
     frontier = kernels[0]["ts"]
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
