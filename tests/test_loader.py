@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from deltaserve.engine.rank.checkpoint_reader import CheckpointReader
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.engine.rank.loader import CheckpointError
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
@@ -83,3 +84,40 @@ def test_unexpected_text_tensor_is_named(broken_copy):
     rewrite_tensors(broken_copy, add)
     with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.mlp.extra_proj.weight'"):
         logits_of(broken_copy)
+
+
+def test_truncated_file_is_named(broken_copy):
+    path = broken_copy / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="model.safetensors: tensor .* do not fit it or the file"):
+        logits_of(broken_copy)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])  # fmt: skip
+def test_reader_gives_every_tensor_as_safetensors_does(tmp_path, device):
+    """Small chunks so that tensors span chunks and chunks hold several tensors; mixed dtypes,
+    an empty tensor, a scalar, and skipped tensors between read ones."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.bf16": torch.randn(37, 19, generator=g).bfloat16(),
+        "b.f32": torch.randn(300, generator=g),
+        "c.skip": torch.randn(50, generator=g),
+        "d.i64": torch.randint(-(2**40), 2**40, (13, 3), generator=g),
+        "e.empty": torch.empty(0, 4),
+        "f.bool": torch.rand(33, generator=g) > 0.5,
+        "g.scalar": torch.tensor(3.25, dtype=torch.float64),
+        "h.f16": torch.randn(2, 3, 5, generator=g).half(),
+        "i.skip": torch.randn(7, generator=g),
+        "z.empty": torch.empty(0, dtype=torch.uint8),
+    }
+    path = tmp_path / "mixed.safetensors"
+    save_file(tensors, str(path))
+    reader = CheckpointReader(torch.device(device), chunk_bytes=256, buffers=2)
+    got = dict(reader.tensors(path, lambda name: not name.endswith("skip")))
+    expected = {name: t for name, t in load_file(str(path)).items() if not name.endswith("skip")}
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].device.type == device
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].cpu(), tensor), name

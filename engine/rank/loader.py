@@ -13,12 +13,12 @@ Projections the model runs as one GEMM (`model.packed_modules`: checkpoint modul
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
+
+from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, SafetensorsError
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 VLM_TEXT_PREFIX = "model.language_model."
@@ -56,14 +56,6 @@ def text_name(name: str) -> str | None:
     return name
 
 
-def iter_tensors(model_dir: Path) -> Iterator[tuple[str, Path, Callable[[], torch.Tensor]]]:
-    """(checkpoint name, file, loader of the tensor) for every tensor of the folder."""
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, path, (lambda f=f, name=name: f.get_tensor(name))
-
-
 def packed_target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int]:
     """(our parameter name, part) of a checkpoint text name: `...mlp.up_proj.weight` ->
     (`...mlp.gate_up_proj.weight`, 1) when up_proj is packed; else (name, 0)."""
@@ -96,28 +88,42 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
     model_dir = Path(model_dir)
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
-    loaded: set[str] = set()
-    for name, path, read in iter_tensors(model_dir):
+    device = next(iter(params.values())).device
+
+    def wanted(name: str) -> bool:
         target = text_name(name)
-        if target is None:
-            continue
-        if target == "lm_head.weight" and tie_word_embeddings:
-            continue  # tied: the embedding serves as lm_head
-        param_name, part = packed_target(target, packed)
-        param = params.get(param_name)
-        if param is None:
-            raise CheckpointError(f"unexpected tensor {name!r} in {path.name}")
-        if target in loaded:
-            raise CheckpointError(f"tensor {name!r} in {path.name} appears twice in the checkpoint")
+        return target is not None and not (target == "lm_head.weight" and tie_word_embeddings)
+
+    reader = CheckpointReader(device)
+    loaded: set[str] = set()
+    for path in checkpoint_files(model_dir):
         try:
-            if hasattr(param, "num_parts"):  # a ColumnParallelLinear: load into its part
-                param.weight_loader(param, read(), part)
-            else:
-                param.weight_loader(param, read())
-        except ValueError as e:
-            raise CheckpointError(f"tensor {name!r} in {path.name}: {e}") from None
-        loaded.add(target)
+            for name, tensor in reader.tensors(path, wanted):
+                load_tensor(params, packed, name, path, tensor, loaded)
+        except SafetensorsError as e:
+            raise CheckpointError(f"{model_dir}: {e}") from None
     missing = sorted(expected_names(params, packed) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {model_dir} lacks tensors: {shown}")
+
+
+def load_tensor(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, int]], name: str, path: Path,
+                tensor: torch.Tensor, loaded: set[str]) -> None:
+    """Copy one checkpoint tensor into its parameter (or its part of a packed one)."""
+    target = text_name(name)
+    assert target is not None  # the reader hands out wanted names only
+    param_name, part = packed_target(target, packed)
+    param = params.get(param_name)
+    if param is None:
+        raise CheckpointError(f"unexpected tensor {name!r} in {path.name}")
+    if target in loaded:
+        raise CheckpointError(f"tensor {name!r} in {path.name} appears twice in the checkpoint")
+    try:
+        if hasattr(param, "num_parts"):  # a ColumnParallelLinear: load into its part
+            param.weight_loader(param, tensor, part)
+        else:
+            param.weight_loader(param, tensor)
+    except ValueError as e:
+        raise CheckpointError(f"tensor {name!r} in {path.name}: {e}") from None
+    loaded.add(target)
