@@ -125,6 +125,7 @@ class AsyncEngine:
         self._controller = await ReplicaController.start(replica, on_poison=self._on_poison)
         try:
             self.tokenizer = await tokenizer
+            await self._tokenizer_worker.wait_made()
             self._scheduler = Scheduler(
                 self._controller,
                 self.tokenizer,

@@ -33,12 +33,29 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json in model folder {model_dir}")
     with _LOAD_LOCK:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = tokenizer_class(path).from_pretrained(str(path))
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"the tokenizer in {model_dir} is not a fast (tokenizers) tokenizer")
     return tokenizer
+
+
+def tokenizer_class(path: Path) -> Any:
+    """transformers' generic fast tokenizer when the folder names it (Qwen3.5's do), imported
+    from its own module; else AutoTokenizer. AutoTokenizer imports transformers' model
+    configuration and with it torch: 2-4 s of the server's start on the critical path, in a
+    process that otherwise never imports torch."""
+    config = path / "tokenizer_config.json"
+    if config.is_file():
+        with open(config) as f:
+            named = json.load(f).get("tokenizer_class")
+        if named == "TokenizersBackend":
+            with contextlib.suppress(ImportError):
+                from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+                return TokenizersBackend
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 def eos_token_ids(model_dir: str | Path, model_config: ModelConfig) -> frozenset[int]:
@@ -70,6 +87,7 @@ class TokenizerWorker:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._made = threading.Event()  # its tokenizer made (or the attempt failed)
 
     def start(self) -> None:
         """Start the thread, which makes its tokenizer at once (idempotent). The engine calls
@@ -78,6 +96,13 @@ class TokenizerWorker:
         if self._thread is None and not self._closed:
             self._thread = threading.Thread(target=self._serve, name="deltaserve-tokenizer", daemon=True)
             self._thread.start()
+
+    async def wait_made(self) -> None:
+        """Until the started thread has made its tokenizer (or failed to). The engine waits
+        for it before it serves: a load running beside the first requests holds the GIL for
+        long stretches and delayed the first answer by seconds."""
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._made.wait)
 
     async def run(self, fn: Callable[[Any], T]) -> T:
         """`fn(tokenizer)` in the worker thread; its result, or its exception raised here."""
@@ -99,6 +124,7 @@ class TokenizerWorker:
         tokenizer = None
         with contextlib.suppress(Exception):  # a failure here is raised to the first job instead
             tokenizer = self._factory()
+        self._made.set()
         while (job := self._jobs.get()) is not None:
             loop, future, fn = job
             if future.cancelled():

@@ -190,6 +190,22 @@ async def test_worker_makes_its_tokenizer_at_start_and_retries_a_failed_one():
         worker.close()
 
 
+async def test_engine_can_wait_until_the_worker_has_made_its_tokenizer():
+    slow = threading.Event()
+    worker = TokenizerWorker(lambda: slow.wait(10) and "TOK")
+    try:
+        await worker.wait_made()  # not started: nothing to wait for
+        worker.start()
+        waiting = asyncio.ensure_future(worker.wait_made())
+        await asyncio.sleep(0.2)
+        assert not waiting.done(), "returned before the tokenizer was made"
+        slow.set()
+        await asyncio.wait_for(waiting, 10)
+        assert await worker.run(lambda tok: tok) == "TOK"
+    finally:
+        worker.close()
+
+
 async def test_worker_skips_a_job_whose_caller_left():
     gate = threading.Event()
     ran = []
@@ -238,3 +254,23 @@ def test_tokenizers_load_side_by_side_in_a_fresh_process(tiny_model_dir):
         out, err = run.communicate(timeout=120)
         assert run.returncode == 0, err[-2000:]
         assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_serving_process_does_not_import_torch(tiny_model_dir):
+    """The server process tokenizes and templates without torch, whose import (2-4 s) would sit
+    on the start-up's critical path beside the ranks'; transformers' AutoTokenizer pulls it in."""
+    script = textwrap.dedent(f"""
+        import sys
+        import deltaserve.http.serve, deltaserve.engine.async_engine
+        from deltaserve.engine.tokenizer import load_tokenizer
+        tok = load_tokenizer({str(tiny_model_dir)!r})
+        text = tok.apply_chat_template([{{"role": "user", "content": "hi"}}], tokenize=False,
+                                       add_generation_prompt=True)
+        print(type(tok).__name__, len(tok.encode(text)) > 3, tok.decode(tok.encode("hello world")))
+        print(sorted(m for m in ("torch", "triton") if m in sys.modules))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[-2] == "TokenizersBackend True hello world"
+    assert lines[-1] == "[]"

@@ -96,8 +96,9 @@ def test_truncated_file_is_named(broken_copy):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])  # fmt: skip
 def test_reader_gives_every_tensor_as_safetensors_does(tmp_path, device):
-    """Small chunks so that tensors span chunks and chunks hold several tensors; mixed dtypes,
-    an empty tensor, a scalar, and skipped tensors between read ones."""
+    """Small chunks so that tensors span chunks and chunks hold several tensors, read by more
+    threads than buffers; mixed dtypes, empty tensors, a scalar, skipped tensors between read
+    ones."""
     g = torch.Generator().manual_seed(0)
     tensors = {
         "a.bf16": torch.randn(37, 19, generator=g).bfloat16(),
@@ -113,7 +114,7 @@ def test_reader_gives_every_tensor_as_safetensors_does(tmp_path, device):
     }
     path = tmp_path / "mixed.safetensors"
     save_file(tensors, str(path))
-    reader = CheckpointReader(torch.device(device), chunk_bytes=256, buffers=2)
+    reader = CheckpointReader(torch.device(device), chunk_bytes=256, buffers=2, readers=3)
     got = dict(reader.tensors(path, lambda name: not name.endswith("skip")))
     expected = {name: t for name, t in load_file(str(path)).items() if not name.endswith("skip")}
     assert sorted(got) == sorted(expected)

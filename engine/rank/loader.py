@@ -102,6 +102,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
                 load_tensor(params, packed, name, path, tensor, loaded)
         except SafetensorsError as e:
             raise CheckpointError(f"{model_dir}: {e}") from None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the staging copies' blocks, which later allocations would pin
     missing = sorted(expected_names(params, packed) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
