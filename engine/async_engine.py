@@ -62,7 +62,7 @@ class AsyncEngine:
         self._scheduler: Scheduler | None = None
         self._task: asyncio.Task | None = None
         self._monitor: MonitorPublisher | None = None
-        # large inputs are tokenized here, on a second tokenizer instance of the same folder
+        # loads the tokenizer (`start`) and tokenizes large inputs; the loop uses the same instance
         self._tokenizer_worker = TokenizerWorker(functools.partial(load_tokenizer, config.model))
 
     @classmethod
@@ -76,13 +76,10 @@ class AsyncEngine:
             monitor = MonitorPublisher(config.monitor_endpoint)  # "starting" from now on
         self = None
         try:
-            # the tokenizer loads in a thread while the ranks start (each takes seconds), and
-            # the worker's own instance for large prompts in the worker's thread
-            tokenizer = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model)
             self = cls(config, model_config, None, limits.max_model_len)
-            self._tokenizer_worker.start()
+            self._tokenizer_worker.start()  # the tokenizer loads in its thread while the ranks start
             self._monitor = monitor
-            await self._launch(limits.num_kv_blocks, tokenizer)
+            await self._launch(limits.num_kv_blocks)
         except BaseException as exc:
             if self is not None:
                 self._tokenizer_worker.close()
@@ -97,7 +94,7 @@ class AsyncEngine:
                           max_model_len=self.max_model_len, startup_s=time.monotonic() - t0)  # fmt: skip
         return self
 
-    async def _launch(self, num_kv_blocks: int | None, tokenizer: asyncio.Future) -> None:
+    async def _launch(self, num_kv_blocks: int | None) -> None:
         """Start the replica, then take the tokenizer loaded meanwhile; `num_kv_blocks` None:
         each rank sizes its KV cache from gpu_memory_utilization and the ranks agree on the
         smallest (their Ready says)."""
@@ -124,8 +121,7 @@ class AsyncEngine:
         # handles it needs the started controller.
         self._controller = await ReplicaController.start(replica, on_poison=self._on_poison)
         try:
-            self.tokenizer = await tokenizer
-            await self._tokenizer_worker.wait_made()
+            self.tokenizer = await self._tokenizer_worker.tokenizer()
             self._scheduler = Scheduler(
                 self._controller,
                 self.tokenizer,

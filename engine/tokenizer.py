@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,6 +17,7 @@ from typing import Any, TypeVar
 from deltaserve.engine.rank.model_config import ModelConfig
 
 T = TypeVar("T")
+log = logging.getLogger("deltaserve.engine")
 
 # Texts up to this many characters are tokenized on the event loop (a few ms at most);
 # larger ones in the TokenizerWorker (an 8 MiB prompt takes seconds).
@@ -32,8 +35,10 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     path = Path(model_dir)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json in model folder {model_dir}")
+    started = time.monotonic()
     with _LOAD_LOCK:
         tokenizer = tokenizer_class(path).from_pretrained(str(path))
+    log.info("tokenizer loaded in %.1f s", time.monotonic() - started)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"the tokenizer in {model_dir} is not a fast (tokenizers) tokenizer")
     return tokenizer
@@ -72,14 +77,17 @@ def eos_token_ids(model_dir: str | Path, model_config: ModelConfig) -> frozenset
 
 
 class TokenizerWorker:
-    """One dedicated daemon thread for tokenizer work too large for the event loop.
+    """One dedicated daemon thread that loads the tokenizer and then does the tokenizer work
+    too large for the event loop.
 
-    It uses its own tokenizer instance, made by `factory` in the thread as it starts, so
-    nothing it does can collide with the loop's instance (the detokenizer, small prompts):
-    a HF fast tokenizer's Rust object refuses a mutable borrow ("Already borrowed") while
-    another thread is inside `encode`, and transformers may reconfigure it per call. The
-    Rust encoder releases the GIL, so the loop runs meanwhile. Jobs run one at a time in
-    order; a job whose caller went away (its await cancelled) before it started is skipped.
+    The loop uses the same instance (the detokenizer, small prompts). That is safe: the Rust
+    tokenizer takes only shared borrows in encode and decode, and transformers reconfigures
+    it (a mutable borrow, "Already borrowed" if another thread is inside encode) only when a
+    call asks for truncation, padding or split special tokens, which deltaserve never does.
+    A second instance cost its load again: ~1.2 s of Rust parsing that holds the GIL, on the
+    start's critical path or, if loaded later, beside the first requests. The Rust encoder
+    lets go of the GIL, so the loop runs meanwhile. Jobs run one at a time in order; a job
+    whose caller went away (its await cancelled) before it started is skipped.
     """
 
     def __init__(self, factory: Callable[[], Any]) -> None:
@@ -87,22 +95,24 @@ class TokenizerWorker:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._made = threading.Event()  # its tokenizer made (or the attempt failed)
+        self._made = threading.Event()  # set once the factory returned or raised
+        self._tokenizer: Any = None
+        self._error: BaseException | None = None
 
     def start(self) -> None:
-        """Start the thread, which makes its tokenizer at once (idempotent). The engine calls
-        this at start-up: made at the first large prompt instead, its loading (about a second
-        for Qwen's tokenizer) delayed that prompt by as much."""
+        """Start the thread, which makes the tokenizer at once (idempotent)."""
         if self._thread is None and not self._closed:
             self._thread = threading.Thread(target=self._serve, name="deltaserve-tokenizer", daemon=True)
             self._thread.start()
 
-    async def wait_made(self) -> None:
-        """Until the started thread has made its tokenizer (or failed to). The engine waits
-        for it before it serves: a load running beside the first requests holds the GIL for
-        long stretches and delayed the first answer by seconds."""
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._made.wait)
+    async def tokenizer(self) -> Any:
+        """The tokenizer, once made (starting the thread if need be); the factory's error if
+        it failed."""
+        self.start()
+        await asyncio.get_running_loop().run_in_executor(None, self._made.wait)
+        if self._error is not None:
+            raise self._error
+        return self._tokenizer
 
     async def run(self, fn: Callable[[Any], T]) -> T:
         """`fn(tokenizer)` in the worker thread; its result, or its exception raised here."""
@@ -121,21 +131,21 @@ class TokenizerWorker:
             self._jobs.put(None)
 
     def _serve(self) -> None:
-        tokenizer = None
-        with contextlib.suppress(Exception):  # a failure here is raised to the first job instead
-            tokenizer = self._factory()
+        try:
+            self._tokenizer = self._factory()
+        except Exception as exc:  # raised to whoever asks for the tokenizer or runs a job
+            self._error = exc
         self._made.set()
         while (job := self._jobs.get()) is not None:
             loop, future, fn = job
             if future.cancelled():
                 continue
-            result, error = None, None
-            try:
-                if tokenizer is None:
-                    tokenizer = self._factory()
-                result = fn(tokenizer)
-            except Exception as exc:  # the caller's to handle
-                error = exc
+            result, error = None, self._error
+            if error is None:
+                try:
+                    result = fn(self._tokenizer)
+                except Exception as exc:  # the caller's to handle
+                    error = exc
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 loop.call_soon_threadsafe(_resolve, future, result, error)
 

@@ -22,7 +22,7 @@ from serve_helpers import in_process_server
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.events import EngineDeadError
-from deltaserve.engine.tokenizer import INLINE_TOKENIZE_CHARS, TokenizerWorker
+from deltaserve.engine.tokenizer import INLINE_TOKENIZE_CHARS, TokenizerWorker, load_tokenizer
 from deltaserve.http.server import ServerConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -151,9 +151,9 @@ async def test_worker_results_errors_order_and_one_thread():
         await worker.run(lambda tok: tok)
 
 
-async def test_worker_makes_its_tokenizer_at_start_and_retries_a_failed_one():
-    """The engine starts the worker at start-up so that the first large prompt does not wait
-    for a tokenizer to load; a load that failed then is tried again by the first job."""
+async def test_worker_makes_its_tokenizer_once_at_start():
+    """The engine starts the worker at start-up, which loads the one tokenizer while the ranks
+    start; the engine takes it from there, and the first large prompt waits for nothing."""
     made = threading.Event()
     calls = []
 
@@ -167,41 +167,64 @@ async def test_worker_makes_its_tokenizer_at_start_and_retries_a_failed_one():
         worker.start()
         worker.start()
         assert made.wait(10), "start() made no tokenizer before any job"
+        assert await worker.tokenizer() == "TOK"
         assert await worker.run(lambda tok: tok) == "TOK"
         assert calls == ["deltaserve-tokenizer"], "made once, in the worker's thread"
     finally:
         worker.close()
 
-    failures = iter([OSError("disk busy"), OSError("still busy")])
 
-    def flaky() -> str:
-        error = next(failures, None)
-        if error is not None:
-            raise error
-        return "TOK"
-
-    worker = TokenizerWorker(flaky)
+async def test_tokenizer_waits_for_the_load_and_raises_its_error():
+    slow = threading.Event()
+    worker = TokenizerWorker(lambda: slow.wait(10) and "TOK")
     try:
-        worker.start()
-        with pytest.raises(OSError, match="still busy"):  # the start's failure, retried by job 1
+        waiting = asyncio.ensure_future(worker.tokenizer())
+        await asyncio.sleep(0.2)
+        assert not waiting.done(), "returned before the tokenizer was made"
+        slow.set()
+        assert await asyncio.wait_for(waiting, 10) == "TOK"
+    finally:
+        worker.close()
+
+    def broken() -> str:
+        raise OSError("no tokenizer.json")
+
+    worker = TokenizerWorker(broken)
+    try:
+        with pytest.raises(OSError, match="no tokenizer.json"):
+            await worker.tokenizer()
+        with pytest.raises(OSError, match="no tokenizer.json"):
             await worker.run(lambda tok: tok)
-        assert await worker.run(lambda tok: tok) == "TOK"
     finally:
         worker.close()
 
 
-async def test_engine_can_wait_until_the_worker_has_made_its_tokenizer():
-    slow = threading.Event()
-    worker = TokenizerWorker(lambda: slow.wait(10) and "TOK")
+async def test_worker_and_loop_share_one_tokenizer(tiny_model_dir):
+    """Large chat prompts tokenized in the worker while the loop decodes and encodes small
+    texts, on one instance: nothing raises (no "Already borrowed") and the ids are those of
+    each call alone."""
+    tok = load_tokenizer(tiny_model_dir)
+    messages = [{"role": "user", "content": big_text(200_000, seed=7)}]
+
+    def render(t) -> list[int]:
+        text = t.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return t.encode(text, add_special_tokens=False)
+
+    alone = render(tok)
+    small = tok.encode("hello world", add_special_tokens=False)
+    worker = TokenizerWorker(lambda: tok)
     try:
-        await worker.wait_made()  # not started: nothing to wait for
-        worker.start()
-        waiting = asyncio.ensure_future(worker.wait_made())
-        await asyncio.sleep(0.2)
-        assert not waiting.done(), "returned before the tokenizer was made"
-        slow.set()
-        await asyncio.wait_for(waiting, 10)
-        assert await worker.run(lambda tok: tok) == "TOK"
+        jobs = asyncio.gather(*(worker.run(render) for _ in range(2)))
+        loop_calls = 0
+        while not jobs.done():
+            for token_id in alone[loop_calls % 500 : loop_calls % 500 + 20]:
+                tok.decode([token_id], skip_special_tokens=True)
+                tok.convert_ids_to_tokens(token_id)
+            assert tok.encode("hello world", add_special_tokens=False) == small
+            loop_calls += 1
+            await asyncio.sleep(0)
+        assert await jobs == [alone] * 2
+        assert loop_calls > 0
     finally:
         worker.close()
 
