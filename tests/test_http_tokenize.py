@@ -281,9 +281,14 @@ def test_tokenizers_load_side_by_side_in_a_fresh_process(tiny_model_dir):
 
 def test_serving_process_does_not_import_torch(tiny_model_dir):
     """The server process tokenizes and templates without torch, whose import (2-4 s) would sit
-    on the start-up's critical path beside the ranks'; transformers' AutoTokenizer pulls it in."""
+    on the start-up's critical path beside the ranks'; transformers' AutoTokenizer pulls it in.
+    (transformers before 5.24 imports torch in its tokenizer module itself: skipped there.)"""
     script = textwrap.dedent(f"""
         import sys
+        import transformers.tokenization_utils_tokenizers
+        if "torch" in sys.modules:
+            print("transformers", transformers.__version__, "imports torch itself")
+            sys.exit(0)
         import deltaserve.http.serve, deltaserve.engine.async_engine
         from deltaserve.engine.tokenizer import load_tokenizer
         tok = load_tokenizer({str(tiny_model_dir)!r})
@@ -295,5 +300,7 @@ def test_serving_process_does_not_import_torch(tiny_model_dir):
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.strip().splitlines()
+    if lines[-1].endswith("imports torch itself"):
+        pytest.skip(lines[-1])
     assert lines[-2] == "TokenizersBackend True hello world"
     assert lines[-1] == "[]"
