@@ -25,7 +25,10 @@ from pathlib import Path
 from deltaserve.tools.hardware import host_info
 
 # log lines that mark a start-up phase (server and ranks)
-PHASES = re.compile(r"loading |process up|torch on|profiling step|weights loaded|memory budget|CUDA graphs captured|engine ready|ready: serving")
+PHASES = re.compile(
+    r"loading |process up|torch on|profiling step|weights loaded|memory budget|CUDA graphs captured|tokenizer loaded"
+    r"|engine ready|ready: serving"
+)
 
 
 def free_port() -> int:
