@@ -25,8 +25,8 @@ INLINE_TOKENIZE_CHARS = 4096
 
 
 # transformers' lazy module is not thread-safe on first import: two threads loading at once
-# (the engine's loop tokenizer and the worker's) made one fail with "cannot import name
-# 'AutoTokenizer'", and the first large prompt then paid a second load.
+# (once the engine's loop tokenizer and the worker's; now two engines in one process) made one
+# fail with "cannot import name 'AutoTokenizer'".
 _LOAD_LOCK = threading.Lock()
 
 
@@ -82,8 +82,9 @@ class TokenizerWorker:
 
     The loop uses the same instance (the detokenizer, small prompts). That is safe: the Rust
     tokenizer takes only shared borrows in encode and decode, and transformers reconfigures
-    it (a mutable borrow, "Already borrowed" if another thread is inside encode) only when a
-    call asks for truncation, padding or split special tokens, which deltaserve never does.
+    it only when a call asks for truncation, padding or split special tokens, which
+    deltaserve never does (older tokenizers refused such a reconfiguration while another
+    thread was inside encode: "Already borrowed").
     A second instance cost its load again: ~1.2 s of Rust parsing that holds the GIL, on the
     start's critical path or, if loaded later, beside the first requests. The Rust encoder
     lets go of the GIL, so the loop runs meanwhile. Jobs run one at a time in order; a job
