@@ -368,13 +368,16 @@ def make_model(out_dir: str | Path, preset: str = "tiny", dtype: str = "fp32", s
 
 def mean_top1_probability(model_dir: str | Path, num_prompts: int = 4, prompt_len: int = 80,
                           seed: int = 0) -> float:
-    """Mean top-1 next-token probability of HF's model (fp32) over random-token prompts."""
+    """Mean top-1 next-token probability of HF's model (fp32) over random-token prompts; on
+    the GPU when there is one (with fla installed, HF's DeltaNet runs fla's Triton kernels,
+    which need CUDA tensors)."""
     from transformers import Qwen3_5ForCausalLM
 
-    model = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     gen = torch.Generator().manual_seed(seed)
     first_special = qwen_special_tokens()[0][0]
-    ids = torch.randint(0, first_special, (num_prompts, prompt_len), generator=gen)
+    ids = torch.randint(0, first_special, (num_prompts, prompt_len), generator=gen).to(device)
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
     if not torch.isfinite(logits).all():
