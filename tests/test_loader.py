@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deltaserve.engine.rank.checkpoint_reader import CheckpointReader
+from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, SafetensorsError
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.engine.rank.loader import CheckpointError
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
@@ -91,6 +91,27 @@ def test_truncated_file_is_named(broken_copy):
     path.write_bytes(path.read_bytes()[:-1000])
     with pytest.raises(CheckpointError, match="model.safetensors: tensor .* do not fit it or the file"):
         logits_of(broken_copy)
+
+
+@pytest.mark.parametrize("edit,error", [
+    (lambda header: header["a"].pop("data_offsets"), "tensor 'a' has a malformed header entry"),
+    (lambda header: header["a"].update(shape=None), "tensor 'a' has a malformed header entry"),
+    (lambda header: header["a"].update(dtype="Q8"), "tensor 'a' has unsupported dtype 'Q8'"),
+])  # fmt: skip
+def test_malformed_header_is_named(tmp_path, edit, error):
+    """A header entry that is not what the format says is refused naming the file and the
+    tensor, never a KeyError or TypeError from inside the reader."""
+    path = tmp_path / "bad.safetensors"
+    save_file({"a": torch.zeros(7), "b": torch.ones(3)}, str(path))
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(length)
+    assert len(text) == length
+    path.write_bytes(raw[:8] + text + raw[8 + length :])
+    with pytest.raises(SafetensorsError, match=f"bad.safetensors: {error}"):
+        list(CheckpointReader(torch.device("cpu")).tensors(path, lambda name: True))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -74,15 +74,20 @@ def read_header(path: Path) -> list[TensorEntry]:
             header = json.loads(f.read(length))
         except ValueError as e:
             raise SafetensorsError(f"{path.name}: header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path.name}: header is not a JSON object")
     header.pop("__metadata__", None)
     base = 8 + length
     entries = []
     for name, info in header.items():
-        dtype = DTYPES.get(info.get("dtype"))
+        try:
+            dtype = DTYPES.get(info["dtype"])
+            shape = tuple(int(dim) for dim in info["shape"])
+            begin, end = (int(offset) for offset in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsError(f"{path.name}: tensor {name!r} has a malformed header entry {info!r}") from None
         if dtype is None:
-            raise SafetensorsError(f"{path.name}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
-        shape = tuple(info["shape"])
-        begin, end = info["data_offsets"]
+            raise SafetensorsError(f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']!r}")
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes or begin < 0 or base + end > size:
             raise SafetensorsError(
