@@ -98,6 +98,13 @@ def _conv_update_kernel(
     tl.store(out_ptr + row * stride_out + offs, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=m)
 
 
+# Channels and warps per program of the decode update: many small programs, each a short
+# chain of loads; 128 x 1 warp took 0.02 ms off the H200's step at 1-32 rows and 0.065 at 64
+# against 1024 x 4 (tools/bench_step_ab.py's conv modes,
+# bench/results/step_ab_h200_conv_norm_tiles_at_60fede8.json).
+UPDATE_TILE = (128, 1)
+
+
 def causal_conv1d_update(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -114,12 +121,13 @@ def causal_conv1d_update(
     check_index("slots", slots, num)
     if num == 0:
         return
-    block = min(1024, triton.next_power_of_2(channels))
+    block, warps = UPDATE_TILE
+    block = min(block, triton.next_power_of_2(channels))
     grid = (num, triton.cdiv(channels, block))
     _conv_update_kernel[grid](
         x, weight, state, rows, slots, out,
         x.stride(0), weight.stride(0), state.stride(0), state.stride(1), out.stride(0),
-        channels, WIDTH=width, WP=triton.next_power_of_2(width), BC=block, num_warps=4, **pdl_options(x),
+        channels, WIDTH=width, WP=triton.next_power_of_2(width), BC=block, num_warps=warps, **pdl_options(x),
     )
 
 

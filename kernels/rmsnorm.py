@@ -98,6 +98,10 @@ def _rms_norm_kernel(
     tl.store(out_ptr + r * dim + offs, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
+# Warps of a program on a row of 2048 features or more (tools/bench_step_ab.py's norm modes).
+WIDE_ROW_WARPS = 8
+
+
 def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
     """[..., dim] as [rows, dim] without a copy where the strides allow (q[..., :hd] of a
     [T, heads, 2 hd] tensor does), else a contiguous copy."""
@@ -136,7 +140,7 @@ def _launch(
     _rms_norm_kernel[(rows.shape[0],)](
         rows, gate, weight, out, total, rows.stride(0), gate.stride(0), stride_z_head, z_heads, dim, eps,
         GATED=z is not None and not add, ADD=add, BD=block,
-        num_warps=8 if block >= 2048 else 4 if block >= 512 else 1, **pdl_options(x),
+        num_warps=WIDE_ROW_WARPS if block >= 2048 else 4 if block >= 512 else 1, **pdl_options(x),
     )
     return out, total
 

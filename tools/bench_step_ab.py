@@ -13,6 +13,8 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   nosilu  the same, but the GEMV does not make the MLP's activation (silu_and_mul's kernel)
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
+  conv64, conv256, conv1024  the default with the conv update's programs on that many channels
+  norm4, norm16  the default with 4 or 16 warps per RMSNorm row of the hidden size (else 8)
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import time
 
 import torch
 
+import deltaserve.kernels.causal_conv1d as conv
+import deltaserve.kernels.rmsnorm as rmsnorm
 import deltaserve.kernels.skinny_linear as skinny
 import deltaserve.kernels.triton_compat as triton_compat
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
@@ -30,15 +34,23 @@ from deltaserve.tools.bench_decode import time_events, write_report
 from deltaserve.tools.golden import compare_logprobs
 from deltaserve.tools.step_anatomy import CONTEXT, step_executor
 
-MODES = {  # max rows of the skinny kernels, PDL, the GEMV makes the MLP's activation, TUNED tiles
-    "pdl": (64, True, True, True), "untuned": (64, True, True, False), "nosilu": (64, True, False, True),
-    "nopdl": (64, False, True, True), "cublas": (0, True, True, True),
+# max rows of the skinny kernels, PDL, the GEMV makes the MLP's activation, TUNED tiles, the
+# conv update's (channels, warps) per program, the RMSNorm's warps on a hidden-size row
+CONV, NORM = conv.UPDATE_TILE, rmsnorm.WIDE_ROW_WARPS
+MODES = {
+    "pdl": (64, True, True, True, CONV, NORM), "untuned": (64, True, True, False, CONV, NORM),
+    "nosilu": (64, True, False, True, CONV, NORM), "nopdl": (64, False, True, True, CONV, NORM),
+    "cublas": (0, True, True, True, CONV, NORM),
+    "conv64": (64, True, True, True, (64, 1), NORM), "conv256": (64, True, True, True, (256, 2), NORM),
+    "conv1024": (64, True, True, True, (1024, 4), NORM),
+    "norm4": (64, True, True, True, CONV, 4), "norm16": (64, True, True, True, CONV, 16),
 }
 
 
 def use_mode(mode: str) -> None:
     """Set the module switches that choose a decode step's kernels."""
-    skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLD_SILU_MUL, skinny.USE_TUNED = MODES[mode]
+    (skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLD_SILU_MUL, skinny.USE_TUNED, conv.UPDATE_TILE,
+     rmsnorm.WIDE_ROW_WARPS) = MODES[mode]
 
 
 def main(argv: list[str] | None = None) -> int:
