@@ -98,7 +98,7 @@ def logits_gap(ex: Executor, rule: tuple, picks: tuple, batch: int) -> dict:
     return compare_logprobs(logits[1], logits[0]).as_dict()
 
 
-def sweep(ex: Executor, batch: int, first_id: int, rounds: int) -> dict:
+def sweep(ex: Executor, batch: int, first_id: int, rounds: int, dot: list) -> dict:
     ids = list(range(first_id, first_id + batch))
     gen = torch.Generator().manual_seed(0)
     for i in range(0, batch, 8):
@@ -110,7 +110,7 @@ def sweep(ex: Executor, batch: int, first_id: int, rounds: int) -> dict:
     # the shapes of a step of `batch` rows, as the rule runs it (an eager step, then undone)
     shapes = projection_shapes(ex, [StepItem(r, CONTEXT + 1, [], True, None) for r in ids])
     distinct = sorted({(n, k) for n, k, _ in shapes})
-    tiles = GEMV if batch == 1 else DOT
+    tiles = GEMV if batch == 1 else dot
     options = {str(t): t for t in [*tiles, CUBLAS] if batch > 1 or t != CUBLAS}
     measured: dict[tuple[int, int], dict] = {s: {} for s in distinct}
     for shape, share in shares_by_shape(ex, size, shapes).items():  # the rule's own graph
@@ -149,12 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--tiles", nargs="+", default=None, metavar="N,K,SPLIT,WARPS,STAGES,EVICT",
+                        help="tensor-core tiles to try instead of the built-in list, e.g. 128,64,0,8,4,0")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    dot = DOT
+    if args.tiles:
+        dot = [tuple(int(v) for v in t.split(",")[:5]) + (t.split(",")[5] == "1",) for t in args.tiles]
     ex = step_executor(args.model, max(args.batches))
     rows = []
     for i, batch in enumerate(args.batches):
-        row = sweep(ex, batch, first_id=i * 1000, rounds=args.rounds)
+        row = sweep(ex, batch, first_id=i * 1000, rounds=args.rounds, dot=dot)
         rows.append(row)
         for shape, (name, share) in row["picks"].items():
             rule = row["shares_us"][shape].get("rule", float("nan"))
