@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -34,23 +35,34 @@ from deltaserve.tools.bench_decode import time_events, write_report
 from deltaserve.tools.golden import compare_logprobs
 from deltaserve.tools.step_anatomy import CONTEXT, step_executor
 
-# max rows of the skinny kernels, PDL, the GEMV makes the MLP's activation, TUNED tiles, the
-# conv update's (channels, warps) per program, the RMSNorm's warps on a hidden-size row
-CONV, NORM = conv.UPDATE_TILE, rmsnorm.WIDE_ROW_WARPS
+
+@dataclass(frozen=True)
+class Mode:
+    """The module switches that choose a decode step's kernels; the defaults are the engine's
+    on Hopper (PDL on even under DELTASERVE_PDL=0, so that "pdl" is always the baseline)."""
+
+    max_rows: int = 64  # the skinny kernels up to this many rows (0: cuBLAS for all)
+    pdl: bool = True
+    fold_silu_mul: bool = True  # the GEMV makes the MLP's activation
+    tuned: bool = True  # the TUNED tiles
+    conv_tile: tuple[int, int] = conv.UPDATE_TILE  # the conv update's (channels, warps) per program
+    norm_warps: int = rmsnorm.WIDE_ROW_WARPS  # per RMSNorm row of the hidden size
+
+
 MODES = {
-    "pdl": (64, True, True, True, CONV, NORM), "untuned": (64, True, True, False, CONV, NORM),
-    "nosilu": (64, True, False, True, CONV, NORM), "nopdl": (64, False, True, True, CONV, NORM),
-    "cublas": (0, True, True, True, CONV, NORM),
-    "conv64": (64, True, True, True, (64, 1), NORM), "conv256": (64, True, True, True, (256, 2), NORM),
-    "conv1024": (64, True, True, True, (1024, 4), NORM),
-    "norm4": (64, True, True, True, CONV, 4), "norm16": (64, True, True, True, CONV, 16),
+    "pdl": Mode(), "untuned": Mode(tuned=False), "nosilu": Mode(fold_silu_mul=False), "nopdl": Mode(pdl=False),
+    "cublas": Mode(max_rows=0),
+    "conv64": Mode(conv_tile=(64, 1)), "conv256": Mode(conv_tile=(256, 2)), "conv1024": Mode(conv_tile=(1024, 4)),
+    "norm4": Mode(norm_warps=4), "norm16": Mode(norm_warps=16),
 }
 
 
-def use_mode(mode: str) -> None:
+def use_mode(name: str) -> None:
     """Set the module switches that choose a decode step's kernels."""
-    (skinny.MAX_ROWS, triton_compat.PDL, skinny.FOLD_SILU_MUL, skinny.USE_TUNED, conv.UPDATE_TILE,
-     rmsnorm.WIDE_ROW_WARPS) = MODES[mode]
+    mode = MODES[name]
+    skinny.MAX_ROWS, triton_compat.PDL = mode.max_rows, mode.pdl
+    skinny.FOLD_SILU_MUL, skinny.USE_TUNED = mode.fold_silu_mul, mode.tuned
+    conv.UPDATE_TILE, rmsnorm.WIDE_ROW_WARPS = mode.conv_tile, mode.norm_warps
 
 
 def main(argv: list[str] | None = None) -> int:

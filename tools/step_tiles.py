@@ -144,18 +144,25 @@ def sweep(ex: Executor, batch: int, first_id: int, rounds: int, dot: list) -> di
             "replay_ms_rounds": {name: [round(t, 4) for t in v] for name, v in pairs.items()}}  # fmt: skip
 
 
+def parse_tile(text: str) -> tuple:
+    """"128,64,0,8,4,0" -> (128, 64, 0, 8, 4, False): a tile as DOT's entries are written."""
+    fields = text.split(",")
+    if len(fields) != 6 or not all(f.strip().isdigit() for f in fields):
+        raise argparse.ArgumentTypeError(f"a tile is six integers N,K,SPLIT,WARPS,STAGES,EVICT; got {text!r}")
+    *sizes, evict = (int(f) for f in fields)
+    return (*sizes, evict == 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--tiles", nargs="+", default=None, metavar="N,K,SPLIT,WARPS,STAGES,EVICT",
+    parser.add_argument("--tiles", nargs="+", type=parse_tile, default=None, metavar="N,K,SPLIT,WARPS,STAGES,EVICT",
                         help="tensor-core tiles to try instead of the built-in list, e.g. 128,64,0,8,4,0")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    dot = DOT
-    if args.tiles:
-        dot = [tuple(int(v) for v in t.split(",")[:5]) + (t.split(",")[5] == "1",) for t in args.tiles]
+    dot = args.tiles or DOT
     ex = step_executor(args.model, max(args.batches))
     rows = []
     for i, batch in enumerate(args.batches):
