@@ -111,6 +111,7 @@ class AsyncEngine:
             max_model_len=self.max_model_len,
             gpu_memory_utilization=config.gpu_memory_utilization,
             cuda_graphs=not config.enforce_eager,
+            prompt_graph_tokens=config.prompt_graph_tokens,
             overlap_steps=config.overlap_steps,
             max_num_batched_tokens=config.max_num_batched_tokens,
             startup_timeout_s=config.startup_timeout_s,

@@ -43,6 +43,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9  # share of each device's memory the engine may use (cuda)
     enforce_eager: bool = False  # cuda: never replay CUDA graphs (vLLM's flag)
+    # cuda: prompt-only steps of up to this many tokens replay a CUDA graph (engine/rank/
+    # prompt_graphs.py); 0: prompts always run eagerly
+    prompt_graph_tokens: int = 2048
     # send step N+1 while step N runs when it needs none of N's results (engine/scheduler.py;
     # vLLM's async scheduling); off: every step waits for the one before to be committed
     pipeline_steps: bool = True
@@ -80,6 +83,8 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so that every decode fits in a step"
             )
+        if not isinstance(self.prompt_graph_tokens, int) or isinstance(self.prompt_graph_tokens, bool) or self.prompt_graph_tokens < 0:
+            raise ValueError(f"prompt_graph_tokens must be an integer >= 0, got {self.prompt_graph_tokens!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

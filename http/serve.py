@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "on cpu max_num_seqs * max_model_len / block_size")  # fmt: skip
     eng.add_argument("--enforce-eager", action="store_true",
                      help="cuda: run every step eagerly, capturing no CUDA graphs")
+    eng.add_argument("--prompt-graph-tokens", type=int, default=2048,
+                     help="cuda: prompt steps of up to this many tokens replay a CUDA graph (a "
+                          "short prompt's first token no longer waits on ~450 launches); 0: never")
     eng.add_argument("--no-pipelining", action="store_true",
                      help="send each step only after the previous one's results are committed, "
                           "instead of planning the next decode step while one runs")  # fmt: skip
@@ -213,6 +216,7 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        prompt_graph_tokens=args.prompt_graph_tokens,
         pipeline_steps=not args.no_pipelining,
         overlap_steps=False if args.no_overlap else None,
         step_timeout_s=args.step_timeout_s,

@@ -42,6 +42,7 @@ class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gpu_memory_utilization: float = 0.9  # num_blocks 0: size the KV cache from this share
     max_num_batched_tokens: int = 2048  # num_blocks 0: tokens of the profiling step
     cuda_graphs: bool = True  # cuda: single-token items replay CUDA graphs
+    prompt_graph_tokens: int = 2048  # ... and prompt steps of up to this many tokens
     overlap_steps: bool = False  # queue a pipelined follower before finishing the step ahead
     noop_executor: bool = False  # benchmarks only
     noop_step_s: float = 0.0  # the no-op executor sleeps this long per step (a stand-in for the GPU)

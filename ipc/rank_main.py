@@ -147,6 +147,7 @@ def build_executor(config: RankConfig) -> object:
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_batched_tokens=config.max_num_batched_tokens,
             cuda_graphs=config.cuda_graphs,
+            prompt_graph_tokens=config.prompt_graph_tokens,
         )
     )
 

@@ -26,6 +26,7 @@ class ReplicaConfig:
     gpu_memory_utilization: float = 0.9  # when num_blocks is 0: share of each device's memory
     max_num_batched_tokens: int = 2048  # when num_blocks is 0: tokens of the profiling step
     cuda_graphs: bool = True  # cuda: single-token items replay CUDA graphs
+    prompt_graph_tokens: int = 2048  # cuda, with cuda_graphs: prompt steps up to this size too
     overlap_steps: bool | None = None  # ranks queue a follower before finishing the step; None: on cuda
     startup_timeout_s: float = 120.0
     step_timeout_s: float = 60.0
@@ -54,6 +55,7 @@ class ReplicaConfig:
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_batched_tokens=self.max_num_batched_tokens,
             cuda_graphs=self.cuda_graphs,
+            prompt_graph_tokens=self.prompt_graph_tokens,
             overlap_steps=(self.device == "cuda" if self.overlap_steps is None else self.overlap_steps)
             and not self.noop_executor,
             dist_init_method=f"file://{run_dir}/dist-store",

@@ -152,24 +152,27 @@ def causal_conv1d_prefill_reference(
 
 @triton.jit
 def _conv_prefill_kernel(
-    x_ptr, w_ptr, state_ptr, offsets_ptr, lengths_ptr, slots_ptr, out_ptr,
+    x_ptr, w_ptr, state_ptr, offsets_ptr, lengths_ptr, slots_ptr, blocks_ptr, out_ptr,
     stride_x, stride_w, stride_slot, stride_channel, stride_out,
     channels,
     WIDTH: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):
-    # program: (span i, block of BT tokens, block of BC channels). Token p's tap j reads input
-    # p - (WIDTH-1) + j of the span, or state column p + j when that input is negative: only token
-    # block 0 (BT >= WIDTH - 1) reads the state, and only it writes the new one, after a
-    # barrier. Offsets inside a span are int32 (the wrapper checks), the rest int64.
-    i = tl.program_id(0)
-    first = tl.program_id(1) * BT
+    # program: (entry e of the block table: span i, its block of BT tokens; block of BC
+    # channels). Token p's tap j reads input p - (WIDTH-1) + j of the span, or state column
+    # p + j when that input is negative: only token block 0 (BT >= WIDTH - 1) reads the state,
+    # and only it writes the new one, after a barrier. An entry past the span's end (a padding
+    # entry naming an empty span) does nothing. Offsets inside a span are int32 (the wrapper
+    # checks), the rest int64.
+    e = tl.program_id(0)
+    i = tl.load(blocks_ptr + 2 * e)
+    first = tl.load(blocks_ptr + 2 * e + 1) * BT
     length = tl.load(lengths_ptr + i)
     if first >= length:
         return
     offset = tl.load(offsets_ptr + i).to(tl.int64)
     slot = tl.load(slots_ptr + i).to(tl.int64)
     pos = first + tl.arange(0, BT)  # [BT] token index within the span
-    offs = tl.program_id(2) * BC + tl.arange(0, BC)  # [BC] channels
+    offs = tl.program_id(1) * BC + tl.arange(0, BC)  # [BC] channels
     m = offs < channels
     rows = (pos < length)[:, None] & m[None, :]
     x_span = x_ptr + offset * stride_x
@@ -200,6 +203,18 @@ def _conv_prefill_kernel(
         tl.store(window[:, None] + cols[None, :], new.to(state_ptr.dtype.element_ty), mask=m_state)
 
 
+def span_blocks(lengths: list[int], block: int, entries: int | None = None) -> list[tuple[int, int]]:
+    """(span, block) of every `block`-token block of the spans, in order: the prefill conv's
+    grid and fla's chunk_indices. Padded to `entries` with (last span, 0), which must then
+    be an empty span (a CUDA graph's fixed grid)."""
+    table = [(i, j) for i, length in enumerate(lengths) for j in range(-(-length // block))]
+    if entries is not None:
+        if len(table) > entries or (len(table) < entries and (not lengths or lengths[-1] != 0)):
+            raise ValueError(f"{len(table)} blocks do not pad to {entries} entries ending on an empty span")
+        table += [(len(lengths) - 1, 0)] * (entries - len(table))
+    return table
+
+
 def causal_conv1d_prefill(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -207,26 +222,31 @@ def causal_conv1d_prefill(
     offsets: torch.Tensor,
     lengths: torch.Tensor,
     slots: torch.Tensor,
-    max_length: int,  # host-side bound on lengths: sizes the grid
+    blocks: torch.Tensor,  # [entries, 2] int32: `span_blocks(lengths, block)`, on the device
+    block: int,  # tokens per entry of `blocks`, a power of 2 >= width - 1
     out: torch.Tensor,
 ) -> None:
-    """Triton launch of `causal_conv1d_prefill_reference` (same arguments, plus `max_length`),
-    every span in one kernel: a per-span torch conv costs a cat, a conv and copies per span
-    and layer. Spans must not share a slot; rows outside them are untouched."""
+    """Triton launch of `causal_conv1d_prefill_reference` (same arguments, plus the block
+    table), every span in one kernel: a per-span torch conv costs a cat, a conv and copies per
+    span and layer. The grid is the table's, fixed by its size whatever the spans, so a CUDA
+    graph can hold it. Spans must not share a slot; rows outside them are untouched."""
     channels, width = _check_conv(x, weight, state, out)
     num = offsets.shape[0]
     check_index("offsets", offsets, num)
     check_index("lengths", lengths, num)
     check_index("slots", slots, num)
-    if num == 0 or max_length <= 0:
+    if blocks.dim() != 2 or blocks.shape[1] != 2 or blocks.dtype != torch.int32:
+        raise ValueError(f"blocks: expected [entries, 2] int32, got {tuple(blocks.shape)} {blocks.dtype}")
+    if block < width - 1 or block & (block - 1):
+        raise ValueError(f"block {block} must be a power of 2 of at least width - 1 = {width - 1}")
+    if num == 0 or blocks.shape[0] == 0:
         return
-    if max_length * max(x.stride(0), out.stride(0)) >= 2**31:
-        raise ValueError(f"a span of {max_length} rows overflows the kernel's int32 offsets")
-    block_t = max(32, triton.next_power_of_2(width - 1))  # token block 0 holds every state read
-    block_c = min(128, triton.next_power_of_2(channels))
-    grid = (num, triton.cdiv(max_length, block_t), triton.cdiv(channels, block_c))
+    if x.shape[0] * max(x.stride(0), out.stride(0)) >= 2**31:
+        raise ValueError(f"{x.shape[0]} rows overflow the kernel's int32 offsets inside a span")
+    block_c = min(64, triton.next_power_of_2(channels))
+    grid = (blocks.shape[0], triton.cdiv(channels, block_c))
     _conv_prefill_kernel[grid](
-        x, weight, state, offsets, lengths, slots, out,
+        x, weight, state, offsets, lengths, slots, blocks, out,
         x.stride(0), weight.stride(0), state.stride(0), state.stride(1), out.stride(0),
-        channels, WIDTH=width, KP=triton.next_power_of_2(width - 1), BT=block_t, BC=block_c, num_warps=4,
+        channels, WIDTH=width, KP=triton.next_power_of_2(width - 1), BT=block, BC=block_c, num_warps=4,
     )

@@ -285,7 +285,6 @@ class FlaPrefill:
     the H200's host) outweighed the kernels of a 1k-token prefill."""
 
     forward: Callable  # chunk_gated_delta_rule_fwd
-    chunk_indices: Callable  # prepare_chunk_indices
 
 
 @functools.cache
@@ -298,10 +297,9 @@ def fla_chunk_kernel() -> FlaPrefill | None:
         import_lazily(["fla.ops", "fla.modules", "fla.modules.norm"])
         with compiler_disable_as_is():
             from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
-            from fla.ops.utils.index import prepare_chunk_indices
     except Exception:  # not installed, or no usable GPU backend
         return None
-    return FlaPrefill(chunk_gated_delta_rule_fwd, prepare_chunk_indices)
+    return FlaPrefill(chunk_gated_delta_rule_fwd)
 
 
 def import_lazily(names: list[str]) -> None:
@@ -341,29 +339,6 @@ def compiler_disable_as_is() -> Iterator[None]:
         torch.compiler.disable = saved
 
 
-@dataclass(frozen=True, slots=True)
-class PackedSpans:
-    """The sequences of a packed prefill: built once per step and shared by every layer, so
-    no layer copies indices to the GPU (a copy from pageable memory waits for the stream,
-    and 24 such waits per step serialise the host's launches with the GPU's work)."""
-
-    slots: list[int]  # slot of each sequence
-    lengths: list[int]  # tokens of each sequence
-    slot_index: torch.Tensor  # [n] int64 on the device
-    bounds: torch.Tensor  # [n + 1] int64 on the CPU: cumulative lengths (fla's cu_seqlens)
-    bounds_device: torch.Tensor
-    chunk_indices: torch.Tensor | None = None  # fla's (sequence, chunk) table, on CUDA with fla
-
-    @classmethod
-    def build(cls, slots: list[int], lengths: list[int], device: torch.device) -> PackedSpans:
-        bounds = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
-        index = torch.tensor(slots, dtype=torch.int64).to(device)
-        bounds_device = bounds.to(device)
-        fla = fla_chunk_kernel() if device.type == "cuda" else None
-        chunks = None if fla is None else fla.chunk_indices(bounds_device, CHUNK_SIZE, cu_seqlens_cpu=bounds)
-        return cls(list(slots), list(lengths), index, bounds, bounds_device, chunks)
-
-
 def gated_delta_prefill_reference(
     mixed: torch.Tensor,  # [L, 2 * nk * dk + nv * dv] post-conv [q | k | v], sequences packed end to end
     a: torch.Tensor,  # [L, nv] in_proj_a output (raw)
@@ -371,19 +346,48 @@ def gated_delta_prefill_reference(
     a_log: torch.Tensor,  # [nv]
     dt_bias: torch.Tensor,  # [nv]
     state: torch.Tensor,  # [slots, nv, dk, dv] fp32; each sequence's slot updated in place
-    spans: PackedSpans,  # the sequences' slots and lengths (summing to L)
+    slots: torch.Tensor,  # [n] each sequence's slot (-1: an empty padding sequence)
+    bounds: torch.Tensor,  # [n + 1] cumulative lengths over mixed's rows (rows past the last: padding)
     num_k_heads: int,
     eps: float = 1e-6,
 ) -> torch.Tensor:  # [L, nv, dv] in mixed's dtype
     """`chunk_gated_delta` sequence by sequence, on the inputs the decode kernel derives."""
     q, k, v, g, beta = delta_rule_inputs(mixed, a, b, a_log, dt_bias, num_k_heads, state.shape[-1], eps)
-    out = torch.empty(v.shape, dtype=mixed.dtype, device=v.device)
-    offset = 0
-    for slot, length in zip(spans.slots, spans.lengths, strict=True):
-        piece = slice(offset, offset + length)
-        out[piece] = chunk_gated_delta(q[piece], k[piece], v[piece], g[piece], beta[piece], state[slot])
-        offset += length
+    out = torch.zeros(v.shape, dtype=mixed.dtype, device=v.device)
+    edges = bounds.tolist()
+    for slot, start, end in zip(slots.tolist(), edges[:-1], edges[1:], strict=True):
+        if end > start:
+            piece = slice(start, end)
+            out[piece] = chunk_gated_delta(q[piece], k[piece], v[piece], g[piece], beta[piece], state[slot])
     return out
+
+
+@triton.jit
+def _store_states_kernel(src_ptr, dst_ptr, slots_ptr, numel, stride_src, stride_dst, BLOCK: tl.constexpr):
+    # program: (sequence i, block of BLOCK elements of its state); slot < 0: nothing
+    i = tl.program_id(0)
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    if slot < 0:
+        return
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    x = tl.load(src_ptr + i.to(tl.int64) * stride_src + offs, mask=m)
+    tl.store(dst_ptr + slot * stride_dst + offs, x, mask=m)
+
+
+def store_states(state: torch.Tensor, slots: torch.Tensor, final: torch.Tensor) -> None:
+    """state[slots[i]] = final[i] for every slot >= 0: a padding sequence (slot -1) of a CUDA
+    graph writes nowhere, where `state[slots] = final` would write some real slot twice."""
+    check_index("slots", slots, final.shape[0])
+    if final.shape[1:] != state.shape[1:] or final.dtype != state.dtype:
+        raise ValueError(f"final {tuple(final.shape)} {final.dtype} does not fit state {tuple(state.shape)} {state.dtype}")
+    if not (state[0].is_contiguous() and final[0].is_contiguous()):
+        raise ValueError("store_states needs each slot's state contiguous")
+    numel = state[0].numel()
+    if final.shape[0] and numel:
+        block = 4096
+        grid = (final.shape[0], triton.cdiv(numel, block))
+        _store_states_kernel[grid](final, state, slots, numel, final.stride(0), state.stride(0), BLOCK=block)
 
 
 @triton.jit
@@ -457,25 +461,28 @@ def gated_delta_prefill(
     a_log: torch.Tensor,
     dt_bias: torch.Tensor,
     state: torch.Tensor,
-    spans: PackedSpans,
+    slots: torch.Tensor,
+    bounds: torch.Tensor,  # int32 on CUDA
+    chunks: torch.Tensor,  # [entries, 2] int32: (sequence, CHUNK_SIZE-token chunk), fla's chunk_indices
     num_k_heads: int,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """`gated_delta_prefill_reference` (same arguments) in one call of fla's varlen chunk
-    kernel on CUDA when fla is installed: q, k, v go in as the model dtype (as HF's fla path
-    does; the state stays fp32), and the L2 norms and the decay are computed inside fla's
-    kernels instead of by a dozen elementwise passes here."""
+    """`gated_delta_prefill_reference` (same arguments, plus the chunk table) in one call of
+    fla's varlen chunk kernel on CUDA when fla is installed: q, k, v go in as the model dtype
+    (as HF's fla path does; the state stays fp32), and the L2 norms and the decay are computed
+    inside fla's kernels instead of by a dozen elementwise passes here. Every grid is fixed
+    by the sizes of `bounds` and `chunks`, so a CUDA graph can hold the call: padding entries
+    of `chunks` name an empty sequence, whose programs return at once."""
     fla = fla_chunk_kernel() if mixed.is_cuda else None
     if fla is None:
-        return gated_delta_prefill_reference(mixed, a, b, a_log, dt_bias, state, spans, num_k_heads, eps)
+        return gated_delta_prefill_reference(mixed, a, b, a_log, dt_bias, state, slots, bounds, num_k_heads, eps)
     dk = state.shape[2]
     q, k, v, g, beta = fla_inputs(mixed, a, b, num_k_heads, dk, eps)
-    index = spans.slot_index
     _, out, _, final, _, _ = fla.forward(
         q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=dk**-0.5,
-        initial_state=state[index], output_final_state=True,
-        cu_seqlens=spans.bounds_device, chunk_indices=spans.chunk_indices,
+        initial_state=state[slots.clamp(min=0)], output_final_state=True,
+        cu_seqlens=bounds, chunk_indices=chunks,
         use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias,  # made fp32 inside fla's gate kernel
     )  # fmt: skip
-    state[index] = final.float()
+    store_states(state, slots, final.float())
     return out[0].to(mixed.dtype)

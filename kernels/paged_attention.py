@@ -22,6 +22,12 @@ from deltaserve.kernels.triton_compat import (
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what the flash kernel takes
 
 
+def flash_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether such queries go to flash (CUDA, half precision, head dim <= 256 and a multiple
+    of 8); the other path is torch's SDPA, span by span."""
+    return device.type == "cuda" and dtype in FLASH_DTYPES and head_dim <= 256 and head_dim % 8 == 0
+
+
 def request_rows(block_table: torch.Tensor, block_size: int, num_positions: int) -> torch.Tensor:
     """Cache rows of positions 0 .. num_positions-1 of a request, in order."""
     offsets = torch.arange(block_size, device=block_table.device)
@@ -63,7 +69,7 @@ def prefill_attention(
     repeating K and V. Never materialises the [heads, L, P] scores on the GPU."""
     length = q.shape[0]
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
-    if q.is_cuda and q.dtype in FLASH_DTYPES and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0:
+    if flash_takes(q.device, q.dtype, q.shape[-1]):
         # Called directly: SDPA itself picks cuDNN on Hopper, which builds a graph for every new
         # (query, key) length, and a bottom-right mask through torch.nn.attention.bias imports
         # torch._dynamo (seconds of start-up). Flash's causal mask is bottom-right aligned.
@@ -74,6 +80,30 @@ def prefill_attention(
         mask = torch.ones(length, start + length, dtype=torch.bool, device=q.device).tril(start)
     out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=not start, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def varlen_prefill_attention(
+    q: torch.Tensor,  # [T, nh, hd]: the first chunks of prompts, packed end to end (rows past bounds[-1]: padding)
+    k: torch.Tensor,  # [T, nkv, hd]
+    v: torch.Tensor,
+    bounds: torch.Tensor,  # [n + 1] int32: cumulative lengths (cu_seqlens); empty spans allowed
+    max_len: int,  # host bound on the lengths: sizes flash's grid
+    scale: float,
+) -> torch.Tensor:  # [T, nh, hd]; padding rows unwritten
+    """Causal attention of every span over its own keys in one launch: flash's varlen kernel
+    on the GPU, whose grid is fixed by `max_len` and the number of spans, so a CUDA graph can
+    hold it; `prefill_attention` span by span elsewhere."""
+    out = torch.empty_like(q)
+    if flash_takes(q.device, q.dtype, q.shape[-1]):
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, bounds, bounds, max_len, max_len, 0.0, True, False, scale=scale
+        )[0]
+        return out
+    edges = bounds.tolist()
+    for start, end in zip(edges[:-1], edges[1:], strict=True):
+        if end > start:
+            out[start:end] = prefill_attention(q[start:end], k[start:end], v[start:end], 0, scale)
+    return out
 
 
 def paged_prefill_attention(

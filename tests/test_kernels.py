@@ -128,16 +128,16 @@ def test_causal_conv1d_update(kernels, device, dtype, channels, width, tokens, d
         assert torch.equal(state.float(), want_state), f"state differs at step {step}"
 
 
-PREFILL_CONV_SHAPES = [  # (channels, width, span lengths, slots)
-    (37, 4, [5, 2, 40, 3], 6),  # 2 < width - 1; 40 spans two token blocks of 32
-    (260, 3, [2, 33], 3),
-    pytest.param(8192, 4, [1024, 700, 2, 300], 8, marks=needs_cuda),  # 4B channels
+PREFILL_CONV_SHAPES = [  # (channels, width, span lengths, slots, block, padding entries)
+    (37, 4, [5, 2, 40, 3], 6, 16, 0),  # 2 < width - 1; 40 spans three token blocks of 16
+    (260, 3, [2, 70], 3, 64, 3),  # a prompt graph's table: entries naming an empty last span
+    pytest.param(8192, 4, [1024, 700, 2, 300], 8, 64, 0, marks=needs_cuda),  # 4B channels
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("channels,width,lengths,slots", PREFILL_CONV_SHAPES)
-def test_causal_conv1d_prefill(kernels, device, dtype, channels, width, lengths, slots):
+@pytest.mark.parametrize("channels,width,lengths,slots,block,padding", PREFILL_CONV_SHAPES)
+def test_causal_conv1d_prefill(kernels, device, dtype, channels, width, lengths, slots, block, padding):
     """Spans at scattered offsets with rows between them (left untouched, as a step's decode
     rows are), slots out of order, carried states; two chunks in a row, so the second reads
     states the first wrote. Reference in fp32 on the same rounded inputs, as above."""
@@ -151,17 +151,24 @@ def test_causal_conv1d_prefill(kernels, device, dtype, channels, width, lengths,
         offsets.append(row + gap)
         row += gap + length
     tokens = row + 1
+    sizes = lengths + [0] * bool(padding)  # the empty span padding entries name (slot -1)
+    table = mod.span_blocks(sizes, block, len(mod.span_blocks(lengths, block)) + padding if padding else None)
+    blocks = torch.tensor(table, dtype=torch.int32, device=device)
+    if padding:
+        offsets.append(0)
+        slot_ids = torch.cat((slot_ids, torch.tensor([-1], dtype=torch.int32, device=device)))
     offsets = torch.tensor(offsets, dtype=torch.int32, device=device)
-    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    lens = torch.tensor(sizes, dtype=torch.int32, device=device)
     inside = torch.zeros(tokens, dtype=torch.bool, device=device)
-    for offset, length in zip(offsets.tolist(), lengths, strict=True):
+    for offset, length in zip(offsets.tolist(), sizes, strict=True):
         inside[offset : offset + length] = True
     for chunk in range(2):
         x = torch.randn(tokens, channels, device=device).to(dtype)
         got = poisoned((tokens, channels), dtype, device)
         want = poisoned((tokens, channels), torch.float32, device)
-        mod.causal_conv1d_prefill_reference(x.float(), weight.float(), want_state, offsets, lens, slot_ids, want)
-        mod.causal_conv1d_prefill(x, weight, state, offsets, lens, slot_ids, max(lengths), got)
+        n = len(lengths)  # the reference takes the real spans only
+        mod.causal_conv1d_prefill_reference(x.float(), weight.float(), want_state, offsets[:n], lens[:n], slot_ids[:n], want)
+        mod.causal_conv1d_prefill(x, weight, state, offsets, lens, slot_ids, blocks, block, got)
         assert_close(got[inside].float(), want[inside], dtype, f"output, chunk {chunk}")
         assert torch.isnan(got[~inside]).all(), f"a row outside the spans was written, chunk {chunk}"
         assert torch.equal(state.float(), want_state), f"state differs after chunk {chunk}"
@@ -452,18 +459,38 @@ def test_fla_chunk_matches_reference(kernels):
     nk, nv, dk, dv, lengths = 2, 4, 64, 64, [63, 130, 2]
     total = sum(lengths)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
-    mixed = torch.randn(total, 2 * nk * dk + nv * dv, device=dev).to(bf16)
-    a, b = torch.randn(total, nv, device=dev).to(bf16), torch.randn(total, nv, device=dev).to(bf16)
     a_log, dt_bias = torch.rand(nv, device=dev).to(bf16), torch.randn(nv, device=dev).to(bf16)
     state = torch.randn(5, nv, dk, dv, device=dev) * 0.1
     want_state = state.clone()
-    spans = mod.PackedSpans.build([3, 0, 4], lengths, dev)
-    got = mod.gated_delta_prefill(mixed, a, b, a_log, dt_bias, state, spans, nk)
-    want = mod.gated_delta_prefill_reference(mixed, a, b, a_log, dt_bias, want_state, spans, nk)
-    assert got.dtype == bf16
-    assert_close(got.float(), want.float(), bf16, "fla chunk output (bf16 inputs)")
-    assert_close(state, want_state, bf16, "fla chunk final states")
-    assert torch.equal(state[[1, 2]], want_state[[1, 2]]), "slots of no sequence changed"
+    for padded in (False, True):  # as a step's own, or as a prompt CUDA graph's fixed-size buffers
+        rows = total + 7 * padded
+        i32 = {"dtype": torch.int32, "device": dev}
+        slots = torch.tensor([3, 0, 4] + [-1, -1] * padded, **i32)
+        sizes = lengths + [0, 0] * padded
+        bounds = torch.tensor([0, *sizes], **i32).cumsum(0, dtype=torch.int32)
+        chunks = torch.tensor(kernels["causal_conv1d"].span_blocks(sizes, mod.CHUNK_SIZE, 9 if padded else None), **i32)
+        mixed = torch.randn(rows, 2 * nk * dk + nv * dv, device=dev).to(bf16)
+        a, b = torch.randn(rows, nv, device=dev).to(bf16), torch.randn(rows, nv, device=dev).to(bf16)
+        args = (a_log, dt_bias)
+        got = mod.gated_delta_prefill(mixed, a, b, *args, state, slots, bounds, chunks, nk)
+        want = mod.gated_delta_prefill_reference(mixed, a, b, *args, want_state, slots, bounds, nk)
+        assert got.dtype == bf16
+        assert_close(got[:total].float(), want[:total].float(), bf16, f"fla chunk output (bf16 inputs), padded {padded}")
+        assert_close(state, want_state, bf16, f"fla chunk final states, padded {padded}")
+        assert torch.equal(state[[1, 2]], want_state[[1, 2]]), "slots of no sequence changed"
+
+
+def test_store_states(kernels, device):
+    """state[slots[i]] = final[i] for each slot >= 0; a prompt graph's padding sequence (slot
+    -1) writes nowhere, whatever its final state holds."""
+    mod = kernels["gated_delta"]
+    state = torch.randn(6, 3, 5, 7, device=device)
+    final = torch.randn(4, 3, 5, 7, device=device)
+    slots = torch.tensor([4, -1, 0, -1], dtype=torch.int32, device=device)
+    want = state.clone()
+    want[4], want[0] = final[0], final[2]
+    mod.store_states(state, slots, final)
+    assert torch.equal(state, want)
 
 
 # ---- the GPU model path (kernels wired into the layers, CUDA graphs) against the CPU one ----
@@ -475,25 +502,34 @@ def _steps(vocab: int = 240000):
     from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 
     gen = torch.Generator().manual_seed(11)
-    ids = {r: torch.randint(0, vocab, (n,), generator=gen).tolist() for r, n in [(1, 90), (2, 5), (3, 1)]}
+    ids = {r: torch.randint(0, vocab, (n,), generator=gen).tolist() for r, n in [(1, 90), (2, 5), (3, 1), (4, 20)]}
     spec = SamplingSpec(seed=0)
     yield [StepItem(1, 0, ids[1][:70], False, NewRequest(200, spec)), StepItem(2, 0, ids[2], True, NewRequest(200, spec))]
     yield [StepItem(1, 70, ids[1][70:], True, None), StepItem(2, 5, [7], True, None),
            StepItem(3, 0, ids[3], True, NewRequest(200, spec))]
     for t in range(6):
         given = t < 3
-        yield [StepItem(2, 6 + t, [8 + t] * given, True, None), StepItem(1, 90 + t, [9 + t] * given, True, None),
-               StepItem(3, 1 + t, [10 + t] * given, True, None)]
+        step = [StepItem(2, 6 + t, [8 + t] * given, True, None), StepItem(1, 90 + t, [9 + t] * given, True, None),
+                StepItem(3, 1 + t, [10 + t] * given, True, None)]
+        if t == 1:  # a new prompt beside decodes (with graphs: a prompt graph's replay beside a decode graph's)
+            step.insert(1, StepItem(4, 0, ids[4], True, NewRequest(200, spec)))
+        elif t > 1:
+            step.append(StepItem(4, 20 + t - 2, [11 + t] * given, True, None))
+        yield step
 
 
-def _run_steps(model_dir: str, device: str, graphs: bool = False) -> list[torch.Tensor]:
-    """Logits of every step of `_steps` through one executor (fp32): eagerly, or on CUDA with
-    graphs, where single-token items replay a graph beside an eager forward of the chunks.
+def _run_steps(
+    model_dir: str, device: str, graphs: bool = False, dtype: str = "float32", prompt_graph_tokens: int = 2048
+) -> tuple[list[torch.Tensor], int]:
+    """Logits of every step of `_steps` through one executor, and how many of its steps ran
+    prompts through a prompt graph: eagerly, or with graphs, where single-token items replay
+    a decode graph beside a forward of the chunks (a prompt graph's where they fit one).
     Each step samples (greedy), so that items without tokens have a last sample to read."""
     from deltaserve.engine.rank.executor import Executor, ExecutorConfig
     from deltaserve.kernels.triton_compat import gpu_path
 
-    config = ExecutorConfig(model_dir, device=device, dtype="float32", num_slots=4, num_blocks=64, cuda_graphs=graphs)
+    config = ExecutorConfig(model_dir, device=device, dtype=dtype, num_slots=4, num_blocks=64, cuda_graphs=graphs,
+                            prompt_graph_tokens=prompt_graph_tokens)  # fmt: skip
     ex = Executor(config)
     assert (ex.graphs is not None) == (graphs and gpu_path(ex.cache.kv))
     logits = []
@@ -502,7 +538,7 @@ def _run_steps(model_dir: str, device: str, graphs: bool = False) -> list[torch.
         ex.launch_sampling(step)
         ex.finish_step(step)
         logits.append(step.logits.float().cpu())
-    return logits
+    return logits, 0 if ex.prompt_graphs is None else ex.prompt_graphs.replays
 
 
 def _assert_steps_match(got: list[torch.Tensor], want: list[torch.Tensor], bound: float, what: str) -> None:
@@ -523,11 +559,15 @@ def test_gpu_path_under_interpreter_matches_cpu(kernels, tiny_model_dir, monkeyp
     from deltaserve.kernels import triton_compat
 
     model_dir = str(tiny_model_dir)
-    cpu = _run_steps(model_dir, "cpu")
+    cpu, _ = _run_steps(model_dir, "cpu")
     monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
-    _assert_steps_match(_run_steps(model_dir, "cpu"), cpu, 2e-3, "GPU path under the interpreter vs cpu")
-    # the decode graphs' static buffers, run eagerly (no capture off CUDA), mixed steps split
-    _assert_steps_match(_run_steps(model_dir, "cpu", graphs=True), cpu, 2e-3, "graph buffers vs cpu")
+    _assert_steps_match(_run_steps(model_dir, "cpu")[0], cpu, 2e-3, "GPU path under the interpreter vs cpu")
+    # the graphs' static buffers, run eagerly (no capture off CUDA), mixed steps split: the
+    # prompts of the first step, and the new one beside decodes, through a prompt graph's
+    # padded buffers
+    graphs, prompt_replays = _run_steps(model_dir, "cpu", graphs=True)
+    assert prompt_replays == 2, f"{prompt_replays} steps ran their prompts through a prompt graph"
+    _assert_steps_match(graphs, cpu, 2e-3, "graph buffers vs cpu")
 
 
 @needs_cuda
@@ -544,11 +584,26 @@ def test_cuda_executor_matches_cpu(tiny_model_dir, monkeypatch, prefill):
         skip_without_fla(gated_delta)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # the conv reference: full fp32
     model_dir = str(tiny_model_dir)
-    cpu = _run_steps(model_dir, "cpu")
-    eager = _run_steps(model_dir, "cuda")
+    cpu, _ = _run_steps(model_dir, "cpu")
+    eager, _ = _run_steps(model_dir, "cuda")
     # fla computes its chunks with tf32 products: a looser bound than plain fp32
     _assert_steps_match(eager, cpu, 2e-3 if prefill == "reference" else 5e-2, f"cuda ({prefill} prefill) vs cpu")
-    _assert_steps_match(_run_steps(model_dir, "cuda", graphs=True), eager, 1e-4, "graphs (mixed steps split) vs eager")
+    graphs, prompt_replays = _run_steps(model_dir, "cuda", graphs=True)
+    assert prompt_replays == 0, "fp32 prompts (no flash) must run eagerly, not in a prompt graph"
+    _assert_steps_match(graphs, eager, 1e-4, "graphs (mixed steps split) vs eager")
+
+
+@needs_cuda
+def test_prompt_graphs_match_eager(kernels, tiny_model_dir):
+    """bf16 with fla: prompts replayed from a prompt graph (padded buffers; fla's chunked
+    kernels and flash's varlen attention captured) give the logits of the same steps with
+    their prompts run eagerly, decodes after them included."""
+    skip_without_fla(kernels["gated_delta"])
+    model_dir = str(tiny_model_dir)
+    eager, none = _run_steps(model_dir, "cuda", graphs=True, dtype="bfloat16", prompt_graph_tokens=0)
+    graphs, prompt_replays = _run_steps(model_dir, "cuda", graphs=True, dtype="bfloat16")
+    assert (none, prompt_replays) == (0, 2), f"prompt-graph steps: {none} without, {prompt_replays} with"
+    _assert_steps_match(graphs, eager, 2e-2, "prompt graphs vs eager prompts (bf16)")
 
 
 def test_every_pdl_kernel_waits_before_touching_memory():

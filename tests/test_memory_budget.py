@@ -104,6 +104,13 @@ class FakeProbe:
         return self.peak
 
 
+def graph_reserve(executor, peak: int) -> int:
+    """The fixture's CUDA-graph reserve: the decode buckets' logits (4 slots) and pool; the
+    prompt buckets' (16, 32, 64, 100 tokens, 4 prompts each) logits and a pool as large as
+    the 100-token profiling step's activations."""
+    return GRAPH_POOL_RESERVE_BYTES + (2 * 4 + 4 * 4) * executor.model_config.vocab_size * 4 + peak
+
+
 @pytest.fixture(scope="module")
 def executor(tiny_model_dir):
     config = ExecutorConfig(str(tiny_model_dir), num_slots=4, num_blocks=8, max_model_len=64,
@@ -117,7 +124,7 @@ def test_size_kv_cache_budget(executor):
     probe = FakeProbe(executor, total, in_use, peak)
     cache = executor.cache
     budget = size_kv_cache(executor, probe)
-    reserve = GRAPH_POOL_RESERVE_BYTES + 2 * 4 * executor.model_config.vocab_size * 4
+    reserve = graph_reserve(executor, peak)
     left = 500 * MiB - in_use - peak - reserve
     assert budget.budget == left and budget.reserve == reserve
     assert budget.num_blocks == budget.local_blocks == (left - 4 * sizes.slot_bytes) // sizes.block_bytes
@@ -136,7 +143,7 @@ def test_size_kv_cache_budget(executor):
 def test_size_kv_cache_refuses_too_little_naming_the_numbers(executor):
     # room for the 4 slots but not for one max_model_len (64 positions = 4 blocks) request
     sizes = cache_sizes(executor.model_config, 1, executor.dtype, 16)
-    reserve = GRAPH_POOL_RESERVE_BYTES + 2 * 4 * executor.model_config.vocab_size * 4
+    reserve = graph_reserve(executor, 0)
     total = 2 * (10 * MiB + reserve + 4 * sizes.slot_bytes + 3 * sizes.block_bytes)
     with pytest.raises(MemoryError) as info:
         size_kv_cache(executor, FakeProbe(executor, total, 10 * MiB, 0))

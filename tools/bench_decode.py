@@ -176,7 +176,8 @@ def bench_kernels(device: torch.device, copy_gbps: float, batches: list[int], co
 
 def bench_fla_prefill(device: torch.device, tokens: int = 4096) -> dict | None:
     """One DeltaNet layer's chunked prefill (fla) at 4B shapes, bf16 inputs."""
-    from deltaserve.kernels.gated_delta import PackedSpans, fla_chunk_kernel, gated_delta_prefill
+    from deltaserve.kernels.causal_conv1d import span_blocks
+    from deltaserve.kernels.gated_delta import CHUNK_SIZE, fla_chunk_kernel, gated_delta_prefill
 
     if fla_chunk_kernel() is None:
         return None
@@ -185,8 +186,9 @@ def bench_fla_prefill(device: torch.device, tokens: int = 4096) -> dict | None:
     a, b = torch.randn(tokens, nv, device=device).bfloat16(), torch.randn(tokens, nv, device=device).bfloat16()
     a_log, dt_bias = torch.rand(nv, device=device).bfloat16(), torch.randn(nv, device=device).bfloat16()
     state = torch.zeros(2, nv, dk, dv, device=device)
-    spans = PackedSpans.build([0], [tokens], device)
-    seconds = time_events(lambda: gated_delta_prefill(mixed, a, b, a_log, dt_bias, state, spans, nk), reps=10)
+    i32 = {"dtype": torch.int32, "device": device}
+    spans = (torch.zeros(1, **i32), torch.tensor([0, tokens], **i32), torch.tensor(span_blocks([tokens], CHUNK_SIZE), **i32))
+    seconds = time_events(lambda: gated_delta_prefill(mixed, a, b, a_log, dt_bias, state, *spans, nk), reps=10)
     return {"tokens": tokens, "ms_per_layer": seconds * 1e3}
 
 

@@ -24,6 +24,7 @@ from deltaserve.kernels.paged_attention import (
     paged_prefill_attention,
     prefill_attention,
     store_kv,
+    varlen_prefill_attention,
 )
 from deltaserve.kernels.rope import norm_rope
 from deltaserve.kernels.triton_compat import gpu_path
@@ -117,13 +118,17 @@ class GatedAttention(nn.Module):
         cache: StateCache,
     ) -> torch.Tensor:
         """q/k norms and RoPE in one kernel, K/V stored in one; all decode items in one
-        paged-attention launch; each prefill span through `prefill_attention` (flash on the GPU)."""
+        paged-attention launch; prompts' first chunks alone in one varlen flash launch, else
+        each prefill span through `prefill_attention` (flash on the GPU)."""
         meta = step_meta_of(batch, q.device)
         q, k = norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, batch.positions,
                          self.rope.inv_freq, self.q_norm.eps)
         store_kv(k, v, k_cache, v_cache, batch.kv_index)
-        out = torch.empty_like(q)
         scale = self.head_dim**-0.5
+        packed = meta.packed
+        if packed is not None and packed.fresh and not meta.num_decodes:  # every row a prompt's, from its start
+            return varlen_prefill_attention(q, k, v, packed.bounds, packed.max_len, scale)
+        out = torch.empty_like(q)
         if meta.num_decodes:
             paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.rows,

@@ -6,7 +6,7 @@ Passed explicitly to every layer's forward (no global context).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,3 +35,17 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """A step's inputs as host lists, before they go to the device (as a StepBatch, or into a
+    prompt graph's static buffers)."""
+
+    spans: list[SeqSpan] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # -1 where an item has no token (its slot's last sample)
+    positions: list[int] = field(default_factory=list)
+    kv_rows: list[int] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)  # rows whose logits are returned
+    last_sample_rows: list[int] = field(default_factory=list)  # items without token_ids
+    last_sample_slots: list[int] = field(default_factory=list)

@@ -29,6 +29,7 @@ from deltaserve.kernels.causal_conv1d import (
     causal_conv1d_update,
 )
 from deltaserve.kernels.gated_delta import (
+    CHUNK_SIZE,
     chunk_gated_delta,
     delta_rule_inputs,
     gated_delta_decode,
@@ -120,14 +121,15 @@ class GatedDeltaNet(nn.Module):
             gated_delta_decode(
                 mixed, a, b, self.A_log, self.dt_bias, recurrent, meta.rows, meta.slots, core, nk
             )
-        if meta.prefill:
-            offsets, lengths, slots = meta.prefill_index
-            causal_conv1d_prefill(qkv, weight, conv_state, offsets, lengths, slots, meta.prefill_max_len, mixed)
-            prefill = (self.A_log, self.dt_bias, recurrent, meta.packed, nk)
+        if meta.packed is not None:
+            packed = meta.packed
+            offsets, lengths, slots = packed.index
+            causal_conv1d_prefill(qkv, weight, conv_state, offsets, lengths, slots, packed.blocks, CHUNK_SIZE, mixed)
+            prefill = (self.A_log, self.dt_bias, recurrent, slots, packed.bounds, packed.blocks, nk)
             if meta.num_decodes:  # prompt rows packed apart from the decode rows
                 rows = meta.prefill_rows
                 core[rows] = gated_delta_prefill(mixed[rows], a[rows], b[rows], *prefill)
-            else:  # every row is a prompt row, already packed
+            else:  # every row is a prompt row, already packed (rows past the last span: padding)
                 core = gated_delta_prefill(mixed, a, b, *prefill)
         out = self.norm(core, z)
         return self.out_proj(out.reshape(tokens, nv * dv))

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from deltaserve.engine.rank.batch import SeqSpan, StepBatch
+from deltaserve.engine.rank.batch import SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs
 from deltaserve.engine.rank.loader import load_weights
 from deltaserve.engine.rank.memory_budget import size_kv_cache
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.parallel import broadcast, tp_rank, tp_size
+from deltaserve.engine.rank.prompt_graphs import (
+    MIN_BUCKET,
+    PROMPT_GRAPH_SEQS,
+    PromptGraphs,
+    capturable,
+)
 from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
 from deltaserve.engine.rank.sampler import SampleLaunch, Sampler
 from deltaserve.engine.rank.step_meta import with_step_meta
@@ -64,7 +70,8 @@ class ExecutorConfig:
     max_model_len: int = 0  # longest request in positions; 0: the whole cache
     gpu_memory_utilization: float = 0.9  # share of the device's memory, when num_blocks is 0
     max_num_batched_tokens: int = 2048  # tokens of the profiling step, when num_blocks is 0
-    cuda_graphs: bool = True  # single-token items replay CUDA graphs (CUDA, any TP size)
+    cuda_graphs: bool = True  # single-token items and short prompts replay CUDA graphs (CUDA, any TP size)
+    prompt_graph_tokens: int = 2048  # largest prompt-graph bucket (capped by max_num_batched_tokens); 0: none
 
 
 @dataclass(slots=True)
@@ -109,17 +116,6 @@ class LaunchedStep:
         return self.done is None or self.done.query()
 
 
-@dataclass(slots=True)
-class _Plan:
-    spans: list[SeqSpan] = field(default_factory=list)
-    ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    kv_rows: list[int] = field(default_factory=list)
-    sampled: list[int] = field(default_factory=list)
-    last_sample_rows: list[int] = field(default_factory=list)  # items without token_ids
-    last_sample_slots: list[int] = field(default_factory=list)
-
-
 class Executor:
     def __init__(self, config: ExecutorConfig) -> None:
         if config.world_size != tp_size() or config.rank != tp_rank():
@@ -139,6 +135,7 @@ class Executor:
         self.sampler = Sampler() if config.rank == 0 else None
         self.requests: dict[int, LiveRequest] = {}
         self.graphs: DecodeGraphs | None = None
+        self.prompt_graphs: PromptGraphs | None = None
         num_blocks = config.num_blocks
         if num_blocks == 0:  # profiles a step through run_step, then budgets (all ranks agree)
             num_blocks = size_kv_cache(self).num_blocks
@@ -153,11 +150,21 @@ class Executor:
         )
         if config.cuda_graphs and gpu_path(self.cache.kv):  # CUDA (or the interpreter, in tests)
             started = time.monotonic()
+            reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+            prompt_tokens = min(config.prompt_graph_tokens, config.max_num_batched_tokens)
+            if prompt_tokens >= MIN_BUCKET and capturable(self.model_config.head_dim, self.dtype, self.device):
+                seqs = min(PROMPT_GRAPH_SEQS, config.num_slots)
+                self.prompt_graphs = PromptGraphs(self.model, self.cache, prompt_tokens, seqs)
+                self.prompt_graphs.capture()
             max_len = config.max_model_len or self.cache.num_blocks * config.block_size
             self.graphs = DecodeGraphs(self.model, self.cache, config.num_slots, self.cache.blocks_for(max_len))
+            if self.prompt_graphs is not None:  # one memory pool: no two graphs ever replay at once
+                self.graphs.pool = self.prompt_graphs.pool
             self.graphs.capture()
-            log.info("rank %d: %d decode CUDA graphs captured in %.1f s", config.rank,
-                     len(self.graphs.graphs), time.monotonic() - started)  # fmt: skip
+            held = torch.cuda.memory_reserved(self.device) - reserved if self.device.type == "cuda" else 0
+            log.info("rank %d: %d prompt and %d decode CUDA graphs captured in %.1f s, holding %.2f GiB", config.rank,
+                     len(self.prompt_graphs.graphs) if self.prompt_graphs else 0, len(self.graphs.graphs),
+                     time.monotonic() - started, held / 2**30)  # fmt: skip
 
     @property
     def num_slots(self) -> int:
@@ -216,7 +223,7 @@ class Executor:
         self._admit_new(items, drops)
         self._share_last_samples(items)
         if self.graphs is None or every_position:
-            logits = self._run_eager(self._build_batch(items, every_position))
+            logits = self._run_eager(self._build_batch(self._plan(items, every_position)))
         else:
             logits = self._run_with_graphs(items)
         for item in items:
@@ -239,16 +246,18 @@ class Executor:
         return self.model(batch, self.cache)
 
     def _run_with_graphs(self, items: list[StepItem]) -> torch.Tensor | None:
-        """Single-token items replay a decode CUDA graph; prompt chunks run eagerly in a
-        forward of their own. A mixed step so pays Python's per-kernel launch cost once for
-        its prompt tokens instead of making its decodes pay it too (SGLang likewise keeps
+        """Single-token items replay a decode CUDA graph; prompt chunks run in a forward of
+        their own, a prompt graph's replay where they fit one (`_run_prompts`). A mixed step
+        so never makes its decodes pay Python's per-kernel launch cost (SGLang likewise keeps
         prefill and decode batches apart). The requests are disjoint, so order is free."""
         singles = [item for item in items if len(item.token_ids) <= 1]
         held = [self.requests[item.request_id] for item in singles]
-        if not self.graphs.can_run(len(singles), max((len(r.blocks) for r in held), default=0)):
-            return self._run_eager(self._build_batch(items, False))
+        if singles and not self.graphs.can_run(len(singles), max(len(r.blocks) for r in held)):
+            return self._run_eager(self._build_batch(self._plan(items, False)))
         chunks = [item for item in items if len(item.token_ids) > 1]
-        chunk_logits = self._run_eager(self._build_batch(chunks, False)) if chunks else None
+        chunk_logits = self._run_prompts(chunks) if chunks else None
+        if not singles:
+            return chunk_logits
         decode_logits = self.graphs.run(
             [item.token_ids[0] if item.token_ids else -1 for item in singles],  # -1: last sample
             [item.start for item in singles],
@@ -267,6 +276,13 @@ class Executor:
                 next_row[kind] += 1
         merged = torch.cat((decode_logits, chunk_logits))
         return merged[torch.tensor(order, device=merged.device)]
+
+    def _run_prompts(self, chunks: list[StepItem]) -> torch.Tensor | None:
+        """Prompt chunks alone: a prompt graph's replay where they fit one, else eagerly."""
+        plan = self._plan(chunks, False)
+        if self.prompt_graphs is not None and self.prompt_graphs.can_run(plan):
+            return self.prompt_graphs.run(plan)
+        return self._run_eager(self._build_batch(plan))
 
     def _admit_new(self, items: list[StepItem], drops: list[int] = ()) -> None:
         """Check every item and drop against this rank's state, then drop and take slots for
@@ -318,8 +334,8 @@ class Executor:
                 if self.sampler is not None:
                     self.sampler.add(item.request_id, item.new.sampling)
 
-    def _build_batch(self, items: list[StepItem], every_position: bool) -> StepBatch:
-        plan = _Plan()
+    def _plan(self, items: list[StepItem], every_position: bool) -> StepPlan:
+        plan = StepPlan()
         offset = 0
         bs = self.cache.block_size
         for item in items:
@@ -338,6 +354,9 @@ class Executor:
             elif item.sample:
                 plan.sampled.append(offset + length - 1)
             offset += length
+        return plan
+
+    def _build_batch(self, plan: StepPlan) -> StepBatch:
         ids, positions, kv_index, logits_index = (
             to_device(values, torch.int64, self.device)
             for values in (plan.ids, plan.positions, plan.kv_rows, plan.sampled)

@@ -2,9 +2,11 @@
 
 `StepMeta` holds, for every single-token item of a step, its token row, state slot, context
 length and block table, so that the DeltaNet and attention layers run all decode items in one
-kernel each; and for the prompt chunks their packed token rows and `PackedSpans` (slots and
-cu_seqlens) for the chunked DeltaNet kernel. A layer given a plain StepBatch builds its own
-(correct, but one host-to-device copy per layer: each waits for the stream).
+kernel each; and for the prompt chunks their packed token rows and `PackedSpans` (rows,
+lengths, slots, cu_seqlens and the 64-token block table of the conv and the chunked DeltaNet
+kernel). A layer given a plain StepBatch builds its own (correct, but one host-to-device copy
+per layer: each waits for the stream). A prompt CUDA graph (prompt_graphs.py) holds the same
+fields as views of its static buffers, padded.
 """
 
 from __future__ import annotations
@@ -14,7 +16,36 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch
-from deltaserve.kernels.gated_delta import PackedSpans
+from deltaserve.kernels.causal_conv1d import span_blocks
+from deltaserve.kernels.gated_delta import CHUNK_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class PackedSpans:
+    """The prompt chunks of a step, for the kernels that take them all at once (the DeltaNet
+    conv and chunked forward, flash's varlen attention). Every grid they launch is fixed by
+    these tensors' sizes and `max_len`, so a prompt CUDA graph captures them over padded
+    buffers: empty spans of slot -1 after the real ones, block-table entries naming one."""
+
+    index: torch.Tensor  # [3, n] int32: each chunk's first token row in the step, its length, its slot
+    bounds: torch.Tensor  # [n + 1] int32: cumulative lengths over the packed prompt rows (cu_seqlens)
+    blocks: torch.Tensor  # [entries, 2] int32: (chunk, CHUNK_SIZE-token block), `span_blocks`
+    max_len: int  # host-side bound on the lengths: sizes flash's grid
+    fresh: bool  # every chunk is its prompt's first: attention reads no cached keys
+
+    @classmethod
+    def build(cls, spans: tuple[SeqSpan, ...], device: torch.device) -> PackedSpans:
+        lengths = [s.length for s in spans]
+        host = torch.tensor([[s.offset for s in spans], lengths, [s.slot for s in spans]], dtype=torch.int32)
+        bounds = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        blocks = torch.tensor(span_blocks(lengths, CHUNK_SIZE), dtype=torch.int32).reshape(-1, 2)
+        return cls(
+            index=host.to(device),
+            bounds=bounds.to(device),
+            blocks=blocks.to(device),
+            max_len=max(lengths, default=0),
+            fresh=all(s.start == 0 for s in spans),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,9 +59,7 @@ class StepMeta:
     max_seq_len: int  # host-side bound on seq_lens: sizes the attention grid
     prefill: tuple[SeqSpan, ...]  # the step's spans of more than one token
     prefill_rows: torch.Tensor | None = None  # [P] int64, their token rows, packed (only beside decodes)
-    packed: PackedSpans | None = None  # their slots and lengths for the chunked kernel
-    prefill_index: torch.Tensor | None = None  # [3, P] int32: each one's token offset, length, slot
-    prefill_max_len: int = 0  # host-side bound on their lengths: sizes the conv's grid
+    packed: PackedSpans | None = None  # them, for the kernels that take them all at once
 
     @property
     def num_decodes(self) -> int:
@@ -66,14 +95,12 @@ def build_step_meta(spans: tuple[SeqSpan, ...], device: torch.device) -> StepMet
     dev = host.to(device)
     width = max((int(s.block_table.shape[0]) for s in decodes), default=1)
     prefill = tuple(s for s in spans if s.length > 1)
-    prefill_rows = packed = prefill_index = None
+    prefill_rows = packed = None
     if prefill:
         if decodes:  # prompt rows are packed apart only when decode rows sit among them
             rows = [r for s in prefill for r in range(s.offset, s.offset + s.length)]
             prefill_rows = torch.tensor(rows, dtype=torch.int64).to(device)
-        packed = PackedSpans.build([s.slot for s in prefill], [s.length for s in prefill], device)
-        columns = zip(*[(s.offset, s.length, s.slot) for s in prefill], strict=True)
-        prefill_index = torch.tensor(list(columns), dtype=torch.int32).to(device)
+        packed = PackedSpans.build(prefill, device)
     return StepMeta(
         rows=dev[0],
         slots=dev[1],
@@ -83,8 +110,6 @@ def build_step_meta(spans: tuple[SeqSpan, ...], device: torch.device) -> StepMet
         prefill=prefill,
         prefill_rows=prefill_rows,
         packed=packed,
-        prefill_index=prefill_index,
-        prefill_max_len=max((s.length for s in prefill), default=0),
     )
 
 

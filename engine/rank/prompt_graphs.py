@@ -1,0 +1,192 @@
+"""CUDA graphs of prompt steps: the first chunks of up to `max_seqs` prompts, per token bucket.
+
+Run eagerly, a prompt step is bound by the host, not the GPU: ~450 launches and their Python
+cost 55-64 ms on the H200 whatever the prompt's length, against 16 ms of kernels at 1,024
+tokens (bench/results/prefill_host_profile_h200_at_81901e4.json). So one graph per token
+bucket (16, 32, ... `max_tokens`) holds the whole forward, fla's chunked DeltaNet and
+flash's attention included: every kernel of a prompt step takes its grid from the sizes of
+`PackedSpans`' tensors, and here those are fixed per bucket. The step is written into padded
+buffers: spans after its own are empty (length 0, slot -1), the last one always, and the
+block table's spare entries name that one; rows after its tokens are padding (KV row -1,
+in no span), computed and never read. vLLM captures its prompt-sized graphs piecewise, with
+attention left eager; here nothing is left out, because the chunked DeltaNet and the varlen
+attention need no host-side sizes.
+
+Only steps whose chunks are all their prompts' first qualify (attention then reads no cached
+keys); others run eagerly. On CUDA the graphs need fla (the chunked DeltaNet's torch reference
+loops over the spans on the host) and a dtype flash takes; without them prompts run eagerly
+(`capturable`). Off CUDA (the GPU path under Triton's interpreter, in tests)
+nothing is captured and `run` runs the model on the same padded buffers eagerly, so CI covers
+the padding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltaserve.engine.rank.batch import StepPlan
+from deltaserve.engine.rank.cache import StateCache
+from deltaserve.engine.rank.step_meta import GpuStepBatch, PackedSpans, StepMeta
+from deltaserve.kernels import gated_delta
+from deltaserve.kernels.causal_conv1d import span_blocks
+from deltaserve.kernels.gated_delta import CHUNK_SIZE
+from deltaserve.kernels.paged_attention import flash_takes
+
+MIN_BUCKET = 16
+# prompts per prompt-graph step: each padding span still gathers its (unused) DeltaNet state
+# for fla, 2 MiB per layer at 4B shapes, so the spans are kept few; more run eagerly
+PROMPT_GRAPH_SEQS = 8
+
+
+def capturable(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a prompt step on `device` runs only kernels with no host-side loop over its
+    spans: everywhere off CUDA (nothing is captured there), on CUDA with fla installed and
+    attention in flash's varlen kernel."""
+    if device.type != "cuda":
+        return True
+    # through the module: a test switches fla off by patching it there
+    return gated_delta.fla_chunk_kernel() is not None and flash_takes(device, dtype, head_dim)
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, 64, ... up to `max_tokens` (itself the last)."""
+    sizes, n = [], MIN_BUCKET
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, max_tokens]
+
+
+class PromptGraphs:
+    """One CUDA graph per token bucket of prompt-only steps over `model` and `cache`.
+
+    A bucket of T tokens reads one int64 buffer laid out as [tokens | positions | KV rows]
+    (T each), then the spans' [first rows | lengths | slots] (S = max_seqs + 1 each), their
+    cumulative lengths (S + 1), the block table (entries(T) x 2) and the sampled rows
+    (max_seqs), copied to the GPU in one transfer from a pinned buffer. The graph keeps its
+    fp32 logits of max_seqs rows; `run` returns a copy of the sampled ones.
+    """
+
+    def __init__(self, model: nn.Module, cache: StateCache, max_tokens: int, max_seqs: int) -> None:
+        if max_tokens < MIN_BUCKET or max_seqs < 1:
+            raise ValueError(f"prompt graphs need max_tokens >= {MIN_BUCKET} and max_seqs >= 1, "
+                             f"got {max_tokens}, {max_seqs}")  # fmt: skip
+        self.model = model
+        self.cache = cache
+        self.max_tokens = max_tokens
+        self.max_seqs = max_seqs
+        self.spans = max_seqs + 1  # the last one always empty
+        self.is_cuda = cache.kv.device.type == "cuda"
+        size = self._layout_size(max_tokens)
+        self.inputs = torch.zeros(size, dtype=torch.int64, device=cache.kv.device)
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=self.is_cuda)
+        self.copied = torch.cuda.Event() if self.is_cuda else None  # host buffer free again
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self.pool = None
+        self.replays = 0  # steps run through a bucket (tests and benchmarks read it)
+
+    def _entries(self, tokens: int) -> int:
+        """Block-table entries of a bucket: every span's blocks, the partial ones included."""
+        return tokens // CHUNK_SIZE + self.max_seqs
+
+    def _layout_size(self, tokens: int) -> int:
+        return 3 * tokens + 3 * self.spans + self.spans + 1 + 2 * self._entries(tokens) + self.max_seqs
+
+    def _batch(self, size: int) -> GpuStepBatch:
+        """The step over bucket `size`'s views of the static inputs, by tensor ops only (so a
+        capture records them)."""
+        x, s, e = size, self.spans, self._entries(size)
+        parts = self.inputs[: self._layout_size(size)].split([x, x, x, 3 * s, s + 1, 2 * e, self.max_seqs])
+        tokens, positions, kv_index, index, bounds, blocks, sampled = parts
+        i32 = torch.int32
+        packed = PackedSpans(index.view(3, s).to(i32), bounds.to(i32), blocks.view(e, 2).to(i32), size, True)
+        device = self.inputs.device
+        no_decodes = torch.zeros(0, dtype=i32, device=device)
+        meta = StepMeta(
+            rows=no_decodes,
+            slots=no_decodes,
+            seq_lens=no_decodes,
+            block_tables=torch.zeros((0, 1), dtype=torch.int64, device=device),
+            max_seq_len=1,
+            prefill=(),
+            packed=packed,
+        )
+        return GpuStepBatch(tokens, positions, kv_index, (), sampled, meta)
+
+    def _fill(self, size: int, plan: StepPlan) -> None:
+        """Write `plan` padded to bucket `size` into the static inputs (one pinned copy)."""
+        tokens = len(plan.ids)
+        pad = size - tokens
+        spans = [*plan.spans, *[None] * (self.spans - len(plan.spans))]
+        lengths = [s.length if s else 0 for s in spans]
+        bounds, total = [0], 0
+        for length in lengths:
+            total += length
+            bounds.append(total)
+        values = [
+            *plan.ids, *[0] * pad,
+            *plan.positions, *[0] * pad,
+            *plan.kv_rows, *[-1] * pad,  # padding rows write no KV
+            *[s.offset if s else tokens for s in spans],
+            *lengths,
+            *[s.slot if s else -1 for s in spans],
+            *bounds,
+            *[v for entry in span_blocks(lengths, CHUNK_SIZE, self._entries(size)) for v in entry],
+            *plan.sampled, *[0] * (self.max_seqs - len(plan.sampled)),
+        ]  # fmt: skip
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy has read the pinned buffer
+        self.host[: len(values)] = torch.tensor(values, dtype=torch.int64)
+        self.inputs[: len(values)].copy_(self.host[: len(values)], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (smaller ones reuse its memory pool), each
+        over an empty step: no span, every row padding, so the warm-up writes nothing."""
+        for size in sorted(token_buckets(self.max_tokens), reverse=True):
+            if not self.is_cuda:
+                self.graphs[size] = (None, None)
+                continue
+            self._fill(size, StepPlan())
+            self.model(self._batch(size), self.cache)  # warm-up: compiles kernels, tunes fla's
+            torch.cuda.synchronize(self.inputs.device)
+            graph = torch.cuda.CUDAGraph()
+            # a fresh _batch: fla caches helpers by tensor identity, and a capture that hit
+            # the warm-up's entries would record no kernel for them
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.model(self._batch(size), self.cache)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        if self.is_cuda:
+            torch.cuda.synchronize(self.inputs.device)
+
+    def can_run(self, plan: StepPlan) -> bool:
+        """Whether `plan` fits a captured bucket: prompts' first chunks only, at most
+        `max_seqs` of them, every token given."""
+        return (
+            bool(self.graphs)
+            and 0 < len(plan.ids) <= self.max_tokens
+            and len(plan.spans) <= self.max_seqs
+            and not plan.last_sample_rows
+            and all(s.start == 0 and s.length > 1 for s in plan.spans)
+        )
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """Replay the smallest bucket that holds `plan` (one `can_run`); fp32 logits of its
+        sampled rows on rank 0, None on the others."""
+        size = min(b for b in self.graphs if b >= len(plan.ids))
+        self._fill(size, plan)
+        self.replays += 1
+        graph, logits = self.graphs[size]
+        if graph is None:  # not CUDA: the same buffers, run eagerly
+            logits = self.model(self._batch(size), self.cache)
+        else:
+            graph.replay()
+        if logits is None:
+            return None
+        return logits[: len(plan.sampled)].clone()  # the graph's buffer is overwritten by the next replay
