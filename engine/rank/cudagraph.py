@@ -9,6 +9,8 @@ memory pool shared by all buckets.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -24,7 +26,59 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
-class DecodeGraphs:
+class BucketGraphs:
+    """One CUDA graph of `model` over `cache` per bucket size, all in one memory pool (largest
+    captured first, so smaller ones reuse its memory; no two ever replay at once), each over
+    static inputs that the subclass's `_batch(size)` reads.
+
+    Off CUDA (the GPU path under Triton's interpreter, in tests) nothing is captured: a replay
+    runs the model on the same static buffers eagerly, so CI covers their plumbing.
+    """
+
+    def __init__(self, model: nn.Module, cache: StateCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = cache.kv.device
+        self.is_cuda = self.device.type == "cuda"
+        self.copied = torch.cuda.Event() if self.is_cuda else None  # the pinned host buffer is free again
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self.pool = None
+
+    def _batch(self, size: int) -> GpuStepBatch:
+        raise NotImplementedError
+
+    def _capture(self, sizes: list[int], prepare: Callable[[int], None] = lambda size: None) -> None:
+        """Capture each bucket of `sizes` after `prepare(size)` has set its inputs: a warm-up
+        run (compiles kernels, settles allocations), then the captured one. Each builds its
+        batch afresh: fla caches helpers by tensor identity, and a capture that hit the
+        warm-up's entries would record no kernel for them."""
+        for size in sorted(sizes, reverse=True):
+            if not self.is_cuda:
+                self.graphs[size] = (None, None)
+                continue
+            prepare(size)
+            self.model(self._batch(size), self.cache)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.model(self._batch(size), self.cache)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _replay(self, size: int) -> torch.Tensor | None:
+        """Bucket `size` over the static inputs as they are now: its logits buffer (None off
+        rank 0), which the next replay overwrites."""
+        graph, logits = self.graphs[size]
+        if graph is None:  # not CUDA: the same buffers, run eagerly
+            return self.model(self._batch(size), self.cache)
+        graph.replay()
+        return logits
+
+
+class DecodeGraphs(BucketGraphs):
     """One CUDA graph per batch bucket of single-token items over `model` and `cache`.
 
     A step's inputs are three rows of int64, [token | position | slot] per item (slot -1 pads
@@ -39,8 +93,6 @@ class DecodeGraphs:
     (all-reduce after each row-parallel layer, the logits all-gather) pair up across ranks;
     the warm-up run before each capture creates the communicators.
 
-    Off CUDA (the GPU path under Triton's interpreter, in tests) nothing is captured: `run`
-    runs the model on the same static buffers eagerly, so CI covers their plumbing.
     """
 
     def __init__(
@@ -48,23 +100,16 @@ class DecodeGraphs:
     ) -> None:
         if max_batch < 1 or max_blocks < 1:
             raise ValueError(f"max_batch and max_blocks must be >= 1, got {max_batch}, {max_blocks}")
-        self.model = model
-        self.cache = cache
+        super().__init__(model, cache)
         self.max_batch = max_batch
         self.max_blocks = max_blocks
-        device = cache.kv.device
-        self.device = device
-        self.is_cuda = device.type == "cuda"
-        i64 = {"dtype": torch.int64, "device": device}
+        i64 = {"dtype": torch.int64, "device": self.device}
         self.inputs = torch.zeros((3, max_batch), **i64)  # token, position, slot
         self.inputs[2].fill_(-1)
         self.host = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=self.is_cuda)
-        self.copied = torch.cuda.Event() if self.is_cuda else None  # host buffer free again
         self.slot_tables = torch.zeros((cache.num_slots, max_blocks), **i64)
         self.arange = torch.arange(max_batch, **i64)  # logits rows
         self.rows = self.arange.to(torch.int32)  # token rows, as the kernels take them
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
-        self.pool = None
 
     def set_table(self, slot: int, table: torch.Tensor) -> None:
         """The block table of the request now in `slot` (at most `max_blocks` blocks)."""
@@ -101,20 +146,7 @@ class DecodeGraphs:
     def capture(self, sizes: list[int] | None = None) -> None:
         """Capture every bucket (or `sizes`, again: tools/step_tiles.py), largest first (so
         smaller ones reuse its memory pool)."""
-        for size in sorted(sizes or batch_buckets(self.max_batch), reverse=True):
-            if not self.is_cuda:
-                self.graphs[size] = (None, None)
-                continue
-            self.model(self._batch(size), self.cache)  # warm-up: compiles kernels, settles allocations
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.model(self._batch(size), self.cache)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = (graph, logits)
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
+        self._capture(sizes or batch_buckets(self.max_batch))
 
     def can_run(self, num_items: int, num_blocks: int) -> bool:
         """Whether `num_items` single-token items whose tables hold at most `num_blocks`
@@ -135,11 +167,7 @@ class DecodeGraphs:
         self.inputs[:, :size].copy_(self.host[:, :size], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        graph, logits = self.graphs[size]
-        if graph is None:  # not CUDA: the same buffers, run eagerly
-            logits = self.model(self._batch(size), self.cache)
-        else:
-            graph.replay()
+        logits = self._replay(size)
         if logits is None:
             return None
         # a copy: the graph's output buffer is overwritten by the next replay

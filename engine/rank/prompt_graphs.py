@@ -27,6 +27,7 @@ from torch import nn
 
 from deltaserve.engine.rank.batch import StepPlan
 from deltaserve.engine.rank.cache import StateCache
+from deltaserve.engine.rank.cudagraph import BucketGraphs
 from deltaserve.engine.rank.step_meta import GpuStepBatch, PackedSpans, StepMeta
 from deltaserve.kernels import gated_delta
 from deltaserve.kernels.causal_conv1d import span_blocks
@@ -58,7 +59,7 @@ def token_buckets(max_tokens: int) -> list[int]:
     return [*sizes, max_tokens]
 
 
-class PromptGraphs:
+class PromptGraphs(BucketGraphs):
     """One CUDA graph per token bucket of prompt-only steps over `model` and `cache`.
 
     A bucket of T tokens reads one int64 buffer laid out as [tokens | positions | KV rows]
@@ -72,18 +73,13 @@ class PromptGraphs:
         if max_tokens < MIN_BUCKET or max_seqs < 1:
             raise ValueError(f"prompt graphs need max_tokens >= {MIN_BUCKET} and max_seqs >= 1, "
                              f"got {max_tokens}, {max_seqs}")  # fmt: skip
-        self.model = model
-        self.cache = cache
+        super().__init__(model, cache)
         self.max_tokens = max_tokens
         self.max_seqs = max_seqs
         self.spans = max_seqs + 1  # the last one always empty
-        self.is_cuda = cache.kv.device.type == "cuda"
         size = self._layout_size(max_tokens)
-        self.inputs = torch.zeros(size, dtype=torch.int64, device=cache.kv.device)
+        self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=self.is_cuda)
-        self.copied = torch.cuda.Event() if self.is_cuda else None  # host buffer free again
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
-        self.pool = None
         self.replays = 0  # steps run through a bucket (tests and benchmarks read it)
 
     def _entries(self, tokens: int) -> int:
@@ -101,7 +97,7 @@ class PromptGraphs:
         tokens, positions, kv_index, index, bounds, blocks, sampled = parts
         i32 = torch.int32
         packed = PackedSpans(index.view(3, s).to(i32), bounds.to(i32), blocks.view(e, 2).to(i32), size, True)
-        device = self.inputs.device
+        device = self.device
         no_decodes = torch.zeros(0, dtype=i32, device=device)
         meta = StepMeta(
             rows=no_decodes,
@@ -146,23 +142,7 @@ class PromptGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first (smaller ones reuse its memory pool), each
         over an empty step: no span, every row padding, so the warm-up writes nothing."""
-        for size in sorted(token_buckets(self.max_tokens), reverse=True):
-            if not self.is_cuda:
-                self.graphs[size] = (None, None)
-                continue
-            self._fill(size, StepPlan())
-            self.model(self._batch(size), self.cache)  # warm-up: compiles kernels, tunes fla's
-            torch.cuda.synchronize(self.inputs.device)
-            graph = torch.cuda.CUDAGraph()
-            # a fresh _batch: fla caches helpers by tensor identity, and a capture that hit
-            # the warm-up's entries would record no kernel for them
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.model(self._batch(size), self.cache)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = (graph, logits)
-        if self.is_cuda:
-            torch.cuda.synchronize(self.inputs.device)
+        self._capture(token_buckets(self.max_tokens), lambda size: self._fill(size, StepPlan()))
 
     def can_run(self, plan: StepPlan) -> bool:
         """Whether `plan` fits a captured bucket: prompts' first chunks only, at most
@@ -182,11 +162,7 @@ class PromptGraphs:
         size = min(b for b in self.graphs if b >= len(plan.ids))
         self._fill(size, plan)
         self.replays += 1
-        graph, logits = self.graphs[size]
-        if graph is None:  # not CUDA: the same buffers, run eagerly
-            logits = self.model(self._batch(size), self.cache)
-        else:
-            graph.replay()
+        logits = self._replay(size)
         if logits is None:
             return None
         return logits[: len(plan.sampled)].clone()  # the graph's buffer is overwritten by the next replay
