@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -14,6 +15,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from deltaserve.tools.make_model import make_model
+
+
+@pytest.fixture(scope="module")
+def kernels() -> dict:
+    """The kernel modules: compiled for the GPU, or run by Triton's interpreter on the CPU."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed and there is no GPU")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        # triton reads the flag when it is first imported, before any test runs
+        pytest.skip("no GPU: set TRITON_INTERPRET=1 for the whole session to use the interpreter")
+    names = ["gated_delta", "causal_conv1d", "paged_attention", "rmsnorm", "rope", "activation", "skinny_linear"]
+    return {n: importlib.import_module(f"deltaserve.kernels.{n}") for n in names}
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import sys
 
 import pytest
@@ -24,20 +23,6 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 # (the interpreter also truncates where the GPU rounds to nearest)
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    """The kernel modules: compiled for the GPU, or run by Triton's interpreter on the CPU."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pytest.skip("triton is not installed and there is no GPU")
-    if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-        # triton reads the flag when it is first imported, before any test runs
-        pytest.skip("no GPU: set TRITON_INTERPRET=1 for the whole session to use the interpreter")
-    names = ["gated_delta", "causal_conv1d", "paged_attention", "rmsnorm", "rope", "activation", "skinny_linear"]
-    return {n: importlib.import_module(f"deltaserve.kernels.{n}") for n in names}
 
 
 @pytest.fixture(scope="module")
@@ -491,119 +476,6 @@ def test_store_states(kernels, device):
     want[4], want[0] = final[0], final[2]
     mod.store_states(state, slots, final)
     assert torch.equal(state, want)
-
-
-# ---- the GPU model path (kernels wired into the layers, CUDA graphs) against the CPU one ----
-
-
-def _steps(vocab: int = 240000):
-    """Mixed steps: chunked prefill across the 64-token chunk, prefill beside decodes, decodes;
-    the last decodes without tokens (as pipelined steps send them: each slot's last sample)."""
-    from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
-
-    gen = torch.Generator().manual_seed(11)
-    ids = {r: torch.randint(0, vocab, (n,), generator=gen).tolist() for r, n in [(1, 90), (2, 5), (3, 1), (4, 20)]}
-    spec = SamplingSpec(seed=0)
-    yield [StepItem(1, 0, ids[1][:70], False, NewRequest(200, spec)), StepItem(2, 0, ids[2], True, NewRequest(200, spec))]
-    yield [StepItem(1, 70, ids[1][70:], True, None), StepItem(2, 5, [7], True, None),
-           StepItem(3, 0, ids[3], True, NewRequest(200, spec))]
-    for t in range(6):
-        given = t < 3
-        step = [StepItem(2, 6 + t, [8 + t] * given, True, None), StepItem(1, 90 + t, [9 + t] * given, True, None),
-                StepItem(3, 1 + t, [10 + t] * given, True, None)]
-        if t == 1:  # a new prompt beside decodes (with graphs: a prompt graph's replay beside a decode graph's)
-            step.insert(1, StepItem(4, 0, ids[4], True, NewRequest(200, spec)))
-        elif t > 1:
-            step.append(StepItem(4, 20 + t - 2, [11 + t] * given, True, None))
-        yield step
-
-
-def _run_steps(
-    model_dir: str, device: str, graphs: bool = False, dtype: str = "float32", prompt_graph_tokens: int = 2048
-) -> tuple[list[torch.Tensor], int]:
-    """Logits of every step of `_steps` through one executor, and how many of its steps ran
-    prompts through a prompt graph: eagerly, or with graphs, where single-token items replay
-    a decode graph beside a forward of the chunks (a prompt graph's where they fit one).
-    Each step samples (greedy), so that items without tokens have a last sample to read."""
-    from deltaserve.engine.rank.executor import Executor, ExecutorConfig
-    from deltaserve.kernels.triton_compat import gpu_path
-
-    config = ExecutorConfig(model_dir, device=device, dtype=dtype, num_slots=4, num_blocks=64, cuda_graphs=graphs,
-                            prompt_graph_tokens=prompt_graph_tokens)  # fmt: skip
-    ex = Executor(config)
-    assert (ex.graphs is not None) == (graphs and gpu_path(ex.cache.kv))
-    logits = []
-    for items in _steps():
-        step = ex.launch_step(items)
-        ex.launch_sampling(step)
-        ex.finish_step(step)
-        logits.append(step.logits.float().cpu())
-    return logits, 0 if ex.prompt_graphs is None else ex.prompt_graphs.replays
-
-
-def _assert_steps_match(got: list[torch.Tensor], want: list[torch.Tensor], bound: float, what: str) -> None:
-    from deltaserve.tools.golden import compare_logprobs
-
-    for step, (ours, reference) in enumerate(zip(got, want, strict=True)):
-        report = compare_logprobs(ours, reference)
-        print(f"{what}, step {step}: {report.as_dict()}")
-        assert report.argmax_mismatches == 0, f"{what}: step {step} argmax differs ({report})"
-        assert report.max_abs_diff <= bound, f"{what}: step {step} top-8 logprobs differ by {report.max_abs_diff}"
-
-
-@pytest.mark.skipif(CUDA, reason="the GPU runs this path for real in test_cuda_executor_matches_cpu")
-def test_gpu_path_under_interpreter_matches_cpu(kernels, tiny_model_dir, monkeypatch):
-    """The layers' GPU code path (per-step StepMeta and packed prefill indices, Triton decode
-    kernels, fused norms, SDPA prefill), run on CPU tensors by Triton's interpreter, gives
-    the CPU path's log-probabilities over mixed steps. (CUDA graphs and fla need a GPU.)"""
-    from deltaserve.kernels import triton_compat
-
-    model_dir = str(tiny_model_dir)
-    cpu, _ = _run_steps(model_dir, "cpu")
-    monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
-    _assert_steps_match(_run_steps(model_dir, "cpu")[0], cpu, 2e-3, "GPU path under the interpreter vs cpu")
-    # the graphs' static buffers, run eagerly (no capture off CUDA), mixed steps split: the
-    # prompts of the first step, and the new one beside decodes, through a prompt graph's
-    # padded buffers
-    graphs, prompt_replays = _run_steps(model_dir, "cpu", graphs=True)
-    assert prompt_replays == 2, f"{prompt_replays} steps ran their prompts through a prompt graph"
-    _assert_steps_match(graphs, cpu, 2e-3, "graph buffers vs cpu")
-
-
-@needs_cuda
-@pytest.mark.parametrize("prefill", ["reference", "fla"])
-def test_cuda_executor_matches_cpu(tiny_model_dir, monkeypatch, prefill):
-    """The tiny model on CUDA (Triton decode kernels; DeltaNet prefill by the torch reference
-    or by fla's chunked kernel) gives the CPU's log-probabilities over mixed steps (chunked
-    prefill, prefill beside decodes, decodes); CUDA-graph replays give the eager CUDA ones."""
-    from deltaserve.kernels import gated_delta
-
-    if prefill == "reference":
-        monkeypatch.setattr(gated_delta, "fla_chunk_kernel", lambda: None)
-    else:
-        skip_without_fla(gated_delta)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # the conv reference: full fp32
-    model_dir = str(tiny_model_dir)
-    cpu, _ = _run_steps(model_dir, "cpu")
-    eager, _ = _run_steps(model_dir, "cuda")
-    # fla computes its chunks with tf32 products: a looser bound than plain fp32
-    _assert_steps_match(eager, cpu, 2e-3 if prefill == "reference" else 5e-2, f"cuda ({prefill} prefill) vs cpu")
-    graphs, prompt_replays = _run_steps(model_dir, "cuda", graphs=True)
-    assert prompt_replays == 0, "fp32 prompts (no flash) must run eagerly, not in a prompt graph"
-    _assert_steps_match(graphs, eager, 1e-4, "graphs (mixed steps split) vs eager")
-
-
-@needs_cuda
-def test_prompt_graphs_match_eager(kernels, tiny_model_dir):
-    """bf16 with fla: prompts replayed from a prompt graph (padded buffers; fla's chunked
-    kernels and flash's varlen attention captured) give the logits of the same steps with
-    their prompts run eagerly, decodes after them included."""
-    skip_without_fla(kernels["gated_delta"])
-    model_dir = str(tiny_model_dir)
-    eager, none = _run_steps(model_dir, "cuda", graphs=True, dtype="bfloat16", prompt_graph_tokens=0)
-    graphs, prompt_replays = _run_steps(model_dir, "cuda", graphs=True, dtype="bfloat16")
-    assert (none, prompt_replays) == (0, 2), f"prompt-graph steps: {none} without, {prompt_replays} with"
-    _assert_steps_match(graphs, eager, 2e-2, "prompt graphs vs eager prompts (bf16)")
 
 
 def test_every_pdl_kernel_waits_before_touching_memory():
