@@ -223,7 +223,7 @@ class Executor:
         self._admit_new(items, drops)
         self._share_last_samples(items)
         if self.graphs is None or every_position:
-            logits = self._run_eager(self._build_batch(self._plan(items, every_position)))
+            logits = self._run_eager(self._build_batch(items, every_position))
         else:
             logits = self._run_with_graphs(items)
         for item in items:
@@ -253,7 +253,7 @@ class Executor:
         singles = [item for item in items if len(item.token_ids) <= 1]
         held = [self.requests[item.request_id] for item in singles]
         if singles and not self.graphs.can_run(len(singles), max(len(r.blocks) for r in held)):
-            return self._run_eager(self._build_batch(self._plan(items, False)))
+            return self._run_eager(self._build_batch(items, False))
         chunks = [item for item in items if len(item.token_ids) > 1]
         chunk_logits = self._run_prompts(chunks) if chunks else None
         if not singles:
@@ -282,7 +282,7 @@ class Executor:
         plan = self._plan(chunks, False)
         if self.prompt_graphs is not None and self.prompt_graphs.can_run(plan):
             return self.prompt_graphs.run(plan)
-        return self._run_eager(self._build_batch(plan))
+        return self._run_eager(self._plan_batch(plan))
 
     def _admit_new(self, items: list[StepItem], drops: list[int] = ()) -> None:
         """Check every item and drop against this rank's state, then drop and take slots for
@@ -356,7 +356,10 @@ class Executor:
             offset += length
         return plan
 
-    def _build_batch(self, plan: StepPlan) -> StepBatch:
+    def _build_batch(self, items: list[StepItem], every_position: bool) -> StepBatch:
+        return self._plan_batch(self._plan(items, every_position))
+
+    def _plan_batch(self, plan: StepPlan) -> StepBatch:
         ids, positions, kv_index, logits_index = (
             to_device(values, torch.int64, self.device)
             for values in (plan.ids, plan.positions, plan.kv_rows, plan.sampled)
