@@ -252,12 +252,12 @@ class Executor:
         prefill and decode batches apart). The requests are disjoint, so order is free."""
         singles = [item for item in items if len(item.token_ids) <= 1]
         held = [self.requests[item.request_id] for item in singles]
-        if singles and not self.graphs.can_run(len(singles), max(len(r.blocks) for r in held)):
-            return self._run_eager(self._build_batch(items, False))
         chunks = [item for item in items if len(item.token_ids) > 1]
+        if not singles and chunks:
+            return self._run_prompts(chunks)
+        if not self.graphs.can_run(len(singles), max((len(r.blocks) for r in held), default=0)):
+            return self._run_eager(self._build_batch(items, False))
         chunk_logits = self._run_prompts(chunks) if chunks else None
-        if not singles:
-            return chunk_logits
         decode_logits = self.graphs.run(
             [item.token_ids[0] if item.token_ids else -1 for item in singles],  # -1: last sample
             [item.start for item in singles],
