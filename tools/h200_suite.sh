@@ -1,7 +1,8 @@
 #!/bin/bash
 # Every GPU measurement of the open issues, on one H200, in parts that each fit a device call:
 #   decode  decode / prefill / engine (pipelined and not) / HF (bench_decode; the pipelined
-#           engine's steps traced), about 6 minutes
+#           engine's steps traced), then prompt steps with and without prompt graphs
+#           (bench_prompt_graphs), about 7 minutes
 #   step    the decode step A/B: the TUNED tiles, PDL, cuBLAS (bench_step_ab), about 4
 #   serve   cold start, bench_serve at concurrency 1 / 16 / 64 and the multi-turn run, then
 #           concurrency 1 and 64 again with --no-overlap and with --no-pipelining, about 8
@@ -28,6 +29,8 @@ DELTASERVE_STEP_TRACE=/tmp/step_trace timeout 330 python3 -m tools.bench_decode 
 say "bench_decode rc=$?"
 grep -E "^(model|prefill|engine|hf|profile)" "$OUT/bench_decode.log"
 python3 -m tools.step_trace /tmp/step_trace --json "$OUT/step_trace.json" | grep -A9 -E "^steps of (1|64) items"
+timeout 200 python3 -m tools.bench_prompt_graphs --model /tmp/m4b --reps 4 --out "$OUT/prompt_graphs.json" 2>&1 | grep -v "^{"
+say "bench_prompt_graphs"
 fi
 if [[ $PARTS == *" step "* ]]; then
 timeout 240 python3 -m tools.bench_step_ab --model /tmp/m4b --out "$OUT/step_ab.json" 2>&1 | grep -E "^(pdl|untuned|nosilu|nopdl|cublas) "
