@@ -68,6 +68,16 @@ class BucketGraphs:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
+    def _upload(self, values: torch.Tensor, host: torch.Tensor, inputs: torch.Tensor) -> None:
+        """inputs = values through `host`, a view of the pinned buffer, without waiting for
+        the copy: the buffer is written again only once the last step's copy has read it."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        host.copy_(values)
+        inputs.copy_(host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
     def _replay(self, size: int) -> torch.Tensor | None:
         """Bucket `size` over the static inputs as they are now: its logits buffer (None off
         rank 0), which the next replay overwrites."""
@@ -159,14 +169,9 @@ class DecodeGraphs(BucketGraphs):
         the rows `sampled` on rank 0, None on the others."""
         n = len(tokens)
         size = min(b for b in self.graphs if b >= n)
-        if self.copied is not None:
-            self.copied.synchronize()  # the last step's copy has read the pinned buffer
-        self.host[:, :n] = torch.tensor([tokens, positions, slots], dtype=torch.int64)
-        self.host[:2, n:size] = 0
-        self.host[2, n:size] = -1
-        self.inputs[:, :size].copy_(self.host[:, :size], non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        pad = size - n
+        values = torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
+        self._upload(values, self.host[:, :size], self.inputs[:, :size])
         logits = self._replay(size)
         if logits is None:
             return None

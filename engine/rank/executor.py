@@ -151,10 +151,8 @@ class Executor:
         if config.cuda_graphs and gpu_path(self.cache.kv):  # CUDA (or the interpreter, in tests)
             started = time.monotonic()
             reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
-            prompt_tokens = min(config.prompt_graph_tokens, config.max_num_batched_tokens)
-            if prompt_tokens >= MIN_BUCKET and capturable(self.model_config.head_dim, self.dtype, self.device):
-                seqs = min(PROMPT_GRAPH_SEQS, config.num_slots)
-                self.prompt_graphs = PromptGraphs(self.model, self.cache, prompt_tokens, seqs)
+            if (size := self.prompt_graph_size()) is not None:
+                self.prompt_graphs = PromptGraphs(self.model, self.cache, *size)
                 self.prompt_graphs.capture()
             max_len = config.max_model_len or self.cache.num_blocks * config.block_size
             self.graphs = DecodeGraphs(self.model, self.cache, config.num_slots, self.cache.blocks_for(max_len))
@@ -165,6 +163,15 @@ class Executor:
             log.info("rank %d: %d prompt and %d decode CUDA graphs captured in %.1f s, holding %.2f GiB", config.rank,
                      len(self.prompt_graphs.graphs) if self.prompt_graphs else 0, len(self.graphs.graphs),
                      time.monotonic() - started, held / 2**30)  # fmt: skip
+
+    def prompt_graph_size(self) -> tuple[int, int] | None:
+        """(tokens of the largest bucket, prompts per step) of the prompt graphs this executor
+        captures, or None; the memory budget reserves for the same."""
+        config = self.config
+        tokens = min(config.prompt_graph_tokens, config.max_num_batched_tokens)
+        if not config.cuda_graphs or tokens < MIN_BUCKET or not capturable(self.model_config.head_dim, self.dtype, self.device):
+            return None
+        return tokens, min(PROMPT_GRAPH_SEQS, config.num_slots)
 
     @property
     def num_slots(self) -> int:

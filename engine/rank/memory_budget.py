@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from deltaserve.engine.rank.cache import StateCache, cache_shapes
 from deltaserve.engine.rank.model_config import ModelConfig
-from deltaserve.engine.rank.prompt_graphs import MIN_BUCKET, PROMPT_GRAPH_SEQS, token_buckets
+from deltaserve.engine.rank.prompt_graphs import token_buckets
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 
 if TYPE_CHECKING:
@@ -195,10 +195,9 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
         reserve = GRAPH_POOL_RESERVE_BYTES + 2 * config.num_slots * executor.model_config.vocab_size * 4
         # the prompt graphs' pool holds the activations of their largest bucket, which scale
         # with its tokens like the profiling step's, and each bucket keeps its fp32 logits
-        prompt_tokens = min(config.prompt_graph_tokens, config.max_num_batched_tokens)
-        if prompt_tokens >= MIN_BUCKET:
+        if (size := executor.prompt_graph_size()) is not None:
+            prompt_tokens, seqs = size
             reserve += activations * min(prompt_tokens, sum(lengths)) // sum(lengths)
-            seqs = min(PROMPT_GRAPH_SEQS, config.num_slots)
             reserve += len(token_buckets(prompt_tokens)) * seqs * executor.model_config.vocab_size * 4
     weights = sum(t.numel() * t.element_size() for t in (*executor.model.parameters(), *executor.model.buffers()))
     budget = int(total * config.gpu_memory_utilization) - in_use - activations - reserve

@@ -22,6 +22,8 @@ the padding.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -116,10 +118,6 @@ class PromptGraphs(BucketGraphs):
         pad = size - tokens
         spans = [*plan.spans, *[None] * (self.spans - len(plan.spans))]
         lengths = [s.length if s else 0 for s in spans]
-        bounds, total = [0], 0
-        for length in lengths:
-            total += length
-            bounds.append(total)
         values = [
             *plan.ids, *[0] * pad,
             *plan.positions, *[0] * pad,
@@ -127,16 +125,11 @@ class PromptGraphs(BucketGraphs):
             *[s.offset if s else tokens for s in spans],
             *lengths,
             *[s.slot if s else -1 for s in spans],
-            *bounds,
+            0, *itertools.accumulate(lengths),  # cu_seqlens
             *[v for entry in span_blocks(lengths, CHUNK_SIZE, self._entries(size)) for v in entry],
             *plan.sampled, *[0] * (self.max_seqs - len(plan.sampled)),
         ]  # fmt: skip
-        if self.copied is not None:
-            self.copied.synchronize()  # the last step's copy has read the pinned buffer
-        self.host[: len(values)] = torch.tensor(values, dtype=torch.int64)
-        self.inputs[: len(values)].copy_(self.host[: len(values)], non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        self._upload(torch.tensor(values, dtype=torch.int64), self.host[: len(values)], self.inputs[: len(values)])
 
     @torch.inference_mode()
     def capture(self) -> None:
