@@ -54,6 +54,7 @@ async def test_bench_serve_random_and_multi_turn(tiny_model_dir, tmp_path):
             *common, "--model", MODEL, "--random-input-len", "24", "--random-output-len", "6",
             "--num-prompts", "8", "--max-concurrency", "4", "--request-rate", "40",
             "--goodput", "ttft:600000", "e2el:600000", "--result-filename", "random.json",
+            "--save-detailed",
         )  # fmt: skip
         assert code == 0, out + server.log()
         r = json.loads((tmp_path / "random.json").read_text())
@@ -83,6 +84,7 @@ async def test_bench_serve_random_and_multi_turn(tiny_model_dir, tmp_path):
         )  # fmt: skip
         assert code == 0, out + server.log()
         m = json.loads((tmp_path / "multi.json").read_text())
+        assert "itls" not in m and "generated_texts" not in m  # without --save-detailed
         turns = m["turns_per_conversation"]
         assert len(turns) == 4 and all(2 <= t <= 5 for t in turns)
         assert m["conversations_completed"] == 4 and m["conversations_failed"] == 0

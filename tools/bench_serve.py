@@ -69,6 +69,9 @@ def _percentiles(text: str) -> tuple[float, ...]:
     return values
 
 
+DETAILED_FIELDS = ("itls", "generated_texts")  # stored only with --save-detailed
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tools.bench_serve",
@@ -108,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metadata", nargs="+", default=None, metavar="KEY=VALUE",
                    help="stored in the JSON, e.g. server_command='deltaserve serve ...' gpu=H200")  # fmt: skip
     p.add_argument("--no-save", action="store_true", help="print only")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="also store each request's inter-token latencies and generated text (large)")  # fmt: skip
     mt = p.add_argument_group("multi-turn (tools/bench_multiturn.py)")
     mt.add_argument("--multi-turn", action="store_true",
                     help="conversations: each turn sends the history plus the previous answer")  # fmt: skip
@@ -358,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         **result,
         "load_avg_1m_at_end": os.getloadavg()[0],
     }
+    if not args.save_detailed:  # vLLM's rule too: megabytes per run otherwise
+        for key in DETAILED_FIELDS:
+            report.pop(key, None)
     if not args.no_save:
         kind = "multiturn" if args.multi_turn else args.endpoint
         name = args.result_filename or (
