@@ -9,6 +9,7 @@ Triton's interpreter (tests/test_kernels.py).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -83,6 +84,20 @@ def wait_for_previous_grid(GDC: tl.constexpr):
     if GDC:
         gdc_wait()
         gdc_launch_dependents()
+
+
+def report_late_compiles(log: logging.Logger, rank: int) -> None:
+    """From now on, log each Triton kernel specialization first used in this process: called
+    once start-up (graph capture, warm-up) is done, every line names a shape the warm-up
+    missed, which on a machine with an empty Triton cache is compiled while a request waits."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not hasattr(knobs.runtime, "jit_post_compile_hook"):
+        return
+
+    def hook(*, fn, repr, **_kwargs) -> None:
+        log.warning("rank %d: Triton kernel %s first used after start-up: %s", rank, fn.name, repr)
+
+    knobs.runtime.jit_post_compile_hook = hook
 
 
 def check_launchable(*tensors) -> None:
