@@ -150,7 +150,7 @@ def causal_conv1d_prefill_reference(
         out[piece] = causal_conv1d(x[piece], weight, state[slot])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["offsets_ptr", "lengths_ptr", "slots_ptr"])  # PackedSpans.index rows
 def _conv_prefill_kernel(
     x_ptr, w_ptr, state_ptr, offsets_ptr, lengths_ptr, slots_ptr, blocks_ptr, out_ptr,
     stride_x, stride_w, stride_slot, stride_channel, stride_out,

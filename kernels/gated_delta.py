@@ -362,7 +362,7 @@ def gated_delta_prefill_reference(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])  # a PackedSpans.index row
 def _store_states_kernel(src_ptr, dst_ptr, slots_ptr, numel, stride_src, stride_dst, BLOCK: tl.constexpr):
     # program: (sequence i, block of BLOCK elements of its state); slot < 0: nothing
     i = tl.program_id(0)

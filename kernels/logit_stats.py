@@ -56,7 +56,7 @@ def _parts_kernel(x_ptr, stride_row, vocab, part_len, max_ptr, sum_ptr, arg_ptr,
     tl.store(arg_ptr + row * parts + part, arg.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts"])  # one compiled kernel for every row count
 def _combine_kernel(max_ptr, sum_ptr, arg_ptr, lse_ptr, out_arg_ptr, parts, PARTS: tl.constexpr):
     # program: one row's parts, in column order
     row = tl.program_id(0).to(tl.int64)
@@ -85,6 +85,7 @@ def logsumexp_argmax_triton(
     arg = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return lse, arg
+    most_parts = triton.next_power_of_2(min(target_programs, triton.cdiv(vocab, BLOCK)))  # any row count's
     parts = max(1, min(triton.cdiv(target_programs, rows), triton.cdiv(vocab, BLOCK)))
     part_len = triton.cdiv(triton.cdiv(vocab, parts), BLOCK) * BLOCK
     parts = triton.cdiv(vocab, part_len)
@@ -92,5 +93,5 @@ def logsumexp_argmax_triton(
     part_sum = torch.empty_like(part_max)
     part_arg = torch.empty((rows, parts), dtype=torch.int64, device=logits.device)
     _parts_kernel[(rows, parts)](logits, logits.stride(0), vocab, part_len, part_max, part_sum, part_arg, BLOCK=BLOCK)
-    _combine_kernel[(rows,)](part_max, part_sum, part_arg, lse, arg, parts, PARTS=triton.next_power_of_2(parts))
+    _combine_kernel[(rows,)](part_max, part_sum, part_arg, lse, arg, parts, PARTS=most_parts)
     return lse, arg

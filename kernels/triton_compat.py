@@ -89,15 +89,30 @@ def wait_for_previous_grid(GDC: tl.constexpr):
 def report_late_compiles(log: logging.Logger, rank: int) -> None:
     """From now on, log each Triton kernel specialization first used in this process: called
     once start-up (graph capture, warm-up) is done, every line names a shape the warm-up
-    missed, which on a machine with an empty Triton cache is compiled while a request waits."""
+    missed, which on a machine with an empty Triton cache is compiled while a request waits.
+    Triton specializes on each int argument being 1 or a multiple of 16 and on each pointer's
+    16-byte alignment; the line lists those, so the argument that varied shows."""
     knobs = getattr(triton, "knobs", None)
     if knobs is None or not hasattr(knobs.runtime, "jit_post_compile_hook"):
         return
 
-    def hook(*, fn, repr, **_kwargs) -> None:
-        log.warning("rank %d: Triton kernel %s first used after start-up: %s", rank, fn.name, repr)
+    def hook(*, fn, compile, **_kwargs) -> None:
+        log.warning("rank %d: Triton kernel %s first used after start-up: %s", rank, fn.name, _specialization(fn, compile))
 
     knobs.runtime.jit_post_compile_hook = hook
+
+
+def _specialization(fn, compile: dict) -> str:
+    """`compile`'s attributes by argument name (their layout differs between Triton versions)."""
+    try:
+        names = [p.name for p in fn.jit_function.params]
+        name = lambda path: names[path[0]] if isinstance(path, tuple) else str(path)  # noqa: E731
+        attrs = compile["configs"][0]
+        marked = sorted(name(path) for path, kinds in attrs.items() if kinds)
+        constants = {name(path): value for path, value in compile["constants"].items()}
+        return f"16-aligned or divisible: {marked}; constants: {constants}"
+    except Exception as exc:  # a Triton whose layout this does not know: say so, never fail
+        return f"(attributes not readable: {type(exc).__name__})"
 
 
 def check_launchable(*tensors) -> None:

@@ -131,3 +131,68 @@ def test_prompt_graphs_match_eager(kernels, tiny_model_dir):
     graphs, prompt_replays = _run_steps(model_dir, "cuda", graphs=True, dtype="bfloat16")
     assert (none, prompt_replays) == (0, 2), f"prompt-graph steps: {none} without, {prompt_replays} with"
     _assert_steps_match(graphs, eager, 2e-2, "prompt graphs vs eager prompts (bf16)")
+
+
+LATE_COMPILES = """
+import logging, sys, torch
+from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+from deltaserve.kernels.triton_compat import report_late_compiles
+
+ex = Executor(ExecutorConfig(sys.argv[1], device="cuda", dtype="bfloat16", num_slots=8, num_blocks=0,
+                             max_model_len=512, max_num_batched_tokens=256, prompt_graph_tokens=64,
+                             gpu_memory_utilization=0.05))
+late = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        late.append(record.getMessage())
+log = logging.getLogger("late")
+log.addHandler(Keep())
+report_late_compiles(log, 0)
+gen = torch.Generator().manual_seed(0)
+spec = SamplingSpec(temperature=0.8, top_p=0.9, seed=1)
+ids = lambda n: torch.randint(0, 1000, (n,), generator=gen).tolist()
+held, pending, rid = {}, {}, 0  # request -> positions held; -> the rest of a chunked prompt
+# 1 to 5 new prompts a step (eager past the 64-token prompt graphs; the first of a long one
+# chunked, its rest in the next step) beside the decodes of every request held
+for count, length in [(1, 100), (2, 37), (3, 70), (5, 21), (4, 130), (1, 9), (2, 64)]:
+    while len(held) + count > 8:
+        old = next(iter(held))
+        ex.drop([old])
+        held.pop(old), pending.pop(old, None)
+    items = [StepItem(r, n, pending.pop(r, []), True, None) for r, n in held.items()]
+    for j in range(count):
+        rid += 1
+        tokens = ids(length)
+        if j == 0 and length > 64:
+            items.append(StepItem(rid, 0, tokens[:64], False, NewRequest(400, spec)))
+            pending[rid] = tokens[64:]
+        else:
+            items.append(StepItem(rid, 0, tokens, True, NewRequest(400, spec)))
+    ex.run_step(items)
+    for item in items:
+        held[item.request_id] = item.start + (len(item.token_ids) or 1)
+print("LATE", len(late))
+for line in late:
+    print(line)
+from deltaserve.kernels.activation import silu_and_mul_triton
+silu_and_mul_triton(torch.ones(3, 8, dtype=torch.float16, device="cuda"))  # fp16: a dtype the model never ran
+print("CONTROL", sum("_silu_and_mul_kernel" in line for line in late))
+"""
+
+
+@needs_cuda
+def test_serving_steps_compile_nothing_after_start_up(kernels, tiny_model_dir):
+    """After start-up (profile, warm-up, graph capture) steps shaped as serving makes them
+    (1 to 5 prompts, eager and chunked, beside 1 to 8 decodes, sampled) use no Triton
+    specialization that start-up did not: on a machine with an empty Triton cache each one
+    would be compiled while its request waits (seconds of time to first token)."""
+    import subprocess
+    import sys
+
+    skip_without_fla(kernels["gated_delta"])
+    done = subprocess.run([sys.executable, "-c", LATE_COMPILES, str(tiny_model_dir)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "LATE 0" in done.stdout, done.stdout[-3000:]
+    assert "CONTROL 1" in done.stdout, f"the control's compile was not reported: {done.stdout[-3000:]}"
