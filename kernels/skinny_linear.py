@@ -36,7 +36,7 @@ from deltaserve.kernels.triton_compat import (
 MAX_ROWS = 64
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 SPLIT_BELOW_TILES = 132  # split K when the outputs give fewer 64-row tiles: the H200's SM count
-FOLD_SILU_MUL = True  # the GEMV makes the MLP's activation (tools/bench_step_ab.py turns it off)
+SILU_EPILOGUE = True  # gate_up's kernel makes silu(gate) * up (tools/bench_step_ab.py turns it off)
 USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mode turns them off)
 
 
@@ -61,22 +61,47 @@ def _load_weights(w_ptrs, n_ok, EVICT: tl.constexpr):
 
 
 @triton.jit
+def _weight_rows(pid_n, N, up, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
+    """The program's weight rows and which are real. SILU_MUL: outputs pid_n * BLOCK_N / 2 on,
+    their gate rows in the tile's first half and their up rows (`up` rows further) in the
+    second, so that the epilogue holds both factors of each output."""
+    if SILU_MUL:
+        half = tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
+        offs = pid_n * (BLOCK_N // 2) + half
+        return offs + (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * up, offs < N
+    offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs, offs < N
+
+
+@triton.jit
+def _silu_mul_halves(acc, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """[BLOCK_N, BLOCK_M] products of gate rows over up rows -> silu(gate) * up [BLOCK_N / 2,
+    BLOCK_M], rounded as the unfused path rounds: each product to the model dtype (the
+    gate_up output), silu(gate) to it, then the product (`silu_and_mul`)."""
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0)))
+    g = gate.to(dtype).to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
+    return act * up.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _skinny_dot_kernel(
     x_ptr, w_ptr, out_ptr,
-    M, N, k_per_split,
+    M, N, k_per_split, up,
     stride_xm, stride_wn, stride_om, stride_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    EVICT: tl.constexpr, GDC: tl.constexpr = False,
+    EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False, GDC: tl.constexpr = False,
 ):
+    """SILU_MUL: the weight is [gate | up] by rows (`up` rows each) and out = silu(gate) * up."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, row_ok = _weight_rows(pid_n, N, up, BLOCK_N, SILU_MUL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
-    n_ok = offs_n[:, None] < N
+    n_ok = row_ok[:, None]
     m_ok = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     wait_for_previous_grid(GDC)
@@ -89,6 +114,11 @@ def _skinny_dot_kernel(
             acc += tl.dot(w, tl.trans(x))
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if SILU_MUL:
+        acc = _silu_mul_halves(acc, out_ptr.dtype.element_ty, BLOCK_N, BLOCK_M)
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
 
@@ -102,31 +132,30 @@ def _gemv_kernel(
     GDC: tl.constexpr = False,
 ):
     """One row: products summed per thread along K, reduced across threads once at the end.
-    SILU_MUL: x is [gate | up] (up `up` elements on) and the input silu(gate) * up, rounded as
-    `silu_and_mul` rounds: the MLP's activation is never stored. (Only here: in the
-    tensor-core kernel, arithmetic on the input tile stalls its pipelined loads; 8- and 32-row
-    steps took 14% and 21% longer, bench/results/step_ab_h200_gemv_silu_at_74f4f1f.json.)"""
+    SILU_MUL as in `_skinny_dot_kernel`."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, row_ok = _weight_rows(pid_n, N, up, BLOCK_N, SILU_MUL)
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + k_start + offs_k
-    n_ok = offs_n[:, None] < N
+    n_ok = row_ok[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     wait_for_previous_grid(GDC)
     for _ in range(0, k_per_split, BLOCK_K):
         w = _load_weights(w_ptrs, n_ok, EVICT)
         x = tl.load(x_ptrs)
-        if SILU_MUL:
-            g = x.to(tl.float32)
-            act = (g * tl.sigmoid(g)).to(x.dtype).to(tl.float32)
-            x = (act * tl.load(x_ptrs + up).to(tl.float32)).to(x.dtype)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out = tl.sum(acc, axis=1)
+    if SILU_MUL:
+        out = tl.reshape(_silu_mul_halves(tl.reshape(out, (BLOCK_N, 1)), out_ptr.dtype.element_ty, BLOCK_N, 1),
+                         (BLOCK_N // 2,))
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + pid_k * stride_split + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
@@ -155,39 +184,41 @@ def skinny_linear(
     silu_mul: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T in x's dtype, fp32 accumulation; `out` [M, N] if given.
-    With `silu_mul` (the GEMV only), x is the MLP's [gate | up] [1, 2K] and the product is of
-    silu_and_mul(x)."""
+    With `silu_mul`, weight is the MLP's [gate | up] [2 I, K] and the result silu(gate) * up
+    [M, I], made in the kernel's epilogue (`silu_and_mul` of the product, bit for bit)."""
     check_launchable(x, weight)
-    if silu_mul and not gemv:
-        raise ValueError("skinny_linear: silu_mul is the GEMV's alone")
     m = x.shape[0]
-    n, k = weight.shape
-    if x.shape[1] != (2 * k if silu_mul else k) or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit"
-                         + (" (x is [gate | up])" if silu_mul else ""))
+    rows, k = weight.shape
+    n = rows // 2 if silu_mul else rows
+    if x.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
     if k % (cfg.block_k * cfg.split_k):
         raise ValueError(f"skinny_linear: K={k} is not a multiple of block_k*split_k={cfg.block_k * cfg.split_k}")
+    if silu_mul and (rows % 2 or cfg.split_k != 1 or cfg.block_n < 2):
+        raise ValueError(f"skinny_linear: silu_mul needs an even [gate | up] weight (got {rows} rows), "
+                         f"no K split and at least 2 rows per tile ({cfg})")  # fmt: skip
     k_per_split = k // cfg.split_k
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"skinny_linear: out must be contiguous [{m}, {n}] {x.dtype}")
     target = out if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    outputs_per_tile = cfg.block_n // 2 if silu_mul else cfg.block_n
+    grid = (triton.cdiv(n, outputs_per_tile), cfg.split_k)
     pdl = pdl_options(x)
     if gemv:
         if m != 1:
             raise ValueError("the GEMV kernel takes one row")
         _gemv_kernel[grid](
-            x, weight, target, n, k_per_split, k, weight.stride(0), m * n,
+            x, weight, target, n, k_per_split, n, weight.stride(0), m * n,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVICT=cfg.evict_first, SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     else:
         _skinny_dot_kernel[grid](
-            x, weight, target, m, n, k_per_split, x.stride(0), weight.stride(0), n, m * n,
+            x, weight, target, m, n, k_per_split, n, x.stride(0), weight.stride(0), n, m * n,
             BLOCK_M=block_m_for(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET,
-            EVICT=cfg.evict_first,
+            EVICT=cfg.evict_first, SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     if cfg.split_k > 1:
@@ -209,6 +240,7 @@ TUNED = {
     (32, 2560, 9216): SkinnyConfig(64, 128, 3, 4, 4),  # MLP down: 472 / 480 against 513 / 589
     (64, 2560, 9216): SkinnyConfig(64, 128, 3, 4, 4),  # MLP down: 505 against cuBLAS's 558
     (64, 12352, 2560): SkinnyConfig(64, 64, 1, 4, 5),  # DeltaNet in_proj: 453 against cuBLAS's 482
+    (64, 18432, 2560): SkinnyConfig(64, 64, 1, 4, 4),  # MLP gate_up + silu epilogue: step 5.467 ms against cuBLAS's 5.542
 }
 
 
@@ -238,9 +270,9 @@ def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None
 
 def linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
     """The model's y = x W^T: the skinny kernels for a decode step's few rows on the GPU,
-    cuBLAS (F.linear) for everything else. With `silu_mul`, x is the MLP's [gate | up] and
-    y = silu_and_mul(x) W^T; the GEMV computes the activation as it reads it (FOLD_SILU_MUL),
-    the other kernels after `silu_and_mul`."""
+    cuBLAS (F.linear) for everything else. With `silu_mul`, W is the MLP's [gate | up] and
+    y = silu_and_mul(x W^T), made by the skinny kernels' epilogue (SILU_EPILOGUE), else by
+    `silu_and_mul` after the product."""
     if (
         x.dtype in HALF_DTYPES
         and weight.dtype == x.dtype
@@ -254,7 +286,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> tor
         choice = decode_config(x.shape[0], weight.shape[0], weight.shape[1])
         if choice is not None:
             cfg, gemv = choice
-            if silu_mul and gemv and FOLD_SILU_MUL:
+            if silu_mul and SILU_EPILOGUE and cfg.split_k == 1:
                 return skinny_linear(x, weight, cfg, gemv, silu_mul=True)
-            return skinny_linear(silu_and_mul(x) if silu_mul else x, weight, cfg, gemv)
-    return F.linear(silu_and_mul(x) if silu_mul else x, weight)
+            y = skinny_linear(x, weight, cfg, gemv)
+            return silu_and_mul(y) if silu_mul else y
+    y = F.linear(x, weight)
+    return silu_and_mul(y) if silu_mul else y

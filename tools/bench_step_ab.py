@@ -1,5 +1,5 @@
 """The decode step under several kernel choices, interleaved in one process on one GPU:
-`python -m tools.bench_step_ab --model DIR [--modes pdl untuned nosilu nopdl cublas] [--out FILE]`.
+`python -m tools.bench_step_ab --model DIR [--modes pdl untuned noepi nopdl cublas] [--out FILE]`.
 
 Same-run ratios are the only fair ones on lent machines whose hosts differ by 10-40%, and
 even within a run clocks drift; so every mode's executor (graphs captured with that mode's
@@ -10,7 +10,9 @@ of the first decode step (the same inputs in every mode) are from the first mode
 random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~1 nat. Modes:
   pdl     the default: skinny kernels (TUNED tiles) up to 64 rows, programmatic dependent launch
   untuned the same without the TUNED tiles (the general rule; cuBLAS above 32 rows)
-  nosilu  the same, but the GEMV does not make the MLP's activation (silu_and_mul's kernel)
+  noepi   the same, but gate_up's kernel does not make the MLP's activation (silu_and_mul's kernel)
+  gu_cublas  the default with cuBLAS for gate_up at 33-64 rows (its TUNED tile removed)
+  gu_64x128, gu_32x128, gu_128x64  the default with that gate_up tile (rows x K) at 33-64 rows
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   conv64, conv256, conv1024  the default with the conv update's programs on that many channels
@@ -43,25 +45,40 @@ class Mode:
 
     max_rows: int = 64  # the skinny kernels up to this many rows (0: cuBLAS for all)
     pdl: bool = True
-    fold_silu_mul: bool = True  # the GEMV makes the MLP's activation
+    silu_epilogue: bool = True  # gate_up's kernel makes the MLP's activation
     tuned: bool = True  # the TUNED tiles
+    tiles: tuple = ()  # ((rows class, N, K), SkinnyConfig or None) TUNED entries set (None: removed)
     conv_tile: tuple[int, int] = conv.UPDATE_TILE  # the conv update's (channels, warps) per program
     norm_warps: int = rmsnorm.WIDE_ROW_WARPS  # per RMSNorm row of the hidden size
 
 
 MODES = {
-    "pdl": Mode(), "untuned": Mode(tuned=False), "nosilu": Mode(fold_silu_mul=False), "nopdl": Mode(pdl=False),
+    "pdl": Mode(), "untuned": Mode(tuned=False), "noepi": Mode(silu_epilogue=False), "nopdl": Mode(pdl=False),
     "cublas": Mode(max_rows=0),
+    "gu_cublas": Mode(tiles=(((64, 18432, 2560), None),)),
+    "gu_64x128": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(64, 128, 1, 4, 3)),)),
+    "gu_32x128": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(32, 128, 1, 4, 3)),)),
+    "gu_128x64": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(128, 64, 1, 8, 4)),)),
     "conv64": Mode(conv_tile=(64, 1)), "conv256": Mode(conv_tile=(256, 2)), "conv1024": Mode(conv_tile=(1024, 4)),
     "norm4": Mode(norm_warps=4), "norm16": Mode(norm_warps=16),
 }
+
+
+DEFAULT_TUNED = dict(skinny.TUNED)
 
 
 def use_mode(name: str) -> None:
     """Set the module switches that choose a decode step's kernels."""
     mode = MODES[name]
     skinny.MAX_ROWS, triton_compat.PDL = mode.max_rows, mode.pdl
-    skinny.FOLD_SILU_MUL, skinny.USE_TUNED = mode.fold_silu_mul, mode.tuned
+    skinny.SILU_EPILOGUE, skinny.USE_TUNED = mode.silu_epilogue, mode.tuned
+    skinny.TUNED.clear()
+    skinny.TUNED.update(DEFAULT_TUNED)
+    for key, tile in mode.tiles:
+        if tile is None:
+            skinny.TUNED.pop(key, None)
+        else:
+            skinny.TUNED[key] = tile
     conv.UPDATE_TILE, rmsnorm.WIDE_ROW_WARPS = mode.conv_tile, mode.norm_warps
 
 

@@ -33,7 +33,7 @@ timeout 200 python3 -m tools.bench_prompt_graphs --model /tmp/m4b --reps 4 --out
 say "bench_prompt_graphs"
 fi
 if [[ $PARTS == *" step "* ]]; then
-timeout 240 python3 -m tools.bench_step_ab --model /tmp/m4b --out "$OUT/step_ab.json" 2>&1 | grep -E "^(pdl|untuned|nosilu|nopdl|cublas) "
+timeout 240 python3 -m tools.bench_step_ab --model /tmp/m4b --out "$OUT/step_ab.json" 2>&1 | grep -E "^(pdl|untuned|noepi|nopdl|cublas) "
 say "step A/B"
 fi
 if [[ $PARTS == *" serve "* ]]; then

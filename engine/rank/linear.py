@@ -76,8 +76,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = new_param((sum(self.local_sizes), in_features), load, dtype, device)
         self.weight.num_parts = len(parts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """silu_mul: the parts are the MLP's (gate, up); returns silu(gate) * up (skinny_linear.linear)."""
+        return linear(x, self.weight, silu_mul)
 
 
 class RowParallelLinear(nn.Module):
@@ -89,6 +90,5 @@ class RowParallelLinear(nn.Module):
         loader = sharded_loader(None, 1, (out_features, in_features))
         self.weight = new_param((out_features, local), loader, dtype, device)
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """silu_mul: x is the MLP's [gate | up], multiplied as silu_and_mul(x) (skinny_linear.linear)."""
-        return all_reduce(linear(x, self.weight, silu_mul))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(linear(x, self.weight))

@@ -1,6 +1,6 @@
 """SwiGLU MLP: gate and up in one column-parallel GEMM, down row-parallel; the activation
-silu(gate) * up is made by the down projection as it reads its input (kernels/skinny_linear.py)
-on the GPU's decode steps, by `silu_and_mul` otherwise."""
+silu(gate) * up is made by the gate_up kernel's epilogue (kernels/skinny_linear.py) on the
+GPU's decode steps, by `silu_and_mul` after the GEMM otherwise."""
 
 from __future__ import annotations
 
@@ -17,4 +17,4 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), silu_mul=True)
+        return self.down_proj(self.gate_up_proj(x, silu_mul=True))
