@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltaserve.kernels.skinny_linear import SplitSum
 from deltaserve.kernels.triton_compat import (
     HAS_TRITON,
     check_launchable,
@@ -55,9 +56,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitSum, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if gpu_path(x) and HAS_TRITON:
+    """x may be a projection's partial sums (`SplitSum`, GPU path only): added in order first."""
+    if isinstance(x, SplitSum) or (gpu_path(x) and HAS_TRITON):
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_reference(x, residual, weight, eps)
 
@@ -70,17 +72,23 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, z_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_z, stride_z_head, z_heads, dim, eps,
-    GATED: tl.constexpr, ADD: tl.constexpr, BD: tl.constexpr, GDC: tl.constexpr = False,
+    x_ptr, z_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_z, stride_z_head, z_heads, dim, eps, stride_split,
+    GATED: tl.constexpr, ADD: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr = 1, GDC: tl.constexpr = False,
 ):
     # program: one row of `dim` features; ADD: z is the residual, the sum goes to sum_ptr.
-    # z's row r is head r % z_heads of token r // z_heads: read in place from a strided view
+    # z's row r is head r % z_heads of token r // z_heads: read in place from a strided view.
+    # SPLITS > 1: x is a projection's fp32 partial sums (SplitSum), `stride_split` apart,
+    # added in order and rounded to out's dtype as skinny_linear's `_sum_splits_kernel` does
     r = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + (r // z_heads) * stride_z + (r % z_heads) * stride_z_head
     offs = tl.arange(0, BD)
     m = offs < dim
     wait_for_previous_grid(GDC)
     x = tl.load(x_ptr + r * stride_x + offs, mask=m, other=0.0)
+    if SPLITS > 1:
+        for s in tl.static_range(1, SPLITS):
+            x += tl.load(x_ptr + s * stride_split + r * stride_x + offs, mask=m, other=0.0)
+        x = x.to(out_ptr.dtype.element_ty)
     if ADD:
         res = tl.load(z_row + offs, mask=m, other=0.0)
         x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
@@ -116,9 +124,15 @@ def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(
-    x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float, add: bool = False
+    x: torch.Tensor | SplitSum, z: torch.Tensor | None, weight: torch.Tensor, eps: float, add: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm, sum): z is the gate, or with `add` the residual; sum is x + z (else x)."""
+    splits, stride_split, dtype = 1, 0, None
+    if isinstance(x, SplitSum):  # [splits, rows, dim] fp32, contiguous (skinny_linear)
+        if not add or x.parts.dim() != 3 or not x.parts.is_contiguous():
+            raise ValueError("partial sums are taken by the residual add only, as [splits, rows, dim] contiguous")
+        splits, stride_split, dtype = x.parts.shape[0], x.parts.stride(0), x.dtype
+        x = x.parts[0]
     check_launchable(x, weight)
     dim = x.shape[-1]
     if weight.shape != (dim,) or weight.stride(0) != 1:
@@ -132,14 +146,14 @@ def _launch(
             gate, z_heads, stride_z_head = z, z.shape[1], z.stride(1)
         else:
             gate = _rows("z", z)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device)
     total = torch.empty_like(out) if add else x
     if rows.shape[0] == 0:
         return out, total
     block = triton.next_power_of_2(dim)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, gate, weight, out, total, rows.stride(0), gate.stride(0), stride_z_head, z_heads, dim, eps,
-        GATED=z is not None and not add, ADD=add, BD=block,
+        rows, gate, weight, out, total, rows.stride(0), gate.stride(0), stride_z_head, z_heads, dim, eps, stride_split,
+        GATED=z is not None and not add, ADD=add, BD=block, SPLITS=splits,
         num_warps=WIDE_ROW_WARPS if block >= 2048 else 4 if block >= 512 else 1, **pdl_options(x),
     )
     return out, total
@@ -151,9 +165,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor | SplitSum, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm_reference` in one kernel."""
+    """`add_rms_norm_reference` in one kernel; x may be partial sums (`SplitSum`)."""
     return _launch(x, residual, weight, eps, add=True)
 
 

@@ -37,6 +37,7 @@ MAX_ROWS = 64
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 SPLIT_BELOW_TILES = 132  # split K when the outputs give fewer 64-row tiles: the H200's SM count
 SILU_EPILOGUE = True  # gate_up's kernel makes silu(gate) * up (tools/bench_step_ab.py turns it off)
+SUM_IN_NORM = True  # split-K partial sums added by the next norm (`linear(unsummed=True)`; ditto)
 USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mode turns them off)
 
 
@@ -48,6 +49,16 @@ class SkinnyConfig:
     num_warps: int
     num_stages: int
     evict_first: bool = False  # weights streamed past L2 (read once per step)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitSum:
+    """x W^T left as its K-split partial sums, for a consumer that adds them in order itself
+    (`add_rms_norm`, which the row-parallel projections feed at TP=1): one launch and a
+    round trip of the output fewer than `_sum_splits_kernel` then the norm."""
+
+    parts: torch.Tensor  # [splits, M, N] fp32
+    dtype: torch.dtype  # of the product: the sum is rounded to it, as `skinny_linear` rounds
 
 
 @triton.jit
@@ -182,8 +193,10 @@ def skinny_linear(
     gemv: bool = False,
     out: torch.Tensor | None = None,
     silu_mul: bool = False,
-) -> torch.Tensor:
+    unsummed: bool = False,
+) -> torch.Tensor | SplitSum:
     """x [M, K] @ weight[N, K]^T in x's dtype, fp32 accumulation; `out` [M, N] if given.
+    With `unsummed` and K split, the partial sums as a `SplitSum` instead.
     With `silu_mul`, weight is the MLP's [gate | up] [2 I, K] and the result silu(gate) * up
     [M, I], made in the kernel's epilogue (`silu_and_mul` of the product, bit for bit)."""
     check_launchable(x, weight)
@@ -221,6 +234,8 @@ def skinny_linear(
             EVICT=cfg.evict_first, SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
+    if cfg.split_k > 1 and unsummed:
+        return SplitSum(target, x.dtype)
     if cfg.split_k > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
@@ -268,11 +283,14 @@ def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None
     return SkinnyConfig(64, 128, split, 4, 3), False
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, unsummed: bool = False
+) -> torch.Tensor | SplitSum:
     """The model's y = x W^T: the skinny kernels for a decode step's few rows on the GPU,
     cuBLAS (F.linear) for everything else. With `silu_mul`, W is the MLP's [gate | up] and
     y = silu_and_mul(x W^T), made by the skinny kernels' epilogue (SILU_EPILOGUE), else by
-    `silu_and_mul` after the product."""
+    `silu_and_mul` after the product. With `unsummed`, a K-split product comes back as its
+    partial sums (`SplitSum`, for `add_rms_norm`; SUM_IN_NORM)."""
     if (
         x.dtype in HALF_DTYPES
         and weight.dtype == x.dtype
@@ -288,7 +306,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> tor
             cfg, gemv = choice
             if silu_mul and SILU_EPILOGUE and cfg.split_k == 1:
                 return skinny_linear(x, weight, cfg, gemv, silu_mul=True)
-            y = skinny_linear(x, weight, cfg, gemv)
+            y = skinny_linear(x, weight, cfg, gemv, unsummed=unsummed and SUM_IN_NORM and not silu_mul)
             return silu_and_mul(y) if silu_mul else y
     y = F.linear(x, weight)
     return silu_and_mul(y) if silu_mul else y

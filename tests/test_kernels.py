@@ -267,6 +267,30 @@ def test_rms_norm(kernels, device, dtype, lead, dim):
     assert_close(got_norm.float(), want_norm.float(), dtype, "add_rms_norm")
 
 
+@pytest.mark.parametrize("rows,n,k", [(3, 40, 384), (17, 70, 256), pytest.param(64, 2560, 9216, marks=needs_cuda),
+                                        pytest.param(8, 2560, 4096, marks=needs_cuda)])  # 4B down, out_proj
+def test_add_rms_norm_of_split_sum(kernels, device, rows, n, k, monkeypatch):
+    """A K-split projection left unsummed (`linear(unsummed=True)`) and added by the next
+    norm gives, bit for bit, what the projection summed by its own kernel then the norm give."""
+    mod, norm = kernels["skinny_linear"], kernels["rmsnorm"]
+    dtype = torch.bfloat16
+    x = torch.randn(rows, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    residual, weight = torch.randn(rows, n, device=device).to(dtype), torch.randn(n, device=device).to(dtype)
+    cfg, gemv = mod.decode_config(rows, n, k)
+    assert cfg.split_k > 1, "a shape the rule splits"
+    parts = mod.skinny_linear(x, w, cfg, gemv, unsummed=True)
+    assert isinstance(parts, mod.SplitSum) and parts.parts.shape == (cfg.split_k, rows, n)
+    got = norm.add_rms_norm(parts, residual, weight, 1e-6)
+    want = norm.add_rms_norm_triton(mod.skinny_linear(x, w, cfg, gemv), residual, weight, 1e-6)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "the parts were not added as the sum kernel adds them"
+    from deltaserve.kernels import triton_compat
+
+    monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)  # `linear`'s GPU routing, on CPU too
+    assert isinstance(mod.linear(x, w, unsummed=True), mod.SplitSum)
+    assert torch.equal(mod.linear(x, w), mod.skinny_linear(x, w, cfg, gemv)), "summed unless asked"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,width", [(3, 40), (5, 1500), pytest.param(64, 9216, marks=needs_cuda)])
 def test_silu_and_mul(kernels, device, dtype, tokens, width):

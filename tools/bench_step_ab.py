@@ -11,6 +11,9 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   pdl     the default: skinny kernels (TUNED tiles) up to 64 rows, programmatic dependent launch
   untuned the same without the TUNED tiles (the general rule; cuBLAS above 32 rows)
   noepi   the same, but gate_up's kernel does not make the MLP's activation (silu_and_mul's kernel)
+  nosum   the default with split-K products summed by their own kernel before the norm
+  o64, o64s8  out_proj / o_proj at 33-64 rows on our kernel, K split in 4 (64x128 tiles) or 8
+          (64x64), the parts added by the norm (else cuBLAS)
   gu_cublas  the default with cuBLAS for gate_up at 33-64 rows (its TUNED tile removed)
   gu_64x128, gu_32x128, gu_128x64  the default with that gate_up tile (rows x K) at 33-64 rows
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
@@ -46,6 +49,7 @@ class Mode:
     max_rows: int = 64  # the skinny kernels up to this many rows (0: cuBLAS for all)
     pdl: bool = True
     silu_epilogue: bool = True  # gate_up's kernel makes the MLP's activation
+    sum_in_norm: bool = True  # split-K partial sums added by the next norm
     tuned: bool = True  # the TUNED tiles
     tiles: tuple = ()  # ((rows class, N, K), SkinnyConfig or None) TUNED entries set (None: removed)
     conv_tile: tuple[int, int] = conv.UPDATE_TILE  # the conv update's (channels, warps) per program
@@ -55,6 +59,9 @@ class Mode:
 MODES = {
     "pdl": Mode(), "untuned": Mode(tuned=False), "noepi": Mode(silu_epilogue=False), "nopdl": Mode(pdl=False),
     "cublas": Mode(max_rows=0),
+    "nosum": Mode(sum_in_norm=False),
+    "o64": Mode(tiles=(((64, 2560, 4096), skinny.SkinnyConfig(64, 128, 4, 4, 4)),)),
+    "o64s8": Mode(tiles=(((64, 2560, 4096), skinny.SkinnyConfig(64, 64, 8, 4, 4)),)),
     "gu_cublas": Mode(tiles=(((64, 18432, 2560), None),)),
     "gu_64x128": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(64, 128, 1, 4, 3)),)),
     "gu_32x128": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(32, 128, 1, 4, 3)),)),
@@ -71,7 +78,7 @@ def use_mode(name: str) -> None:
     """Set the module switches that choose a decode step's kernels."""
     mode = MODES[name]
     skinny.MAX_ROWS, triton_compat.PDL = mode.max_rows, mode.pdl
-    skinny.SILU_EPILOGUE, skinny.USE_TUNED = mode.silu_epilogue, mode.tuned
+    skinny.SILU_EPILOGUE, skinny.USE_TUNED, skinny.SUM_IN_NORM = mode.silu_epilogue, mode.tuned, mode.sum_in_norm
     skinny.TUNED.clear()
     skinny.TUNED.update(DEFAULT_TUNED)
     for key, tile in mode.tiles:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from deltaserve.engine.rank.parallel import all_reduce, shard, tp_size
-from deltaserve.kernels.skinny_linear import linear
+from deltaserve.kernels.skinny_linear import SplitSum, linear
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor], None]
 
@@ -90,5 +90,9 @@ class RowParallelLinear(nn.Module):
         loader = sharded_loader(None, 1, (out_features, in_features))
         self.weight = new_param((out_features, local), loader, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSum:
+        """At TP=1 a K-split product may come back unsummed: every caller hands the output
+        to the next norm (`RMSNorm.add`), which adds the parts itself."""
+        if tp_size() == 1:
+            return linear(x, self.weight, unsummed=True)
         return all_reduce(linear(x, self.weight))

@@ -7,6 +7,7 @@ from torch import nn
 
 from deltaserve.engine.rank.linear import replicated_param
 from deltaserve.kernels.rmsnorm import add_rms_norm, gated_rms_norm, rms_norm
+from deltaserve.kernels.skinny_linear import SplitSum
 
 
 class RMSNorm(nn.Module):
@@ -20,8 +21,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the residual add fused into the norm."""
+    def add(self, x: torch.Tensor | SplitSum, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm; x may be a
+        row-parallel projection's partial sums (kernels/skinny_linear.py), added first."""
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 

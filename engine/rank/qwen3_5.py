@@ -95,5 +95,5 @@ class Qwen3_5ForCausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, batch, cache)
-        x, _ = self.model.norm.add(x[batch.logits_index], residual[batch.logits_index])
-        return self.output_embedding.logits(x)
+        x, _ = self.model.norm.add(x, residual)  # every row: x may be a projection's partial sums
+        return self.output_embedding.logits(x[batch.logits_index])
