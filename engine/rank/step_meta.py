@@ -27,7 +27,10 @@ class PackedSpans:
     these tensors' sizes and `max_len`, so a prompt CUDA graph captures them over padded
     buffers: empty spans of slot -1 after the real ones, block-table entries naming one."""
 
-    index: torch.Tensor  # [3, n] int32: each chunk's first token row in the step, its length, its slot
+    # [3, n] int32: each chunk's first token row in the step, its length, its slot. A row
+    # starts 4n bytes on, 16-byte aligned or not by n: kernels reading them must not
+    # specialize on alignment (`do_not_specialize_on_alignment`), or each n % 4 compiles anew
+    index: torch.Tensor
     bounds: torch.Tensor  # [n + 1] int32: cumulative lengths over the packed prompt rows (cu_seqlens)
     blocks: torch.Tensor  # [entries, 2] int32: (chunk, CHUNK_SIZE-token block), `span_blocks`
     max_len: int  # host-side bound on the lengths: sizes flash's grid
