@@ -7,6 +7,8 @@
 #   serve   cold start, bench_serve at concurrency 1 / 16 / 64 and the multi-turn run, then
 #           concurrency 1 and 64 again with --no-overlap and with --no-pipelining, about 8
 #   gate    the bf16 gate, about 6
+#   cold    a server on an empty Triton cache at concurrency 64, and the Triton kernels its
+#           rank first used after start-up (each one compiled while a request waited), about 3
 #
 #   OUT=/tmp/out bash tools/h200_suite.sh [decode] [step] [serve] [gate]   # from the repository root
 #   (no part named: decode and serve)
@@ -71,6 +73,20 @@ kill -TERM $SERVER; wait $SERVER; say "server (no overlap) exit code $?"
 start_server "$OUT/serve_sync.log" --no-pipelining
 bench_random _sync 1 64
 kill -TERM $SERVER; wait $SERVER; say "server (no pipelining) exit code $?"
+fi
+if [[ $PARTS == *" cold "* ]]; then
+  COLD=$(mktemp -d)
+  TRITON_CACHE_DIR=$COLD python3 -m deltaserve.tools.cli serve --model /tmp/m4b --served-model-name m4b --device cuda \
+    --dtype bfloat16 --max-num-seqs 64 --max-model-len 8192 --port 8123 > "$OUT/serve_cold.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 200); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+  say "server up (empty Triton cache)"
+  timeout 90 python3 -m tools.bench_serve --base-url http://127.0.0.1:8123 --model m4b --result-dir "$OUT" \
+    --random-input-len 1024 --random-output-len 256 --ignore-eos --num-prompts 192 --max-concurrency 64 \
+    --label h200-4b-c64-cold --result-filename serve_c64_cold.json 2>&1 | grep -E "Output token throughput|TTFT|Failed"
+  kill -TERM $SERVER; wait $SERVER
+  say "kernels first used after start-up: $(grep -c 'first used after start-up' "$OUT/serve_cold.log")"
+  rm -rf "$COLD"
 fi
 if [[ $PARTS == *" gate "* ]]; then
   timeout 400 python3 -m tools.gate_bf16 --model /tmp/m4b --fp32-check --out "$OUT/gate_bf16.json" \
