@@ -27,6 +27,7 @@ from deltaserve.kernels.paged_attention import (
     varlen_prefill_attention,
 )
 from deltaserve.kernels.rope import norm_rope
+from deltaserve.kernels.skinny_linear import SplitSum
 from deltaserve.kernels.triton_compat import gpu_path
 
 
@@ -71,7 +72,7 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype, device)
         self.rope = Rope(config.rotary_dim, config.rope_theta, device)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor | SplitSum:
         tokens = x.shape[0]
         hd = self.head_dim
         q_and_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)

@@ -36,6 +36,7 @@ from deltaserve.kernels.gated_delta import (
     gated_delta_prefill,
     recurrent_gated_delta,
 )
+from deltaserve.kernels.skinny_linear import SplitSum
 from deltaserve.kernels.triton_compat import gpu_path
 
 
@@ -68,7 +69,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps, dtype, device)
         self.out_proj = RowParallelLinear(config.linear_value_dim, hidden, dtype, device)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor | SplitSum:
         if gpu_path(x):
             return self._forward_cuda(x, batch, cache)
         tokens = x.shape[0]
@@ -102,7 +103,7 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(core.to(x.dtype), z)
         return self.out_proj(out.reshape(tokens, nv * dv))
 
-    def _forward_cuda(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor:
+    def _forward_cuda(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor | SplitSum:
         """Decode items: one conv kernel and one fused recurrent kernel for all of them, state
         updated in place in its slot. Prefill spans: the conv, then fla's chunked kernel over
         all of them packed (the torch reference when fla is absent)."""

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from deltaserve.engine.rank.linear import ColumnParallelLinear, RowParallelLinear
+from deltaserve.kernels.skinny_linear import SplitSum
 
 
 class MLP(nn.Module):
@@ -16,5 +17,5 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(hidden, ((intermediate,), (intermediate,)), dtype, device)
         self.down_proj = RowParallelLinear(intermediate, hidden, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSum:
         return self.down_proj(self.gate_up_proj(x, silu_mul=True))

@@ -19,6 +19,7 @@ from deltaserve.engine.rank.embedding import VocabParallelEmbedding
 from deltaserve.engine.rank.mlp import MLP
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import RMSNorm
+from deltaserve.kernels.skinny_linear import SplitSum
 
 # checkpoint module -> (our merged module, part): one GEMM where HF runs several
 PACKED_MODULES: dict[str, tuple[str, int]] = {
@@ -50,10 +51,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, batch: StepBatch, cache: StateCache
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor | SplitSum, residual: torch.Tensor | None, batch: StepBatch, cache: StateCache
+    ) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:
         """(this block's MLP output, the residual stream before it): the caller's next norm
-        adds the two (HF: x = x + mixer(norm(x)); x = x + mlp(norm(x)))."""
+        adds the two (HF: x = x + mixer(norm(x)); x = x + mlp(norm(x))). A projection's output
+        may be its unsummed parts (`SplitSum`): only a norm's add takes it."""
         mixer = self.linear_attn if self.is_linear else self.self_attn
         if residual is None:
             h, residual = self.input_layernorm(x), x
