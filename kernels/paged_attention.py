@@ -233,13 +233,19 @@ def _merge_parts_kernel(
              result.to(out_ptr.dtype.element_ty), mask=offs_d < HD)
 
 
+# Programs per SM the decode split aims at (`decode_partitions`; tools/bench_step_ab.py's
+# parts modes try others).
+PARTS_PER_SM = 2
+
+
 def decode_partitions(num_requests: int, num_kv_heads: int, max_seq_len: int, tile: int,
-                      per_sm: int = 2) -> int:
+                      per_sm: int | None = None) -> int:
     """How many partitions split each request's context: enough programs to fill an H200's
     132 SMs `per_sm` times over, never more than `max_seq_len` has tiles. Each request divides
     its own context evenly among them (in the kernel), so a CUDA graph can fix this number
     while the lengths change."""
     tiles = max(1, -(-max_seq_len // tile))
+    per_sm = PARTS_PER_SM if per_sm is None else per_sm
     return max(1, min(tiles, -(-132 * per_sm // max(1, num_requests * num_kv_heads))))
 
 
@@ -257,7 +263,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
-    parts_per_sm: int = 2,
+    parts_per_sm: int | None = None,
 ) -> None:
     """Triton launch of `paged_decode_attention_reference` (same arguments) plus
     `max_seq_len`, a host-side bound on `seq_lens` that sizes the grid (a CUDA graph keeps

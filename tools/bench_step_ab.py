@@ -11,6 +11,8 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   pdl     the default: skinny kernels (TUNED tiles) up to 64 rows, programmatic dependent launch
   untuned the same without the TUNED tiles (the general rule; cuBLAS above 32 rows)
   noepi   the same, but gate_up's kernel does not make the MLP's activation (silu_and_mul's kernel)
+  parts1  the default with decode attention aiming at one program per SM (else 2): no context
+          split, and no merge kernel, from 33 requests on (4 KV heads)
   nosum   the default with split-K products summed by their own kernel before the norm
   o64, o64s8  out_proj / o_proj at 33-64 rows on our kernel, K split in 4 (64x128 tiles) or 8
           (64x64), the parts added by the norm (else cuBLAS)
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 import deltaserve.kernels.causal_conv1d as conv
+import deltaserve.kernels.paged_attention as paged_attention
 import deltaserve.kernels.rmsnorm as rmsnorm
 import deltaserve.kernels.skinny_linear as skinny
 import deltaserve.kernels.triton_compat as triton_compat
@@ -50,6 +53,7 @@ class Mode:
     pdl: bool = True
     silu_epilogue: bool = True  # gate_up's kernel makes the MLP's activation
     sum_in_norm: bool = True  # split-K partial sums added by the next norm
+    parts_per_sm: int = paged_attention.PARTS_PER_SM  # decode attention's split target
     tuned: bool = True  # the TUNED tiles
     tiles: tuple = ()  # ((rows class, N, K), SkinnyConfig or None) TUNED entries set (None: removed)
     conv_tile: tuple[int, int] = conv.UPDATE_TILE  # the conv update's (channels, warps) per program
@@ -59,7 +63,7 @@ class Mode:
 MODES = {
     "pdl": Mode(), "untuned": Mode(tuned=False), "noepi": Mode(silu_epilogue=False), "nopdl": Mode(pdl=False),
     "cublas": Mode(max_rows=0),
-    "nosum": Mode(sum_in_norm=False),
+    "nosum": Mode(sum_in_norm=False), "parts1": Mode(parts_per_sm=1),
     "o64": Mode(tiles=(((64, 2560, 4096), skinny.SkinnyConfig(64, 128, 4, 4, 4)),)),
     "o64s8": Mode(tiles=(((64, 2560, 4096), skinny.SkinnyConfig(64, 64, 8, 4, 4)),)),
     "gu_cublas": Mode(tiles=(((64, 18432, 2560), None),)),
@@ -79,6 +83,7 @@ def use_mode(name: str) -> None:
     mode = MODES[name]
     skinny.MAX_ROWS, triton_compat.PDL = mode.max_rows, mode.pdl
     skinny.SILU_EPILOGUE, skinny.USE_TUNED, skinny.SUM_IN_NORM = mode.silu_epilogue, mode.tuned, mode.sum_in_norm
+    paged_attention.PARTS_PER_SM = mode.parts_per_sm
     skinny.TUNED.clear()
     skinny.TUNED.update(DEFAULT_TUNED)
     for key, tile in mode.tiles:
