@@ -106,7 +106,10 @@ def _specialization(fn, compile: dict) -> str:
     """`compile`'s attributes by argument name (their layout differs between Triton versions)."""
     try:
         names = [p.name for p in fn.jit_function.params]
-        name = lambda path: names[path[0]] if isinstance(path, tuple) else str(path)  # noqa: E731
+
+        def name(path) -> str:
+            return names[path[0]] if isinstance(path, tuple) else str(path)
+
         attrs = compile["configs"][0]
         marked = sorted(name(path) for path, kinds in attrs.items() if kinds)
         constants = {name(path): value for path, value in compile["constants"].items()}

@@ -159,7 +159,8 @@ for count, length in [(1, 100), (2, 37), (3, 70), (5, 21), (4, 130), (1, 9), (2,
     while len(held) + count > 8:
         old = next(iter(held))
         ex.drop([old])
-        held.pop(old), pending.pop(old, None)
+        del held[old]
+        pending.pop(old, None)
     items = [StepItem(r, n, pending.pop(r, []), True, None) for r, n in held.items()]
     for j in range(count):
         rid += 1

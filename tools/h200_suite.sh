@@ -10,7 +10,7 @@
 #   cold    a server on an empty Triton cache at concurrency 64, and the Triton kernels its
 #           rank first used after start-up (each one compiled while a request waited), about 3
 #
-#   OUT=/tmp/out bash tools/h200_suite.sh [decode] [step] [serve] [gate]   # from the repository root
+#   OUT=/tmp/out bash tools/h200_suite.sh [decode] [step] [serve] [gate] [cold]   # from the repository root
 #   (no part named: decode and serve)
 #
 # Needs the package importable (pip install -e . or PYTHONPATH) and a GPU; makes the random
@@ -22,6 +22,14 @@ T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 [ -f /tmp/m4b/config.json ] || python3 -m tools.make_model --preset 4b --out /tmp/m4b --dtype bf16 --device cuda >/dev/null
 say "checkpoint ready"
+SERVE=(--model /tmp/m4b --served-model-name m4b --device cuda --dtype bfloat16 --max-num-seqs 64 --max-model-len 8192)
+BENCH=(python3 -m tools.bench_serve --base-url http://127.0.0.1:8123 --model m4b --result-dir "$OUT")
+start_server() {  # LOG [serve flags...]: in the background as $SERVER, until /health answers (200 s: a cold one compiles)
+  local log=$1; shift
+  python3 -m deltaserve.tools.cli serve "${SERVE[@]}" --port 8123 "$@" > "$log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 200); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+}
 PARTS=" ${*:-decode serve} "
 if [[ $PARTS == *" decode "* ]]; then
 # the pipelined engine runs last: its trace files overwrite the other's
@@ -39,14 +47,6 @@ timeout 240 python3 -m tools.bench_step_ab --model /tmp/m4b --out "$OUT/step_ab.
 say "step A/B"
 fi
 if [[ $PARTS == *" serve "* ]]; then
-SERVE=(--model /tmp/m4b --served-model-name m4b --device cuda --dtype bfloat16 --max-num-seqs 64 --max-model-len 8192)
-BENCH=(python3 -m tools.bench_serve --base-url http://127.0.0.1:8123 --model m4b --result-dir "$OUT")
-start_server() {  # LOG [serve flags...]: in the background as $SERVER, until /health answers
-  local log=$1; shift
-  python3 -m deltaserve.tools.cli serve "${SERVE[@]}" --port 8123 "$@" > "$log" 2>&1 &
-  SERVER=$!
-  for _ in $(seq 1 120); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
-}
 bench_random() {  # SUFFIX CONCURRENCY...: 1024 in / 256 out, 4 requests per stream
   local suffix=$1; shift
   for c in "$@"; do
@@ -75,18 +75,15 @@ bench_random _sync 1 64
 kill -TERM $SERVER; wait $SERVER; say "server (no pipelining) exit code $?"
 fi
 if [[ $PARTS == *" cold "* ]]; then
-  COLD=$(mktemp -d)
-  TRITON_CACHE_DIR=$COLD python3 -m deltaserve.tools.cli serve --model /tmp/m4b --served-model-name m4b --device cuda \
-    --dtype bfloat16 --max-num-seqs 64 --max-model-len 8192 --port 8123 > "$OUT/serve_cold.log" 2>&1 &
-  SERVER=$!
-  for _ in $(seq 1 200); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+  export TRITON_CACHE_DIR=$(mktemp -d)
+  start_server "$OUT/serve_cold.log"
   say "server up (empty Triton cache)"
-  timeout 90 python3 -m tools.bench_serve --base-url http://127.0.0.1:8123 --model m4b --result-dir "$OUT" \
-    --random-input-len 1024 --random-output-len 256 --ignore-eos --num-prompts 192 --max-concurrency 64 \
-    --label h200-4b-c64-cold --result-filename serve_c64_cold.json 2>&1 | grep -E "Output token throughput|TTFT|Failed"
+  timeout 90 "${BENCH[@]}" --random-input-len 1024 --random-output-len 256 --ignore-eos --num-prompts 192 \
+    --max-concurrency 64 --label h200-4b-c64-cold --result-filename serve_c64_cold.json 2>&1 \
+    | grep -E "Output token throughput|TTFT|Failed"
   kill -TERM $SERVER; wait $SERVER
   say "kernels first used after start-up: $(grep -c 'first used after start-up' "$OUT/serve_cold.log")"
-  rm -rf "$COLD"
+  rm -rf "$TRITON_CACHE_DIR"; unset TRITON_CACHE_DIR
 fi
 if [[ $PARTS == *" gate "* ]]; then
   timeout 400 python3 -m tools.gate_bf16 --model /tmp/m4b --fp32-check --out "$OUT/gate_bf16.json" \
