@@ -137,9 +137,9 @@ def projection_shapes(ex: Executor, items: list[StepItem]) -> list[tuple[int, in
     seen: list[tuple[int, int, int]] = []
     original = rank_linear.linear
 
-    def recording(x: torch.Tensor, weight: torch.Tensor, **options) -> torch.Tensor:
+    def recording(x: torch.Tensor, weight: torch.Tensor, *args, **options) -> torch.Tensor:
         seen.append((*weight.shape, weight.numel() * weight.element_size()))
-        return original(x, weight, **options)
+        return original(x, weight, *args, **options)
 
     rank_linear.linear = recording
     try:
