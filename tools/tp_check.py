@@ -1,11 +1,25 @@
 """Greedy tokens of the engine at tensor-parallel size N against size 1, on any devices:
 `python -m tools.tp_check --model DIR --tp 2 --device cuda --dtype bfloat16 [--out FILE]`;
 with `--against eager-prompts`, size N against size N with prompts run eagerly (no prompt
-CUDA graphs), which must agree exactly, in bf16 too.
+CUDA graphs); with `--against fp32`, size N and size 1 in --dtype against size 1 in fp32.
+Exits 1 when the first two runs' tokens differ (except against fp32).
+
+Where to expect the same bits: a prompt replayed from a graph is computed over its bucket's
+rows, and cuBLAS picks its kernel by the row count, so the same prompt run eagerly can round
+differently. At the tiny shapes no product did; at the 4B shapes out_proj / o_proj (2560 x
+4096) does at 40, 55 or 70 rows against 64 or 128 (and not at 10, 17, 25, 90, 100, 500 or
+1,000), bench/results/tp_check_h200x2_4b_bf16_eager_prompts_*.json.
 
 Two prompts (a repeated short one and a 90-token one), 24 tokens each, ignore_eos; prints both
 runs' tokens and whether they agree. On GPUs this exercises NCCL, the sharded weights and the
 decode CUDA graphs with their all-reduces inside.
+
+Greedy tokens part at the first near-tie that rounding tips (on a random checkpoint in bf16,
+within a few tokens), so each run also gives the next-token distribution (top 8) after 9
+prefixes of the prompts, each its own request; the mean gap between two runs' logprobs of the
+tokens in both top 8s says how far apart they compute: a sharded weight or a reduction gone
+wrong moves them by nats, rounding by the bf16 noise of the checkpoint, which `--against fp32`
+measures for size 1 beside size N.
 """
 
 from __future__ import annotations
@@ -13,23 +27,42 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import time
 
 PROMPTS = ([5, 6, 7, 8, 9] * 8, list(range(100, 190)))
+PREFIXES = [PROMPTS[0][:n] for n in (10, 25, 40)] + [PROMPTS[1][:n] for n in (10, 25, 40, 55, 70, 90)]
+TOP = 8
+
+Distribution = list[tuple[int, float]]  # the top tokens and their logprobs, best first
 
 
-async def greedy_tokens(model: str, tp: int, device: str, dtype: str, prompt_graph_tokens: int) -> tuple[list[list[int]], int]:
-    """Each prompt's tokens, and how many steps were pipelined (their decode inputs, rank 0's
-    samples, broadcast to the other ranks)."""
+async def engine_run(model: str, tp: int, device: str, dtype: str, prompt_graph_tokens: int) -> dict:
+    """Each prompt's greedy tokens, each prefix's next-token distribution, and how many steps
+    were pipelined (their decode inputs, rank 0's samples, broadcast to the other ranks)."""
     from deltaserve.engine import AsyncEngine, EngineConfig, SamplingParams
 
     config = EngineConfig(model=model, device=device, dtype=dtype, tp_size=tp, max_num_seqs=4, max_model_len=256,
                           prompt_graph_tokens=prompt_graph_tokens)  # fmt: skip
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=TOP)
     async with await AsyncEngine.start(config) as engine:
         tokens = [[e.token_id async for e in engine.generate(p, params) if hasattr(e, "token_id")] for p in PROMPTS]
-        return tokens, engine.metrics.pipelined_steps_total
+        dists = [[e.top_logprobs async for e in engine.generate(p, first) if hasattr(e, "token_id")][0]
+                 for p in PREFIXES]  # fmt: skip
+        return {"tokens": tokens, "next_token_top": dists, "pipelined_steps": engine.metrics.pipelined_steps_total}
+
+
+def distribution_gap(run: list[Distribution], reference: list[Distribution]) -> dict:
+    """Mean and largest |logprob difference| over the tokens in both top lists, per prefix
+    averaged; and on how many prefixes the best token agrees."""
+    gaps = []
+    for ours, ref in zip(run, reference, strict=True):
+        theirs = dict(ref)
+        gaps.append(statistics.fmean([abs(lp - theirs[t]) for t, lp in ours if t in theirs] or [float("inf")]))
+    agree = sum(ours[0][0] == ref[0][0] for ours, ref in zip(run, reference, strict=True))
+    return {"mean_gap": statistics.fmean(gaps), "max_gap": max(gaps), "argmax_agree": agree, "prefixes": len(gaps)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,23 +71,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--against", choices=["tp1", "eager-prompts"], default="tp1")
+    parser.add_argument("--against", choices=["tp1", "eager-prompts", "fp32"], default="tp1")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    other = ("tp1", 1, 2048) if args.against == "tp1" else (f"tp{args.tp}-eager-prompts", args.tp, 0)
-    runs, pipelined = {}, {}
-    for label, tp, graph_tokens in ((f"tp{args.tp}", args.tp, 2048), other):
+    main_run = f"tp{args.tp}"
+    plan = [(main_run, args.tp, args.dtype, 2048)]
+    if args.against == "eager-prompts":
+        plan.append((f"{main_run}-eager-prompts", args.tp, args.dtype, 0))
+    else:
+        plan.append(("tp1", 1, args.dtype, 2048))
+    if args.against == "fp32":
+        plan.append(("tp1-fp32", 1, "float32", 2048))
+    runs = {}
+    for label, tp, dtype, graph_tokens in plan:
         started = time.monotonic()
-        runs[label], pipelined[label] = asyncio.run(greedy_tokens(args.model, tp, args.device, args.dtype, graph_tokens))
-        print(f"{label} in {time.monotonic() - started:.1f} s ({pipelined[label]} steps pipelined): {runs[label]}",
-              flush=True)  # fmt: skip
-    same = runs[f"tp{args.tp}"] == runs[other[0]]
-    print(f"tp{args.tp} == {other[0]}: {same}")
+        runs[label] = asyncio.run(engine_run(args.model, tp, args.device, dtype, graph_tokens))
+        print(f"{label} in {time.monotonic() - started:.1f} s ({runs[label]['pipelined_steps']} steps pipelined): "
+              f"{runs[label]['tokens']}", flush=True)  # fmt: skip
+    reference = plan[-1][0]
+    gaps = {f"{label} vs {reference}": distribution_gap(runs[label]["next_token_top"], runs[reference]["next_token_top"])
+            for label, *_ in plan[:-1]}  # fmt: skip
+    for pair, gap in gaps.items():
+        print(f"{pair}: next-token top-{TOP} logprob gap mean {gap['mean_gap']:.4f}, max {gap['max_gap']:.4f} nat; "
+              f"best token agrees on {gap['argmax_agree']} of {gap['prefixes']} prefixes", flush=True)  # fmt: skip
+    same = runs[main_run]["tokens"] == runs[plan[1][0]]["tokens"]
+    print(f"{main_run} == {plan[1][0]}: {same}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": " ".join(["python -m tools.tp_check", *sys.argv[1:]]), "tokens": runs,
-                       "pipelined_steps": pipelined, "same": same}, f)  # fmt: skip
-    return 0 if same else 1
+            json.dump({"command": " ".join(["python -m tools.tp_check", *sys.argv[1:]]), "runs": runs, "gaps": gaps,
+                       "same": same}, f)  # fmt: skip
+    return 0 if same or args.against == "fp32" else 1
 
 
 if __name__ == "__main__":
