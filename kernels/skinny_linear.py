@@ -140,10 +140,12 @@ def _gemv_kernel(
     N, k_per_split, up,
     stride_wn, stride_split,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False,
-    GDC: tl.constexpr = False,
+    TAIL_K: tl.constexpr = -1, GDC: tl.constexpr = False,
 ):
     """One row: products summed per thread along K, reduced across threads once at the end.
-    SILU_MUL as in `_skinny_dot_kernel`."""
+    SILU_MUL as in `_skinny_dot_kernel`. TAIL_K >= 0: the program's rows are BLOCK_K + TAIL_K
+    wide (no K split; TAIL_K 0 or a power of two) and read whole before the wait, so that a
+    program launched while the previous kernel finishes streams its weights meanwhile."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows, row_ok = _weight_rows(pid_n, N, up, BLOCK_N, SILU_MUL)
@@ -152,15 +154,26 @@ def _gemv_kernel(
     w_ptrs = w_ptr + rows[:, None] * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + k_start + offs_k
     n_ok = row_ok[:, None]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    wait_for_previous_grid(GDC)
-    for _ in range(0, k_per_split, BLOCK_K):
+    if TAIL_K >= 0:
         w = _load_weights(w_ptrs, n_ok, EVICT)
-        x = tl.load(x_ptrs)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    out = tl.sum(acc, axis=1)
+        if TAIL_K > 0:
+            w_tail = _load_weights(w_ptr + rows[:, None] * stride_wn + (BLOCK_K + tl.arange(0, TAIL_K))[None, :],
+                                   n_ok, EVICT)
+        wait_for_previous_grid(GDC)
+        out = tl.sum(w.to(tl.float32) * tl.load(x_ptrs).to(tl.float32)[None, :], axis=1)
+        if TAIL_K > 0:
+            x_tail = tl.load(x_ptr + BLOCK_K + tl.arange(0, TAIL_K))
+            out += tl.sum(w_tail.to(tl.float32) * x_tail.to(tl.float32)[None, :], axis=1)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        wait_for_previous_grid(GDC)
+        for _ in range(0, k_per_split, BLOCK_K):
+            w = _load_weights(w_ptrs, n_ok, EVICT)
+            x = tl.load(x_ptrs)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out = tl.sum(acc, axis=1)
     if SILU_MUL:
         out = tl.reshape(_silu_mul_halves(tl.reshape(out, (BLOCK_N, 1)), out_ptr.dtype.element_ty, BLOCK_N, 1),
                          (BLOCK_N // 2,))
@@ -222,9 +235,17 @@ def skinny_linear(
     if gemv:
         if m != 1:
             raise ValueError("the GEMV kernel takes one row")
+        block_k, tail_k = cfg.block_k, -1
+        if cfg.block_k == k and k & (k - 1):  # whole rows of a K that is not a power of two: two parts
+            block_k = 1 << (k.bit_length() - 1)
+            tail_k = k - block_k
+            if tail_k & (tail_k - 1):
+                raise ValueError(f"skinny_linear: K={k} is not a sum of two powers of two ({cfg})")
+        elif cfg.block_k == k:
+            tail_k = 0
         _gemv_kernel[grid](
             x, weight, target, n, k_per_split, n, weight.stride(0), m * n,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVICT=cfg.evict_first, SILU_MUL=silu_mul,
+            BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVICT=cfg.evict_first, SILU_MUL=silu_mul, TAIL_K=tail_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     else:
@@ -249,7 +270,10 @@ def skinny_linear(
 # was faster with them (tools/step_tiles.py, bench/results/step_tiles_h200_*.json). Beside each:
 # its share against the general rule's (or cuBLAS's, above 32 rows), per step, in us.
 TUNED = {
-    (1, 12352, 2560): SkinnyConfig(2, 512, 1, 4, 3),  # DeltaNet in_proj: 410 against 459
+    # one row, block_k = K: rows read whole before the wait (replay 2.584 against 2.623 ms,
+    # bench/results/step_ab_h200_gemv_whole_rows_at_cc973f8.json; whole rows for down or qkv: slower)
+    (1, 12352, 2560): SkinnyConfig(2, 2560, 1, 4, 1),  # DeltaNet in_proj: 351 against 430
+    (1, 18432, 2560): SkinnyConfig(2, 2560, 1, 2, 1),  # MLP gate_up + silu epilogue: 748 against 766
     (1, 2560, 9216): SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True),  # MLP down: 431 against 445
     (32, 2560, 4096): SkinnyConfig(64, 128, 4, 4, 4),  # out/o_proj: 274 / 316 against 279 / 335 (8 / 32 rows)
     (32, 2560, 9216): SkinnyConfig(64, 128, 3, 4, 4),  # MLP down: 472 / 480 against 513 / 589

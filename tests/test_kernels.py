@@ -346,6 +346,25 @@ def test_skinny_linear(kernels, device, rows, n, k):
     assert torch.equal(mod.skinny_linear(x, w, cfg, gemv), got), "skinny_linear is not deterministic"
 
 
+@pytest.mark.parametrize("n,k,silu_mul", [(42, 1024, False), (300, 768, True),
+                                            pytest.param(12352, 2560, False, marks=needs_cuda),
+                                            pytest.param(2560, 9216, False, marks=needs_cuda),
+                                            pytest.param(9216, 2560, True, marks=needs_cuda)])
+def test_gemv_whole_rows(kernels, device, n, k, silu_mul):
+    """A GEMV tile as wide as K reads its rows whole before waiting (K past a power of two in
+    a second part): the product of the K-looping tile within rounding, the same bits twice."""
+    mod = kernels["skinny_linear"]
+    x = torch.randn(1, k, device=device).to(torch.bfloat16)
+    w = (torch.randn(2 * n if silu_mul else n, k, device=device) / k**0.5).to(torch.bfloat16)
+    want = mod.skinny_linear(x, w, mod.SkinnyConfig(4, 256, 1, 4, 2), True, silu_mul=silu_mul).float()
+    cfg = mod.SkinnyConfig(4, k, 1, 4, 1)
+    got = mod.skinny_linear(x, w, cfg, True, out=poisoned(want.shape, torch.bfloat16, device), silu_mul=silu_mul)
+    assert not torch.isnan(got).any(), "the whole-row GEMV left an output unwritten"
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < 1e-2, f"whole-row GEMV {cfg}: relative error {err:.1e} against the K loop"
+    assert torch.equal(mod.skinny_linear(x, w, cfg, True, silu_mul=silu_mul), got), "not deterministic"
+
+
 SILU_MUL_SHAPES = [  # (rows, I, K): the GEMV, the tensor-core kernel, a partial last tile
     (1, 42, 1024),
     (1, 2050, 512),

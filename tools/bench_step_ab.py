@@ -18,6 +18,8 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
           (64x64), the parts added by the norm (else cuBLAS)
   gu_cublas  the default with cuBLAS for gate_up at 33-64 rows (its TUNED tile removed)
   gu_64x128, gu_32x128, gu_128x64  the default with that gate_up tile (rows x K) at 33-64 rows
+  loop1   the default with in_proj's and gate_up's GEMVs looping over K (their rows not read
+          whole before the wait)
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   conv64, conv256, conv1024  the default with the conv update's programs on that many channels
@@ -67,6 +69,7 @@ MODES = {
     "o64": Mode(tiles=(((64, 2560, 4096), skinny.SkinnyConfig(64, 128, 4, 4, 4)),)),
     "o64s8": Mode(tiles=(((64, 2560, 4096), skinny.SkinnyConfig(64, 64, 8, 4, 4)),)),
     "gu_cublas": Mode(tiles=(((64, 18432, 2560), None),)),
+    "loop1": Mode(tiles=(((1, 12352, 2560), skinny.SkinnyConfig(2, 512, 1, 4, 3)), ((1, 18432, 2560), None))),
     "gu_64x128": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(64, 128, 1, 4, 3)),)),
     "gu_32x128": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(32, 128, 1, 4, 3)),)),
     "gu_128x64": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(128, 64, 1, 8, 4)),)),

@@ -48,8 +48,10 @@ DOT = [(64, 128, 0, 4, 3, False), (64, 128, 0, 4, 4, False), (64, 256, 0, 4, 3, 
 
 
 def candidate(tile: tuple, n: int, k: int) -> SkinnyConfig | None:
-    """The tile as a config for this shape, or None where it does not divide K."""
+    """The tile as a config for this shape, or None where it does not divide K. A block_k of
+    0: the whole K (the GEMV then reads its rows before waiting for the previous kernel)."""
     block_n, block_k, split, warps, stages, evict = tile
+    block_k = block_k or k
     if split == 0:
         rule = skinny.decode_config(2, n, k)
         split = rule[0].split_k if rule else 1
@@ -98,7 +100,7 @@ def logits_gap(ex: Executor, rule: tuple, picks: tuple, batch: int) -> dict:
     return compare_logprobs(logits[1], logits[0]).as_dict()
 
 
-def sweep(ex: Executor, batch: int, first_id: int, rounds: int, dot: list) -> dict:
+def sweep(ex: Executor, batch: int, first_id: int, rounds: int, dot: list, gemv: list) -> dict:
     ids = list(range(first_id, first_id + batch))
     gen = torch.Generator().manual_seed(0)
     for i in range(0, batch, 8):
@@ -110,7 +112,7 @@ def sweep(ex: Executor, batch: int, first_id: int, rounds: int, dot: list) -> di
     # the shapes of a step of `batch` rows, as the rule runs it (an eager step, then undone)
     shapes = projection_shapes(ex, [StepItem(r, CONTEXT + 1, [], True, None) for r in ids])
     distinct = sorted({(n, k) for n, k, _ in shapes})
-    tiles = GEMV if batch == 1 else dot
+    tiles = gemv if batch == 1 else dot
     options = {str(t): t for t in [*tiles, CUBLAS] if batch > 1 or t != CUBLAS}
     measured: dict[tuple[int, int], dict] = {s: {} for s in distinct}
     for shape, share in shares_by_shape(ex, size, shapes).items():  # the rule's own graph
@@ -160,13 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tiles", nargs="+", type=parse_tile, default=None, metavar="N,K,SPLIT,WARPS,STAGES,EVICT",
                         help="tensor-core tiles to try instead of the built-in list, e.g. 128,64,0,8,4,0")
+    parser.add_argument("--gemv-tiles", nargs="+", type=parse_tile, default=None, metavar="N,K,SPLIT,WARPS,STAGES,EVICT",
+                        help="GEMV tiles (batch 1) to try instead of the built-in list; K 0: whole rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     dot = args.tiles or DOT
     ex = step_executor(args.model, max(args.batches))
     rows = []
     for i, batch in enumerate(args.batches):
-        row = sweep(ex, batch, first_id=i * 1000, rounds=args.rounds, dot=dot)
+        row = sweep(ex, batch, first_id=i * 1000, rounds=args.rounds, dot=dot, gemv=args.gemv_tiles or GEMV)
         rows.append(row)
         for shape, (name, share) in row["picks"].items():
             rule = row["shares_us"][shape].get("rule", float("nan"))
