@@ -270,8 +270,8 @@ def skinny_linear(
 # was faster with them (tools/step_tiles.py, bench/results/step_tiles_h200_*.json). Beside each:
 # its share against the general rule's (or cuBLAS's, above 32 rows), per step, in us.
 TUNED = {
-    # one row, block_k = K: rows read whole before the wait (replay 2.584 against 2.623 ms,
-    # bench/results/step_ab_h200_gemv_whole_rows_at_cc973f8.json; whole rows for down or qkv: slower)
+    # one row, block_k = K: rows read whole before the wait (replay 2.597 against 2.641 ms,
+    # step_ab_h200_gemv_whole_rows_adopted_at_180c95a.json; whole rows for down or qkv: slower)
     (1, 12352, 2560): SkinnyConfig(2, 2560, 1, 4, 1),  # DeltaNet in_proj: 351 against 430
     (1, 18432, 2560): SkinnyConfig(2, 2560, 1, 2, 1),  # MLP gate_up + silu epilogue: 748 against 766
     (1, 2560, 9216): SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True),  # MLP down: 431 against 445
