@@ -44,7 +44,7 @@ USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mo
 @dataclass(frozen=True)
 class SkinnyConfig:
     block_n: int
-    block_k: int
+    block_k: int  # K itself: a GEMV program reads its rows whole before the wait (`_gemv_kernel`)
     split_k: int
     num_warps: int
     num_stages: int
