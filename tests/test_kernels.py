@@ -537,8 +537,9 @@ def test_store_states(kernels, device):
 def test_every_pdl_kernel_waits_before_touching_memory():
     """A kernel launched with PDL (`pdl_options`, kernels/triton_compat.py) may start while the
     kernel before it still runs: one that loads or stores before `wait_for_previous_grid(GDC)`
-    races it, silently and only sometimes. Every Triton kernel with a GDC parameter must wait
-    before its first load or store, and every launch given PDL options must be of one."""
+    races it, silently and only sometimes. Every Triton kernel with a GDC parameter must wait,
+    on every branch, before its first load or store (weights excepted: `_load_weights` reads
+    what no kernel writes), and every launch given PDL options must be of one."""
     import ast
     from pathlib import Path
 
@@ -547,23 +548,34 @@ def test_every_pdl_kernel_waits_before_touching_memory():
     def name_of(call: ast.Call) -> str:
         return getattr(call.func, "attr", getattr(call.func, "id", ""))
 
-    def first_statement(body: list[ast.stmt], names: set[str]) -> int | None:
-        for index, stmt in enumerate(body):
-            if any(isinstance(n, ast.Call) and name_of(n) in names for n in ast.walk(stmt)):
-                return index
-        return None
+    memory_ops = {"load", "store", "atomic_add"}
 
-    memory_ops = {"load", "store", "atomic_add", "_load_weights"}
+    def first_before_wait(body: list[ast.stmt], waited: bool) -> tuple[bool, str | None]:
+        """(whether every path through `body` has waited, a memory op some path meets first)."""
+        for stmt in body:
+            if isinstance(stmt, ast.If):
+                then, early = first_before_wait(stmt.body, waited)
+                other, early_else = first_before_wait(stmt.orelse, waited)
+                if early or early_else:
+                    return waited, early or early_else
+                waited = then and other
+                continue
+            calls = {name_of(n) for n in ast.walk(stmt) if isinstance(n, ast.Call)}
+            if "wait_for_previous_grid" in calls:
+                waited = True
+            elif not waited and calls & memory_ops:
+                return waited, min(calls & memory_ops)
+        return waited, None
+
     waiting, launched = set(), set()
     for path in Path(kernels_pkg.__file__).parent.glob("*.py"):
         tree = ast.parse(path.read_text())
         for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
             if "GDC" not in [a.arg for a in fn.args.args] or fn.name == "wait_for_previous_grid":
                 continue
-            wait = first_statement(fn.body, {"wait_for_previous_grid"})
-            memory = first_statement(fn.body, memory_ops)
-            assert wait is not None, f"{path.name}:{fn.name} takes GDC but never waits"
-            assert memory is None or wait < memory, f"{path.name}:{fn.name} touches memory before it waits"
+            waited, early = first_before_wait(fn.body, False)
+            assert early is None, f"{path.name}:{fn.name} calls {early} before it waits"
+            assert waited, f"{path.name}:{fn.name} takes GDC but does not wait on every path"
             waiting.add(fn.name)
         for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript)):
             # kernel[grid](..., **pdl_options(x)) or kernel[grid](..., **pdl) with pdl = pdl_options(x)
