@@ -235,14 +235,12 @@ def skinny_linear(
     if gemv:
         if m != 1:
             raise ValueError("the GEMV kernel takes one row")
-        block_k, tail_k = cfg.block_k, -1
-        if cfg.block_k == k and k & (k - 1):  # whole rows of a K that is not a power of two: two parts
+        block_k, tail_k = cfg.block_k, -1  # -1: the K loop
+        if block_k == k:  # whole rows, in two power-of-two parts where K is not one
             block_k = 1 << (k.bit_length() - 1)
             tail_k = k - block_k
             if tail_k & (tail_k - 1):
                 raise ValueError(f"skinny_linear: K={k} is not a sum of two powers of two ({cfg})")
-        elif cfg.block_k == k:
-            tail_k = 0
         _gemv_kernel[grid](
             x, weight, target, n, k_per_split, n, weight.stride(0), m * n,
             BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVICT=cfg.evict_first, SILU_MUL=silu_mul, TAIL_K=tail_k,
