@@ -44,11 +44,12 @@ USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mo
 @dataclass(frozen=True)
 class SkinnyConfig:
     block_n: int
-    block_k: int  # K itself: a GEMV program reads its rows whole before the wait (`_gemv_kernel`)
+    block_k: int
     split_k: int
     num_warps: int
     num_stages: int
     evict_first: bool = False  # weights streamed past L2 (read once per step)
+    whole_rows: bool = False  # GEMV, block_k = K: each program's rows read whole, before the wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +221,8 @@ def skinny_linear(
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
     if k % (cfg.block_k * cfg.split_k):
         raise ValueError(f"skinny_linear: K={k} is not a multiple of block_k*split_k={cfg.block_k * cfg.split_k}")
+    if cfg.whole_rows and not gemv:
+        raise ValueError(f"skinny_linear: whole rows are the GEMV's ({cfg})")
     if silu_mul and (rows % 2 or cfg.split_k != 1 or cfg.block_n < 2):
         raise ValueError(f"skinny_linear: silu_mul needs an even [gate | up] weight (got {rows} rows), "
                          f"no K split and at least 2 rows per tile ({cfg})")  # fmt: skip
@@ -236,11 +239,12 @@ def skinny_linear(
         if m != 1:
             raise ValueError("the GEMV kernel takes one row")
         block_k, tail_k = cfg.block_k, -1  # -1: the K loop
-        if block_k == k:  # whole rows, in two power-of-two parts where K is not one
+        if cfg.whole_rows:  # in two power-of-two parts where K is not one
             block_k = 1 << (k.bit_length() - 1)
             tail_k = k - block_k
-            if tail_k & (tail_k - 1):
-                raise ValueError(f"skinny_linear: K={k} is not a sum of two powers of two ({cfg})")
+            if cfg.block_k != k or tail_k & (tail_k - 1):
+                raise ValueError(f"skinny_linear: whole rows need block_k = K and K a sum of two powers "
+                                 f"of two; K={k}, {cfg}")
         _gemv_kernel[grid](
             x, weight, target, n, k_per_split, n, weight.stride(0), m * n,
             BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVICT=cfg.evict_first, SILU_MUL=silu_mul, TAIL_K=tail_k,
@@ -268,10 +272,10 @@ def skinny_linear(
 # was faster with them (tools/step_tiles.py, bench/results/step_tiles_h200_*.json). Beside each:
 # its share against the general rule's (or cuBLAS's, above 32 rows), per step, in us.
 TUNED = {
-    # one row, block_k = K: rows read whole before the wait (replay 2.597 against 2.641 ms,
-    # step_ab_h200_gemv_whole_rows_adopted_at_180c95a.json; whole rows for down or qkv: slower)
-    (1, 12352, 2560): SkinnyConfig(2, 2560, 1, 4, 1),  # DeltaNet in_proj: 351 against 430
-    (1, 18432, 2560): SkinnyConfig(2, 2560, 1, 2, 1),  # MLP gate_up + silu epilogue: 748 against 766
+    # one row, whole rows read before the wait (replay 2.597 against 2.641 ms,
+    # step_ab_h200_gemv_whole_rows_adopted_at_180c95a.json; for down or qkv: slower)
+    (1, 12352, 2560): SkinnyConfig(2, 2560, 1, 4, 1, whole_rows=True),  # DeltaNet in_proj: 351 against 430
+    (1, 18432, 2560): SkinnyConfig(2, 2560, 1, 2, 1, whole_rows=True),  # MLP gate_up + silu epilogue: 748 against 766
     (1, 2560, 9216): SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True),  # MLP down: 431 against 445
     (32, 2560, 4096): SkinnyConfig(64, 128, 4, 4, 4),  # out/o_proj: 274 / 316 against 279 / 335 (8 / 32 rows)
     (32, 2560, 9216): SkinnyConfig(64, 128, 3, 4, 4),  # MLP down: 472 / 480 against 513 / 589

@@ -357,7 +357,7 @@ def test_gemv_whole_rows(kernels, device, n, k, silu_mul):
     x = torch.randn(1, k, device=device).to(torch.bfloat16)
     w = (torch.randn(2 * n if silu_mul else n, k, device=device) / k**0.5).to(torch.bfloat16)
     want = mod.skinny_linear(x, w, mod.SkinnyConfig(4, 256, 1, 4, 2), True, silu_mul=silu_mul).float()
-    cfg = mod.SkinnyConfig(4, k, 1, 4, 1)
+    cfg = mod.SkinnyConfig(4, k, 1, 4, 1, whole_rows=True)
     got = mod.skinny_linear(x, w, cfg, True, out=poisoned(want.shape, torch.bfloat16, device), silu_mul=silu_mul)
     assert not torch.isnan(got).any(), "the whole-row GEMV left an output unwritten"
     err = ((got.double() - want.double()).norm() / want.double().norm()).item()

@@ -51,7 +51,8 @@ def candidate(tile: tuple, n: int, k: int) -> SkinnyConfig | None:
     """The tile as a config for this shape, or None where it does not divide K. A block_k of
     0: the whole K (the GEMV then reads its rows before waiting for the previous kernel)."""
     block_n, block_k, split, warps, stages, evict = tile
-    block_k = block_k or k
+    if block_k == 0:
+        return SkinnyConfig(block_n, k, 1, warps, stages, evict, whole_rows=True)
     if split == 0:
         rule = skinny.decode_config(2, n, k)
         split = rule[0].split_k if rule else 1
