@@ -14,6 +14,7 @@ from deltaserve.kernels.triton_compat import (
     check_launchable,
     check_rows,
     pdl_options,
+    read_ahead,
     tl,
     triton,
     wait_for_previous_grid,
@@ -71,26 +72,29 @@ def _conv_update_kernel(
     x_ptr, w_ptr, state_ptr, rows_ptr, slots_ptr, out_ptr,
     stride_x, stride_w, stride_slot, stride_channel, stride_out,
     channels,
-    WIDTH: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, GDC: tl.constexpr = False,
+    WIDTH: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
+    GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
 ):
     # program: (decode request i, block of BC channels); the state window shifts left by one.
     # Every load comes before the first store: a store to the window could alias a later
-    # load, and the compiler would then keep each load behind the store before it.
+    # load, and the compiler would then keep each load behind the store before it. All but
+    # the new input x are read ahead of the wait (only this kernel writes the window).
     wait_for_previous_grid(GDC)
     i = tl.program_id(0)
-    slot = tl.load(slots_ptr + i).to(tl.int64)
-    row = tl.load(rows_ptr + i).to(tl.int64)
+    slot = read_ahead(slots_ptr + i).to(tl.int64)
+    row = read_ahead(rows_ptr + i).to(tl.int64)
     limit = tl.where(slot >= 0, channels, 0)  # slot < 0: a CUDA-graph padding row, untouched
     slot = tl.maximum(slot, 0)
     offs = tl.program_id(1) * BC + tl.arange(0, BC)
     taps = tl.arange(0, WP)[None, :]  # [1, WP]: tap j of the window, WIDTH - 1 the new input
     m = offs < limit
     in_window = m[:, None] & (taps < WIDTH - 1)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
     window = state_ptr + slot * stride_slot + offs[:, None] * stride_channel + taps
-    prev = tl.load(window, mask=in_window, other=0.0)  # [BC, WP]
-    after = tl.load(window + 1, mask=m[:, None] & (taps < WIDTH - 2), other=0.0)  # the window shifted by one
-    w = tl.load(w_ptr + offs[:, None] * stride_w + taps, mask=m[:, None] & (taps < WIDTH), other=0.0)
+    prev = read_ahead(window, in_window, 0.0)  # [BC, WP]
+    after = read_ahead(window + 1, m[:, None] & (taps < WIDTH - 2), 0.0)  # the window shifted by one
+    w = read_ahead(w_ptr + offs[:, None] * stride_w + taps, m[:, None] & (taps < WIDTH), 0.0)
+    wait_for_previous_grid(GDC_LATE)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
     inputs = tl.where(taps == WIDTH - 1, x[:, None], prev)
     acc = tl.sum(w.to(tl.float32) * inputs.to(tl.float32), axis=1)
     tl.store(window, tl.where(taps == WIDTH - 2, x[:, None].to(state_ptr.dtype.element_ty), after), mask=in_window)
@@ -127,7 +131,8 @@ def causal_conv1d_update(
     _conv_update_kernel[grid](
         x, weight, state, rows, slots, out,
         x.stride(0), weight.stride(0), state.stride(0), state.stride(1), out.stride(0),
-        channels, WIDTH=width, WP=triton.next_power_of_2(width), BC=block, num_warps=warps, **pdl_options(x),
+        channels, WIDTH=width, WP=triton.next_power_of_2(width), BC=block, num_warps=warps,
+        **pdl_options(x, reads_ahead=True),
     )
 
 

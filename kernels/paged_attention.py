@@ -14,6 +14,7 @@ from deltaserve.kernels.triton_compat import (
     check_index,
     check_launchable,
     pdl_options,
+    read_ahead,
     tl,
     triton,
     wait_for_previous_grid,
@@ -153,15 +154,17 @@ def _paged_decode_kernel(
     stride_table, stride_out_row, stride_out_head,
     scale, block_size, num_heads,
     GROUP: tl.constexpr, BG: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
-    BN: tl.constexpr, NUM_PARTS: tl.constexpr, EXACT: tl.constexpr, GDC: tl.constexpr = False,
+    BN: tl.constexpr, NUM_PARTS: tl.constexpr, EXACT: tl.constexpr,
+    GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
 ):
     # program: (decode request i, KV head kvh, partition p of the context)
     wait_for_previous_grid(GDC)
     i = tl.program_id(0)
     kvh = tl.program_id(1)
     p = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + i)
-    row = tl.load(rows_ptr + i).to(tl.int64)
+    seq_len = read_ahead(seq_lens_ptr + i)
+    row = read_ahead(rows_ptr + i).to(tl.int64)
+    wait_for_previous_grid(GDC_LATE)  # the keys and values: store_kv has just written the last
     offs_g = tl.arange(0, BG)
     offs_d = tl.arange(0, BD)
     heads = kvh * GROUP + offs_g
@@ -213,12 +216,14 @@ def _paged_decode_kernel(
 @triton.jit
 def _merge_parts_kernel(
     part_ptr, lse_ptr, rows_ptr, out_ptr, stride_out_row, stride_out_head, num_heads,
-    HD: tl.constexpr, BD: tl.constexpr, NUM_PARTS: tl.constexpr, BP: tl.constexpr, GDC: tl.constexpr = False,
+    HD: tl.constexpr, BD: tl.constexpr, NUM_PARTS: tl.constexpr, BP: tl.constexpr,
+    GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
 ):
     wait_for_previous_grid(GDC)
     i = tl.program_id(0)
     h = tl.program_id(1)
-    row = tl.load(rows_ptr + i).to(tl.int64)
+    row = read_ahead(rows_ptr + i).to(tl.int64)
+    wait_for_previous_grid(GDC_LATE)
     offs_p = tl.arange(0, BP)
     offs_d = tl.arange(0, BD)
     base = (i * num_heads + h) * NUM_PARTS
@@ -309,13 +314,13 @@ def paged_decode_attention(
         GROUP=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd,
         BN=tile, NUM_PARTS=num_parts, EXACT=q.dtype == torch.float32 or INTERPRET, num_warps=num_warps,
         # tuned on the H200 (bench/results): two stages win once the grid is large
-        num_stages=num_stages or (2 if num * num_kv >= 256 else 3), **pdl_options(q),
+        num_stages=num_stages or (2 if num * num_kv >= 256 else 3), **pdl_options(q, reads_ahead=True),
     )
     if num_parts > 1:
         _merge_parts_kernel[(num, num_heads)](
             part, lse, rows, out, out.stride(0), out.stride(1), num_heads,
             HD=hd, BD=bd, NUM_PARTS=num_parts, BP=triton.next_power_of_2(num_parts), num_warps=4,
-            **pdl_options(q),
+            **pdl_options(q, reads_ahead=True),
         )
 
 
@@ -326,11 +331,12 @@ def paged_decode_attention(
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, index_ptr,
     stride_k, stride_v, stride_kc, stride_vc, width,
-    BW: tl.constexpr, GDC: tl.constexpr = False,
+    BW: tl.constexpr, GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
 ):
     wait_for_previous_grid(GDC)
     t = tl.program_id(0)
-    dest = tl.load(index_ptr + t).to(tl.int64)
+    dest = read_ahead(index_ptr + t).to(tl.int64)
+    wait_for_previous_grid(GDC_LATE)
     limit = tl.where(dest >= 0, width, 0)  # a negative row (CUDA-graph padding) is skipped
     dest = tl.maximum(dest, 0)
     offs = tl.program_id(1) * BW + tl.arange(0, BW)
@@ -357,5 +363,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     block = min(2048, triton.next_power_of_2(width))
     _store_kv_kernel[(tokens, triton.cdiv(width, block))](
         k, v, k_cache, v_cache, index, k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
-        width, BW=block, num_warps=4, **pdl_options(k),
+        width, BW=block, num_warps=4, **pdl_options(k, reads_ahead=True),
     )

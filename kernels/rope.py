@@ -17,6 +17,7 @@ from deltaserve.kernels.rmsnorm import rms_norm_reference
 from deltaserve.kernels.triton_compat import (
     check_launchable,
     pdl_options,
+    read_ahead,
     tl,
     triton,
     wait_for_previous_grid,
@@ -46,9 +47,10 @@ def _norm_rope_kernel(
     q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_out_ptr,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, eps,
     QH: tl.constexpr, KH: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
 ):
-    # program: (token t, head h of q then k); one head of HD features
+    # program: (token t, head h of q then k); one head of HD features. The weights, the
+    # position and its cos and sin are had before the wait (`read_ahead`), q and k after it.
     wait_for_previous_grid(GDC)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -58,25 +60,27 @@ def _norm_rope_kernel(
     src = tl.where(is_q, q_ptr + t * stride_q_row + hq * stride_q_head, k_ptr + t * stride_k_row + hk * stride_k_head)
     w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
     dst = tl.where(is_q, q_out_ptr + (t * QH + hq) * HD, k_out_ptr + (t * KH + hk) * HD)
+    dtype = q_out_ptr.dtype.element_ty
     offs = tl.arange(0, BD)
     m = offs < HD
-    x = tl.load(src + offs, mask=m, other=0.0)
-    xf = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, 0) / HD + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    y = (xf * inv * (1.0 + w)).to(x.dtype)  # the norm's output, in the model dtype
     # the partner of dim d < 2 HALF is d + HALF (first half, sign -) or d - HALF (second half)
     in_rot = offs < 2 * HALF
     first = offs < HALF
     partner = tl.where(first, offs + HALF, offs - HALF)
-    xp = tl.load(src + partner, mask=in_rot, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)
-    yp = (xp * inv * (1.0 + wp)).to(x.dtype)
-    pos = tl.load(pos_ptr + t).to(tl.float32)
-    freq = tl.load(inv_freq_ptr + tl.where(first, offs, offs - HALF), mask=in_rot, other=0.0)
+    w = read_ahead(w_ptr + offs, m, 0.0).to(tl.float32)
+    wp = read_ahead(w_ptr + partner, in_rot, 0.0).to(tl.float32)
+    pos = read_ahead(pos_ptr + t).to(tl.float32)
+    freq = read_ahead(inv_freq_ptr + tl.where(first, offs, offs - HALF), in_rot, 0.0)
     angle = pos * freq
-    cos = tl.cos(angle).to(x.dtype).to(tl.float32)
-    sin = tl.sin(angle).to(x.dtype).to(tl.float32)
+    cos = tl.cos(angle).to(dtype).to(tl.float32)
+    sin = tl.sin(angle).to(dtype).to(tl.float32)
+    wait_for_previous_grid(GDC_LATE)
+    x = tl.load(src + offs, mask=m, other=0.0)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / HD + eps)
+    y = (xf * inv * (1.0 + w)).to(x.dtype)  # the norm's output, in the model dtype
+    xp = tl.load(src + partner, mask=in_rot, other=0.0).to(tl.float32)
+    yp = (xp * inv * (1.0 + wp)).to(x.dtype)
     rotated = tl.where(first, -yp.to(tl.float32), yp.to(tl.float32))
     a = (y.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
     b = (rotated * sin).to(x.dtype).to(tl.float32)
@@ -117,6 +121,6 @@ def norm_rope(
         q, k, q_weight, k_weight, positions, inv_freq, q_out, k_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
         QH=num_q, KH=num_k, HD=hd, BD=block, HALF=half, num_warps=1 if block <= 256 else 2,
-        **pdl_options(q),
+        **pdl_options(q, reads_ahead=True),
     )
     return q_out, k_out

@@ -538,8 +538,10 @@ def test_every_pdl_kernel_waits_before_touching_memory():
     """A kernel launched with PDL (`pdl_options`, kernels/triton_compat.py) may start while the
     kernel before it still runs: one that loads or stores before `wait_for_previous_grid(GDC)`
     races it, silently and only sometimes. Every Triton kernel with a GDC parameter must wait,
-    on every branch, before its first load or store (weights excepted: `_load_weights` reads
-    what no kernel writes), and every launch given PDL options must be of one."""
+    on every branch, before its first load or store, and before any helper that loads or
+    stores; only `_load_weights` and `read_ahead` may come first (they read what no kernel of
+    the step writes before). A kernel that also takes GDC_LATE must make that wait before its
+    first plain load (GDC is then off). Every launch given PDL options must be of one."""
     import ast
     from pathlib import Path
 
@@ -548,34 +550,44 @@ def test_every_pdl_kernel_waits_before_touching_memory():
     def name_of(call: ast.Call) -> str:
         return getattr(call.func, "attr", getattr(call.func, "id", ""))
 
+    trees = {path: ast.parse(path.read_text()) for path in Path(kernels_pkg.__file__).parent.glob("*.py")}
+    functions = [fn for tree in trees.values() for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)]
     memory_ops = {"load", "store", "atomic_add"}
+    early_reads = {"_load_weights", "read_ahead"}
+    touching = {fn.name for fn in functions if fn.name not in early_reads
+                and {name_of(n) for n in ast.walk(fn) if isinstance(n, ast.Call)} & memory_ops}
+    assert {"_load_weights", "read_ahead"} <= {fn.name for fn in functions}
 
-    def first_before_wait(body: list[ast.stmt], waited: bool) -> tuple[bool, str | None]:
-        """(whether every path through `body` has waited, a memory op some path meets first)."""
+    def first_before_wait(body: list[ast.stmt], waited: bool, gate: str) -> tuple[bool, str | None]:
+        """(whether every path through `body` has waited at `gate`, a call touching memory that
+        some path meets first)."""
         for stmt in body:
             if isinstance(stmt, ast.If):
-                then, early = first_before_wait(stmt.body, waited)
-                other, early_else = first_before_wait(stmt.orelse, waited)
+                then, early = first_before_wait(stmt.body, waited, gate)
+                other, early_else = first_before_wait(stmt.orelse, waited, gate)
                 if early or early_else:
                     return waited, early or early_else
                 waited = then and other
                 continue
-            calls = {name_of(n) for n in ast.walk(stmt) if isinstance(n, ast.Call)}
-            if "wait_for_previous_grid" in calls:
+            calls = [n for n in ast.walk(stmt) if isinstance(n, ast.Call)]
+            if any(name_of(c) == "wait_for_previous_grid" and ast.unparse(c.args[0]) == gate for c in calls):
                 waited = True
-            elif not waited and calls & memory_ops:
-                return waited, min(calls & memory_ops)
+            elif not waited and {name_of(c) for c in calls} & (memory_ops | touching):
+                return waited, min({name_of(c) for c in calls} & (memory_ops | touching))
         return waited, None
 
     waiting, launched = set(), set()
-    for path in Path(kernels_pkg.__file__).parent.glob("*.py"):
-        tree = ast.parse(path.read_text())
+    for path, tree in trees.items():
         for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
-            if "GDC" not in [a.arg for a in fn.args.args] or fn.name == "wait_for_previous_grid":
+            params = [a.arg for a in fn.args.args]
+            if "GDC" not in params or fn.name == "wait_for_previous_grid":
                 continue
-            waited, early = first_before_wait(fn.body, False)
-            assert early is None, f"{path.name}:{fn.name} calls {early} before it waits"
-            assert waited, f"{path.name}:{fn.name} takes GDC but does not wait on every path"
+            gate = "GDC_LATE" if "GDC_LATE" in params else "GDC"
+            waited, early = first_before_wait(fn.body, False, gate)
+            assert early is None, f"{path.name}:{fn.name} calls {early} before it waits at {gate}"
+            assert waited, f"{path.name}:{fn.name} takes {gate} but does not wait there on every path"
+            if gate == "GDC_LATE":  # and GDC's wait, for launches without read-ahead, comes first
+                assert "wait_for_previous_grid(GDC)" in ast.unparse(fn.body[0]), f"{fn.name}: GDC's wait not first"
             waiting.add(fn.name)
         for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript)):
             # kernel[grid](..., **pdl_options(x)) or kernel[grid](..., **pdl) with pdl = pdl_options(x)

@@ -20,6 +20,10 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   gu_64x128, gu_32x128, gu_128x64  the default with that gate_up tile (rows x K) at 33-64 rows
   loop1   the default with in_proj's and gate_up's GEMVs looping over K (their rows not read
           whole before the wait)
+  late    the default with every kernel waiting before its first load (no `read_ahead` of
+          slots, states, positions before the wait)
+  o_whole, o_whole4  the default with out_proj's / o_proj's GEMV reading its rows whole before
+          the wait (2 rows and 4 warps, or 4 and 8, per program)
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   conv64, conv256, conv1024  the default with the conv update's programs on that many channels
@@ -60,6 +64,7 @@ class Mode:
     tiles: tuple = ()  # ((rows class, N, K), SkinnyConfig or None) TUNED entries set (None: removed)
     conv_tile: tuple[int, int] = conv.UPDATE_TILE  # the conv update's (channels, warps) per program
     norm_warps: int = rmsnorm.WIDE_ROW_WARPS  # per RMSNorm row of the hidden size
+    read_ahead: bool = True  # slots, states, positions loaded before the wait
 
 
 MODES = {
@@ -74,7 +79,9 @@ MODES = {
     "gu_32x128": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(32, 128, 1, 4, 3)),)),
     "gu_128x64": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(128, 64, 1, 8, 4)),)),
     "conv64": Mode(conv_tile=(64, 1)), "conv256": Mode(conv_tile=(256, 2)), "conv1024": Mode(conv_tile=(1024, 4)),
-    "norm4": Mode(norm_warps=4), "norm16": Mode(norm_warps=16),
+    "norm4": Mode(norm_warps=4), "norm16": Mode(norm_warps=16), "late": Mode(read_ahead=False),
+    "o_whole": Mode(tiles=(((1, 2560, 4096), skinny.SkinnyConfig(2, 4096, 1, 4, 1, whole_rows=True)),)),
+    "o_whole4": Mode(tiles=(((1, 2560, 4096), skinny.SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True)),)),
 }
 
 
@@ -84,7 +91,7 @@ DEFAULT_TUNED = dict(skinny.TUNED)
 def use_mode(name: str) -> None:
     """Set the module switches that choose a decode step's kernels."""
     mode = MODES[name]
-    skinny.MAX_ROWS, triton_compat.PDL = mode.max_rows, mode.pdl
+    skinny.MAX_ROWS, triton_compat.PDL, triton_compat.READ_AHEAD = mode.max_rows, mode.pdl, mode.read_ahead
     skinny.SILU_EPILOGUE, skinny.USE_TUNED, skinny.SUM_IN_NORM = mode.silu_epilogue, mode.tuned, mode.sum_in_norm
     paged_attention.PARTS_PER_SM = mode.parts_per_sm
     skinny.TUNED.clear()
