@@ -222,6 +222,9 @@ def _gated_delta_decode_kernel(
     tl.store(out_ptr + row * stride_out + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
 
 
+STATE_AHEAD = True  # the state read before the wait (tools/bench_step_ab.py's late_delta turns it off)
+
+
 def gated_delta_decode(
     mixed: torch.Tensor,
     a: torch.Tensor,
@@ -275,7 +278,7 @@ def gated_delta_decode(
         mixed.stride(0), a.stride(0), b.stride(0), state.stride(0), out.stride(0),
         dk**-0.5, eps,
         NK=nk, NV=nv, DK=dk, DV=dv, BK=bk, BV=bv, EVICT="evict_first" if evict_first else "",
-        num_warps=warps, **pdl_options(mixed, reads_ahead=True),
+        num_warps=warps, **pdl_options(mixed, reads_ahead=STATE_AHEAD),
     )
 
 
