@@ -132,7 +132,7 @@ def causal_conv1d_update(
         x, weight, state, rows, slots, out,
         x.stride(0), weight.stride(0), state.stride(0), state.stride(1), out.stride(0),
         channels, WIDTH=width, WP=triton.next_power_of_2(width), BC=block, num_warps=warps,
-        **pdl_options(x, reads_ahead=True),
+        **pdl_options(x, reads_ahead="conv"),
     )
 
 

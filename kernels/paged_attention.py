@@ -314,13 +314,13 @@ def paged_decode_attention(
         GROUP=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd,
         BN=tile, NUM_PARTS=num_parts, EXACT=q.dtype == torch.float32 or INTERPRET, num_warps=num_warps,
         # tuned on the H200 (bench/results): two stages win once the grid is large
-        num_stages=num_stages or (2 if num * num_kv >= 256 else 3), **pdl_options(q, reads_ahead=True),
+        num_stages=num_stages or (2 if num * num_kv >= 256 else 3), **pdl_options(q, reads_ahead="attention"),
     )
     if num_parts > 1:
         _merge_parts_kernel[(num, num_heads)](
             part, lse, rows, out, out.stride(0), out.stride(1), num_heads,
             HD=hd, BD=bd, NUM_PARTS=num_parts, BP=triton.next_power_of_2(num_parts), num_warps=4,
-            **pdl_options(q, reads_ahead=True),
+            **pdl_options(q, reads_ahead="attention"),
         )
 
 
@@ -363,5 +363,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     block = min(2048, triton.next_power_of_2(width))
     _store_kv_kernel[(tokens, triton.cdiv(width, block))](
         k, v, k_cache, v_cache, index, k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
-        width, BW=block, num_warps=4, **pdl_options(k, reads_ahead=True),
+        width, BW=block, num_warps=4, **pdl_options(k, reads_ahead="attention"),
     )

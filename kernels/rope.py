@@ -121,6 +121,6 @@ def norm_rope(
         q, k, q_weight, k_weight, positions, inv_freq, q_out, k_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
         QH=num_q, KH=num_k, HD=hd, BD=block, HALF=half, num_warps=1 if block <= 256 else 2,
-        **pdl_options(q, reads_ahead=True),
+        **pdl_options(q, reads_ahead="attention"),
     )
     return q_out, k_out

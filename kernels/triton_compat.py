@@ -51,10 +51,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # skinny_linear's TUNED).
 # DELTASERVE_PDL=0 turns it off.
 PDL = HAS_TRITON and os.environ.get("DELTASERVE_PDL", "1") != "0"
-# Kernels whose launch says `reads_ahead` load what the previous kernel cannot write (their
-# slots, states, positions: `read_ahead`) before the wait, and wait at GDC_LATE instead
-# (tools/bench_step_ab.py's "late" mode turns it off).
-READ_AHEAD = True
+# Kernels launched with `reads_ahead` in this set load what no kernel before them in the step
+# writes (slots, conv windows, positions: `read_ahead`) before the wait, and wait at GDC_LATE
+# instead (tools/bench_step_ab.py's "late" modes take names out).
+READ_AHEAD = frozenset({"conv", "attention"})
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # no Triton, or one without griddepcontrol
@@ -74,12 +74,12 @@ def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl_options(t: torch.Tensor, reads_ahead: bool = False) -> dict:
+def pdl_options(t: torch.Tensor, reads_ahead: str | None = None) -> dict:
     """Launch options of a kernel that starts with `wait_for_previous_grid(GDC)`: PDL where the
-    device has it, else none. `reads_ahead`: the kernel also takes GDC_LATE and waits there
-    instead, after its `read_ahead` loads (while READ_AHEAD is on)."""
+    device has it, else none. `reads_ahead` (a name in READ_AHEAD): the kernel also takes
+    GDC_LATE and waits there instead, after its `read_ahead` loads."""
     if PDL and t.is_cuda and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device()):
-        late = reads_ahead and READ_AHEAD
+        late = reads_ahead in READ_AHEAD
         return {"GDC": not late, "GDC_LATE": True, "launch_pdl": True} if late else {"GDC": True, "launch_pdl": True}
     return {}
 
@@ -95,13 +95,11 @@ def wait_for_previous_grid(GDC: tl.constexpr):
 
 
 @triton.jit
-def read_ahead(ptrs, mask=None, other=None, EVICT_FIRST: tl.constexpr = False):
+def read_ahead(ptrs, mask=None, other=None):
     """A load that may come before `wait_for_previous_grid`: of memory no kernel of the step
     writes before this one (a weight; an index array of the step, copied in before its first
     kernel; a state only this kernel writes, last in the step before). It races nothing, and
     its latency hides behind the previous kernel's tail instead of following the wait."""
-    if EVICT_FIRST:  # (a str default here fails to compile on Triton 3.6)
-        return tl.load(ptrs, mask=mask, other=other, eviction_policy="evict_first")
     return tl.load(ptrs, mask=mask, other=other)
 
 

@@ -21,7 +21,8 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   loop1   the default with in_proj's and gate_up's GEMVs looping over K (their rows not read
           whole before the wait)
   late    the default with every kernel waiting before its first load (no `read_ahead` of
-          slots, states, positions before the wait); late_delta: only the recurrence
+          slots, conv windows, positions before the wait); late_conv, late_attn: the conv
+          update's or attention's kernels wait first
   o_whole, o_whole4  the default with out_proj's / o_proj's GEMV reading its rows whole before
           the wait (2 rows and 4 warps, or 4 and 8, per program)
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
@@ -40,7 +41,6 @@ from dataclasses import dataclass
 import torch
 
 import deltaserve.kernels.causal_conv1d as conv
-import deltaserve.kernels.gated_delta as gated_delta
 import deltaserve.kernels.paged_attention as paged_attention
 import deltaserve.kernels.rmsnorm as rmsnorm
 import deltaserve.kernels.skinny_linear as skinny
@@ -65,8 +65,7 @@ class Mode:
     tiles: tuple = ()  # ((rows class, N, K), SkinnyConfig or None) TUNED entries set (None: removed)
     conv_tile: tuple[int, int] = conv.UPDATE_TILE  # the conv update's (channels, warps) per program
     norm_warps: int = rmsnorm.WIDE_ROW_WARPS  # per RMSNorm row of the hidden size
-    read_ahead: bool = True  # slots, states, positions loaded before the wait
-    state_ahead: bool = True  # the recurrence's among them
+    read_ahead: frozenset[str] = triton_compat.READ_AHEAD  # kernels loading slots, positions before the wait
 
 
 MODES = {
@@ -81,8 +80,8 @@ MODES = {
     "gu_32x128": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(32, 128, 1, 4, 3)),)),
     "gu_128x64": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(128, 64, 1, 8, 4)),)),
     "conv64": Mode(conv_tile=(64, 1)), "conv256": Mode(conv_tile=(256, 2)), "conv1024": Mode(conv_tile=(1024, 4)),
-    "norm4": Mode(norm_warps=4), "norm16": Mode(norm_warps=16), "late": Mode(read_ahead=False),
-    "late_delta": Mode(state_ahead=False),
+    "norm4": Mode(norm_warps=4), "norm16": Mode(norm_warps=16), "late": Mode(read_ahead=frozenset()),
+    "late_conv": Mode(read_ahead=frozenset({"attention"})), "late_attn": Mode(read_ahead=frozenset({"conv"})),
     "o_whole": Mode(tiles=(((1, 2560, 4096), skinny.SkinnyConfig(2, 4096, 1, 4, 1, whole_rows=True)),)),
     "o_whole4": Mode(tiles=(((1, 2560, 4096), skinny.SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True)),)),
 }
@@ -105,7 +104,6 @@ def use_mode(name: str) -> None:
         else:
             skinny.TUNED[key] = tile
     conv.UPDATE_TILE, rmsnorm.WIDE_ROW_WARPS = mode.conv_tile, mode.norm_warps
-    gated_delta.STATE_AHEAD = mode.state_ahead
 
 
 def main(argv: list[str] | None = None) -> int:
