@@ -67,6 +67,13 @@ def sigmoid_gate_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def times_sigmoid(x, g):
+    """x * sigmoid(g) in fp32, rounded as `sigmoid_gate_reference` in x's dtype rounds:
+    sigmoid(g) to g's dtype first (the caller rounds the product)."""
+    return x.to(tl.float32) * tl.sigmoid(g.to(tl.float32)).to(g.dtype).to(tl.float32)
+
+
+@triton.jit
 def _sigmoid_gate_kernel(
     x_ptr, gate_ptr, out_ptr, stride_gate_row, stride_gate_head, heads, dim,
     BLOCK: tl.constexpr, GDC: tl.constexpr = False,
@@ -78,8 +85,7 @@ def _sigmoid_gate_kernel(
     m = offs < dim
     x = tl.load(x_ptr + r * dim + offs, mask=m, other=0.0)
     g = tl.load(gate_ptr + (r // heads) * stride_gate_row + (r % heads) * stride_gate_head + offs, mask=m, other=0.0)
-    act = tl.sigmoid(g.to(tl.float32)).to(g.dtype).to(tl.float32)
-    tl.store(out_ptr + r * dim + offs, (x.to(tl.float32) * act).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + r * dim + offs, times_sigmoid(x, g).to(out_ptr.dtype.element_ty), mask=m)
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltaserve.kernels.activation import times_sigmoid
 from deltaserve.kernels.triton_compat import (
     INTERPRET,
     check_index,
@@ -149,12 +150,12 @@ def paged_decode_attention_reference(
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, rows_ptr, out_ptr, part_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, rows_ptr, out_ptr, part_ptr, lse_ptr, gate_ptr,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-    stride_table, stride_out_row, stride_out_head,
+    stride_table, stride_out_row, stride_out_head, stride_gate_row, stride_gate_head,
     scale, block_size, num_heads,
     GROUP: tl.constexpr, BG: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
-    BN: tl.constexpr, NUM_PARTS: tl.constexpr, EXACT: tl.constexpr,
+    BN: tl.constexpr, NUM_PARTS: tl.constexpr, EXACT: tl.constexpr, GATED: tl.constexpr,
     GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
 ):
     # program: (decode request i, KV head kvh, partition p of the context)
@@ -164,7 +165,7 @@ def _paged_decode_kernel(
     p = tl.program_id(2)
     seq_len = read_ahead(seq_lens_ptr + i)
     row = read_ahead(rows_ptr + i).to(tl.int64)
-    wait_for_previous_grid(GDC_LATE)  # the keys and values: store_kv has just written the last
+    wait_for_previous_grid(GDC_LATE)  # the keys and values: norm_rope has just written the last
     offs_g = tl.arange(0, BG)
     offs_d = tl.arange(0, BD)
     heads = kvh * GROUP + offs_g
@@ -204,7 +205,8 @@ def _paged_decode_kernel(
     result = acc / safe_l[:, None]  # an empty partition (or a padding row) gives zeros
     if NUM_PARTS == 1:
         o_ptrs = out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + offs_d[None, :]
-        tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=mq)
+        g_ptrs = gate_ptr + row * stride_gate_row + heads[:, None] * stride_gate_head + offs_d[None, :]
+        tl.store(o_ptrs, _output(result, g_ptrs, mq, out_ptr.dtype.element_ty, GATED), mask=mq)
     else:
         # partials: part [D, nh, NUM_PARTS, HD] fp32, lse [D, nh, NUM_PARTS]
         slot = (i * num_heads + heads) * NUM_PARTS + p
@@ -214,9 +216,19 @@ def _paged_decode_kernel(
 
 
 @triton.jit
+def _output(result, gate_ptrs, mask, dtype: tl.constexpr, GATED: tl.constexpr):
+    """The attention output in the model dtype; GATED: times sigmoid(gate), as the layer's
+    `sigmoid_gate` after it would make it (rounded alike)."""
+    if GATED:
+        return times_sigmoid(result.to(dtype), tl.load(gate_ptrs, mask=mask, other=0.0)).to(dtype)
+    return result.to(dtype)
+
+
+@triton.jit
 def _merge_parts_kernel(
-    part_ptr, lse_ptr, rows_ptr, out_ptr, stride_out_row, stride_out_head, num_heads,
-    HD: tl.constexpr, BD: tl.constexpr, NUM_PARTS: tl.constexpr, BP: tl.constexpr,
+    part_ptr, lse_ptr, rows_ptr, out_ptr, gate_ptr, stride_out_row, stride_out_head,
+    stride_gate_row, stride_gate_head, num_heads,
+    HD: tl.constexpr, BD: tl.constexpr, NUM_PARTS: tl.constexpr, BP: tl.constexpr, GATED: tl.constexpr,
     GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
 ):
     wait_for_previous_grid(GDC)
@@ -234,8 +246,9 @@ def _merge_parts_kernel(
     mask = (offs_p[:, None] < NUM_PARTS) & (offs_d[None, :] < HD)
     parts = tl.load(part_ptr + (base + offs_p[:, None]) * HD + offs_d[None, :], mask=mask, other=0.0)
     result = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    g_ptrs = gate_ptr + row * stride_gate_row + h * stride_gate_head + offs_d
     tl.store(out_ptr + row * stride_out_row + h * stride_out_head + offs_d,
-             result.to(out_ptr.dtype.element_ty), mask=offs_d < HD)
+             _output(result, g_ptrs, offs_d < HD, out_ptr.dtype.element_ty, GATED), mask=offs_d < HD)
 
 
 # Programs per SM the decode split aims at (`decode_partitions`; tools/bench_step_ab.py's
@@ -269,11 +282,13 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int | None = None,
     parts_per_sm: int | None = None,
+    gate: torch.Tensor | None = None,
 ) -> None:
     """Triton launch of `paged_decode_attention_reference` (same arguments) plus
     `max_seq_len`, a host-side bound on `seq_lens` that sizes the grid (a CUDA graph keeps
-    it fixed). A request with seq_len 0 (a padding row) gets zeros. The keyword arguments
-    override the tuned launch (tools/bench_decode.py)."""
+    it fixed). A request with seq_len 0 (a padding row) gets zeros. With `gate` (like q, rows
+    may be strided) the rows written are `sigmoid_gate(attention, gate)`'s. The other keyword
+    arguments override the tuned launch (tools/bench_decode.py)."""
     check_launchable(q, k_cache)
     tokens, num_heads, hd = q.shape
     _, num_kv, _ = k_cache.shape
@@ -285,8 +300,8 @@ def paged_decode_attention(
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if t.stride(2) != 1:
             raise ValueError(f"{name}: head_dim must be contiguous, got strides {t.stride()}")
-    if out.shape != q.shape:
-        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)}")
+    if out.shape != q.shape or (gate is not None and (gate.shape != q.shape or gate.stride(2) != 1)):
+        raise ValueError(f"out {tuple(out.shape)} and gate must match q {tuple(q.shape)}, head_dim contiguous")
     num = rows.shape[0]
     check_index("rows", rows, num)
     check_index("seq_lens", seq_lens, num)
@@ -306,62 +321,21 @@ def paged_decode_attention(
     if num_parts > 1:
         part = torch.empty((num, num_heads, num_parts, hd), dtype=torch.float32, device=q.device)
         lse = torch.empty((num, num_heads, num_parts), dtype=torch.float32, device=q.device)
+    g = out if gate is None else gate  # (unread without a gate)
     _paged_decode_kernel[(num, num_kv, num_parts)](
-        q, k_cache, v_cache, block_tables, seq_lens, rows, out, part, lse,
+        q, k_cache, v_cache, block_tables, seq_lens, rows, out, part, lse, g,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), g.stride(0), g.stride(1),
         scale, block_size, num_heads,
-        GROUP=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd,
-        BN=tile, NUM_PARTS=num_parts, EXACT=q.dtype == torch.float32 or INTERPRET, num_warps=num_warps,
+        GROUP=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd, BN=tile, NUM_PARTS=num_parts,
+        EXACT=q.dtype == torch.float32 or INTERPRET, GATED=gate is not None, num_warps=num_warps,
         # tuned on the H200 (bench/results): two stages win once the grid is large
         num_stages=num_stages or (2 if num * num_kv >= 256 else 3), **pdl_options(q, reads_ahead="attention"),
     )
     if num_parts > 1:
         _merge_parts_kernel[(num, num_heads)](
-            part, lse, rows, out, out.stride(0), out.stride(1), num_heads,
-            HD=hd, BD=bd, NUM_PARTS=num_parts, BP=triton.next_power_of_2(num_parts), num_warps=4,
+            part, lse, rows, out, g, out.stride(0), out.stride(1), g.stride(0), g.stride(1), num_heads,
+            HD=hd, BD=bd, NUM_PARTS=num_parts, BP=triton.next_power_of_2(num_parts), GATED=gate is not None,
+            num_warps=4,
             **pdl_options(q, reads_ahead="attention"),
         )
-
-
-# ---- writing the step's K and V into the cache: one launch for both ----------------------
-
-
-@triton.jit
-def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, index_ptr,
-    stride_k, stride_v, stride_kc, stride_vc, width,
-    BW: tl.constexpr, GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
-):
-    wait_for_previous_grid(GDC)
-    t = tl.program_id(0)
-    dest = read_ahead(index_ptr + t).to(tl.int64)
-    wait_for_previous_grid(GDC_LATE)
-    limit = tl.where(dest >= 0, width, 0)  # a negative row (CUDA-graph padding) is skipped
-    dest = tl.maximum(dest, 0)
-    offs = tl.program_id(1) * BW + tl.arange(0, BW)
-    m = offs < limit
-    tl.store(k_cache_ptr + dest * stride_kc + offs, tl.load(k_ptr + t * stride_k + offs, mask=m), mask=m)
-    tl.store(v_cache_ptr + dest * stride_vc + offs, tl.load(v_ptr + t * stride_v + offs, mask=m), mask=m)
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor) -> None:
-    """k_cache[index] = k and v_cache[index] = v (k, v [T, nkv, hd]; caches [rows, nkv, hd]);
-    entries with index < 0 are skipped. The idea of nano-vllm's `store_kvcache`."""
-    check_launchable(k, k_cache)
-    tokens = k.shape[0]
-    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() != 3 or t.shape[1:] != k_cache.shape[1:] or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
-            raise ValueError(f"{name}: expected [*, {k_cache.shape[1]}, {k_cache.shape[2]}] with contiguous "
-                             f"rows, got {tuple(t.shape)} strides {t.stride()}")
-    if v.shape[0] != tokens:
-        raise ValueError(f"k has {tokens} rows, v {v.shape[0]}")
-    check_index("index", index, tokens)
-    if tokens == 0:
-        return
-    width = k.shape[1] * k.shape[2]
-    block = min(2048, triton.next_power_of_2(width))
-    _store_kv_kernel[(tokens, triton.cdiv(width, block))](
-        k, v, k_cache, v_cache, index, k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
-        width, BW=block, num_warps=4, **pdl_options(k, reads_ahead="attention"),
-    )

@@ -1,6 +1,6 @@
 """Per-head zero-centred RMSNorm then RoPE (rotate-half, on the leading `rotary_dim` dims) of
 the full-attention layer's queries and keys: the plain torch reference and one Triton kernel
-for both q and k.
+for both q and k, which also writes k and v into the paged cache (`KVStore`).
 
 The reference is what the layer does on the CPU (`RMSNorm` then `Rope` of
 engine/rank/attention.py), roundings included: the norm's output is cast to the model dtype,
@@ -11,10 +11,13 @@ such launches, so the GPU path does it in one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from deltaserve.kernels.rmsnorm import rms_norm_reference
 from deltaserve.kernels.triton_compat import (
+    check_index,
     check_launchable,
     pdl_options,
     read_ahead,
@@ -42,24 +45,42 @@ def norm_rope_reference(
     return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
 
 
+@dataclass(frozen=True, slots=True)
+class KVStore:
+    """The paged cache rows that `norm_rope` also writes the step's keys and values to (the
+    idea of nano-vllm's `store_kvcache`, here in the same launch): k normed and rotated, v as
+    it is. Caches [rows, nkv, hd] with contiguous rows; index [T], < 0 (padding) skipped."""
+
+    v: torch.Tensor  # [T, nkv, hd], rows may be strided
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    index: torch.Tensor
+
+
 @triton.jit
 def _norm_rope_kernel(
-    q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_out_ptr,
-    stride_q_row, stride_q_head, stride_k_row, stride_k_head, eps,
+    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, index_ptr,
+    q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr,
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_kc, stride_vc, eps,
     QH: tl.constexpr, KH: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr,
-    GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
+    STORE: tl.constexpr, GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
 ):
-    # program: (token t, head h of q then k); one head of HD features. The weights, the
-    # position and its cos and sin are had before the wait (`read_ahead`), q and k after it.
+    # program: (token t, head h of q, then of k, then (STORE) of v); one head of HD features.
+    # The weights, the position and its cos and sin (and the cache row) are had before the
+    # wait (`read_ahead`), q, k and v after it.
     wait_for_previous_grid(GDC)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     is_q = h < QH
-    hk = tl.maximum(h - QH, 0)
+    is_v = h >= QH + KH
     hq = tl.minimum(h, QH - 1)
-    src = tl.where(is_q, q_ptr + t * stride_q_row + hq * stride_q_head, k_ptr + t * stride_k_row + hk * stride_k_head)
+    hk = tl.minimum(tl.maximum(h - QH, 0), KH - 1)
+    hv = tl.maximum(h - QH - KH, 0)
+    k_src = k_ptr + t * stride_k_row + hk * stride_k_head
+    src = tl.where(is_q, q_ptr + t * stride_q_row + hq * stride_q_head,
+                   tl.where(is_v, v_ptr + t * stride_v_row + hv * stride_v_head, k_src))
     w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
-    dst = tl.where(is_q, q_out_ptr + (t * QH + hq) * HD, k_out_ptr + (t * KH + hk) * HD)
     dtype = q_out_ptr.dtype.element_ty
     offs = tl.arange(0, BD)
     m = offs < HD
@@ -74,6 +95,8 @@ def _norm_rope_kernel(
     angle = pos * freq
     cos = tl.cos(angle).to(dtype).to(tl.float32)
     sin = tl.sin(angle).to(dtype).to(tl.float32)
+    if STORE:
+        dest = read_ahead(index_ptr + t).to(tl.int64)
     wait_for_previous_grid(GDC_LATE)
     x = tl.load(src + offs, mask=m, other=0.0)
     xf = x.to(tl.float32)
@@ -85,7 +108,13 @@ def _norm_rope_kernel(
     a = (y.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
     b = (rotated * sin).to(x.dtype).to(tl.float32)
     out = tl.where(in_rot, (a + b).to(x.dtype), y)
-    tl.store(dst + offs, out, mask=m)
+    dst = tl.where(is_q, q_out_ptr + (t * QH + hq) * HD, k_out_ptr + (t * KH + hk) * HD)
+    tl.store(dst + offs, out, mask=offs < tl.where(is_v, 0, HD))
+    if STORE:  # k's and v's programs: the cache row (a negative one is CUDA-graph padding)
+        out = tl.where(is_v, x, out)
+        row = tl.maximum(dest, 0)
+        cache = tl.where(is_v, v_cache_ptr + row * stride_vc + hv * HD, k_cache_ptr + row * stride_kc + hk * HD)
+        tl.store(cache + offs, out, mask=offs < tl.where(is_q | (dest < 0), 0, HD))
 
 
 def norm_rope(
@@ -96,8 +125,10 @@ def norm_rope(
     positions: torch.Tensor,  # [T]
     inv_freq: torch.Tensor,  # [rotary_dim / 2] fp32
     eps: float,
+    store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm_rope_reference` of q and of k in one launch; new contiguous outputs."""
+    """`norm_rope_reference` of q and of k in one launch; new contiguous outputs. With `store`,
+    the same launch writes k (as returned) and v into the cache rows it names."""
     check_launchable(q, k)
     tokens, num_q, hd = q.shape
     num_k = k.shape[1]
@@ -112,15 +143,30 @@ def norm_rope(
         raise ValueError(f"inv_freq: expected fp32 of at most {hd // 2}, got {inv_freq.dtype} {half}")
     if positions.shape != (tokens,):
         raise ValueError(f"positions: expected ({tokens},), got {tuple(positions.shape)}")
+    if store is not None:
+        check_kv_store(store, k)
     q_out = torch.empty((tokens, num_q, hd), dtype=q.dtype, device=q.device)
     k_out = torch.empty((tokens, num_k, hd), dtype=k.dtype, device=k.device)
     if tokens == 0:
         return q_out, k_out
+    v, k_cache, v_cache, index = (store.v, store.k_cache, store.v_cache, store.index) if store else (k, k, k, positions)
     block = triton.next_power_of_2(hd)
-    _norm_rope_kernel[(tokens, num_q + num_k)](
-        q, k, q_weight, k_weight, positions, inv_freq, q_out, k_out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
-        QH=num_q, KH=num_k, HD=hd, BD=block, HALF=half, num_warps=1 if block <= 256 else 2,
-        **pdl_options(q, reads_ahead="attention"),
+    _norm_rope_kernel[(tokens, num_q + num_k * (2 if store else 1))](
+        q, k, v, q_weight, k_weight, positions, inv_freq, index, q_out, k_out, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), v_cache.stride(0), eps,
+        QH=num_q, KH=num_k, HD=hd, BD=block, HALF=half, STORE=store is not None,
+        num_warps=1 if block <= 256 else 2, **pdl_options(q, reads_ahead="attention"),
     )
     return q_out, k_out
+
+
+def check_kv_store(store: KVStore, k: torch.Tensor) -> None:
+    tokens, num_k, hd = k.shape
+    for name, t in (("v", store.v), ("k_cache", store.k_cache), ("v_cache", store.v_cache)):
+        if t.dim() != 3 or t.shape[1:] != (num_k, hd) or t.stride(2) != 1 or t.stride(1) != hd or t.dtype != k.dtype:
+            raise ValueError(f"{name}: expected [*, {num_k}, {hd}] {k.dtype} with contiguous rows, got "
+                             f"{tuple(t.shape)} {t.dtype} strides {t.stride()}")
+    if store.v.shape[0] != tokens:
+        raise ValueError(f"k has {tokens} rows, v {store.v.shape[0]}")
+    check_index("kv index", store.index, tokens)

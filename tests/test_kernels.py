@@ -171,7 +171,8 @@ ATTENTION_SHAPES = [  # (heads, kv heads, head dim, block size, blocks, context 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("nh,nkv,hd,block_size,blocks,lengths", ATTENTION_SHAPES)
 def test_paged_decode_attention(kernels, device, dtype, nh, nkv, hd, block_size, blocks, lengths):
-    """Block tables scattered over the cache; a padding row (context 0) gets zeros."""
+    """Block tables scattered over the cache; a padding row (context 0) gets zeros; with a gate
+    (strided), the bits `sigmoid_gate` after it gives."""
     mod = kernels["paged_attention"]
     num = len(lengths)
     tokens = num + 2
@@ -188,6 +189,9 @@ def test_paged_decode_attention(kernels, device, dtype, nh, nkv, hd, block_size,
     mod.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, rows, block_size, scale, got, max(lengths))
     r = rows.long()
     assert_close(got[r].float(), want[r].float(), dtype, "attention output")
+    gate, gated = torch.randn(tokens, nh, 2 * hd, device=device).to(dtype)[..., hd:], poisoned(q.shape, dtype, device)
+    mod.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, rows, block_size, scale, gated, max(lengths), gate=gate)
+    assert torch.equal(gated[r], kernels["activation"].sigmoid_gate_triton(got, gate)[r]), "gated output"
     # the same with a looser length bound (as a CUDA graph runs it) and a padding row
     spare = next(i for i in range(tokens) if i not in set(rows.tolist()))
     pad_rows = torch.cat([rows, rows.new_tensor([spare])])
@@ -216,20 +220,6 @@ def test_paged_prefill_attention(kernels, device, dtype, nh, nkv, hd, start, len
     want = mod.paged_attention(q, k_cache, v_cache, table, block_size, start, hd**-0.5)
     got = mod.paged_prefill_attention(q, k_cache, v_cache, table, block_size, start, hd**-0.5)
     assert_close(got.float(), want.float(), dtype, "prefill attention")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv(kernels, device, dtype):
-    mod = kernels["paged_attention"]
-    k, v = torch.randn(5, 3, 20, device=device).to(dtype), torch.randn(5, 3, 20, device=device).to(dtype)
-    k_cache = torch.randn(30, 3, 20, device=device).to(dtype)
-    v_cache = torch.randn_like(k_cache)
-    index = torch.tensor([7, -1, 0, 29, 12], device=device)
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    keep = index >= 0
-    want_k[index[keep]], want_v[index[keep]] = k[keep], v[keep]
-    mod.store_kv(k, v, k_cache, v_cache, index)
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
 NORM_SHAPES = [  # (leading shape, dim)
@@ -417,18 +407,27 @@ ROPE_SHAPES = [  # (query heads, kv heads, head dim, rotary dim)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("nh,nkv,hd,rotary", ROPE_SHAPES)
 def test_norm_rope(kernels, device, dtype, nh, nkv, hd, rotary):
-    """q read from the [q | gate] layout of q_proj (strided rows), positions up to 300k."""
+    """q read from the [q | gate] layout of q_proj (strided rows), positions up to 300k; k as
+    returned and v (strided) written to the cache rows named, a negative one skipped."""
     mod = kernels["rope"]
     tokens = 7
     q = torch.randn(tokens, nh, 2 * hd, device=device).to(dtype)[..., :hd]
     k = torch.randn(tokens, nkv, hd, device=device).to(dtype)
+    v = torch.randn(tokens, 2 * nkv, hd, device=device).to(dtype)[:, nkv:]
     qw, kw = torch.randn(hd, device=device).to(dtype), torch.randn(hd, device=device).to(dtype)
     positions = torch.randint(0, 300_000, (tokens,), device=device)
     exponents = torch.arange(0, rotary, 2, dtype=torch.float32, device=device) / rotary
     inv_freq = 1.0 / (1e7**exponents)
-    got_q, got_k = mod.norm_rope(q, k, qw, kw, positions, inv_freq, 1e-6)
+    k_cache, v_cache = (torch.randn(30, nkv, hd, device=device).to(dtype) for _ in range(2))
+    index = torch.tensor([7, -1, 0, 29, 12, 3, -1], device=device)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    got_q, got_k = mod.norm_rope(q, k, qw, kw, positions, inv_freq, 1e-6, mod.KVStore(v, k_cache, v_cache, index))
     assert_close(got_q.float(), mod.norm_rope_reference(q, qw, positions, inv_freq, 1e-6).float(), dtype, "q")
     assert_close(got_k.float(), mod.norm_rope_reference(k, kw, positions, inv_freq, 1e-6).float(), dtype, "k")
+    keep = index >= 0
+    want_k[index[keep]], want_v[index[keep]] = got_k[keep], v[keep]
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.equal(mod.norm_rope(q, k, qw, kw, positions, inv_freq, 1e-6)[1], got_k)  # without the store
 
 
 def skip_without_fla(gated_delta) -> None:

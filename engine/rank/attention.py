@@ -23,10 +23,9 @@ from deltaserve.kernels.paged_attention import (
     paged_decode_attention,
     paged_prefill_attention,
     prefill_attention,
-    store_kv,
     varlen_prefill_attention,
 )
-from deltaserve.kernels.rope import norm_rope
+from deltaserve.kernels.rope import KVStore, norm_rope
 from deltaserve.kernels.skinny_linear import SplitSum
 from deltaserve.kernels.triton_compat import gpu_path
 
@@ -82,12 +81,13 @@ class GatedAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, hd)
         k_cache, v_cache = cache.kv[self.cache_layer, 0], cache.kv[self.cache_layer, 1]
         attend = self._attend_cuda if gpu_path(x) else self._attend_reference
-        out = attend(q, k, v, k_cache, v_cache, batch, cache)
-        return self.o_proj(sigmoid_gate(out, gate).reshape(tokens, self.num_heads * hd))
+        out = attend(q, gate, k, v, k_cache, v_cache, batch, cache)
+        return self.o_proj(out.reshape(tokens, self.num_heads * hd))
 
     def _attend_reference(
         self,
         q: torch.Tensor,  # [T, nh, hd]
+        gate: torch.Tensor,  # [T, nh, hd], the output gate
         k: torch.Tensor,  # [T, nkv, hd]
         v: torch.Tensor,
         k_cache: torch.Tensor,  # [rows, nkv, hd]
@@ -95,7 +95,8 @@ class GatedAttention(nn.Module):
         batch: StepBatch,
         cache: StateCache,
     ) -> torch.Tensor:
-        """The plain torch path (CPU): q/k norms and RoPE, K/V stored, each span attended."""
+        """The plain torch path (CPU): q/k norms and RoPE, K/V stored, each span attended, the
+        output gated."""
         q = self.rope(self.q_norm(q), batch.positions)
         k = self.rope(self.k_norm(k), batch.positions)
         k_cache[batch.kv_index] = k
@@ -106,11 +107,12 @@ class GatedAttention(nn.Module):
             out[piece] = paged_attention(
                 q[piece], k_cache, v_cache, span.block_table, cache.block_size, span.start, self.head_dim**-0.5
             )
-        return out
+        return sigmoid_gate(out, gate)
 
     def _attend_cuda(
         self,
         q: torch.Tensor,  # [T, nh, hd]
+        gate: torch.Tensor,  # [T, nh, hd]
         k: torch.Tensor,  # [T, nkv, hd]
         v: torch.Tensor,
         k_cache: torch.Tensor,  # [rows, nkv, hd]
@@ -118,29 +120,30 @@ class GatedAttention(nn.Module):
         batch: StepBatch,
         cache: StateCache,
     ) -> torch.Tensor:
-        """q/k norms and RoPE in one kernel, K/V stored in one; all decode items in one
-        paged-attention launch; prompts' first chunks alone in one varlen flash launch, else
-        each prefill span through `prefill_attention` (flash on the GPU)."""
+        """q/k norms and RoPE and the K/V store in one kernel; all decode items in one
+        paged-attention launch, gated in it; prompts' first chunks alone in one varlen flash
+        launch, else each prefill span through `prefill_attention` (flash on the GPU), each
+        then gated by `sigmoid_gate`."""
         meta = step_meta_of(batch, q.device)
         q, k = norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, batch.positions,
-                         self.rope.inv_freq, self.q_norm.eps)
-        store_kv(k, v, k_cache, v_cache, batch.kv_index)
+                         self.rope.inv_freq, self.q_norm.eps, KVStore(v, k_cache, v_cache, batch.kv_index))
         scale = self.head_dim**-0.5
         packed = meta.packed
         if packed is not None and packed.fresh and not meta.num_decodes:  # every row a prompt's, from its start
-            return varlen_prefill_attention(q, k, v, packed.bounds, packed.max_len, scale)
+            return sigmoid_gate(varlen_prefill_attention(q, k, v, packed.bounds, packed.max_len, scale), gate)
         out = torch.empty_like(q)
-        if meta.num_decodes:
+        if meta.num_decodes:  # gated in the kernel
             paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.rows,
-                cache.block_size, scale, out, meta.max_seq_len,
+                cache.block_size, scale, out, meta.max_seq_len, gate=gate,
             )
         for span in meta.prefill:
             piece = slice(span.offset, span.offset + span.length)
             if span.start == 0:  # a prompt's first chunk: its keys are all fresh, no cache gather
-                out[piece] = prefill_attention(q[piece], k[piece], v[piece], 0, scale)
+                attended = prefill_attention(q[piece], k[piece], v[piece], 0, scale)
             else:
-                out[piece] = paged_prefill_attention(
+                attended = paged_prefill_attention(
                     q[piece], k_cache, v_cache, span.block_table, cache.block_size, span.start, scale
                 )
+            out[piece] = sigmoid_gate(attended.contiguous(), gate[piece])
         return out
