@@ -39,6 +39,7 @@ SPLIT_BELOW_TILES = 132  # split K when the outputs give fewer 64-row tiles: the
 SILU_EPILOGUE = True  # gate_up's kernel makes silu(gate) * up (tools/bench_step_ab.py turns it off)
 SUM_IN_NORM = True  # split-K partial sums added by the next norm (`linear(unsummed=True)`; ditto)
 USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mode turns them off)
+LM_HEAD_GEMV = True  # one row's logits by the whole-row GEMV (`logits`; ditto, "lm_cublas")
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,8 @@ def skinny_linear(
     silu_mul: bool = False,
     unsummed: bool = False,
 ) -> torch.Tensor | SplitSum:
-    """x [M, K] @ weight[N, K]^T in x's dtype, fp32 accumulation; `out` [M, N] if given.
+    """x [M, K] @ weight[N, K]^T in x's dtype (or fp32 into an fp32 `out`), fp32 accumulation;
+    `out` [M, N] if given.
     With `unsummed` and K split, the partial sums as a `SplitSum` instead.
     With `silu_mul`, weight is the MLP's [gate | up] [2 I, K] and the result silu(gate) * up
     [M, I], made in the kernel's epilogue (`silu_and_mul` of the product, bit for bit)."""
@@ -223,14 +225,14 @@ def skinny_linear(
         raise ValueError(f"skinny_linear: K={k} is not a multiple of block_k*split_k={cfg.block_k * cfg.split_k}")
     if cfg.whole_rows and not gemv:
         raise ValueError(f"skinny_linear: whole rows are the GEMV's ({cfg})")
-    if silu_mul and (rows % 2 or cfg.split_k != 1 or cfg.block_n < 2):
+    if silu_mul and (rows % 2 or cfg.split_k != 1 or cfg.block_n < 2 or (out is not None and out.dtype != x.dtype)):
         raise ValueError(f"skinny_linear: silu_mul needs an even [gate | up] weight (got {rows} rows), "
-                         f"no K split and at least 2 rows per tile ({cfg})")  # fmt: skip
+                         f"no K split, at least 2 rows per tile ({cfg}) and out in x's dtype")  # fmt: skip
     k_per_split = k // cfg.split_k
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"skinny_linear: out must be contiguous [{m}, {n}] {x.dtype}")
+    elif out.shape != (m, n) or out.dtype not in (x.dtype, torch.float32) or not out.is_contiguous():
+        raise ValueError(f"skinny_linear: out must be contiguous [{m}, {n}] {x.dtype} or fp32")
     target = out if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
     outputs_per_tile = cfg.block_n // 2 if silu_mul else cfg.block_n
     grid = (triton.cdiv(n, outputs_per_tile), cfg.split_k)
@@ -336,3 +338,20 @@ def linear(
             return silu_and_mul(y) if silu_mul else y
     y = F.linear(x, weight)
     return silu_and_mul(y) if silu_mul else y
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 x W^T of the lm_head, on CUDA from the fp32 accumulator (a bf16 output would round a
+    logit of 20 to a step of 0.125, an error of ~0.03 nat before any layer is wrong). One row
+    in a half dtype: the GEMV, its rows read whole before the wait, so that the vocabulary's
+    first rows stream while the final norm runs (K a sum of two powers of two, at most 4096:
+    two rows per program stay in registers); else one cuBLAS GEMM."""
+    k = weight.shape[1]
+    tail = k - (1 << (k.bit_length() - 1))
+    if LM_HEAD_GEMV and x.shape[0] == 1 and k <= 4096 and not tail & (tail - 1) and x.dtype in HALF_DTYPES \
+            and weight.dtype == x.dtype and x.stride(1) == weight.stride(1) == 1 and HAS_TRITON and gpu_path(x):
+        out = torch.empty((1, weight.shape[0]), dtype=torch.float32, device=x.device)
+        return skinny_linear(x, weight, SkinnyConfig(2, k, 1, 4, 1, whole_rows=True), gemv=True, out=out)
+    if x.is_cuda and x.dtype != torch.float32:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x, weight).float()
