@@ -562,8 +562,9 @@ def print_table(report: dict) -> None:
               f"{row['model_TFLOPs']:6.1f} TFLOP/s = {frac:6.1%} of matmul")
     for row in report.get("engine", []):
         mode = "pipelined" if row.get("pipelined", False) else "sync"
+        ratio = f"x{row['ratio_to_roofline']:.2f} of roofline" if "ratio_to_roofline" in row else "(batch not in --batches)"
         print(f"engine tp={row['tp']} {mode:9s} b={row['batch']:3d} {row['ms_per_output_token']:8.2f} ms/step {row['tokens_per_s']:9.1f} tok/s "
-              f"x{row.get('ratio_to_roofline', math.nan):.2f} of roofline; steps {row['mean_step_ms']:.2f} ms on the ranks "
+              f"{ratio}; steps {row['mean_step_ms']:.2f} ms on the ranks "
               f"+ {row['mean_scheduler_ms']:.2f} ms scheduler")
     for row in report.get("hf_prefill", []):
         print(f"hf prefill {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s")
