@@ -197,6 +197,14 @@ def _sum_splits_kernel(part_ptr, out_ptr, total, SPLIT_K: tl.constexpr, BLOCK: t
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def whole_row_parts(k: int) -> tuple[int, int] | None:
+    """A row of K read whole in two power-of-two parts (the second 0 where K is a power of two),
+    or None where K is no sum of two powers of two."""
+    head = 1 << (k.bit_length() - 1)
+    tail = k - head
+    return None if tail & (tail - 1) else (head, tail)
+
+
 def block_m_for(rows: int) -> int:
     return max(16, triton.next_power_of_2(rows))
 
@@ -241,12 +249,12 @@ def skinny_linear(
         if m != 1:
             raise ValueError("the GEMV kernel takes one row")
         block_k, tail_k = cfg.block_k, -1  # -1: the K loop
-        if cfg.whole_rows:  # in two power-of-two parts where K is not one
-            block_k = 1 << (k.bit_length() - 1)
-            tail_k = k - block_k
-            if cfg.block_k != k or tail_k & (tail_k - 1):
+        if cfg.whole_rows:
+            parts = whole_row_parts(k)
+            if cfg.block_k != k or parts is None:
                 raise ValueError(f"skinny_linear: whole rows need block_k = K and K a sum of two powers "
                                  f"of two; K={k}, {cfg}")
+            block_k, tail_k = parts
         _gemv_kernel[grid](
             x, weight, target, n, k_per_split, n, weight.stride(0), m * n,
             BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVICT=cfg.evict_first, SILU_MUL=silu_mul, TAIL_K=tail_k,
@@ -343,12 +351,11 @@ def linear(
 def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 x W^T of the lm_head, on CUDA from the fp32 accumulator (a bf16 output would round a
     logit of 20 to a step of 0.125, an error of ~0.03 nat before any layer is wrong). One row
-    in a half dtype: the GEMV, its rows read whole before the wait, so that the vocabulary's
-    first rows stream while the final norm runs (K a sum of two powers of two, at most 4096:
-    two rows per program stay in registers); else one cuBLAS GEMM."""
+    in a half dtype: the GEMV on whole rows (K a sum of two powers of two, at most 4096: two
+    rows per program stay in registers), launched with PDL where cuBLAS is not, and measured
+    faster than cuBLAS's GEMM at the 4B shapes on the H200; else that GEMM."""
     k = weight.shape[1]
-    tail = k - (1 << (k.bit_length() - 1))
-    if LM_HEAD_GEMV and x.shape[0] == 1 and k <= 4096 and not tail & (tail - 1) and x.dtype in HALF_DTYPES \
+    if LM_HEAD_GEMV and x.shape[0] == 1 and k <= 4096 and whole_row_parts(k) and x.dtype in HALF_DTYPES \
             and weight.dtype == x.dtype and x.stride(1) == weight.stride(1) == 1 and HAS_TRITON and gpu_path(x):
         out = torch.empty((1, weight.shape[0]), dtype=torch.float32, device=x.device)
         return skinny_linear(x, weight, SkinnyConfig(2, k, 1, 4, 1, whole_rows=True), gemv=True, out=out)

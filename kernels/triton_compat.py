@@ -79,8 +79,9 @@ def pdl_options(t: torch.Tensor, reads_ahead: str | None = None) -> dict:
     device has it, else none. `reads_ahead` (a name in READ_AHEAD): the kernel also takes
     GDC_LATE and waits there instead, after its `read_ahead` loads."""
     if PDL and t.is_cuda and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device()):
-        late = reads_ahead in READ_AHEAD
-        return {"GDC": not late, "GDC_LATE": True, "launch_pdl": True} if late else {"GDC": True, "launch_pdl": True}
+        if reads_ahead in READ_AHEAD:
+            return {"GDC": False, "GDC_LATE": True, "launch_pdl": True}
+        return {"GDC": True, "launch_pdl": True}
     return {}
 
 
@@ -97,9 +98,10 @@ def wait_for_previous_grid(GDC: tl.constexpr):
 @triton.jit
 def read_ahead(ptrs, mask=None, other=None):
     """A load that may come before `wait_for_previous_grid`: of memory no kernel of the step
-    writes before this one (a weight; an index array of the step, copied in before its first
-    kernel; a state only this kernel writes, last in the step before). It races nothing, and
-    its latency hides behind the previous kernel's tail instead of following the wait."""
+    writes before this one (a weight; an index array of the step, made before its first
+    kernel; the state of a slot that only this kernel writes in the step, as the conv window
+    of a decoding request). It races nothing, and its latency hides behind the previous
+    kernel's tail instead of following the wait."""
     return tl.load(ptrs, mask=mask, other=other)
 
 

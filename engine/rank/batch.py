@@ -30,7 +30,9 @@ class StepBatch:
     positions: torch.Tensor  # [T] int64
     kv_index: torch.Tensor  # [T] int64, flat KV cache row (block * block_size + offset) per token
     spans: tuple[SeqSpan, ...]
-    logits_index: torch.Tensor  # [S] int64, flat index of each token whose next token is sampled
+    # [S] int64, flat index of each token whose next token is sampled; None: every token's (a
+    # decode graph: no gather kernel between the final norm and the lm_head)
+    logits_index: torch.Tensor | None
 
     @property
     def num_tokens(self) -> int:

@@ -118,8 +118,7 @@ class DecodeGraphs(BucketGraphs):
         self.inputs[2].fill_(-1)
         self.host = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=self.is_cuda)
         self.slot_tables = torch.zeros((cache.num_slots, max_blocks), **i64)
-        self.arange = torch.arange(max_batch, **i64)  # logits rows
-        self.rows = self.arange.to(torch.int32)  # token rows, as the kernels take them
+        self.rows = torch.arange(max_batch, dtype=torch.int32, device=self.device)  # token rows, as the kernels take them
 
     def set_table(self, slot: int, table: torch.Tensor) -> None:
         """The block table of the request now in `slot` (at most `max_blocks` blocks)."""
@@ -148,7 +147,7 @@ class DecodeGraphs(BucketGraphs):
             positions=positions,
             kv_index=torch.where(valid, block * bs + positions % bs, -1),
             spans=(),
-            logits_index=self.arange[:size],
+            logits_index=None,
             meta=meta,
         )
 
