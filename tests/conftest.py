@@ -27,8 +27,14 @@ def kernels() -> dict:
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         # triton reads the flag when it is first imported, before any test runs
         pytest.skip("no GPU: set TRITON_INTERPRET=1 for the whole session to use the interpreter")
-    names = ["gated_delta", "causal_conv1d", "paged_attention", "rmsnorm", "rope", "activation", "skinny_linear"]
+    names = ["gated_delta", "causal_conv1d", "paged_attention", "rmsnorm", "rope", "activation", "skinny_linear", "embedding"]
     return {n: importlib.import_module(f"deltaserve.kernels.{n}") for n in names}
+
+
+@pytest.fixture(scope="module")
+def device() -> torch.device:
+    """Where the kernel tests run their kernels: CUDA, else the CPU (the interpreter)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture(scope="session")

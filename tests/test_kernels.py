@@ -10,41 +10,13 @@ when triton is installed, else these tests skip.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import sys
 
 import pytest
 import torch
-
-CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-# relative L2 error bounds: fp32 kernels reorder sums only; bf16 outputs differ by rounding
-# (the interpreter also truncates where the GPU rounds to nearest)
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture(scope="module")
-def device():
-    return torch.device("cuda" if CUDA else "cpu")
-
-
-def poisoned(shape, dtype, device) -> torch.Tensor:
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-
-def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    assert not torch.isnan(got).any(), f"{what}: NaN left (an element the kernel did not write)"
-    err = ((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30)).item()
-    assert err <= TOLERANCE[dtype], f"{what}: relative error {err:.2e} > {TOLERANCE[dtype]:.0e}"
-
-
-def pick(n: int, k: int, device) -> torch.Tensor:
-    """k distinct indices of range(n), in random order, int32."""
-    return torch.randperm(n)[:k].to(device=device, dtype=torch.int32)
-
+from kernel_checks import CUDA, DTYPES, assert_close, needs_cuda, pick, poisoned
 
 DELTA_SHAPES = [  # (key heads, value heads, dk, dv, tokens, decodes, slots)
     (2, 4, 16, 32, 5, 3, 6),
@@ -303,104 +275,31 @@ def test_sigmoid_gate(kernels, device, dtype, tokens, heads, dim):
     assert_close(got.float(), mod.sigmoid_gate_reference(x, gate).float(), dtype, "sigmoid_gate")
 
 
-LINEAR_SHAPES = [  # (rows, N, K): the GEMV (narrow, wide), split K in 3 and 2, 17 rows in a 32 tile
-    (1, 42, 1024),
-    (1, 4100, 512),
-    (3, 42, 384),
-    (17, 70, 256),
-    pytest.param(1, 18432, 2560, marks=needs_cuda),  # 4B gate_up
-    pytest.param(5, 2560, 9216, marks=needs_cuda),  # 4B down
-    pytest.param(32, 12352, 2560, marks=needs_cuda),  # 4B DeltaNet in_proj
-    pytest.param(1, 12352, 2560, marks=needs_cuda),  # the TUNED tiles: in_proj's GEMV
-    pytest.param(40, 12352, 2560, marks=needs_cuda),  # ... in_proj at 33-64 rows
-    pytest.param(64, 2560, 9216, marks=needs_cuda),  # ... down at 33-64 rows, K split in 3
-]
-
-
-@pytest.mark.parametrize("rows,n,k", LINEAR_SHAPES)
-def test_skinny_linear(kernels, device, rows, n, k):
-    """The decode GEMMs as `linear` picks them, against an fp32 product of the same bf16
-    inputs; split-K sums in a fixed order, so a second run gives the same bits."""
-    mod = kernels["skinny_linear"]
-    dtype = torch.bfloat16
-    x = torch.randn(rows, k, device=device).to(dtype)
-    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
-    cfg, gemv = mod.decode_config(rows, n, k)
-    assert gemv == (rows == 1)
-    got = mod.skinny_linear(x, w, cfg, gemv, out=poisoned((rows, n), dtype, device))
-    assert not torch.isnan(got).any(), "skinny_linear left an output unwritten"
-    want = x.float() @ w.float().t()
-    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-    bound = 4e-3 if CUDA else 8e-3  # one bf16 rounding is ~1e-3; the interpreter truncates instead
-    assert err < bound, f"skinny_linear {cfg}: relative error {err:.1e}"
-    assert torch.equal(mod.skinny_linear(x, w, cfg, gemv), got), "skinny_linear is not deterministic"
-
-
-@pytest.mark.parametrize("n,k,silu_mul", [(42, 1024, False), (300, 768, True), (300, 768, None), *(
-    pytest.param(*case, marks=needs_cuda) for case in [(12352, 2560, False), (2560, 9216, False), (9216, 2560, True),
-                                                       (248320, 2560, None)])])  # 4B: in_proj, down, gate_up, lm_head
-def test_gemv_whole_rows(kernels, device, monkeypatch, n, k, silu_mul):
-    """A GEMV tile as wide as K reads its rows whole before waiting (K past a power of two in
-    a second part): the product of the K-looping tile within rounding, the same bits twice.
-    silu_mul None: the lm_head's fp32 logits (`logits`), as exact as fp32 sums are."""
-    mod = kernels["skinny_linear"]
-    x = torch.randn(1, k, device=device).to(torch.bfloat16)
-    w = (torch.randn(2 * n if silu_mul else n, k, device=device) / k**0.5).to(torch.bfloat16)
-    want = mod.skinny_linear(x, w, mod.SkinnyConfig(4, 256, 1, 4, 2), True, silu_mul=bool(silu_mul)).float()
-    cfg = mod.SkinnyConfig(2 if silu_mul is None else 4, k, 1, 4, 1, whole_rows=True)
-    dtype = torch.float32 if silu_mul is None else torch.bfloat16
-    got = mod.skinny_linear(x, w, cfg, True, out=poisoned(want.shape, dtype, device), silu_mul=bool(silu_mul))
-    assert not torch.isnan(got).any(), "the whole-row GEMV left an output unwritten"
-    if silu_mul is None:
-        want = x.double() @ w.double().T
-        monkeypatch.setattr("deltaserve.kernels.triton_compat.GPU_PATH_ON_CPU", True)  # on CPU tensors too
-        assert torch.equal(mod.logits(x, w), got), "logits did not come from the whole-row GEMV"
-    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-    assert err < (1e-6 if silu_mul is None else 1e-2), f"whole-row GEMV {cfg}: relative error {err:.1e}"
-    again = mod.skinny_linear(x, w, cfg, True, out=torch.empty_like(got), silu_mul=bool(silu_mul))
-    assert torch.equal(again, got), "not deterministic"
-
-
-SILU_MUL_SHAPES = [  # (rows, I, K): the GEMV, the tensor-core kernel, a partial last tile
-    (1, 42, 1024),
-    (1, 2050, 512),
-    (3, 42, 384),
-    (17, 70, 256),
-    pytest.param(1, 9216, 2560, marks=needs_cuda),  # 4B gate_up
-    pytest.param(8, 9216, 2560, marks=needs_cuda),
-    pytest.param(64, 9216, 2560, marks=needs_cuda),  # ... the TUNED tile at 33-64 rows
-]
-
-
-@pytest.mark.parametrize("rows,inter,k", SILU_MUL_SHAPES)
-def test_skinny_linear_silu_mul_epilogue(kernels, device, rows, inter, k, monkeypatch):
-    """The MLP's gate_up projection making silu(gate) * up in its epilogue gives, bit for bit
-    on the GPU, what the product followed by `silu_and_mul` gives (each checked against its reference
-    elsewhere here); `linear` routes decode rows to it, and without SILU_EPILOGUE to the two
-    kernels."""
-    mod, act = kernels["skinny_linear"], kernels["activation"]
-    dtype = torch.bfloat16
-    x = torch.randn(rows, k, device=device).to(dtype)
-    w = (2 * torch.randn(2 * inter, k, device=device) / k**0.5).to(dtype)
-    rule, gemv = mod.decode_config(rows, 2 * inter, k)
-    cfg = dataclasses.replace(rule, split_k=1)  # the epilogue needs whole sums (the 4B gate_up never splits)
-    got = mod.skinny_linear(x, w, cfg, gemv, out=poisoned((rows, inter), dtype, device), silu_mul=True)
-    assert not torch.isnan(got).any(), "skinny_linear(silu_mul) left an output unwritten"
-    unfused = act.silu_and_mul_triton(mod.skinny_linear(x, w, cfg, gemv))
-    two_kernels = act.silu_and_mul_triton(mod.skinny_linear(x, w, rule, gemv))  # `linear` without the epilogue
-    if CUDA:  # the same products in the same order: the same bits
-        assert torch.equal(got, unfused), f"silu_mul epilogue {cfg}: max diff {(got.float() - unfused.float()).abs().max()}"
-    else:  # the interpreter's numpy dot may order a tile's sums by its rows: one-ulp flips, rarely
-        assert_close(got.float(), unfused.float(), torch.float32, f"silu_mul epilogue {cfg}")
-    with pytest.raises(ValueError, match="even"):
-        mod.skinny_linear(x, w[:-1], cfg, gemv, silu_mul=True)
-    from deltaserve.kernels import triton_compat
-
-    monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)  # `linear`'s GPU routing, on CPU too
-    # the epilogue needs whole sums: a product the rule splits is summed, then silu_and_mul'd
-    assert torch.equal(mod.linear(x, w, silu_mul=True), got if rule.split_k == 1 else two_kernels)
-    monkeypatch.setattr(mod, "SILU_EPILOGUE", False)
-    assert torch.equal(mod.linear(x, w, silu_mul=True), two_kernels)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab,first,rows,hidden,tokens", [(50, 0, 50, 40, 7), (90, 30, 30, 24, 9),
+                                                           pytest.param(248320, 0, 248320, 2560, 64, marks=needs_cuda)])
+def test_embedding(kernels, device, dtype, vocab, first, rows, hidden, tokens):
+    """Rows by token id; a -1 takes its slot's last sample (a padding row's slot is -1); at a
+    vocabulary shard (rows first .. first + rows - 1 of vocab), other tokens get zeros. A
+    copy: the same bits as the reference."""
+    mod = kernels["embedding"]
+    weight = torch.randn(rows, hidden, device=device).to(dtype)
+    last_tokens = torch.randint(0, vocab, (11,), device=device)
+    ids = torch.randint(0, vocab, (tokens,), device=device)
+    slots = pick(11, tokens, device) if tokens <= 11 else torch.randint(0, 11, (tokens,), device=device, dtype=torch.int32)
+    ids[::3] = -1
+    slots[-1] = -1  # a padding row: its own token, whatever the slot
+    ids[-1] = first + rows - 1
+    got = mod.embedding_triton(ids, weight, first, slots, last_tokens)
+    resolved = torch.where(ids >= 0, ids, last_tokens[slots.clamp(min=0).long()])
+    inside = (resolved >= first) & (resolved < first + rows)
+    want = torch.zeros(tokens, hidden, dtype=dtype, device=device)
+    want[inside] = weight[resolved[inside] - first]
+    assert torch.equal(got, want), "embedding: not the rows of the resolved tokens"
+    assert torch.equal(mod.embedding_reference(ids, weight, first, slots, last_tokens), want)
+    assert bool((~inside).any()) == (rows < vocab), "a shard case without tokens outside it"
+    plain = resolved.flip(0)  # every id given: no last samples read
+    assert torch.equal(mod.embedding_triton(plain, weight, first), mod.embedding_reference(plain, weight, first))
 
 
 ROPE_SHAPES = [  # (query heads, kv heads, head dim, rotary dim)

@@ -33,6 +33,9 @@ class StepBatch:
     # [S] int64, flat index of each token whose next token is sampled; None: every token's (a
     # decode graph: no gather kernel between the final norm and the lm_head)
     logits_index: torch.Tensor | None
+    # [T] int32 or None: a row of input_ids -1 is the last sample of this slot (a decode graph's
+    # step, queued before the host knows the step before's samples: `cache.last_tokens`)
+    token_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

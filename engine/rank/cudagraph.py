@@ -16,6 +16,9 @@ from torch import nn
 
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.step_meta import GpuStepBatch, StepMeta
+from deltaserve.engine.rank.transfer import to_device
+
+INPUT_BYTES_PER_ITEM = 3 * 8 + 3 * 4  # a decode item's int64 and int32 inputs
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -91,12 +94,14 @@ class BucketGraphs:
 class DecodeGraphs(BucketGraphs):
     """One CUDA graph per batch bucket of single-token items over `model` and `cache`.
 
-    A step's inputs are three rows of int64, [token | position | slot] per item (slot -1 pads
-    a bucket; token -1 is the slot's last sample, `cache.last_tokens`, read on the GPU),
-    copied to the GPU in one transfer from a pinned buffer; everything else is
-    computed inside the graph: the KV row from the slot's block table (kept on the GPU per
-    slot, `set_table` at admission), the context length, the block tables of the batch. So a
-    step costs Python one small copy and one launch.
+    A step's inputs are made on the host, where they are a few integers per item, and copied
+    to the GPU in one transfer from a pinned buffer: int64 rows [token | position | KV row]
+    and int32 rows [slot | context length | block-table row] (slot -1, KV row -1 and length
+    0 pad a bucket; token -1 is the slot's last sample, `cache.last_tokens`, which the
+    embedding kernel reads on the GPU). Inside the graph only the batch's block tables are
+    gathered (one kernel) from the per-slot tables kept on the GPU (`set_table` at admission):
+    index arithmetic in the graph cost a kernel per torch op, ~20 launches in a row before
+    the first layer. So a step costs Python one small copy and one launch.
 
     At TP > 1 every rank captures the same buckets in the same order at start-up and replays
     the same bucket each step (every rank runs every step), so the NCCL collectives inside
@@ -113,12 +118,21 @@ class DecodeGraphs(BucketGraphs):
         super().__init__(model, cache)
         self.max_batch = max_batch
         self.max_blocks = max_blocks
-        i64 = {"dtype": torch.int64, "device": self.device}
-        self.inputs = torch.zeros((3, max_batch), **i64)  # token, position, slot
-        self.inputs[2].fill_(-1)
-        self.host = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=self.is_cuda)
-        self.slot_tables = torch.zeros((cache.num_slots, max_blocks), **i64)
+        self.width = -(-max_batch // 4) * 4  # items per row: every row starts 16-byte aligned
+        # [token | position | KV row] int64, then [slot | length | table row] int32, padding's
+        self.inputs = torch.zeros(INPUT_BYTES_PER_ITEM * self.width, dtype=torch.uint8, device=self.device)
+        self.host = torch.zeros(self.inputs.shape, dtype=torch.uint8, pin_memory=self.is_cuda)
+        for buffer in (self.inputs, self.host):
+            wide, narrow = self._rows(buffer)
+            wide[2].fill_(-1)
+            narrow[0].fill_(-1)
+        self.slot_tables = torch.zeros((cache.num_slots, max_blocks), dtype=torch.int64, device=self.device)
         self.rows = torch.arange(max_batch, dtype=torch.int32, device=self.device)  # token rows, as the kernels take them
+
+    def _rows(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int64 [3, width] and int32 [3, width] rows of an input buffer (views)."""
+        split = 3 * 8 * self.width
+        return buffer[:split].view(torch.int64).view(3, -1), buffer[split:].view(torch.int32).view(3, -1)
 
     def set_table(self, slot: int, table: torch.Tensor) -> None:
         """The block table of the request now in `slot` (at most `max_blocks` blocks)."""
@@ -126,28 +140,27 @@ class DecodeGraphs(BucketGraphs):
         self.slot_tables[slot, : table.shape[0]].copy_(table)
 
     def _batch(self, size: int) -> GpuStepBatch:
-        """The step over the first `size` rows of the static inputs, by tensor ops only (so a
-        capture records them): padding rows (slot -1) write KV row -1 and read nothing."""
-        tokens, positions, slots = self.inputs[:, :size]
-        bs = self.cache.block_size
-        valid = slots >= 0
-        tokens = torch.where(tokens >= 0, tokens, self.cache.last_tokens[slots.clamp(min=0)])
-        tables = self.slot_tables[slots.clamp(min=0)]  # [size, max_blocks]
-        block = tables.gather(1, (positions // bs).clamp(max=self.max_blocks - 1)[:, None])[:, 0]
+        """The step over the first `size` items of the static inputs (a capture records the
+        one op here, the tables' gather): padding items (slot -1) write KV row -1 and read
+        nothing."""
+        wide, narrow = self._rows(self.inputs)
+        tokens, positions, kv_index = wide[:, :size]
+        slots, seq_lens, table_rows = narrow[:, :size]
         meta = StepMeta(
             rows=self.rows[:size],
-            slots=slots.to(torch.int32),
-            seq_lens=torch.where(valid, positions + 1, 0).to(torch.int32),
-            block_tables=tables,
-            max_seq_len=self.max_blocks * bs,
+            slots=slots,
+            seq_lens=seq_lens,
+            block_tables=self.slot_tables.index_select(0, table_rows),  # [size, max_blocks]
+            max_seq_len=self.max_blocks * self.cache.block_size,
             prefill=(),
         )
         return GpuStepBatch(
             input_ids=tokens,
             positions=positions,
-            kv_index=torch.where(valid, block * bs + positions % bs, -1),
+            kv_index=kv_index,
             spans=(),
             logits_index=None,
+            token_slots=slots,
             meta=meta,
         )
 
@@ -163,16 +176,30 @@ class DecodeGraphs(BucketGraphs):
         return bool(self.graphs) and 0 < num_items <= self.max_batch and num_blocks <= self.max_blocks
 
     @torch.inference_mode()
-    def run(self, tokens: list[int], positions: list[int], slots: list[int], sampled: list[int]) -> torch.Tensor | None:
-        """Replay the smallest bucket that holds the items (one `can_run`); fp32 logits of
-        the rows `sampled` on rank 0, None on the others."""
+    def run(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int],
+        kv_rows: list[int],
+        sampled: list[int],
+        copy: bool = True,
+    ) -> torch.Tensor | None:
+        """Replay the smallest bucket that holds the items (one `can_run`): each a token (-1:
+        its slot's last sample) at a position, its slot and the KV row it writes. Returns fp32
+        logits of the rows `sampled` on rank 0, None on the others; without `copy`, where every
+        row samples, rows of the graph's output buffer, which the next replay overwrites."""
         n = len(tokens)
         size = min(b for b in self.graphs if b >= n)
-        pad = size - n
-        values = torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
-        self._upload(values, self.host[:, :size], self.inputs[:, :size])
+        pad = [0] * (self.width - n)
+        no_slot = [-1] * (self.width - n)
+        wide = torch.tensor([tokens + pad, positions + pad, kv_rows + no_slot], dtype=torch.int64)
+        narrow = torch.tensor([slots + no_slot, [p + 1 for p in positions] + pad, slots + pad], dtype=torch.int32)
+        values = torch.cat((wide.view(-1).view(torch.uint8), narrow.view(-1).view(torch.uint8)))
+        self._upload(values, self.host, self.inputs)
         logits = self._replay(size)
         if logits is None:
             return None
-        # a copy: the graph's output buffer is overwritten by the next replay
-        return logits[:n].clone() if len(sampled) == n else logits[torch.tensor(sampled, device=logits.device)]
+        if len(sampled) < n:
+            return logits[to_device(sampled, torch.int64, logits.device)]
+        return logits[:n].clone() if copy else logits[:n]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.engine.rank.linear import new_param, sharded_loader
 from deltaserve.engine.rank.parallel import all_reduce, gather_last_dim, tp_rank, tp_size
+from deltaserve.kernels.embedding import embedding
 from deltaserve.kernels.skinny_linear import logits
 
 
@@ -21,13 +21,13 @@ class VocabParallelEmbedding(nn.Module):
         loader = sharded_loader(None, 0, (vocab_size, hidden))
         self.weight = new_param((self.rows, hidden), loader, dtype, device)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if tp_size() == 1:
-            return F.embedding(ids, self.weight)
-        local = ids - self.first
-        outside = (local < 0) | (local >= self.rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return all_reduce(out.masked_fill(outside[:, None], 0.0))
+    def forward(
+        self, ids: torch.Tensor, token_slots: torch.Tensor | None = None, last_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows of the ids; with `token_slots`, an id of -1 is its slot's `last_tokens` entry.
+        A rank's rows of ids outside its shard are zeros, filled in by the all-reduce."""
+        out = embedding(ids, self.weight, self.first, token_slots, last_tokens)
+        return out if tp_size() == 1 else all_reduce(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary fp32 logits on rank 0 (None elsewhere; skinny_linear.logits)."""

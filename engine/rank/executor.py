@@ -196,7 +196,8 @@ class Executor:
         """Drop `drops` and queue the step's forward. The rank's serve loop queues step N+1
         this way before it finishes N (`finish_step`), so the device never waits for the host
         between pipelined steps; N+1's items without tokens read N's samples on the device."""
-        step = LaunchedStep(items, self.forward(items, drops=drops))
+        # the sampling, queued before the next step's replay, reads the graph's output in place
+        step = LaunchedStep(items, self.forward(items, drops=drops, graph_output=True))
         if self.sampler is None and self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
@@ -223,16 +224,19 @@ class Executor:
         """Wait for the step's samples on the host (rank 0; [] elsewhere, at once)."""
         return [] if step.sampling is None else self.sampler.finish(step.sampling)
 
-    def forward(self, items: list[StepItem], every_position: bool = False, drops: list[int] = ()) -> torch.Tensor | None:
+    def forward(
+        self, items: list[StepItem], every_position: bool = False, drops: list[int] = (), graph_output: bool = False
+    ) -> torch.Tensor | None:
         """Drop `drops`, advance every item's request through the model; return fp32 logits
         on rank 0 of the positions that sample (or of every position: golden tests), None
-        elsewhere."""
+        elsewhere. `graph_output`: a decode graph's logits may be its output buffer, which the
+        next replay overwrites (else they are copied out)."""
         self._admit_new(items, drops)
         self._share_last_samples(items)
         if self.graphs is None or every_position:
             logits = self._run_eager(self._build_batch(items, every_position))
         else:
-            logits = self._run_with_graphs(items)
+            logits = self._run_with_graphs(items, graph_output)
         for item in items:
             req = self.requests[item.request_id]
             req.num_tokens = item.start + item_length(item)
@@ -252,7 +256,7 @@ class Executor:
             batch = with_step_meta(batch, self.device)  # index tensors once for all layers
         return self.model(batch, self.cache)
 
-    def _run_with_graphs(self, items: list[StepItem]) -> torch.Tensor | None:
+    def _run_with_graphs(self, items: list[StepItem], graph_output: bool) -> torch.Tensor | None:
         """Single-token items replay a decode CUDA graph; prompt chunks run in a forward of
         their own, a prompt graph's replay where they fit one (`_run_prompts`). A mixed step
         so never makes its decodes pay Python's per-kernel launch cost (SGLang likewise keeps
@@ -265,11 +269,14 @@ class Executor:
         if not self.graphs.can_run(len(singles), max((len(r.blocks) for r in held), default=0)):
             return self._run_eager(self._build_batch(items, False))
         chunk_logits = self._run_prompts(chunks) if chunks else None
+        bs = self.cache.block_size
         decode_logits = self.graphs.run(
             [item.token_ids[0] if item.token_ids else -1 for item in singles],  # -1: last sample
             [item.start for item in singles],
             [r.slot for r in held],
+            [r.blocks[item.start // bs] * bs + item.start % bs for item, r in zip(singles, held, strict=True)],
             [i for i, item in enumerate(singles) if item.sample],
+            copy=not (graph_output or chunks),  # with chunks: copied into the merged rows below
         )
         if not chunks or decode_logits is None:  # decode-only, or not rank 0
             return decode_logits

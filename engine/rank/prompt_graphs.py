@@ -110,7 +110,7 @@ class PromptGraphs(BucketGraphs):
             prefill=(),
             packed=packed,
         )
-        return GpuStepBatch(tokens, positions, kv_index, (), sampled, meta)
+        return GpuStepBatch(tokens, positions, kv_index, (), sampled, meta=meta)
 
     def _fill(self, size: int, plan: StepPlan) -> None:
         """Write `plan` padded to bucket `size` into the static inputs (one pinned copy)."""

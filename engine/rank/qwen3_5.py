@@ -93,7 +93,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     def forward(self, batch: StepBatch, cache: StateCache) -> torch.Tensor | None:
         """Run every layer over the step; return fp32 logits [S, vocab] of the tokens at
         `batch.logits_index` (every token where it is None) on rank 0 (None on the others)."""
-        x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        x = self.model.embed_tokens(batch.input_ids, batch.token_slots, cache.last_tokens)  # [T, hidden]
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, batch, cache)

@@ -124,6 +124,7 @@ def with_step_meta(batch: StepBatch, device: torch.device) -> GpuStepBatch:
         kv_index=batch.kv_index,
         spans=batch.spans,
         logits_index=batch.logits_index,
+        token_slots=batch.token_slots,
         meta=build_step_meta(batch.spans, device),
     )
 

@@ -1,0 +1,111 @@
+"""The decode projections' kernels (kernels/skinny_linear.py) against fp32 and float64
+products of the same inputs: the GEMV (K-looping and whole-row), the tensor-core kernel with K
+split, the MLP's silu epilogue, and `linear`'s routing between them. Small shapes under the
+interpreter; the Qwen3.5-4B shapes on CUDA only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from kernel_checks import CUDA, assert_close, needs_cuda, poisoned
+
+LINEAR_SHAPES = [  # (rows, N, K): the GEMV (narrow, wide), split K in 3 and 2, 17 rows in a 32 tile
+    (1, 42, 1024),
+    (1, 4100, 512),
+    (3, 42, 384),
+    (17, 70, 256),
+    pytest.param(1, 18432, 2560, marks=needs_cuda),  # 4B gate_up
+    pytest.param(5, 2560, 9216, marks=needs_cuda),  # 4B down
+    pytest.param(32, 12352, 2560, marks=needs_cuda),  # 4B DeltaNet in_proj
+    pytest.param(1, 12352, 2560, marks=needs_cuda),  # the TUNED tiles: in_proj's GEMV
+    pytest.param(40, 12352, 2560, marks=needs_cuda),  # ... in_proj at 33-64 rows
+    pytest.param(64, 2560, 9216, marks=needs_cuda),  # ... down at 33-64 rows, K split in 3
+]
+
+
+@pytest.mark.parametrize("rows,n,k", LINEAR_SHAPES)
+def test_skinny_linear(kernels, device, rows, n, k):
+    """The decode GEMMs as `linear` picks them, against an fp32 product of the same bf16
+    inputs; split-K sums in a fixed order, so a second run gives the same bits."""
+    mod = kernels["skinny_linear"]
+    dtype = torch.bfloat16
+    x = torch.randn(rows, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    cfg, gemv = mod.decode_config(rows, n, k)
+    assert gemv == (rows == 1)
+    got = mod.skinny_linear(x, w, cfg, gemv, out=poisoned((rows, n), dtype, device))
+    assert not torch.isnan(got).any(), "skinny_linear left an output unwritten"
+    want = x.float() @ w.float().t()
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    bound = 4e-3 if CUDA else 8e-3  # one bf16 rounding is ~1e-3; the interpreter truncates instead
+    assert err < bound, f"skinny_linear {cfg}: relative error {err:.1e}"
+    assert torch.equal(mod.skinny_linear(x, w, cfg, gemv), got), "skinny_linear is not deterministic"
+
+
+@pytest.mark.parametrize("n,k,silu_mul", [(42, 1024, False), (300, 768, True), (300, 768, None), *(
+    pytest.param(*case, marks=needs_cuda) for case in [(12352, 2560, False), (2560, 9216, False), (9216, 2560, True),
+                                                       (248320, 2560, None)])])  # 4B: in_proj, down, gate_up, lm_head
+def test_gemv_whole_rows(kernels, device, monkeypatch, n, k, silu_mul):
+    """A GEMV tile as wide as K reads its rows whole before waiting (K past a power of two in
+    a second part): the product of the K-looping tile within rounding, the same bits twice.
+    silu_mul None: the lm_head's fp32 logits (`logits`), as exact as fp32 sums are."""
+    mod = kernels["skinny_linear"]
+    x = torch.randn(1, k, device=device).to(torch.bfloat16)
+    w = (torch.randn(2 * n if silu_mul else n, k, device=device) / k**0.5).to(torch.bfloat16)
+    want = mod.skinny_linear(x, w, mod.SkinnyConfig(4, 256, 1, 4, 2), True, silu_mul=bool(silu_mul)).float()
+    cfg = mod.SkinnyConfig(2 if silu_mul is None else 4, k, 1, 4, 1, whole_rows=True)
+    dtype = torch.float32 if silu_mul is None else torch.bfloat16
+    got = mod.skinny_linear(x, w, cfg, True, out=poisoned(want.shape, dtype, device), silu_mul=bool(silu_mul))
+    assert not torch.isnan(got).any(), "the whole-row GEMV left an output unwritten"
+    if silu_mul is None:
+        want = x.double() @ w.double().T
+        monkeypatch.setattr("deltaserve.kernels.triton_compat.GPU_PATH_ON_CPU", True)  # on CPU tensors too
+        assert torch.equal(mod.logits(x, w), got), "logits did not come from the whole-row GEMV"
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < (1e-6 if silu_mul is None else 1e-2), f"whole-row GEMV {cfg}: relative error {err:.1e}"
+    again = mod.skinny_linear(x, w, cfg, True, out=torch.empty_like(got), silu_mul=bool(silu_mul))
+    assert torch.equal(again, got), "not deterministic"
+
+
+SILU_MUL_SHAPES = [  # (rows, I, K): the GEMV, the tensor-core kernel, a partial last tile
+    (1, 42, 1024),
+    (1, 2050, 512),
+    (3, 42, 384),
+    (17, 70, 256),
+    pytest.param(1, 9216, 2560, marks=needs_cuda),  # 4B gate_up
+    pytest.param(8, 9216, 2560, marks=needs_cuda),
+    pytest.param(64, 9216, 2560, marks=needs_cuda),  # ... the TUNED tile at 33-64 rows
+]
+
+
+@pytest.mark.parametrize("rows,inter,k", SILU_MUL_SHAPES)
+def test_skinny_linear_silu_mul_epilogue(kernels, device, rows, inter, k, monkeypatch):
+    """The MLP's gate_up projection making silu(gate) * up in its epilogue gives, bit for bit
+    on the GPU, what the product followed by `silu_and_mul` gives (each checked against its reference
+    elsewhere here); `linear` routes decode rows to it, and without SILU_EPILOGUE to the two
+    kernels."""
+    mod, act = kernels["skinny_linear"], kernels["activation"]
+    dtype = torch.bfloat16
+    x = torch.randn(rows, k, device=device).to(dtype)
+    w = (2 * torch.randn(2 * inter, k, device=device) / k**0.5).to(dtype)
+    rule, gemv = mod.decode_config(rows, 2 * inter, k)
+    cfg = dataclasses.replace(rule, split_k=1)  # the epilogue needs whole sums (the 4B gate_up never splits)
+    got = mod.skinny_linear(x, w, cfg, gemv, out=poisoned((rows, inter), dtype, device), silu_mul=True)
+    assert not torch.isnan(got).any(), "skinny_linear(silu_mul) left an output unwritten"
+    unfused = act.silu_and_mul_triton(mod.skinny_linear(x, w, cfg, gemv))
+    two_kernels = act.silu_and_mul_triton(mod.skinny_linear(x, w, rule, gemv))  # `linear` without the epilogue
+    if CUDA:  # the same products in the same order: the same bits
+        assert torch.equal(got, unfused), f"silu_mul epilogue {cfg}: max diff {(got.float() - unfused.float()).abs().max()}"
+    else:  # the interpreter's numpy dot may order a tile's sums by its rows: one-ulp flips, rarely
+        assert_close(got.float(), unfused.float(), torch.float32, f"silu_mul epilogue {cfg}")
+    with pytest.raises(ValueError, match="even"):
+        mod.skinny_linear(x, w[:-1], cfg, gemv, silu_mul=True)
+    from deltaserve.kernels import triton_compat
+
+    monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)  # `linear`'s GPU routing, on CPU too
+    # the epilogue needs whole sums: a product the rule splits is summed, then silu_and_mul'd
+    assert torch.equal(mod.linear(x, w, silu_mul=True), got if rule.split_k == 1 else two_kernels)
+    monkeypatch.setattr(mod, "SILU_EPILOGUE", False)
+    assert torch.equal(mod.linear(x, w, silu_mul=True), two_kernels)
