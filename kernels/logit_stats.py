@@ -6,7 +6,10 @@ a log); at 64 rows of a 248k vocabulary that is 64 MB per pass between two decod
 kernel splits each row into parts, one program each (so a single row still fills the GPU),
 keeps an online max, rescaled sum of exponentials and first argmax per part (the running
 softmax normaliser of Milakov & Gimelshein, "Online normalizer calculation for softmax"),
-and a second small kernel combines the parts.
+and a second small kernel combines the parts. That one also writes what a greedy row's sample
+is, packed as the sampler sends samples to the host ([token, logprob] in float64), and puts
+the token in its slot's `last_tokens` (the next step's input): for a greedy step nothing else
+runs between the logits and the copy to the host.
 """
 
 from __future__ import annotations
@@ -19,16 +22,28 @@ BLOCK = 1024  # columns per load
 TARGET_PROGRAMS = 1024  # parts over all rows: several waves on 132 SMs
 
 
-def logsumexp_argmax_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.logsumexp(logits, dim=-1), logits.argmax(dim=-1)
+Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # logsumexp, argmax, greedy samples
 
 
-def logsumexp_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[rows, vocab] fp32 -> (logsumexp [rows] fp32, argmax [rows] int64; the first of equal
-    maxima, as torch.argmax)."""
+def logsumexp_argmax_reference(
+    logits: torch.Tensor, slots: torch.Tensor | None = None, last_tokens: torch.Tensor | None = None
+) -> Stats:
+    lse, arg = torch.logsumexp(logits, dim=-1), logits.argmax(dim=-1)
+    greedy = torch.stack((arg.double(), (logits.gather(1, arg[:, None])[:, 0] - lse).double()), dim=1)
+    if slots is not None:
+        last_tokens[slots] = arg
+    return lse, arg, greedy
+
+
+def logsumexp_argmax(
+    logits: torch.Tensor, slots: torch.Tensor | None = None, last_tokens: torch.Tensor | None = None
+) -> Stats:
+    """[rows, vocab] fp32 -> (logsumexp [rows] fp32, argmax [rows] int64, the first of equal
+    maxima as torch.argmax; greedy [rows, 2] float64: the argmax and its logprob). With
+    `slots`, also last_tokens[slots[i]] = argmax[i]."""
     if gpu_path(logits) and HAS_TRITON:
-        return logsumexp_argmax_triton(logits)
-    return logsumexp_argmax_reference(logits)
+        return logsumexp_argmax_triton(logits, slots=slots, last_tokens=last_tokens)
+    return logsumexp_argmax_reference(logits, slots, last_tokens)
 
 
 @triton.jit
@@ -57,7 +72,10 @@ def _parts_kernel(x_ptr, stride_row, vocab, part_len, max_ptr, sum_ptr, arg_ptr,
 
 
 @triton.jit(do_not_specialize=["parts"])  # one compiled kernel for every row count
-def _combine_kernel(max_ptr, sum_ptr, arg_ptr, lse_ptr, out_arg_ptr, parts, PARTS: tl.constexpr):
+def _combine_kernel(
+    max_ptr, sum_ptr, arg_ptr, lse_ptr, out_arg_ptr, greedy_ptr, slots_ptr, last_ptr, parts,
+    PARTS: tl.constexpr, TO_SLOTS: tl.constexpr,
+):
     # program: one row's parts, in column order
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, PARTS)
@@ -69,22 +87,33 @@ def _combine_kernel(max_ptr, sum_ptr, arg_ptr, lse_ptr, out_arg_ptr, parts, PART
     total = tl.sum(part_sum * tl.exp(part_max - best), axis=0)
     first = tl.argmax(part_max, axis=0, tie_break_left=True)  # the earliest part holding the maximum
     arg = tl.sum(tl.where(offs == first, part_arg, 0), axis=0)
-    tl.store(lse_ptr + row, best + tl.log(total))
+    lse = best + tl.log(total)
+    tl.store(lse_ptr + row, lse)
     tl.store(out_arg_ptr + row, arg)
+    tl.store(greedy_ptr + 2 * row, arg.to(tl.float64))
+    tl.store(greedy_ptr + 2 * row + 1, (best - lse).to(tl.float64))  # best: the argmax's logit
+    if TO_SLOTS:
+        tl.store(last_ptr + tl.load(slots_ptr + row), arg)
 
 
 def logsumexp_argmax_triton(
-    logits: torch.Tensor, target_programs: int = TARGET_PROGRAMS
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor,
+    target_programs: int = TARGET_PROGRAMS,
+    slots: torch.Tensor | None = None,
+    last_tokens: torch.Tensor | None = None,
+) -> Stats:
     check_launchable(logits)
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(f"logits: expected [rows, vocab] fp32 with a contiguous last dim, got "
                          f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}")  # fmt: skip
     rows, vocab = logits.shape
+    if slots is not None and (slots.shape != (rows,) or last_tokens is None or last_tokens.dtype != torch.int64):
+        raise ValueError(f"slots: expected [{rows}] with int64 last_tokens")
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     arg = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    greedy = torch.empty((rows, 2), dtype=torch.float64, device=logits.device)
     if rows == 0:
-        return lse, arg
+        return lse, arg, greedy
     most_parts = triton.next_power_of_2(min(target_programs, triton.cdiv(vocab, BLOCK)))  # any row count's
     parts = max(1, min(triton.cdiv(target_programs, rows), triton.cdiv(vocab, BLOCK)))
     part_len = triton.cdiv(triton.cdiv(vocab, parts), BLOCK) * BLOCK
@@ -93,5 +122,9 @@ def logsumexp_argmax_triton(
     part_sum = torch.empty_like(part_max)
     part_arg = torch.empty((rows, parts), dtype=torch.int64, device=logits.device)
     _parts_kernel[(rows, parts)](logits, logits.stride(0), vocab, part_len, part_max, part_sum, part_arg, BLOCK=BLOCK)
-    _combine_kernel[(rows,)](part_max, part_sum, part_arg, lse, arg, parts, PARTS=most_parts)
-    return lse, arg
+    to_slots = slots is not None
+    _combine_kernel[(rows,)](
+        part_max, part_sum, part_arg, lse, arg, greedy, slots if to_slots else arg, last_tokens if to_slots else arg,
+        parts, PARTS=most_parts, TO_SLOTS=to_slots,
+    )
+    return lse, arg, greedy

@@ -51,6 +51,22 @@ class TestSampler:
         assert sampler.finish(sampler.launch([0], _logits(1)))[0].request_id == 0
         assert sample.request_id == 0
 
+    def test_each_token_goes_to_its_slot(self):
+        """With slots, every row's token lands in its slot's last_tokens (the next pipelined
+        step's input): greedy rows' argmax, and rows that are drawn or penalised away from it."""
+        sampler = Sampler()
+        specs = [SamplingSpec(seed=0, temperature=0.0), SamplingSpec(seed=1, temperature=1.5),
+                 SamplingSpec(seed=2, temperature=0.0, repetition_penalty=50.0)]  # fmt: skip
+        for r, spec in enumerate(specs):
+            sampler.add(r, spec)
+        logits = _logits(3, rows=3)
+        top = int(logits[2].argmax())
+        sampler.observe(2, [top], is_prompt=True)  # the penalty pushes row 2 off its argmax
+        last_tokens = torch.full((6,), -1, dtype=torch.int64)
+        samples = sampler.finish(sampler.launch([0, 1, 2], logits, [4, 0, 2], last_tokens))
+        assert last_tokens[[4, 0, 2]].tolist() == [s.token_id for s in samples]
+        assert samples[2].token_id != top and last_tokens[[1, 3, 5]].tolist() == [-1, -1, -1]
+
     def test_greedy_is_argmax_and_logprobs_are_raw(self):
         """Greedy rows take the argmax; logprobs are log_softmax of the raw logits and the
         alternatives come best first, as many as asked."""
@@ -267,8 +283,14 @@ def test_logsumexp_argmax_kernel(rows, vocab, programs):
     if rows > 1:
         logits[1, 1500] = logits[1, 1501] = logits[1].max() + 1.0  # two in one block
         logits[2, 2100] = logits[2, 100] = logits[2].max() + 1.0  # blocks 0 and 2
-    lse, arg = logit_stats.logsumexp_argmax_triton(logits, programs)
-    want_lse, want_arg = logit_stats.logsumexp_argmax_reference(logits)
+    slots = torch.randperm(rows + 2, device=logits.device)[:rows]  # the rows' slots, out of order
+    last_tokens = torch.full((rows + 2,), -5, dtype=torch.int64, device=logits.device)
+    lse, arg, greedy = logit_stats.logsumexp_argmax_triton(logits, programs, slots, last_tokens)
+    want_lse, want_arg, _ = logit_stats.logsumexp_argmax_reference(logits)
     assert torch.equal(arg, want_arg), f"argmax {arg.tolist()[:8]} != {want_arg.tolist()[:8]}"
     assert arg[0].item() == 3
     assert torch.allclose(lse, want_lse, rtol=1e-6, atol=1e-5), (lse - want_lse).abs().max()
+    # the greedy samples as the sampler packs them: the argmax, its logit less this lse
+    want_greedy = torch.stack((arg.double(), (logits.gather(1, arg[:, None])[:, 0] - lse).double()), dim=1)
+    assert torch.equal(greedy, want_greedy), (greedy - want_greedy).abs().max()
+    assert torch.equal(last_tokens[slots], arg) and (last_tokens == -5).sum() == 2, "argmax not in its slot alone"

@@ -215,10 +215,8 @@ class Executor:
                 self.sampler.observe(item.request_id, item.token_ids, is_prompt=True)
             req.prompt_done = req.prompt_done or item.sample
         sampled = [item.request_id for item in step.items if item.sample]
-        step.sampling = self.sampler.launch(sampled, step.logits)
-        if sampled:
-            slots = to_device([self.requests[r].slot for r in sampled], torch.int64, self.device)
-            self.cache.last_tokens[slots] = step.sampling.tokens
+        slots = [self.requests[r].slot for r in sampled]
+        step.sampling = self.sampler.launch(sampled, step.logits, slots, self.cache.last_tokens)
 
     def finish_step(self, step: LaunchedStep) -> list[Sample]:
         """Wait for the step's samples on the host (rank 0; [] elsewhere, at once)."""

@@ -106,12 +106,19 @@ class Sampler:
         """Sample one token per row of `logits` [n, vocab] (row i for request_ids[i])."""
         return self.finish(self.launch(request_ids, logits))
 
-    def launch(self, request_ids: list[int], logits: torch.Tensor) -> SampleLaunch:
+    def launch(
+        self,
+        request_ids: list[int],
+        logits: torch.Tensor,
+        slots: list[int] | None = None,
+        last_tokens: torch.Tensor | None = None,
+    ) -> SampleLaunch:
         """Queue the sampling of one token per row of `logits` [n, vocab] (row i for
         request_ids[i]) and the copy of the results to the host, without waiting for the
         device: nothing here reads a device value (host-made tensors go up from pinned
-        memory), save the rare wide nucleus in `_sample_random`. `finish` must come before
-        the next launch: the next tokens' seeds and penalties count this one."""
+        memory), save the rare wide nucleus in `_sample_random`. With `slots`, each token is
+        also written to `last_tokens[slots[i]]` on the device. `finish` must come before the
+        next launch: the next tokens' seeds and penalties count this one."""
         if self._in_flight:
             raise RuntimeError("sampler launch before the previous launch was finished")
         if logits.dim() != 2 or logits.shape[0] != len(request_ids):
@@ -123,9 +130,11 @@ class Sampler:
         if not request_ids:
             return SampleLaunch([], [], torch.empty(0, dtype=torch.int64), torch.empty((0, 2)), None)
         logits = logits.float()
+        slot_rows = None if slots is None else to_device(slots, torch.int64, logits.device)
         # Raw logprobs without materialising log_softmax: logit - logsumexp(row); one read of
-        # the logits on the GPU gives the argmax too.
-        log_normaliser, tokens = logsumexp_argmax(logits)
+        # the logits on the GPU gives the argmax too, and the greedy samples as `packed` holds
+        # them, already in last_tokens.
+        log_normaliser, tokens, greedy = logsumexp_argmax(logits, slot_rows, last_tokens)
 
         work = logits
         penalised = [i for i, s in enumerate(states) if _has_penalties(s.spec)]
@@ -140,14 +149,18 @@ class Sampler:
             drawn = self._sample_random(work, random_rows, [states[i] for i in random_rows])
             tokens[to_device(random_rows, torch.int64, tokens.device)] = drawn
 
-        token_logprobs = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - log_normaliser
-        columns = [tokens[:, None].double(), token_logprobs[:, None].double()]
+        columns = [greedy]
+        if penalised or random_rows:  # tokens other than the argmax
+            token_logprobs = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - log_normaliser
+            columns = [tokens[:, None].double(), token_logprobs[:, None].double()]
+            if slot_rows is not None:
+                last_tokens[slot_rows] = tokens
         if num_alternatives > 0:
             values, ids = logits.topk(num_alternatives, dim=-1)  # sorted, best first
             columns += [ids.double(), (values - log_normaliser.unsqueeze(1)).double()]
         # token, logprob, alternatives' ids, their logprobs: float64 holds every id and fp32
         # value exactly, so one copy brings the whole step to the host
-        packed = torch.cat(columns, dim=1)
+        packed = columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)
         done = None
         if packed.is_cuda:
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
