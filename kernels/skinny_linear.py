@@ -21,12 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.kernels.activation import silu_and_mul
+from deltaserve.kernels.causal_conv1d import causal_conv1d_update
 from deltaserve.kernels.triton_compat import (
     HAS_TRITON,
     INTERPRET,
     check_launchable,
     gpu_path,
     pdl_options,
+    read_ahead,
     tl,
     triton,
     wait_for_previous_grid,
@@ -40,6 +42,7 @@ SILU_EPILOGUE = True  # gate_up's kernel makes silu(gate) * up (tools/bench_step
 SUM_IN_NORM = True  # split-K partial sums added by the next norm (`linear(unsummed=True)`; ditto)
 USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mode turns them off)
 LM_HEAD_GEMV = True  # one row's logits by the whole-row GEMV (`logits`; ditto, "lm_cublas")
+CONV_EPILOGUE = True  # one row's in_proj GEMV makes the DeltaNet conv (`ConvEpilogue`; ditto, "conv_apart")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,54 @@ class SplitSum:
 
     parts: torch.Tensor  # [splits, M, N] fp32
     dtype: torch.dtype  # of the product: the sum is rounded to it, as `skinny_linear` rounds
+
+
+@dataclass(frozen=True, slots=True)
+class ConvEpilogue:
+    """The DeltaNet's causal conv (width 4) of a decode-only step, after in_proj: the output
+    columns below `weight.shape[0]` (the conv channels, [q | k | v]) become what
+    `causal_conv1d_update` makes of them, silu(conv(window, x)), and each row's window (its
+    slot's) shifts x in; the other columns (z, b, a) stay the product. Row r of the step is
+    the item in `slots[r]`, as in a decode-only step (its rows are 0 .. M-1, `rows`).
+
+    One row's whole-row GEMV makes it as it writes, the window and taps read ahead of its
+    wait: one launch fewer per DeltaNet layer (batch-1 step 2.462 / 2.481 against 2.476 /
+    2.484 ms, bench/results/step_ab_h200_conv_epilogue_at_2bf5ebd.json). At 64 rows the
+    tensor-core kernel's epilogue measured 2.4% slower, so more rows run the conv kernel."""
+
+    weight: torch.Tensor  # [channels, 4] conv taps
+    state: torch.Tensor  # [slots, channels, 3] the windows, updated in place
+    rows: torch.Tensor  # [M] the step's token rows, 0 .. M-1 (for `causal_conv1d_update` when not fused)
+    slots: torch.Tensor  # [M] each row's slot; -1: a padding row, no window touched
+
+
+@triton.jit
+def _conv_inputs(offs, channels, slot, w_ptr, state_ptr, stride_slot):
+    """What the conv of output columns `offs` needs besides the product (`ConvEpilogue`): the
+    row's window in `slot` (3 inputs a channel, contiguous) and the 4 taps. Read before the
+    GEMV's wait: only this kernel writes a decode step's windows."""
+    conv = offs < channels
+    live = offs < tl.where(slot >= 0, channels, 0)  # the windows to shift: none for a padding row
+    window = state_ptr + tl.maximum(slot, 0) * stride_slot + offs * 3
+    taps = w_ptr + offs * 4
+    return (window, live, read_ahead(window, live, 0.0), read_ahead(window + 1, live, 0.0),
+            read_ahead(window + 2, live, 0.0), read_ahead(taps, conv, 0.0), read_ahead(taps + 1, conv, 0.0),
+            read_ahead(taps + 2, conv, 0.0), read_ahead(taps + 3, conv, 0.0))
+
+
+@triton.jit
+def _conv_output(acc, offs, channels, window, live, old0, old1, old2, w0, w1, w2, w3, dtype: tl.constexpr):
+    """acc: fp32 products of columns `offs`; the conv channels' become silu(y), y the taps
+    times [window | x] summed in fp32 and rounded to the model dtype, x being the product
+    rounded to it (as `causal_conv1d_update` rounds), and their windows shift x in."""
+    x = acc.to(dtype)
+    y = (w0.to(tl.float32) * old0.to(tl.float32) + w1.to(tl.float32) * old1.to(tl.float32)
+         + w2.to(tl.float32) * old2.to(tl.float32) + w3.to(tl.float32) * x.to(tl.float32))
+    tl.store(window, old1, mask=live)
+    tl.store(window + 1, old2, mask=live)
+    tl.store(window + 2, x.to(old0.dtype), mask=live)
+    y = y.to(dtype).to(tl.float32)
+    return tl.where(offs < channels, y * tl.sigmoid(y), acc)
 
 
 @triton.jit
@@ -141,11 +192,13 @@ def _gemv_kernel(
     x_ptr, w_ptr, out_ptr,
     N, k_per_split, up,
     stride_wn, stride_split,
+    conv_channels, conv_w_ptr, conv_state_ptr, conv_slots_ptr, stride_conv_slot,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False,
-    TAIL_K: tl.constexpr = -1, GDC: tl.constexpr = False,
+    TAIL_K: tl.constexpr = -1, CONV: tl.constexpr = False, GDC: tl.constexpr = False,
 ):
     """One row: products summed per thread along K, reduced across threads once at the end.
-    SILU_MUL as in `_skinny_dot_kernel`. TAIL_K >= 0: the program's rows are BLOCK_K + TAIL_K
+    SILU_MUL as in `_skinny_dot_kernel`; CONV (whole rows only): the DeltaNet conv over the first
+    conv_channels outputs (`ConvEpilogue`). TAIL_K >= 0: the program's rows are BLOCK_K + TAIL_K
     wide (no K split; TAIL_K 0 or a power of two) and read whole before the wait, so that a
     program launched while the previous kernel finishes streams its weights meanwhile."""
     pid_n = tl.program_id(0)
@@ -157,6 +210,9 @@ def _gemv_kernel(
     x_ptrs = x_ptr + k_start + offs_k
     n_ok = row_ok[:, None]
     if TAIL_K >= 0:
+        if CONV:
+            conv_in = _conv_inputs(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), conv_channels,
+                                   read_ahead(conv_slots_ptr).to(tl.int64), conv_w_ptr, conv_state_ptr, stride_conv_slot)
         w = _load_weights(w_ptrs, n_ok, EVICT)
         if TAIL_K > 0:
             w_tail = _load_weights(w_ptr + rows[:, None] * stride_wn + (BLOCK_K + tl.arange(0, TAIL_K))[None, :],
@@ -182,6 +238,10 @@ def _gemv_kernel(
         offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if CONV:
+            window, live, old0, old1, old2, w0, w1, w2, w3 = conv_in
+            out = _conv_output(out, offs_n, conv_channels, window, live, old0, old1, old2, w0, w1, w2, w3,
+                               out_ptr.dtype.element_ty)
     tl.store(out_ptr + pid_k * stride_split + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
@@ -195,6 +255,22 @@ def _sum_splits_kernel(part_ptr, out_ptr, total, SPLIT_K: tl.constexpr, BLOCK: t
     for s in range(1, SPLIT_K):
         acc += tl.load(part_ptr + s * total + offs, mask=ok, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _check_conv_epilogue(
+    conv: ConvEpilogue, m: int, n: int, cfg: SkinnyConfig, gemv: bool, silu_mul: bool, out: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> None:
+    channels = conv.weight.shape[0]
+    if conv.weight.shape != (channels, 4) or not conv.weight.is_contiguous() or channels > n:
+        raise ValueError(f"conv epilogue: taps must be contiguous [channels <= {n}, 4], got {tuple(conv.weight.shape)}")
+    if conv.state.dim() != 3 or conv.state.shape[1:] != (channels, 3) or conv.state.stride()[1:] != (3, 1):
+        raise ValueError(f"conv epilogue: windows must be [slots, {channels}, 3] contiguous per slot, got "
+                         f"{tuple(conv.state.shape)} strides {conv.state.stride()}")  # fmt: skip
+    if conv.slots.shape != (m,) or conv.slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"conv epilogue: slots must be [{m}] int32/int64, got {tuple(conv.slots.shape)} {conv.slots.dtype}")
+    if not (gemv and cfg.whole_rows) or silu_mul or (out is not None and out.dtype != dtype):
+        raise ValueError(f"conv epilogue: needs the whole-row GEMV ({cfg}), no silu_mul and out in x's dtype")
 
 
 def whole_row_parts(k: int) -> tuple[int, int] | None:
@@ -217,12 +293,14 @@ def skinny_linear(
     out: torch.Tensor | None = None,
     silu_mul: bool = False,
     unsummed: bool = False,
+    conv: ConvEpilogue | None = None,
 ) -> torch.Tensor | SplitSum:
     """x [M, K] @ weight[N, K]^T in x's dtype (or fp32 into an fp32 `out`), fp32 accumulation;
     `out` [M, N] if given.
     With `unsummed` and K split, the partial sums as a `SplitSum` instead.
     With `silu_mul`, weight is the MLP's [gate | up] [2 I, K] and the result silu(gate) * up
-    [M, I], made in the kernel's epilogue (`silu_and_mul` of the product, bit for bit)."""
+    [M, I], made in the kernel's epilogue (`silu_and_mul` of the product, bit for bit).
+    With `conv`, the DeltaNet conv over the first columns, in the epilogue (`ConvEpilogue`)."""
     check_launchable(x, weight)
     m = x.shape[0]
     rows, k = weight.shape
@@ -236,6 +314,9 @@ def skinny_linear(
     if silu_mul and (rows % 2 or cfg.split_k != 1 or cfg.block_n < 2 or (out is not None and out.dtype != x.dtype)):
         raise ValueError(f"skinny_linear: silu_mul needs an even [gate | up] weight (got {rows} rows), "
                          f"no K split, at least 2 rows per tile ({cfg}) and out in x's dtype")  # fmt: skip
+    if conv is not None:
+        _check_conv_epilogue(conv, m, n, cfg, gemv, silu_mul, out, x.dtype)
+    conv_args = (conv.weight.shape[0], conv.weight, conv.state, conv.slots, conv.state.stride(0)) if conv else (0, x, x, x, 0)
     k_per_split = k // cfg.split_k
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -256,9 +337,9 @@ def skinny_linear(
                                  f"of two; K={k}, {cfg}")
             block_k, tail_k = parts
         _gemv_kernel[grid](
-            x, weight, target, n, k_per_split, n, weight.stride(0), m * n,
+            x, weight, target, n, k_per_split, n, weight.stride(0), m * n, *conv_args,
             BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVICT=cfg.evict_first, SILU_MUL=silu_mul, TAIL_K=tail_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+            CONV=conv is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     else:
         _skinny_dot_kernel[grid](
@@ -320,13 +401,19 @@ def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, unsummed: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    silu_mul: bool = False,
+    unsummed: bool = False,
+    conv: ConvEpilogue | None = None,
 ) -> torch.Tensor | SplitSum:
     """The model's y = x W^T: the skinny kernels for a decode step's few rows on the GPU,
     cuBLAS (F.linear) for everything else. With `silu_mul`, W is the MLP's [gate | up] and
     y = silu_and_mul(x W^T), made by the skinny kernels' epilogue (SILU_EPILOGUE), else by
     `silu_and_mul` after the product. With `unsummed`, a K-split product comes back as its
-    partial sums (`SplitSum`, for `add_rms_norm`; SUM_IN_NORM)."""
+    partial sums (`SplitSum`, for `add_rms_norm`; SUM_IN_NORM). With `conv` (the GPU path
+    only), the DeltaNet conv over the first columns: in the whole-row GEMV's epilogue
+    (CONV_EPILOGUE; one row), else by `causal_conv1d_update` after the product."""
     if (
         x.dtype in HALF_DTYPES
         and weight.dtype == x.dtype
@@ -340,12 +427,25 @@ def linear(
         choice = decode_config(x.shape[0], weight.shape[0], weight.shape[1])
         if choice is not None:
             cfg, gemv = choice
+            if conv is not None:
+                if CONV_EPILOGUE and gemv and cfg.whole_rows and not silu_mul:
+                    return skinny_linear(x, weight, cfg, gemv, conv=conv)
+                return _conv_after(skinny_linear(x, weight, cfg, gemv), conv)
             if silu_mul and SILU_EPILOGUE and cfg.split_k == 1:
                 return skinny_linear(x, weight, cfg, gemv, silu_mul=True)
             y = skinny_linear(x, weight, cfg, gemv, unsummed=unsummed and SUM_IN_NORM and not silu_mul)
             return silu_and_mul(y) if silu_mul else y
+    if conv is not None:
+        return _conv_after(F.linear(x, weight), conv)
     y = F.linear(x, weight)
     return silu_and_mul(y) if silu_mul else y
+
+
+def _conv_after(y: torch.Tensor, conv: ConvEpilogue) -> torch.Tensor:
+    """`ConvEpilogue` by its own kernel, in place over y's conv channels."""
+    channels = y[:, : conv.weight.shape[0]]
+    causal_conv1d_update(channels, conv.weight, conv.state, conv.rows, conv.slots, channels)
+    return y
 
 
 def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from kernel_checks import CUDA, assert_close, needs_cuda, poisoned
+from kernel_checks import CUDA, assert_close, needs_cuda, pick, poisoned
 
 LINEAR_SHAPES = [  # (rows, N, K): the GEMV (narrow, wide), split K in 3 and 2, 17 rows in a 32 tile
     (1, 42, 1024),
@@ -109,3 +109,60 @@ def test_skinny_linear_silu_mul_epilogue(kernels, device, rows, inter, k, monkey
     assert torch.equal(mod.linear(x, w, silu_mul=True), got if rule.split_k == 1 else two_kernels)
     monkeypatch.setattr(mod, "SILU_EPILOGUE", False)
     assert torch.equal(mod.linear(x, w, silu_mul=True), two_kernels)
+
+
+CONV_SHAPES = [  # (rows, conv channels, N, K): a partial last program; the 4B in_proj; more rows: two kernels
+    (1, 41, 72, 256),
+    (1, 64, 96, 512),
+    (3, 64, 96, 128),
+    pytest.param(1, 8192, 12352, 2560, marks=needs_cuda),
+    pytest.param(64, 8192, 12352, 2560, marks=needs_cuda),
+]
+
+
+@pytest.mark.parametrize("rows,channels,n,k", CONV_SHAPES)
+def test_conv_epilogue(kernels, device, rows, channels, n, k, monkeypatch):
+    """One row's in_proj GEMV making the DeltaNet conv as it writes (`ConvEpilogue`) gives what
+    the product then `causal_conv1d_update` give: every window bit for bit, the conv channels
+    within rounding, the other columns bit for bit; `linear` routes one row to it, and more
+    rows (a padding row, slot -1, among them), or any without CONV_EPILOGUE, to the two."""
+    mod, conv1d = kernels["skinny_linear"], kernels["causal_conv1d"]
+    dtype = torch.bfloat16
+    x = torch.randn(rows, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    taps = (0.5 * torch.randn(channels, 4, device=device)).to(dtype)
+    state = torch.randn(rows + 3, channels, 3, device=device).to(dtype)
+    slots = pick(rows + 3, rows, device)
+    slots[-1] = -1 if rows > 1 else slots[-1]  # a padding row
+    real = slots >= 0
+    step_rows = torch.arange(rows, dtype=torch.int32, device=device)
+    cfg, gemv = mod.decode_config(rows, n, k)
+    product = mod.skinny_linear(x, w, cfg, gemv)
+    want, want_state = product.clone(), state.clone()
+    conv1d.causal_conv1d_update(product[:, :channels], taps, want_state, step_rows, slots, want[:, :channels])
+    got_state = state.clone()
+    epilogue = mod.ConvEpilogue(taps, got_state, step_rows, slots)
+    whole = mod.SkinnyConfig(2, k, 1, 4, 1, whole_rows=True)  # the 4B in_proj's (TUNED)
+    got = want.clone()
+    if rows == 1:
+        got = mod.skinny_linear(x, w, whole, True, out=poisoned((rows, n), dtype, device), conv=epilogue)
+    else:  # the whole-row GEMV's alone
+        with pytest.raises(ValueError, match="whole-row GEMV"):
+            mod.skinny_linear(x, w, cfg, gemv, conv=epilogue)
+        got_state = want_state
+    assert not torch.isnan(got).any(), "the conv epilogue left an output unwritten"
+    assert torch.equal(got_state, want_state), "the windows differ from causal_conv1d_update's"
+    assert torch.equal(got[:, channels:], product[:, channels:]), "columns past the conv channels changed"
+    assert_close(got[real, :channels].float(), want[real, :channels].float(), dtype, "conv epilogue")
+    from deltaserve.kernels import triton_compat
+
+    monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)  # `linear`'s GPU routing, on CPU too
+    routed_state = state.clone()
+    routed = mod.linear(x, w, conv=mod.ConvEpilogue(taps, routed_state, step_rows, slots))
+    assert torch.equal(routed_state, want_state)
+    fused = rows == 1 and cfg.whole_rows
+    assert torch.equal(routed, got) if fused else torch.equal(routed[real], want[real])
+    monkeypatch.setattr(mod, "CONV_EPILOGUE", False)
+    two_kernels_state = state.clone()
+    two_kernels = mod.linear(x, w, conv=mod.ConvEpilogue(taps, two_kernels_state, step_rows, slots))
+    assert torch.equal(two_kernels[real], want[real]) and torch.equal(two_kernels_state, want_state)

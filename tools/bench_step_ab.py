@@ -26,6 +26,8 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   o_whole, o_whole4  the default with out_proj's / o_proj's GEMV reading its rows whole before
           the wait (2 rows and 4 warps, or 4 and 8, per program)
   lm_cublas  the default with one row's logits by cuBLAS (else the whole-row GEMV)
+  conv_apart  the default with one row's DeltaNet conv by the conv update kernel (else made
+          by in_proj's GEMV as it writes)
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   conv64, conv256, conv1024  the default with the conv update's programs on that many channels
@@ -68,6 +70,7 @@ class Mode:
     norm_warps: int = rmsnorm.WIDE_ROW_WARPS  # per RMSNorm row of the hidden size
     read_ahead: frozenset[str] = triton_compat.READ_AHEAD  # kernels loading slots, positions before the wait
     lm_head_gemv: bool = True  # one row's logits by our GEMV
+    conv_epilogue: bool = True  # one row's DeltaNet conv in in_proj's GEMV
 
 
 MODES = {
@@ -83,7 +86,7 @@ MODES = {
     "gu_128x64": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(128, 64, 1, 8, 4)),)),
     "conv64": Mode(conv_tile=(64, 1)), "conv256": Mode(conv_tile=(256, 2)), "conv1024": Mode(conv_tile=(1024, 4)),
     "norm4": Mode(norm_warps=4), "norm16": Mode(norm_warps=16), "late": Mode(read_ahead=frozenset()),
-    "lm_cublas": Mode(lm_head_gemv=False),
+    "lm_cublas": Mode(lm_head_gemv=False), "conv_apart": Mode(conv_epilogue=False),
     "late_conv": Mode(read_ahead=frozenset({"attention"})), "late_attn": Mode(read_ahead=frozenset({"conv"})),
     "o_whole": Mode(tiles=(((1, 2560, 4096), skinny.SkinnyConfig(2, 4096, 1, 4, 1, whole_rows=True)),)),
     "o_whole4": Mode(tiles=(((1, 2560, 4096), skinny.SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True)),)),
@@ -98,7 +101,7 @@ def use_mode(name: str) -> None:
     mode = MODES[name]
     skinny.MAX_ROWS, triton_compat.PDL, triton_compat.READ_AHEAD = mode.max_rows, mode.pdl, mode.read_ahead
     skinny.SILU_EPILOGUE, skinny.USE_TUNED, skinny.SUM_IN_NORM = mode.silu_epilogue, mode.tuned, mode.sum_in_norm
-    skinny.LM_HEAD_GEMV = mode.lm_head_gemv
+    skinny.LM_HEAD_GEMV, skinny.CONV_EPILOGUE = mode.lm_head_gemv, mode.conv_epilogue
     paged_attention.PARTS_PER_SM = mode.parts_per_sm
     skinny.TUNED.clear()
     skinny.TUNED.update(DEFAULT_TUNED)

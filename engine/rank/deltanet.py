@@ -36,7 +36,7 @@ from deltaserve.kernels.gated_delta import (
     gated_delta_prefill,
     recurrent_gated_delta,
 )
-from deltaserve.kernels.skinny_linear import SplitSum
+from deltaserve.kernels.skinny_linear import ConvEpilogue, SplitSum
 from deltaserve.kernels.triton_compat import gpu_path
 
 
@@ -104,21 +104,27 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(tokens, nv * dv))
 
     def _forward_cuda(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor | SplitSum:
-        """Decode items: one conv kernel and one fused recurrent kernel for all of them, state
-        updated in place in its slot. Prefill spans: the conv, then fla's chunked kernel over
-        all of them packed (the torch reference when fla is absent)."""
+        """Decode items: the conv made by in_proj's kernel (a decode-only step) or one conv
+        kernel, and one fused recurrent kernel for all of them, state updated in place in its
+        slot. Prefill spans: the conv, then fla's chunked kernel over all of them packed (the
+        torch reference when fla is absent)."""
         tokens = x.shape[0]
         nk, nv, dv = self.num_k_heads, self.num_v_heads, self.dv
         meta = step_meta_of(batch, x.device)
-        qkv, z, b, a = self.in_proj(x).split(self.in_proj.local_sizes, dim=-1)  # b, a raw: in the kernel
-        z = z.reshape(tokens, nv, dv)
         conv_state = cache.conv[self.cache_layer]  # [slots, channels, width - 1]
         recurrent = cache.recurrent[self.cache_layer]  # [slots, nv, dk, dv]
         weight = self.conv1d.weight[:, 0]
-        mixed = torch.empty_like(qkv)
+        if meta.packed is None and weight.shape[1] == 4:  # decodes only: row r is decode r
+            conv = ConvEpilogue(weight, conv_state, meta.rows, meta.slots)
+            mixed, z, b, a = self.in_proj(x, conv=conv).split(self.in_proj.local_sizes, dim=-1)
+        else:
+            qkv, z, b, a = self.in_proj(x).split(self.in_proj.local_sizes, dim=-1)  # b, a raw: in the kernel
+            mixed = torch.empty_like(qkv)
+            if meta.num_decodes:
+                causal_conv1d_update(qkv, weight, conv_state, meta.rows, meta.slots, mixed)
+        z = z.reshape(tokens, nv, dv)
         core = torch.empty((tokens, nv, dv), dtype=x.dtype, device=x.device)
         if meta.num_decodes:
-            causal_conv1d_update(qkv, weight, conv_state, meta.rows, meta.slots, mixed)
             gated_delta_decode(
                 mixed, a, b, self.A_log, self.dt_bias, recurrent, meta.rows, meta.slots, core, nk
             )

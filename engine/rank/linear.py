@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from deltaserve.engine.rank.parallel import all_reduce, shard, tp_size
-from deltaserve.kernels.skinny_linear import SplitSum, linear
+from deltaserve.kernels.skinny_linear import ConvEpilogue, SplitSum, linear
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor], None]
 
@@ -76,9 +76,10 @@ class ColumnParallelLinear(nn.Module):
         self.weight = new_param((sum(self.local_sizes), in_features), load, dtype, device)
         self.weight.num_parts = len(parts)
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """silu_mul: the parts are the MLP's (gate, up); returns silu(gate) * up (skinny_linear.linear)."""
-        return linear(x, self.weight, silu_mul)
+    def forward(self, x: torch.Tensor, silu_mul: bool = False, conv: ConvEpilogue | None = None) -> torch.Tensor:
+        """silu_mul: the parts are the MLP's (gate, up); returns silu(gate) * up. conv: the
+        DeltaNet's conv over the first columns (skinny_linear.linear)."""
+        return linear(x, self.weight, silu_mul, conv=conv)
 
 
 class RowParallelLinear(nn.Module):
