@@ -285,7 +285,7 @@ def test_logsumexp_argmax_kernel(rows, vocab, programs):
         logits[2, 2100] = logits[2, 100] = logits[2].max() + 1.0  # blocks 0 and 2
     slots = torch.randperm(rows + 2, device=logits.device)[:rows]  # the rows' slots, out of order
     last_tokens = torch.full((rows + 2,), -5, dtype=torch.int64, device=logits.device)
-    lse, arg, greedy = logit_stats.logsumexp_argmax_triton(logits, programs, slots, last_tokens)
+    lse, arg, greedy = logit_stats.logsumexp_argmax_triton(logits, programs, slots, last_tokens, block=1024)
     want_lse, want_arg, _ = logit_stats.logsumexp_argmax_reference(logits)
     assert torch.equal(arg, want_arg), f"argmax {arg.tolist()[:8]} != {want_arg.tolist()[:8]}"
     assert arg[0].item() == 3
