@@ -68,19 +68,19 @@ class SplitSum:
 
 @dataclass(frozen=True, slots=True)
 class ConvEpilogue:
-    """The DeltaNet's causal conv (width 4) of a decode-only step, after in_proj: the output
+    """The DeltaNet's causal conv of a decode-only step, after in_proj: the output
     columns below `weight.shape[0]` (the conv channels, [q | k | v]) become what
     `causal_conv1d_update` makes of them, silu(conv(window, x)), and each row's window (its
     slot's) shifts x in; the other columns (z, b, a) stay the product. Row r of the step is
     the item in `slots[r]`, as in a decode-only step (its rows are 0 .. M-1, `rows`).
 
-    One row's whole-row GEMV makes it as it writes, the window and taps read ahead of its
+    One row's whole-row GEMV makes it (width 4) as it writes, the window and taps read ahead of its
     wait: one launch fewer per DeltaNet layer (batch-1 step 2.462 / 2.481 against 2.476 /
     2.484 ms, bench/results/step_ab_h200_conv_epilogue_at_2bf5ebd.json). At 64 rows the
     tensor-core kernel's epilogue measured 2.4% slower, so more rows run the conv kernel."""
 
-    weight: torch.Tensor  # [channels, 4] conv taps
-    state: torch.Tensor  # [slots, channels, 3] the windows, updated in place
+    weight: torch.Tensor  # [channels, width] conv taps
+    state: torch.Tensor  # [slots, channels, width - 1] the windows, updated in place
     rows: torch.Tensor  # [M] the step's token rows, 0 .. M-1 (for `causal_conv1d_update` when not fused)
     slots: torch.Tensor  # [M] each row's slot; -1: a padding row, no window touched
 
@@ -413,7 +413,7 @@ def linear(
     `silu_and_mul` after the product. With `unsummed`, a K-split product comes back as its
     partial sums (`SplitSum`, for `add_rms_norm`; SUM_IN_NORM). With `conv` (the GPU path
     only), the DeltaNet conv over the first columns: in the whole-row GEMV's epilogue
-    (CONV_EPILOGUE; one row), else by `causal_conv1d_update` after the product."""
+    (CONV_EPILOGUE; one row, width 4), else by `causal_conv1d_update` after the product."""
     if (
         x.dtype in HALF_DTYPES
         and weight.dtype == x.dtype
@@ -428,7 +428,7 @@ def linear(
         if choice is not None:
             cfg, gemv = choice
             if conv is not None:
-                if CONV_EPILOGUE and gemv and cfg.whole_rows and not silu_mul:
+                if CONV_EPILOGUE and gemv and cfg.whole_rows and conv.weight.shape[1] == 4:
                     return skinny_linear(x, weight, cfg, gemv, conv=conv)
                 return _conv_after(skinny_linear(x, weight, cfg, gemv), conv)
             if silu_mul and SILU_EPILOGUE and cfg.split_k == 1:

@@ -143,26 +143,30 @@ def test_conv_epilogue(kernels, device, rows, channels, n, k, monkeypatch):
     got_state = state.clone()
     epilogue = mod.ConvEpilogue(taps, got_state, step_rows, slots)
     whole = mod.SkinnyConfig(2, k, 1, 4, 1, whole_rows=True)  # the 4B in_proj's (TUNED)
-    got = want.clone()
+    got = want
     if rows == 1:
         got = mod.skinny_linear(x, w, whole, True, out=poisoned((rows, n), dtype, device), conv=epilogue)
+        assert not torch.isnan(got).any(), "the conv epilogue left an output unwritten"
+        assert torch.equal(got_state, want_state), "the windows differ from causal_conv1d_update's"
+        assert torch.equal(got[:, channels:], product[:, channels:]), "columns past the conv channels changed"
+        assert_close(got[:, :channels].float(), want[:, :channels].float(), dtype, "conv epilogue")
     else:  # the whole-row GEMV's alone
         with pytest.raises(ValueError, match="whole-row GEMV"):
             mod.skinny_linear(x, w, cfg, gemv, conv=epilogue)
-        got_state = want_state
-    assert not torch.isnan(got).any(), "the conv epilogue left an output unwritten"
-    assert torch.equal(got_state, want_state), "the windows differ from causal_conv1d_update's"
-    assert torch.equal(got[:, channels:], product[:, channels:]), "columns past the conv channels changed"
-    assert_close(got[real, :channels].float(), want[real, :channels].float(), dtype, "conv epilogue")
     from deltaserve.kernels import triton_compat
 
     monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)  # `linear`'s GPU routing, on CPU too
+    monkeypatch.setitem(mod.TUNED, (1, n, k), whole)  # one row on whole rows, as the 4B in_proj
+    conv_launches = []  # the conv kernel's launches by `linear` (the same results either way)
+    conv_kernel = mod.causal_conv1d_update
+    monkeypatch.setattr(mod, "causal_conv1d_update", lambda *args: conv_launches.append(1) or conv_kernel(*args))
     routed_state = state.clone()
     routed = mod.linear(x, w, conv=mod.ConvEpilogue(taps, routed_state, step_rows, slots))
     assert torch.equal(routed_state, want_state)
-    fused = rows == 1 and cfg.whole_rows
-    assert torch.equal(routed, got) if fused else torch.equal(routed[real], want[real])
+    assert torch.equal(routed, got) if rows == 1 else torch.equal(routed[real], want[real])
+    assert len(conv_launches) == (rows > 1), "one row's conv is the GEMV's, more rows' the conv kernel's"
     monkeypatch.setattr(mod, "CONV_EPILOGUE", False)
     two_kernels_state = state.clone()
     two_kernels = mod.linear(x, w, conv=mod.ConvEpilogue(taps, two_kernels_state, step_rows, slots))
     assert torch.equal(two_kernels[real], want[real]) and torch.equal(two_kernels_state, want_state)
+    assert len(conv_launches) == 1 + (rows > 1), "without CONV_EPILOGUE the conv kernel runs"

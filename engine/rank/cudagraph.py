@@ -123,13 +123,13 @@ class DecodeGraphs(BucketGraphs):
         self.inputs = torch.zeros(INPUT_BYTES_PER_ITEM * self.width, dtype=torch.uint8, device=self.device)
         self.host = torch.zeros(self.inputs.shape, dtype=torch.uint8, pin_memory=self.is_cuda)
         for buffer in (self.inputs, self.host):
-            wide, narrow = self._rows(buffer)
+            wide, narrow = self._input_rows(buffer)
             wide[2].fill_(-1)
             narrow[0].fill_(-1)
         self.slot_tables = torch.zeros((cache.num_slots, max_blocks), dtype=torch.int64, device=self.device)
         self.rows = torch.arange(max_batch, dtype=torch.int32, device=self.device)  # token rows, as the kernels take them
 
-    def _rows(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _input_rows(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The int64 [3, width] and int32 [3, width] rows of an input buffer (views)."""
         split = 3 * 8 * self.width
         return buffer[:split].view(torch.int64).view(3, -1), buffer[split:].view(torch.int32).view(3, -1)
@@ -143,7 +143,7 @@ class DecodeGraphs(BucketGraphs):
         """The step over the first `size` items of the static inputs (a capture records the
         one op here, the tables' gather): padding items (slot -1) write KV row -1 and read
         nothing."""
-        wide, narrow = self._rows(self.inputs)
+        wide, narrow = self._input_rows(self.inputs)
         tokens, positions, kv_index = wide[:, :size]
         slots, seq_lens, table_rows = narrow[:, :size]
         meta = StepMeta(

@@ -114,7 +114,7 @@ class GatedDeltaNet(nn.Module):
         conv_state = cache.conv[self.cache_layer]  # [slots, channels, width - 1]
         recurrent = cache.recurrent[self.cache_layer]  # [slots, nv, dk, dv]
         weight = self.conv1d.weight[:, 0]
-        if meta.packed is None and weight.shape[1] == 4:  # decodes only: row r is decode r
+        if meta.packed is None:  # decodes only: row r is decode r
             conv = ConvEpilogue(weight, conv_state, meta.rows, meta.slots)
             mixed, z, b, a = self.in_proj(x, conv=conv).split(self.in_proj.local_sizes, dim=-1)
         else:

@@ -87,6 +87,10 @@ class LiveRequest:
     prompt_done: bool = False  # its last prompt chunk has run; later items are decode inputs
     sampled_through: int = 0  # num_tokens after its last item that sampled (every rank)
 
+    def kv_row(self, position: int, block_size: int) -> int:
+        """The paged-cache row of the request's `position`."""
+        return self.blocks[position // block_size] * block_size + position % block_size
+
 
 @dataclass(slots=True)
 class RankSnapshot:
@@ -267,12 +271,11 @@ class Executor:
         if not self.graphs.can_run(len(singles), max((len(r.blocks) for r in held), default=0)):
             return self._run_eager(self._build_batch(items, False))
         chunk_logits = self._run_prompts(chunks) if chunks else None
-        bs = self.cache.block_size
         decode_logits = self.graphs.run(
             [item.token_ids[0] if item.token_ids else -1 for item in singles],  # -1: last sample
             [item.start for item in singles],
             [r.slot for r in held],
-            [r.blocks[item.start // bs] * bs + item.start % bs for item, r in zip(singles, held, strict=True)],
+            [r.kv_row(item.start, self.cache.block_size) for item, r in zip(singles, held, strict=True)],
             [i for i, item in enumerate(singles) if item.sample],
             copy=not (graph_output or chunks),  # with chunks: copied into the merged rows below
         )
@@ -360,7 +363,7 @@ class Executor:
                 plan.last_sample_slots.append(req.slot)
             positions = range(item.start, item.start + length)
             plan.positions.extend(positions)
-            plan.kv_rows.extend(req.blocks[p // bs] * bs + p % bs for p in positions)
+            plan.kv_rows.extend(req.kv_row(p, bs) for p in positions)
             if every_position:
                 plan.sampled.extend(range(offset, offset + length))
             elif item.sample:
