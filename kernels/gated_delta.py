@@ -37,6 +37,8 @@ from deltaserve.kernels.triton_compat import (
 )
 
 CHUNK_SIZE = 64
+# (block_v, warps) of every decode launch instead of the tuned rule (tools/bench_step_ab.py's dv modes)
+DECODE_TILE: tuple[int, int] | None = None
 
 
 def _expand_key_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
@@ -263,6 +265,8 @@ def gated_delta_decode(
     bk = triton.next_power_of_2(dk)
     # tuned on the H200 at 4B shapes (bench/results): small tiles while the grid is small
     programs = num * nv
+    if DECODE_TILE is not None:
+        block_v, num_warps = block_v or DECODE_TILE[0], num_warps or DECODE_TILE[1]
     bv = block_v or min(triton.next_power_of_2(dv), 16 if programs <= 64 else 32 if programs <= 256 else 64)
     warps = num_warps or (2 if bv <= 32 else 4)
     grid = (num, nv, triton.cdiv(dv, bv))

@@ -31,7 +31,10 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   conv64, conv256, conv1024  the default with the conv update's programs on that many channels
+          (conv256w1, conv512, conv128: 256 channels on 1 warp, 512 on 2, 128 on 1; else 256 on 2)
   norm4, norm16  the default with 4 or 16 warps per RMSNorm row of the hidden size (else 8)
+  dv32, dv64w2, dv64w8, dv128w8  the default with the DeltaNet decode's programs on that many value
+          columns and warps (else by its rule: 64 and 4 above 256 programs)
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 import deltaserve.kernels.causal_conv1d as conv
+import deltaserve.kernels.gated_delta as gated_delta
 import deltaserve.kernels.paged_attention as paged_attention
 import deltaserve.kernels.rmsnorm as rmsnorm
 import deltaserve.kernels.skinny_linear as skinny
@@ -68,6 +72,7 @@ class Mode:
     tiles: tuple = ()  # ((rows class, N, K), SkinnyConfig or None) TUNED entries set (None: removed)
     conv_tile: tuple[int, int] = conv.UPDATE_TILE  # the conv update's (channels, warps) per program
     norm_warps: int = rmsnorm.WIDE_ROW_WARPS  # per RMSNorm row of the hidden size
+    decode_tile: tuple[int, int] | None = gated_delta.DECODE_TILE  # the DeltaNet decode's (block_v, warps)
     read_ahead: frozenset[str] = triton_compat.READ_AHEAD  # kernels loading slots, positions before the wait
     lm_head_gemv: bool = True  # one row's logits by our GEMV
     conv_epilogue: bool = True  # one row's DeltaNet conv in in_proj's GEMV
@@ -85,6 +90,9 @@ MODES = {
     "gu_32x128": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(32, 128, 1, 4, 3)),)),
     "gu_128x64": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(128, 64, 1, 8, 4)),)),
     "conv64": Mode(conv_tile=(64, 1)), "conv256": Mode(conv_tile=(256, 2)), "conv1024": Mode(conv_tile=(1024, 4)),
+    "conv256w1": Mode(conv_tile=(256, 1)), "conv512": Mode(conv_tile=(512, 2)), "conv128": Mode(conv_tile=(128, 1)),
+    "dv32": Mode(decode_tile=(32, 2)), "dv64w2": Mode(decode_tile=(64, 2)), "dv64w8": Mode(decode_tile=(64, 8)),
+    "dv128w8": Mode(decode_tile=(128, 8)),
     "norm4": Mode(norm_warps=4), "norm16": Mode(norm_warps=16), "late": Mode(read_ahead=frozenset()),
     "lm_cublas": Mode(lm_head_gemv=False), "conv_apart": Mode(conv_epilogue=False),
     "late_conv": Mode(read_ahead=frozenset({"attention"})), "late_attn": Mode(read_ahead=frozenset({"conv"})),
@@ -111,6 +119,7 @@ def use_mode(name: str) -> None:
         else:
             skinny.TUNED[key] = tile
     conv.UPDATE_TILE, rmsnorm.WIDE_ROW_WARPS = mode.conv_tile, mode.norm_warps
+    gated_delta.DECODE_TILE = mode.decode_tile
 
 
 def main(argv: list[str] | None = None) -> int:
