@@ -21,6 +21,7 @@ from deltaserve.kernels.triton_compat import (
     check_launchable,
     gpu_path,
     pdl_options,
+    rows_per_program,
     tl,
     triton,
     wait_for_previous_grid,
@@ -73,16 +74,18 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_z, stride_z_head, z_heads, dim, eps, stride_split,
-    GATED: tl.constexpr, ADD: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr = 1, GDC: tl.constexpr = False,
+    num_rows,
+    GATED: tl.constexpr, ADD: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr = 1, ROWS: tl.constexpr = 1,
+    GDC: tl.constexpr = False,
 ):
-    # program: one row of `dim` features; ADD: z is the residual, the sum goes to sum_ptr.
+    # program: ROWS rows of `dim` features; ADD: z is the residual, the sum goes to sum_ptr.
     # z's row r is head r % z_heads of token r // z_heads: read in place from a strided view.
     # SPLITS > 1: x is a projection's fp32 partial sums (SplitSum), `stride_split` apart,
     # added in order and rounded to out's dtype as skinny_linear's `_sum_splits_kernel` does
-    r = tl.program_id(0).to(tl.int64)
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # [ROWS, 1]
     z_row = z_ptr + (r // z_heads) * stride_z + (r % z_heads) * stride_z_head
-    offs = tl.arange(0, BD)
-    m = offs < dim
+    offs = tl.arange(0, BD)[None, :]
+    m = (offs < dim) & (r < num_rows)
     wait_for_previous_grid(GDC)
     x = tl.load(x_ptr + r * stride_x + offs, mask=m, other=0.0)
     if SPLITS > 1:
@@ -94,8 +97,8 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + r * dim + offs, x, mask=m)
     xf = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, 0) / dim + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0)
+    inv = tl.rsqrt(tl.sum(xf * xf, 1) / dim + eps)[:, None]
+    w = tl.load(w_ptr + offs, mask=offs < dim, other=0.0)
     if GATED:
         y = (xf * inv).to(x.dtype).to(tl.float32)  # cast back, then w * y in the model dtype
         y = (w.to(tl.float32) * y).to(x.dtype).to(tl.float32)
@@ -151,9 +154,10 @@ def _launch(
     if rows.shape[0] == 0:
         return out, total
     block = triton.next_power_of_2(dim)
-    _rms_norm_kernel[(rows.shape[0],)](
+    per_program = rows_per_program()
+    _rms_norm_kernel[(triton.cdiv(rows.shape[0], per_program),)](
         rows, gate, weight, out, total, rows.stride(0), gate.stride(0), stride_z_head, z_heads, dim, eps, stride_split,
-        GATED=z is not None and not add, ADD=add, BD=block, SPLITS=splits,
+        rows.shape[0], GATED=z is not None and not add, ADD=add, BD=block, SPLITS=splits, ROWS=per_program,
         num_warps=WIDE_ROW_WARPS if block >= 2048 else 4 if block >= 512 else 1, **pdl_options(x),
     )
     return out, total

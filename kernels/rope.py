@@ -21,6 +21,7 @@ from deltaserve.kernels.triton_compat import (
     check_launchable,
     pdl_options,
     read_ahead,
+    rows_per_program,
     tl,
     triton,
     wait_for_previous_grid,
@@ -62,15 +63,16 @@ def _norm_rope_kernel(
     q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, index_ptr,
     q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr,
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-    stride_kc, stride_vc, eps,
+    stride_kc, stride_vc, eps, tokens,
     QH: tl.constexpr, KH: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr,
-    STORE: tl.constexpr, GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
+    STORE: tl.constexpr, ROWS: tl.constexpr = 1, GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
 ):
-    # program: (token t, head h of q, then of k, then (STORE) of v); one head of HD features.
-    # The weights, the position and its cos and sin (and the cache row) are had before the
-    # wait (`read_ahead`), q, k and v after it.
+    # program: (ROWS tokens t, head h of q, then of k, then (STORE) of v); one head of HD
+    # features a token. The weights, the positions and their cos and sin (and the cache
+    # rows) are had before the wait (`read_ahead`), q, k and v after it.
     wait_for_previous_grid(GDC)
-    t = tl.program_id(0).to(tl.int64)
+    t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # [ROWS, 1]
+    live = t < tokens
     h = tl.program_id(1)
     is_q = h < QH
     is_v = h >= QH + KH
@@ -82,7 +84,7 @@ def _norm_rope_kernel(
                    tl.where(is_v, v_ptr + t * stride_v_row + hv * stride_v_head, k_src))
     w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
     dtype = q_out_ptr.dtype.element_ty
-    offs = tl.arange(0, BD)
+    offs = tl.arange(0, BD)[None, :]
     m = offs < HD
     # the partner of dim d < 2 HALF is d + HALF (first half, sign -) or d - HALF (second half)
     in_rot = offs < 2 * HALF
@@ -90,26 +92,26 @@ def _norm_rope_kernel(
     partner = tl.where(first, offs + HALF, offs - HALF)
     w = read_ahead(w_ptr + offs, m, 0.0).to(tl.float32)
     wp = read_ahead(w_ptr + partner, in_rot, 0.0).to(tl.float32)
-    pos = read_ahead(pos_ptr + t).to(tl.float32)
+    pos = read_ahead(pos_ptr + t, live, 0).to(tl.float32)
     freq = read_ahead(inv_freq_ptr + tl.where(first, offs, offs - HALF), in_rot, 0.0)
     angle = pos * freq
     cos = tl.cos(angle).to(dtype).to(tl.float32)
     sin = tl.sin(angle).to(dtype).to(tl.float32)
     if STORE:
-        dest = read_ahead(index_ptr + t).to(tl.int64)
+        dest = read_ahead(index_ptr + t, live, -1).to(tl.int64)
     wait_for_previous_grid(GDC_LATE)
-    x = tl.load(src + offs, mask=m, other=0.0)
+    x = tl.load(src + offs, mask=m & live, other=0.0)
     xf = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, 0) / HD + eps)
+    inv = tl.rsqrt(tl.sum(xf * xf, 1) / HD + eps)[:, None]
     y = (xf * inv * (1.0 + w)).to(x.dtype)  # the norm's output, in the model dtype
-    xp = tl.load(src + partner, mask=in_rot, other=0.0).to(tl.float32)
+    xp = tl.load(src + partner, mask=in_rot & live, other=0.0).to(tl.float32)
     yp = (xp * inv * (1.0 + wp)).to(x.dtype)
     rotated = tl.where(first, -yp.to(tl.float32), yp.to(tl.float32))
     a = (y.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
     b = (rotated * sin).to(x.dtype).to(tl.float32)
     out = tl.where(in_rot, (a + b).to(x.dtype), y)
     dst = tl.where(is_q, q_out_ptr + (t * QH + hq) * HD, k_out_ptr + (t * KH + hk) * HD)
-    tl.store(dst + offs, out, mask=offs < tl.where(is_v, 0, HD))
+    tl.store(dst + offs, out, mask=(offs < tl.where(is_v, 0, HD)) & live)
     if STORE:  # k's and v's programs: the cache row (a negative one is CUDA-graph padding)
         out = tl.where(is_v, x, out)
         row = tl.maximum(dest, 0)
@@ -151,11 +153,12 @@ def norm_rope(
         return q_out, k_out
     v, k_cache, v_cache, index = (store.v, store.k_cache, store.v_cache, store.index) if store else (k, k, k, positions)
     block = triton.next_power_of_2(hd)
-    _norm_rope_kernel[(tokens, num_q + num_k * (2 if store else 1))](
+    per_program = rows_per_program()
+    _norm_rope_kernel[(triton.cdiv(tokens, per_program), num_q + num_k * (2 if store else 1))](
         q, k, v, q_weight, k_weight, positions, inv_freq, index, q_out, k_out, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), v_cache.stride(0), eps,
-        QH=num_q, KH=num_k, HD=hd, BD=block, HALF=half, STORE=store is not None,
+        k_cache.stride(0), v_cache.stride(0), eps, tokens,
+        QH=num_q, KH=num_k, HD=hd, BD=block, HALF=half, STORE=store is not None, ROWS=per_program,
         num_warps=1 if block <= 256 else 2, **pdl_options(q, reads_ahead="attention"),
     )
     return q_out, k_out

@@ -59,6 +59,16 @@ try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # no Triton, or one without griddepcontrol
     PDL = False
+# Rows per program of the kernels that take several under Triton's interpreter (the norms):
+# its cost is per program and per operation, not per element, and the CPU tests of the GPU
+# path run thousands of norm rows. The GPU runs one row per program.
+INTERPRETER_ROWS = 32
+
+
+def rows_per_program() -> int:
+    return INTERPRETER_ROWS if INTERPRET else 1
+
+
 # Tests set this under TRITON_INTERPRET=1 to run the model's GPU code path, Triton kernels
 # included, on CPU tensors: CI then covers that path's logic without a GPU.
 GPU_PATH_ON_CPU = False
