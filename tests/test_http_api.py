@@ -476,9 +476,9 @@ async def test_429_when_the_queue_is_full(served: Served):
 
 
 async def test_disconnect_under_load_cancels_at_once(served: Served):
-    """Clients that go away (two streams mid-way, one non-streaming request that times out
-    while waiting) are cancelled at once and counted as aborts; a request sharing the engine
-    completes unharmed; nothing stays on the rank (autouse fixture)."""
+    """Clients that go away (two streams mid-way, one non-streaming request given up while it
+    waits in the engine's queue) are cancelled at once and counted as aborts; a request sharing
+    the engine completes unharmed; nothing stays on the rank (autouse fixture)."""
     before = await metrics(served)
     streams = [await open_stream(served) for _ in range(MAX_NUM_SEQS)]
     survivor = asyncio.ensure_future(
@@ -488,10 +488,22 @@ async def test_disconnect_under_load_cancels_at_once(served: Served):
     )
     body = b'{"prompt": "x", "max_tokens": 1000, "ignore_eos": true}'
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as s:
-        with pytest.raises(TimeoutError):
-            async with s.post(served.url + "/v1/completions", data=body, headers=headers) as r:
-                await r.read()
+
+    async def given_up() -> None:
+        async with aiohttp.ClientSession() as s, s.post(served.url + "/v1/completions", data=body, headers=headers) as r:
+            await r.read()
+
+    waiting = asyncio.ensure_future(given_up())
+    # given up only once it waits in the engine (with the survivor, behind the streams): a
+    # client gone before its request reached the engine has nothing to abort (a fixed 0.5 s
+    # timeout fired before that on a loaded machine)
+    deadline = time.monotonic() + 10
+    while (await metrics(served))["vllm:num_requests_waiting"] < 2:
+        assert time.monotonic() < deadline, "the request never queued"
+        await asyncio.sleep(0.02)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
     for stream, it in streams:
         for _ in range(3):
             await it.__anext__()
