@@ -12,7 +12,10 @@ differently. At the tiny shapes no product did; at the 4B shapes out_proj / o_pr
 
 Two prompts (a repeated short one and a 90-token one), 24 tokens each, ignore_eos; prints both
 runs' tokens and whether they agree. On GPUs this exercises NCCL, the sharded weights and the
-decode CUDA graphs with their all-reduces inside.
+decode CUDA graphs with their all-reduces inside. Each token also comes with its top 8: up to
+the first token the runs part at, their decode steps had the same inputs, so the gap between
+those steps' logprobs says how far apart the decode paths compute (the prefixes below are
+prompt steps only).
 
 Greedy tokens part at the first near-tie that rounding tips (on a random checkpoint in bf16,
 within a few tokens), so each run also gives the next-token distribution (top 8) after 9
@@ -45,13 +48,27 @@ async def engine_run(model: str, tp: int, device: str, dtype: str, prompt_graph_
 
     config = EngineConfig(model=model, device=device, dtype=dtype, tp_size=tp, max_num_seqs=4, max_model_len=256,
                           prompt_graph_tokens=prompt_graph_tokens)  # fmt: skip
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=TOP)
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=TOP)
     async with await AsyncEngine.start(config) as engine:
-        tokens = [[e.token_id async for e in engine.generate(p, params) if hasattr(e, "token_id")] for p in PROMPTS]
+        greedy = [[e async for e in engine.generate(p, params) if hasattr(e, "token_id")] for p in PROMPTS]
         dists = [[e.top_logprobs async for e in engine.generate(p, first) if hasattr(e, "token_id")][0]
                  for p in PREFIXES]  # fmt: skip
-        return {"tokens": tokens, "next_token_top": dists, "pipelined_steps": engine.metrics.pipelined_steps_total}
+        return {"tokens": [[e.token_id for e in run] for run in greedy],
+                "token_top": [[e.top_logprobs for e in run] for run in greedy],
+                "next_token_top": dists, "pipelined_steps": engine.metrics.pipelined_steps_total}
+
+
+def decode_steps_alike(run: dict, reference: dict) -> tuple[list[Distribution], list[Distribution]]:
+    """The two runs' top lists of the decode steps that had the same inputs: the tokens after
+    the first of each prompt, up to and including the first position where the tokens part."""
+    ours, theirs = [], []
+    for a, b, top_a, top_b in zip(run["tokens"], reference["tokens"], run["token_top"], reference["token_top"],
+                                  strict=True):  # fmt: skip
+        parted = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a) - 1)
+        ours += top_a[1 : parted + 1]
+        theirs += top_b[1 : parted + 1]
+    return ours, theirs
 
 
 def distribution_gap(run: list[Distribution], reference: list[Distribution]) -> dict:
@@ -61,6 +78,8 @@ def distribution_gap(run: list[Distribution], reference: list[Distribution]) -> 
     for ours, ref in zip(run, reference, strict=True):
         theirs = dict(ref)
         gaps.append(statistics.fmean([abs(lp - theirs[t]) for t, lp in ours if t in theirs] or [float("inf")]))
+    if not gaps:  # no steps to compare (decode steps: the runs parted at their first tokens)
+        return {"mean_gap": float("nan"), "max_gap": float("nan"), "argmax_agree": 0, "prefixes": 0}
     agree = sum(ours[0][0] == ref[0][0] for ours, ref in zip(run, reference, strict=True))
     return {"mean_gap": statistics.fmean(gaps), "max_gap": max(gaps), "argmax_agree": agree, "prefixes": len(gaps)}
 
@@ -91,9 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     reference = plan[-1][0]
     gaps = {f"{label} vs {reference}": distribution_gap(runs[label]["next_token_top"], runs[reference]["next_token_top"])
             for label, *_ in plan[:-1]}  # fmt: skip
+    gaps.update({f"{label} vs {reference}, decode steps": distribution_gap(*decode_steps_alike(runs[label], runs[reference]))
+                 for label, *_ in plan[:-1]})  # fmt: skip
     for pair, gap in gaps.items():
         print(f"{pair}: next-token top-{TOP} logprob gap mean {gap['mean_gap']:.4f}, max {gap['max_gap']:.4f} nat; "
-              f"best token agrees on {gap['argmax_agree']} of {gap['prefixes']} prefixes", flush=True)  # fmt: skip
+              f"best token agrees on {gap['argmax_agree']} of {gap['prefixes']}", flush=True)  # fmt: skip
     same = runs[main_run]["tokens"] == runs[plan[1][0]]["tokens"]
     print(f"{main_run} == {plan[1][0]}: {same}")
     if args.out:
