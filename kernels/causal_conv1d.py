@@ -105,8 +105,9 @@ def _conv_update_kernel(
 # Channels and warps per program of the decode update: many small programs, each a short
 # chain of loads. 128 x 1 warp took 0.02 ms off the H200's step at 1-32 rows and 0.065 at 64
 # against 1024 x 4 (bench/results/step_ab_h200_conv_norm_tiles_at_60fede8.json); at 5757158,
-# 256 x 2 took another 0.01 at 32 rows and 0.02-0.03 at 64, and 3 us more at 8 (tools/bench_step_ab.py's
-# conv modes, bench/results/step_ab_h200_conv_tiles_at_5757158.json). One row's conv is in_proj's.
+# 256 x 2 took another 0.03 ms off at 32 rows and 0.03-0.045 at 64, for 3 us more at 8
+# (tools/bench_step_ab.py's conv modes, bench/results/step_ab_h200_conv_tiles_at_5757158.json,
+# step_ab_h200_conv256_adopted_at_04a644d.json). One row's conv is in_proj's.
 UPDATE_TILE = (256, 2)
 
 

@@ -202,7 +202,7 @@ NORM_SHAPES = [  # (leading shape, dim)
 ]
 
 
-def rows_per_program(monkeypatch, rows: int) -> None:
+def set_interpreter_rows(monkeypatch, rows: int) -> None:
     """Run the norms' kernels with `rows` rows per program under the interpreter (the GPU's
     one, or a part-filled last program); on CUDA only one (the GPU always runs one)."""
     if CUDA and rows != 1:
@@ -216,7 +216,7 @@ def rows_per_program(monkeypatch, rows: int) -> None:
 def test_rms_norm(kernels, device, dtype, lead, dim, rows, monkeypatch):
     """Zero-centred norm on a strided view (q of [T, heads, 2 hd]) and the gated norm."""
     mod = kernels["rmsnorm"]
-    rows_per_program(monkeypatch, rows)
+    set_interpreter_rows(monkeypatch, rows)
     x = torch.randn(*lead, 2 * dim, device=device).to(dtype)[..., :dim]  # rows strided by 2 dim
     w = torch.randn(dim, device=device).to(dtype)
     assert_close(mod.rms_norm_triton(x, w, 1e-6).float(), mod.rms_norm_reference(x, w, 1e-6).float(),
@@ -326,7 +326,7 @@ def test_norm_rope(kernels, device, dtype, nh, nkv, hd, rotary, rows, monkeypatc
     """q read from the [q | gate] layout of q_proj (strided rows), positions up to 300k; k as
     returned and v (strided) written to the cache rows named, a negative one skipped."""
     mod = kernels["rope"]
-    rows_per_program(monkeypatch, rows)
+    set_interpreter_rows(monkeypatch, rows)
     tokens = 7
     q = torch.randn(tokens, nh, 2 * hd, device=device).to(dtype)[..., :hd]
     k = torch.randn(tokens, nkv, hd, device=device).to(dtype)
