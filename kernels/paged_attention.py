@@ -254,6 +254,9 @@ def _merge_parts_kernel(
 # Programs per SM the decode split aims at (`decode_partitions`; tools/bench_step_ab.py's
 # parts modes try others).
 PARTS_PER_SM = 2
+# (block_n, warps, stages) of the decode kernel in place of its rule; set only by
+# tools/bench_step_ab.py's att modes.
+DECODE_LAUNCH: tuple[int, int, int] | None = None
 
 
 def decode_partitions(num_requests: int, num_kv_heads: int, max_seq_len: int, tile: int,
@@ -279,7 +282,7 @@ def paged_decode_attention(
     out: torch.Tensor,
     max_seq_len: int,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     parts_per_sm: int | None = None,
     gate: torch.Tensor | None = None,
@@ -314,6 +317,8 @@ def paged_decode_attention(
     if num == 0:
         return
     group = num_heads // num_kv
+    if DECODE_LAUNCH is not None:
+        block_n, num_warps, num_stages = block_n or DECODE_LAUNCH[0], num_warps or DECODE_LAUNCH[1], num_stages or DECODE_LAUNCH[2]
     tile = block_n or (64 if hd <= 128 else 32)
     num_parts = decode_partitions(num, num_kv, max_seq_len, tile, parts_per_sm)
     bd = triton.next_power_of_2(hd)
@@ -328,7 +333,7 @@ def paged_decode_attention(
         block_tables.stride(0), out.stride(0), out.stride(1), g.stride(0), g.stride(1),
         scale, block_size, num_heads,
         GROUP=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd, BN=tile, NUM_PARTS=num_parts,
-        EXACT=q.dtype == torch.float32 or INTERPRET, GATED=gate is not None, num_warps=num_warps,
+        EXACT=q.dtype == torch.float32 or INTERPRET, GATED=gate is not None, num_warps=num_warps or 4,
         # tuned on the H200 (bench/results): two stages win once the grid is large
         num_stages=num_stages or (2 if num * num_kv >= 256 else 3), **pdl_options(q, reads_ahead="attention"),
     )

@@ -148,7 +148,11 @@ def bench_kernels(device: torch.device, copy_gbps: float, batches: list[int], co
         attention_configs = [{}, {"block_n": 32, "num_stages": 2}, {"block_n": 32, "num_stages": 3},
                              {"block_n": 64, "num_stages": 2}, {"block_n": 64, "num_warps": 8, "num_stages": 2},
                              {"block_n": 16, "num_stages": 3}, {"parts_per_sm": 4}, {"parts_per_sm": 8},
-                             {"block_n": 64, "num_stages": 2, "parts_per_sm": 4}]
+                             {"block_n": 64, "num_stages": 2, "parts_per_sm": 4},
+                             # from 5 stages Triton gives K and V two buffers (a tile in flight
+                             # while the last is used); measured slower at 64 rows
+                             {"block_n": 16, "num_stages": 5}, {"block_n": 32, "num_stages": 5},
+                             {"block_n": 16, "num_stages": 7}]
         for extra in attention_configs if sweep else attention_configs[:1]:
             calls = [
                 partial(paged_decode_attention, q, k_cache, v_cache, tables[s.long()], seq_lens, ident, bs,

@@ -35,6 +35,9 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   norm4, norm16  the default with 4 or 16 warps per RMSNorm row of the hidden size (else 8)
   dv32, dv64w2, dv64w8, dv128w8  the default with the DeltaNet decode's programs on that many value
           columns and warps (else by its rule: 64 and 4 above 256 programs)
+  att16s5, att16s7, att32s5, att32s5w8, att32s3  the default with decode attention's kernel on
+          tiles of 16 or 32 positions, 4 or 8 warps, that many pipeline stages (else 32, 4, and
+          2 stages from 256 programs, 3 below; Triton gives K and V two buffers from 5 stages)
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class Mode:
     conv_tile: tuple[int, int] = conv.UPDATE_TILE  # the conv update's (channels, warps) per program
     norm_warps: int = rmsnorm.WIDE_ROW_WARPS  # per RMSNorm row of the hidden size
     decode_tile: tuple[int, int] | None = gated_delta.DECODE_TILE  # the DeltaNet decode's (block_v, warps)
+    attention_launch: tuple[int, int, int] | None = paged_attention.DECODE_LAUNCH  # (block_n, warps, stages)
     read_ahead: frozenset[str] = triton_compat.READ_AHEAD  # kernels loading slots, positions before the wait
     lm_head_gemv: bool = True  # one row's logits by our GEMV
     conv_epilogue: bool = True  # one row's DeltaNet conv in in_proj's GEMV
@@ -93,6 +97,9 @@ MODES = {
     "conv256w1": Mode(conv_tile=(256, 1)), "conv512": Mode(conv_tile=(512, 2)), "conv128": Mode(conv_tile=(128, 1)),
     "dv32": Mode(decode_tile=(32, 2)), "dv64w2": Mode(decode_tile=(64, 2)), "dv64w8": Mode(decode_tile=(64, 8)),
     "dv128w8": Mode(decode_tile=(128, 8)),
+    "att16s5": Mode(attention_launch=(16, 4, 5)), "att16s7": Mode(attention_launch=(16, 4, 7)),
+    "att32s5": Mode(attention_launch=(32, 4, 5)), "att32s5w8": Mode(attention_launch=(32, 8, 5)),
+    "att32s3": Mode(attention_launch=(32, 4, 3)),
     "norm4": Mode(norm_warps=4), "norm16": Mode(norm_warps=16), "late": Mode(read_ahead=frozenset()),
     "lm_cublas": Mode(lm_head_gemv=False), "conv_apart": Mode(conv_epilogue=False),
     "late_conv": Mode(read_ahead=frozenset({"attention"})), "late_attn": Mode(read_ahead=frozenset({"conv"})),
@@ -120,6 +127,7 @@ def use_mode(name: str) -> None:
             skinny.TUNED[key] = tile
     conv.UPDATE_TILE, rmsnorm.WIDE_ROW_WARPS = mode.conv_tile, mode.norm_warps
     gated_delta.DECODE_TILE = mode.decode_tile
+    paged_attention.DECODE_LAUNCH = mode.attention_launch
 
 
 def main(argv: list[str] | None = None) -> int:
