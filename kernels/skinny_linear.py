@@ -151,25 +151,29 @@ def _silu_mul_halves(acc, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: t
 @triton.jit
 def _skinny_dot_kernel(
     x_ptr, w_ptr, out_ptr,
-    M, N, k_per_split, up,
+    M, N, k_blocks, up,
     stride_xm, stride_wn, stride_om, stride_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False, GDC: tl.constexpr = False,
 ):
-    """SILU_MUL: the weight is [gate | up] by rows (`up` rows each) and out = silu(gate) * up."""
+    """SILU_MUL: the weight is [gate | up] by rows (`up` rows each) and out = silu(gate) * up.
+    The K split (grid axis 1) gives each part k_blocks / splits of the BLOCK_K blocks, rounded
+    down or up, so that a split need not divide them (K = 32 blocks in 3 parts: 10, 11, 11)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    splits = tl.num_programs(1)
     rows, row_ok = _weight_rows(pid_n, N, up, BLOCK_N, SILU_MUL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    k_start = pid_k * k_per_split
+    first = pid_k * k_blocks // splits
+    k_start = first * BLOCK_K
     w_ptrs = w_ptr + rows[:, None] * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     n_ok = row_ok[:, None]
     m_ok = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     wait_for_previous_grid(GDC)
-    for _ in range(0, k_per_split, BLOCK_K):
+    for _ in range(first, (pid_k + 1) * k_blocks // splits):
         w = _load_weights(w_ptrs, n_ok, EVICT)
         x = tl.load(x_ptrs, mask=m_ok, other=0.0)
         if UPCAST:  # the interpreter's bf16 dot is wrong (Triton 3.x); CPU tests only
@@ -307,8 +311,9 @@ def skinny_linear(
     n = rows // 2 if silu_mul else rows
     if x.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
-    if k % (cfg.block_k * cfg.split_k):
-        raise ValueError(f"skinny_linear: K={k} is not a multiple of block_k*split_k={cfg.block_k * cfg.split_k}")
+    if k % (cfg.block_k * (cfg.split_k if gemv else 1)) or cfg.split_k > k // cfg.block_k:
+        raise ValueError(f"skinny_linear: K={k} does not split into {cfg.split_k} parts of whole blocks of "
+                         f"{cfg.block_k}" + (" (the GEMV's parts alike)" if gemv else ""))
     if cfg.whole_rows and not gemv:
         raise ValueError(f"skinny_linear: whole rows are the GEMV's ({cfg})")
     if silu_mul and (rows % 2 or cfg.split_k != 1 or cfg.block_n < 2 or (out is not None and out.dtype != x.dtype)):
@@ -343,7 +348,7 @@ def skinny_linear(
         )
     else:
         _skinny_dot_kernel[grid](
-            x, weight, target, m, n, k_per_split, n, x.stride(0), weight.stride(0), n, m * n,
+            x, weight, target, m, n, k // cfg.block_k, n, x.stride(0), weight.stride(0), n, m * n,
             BLOCK_M=block_m_for(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET,
             EVICT=cfg.evict_first, SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
@@ -371,6 +376,9 @@ TUNED = {
     (32, 2560, 4096): SkinnyConfig(64, 128, 4, 4, 4),  # out/o_proj: 274 / 316 against 279 / 335 (8 / 32 rows)
     (32, 2560, 9216): SkinnyConfig(64, 128, 3, 4, 4),  # MLP down: 472 / 480 against 513 / 589
     (64, 2560, 9216): SkinnyConfig(64, 128, 3, 4, 4),  # MLP down: 505 against cuBLAS's 558
+    # out/o_proj: K in 3 uneven parts, 120 programs in one wave (replay 5.343 against cuBLAS's 5.411 ms,
+    # step_ab_h200_out_proj_uneven_split_at_169eb6c.json); 2 or 4 even parts were no faster than cuBLAS
+    (64, 2560, 4096): SkinnyConfig(64, 128, 3, 4, 4),
     (64, 12352, 2560): SkinnyConfig(64, 64, 1, 4, 5),  # DeltaNet in_proj: 453 against cuBLAS's 482
     (64, 18432, 2560): SkinnyConfig(64, 64, 1, 4, 4),  # MLP gate_up + silu epilogue: step 5.467 ms against cuBLAS's 5.542
 }

@@ -240,7 +240,8 @@ def test_rms_norm(kernels, device, dtype, lead, dim, rows, monkeypatch):
 
 
 @pytest.mark.parametrize("rows,n,k", [(3, 40, 384), (17, 70, 256), pytest.param(64, 2560, 9216, marks=needs_cuda),
-                                        pytest.param(8, 2560, 4096, marks=needs_cuda)])  # 4B down, out_proj
+                                        pytest.param(8, 2560, 4096, marks=needs_cuda),
+                                        pytest.param(64, 2560, 4096, marks=needs_cuda)])  # 4B down, out_proj
 def test_add_rms_norm_of_split_sum(kernels, device, rows, n, k, monkeypatch):
     """A K-split projection left unsummed (`linear(unsummed=True)`) and added by the next
     norm gives, bit for bit, what the projection summed by its own kernel then the norm give."""

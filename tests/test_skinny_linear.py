@@ -22,6 +22,7 @@ LINEAR_SHAPES = [  # (rows, N, K): the GEMV (narrow, wide), split K in 3 and 2, 
     pytest.param(1, 12352, 2560, marks=needs_cuda),  # the TUNED tiles: in_proj's GEMV
     pytest.param(40, 12352, 2560, marks=needs_cuda),  # ... in_proj at 33-64 rows
     pytest.param(64, 2560, 9216, marks=needs_cuda),  # ... down at 33-64 rows, K split in 3
+    pytest.param(48, 2560, 4096, marks=needs_cuda),  # ... out/o_proj at 33-64 rows, K in 3 uneven parts
 ]
 
 
@@ -42,6 +43,28 @@ def test_skinny_linear(kernels, device, rows, n, k):
     bound = 4e-3 if CUDA else 8e-3  # one bf16 rounding is ~1e-3; the interpreter truncates instead
     assert err < bound, f"skinny_linear {cfg}: relative error {err:.1e}"
     assert torch.equal(mod.skinny_linear(x, w, cfg, gemv), got), "skinny_linear is not deterministic"
+
+
+@pytest.mark.parametrize("rows,k,split", [(5, 512, 3), (17, 1280, 3), (2, 640, 4)])
+def test_uneven_k_split(kernels, device, rows, k, split):
+    """A K split that does not divide the blocks (4 blocks in 3 parts: 1, 1, 2): each part is
+    the product of its own K range, the ranges cover K once, and the parts add to the whole."""
+    mod = kernels["skinny_linear"]
+    cfg = mod.SkinnyConfig(64, 128, split, 4, 2)
+    x = torch.randn(rows, k, device=device).to(torch.bfloat16)
+    w = (torch.randn(64, k, device=device) / k**0.5).to(torch.bfloat16)
+    parts = mod.skinny_linear(x, w, cfg, unsummed=True).parts
+    blocks = k // 128
+    edges = [i * blocks // split * 128 for i in range(split + 1)]
+    assert edges[-1] == k and len(set(edges)) == split + 1, "the test wants non-empty parts"
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+        want = x[:, lo:hi].float() @ w[:, lo:hi].float().t()
+        assert_close(parts[i], want, torch.float32, f"part {i} (K {lo}..{hi})")
+    total = mod.skinny_linear(x, w, cfg)
+    want = x.float() @ w.float().t()
+    assert ((total.float() - want).norm() / want.norm()).item() < 8e-3
+    with pytest.raises(ValueError, match="parts"):
+        mod.skinny_linear(x, w, dataclasses.replace(cfg, split_k=blocks + 1))
 
 
 @pytest.mark.parametrize("n,k,silu_mul", [(42, 1024, False), (300, 768, True), (300, 768, None), *(

@@ -14,8 +14,8 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   parts1  the default with decode attention aiming at one program per SM (else 2): no context
           split, and no merge kernel, from 33 requests on (4 KV heads)
   nosum   the default with split-K products summed by their own kernel before the norm
-  o64, o64s8  out_proj / o_proj at 33-64 rows on our kernel, K split in 4 (64x128 tiles) or 8
-          (64x64), the parts added by the norm (else cuBLAS)
+  o64, o64s8, o_cublas  out_proj / o_proj at 33-64 rows with K split in 4 (64x128 tiles) or 8
+          (64x64), or on cuBLAS (else K in 3 uneven parts, 64x128 tiles; the parts added by the norm)
   gu_cublas  the default with cuBLAS for gate_up at 33-64 rows (its TUNED tile removed)
   gu_64x128, gu_32x128, gu_128x64  the default with that gate_up tile (rows x K) at 33-64 rows
   loop1   the default with in_proj's and gate_up's GEMVs looping over K (their rows not read
@@ -88,6 +88,7 @@ MODES = {
     "nosum": Mode(sum_in_norm=False), "parts1": Mode(parts_per_sm=1),
     "o64": Mode(tiles=(((64, 2560, 4096), skinny.SkinnyConfig(64, 128, 4, 4, 4)),)),
     "o64s8": Mode(tiles=(((64, 2560, 4096), skinny.SkinnyConfig(64, 64, 8, 4, 4)),)),
+    "o_cublas": Mode(tiles=(((64, 2560, 4096), None),)),
     "gu_cublas": Mode(tiles=(((64, 18432, 2560), None),)),
     "loop1": Mode(tiles=(((1, 12352, 2560), skinny.SkinnyConfig(2, 512, 1, 4, 3)), ((1, 18432, 2560), None))),
     "gu_64x128": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(64, 128, 1, 4, 3)),)),
