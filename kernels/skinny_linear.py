@@ -373,7 +373,9 @@ TUNED = {
     (1, 12352, 2560): SkinnyConfig(2, 2560, 1, 4, 1, whole_rows=True),  # DeltaNet in_proj: 351 against 430
     (1, 18432, 2560): SkinnyConfig(2, 2560, 1, 2, 1, whole_rows=True),  # MLP gate_up + silu epilogue: 748 against 766
     (1, 2560, 9216): SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True),  # MLP down: 431 against 445
-    (32, 2560, 4096): SkinnyConfig(64, 128, 4, 4, 4),  # out/o_proj: 274 / 316 against 279 / 335 (8 / 32 rows)
+    # out/o_proj: K in 3 uneven parts, 120 programs, one per SM (replay -1.2% at 8 rows, -2.1% at 32 against 4
+    # even parts, step_ab_h200_out_proj_uneven_split_32_rows_at_3f0861e.json)
+    (32, 2560, 4096): SkinnyConfig(64, 128, 3, 4, 4),
     (32, 2560, 9216): SkinnyConfig(64, 128, 3, 4, 4),  # MLP down: 472 / 480 against 513 / 589
     (64, 2560, 9216): SkinnyConfig(64, 128, 3, 4, 4),  # MLP down: 505 against cuBLAS's 558
     # out/o_proj: K in 3 uneven parts, 120 programs in one wave (replay 5.343 against cuBLAS's 5.411 ms,

@@ -22,7 +22,8 @@ LINEAR_SHAPES = [  # (rows, N, K): the GEMV (narrow, wide), split K in 3 and 2, 
     pytest.param(1, 12352, 2560, marks=needs_cuda),  # the TUNED tiles: in_proj's GEMV
     pytest.param(40, 12352, 2560, marks=needs_cuda),  # ... in_proj at 33-64 rows
     pytest.param(64, 2560, 9216, marks=needs_cuda),  # ... down at 33-64 rows, K split in 3
-    pytest.param(48, 2560, 4096, marks=needs_cuda),  # ... out/o_proj at 33-64 rows, K in 3 uneven parts
+    pytest.param(16, 2560, 4096, marks=needs_cuda),  # ... out/o_proj, K in 3 uneven parts: at 9-32 rows
+    pytest.param(48, 2560, 4096, marks=needs_cuda),  # ... and at 33-64
 ]
 
 
