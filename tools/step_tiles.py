@@ -44,19 +44,22 @@ DOT = [(64, 128, 0, 4, 3, False), (64, 128, 0, 4, 4, False), (64, 256, 0, 4, 3, 
        (64, 64, 0, 4, 5, False), (64, 128, 0, 4, 3, True), (128, 64, 0, 4, 4, False), (64, 128, 1, 4, 3, False),
        # finer K splits for the narrow (2560-wide) outputs: 40 tiles of 64 fill few of 132 SMs
        (64, 128, 8, 4, 3, False), (64, 128, 8, 4, 4, False), (64, 128, 16, 4, 3, False), (64, 64, 8, 4, 4, False),
-       (32, 128, 4, 4, 3, False), (32, 128, 8, 4, 3, False), (128, 128, 8, 8, 3, False), (64, 128, 2, 4, 4, False)]  # fmt: skip
+       (32, 128, 4, 4, 3, False), (32, 128, 8, 4, 3, False), (128, 128, 8, 8, 3, False), (64, 128, 2, 4, 4, False),
+       # K in 3 parts even where they differ by a block: 120 programs, one per SM (out/o_proj's TUNED tile)
+       (64, 128, 3, 4, 4, False), (64, 64, 3, 4, 4, False)]  # fmt: skip
 
 
-def candidate(tile: tuple, n: int, k: int) -> SkinnyConfig | None:
-    """The tile as a config for this shape, or None where it does not divide K. A block_k of
-    0: the whole K (the GEMV then reads its rows before waiting for the previous kernel)."""
+def candidate(tile: tuple, n: int, k: int, gemv: bool) -> SkinnyConfig | None:
+    """The tile as a config for this shape, or None where its blocks do not fit K (the GEMV's
+    K parts must be equal, the tensor-core kernel's may differ by a block). A block_k of 0: the
+    whole K (the GEMV then reads its rows before waiting for the previous kernel)."""
     block_n, block_k, split, warps, stages, evict = tile
     if block_k == 0:
         return SkinnyConfig(block_n, k, 1, warps, stages, evict, whole_rows=True)
     if split == 0:
         rule = skinny.decode_config(2, n, k)
         split = rule[0].split_k if rule else 1
-    if k % (block_k * split):
+    if k % (block_k * (split if gemv else 1)) or split > k // block_k:
         return None
     return SkinnyConfig(block_n, block_k, split, warps, stages, evict)
 
@@ -69,7 +72,7 @@ def capture_with(ex: Executor, size: int, rows: int, choice: dict) -> None:
         pick = choice.get((n, k))
         if r != rows or pick is None:
             return rule(r, n, k)
-        return None if pick == CUBLAS else (candidate(pick, n, k), rows == 1)
+        return None if pick == CUBLAS else (candidate(pick, n, k, rows == 1), rows == 1)
 
     skinny.decode_config, skinny.MAX_ROWS = chosen, max(skinny.MAX_ROWS, rows)
     try:
@@ -119,7 +122,7 @@ def sweep(ex: Executor, batch: int, first_id: int, rounds: int, dot: list, gemv:
     for shape, share in shares_by_shape(ex, size, shapes).items():  # the rule's own graph
         measured[shape]["rule"] = share
     for name, option in options.items():
-        choice = {s: option for s in distinct if option == CUBLAS or candidate(option, *s)}
+        choice = {s: option for s in distinct if option == CUBLAS or candidate(option, *s, batch == 1)}
         try:
             capture_with(ex, size, batch, choice)
         except Exception as exc:  # a tile that does not compile or launch: skipped
