@@ -285,6 +285,12 @@ def whole_row_parts(k: int) -> tuple[int, int] | None:
     return None if tail & (tail - 1) else (head, tail)
 
 
+def splits_fit(k: int, block_k: int, split_k: int, gemv: bool) -> bool:
+    """Whether K splits into `split_k` parts of whole blocks: equal parts for the GEMV, parts
+    that may differ by a block for the tensor-core kernel."""
+    return k % (block_k * (split_k if gemv else 1)) == 0 and split_k <= k // block_k
+
+
 def block_m_for(rows: int) -> int:
     return max(16, triton.next_power_of_2(rows))
 
@@ -311,7 +317,7 @@ def skinny_linear(
     n = rows // 2 if silu_mul else rows
     if x.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
-    if k % (cfg.block_k * (cfg.split_k if gemv else 1)) or cfg.split_k > k // cfg.block_k:
+    if not splits_fit(k, cfg.block_k, cfg.split_k, gemv):
         raise ValueError(f"skinny_linear: K={k} does not split into {cfg.split_k} parts of whole blocks of "
                          f"{cfg.block_k}" + (" (the GEMV's parts alike)" if gemv else ""))
     if cfg.whole_rows and not gemv:

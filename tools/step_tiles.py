@@ -59,9 +59,7 @@ def candidate(tile: tuple, n: int, k: int, gemv: bool) -> SkinnyConfig | None:
     if split == 0:
         rule = skinny.decode_config(2, n, k)
         split = rule[0].split_k if rule else 1
-    if k % (block_k * (split if gemv else 1)) or split > k // block_k:
-        return None
-    return SkinnyConfig(block_n, block_k, split, warps, stages, evict)
+    return SkinnyConfig(block_n, block_k, split, warps, stages, evict) if skinny.splits_fit(k, block_k, split, gemv) else None
 
 
 def capture_with(ex: Executor, size: int, rows: int, choice: dict) -> None:
