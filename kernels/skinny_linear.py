@@ -34,10 +34,11 @@ from deltaserve.kernels.triton_compat import (
     wait_for_previous_grid,
 )
 
-# The most rows the skinny kernels take (above 32, only the TUNED shapes); 0: cuBLAS for all.
+# The most rows the skinny kernels take (above 32, the narrow outputs and TUNED shapes); 0: cuBLAS for all.
 MAX_ROWS = 64
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-SPLIT_BELOW_TILES = 132  # split K when the outputs give fewer 64-row tiles: the H200's SM count
+SMS = 132  # the H200's SM count: the K split fills one wave of one program per SM with it
+ONE_WAVE = True  # the split rule (tools/bench_step_ab.py's "even_splits" mode: the rule before it)
 SILU_EPILOGUE = True  # gate_up's kernel makes silu(gate) * up (tools/bench_step_ab.py turns it off)
 SUM_IN_NORM = True  # split-K partial sums added by the next norm (`linear(unsummed=True)`; ditto)
 USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mode turns them off)
@@ -369,37 +370,53 @@ def skinny_linear(
     return out
 
 
-# Tiles for the 4B shapes by (most rows, N, K): each was the fastest inside the decode step on
-# the H200, by the projection's share of the step's critical path, and the whole step's replay
-# was faster with them (tools/step_tiles.py, bench/results/step_tiles_h200_*.json). Beside each:
-# its share against the general rule's (or cuBLAS's, above 32 rows), per step, in us.
+# Tiles for the 4B and 9B shapes by (most rows, N, K): each was the fastest inside the decode
+# step on the H200, by the projection's share of the step's critical path, and the whole step's
+# replay was faster with them (tools/step_tiles.py, bench/results/step_tiles_h200_*.json). Beside
+# each: its share against the general rule's (or cuBLAS's, above 32 rows), per step, in us.
 TUNED = {
     # one row, whole rows read before the wait (replay 2.597 against 2.641 ms,
     # step_ab_h200_gemv_whole_rows_adopted_at_180c95a.json; for down or qkv: slower)
     (1, 12352, 2560): SkinnyConfig(2, 2560, 1, 4, 1, whole_rows=True),  # DeltaNet in_proj: 351 against 430
     (1, 18432, 2560): SkinnyConfig(2, 2560, 1, 2, 1, whole_rows=True),  # MLP gate_up + silu epilogue: 748 against 766
     (1, 2560, 9216): SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True),  # MLP down: 431 against 445
-    # out/o_proj: K in 3 uneven parts, 120 programs, one per SM (replay -1.2% at 8 rows, -2.1% at 32 against 4
-    # even parts, step_ab_h200_out_proj_uneven_split_32_rows_at_3f0861e.json)
-    (32, 2560, 4096): SkinnyConfig(64, 128, 3, 4, 4),
-    (32, 2560, 9216): SkinnyConfig(64, 128, 3, 4, 4),  # MLP down: 472 / 480 against 513 / 589
-    (64, 2560, 9216): SkinnyConfig(64, 128, 3, 4, 4),  # MLP down: 505 against cuBLAS's 558
-    # out/o_proj: K in 3 uneven parts, 120 programs in one wave (replay 5.343 against cuBLAS's 5.411 ms,
-    # step_ab_h200_out_proj_uneven_split_at_169eb6c.json); 2 or 4 even parts were no faster than cuBLAS
-    (64, 2560, 4096): SkinnyConfig(64, 128, 3, 4, 4),
+    # (out/o_proj and down at 2-64 rows, K in 3 parts, are the rule's: one wave of 120 programs)
     (64, 12352, 2560): SkinnyConfig(64, 64, 1, 4, 5),  # DeltaNet in_proj: 453 against cuBLAS's 482
     (64, 18432, 2560): SkinnyConfig(64, 64, 1, 4, 4),  # MLP gate_up + silu epilogue: step 5.467 ms against cuBLAS's 5.542
+    # 9B (hidden 4096; step_tiles_h200_9b_at_01e2744.json). One row: every projection reads its
+    # rows whole before the wait (replay 4.154 against the rule's 4.457 ms), down's K of 12288 too
+    (1, 12352, 4096): SkinnyConfig(2, 4096, 1, 4, 1, evict_first=True, whole_rows=True),  # in_proj: 587 against 696
+    (1, 24576, 4096): SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True),  # gate_up + silu epilogue: 1458 against 1670
+    (1, 4096, 12288): SkinnyConfig(2, 12288, 1, 4, 1, whole_rows=True),  # down: 779 against 843
+    (1, 10240, 4096): SkinnyConfig(2, 4096, 1, 4, 1, whole_rows=True),  # attention qkv: 148 against 164
+    (1, 4096, 4096): SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True),  # out/o_proj: 296 against 342
+    (32, 4096, 12288): SkinnyConfig(64, 128, 3, 4, 4),  # down: 825 against 1016 at 8 rows (the rule's 2 parts: 835)
+    # 2B (hidden 2048; step_tiles_h200_2b_at_01e2744.json). One row: whole rows again (replay
+    # 1.280 against 1.312 ms, step_ab_h200_2b_one_wave_at_01e2744-onewave.json)
+    (1, 8224, 2048): SkinnyConfig(2, 2048, 1, 2, 1, whole_rows=True),  # in_proj: 168 against 182
+    (1, 12288, 2048): SkinnyConfig(2, 2048, 1, 2, 1, whole_rows=True),  # gate_up + silu epilogue: 307 against 381
+    (1, 2048, 6144): SkinnyConfig(4, 6144, 1, 8, 1, whole_rows=True),  # down: 157 against 185
+    (1, 5120, 2048): SkinnyConfig(2, 2048, 1, 4, 1, whole_rows=True),  # attention qkv: 28 against 48
+    (1, 2048, 2048): SkinnyConfig(2, 2048, 1, 4, 1, whole_rows=True),  # out/o_proj: 57 against 85
 }
 
 
 def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None:
     """The kernel for `rows` x [n, k], or None for cuBLAS: a TUNED tile, else the rule read
-    off bench_linear's sweep at the 4B shapes on the H200 (bench/results/linear_h200_*.json).
+    off the sweeps at the 0.8B-9B shapes on the H200 (bench/results/step_tiles_h200_*.json).
 
     One row: the GEMV; on narrow outputs 4 rows per program over long K slices with 8 warps,
-    on wide ones 8 rows per program with the weights evicted from L2 first. Up to 32 rows:
-    the tensor-core kernel with 64-row weight tiles, K split in 3 or 4 only where the outputs
-    give fewer tiles than the H200 has SMs (the 2560-wide projections). More: cuBLAS."""
+    on wide ones 8 rows per program with the weights evicted from L2 first. More rows: the
+    tensor-core kernel with 64-row weight tiles; where the outputs give fewer tiles than the
+    H200 has SMs, K split into as many parts (whole blocks, differing by one at most) as fill
+    one wave of one program per SM, and up to 32 rows unsplit; else cuBLAS.
+
+    The split rule came from the 4B's 2560-wide projections: 40 tiles, K in 3 parts differing
+    by a block, 120 programs (out/o_proj: replay -1.2% at 8 rows and -2.1% at 32 against 4 even
+    parts, step_ab_h200_out_proj_uneven_split_32_rows_at_3f0861e.json; at 64 rows 5.343 against
+    cuBLAS's 5.411 ms, step_ab_h200_out_proj_uneven_split_at_169eb6c.json; down: 472 / 480 us a
+    step against 513 / 589 at 8 / 32 rows, 505 against cuBLAS's 558 at 64); the 0.8B, 2B and 9B
+    sweeps picked the same fill (step_tiles_h200_{0.8b,2b,9b}_*.json)."""
     most = 1 if rows == 1 else 32 if rows <= 32 else 64 if rows <= 64 else 0  # TUNED's row classes
     if USE_TUNED and (most, n, k) in TUNED:
         return TUNED[most, n, k], rows == 1
@@ -408,12 +425,15 @@ def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None
             return (SkinnyConfig(8, 256, 1, 4, 2, evict_first=True), True) if k % 256 == 0 else None
         block_k = next((b for b in (1024, 512, 256) if k % b == 0), None)
         return (SkinnyConfig(4, block_k, 1, 8, 2), True) if block_k else None
-    if rows > 32 or k % 128:
+    if k % 128:
         return None
-    split = 1
-    if triton.cdiv(n, 64) < SPLIT_BELOW_TILES:
-        split = next((s for s in (3, 4, 2) if (k // 128) % s == 0), 1)
-    return SkinnyConfig(64, 128, split, 4, 3), False
+    if not ONE_WAVE:  # splits that divide K's blocks, up to 32 rows
+        split = next((s for s in (3, 4, 2) if (k // 128) % s == 0), 1) if triton.cdiv(n, 64) < SMS else 1
+        return None if rows > 32 else (SkinnyConfig(64, 128, split, 4, 3), False)
+    split = max(1, min(SMS // triton.cdiv(n, 64), k // 128))
+    if split == 1:
+        return None if rows > 32 else (SkinnyConfig(64, 128, 1, 4, 3), False)
+    return SkinnyConfig(64, 128, split, 4, 4), False
 
 
 def linear(

@@ -24,6 +24,10 @@ LINEAR_SHAPES = [  # (rows, N, K): the GEMV (narrow, wide), split K in 3 and 2, 
     pytest.param(64, 2560, 9216, marks=needs_cuda),  # ... down at 33-64 rows, K split in 3
     pytest.param(16, 2560, 4096, marks=needs_cuda),  # ... out/o_proj, K in 3 uneven parts: at 9-32 rows
     pytest.param(48, 2560, 4096, marks=needs_cuda),  # ... and at 33-64
+    pytest.param(1, 4096, 12288, marks=needs_cuda),  # 9B down's GEMV: rows of 12288 read whole
+    pytest.param(1, 24576, 4096, marks=needs_cuda),  # ... gate_up's: 4 whole rows a program
+    pytest.param(20, 4096, 12288, marks=needs_cuda),  # ... down at 9-32 rows, K in 3 parts
+    pytest.param(64, 4096, 4096, marks=needs_cuda),  # ... out/o_proj at 33-64, K in 2
 ]
 
 
@@ -44,6 +48,42 @@ def test_skinny_linear(kernels, device, rows, n, k):
     bound = 4e-3 if CUDA else 8e-3  # one bf16 rounding is ~1e-3; the interpreter truncates instead
     assert err < bound, f"skinny_linear {cfg}: relative error {err:.1e}"
     assert torch.equal(mod.skinny_linear(x, w, cfg, gemv), got), "skinny_linear is not deterministic"
+
+
+def published_projection_shapes() -> set[tuple[int, int]]:
+    """(N, K) of every decode projection of the published Qwen3.5 shapes (tools.make_model)."""
+    from deltaserve.tools.make_model import PRESETS
+
+    shapes = set()
+    for name, p in PRESETS.items():
+        if name == "tiny":
+            continue
+        h, inter, hd = p["hidden_size"], p["intermediate_size"], p["head_dim"]
+        keys, values = p["linear_num_key_heads"] * p["linear_key_head_dim"], p["linear_num_value_heads"] * p["linear_value_head_dim"]
+        shapes |= {(2 * keys + 2 * values + 2 * p["linear_num_value_heads"], h), (h, values),  # in_proj, out_proj
+                   (2 * p["num_attention_heads"] * hd + 2 * p["num_key_value_heads"] * hd, h),  # qkv (+ gate)
+                   (h, p["num_attention_heads"] * hd), (2 * inter, h), (h, inter)}  # o_proj, gate_up, down
+    return shapes
+
+
+def test_every_decode_tile_fits_its_shape(kernels):
+    """Each TUNED tile and each tile the rule picks for the published shapes, at 1-64 rows,
+    is one `skinny_linear` takes: K in whole blocks, whole rows only for the GEMV and where K
+    is a sum of two powers of two. One that is not would fail a model's graph capture at start-up."""
+    mod = kernels["skinny_linear"]
+    shapes = published_projection_shapes()
+    assert {(n, k) for _, n, k in mod.TUNED} <= shapes, "a TUNED tile for no published shape (a typo?)"
+    for n, k in shapes:
+        for rows in (1, 2, 8, 32, 33, 64):
+            choice = mod.decode_config(rows, n, k)
+            if choice is None:  # cuBLAS
+                assert rows > 32, f"{rows} x [{n}, {k}]: the rule leaves up to 32 rows to cuBLAS"
+                continue
+            cfg, gemv = choice
+            assert gemv == (rows == 1)
+            assert mod.splits_fit(k, cfg.block_k, cfg.split_k, gemv), f"{rows} x [{n}, {k}]: {cfg}"
+            if cfg.whole_rows:
+                assert gemv and cfg.block_k == k and mod.whole_row_parts(k), f"{rows} x [{n}, {k}]: {cfg}"
 
 
 @pytest.mark.parametrize("rows,k,split", [(5, 512, 3), (17, 1280, 3), (2, 640, 4)])
@@ -141,6 +181,7 @@ CONV_SHAPES = [  # (rows, conv channels, N, K): a partial last program; the 4B i
     (3, 64, 96, 128),
     pytest.param(1, 8192, 12352, 2560, marks=needs_cuda),
     pytest.param(64, 8192, 12352, 2560, marks=needs_cuda),
+    pytest.param(1, 8192, 12352, 4096, marks=needs_cuda),  # the 9B in_proj (its TUNED GEMV evicts the weights)
 ]
 
 

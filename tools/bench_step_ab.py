@@ -9,7 +9,9 @@ alone (CUDA events). Reported: the median over rounds of each, and how far each 
 of the first decode step (the same inputs in every mode) are from the first mode's: on a
 random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~1 nat. Modes:
   pdl     the default: skinny kernels (TUNED tiles) up to 64 rows, programmatic dependent launch
-  untuned the same without the TUNED tiles (the general rule; cuBLAS above 32 rows)
+  untuned the same without the TUNED tiles (the general rule alone)
+  even_splits  the default with the split rule before one_wave: K split in 3, 4 or 2 parts that
+          divide its blocks, 3 stages, up to 32 rows (more: cuBLAS, but for the TUNED shapes)
   noepi   the same, but gate_up's kernel does not make the MLP's activation (silu_and_mul's kernel)
   parts1  the default with decode attention aiming at one program per SM (else 2): no context
           split, and no merge kernel, from 33 requests on (4 KV heads)
@@ -25,6 +27,10 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
           update's or attention's kernels wait first
   o_whole, o_whole4  the default with out_proj's / o_proj's GEMV reading its rows whole before
           the wait (2 rows and 4 warps, or 4 and 8, per program)
+  d9_rule32  the default with the 9B's down at 2-32 rows by the general rule (K in 2 parts; else
+          3, 64x128 tiles, 4 stages)
+  d_whole, qkv_whole, all_whole  the default with the 4B's down, attention qkv, or both and
+          out/o_proj (4 rows, 8 warps) reading their rows whole before the wait at one row
   lm_cublas  the default with one row's logits by cuBLAS (else the whole-row GEMV)
   conv_apart  the default with one row's DeltaNet conv by the conv update kernel (else made
           by in_proj's GEMV as it writes)
@@ -72,6 +78,7 @@ class Mode:
     sum_in_norm: bool = True  # split-K partial sums added by the next norm
     parts_per_sm: int = paged_attention.PARTS_PER_SM  # decode attention's split target
     tuned: bool = True  # the TUNED tiles
+    one_wave: bool = True  # K splits filling one wave of one program per SM (else dividing K's blocks)
     tiles: tuple = ()  # ((rows class, N, K), SkinnyConfig or None) TUNED entries set (None: removed)
     conv_tile: tuple[int, int] = conv.UPDATE_TILE  # the conv update's (channels, warps) per program
     norm_warps: int = rmsnorm.WIDE_ROW_WARPS  # per RMSNorm row of the hidden size
@@ -83,7 +90,7 @@ class Mode:
 
 
 MODES = {
-    "pdl": Mode(), "untuned": Mode(tuned=False), "noepi": Mode(silu_epilogue=False), "nopdl": Mode(pdl=False),
+    "pdl": Mode(), "untuned": Mode(tuned=False), "even_splits": Mode(one_wave=False), "noepi": Mode(silu_epilogue=False), "nopdl": Mode(pdl=False),
     "cublas": Mode(max_rows=0),
     "nosum": Mode(sum_in_norm=False), "parts1": Mode(parts_per_sm=1),
     "o64": Mode(tiles=(((64, 2560, 4096), skinny.SkinnyConfig(64, 128, 4, 4, 4)),)),
@@ -106,6 +113,12 @@ MODES = {
     "late_conv": Mode(read_ahead=frozenset({"attention"})), "late_attn": Mode(read_ahead=frozenset({"conv"})),
     "o_whole": Mode(tiles=(((1, 2560, 4096), skinny.SkinnyConfig(2, 4096, 1, 4, 1, whole_rows=True)),)),
     "o_whole4": Mode(tiles=(((1, 2560, 4096), skinny.SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True)),)),
+    "d_whole": Mode(tiles=(((1, 2560, 9216), skinny.SkinnyConfig(2, 9216, 1, 4, 1, whole_rows=True)),)),
+    "qkv_whole": Mode(tiles=(((1, 10240, 2560), skinny.SkinnyConfig(2, 2560, 1, 4, 1, whole_rows=True)),)),
+    "all_whole": Mode(tiles=(((1, 2560, 9216), skinny.SkinnyConfig(2, 9216, 1, 4, 1, whole_rows=True)),
+                             ((1, 10240, 2560), skinny.SkinnyConfig(2, 2560, 1, 4, 1, whole_rows=True)),
+                             ((1, 2560, 4096), skinny.SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True)))),
+    "d9_rule32": Mode(tiles=(((32, 4096, 12288), None),)),
 }
 
 
@@ -117,6 +130,7 @@ def use_mode(name: str) -> None:
     mode = MODES[name]
     skinny.MAX_ROWS, triton_compat.PDL, triton_compat.READ_AHEAD = mode.max_rows, mode.pdl, mode.read_ahead
     skinny.SILU_EPILOGUE, skinny.USE_TUNED, skinny.SUM_IN_NORM = mode.silu_epilogue, mode.tuned, mode.sum_in_norm
+    skinny.ONE_WAVE = mode.one_wave
     skinny.LM_HEAD_GEMV, skinny.CONV_EPILOGUE = mode.lm_head_gemv, mode.conv_epilogue
     paged_attention.PARTS_PER_SM = mode.parts_per_sm
     skinny.TUNED.clear()
