@@ -200,13 +200,15 @@ def bench_fla_prefill(device: torch.device, tokens: int = 4096) -> dict | None:
 
 
 def step_bytes(config, params_bytes: int, batch: int, context: int, dtype: torch.dtype) -> int:
-    """Bytes one decode step must move: weights once, each request's state slot (DeltaNet
-    state and conv windows) read and written, every context position's K and V read (its own
-    K and V written)."""
+    """Bytes one decode step must move: weights once (of an input embedding apart from the
+    lm_head, the 9B's, only its rows of the step), each request's state slot (DeltaNet state
+    and conv windows) read and written, every context position's K and V read (its own K and
+    V written)."""
     from deltaserve.engine.rank.memory_budget import cache_sizes
 
     per = cache_sizes(config, 1, dtype, block_size=1)  # block_bytes: K and V of one position
-    return params_bytes + batch * (2 * per.slot_bytes + per.block_bytes * (context + 1))
+    embedding = 0 if config.tie_word_embeddings else (config.vocab_size - batch) * config.hidden_size * dtype.itemsize
+    return params_bytes - embedding + batch * (2 * per.slot_bytes + per.block_bytes * (context + 1))
 
 
 def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflops: float | None) -> dict:
