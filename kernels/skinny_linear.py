@@ -391,8 +391,8 @@ TUNED = {
     (1, 10240, 4096): SkinnyConfig(2, 4096, 1, 4, 1, whole_rows=True),  # attention qkv: 148 against 164
     (1, 4096, 4096): SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True),  # out/o_proj: 296 against 342
     (32, 4096, 12288): SkinnyConfig(64, 128, 3, 4, 4),  # down: 825 against 1016 at 8 rows (the rule's 2 parts: 835)
-    # 2B (hidden 2048; step_tiles_h200_2b_at_01e2744.json). One row: whole rows again (replay
-    # 1.280 against 1.312 ms, step_ab_h200_2b_one_wave_at_01e2744-onewave.json)
+    # 2B (hidden 2048). One row: whole rows again (replay 1.280 against 1.312 ms,
+    # step_ab_h200_2b_one_wave_at_01e2744-onewave.json; the shares from step_tiles at 01e2744)
     (1, 8224, 2048): SkinnyConfig(2, 2048, 1, 2, 1, whole_rows=True),  # in_proj: 168 against 182
     (1, 12288, 2048): SkinnyConfig(2, 2048, 1, 2, 1, whole_rows=True),  # gate_up + silu epilogue: 307 against 381
     (1, 2048, 6144): SkinnyConfig(4, 6144, 1, 8, 1, whole_rows=True),  # down: 157 against 185
