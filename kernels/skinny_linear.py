@@ -370,7 +370,7 @@ def skinny_linear(
     return out
 
 
-# Tiles for the 4B and 9B shapes by (most rows, N, K): each was the fastest inside the decode
+# Tiles for the 4B, 9B and 2B shapes by (most rows, N, K): each was the fastest inside the decode
 # step on the H200, by the projection's share of the step's critical path, and the whole step's
 # replay was faster with them (tools/step_tiles.py, bench/results/step_tiles_h200_*.json). Beside
 # each: its share against the general rule's (or cuBLAS's, above 32 rows), per step, in us.
