@@ -431,9 +431,9 @@ def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None
         split = next((s for s in (3, 4, 2) if (k // 128) % s == 0), 1) if triton.cdiv(n, 64) < SMS else 1
         return None if rows > 32 else (SkinnyConfig(64, 128, split, 4, 3), False)
     split = max(1, min(SMS // triton.cdiv(n, 64), k // 128))
-    if split == 1:
-        return None if rows > 32 else (SkinnyConfig(64, 128, 1, 4, 3), False)
-    return SkinnyConfig(64, 128, split, 4, 4), False
+    if split == 1 and rows > 32:
+        return None
+    return SkinnyConfig(64, 128, split, 4, 3 if split == 1 else 4), False
 
 
 def linear(

@@ -90,7 +90,8 @@ class Mode:
 
 
 MODES = {
-    "pdl": Mode(), "untuned": Mode(tuned=False), "even_splits": Mode(one_wave=False), "noepi": Mode(silu_epilogue=False), "nopdl": Mode(pdl=False),
+    "pdl": Mode(), "untuned": Mode(tuned=False), "noepi": Mode(silu_epilogue=False), "nopdl": Mode(pdl=False),
+    "even_splits": Mode(one_wave=False),
     "cublas": Mode(max_rows=0),
     "nosum": Mode(sum_in_norm=False), "parts1": Mode(parts_per_sm=1),
     "o64": Mode(tiles=(((64, 2560, 4096), skinny.SkinnyConfig(64, 128, 4, 4, 4)),)),
