@@ -337,7 +337,7 @@ def skinny_linear(
     target = out if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
     outputs_per_tile = cfg.block_n // 2 if silu_mul else cfg.block_n
     grid = (triton.cdiv(n, outputs_per_tile), cfg.split_k)
-    pdl = pdl_options(x)
+    pdl = pdl_options(x, kind="gemv" if gemv else "dot")
     if gemv:
         if m != 1:
             raise ValueError("the GEMV kernel takes one row")

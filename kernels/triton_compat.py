@@ -55,12 +55,13 @@ PDL = HAS_TRITON and os.environ.get("DELTASERVE_PDL", "1") != "0"
 # writes (slots, conv windows, positions: `read_ahead`) before the wait, and wait at GDC_LATE
 # instead (tools/bench_step_ab.py's "late" modes take names out).
 READ_AHEAD = frozenset({"conv", "attention"})
-# Where a kernel lets the next one launch (`gdc_launch_dependents`): after its wait (1), or
-# before it (2), so that the next kernel's programs come resident (a whole-row GEMV's reading
-# its weights) while this one still waits on the kernel before it. Either is safe: a
-# kernel's wait returns only once the kernel before it has finished, which it does only after
-# its own wait, so every kernel before it in the chain has finished too.
-TRIGGER = 1
+# Where a kernel lets the next one launch (`gdc_launch_dependents`): after its wait, or, for
+# the kinds in this set ("gemv", "dot": the projections' kernels; "other"), before it, so
+# that the next kernel's programs come resident (a whole-row GEMV's reading its weights)
+# while this one still waits on the kernel before it. Either is safe: a kernel's wait returns
+# only once the kernel before it has finished, which it does only after its own wait, so
+# every kernel before it in the chain has finished too.
+EARLY_TRIGGER: frozenset[str] = frozenset()
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # no Triton, or one without griddepcontrol
@@ -90,14 +91,15 @@ def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl_options(t: torch.Tensor, reads_ahead: str | None = None) -> dict:
+def pdl_options(t: torch.Tensor, reads_ahead: str | None = None, kind: str = "other") -> dict:
     """Launch options of a kernel that starts with `wait_for_previous_grid(GDC)`: PDL where the
     device has it, else none. `reads_ahead` (a name in READ_AHEAD): the kernel also takes
-    GDC_LATE and waits there instead, after its `read_ahead` loads."""
+    GDC_LATE and waits there instead, after its `read_ahead` loads. `kind`: see EARLY_TRIGGER."""
     if PDL and t.is_cuda and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+        gdc = 2 if kind in EARLY_TRIGGER else 1
         if reads_ahead in READ_AHEAD:
-            return {"GDC": 0, "GDC_LATE": TRIGGER, "launch_pdl": True}
-        return {"GDC": TRIGGER, "launch_pdl": True}
+            return {"GDC": 0, "GDC_LATE": gdc, "launch_pdl": True}
+        return {"GDC": gdc, "launch_pdl": True}
     return {}
 
 
@@ -106,7 +108,7 @@ def wait_for_previous_grid(GDC: tl.constexpr):
     """With GDC (launched by `pdl_options`): wait until the previous kernel in the stream has
     finished and its writes are visible, then let the next kernel launch. A kernel calls it
     before any load or store: a buffer it writes may be one the previous kernel still reads.
-    GDC 2: let the next kernel launch first, then wait (`TRIGGER`)."""
+    GDC 2: let the next kernel launch first, then wait (`EARLY_TRIGGER`)."""
     if GDC == 2:
         gdc_launch_dependents()
         gdc_wait()

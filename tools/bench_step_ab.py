@@ -34,8 +34,10 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   lm_cublas  the default with one row's logits by cuBLAS (else the whole-row GEMV)
   conv_apart  the default with one row's DeltaNet conv by the conv update kernel (else made
           by in_proj's GEMV as it writes)
-  early, early_o_whole4, early_d_whole, early_qkv_whole, early_all_whole  the default, or
-          that mode, with every kernel letting the next launch before its wait (else after)
+  early, early_o_whole4, early_d_whole, early_all_whole  the default, or that mode, with every
+          kernel letting the next launch before its wait (else after); early_other, early_proj,
+          early_nodot: only the kernels other than projections', only the projections', or all
+          but the tensor-core kernel's
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   conv64, conv256, conv1024  the default with the conv update's programs on that many channels
@@ -90,7 +92,7 @@ class Mode:
     read_ahead: frozenset[str] = triton_compat.READ_AHEAD  # kernels loading slots, positions before the wait
     lm_head_gemv: bool = True  # one row's logits by our GEMV
     conv_epilogue: bool = True  # one row's DeltaNet conv in in_proj's GEMV
-    trigger: int = triton_compat.TRIGGER  # 2: a kernel lets the next launch before its wait (else after)
+    early_trigger: frozenset[str] = triton_compat.EARLY_TRIGGER  # kernel kinds letting the next launch before their wait
 
 
 MODES = {
@@ -125,9 +127,11 @@ MODES = {
                              ((1, 2560, 4096), skinny.SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True)))),
     "d9_rule32": Mode(tiles=(((32, 4096, 12288), None),)),
 }
-MODES |= {"early": Mode(trigger=2)} | {
-    f"early_{name}": dataclasses.replace(MODES[name], trigger=2) for name in ("o_whole4", "d_whole", "qkv_whole", "all_whole")
-}
+ALL_KINDS = frozenset({"gemv", "dot", "other"})
+MODES |= {
+    "early": Mode(early_trigger=ALL_KINDS), "early_other": Mode(early_trigger=frozenset({"other"})),
+    "early_proj": Mode(early_trigger=frozenset({"gemv", "dot"})), "early_nodot": Mode(early_trigger=frozenset({"gemv", "other"})),
+} | {f"early_{name}": dataclasses.replace(MODES[name], early_trigger=ALL_KINDS) for name in ("o_whole4", "d_whole", "all_whole")}
 
 
 DEFAULT_TUNED = dict(skinny.TUNED)
@@ -138,7 +142,7 @@ def use_mode(name: str) -> None:
     mode = MODES[name]
     skinny.MAX_ROWS, triton_compat.PDL, triton_compat.READ_AHEAD = mode.max_rows, mode.pdl, mode.read_ahead
     skinny.SILU_EPILOGUE, skinny.USE_TUNED, skinny.SUM_IN_NORM = mode.silu_epilogue, mode.tuned, mode.sum_in_norm
-    skinny.ONE_WAVE, triton_compat.TRIGGER = mode.one_wave, mode.trigger
+    skinny.ONE_WAVE, triton_compat.EARLY_TRIGGER = mode.one_wave, mode.early_trigger
     skinny.LM_HEAD_GEMV, skinny.CONV_EPILOGUE = mode.lm_head_gemv, mode.conv_epilogue
     paged_attention.PARTS_PER_SM = mode.parts_per_sm
     skinny.TUNED.clear()
