@@ -55,13 +55,16 @@ PDL = HAS_TRITON and os.environ.get("DELTASERVE_PDL", "1") != "0"
 # writes (slots, conv windows, positions: `read_ahead`) before the wait, and wait at GDC_LATE
 # instead (tools/bench_step_ab.py's "late" modes take names out).
 READ_AHEAD = frozenset({"conv", "attention"})
-# Where a kernel lets the next one launch (`gdc_launch_dependents`): after its wait, or, for
-# the kinds in this set ("gemv", "dot": the projections' kernels; "other"), before it, so
-# that the next kernel's programs come resident (a whole-row GEMV's reading its weights)
-# while this one still waits on the kernel before it. Either is safe: a kernel's wait returns
-# only once the kernel before it has finished, which it does only after its own wait, so
-# every kernel before it in the chain has finished too.
-EARLY_TRIGGER: frozenset[str] = frozenset()
+# Which kernels let the next one launch (`gdc_launch_dependents`) before their wait, not after
+# it: the projections' ("gemv", "dot") and, on one row, the rest ("one row"). The next
+# kernel's programs then come resident, and a whole-row GEMV's read their weights, while
+# this one still waits on the kernel before it. Safe either way: a kernel's wait returns only
+# once the kernel before it has finished, which it does only after its own wait, so every
+# kernel before it has finished too. Replay, random 4B, H200: 0.1-0.7% faster at 1-64 rows
+# with the projections' alone; the rest's too cost 3-8% at 2-32 rows (programs of tensor-core
+# kernels made resident early sit on SMs the one-wave splits count on) and paid at one row
+# (bench/results/step_ab_h200_early_trigger_kinds_4b_at_321a6ca.json).
+EARLY_TRIGGER = frozenset({"gemv", "dot", "one row"})
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # no Triton, or one without griddepcontrol
@@ -96,7 +99,7 @@ def pdl_options(t: torch.Tensor, reads_ahead: str | None = None, kind: str = "ot
     device has it, else none. `reads_ahead` (a name in READ_AHEAD): the kernel also takes
     GDC_LATE and waits there instead, after its `read_ahead` loads. `kind`: see EARLY_TRIGGER."""
     if PDL and t.is_cuda and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device()):
-        gdc = 2 if kind in EARLY_TRIGGER else 1
+        gdc = 2 if kind in EARLY_TRIGGER or ("one row" in EARLY_TRIGGER and t.shape[0] == 1) else 1
         if reads_ahead in READ_AHEAD:
             return {"GDC": 0, "GDC_LATE": gdc, "launch_pdl": True}
         return {"GDC": gdc, "launch_pdl": True}

@@ -34,10 +34,12 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   lm_cublas  the default with one row's logits by cuBLAS (else the whole-row GEMV)
   conv_apart  the default with one row's DeltaNet conv by the conv update kernel (else made
           by in_proj's GEMV as it writes)
+  trigger_after  the default with every kernel letting the next launch after its wait (else the
+          projections' kernels, and on one row every kernel, before it)
   early, early_o_whole4, early_d_whole, early_all_whole  the default, or that mode, with every
-          kernel letting the next launch before its wait (else after); early_other, early_proj,
-          early_nodot: only the kernels other than projections', only the projections', or all
-          but the tensor-core kernel's
+          kernel letting the next launch before its wait; early_other, early_proj, early_nodot:
+          only the kernels other than projections', only the projections', or all but the
+          tensor-core kernel's
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   conv64, conv256, conv1024  the default with the conv update's programs on that many channels
@@ -129,6 +131,7 @@ MODES = {
 }
 ALL_KINDS = frozenset({"gemv", "dot", "other"})
 MODES |= {
+    "trigger_after": Mode(early_trigger=frozenset()),
     "early": Mode(early_trigger=ALL_KINDS), "early_other": Mode(early_trigger=frozenset({"other"})),
     "early_proj": Mode(early_trigger=frozenset({"gemv", "dot"})), "early_nodot": Mode(early_trigger=frozenset({"gemv", "other"})),
 } | {f"early_{name}": dataclasses.replace(MODES[name], early_trigger=ALL_KINDS) for name in ("o_whole4", "d_whole", "all_whole")}
