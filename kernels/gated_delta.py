@@ -220,7 +220,10 @@ def _gated_delta_decode_kernel(
     u = beta * (v - tl.sum(s * k[:, None], 0))  # [BV]
     s = s + k[:, None] * u[None, :]
     o = tl.sum(s * q[:, None], 0)
-    tl.store(s_ptrs, s, mask=smask, eviction_policy=EVICT)
+    if EVICT:
+        tl.store(s_ptrs, s, mask=smask, eviction_policy="evict_first")
+    else:
+        tl.store(s_ptrs, s, mask=smask)
     tl.store(out_ptr + row * stride_out + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
 
 
@@ -278,7 +281,7 @@ def gated_delta_decode(
         mixed, a, b, a_log, dt_bias, state, rows, slots, out,
         mixed.stride(0), a.stride(0), b.stride(0), state.stride(0), out.stride(0),
         dk**-0.5, eps,
-        NK=nk, NV=nv, DK=dk, DV=dv, BK=bk, BV=bv, EVICT="evict_first" if evict_first else "",
+        NK=nk, NV=nv, DK=dk, DV=dv, BK=bk, BV=bv, EVICT=evict_first,
         num_warps=warps, **pdl_options(mixed, reads_ahead="recurrence"),
     )
 
