@@ -31,7 +31,6 @@ from deltaserve.kernels.triton_compat import (
     check_launchable,
     check_rows,
     pdl_options,
-    read_ahead,
     tl,
     triton,
     wait_for_previous_grid,
@@ -176,31 +175,26 @@ def _gated_delta_decode_kernel(
     q_scale, eps,
     NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, EVICT: tl.constexpr, GDC: tl.constexpr = False,
-    GDC_LATE: tl.constexpr = False,
 ):
     # program: (decode request i, value head h, block of BV value columns)
     wait_for_previous_grid(GDC)
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    slot = read_ahead(slots_ptr + i).to(tl.int64)
+    slot = tl.load(slots_ptr + i).to(tl.int64)
     # a negative slot is a padding row of a CUDA graph: every mask is empty, nothing is touched
     num_k = tl.where(slot >= 0, DK, 0)
     num_v = tl.where(slot >= 0, DV, 0)
     slot = tl.maximum(slot, 0)
-    row = read_ahead(rows_ptr + i).to(tl.int64)
+    row = tl.load(rows_ptr + i).to(tl.int64)
     offs_k = tl.arange(0, BK)
     offs_v = vb * BV + tl.arange(0, BV)
     mk = offs_k < num_k
     mv = offs_v < num_v
     smask = mk[:, None] & mv[None, :]
-    # state first: the one big read, in flight while the small vectors arrive (with GDC_LATE
-    # before the wait: the slot's state is written by this kernel alone in a step)
+    # state first: the one big read, in flight while the small vectors arrive
     s_ptrs = state_ptr + slot * stride_slot + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-    s = read_ahead(s_ptrs, smask, 0.0, EVICT)
-    a_log = read_ahead(a_log_ptr + h).to(tl.float32)
-    dt_bias = read_ahead(dt_bias_ptr + h).to(tl.float32)
-    wait_for_previous_grid(GDC_LATE)
+    s = tl.load(s_ptrs, mask=smask, other=0.0, eviction_policy=EVICT)
     kh = h // (NV // NK)
     base = mixed_ptr + row * stride_mixed
     q = tl.load(base + kh * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
@@ -208,6 +202,8 @@ def _gated_delta_decode_kernel(
     v = tl.load(base + 2 * NK * DK + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + row * stride_a + h).to(tl.float32)
     b = tl.load(b_ptr + row * stride_b + h)
+    a_log = tl.load(a_log_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
 
     q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * q_scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
@@ -220,10 +216,7 @@ def _gated_delta_decode_kernel(
     u = beta * (v - tl.sum(s * k[:, None], 0))  # [BV]
     s = s + k[:, None] * u[None, :]
     o = tl.sum(s * q[:, None], 0)
-    if EVICT:
-        tl.store(s_ptrs, s, mask=smask, eviction_policy="evict_first")
-    else:
-        tl.store(s_ptrs, s, mask=smask)
+    tl.store(s_ptrs, s, mask=smask, eviction_policy=EVICT)
     tl.store(out_ptr + row * stride_out + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
 
 
@@ -281,8 +274,8 @@ def gated_delta_decode(
         mixed, a, b, a_log, dt_bias, state, rows, slots, out,
         mixed.stride(0), a.stride(0), b.stride(0), state.stride(0), out.stride(0),
         dk**-0.5, eps,
-        NK=nk, NV=nv, DK=dk, DV=dv, BK=bk, BV=bv, EVICT=evict_first,
-        num_warps=warps, **pdl_options(mixed, reads_ahead="recurrence"),
+        NK=nk, NV=nv, DK=dk, DV=dv, BK=bk, BV=bv, EVICT="evict_first" if evict_first else "",
+        num_warps=warps, **pdl_options(mixed),
     )
 
 

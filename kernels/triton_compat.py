@@ -121,17 +121,13 @@ def wait_for_previous_grid(GDC: tl.constexpr):
 
 
 @triton.jit
-def read_ahead(ptrs, mask=None, other=None, EVICT: tl.constexpr = False):
+def read_ahead(ptrs, mask=None, other=None):
     """A load that may come before `wait_for_previous_grid`: of memory no kernel of the step
     writes before this one (a weight; an index array of the step, made before its first
     kernel; the state of a slot that only this kernel writes in the step, as the conv window
     of a decoding request). It races nothing, and its latency hides behind the previous
     kernel's tail instead of following the wait."""
-    if EVICT:  # read past L2
-        x = tl.load(ptrs, mask=mask, other=other, eviction_policy="evict_first")
-    else:
-        x = tl.load(ptrs, mask=mask, other=other)
-    return x
+    return tl.load(ptrs, mask=mask, other=other)
 
 
 def report_late_compiles(log: logging.Logger, rank: int) -> None:

@@ -24,8 +24,7 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
           whole before the wait)
   late    the default with every kernel waiting before its first load (no `read_ahead` of
           slots, conv windows, positions before the wait); late_conv, late_attn: the conv
-          update's or attention's kernels wait first; ahead_rec: the DeltaNet decode reads its
-          states (and its slots, rows, A_log, dt_bias) before the wait too
+          update's or attention's kernels wait first
   o_whole, o_whole4  the default with out_proj's / o_proj's GEMV reading its rows whole before
           the wait (2 rows and 4 warps, or 4 and 8, per program)
   d9_rule32  the default with the 9B's down at 2-32 rows by the general rule (K in 2 parts; else
@@ -121,7 +120,6 @@ MODES = {
     "norm4": Mode(norm_warps=4), "norm16": Mode(norm_warps=16), "late": Mode(read_ahead=frozenset()),
     "lm_cublas": Mode(lm_head_gemv=False), "conv_apart": Mode(conv_epilogue=False),
     "late_conv": Mode(read_ahead=frozenset({"attention"})), "late_attn": Mode(read_ahead=frozenset({"conv"})),
-    "ahead_rec": Mode(read_ahead=triton_compat.READ_AHEAD | {"recurrence"}),
     "o_whole": Mode(tiles=(((1, 2560, 4096), skinny.SkinnyConfig(2, 4096, 1, 4, 1, whole_rows=True)),)),
     "o_whole4": Mode(tiles=(((1, 2560, 4096), skinny.SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True)),)),
     "d_whole": Mode(tiles=(((1, 2560, 9216), skinny.SkinnyConfig(2, 9216, 1, 4, 1, whole_rows=True)),)),
