@@ -509,3 +509,41 @@ def test_every_pdl_kernel_waits_before_touching_memory():
                 launched.add(call.func.value.id)
     assert len(launched) >= 10, f"the check found only {sorted(launched)}"
     assert launched <= waiting, f"launched with PDL but no GDC wait: {sorted(launched - waiting)}"
+
+
+@pytest.mark.parametrize("gdc", [1, 2])
+def test_pdl_wait_keeps_its_place_in_hopper_code(gdc: int):
+    """The source-order check above holds only if the compiler keeps every load and store after
+    `griddepcontrol.wait`. Compiled for sm_90 (Triton's own ptxas, no GPU needed; in a process
+    of its own, as the interpreter replaces `triton.jit` in this one), a kernel launched either
+    way (`EARLY_TRIGGER`: the next kernel let launch after its wait, or before it) must touch
+    no global memory before its wait."""
+    import os
+    import subprocess
+
+    pytest.importorskip("triton.backends.nvidia")
+    compile_ptx = f"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from deltaserve.kernels.skinny_linear import _sum_splits_kernel as kernel
+signature = {{"part_ptr": "*fp32", "out_ptr": "*bf16", "total": "i32", "SPLIT_K": "constexpr", "BLOCK": "constexpr",
+             "GDC": "constexpr"}}
+constants = {{"SPLIT_K": 3, "BLOCK": 1024, "GDC": {gdc}}}
+source = ASTSource(kernel, signature, constexprs={{(kernel.arg_names.index(k),): v for k, v in constants.items()}})
+print(triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    ptx = subprocess.run([sys.executable, "-c", compile_ptx], env=env, capture_output=True, text=True, timeout=120)
+    assert ptx.returncode == 0, ptx.stderr[-2000:]
+    lines = [line.strip() for line in ptx.stdout.splitlines()]
+    marks = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol")]
+    order = [lines[i].split()[0].rstrip(";") for i in marks]
+    want = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
+    assert order == (want if gdc == 1 else want[::-1]), order
+    wait = marks[order.index("griddepcontrol.wait")]
+    global_ops = ("ld.global", "st.global", "atom.global", "red.global")
+    touching = [line for line in lines[:wait] if any(token.startswith(global_ops) for token in line.split())]
+    assert not touching, f"global memory touched before the wait: {touching}"
+    after = " ".join(lines[wait:])
+    assert "ld.global" in after and "st.global" in after  # the kernel's loads and stores were found
