@@ -56,14 +56,15 @@ PDL = HAS_TRITON and os.environ.get("DELTASERVE_PDL", "1") != "0"
 # instead (tools/bench_step_ab.py's "late" modes take names out).
 READ_AHEAD = frozenset({"conv", "attention"})
 # Which kernels let the next one launch (`gdc_launch_dependents`) before their wait, not after
-# it: the projections' ("gemv", "dot") and, on one row, the rest ("one row"). The next
-# kernel's programs then come resident, and a whole-row GEMV's read their weights, while
-# this one still waits on the kernel before it. Safe either way: a kernel's wait returns only
-# once the kernel before it has finished, which it does only after its own wait, so every
-# kernel before it has finished too. Replay, random 4B, H200: 0.1-0.7% faster at 1-64 rows
-# with the projections' alone; the rest's too cost 3-8% at 2-32 rows (programs of tensor-core
-# kernels made resident early sit on SMs the one-wave splits count on) and paid at one row
-# (bench/results/step_ab_h200_early_trigger_kinds_4b_at_321a6ca.json).
+# it: the projections' ("gemv", "dot") and, on one row, every kernel ("one row"). The next
+# kernel's programs then come resident (a whole-row GEMV's reading its weights) while this
+# one still waits on the kernel before it. Safe either way: a kernel's wait returns only once
+# the kernel before it has finished, which it does only after its own wait, so every kernel
+# before it has finished too. Replay, H200: the 4B 0.3-0.8% faster at 1-64 rows, the 9B
+# 0.2-0.7% (step_ab_h200_early_trigger_{4b,9b}_at_c868336.json). Every kernel early at 2-32
+# rows cost 2-8% (step_ab_h200_early_trigger_kinds_4b_at_321a6ca.json), most likely as the
+# programs of a tensor-core kernel placed while the one before it still runs share SMs that
+# its one-wave K split counts on having to itself.
 EARLY_TRIGGER = frozenset({"gemv", "dot", "one row"})
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
