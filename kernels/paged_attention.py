@@ -11,11 +11,13 @@ import torch.nn.functional as F
 
 from deltaserve.kernels.activation import times_sigmoid
 from deltaserve.kernels.triton_compat import (
+    H200_SMS,
     INTERPRET,
     check_index,
     check_launchable,
     pdl_options,
     read_ahead,
+    sm_count,
     tl,
     triton,
     wait_for_previous_grid,
@@ -260,14 +262,14 @@ DECODE_LAUNCH: tuple[int, int, int] | None = None
 
 
 def decode_partitions(num_requests: int, num_kv_heads: int, max_seq_len: int, tile: int,
-                      per_sm: int | None = None) -> int:
-    """How many partitions split each request's context: enough programs to fill an H200's
-    132 SMs `per_sm` times over, never more than `max_seq_len` has tiles. Each request divides
+                      per_sm: int | None = None, sms: int = H200_SMS) -> int:
+    """How many partitions split each request's context: enough programs to fill the GPU's
+    `sms` SMs `per_sm` times over, never more than `max_seq_len` has tiles. Each request divides
     its own context evenly among them (in the kernel), so a CUDA graph can fix this number
     while the lengths change."""
     tiles = max(1, -(-max_seq_len // tile))
     per_sm = PARTS_PER_SM if per_sm is None else per_sm
-    return max(1, min(tiles, -(-132 * per_sm // max(1, num_requests * num_kv_heads))))
+    return max(1, min(tiles, -(-sms * per_sm // max(1, num_requests * num_kv_heads))))
 
 
 def paged_decode_attention(
@@ -320,7 +322,7 @@ def paged_decode_attention(
     if DECODE_LAUNCH is not None:
         block_n, num_warps, num_stages = block_n or DECODE_LAUNCH[0], num_warps or DECODE_LAUNCH[1], num_stages or DECODE_LAUNCH[2]
     tile = block_n or (64 if hd <= 128 else 32)
-    num_parts = decode_partitions(num, num_kv, max_seq_len, tile, parts_per_sm)
+    num_parts = decode_partitions(num, num_kv, max_seq_len, tile, parts_per_sm, sm_count(q))
     bd = triton.next_power_of_2(hd)
     part = lse = out  # unused when there is one partition
     if num_parts > 1:

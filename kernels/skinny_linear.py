@@ -23,12 +23,14 @@ import torch.nn.functional as F
 from deltaserve.kernels.activation import silu_and_mul
 from deltaserve.kernels.causal_conv1d import causal_conv1d_update
 from deltaserve.kernels.triton_compat import (
+    H200_SMS,
     HAS_TRITON,
     INTERPRET,
     check_launchable,
     gpu_path,
     pdl_options,
     read_ahead,
+    sm_count,
     tl,
     triton,
     wait_for_previous_grid,
@@ -37,7 +39,6 @@ from deltaserve.kernels.triton_compat import (
 # The most rows the skinny kernels take (above 32, the narrow outputs and TUNED shapes); 0: cuBLAS for all.
 MAX_ROWS = 64
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-SMS = 132  # the H200's SM count: the K split fills one wave of one program per SM with it
 ONE_WAVE = True  # the split rule (tools/bench_step_ab.py's "even_splits" mode: the rule before it)
 SILU_EPILOGUE = True  # gate_up's kernel makes silu(gate) * up (tools/bench_step_ab.py turns it off)
 SUM_IN_NORM = True  # split-K partial sums added by the next norm (`linear(unsummed=True)`; ditto)
@@ -401,15 +402,15 @@ TUNED = {
 }
 
 
-def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None:
+def decode_config(rows: int, n: int, k: int, sms: int = H200_SMS) -> tuple[SkinnyConfig, bool] | None:
     """The kernel for `rows` x [n, k], or None for cuBLAS: a TUNED tile, else the rule read
     off the sweeps at the 0.8B-9B shapes on the H200 (bench/results/step_tiles_h200_*.json).
 
     One row: the GEMV; on narrow outputs 4 rows per program over long K slices with 8 warps,
     on wide ones 8 rows per program with the weights evicted from L2 first. More rows: the
     tensor-core kernel with 64-row weight tiles; where the outputs give fewer tiles than the
-    H200 has SMs, K split into as many parts (whole blocks, differing by one at most) as fill
-    one wave of one program per SM, and up to 32 rows unsplit; else cuBLAS.
+    GPU has SMs (`sms`), K split into as many parts (whole blocks, differing by one at most) as
+    fill one wave of one program per SM, and up to 32 rows unsplit; else cuBLAS.
 
     The split rule came from the 4B's 2560-wide projections: 40 tiles, K in 3 parts differing
     by a block, 120 programs (out/o_proj: replay -1.2% at 8 rows and -2.1% at 32 against 4 even
@@ -428,9 +429,9 @@ def decode_config(rows: int, n: int, k: int) -> tuple[SkinnyConfig, bool] | None
     if k % 128:
         return None
     if not ONE_WAVE:  # splits that divide K's blocks, up to 32 rows
-        split = next((s for s in (3, 4, 2) if (k // 128) % s == 0), 1) if triton.cdiv(n, 64) < SMS else 1
+        split = next((s for s in (3, 4, 2) if (k // 128) % s == 0), 1) if triton.cdiv(n, 64) < sms else 1
         return None if rows > 32 else (SkinnyConfig(64, 128, split, 4, 3), False)
-    split = max(1, min(SMS // triton.cdiv(n, 64), k // 128))
+    split = max(1, min(sms // triton.cdiv(n, 64), k // 128))
     if split == 1 and rows > 32:
         return None
     return SkinnyConfig(64, 128, split, 4, 3 if split == 1 else 4), False
@@ -460,7 +461,7 @@ def linear(
         and HAS_TRITON
         and gpu_path(x)
     ):
-        choice = decode_config(x.shape[0], weight.shape[0], weight.shape[1])
+        choice = decode_config(x.shape[0], weight.shape[0], weight.shape[1], sm_count(x))
         if choice is not None:
             cfg, gemv = choice
             if conv is not None:

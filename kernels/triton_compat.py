@@ -95,6 +95,22 @@ def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+H200_SMS = 132
+
+
+@functools.cache
+def _sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(t: torch.Tensor) -> int:
+    """The SMs of `t`'s GPU, which the one-wave launch rules fill; off CUDA (the GPU path under
+    the interpreter) the H200's, where those rules were measured."""
+    if not t.is_cuda:
+        return H200_SMS
+    return _sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def pdl_options(t: torch.Tensor, reads_ahead: str | None = None, kind: str = "other") -> dict:
     """Launch options of a kernel that starts with `wait_for_previous_grid(GDC)`: PDL where the
     device has it, else none. `reads_ahead` (a name in READ_AHEAD): the kernel also takes

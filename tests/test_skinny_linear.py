@@ -6,6 +6,7 @@ interpreter; the Qwen3.5-4B shapes on CUDA only."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -70,21 +71,26 @@ def published_projection_shapes(tp: int = 1) -> set[tuple[int, int]]:
 
 def test_every_decode_tile_fits_its_shape(kernels):
     """Each TUNED tile and each tile the rule picks for the published shapes (at TP 1, 2, 4), at 1-64 rows,
-    is one `skinny_linear` takes: K in whole blocks, whole rows only for the GEMV and where K
-    is a sum of two powers of two. One that is not would fail a model's graph capture at start-up."""
+    on GPUs of 108, 132 and 142 SMs (an A100, the H200, an L40S), is one `skinny_linear` takes: K
+    in whole blocks, whole rows only for the GEMV and where K is a sum of two powers of two. One
+    that is not would fail a model's graph capture at start-up. And the rule's K splits make
+    one wave: no more programs than the GPU has SMs."""
     mod = kernels["skinny_linear"]
     assert {(n, k) for _, n, k in mod.TUNED} <= published_projection_shapes(), "a TUNED tile for no published shape"
-    for n, k in published_projection_shapes(1) | published_projection_shapes(2) | published_projection_shapes(4):
-        for rows in (1, 2, 8, 32, 33, 64):
-            choice = mod.decode_config(rows, n, k)
-            if choice is None:  # cuBLAS: above 32 rows, or a K our kernels' blocks do not divide (the 0.8B's down at TP 4)
-                assert rows > 32 or k % (256 if rows == 1 else 128), f"{rows} x [{n}, {k}] left to cuBLAS"
-                continue
-            cfg, gemv = choice
-            assert gemv == (rows == 1)
-            assert mod.splits_fit(k, cfg.block_k, cfg.split_k, gemv), f"{rows} x [{n}, {k}]: {cfg}"
-            if cfg.whole_rows:
-                assert gemv and cfg.block_k == k and mod.whole_row_parts(k), f"{rows} x [{n}, {k}]: {cfg}"
+    shapes = published_projection_shapes(1) | published_projection_shapes(2) | published_projection_shapes(4)
+    for (n, k), rows, sms in itertools.product(shapes, (1, 2, 8, 32, 33, 64), (108, 132, 142)):
+        choice = mod.decode_config(rows, n, k, sms)
+        if choice is None:  # cuBLAS: above 32 rows, or a K our kernels' blocks do not divide (the 0.8B's down at TP 4)
+            assert rows > 32 or k % (256 if rows == 1 else 128), f"{rows} x [{n}, {k}] left to cuBLAS"
+            continue
+        cfg, gemv = choice
+        assert gemv == (rows == 1)
+        assert mod.splits_fit(k, cfg.block_k, cfg.split_k, gemv), f"{rows} x [{n}, {k}]: {cfg}"
+        if cfg.whole_rows:
+            assert gemv and cfg.block_k == k and mod.whole_row_parts(k), f"{rows} x [{n}, {k}]: {cfg}"
+        tuned = (1 if rows == 1 else 32 if rows <= 32 else 64, n, k) in mod.TUNED
+        if cfg.split_k > 1 and not tuned:
+            assert -(-n // cfg.block_n) * cfg.split_k <= sms, f"{rows} x [{n}, {k}] on {sms} SMs: {cfg}"
 
 
 @pytest.mark.parametrize("rows,k,split", [(5, 512, 3), (17, 1280, 3), (2, 640, 4)])
