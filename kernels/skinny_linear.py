@@ -402,6 +402,11 @@ TUNED = {
 }
 
 
+def tuned_class(rows: int) -> int:
+    """The row class TUNED keys `rows` by: 1, up to 32, up to 64 (0: none)."""
+    return 1 if rows == 1 else 32 if rows <= 32 else 64 if rows <= 64 else 0
+
+
 def decode_config(rows: int, n: int, k: int, sms: int = H200_SMS) -> tuple[SkinnyConfig, bool] | None:
     """The kernel for `rows` x [n, k], or None for cuBLAS: a TUNED tile, else the rule read
     off the sweeps at the 0.8B-9B shapes on the H200 (bench/results/step_tiles_h200_*.json).
@@ -418,7 +423,7 @@ def decode_config(rows: int, n: int, k: int, sms: int = H200_SMS) -> tuple[Skinn
     cuBLAS's 5.411 ms, step_ab_h200_out_proj_uneven_split_at_169eb6c.json; down: 472 / 480 us a
     step against 513 / 589 at 8 / 32 rows, 505 against cuBLAS's 558 at 64); the 0.8B, 2B and 9B
     sweeps picked the same fill (step_tiles_h200_{0.8b,2b,9b}_*.json)."""
-    most = 1 if rows == 1 else 32 if rows <= 32 else 64 if rows <= 64 else 0  # TUNED's row classes
+    most = tuned_class(rows)
     if USE_TUNED and (most, n, k) in TUNED:
         return TUNED[most, n, k], rows == 1
     if rows == 1:

@@ -90,6 +90,10 @@ def gpu_path(t: torch.Tensor) -> bool:
     return t.is_cuda or (GPU_PATH_ON_CPU and INTERPRET)
 
 
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
@@ -108,14 +112,14 @@ def sm_count(t: torch.Tensor) -> int:
     the interpreter) the H200's, where those rules were measured."""
     if not t.is_cuda:
         return H200_SMS
-    return _sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return _sms(_device_index(t))
 
 
 def pdl_options(t: torch.Tensor, reads_ahead: str | None = None, kind: str = "other") -> dict:
     """Launch options of a kernel that starts with `wait_for_previous_grid(GDC)`: PDL where the
     device has it, else none. `reads_ahead` (a name in READ_AHEAD): the kernel also takes
     GDC_LATE and waits there instead, after its `read_ahead` loads. `kind`: see EARLY_TRIGGER."""
-    if PDL and t.is_cuda and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+    if PDL and t.is_cuda and _has_pdl(_device_index(t)):
         gdc = 2 if kind in EARLY_TRIGGER or ("one row" in EARLY_TRIGGER and t.shape[0] == 1) else 1
         if reads_ahead in READ_AHEAD:
             return {"GDC": 0, "GDC_LATE": gdc, "launch_pdl": True}

@@ -88,8 +88,7 @@ def test_every_decode_tile_fits_its_shape(kernels):
         assert mod.splits_fit(k, cfg.block_k, cfg.split_k, gemv), f"{rows} x [{n}, {k}]: {cfg}"
         if cfg.whole_rows:
             assert gemv and cfg.block_k == k and mod.whole_row_parts(k), f"{rows} x [{n}, {k}]: {cfg}"
-        tuned = (1 if rows == 1 else 32 if rows <= 32 else 64, n, k) in mod.TUNED
-        if cfg.split_k > 1 and not tuned:
+        if cfg.split_k > 1 and (mod.tuned_class(rows), n, k) not in mod.TUNED:
             assert -(-n // cfg.block_n) * cfg.split_k <= sms, f"{rows} x [{n}, {k}] on {sms} SMs: {cfg}"
 
 
