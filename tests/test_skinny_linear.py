@@ -139,6 +139,23 @@ def test_gemv_whole_rows(kernels, device, monkeypatch, n, k, silu_mul):
     assert torch.equal(again, got), "not deterministic"
 
 
+@pytest.mark.parametrize("n,k", [(42, 1024), pytest.param(2560, 4096, marks=needs_cuda)])  # 4B out/o_proj
+def test_gemv_bounded_read_ahead(kernels, device, n, k):
+    """Only the first `ahead` programs reading weights before the wait: the same bits as every
+    program reading them after it (a K loop) or before it (whole rows), for none, some and all
+    programs early; a late program that read nothing would leave its outputs zero."""
+    mod = kernels["skinny_linear"]
+    x = torch.randn(1, k, device=device).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(torch.bfloat16)
+    for base in (mod.SkinnyConfig(4, 256, 1, 4, 2), mod.SkinnyConfig(4, k, 1, 4, 1, whole_rows=True)):
+        want = mod.skinny_linear(x, w, base, True)
+        programs = -(-n // base.block_n)
+        for ahead in (0, programs // 3, programs):
+            cfg = dataclasses.replace(base, ahead=ahead)
+            got = mod.skinny_linear(x, w, cfg, True, out=poisoned(want.shape, want.dtype, device))
+            assert torch.equal(got, want), f"{cfg}: not the bits of {base}"
+
+
 SILU_MUL_SHAPES = [  # (rows, I, K): the GEMV, the tensor-core kernel, a partial last tile
     (1, 42, 1024),
     (1, 2050, 512),
