@@ -56,8 +56,7 @@ class SkinnyConfig:
     num_stages: int
     evict_first: bool = False  # weights streamed past L2 (read once per step)
     whole_rows: bool = False  # GEMV, block_k = K: each program's rows read whole, before the wait
-    ahead: int | None = None  # GEMV: only its first `ahead` programs read weights before the wait
-    # (their first K block, or their whole rows); None: whole rows all before it, a K loop none
+    first_ahead: bool = False  # K-looping GEMV: each program's first K block read before the wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,20 +202,16 @@ def _gemv_kernel(
     conv_channels, conv_w_ptr, conv_state_ptr, conv_slots_ptr, stride_conv_slot,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False,
     TAIL_K: tl.constexpr = -1, CONV: tl.constexpr = False, GDC: tl.constexpr = False,
-    ahead=0, AHEAD: tl.constexpr = False,
+    FIRST_AHEAD: tl.constexpr = False,
 ):
     """One row: products summed per thread along K, reduced across threads once at the end.
     SILU_MUL as in `_skinny_dot_kernel`; CONV (whole rows only): the DeltaNet conv over the first
     conv_channels outputs (`ConvEpilogue`). TAIL_K >= 0: the program's rows are BLOCK_K + TAIL_K
     wide (no K split; TAIL_K 0 or a power of two) and read whole before the wait, so that a
     program launched while the previous kernel finishes streams its weights meanwhile.
-    AHEAD: only programs below `ahead` read before the wait (the K loop's first block, or the
-    whole rows), the rest after it: enough early reads to cover the wait, not so many that
-    they slow the small kernel they overlap."""
+    FIRST_AHEAD (the K loop): the first K block so, the rest after the wait."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    late = pid_n + pid_k * tl.num_programs(0) >= ahead
-    early = not late
     rows, row_ok = _weight_rows(pid_n, N, up, BLOCK_N, SILU_MUL)
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
@@ -227,32 +222,19 @@ def _gemv_kernel(
         if CONV:
             conv_in = _conv_inputs(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), conv_channels,
                                    read_ahead(conv_slots_ptr).to(tl.int64), conv_w_ptr, conv_state_ptr, stride_conv_slot)
+        w = _load_weights(w_ptrs, n_ok, EVICT)
         if TAIL_K > 0:
-            tail_ptrs = w_ptr + rows[:, None] * stride_wn + (BLOCK_K + tl.arange(0, TAIL_K))[None, :]
-        if AHEAD:
-            w = _load_weights(w_ptrs, n_ok & early, EVICT)
-            if TAIL_K > 0:
-                w_tail = _load_weights(tail_ptrs, n_ok & early, EVICT)
-            wait_for_previous_grid(GDC)
-            if late:
-                w = _load_weights(w_ptrs, n_ok, EVICT)
-                if TAIL_K > 0:
-                    w_tail = _load_weights(tail_ptrs, n_ok, EVICT)
-        else:
-            w = _load_weights(w_ptrs, n_ok, EVICT)
-            if TAIL_K > 0:
-                w_tail = _load_weights(tail_ptrs, n_ok, EVICT)
-            wait_for_previous_grid(GDC)
+            w_tail = _load_weights(w_ptr + rows[:, None] * stride_wn + (BLOCK_K + tl.arange(0, TAIL_K))[None, :],
+                                   n_ok, EVICT)
+        wait_for_previous_grid(GDC)
         out = tl.sum(w.to(tl.float32) * tl.load(x_ptrs).to(tl.float32)[None, :], axis=1)
         if TAIL_K > 0:
             x_tail = tl.load(x_ptr + BLOCK_K + tl.arange(0, TAIL_K))
             out += tl.sum(w_tail.to(tl.float32) * x_tail.to(tl.float32)[None, :], axis=1)
     else:
-        if AHEAD:  # the first block by the early programs before the wait, by the rest after it
-            w = _load_weights(w_ptrs, n_ok & early, EVICT)
+        if FIRST_AHEAD:
+            w = _load_weights(w_ptrs, n_ok, EVICT)
             wait_for_previous_grid(GDC)
-            if late:
-                w = _load_weights(w_ptrs, n_ok, EVICT)
             acc = w.to(tl.float32) * tl.load(x_ptrs).to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -382,8 +364,7 @@ def skinny_linear(
         _gemv_kernel[grid](
             x, weight, target, n, k_per_split, n, weight.stride(0), m * n, *conv_args,
             BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVICT=cfg.evict_first, SILU_MUL=silu_mul, TAIL_K=tail_k,
-            CONV=conv is not None, ahead=cfg.ahead or 0, AHEAD=cfg.ahead is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+            CONV=conv is not None, FIRST_AHEAD=cfg.first_ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     else:
         _skinny_dot_kernel[grid](

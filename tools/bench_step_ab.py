@@ -40,10 +40,9 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
           kernel letting the next launch before its wait; early_other, early_proj, early_nodot:
           only the kernels other than projections', only the projections', or all but the
           tensor-core kernel's
-  loop_ahead132, 264, 528, all  the default with the 4B's K-looped GEMVs at one row (out/o_proj,
-          down, qkv) reading their first K block before the wait in their first that many programs
-  whole_ahead132 ... all  the default with only that many of in_proj's and gate_up's whole-row
-          GEMV programs reading before the wait; all_whole_ahead132 ... all: all_whole so bounded
+  ahead, o_ahead, qkv_ahead, d_ahead  the default with the 4B's K-looping GEMVs at one row (out/o_proj,
+          qkv, down: all or that one) reading their first K block before the wait;
+          ahead_o2048, ahead_qkv512, ahead_d2rows: ahead with out/o_proj in blocks of 2048 columns, qkv in 512, or down on 2 rows and 4 warps a program
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   conv64, conv256, conv1024  the default with the conv update's programs on that many channels
@@ -141,19 +140,20 @@ MODES |= {
 } | {f"early_{name}": dataclasses.replace(MODES[name], early_trigger=ALL_KINDS) for name in ("o_whole4", "d_whole", "all_whole")}
 
 
-def _bounded(tiles: tuple, ahead: int) -> Mode:
-    return Mode(tiles=tuple((key, dataclasses.replace(cfg, ahead=ahead)) for key, cfg in tiles))
+def _first_ahead(*tiles: tuple) -> Mode:
+    return Mode(tiles=tuple((key, dataclasses.replace(cfg, first_ahead=True)) for key, cfg in tiles))
 
 
-LOOPED_4B = (((1, 2560, 4096), skinny.SkinnyConfig(4, 1024, 1, 8, 2)),  # the rule's tiles for out/o_proj, qkv
-             ((1, 10240, 2560), skinny.SkinnyConfig(8, 256, 1, 4, 2, evict_first=True)),
-             ((1, 2560, 9216), skinny.TUNED[1, 2560, 9216]))
-WHOLE_4B = tuple((key, skinny.TUNED[key]) for key in ((1, 12352, 2560), (1, 18432, 2560)))
-for ahead in (132, 264, 528, 1 << 30):
-    label = "all" if ahead == 1 << 30 else ahead
-    MODES[f"loop_ahead{label}"] = _bounded(LOOPED_4B, ahead)
-    MODES[f"whole_ahead{label}"] = _bounded(WHOLE_4B, ahead)
-    MODES[f"all_whole_ahead{label}"] = _bounded(MODES["all_whole"].tiles, ahead)
+O_RULE = ((1, 2560, 4096), skinny.SkinnyConfig(4, 1024, 1, 8, 2))  # the 4B's K-looping GEMVs at one row
+QKV_RULE = ((1, 10240, 2560), skinny.SkinnyConfig(8, 256, 1, 4, 2, evict_first=True))
+DOWN = ((1, 2560, 9216), skinny.TUNED[1, 2560, 9216])
+MODES |= {
+    "ahead": _first_ahead(O_RULE, QKV_RULE, DOWN), "o_ahead": _first_ahead(O_RULE),
+    "qkv_ahead": _first_ahead(QKV_RULE), "d_ahead": _first_ahead(DOWN),
+    "ahead_o2048": _first_ahead(((1, 2560, 4096), skinny.SkinnyConfig(4, 2048, 1, 8, 2)), QKV_RULE, DOWN),
+    "ahead_qkv512": _first_ahead(O_RULE, ((1, 10240, 2560), skinny.SkinnyConfig(8, 512, 1, 4, 2, evict_first=True)), DOWN),
+    "ahead_d2rows": _first_ahead(O_RULE, QKV_RULE, ((1, 2560, 9216), skinny.SkinnyConfig(2, 1024, 1, 4, 2, evict_first=True))),
+}
 
 
 DEFAULT_TUNED = dict(skinny.TUNED)
