@@ -45,6 +45,7 @@ SUM_IN_NORM = True  # split-K partial sums added by the next norm (`linear(unsum
 USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mode turns them off)
 LM_HEAD_GEMV = True  # one row's logits by the whole-row GEMV (`logits`; ditto, "lm_cublas")
 CONV_EPILOGUE = True  # one row's in_proj GEMV makes the DeltaNet conv (`ConvEpilogue`; ditto, "conv_apart")
+RULE_FIRST_AHEAD = False  # the rule's one-row GEMVs read their first K block before the wait (ditto, "rule_ahead")
 
 
 @dataclass(frozen=True)
@@ -440,9 +441,9 @@ def decode_config(rows: int, n: int, k: int, sms: int = H200_SMS) -> tuple[Skinn
         return TUNED[most, n, k], rows == 1
     if rows == 1:
         if n > 4096:
-            return (SkinnyConfig(8, 256, 1, 4, 2, evict_first=True), True) if k % 256 == 0 else None
+            return (SkinnyConfig(8, 256, 1, 4, 2, True, first_ahead=RULE_FIRST_AHEAD), True) if k % 256 == 0 else None
         block_k = next((b for b in (1024, 512, 256) if k % b == 0), None)
-        return (SkinnyConfig(4, block_k, 1, 8, 2), True) if block_k else None
+        return (SkinnyConfig(4, block_k, 1, 8, 2, first_ahead=RULE_FIRST_AHEAD), True) if block_k else None
     if k % 128:
         return None
     if not ONE_WAVE:  # splits that divide K's blocks, up to 32 rows

@@ -42,7 +42,12 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
           tensor-core kernel's
   ahead, o_ahead, qkv_ahead, d_ahead  the default with the 4B's K-looping GEMVs at one row (out/o_proj,
           qkv, down: all or that one) reading their first K block before the wait;
-          ahead_o2048, ahead_qkv512, ahead_d2rows: ahead with out/o_proj in blocks of 2048 columns, qkv in 512, or down on 2 rows and 4 warps a program
+          ahead_o2048, ahead_qkv512, ahead_d2rows: ahead with out/o_proj in blocks of 2048 columns, qkv in 512, or down on 2 rows and 4 warps a program;
+          d2rows_plain, ahead_d1row, ahead_d2rows_w2, ahead_d2rows_keep, ahead_d2rows_o2rows,
+          ahead_d2rows_qkv4rows: ahead_d2rows with down's first block after the wait, down on 1
+          row, on 2 warps, kept in L2, out/o_proj on 2 rows and 4 warps, or qkv on 4 rows
+  rule_ahead, rule_plain  the default with the general rule's one-row GEMVs reading their first
+          K block before the wait, or not
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   conv64, conv256, conv1024  the default with the conv update's programs on that many channels
@@ -98,6 +103,7 @@ class Mode:
     lm_head_gemv: bool = True  # one row's logits by our GEMV
     conv_epilogue: bool = True  # one row's DeltaNet conv in in_proj's GEMV
     early_trigger: frozenset[str] = triton_compat.EARLY_TRIGGER  # kernel kinds letting the next launch before their wait
+    rule_first_ahead: bool = skinny.RULE_FIRST_AHEAD  # the rule's one-row GEMVs read their first block before the wait
 
 
 MODES = {
@@ -154,6 +160,16 @@ MODES |= {
     "ahead_qkv512": _first_ahead(O_RULE, ((1, 10240, 2560), skinny.SkinnyConfig(8, 512, 1, 4, 2, evict_first=True)), DOWN),
     "ahead_d2rows": _first_ahead(O_RULE, QKV_RULE, ((1, 2560, 9216), skinny.SkinnyConfig(2, 1024, 1, 4, 2, evict_first=True))),
 }
+D2 = ((1, 2560, 9216), skinny.SkinnyConfig(2, 1024, 1, 4, 2, evict_first=True))  # down on 2 rows, 4 warps
+MODES |= {  # variants of ahead_d2rows: one tile changed
+    "rule_ahead": Mode(rule_first_ahead=True), "rule_plain": Mode(rule_first_ahead=False),
+    "d2rows_plain": Mode(tiles=_first_ahead(O_RULE, QKV_RULE).tiles + (D2,)),
+    "ahead_d1row": _first_ahead(O_RULE, QKV_RULE, ((1, 2560, 9216), skinny.SkinnyConfig(1, 1024, 1, 4, 2, evict_first=True))),
+    "ahead_d2rows_w2": _first_ahead(O_RULE, QKV_RULE, ((1, 2560, 9216), skinny.SkinnyConfig(2, 1024, 1, 2, 2, evict_first=True))),
+    "ahead_d2rows_keep": _first_ahead(O_RULE, QKV_RULE, ((1, 2560, 9216), skinny.SkinnyConfig(2, 1024, 1, 4, 2))),
+    "ahead_d2rows_o2rows": _first_ahead(((1, 2560, 4096), skinny.SkinnyConfig(2, 1024, 1, 4, 2)), QKV_RULE, D2),
+    "ahead_d2rows_qkv4rows": _first_ahead(O_RULE, ((1, 10240, 2560), skinny.SkinnyConfig(4, 256, 1, 4, 2, evict_first=True)), D2),
+}
 
 
 DEFAULT_TUNED = dict(skinny.TUNED)
@@ -166,6 +182,7 @@ def use_mode(name: str) -> None:
     skinny.SILU_EPILOGUE, skinny.USE_TUNED, skinny.SUM_IN_NORM = mode.silu_epilogue, mode.tuned, mode.sum_in_norm
     skinny.ONE_WAVE, triton_compat.EARLY_TRIGGER = mode.one_wave, mode.early_trigger
     skinny.LM_HEAD_GEMV, skinny.CONV_EPILOGUE = mode.lm_head_gemv, mode.conv_epilogue
+    skinny.RULE_FIRST_AHEAD = mode.rule_first_ahead
     paged_attention.PARTS_PER_SM = mode.parts_per_sm
     skinny.TUNED.clear()
     skinny.TUNED.update(DEFAULT_TUNED)
