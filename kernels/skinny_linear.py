@@ -45,7 +45,7 @@ SUM_IN_NORM = True  # split-K partial sums added by the next norm (`linear(unsum
 USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mode turns them off)
 LM_HEAD_GEMV = True  # one row's logits by the whole-row GEMV (`logits`; ditto, "lm_cublas")
 CONV_EPILOGUE = True  # one row's in_proj GEMV makes the DeltaNet conv (`ConvEpilogue`; ditto, "conv_apart")
-RULE_FIRST_AHEAD = False  # the rule's one-row GEMVs read their first K block before the wait (ditto, "rule_ahead")
+RULE_FIRST_AHEAD = True  # the rule's one-row GEMVs read their first K block before the wait (ditto, "rule_plain")
 
 
 @dataclass(frozen=True)
@@ -393,7 +393,9 @@ TUNED = {
     # step_ab_h200_gemv_whole_rows_adopted_at_180c95a.json; for down or qkv: slower)
     (1, 12352, 2560): SkinnyConfig(2, 2560, 1, 4, 1, whole_rows=True),  # DeltaNet in_proj: 351 against 430
     (1, 18432, 2560): SkinnyConfig(2, 2560, 1, 2, 1, whole_rows=True),  # MLP gate_up + silu epilogue: 748 against 766
-    (1, 2560, 9216): SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True),  # MLP down: 431 against 445
+    # MLP down: 2 rows a program, its first block read before the wait (replay -1.0% with the rule's
+    # one-row GEMVs so, step_ab_h200_first_block_ahead_down_tiles_4b_b1_at_7e91d54.json)
+    (1, 2560, 9216): SkinnyConfig(2, 1024, 1, 4, 2, evict_first=True, first_ahead=True),
     # (out/o_proj and down at 2-64 rows, K in 3 parts, are the rule's: one wave of 120 programs)
     (64, 12352, 2560): SkinnyConfig(64, 64, 1, 4, 5),  # DeltaNet in_proj: 453 against cuBLAS's 482
     (64, 18432, 2560): SkinnyConfig(64, 64, 1, 4, 4),  # MLP gate_up + silu epilogue: step 5.467 ms against cuBLAS's 5.542

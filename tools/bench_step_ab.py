@@ -40,14 +40,9 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
           kernel letting the next launch before its wait; early_other, early_proj, early_nodot:
           only the kernels other than projections', only the projections', or all but the
           tensor-core kernel's
-  ahead, o_ahead, qkv_ahead, d_ahead  the default with the 4B's K-looping GEMVs at one row (out/o_proj,
-          qkv, down: all or that one) reading their first K block before the wait;
-          ahead_o2048, ahead_qkv512, ahead_d2rows: ahead with out/o_proj in blocks of 2048 columns, qkv in 512, or down on 2 rows and 4 warps a program;
-          d2rows_plain, ahead_d1row, ahead_d2rows_w2, ahead_d2rows_keep, ahead_d2rows_o2rows,
-          ahead_d2rows_qkv4rows: ahead_d2rows with down's first block after the wait, down on 1
-          row, on 2 warps, kept in L2, out/o_proj on 2 rows and 4 warps, or qkv on 4 rows
   rule_ahead, rule_plain  the default with the general rule's one-row GEMVs reading their first
-          K block before the wait, or not
+          K block before the wait, or not; before_ahead: rule_plain with the 4B's down at one
+          row on its tile before (4 rows, 8 warps, first block after the wait)
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   conv64, conv256, conv1024  the default with the conv update's programs on that many channels
@@ -144,33 +139,11 @@ MODES |= {
     "early": Mode(early_trigger=ALL_KINDS), "early_other": Mode(early_trigger=frozenset({"other"})),
     "early_proj": Mode(early_trigger=frozenset({"gemv", "dot"})), "early_nodot": Mode(early_trigger=frozenset({"gemv", "other"})),
 } | {f"early_{name}": dataclasses.replace(MODES[name], early_trigger=ALL_KINDS) for name in ("o_whole4", "d_whole", "all_whole")}
-
-
-def _first_ahead(*tiles: tuple) -> Mode:
-    return Mode(tiles=tuple((key, dataclasses.replace(cfg, first_ahead=True)) for key, cfg in tiles))
-
-
-O_RULE = ((1, 2560, 4096), skinny.SkinnyConfig(4, 1024, 1, 8, 2))  # the 4B's K-looping GEMVs at one row
-QKV_RULE = ((1, 10240, 2560), skinny.SkinnyConfig(8, 256, 1, 4, 2, evict_first=True))
-DOWN = ((1, 2560, 9216), skinny.TUNED[1, 2560, 9216])
 MODES |= {
-    "ahead": _first_ahead(O_RULE, QKV_RULE, DOWN), "o_ahead": _first_ahead(O_RULE),
-    "qkv_ahead": _first_ahead(QKV_RULE), "d_ahead": _first_ahead(DOWN),
-    "ahead_o2048": _first_ahead(((1, 2560, 4096), skinny.SkinnyConfig(4, 2048, 1, 8, 2)), QKV_RULE, DOWN),
-    "ahead_qkv512": _first_ahead(O_RULE, ((1, 10240, 2560), skinny.SkinnyConfig(8, 512, 1, 4, 2, evict_first=True)), DOWN),
-    "ahead_d2rows": _first_ahead(O_RULE, QKV_RULE, ((1, 2560, 9216), skinny.SkinnyConfig(2, 1024, 1, 4, 2, evict_first=True))),
-}
-D2 = ((1, 2560, 9216), skinny.SkinnyConfig(2, 1024, 1, 4, 2, evict_first=True))  # down on 2 rows, 4 warps
-MODES |= {  # variants of ahead_d2rows: one tile changed
     "rule_ahead": Mode(rule_first_ahead=True), "rule_plain": Mode(rule_first_ahead=False),
-    "d2rows_plain": Mode(tiles=_first_ahead(O_RULE, QKV_RULE).tiles + (D2,)),
-    "ahead_d1row": _first_ahead(O_RULE, QKV_RULE, ((1, 2560, 9216), skinny.SkinnyConfig(1, 1024, 1, 4, 2, evict_first=True))),
-    "ahead_d2rows_w2": _first_ahead(O_RULE, QKV_RULE, ((1, 2560, 9216), skinny.SkinnyConfig(2, 1024, 1, 2, 2, evict_first=True))),
-    "ahead_d2rows_keep": _first_ahead(O_RULE, QKV_RULE, ((1, 2560, 9216), skinny.SkinnyConfig(2, 1024, 1, 4, 2))),
-    "ahead_d2rows_o2rows": _first_ahead(((1, 2560, 4096), skinny.SkinnyConfig(2, 1024, 1, 4, 2)), QKV_RULE, D2),
-    "ahead_d2rows_qkv4rows": _first_ahead(O_RULE, ((1, 10240, 2560), skinny.SkinnyConfig(4, 256, 1, 4, 2, evict_first=True)), D2),
+    "before_ahead": Mode(rule_first_ahead=False,  # rule_plain with the 4B's down on its tile before
+                         tiles=(((1, 2560, 9216), skinny.SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True)),)),
 }
-
 
 DEFAULT_TUNED = dict(skinny.TUNED)
 
