@@ -396,6 +396,9 @@ TUNED = {
     # MLP down: 2 rows a program, its first block read before the wait (replay -1.0% with the rule's
     # one-row GEMVs so, step_ab_h200_first_block_ahead_down_tiles_4b_b1_at_7e91d54.json)
     (1, 2560, 9216): SkinnyConfig(2, 1024, 1, 4, 2, evict_first=True, first_ahead=True),
+    # out/o_proj so too: 2.407 against the rule's 4 rows and 8 warps, 2.415 ms
+    # (step_ab_h200_4b_b1_o2x1024_confirm_at_a752d10.json; whole rows 2.433)
+    (1, 2560, 4096): SkinnyConfig(2, 1024, 1, 4, 2, first_ahead=True),
     # (out/o_proj and down at 2-64 rows, K in 3 parts, are the rule's: one wave of 120 programs)
     (64, 12352, 2560): SkinnyConfig(64, 64, 1, 4, 5),  # DeltaNet in_proj: 453 against cuBLAS's 482
     (64, 18432, 2560): SkinnyConfig(64, 64, 1, 4, 4),  # MLP gate_up + silu epilogue: step 5.467 ms against cuBLAS's 5.542

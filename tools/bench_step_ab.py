@@ -41,10 +41,10 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
           only the kernels other than projections', only the projections', or all but the
           tensor-core kernel's
   rule_ahead, rule_plain  the default with the general rule's one-row GEMVs reading their first
-          K block before the wait, or not; before_ahead: rule_plain with the 4B's down at one
-          row on its tile before (4 rows, 8 warps, first block after the wait)
+          K block before the wait, or not; before_ahead: rule_plain with the 4B's down and out/o_proj
+          at one row on their tiles before (4 rows, 8 warps, first block after the wait)
   o4x512w8, o2x2048w4, o8x512w8, o2x1024w4, o4x1024w4  the default with the 4B's out/o_proj at one
-          row on that many rows and columns a block, and warps, a program (else 4 x 1024, 8 warps)
+          row on that many rows and columns a block, and warps, a program (else 2 x 1024, 4 warps)
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   conv64, conv256, conv1024  the default with the conv update's programs on that many channels
@@ -143,8 +143,9 @@ MODES |= {
 } | {f"early_{name}": dataclasses.replace(MODES[name], early_trigger=ALL_KINDS) for name in ("o_whole4", "d_whole", "all_whole")}
 MODES |= {
     "rule_ahead": Mode(rule_first_ahead=True), "rule_plain": Mode(rule_first_ahead=False),
-    "before_ahead": Mode(rule_first_ahead=False,  # rule_plain with the 4B's down on its tile before
-                         tiles=(((1, 2560, 9216), skinny.SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True)),)),
+    "before_ahead": Mode(rule_first_ahead=False,  # rule_plain with the 4B's down and out/o_proj on their tiles before
+                         tiles=(((1, 2560, 9216), skinny.SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True)),
+                                ((1, 2560, 4096), None))),
 } | {f"o{n}x{k}w{w}": Mode(tiles=(((1, 2560, 4096), skinny.SkinnyConfig(n, k, 1, w, 2, first_ahead=True)),))
      for n, k, w in ((4, 512, 8), (2, 2048, 4), (8, 512, 8), (2, 1024, 4), (4, 1024, 4))}
 
