@@ -430,7 +430,9 @@ def decode_config(rows: int, n: int, k: int, sms: int = H200_SMS) -> tuple[Skinn
     off the sweeps at the 0.8B-9B shapes on the H200 (bench/results/step_tiles_h200_*.json).
 
     One row: the GEMV; on narrow outputs 4 rows per program over long K slices with 8 warps,
-    on wide ones 8 rows per program with the weights evicted from L2 first. More rows: the
+    on wide ones 8 rows per program with the weights evicted from L2 first; each program's first
+    K block read before the wait (the 0.8B's replay -3.7%,
+    step_ab_h200_rule_first_block_ahead_0.8b_b1_at_7e91d54.json). More rows: the
     tensor-core kernel with 64-row weight tiles; where the outputs give fewer tiles than the
     GPU has SMs (`sms`), K split into as many parts (whole blocks, differing by one at most) as
     fill one wave of one program per SM, and up to 32 rows unsplit; else cuBLAS.
