@@ -43,8 +43,8 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   rule_ahead, rule_plain  the default with the general rule's one-row GEMVs reading their first
           K block before the wait, or not; before_ahead: rule_plain with the 4B's down and out/o_proj
           at one row on their tiles before (4 rows, 8 warps, first block after the wait)
-  o4x512w8, o2x2048w4, o8x512w8, o2x1024w4, o4x1024w4  the default with the 4B's out/o_proj at one
-          row on that many rows and columns a block, and warps, a program (else 2 x 1024, 4 warps)
+  --tile-modes NAME=...  more modes, each the default with TUNED entries of its own (see
+          `parse_tile_mode`), e.g. o2x512=1,2560,4096:2,512,1,4,2,a
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
   cublas  cuBLAS for every projection (the skinny kernels off), PDL for the rest
   conv64, conv256, conv1024  the default with the conv update's programs on that many channels
@@ -146,8 +146,28 @@ MODES |= {
     "before_ahead": Mode(rule_first_ahead=False,  # rule_plain with the 4B's down and out/o_proj on their tiles before
                          tiles=(((1, 2560, 9216), skinny.SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True)),
                                 ((1, 2560, 4096), None))),
-} | {f"o{n}x{k}w{w}": Mode(tiles=(((1, 2560, 4096), skinny.SkinnyConfig(n, k, 1, w, 2, first_ahead=True)),))
-     for n, k, w in ((4, 512, 8), (2, 2048, 4), (8, 512, 8), (2, 1024, 4), (4, 1024, 4))}
+}
+
+
+def parse_tile_mode(text: str) -> tuple[str, Mode]:
+    """"o2x512=1,2560,4096:2,512,1,4,2,ea" -> ("o2x512", the default with that TUNED entry): rows
+    class, N, K, then block_n, block_k, split_k, warps, stages and flags (e: evict_first, w:
+    whole rows, a: first block read ahead); several entries joined by '+'."""
+    name, _, spec = text.partition("=")
+    tiles = []
+    try:
+        for entry in spec.split("+"):
+            key, _, tile = entry.partition(":")
+            *sizes, flags = tile.split(",")
+            config = skinny.SkinnyConfig(*(int(f) for f in sizes), evict_first="e" in flags,
+                                         whole_rows="w" in flags, first_ahead="a" in flags)
+            tiles.append((tuple(int(f) for f in key.split(",")), config))
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"a tile mode is NAME=ROWS,N,K:BN,BK,SPLIT,WARPS,STAGES,FLAGS[+...]; "
+                                         f"got {text!r} ({e})") from e
+    if not name or name in MODES:
+        raise argparse.ArgumentTypeError(f"a tile mode needs a new name; got {name!r}")
+    return name, Mode(tiles=tuple(tiles))
 
 DEFAULT_TUNED = dict(skinny.TUNED)
 
@@ -177,11 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["pdl", "untuned", "nopdl", "cublas"])
+    parser.add_argument("--modes", nargs="+", default=["pdl", "untuned", "nopdl", "cublas"])
+    parser.add_argument("--tile-modes", nargs="+", type=parse_tile_mode, default=[],
+                        metavar="NAME=ROWS,N,K:BN,BK,SPLIT,WARPS,STAGES,FLAGS", help="more modes, named in --modes")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    MODES.update(args.tile_modes)
     modes = list(dict.fromkeys(args.modes))
+    if unknown := [m for m in modes if m not in MODES]:
+        parser.error(f"unknown modes {unknown}; known: {', '.join(sorted(MODES))}")
     executors = {}
     for mode in modes:  # each captures its graphs under its own kernel choices
         use_mode(mode)

@@ -53,14 +53,15 @@ def candidate(tile: tuple, n: int, k: int, gemv: bool) -> SkinnyConfig | None:
     """The tile as a config for this shape, or None where its blocks do not fit K (the GEMV's
     K parts must be equal, the tensor-core kernel's may differ by a block). A block_k of 0: the
     whole K (the GEMV then reads its rows before waiting for the previous kernel), where K is a
-    sum of two powers of two."""
+    sum of two powers of two; a K-looping GEMV reads its first block ahead, as the rule's do."""
     block_n, block_k, split, warps, stages, evict = tile
     if block_k == 0:
         return SkinnyConfig(block_n, k, 1, warps, stages, evict, whole_rows=True) if skinny.whole_row_parts(k) else None
     if split == 0:
         rule = skinny.decode_config(2, n, k)
         split = rule[0].split_k if rule else 1
-    return SkinnyConfig(block_n, block_k, split, warps, stages, evict) if skinny.splits_fit(k, block_k, split, gemv) else None
+    config = SkinnyConfig(block_n, block_k, split, warps, stages, evict, first_ahead=gemv and skinny.RULE_FIRST_AHEAD)
+    return config if skinny.splits_fit(k, block_k, split, gemv) else None
 
 
 def capture_with(ex: Executor, size: int, rows: int, choice: dict) -> None:
