@@ -46,7 +46,6 @@ USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mo
 LM_HEAD_GEMV = True  # one row's logits by the whole-row GEMV (`logits`; ditto, "lm_cublas")
 CONV_EPILOGUE = True  # one row's in_proj GEMV makes the DeltaNet conv (`ConvEpilogue`; ditto, "conv_apart")
 RULE_FIRST_AHEAD = True  # the rule's one-row GEMVs read their first K block before the wait (ditto, "rule_plain")
-DOT_FIRST_AHEAD = False  # the tensor-core kernel so, for every tile (ditto, "dot_ahead": unmeasured)
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class SkinnyConfig:
     num_stages: int
     evict_first: bool = False  # weights streamed past L2 (read once per step)
     whole_rows: bool = False  # GEMV, block_k = K: each program's rows read whole, before the wait
-    first_ahead: bool = False  # K-looping kernels: each program's first K block read before the wait
+    first_ahead: bool = False  # K-looping GEMV: each program's first K block read before the wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,25 +153,16 @@ def _silu_mul_halves(acc, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: t
 
 
 @triton.jit
-def _dot_block(acc, w, x, UPCAST: tl.constexpr):
-    if UPCAST:  # the interpreter's bf16 dot is wrong (Triton 3.x); CPU tests only
-        return acc + tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-    return acc + tl.dot(w, tl.trans(x))
-
-
-@triton.jit
 def _skinny_dot_kernel(
     x_ptr, w_ptr, out_ptr,
     M, N, k_blocks, up,
     stride_xm, stride_wn, stride_om, stride_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False, GDC: tl.constexpr = False,
-    FIRST_AHEAD: tl.constexpr = False,
 ):
     """SILU_MUL: the weight is [gate | up] by rows (`up` rows each) and out = silu(gate) * up.
     The K split (grid axis 1) gives each part k_blocks / splits of the BLOCK_K blocks, rounded
-    down or up, so that a split need not divide them (K = 32 blocks in 3 parts: 10, 11, 11).
-    FIRST_AHEAD: the part's first weight block read before the wait, as the GEMV's."""
+    down or up, so that a split need not divide them (K = 32 blocks in 3 parts: 10, 11, 11)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -186,19 +176,14 @@ def _skinny_dot_kernel(
     n_ok = row_ok[:, None]
     m_ok = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if FIRST_AHEAD:
-        w = _load_weights(w_ptrs, n_ok, EVICT)
-        wait_for_previous_grid(GDC)
-        acc = _dot_block(acc, w, tl.load(x_ptrs, mask=m_ok, other=0.0), UPCAST)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        first += 1
-    else:
-        wait_for_previous_grid(GDC)
+    wait_for_previous_grid(GDC)
     for _ in range(first, (pid_k + 1) * k_blocks // splits):
         w = _load_weights(w_ptrs, n_ok, EVICT)
         x = tl.load(x_ptrs, mask=m_ok, other=0.0)
-        acc = _dot_block(acc, w, x, UPCAST)
+        if UPCAST:  # the interpreter's bf16 dot is wrong (Triton 3.x); CPU tests only
+            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(w, tl.trans(x))
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if SILU_MUL:
@@ -386,7 +371,7 @@ def skinny_linear(
         _skinny_dot_kernel[grid](
             x, weight, target, m, n, k // cfg.block_k, n, x.stride(0), weight.stride(0), n, m * n,
             BLOCK_M=block_m_for(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET,
-            EVICT=cfg.evict_first, SILU_MUL=silu_mul, FIRST_AHEAD=cfg.first_ahead or DOT_FIRST_AHEAD,
+            EVICT=cfg.evict_first, SILU_MUL=silu_mul,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
         )
     if cfg.split_k > 1 and unsummed:

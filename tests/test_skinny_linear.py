@@ -158,20 +158,6 @@ def test_gemv_first_block_ahead(kernels, device, n, k):
         assert torch.equal(got, want), f"{cfg}: not the bits of {base}"
 
 
-@pytest.mark.parametrize("rows,n,k,split", [(3, 42, 384, 1), (17, 70, 640, 3), pytest.param(8, 2560, 4096, 3, marks=needs_cuda)])
-def test_dot_first_block_ahead(kernels, device, rows, n, k, split):
-    """The tensor-core kernel reading each K part's first block before the wait: the same bits
-    as reading it after (K in parts that differ by a block, 5 blocks in 3 parts)."""
-    mod = kernels["skinny_linear"]
-    x = torch.randn(rows, k, device=device).to(torch.bfloat16)
-    w = (torch.randn(n, k, device=device) / k**0.5).to(torch.bfloat16)
-    base = mod.SkinnyConfig(64, 128, split, 4, 3)
-    want = mod.skinny_linear(x, w, base, out=torch.empty(rows, n, device=device, dtype=torch.float32))
-    cfg = dataclasses.replace(base, first_ahead=True)
-    got = mod.skinny_linear(x, w, cfg, out=poisoned((rows, n), torch.float32, device))
-    assert torch.equal(got, want), f"{cfg}: not the bits of {base}"
-
-
 SILU_MUL_SHAPES = [  # (rows, I, K): the GEMV, the tensor-core kernel, a partial last tile
     (1, 42, 1024),
     (1, 2050, 512),

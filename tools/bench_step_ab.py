@@ -43,8 +43,6 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   rule_ahead, rule_plain  the default with the general rule's one-row GEMVs reading their first
           K block before the wait, or not; before_ahead: rule_plain with the 4B's down and out/o_proj
           at one row on their tiles before (4 rows, 8 warps, first block after the wait)
-  dot_ahead  the default with the tensor-core kernel (2-64 rows) reading each K part's first
-          weight block before the wait
   --tile-modes NAME=...  more modes, each the default with TUNED entries of its own (see
           `parse_tile_mode`), e.g. o2x512=1,2560,4096:2,512,1,4,2,a
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
@@ -103,7 +101,6 @@ class Mode:
     conv_epilogue: bool = True  # one row's DeltaNet conv in in_proj's GEMV
     early_trigger: frozenset[str] = triton_compat.EARLY_TRIGGER  # kernel kinds letting the next launch before their wait
     rule_first_ahead: bool = skinny.RULE_FIRST_AHEAD  # the rule's one-row GEMVs read their first block before the wait
-    dot_first_ahead: bool = skinny.DOT_FIRST_AHEAD  # the tensor-core kernel so
 
 
 MODES = {
@@ -146,7 +143,6 @@ MODES |= {
 } | {f"early_{name}": dataclasses.replace(MODES[name], early_trigger=ALL_KINDS) for name in ("o_whole4", "d_whole", "all_whole")}
 MODES |= {
     "rule_ahead": Mode(rule_first_ahead=True), "rule_plain": Mode(rule_first_ahead=False),
-    "dot_ahead": Mode(dot_first_ahead=True),
     "before_ahead": Mode(rule_first_ahead=False,  # rule_plain with the 4B's down and out/o_proj on their tiles before
                          tiles=(((1, 2560, 9216), skinny.SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True)),
                                 ((1, 2560, 4096), None))),
@@ -183,7 +179,7 @@ def use_mode(name: str) -> None:
     skinny.SILU_EPILOGUE, skinny.USE_TUNED, skinny.SUM_IN_NORM = mode.silu_epilogue, mode.tuned, mode.sum_in_norm
     skinny.ONE_WAVE, triton_compat.EARLY_TRIGGER = mode.one_wave, mode.early_trigger
     skinny.LM_HEAD_GEMV, skinny.CONV_EPILOGUE = mode.lm_head_gemv, mode.conv_epilogue
-    skinny.RULE_FIRST_AHEAD, skinny.DOT_FIRST_AHEAD = mode.rule_first_ahead, mode.dot_first_ahead
+    skinny.RULE_FIRST_AHEAD = mode.rule_first_ahead
     paged_attention.PARTS_PER_SM = mode.parts_per_sm
     skinny.TUNED.clear()
     skinny.TUNED.update(DEFAULT_TUNED)
