@@ -335,8 +335,10 @@ def skinny_linear(
     if not splits_fit(k, cfg.block_k, cfg.split_k, gemv):
         raise ValueError(f"skinny_linear: K={k} does not split into {cfg.split_k} parts of whole blocks of "
                          f"{cfg.block_k}" + (" (the GEMV's parts alike)" if gemv else ""))
-    if cfg.whole_rows and not gemv:
-        raise ValueError(f"skinny_linear: whole rows are the GEMV's ({cfg})")
+    if (cfg.whole_rows or cfg.first_ahead) and not gemv:
+        raise ValueError(f"skinny_linear: whole rows and the first block read ahead are the GEMV's ({cfg})")
+    if cfg.whole_rows and cfg.first_ahead:
+        raise ValueError(f"skinny_linear: whole rows are read ahead whole, not by their first block ({cfg})")
     if silu_mul and (rows % 2 or cfg.split_k != 1 or cfg.block_n < 2 or (out is not None and out.dtype != x.dtype)):
         raise ValueError(f"skinny_linear: silu_mul needs an even [gate | up] weight (got {rows} rows), "
                          f"no K split, at least 2 rows per tile ({cfg}) and out in x's dtype")  # fmt: skip
@@ -448,7 +450,8 @@ def decode_config(rows: int, n: int, k: int, sms: int = H200_SMS) -> tuple[Skinn
         return TUNED[most, n, k], rows == 1
     if rows == 1:
         if n > 4096:
-            return (SkinnyConfig(8, 256, 1, 4, 2, True, first_ahead=RULE_FIRST_AHEAD), True) if k % 256 == 0 else None
+            wide = SkinnyConfig(8, 256, 1, 4, 2, evict_first=True, first_ahead=RULE_FIRST_AHEAD)
+            return (wide, True) if k % 256 == 0 else None
         block_k = next((b for b in (1024, 512, 256) if k % b == 0), None)
         return (SkinnyConfig(4, block_k, 1, 8, 2, first_ahead=RULE_FIRST_AHEAD), True) if block_k else None
     if k % 128:

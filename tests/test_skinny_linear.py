@@ -146,7 +146,7 @@ def test_gemv_whole_rows(kernels, device, monkeypatch, n, k, silu_mul):
 def test_gemv_first_block_ahead(kernels, device, n, k):
     """The K-looping GEMV reading its first block before the wait: the same bits as reading it
     after, with K whole or split in two (a program that skipped its first block, or read it
-    twice, would differ)."""
+    twice, would differ); refused where a kernel would not honour it."""
     mod = kernels["skinny_linear"]
     x = torch.randn(1, k, device=device).to(torch.bfloat16)
     w = (torch.randn(n, k, device=device) / k**0.5).to(torch.bfloat16)
@@ -156,6 +156,10 @@ def test_gemv_first_block_ahead(kernels, device, n, k):
         cfg = dataclasses.replace(base, first_ahead=True)
         got = mod.skinny_linear(x, w, cfg, True, out=poisoned(want.shape, want.dtype, device))
         assert torch.equal(got, want), f"{cfg}: not the bits of {base}"
+    for kernel_has_none in (mod.SkinnyConfig(4, k, 1, 4, 1, whole_rows=True, first_ahead=True),
+                            mod.SkinnyConfig(64, 128, 1, 4, 3, first_ahead=True)):  # the tensor-core kernel
+        with pytest.raises(ValueError, match="first block"):
+            mod.skinny_linear(x, w, kernel_has_none, kernel_has_none.whole_rows)
 
 
 SILU_MUL_SHAPES = [  # (rows, I, K): the GEMV, the tensor-core kernel, a partial last tile

@@ -169,6 +169,7 @@ def parse_tile_mode(text: str) -> tuple[str, Mode]:
         raise argparse.ArgumentTypeError(f"a tile mode needs a new name; got {name!r}")
     return name, Mode(tiles=tuple(tiles))
 
+
 DEFAULT_TUNED = dict(skinny.TUNED)
 
 
