@@ -511,13 +511,13 @@ def test_every_pdl_kernel_waits_before_touching_memory():
     assert launched <= waiting, f"launched with PDL but no GDC wait: {sorted(launched - waiting)}"
 
 
-@pytest.mark.parametrize("gdc", [1, 2])
-def test_pdl_wait_keeps_its_place_in_hopper_code(gdc: int):
-    """The source-order check above holds only if the compiler keeps every load and store after
-    `griddepcontrol.wait`. Compiled for sm_90 (Triton's own ptxas, no GPU needed; in a process
-    of its own, as the interpreter replaces `triton.jit` in this one), a kernel launched either
-    way (`EARLY_TRIGGER`: the next kernel let launch after its wait, or before it) must touch
-    no global memory before its wait."""
+GLOBAL_OPS = ("ld.global", "st.global", "atom.global", "red.global")
+
+
+def hopper_ptx(kernel: str, signature: dict[str, str], constants: dict) -> tuple[list[str], list[str]]:
+    """A skinny_linear kernel compiled for sm_90 (Triton's own ptxas, no GPU needed; in a process
+    of its own, as the interpreter replaces `triton.jit` in this one): its PTX lines, and the
+    griddepcontrol instructions in their order."""
     import os
     import subprocess
 
@@ -526,10 +526,9 @@ def test_pdl_wait_keeps_its_place_in_hopper_code(gdc: int):
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from deltaserve.kernels.skinny_linear import _sum_splits_kernel as kernel
-signature = {{"part_ptr": "*fp32", "out_ptr": "*bf16", "total": "i32", "SPLIT_K": "constexpr", "BLOCK": "constexpr",
-             "GDC": "constexpr"}}
-constants = {{"SPLIT_K": 3, "BLOCK": 1024, "GDC": {gdc}}}
+from deltaserve.kernels.skinny_linear import {kernel} as kernel
+constants = {constants!r}
+signature = {signature!r} | {{name: "constexpr" for name in constants}}
 source = ASTSource(kernel, signature, constexprs={{(kernel.arg_names.index(k),): v for k, v in constants.items()}})
 print(triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
 """
@@ -537,13 +536,44 @@ print(triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
     ptx = subprocess.run([sys.executable, "-c", compile_ptx], env=env, capture_output=True, text=True, timeout=120)
     assert ptx.returncode == 0, ptx.stderr[-2000:]
     lines = [line.strip() for line in ptx.stdout.splitlines()]
-    marks = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol")]
-    order = [lines[i].split()[0].rstrip(";") for i in marks]
+    order = [line.split()[0].rstrip(";") for line in lines if line.startswith("griddepcontrol")]
+    return lines, order
+
+
+def before_wait(lines: list[str]) -> list[str]:
+    """The instructions touching global memory before `griddepcontrol.wait`."""
+    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
+    return [line for line in lines[:wait] if any(token.startswith(GLOBAL_OPS) for token in line.split())]
+
+
+@pytest.mark.parametrize("gdc", [1, 2])
+def test_pdl_wait_keeps_its_place_in_hopper_code(gdc: int):
+    """The source-order check above holds only if the compiler keeps every load and store after
+    `griddepcontrol.wait`. Compiled for sm_90, a kernel launched either way (`EARLY_TRIGGER`:
+    the next kernel let launch after its wait, or before it) must touch no global memory
+    before its wait."""
+    signature = {"part_ptr": "*fp32", "out_ptr": "*bf16", "total": "i32"}
+    lines, order = hopper_ptx("_sum_splits_kernel", signature, {"SPLIT_K": 3, "BLOCK": 1024, "GDC": gdc})
     want = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
     assert order == (want if gdc == 1 else want[::-1]), order
-    wait = marks[order.index("griddepcontrol.wait")]
-    global_ops = ("ld.global", "st.global", "atom.global", "red.global")
-    touching = [line for line in lines[:wait] if any(token.startswith(global_ops) for token in line.split())]
-    assert not touching, f"global memory touched before the wait: {touching}"
-    after = " ".join(lines[wait:])
+    assert not (touching := before_wait(lines)), f"global memory touched before the wait: {touching}"
+    after = " ".join(lines[lines.index(next(line for line in lines if line.startswith("griddepcontrol.wait"))):])
     assert "ld.global" in after and "st.global" in after  # the kernel's loads and stores were found
+
+
+@pytest.mark.parametrize("first_ahead", [False, True])
+def test_gemv_read_ahead_stays_ahead_in_hopper_code(first_ahead: bool):
+    """The K-looping GEMV with its first block read ahead: compiled for sm_90, loads (only)
+    come before the wait, so the compiler did not sink the early reads after it (a silent loss
+    of the overlap) and stores nothing early; without it, nothing comes before the wait."""
+    signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "out_ptr", "conv_w_ptr", "conv_state_ptr")}
+    signature |= {"conv_slots_ptr": "*i32"} | {name: "i32" for name in ("N", "k_per_split", "up", "stride_wn",
+                                                                          "stride_split", "conv_channels", "stride_conv_slot")}
+    constants = {"BLOCK_N": 2, "BLOCK_K": 1024, "EVICT": True, "SILU_MUL": False, "TAIL_K": -1, "CONV": False,
+                 "GDC": 2, "FIRST_AHEAD": first_ahead}
+    lines, order = hopper_ptx("_gemv_kernel", signature, constants)
+    assert order == ["griddepcontrol.launch_dependents", "griddepcontrol.wait"], order
+    early = before_wait(lines)
+    loads = [line for line in early if line.lstrip("@%!p0123456789 ").startswith("ld.global")]  # predicated or not
+    assert loads == early, f"more than loads before the wait: {early}"
+    assert bool(early) == first_ahead, f"loads before the wait: {early}"
