@@ -540,10 +540,12 @@ print(triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
     return lines, order
 
 
-def before_wait(lines: list[str]) -> list[str]:
-    """The instructions touching global memory before `griddepcontrol.wait`."""
+def global_ops_around_wait(lines: list[str]) -> tuple[list[str], list[str]]:
+    """The instructions touching global memory before `griddepcontrol.wait`, and after it
+    (predicated or not)."""
     wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
-    return [line for line in lines[:wait] if any(token.startswith(GLOBAL_OPS) for token in line.split())]
+    touching = [(i, line) for i, line in enumerate(lines) if any(token.startswith(GLOBAL_OPS) for token in line.split())]
+    return [line for i, line in touching if i < wait], [line for i, line in touching if i > wait]
 
 
 @pytest.mark.parametrize("gdc", [1, 2])
@@ -556,9 +558,10 @@ def test_pdl_wait_keeps_its_place_in_hopper_code(gdc: int):
     lines, order = hopper_ptx("_sum_splits_kernel", signature, {"SPLIT_K": 3, "BLOCK": 1024, "GDC": gdc})
     want = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
     assert order == (want if gdc == 1 else want[::-1]), order
-    assert not (touching := before_wait(lines)), f"global memory touched before the wait: {touching}"
-    after = " ".join(lines[lines.index(next(line for line in lines if line.startswith("griddepcontrol.wait"))):])
-    assert "ld.global" in after and "st.global" in after  # the kernel's loads and stores were found
+    early, late = global_ops_around_wait(lines)
+    assert not early, f"global memory touched before the wait: {early}"
+    late = " ".join(late)
+    assert "ld.global" in late and "st.global" in late  # the kernel's loads and stores were found
 
 
 @pytest.mark.parametrize("first_ahead", [False, True])
@@ -573,7 +576,6 @@ def test_gemv_read_ahead_stays_ahead_in_hopper_code(first_ahead: bool):
                  "GDC": 2, "FIRST_AHEAD": first_ahead}
     lines, order = hopper_ptx("_gemv_kernel", signature, constants)
     assert order == ["griddepcontrol.launch_dependents", "griddepcontrol.wait"], order
-    early = before_wait(lines)
-    loads = [line for line in early if line.lstrip("@%!p0123456789 ").startswith("ld.global")]  # predicated or not
-    assert loads == early, f"more than loads before the wait: {early}"
+    early, _ = global_ops_around_wait(lines)
+    assert all("ld.global" in line for line in early), f"more than loads before the wait: {early}"
     assert bool(early) == first_ahead, f"loads before the wait: {early}"
