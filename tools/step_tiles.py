@@ -23,6 +23,7 @@ import deltaserve.kernels.skinny_linear as skinny
 from deltaserve.engine.rank.executor import Executor
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.kernels.skinny_linear import SkinnyConfig
+from deltaserve.kernels.triton_compat import sm_count
 from deltaserve.tools.bench_decode import write_report
 from deltaserve.tools.golden import compare_logprobs
 from deltaserve.tools.step_anatomy import (
@@ -49,7 +50,7 @@ DOT = [(64, 128, 0, 4, 3, False), (64, 128, 0, 4, 4, False), (64, 256, 0, 4, 3, 
        (64, 128, 3, 4, 4, False), (64, 64, 3, 4, 4, False)]  # fmt: skip
 
 
-def candidate(tile: tuple, n: int, k: int, gemv: bool) -> SkinnyConfig | None:
+def candidate(tile: tuple, n: int, k: int, gemv: bool, sms: int) -> SkinnyConfig | None:
     """The tile as a config for this shape, or None where its blocks do not fit K (the GEMV's
     K parts must be equal, the tensor-core kernel's may differ by a block). A block_k of 0: the
     whole K (the GEMV then reads its rows before waiting for the previous kernel), where K is a
@@ -58,7 +59,7 @@ def candidate(tile: tuple, n: int, k: int, gemv: bool) -> SkinnyConfig | None:
     if block_k == 0:
         return SkinnyConfig(block_n, k, 1, warps, stages, evict, whole_rows=True) if skinny.whole_row_parts(k) else None
     if split == 0:
-        rule = skinny.decode_config(2, n, k)
+        rule = skinny.decode_config(2, n, k, sms)
         split = rule[0].split_k if rule else 1
     config = SkinnyConfig(block_n, block_k, split, warps, stages, evict, first_ahead=gemv and skinny.RULE_FIRST_AHEAD)
     return config if skinny.splits_fit(k, block_k, split, gemv) else None
@@ -68,11 +69,11 @@ def capture_with(ex: Executor, size: int, rows: int, choice: dict) -> None:
     """Capture bucket `size` again, each shape (N, K) on `choice[(N, K)]`: a tile or cuBLAS."""
     rule, max_rows = skinny.decode_config, skinny.MAX_ROWS
 
-    def chosen(r: int, n: int, k: int):
+    def chosen(r: int, n: int, k: int, sms: int):  # as `linear` calls decode_config
         pick = choice.get((n, k))
         if r != rows or pick is None:
-            return rule(r, n, k)
-        return None if pick == CUBLAS else (candidate(pick, n, k, rows == 1), rows == 1)
+            return rule(r, n, k, sms)
+        return None if pick == CUBLAS else (candidate(pick, n, k, rows == 1, sms), rows == 1)
 
     skinny.decode_config, skinny.MAX_ROWS = chosen, max(skinny.MAX_ROWS, rows)
     try:
@@ -116,13 +117,14 @@ def sweep(ex: Executor, batch: int, first_id: int, rounds: int, dot: list, gemv:
     # the shapes of a step of `batch` rows, as the rule runs it (an eager step, then undone)
     shapes = projection_shapes(ex, [StepItem(r, CONTEXT + 1, [], True, None) for r in ids])
     distinct = sorted({(n, k) for n, k, _ in shapes})
+    sms = sm_count(torch.empty(0, device=ex.device))
     tiles = gemv if batch == 1 else dot
     options = {str(t): t for t in [*tiles, CUBLAS] if batch > 1 or t != CUBLAS}
     measured: dict[tuple[int, int], dict] = {s: {} for s in distinct}
     for shape, share in shares_by_shape(ex, size, shapes).items():  # the rule's own graph
         measured[shape]["rule"] = share
     for name, option in options.items():
-        choice = {s: option for s in distinct if option == CUBLAS or candidate(option, *s, batch == 1)}
+        choice = {s: option for s in distinct if option == CUBLAS or candidate(option, *s, batch == 1, sms)}
         try:
             capture_with(ex, size, batch, choice)
         except Exception as exc:  # a tile that does not compile or launch: skipped
