@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -190,6 +191,14 @@ async def wait_idle(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
         assert snap.request_ids == [] and snap.slots_used == 0 and snap.blocks_used == 0, snap
 
 
+def source_tree() -> str:
+    """The commit the suite ran at, "+changes" where the checkout differs from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+changes" if git("status", "--porcelain") else "")
+
+
 def record_long_figures(is_long: bool, name: str, figures: dict) -> None:
     """With `pytest --long`, keep a test's figures (requests, disconnects, faults, leaks) in
     bench/results/load_suite_long.json, one entry per test."""
@@ -200,7 +209,8 @@ def record_long_figures(is_long: bool, name: str, figures: dict) -> None:
                        "tests/test_load_faults.py")  # fmt: skip
     data["hardware"] = {"cores": os.cpu_count(), "python": platform.python_version(),
                         "machine": platform.machine()}  # fmt: skip
-    entry = {**figures, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    entry = {**figures, "tree": source_tree(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    data.pop("tree", None)  # once one field for the whole file, which later runs left stale
     data.setdefault("tests", {})[name] = entry
     LONG_FIGURES.parent.mkdir(parents=True, exist_ok=True)
     LONG_FIGURES.write_text(json.dumps(data, indent=1) + "\n")
