@@ -240,7 +240,7 @@ class Sampler:
             sub = [specs[j] for j in cut]
             cut_x = x if len(cut) == len(rows) else x[at(cut)]
             cut_knobs = knobs if len(cut) == len(rows) else knobs[:, at(cut)]
-            values, ids = cut_x.topk(max(widths[j] for j in cut))  # sorted, best first
+            values, ids = best_first(cut_x, max(widths[j] for j in cut))
             col = torch.arange(values.shape[1], device=device)
             values = values.masked_fill(col >= cut_knobs[3][:, None], float("-inf"))
             limited = [0 < s.top_k < vocab for s in sub]
@@ -279,6 +279,19 @@ def _race(values: torch.Tensor, ids: torch.Tensor | None, widths: list[int],
     return best if ids is None else ids.gather(1, best[:, None])[:, 0]
 
 
+def best_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best logits of each row and their token ids, best first, tied logits in token-id
+    order. The noise of a row's race is drawn column by column, so the columns' order must not
+    depend on how many candidates its batch fetched: torch.topk orders tied values one way at
+    one width and another at the next. (Which of the tokens tied exactly at the k-th place
+    topk keeps is still its own choice.)"""
+    values, ids = x.topk(k, dim=-1)
+    by_id = ids.argsort(dim=-1)
+    values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
+    by_value = values.argsort(dim=-1, descending=True, stable=True)
+    return values.gather(-1, by_value), ids.gather(-1, by_value)
+
+
 # Top-p first looks for the nucleus among this many best tokens (one topk instead of a sort
 # of the whole vocabulary); only a flatter distribution falls back to the full sort.
 _TOP_P_CANDIDATES = 1024
@@ -295,16 +308,16 @@ def _draw(x: torch.Tensor, spec: SamplingSpec, generator: torch.Generator) -> to
         x = x.masked_fill(x < x.max() + math.log(spec.min_p), float("-inf"))
     if 0 < spec.top_k < vocab:
         # NOTE: vLLM keeps every token tied with the k-th; topk keeps exactly k.
-        x, ids = x.topk(spec.top_k)
+        x, ids = best_first(x, spec.top_k)
         if spec.top_p < 1.0:
             x = _top_p_sorted(x, x.logsumexp(dim=0), spec.top_p)
     elif spec.top_p < 1.0:
         log_normaliser = x.logsumexp(dim=0)
-        candidates, ids = x.topk(min(_TOP_P_CANDIDATES, vocab))
+        candidates, ids = best_first(x, min(_TOP_P_CANDIDATES, vocab))
         kept = _top_p_sorted(candidates, log_normaliser, spec.top_p)
         if candidates.shape[0] < vocab and not bool(torch.isinf(kept[-1])):
             # The last candidate is inside the nucleus, which may reach further: sort all.
-            candidates, ids = x.sort(descending=True)
+            candidates, ids = x.sort(descending=True, stable=True)  # ties in id order, as best_first
             kept = _top_p_sorted(candidates, log_normaliser, spec.top_p)
         x = kept
     probs = torch.softmax(x, dim=-1)
