@@ -291,13 +291,14 @@ def test_logsumexp_argmax_kernel(rows, vocab, programs):
     """The sampler's one read of the logits (kernels/logit_stats.py): logsumexp as torch's,
     the argmax exactly, the first of tied maxima included: ties planted in one block, in two
     blocks of one part (3 programs: one part of 5 blocks per row), in two parts (1024
-    programs: a part per block)."""
+    programs: a part per block); a row whose first block is all -inf (a masked vocabulary)."""
     from deltaserve.kernels import logit_stats
 
     logits = torch.randn(rows, vocab, device="cuda" if CUDA else "cpu") * 4
     logits[0, vocab - 7] = logits[0, 3] = logits[0].max() + 1.0  # the first of two, far apart
     if rows > 1:
         logits[1, 1500] = logits[1, 1501] = logits[1].max() + 1.0  # two in one block
+        logits[1, :1024] = float("-inf")  # a part that starts with a masked block (was NaN)
         logits[2, 2100] = logits[2, 100] = logits[2].max() + 1.0  # blocks 0 and 2
     slots = torch.randperm(rows + 2, device=logits.device)[:rows]  # the rows' slots, out of order
     last_tokens = torch.full((rows + 2,), -5, dtype=torch.int64, device=logits.device)
