@@ -306,6 +306,8 @@ class AsyncEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need} "
                 f"exceeds max_model_len {self.max_model_len}"
             )
+        if params.n > self.config.max_queued_requests:  # refused now, it would be refused forever
+            raise ValueError(f"n ({params.n}) exceeds max_queued_requests ({self.config.max_queued_requests})")
         ledger = self._scheduler.ledger
         if not ledger.fits_ever(need):
             raise ValueError(

@@ -335,6 +335,8 @@ class TestRefusals:
             engine.generate([1], SamplingParams(stop_token_ids=(10**7,)))
         with pytest.raises(ValueError, match="top_p"):
             SamplingParams(top_p=0)
+        with pytest.raises(ValueError, match=r"n \(9\) exceeds max_queued_requests \(8\)"):  # not "queue full": never fits
+            engine.generate(prompts[0], SamplingParams(n=9, temperature=1.0, seed=1))
         await assert_idle_and_empty(engine)
 
     async def test_queue_bound(self, engine, prompts):
