@@ -7,8 +7,9 @@ The order of operations follows vLLM v1 (`vllm/v1/sample/sampler.py`, `ops/penal
   -> greedy rows: argmax
   -> random rows: temperature -> min-p -> top-k -> top-p -> exponential race.
 The race (`argmax(probs / q)`, q ~ Exp(1)) draws q from a per-request `torch.Generator`
-re-seeded for every token from (seed, output index), so a request's tokens depend on its own
-logits and seed only, never on its batch companions.
+re-seeded for every token from (seed, output index), over the candidates best first with tied
+logits in token-id order (`best_first`), so a request's tokens depend on its own logits and
+seed only, never on its batch companions.
 """
 
 from __future__ import annotations
