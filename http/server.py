@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 import deltaserve
 from deltaserve.engine.events import (
@@ -183,7 +184,9 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
     if key is not None and request.path != "/health":
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), key):
+        # as bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500)
+        given_key = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given_key, key.encode("utf-8", "surrogateescape")):
             raise errors.unauthorized()
     return await handler(request)
 
@@ -270,7 +273,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _read_json(request: web.Request) -> object:
-    raw = await request.read()  # raises 413 past client_max_size
+    try:
+        raw = await request.read()  # raises 413 past client_max_size
+    except RequestPayloadError as exc:  # e.g. a Content-Encoding its bytes do not decode by
+        raise errors.bad_request(f"the request body could not be read: {exc}") from None
     try:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:

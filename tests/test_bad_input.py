@@ -150,6 +150,17 @@ async def test_bad_request_named(server, case):
 
 
 @aio
+@pytest.mark.parametrize("encoding,data", [("gzip", b"not gzip at all"), ("deflate", b"0123456789")])
+async def test_body_its_content_encoding_does_not_decode(server, encoding, data):
+    """A body that its Content-Encoding does not decode is the client's error (was a 500)."""
+    headers = {"Content-Type": "application/json", "Content-Encoding": encoding, "Authorization": f"Bearer {API_KEY}"}
+    async with aiohttp.ClientSession() as s, s.post(server.url + C, data=data, headers=headers) as r:
+        assert r.status == 400, await r.read()
+        assert "could not be read" in check_error_body(await r.read())["message"]
+    assert (await get(server.url + "/health"))[0] == 200
+
+
+@aio
 async def test_huge_top_k_means_off_and_the_engine_lives(server):
     """top_k past the vocabulary samples as if top-k were off (same seed, same tokens);
     before the fix, a top_k over 2**64 could not be encoded and killed the engine."""
@@ -340,7 +351,7 @@ async def test_api_key_on_every_route_but_health(server):
                ("OPTIONS", "/v1/completions"), ("PUT", "/health/x")}  # fmt: skip
     assert ("POST", "/v1/completions") in routes and ("GET", "/metrics") in routes
     wrong = [None, "Bearer wrong", f"Basic {API_KEY}", API_KEY, f"Bearer {API_KEY}x",
-             f"Bearer{API_KEY}", "Bearer "]  # fmt: skip
+             f"Bearer{API_KEY}", "Bearer ", f"Bearer {API_KEY}\u00e9"]  # fmt: skip (non-ASCII: was a 500)
     async with aiohttp.ClientSession() as s:
         for method, path in sorted(routes):
             for auth in wrong:
