@@ -84,7 +84,7 @@ class TokenStrings:
 @dataclass(slots=True)
 class ChoiceState:
     text: list[str] = field(default_factory=list)
-    text_len: int = 0
+    token_offset: int = 0  # completions' logprobs: the token strings' lengths summed, as vLLM's
     finish_reason: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -93,7 +93,6 @@ class ChoiceState:
     def add_text(self, delta: str) -> None:
         if delta:
             self.text.append(delta)
-            self.text_len += len(delta)
 
 
 class _Formatter:
@@ -151,7 +150,10 @@ class CompletionFormatter(_Formatter):
         return None
 
     def token(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any] | None:
-        entry = self._entry(ev, state.text_len) if self.want_logprobs else None
+        entry = None
+        if self.want_logprobs:  # offsets by tokens, not by the text sent so far (a stop string holds it back)
+            entry = self._entry(ev, state.token_offset)
+            state.token_offset += len(entry[0])
         state.add_text(ev.text)
         if entry is not None:
             state.logprobs.append(entry)
