@@ -104,6 +104,7 @@ class ChatRequest:
 def parse_completion_request(body: object) -> CompletionRequest:
     obj = _object(body)
     _refuse_unknown(obj, _COMPLETION_KEYS)
+    _opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
     if obj.get("echo") not in (None, False):
         raise unsupported("echo", "echo=true (returning the prompt) is not supported")
     if obj.get("best_of") not in (None, 1):
@@ -128,6 +129,7 @@ def parse_completion_request(body: object) -> CompletionRequest:
 def parse_chat_request(body: object) -> ChatRequest:
     obj = _object(body)
     _refuse_unknown(obj, _CHAT_KEYS)
+    _opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
     if obj.get("tools") not in (None, []):
         raise unsupported("tools", "tool calling is not supported")
     if obj.get("tool_choice") not in (None, "none"):
@@ -149,6 +151,8 @@ def parse_chat_request(body: object) -> ChatRequest:
             )
     max_tokens = _opt_int(obj, "max_tokens")
     max_completion_tokens = _opt_int(obj, "max_completion_tokens")
+    if max_completion_tokens is not None and max_completion_tokens < 1:  # else refused naming max_tokens
+        raise bad_request(f"max_completion_tokens must be >= 1, got {max_completion_tokens}", "max_completion_tokens")
     if max_tokens is not None and max_completion_tokens is not None:
         if max_tokens != max_completion_tokens:
             raise bad_request(
