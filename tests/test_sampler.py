@@ -112,6 +112,17 @@ class TestSampler:
         alone = _draw(spec, rows)
         assert _draw(spec, rows, companions=2) == alone
 
+    def test_tiny_repetition_penalty_picks_the_seen_token_not_nan(self):
+        """repetition_penalty is any value > 0: at 1e-300 a seen token's positive logit goes
+        past the largest float; it is held there, so the token wins (inf made NaN: token 0)."""
+        row = _logits(41)[0]
+        seen = int(row.argsort()[-5])  # positive, and not the best
+        sampler = Sampler()
+        sampler.add(7, SamplingSpec(seed=3, temperature=1.0, repetition_penalty=1e-300))
+        sampler.observe(7, [seen], is_prompt=True)
+        [sample] = sampler.sample([7], row[None])
+        assert sample.token_id == seen and math.isfinite(sample.logprob)
+
     def test_top_k_one_is_greedy(self):
         rows = [_logits(300 + i)[0] for i in range(8)]
         assert _draw(SamplingSpec(seed=5, temperature=1.5, top_k=1), rows) == [

@@ -347,7 +347,9 @@ def _apply_penalties(row: torch.Tensor, state: _RequestState) -> None:
         ids = to_device(sorted(state.seen), torch.int64, row.device)
         values = row[ids]
         penalty = spec.repetition_penalty
-        row[ids] = torch.where(values > 0, values / penalty, values * penalty)
+        # a tiny penalty overflows a positive logit to inf, and inf - inf is NaN in the softmax
+        limit = torch.finfo(row.dtype).max
+        row[ids] = torch.where(values > 0, values / penalty, values * penalty).clamp(-limit, limit)
     if state.output_counts and (spec.frequency_penalty != 0.0 or spec.presence_penalty != 0.0):
         ids = to_device(list(state.output_counts), torch.int64, row.device)
         counts = to_device(list(state.output_counts.values()), row.dtype, row.device)
