@@ -15,18 +15,8 @@ from pathlib import Path
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+from deltaserve.engine.tokenizer import eos_token_ids
 from deltaserve.ipc.messages import NewRequest, Sample, SamplingSpec, StepItem
-
-
-def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
-    """EOS ids from generation_config.json, else from config.json."""
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return tuple(eos) if isinstance(eos, list) else (int(eos),)
-    return ()
 
 
 def generate_tokens(
@@ -55,7 +45,7 @@ def generate_tokens(
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"prompt token ids out of the vocabulary (size {vocab}): {bad[:5]}")
-    eos = () if ignore_eos else eos_token_ids(model_dir)
+    eos = frozenset() if ignore_eos else eos_token_ids(model_dir, executor.model_config)  # the engine's set
     spec = SamplingSpec(seed=seed, temperature=temperature, num_logprobs=num_logprobs)
     samples = executor.run_step([StepItem(0, 0, list(prompt_ids), True, NewRequest(total, spec))])
     while samples[-1].token_id not in eos and len(samples) < max_tokens:

@@ -35,3 +35,22 @@ def test_generate_refuses_out_of_vocab_ids(tiny_model_dir):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "out of the vocabulary" in result.stderr and "999999999" in result.stderr
+
+
+def test_generate_stops_at_the_engines_eos_ids(tiny_model_dir, tmp_path):
+    """The plain path stops where the engine does: at any id of the model config's EOS set
+    joined with generation_config.json's (it read generation_config.json alone)."""
+    from deltaserve.engine.generate import generate_tokens
+
+    for f in tiny_model_dir.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    prompt = [5, 6, 7]
+    tokens = [s.token_id for s in generate_tokens(tiny_model_dir, prompt, 6, ignore_eos=True)]
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    eos = text.get("eos_token_id", config.get("eos_token_id"))
+    text["eos_token_id"] = [*(eos if isinstance(eos, list) else [eos]), tokens[2]]
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert tokens[2] not in tokens[:2], "pick a prompt whose third token is new"
+    assert [s.token_id for s in generate_tokens(tmp_path, prompt, 6)] == tokens[:3]
