@@ -2,7 +2,7 @@
 
 Ranges follow vLLM's `SamplingParams` (presence/frequency penalties in [-2, 2], repetition
 penalty > 0, logprobs up to 20). Conventions chosen here, and refused otherwise:
-- `top_k = 0` disables top-k (vLLM also accepts -1; we refuse it so that there is one way).
+- `top_k = 0` disables top-k, and so does -1, as in vLLM (clients built for it send -1).
 - `temperature = 0` is greedy; `seed` only matters for random sampling.
 - `stop` is a sequence of non-empty strings (a bare string is refused: it is a common slip
   that would otherwise be read as one stop string per character).
@@ -55,8 +55,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check_range("temperature", self.temperature, 0.0, math.inf)
         _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables top-k), got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables top-k), got {self.top_k!r}")
         _check_range("min_p", self.min_p, 0.0, 1.0)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -98,7 +98,7 @@ class SamplingParams:
         return SamplingSpec(
             seed=seed,
             temperature=float(self.temperature),
-            top_k=min(self.top_k, MAX_WIRE_TOP_K),
+            top_k=min(max(self.top_k, 0), MAX_WIRE_TOP_K),  # the wire's "off" is 0 alone
             top_p=float(self.top_p),
             min_p=float(self.min_p),
             presence_penalty=float(self.presence_penalty),

@@ -165,16 +165,17 @@ async def test_body_its_content_encoding_does_not_decode(server, encoding, data)
 
 @aio
 async def test_huge_top_k_means_off_and_the_engine_lives(server):
-    """top_k past the vocabulary samples as if top-k were off (same seed, same tokens);
-    before the fix, a top_k over 2**64 could not be encoded and killed the engine."""
+    """top_k past the vocabulary, or -1 (vLLM's "off"), samples as if top-k were off (same
+    seed, same tokens); before the fix, a top_k over 2**64 could not be encoded and killed the
+    engine."""
     base = {"prompt": "Sphinx of black quartz", "max_tokens": 4, "temperature": 1.0, "seed": 7,
             "logprobs": 0, "ignore_eos": True}  # fmt: skip
     texts = []
-    for top_k in (0, 2**40, HUGE):
+    for top_k in (0, 2**40, HUGE, -1):
         status, _, raw = await post(server.url + C, j({**base, "top_k": top_k}))
         assert status == 200, raw
         texts.append(json.loads(raw)["choices"][0]["logprobs"]["tokens"])
-    assert texts[0] == texts[1] == texts[2]
+    assert texts[0] == texts[1] == texts[2] == texts[3]
     assert not server.engine.is_dead
 
 

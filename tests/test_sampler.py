@@ -258,7 +258,7 @@ class TestSamplingParams:
             ("temperature", math.inf),
             ("top_p", 0.0),
             ("top_p", 1.01),
-            ("top_k", -1),
+            ("top_k", -2),
             ("min_p", 1.5),
             ("presence_penalty", 2.5),
             ("frequency_penalty", -2.1),
