@@ -242,7 +242,7 @@ def causal_conv1d_prefill(
     check_index("offsets", offsets, num)
     check_index("lengths", lengths, num)
     check_index("slots", slots, num)
-    if blocks.dim() != 2 or blocks.shape[1] != 2 or blocks.dtype != torch.int32:
+    if blocks.dim() != 2 or blocks.shape[1] != 2 or blocks.dtype != torch.int32 or not blocks.is_contiguous():
         raise ValueError(f"blocks: expected [entries, 2] int32, got {tuple(blocks.shape)} {blocks.dtype}")
     if block < width - 1 or block & (block - 1):
         raise ValueError(f"block {block} must be a power of 2 of at least width - 1 = {width - 1}")

@@ -17,6 +17,7 @@ from deltaserve.kernels.triton_compat import (
     HAS_TRITON,
     check_index,
     check_launchable,
+    check_vector,
     gpu_path,
     pdl_options,
     tl,
@@ -75,8 +76,9 @@ def embedding_triton(
         raise ValueError(f"embedding: weight must be contiguous [rows, hidden], got {tuple(weight.shape)}")
     if token_slots is not None:
         check_index("token_slots", token_slots, tokens)
-        if last_tokens is None or last_tokens.dim() != 1:
+        if last_tokens is None:
             raise ValueError("embedding: token_slots need the slots' last_tokens [slots]")
+        check_vector("last_tokens", last_tokens, last_tokens.shape[0] if last_tokens.dim() == 1 else -1)
     out = torch.empty((tokens, weight.shape[1]), dtype=weight.dtype, device=weight.device)
     if tokens:
         from_last = token_slots is not None

@@ -30,6 +30,7 @@ from deltaserve.kernels.triton_compat import (
     check_index,
     check_launchable,
     check_rows,
+    check_vector,
     pdl_options,
     tl,
     triton,
@@ -253,8 +254,8 @@ def gated_delta_decode(
     check_rows("b", b, nv)
     if a.shape[0] != tokens or b.shape[0] != tokens or out.shape[0] != tokens:
         raise ValueError(f"a, b, out need {tokens} rows, got {a.shape[0]}, {b.shape[0]}, {out.shape[0]}")
-    if a_log.shape != (nv,) or dt_bias.shape != (nv,):
-        raise ValueError(f"A_log and dt_bias need shape ({nv},), got {tuple(a_log.shape)}, {tuple(dt_bias.shape)}")
+    check_vector("A_log", a_log, nv)
+    check_vector("dt_bias", dt_bias, nv)
     if out.dim() != 3 or out.shape[1:] != (nv, dv) or out.stride()[1:] != (dv, 1):
         raise ValueError(f"out: expected [T, {nv}, {dv}] with contiguous heads, got {tuple(out.shape)} {out.stride()}")
     num = rows.shape[0]

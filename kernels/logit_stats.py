@@ -19,7 +19,9 @@ import torch
 from deltaserve.kernels.triton_compat import (
     HAS_TRITON,
     INTERPRET,
+    check_index,
     check_launchable,
+    check_vector,
     gpu_path,
     tl,
     triton,
@@ -119,8 +121,11 @@ def logsumexp_argmax_triton(
         raise ValueError(f"logits: expected [rows, vocab] fp32 with a contiguous last dim, got "
                          f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}")  # fmt: skip
     rows, vocab = logits.shape
-    if slots is not None and (slots.shape != (rows,) or last_tokens is None or last_tokens.dtype != torch.int64):
-        raise ValueError(f"slots: expected [{rows}] with int64 last_tokens")
+    if slots is not None:
+        check_index("slots", slots, rows)
+        if last_tokens is None:
+            raise ValueError("slots need the slots' last_tokens")
+        check_vector("last_tokens", last_tokens, last_tokens.shape[0] if last_tokens.dim() == 1 else -1, (torch.int64,))
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     arg = torch.empty(rows, dtype=torch.int64, device=logits.device)
     greedy = torch.empty((rows, 2), dtype=torch.float64, device=logits.device)

@@ -19,6 +19,7 @@ from deltaserve.kernels.rmsnorm import rms_norm_reference
 from deltaserve.kernels.triton_compat import (
     check_index,
     check_launchable,
+    check_vector,
     pdl_options,
     read_ahead,
     rows_per_program,
@@ -138,13 +139,13 @@ def norm_rope(
         raise ValueError(f"k {tuple(k.shape)} {k.dtype} does not fit q {tuple(q.shape)} {q.dtype}")
     if q.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError(f"head dims must be contiguous, got strides {q.stride()}, {k.stride()}")
-    if q_weight.shape != (hd,) or k_weight.shape != (hd,):
-        raise ValueError(f"norm weights must be ({hd},), got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
+    check_vector("q_weight", q_weight, hd)
+    check_vector("k_weight", k_weight, hd)
     half = inv_freq.shape[0]
-    if inv_freq.dtype != torch.float32 or 2 * half > hd:
-        raise ValueError(f"inv_freq: expected fp32 of at most {hd // 2}, got {inv_freq.dtype} {half}")
-    if positions.shape != (tokens,):
-        raise ValueError(f"positions: expected ({tokens},), got {tuple(positions.shape)}")
+    check_vector("inv_freq", inv_freq, half, (torch.float32,))
+    if 2 * half > hd:
+        raise ValueError(f"inv_freq: expected at most {hd // 2} frequencies, got {half}")
+    check_index("positions", positions, tokens)
     if store is not None:
         check_kv_store(store, k)
     q_out = torch.empty((tokens, num_q, hd), dtype=q.dtype, device=q.device)

@@ -201,7 +201,16 @@ def check_rows(name: str, t, width: int) -> None:
         )
 
 
+def check_vector(name: str, t, length: int, dtypes: tuple = ()) -> None:
+    """`t` is [length] (of one of `dtypes`, if given) with adjacent elements: the kernels read
+    element i at ptr + i, so a strided view (t[::2], a column) would be misread, or written
+    past its end."""
+    if t.dim() != 1 or t.shape[0] != length or (length > 1 and t.stride(0) != 1) or (dtypes and t.dtype not in dtypes):
+        kinds = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name}: expected [{length}] {kinds} with adjacent elements, got {tuple(t.shape)} "
+                         f"{t.dtype} strides {t.stride()}")
+
+
 def check_index(name: str, t, length: int) -> None:
-    if t.dim() != 1 or t.shape[0] != length or t.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: expected [{length}] int32/int64, got {tuple(t.shape)} {t.dtype}")
+    check_vector(name, t, length, (torch.int32, torch.int64))
 
