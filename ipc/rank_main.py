@@ -451,7 +451,11 @@ class RankServer:
 def main() -> int:
     config = rank_config_decoder.decode(sys.stdin.buffer.read())
     die_with_parent(config.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides when ranks stop
+    # The controller decides when ranks stop (a shutdown command, else SIGKILL by pidfd). A ^C,
+    # or a SIGTERM sent to the whole process group (systemd's default stop, `timeout`,
+    # `kill -TERM -PGID`), is the server's to handle: it drains first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # deltaserve's own start-up lines (the memory budget) on stderr, other libraries' warnings
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip

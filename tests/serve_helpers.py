@@ -120,6 +120,7 @@ class ServeProcess:
         proc = await asyncio.create_subprocess_exec(
             DELTASERVE, "serve", "--port", "0", *args,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
+            start_new_session=True,  # its own process group, as a service manager starts it
         )  # fmt: skip
         self = cls(proc)
         try:
