@@ -1,6 +1,6 @@
 """The start gate: a state-changing command runs on no rank until every rank has it.
 
-One shared-memory segment per replica (unique name, unlinked at teardown) holds int64 words,
+One shared-memory segment per replica (unique name, unlinked at teardown) holds uint64 words,
 each writer on its own 64-byte line:
 
     line 0      [decision, release_seq]           the controller only
@@ -51,7 +51,8 @@ class StartGate:
     def __init__(self, buffer: memoryview | mmap.mmap, num_ranks: int, name: str) -> None:
         self.name = name
         self.num_ranks = num_ranks
-        self._words = (ctypes.c_int64 * (LINE_WORDS * (num_ranks + 1))).from_buffer(buffer)
+        # unsigned: a receipt tag sets the top bit from seq 2**31 on (a signed word wrapped it)
+        self._words = (ctypes.c_uint64 * (LINE_WORDS * (num_ranks + 1))).from_buffer(buffer)
         self._shm: shared_memory.SharedMemory | None = None
         self._mmap: mmap.mmap | None = None
 

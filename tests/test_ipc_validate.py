@@ -262,6 +262,20 @@ class TestGateWords:
         finally:
             gate.close(unlink=True)
 
+    def test_sequences_past_31_bits(self) -> None:
+        """A receipt's tag holds the seq's low 32 bits above the crc: from seq 2**31 it set the
+        word's sign bit, a signed word wrapped it, and no receipt was trusted again (the gate
+        timed out and the replica died after 2**31 commands, ~61 days of decoding)."""
+        gate = StartGate.create(1)
+        try:
+            for seq in (2**31 - 1, 2**31, 2**32 - 1, 2**32 + 7, 2**62 - 1):
+                gate.record_receipt(0, seq, 0xFFFFFFFF)
+                assert gate.receipt(0) == (seq, 0xFFFFFFFF), seq
+                gate.decide(seq, EXECUTE)
+                assert gate.decision(seq) == EXECUTE, seq
+        finally:
+            gate.close(unlink=True)
+
     def test_half_written_words_are_not_trusted(self) -> None:
         gate = StartGate.create(1)
         try:
