@@ -347,6 +347,12 @@ def test_monitor_view_renders_a_session():
     for expected in ("serving", "/m/tiny", "lost 2", "1/4", "0p+1d 4.0 ms", "50.0",
                      "#7 stop: 5+9 tokens", "poisoned  rank 1 died", "stop 1"):  # fmt: skip
         assert expected in text, (expected, text)
+    # A time no clock shows is listed, not a crash; heartbeats missing: the view says so.
+    view.update(b"replica", schema.Terminal(seq=2, time_s=float("nan"), reason="x"))
+    view.last_message_s -= 10
+    console.print(view.render())
+    text = console.export_text()
+    assert "time nan" in text and "silent for 10 s (was serving)" in text, text
 
 
 async def _drain(stream) -> list:

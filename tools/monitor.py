@@ -27,6 +27,7 @@ RECENT_EVENTS = 14
 LATENCY_WINDOW = 500  # finished requests the percentiles are over
 RATE_WINDOW_S = 5.0
 REFRESH_S = 0.25
+SILENT_S = 3.0  # three heartbeats missed (the engine sends a load message at least every second)
 STATE_STYLE = {"starting": "yellow", "serving": "green", "draining": "yellow", "dead": "bold red"}
 
 
@@ -48,6 +49,8 @@ class MonitorView:
         self.num_messages = 0
         self.num_lost = 0
         self.num_undecodable = 0
+        self.last_message_s = time.monotonic()  # when anything last arrived (or the view started)
+        self.shut_down = False  # a shut_down came: silence is expected (until the next ready)
         self._next_seq: dict[bytes, int] = {}
         self._totals: collections.deque[tuple[float, int, int]] = collections.deque()
         self._ttft_s: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
@@ -58,6 +61,7 @@ class MonitorView:
 
     def update(self, topic: bytes, message: schema.MonitorMessage) -> None:
         self.num_messages += 1
+        self.last_message_s = time.monotonic()
         expected = self._next_seq.get(topic)
         if expected is not None and message.seq > expected:
             self.num_lost += message.seq - expected  # a smaller seq: the engine restarted
@@ -78,12 +82,12 @@ class MonitorView:
         elif isinstance(message, schema.Dropped):
             self.finished_by_reason["dropped"] += 1
         elif isinstance(message, schema.Ready):
-            self.ready, self.replica_note = message, ""
+            self.ready, self.replica_note, self.shut_down = message, "", False
         elif isinstance(message, schema.Poisoned | schema.Terminal | schema.ShutDown):
             self.replica_note = describe(message)
+            self.shut_down = isinstance(message, schema.ShutDown)
         if not isinstance(message, schema.Queued | schema.FirstToken):
-            clock = datetime.fromtimestamp(message.time_s).strftime("%H:%M:%S.%f")[:-3]
-            self.events.appendleft(f"{clock}  {describe(message)}")
+            self.events.appendleft(f"{_clock(message.time_s)}  {describe(message)}")
 
     def _on_load(self, load: schema.Load) -> None:
         if self._totals and load.generation_tokens_total < self._totals[-1][1]:
@@ -108,10 +112,14 @@ class MonitorView:
 
         load = self.load
         state = load.state if load else "unknown"
+        style = STATE_STYLE.get(state, "white")
+        silent_s = time.monotonic() - self.last_message_s
+        if silent_s > SILENT_S and state != "dead" and not self.shut_down:  # no heartbeat: killed, or unreachable
+            state, style = f"silent for {silent_s:.0f} s (was {state})", "bold red"
         head = Table.grid(padding=(0, 2))
         head.add_row(
             f"[b]{self.endpoint}[/b]",
-            f"state [{STATE_STYLE.get(state, 'white')}]{state}[/]",
+            f"state [{style}]{state}[/]",
             f"messages {self.num_messages}  lost {self.num_lost}  undecodable {self.num_undecodable}",
         )
         if self.ready:
@@ -147,6 +155,14 @@ class MonitorView:
             Panel(Group(lat, f"ended: {ended}"), title="latency (last 500 requests)"),
             Panel("\n".join(self.events) or "-", title="recent events"),
         )
+
+
+def _clock(time_s: float) -> str:
+    """A message's wall-clock time; a time no clock shows (NaN, 1e20) must not end the view."""
+    try:
+        return datetime.fromtimestamp(time_s).strftime("%H:%M:%S.%f")[:-3]
+    except (ValueError, OverflowError, OSError):
+        return f"time {time_s!r}"
 
 
 def describe(m: schema.MonitorMessage) -> str:
