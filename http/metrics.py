@@ -96,7 +96,7 @@ def render_metrics(engine: Any, model_name: str) -> str:
     out.gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks reserved (1 = full).", used)
     out.gauge("deltaserve:state_slots_usage_perc", "Fraction of DeltaNet state slots in use.",
               (load.num_slots - load.free_slots) / load.num_slots if load.num_slots else 0.0)  # fmt: skip
-    out.gauge("deltaserve:engine_dead", "1 once the engine has died or shut down.",
+    out.gauge("deltaserve:engine_dead", "1 once the engine has died (a fatal failure; not a shutdown).",
               int(bool(engine.is_dead)))  # fmt: skip
     out.counter("vllm:prompt_tokens_total", "Prefilled prompt tokens.",
                 [({}, m.prompt_tokens_total)])  # fmt: skip
