@@ -75,7 +75,8 @@ def _parts_kernel(x_ptr, stride_row, vocab, part_len, max_ptr, sum_ptr, arg_ptr,
         block_max = tl.max(x, axis=0)
         block_arg = off + tl.argmax(x, axis=0, tie_break_left=True)
         new_best = tl.maximum(best, block_max)
-        shift = tl.where(new_best == -float("inf"), 0.0, new_best)  # all -inf so far: exp(-inf - -inf) is NaN
+        # all -inf so far, or a +inf: exp(inf - inf) is NaN; torch's logsumexp gives -inf, +inf
+        shift = tl.where((new_best == -float("inf")) | (new_best == float("inf")), 0.0, new_best)
         total = total * tl.exp(best - shift) + tl.sum(tl.exp(x - shift), axis=0)
         arg = tl.where(block_max > best, block_arg, arg)  # strictly greater: the first maximum stays
         best = new_best
@@ -97,7 +98,8 @@ def _combine_kernel(
     part_sum = tl.load(sum_ptr + row * parts + offs, mask=m, other=0.0)
     part_arg = tl.load(arg_ptr + row * parts + offs, mask=m, other=0)
     best = tl.max(part_max, axis=0)
-    total = tl.sum(part_sum * tl.exp(part_max - tl.where(best == -float("inf"), 0.0, best)), axis=0)
+    shift = tl.where((best == -float("inf")) | (best == float("inf")), 0.0, best)
+    total = tl.sum(part_sum * tl.exp(part_max - shift), axis=0)
     first = tl.argmax(part_max, axis=0, tie_break_left=True)  # the earliest part holding the maximum
     arg = tl.sum(tl.where(offs == first, part_arg, 0), axis=0)
     lse = best + tl.log(total)

@@ -322,3 +322,7 @@ def test_logsumexp_argmax_kernel(rows, vocab, programs):
     want_greedy = torch.stack((arg.double(), (logits.gather(1, arg[:, None])[:, 0] - lse).double()), dim=1)
     assert torch.equal(greedy, want_greedy), (greedy - want_greedy).abs().max()
     assert torch.equal(last_tokens[slots], arg) and (last_tokens == -5).sum() == 2, "argmax not in its slot alone"
+    spiked = logits.clone()
+    spiked[-1, 7] = float("inf")  # logsumexp +inf, as torch's (it was NaN)
+    spiked_lse, spiked_arg, _ = logit_stats.logsumexp_argmax_triton(spiked, programs, block=1024)
+    assert spiked_lse[-1] == float("inf") and spiked_arg[-1] == 7 and torch.equal(spiked_lse[:-1], lse[:-1])
