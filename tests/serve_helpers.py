@@ -197,7 +197,8 @@ def source_tree() -> str:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
 
-    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+changes" if git("status", "--porcelain") else "")
+    changed = git("status", "--porcelain", "--", ".", f":!{LONG_FIGURES.relative_to(REPO_ROOT)}")  # not this record
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+changes" if changed else "")
 
 
 def record_long_figures(is_long: bool, name: str, figures: dict) -> None:
