@@ -105,6 +105,11 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}: deltaserve serves Qwen3.5 text models "
                 f"(model_type one of {', '.join(ACCEPTED_MODEL_TYPES)})"
             )
+        quant = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
+        if quant:  # FP8 and other quantized releases: their scale tensors would otherwise fail obscurely
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+            raise ValueError(f"quantized checkpoints are not supported (quantization_config: {method}); "
+                             f"serve the bf16 release of the model")
         top_eos = raw.get("eos_token_id")
         if model_type == "qwen3_5":
             if "text_config" not in raw:
