@@ -52,6 +52,37 @@ def test_wrong_model_type_is_refused(broken_copy):
         logits_of(broken_copy)
 
 
+@pytest.mark.parametrize("variant", ["no rope_theta", "rope_scaling beside rope_parameters"])
+def test_rope_theta_read_as_transformers_reads_it(tiny_model_dir, variant):
+    """Configs off the published format still give HF's theta: its default (10k) when none is
+    given, and rope_scaling's over rope_parameters' (we read 1e7 and rope_parameters)."""
+    from transformers import AutoConfig
+
+    from deltaserve.engine.rank.model_config import ModelConfig
+
+    raw = json.loads((tiny_model_dir / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    if variant == "no rope_theta":
+        text["rope_parameters"].pop("rope_theta")
+        text.pop("rope_theta", None)
+    else:
+        text["rope_scaling"] = {"rope_type": "default", "rope_theta": 1e6}
+    hf = AutoConfig.for_model(**json.loads(json.dumps(raw)))
+    want = getattr(hf, "text_config", hf).rope_parameters["rope_theta"]
+    assert ModelConfig.from_dict(raw).rope_theta == want == (1e4 if variant == "no rope_theta" else 1e6)
+
+
+def test_quantized_checkpoint_is_refused_by_name(broken_copy):
+    """An FP8 release (its config has a quantization_config) is refused naming it, not loaded
+    until its scale tensors fail as unexpected."""
+    path = broken_copy / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantized checkpoints are not supported \(quantization_config: fp8\)"):
+        logits_of(broken_copy)
+
+
 def rewrite_tensors(model_dir, edit) -> None:
     path = model_dir / "model.safetensors"
     tensors = load_file(str(path))

@@ -129,8 +129,9 @@ class ModelConfig:
                 "full_attention" if (i + 1) % interval == 0 else "linear_attention"
                 for i in range(n_layers)
             ]
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0)))
+        # as transformers reads them: rope_scaling (the older key) wins, and theta defaults to 10k
+        rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+        rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10_000.0)))
         partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
