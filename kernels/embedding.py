@@ -78,7 +78,7 @@ def embedding_triton(
         check_index("token_slots", token_slots, tokens)
         if last_tokens is None:
             raise ValueError("embedding: token_slots need the slots' last_tokens [slots]")
-        check_vector("last_tokens", last_tokens, last_tokens.shape[0] if last_tokens.dim() == 1 else -1)
+        check_vector("last_tokens", last_tokens, None)
     out = torch.empty((tokens, weight.shape[1]), dtype=weight.dtype, device=weight.device)
     if tokens:
         from_last = token_slots is not None

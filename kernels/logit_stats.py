@@ -127,7 +127,7 @@ def logsumexp_argmax_triton(
         check_index("slots", slots, rows)
         if last_tokens is None:
             raise ValueError("slots need the slots' last_tokens")
-        check_vector("last_tokens", last_tokens, last_tokens.shape[0] if last_tokens.dim() == 1 else -1, (torch.int64,))
+        check_vector("last_tokens", last_tokens, None, (torch.int64,))
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     arg = torch.empty(rows, dtype=torch.int64, device=logits.device)
     greedy = torch.empty((rows, 2), dtype=torch.float64, device=logits.device)

@@ -201,14 +201,15 @@ def check_rows(name: str, t, width: int) -> None:
         )
 
 
-def check_vector(name: str, t, length: int, dtypes: tuple = ()) -> None:
-    """`t` is [length] (of one of `dtypes`, if given) with adjacent elements: the kernels read
-    element i at ptr + i, so a strided view (t[::2], a column) would be misread, or written
-    past its end."""
-    if t.dim() != 1 or t.shape[0] != length or (length > 1 and t.stride(0) != 1) or (dtypes and t.dtype not in dtypes):
+def check_vector(name: str, t, length: int | None, dtypes: tuple = ()) -> None:
+    """`t` is 1-D, of `length` elements (any number if None) and one of `dtypes` (if given),
+    its elements adjacent: the kernels read element i at ptr + i, so a strided view (t[::2], a
+    column) would be misread, or written past its end."""
+    ok_shape = t.dim() == 1 and (length is None or t.shape[0] == length)
+    if not ok_shape or (t.numel() > 1 and t.stride(0) != 1) or (dtypes and t.dtype not in dtypes):
         kinds = "/".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{name}: expected [{length}] {kinds} with adjacent elements, got {tuple(t.shape)} "
-                         f"{t.dtype} strides {t.stride()}")
+        raise ValueError(f"{name}: expected [{'n' if length is None else length}] {kinds} with adjacent "
+                         f"elements, got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
 
 
 def check_index(name: str, t, length: int) -> None:
