@@ -71,7 +71,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return gated_rms_norm_reference(x, z, weight, eps)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one kernel for every row count (a prompt's are any)
 def _rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_z, stride_z_head, z_heads, dim, eps, stride_split,
     num_rows,

@@ -59,7 +59,7 @@ class KVStore:
     index: torch.Tensor
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])  # one kernel for every token count (a prompt's are any)
 def _norm_rope_kernel(
     q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, index_ptr,
     q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr,

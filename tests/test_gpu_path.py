@@ -182,17 +182,28 @@ print("CONTROL", sum("_silu_and_mul_kernel" in line for line in late))
 """
 
 
+# Tiny widths with every projection into the residual 256 deep, so that at 2-64 rows their K
+# splits as the published models' do (`decode_config`): decode's norms then add partial sums,
+# and the prompt steps' norms (cuBLAS, no split) are a kernel no decode graph warms.
+SPLIT_K_SHAPES = dict(hidden_size=128, intermediate_size=256, linear_value_head_dim=32, head_dim=32)
+
+
 @needs_cuda
-def test_serving_steps_compile_nothing_after_start_up(kernels, tiny_model_dir):
+@pytest.mark.parametrize("shapes", ["tiny", "split_k"])
+def test_serving_steps_compile_nothing_after_start_up(kernels, tiny_model_dir, tmp_path, shapes):
     """After start-up (profile, warm-up, graph capture) steps shaped as serving makes them
     (1 to 5 prompts, eager and chunked, beside 1 to 8 decodes, sampled) use no Triton
     specialization that start-up did not: on a machine with an empty Triton cache each one
-    would be compiled while its request waits (seconds of time to first token)."""
+    would be compiled while its request waits (seconds of time to first token). On the 4B a
+    prompt's norms were (their row count specialized: bench/results/decode_h200_4b_at_cace8ac.json)."""
     import subprocess
     import sys
 
+    from deltaserve.tools.make_model import make_model
+
     skip_without_fla(kernels["gated_delta"])
-    done = subprocess.run([sys.executable, "-c", LATE_COMPILES, str(tiny_model_dir)],
+    model_dir = tiny_model_dir if shapes == "tiny" else make_model(tmp_path, overrides=SPLIT_K_SHAPES)
+    done = subprocess.run([sys.executable, "-c", LATE_COMPILES, str(model_dir)],
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "LATE 0" in done.stdout, done.stdout[-3000:]
