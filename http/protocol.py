@@ -383,7 +383,10 @@ def _opt_float(obj: dict[str, Any], name: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad_request(f"{name} must be a number, got {_json_type(value)} {value!r}", name)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer literal past the float range (json reads it exactly)
+        raise bad_request(f"{name} must be a finite number, got an integer out of range", name) from None
 
 
 def _opt_bool(obj: dict[str, Any], name: str, *, default: bool) -> bool:

@@ -60,10 +60,13 @@ log = logging.getLogger("deltaserve.http")
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 # Keys a client may not pass through chat_template_kwargs: they would change what the call
-# returns or replace the template itself.
+# returns or replace the template itself, or are apply_chat_template's tokenizer options
+# (truncation, max_length, ...), which it ignores with tokenize=False: refused, not dropped.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-     "tokenize", "return_dict", "continue_final_message"}
+     "tokenize", "return_dict", "continue_final_message", "sanitize_control_tokens", "padding",
+     "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
+     "tokenizer_kwargs"}
 )  # fmt: skip
 _SAMPLING_FIELD_NAMES = frozenset(SamplingFields.__dataclass_fields__)
 
@@ -243,6 +246,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
         logprobs_param="logprobs",
     )
+    choices, bound = len(req.prompts) * params.n, state.engine.config.max_queued_requests
+    if choices > bound:  # the queue could never take them all: not a 429 to retry (n alone: the engine's check)
+        raise errors.bad_request(
+            f"{len(req.prompts)} prompts x n={params.n} = {choices} choices exceed "
+            f"max_queued_requests ({bound}); send fewer prompts per request",
+            "prompt" if len(req.prompts) > 1 else "n",
+        )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = [p if isinstance(p, str) else list(p) for p in req.prompts]
     formatter = CompletionFormatter(
@@ -268,7 +278,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     formatter = ChatFormatter(
         request_id, state.config.served_model_name, state.strings, req.logprobs
     )
-    streams = await _open_streams(state, [prompt_ids], [params], request_id)
+    streams = await _open_streams(state, [prompt_ids], [params], request_id, prompt_param="messages")
     return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
 
 
@@ -313,7 +323,9 @@ def _params(fields: SamplingFields, max_tokens: int, *, logprobs_param: str) -> 
         raise errors.bad_request(str(exc), _param_of(str(exc), logprobs_param)) from None
 
 
-def _param_of(message: str, logprobs_param: str = "logprobs") -> str | None:
+def _param_of(
+    message: str, logprobs_param: str = "logprobs", *, prompt_param: str = "prompt"
+) -> str | None:
     """The field a SamplingParams/engine ValueError names (its messages start with it)."""
     first = message.split(" ", 1)[0].rstrip(":,")
     if first == "logprobs":
@@ -321,7 +333,7 @@ def _param_of(message: str, logprobs_param: str = "logprobs") -> str | None:
     if first in _SAMPLING_FIELD_NAMES:
         return first
     if first.startswith("prompt"):
-        return "prompt"
+        return prompt_param
     return None
 
 
@@ -358,9 +370,12 @@ async def _open_streams(
     prompts: list[str | list[int]],
     params: list[SamplingParams],
     request_id: str,
+    *,
+    prompt_param: str = "prompt",
 ) -> list[Any]:
     """Submit every prompt, or none: a refusal closes the streams already opened. Text is
-    tokenized first, every prompt before any is submitted (a large one off the event loop)."""
+    tokenized first, every prompt before any is submitted (a large one off the event loop).
+    An error about the prompt names `prompt_param` (a chat's prompt is its messages)."""
     streams: list[Any] = []
     try:
         prompts = [await state.engine.encode(p) if isinstance(p, str) else p for p in prompts]
@@ -375,7 +390,7 @@ async def _open_streams(
         if isinstance(exc, EngineDeadError):
             raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
         if isinstance(exc, ValueError):
-            raise errors.bad_request(str(exc), _param_of(str(exc))) from None
+            raise errors.bad_request(str(exc), _param_of(str(exc), prompt_param=prompt_param)) from None
         raise
     return streams
 

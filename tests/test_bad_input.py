@@ -117,7 +117,16 @@ CASES = {
     "bad id in 2nd prompt": (C, j({"prompt": ["x", [5, VOCAB + 5]]}), 400, "prompt", f"[0, {VOCAB})"),
     "stop id out of vocab": (C, j({"prompt": "x", "stop_token_ids": [HUGE]}), 400, "stop_token_ids", "vocabulary"),
     "prompt longer than the model": (C, j({"prompt": list(range(1, MAX_MODEL_LEN + 1))}), 400, None, "max_model_len"),
-    "chat longer than the model": (CHAT, j({"messages": [{"role": "user", "content": "word " * 200}]}), 400, None, "max_model_len"),
+    "chat longer than the model": (CHAT, j({"messages": [{"role": "user", "content": "word " * 200}]}), 400, "messages", "max_model_len"),  # was param "prompt"
+    # More choices in one request than the queue can ever hold: refused (was a 429 forever).
+    "more prompts than the queue holds": (C, j({"prompt": ["x"] * 65, "max_tokens": 1}), 400, "prompt", "max_queued_requests"),
+    "prompts x n past the queue": (C, j({"prompt": [[5]] * 17, "n": 4, "max_tokens": 1}), 400, "prompt", "max_queued_requests"),
+    # apply_chat_template's own options are not template variables: refused, not ignored.
+    "chat_template_kwargs truncation": (CHAT, j({"messages": USER, "chat_template_kwargs": {"truncation": True, "max_length": 2}}),
+                                        400, "chat_template_kwargs.truncation", "reserved"),
+    # An integer literal past the float range (json reads it exactly) in a float field (was a 500).
+    "temperature huge integer": (C, b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", 400, "temperature", "finite"),
+    "chat top_p huge integer": (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -1' + b"0" * 400 + b"}", 400, "top_p", "finite"),
     "unknown field": (C, j({"prompt": "x", "guided_regex": "a+"}), 400, "guided_regex", "unknown"),
     "stream not a bool": (C, j({"prompt": "x", "stream": "yes"}), 400, "stream", "boolean"),
     "temperature nan-ish string": (C, j({"prompt": "x", "temperature": "NaN"}), 400, "temperature", "number"),
