@@ -371,12 +371,12 @@ class ReplicaController:
         flight.timer = self._loop.call_later(timeout, self._on_flight_timeout, flight)
 
     async def _finish(self, flight: Flight) -> object:
+        """The flight's result; on poison, raise at once: the caller (the scheduler failing
+        closed) tells every owner first, then awaits the teardown through `shutdown`."""
         try:
             return await asyncio.shield(flight.future)
         except ReplicaPoisoned:
-            pass
-        await self._await_teardown()
-        raise ReplicaPoisoned(self._poison_reason or "replica is shut down") from None
+            raise ReplicaPoisoned(self._poison_reason or "replica is shut down") from None
 
     def _end_flight(self, future: asyncio.Future) -> None:
         was_oldest = self._flights.end(future)

@@ -98,3 +98,33 @@ async def test_rank_death_while_idle_kills_the_engine(tiny_model_dir):
         assert_gone(pids)
     finally:
         await engine.shutdown()
+
+
+async def test_owners_hear_of_a_poisoned_replica_before_its_teardown(tiny_model_dir):
+    """Rank 1 stalls before its receipt of the 4th step: the gate times out and cancels the
+    step, and the stalled rank never acks the cancel, so the teardown waits out its grace
+    (CANCEL_GRACE_S) before killing it. Every owner hears of the death while that rank still
+    runs, i.e. before the teardown (DESIGN: errors first, then teardown); they were told only
+    once the teardown was over."""
+    fault = FaultPlan(rank=1, kind="stall_before_receipt", at_step=4, stall_s=60.0)
+    engine = await AsyncEngine.start(config(tiny_model_dir, tp_size=2, step_timeout_s=2.0, fault=fault))
+    try:
+        stalled = engine.rank_pids[1]
+
+        async def consume(stream) -> tuple[list, bool]:
+            events = [e async for e in stream]
+            try:
+                os.kill(stalled, 0)
+                return events, True
+            except ProcessLookupError:
+                return events, False
+
+        params = SamplingParams(max_tokens=40, temperature=0)
+        results = await asyncio.wait_for(asyncio.gather(
+            *(consume(engine.generate([11 + i, 12, 13], params)) for i in range(3))), 30)
+        assert all(isinstance(events[-1], ErrorEvent) for events, _ in results)
+        assert all(alive for _, alive in results), "an owner heard only after the stalled rank was killed"
+        await asyncio.wait_for(engine.wait_closed(), 30)
+        assert_gone(engine.rank_pids)
+    finally:
+        await engine.shutdown()
