@@ -15,6 +15,7 @@ Kinds:
 - duplicate_reply: send the reply twice.
 - wrong_rank: reply claiming rank `rank + world_size`.
 - wrong_variant: reply with a variant the command does not take.
+- bad_token: rank 0's step result with every sampled token id outside the vocabulary (-1).
 - diverge: run the command, then drop the first item's request locally, so that this rank's
   state no longer matches the others' and a later command fails.
 - close_reply_socket: run the command, close the reply socket instead of replying, then stall.
@@ -29,7 +30,7 @@ from typing import Literal
 
 import msgspec
 
-from deltaserve.ipc.messages import Ack, DropAck, Reply, command_encoder
+from deltaserve.ipc.messages import Ack, DropAck, Reply, StepResult, command_encoder
 
 FaultKind = Literal[
     "die_before_receipt",
@@ -41,6 +42,7 @@ FaultKind = Literal[
     "duplicate_reply",
     "wrong_rank",
     "wrong_variant",
+    "bad_token",
     "diverge",
     "close_reply_socket",
 ]
@@ -118,10 +120,15 @@ def mangled_frames(kind: str, reply: Reply, world_size: int) -> list[bytes]:
     if kind == "wrong_variant":
         wrong = DropAck(reply.rank, reply.seq, []) if isinstance(reply, Ack) else Ack(reply.rank, reply.seq)
         return [encode(wrong)]
+    if kind == "bad_token" and isinstance(reply, StepResult):
+        columns = msgspec.structs.replace(reply.samples, token_ids=[-1] * len(reply.samples))
+        return [encode(msgspec.structs.replace(reply, samples=columns))]
+    if kind == "bad_token":
+        return [encode(reply)]
     raise ValueError(f"fault kind {kind!r} does not change replies")
 
 
-REPLY_FAULTS = frozenset({"malformed_reply", "duplicate_reply", "wrong_rank", "wrong_variant"})
+REPLY_FAULTS = frozenset({"malformed_reply", "duplicate_reply", "wrong_rank", "wrong_variant", "bad_token"})
 RECEIPT_FAULTS = frozenset({"die_before_receipt", "stall_before_receipt"})
 
 

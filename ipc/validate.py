@@ -43,6 +43,7 @@ class ReplyError(Exception):
 class StepPlan(NamedTuple):
     item_ids: set[int]  # every request in the step
     sampled_ids: list[int]  # those whose item asks for a sample, in step order: the result's
+    vocab_size: int  # every sampled token (and alternative) must be an id below it
 
 
 def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = ()) -> StepPlan:
@@ -89,7 +90,7 @@ def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = ()) ->
     if drops and not item_ids.isdisjoint(drops):
         rid = min(item_ids.intersection(drops))
         raise PlanRejected(f"request {rid} is both dropped and run in one step")
-    return StepPlan(item_ids, sampled_ids)
+    return StepPlan(item_ids, sampled_ids, vocab_size)
 
 
 def first_duplicate(ids: list[int]) -> int:
@@ -214,16 +215,27 @@ def align_samples(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
     """Rank 0's samples matched to the step by request id, returned in the step's order.
 
     Any order is accepted, but every sampled item needs exactly one sample and nothing else
-    may have one; alternatives only for sampled requests. In the usual case the ids already
-    come in step order, and one list comparison proves it.
+    may have one; alternatives only for sampled requests; every token id in the vocabulary.
+    In the usual case the ids already come in step order, and one list comparison proves it.
     """
     want = plan.sampled_ids
     if samples.request_ids != want:
         samples = _reorder(samples, plan)
+    tokens = samples.token_ids
+    if tokens and (min(tokens) < 0 or max(tokens) >= plan.vocab_size):
+        row = next(r for r, t in enumerate(tokens) if not 0 <= t < plan.vocab_size)
+        raise ReplyError(
+            f"rank 0 sampled token {tokens[row]} for request {want[row]}, outside the "
+            f"vocabulary 0..{plan.vocab_size - 1}"
+        )
     top = samples.top_logprobs
-    if top and not top.keys() <= set(want):
-        rid = min(top.keys() - set(want))
-        raise ReplyError(f"rank 0 returned top logprobs for request {rid}, which has no sample")
+    if top:
+        if not top.keys() <= set(want):
+            rid = min(top.keys() - set(want))
+            raise ReplyError(f"rank 0 returned top logprobs for request {rid}, which has no sample")
+        for rid, pairs in top.items():
+            if any(not 0 <= t < plan.vocab_size for t, _ in pairs):
+                raise ReplyError(f"rank 0 returned a top logprob for request {rid} outside the vocabulary")
     return samples
 
 

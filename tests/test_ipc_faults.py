@@ -227,3 +227,21 @@ async def test_overlapped_follower_refused_by_the_ranks(tiny_model_dir: Path, tm
     for rank in (0, 1):  # the reply to the step ahead went out before the follower's
         entries = journal(tmp_path, rank)
         assert entries.index(("reply", 3)) < entries.index(("reply", 4)), entries
+
+
+async def test_sampled_token_outside_the_vocabulary_poisons(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Rank 0's samples are checked against the vocabulary like the plan's tokens: a step
+    result with a token id no model has poisons the replica naming it, rather than reaching
+    a client (and, pipelined, the ranks' next step) as a token."""
+    reasons: list[str] = []
+    fault = FaultPlan(rank=0, kind="bad_token", at_step=FAULT_STEP)
+    config = ReplicaConfig(str(tiny_model_dir), tp_size=1, step_timeout_s=STEP_TIMEOUT_S, fault=fault)
+    controller = await asyncio.wait_for(ReplicaController.start(config, on_poison=reasons.append), 120)
+    try:
+        step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
+        decode = StepItem(1, 24, [step1.by_id()[1].token_id], True)
+        with pytest.raises(ReplicaPoisoned):
+            await asyncio.wait_for(controller.run_step([decode]), 10)
+        await assert_torn_down(controller, reasons, r"rank 0 sampled token -1 for request 1, outside the vocabulary")
+    finally:
+        await controller.shutdown()

@@ -151,6 +151,8 @@ class TestStepReplies:
             ([sample(1), sample(3), sample(4), sample(3)], "two samples for request 3"),
             ([sample(1), sample(2), sample(3), sample(4)], "request 2, whose item asked for none"),
             ([sample(1), sample(4)], r"no sample for request\(s\) \[3\]"),
+            ([sample(1), Sample(3, VOCAB, -0.5, []), sample(4)], f"sampled token {VOCAB} for request 3, outside"),
+            ([sample(1), sample(3), Sample(4, 104, -0.5, [(-2, -1.0)])], "top logprob for request 4 outside"),
         ],
     )
     def test_bad_results_fatal(self, samples: list[Sample], message: str) -> None:
