@@ -56,8 +56,14 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+        if new_text.endswith(_REPLACEMENT):
             return ""  # maybe half a character: wait for the next token
+        if len(new_text) <= len(prefix_text):
+            # No text (a skipped special token, an id past the tokenizer's): the window still
+            # ends on a whole character, so restart it after this token. Otherwise a run of
+            # them (ignore_eos after <|im_end|>) made every add decode the whole run: O(n^2).
+            self._prefix_offset = self._read_offset = len(self._ids)
+            return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return self._append(new_text[len(prefix_text) :], final=False)

@@ -69,6 +69,29 @@ class TestIncremental:
         deltas, tail, _ = _stream(tokenizer, ids)
         assert "".join(deltas) + tail == "ok"
 
+    def test_runs_of_textless_tokens_keep_the_window_short(self, tokenizer):
+        """A long run of tokens that give no text (special tokens: a model that goes on after
+        <|im_end|> with ignore_eos; ids past the tokenizer's size) is not decoded again at every
+        token: each add used to decode the whole run since the last text, O(n^2) on the loop."""
+        windows = []
+        backend = tokenizer.backend_tokenizer
+
+        class Counting:
+            class backend_tokenizer:  # noqa: N801 (the attribute the detokenizer looks for)
+                @staticmethod
+                def decode(ids, skip_special_tokens):
+                    windows.append(len(ids))
+                    return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        specials = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+        ids = tokenizer.encode("ok then", add_special_tokens=False)
+        ids += [specials[i % 2] for i in range(300)] + [len(tokenizer) + 5] * 50
+        ids += tokenizer.encode(" 你好🎉 done", add_special_tokens=False)
+        detok = IncrementalDetokenizer(Counting())
+        out = "".join(detok.add(t) for t in ids) + detok.flush()
+        assert out == tokenizer.decode(ids, skip_special_tokens=True) == "ok then 你好🎉 done"
+        assert max(windows) <= 8, max(windows)
+
 
 class TestStopStrings:
     def _run(self, tokenizer, text, stop):
