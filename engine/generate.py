@@ -15,6 +15,8 @@ from pathlib import Path
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.tokenizer import eos_token_ids
 from deltaserve.ipc.messages import NewRequest, Sample, SamplingSpec, StepItem
 
@@ -36,6 +38,12 @@ def generate_tokens(
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     total = len(prompt_ids) + max_tokens
+    context = ModelConfig.from_model_dir(model_dir).max_position_embeddings
+    if total > context:  # the engine refuses it too: positions past the model's context
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"the model's max_position_embeddings {context}"
+        )
     block_size = 16
     executor = Executor(
         ExecutorConfig(str(model_dir), device=device, dtype=dtype, block_size=block_size,
@@ -69,10 +77,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--json", action="store_true", help="one JSON object per generated token")
     args = p.parse_args(argv)
-    if not 0 <= args.logprobs <= 20:
-        p.error(f"--logprobs must be within 0..20, got {args.logprobs}")
-    if args.temperature < 0:
-        p.error(f"--temperature must be >= 0, got {args.temperature}")
+    try:  # the engine's checks and messages: NaN or inf temperatures, seeds past int64 were taken
+        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                       logprobs=args.logprobs)  # fmt: skip
+    except ValueError as exc:
+        p.error(f"--{str(exc).replace('_', '-')}")
     return args
 
 

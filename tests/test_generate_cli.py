@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from transformers import AutoTokenizer
 
 
@@ -54,3 +55,26 @@ def test_generate_stops_at_the_engines_eos_ids(tiny_model_dir, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert tokens[2] not in tokens[:2], "pick a prompt whose third token is new"
     assert [s.token_id for s in generate_tokens(tmp_path, prompt, 6)] == tokens[:3]
+
+
+
+@pytest.mark.parametrize("bad", [["--temperature", "nan"], ["--temperature", "inf"], ["--seed", "-3"],
+                                 ["--seed", str(2**64)], ["--max-tokens", "0"], ["--logprobs", "21"]])  # fmt: skip
+def test_generate_refuses_what_the_engine_refuses(tiny_model_dir, capsys, bad):
+    """A NaN or infinite temperature and seeds outside [0, 2**63) were taken (and sampled
+    with) where the engine refuses them; now the engine's checks name the option."""
+    from deltaserve.engine.generate import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--model", str(tiny_model_dir), "--prompt", "hi", *bad])
+    assert exit_info.value.code == 2 and f"error: {bad[0]} must be" in capsys.readouterr().err
+    assert parse_args(["--model", str(tiny_model_dir), "--prompt", "hi", "--temperature", "0.5", "--seed", "3"]).seed == 3
+
+
+def test_generate_refuses_positions_past_the_models_context(tiny_model_dir):
+    """prompt + max_tokens past max_position_embeddings ran on (the engine refuses it)."""
+    from deltaserve.engine.generate import generate_tokens
+
+    context = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(ValueError, match=f"= {context + 1} exceeds the model's max_position_embeddings {context}"):
+        generate_tokens(tiny_model_dir, [1, 2], context - 1)
