@@ -214,7 +214,7 @@ class AsyncEngine:
         a large text; pass them to `generate`."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
-        return await self.run_tokenizer(lambda tok: tok.encode(text, add_special_tokens=False), len(text))
+        return await self.run_tokenizer(lambda tok: _encode_text(tok, text), len(text))
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -269,10 +269,14 @@ class AsyncEngine:
         return RequestStream(sink, prompt_ids)
 
     async def abort(self, request_id: str) -> None:
-        """Cancel every choice of `request_id`; idempotent, unknown ids are ignored."""
+        """Cancel every choice of `request_id`; idempotent, unknown ids are ignored. The id is
+        free for a new request at once (as in vLLM); the aborted stream still ends with its
+        "abort" events, and the new request gets fresh engine ids."""
         sink = self._streams.get(request_id)
-        if sink is not None and self._scheduler.dead_reason is None:
-            self._scheduler.cancel(sink.request_ids)
+        if sink is not None:
+            self._forget(sink)
+            if self._scheduler.dead_reason is None:
+                self._scheduler.cancel(sink.request_ids)
 
     def _forget(self, sink: EventSink) -> None:
         if self._streams.get(sink.client_id) is sink:
@@ -280,7 +284,7 @@ class AsyncEngine:
 
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[int, ...]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = _encode_text(self.tokenizer, prompt)
         elif isinstance(prompt, list | tuple):
             ids = list(prompt)
             vocab = self.model_config.vocab_size
@@ -342,3 +346,20 @@ class AsyncEngine:
             self._tokenizer_worker.close()  # after the drain: its requests were tokenized
             if self._monitor is not None:
                 await self._monitor.aclose()  # its last message: shut_down
+
+
+def _encode_text(tokenizer: Any, text: str) -> list[int]:
+    """The ids of `text` (no special tokens added). A lone surrogate (text decoded with
+    errors="surrogateescape", say) is a ValueError naming where it is, not the tokenizer's
+    TypeError "TextEncodeInput must be Union[...]"."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=False)
+    except TypeError:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"prompt is not valid Unicode: character {exc.start} is a lone surrogate "
+                f"{text[exc.start]!r}"
+            ) from None
+        raise

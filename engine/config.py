@@ -85,16 +85,19 @@ class EngineConfig:
             )
         if not isinstance(self.prompt_graph_tokens, int) or isinstance(self.prompt_graph_tokens, bool) or self.prompt_graph_tokens < 0:
             raise ValueError(f"prompt_graph_tokens must be an integer >= 0, got {self.prompt_graph_tokens!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        # optional integers: a float or a string here used to reach the ranks, which died at
+        # start on msgspec's "Expected `int`, got `float`"
+        for name, low in (("max_model_len", 2), ("num_kv_blocks", 1)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise ValueError(f"{name} must be an integer >= {low} or None, got {value!r}")
         util = self.gpu_memory_utilization
         if not isinstance(util, int | float) or isinstance(util, bool) or not (math.isfinite(util) and 0 < util <= 1):
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
         for name in ("step_timeout_s", "startup_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
         endpoint = self.monitor_endpoint
         if endpoint is not None and (
             not isinstance(endpoint, str) or not (endpoint == "auto" or endpoint.startswith(("ipc://", "tcp://")))

@@ -339,6 +339,28 @@ class TestRefusals:
             engine.generate(prompts[0], SamplingParams(n=9, temperature=1.0, seed=1))
         await assert_idle_and_empty(engine)
 
+    async def test_text_with_a_lone_surrogate_is_a_value_error(self, engine):
+        """Text with a lone surrogate (bytes decoded with errors="surrogateescape") raised the
+        tokenizer's TypeError "TextEncodeInput must be Union[...]" from generate and encode."""
+        bad = "caf" + b"\xe9".decode("utf-8", "surrogateescape") + " au lait"
+        with pytest.raises(ValueError, match=r"character 3 is a lone surrogate '\\udce9'"):
+            engine.generate(bad, GREEDY)
+        with pytest.raises(ValueError, match="lone surrogate"):
+            await engine.encode(bad)
+        with pytest.raises(ValueError, match="lone surrogate"):
+            await engine.encode(bad * 2000)  # large: tokenized in the worker thread
+        assert await engine.encode("café") == engine.tokenizer.encode("café", add_special_tokens=False)
+        await assert_idle_and_empty(engine)
+
+    @pytest.mark.parametrize("field,value", [("max_model_len", 300.5), ("max_model_len", "300"),
+                                             ("num_kv_blocks", 40.5), ("num_kv_blocks", True),
+                                             ("step_timeout_s", "5"), ("startup_timeout_s", float("nan"))])
+    async def test_config_refuses_non_integers_naming_the_field(self, tiny_model_dir, field, value):
+        """A float max_model_len or num_kv_blocks was accepted and killed the ranks at start
+        with msgspec's "Expected `int`, got `float`"; a string compared with a TypeError."""
+        with pytest.raises(ValueError, match=field):
+            engine_config(tiny_model_dir, **{field: value})
+
     async def test_queue_bound(self, engine, prompts):
         streams = [engine.generate(prompts[0], GREEDY) for _ in range(8)]
         with pytest.raises(QueueFullError, match="max_queued_requests 8"):
@@ -372,6 +394,25 @@ class TestCancellation:
         finally:
             log.close()
         assert not set(early.request_ids + queued.request_ids) & log.request_ids()
+        await assert_idle_and_empty(engine)
+
+    async def test_abort_frees_the_request_id_at_once(self, engine, prompts, reference):
+        """As in vLLM, an id can be used again right after `await abort(id)` returns (it was
+        refused as "already in use" until the abort reached the tick); the old stream still
+        ends with its abort, and a second abort of the id cancels the new request only."""
+        old = engine.generate(prompts[0], SamplingParams(max_tokens=50, temperature=0), request_id="again")
+        assert isinstance(await old.__anext__(), TokenEvent)
+        await engine.abort("again")
+        new = engine.generate(prompts[0], GREEDY, request_id="again")
+        assert set(new.request_ids).isdisjoint(old.request_ids)
+        _, fin_old = await collect(old)
+        tokens, fin_new = await collect(new)
+        assert fin_old.reason == "abort"
+        assert fin_new.reason == "length" and ids_of(tokens) == ids_of(reference[0])
+        third = engine.generate(prompts[0], SamplingParams(max_tokens=50, temperature=0), request_id="again")
+        await engine.abort("again")
+        tokens, fin = await collect(third)
+        assert fin.reason == "abort" and len(tokens) < 50
         await assert_idle_and_empty(engine)
 
     async def test_cancelled_mid_step_gets_no_later_token(self, engine, prompts):
