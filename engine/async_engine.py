@@ -166,6 +166,14 @@ class AsyncEngine:
         return self._scheduler.metrics
 
     @property
+    def longest_sequence(self) -> int:
+        """The most positions (prompt and output) one sequence can ever hold: max_model_len, or
+        fewer where the KV cache given (num_kv_blocks) holds fewer. A chat's default max_tokens
+        is what this leaves after its prompt."""
+        ledger = self._scheduler.ledger
+        return min(self.max_model_len, ledger.num_blocks * ledger.block_size)
+
+    @property
     def scheduler(self) -> Scheduler:
         return self._scheduler
 

@@ -271,8 +271,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         state.engine, req.messages, req.chat_template_kwargs, size=len(await request.read())
     )
     max_tokens = req.sampling.max_tokens
-    if max_tokens is None:  # as vLLM: whatever context the prompt leaves
-        max_tokens = max(1, state.engine.max_model_len - len(prompt_ids))
+    if max_tokens is None:  # as vLLM: whatever context (or, if smaller, KV cache) the prompt leaves
+        max_tokens = max(1, state.engine.longest_sequence - len(prompt_ids))
     params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     formatter = ChatFormatter(

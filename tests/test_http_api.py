@@ -322,6 +322,23 @@ async def test_chat_n2_and_default_max_tokens(served: Served):
     assert chunks[-1].usage.completion_tokens == tokens.index(tokens[2]) + 1
 
 
+
+async def test_chat_default_max_tokens_fits_a_cache_smaller_than_the_context(tiny_model_dir):
+    """With a KV cache (num_kv_blocks) of fewer positions than max_model_len, a chat without
+    max_tokens takes what the cache leaves, as it takes the context left: it was refused with
+    a 400 for needing more blocks than the cache has, whatever its prompt."""
+    from serve_helpers import in_process_server
+
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=256, num_kv_blocks=4, block_size=16,
+                          max_num_seqs=1)  # fmt: skip
+    async with in_process_server(config, ServerConfig(MODEL)) as s:
+        client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 extra_body={"ignore_eos": True})  # fmt: skip
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.prompt_tokens + r.usage.completion_tokens == 4 * 16  # every position the cache has
+        await client.close()
+
 # ---- other routes, metrics ---------------------------------------------------------------
 
 
