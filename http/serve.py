@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     eng = p.add_argument_group("engine (EngineConfig fields, one flag each)")
+    eng.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="the checkpoint directory, as `vllm serve MODEL` takes it (or --model)")  # fmt: skip
     eng.add_argument("--model", default=None,
                      help="checkpoint directory (HF layout); omitted: a tiny built-in demo "
                           "checkpoint, made once under ~/.cache/deltaserve")  # fmt: skip
@@ -170,8 +172,18 @@ def _default_device() -> str:
     return "cuda" if cuda_device_count() > 0 else "cpu"
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The serve flags; the checkpoint given as MODEL or --model (both: they must agree)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        parser.error(f"the model is given twice: MODEL {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model if args.model is not None else args.model_tag
+    return args
+
+
 def serve_main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -97,7 +97,7 @@ async def test_rank_sigkill_in_process(tiny_model_dir):
 
 async def test_serve_tp2_greedy_then_sigterm_drains(tiny_model_dir):
     server = await ServeProcess.start(
-        "--model", str(tiny_model_dir), "--tp", "2", "--served-model-name", "tiny2",
+        str(tiny_model_dir), "--tp", "2", "--served-model-name", "tiny2",  # MODEL positional, as vLLM's
         "--max-model-len", "4096", "--max-num-seqs", "4", "--shutdown-timeout", "10",
     )  # fmt: skip
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
@@ -189,3 +189,15 @@ def test_demo_model_made_once(tmp_path, monkeypatch):
     assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left behind
     assert serve.ensure_demo_model() == (path, False)
+
+
+def test_model_positional_or_flag_and_twice_only_if_equal(capsys):
+    """`deltaserve serve DIR` as `vllm serve DIR` (the TP=2 test above serves so); DIR and
+    --model together must name the same folder, else a usage error naming both."""
+    from deltaserve.http.serve import parse_args
+
+    assert parse_args(["/m"]).model == parse_args(["--model", "/m"]).model == parse_args(["/m", "--model", "/m"]).model == "/m"
+    assert parse_args([]).model is None  # the demo checkpoint
+    with pytest.raises(SystemExit):
+        parse_args(["/a", "--model", "/b"])
+    assert "MODEL '/a' and --model '/b'" in capsys.readouterr().err
