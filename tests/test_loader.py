@@ -72,6 +72,56 @@ def test_rope_theta_read_as_transformers_reads_it(tiny_model_dir, variant):
     assert ModelConfig.from_dict(raw).rope_theta == want == (1e4 if variant == "no rope_theta" else 1e6)
 
 
+SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+              "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "rms_norm_eps",
+              "max_position_embeddings"]
+
+
+@pytest.mark.parametrize("dropped", ["head_dim", "vocab_size", "num_hidden_layers", "linear_num_value_heads", "all"])
+@pytest.mark.parametrize("layout", ["text", "vlm"])
+def test_absent_config_keys_take_transformers_defaults(tiny_model_dir, tiny_vlm_model_dir, dropped, layout):
+    """A config.json that leaves keys out is read with Qwen3_5TextConfig's defaults, as HF
+    reads it (head_dim 256, not hidden_size // heads), never a KeyError; the VLM ties by its
+    top-level flag only, as Qwen3_5ForConditionalGeneration does."""
+    from transformers import AutoConfig
+
+    from deltaserve.engine.rank.model_config import ModelConfig
+
+    raw = json.loads(((tiny_model_dir if layout == "text" else tiny_vlm_model_dir) / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    for key in SHAPE_KEYS if dropped == "all" else [dropped]:
+        text.pop(key)
+    if dropped in ("num_hidden_layers", "all"):
+        text.pop("layer_types")  # else HF refuses the count mismatch
+    if layout == "vlm":  # no top-level flag: the text config's does not count
+        raw.pop("tie_word_embeddings")
+        text["tie_word_embeddings"] = True
+    hf = AutoConfig.for_model(**json.loads(json.dumps(raw)))
+    hf_text = getattr(hf, "text_config", hf)
+    ours = ModelConfig.from_dict(raw)
+    for name in [*SHAPE_KEYS, "layer_types"]:
+        want = getattr(hf_text, name)
+        assert getattr(ours, name) == (tuple(want) if isinstance(want, list) else want), name
+    assert ours.tie_word_embeddings == hf.tie_word_embeddings
+
+
+def test_checkpoint_without_head_dim_in_its_config_matches_hf(tmp_path):
+    """head_dim 256 left out of config.json, as HF's default: loads and gives HF's logits."""
+    from transformers import Qwen3_5ForCausalLM
+
+    model_dir = make_model(tmp_path / "hd", preset="tiny", dtype="fp32", seed=1, overrides={"head_dim": 256})
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("head_dim")
+    path.write_text(json.dumps(config))
+    hf = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        reference = hf(torch.tensor([PROMPT])).logits[0].float()
+    ours = logits_of(model_dir)
+    assert (ours.log_softmax(-1) - reference.log_softmax(-1)).abs().max() <= 1e-3
+
+
 def test_quantized_checkpoint_is_refused_by_name(broken_copy):
     """An FP8 release (its config has a quantization_config) is refused naming it, not loaded
     until its scale tensors fail as unexpected."""

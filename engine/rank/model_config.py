@@ -12,6 +12,25 @@ from pathlib import Path
 
 ACCEPTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
+# transformers' Qwen3_5TextConfig defaults, used for keys a config.json leaves out (HF reads
+# such a config with these; head_dim in particular is 256, not hidden_size // heads)
+TEXT_DEFAULTS = {
+    "vocab_size": 248320,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768,
+}
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -115,12 +134,14 @@ class ModelConfig:
             if "text_config" not in raw:
                 raise ValueError("model_type 'qwen3_5' config has no text_config")
             text = dict(raw["text_config"])
-            tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            # Qwen3_5ForConditionalGeneration ties by the top-level flag only (default False)
+            tie = raw.get("tie_word_embeddings", False)
             dtype = raw.get("torch_dtype") or raw.get("dtype") or text.get("dtype")
         else:
             text = raw
             tie = raw.get("tie_word_embeddings", False)
             dtype = raw.get("torch_dtype") or raw.get("dtype")
+        text = {**TEXT_DEFAULTS, **{key: value for key, value in text.items() if value is not None}}
         n_layers = int(text["num_hidden_layers"])
         layer_types = text.get("layer_types")
         if layer_types is None:
@@ -138,7 +159,6 @@ class ModelConfig:
             raise ValueError(f"unsupported rope_type {rope_type!r}")
         eos = text.get("eos_token_id", top_eos)
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-        head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
         return cls(
             vocab_size=int(text["vocab_size"]),
             hidden_size=int(text["hidden_size"]),
@@ -146,17 +166,17 @@ class ModelConfig:
             num_hidden_layers=n_layers,
             num_attention_heads=int(text["num_attention_heads"]),
             num_key_value_heads=int(text["num_key_value_heads"]),
-            head_dim=int(head_dim),
-            linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
-            linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
-            linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
-            linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
-            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            head_dim=int(text["head_dim"]),
+            linear_num_key_heads=int(text["linear_num_key_heads"]),
+            linear_num_value_heads=int(text["linear_num_value_heads"]),
+            linear_key_head_dim=int(text["linear_key_head_dim"]),
+            linear_value_head_dim=int(text["linear_value_head_dim"]),
+            linear_conv_kernel_dim=int(text["linear_conv_kernel_dim"]),
             layer_types=tuple(layer_types),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(text["rms_norm_eps"]),
             rope_theta=rope_theta,
             partial_rotary_factor=partial,
-            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            max_position_embeddings=int(text["max_position_embeddings"]),
             tie_word_embeddings=bool(tie),
             eos_token_ids=eos_ids,
             torch_dtype=str(dtype or "bfloat16"),
