@@ -167,6 +167,17 @@ def test_unexpected_text_tensor_is_named(broken_copy):
         logits_of(broken_copy)
 
 
+@pytest.mark.parametrize("index", ['{"metadata": {"total_size": 1}, "weight_', '{"metadata": {}}', '{"weight_map": [1]}'])
+def test_malformed_index_is_named(tiny_vlm_model_dir, tmp_path, index):
+    """A truncated or malformed model.safetensors.index.json is refused naming the file, not a
+    bare KeyError or JSON error from inside the loader."""
+    target = tmp_path / "bad_index"
+    shutil.copytree(tiny_vlm_model_dir, target)
+    (target / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json is not a safetensors index"):
+        logits_of(target)
+
+
 def test_truncated_file_is_named(broken_copy):
     path = broken_copy / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-1000])

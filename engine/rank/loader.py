@@ -31,9 +31,15 @@ class CheckpointError(ValueError):
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+            if not all(isinstance(name, str) for name in files):
+                raise TypeError("a weight_map value is not a file name")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index with a weight_map of tensor -> "
+                                  f"file name ({type(e).__name__}: {e})") from None
         missing = [name for name in files if not (model_dir / name).is_file()]
         if missing:
             raise CheckpointError(f"{index} names shard files that are missing: {', '.join(missing)}")
