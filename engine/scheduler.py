@@ -533,6 +533,8 @@ class Scheduler:
     def _deliver(self, entry: _Entry, event: Event) -> None:
         if self._outbox and not isinstance(event, TokenEvent):
             self._flush_outbox()  # a request's tokens always reach its owner before its end
+        if isinstance(event, FinishedEvent) and event.reason == "abort":  # with its held-back text (vLLM too)
+            event = FinishedEvent(event.index, "abort", event.prompt_tokens, event.output_tokens, entry.detokenizer.flush())
         entry.sink.put(event)
         if isinstance(event, FinishedEvent | ErrorEvent):
             reason = event.reason if isinstance(event, FinishedEvent) else "error"

@@ -1,4 +1,5 @@
-"""Fail closed: a rank fault under load, and a rank dying while the engine is idle."""
+"""Fail closed: a rank fault under load, and a rank dying while the engine is idle; what an
+aborted choice's last event carries."""
 
 from __future__ import annotations
 
@@ -126,5 +127,33 @@ async def test_owners_hear_of_a_poisoned_replica_before_its_teardown(tiny_model_
         assert all(alive for _, alive in results), "an owner heard only after the stalled rank was killed"
         await asyncio.wait_for(engine.wait_closed(), 30)
         assert_gone(engine.rank_pids)
+    finally:
+        await engine.shutdown()
+
+
+async def test_abort_delivers_the_withheld_text(tiny_model_dir):
+    """Text held back while it might be the start of a stop string is part of the output once
+    the request ends without that stop string: an abort's FinishedEvent carries it, so the
+    choice's text adds up to the text of the tokens it was told of (`output_tokens`), as
+    vLLM's final abort output does (its detokenizer's text with `finished=True`)."""
+    engine = await AsyncEngine.start(config(tiny_model_dir))
+    try:
+        never = "\x07" * 40  # no output holds it: the last 39 characters are always held back
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, stop=[never])
+        tokens, finished = [], []
+        async for event in engine.generate([11, 12, 13], params, request_id="held"):
+            if isinstance(event, TokenEvent):
+                tokens.append(event)
+                if len(tokens) == 12:
+                    await engine.abort("held")
+            else:
+                finished.append(event)
+        [fin] = finished
+        assert isinstance(fin, FinishedEvent) and fin.reason == "abort"
+        assert fin.output_tokens == len(tokens) < 200
+        text = engine.tokenizer.decode([e.token_id for e in tokens], skip_special_tokens=True)
+        streamed = "".join(e.text for e in tokens)
+        assert text and streamed != text  # something was held back
+        assert streamed + fin.text == text
     finally:
         await engine.shutdown()
