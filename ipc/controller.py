@@ -392,6 +392,8 @@ class ReplicaController:
         flight = self._flights.newest  # only the newest flight can be waiting for the gate
         if flight is None or not flight.gated or flight.released or flight.future.done():
             return
+        if self._held_failure is not None:  # a rank failed: no step after it; the poison cancels
+            return
         seq = flight.replies.seq
         for rank in range(self.tp_size):
             receipt = self._gate.receipt(rank)
@@ -449,7 +451,7 @@ class ReplicaController:
 
     def _hold_failure(self, reason: str) -> None:
         """Poison with a rank's Failure after FAILURE_HOLD_S, unless something (a rank's
-        death) poisons first; later Failures add nothing."""
+        death) poisons first; later Failures add nothing. Meanwhile the gate releases nothing."""
         if self._held_failure is None:
             self._held_failure = reason
             self._loop.call_later(FAILURE_HOLD_S, self._poison, reason)

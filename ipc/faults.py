@@ -15,6 +15,13 @@ Kinds:
 - duplicate_reply: send the reply twice.
 - wrong_rank: reply claiming rank `rank + world_size`.
 - wrong_variant: reply with a variant the command does not take.
+- failure_reply: run the command, then reply `Failure` in its place (a rank-local error after
+  the step's collectives, such as one in rank 0's sampling or in reading the samples back),
+  then sleep `stall_s` and go on taking receipts as if it had not failed: the controller reads
+  the Failure and then the last receipt of the next command, the order it meets when a peer's
+  receipt comes last (overlapped, a rank may take the next receipt before its step fails).
+- late_failure: run the command, then take the next command's receipt (if it comes), then
+  reply `Failure`: the Failure frame still in transit while a shared-memory receipt is instant.
 - bad_token: rank 0's step result with every sampled token id outside the vocabulary (-1).
 - diverge: run the command, then drop the first item's request locally, so that this rank's
   state no longer matches the others' and a later command fails.
@@ -43,6 +50,8 @@ FaultKind = Literal[
     "wrong_rank",
     "wrong_variant",
     "bad_token",
+    "failure_reply",
+    "late_failure",
     "diverge",
     "close_reply_socket",
 ]

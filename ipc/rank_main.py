@@ -181,6 +181,7 @@ class RankServer:
         self.ahead: bytes | None = None  # the next frame, its receipt already in the gate
         self.overlap = config.overlap_steps
         self.pending: PendingStep | None = None  # at most one: see launch_step
+        self.failed = False  # a Failure was sent: no more receipts (see receive)
         self.num_steps = 0
         self.trace = StepTrace(f"rank{config.rank}")
 
@@ -196,6 +197,8 @@ class RankServer:
             os.write(self.journal_fd, f"{event} {seq} {name}\n".encode())
 
     def send(self, reply: object) -> None:
+        if type(reply) is Failure:
+            self.failed = True
         self.replies.send(command_encoder.encode(reply))
 
     def serve(self) -> int:
@@ -221,7 +224,11 @@ class RankServer:
         """Put the receipt of the frame `expected_seq` names into the gate: its position in
         the stream (= its seq when nothing was lost) and its crc32, which the controller
         checks against what it sent. It goes in before the frame is decoded, so the
-        controller's release overlaps the decode."""
+        controller's release overlaps the decode. None after this rank sent a Failure: the
+        replica is lost, and the frame may still be on its way to the controller while a
+        receipt is seen at once, so a receipt could have the gate release a later command."""
+        if self.failed:
+            return
         seq = self.expected_seq
         self.trace.mark(seq, "recv")
         fault = self.fault
@@ -443,6 +450,19 @@ class RankServer:
             os._exit(1)
         if fault.kind == "die_mid_step":
             faults.die()  # the executor ran no module (no-op executor): die now
+        if fault.kind == "failure_reply":  # sent raw: this rank is not marked failed
+            self.replies.send(command_encoder.encode(Failure(self.rank, command.seq, "injected failure")))
+            faults.stall(fault.stall_s, self.parent_alive)
+            return
+        if fault.kind == "late_failure":
+            failure = Failure(self.rank, command.seq, "injected failure, delivered late")
+            self.failed = True  # decided: the frame is what comes late
+            frame = self.commands.recv(IDLE_POLL_MS)
+            if frame is not None:
+                self.receive(frame)
+                self.ahead = frame
+            self.send(failure)
+            return
         if fault.kind == "diverge" and type(command) is RunUnifiedStep:
             self.executor.drop([command.items[0].request_id])
         self.send(reply)

@@ -245,3 +245,38 @@ async def test_sampled_token_outside_the_vocabulary_poisons(tiny_model_dir: Path
         await assert_torn_down(controller, reasons, r"rank 0 sampled token -1 for request 1, outside the vocabulary")
     finally:
         await controller.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("kind", "overlap"),
+    [("failure_reply", False), ("failure_reply", True), ("late_failure", False)],
+    ids=["finished_first", "overlapped", "receipt_before_the_failure_frame"],
+)
+async def test_no_release_after_a_reported_failure(kind: str, overlap: bool, tiny_model_dir: Path,
+                                                   tmp_path: Path) -> None:
+    """A rank reports a Failure for the step ahead after running it (rank 1; rank 0 ends it
+    well), while a pipelined step waits behind it. The controller holds the Failure back a
+    moment (a peer's death, if there is one, names the poison), and the follower's receipts
+    come in meanwhile (failure_reply), or even before the Failure frame does (late_failure):
+    still the gate must not release it, as the ranks would run a step on state a peer has
+    declared broken (and its result would be handed out). It is cancelled when the poison lands."""
+    reasons: list[str] = []
+    # failure_reply: its next receipt comes 0.15 s after the Failure, within the 0.25 s hold
+    fault = FaultPlan(rank=1, kind=kind, at_step=FAULT_STEP, stall_s=0.15)
+    controller = await start(tiny_model_dir, tmp_path, fault, reasons, overlap)
+    try:
+        step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
+        ahead = await controller.send_step([StepItem(1, 24, [step1.by_id()[1].token_id], True)])  # seq 3
+        assert await asyncio.wait_for(ahead.gate, 10) is True
+        behind = controller.follow_step([StepItem(1, 25, [], True)])  # seq 4
+        assert behind is not None
+        for flight in (ahead, behind):
+            with pytest.raises(ReplicaPoisoned):
+                await asyncio.wait_for(controller.step_result(flight), STEP_TIMEOUT_S + 5)
+        assert behind.gate.result() is False
+        await assert_torn_down(controller, reasons, rf"rank 1 failed RunUnifiedStep seq {FAULT_SEQ}: injected failure")
+    finally:
+        await controller.shutdown()
+    ranks = [journal(tmp_path, 0), journal(tmp_path, 1)]
+    assert all(("exec", 4) not in entries for entries in ranks), ranks
+    assert all(("recv", 4) in entries and ("cancel", 4) in entries for entries in ranks), ranks
