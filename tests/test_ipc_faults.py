@@ -157,6 +157,17 @@ async def test_idle_rank_death_noticed_from_sentinel(tiny_model_dir: Path, tmp_p
         await controller.shutdown()
 
 
+async def step_with_a_follower(controller: ReplicaController) -> tuple:
+    """After a first step: a decode step released (seq 3) and one sent behind it, waiting
+    for the gate (seq 4): the two flights of a pipelined replica."""
+    step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
+    ahead = await controller.send_step([StepItem(1, 24, [step1.by_id()[1].token_id], True)])
+    assert await asyncio.wait_for(ahead.gate, 10) is True
+    behind = controller.follow_step([StepItem(1, 25, [], True)])
+    assert behind is not None
+    return ahead, behind
+
+
 @pytest.mark.parametrize(
     ("kind", "at_step", "reason"),
     [
@@ -177,11 +188,7 @@ async def test_fault_with_a_step_following(kind: str, at_step: int, reason: str,
     fault = FaultPlan(rank=1, kind=kind, at_step=at_step, stall_s=60.0)
     controller = await start(tiny_model_dir, tmp_path, fault, reasons, overlap)
     try:
-        step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
-        ahead = await controller.send_step([StepItem(1, 24, [step1.by_id()[1].token_id], True)])  # seq 3
-        assert await asyncio.wait_for(ahead.gate, 10) is True
-        behind = controller.follow_step([StepItem(1, 25, [], True)])  # seq 4
-        assert behind is not None
+        ahead, behind = await step_with_a_follower(controller)
         t0 = time.monotonic()
         outcomes = []
         for flight in (ahead, behind):
@@ -265,11 +272,7 @@ async def test_no_release_after_a_reported_failure(kind: str, overlap: bool, tin
     fault = FaultPlan(rank=1, kind=kind, at_step=FAULT_STEP, stall_s=0.15)
     controller = await start(tiny_model_dir, tmp_path, fault, reasons, overlap)
     try:
-        step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
-        ahead = await controller.send_step([StepItem(1, 24, [step1.by_id()[1].token_id], True)])  # seq 3
-        assert await asyncio.wait_for(ahead.gate, 10) is True
-        behind = controller.follow_step([StepItem(1, 25, [], True)])  # seq 4
-        assert behind is not None
+        ahead, behind = await step_with_a_follower(controller)
         for flight in (ahead, behind):
             with pytest.raises(ReplicaPoisoned):
                 await asyncio.wait_for(controller.step_result(flight), STEP_TIMEOUT_S + 5)
