@@ -40,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from deltaserve.engine.capacity import CapacityLedger
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.events import (
@@ -534,7 +536,7 @@ class Scheduler:
         if self._outbox and not isinstance(event, TokenEvent):
             self._flush_outbox()  # a request's tokens always reach its owner before its end
         if isinstance(event, FinishedEvent) and event.reason == "abort":  # with its held-back text (vLLM too)
-            event = FinishedEvent(event.index, "abort", event.prompt_tokens, event.output_tokens, entry.detokenizer.flush())
+            event = msgspec.structs.replace(event, text=entry.detokenizer.flush())
         entry.sink.put(event)
         if isinstance(event, FinishedEvent | ErrorEvent):
             reason = event.reason if isinstance(event, FinishedEvent) else "error"
