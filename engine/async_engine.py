@@ -30,7 +30,7 @@ from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.request import Request
-from deltaserve.engine.sampling_params import MAX_SEED, SamplingParams
+from deltaserve.engine.sampling_params import SamplingParams, wire_seed
 from deltaserve.engine.scheduler import Scheduler, Submission
 from deltaserve.engine.stream import EventSink, RequestStream
 from deltaserve.engine.tokenizer import (
@@ -331,7 +331,7 @@ class AsyncEngine:
     @staticmethod
     def _seed(params: SamplingParams, index: int) -> int:
         if params.seed is not None:
-            return (params.seed + index) % (MAX_SEED + 1)
+            return wire_seed(params.seed, index)
         if params.is_greedy:
             return 0
         return secrets.randbits(63)

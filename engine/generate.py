@@ -16,7 +16,7 @@ from pathlib import Path
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.engine.rank.model_config import ModelConfig
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.sampling_params import SamplingParams, wire_seed
 from deltaserve.engine.tokenizer import eos_token_ids
 from deltaserve.ipc.messages import NewRequest, Sample, SamplingSpec, StepItem
 
@@ -70,14 +70,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated: 1,2,3")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (random if unset)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed, any int64 (random if unset)")
     p.add_argument("--logprobs", type=int, default=0, help="alternatives to report per token (0-20)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--json", action="store_true", help="one JSON object per generated token")
     args = p.parse_args(argv)
-    try:  # the engine's checks and messages: NaN or inf temperatures, seeds past int64 were taken
+    try:  # the engine's checks and messages: NaN or inf temperatures, seeds outside int64 were taken
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                        logprobs=args.logprobs)  # fmt: skip
     except ValueError as exc:
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
-    seed = args.seed if args.seed is not None else random.randrange(2**63)
+    seed = wire_seed(args.seed) if args.seed is not None else random.randrange(2**63)  # as the engine's
     try:
         samples = generate_tokens(
             args.model, prompt_ids, args.max_tokens, args.temperature, seed, args.logprobs,

@@ -18,8 +18,12 @@ from deltaserve.ipc.messages import SamplingSpec
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP_STRINGS = 16
-# Seeds travel as msgpack ints and seed torch generators: keep them non-negative int64.
-MAX_SEED = 2**63 - 1
+# A request's seed is any int64, as vLLM's (negative ones included).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# The largest wire seed: the engine sends (seed + choice index) modulo MAX_SEED + 1 = 2**64
+# (`wire_seed`), which maps the int64 seeds one to one onto msgpack's uint64 range; the rank
+# sampler reads a seed modulo 2**64 too (so -1 and 2**64 - 1 are one stream, by design).
+MAX_SEED = 2**64 - 1
 # top_k at or above the vocabulary size means "off" on the rank; larger values are sent as
 # this (msgpack cannot carry ints past 2**64, and one such request used to kill the engine).
 MAX_WIRE_TOP_K = 2**31 - 1
@@ -61,8 +65,8 @@ class SamplingParams:
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}] or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}")
         if isinstance(self.stop, str) or not isinstance(self.stop, tuple | list):
             raise ValueError(f"stop must be a list or tuple of strings, got {self.stop!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -106,6 +110,12 @@ class SamplingParams:
             repetition_penalty=float(self.repetition_penalty),
             num_logprobs=self.logprobs or 0,
         )
+
+
+def wire_seed(seed: int, index: int = 0) -> int:
+    """The seed that choice `index` of a request seeded with `seed` samples with, in
+    [0, MAX_SEED]: distinct int64 seeds give distinct wire seeds."""
+    return (seed + index) % (MAX_SEED + 1)
 
 
 def _check_range(

@@ -38,7 +38,9 @@ _CHAT_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | {
     "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "response_format",
     "parallel_tool_calls", "chat_template_kwargs",
 }  # fmt: skip
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "developer")
+# OpenAI's newer name for the system message (as vLLM, we take it): the template sees "system".
+_ROLE_ALIASES = {"developer": "system"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +134,8 @@ def parse_chat_request(body: object) -> ChatRequest:
     _opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
     if obj.get("tools") not in (None, []):
         raise unsupported("tools", "tool calling is not supported")
-    if obj.get("tool_choice") not in (None, "none"):
-        raise unsupported("tool_choice", "tool calling is not supported")
+    if obj.get("tool_choice") not in (None, "none", "auto"):  # with no tools, "auto" calls none
+        raise unsupported("tool_choice", "tool calling is not supported; only 'none' or 'auto' with no tools")
     if obj.get("parallel_tool_calls") is not None:
         raise unsupported("parallel_tool_calls", "tool calling is not supported")
     response_format = obj.get("response_format")
@@ -211,14 +213,14 @@ def _stream(obj: dict[str, Any]) -> tuple[bool, bool]:
     if not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
     for key in options:
-        if key != "include_usage":
+        if key not in ("include_usage", "continuous_usage_stats"):
             raise unsupported(f"stream_options.{key}", "only include_usage is supported")
-    include_usage = options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise bad_request(
-            "stream_options.include_usage must be a boolean", "stream_options.include_usage"
-        )
-    return stream, bool(include_usage)
+        if options[key] is not None and not isinstance(options[key], bool):
+            raise bad_request(f"stream_options.{key} must be a boolean", f"stream_options.{key}")
+    if options.get("continuous_usage_stats"):  # false is the default: usage in the last chunk only
+        raise unsupported("stream_options.continuous_usage_stats",
+                          "usage in every chunk is not supported; use include_usage")  # fmt: skip
+    return stream, bool(options.get("include_usage"))
 
 
 def _sampling(
@@ -327,7 +329,7 @@ def _messages(obj: dict[str, Any]) -> tuple[dict[str, str], ...]:
             if key in ("tool_calls", "function_call", "refusal", "name") and value in (None, []):
                 continue
             raise unsupported(f"{where}.{key}", "messages carry only role and content")
-        out.append({"role": role, "content": _content(m.get("content"), where)})
+        out.append({"role": _ROLE_ALIASES.get(role, role), "content": _content(m.get("content"), where)})
     return tuple(out)
 
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from serve_helpers import get, in_process_server, wait_idle
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.sampling_params import MAX_SEED, SamplingParams
 from deltaserve.http.errors import ApiError
 from deltaserve.http.protocol import parse_chat_request, parse_completion_request
 from deltaserve.http.server import ServerConfig, build_app
@@ -111,6 +111,17 @@ CASES = {
     "huge top_logprobs": (CHAT, j({"messages": USER, "logprobs": True, "top_logprobs": HUGE}), 400, "top_logprobs", "0..20"),
     "huge max_completion_tokens": (CHAT, j({"messages": USER, "max_completion_tokens": HUGE}), 400, None, "max_model_len"),
     "huge seed": (C, j({"prompt": "x", "seed": 2**64}), 400, "seed", "seed must be"),
+    "seed below int64": (C, j({"prompt": "x", "seed": -(2**63) - 1}), 400, "seed", "seed must be"),
+    # Tool calling is not supported: only its no-op values pass (see ACCEPTED).
+    "tool_choice required": (CHAT, j({"messages": USER, "tool_choice": "required"}), 400, "tool_choice", "tool"),
+    "tool_choice named": (CHAT, j({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+                          400, "tool_choice", "tool"),
+    "tools with tool_choice auto": (CHAT, j({"messages": USER, "tool_choice": "auto", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}), 400, "tools", "tool"),
+    "continuous_usage_stats true": (C, j({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}),
+                                    400, "stream_options.continuous_usage_stats", "not supported"),
+    "continuous_usage_stats not a bool": (CHAT, j({"messages": USER, "stream": True, "stream_options": {"continuous_usage_stats": 0}}),
+                                          400, "stream_options.continuous_usage_stats", "boolean"),
     "prompt id = vocab": (C, j({"prompt": [VOCAB]}), 400, "prompt", f"[0, {VOCAB})"),
     "prompt id 2**64": (C, j({"prompt": [1, 2**64]}), 400, "prompt", f"[0, {VOCAB})"),
     "negative prompt id": (C, j({"prompt": [-1]}), 400, "prompt", "non-negative"),
@@ -188,6 +199,61 @@ async def test_huge_top_k_means_off_and_the_engine_lives(server):
     assert not server.engine.is_dead
 
 
+# What vLLM accepts and clients send, each a no-op or honoured here: served, not refused.
+SYSTEM_HI = [{"role": "system", "content": "Be brief."}, *USER]
+ACCEPTED = {
+    "negative seed": (C, {"prompt": "x", "seed": -1, "temperature": 1.0}),
+    "int64 min seed": (C, {"prompt": "x", "seed": -(2**63), "n": 2, "temperature": 1.0}),
+    "tool_choice auto, no tools": (CHAT, {"messages": USER, "tool_choice": "auto"}),
+    "tool_choice auto, tools []": (CHAT, {"messages": USER, "tool_choice": "auto", "tools": []}),
+    "developer role": (CHAT, {"messages": [{"role": "developer", "content": "Be brief."}, *USER]}),
+    "continuous_usage_stats false": (C, {"prompt": "x", "stream": True,
+                                         "stream_options": {"continuous_usage_stats": False, "include_usage": True}}),
+    "chat continuous_usage_stats false": (CHAT, {"messages": USER, "stream": True,
+                                                 "stream_options": {"continuous_usage_stats": False}}),
+}  # fmt: skip
+
+
+@aio
+@pytest.mark.parametrize("case", list(ACCEPTED))
+async def test_accepted_as_vllm_accepts(server, case):
+    path, body = ACCEPTED[case]
+    status, content_type, raw = await post(server.url + path, j({"max_tokens": 2, **body}))
+    assert status == 200, raw[:300]
+    check_served(status, content_type, raw)
+
+
+@aio
+async def test_negative_seeds_are_distinct_and_reproducible(server):
+    """Any int64 seed is taken, as vLLM takes it: the same seed gives the same tokens, and a
+    negative seed does not share its stream with a non-negative one (its wire seed is the
+    seed modulo 2**64; modulo 2**63, -1 was 2**63 - 1 and -2**63 was 0)."""
+    base = {"prompt": "Sphinx of black quartz", "max_tokens": 4, "temperature": 1.0, "logprobs": 0,
+            "ignore_eos": True}  # fmt: skip
+    tokens = {}
+    for seed in (-1, -1, 2**63 - 1, -(2**63), 0):
+        status, _, raw = await post(server.url + C, j({**base, "seed": seed}))
+        assert status == 200, raw
+        got = json.loads(raw)["choices"][0]["logprobs"]["tokens"]
+        assert tokens.setdefault(seed, got) == got  # the same seed twice: the same tokens
+    assert tokens[-1] != tokens[2**63 - 1] and tokens[-(2**63)] != tokens[0]
+
+
+@aio
+async def test_developer_role_is_a_system_message(server):
+    """OpenAI's `developer` role renders as `system` (the Qwen template knows no other): the
+    same prompt (usage, greedy tokens and their logprobs) as the system message."""
+    answers = []
+    for role in ("developer", "system"):
+        body = {"messages": [{"role": role, "content": "Be brief."}, *USER], "max_tokens": 3,
+                "temperature": 0, "logprobs": True, "top_logprobs": 2, "ignore_eos": True}  # fmt: skip
+        status, _, raw = await post(server.url + CHAT, j(body))
+        assert status == 200, raw
+        answer = json.loads(raw)
+        answers.append((answer["usage"], answer["choices"][0]["message"], answer["choices"][0]["logprobs"]))
+    assert answers[0] == answers[1]
+
+
 # ---- fuzzing -----------------------------------------------------------------------------
 
 _ints = st.integers(-(2**70), 2**70) | st.sampled_from([0, 1, -1, 2**31, 2**63, 2**64, VOCAB])
@@ -205,7 +271,7 @@ PLAUSIBLE = {
     "prompt": st.text(max_size=30) | _ids | st.lists(st.text(max_size=8) | _ids, max_size=3),
     "messages": st.lists(
         st.fixed_dictionaries(
-            {"role": st.sampled_from(["user", "assistant", "system", "tool", "x"])},
+            {"role": st.sampled_from(["user", "assistant", "system", "developer", "tool", "x"])},
             optional={"content": st.text(max_size=20) | st.lists(
                 st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
                                        "text": st.text(max_size=8)}), max_size=2),
@@ -219,7 +285,10 @@ PLAUSIBLE = {
     "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-1, 10**25), "min_p": st.floats(-0.5, 1.5),
     "seed": _ints, "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3),
     "stop_token_ids": _ids, "stream": st.booleans(), "ignore_eos": st.booleans(),
-    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | _ints}),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | _ints,
+                                                          "continuous_usage_stats": st.booleans()}),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+    "tools": st.just([]) | st.just([{"type": "function", "function": {"name": "f"}}]),
     "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),
     "repetition_penalty": st.floats(-1, 3), "echo": st.booleans(), "best_of": st.integers(0, 3),
     "logit_bias": st.dictionaries(st.text(max_size=3), _ints, max_size=2),
@@ -232,7 +301,7 @@ PLAUSIBLE = {
 VALID = {
     "max_tokens": st.integers(1, 4), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
     "top_k": st.integers(0, 50) | st.just(HUGE), "min_p": st.floats(0, 1),
-    "seed": st.integers(0, 2**63 - 1), "n": st.integers(1, 2), "ignore_eos": st.booleans(),
+    "seed": st.integers(-(2**63), 2**63 - 1), "n": st.integers(1, 2), "ignore_eos": st.booleans(),
     "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
     "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=2), "stream": st.booleans(),
     "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
@@ -242,7 +311,7 @@ VALID_PROMPT = st.text(min_size=1, max_size=20) | st.lists(
     st.integers(0, VOCAB - 1), min_size=1, max_size=8
 )
 VALID_MESSAGES = st.lists(
-    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer"]),
                            "content": st.text(max_size=16)}),
     min_size=1, max_size=3,
 )  # fmt: skip
@@ -348,7 +417,8 @@ def test_fuzz_parsers_accept_only_encodable_params(request, parse, required):
             assert str(exc)
             return
         assert isinstance(params, SamplingParams)
-        command_encoder.encode(params.to_spec(seed=2**63 - 1))
+        for seed in (0, MAX_SEED):  # the wire seeds' range
+            command_encoder.encode(params.to_spec(seed=seed))
 
     one()
 

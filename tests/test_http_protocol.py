@@ -96,7 +96,10 @@ class TestCompletionFields:
             ({"stream": "yes"}, "stream", "boolean"),
             ({"stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
             ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
-             "stream_options.continuous_usage_stats", "include_usage"),
+             "stream_options.continuous_usage_stats", "not supported"),
+            ({"stream": True, "stream_options": {"continuous_usage_stats": "no"}},
+             "stream_options.continuous_usage_stats", "boolean"),
+            ({"stream": True, "stream_options": {"usage": True}}, "stream_options.usage", "include_usage"),
             ({"stop": ["a", 3]}, "stop", "stop[1]"),
             ({"stop": [""]}, "stop", "empty"),
             ({"stop_token_ids": [1, "x"]}, "stop_token_ids", "stop_token_ids[1]"),
@@ -105,6 +108,17 @@ class TestCompletionFields:
     )  # fmt: skip
     def test_refusals_name_the_field(self, extra, param, words):
         refused(parse_completion_request, {"prompt": "x", **extra}, param, words)
+
+    def test_no_op_values_vllm_accepts(self):
+        """continuous_usage_stats=false is the default (usage only at the end); any int64
+        seed is taken (its range is SamplingParams' check)."""
+        r = parse_completion_request({"prompt": "x", "stream": True, "seed": -(2**63),
+                                      "stream_options": {"continuous_usage_stats": False}})  # fmt: skip
+        assert (r.stream, r.include_usage) == (True, False)
+        assert r.sampling.to_sampling_params(4).seed == -(2**63)
+        s = parse_completion_request({"prompt": "x", "seed": -(2**63) - 1}).sampling
+        with pytest.raises(ValueError, match="^seed must"):
+            s.to_sampling_params(4)
 
     def test_body_must_be_object(self):
         refused(parse_completion_request, ["prompt"], None, "JSON object")
@@ -139,6 +153,19 @@ class TestChat:
         )
         assert (r.sampling.max_tokens, r.logprobs, r.sampling.logprobs) == (9, True, 2)
 
+    @pytest.mark.parametrize("extra", [{"tool_choice": "auto"}, {"tool_choice": "auto", "tools": []},
+                                       {"tool_choice": "none", "tools": None}, {"tools": []}])  # fmt: skip
+    def test_tool_choice_without_tools_is_a_no_op(self, extra):
+        """No tools: "auto" (and "none") can call none, as vLLM takes them."""
+        r = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **extra})
+        assert r.messages == ({"role": "user", "content": "hi"},)
+
+    def test_developer_is_system(self):
+        """OpenAI's developer role is the system message for the template (as vLLM's)."""
+        dev = parse_chat_request({"messages": [{"role": "developer", "content": "be brief"},
+                                               {"role": "user", "content": "hi"}]})  # fmt: skip
+        assert dev.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"})
+
     def test_max_tokens_default_and_logprobs_off(self):
         r = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]})
         assert r.sampling.max_tokens is None  # resolved to the context left by the server
@@ -150,7 +177,11 @@ class TestChat:
         "extra, param, words",
         [
             ({"tools": [{"type": "function"}]}, "tools", "tool"),
-            ({"tool_choice": "auto"}, "tool_choice", "tool"),
+            ({"tool_choice": "required"}, "tool_choice", "tool"),
+            ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "tool"),
+            ({"tool_choice": "auto", "tools": [{"type": "function"}]}, "tools", "tool"),
+            ({"tool_choice": "none", "tools": [{"type": "function"}]}, "tools", "tool"),
+            ({"tool_choice": 3}, "tool_choice", "tool"),
             ({"response_format": {"type": "json_object"}}, "response_format", "text"),
             ({"logit_bias": {"1": 2}}, "logit_bias", "logit_bias"),
             ({"top_logprobs": 3}, "top_logprobs", "logprobs=true"),

@@ -263,7 +263,7 @@ class TestSamplingParams:
             ("presence_penalty", 2.5),
             ("frequency_penalty", -2.1),
             ("repetition_penalty", 0.0),
-            ("seed", -1),
+            ("seed", -(2**63) - 1),
             ("seed", 2**63),
             ("logprobs", 21),
             ("logprobs", -1),
