@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, SafetensorsError
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.engine.rank.loader import CheckpointError
+from deltaserve.engine.rank.model_config import ConfigError, ModelConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.make_model import make_model
 
@@ -58,8 +59,6 @@ def test_rope_theta_read_as_transformers_reads_it(tiny_model_dir, variant):
     given, and rope_scaling's over rope_parameters' (we read 1e7 and rope_parameters)."""
     from transformers import AutoConfig
 
-    from deltaserve.engine.rank.model_config import ModelConfig
-
     raw = json.loads((tiny_model_dir / "config.json").read_text())
     text = raw.get("text_config", raw)
     if variant == "no rope_theta":
@@ -85,8 +84,6 @@ def test_absent_config_keys_take_transformers_defaults(tiny_model_dir, tiny_vlm_
     reads it (head_dim 256, not hidden_size // heads), never a KeyError; the VLM ties by its
     top-level flag only, as Qwen3_5ForConditionalGeneration does."""
     from transformers import AutoConfig
-
-    from deltaserve.engine.rank.model_config import ModelConfig
 
     raw = json.loads(((tiny_model_dir if layout == "text" else tiny_vlm_model_dir) / "config.json").read_text())
     text = raw.get("text_config", raw)
@@ -188,6 +185,7 @@ def test_truncated_file_is_named(broken_copy):
 @pytest.mark.parametrize("edit,error", [
     (lambda header: header["a"].pop("data_offsets"), "tensor 'a' has a malformed header entry"),
     (lambda header: header["a"].update(shape=None), "tensor 'a' has a malformed header entry"),
+    (lambda header: header["a"].update(shape=[-1, -7]), "tensor 'a' has a malformed header entry"),
     (lambda header: header["a"].update(dtype="Q8"), "tensor 'a' has unsupported dtype 'Q8'"),
 ])  # fmt: skip
 def test_malformed_header_is_named(tmp_path, edit, error):
@@ -199,9 +197,8 @@ def test_malformed_header_is_named(tmp_path, edit, error):
     length = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8 : 8 + length])
     edit(header)
-    text = json.dumps(header, separators=(",", ":")).encode().ljust(length)
-    assert len(text) == length
-    path.write_bytes(raw[:8] + text + raw[8 + length :])
+    text = json.dumps(header, separators=(",", ":")).encode()  # offsets count from the data's start
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
     with pytest.raises(SafetensorsError, match=f"bad.safetensors: {error}"):
         list(CheckpointReader(torch.device("cpu")).tensors(path, lambda name: True))
 
@@ -235,3 +232,106 @@ def test_reader_gives_every_tensor_as_safetensors_does(tmp_path, device):
         assert got[name].device.type == device
         assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
         assert torch.equal(got[name].cpu(), tensor), name
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32, torch.bool, torch.float8_e4m3fn,
+                                   torch.float8_e5m2], ids=str)  # fmt: skip
+def test_non_float_tensor_is_refused_with_its_dtype(broken_copy, dtype):
+    """A tensor of the right shape but an integer, bool or FP8 dtype (a quantized checkpoint
+    without its quantization_config) is refused naming it, its dtype and its file, never
+    converted to the model's dtype and served as garbage."""
+    name = "model.layers.0.mlp.down_proj.weight"
+
+    def cast(tensors):
+        tensors[name] = tensors[name].to(dtype)
+
+    rewrite_tensors(broken_copy, cast)
+    dtype_name = str(dtype).removeprefix("torch.")
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' in model.safetensors has dtype {dtype_name}"):
+        logits_of(broken_copy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_float_tensors_of_another_dtype_are_converted(broken_copy, tiny_model_dir, dtype):
+    """Floating dtypes other than the model's still load, converted (fp64, which holds the
+    fp32 values exactly, gives the same logits)."""
+    name = "model.layers.0.mlp.down_proj.weight"
+
+    def cast(tensors):
+        tensors[name] = tensors[name].to(dtype)
+
+    rewrite_tensors(broken_copy, cast)
+    ours = logits_of(broken_copy)
+    assert torch.isfinite(ours).all()
+    if dtype == torch.float64:
+        assert torch.equal(ours, logits_of(tiny_model_dir))
+
+
+def test_missing_tensor_is_named_as_the_vlm_checkpoint_names_it(tiny_vlm_model_dir, tmp_path):
+    """In the released layout a missing tensor is named `model.language_model.*`, the name
+    the user's files and index use, not our text name."""
+    target = tmp_path / "vlm_missing"
+    shutil.copytree(tiny_vlm_model_dir, target)
+    name = "model.language_model.layers.1.linear_attn.A_log"
+    index_path = target / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = target / index["weight_map"].pop(name)
+    index_path.write_text(json.dumps(index))
+    tensors = load_file(str(shard))
+    tensors.pop(name)
+    save_file(tensors, str(shard))
+    with pytest.raises(CheckpointError, match=rf"lacks tensors: {name}$"):
+        logits_of(target)
+
+
+def edit_config(model_dir, edit) -> None:
+    path = model_dir / "config.json"
+    raw = json.loads(path.read_text())
+    edit(raw)
+    path.write_text(json.dumps(raw))
+
+
+def text_of(raw: dict) -> dict:
+    return raw.get("text_config", raw)
+
+
+# (edit of config.json, what the error names); every edit is one a hand-written or
+# half-converted config.json could plausibly carry
+CONFIG_FAULTS = {
+    "text_config null": (lambda c: c.update(text_config=None), "text_config"),
+    "text_config a list": (lambda c: c.update(text_config=[c["text_config"]]), "text_config"),
+    "text_config a string": (lambda c: c.update(text_config="qwen3_5_text"), "text_config"),
+    "top level a list": ("[{\"model_type\": \"qwen3_5\"}]", "not a JSON object"),
+    "top level null": ("null", "not a JSON object"),
+    "not JSON": ("{\"model_type\": \"qwen3_5\",", "not valid JSON"),
+    "rope_parameters a string": (lambda c: text_of(c).update(rope_parameters="default"), "rope_parameters"),
+    "rope_scaling a list": (lambda c: text_of(c).update(rope_scaling=["linear"]), "rope_scaling"),
+    "rope_theta a string": (lambda c: text_of(c)["rope_parameters"].update(rope_theta="1e7x"), "rope_theta"),
+    "layer_types a number": (lambda c: text_of(c).update(layer_types=4), "layer_types"),
+    "full_attention_interval 0": (lambda c: (text_of(c).pop("layer_types"),
+                                             text_of(c).update(full_attention_interval=0)),
+                                  "full_attention_interval"),
+    "num_key_value_heads 0": (lambda c: text_of(c).update(num_key_value_heads=0), "num_key_value_heads"),
+    "linear_num_key_heads 0": (lambda c: text_of(c).update(linear_num_key_heads=0), "linear_num_key_heads"),
+    "vocab_size a list": (lambda c: text_of(c).update(vocab_size=[248320]), "vocab_size"),
+    "hidden_size a word": (lambda c: text_of(c).update(hidden_size="sixty-four"), "hidden_size"),
+    "rms_norm_eps a word": (lambda c: text_of(c).update(rms_norm_eps="tiny"), "rms_norm_eps"),
+    "eos_token_id an object": (lambda c: text_of(c).update(eos_token_id={"id": 1}), "eos_token_id"),
+    "eos_token_id strings": (lambda c: text_of(c).update(eos_token_id=["<|im_end|>"]), "eos_token_id"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", list(CONFIG_FAULTS))
+def test_malformed_config_is_named(tiny_vlm_model_dir, tmp_path, fault):
+    """A config.json with a key of the wrong kind is refused naming config.json and the key,
+    never an AttributeError, TypeError or ZeroDivisionError from inside the reader."""
+    target = tmp_path / "cfg"
+    target.mkdir()
+    shutil.copy(tiny_vlm_model_dir / "config.json", target / "config.json")
+    edit, key = CONFIG_FAULTS[fault]
+    if isinstance(edit, str):  # the whole file
+        (target / "config.json").write_text(edit)
+    else:
+        edit_config(target, edit)
+    with pytest.raises(ConfigError, match=rf"config.json: .*{key}"):
+        ModelConfig.from_model_dir(target)

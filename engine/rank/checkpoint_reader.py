@@ -84,6 +84,8 @@ def read_header(path: Path) -> list[TensorEntry]:
             dtype = DTYPES.get(info["dtype"])
             shape = tuple(int(dim) for dim in info["shape"])
             begin, end = (int(offset) for offset in info["data_offsets"])
+            if any(dim < 0 for dim in shape):
+                raise ValueError("a negative dimension")
         except (KeyError, TypeError, ValueError):
             raise SafetensorsError(f"{path.name}: tensor {name!r} has a malformed header entry {info!r}") from None
         if dtype is None:

@@ -3,8 +3,10 @@
 Accepts both naming schemes: `model.language_model.*` of the released vision-language
 checkpoints (whose `model.visual.*` and `mtp.*` tensors are skipped) and `model.*` of text-only
 saves; single or sharded safetensors (`model.safetensors.index.json`); tied embeddings (no
-`lm_head.weight`, or one we ignore). A missing tensor, a wrong shape or an unexpected text
-tensor is an error that names the tensor and the file.
+`lm_head.weight`, or one we ignore). A missing tensor (named as the checkpoint's layout names
+it), a wrong shape, a dtype that is not a float one (integer, bool or FP8: quantized weights)
+or an unexpected text tensor is an error that names the tensor and the file. Floating tensors
+(fp32, bf16, fp16, fp64) are converted to the model's dtype.
 
 Projections the model runs as one GEMM (`model.packed_modules`: checkpoint module name ->
 (our module name, part)) load tensor by tensor into their part of the merged weight.
@@ -22,6 +24,9 @@ from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, Safetenso
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 VLM_TEXT_PREFIX = "model.language_model."
+# dtypes we convert to the model's; any other (integers, bool, FP8) is a quantized or foreign
+# tensor whose values a plain conversion would turn into garbage weights
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class CheckpointError(ValueError):
@@ -62,6 +67,13 @@ def text_name(name: str) -> str | None:
     return name
 
 
+def checkpoint_name(target: str, vlm_layout: bool) -> str:
+    """The name a text name has in a checkpoint of the given layout (inverse of text_name)."""
+    if vlm_layout and target.startswith("model."):
+        return VLM_TEXT_PREFIX + target[len("model.") :]
+    return target
+
+
 def packed_target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int]:
     """(our parameter name, part) of a checkpoint text name: `...mlp.up_proj.weight` ->
     (`...mlp.gate_up_proj.weight`, 1) when up_proj is packed; else (name, 0)."""
@@ -96,7 +108,11 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
     device = next(iter(params.values())).device
 
-    def wanted(name: str) -> bool:
+    vlm_layout = False  # any `model.language_model.*` name: missing tensors are named so too
+
+    def wanted(name: str) -> bool:  # called for every name in each file's header
+        nonlocal vlm_layout
+        vlm_layout = vlm_layout or name.startswith(VLM_TEXT_PREFIX)
         target = text_name(name)
         return target is not None and not (target == "lm_head.weight" and tie_word_embeddings)
 
@@ -110,7 +126,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
             raise CheckpointError(f"{model_dir}: {e}") from None
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the staging copies' blocks, which later allocations would pin
-    missing = sorted(expected_names(params, packed) - loaded)
+    missing = sorted(checkpoint_name(name, vlm_layout) for name in expected_names(params, packed) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {model_dir} lacks tensors: {shown}")
@@ -127,6 +143,13 @@ def load_tensor(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, in
         raise CheckpointError(f"unexpected tensor {name!r} in {path.name}")
     if target in loaded:
         raise CheckpointError(f"tensor {name!r} in {path.name} appears twice in the checkpoint")
+    if tensor.dtype not in FLOAT_DTYPES:  # checked before the copy, which would convert it
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        what = "FP8-quantized weights" if tensor.dtype.is_floating_point else f"{dtype} values, not weights"
+        raise CheckpointError(
+            f"tensor {name!r} in {path.name} has dtype {dtype} ({what}; a quantized checkpoint "
+            f"without its quantization_config?): only floating-point tensors (fp32, bf16, fp16, fp64) load"
+        )
     try:
         if hasattr(param, "num_parts"):  # a ColumnParallelLinear: load into its part
             param.weight_loader(param, tensor, part)

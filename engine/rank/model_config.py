@@ -30,6 +30,34 @@ TEXT_DEFAULTS = {
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 32768,
 }
+POSITIVE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                 "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings")
+JSON_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+              list: "an array", dict: "an object"}
+
+
+class ConfigError(ValueError):
+    """A config.json that is not a Qwen3.5 text model's as we read it; names the key (and the
+    file, from `from_model_dir`)."""
+
+
+def json_kind(value: object) -> str:
+    return JSON_KINDS.get(type(value), type(value).__name__)
+
+
+def to_number(value: object, key: str, kind: type[int] | type[float]) -> int | float:
+    """`value` of config key `key` as an int or float, or a ConfigError naming the key (never
+    int()'s TypeError or ValueError, which name neither)."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise TypeError
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        what = "an integer" if kind is int else "a number"
+        raise ConfigError(f"{key} is {value!r:.60} ({json_kind(value)}), not {what}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,21 +84,24 @@ class ModelConfig:
     torch_dtype: str
 
     def __post_init__(self) -> None:
+        for key in POSITIVE_KEYS:  # a 0 would otherwise end in a ZeroDivisionError, here or later
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} is {getattr(self, key)}, not a positive integer")
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
+            raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries, "
                 f"num_hidden_layers is {self.num_hidden_layers}"
             )
         for kind in self.layer_types:
             if kind not in ("linear_attention", "full_attention"):
-                raise ValueError(f"unknown layer type {kind!r} in layer_types")
+                raise ConfigError(f"unknown layer type {kind!r} in layer_types")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
         if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
                 f"linear_num_key_heads {self.linear_num_key_heads}"
             )
@@ -118,22 +149,28 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
+        """Raises ConfigError (a ValueError) naming the key for a config we cannot read."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"not a JSON object but {json_kind(raw)}")
         model_type = raw.get("model_type")
         if model_type not in ACCEPTED_MODEL_TYPES:
-            raise ValueError(
+            raise ConfigError(
                 f"unsupported model_type {model_type!r}: deltaserve serves Qwen3.5 text models "
                 f"(model_type one of {', '.join(ACCEPTED_MODEL_TYPES)})"
             )
-        quant = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
+        text_config = raw.get("text_config")
+        if "text_config" in raw and not isinstance(text_config, dict):
+            raise ConfigError(f"text_config is {json_kind(text_config)}, not an object of the text model's settings")
+        quant = raw.get("quantization_config") or (text_config or {}).get("quantization_config")
         if quant:  # FP8 and other quantized releases: their scale tensors would otherwise fail obscurely
             method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-            raise ValueError(f"quantized checkpoints are not supported (quantization_config: {method}); "
-                             f"serve the bf16 release of the model")
+            raise ConfigError(f"quantized checkpoints are not supported (quantization_config: {method}); "
+                              f"serve the bf16 release of the model")
         top_eos = raw.get("eos_token_id")
         if model_type == "qwen3_5":
-            if "text_config" not in raw:
-                raise ValueError("model_type 'qwen3_5' config has no text_config")
-            text = dict(raw["text_config"])
+            if text_config is None:
+                raise ConfigError("model_type 'qwen3_5' config has no text_config")
+            text = dict(text_config)
             # Qwen3_5ForConditionalGeneration ties by the top-level flag only (default False)
             tie = raw.get("tie_word_embeddings", False)
             dtype = raw.get("torch_dtype") or raw.get("dtype") or text.get("dtype")
@@ -141,51 +178,75 @@ class ModelConfig:
             text = raw
             tie = raw.get("tie_word_embeddings", False)
             dtype = raw.get("torch_dtype") or raw.get("dtype")
+        if dtype is not None and not isinstance(dtype, str):
+            raise ConfigError(f"torch_dtype is {json_kind(dtype)}, not a dtype name such as 'bfloat16'")
         text = {**TEXT_DEFAULTS, **{key: value for key, value in text.items() if value is not None}}
-        n_layers = int(text["num_hidden_layers"])
+
+        def integer(key: str) -> int:
+            return int(to_number(text[key], key, int))
+
+        n_layers = integer("num_hidden_layers")
         layer_types = text.get("layer_types")
         if layer_types is None:
-            interval = int(text.get("full_attention_interval", 4))
+            interval = int(to_number(text.get("full_attention_interval", 4), "full_attention_interval", int))
+            if interval < 1:
+                raise ConfigError(f"full_attention_interval is {interval}, not a positive integer")
             layer_types = [
                 "full_attention" if (i + 1) % interval == 0 else "linear_attention"
                 for i in range(n_layers)
             ]
+        elif not isinstance(layer_types, list):
+            raise ConfigError(f"layer_types is {json_kind(layer_types)}, not an array of layer type names")
         # as transformers reads them: rope_scaling (the older key) wins, and theta defaults to 10k
-        rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
-        rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10_000.0)))
-        partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+        rope_key = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
+        rope = text.get(rope_key) or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{rope_key} is {json_kind(rope)}, not an object")
+        rope = {key: value for key, value in rope.items() if value is not None}
+        rope_theta = float(to_number(rope.get("rope_theta", text.get("rope_theta", 10_000.0)), "rope_theta", float))
+        partial = float(to_number(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)),
+                                  "partial_rotary_factor", float))  # fmt: skip
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
-            raise ValueError(f"unsupported rope_type {rope_type!r}")
+            raise ConfigError(f"unsupported rope_type {rope_type!r} in {rope_key}")
         eos = text.get("eos_token_id", top_eos)
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        eos_list = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        eos_ids = tuple(int(to_number(token, "eos_token_id", int)) for token in eos_list)
         return cls(
-            vocab_size=int(text["vocab_size"]),
-            hidden_size=int(text["hidden_size"]),
-            intermediate_size=int(text["intermediate_size"]),
+            vocab_size=integer("vocab_size"),
+            hidden_size=integer("hidden_size"),
+            intermediate_size=integer("intermediate_size"),
             num_hidden_layers=n_layers,
-            num_attention_heads=int(text["num_attention_heads"]),
-            num_key_value_heads=int(text["num_key_value_heads"]),
-            head_dim=int(text["head_dim"]),
-            linear_num_key_heads=int(text["linear_num_key_heads"]),
-            linear_num_value_heads=int(text["linear_num_value_heads"]),
-            linear_key_head_dim=int(text["linear_key_head_dim"]),
-            linear_value_head_dim=int(text["linear_value_head_dim"]),
-            linear_conv_kernel_dim=int(text["linear_conv_kernel_dim"]),
+            num_attention_heads=integer("num_attention_heads"),
+            num_key_value_heads=integer("num_key_value_heads"),
+            head_dim=integer("head_dim"),
+            linear_num_key_heads=integer("linear_num_key_heads"),
+            linear_num_value_heads=integer("linear_num_value_heads"),
+            linear_key_head_dim=integer("linear_key_head_dim"),
+            linear_value_head_dim=integer("linear_value_head_dim"),
+            linear_conv_kernel_dim=integer("linear_conv_kernel_dim"),
             layer_types=tuple(layer_types),
-            rms_norm_eps=float(text["rms_norm_eps"]),
+            rms_norm_eps=float(to_number(text["rms_norm_eps"], "rms_norm_eps", float)),
             rope_theta=rope_theta,
             partial_rotary_factor=partial,
-            max_position_embeddings=int(text["max_position_embeddings"]),
+            max_position_embeddings=integer("max_position_embeddings"),
             tie_word_embeddings=bool(tie),
             eos_token_ids=eos_ids,
-            torch_dtype=str(dtype or "bfloat16"),
+            torch_dtype=dtype or "bfloat16",
         )
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """The folder's config.json; a ConfigError names the file and the key."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {model_dir}")
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        try:
+            return cls.from_dict(raw)
+        except ValueError as e:  # ConfigError, and __post_init__'s checks
+            raise ConfigError(f"{path}: {e}") from None
