@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.rank.model_config import ConfigError, ModelConfig, json_kind, token_ids
 
 T = TypeVar("T")
 log = logging.getLogger("deltaserve.engine")
@@ -68,11 +68,19 @@ def eos_token_ids(model_dir: str | Path, model_config: ModelConfig) -> frozenset
     (as vLLM adds them to the stop ids) together with the model config's."""
     ids = set(model_config.eos_token_ids)
     path = Path(model_dir) / "generation_config.json"
-    if path.is_file():
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        if eos is not None:
-            ids.update(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    if not path.is_file():
+        return frozenset(ids)
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    try:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"not a JSON object but {json_kind(raw)}")
+        ids.update(token_ids(raw.get("eos_token_id"), "eos_token_id"))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     return frozenset(ids)
 
 

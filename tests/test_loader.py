@@ -335,3 +335,29 @@ def test_malformed_config_is_named(tiny_vlm_model_dir, tmp_path, fault):
         edit_config(target, edit)
     with pytest.raises(ConfigError, match=rf"config.json: .*{key}"):
         ModelConfig.from_model_dir(target)
+
+
+@pytest.mark.parametrize("text", ['{"eos_token_id": 1,', "[1, 2]", '{"eos_token_id": {"id": 1}}',
+                                  '{"eos_token_id": ["<|im_end|>"]}'])  # fmt: skip
+def test_malformed_generation_config_is_named(tiny_vlm_model_dir, tmp_path, text):
+    """generation_config.json is read for its EOS ids at start: a broken one is refused naming
+    the file and the key, not a bare JSONDecodeError, AttributeError or TypeError (strings
+    were kept as EOS "ids" that no token ever equals)."""
+    from deltaserve.engine.tokenizer import eos_token_ids
+
+    (tmp_path / "generation_config.json").write_text(text)
+    config = ModelConfig.from_model_dir(tiny_vlm_model_dir)
+    with pytest.raises(ConfigError, match=r"generation_config.json: .*(JSON|eos_token_id)"):
+        eos_token_ids(tmp_path, config)
+
+
+def test_auto_dtype_names_the_config_dtype_it_cannot_run(tiny_vlm_model_dir):
+    """--dtype auto on a GPU takes config.json's torch_dtype; one we do not run is named as
+    the config's, not as if the user had passed it."""
+    import dataclasses
+
+    from deltaserve.engine.rank.executor import resolve_dtype
+
+    config = dataclasses.replace(ModelConfig.from_model_dir(tiny_vlm_model_dir), torch_dtype="float8_e4m3fn")
+    with pytest.raises(ValueError, match=r"config.json's torch_dtype 'float8_e4m3fn'.*pass a dtype"):
+        resolve_dtype("auto", torch.device("cuda"), config)

@@ -52,6 +52,9 @@ def resolve_dtype(name: str, device: torch.device, config: ModelConfig) -> torch
         if device.type == "cpu":
             return torch.float32
         name = config.torch_dtype
+        if name not in DTYPES:
+            raise ValueError(f"config.json's torch_dtype {name!r} is not one we run; pass a dtype, "
+                             f"one of {', '.join(DTYPES)}")
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; use one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]

@@ -60,6 +60,12 @@ def to_number(value: object, key: str, kind: type[int] | type[float]) -> int | f
         raise ConfigError(f"{key} is {value!r:.60} ({json_kind(value)}), not {what}") from None
 
 
+def token_ids(value: object, key: str) -> tuple[int, ...]:
+    """A config's token id or list of ids (eos_token_id, absent = none) as ints."""
+    listed = [] if value is None else value if isinstance(value, list) else [value]
+    return tuple(int(to_number(token, key, int)) for token in listed)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     vocab_size: int
@@ -210,8 +216,7 @@ class ModelConfig:
         if rope_type not in ("default", "mrope"):
             raise ConfigError(f"unsupported rope_type {rope_type!r} in {rope_key}")
         eos = text.get("eos_token_id", top_eos)
-        eos_list = [] if eos is None else eos if isinstance(eos, list) else [eos]
-        eos_ids = tuple(int(to_number(token, "eos_token_id", int)) for token in eos_list)
+        eos_ids = token_ids(eos, "eos_token_id")
         return cls(
             vocab_size=integer("vocab_size"),
             hidden_size=integer("hidden_size"),
