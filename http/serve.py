@@ -2,7 +2,8 @@
 
 Exit codes: 0 after SIGTERM/SIGINT (running requests drained for up to --shutdown-timeout,
 the rest ended with a terminal error); 1 when the engine dies (a rank crashed, a step failed)
-or cannot start; 2 for bad arguments. Signal handlers are installed here only, never by the
+or cannot start, or the address cannot be listened on (checked before any weight loads); 2
+for bad arguments. Signal handlers are installed here only, never by the
 library code.
 """
 
@@ -15,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -63,12 +65,22 @@ def _seconds(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """'(default: X)' after a flag's help, but none for a None default: such a flag's help says
+    what it stands for (--device: 'cuda if available, else cpu', not 'None')."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = _engine_default
     p = argparse.ArgumentParser(
         prog="deltaserve serve",
         description="Serve a Qwen3.5-family checkpoint over an OpenAI-compatible HTTP API.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     eng = p.add_argument_group("engine (EngineConfig fields, one flag each)")
     eng.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -76,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--model", default=None,
                      help="checkpoint directory (HF layout); omitted: a tiny built-in demo "
                           "checkpoint, made once under ~/.cache/deltaserve")  # fmt: skip
-    eng.add_argument("--tp", "--tensor-parallel-size", dest="tp_size", type=int,
+    eng.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp_size", type=int,
                      default=d("tp_size"), help="tensor-parallel size (one rank process per device)")  # fmt: skip
     eng.add_argument("--device", choices=("cuda", "cpu"), default=None,
                      help="device kind; default: cuda if available, else cpu")  # fmt: skip
@@ -126,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "ipc://PATH, tcp://HOST:PORT, or off")  # fmt: skip
     srv = p.add_argument_group("server")
     srv.add_argument("--served-model-name", default=None,
-                     help="the model name clients send; default: the --model argument")  # fmt: skip
+                     help="the model name clients send; default: MODEL (or --model) as given, "
+                          f"{DEMO_MODEL_NAME} for the demo checkpoint")  # fmt: skip
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free)")
     srv.add_argument("--api-key", default=None,
@@ -135,7 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds running requests may take to finish after SIGTERM")  # fmt: skip
     srv.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                      help="largest accepted request body (HTTP 413 beyond)")  # fmt: skip
-    srv.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    srv.add_argument("--log-level", default="INFO", type=str.upper,  # SGLang's lower case too
+                     choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                     help="the server process's log level (the rank processes log their "
+                          "start-up at INFO whatever it is)")  # fmt: skip
     return p
 
 
@@ -188,19 +204,31 @@ def serve_main(argv: list[str] | None = None) -> int:
         level=args.log_level, stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )  # fmt: skip
-    if args.model is None:
-        path = demo_model_dir()
-        log.info("no --model given: serving the built-in demo checkpoint (random '%s' weights) "
-                 "from %s%s", DEMO_PRESET, path,
-                 "" if (path / "config.json").is_file() else " (making it now, once)")  # fmt: skip
-        model_dir, _ = ensure_demo_model()
-        args.model = str(model_dir)
+    # Every check before the first slow step (making the demo checkpoint, loading weights):
+    # the flags (exit 2), then the listen address (exit 1).
+    demo = args.model is None
+    if demo:
+        args.model = str(demo_model_dir())
         args.served_model_name = args.served_model_name or DEMO_MODEL_NAME
     elif not Path(args.model).is_dir():
-        print(
-            f"deltaserve serve: error: --model {args.model!r} is not a directory", file=sys.stderr
-        )
+        print(f"deltaserve serve: error: --model {args.model!r} is not a directory (a local "
+              "checkpoint folder; hub names are not downloaded)", file=sys.stderr)  # fmt: skip
         return 2
+    try:
+        server_config, engine_config = _server_config(args), _engine_config(args)
+    except ValueError as exc:
+        print(f"deltaserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        check_listen(args.host, args.port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        return 1
+    if demo:
+        log.info("no --model given: serving the built-in demo checkpoint (random '%s' weights) "
+                 "from %s%s", DEMO_PRESET, args.model,
+                 "" if (Path(args.model) / "config.json").is_file() else " (making it now, once)")  # fmt: skip
+        ensure_demo_model()
     try:
         import uvloop
 
@@ -208,7 +236,40 @@ def serve_main(argv: list[str] | None = None) -> int:
     except ImportError:  # windows
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_serve(args))
+        return runner.run(_serve(args, server_config, engine_config))
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind every address the server will listen on, then let go, so that a port in use or an
+    address this machine lacks fails in a second, not after the weights have loaded (minutes on
+    a GPU). Binds as asyncio's create_server does (SO_REUSEADDR, IPv6 only on IPv6 sockets);
+    raises the OSError (socket.gaierror for an unknown host name)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # a family this kernel lacks (IPv6 off): asyncio skips it too
+            continue
+        with sock:
+            if os.name == "posix":
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+
+
+def _base_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _server_config(args: argparse.Namespace):  # -> ServerConfig
+    from deltaserve.http.server import ServerConfig
+
+    return ServerConfig(
+        served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+    )
 
 
 def _engine_config(args: argparse.Namespace):  # -> EngineConfig
@@ -267,19 +328,9 @@ async def _start_engine(config, stop: asyncio.Event):  # -> AsyncEngine | None
     return engine
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    from deltaserve.http.server import STATE, ServerConfig, build_app, start_server
+async def _serve(args: argparse.Namespace, server_config, engine_config) -> int:
+    from deltaserve.http.server import STATE, build_app, start_server
 
-    try:
-        server_config = ServerConfig(
-            served_model_name=args.served_model_name or args.model,
-            api_key=args.api_key,
-            max_request_bytes=args.max_request_bytes,
-        )
-        engine_config = _engine_config(args)
-    except ValueError as exc:
-        print(f"deltaserve serve: error: {exc}", file=sys.stderr)
-        return 2
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
 
@@ -307,9 +358,8 @@ async def _serve(args: argparse.Namespace) -> int:
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
             return 1
-        host, port = runner.addresses[0][:2]
-        log.info("ready: serving '%s' at http://%s:%d/v1 (health: /health, metrics: /metrics, "
-                 "monitor: %s)", server_config.served_model_name, host, port,
+        log.info("ready: serving '%s' at %s/v1 (health: /health, metrics: /metrics, "
+                 "monitor: %s)", server_config.served_model_name, _base_url(*runner.addresses[0][:2]),
                  engine.monitor_endpoint or "off")  # fmt: skip
         if not await _wait_stop_or_death(stop, engine):
             log.info("signal received: admitting no new requests, draining for up to %.1f s "

@@ -1,0 +1,126 @@
+"""`deltaserve serve`'s command line as a vLLM or SGLang user meets it: the flags' spellings,
+the help's defaults, a listen address that cannot be had (found before any weight loads), and
+the ready line's URL on an IPv6 address."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+
+import pytest
+from serve_helpers import DELTASERVE, get
+
+import deltaserve
+from deltaserve.engine.async_engine import AsyncEngine
+from deltaserve.http import serve
+
+
+def test_vllm_and_sglang_spellings():
+    """`-tp 2` as vLLM's short flag; `--log-level debug` in SGLang's lower case."""
+    assert serve.parse_args(["-tp", "2"]).tp_size == 2
+    assert serve.parse_args(["--log-level", "debug"]).log_level == "DEBUG"
+    assert serve.parse_args(["--log-level", "Warning"]).log_level == "WARNING"
+
+
+def test_help_shows_no_none_default(capsys):
+    """A flag whose default depends on the machine or the model says so in its help; a
+    '(default: None)' after that (--device: 'cuda if available, else cpu (default: None)')
+    contradicted it."""
+    with pytest.raises(SystemExit) as info:
+        serve.parse_args(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text
+    assert "default: cuda if available, else cpu" in text
+    assert re.search(r"--log-level .*\(default: INFO\)", text), text
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
+def engine_starts(monkeypatch) -> list:
+    """AsyncEngine.start recorded and refused: the test must fail before any weight loads."""
+    calls = []
+
+    async def start(config):
+        calls.append(config)
+        raise RuntimeError("the engine was started")
+
+    monkeypatch.setattr(AsyncEngine, "start", start)
+    return calls
+
+
+def test_port_in_use_fails_before_the_engine_starts(tiny_model_dir, taken_port, engine_starts, caplog):
+    """A port in use used to be found only after the weights had loaded (minutes on a GPU)."""
+    code = serve.serve_main([str(tiny_model_dir), "--port", str(taken_port)])
+    assert engine_starts == [], caplog.text
+    assert code == 1
+    assert f"cannot listen on 127.0.0.1:{taken_port}" in caplog.text
+
+
+def test_bad_host_fails_before_the_demo_model_is_made(tmp_path, monkeypatch, engine_starts, caplog):
+    """No --model and an address this machine does not have: no demo checkpoint made first."""
+    try:  # TEST-NET-1: on no machine's interfaces, unless non-local binds are allowed
+        socket.create_server(("192.0.2.1", 0)).close()
+        pytest.skip("this machine binds 192.0.2.1")
+    except OSError:
+        pass
+    monkeypatch.setenv("HOME", str(tmp_path))
+    code = serve.serve_main(["--host", "192.0.2.1", "--port", "8000"])
+    assert engine_starts == [], caplog.text
+    assert code == 1
+    assert "cannot listen on 192.0.2.1:8000" in caplog.text
+    assert not (tmp_path / ".cache" / "deltaserve" / f"demo-{deltaserve.__version__}").exists()
+
+
+def test_bad_flag_fails_before_the_demo_model_is_made(tmp_path, monkeypatch, engine_starts, capsys):
+    """A flag the engine refuses, with no --model: the usage error comes first, no demo
+    checkpoint made for nothing (that took seconds, and a first run made it)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert serve.serve_main(["--max-num-seqs", "0"]) == 2
+    assert "error: max_num_seqs must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert engine_starts == []
+    assert not (tmp_path / ".cache" / "deltaserve").exists()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback")
+async def test_ready_line_url_on_ipv6(tiny_model_dir):
+    """`--host ::1`: the ready line's URL brackets the address (it said http://::1:PORT/v1,
+    which no client can open)."""
+    proc = await asyncio.create_subprocess_exec(
+        DELTASERVE, "serve", str(tiny_model_dir), "--host", "::1", "--port", "0",
+        "--monitor-endpoint", "off", stderr=asyncio.subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        async with asyncio.timeout(120):
+            async for raw in proc.stderr:
+                lines.append(raw.decode(errors="replace").rstrip())
+                if "ready: serving" in lines[-1]:
+                    break
+        m = re.search(r" at (\S+)/v1 ", lines[-1])
+        assert m and m.group(1).startswith("http://[::1]:"), "\n".join(lines[-5:])
+        status, _ = await get(m.group(1) + "/health")
+        assert status == 200
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0, "\n".join(lines[-5:])
