@@ -13,6 +13,8 @@ import random
 import sys
 from pathlib import Path
 
+import torch
+
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.engine.rank.model_config import ModelConfig
@@ -73,7 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="sampling seed, any int64 (random if unset)")
     p.add_argument("--logprobs", type=int, default=0, help="alternatives to report per token (0-20)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "fp32", "bfloat16", "bf16"))
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--json", action="store_true", help="one JSON object per generated token")
     args = p.parse_args(argv)
@@ -82,6 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        logprobs=args.logprobs)  # fmt: skip
     except ValueError as exc:
         p.error(f"--{str(exc).replace('_', '-')}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this torch sees no CUDA device")
     return args
 
 
@@ -89,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from deltaserve.engine.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(args.model)
+    try:
+        tokenizer = load_tokenizer(args.model)
+    except (OSError, ValueError) as e:  # no folder, no tokenizer.json, a slow tokenizer
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.prompt_ids is not None:
         try:
             prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -104,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model, prompt_ids, args.max_tokens, args.temperature, seed, args.logprobs,
             args.device, args.dtype, args.ignore_eos,
         )
-    except ValueError as e:
+    except (OSError, ValueError) as e:  # a bad config.json or checkpoint, refused parameters
         print(f"error: {e}", file=sys.stderr)
         return 2
     detok = IncrementalDetokenizer(tokenizer)

@@ -37,7 +37,10 @@ def load_tokenizer(model_dir: str | Path) -> Any:
         raise FileNotFoundError(f"no tokenizer.json in model folder {model_dir}")
     started = time.monotonic()
     with _LOAD_LOCK:
-        tokenizer = tokenizer_class(path).from_pretrained(str(path))
+        try:
+            tokenizer = tokenizer_class(path).from_pretrained(str(path))
+        except Exception as e:  # a malformed tokenizer.json fails as KeyError, TypeError, ...
+            raise ValueError(f"cannot load the tokenizer in {model_dir}: {type(e).__name__}: {e}") from e
     log.info("tokenizer loaded in %.1f s", time.monotonic() - started)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"the tokenizer in {model_dir} is not a fast (tokenizers) tokenizer")

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="device kind; default: cuda if available, else cpu")  # fmt: skip
     eng.add_argument("--device-ids", type=_device_ids, default=d("device_ids"),
                      help="cuda ordinals, comma separated; default: 0..tp-1")  # fmt: skip
-    eng.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=d("dtype"),
+    eng.add_argument("--dtype", choices=("auto", "float32", "fp32", "bfloat16", "bf16"), default=d("dtype"),
                      help="weight/activation dtype; auto: the checkpoint's (float32 on cpu)")  # fmt: skip
     eng.add_argument("--max-model-len", type=int, default=d("max_model_len"),
                      help="longest prompt + completion in tokens; default: "

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 
@@ -77,3 +78,19 @@ def test_generate_refuses_positions_past_the_models_context(tiny_model_dir):
     context = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
     with pytest.raises(ValueError, match=f"= {context + 1} exceeds the model's max_position_embeddings {context}"):
         generate_tokens(tiny_model_dir, [1, 2], context - 1)
+
+
+def test_generate_names_a_missing_model_or_device(tmp_path, capsys):
+    """No folder, a folder without tokenizer.json, or --device cuda on a torch without CUDA:
+    one line and exit 2 (a FileNotFoundError or AssertionError traceback before)."""
+    from deltaserve.engine.generate import main
+
+    assert main(["--model", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 2
+    assert "no tokenizer.json in model folder" in capsys.readouterr().err
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert main(["--model", str(tmp_path), "--prompt", "hi"]) == 2
+    assert "error: cannot load the tokenizer in" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--model", str(tmp_path), "--prompt", "hi", "--device", "cuda"])
+        assert exit_info.value.code == 2 and "sees no CUDA device" in capsys.readouterr().err
