@@ -150,8 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="largest accepted request body (HTTP 413 beyond)")  # fmt: skip
     srv.add_argument("--log-level", default="INFO", type=str.upper,  # SGLang's lower case too
                      choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                     help="the server process's log level (the rank processes log their "
-                          "start-up at INFO whatever it is)")  # fmt: skip
+                     help="log level of the server and its rank processes")  # fmt: skip
     return p
 
 

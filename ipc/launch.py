@@ -48,6 +48,7 @@ class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     noop_step_s: float = 0.0  # the no-op executor sleeps this long per step (a stand-in for the GPU)
     journal_path: str | None = None  # tests: append-only log of gated commands
     fault: FaultPlan | None = None
+    log_level: int = 20  # the server's deltaserve logger level (logging.INFO by default)
 
 
 rank_config_decoder = msgspec.msgpack.Decoder(RankConfig)

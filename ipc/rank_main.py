@@ -476,10 +476,11 @@ def main() -> int:
     # `kill -TERM -PGID`), is the server's to handle: it drains first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # deltaserve's own start-up lines (the memory budget) on stderr, other libraries' warnings
+    # deltaserve's own lines (the memory budget) at the server's level on stderr, other
+    # libraries' warnings
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
-    logging.getLogger("deltaserve").setLevel(logging.INFO)
+    logging.getLogger("deltaserve").setLevel(config.log_level)
     log.info("rank %d: process up", config.rank)  # its time stamp against the server's marks the spawn
     ctx = zmq.Context(io_threads=1)
     replies = PushChannel(ctx, config.reply_endpoint, bind=False, linger_ms=REPLY_LINGER_MS)

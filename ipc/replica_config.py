@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,7 @@ class ReplicaConfig:
             noop_step_s=self.noop_step_s,
             journal_path=journal,
             fault=self.fault,
+            log_level=logging.getLogger("deltaserve").getEffectiveLevel(),  # --log-level reaches ranks
             **channels,
         )
 

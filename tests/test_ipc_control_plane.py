@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
@@ -349,6 +350,23 @@ async def test_startup_failure_is_reported_and_cleaned_up(tmp_path: Path, tiny_m
     with pytest.raises(ReplicaStartupError, match="rank 0 failed to start: .*safetensors"):
         await bounded(ReplicaController.start(ReplicaConfig(str(broken))))
     assert child_pids() == before
+
+
+@pytest.mark.parametrize("level", [logging.INFO, logging.WARNING])
+async def test_ranks_log_at_the_servers_level(tmp_path: Path, tiny_model_dir: Path, capfd, level) -> None:
+    """`serve --log-level WARNING` quietened the server only: its ranks logged their start-up
+    at INFO whatever it was. They now take the level of the parent's deltaserve logger."""
+    broken = tmp_path / "no-weights"  # fails right after the rank's first lines: no load
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    logger = logging.getLogger("deltaserve")
+    old, logger.level = logger.level, level
+    try:
+        with pytest.raises(ReplicaStartupError):
+            await bounded(ReplicaController.start(ReplicaConfig(str(broken))))
+    finally:
+        logger.setLevel(old)
+    assert ("rank 0: process up" in capfd.readouterr().err) == (level == logging.INFO)
 
 
 async def test_startup_timeout(tiny_model_dir: Path) -> None:
