@@ -459,7 +459,9 @@ async def _respond(
     try:
         if stream:
             response = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                # the charset, as OpenAI and vLLM send it: clients that decode by the header
+                # (requests) read text/* without one as Latin-1
+                headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
             )
             await response.prepare(request)
             for idx in range(len(states)):

@@ -322,6 +322,20 @@ async def test_chat_n2_and_default_max_tokens(served: Served):
     assert chunks[-1].usage.completion_tokens == tokens.index(tokens[2]) + 1
 
 
+async def test_event_stream_declares_utf8(served: Served):
+    """SSE says `text/event-stream; charset=utf-8`, as OpenAI and vLLM do: without the
+    charset, clients that decode by the header (requests' `iter_lines(decode_unicode=True)`)
+    read the UTF-8 as Latin-1, so every non-ASCII token came out mangled and lines split
+    inside characters (Latin-1 byte 0x85 is a line break to str.splitlines)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(served.url + "/v1/chat/completions", json=body, headers=headers) as r,
+    ):
+        assert (r.status, r.content_type, r.charset) == (200, "text/event-stream", "utf-8"), r.headers
+        assert (await r.read()).endswith(b"data: [DONE]\n\n")
+
 
 # ---- other routes, metrics ---------------------------------------------------------------
 
