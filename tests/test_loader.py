@@ -112,11 +112,16 @@ def test_checkpoint_without_head_dim_in_its_config_matches_hf(tmp_path):
     config = json.loads(path.read_text())
     config.pop("head_dim")
     path.write_text(json.dumps(config))
-    hf = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # with fla installed (the GPU image), HF's DeltaNet runs fla's Triton kernels, which take
+    # CUDA tensors only, and whose chunks multiply in tf32: a looser bound there (a wrong
+    # head_dim is off by whole nats)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     with torch.inference_mode():
-        reference = hf(torch.tensor([PROMPT])).logits[0].float()
+        reference = hf(torch.tensor([PROMPT], device=device)).logits[0].float().cpu()
     ours = logits_of(model_dir)
-    assert (ours.log_softmax(-1) - reference.log_softmax(-1)).abs().max() <= 1e-3
+    bound = 1e-3 if device == "cpu" else 2e-2
+    assert (ours.log_softmax(-1) - reference.log_softmax(-1)).abs().max() <= bound
 
 
 def test_quantized_checkpoint_is_refused_by_name(broken_copy):
