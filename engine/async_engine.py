@@ -58,6 +58,7 @@ class AsyncEngine:
         self._next_request_id = itertools.count(1)
         self._streams: dict[str, EventSink] = {}  # client request id -> unresolved sink
         self._shutting_down = False
+        self._shutdowns: set[asyncio.Task] = set()  # shutdown calls' tasks, until done
         self._controller: ReplicaController | None = None
         self._scheduler: Scheduler | None = None
         self._task: asyncio.Task | None = None
@@ -181,6 +182,8 @@ class AsyncEngine:
         """Return once the engine has stopped: after `shutdown`, or after failing closed
         (every owner told, replica torn down, no rank process left)."""
         await asyncio.shield(self._task)
+        if self._shutdowns:
+            await asyncio.wait(set(self._shutdowns))
 
     @property
     def monitor_endpoint(self) -> str | None:
@@ -248,8 +251,12 @@ class AsyncEngine:
         self._check_fits(prompt_ids, params)
         if request_id is None:
             request_id = f"req-{uuid.uuid4().hex}"
-        elif request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use by a running request")
+        elif (old := self._streams.get(request_id)) is not None:
+            if not old.closed:
+                raise ValueError(f"request_id {request_id!r} is already in use by a running request")
+            # its owner left (aclose, a cancelled consumer, the stream dropped): the id is free
+            # at once, as after `abort`; the tick cancels the old choices
+            self._forget(old)
         queued = self._scheduler.num_queued
         if queued + params.n > self.config.max_queued_requests:
             raise QueueFullError(
@@ -340,8 +347,17 @@ class AsyncEngine:
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop admitting, let running requests finish for up to `drain_timeout_s`, abort
-        the rest, stop the replica. Idempotent."""
+        the rest, stop the replica. Idempotent. Cancelling the call (a timeout around it)
+        cancels only the wait: the shutdown goes on in its own task (`wait_closed` waits for
+        it). Awaited here directly, the cancellation reached the scheduler task and failed
+        the engine, or stranded it mid-drain with its ranks running."""
         self._shutting_down = True
+        task = asyncio.get_running_loop().create_task(self._shutdown(drain_timeout_s))
+        self._shutdowns.add(task)
+        task.add_done_callback(self._shutdowns.discard)
+        await asyncio.shield(task)
+
+    async def _shutdown(self, drain_timeout_s: float) -> None:
         if not self._task.done():
             await self._scheduler.stop(drain_timeout_s)
             try:

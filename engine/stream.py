@@ -5,7 +5,8 @@ stream itself, so a consumer that walks away is noticed however it leaves:
 - `await stream.aclose()` (or `async with` exit) closes the sink;
 - the task iterating it is cancelled: `__anext__` closes the sink and re-raises;
 - `break` out of `async for` and dropping the stream: a weakref finalizer closes the sink.
-A closed sink wakes the tick, whose prune step cancels the requests behind it.
+A closed sink wakes the tick, whose prune step cancels the requests behind it; its client
+id is free for a new request at once, as after `AsyncEngine.abort`.
 """
 
 from __future__ import annotations

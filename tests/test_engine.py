@@ -444,16 +444,20 @@ class TestCancellation:
         assert len(tokens) == n and (fin.reason, fin.output_tokens) == ("abort", n)
         await assert_idle_and_empty(engine)
 
-    async def test_consumer_walking_away_leaks_nothing(self, engine, prompts):
+    async def test_consumer_walking_away_leaks_nothing(self, engine, prompts, reference):
         """break, a cancelled consumer task and aclose each cancel the request (counted as
-        aborts, not run to their length) and leave nothing on the ranks."""
+        aborts, not run to their length), leave nothing on the ranks and, as `abort` does,
+        free the request id at once (a retry under it was refused "already in use by a
+        running request" until the tick had delivered the abort, a step or more later)."""
         before = dict(engine.metrics.request_success_total)
         params = SamplingParams(max_tokens=60, temperature=0)
+        retries = []
         seen = 0
-        async for _ in engine.generate(prompts[0], params):
+        async for _ in engine.generate(prompts[0], params, request_id="broken"):
             seen += 1
             if seen == 3:
                 break  # the stream object is dropped here
+        retries.append(engine.generate(prompts[0], GREEDY, request_id="broken"))
 
         two_events = asyncio.Event()
 
@@ -464,18 +468,22 @@ class TestCancellation:
                 if count == 2:
                     two_events.set()
 
-        task = asyncio.create_task(consume(engine.generate(prompts[1], params)))
+        task = asyncio.create_task(consume(engine.generate(prompts[1], params, request_id="cancelled")))
         await two_events.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        closed = engine.generate(prompts[2], params)
+        retries.append(engine.generate(prompts[0], GREEDY, request_id="cancelled"))
+        closed = engine.generate(prompts[2], params, request_id="closed")
         await closed.__anext__()
         await closed.aclose()
+        retries.append(engine.generate(prompts[0], GREEDY, request_id="closed"))
         assert [e async for e in closed] == []
+        for tokens, fin in await asyncio.gather(*(collect(s) for s in retries)):
+            assert fin.reason == "length" and ids_of(tokens) == ids_of(reference[0])
         await assert_idle_and_empty(engine)
         after = engine.metrics.request_success_total
-        assert after["abort"] - before["abort"] == 3 and after["length"] == before["length"]
+        assert after["abort"] - before["abort"] == 3 and after["length"] - before["length"] == 3
 
 
 # ---- forced mixed steps, on an engine whose EOS is a token the model is known to produce ----
@@ -564,11 +572,23 @@ class TestTensorParallel:
 
     async def test_shutdown_drains_then_refuses(self, tp2_engine, prompts):
         """Last in the module: shutdown lets a running request finish within the drain
-        timeout, then every call fails with EngineDeadError."""
+        timeout, then every call fails with EngineDeadError. A caller that stops waiting
+        (its call cancelled) stops only its wait: the drain and the teardown go on, and
+        `wait_closed` returns once no rank is left (the replica was never torn down, and
+        `wait_closed` returned while the ranks ran)."""
         stream = tp2_engine.generate(prompts[0], GREEDY)
-        await tp2_engine.shutdown(drain_timeout_s=30)
+        pids = tp2_engine.rank_pids
+        call = asyncio.create_task(tp2_engine.shutdown(drain_timeout_s=30))
+        await asyncio.sleep(0)  # the call has begun the drain
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
         tokens, fin = await collect(stream)
         assert fin.reason == "length" and len(tokens) == MAX_TOKENS
+        await asyncio.wait_for(tp2_engine.wait_closed(), 30)
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
         await tp2_engine.shutdown()  # idempotent
         with pytest.raises(EngineDeadError):
             tp2_engine.generate(prompts[0], GREEDY)

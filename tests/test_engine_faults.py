@@ -155,5 +155,21 @@ async def test_abort_delivers_the_withheld_text(tiny_model_dir):
         streamed = "".join(e.text for e in tokens)
         assert text and streamed != text  # something was held back
         assert streamed + fin.text == text
+        # A cancelled shutdown call (say, a timeout around it) cancelled the scheduler task: the
+        # clean shutdown became a failure ("engine task cancelled" ErrorEvents, is_dead), and
+        # the caller's cancellation was swallowed. Now only the wait is cancelled.
+        running = engine.generate([11, 12, 13], params)
+        await running.__anext__()
+        pids = engine.rank_pids
+        call = asyncio.create_task(engine.shutdown())
+        await asyncio.sleep(0)  # the call has begun the shutdown
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        *_, last = await asyncio.wait_for(events_of(running), 30)
+        assert isinstance(last, FinishedEvent) and last.reason == "abort", last
+        await asyncio.wait_for(engine.wait_closed(), 30)
+        assert not engine.is_dead and engine.load().is_dead  # stopped, not failed
+        assert_gone(pids)
     finally:
         await engine.shutdown()
