@@ -137,13 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "docs/MONITOR.md): auto (an ipc:// socket in a private 0700 folder), "
                           "ipc://PATH, tcp://HOST:PORT, or off")  # fmt: skip
     srv = p.add_argument_group("server")
-    srv.add_argument("--served-model-name", default=None,
-                     help="the model name clients send; default: MODEL (or --model) as given, "
-                          f"{DEMO_MODEL_NAME} for the demo checkpoint")  # fmt: skip
+    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="the model names clients may send (several: each accepted, the first "
+                          "reported in metrics); default: MODEL (or --model) as given, "
+                          f"{DEMO_MODEL_NAME} for the demo checkpoint. Give MODEL before it, "
+                          "or as --model")  # fmt: skip
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free)")
     srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on every route but /health")  # fmt: skip
+                     help="require 'Authorization: Bearer KEY' on the /v1 routes (as vLLM: "
+                          "/health, /metrics and /version stay open)")  # fmt: skip
     srv.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                      help="seconds running requests may take to finish after SIGTERM")  # fmt: skip
     srv.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
@@ -194,6 +197,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         parser.error(f"the model is given twice: MODEL {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model if args.model is not None else args.model_tag
+    names = args.served_model_name
+    if args.model is None and names is not None and len(names) > 1:
+        # --served-model-name takes every word up to the next flag, MODEL given after it too
+        # (vLLM's parser does the same); a MODEL so lost must not start the demo checkpoint
+        parser.error(f"no MODEL, and --served-model-name took {', '.join(map(repr, names))}: a "
+                     "MODEL given after it is taken as a name. Give MODEL first (deltaserve serve "
+                     "MODEL --served-model-name a b), as --model MODEL, or after --")  # fmt: skip
     return args
 
 
@@ -208,7 +218,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     demo = args.model is None
     if demo:
         args.model = str(demo_model_dir())
-        args.served_model_name = args.served_model_name or DEMO_MODEL_NAME
+        args.served_model_name = args.served_model_name or [DEMO_MODEL_NAME]
     elif not Path(args.model).is_dir():
         print(f"deltaserve serve: error: --model {args.model!r} is not a directory (a local "
               "checkpoint folder; hub names are not downloaded)", file=sys.stderr)  # fmt: skip
@@ -265,7 +275,7 @@ def _server_config(args: argparse.Namespace):  # -> ServerConfig
     from deltaserve.http.server import ServerConfig
 
     return ServerConfig(
-        served_model_name=args.served_model_name or args.model,
+        served_model_name=args.served_model_name or [args.model],
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
     )
@@ -358,7 +368,7 @@ async def _serve(args: argparse.Namespace, server_config, engine_config) -> int:
             log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
             return 1
         log.info("ready: serving '%s' at %s/v1 (health: /health, metrics: /metrics, "
-                 "monitor: %s)", server_config.served_model_name, _base_url(*runner.addresses[0][:2]),
+                 "monitor: %s)", "', '".join(server_config.served_model_name), _base_url(*runner.addresses[0][:2]),
                  engine.monitor_endpoint or "off")  # fmt: skip
         if not await _wait_stop_or_death(stop, engine):
             log.info("signal received: admitting no new requests, draining for up to %.1f s "

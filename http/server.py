@@ -73,13 +73,19 @@ _SAMPLING_FIELD_NAMES = frozenset(SamplingFields.__dataclass_fields__)
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    served_model_name: str
+    """`served_model_name`: one name or several (`--served-model-name a b`, as vLLM's), held
+    as a tuple: requests may name any, responses carry the one named (the first when none)."""
+
+    served_model_name: str | Sequence[str]
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
-        if not self.served_model_name:
-            raise ValueError("served_model_name must be a non-empty string")
+        names = self.served_model_name
+        names = (names,) if isinstance(names, str) else tuple(dict.fromkeys(names))
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"served_model_name must be non-empty strings, got {self.served_model_name!r}")
+        object.__setattr__(self, "served_model_name", names)
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")
         if self.max_request_bytes < 1024:
@@ -96,9 +102,15 @@ class ServerState:
         self.created = int(time.time())
         self.draining = False  # set by the serve command on SIGTERM
 
-    def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.config.served_model_name:
-            raise errors.model_not_found(requested, self.config.served_model_name)
+    def model_name(self, requested: str | None) -> str:
+        """The name a response carries: the one requested (refused if not served), else the
+        first (as vLLM's)."""
+        names = self.config.served_model_name
+        if requested is None:
+            return names[0]
+        if requested not in names:
+            raise errors.model_not_found(requested, "', '".join(names))
+        return requested
 
     def check_admitting(self) -> None:
         if self.engine.is_dead:
@@ -183,8 +195,13 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """As vLLM: the key guards the paths under /v1 only (/health, /metrics, /version stay open
+    to probes and scrapers). By the path and by the route it resolved to, so no spelling of a
+    /v1 path reaches its handler without the key."""
     key = request.app[STATE].config.api_key
-    if key is not None and request.path != "/health":
+    resource = request.match_info.route.resource
+    paths = (request.path, resource.canonical if resource is not None else "")
+    if key is not None and any(p.startswith("/v1") for p in paths):
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
         # as bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500)
@@ -212,21 +229,17 @@ async def version(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    card = {
-        "id": state.config.served_model_name,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "deltaserve",
-        "root": state.engine.config.model,
-        "parent": None,
-        "max_model_len": state.engine.max_model_len,
-    }
-    return _json({"object": "list", "data": [card]})
+    # max_model_len: what one request can use, fewer positions where the KV cache holds fewer
+    cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "deltaserve",
+              "root": state.engine.config.model, "parent": None,
+              "max_model_len": state.engine.longest_sequence}
+             for name in state.config.served_model_name]  # fmt: skip
+    return _json({"object": "list", "data": cards})
 
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    text = render_metrics(state.engine, state.config.served_model_name)
+    text = render_metrics(state.engine, state.config.served_model_name[0])  # as vLLM: the first
     return web.Response(
         body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
@@ -238,7 +251,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_completion_request(await _read_json(request))
-    state.check_model(req.model)
+    model = state.model_name(req.model)
     state.check_admitting()
     max_tokens = req.sampling.max_tokens
     params = _params(
@@ -255,9 +268,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = [p if isinstance(p, str) else list(p) for p in req.prompts]
-    formatter = CompletionFormatter(
-        request_id, state.config.served_model_name, state.strings, req.sampling.logprobs is not None
-    )
+    formatter = CompletionFormatter(request_id, model, state.strings, req.sampling.logprobs is not None)
     streams = await _open_streams(state, prompts, [params] * len(prompts), request_id)
     return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
 
@@ -265,7 +276,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_chat_request(await _read_json(request))
-    state.check_model(req.model)
+    model = state.model_name(req.model)
     state.check_admitting()
     prompt_ids = await _apply_chat_template(
         state.engine, req.messages, req.chat_template_kwargs, size=len(await request.read())
@@ -275,9 +286,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         max_tokens = max(1, state.engine.longest_sequence - len(prompt_ids))
     params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    formatter = ChatFormatter(
-        request_id, state.config.served_model_name, state.strings, req.logprobs
-    )
+    formatter = ChatFormatter(request_id, model, state.strings, req.logprobs)
     streams = await _open_streams(state, [prompt_ids], [params], request_id, prompt_param="messages")
     return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
 

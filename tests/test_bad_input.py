@@ -9,7 +9,7 @@ rank after every test).
   answer is 200 (a valid request, fully served) or a 4xx OpenAI error body, never a 5xx;
 - the same parsers without a server, many more examples: whatever they accept becomes
   sampling parameters that the control plane can encode (a huge top_k once killed the engine);
-- `--api-key` is enforced on every route and method but /health.
+- `--api-key` is enforced on every /v1 route and method, and on no other (as vLLM).
 
 `pytest --long` runs the fuzzers with 10x the examples.
 """
@@ -139,6 +139,11 @@ CASES = {
     "temperature huge integer": (C, b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", 400, "temperature", "finite"),
     "chat top_p huge integer": (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -1' + b"0" * 400 + b"}", 400, "top_p", "finite"),
     "unknown field": (C, j({"prompt": "x", "guided_regex": "a+"}), 400, "guided_regex", "unknown"),
+    # vLLM's extra fields at a value other than their default: not honoured here, so refused
+    "min_tokens 5": (C, j({"prompt": "x", "min_tokens": 5}), 400, "min_tokens", "default"),
+    "include_stop_str_in_output true": (CHAT, j({"messages": USER, "include_stop_str_in_output": True}),
+                                        400, "include_stop_str_in_output", "default"),
+    "skip_special_tokens false": (C, j({"prompt": "x", "skip_special_tokens": False}), 400, "skip_special_tokens", "default"),
     "stream not a bool": (C, j({"prompt": "x", "stream": "yes"}), 400, "stream", "boolean"),
     "temperature nan-ish string": (C, j({"prompt": "x", "temperature": "NaN"}), 400, "temperature", "number"),
     # Non-finite numbers (NaN and Infinity are not JSON, 1e400 overflows a float) are refused
@@ -200,6 +205,11 @@ async def test_huge_top_k_means_off_and_the_engine_lives(server):
 
 
 # What vLLM accepts and clients send, each a no-op or honoured here: served, not refused.
+VLLM_DEFAULTS = {"include_stop_str_in_output": False, "skip_special_tokens": True,
+                 "spaces_between_special_tokens": True, "min_tokens": 0, "use_beam_search": False,
+                 "length_penalty": 1.0, "truncate_prompt_tokens": None, "prompt_logprobs": None,
+                 "allowed_token_ids": None, "bad_words": [], "priority": 0,
+                 "return_tokens_as_token_ids": False}  # fmt: skip
 SYSTEM_HI = [{"role": "system", "content": "Be brief."}, *USER]
 ACCEPTED = {
     "negative seed": (C, {"prompt": "x", "seed": -1, "temperature": 1.0}),
@@ -211,6 +221,10 @@ ACCEPTED = {
                                          "stream_options": {"continuous_usage_stats": False, "include_usage": True}}),
     "chat continuous_usage_stats false": (CHAT, {"messages": USER, "stream": True,
                                                  "stream_options": {"continuous_usage_stats": False}}),
+    # vLLM's extra fields at their defaults, as clients send them (each a no-op here too)
+    "vLLM extras at their defaults": (C, {"prompt": "x", **VLLM_DEFAULTS, "add_special_tokens": True}),
+    "chat vLLM extras at their defaults": (CHAT, {"messages": USER, **VLLM_DEFAULTS, "add_special_tokens": False,
+                                                  "add_generation_prompt": True, "continue_final_message": False}),
 }  # fmt: skip
 
 
@@ -427,28 +441,33 @@ def test_fuzz_parsers_accept_only_encodable_params(request, parse, required):
 
 
 @aio
-async def test_api_key_on_every_route_but_health(server):
+async def test_api_key_on_v1_routes_only(server):
+    """As vLLM: every path under /v1 needs the key, whatever the method; every other path
+    (/health, /metrics, /version, an unknown one) answers as it does with the key, never 401
+    (a Prometheus scrape of /metrics got 401)."""
     app = build_app(server.engine, ServerConfig(MODEL, api_key=API_KEY))  # the route table
     routes = {(r.method, r.resource.canonical) for r in app.router.routes()}
-    routes |= {("GET", "/nope"), ("POST", "/v1/nope"), ("DELETE", "/v1/models"),
-               ("OPTIONS", "/v1/completions"), ("PUT", "/health/x")}  # fmt: skip
+    routes |= {("GET", "/nope"), ("POST", "/v1/nope"), ("DELETE", "/v1/models"), ("GET", "/v1"),
+               ("OPTIONS", "/v1/completions"), ("PUT", "/health/x"), ("POST", "/metrics")}  # fmt: skip
     assert ("POST", "/v1/completions") in routes and ("GET", "/metrics") in routes
     wrong = [None, "Bearer wrong", f"Basic {API_KEY}", API_KEY, f"Bearer {API_KEY}x",
              f"Bearer{API_KEY}", "Bearer ", f"Bearer {API_KEY}\u00e9"]  # fmt: skip (non-ASCII: was a 500)
+    ok = {"Authorization": f"Bearer {API_KEY}"}
     async with aiohttp.ClientSession() as s:
         for method, path in sorted(routes):
+            async with s.request(method, server.url + path, headers=ok, data=b"{") as r:
+                with_key = r.status
             for auth in wrong:
                 headers = {} if auth is None else {"Authorization": auth}
                 async with s.request(method, server.url + path, headers=headers, data=b"{") as r:
                     body = await r.read()
-                if path == "/health":
-                    assert r.status == 200, (method, auth)
+                if not path.startswith("/v1"):
+                    assert r.status == with_key != 401, (method, path, auth, r.status)
                     continue
                 assert r.status == 401, (method, path, auth, r.status)
                 if method != "HEAD":
                     assert check_error_body(body)["code"] == "invalid_api_key"
-        ok = {"Authorization": f"Bearer {API_KEY}"}
-        for path, status in (("/v1/models", 200), ("/metrics", 200), ("/nope", 404)):
+        for path, status in (("/v1/models", 200), ("/metrics", 200), ("/version", 200), ("/nope", 404)):
             async with s.get(server.url + path, headers=ok) as r:
                 assert r.status == status, path
         async with s.post(server.url + C, headers=ok, data=b"{") as r:

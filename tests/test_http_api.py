@@ -50,26 +50,15 @@ class Served:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tiny_model_dir):
-    config = EngineConfig(
-        model=str(tiny_model_dir),
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=MAX_NUM_SEQS,
-        max_queued_requests=MAX_QUEUED,
-    )
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                          max_queued_requests=MAX_QUEUED)  # fmt: skip
     engine = await AsyncEngine.start(config)
     app = build_app(engine, ServerConfig(MODEL, api_key=API_KEY, max_request_bytes=MAX_BODY))
     runner, _ = await start_server(app, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     try:
-        yield Served(
-            engine,
-            url,
-            client,
-            engine.tokenizer,
-            TokenStrings(engine.tokenizer),
-            str(tiny_model_dir),
-        )
+        yield Served(engine, url, client, engine.tokenizer, TokenStrings(engine.tokenizer), str(tiny_model_dir))
     finally:
         await client.close()
         await runner.cleanup()
@@ -225,11 +214,8 @@ async def test_stop_strings_and_stop_token_ids(served: Served):
     held = (await served.client.completions.create(stop=["a stop string never seen"], **kwargs)).choices[0]
     assert (held.text, held.logprobs.text_offset) == (text, offsets)
 
-    ref = (
-        await engine_run(
-            served.engine, PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-        )
-    )[0]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = (await engine_run(served.engine, PROMPT, params))[0]
     tokens = [e.token_id for e in ref if isinstance(e, TokenEvent)]
     body = dict(kwargs)
     body["extra_body"] = {"ignore_eos": True, "stop_token_ids": [tokens[3]]}
@@ -250,14 +236,10 @@ async def test_chat_matches_engine_streamed_and_not(served: Served):
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Name three colours."},
     ]
-    text = served.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False
-    )
+    text = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = served.tokenizer.encode(text, add_special_tokens=False)
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)
-    ref = [
-        e for e in (await engine_run(served.engine, ids, params))[0] if isinstance(e, TokenEvent)
-    ]
+    ref = [e for e in (await engine_run(served.engine, ids, params))[0] if isinstance(e, TokenEvent)]
 
     kwargs = dict(model=MODEL, max_completion_tokens=10, temperature=0, logprobs=True,
                   top_logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
@@ -270,19 +252,12 @@ async def test_chat_matches_engine_streamed_and_not(served: Served):
     assert [c.bytes for c in content] == [served.strings.bytes(e.token_id) for e in ref]
     assert [c.logprob for c in content] == pytest.approx([e.logprob for e in ref], abs=1e-3)
     for c, e in zip(content, ref, strict=True):
-        assert [t.token for t in c.top_logprobs] == [
-            served.strings.text(t) for t, _ in e.top_logprobs
-        ]
-        assert [t.logprob for t in c.top_logprobs] == pytest.approx(
-            [v for _, v in e.top_logprobs], abs=1e-3
-        )
+        assert [t.token for t in c.top_logprobs] == [served.strings.text(t) for t, _ in e.top_logprobs]
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([v for _, v in e.top_logprobs], abs=1e-3)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 10)
 
     # Content parts are joined as text; the same conversation, streamed.
-    parts = [
-        messages[0],
-        {"role": "user", "content": [{"type": "text", "text": "Name three colours."}]},
-    ]
+    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Name three colours."}]}]
     stream = await served.client.chat.completions.create(
         messages=parts, stream=True, stream_options={"include_usage": True}, **kwargs
     )
@@ -307,9 +282,7 @@ async def test_chat_n2_and_default_max_tokens(served: Served):
     assert r.choices[0].message.content != r.choices[1].message.content
     assert r.usage.completion_tokens == 12
 
-    text = served.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False
-    )
+    text = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = served.tokenizer.encode(text, add_special_tokens=False)
     ref = (await engine_run(served.engine, ids, SamplingParams(max_tokens=4, temperature=0)))[0]
     tokens = [e.token_id for e in ref if isinstance(e, TokenEvent)]
@@ -343,6 +316,7 @@ async def test_event_stream_declares_utf8(served: Served):
 async def test_models_version_and_metrics(served: Served):
     models = await served.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].max_model_len == MAX_MODEL_LEN  # the KV cache holds more
     async with (
         aiohttp.ClientSession() as s,
         s.get(served.url + "/version", headers={"Authorization": f"Bearer {API_KEY}"}) as r,
@@ -453,19 +427,49 @@ async def test_400_bad_json_404_413(served: Served):
     check_error(info.value.response.json(), "model", "gpt-4")
 
 
-async def test_401_on_every_route_but_health(served: Served):
-    bad = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0)
-    async with bad:
+async def test_401_only_under_v1(served: Served):
+    """As vLLM, the key guards the /v1 routes only: a Prometheus scrape of /metrics, /version
+    and /health need none (/metrics and /version answered 401)."""
+    async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             await bad.completions.create(model=MODEL, prompt="x")
         with pytest.raises(openai.AuthenticationError):
             await bad.models.list()
-    for path in ("/metrics", "/version", "/v1/models"):
-        async with aiohttp.ClientSession() as s, s.get(served.url + path) as r:
-            assert r.status == 401, path
-            assert (await r.json())["error"]["code"] == "invalid_api_key"
-    async with aiohttp.ClientSession() as s, s.get(served.url + "/health") as r:
-        assert r.status == 200
+    async with aiohttp.ClientSession() as s:
+        for path, status in (("/v1/models", 401), ("/v1/nothing", 401), ("/metrics", 200), ("/version", 200),
+                             ("/health", 200)):  # fmt: skip
+            async with s.get(served.url + path) as r:
+                assert r.status == status, (path, await r.text())
+                if status == 401:
+                    assert (await r.json())["error"]["code"] == "invalid_api_key"
+
+
+async def test_several_served_model_names(served: Served):
+    """`--served-model-name a b`, as vLLM: /v1/models lists both, a request may name either,
+    a response carries the name its request used (the first when it named none), metrics
+    label the first. A second app on the module's engine: no new engine."""
+    names = (MODEL, "tiny-alias")
+    runner, _ = await start_server(build_app(served.engine, ServerConfig(names, api_key=API_KEY)), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    try:
+        assert [(m.id, m.max_model_len) for m in (await client.models.list()).data] == [(n, MAX_MODEL_LEN) for n in names]
+        for name in names:
+            assert (await client.completions.create(model=name, prompt="x", max_tokens=2)).model == name
+            stream = await client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                                          max_tokens=2, stream=True)  # fmt: skip
+            assert {c.model async for c in stream} == {name}
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as s:
+            async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as r:
+                assert (r.status, (await r.json())["model"]) == (200, MODEL)
+            async with s.get(url + "/metrics") as r:
+                assert f'model_name="{MODEL}"' in await r.text()
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.completions.create(model="tiny", prompt="x")
+        check_error(info.value.response.json(), "model", "tiny-alias")
+    finally:
+        await client.close()
+        await runner.cleanup()
 
 
 async def open_stream(served: Served, max_tokens: int = LONG, **kw):
@@ -587,4 +591,6 @@ async def test_chat_default_max_tokens_fits_a_cache_smaller_than_the_context(tin
                                                  extra_body={"ignore_eos": True})  # fmt: skip
         assert r.choices[0].finish_reason == "length"
         assert r.usage.prompt_tokens + r.usage.completion_tokens == 4 * 16  # every position the cache has
+        # /v1/models reports what a request can use, not the configured 256
+        assert [m.max_model_len for m in (await client.models.list()).data] == [4 * 16]
         await client.close()

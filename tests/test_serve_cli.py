@@ -16,6 +16,7 @@ from serve_helpers import DELTASERVE, get
 import deltaserve
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.http import serve
+from deltaserve.http.server import ServerConfig
 
 
 def test_vllm_and_sglang_spellings():
@@ -23,6 +24,30 @@ def test_vllm_and_sglang_spellings():
     assert serve.parse_args(["-tp", "2"]).tp_size == 2
     assert serve.parse_args(["--log-level", "debug"]).log_level == "DEBUG"
     assert serve.parse_args(["--log-level", "Warning"]).log_level == "WARNING"
+
+
+def test_several_served_model_names(tmp_path, capsys):
+    """`--served-model-name a b`, as vLLM's: every name is served, the first reported. The
+    second name became MODEL ("unrecognized arguments" or a wrong checkpoint)."""
+    model = str(tmp_path)
+    for argv in ([model, "--served-model-name", "a", "b"], ["--served-model-name", "a", "b", "--model", model],
+                 ["--served-model-name", "a", "b", "--", model]):  # fmt: skip
+        args = serve.parse_args(argv)
+        assert args.model == model, argv
+        assert serve._server_config(args).served_model_name == ("a", "b"), argv
+    assert ServerConfig("a").served_model_name == ("a",)  # one name, as library callers pass it
+    for bad in ((), ("a", ""), ["a", 3]):
+        with pytest.raises(ValueError, match="served_model_name"):
+            ServerConfig(bad)
+    args = serve.parse_args([model, "--served-model-name", "a"])
+    assert serve._server_config(args).served_model_name == ("a",)
+    assert serve._server_config(serve.parse_args([model])).served_model_name == (model,)
+    # The names swallow a MODEL given after them (as in vLLM); said, not served as the demo.
+    with pytest.raises(SystemExit) as info:
+        serve.parse_args(["--served-model-name", "a", "b", model])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "MODEL" in err and f"{model!r}" in err and "--served-model-name" in err, err
 
 
 def test_help_shows_no_none_default(capsys):
