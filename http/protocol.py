@@ -9,6 +9,7 @@ to it (its ValueError names the field); the OpenAI-only limits are checked here.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,11 +30,25 @@ _SAMPLING_KEYS = frozenset(
 )  # fmt: skip
 # Harmless metadata: accepted and not used for generation.
 _METADATA_KEYS = frozenset({"user"})
-_COMPLETION_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | {
+# vLLM's extra fields that clients send at their defaults, each the way this server works
+# anyway (stop strings and stop tokens left out of the text, special tokens skipped, no beam
+# search, ...): accepted at that value (or null), refused at any other.
+_VLLM_DEFAULTS: dict[str, Any] = {
+    "include_stop_str_in_output": False, "skip_special_tokens": True,
+    "spaces_between_special_tokens": True, "min_tokens": 0, "use_beam_search": False,
+    "length_penalty": 1.0, "truncate_prompt_tokens": None, "prompt_logprobs": None,
+    "allowed_token_ids": None, "bad_words": [], "priority": 0, "return_tokens_as_token_ids": False,
+}  # fmt: skip
+# add_special_tokens: vLLM adds them to a completion's prompt, not to a rendered chat. The
+# Qwen tokenizer adds none when encoding, so the prompt is the same either way.
+_COMPLETION_DEFAULTS = {**_VLLM_DEFAULTS, "add_special_tokens": True}
+_CHAT_DEFAULTS = {**_VLLM_DEFAULTS, "add_special_tokens": False, "add_generation_prompt": True,
+                  "continue_final_message": False}  # fmt: skip
+_COMPLETION_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_COMPLETION_DEFAULTS) | {
     "model", "prompt", "max_tokens", "stream", "stream_options", "logprobs", "echo",
     "best_of", "logit_bias", "suffix",
 }  # fmt: skip
-_CHAT_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | {
+_CHAT_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_CHAT_DEFAULTS) | {
     "model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
     "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "response_format",
     "parallel_tool_calls", "chat_template_kwargs",
@@ -106,6 +121,7 @@ class ChatRequest:
 def parse_completion_request(body: object) -> CompletionRequest:
     obj = _object(body)
     _refuse_unknown(obj, _COMPLETION_KEYS)
+    _refuse_non_defaults(obj, _COMPLETION_DEFAULTS)
     _opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
     if obj.get("echo") not in (None, False):
         raise unsupported("echo", "echo=true (returning the prompt) is not supported")
@@ -131,6 +147,7 @@ def parse_completion_request(body: object) -> CompletionRequest:
 def parse_chat_request(body: object) -> ChatRequest:
     obj = _object(body)
     _refuse_unknown(obj, _CHAT_KEYS)
+    _refuse_non_defaults(obj, _CHAT_DEFAULTS)
     _opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
     if obj.get("tools") not in (None, []):
         raise unsupported("tools", "tool calling is not supported")
@@ -196,6 +213,22 @@ def _refuse_unknown(obj: dict[str, Any], known: frozenset[str]) -> None:
     for key in obj:
         if key not in known:
             raise unsupported(key, "unknown or unsupported parameter")
+
+
+def _refuse_non_defaults(obj: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Each field of `defaults` present must be null or its default, of the default's JSON
+    type (1 is not true, false is not 0)."""
+    for name, default in defaults.items():
+        value = obj.get(name)
+        if value is None:
+            continue
+        if isinstance(default, bool) or isinstance(value, bool):
+            same = value is default
+        else:
+            same = isinstance(value, int | float | list) and value == default
+        if not same:
+            shown = "null" if default is None else json.dumps(default)
+            raise unsupported(name, f"only its default ({name}={shown}) is supported")
 
 
 def _refuse_logit_bias(obj: dict[str, Any]) -> None:

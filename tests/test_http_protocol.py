@@ -213,6 +213,68 @@ class TestChat:
         refused(parse_chat_request, {"messages": messages}, param, words)
 
 
+# vLLM's extra request fields and their defaults: what this server does anyway.
+VLLM_DEFAULTS = {"include_stop_str_in_output": False, "skip_special_tokens": True,
+                 "spaces_between_special_tokens": True, "min_tokens": 0, "use_beam_search": False,
+                 "length_penalty": 1.0, "truncate_prompt_tokens": None, "prompt_logprobs": None,
+                 "allowed_token_ids": None, "bad_words": [], "priority": 0,
+                 "return_tokens_as_token_ids": False}  # fmt: skip
+COMPLETION_DEFAULTS = {**VLLM_DEFAULTS, "add_special_tokens": True}
+CHAT_DEFAULTS = {**VLLM_DEFAULTS, "add_special_tokens": False, "add_generation_prompt": True,
+                 "continue_final_message": False}  # fmt: skip
+# A value other than the default, of the right type and of a wrong one.
+OTHER = {"include_stop_str_in_output": [True, 0], "skip_special_tokens": [False, 1],
+         "spaces_between_special_tokens": [False, "true"], "min_tokens": [3, False],
+         "use_beam_search": [True, 0], "length_penalty": [0.5, True], "truncate_prompt_tokens": [5, -1],
+         "prompt_logprobs": [0, 2], "allowed_token_ids": [[1], []], "bad_words": [["x"], {}],
+         "priority": [1, -1], "return_tokens_as_token_ids": [True, 0], "add_special_tokens": [None],
+         "add_generation_prompt": [False, 1], "continue_final_message": [True, 0]}  # fmt: skip
+CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+class TestVllmExtras:
+    """vLLM's extra fields, as clients send them: at their default (what we do anyway)
+    accepted, at any other value refused naming the field (we would not honour it)."""
+
+    @pytest.mark.parametrize("parse, body, defaults", [
+        (parse_completion_request, {"prompt": "x"}, COMPLETION_DEFAULTS),
+        (parse_chat_request, CHAT_BODY, CHAT_DEFAULTS),
+    ])  # fmt: skip
+    def test_defaults_accepted(self, parse, body, defaults):
+        assert parse({**body, **defaults}) == parse(body)
+        for name, value in defaults.items():
+            assert parse({**body, name: value}) == parse(body), name
+            assert parse({**body, name: None}) == parse(body), name
+
+    @pytest.mark.parametrize("parse, body, defaults", [
+        (parse_completion_request, {"prompt": "x"}, COMPLETION_DEFAULTS),
+        (parse_chat_request, CHAT_BODY, CHAT_DEFAULTS),
+    ])  # fmt: skip
+    def test_other_values_refused(self, parse, body, defaults):
+        for name in defaults:
+            others = [v for v in OTHER[name] if v is not None] or [not defaults[name]]
+            for value in others:
+                refused(parse, {**body, name: value}, name, "default")
+
+    def test_add_special_tokens_defaults_differ(self):
+        """vLLM adds special tokens to a completion's prompt, not to a rendered chat."""
+        refused(parse_completion_request, {"prompt": "x", "add_special_tokens": False}, "add_special_tokens", "default")
+        refused(parse_chat_request, {**CHAT_BODY, "add_special_tokens": True}, "add_special_tokens", "default")
+
+
+def test_add_special_tokens_adds_none(tmp_path):
+    """The Qwen tokenizer adds no special tokens to an encoded text: a completion's prompt,
+    encoded without them, is what vLLM's default add_special_tokens=true gives."""
+    from transformers import AutoTokenizer
+
+    from deltaserve.tools.tokenizer_files import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    for text in ("Hello", "<|im_start|>user\nhi", ""):
+        assert tok.encode(text, add_special_tokens=True) == tok.encode(text, add_special_tokens=False)
+
+
 def test_token_bytes_rebuild_the_text(tmp_path):
     """Chat logprobs carry each token's raw bytes: joined, they are the text's UTF-8, even
     where one character spans tokens."""
