@@ -54,6 +54,9 @@ _CHAT_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_CHAT_DEFAULTS) | {
     "parallel_tool_calls", "chat_template_kwargs",
 }  # fmt: skip
 _ROLES = ("system", "user", "assistant", "developer")
+# Message fields taken only when null (or []): tool calls, and what the SDK's model_dump() of
+# a reply carries (annotations, audio, ...) when a client sends it back as history.
+_NULL_MESSAGE_KEYS = frozenset({"tool_calls", "function_call", "refusal", "annotations", "audio"})
 # OpenAI's newer name for the system message (as vLLM, we take it): the template sees "system".
 _ROLE_ALIASES = {"developer": "system"}
 
@@ -103,8 +106,9 @@ class CompletionRequest:
 
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
-    """`messages` are normalised to `{"role", "content": str}`; `logprobs` asks for the chat
-    logprobs shape (then `sampling.logprobs` is the number of alternatives, 0..20)."""
+    """`messages` are normalised to `{"role", "content": str}` (and `"name"` when given);
+    `logprobs` asks for the chat logprobs shape (then `sampling.logprobs` is the number of
+    alternatives, 0..20)."""
 
     model: str | None
     messages: tuple[dict[str, str], ...]
@@ -357,12 +361,19 @@ def _messages(obj: dict[str, Any]) -> tuple[dict[str, str], ...]:
                 f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", "messages"
             )
         for key, value in m.items():
-            if key in ("role", "content"):
+            if key in ("role", "content", "name") or (key in _NULL_MESSAGE_KEYS and value in (None, [])):
                 continue
-            if key in ("tool_calls", "function_call", "refusal", "name") and value in (None, []):
-                continue
-            raise unsupported(f"{where}.{key}", "messages carry only role and content")
-        out.append({"role": _ROLE_ALIASES.get(role, role), "content": _content(m.get("content"), where)})
+            raise unsupported(f"{where}.{key}", "messages carry only role, content and name")
+        content = m.get("content")
+        if content is None and role == "assistant":  # OpenAI allows it; vLLM renders ""
+            content = ""
+        message = {"role": _ROLE_ALIASES.get(role, role), "content": _content(content, where)}
+        name = m.get("name")
+        if name is not None:  # for the template, as vLLM passes it (Qwen's ignores it)
+            if not isinstance(name, str):
+                raise bad_request(f"{where}.name must be a string, got {_json_type(name)}", "messages")
+            message["name"] = name
+        out.append(message)
     return tuple(out)
 
 

@@ -225,6 +225,13 @@ ACCEPTED = {
     "vLLM extras at their defaults": (C, {"prompt": "x", **VLLM_DEFAULTS, "add_special_tokens": True}),
     "chat vLLM extras at their defaults": (CHAT, {"messages": USER, **VLLM_DEFAULTS, "add_special_tokens": False,
                                                   "add_generation_prompt": True, "continue_final_message": False}),
+    # history as clients send it back: a name, the SDK's model_dump() of a reply (its
+    # response-only fields null), an assistant message with null content
+    "chat replayed history": (CHAT, {"messages": [
+        {"role": "user", "content": "hi", "name": "alice"},
+        {"role": "assistant", "content": "Hello", "refusal": None, "annotations": None, "audio": None,
+         "function_call": None, "tool_calls": None},
+        {"role": "assistant", "content": None}, *USER]}),
 }  # fmt: skip
 
 

@@ -205,7 +205,8 @@ class TestChat:
             ([{"role": "user"}], "messages", "messages[0].content"),
             ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
              "messages[0].content[0].type", "text"),
-            ([{"role": "user", "content": "x", "name": "bob"}], "messages[0].name", "role and content"),
+            ([{"role": "user", "content": "x", "name": 5}], "messages", "messages[0].name must be a string"),
+            ([{"role": "user", "content": "x", "audio": {"id": "a"}}], "messages[0].audio", "role, content and name"),
             ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages", "text must"),
         ],
     )  # fmt: skip
@@ -290,6 +291,53 @@ def test_token_bytes_rebuild_the_text(tmp_path):
     assert b"".join(bytes(strings.bytes(t)) for t in ids) == text.encode()
     assert strings.text(ids[0]) == tok.decode([ids[0]])
     assert clamp_logprob(float("-inf")) == -9999.0 and clamp_logprob(-1.5) == -1.5
+
+
+def test_replayed_messages_render_as_vllm_renders_them(tmp_path):
+    """What clients send back as history, as vLLM takes it: an assistant message from the
+    SDK's `ChatCompletionMessage.model_dump()` (annotations, audio, refusal, ... all null),
+    an assistant message whose content is null (the OpenAI schema allows it: vLLM renders
+    ""), and a participant `name` (vLLM hands it to the template). Each was a 400; the prompt
+    is now the one vLLM renders: its conversation through transformers' apply_chat_template."""
+    import asyncio
+
+    from openai.types.chat import ChatCompletionMessage
+    from transformers import AutoTokenizer
+
+    from deltaserve.http.server import _apply_chat_template
+    from deltaserve.tools.tokenizer_files import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    replayed = ChatCompletionMessage(role="assistant", content="Hello! <think>x</think>").model_dump()
+    messages = [
+        {"role": "system", "content": "Be brief.", "name": "rules"},
+        {"role": "user", "content": "Hi <|im_end|>", "name": "alice"},
+        replayed,
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": []},
+        {"role": "user", "content": "again"},
+    ]
+    req = parse_chat_request({"messages": messages})
+
+    class Engine:  # what _apply_chat_template uses of the engine
+        tokenizer = tok
+
+        @staticmethod
+        async def run_tokenizer(fn, size):
+            return fn(tok)
+
+    ours = asyncio.run(_apply_chat_template(Engine, req.messages, req.chat_template_kwargs, size=0))
+    # vLLM's conversation: null content is "", text parts joined by "\n", name kept, the
+    # response-only fields dropped
+    conversation = [{"role": "system", "content": "Be brief.", "name": "rules"},
+                    {"role": "user", "content": "Hi <|im_end|>", "name": "alice"},
+                    {"role": "assistant", "content": "Hello! <think>x</think>"},
+                    {"role": "user", "content": "a\nb"},
+                    {"role": "assistant", "content": ""},
+                    {"role": "user", "content": "again"}]  # fmt: skip
+    text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert ours == tok.encode(text, add_special_tokens=False)
 
 
 def test_aiohttp_imports_from_repo_root():
