@@ -15,12 +15,13 @@ publishes nothing (`deltaserve serve` sets "auto").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from deltaserve.engine.config import EngineConfig, resolve_limits
@@ -235,8 +236,28 @@ class AsyncEngine:
         """Submit a prompt; returns the stream of its events. Raises ValueError (bad input),
         QueueFullError (waiting queue at its bound) or EngineDeadError, synchronously."""
         self._check_alive()
-        try:
+        with self._refusals_told(request_id):
             return self._submit(prompt, params, request_id)
+
+    def check(
+        self, prompts: list[str | list[int]], params: list[SamplingParams], request_id: str | None = None
+    ) -> None:
+        """Raise what `generate` would for these prompts submitted one after another (the
+        queue bound over all their choices), submitting none: a caller that needs all or none
+        (a completion of several prompts) checks first, so a refusal leaves no aborted choice
+        behind in the metrics. Nothing awaited between this and the `generate` calls can
+        change the answer."""
+        self._check_alive()
+        with self._refusals_told(request_id):
+            for prompt, p in zip(prompts, params, strict=True):
+                self._check_request(prompt, p)
+            self._check_queue(sum(p.n for p in params))
+
+    @contextlib.contextmanager
+    def _refusals_told(self, request_id: str | None) -> Iterator[None]:
+        """Monitors hear every refused submission, with its reason."""
+        try:
+            yield
         except QueueFullError as exc:
             self._scheduler.notify_refused(request_id or "", "queue_full", str(exc))
             raise
@@ -244,11 +265,23 @@ class AsyncEngine:
             self._scheduler.notify_refused(request_id or "", "invalid", str(exc))
             raise
 
-    def _submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> RequestStream:
+    def _check_request(self, prompt: str | list[int], params: SamplingParams) -> tuple[int, ...]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = self._prompt_ids(prompt)
         self._check_fits(prompt_ids, params)
+        return prompt_ids
+
+    def _check_queue(self, choices: int) -> None:
+        queued = self._scheduler.num_queued
+        if queued + choices > self.config.max_queued_requests:
+            raise QueueFullError(
+                f"waiting queue is full: {queued} queued + {choices} new > "
+                f"max_queued_requests {self.config.max_queued_requests}"
+            )
+
+    def _submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> RequestStream:
+        prompt_ids = self._check_request(prompt, params)
         if request_id is None:
             request_id = f"req-{uuid.uuid4().hex}"
         elif (old := self._streams.get(request_id)) is not None:
@@ -257,12 +290,7 @@ class AsyncEngine:
             # its owner left (aclose, a cancelled consumer, the stream dropped): the id is free
             # at once, as after `abort`; the tick cancels the old choices
             self._forget(old)
-        queued = self._scheduler.num_queued
-        if queued + params.n > self.config.max_queued_requests:
-            raise QueueFullError(
-                f"waiting queue is full: {queued} queued + {params.n} new > "
-                f"max_queued_requests {self.config.max_queued_requests}"
-            )
+        self._check_queue(params.n)
         now = time.monotonic()
         requests = []
         for index in range(params.n):

@@ -382,12 +382,15 @@ async def _open_streams(
     *,
     prompt_param: str = "prompt",
 ) -> list[Any]:
-    """Submit every prompt, or none: a refusal closes the streams already opened. Text is
-    tokenized first, every prompt before any is submitted (a large one off the event loop).
-    An error about the prompt names `prompt_param` (a chat's prompt is its messages)."""
+    """Submit every prompt, or none: all are tokenized (a large text off the event loop), then
+    checked together, before any is submitted, so a refusal opens no stream that would count
+    as an abort. An error about the prompt names `prompt_param` (a chat's prompt is its
+    messages)."""
     streams: list[Any] = []
     try:
         prompts = [await state.engine.encode(p) if isinstance(p, str) else p for p in prompts]
+        if len(prompts) > 1:  # all or none: no stream opened to be closed (counted an abort)
+            state.engine.check(prompts, params, request_id)
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             streams.append(state.engine.generate(prompt, p, request_id=rid))

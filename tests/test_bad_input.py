@@ -479,3 +479,16 @@ async def test_api_key_on_v1_routes_only(server):
                 assert r.status == status, path
         async with s.post(server.url + C, headers=ok, data=b"{") as r:
             assert r.status == 400  # past the key check, the body is looked at
+
+
+@aio
+@pytest.mark.parametrize("bad", [[1] * MAX_MODEL_LEN, [VOCAB]])
+async def test_refused_prompt_list_counts_nothing(server, bad):
+    """A completion of several prompts refused for one of them (too long, an id outside the
+    vocabulary) submits none: the prompts before it were opened, closed again and counted
+    as aborts in /metrics (vLLM checks every prompt first and counts nothing)."""
+    before = dict(server.engine.metrics.request_success_total)
+    status, _, raw = await post(server.url + C, j({"prompt": [[1, 2, 3], [4, 5], bad], "max_tokens": 2, "n": 2}))
+    assert status == 400 and b'"param":"prompt"' in raw, raw
+    await wait_idle(server.engine)
+    assert server.engine.metrics.request_success_total == before
