@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -357,3 +358,18 @@ def test_monitor_view_renders_a_session():
 
 async def _drain(stream) -> list:
     return [e async for e in stream]
+
+
+def test_monitor_says_when_nothing_is_at_its_ipc_path(tmp_path):
+    """`deltaserve monitor ipc://WRONG` waited in silence (zmq connects to a path that does not
+    exist yet and waits); it now says what it waits for, and still waits (an engine may bind
+    the path later)."""
+    endpoint = f"ipc://{tmp_path}/nowhere"
+    with subprocess.Popen([sys.executable, "-m", "deltaserve.tools.cli", "monitor", endpoint, "--json"],
+                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
+        try:
+            line = proc.stderr.readline()
+            assert f"nothing at {tmp_path}/nowhere yet: waiting for an engine" in line, line
+            assert proc.poll() is None  # still waiting
+        finally:
+            proc.kill()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 import time
 from datetime import datetime
@@ -220,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     except zmq.ZMQError as exc:
         print(f"deltaserve monitor: error: cannot connect to {args.endpoint!r}: {exc}", file=sys.stderr)
         return 2
+    path = args.endpoint.removeprefix("ipc://")
+    if path != args.endpoint and not os.path.exists(path):  # zmq waits silently for it
+        print(f"deltaserve monitor: nothing at {path} yet: waiting for an engine to bind it "
+              "(serve's ready line names its monitor endpoint)", file=sys.stderr)  # fmt: skip
     try:
         if args.json:
             _print_json(sock, args.count)
