@@ -30,6 +30,16 @@ def ipc_endpoint(run_dir: str, name: str) -> str:
     return f"ipc://{path}"
 
 
+def close_context(ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
+    """Close `sockets` (linger 0: no wait for peers), then any other socket of `ctx`, then
+    `ctx` itself; idempotent. The caller names the sockets and holds them: the context's own
+    list is weak, and in a garbage cycle its entries are gone before any finalizer runs, so
+    `ctx.destroy()` (pyzmq's `Context.__del__` too) would close nothing, then wait forever."""
+    for socket in sockets:
+        socket.close(linger=0)
+    ctx.destroy(linger=0)
+
+
 class PushChannel:
     """One-way sender (PUSH). `send` never blocks: False means no peer could take the frame."""
 

@@ -31,6 +31,7 @@ from deltaserve.ipc.gate import CANCEL, EXECUTE, Doorbell, StartGate
 from deltaserve.ipc.launch import (
     describe_exit,
     emergency_cleanup,
+    free_replica,
     kill_all,
     spawn_rank,
 )
@@ -109,21 +110,25 @@ class ReplicaController:
         self._pidfds: list[int] = []
         self._run_dir = tempfile.mkdtemp(prefix="deltaserve-")  # 0700, unique per replica
         try:
-            reply_endpoint = ipc_endpoint(self._run_dir, "reply")
-            command_endpoints = [ipc_endpoint(self._run_dir, f"cmd{r}") for r in range(config.tp_size)]
             self._gate = StartGate.create(config.tp_size)
         except BaseException:
             shutil.rmtree(self._run_dir, ignore_errors=True)
             raise
         self._receipt_bell = Doorbell()
         self._release_bells = [Doorbell() for _ in range(config.tp_size)]
-        self._ctx = zmq.Context(io_threads=1)
-        self._replies = PullChannel(self._ctx, reply_endpoint, bind=True)
-        self._commands = [PushChannel(self._ctx, ep, bind=True) for ep in command_endpoints]
-        # last resort if the owner never shuts down: kill ranks, free the segment and folder
-        self._finalizer = weakref.finalize(
-            self, emergency_cleanup, self._procs, self._gate.name, self._run_dir
-        )
+        self._ctx, sockets = zmq.Context(io_threads=1), []
+        self._held = (self._gate, self._run_dir, self._ctx, sockets, self._pidfds,
+                      [self._receipt_bell, *self._release_bells])  # free_replica's arguments
+        # if the owner never shuts down: kill the ranks, free all (ipc/launch.py says why here)
+        self._finalizer = weakref.finalize(self, emergency_cleanup, self._procs, *self._held)
+        try:
+            self._replies = PullChannel(self._ctx, ipc_endpoint(self._run_dir, "reply"), bind=True)
+            self._commands = [PushChannel(self._ctx, ipc_endpoint(self._run_dir, f"cmd{r}"), bind=True)
+                              for r in range(config.tp_size)]
+        except BaseException:
+            self._finalizer()  # the sockets made are still alive: ctx.destroy closes them
+            raise
+        sockets += [self._replies.socket, *(channel.socket for channel in self._commands)]
 
     # ---- public API -------------------------------------------------------------------
 
@@ -570,18 +575,14 @@ class ReplicaController:
         self._closed = True
         self.trace.write()
         self._flights.fail_all(self._poison_reason or "replica is shut down")  # e.g. a Shutdown never acked
-        steps = [lambda: self._gate.close(unlink=True),
-                 lambda: shutil.rmtree(self._run_dir, ignore_errors=True)]
-        steps += [lambda fd=fd: self._loop.remove_reader(fd)
-                  for fd in (*self._pidfds, self._receipt_bell.fd)]
-        steps += [self._replies.close, *(channel.close for channel in self._commands), self._ctx.term]
-        steps += [lambda fd=fd: os.close(fd) for fd in self._pidfds]
-        steps += [self._receipt_bell.close, *(bell.close for bell in self._release_bells)]
-        for step in steps:
-            try:
+        errors, readers = [], (*self._pidfds, self._receipt_bell.fd)
+        for step in [*(lambda fd=fd: self._loop.remove_reader(fd) for fd in readers), self._replies.close]:
+            try:  # the loop's readers (the replies' too), then free_replica: each step on its own
                 step()
             except Exception as exc:
-                self._loop.call_exception_handler({"message": "replica teardown step failed", "exception": exc})
+                errors.append(exc)
+        for exc in errors + free_replica(*self._held):
+            self._loop.call_exception_handler({"message": "replica teardown step failed", "exception": exc})
         if all(proc.returncode is not None for proc in self._procs):
             self._finalizer.detach()
 

@@ -33,7 +33,7 @@ import secrets
 import select
 import time
 from collections.abc import Callable
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 EXECUTE = 1
 CANCEL = 2
@@ -134,16 +134,18 @@ class StartGate:
     # ---- teardown ----------------------------------------------------------------------
 
     def close(self, unlink: bool = False) -> None:
-        """Drop this process's mapping; the creator also unlinks the segment."""
-        del self._words
+        """Drop this process's mapping (the view first: it pins the mapping open); the
+        creator also unlinks the segment, through SharedMemory so that its resource tracker
+        forgets it. Idempotent."""
+        self._words = None
         if self._shm is not None:
-            self._shm.close()
+            shm, self._shm = self._shm, None
+            shm.close()
             if unlink:
                 try:
-                    self._shm.unlink()
-                except FileNotFoundError:
-                    pass
-            self._shm = None
+                    shm.unlink()
+                except FileNotFoundError:  # removed by hand: the tracker would still warn
+                    resource_tracker.unregister(shm._name, "shared_memory")
         if self._mmap is not None:
             self._mmap.close()
             self._mmap = None

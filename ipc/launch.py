@@ -1,4 +1,4 @@
-"""Rank processes: the rank's whole configuration, the spawn, the kill.
+"""Rank processes: the rank's whole configuration, the spawn, the kill; freeing a replica.
 
 A rank is `python -m deltaserve.ipc.rank_main`, its `RankConfig` msgspec-encoded on stdin
 (no pickle, no fork of the event-loop process's state). The controller keeps a pidfd per rank
@@ -14,8 +14,11 @@ import subprocess
 import sys
 
 import msgspec
+import zmq
 
+from deltaserve.ipc.channels import close_context
 from deltaserve.ipc.faults import FaultPlan
+from deltaserve.ipc.gate import Doorbell, StartGate
 
 
 class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -94,15 +97,33 @@ def kill_all(procs: list[subprocess.Popen], pidfds: list[int]) -> None:
                 pass
 
 
-def emergency_cleanup(procs: list[subprocess.Popen], gate_name: str, run_dir: str) -> None:
-    """Last resort (a controller dropped without shutdown): kill its ranks, free the gate
-    segment and the run dir."""
+def free_replica(gate: StartGate, run_dir: str, ctx: zmq.Context, sockets: list[zmq.Socket],
+                 fds: list[int], bells: list[Doorbell]) -> list[Exception]:
+    """Free what a replica holds besides its ranks, each step on its own (one that fails must
+    not leave the segment or the run dir behind); idempotent (`fds` are emptied as closed).
+    Returns the steps' errors."""
+    steps = [lambda: gate.close(unlink=True), lambda: shutil.rmtree(run_dir, ignore_errors=True),
+             lambda: close_context(ctx, sockets), *(bell.close for bell in bells)]
+    steps += [lambda: os.close(fds.pop()) for _ in fds]  # popped: never closed twice
+    errors = []
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:
+            errors.append(exc)
+    return errors
+
+
+def emergency_cleanup(procs: list[subprocess.Popen], *held: object) -> None:
+    """Last resort, a weakref.finalize callback (the controller was dropped without shutdown,
+    or the program exits first): kill its ranks, then `free_replica(*held)`. It holds those
+    objects itself, so none is in the controller's garbage cycle, where their own __del__
+    would run in any order: the zmq context's then waits forever on the cycle's sockets still
+    open, SharedMemory's fails (BufferError) while the gate's view of it is alive."""
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    try:
-        os.unlink(f"/dev/shm/{gate_name}")
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(run_dir, ignore_errors=True)
+    errors = free_replica(*held)
+    if errors:
+        raise errors[0]

@@ -471,3 +471,68 @@ async def test_rank_answers_malformed_commands_and_keeps_serving() -> None:
         receipt.close()
         release.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# A library user's program that never shuts its replica down. The owner's poison callback
+# refers back to the owner, as the engine's does: owner and controller form a garbage cycle.
+UNCLEAN = textwrap.dedent("""
+    import asyncio, gc, json, os, signal, sys
+    from deltaserve.ipc.controller import ReplicaConfig, ReplicaController
+
+    class Owner:
+        def on_poison(self, reason):
+            pass
+
+    mode, model_dir = sys.argv[1], sys.argv[2]
+    owner, loop = Owner(), asyncio.new_event_loop()
+    owner.controller = c = loop.run_until_complete(ReplicaController.start(
+        ReplicaConfig(model_dir, tp_size=2, noop_executor=True), on_poison=owner.on_poison))
+    print(json.dumps([c.run_dir, c.gate_name, c.rank_pids]), flush=True)
+    if mode == "tearing_down":  # a rank that does not ack: the shutdown is still running at exit
+        os.kill(c.rank_pids[0], signal.SIGSTOP)
+        task = loop.create_task(c.shutdown())
+        loop.run_until_complete(asyncio.sleep(0.2))
+    del c
+    if mode == "dropped":  # the loop closed, the owner dropped: the collector meets the cycle
+        loop.close()
+        del owner
+        gc.collect()
+        print("collected", flush=True)
+""")
+
+
+def run_unclean(mode: str, model_dir: Path) -> tuple[list, str, str]:
+    """Run UNCLEAN in a child (it may hang: bounded); its (run dir, gate, rank pids), stdout
+    after that line, and stderr."""
+    child = subprocess.Popen([sys.executable, "-c", UNCLEAN, mode, str(model_dir)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = child.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+        err += "\n(timed out: killed)"
+    first_line, _, rest = out.partition("\n")
+    held = json.loads(first_line) if first_line else ["", "", []]
+    if held[0]:  # a killed child cannot remove it; don't leave it behind for other tests
+        remaining = Path(held[0]).exists()
+        shutil.rmtree(held[0], ignore_errors=True)
+        held.append(remaining)
+    return held, rest, err
+
+
+@pytest.mark.parametrize("mode", ["dropped", "exits", "tearing_down"])
+async def test_a_replica_never_shut_down_is_freed_quietly(mode: str, tiny_model_dir: Path) -> None:
+    """Dropped under a closed hand-made loop (a garbage cycle: pyzmq's Context.__del__ used to
+    wait forever there on sockets of the same cycle), or still held, or mid-shutdown, when the
+    program exits: no hang, no BufferError or resource-tracker warning, nothing left."""
+    (run_dir, gate_name, pids, dir_left), out, err = await asyncio.to_thread(run_unclean, mode, tiny_model_dir)
+    assert "timed out" not in err, err
+    if mode == "dropped":
+        assert out == "collected\n", (out, err)
+    for noise in ("Traceback", "BufferError", "leaked shared_memory", "resource_tracker", "Exception ignored"):
+        assert noise not in err, err
+    assert not dir_left, "run dir left behind"
+    assert not Path(f"/dev/shm/{gate_name}").exists(), "gate segment left behind"
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()
+                and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
