@@ -14,7 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from deltaserve.engine.rank.model_config import ConfigError, ModelConfig, json_kind, token_ids
+from deltaserve.engine.rank.model_config import (
+    ConfigError,
+    ModelConfig,
+    read_json_object,
+    token_ids,
+)
 
 T = TypeVar("T")
 log = logging.getLogger("deltaserve.engine")
@@ -73,14 +78,8 @@ def eos_token_ids(model_dir: str | Path, model_config: ModelConfig) -> frozenset
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return frozenset(ids)
+    raw = read_json_object(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    try:
-        if not isinstance(raw, dict):
-            raise ConfigError(f"not a JSON object but {json_kind(raw)}")
         ids.update(token_ids(raw.get("eos_token_id"), "eos_token_id"))
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None

@@ -60,6 +60,19 @@ def to_number(value: object, key: str, kind: type[int] | type[float]) -> int | f
         raise ConfigError(f"{key} is {value!r:.60} ({json_kind(value)}), not {what}") from None
 
 
+def read_json_object(path: Path) -> dict:
+    """The JSON object in `path` (config.json, generation_config.json); a ConfigError naming
+    the file if it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: not a JSON object but {json_kind(raw)}")
+    return raw
+
+
 def token_ids(value: object, key: str) -> tuple[int, ...]:
     """A config's token id or list of ids (eos_token_id, absent = none) as ints."""
     listed = [] if value is None else value if isinstance(value, list) else [value]
@@ -246,11 +259,7 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {model_dir}")
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        raw = read_json_object(path)
         try:
             return cls.from_dict(raw)
         except ValueError as e:  # ConfigError, and __post_init__'s checks
