@@ -3,7 +3,7 @@ step's time goes: set DELTASERVE_STEP_TRACE=DIR before the engine starts (ranks 
 
 Every process appends `seq event monotonic_ns size` to a list and writes DIR/<who>.tsv at exit or
 shutdown. CLOCK_MONOTONIC is one clock for every process of the host, so the files line up;
-`python -m tools.step_trace DIR` prints the mean time of each hop. Off (the default), a mark
+`python -m tools.step_trace DIR` prints the median time of each hop. Off (the default), a mark
 is one attribute test.
 
 Events, in order: controller `call` (the scheduler hands a command over), `sent` (its frame is
