@@ -1,5 +1,6 @@
-"""Loading the model folder's tokenizer and its end-of-sequence ids; the worker thread that
-tokenizes large inputs off the event loop."""
+"""Loading the model folder's tokenizer (with its chat template), its end-of-sequence ids and
+its recommended sampling settings; the worker thread that tokenizes large inputs off the event
+loop."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from deltaserve.engine.rank.model_config import (
     ConfigError,
     ModelConfig,
     read_json_object,
+    to_number,
     token_ids,
 )
+from deltaserve.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
 log = logging.getLogger("deltaserve.engine")
@@ -49,7 +52,29 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     log.info("tokenizer loaded in %.1f s", time.monotonic() - started)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"the tokenizer in {model_dir} is not a fast (tokenizers) tokenizer")
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = processor_chat_template(path)
     return tokenizer
+
+
+def processor_chat_template(path: Path) -> str | None:
+    """The template in the folder's chat_template.json (the processor's file, {"chat_template":
+    ...}, as VLM releases ship it), which transformers' tokenizer does not read but vLLM chats
+    with (it tries the processor's template first). Used only where the tokenizer has none: a
+    fine-tune edits tokenizer_config.json's and may leave the release's file stale. None if
+    absent or unreadable (said in the log)."""
+    file = path / "chat_template.json"
+    if not file.is_file():
+        return None
+    try:
+        template = json.loads(file.read_text(encoding="utf-8")).get("chat_template")
+    except (ValueError, AttributeError) as e:  # not JSON, not an object
+        log.warning("%s is unreadable, not used as the chat template: %s", file, e)
+        return None
+    if not isinstance(template, str) or not template:
+        log.warning("%s has no chat_template string: not used", file)
+        return None
+    return template
 
 
 def tokenizer_class(path: Path) -> Any:
@@ -84,6 +109,31 @@ def eos_token_ids(model_dir: str | Path, model_config: ModelConfig) -> frozenset
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     return frozenset(ids)
+
+
+# transformers' GenerationConfig defaults of the settings vLLM takes from generation_config.json
+# (its --generation-config auto): a value equal to its default is not a setting (to_diff_dict)
+_GENERATION_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def generation_sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
+    """The sampling settings generation_config.json recommends (temperature, top_p, top_k,
+    min_p, repetition_penalty), as vLLM makes them a request's defaults; {} without the
+    file. A value no request could take is a ConfigError naming the file and the key."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    raw = read_json_object(path)
+    out: dict[str, float | int] = {}
+    try:
+        for key, hf_default in _GENERATION_SAMPLING.items():
+            value = raw.get(key)
+            if value is not None and value != hf_default:
+                out[key] = to_number(value, key, int if key == "top_k" else float)
+        SamplingParams(max_tokens=1, **out)  # its ValueError names the key and the range
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return out
 
 
 class TokenizerWorker:

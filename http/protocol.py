@@ -10,6 +10,7 @@ to it (its ValueError names the field); the OpenAI-only limits are checked here.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -122,7 +123,10 @@ class ChatRequest:
 # ---- entry points ------------------------------------------------------------------------
 
 
-def parse_completion_request(body: object) -> CompletionRequest:
+def parse_completion_request(body: object, defaults: Mapping[str, float] | None = None) -> CompletionRequest:
+    """`defaults`: sampling settings (temperature, top_p, top_k, min_p, repetition_penalty)
+    taken where the body leaves them out or null: the model's generation_config.json, as
+    vLLM takes it."""
     obj = _object(body)
     _refuse_unknown(obj, _COMPLETION_KEYS)
     _refuse_non_defaults(obj, _COMPLETION_DEFAULTS)
@@ -142,13 +146,14 @@ def parse_completion_request(body: object) -> CompletionRequest:
     return CompletionRequest(
         model=_opt_str(obj, "model"),
         prompts=_prompts(obj),
-        sampling=_sampling(obj, max_tokens=max_tokens, logprobs=logprobs),
+        sampling=_sampling(obj, max_tokens=max_tokens, logprobs=logprobs, defaults=defaults),
         stream=stream,
         include_usage=include_usage,
     )
 
 
-def parse_chat_request(body: object) -> ChatRequest:
+def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None) -> ChatRequest:
+    """`defaults`: as parse_completion_request's."""
     obj = _object(body)
     _refuse_unknown(obj, _CHAT_KEYS)
     _refuse_non_defaults(obj, _CHAT_DEFAULTS)
@@ -196,6 +201,7 @@ def parse_chat_request(body: object) -> ChatRequest:
             obj,
             max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
             logprobs=(top_logprobs or 0) if logprobs else None,
+            defaults=defaults,
         ),
         stream=stream,
         include_usage=include_usage,
@@ -261,9 +267,10 @@ def _stream(obj: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def _sampling(
-    obj: dict[str, Any], *, max_tokens: int | None, logprobs: int | None
+    obj: dict[str, Any], *, max_tokens: int | None, logprobs: int | None,
+    defaults: Mapping[str, float] | None = None,
 ) -> SamplingFields:
-    d = SamplingFields()
+    d = SamplingFields(**(defaults or {}))
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=_opt_float(obj, "temperature", d.temperature),

@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "reported in metrics); default: MODEL (or --model) as given, "
                           f"{DEMO_MODEL_NAME} for the demo checkpoint. Give MODEL before it, "
                           "or as --model")  # fmt: skip
+    srv.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                     help="auto: the sampling settings in the model's generation_config.json "
+                          "(temperature, top_p, top_k, min_p, repetition_penalty) are the default "
+                          "of every request that leaves them out, as in vLLM; vllm: ignore them")  # fmt: skip
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free)")
     srv.add_argument("--api-key", default=None,
@@ -225,6 +229,10 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 2
     try:
         server_config, engine_config = _server_config(args), _engine_config(args)
+        if server_config.generation_config == "auto":  # read again at start: refused now, not then
+            from deltaserve.engine.tokenizer import generation_sampling_defaults
+
+            generation_sampling_defaults(args.model)
     except ValueError as exc:
         print(f"deltaserve serve: error: {exc}", file=sys.stderr)
         return 2
@@ -278,6 +286,7 @@ def _server_config(args: argparse.Namespace):  # -> ServerConfig
         served_model_name=args.served_model_name or [args.model],
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
+        generation_config=args.generation_config,
     )
 
 
@@ -330,11 +339,44 @@ async def _start_engine(config, stop: asyncio.Event):  # -> AsyncEngine | None
     finally:
         stopped.cancel()
     engine = task.result()
-    load = engine.load()
-    log.info("engine ready in %.1f s: max_model_len=%d, %d state slots, %d KV blocks of %d "
-             "(%d tokens of KV)", time.monotonic() - t0, engine.max_model_len, load.num_slots,
-             load.num_blocks, config.block_size, load.num_blocks * config.block_size)  # fmt: skip
+    ready, short = _sizes(engine)
+    log.info("engine ready in %.1f s: %s", time.monotonic() - t0, ready)
+    if short is not None:
+        log.warning("%s", short)
     return engine
+
+
+def _sizes(engine) -> tuple[str, str | None]:
+    """What the ready line says of the limits, each with where it came from, and a warning
+    when the KV cache holds fewer positions than max_model_len. Its max_model_len is what one
+    request can use, as /v1/models reports it."""
+    config, load = engine.config, engine.load()
+    model_max = engine.model_config.max_position_embeddings
+    if config.max_model_len is not None:
+        why = "--max-model-len"
+    elif engine.max_model_len < model_max:
+        why = (f"the default: min(the model's max_position_embeddings {model_max}, "
+               f"{engine.max_model_len}); --max-model-len for more")  # fmt: skip
+    else:
+        why = "the model's max_position_embeddings"
+    kv_tokens = load.num_blocks * config.block_size
+    if config.num_kv_blocks is not None:
+        kv_why = "--num-kv-blocks"
+    elif config.device == "cuda":
+        kv_why = f"what --gpu-memory-utilization {config.gpu_memory_utilization} leaves"
+    else:
+        kv_why = "the cpu default: max_num_seqs x max_model_len; --num-kv-blocks to change"
+    longest = engine.longest_sequence
+    limit = f"max_model_len={longest} ({why})"
+    short = None
+    if longest < engine.max_model_len:
+        limit = f"max_model_len={longest} (all the KV cache holds, below the {engine.max_model_len} of {why})"
+        short = (f"the KV cache holds {kv_tokens} tokens, fewer than max_model_len "
+                 f"{engine.max_model_len}: one request can use at most {longest} positions (prompt + "
+                 f"completion), as /v1/models says; raise --num-kv-blocks or lower --max-model-len")  # fmt: skip
+    ready = (f"{limit}, {load.num_slots} state slots (--max-num-seqs), {load.num_blocks} KV blocks "
+             f"of {config.block_size} = {kv_tokens} tokens of KV ({kv_why})")  # fmt: skip
+    return ready, short
 
 
 async def _serve(args: argparse.Namespace, server_config, engine_config) -> int:
@@ -360,6 +402,10 @@ async def _serve(args: argparse.Namespace, server_config, engine_config) -> int:
     runner = None
     try:
         app = build_app(engine, server_config)
+        if defaults := app[STATE].sampling_defaults:
+            log.info("default sampling from the model's generation_config.json: %s (a request's own "
+                     "values win; --generation-config vllm ignores the file)",
+                     ", ".join(f"{k}={v}" for k, v in defaults.items()))  # fmt: skip
         try:
             runner, site = await start_server(
                 app, args.host, args.port, shutdown_timeout_s=RUNNER_SHUTDOWN_TIMEOUT_S

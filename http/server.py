@@ -34,6 +34,7 @@ from deltaserve.engine.events import (
     TokenEvent,
 )
 from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.tokenizer import generation_sampling_defaults
 from deltaserve.http import errors
 from deltaserve.http.errors import ApiError
 from deltaserve.http.metrics import render_metrics
@@ -79,6 +80,9 @@ class ServerConfig:
     served_model_name: str | Sequence[str]
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # "auto": generation_config.json's sampling settings are the requests' defaults, as in
+    # `vllm serve`; "vllm": ignored (vLLM's flag and values)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         names = self.served_model_name
@@ -90,6 +94,8 @@ class ServerConfig:
             raise ValueError("api_key must be non-empty when given")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
 
 
 class ServerState:
@@ -101,6 +107,10 @@ class ServerState:
         self.strings = TokenStrings(engine.tokenizer)
         self.created = int(time.time())
         self.draining = False  # set by the serve command on SIGTERM
+        # what a request leaves out of temperature, top_p, top_k, min_p, repetition_penalty
+        self.sampling_defaults = (
+            generation_sampling_defaults(engine.config.model) if config.generation_config == "auto" else {}
+        )
 
     def model_name(self, requested: str | None) -> str:
         """The name a response carries: the one requested (refused if not served), else the
@@ -250,7 +260,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = parse_completion_request(await _read_json(request))
+    req = parse_completion_request(await _read_json(request), state.sampling_defaults)
     model = state.model_name(req.model)
     state.check_admitting()
     max_tokens = req.sampling.max_tokens
@@ -275,7 +285,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = parse_chat_request(await _read_json(request))
+    req = parse_chat_request(await _read_json(request), state.sampling_defaults)
     model = state.model_name(req.model)
     state.check_admitting()
     prompt_ids = await _apply_chat_template(

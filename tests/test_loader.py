@@ -370,3 +370,26 @@ def test_auto_dtype_names_the_config_dtype_it_cannot_run(tiny_vlm_model_dir):
     config = dataclasses.replace(ModelConfig.from_model_dir(tiny_vlm_model_dir), torch_dtype="float8_e4m3fn")
     with pytest.raises(ValueError, match=r"config.json's torch_dtype 'float8_e4m3fn'.*pass a dtype"):
         resolve_dtype("auto", torch.device("cuda"), config)
+
+
+def test_chat_template_only_in_the_processors_file_is_used(tiny_vlm_model_dir, tmp_path):
+    """A VLM release may carry its chat template only in chat_template.json (the processor's
+    {"chat_template": ...}), none in tokenizer_config.json: vLLM chats with it; every chat here
+    got 400 "the model has no chat template". The tokenizer's own template, when it has one,
+    is kept."""
+    from deltaserve.engine.tokenizer import load_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_vlm_model_dir / name, tmp_path / name)
+    tok_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    own = tok_config.pop("chat_template")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.chat_template == template
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n"
+    tok_config["chat_template"] = own  # both files: the tokenizer's wins (a fine-tune edits that one)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    assert load_tokenizer(tmp_path).chat_template == own

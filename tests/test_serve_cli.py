@@ -149,3 +149,30 @@ async def test_ready_line_url_on_ipv6(tiny_model_dir):
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0, "\n".join(lines[-5:])
+
+
+async def test_ready_line_says_what_a_request_can_use_and_why(tiny_model_dir, caplog):
+    """The ready line's max_model_len is what /v1/models reports and a request can use, and
+    it says where the sizes came from. With a KV cache smaller than the context it said
+    max_model_len=8192 while /v1/models said 64 and every longer request got a 400; the
+    default cap (min(max_position_embeddings, 8192), where vLLM takes the model's whole
+    context) was not said either."""
+    import logging
+
+    from deltaserve.engine.config import EngineConfig
+
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=4, block_size=16, max_num_seqs=1)
+    with caplog.at_level(logging.INFO, logger="deltaserve.serve"):
+        engine = await serve._start_engine(config, asyncio.Event())
+    try:
+        assert engine.longest_sequence == 64
+    finally:
+        await engine.shutdown()
+    ready = [r for r in caplog.records if "engine ready" in r.getMessage()]
+    assert len(ready) == 1, caplog.text
+    line = ready[0].getMessage()
+    assert "max_model_len=64 " in line, line
+    assert "8192" in line and "max_position_embeddings 32768" in line and "--max-model-len" in line, line
+    assert "--num-kv-blocks" in line, line
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("64" in w and "8192" in w for w in warned), caplog.text
