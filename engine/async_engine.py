@@ -213,7 +213,7 @@ class AsyncEngine:
 
     async def run_tokenizer(self, fn: Callable[[Any], T], size: int) -> T:
         """`fn(tokenizer)`: on the event loop when `size` (characters of input) is small,
-        else in the tokenizer worker thread (its own instance of this engine's tokenizer),
+        else in the tokenizer worker thread (the same tokenizer instance),
         so that the loop, the scheduler tick and the HTTP server keep running meanwhile.
         Raises EngineDeadError once the engine is dead or shut down."""
         self._check_alive()

@@ -4,7 +4,7 @@ Names follow vLLM's (`vllm:` prefix) so that existing dashboards work unchanged:
   vllm:num_requests_running, vllm:num_requests_waiting          gauges
   vllm:kv_cache_usage_perc                                      gauge, fraction 0..1
   vllm:prompt_tokens_total, vllm:generation_tokens_total        counters
-  vllm:request_success_total{finished_reason=stop|length|abort} counter (aborts included)
+  vllm:request_success_total{finished_reason=stop|length|abort|error} counter (aborts and errors included)
   deltaserve:steps_total, deltaserve:pipelined_steps_total, deltaserve:step_seconds_total,
   deltaserve:scheduler_seconds_total                            counters (engine overhead)
   vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
