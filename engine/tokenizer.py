@@ -67,9 +67,9 @@ def processor_chat_template(path: Path) -> str | None:
     if not file.is_file():
         return None
     try:
-        template = json.loads(file.read_text(encoding="utf-8")).get("chat_template")
-    except (ValueError, AttributeError) as e:  # not JSON, not an object
-        log.warning("%s is unreadable, not used as the chat template: %s", file, e)
+        template = read_json_object(file).get("chat_template")
+    except ConfigError as e:  # not JSON, not an object
+        log.warning("not used as the chat template: %s", e)
         return None
     if not isinstance(template, str) or not template:
         log.warning("%s has no chat_template string: not used", file)
@@ -99,16 +99,17 @@ def tokenizer_class(path: Path) -> Any:
 def eos_token_ids(model_dir: str | Path, model_config: ModelConfig) -> frozenset[int]:
     """Ids that end generation (unless ignore_eos): generation_config.json's eos_token_id
     (as vLLM adds them to the stop ids) together with the model config's."""
-    ids = set(model_config.eos_token_ids)
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return frozenset(ids)
-    raw = read_json_object(path)
+    path, raw = _generation_config(model_dir)
     try:
-        ids.update(token_ids(raw.get("eos_token_id"), "eos_token_id"))
+        return frozenset(model_config.eos_token_ids) | frozenset(token_ids(raw.get("eos_token_id"), "eos_token_id"))
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
-    return frozenset(ids)
+
+
+def _generation_config(model_dir: str | Path) -> tuple[Path, dict]:
+    """generation_config.json's path and its object ({} without the file)."""
+    path = Path(model_dir) / "generation_config.json"
+    return path, read_json_object(path) if path.is_file() else {}
 
 
 # transformers' GenerationConfig defaults of the settings vLLM takes from generation_config.json
@@ -120,10 +121,7 @@ def generation_sampling_defaults(model_dir: str | Path) -> dict[str, float | int
     """The sampling settings generation_config.json recommends (temperature, top_p, top_k,
     min_p, repetition_penalty), as vLLM makes them a request's defaults; {} without the
     file. A value no request could take is a ConfigError naming the file and the key."""
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    raw = read_json_object(path)
+    path, raw = _generation_config(model_dir)
     out: dict[str, float | int] = {}
     try:
         for key, hf_default in _GENERATION_SAMPLING.items():

@@ -366,15 +366,13 @@ def _sizes(engine) -> tuple[str, str | None]:
         kv_why = f"what --gpu-memory-utilization {config.gpu_memory_utilization} leaves"
     else:
         kv_why = "the cpu default: max_num_seqs x max_model_len; --num-kv-blocks to change"
-    longest = engine.longest_sequence
-    limit = f"max_model_len={longest} ({why})"
-    short = None
+    longest, short = engine.longest_sequence, None
     if longest < engine.max_model_len:
-        limit = f"max_model_len={longest} (all the KV cache holds, below the {engine.max_model_len} of {why})"
+        why = f"all the KV cache holds, below the {engine.max_model_len} of {why}"
         short = (f"the KV cache holds {kv_tokens} tokens, fewer than max_model_len "
                  f"{engine.max_model_len}: one request can use at most {longest} positions (prompt + "
                  f"completion), as /v1/models says; raise --num-kv-blocks or lower --max-model-len")  # fmt: skip
-    ready = (f"{limit}, {load.num_slots} state slots (--max-num-seqs), {load.num_blocks} KV blocks "
+    ready = (f"max_model_len={longest} ({why}), {load.num_slots} state slots (--max-num-seqs), {load.num_blocks} KV blocks "
              f"of {config.block_size} = {kv_tokens} tokens of KV ({kv_why})")  # fmt: skip
     return ready, short
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 ACCEPTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
@@ -46,7 +47,10 @@ def json_kind(value: object) -> str:
     return JSON_KINDS.get(type(value), type(value).__name__)
 
 
-def to_number(value: object, key: str, kind: type[int] | type[float]) -> int | float:
+Number = TypeVar("Number", int, float)
+
+
+def to_number(value: object, key: str, kind: type[Number]) -> Number:
     """`value` of config key `key` as an int or float, or a ConfigError naming the key (never
     int()'s TypeError or ValueError, which name neither)."""
     try:
@@ -76,7 +80,7 @@ def read_json_object(path: Path) -> dict:
 def token_ids(value: object, key: str) -> tuple[int, ...]:
     """A config's token id or list of ids (eos_token_id, absent = none) as ints."""
     listed = [] if value is None else value if isinstance(value, list) else [value]
-    return tuple(int(to_number(token, key, int)) for token in listed)
+    return tuple(to_number(token, key, int) for token in listed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,12 +206,12 @@ class ModelConfig:
         text = {**TEXT_DEFAULTS, **{key: value for key, value in text.items() if value is not None}}
 
         def integer(key: str) -> int:
-            return int(to_number(text[key], key, int))
+            return to_number(text[key], key, int)
 
         n_layers = integer("num_hidden_layers")
         layer_types = text.get("layer_types")
         if layer_types is None:
-            interval = int(to_number(text.get("full_attention_interval", 4), "full_attention_interval", int))
+            interval = to_number(text.get("full_attention_interval", 4), "full_attention_interval", int)
             if interval < 1:
                 raise ConfigError(f"full_attention_interval is {interval}, not a positive integer")
             layer_types = [
@@ -222,9 +226,9 @@ class ModelConfig:
         if not isinstance(rope, dict):
             raise ConfigError(f"{rope_key} is {json_kind(rope)}, not an object")
         rope = {key: value for key, value in rope.items() if value is not None}
-        rope_theta = float(to_number(rope.get("rope_theta", text.get("rope_theta", 10_000.0)), "rope_theta", float))
-        partial = float(to_number(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)),
-                                  "partial_rotary_factor", float))  # fmt: skip
+        rope_theta = to_number(rope.get("rope_theta", text.get("rope_theta", 10_000.0)), "rope_theta", float)
+        partial = to_number(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)),
+                            "partial_rotary_factor", float)  # fmt: skip
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
             raise ConfigError(f"unsupported rope_type {rope_type!r} in {rope_key}")
@@ -244,7 +248,7 @@ class ModelConfig:
             linear_value_head_dim=integer("linear_value_head_dim"),
             linear_conv_kernel_dim=integer("linear_conv_kernel_dim"),
             layer_types=tuple(layer_types),
-            rms_norm_eps=float(to_number(text["rms_norm_eps"], "rms_norm_eps", float)),
+            rms_norm_eps=to_number(text["rms_norm_eps"], "rms_norm_eps", float),
             rope_theta=rope_theta,
             partial_rotary_factor=partial,
             max_position_embeddings=integer("max_position_embeddings"),
