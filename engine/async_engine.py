@@ -32,8 +32,9 @@ from deltaserve.engine.planner import StepBudget
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams, wire_seed
-from deltaserve.engine.scheduler import Scheduler, Submission
+from deltaserve.engine.scheduler import Scheduler
 from deltaserve.engine.stream import EventSink, RequestStream
+from deltaserve.engine.tick_records import Submission
 from deltaserve.engine.tokenizer import (
     INLINE_TOKENIZE_CHARS,
     TokenizerWorker,
@@ -304,9 +305,9 @@ class AsyncEngine:
                     arrival_time_s=now,
                 )
             )
-        sink = EventSink(
-            request_id, tuple(r.request_id for r in requests), self._scheduler.wake_threadsafe, self._forget
-        )
+        ids = tuple(r.request_id for r in requests)
+        withdraw = functools.partial(self._scheduler.withdraw, ids)  # a closed stream's places
+        sink = EventSink(request_id, ids, withdraw, self._forget)
         self._streams[request_id] = sink
         self._scheduler.submit(Submission(sink, requests))
         return RequestStream(sink, prompt_ids)
@@ -347,6 +348,11 @@ class AsyncEngine:
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"stop_token_ids has {t}, outside the vocabulary [0, {vocab})")
+        outside = [t for t, _ in params.logit_bias if t >= vocab]  # as vLLM, every such id named
+        if outside:
+            raise ValueError(
+                f"logit_bias has token ids {outside}, outside the vocabulary [0, {vocab})"
+            )
         need = len(prompt_ids) + params.max_tokens
         if need > self.max_model_len:
             raise ValueError(

@@ -10,6 +10,14 @@ invalid sequence and is emitted.
 Stop strings are matched on the text (so across token boundaries, as vLLM's
 `check_stop_strings`): the stop string and everything after it is never emitted, and at most
 len(longest stop) - 1 characters are withheld while a stop string could still be completing.
+With `include_stop_str` the text ends after the stop string instead, and nothing is withheld.
+As vLLM's detokenizer, stop strings are looked for only once more than `min_tokens` tokens
+were added, and only where they end in the text of those later tokens (a stop string that
+began earlier still counts).
+
+`skip_special_tokens=False` keeps special tokens' text. vLLM's `spaces_between_special_tokens`
+needs no counterpart: a fast (Rust) tokenizer's decode puts no space between special tokens,
+and Qwen's is one (vLLM's fast detokenizer and transformers' fast decode ignore the flag too).
 
 Unlike vLLM we decode no prompt tokens as left context: Qwen's byte-level BPE needs none (no
 SentencePiece space rules, no clean-up), and without it the deltas always add up to exactly
@@ -19,7 +27,10 @@ SentencePiece space rules, no clean-up), and without it the deltas always add up
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deltaserve.engine.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
 
@@ -34,6 +45,8 @@ class IncrementalDetokenizer:
         tokenizer: Any,
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop_str: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._decode_fn = backend.decode if backend is not None else tokenizer.decode
@@ -42,10 +55,25 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._stops = tuple(stop)
-        self._hold_chars = max((len(s) for s in self._stops), default=1) - 1
+        self._include_stop = include_stop_str
+        # vLLM's stop_buffer_length: what a stop string still completing could take back
+        longest = max((len(s) for s in self._stops), default=1)
+        self._hold_chars = 0 if include_stop_str else longest - 1
+        self._min_tokens = min_tokens
         self.text = ""  # all output text decoded so far (cut at a stop string)
         self._num_emitted_chars = 0
         self.stop_matched: str | None = None
+
+    @classmethod
+    def for_params(cls, tokenizer: Any, params: SamplingParams) -> IncrementalDetokenizer:
+        """The detokenizer of one choice with these sampling parameters."""
+        return cls(
+            tokenizer,
+            params.stop,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
+            params.min_tokens,
+        )
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_fn(ids, skip_special_tokens=self._skip_special)
@@ -83,14 +111,14 @@ class IncrementalDetokenizer:
     def _append(self, delta: str, final: bool) -> str:
         old_len = len(self.text)
         self.text += delta
-        if self._stops and delta:
-            # Earlier text held no stop string, so a match must end inside `delta`.
-            search_from = max(0, old_len - self._hold_chars)
-            hits = [(self.text.find(s, search_from), s) for s in self._stops]
+        if self._stops and delta and len(self._ids) > self._min_tokens:
+            # A match must end inside `delta`: earlier text held none (or came from the first
+            # min_tokens tokens, where none counts).
+            hits = [(self.text.find(s, max(0, old_len - len(s) + 1)), s) for s in self._stops]
             hits = [(pos, s) for pos, s in hits if pos >= 0]
             if hits:
                 pos, stop = min(hits)
-                self.text = self.text[:pos]
+                self.text = self.text[: pos + len(stop)] if self._include_stop else self.text[:pos]
                 self.stop_matched = stop
                 final = True
         end = len(self.text) if final else len(self.text) - self._hold_chars

@@ -6,11 +6,18 @@ penalty > 0, logprobs up to 20). Conventions chosen here, and refused otherwise:
 - `temperature = 0` is greedy; `seed` only matters for random sampling.
 - `stop` is a sequence of non-empty strings (a bare string is refused: it is a common slip
   that would otherwise be read as one stop string per character).
+- `min_tokens` (<= max_tokens): until that many tokens were sampled the rank masks the EOS ids
+  and `stop_token_ids` (the EOS ids even with ignore_eos, as vLLM's `all_stop_token_ids`), and
+  stop strings are not looked for (vLLM's detokenizer: only in the text of later tokens).
+- `logit_bias` maps token ids to a bias in [-100, 100] (OpenAI's range; the HTTP layer clamps
+  to it as vLLM does), added to the logits before penalties and temperature; a dict or
+  (id, bias) pairs, frozen into pairs in id order.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from deltaserve.ipc.messages import SamplingSpec
@@ -27,6 +34,10 @@ MAX_SEED = 2**64 - 1
 # top_k at or above the vocabulary size means "off" on the rank; larger values are sent as
 # this (msgpack cannot carry ints past 2**64, and one such request used to kill the engine).
 MAX_WIRE_TOP_K = 2**31 - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value, either sign
+# Token ids past any vocabulary are refused here (the engine checks the model's own), so that
+# whatever these params hold can go on the wire (msgpack ints stop at 2**64).
+MAX_TOKEN_ID = 2**31 - 1
 
 
 def _is_int(value: object) -> bool:
@@ -53,6 +64,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # or a dict {token id: bias}
+    include_stop_str_in_output: bool = False  # the matched stop string (or token) stays in the text
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -77,8 +92,11 @@ class SamplingParams:
         if isinstance(self.stop_token_ids, str) or not isinstance(self.stop_token_ids, tuple | list):
             raise ValueError(f"stop_token_ids must be a list or tuple of ints, got {self.stop_token_ids!r}")
         for t in self.stop_token_ids:
-            if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t!r}")
+            if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
+                raise ValueError(
+                    f"stop_token_ids must hold token ids in [0, {MAX_TOKEN_ID}] (no vocabulary is "
+                    f"larger), got {t!r}"
+                )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (
@@ -89,16 +107,27 @@ class SamplingParams:
             )
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
-        # Lists are accepted for convenience and frozen here, at construction, into tuples.
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        # Lists (and the bias dict) are accepted for convenience and frozen here into tuples.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def to_spec(self, seed: int) -> SamplingSpec:
-        """The rank-side part of these parameters, with the seed resolved by the engine."""
+    def to_spec(self, seed: int, eos_token_ids: Collection[int] = ()) -> SamplingSpec:
+        """The rank-side part of these parameters, with the seed resolved by the engine; the
+        rank masks `eos_token_ids` and the stop ids until min_tokens tokens were sampled."""
+        masked = tuple(sorted({*eos_token_ids, *self.stop_token_ids})) if self.min_tokens else ()
         return SamplingSpec(
             seed=seed,
             temperature=float(self.temperature),
@@ -109,6 +138,9 @@ class SamplingParams:
             frequency_penalty=float(self.frequency_penalty),
             repetition_penalty=float(self.repetition_penalty),
             num_logprobs=self.logprobs or 0,
+            min_tokens=self.min_tokens if masked else 0,
+            stop_token_ids=masked,
+            logit_bias=self.logit_bias,
         )
 
 
@@ -116,6 +148,28 @@ def wire_seed(seed: int, index: int = 0) -> int:
     """The seed that choice `index` of a request seeded with `seed` samples with, in
     [0, MAX_SEED]: distinct int64 seeds give distinct wire seeds."""
     return (seed + index) % (MAX_SEED + 1)
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as (token id, bias) pairs in id order; ValueError naming the bad entry."""
+    if isinstance(bias, str) or not isinstance(bias, Mapping | tuple | list):
+        raise ValueError(f"logit_bias must map token ids to biases, got {bias!r}")
+    entries = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
+    pairs = {}
+    for entry in entries:
+        if not isinstance(entry, tuple | list) or len(entry) != 2:
+            raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {entry!r}")
+        token_id, value = entry
+        if not _is_int(token_id) or not 0 <= token_id <= MAX_TOKEN_ID:
+            raise ValueError(
+                f"logit_bias keys must be token ids in [0, {MAX_TOKEN_ID}] (no vocabulary is "
+                f"larger), got {token_id!r}"
+            )
+        if token_id in pairs:
+            raise ValueError(f"logit_bias has token id {token_id} twice")
+        _check_range(f"logit_bias of token {token_id}", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        pairs[token_id] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 def _check_range(

@@ -14,7 +14,7 @@ step, the next one is planned and sent behind it if that needs none of the step'
 nothing new arrived or waits to be admitted, and the step's running requests each decode
 once more, except those whose max_tokens step N reaches. Its items carry no token ids (the
 ranks use their own last samples) and it carries the drops of requests that ended meanwhile
-and of those that step N ends by max_tokens (their events wait in `_Step.drops` until it has
+and of those that step N ends by max_tokens (their events wait in `Step.drops` until it has
 run). The tick then commits step N with step N+1 already in flight (`_inflight`), and the
 next tick starts by awaiting N+1's release. A request that ends at step N otherwise (a stop
 token, a stop string, a cancellation) was in N+1 too: that sample is discarded and the
@@ -37,7 +37,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -56,41 +55,13 @@ from deltaserve.engine.events import (
 )
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.planner import PlanInput, PlannedChunk, StepBudget, StepPlan, plan_step
-from deltaserve.engine.request import Request
-from deltaserve.engine.stream import EventSink
-from deltaserve.ipc.controller import Flight, ReplicaPoisoned
+from deltaserve.engine.stop_check import check_stop
+from deltaserve.engine.tick_records import Cancellation, Entry, Step, Submission
+from deltaserve.ipc.controller import ReplicaPoisoned
 from deltaserve.ipc.messages import NewRequest, Sample, SampleColumns, StepItem
 from deltaserve.ipc.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Submission:
-    sink: EventSink
-    requests: list[Request]
-
-
-@dataclass(slots=True)
-class Cancellation:
-    request_ids: tuple[int, ...]
-
-
-@dataclass(eq=False, slots=True)
-class _Entry:
-    request: Request
-    sink: EventSink
-    detokenizer: IncrementalDetokenizer
-
-
-@dataclass(eq=False, slots=True)
-class _Step:
-    """A step sent to the ranks and not yet committed."""
-
-    plan: StepPlan
-    flight: Flight
-    sent_at: float
-    drops: dict[int, list[Event]]  # requests it drops before it runs, with their held events
 
 
 class Scheduler:
@@ -118,13 +89,15 @@ class Scheduler:
         self.plan_listeners: list[Callable[[StepPlan], None]] = []  # tests read plans here
         self.lifecycle_listeners: list[Callable[[Lifecycle], None]] = []
         self._inbox: deque[Submission | Cancellation] = deque()
-        self._entries: dict[int, _Entry] = {}  # every unresolved request
-        self._waiting: deque[_Entry] = deque()
-        self._running: dict[int, _Entry] = {}  # admitted, in admission order
+        self._entries: dict[int, Entry] = {}  # every unresolved request
+        self._waiting: deque[Entry] = deque()
+        # submitted, not yet admitted, not given up by their owner: what the queue bound counts
+        self._queued_ids: set[int] = set()
+        self._running: dict[int, Entry] = {}  # admitted, in admission order
         self._pending_drop: dict[int, list[Event]] = {}  # on ranks, ended; events held back
         # the last step's samples of running requests (with their text, or None: not yet
         # detokenized), delivered once the next step is released (see _flush_outbox)
-        self._outbox: list[tuple[_Entry, Sample, str | None]] = []
+        self._outbox: list[tuple[Entry, Sample, str | None]] = []
         self._wake_event = asyncio.Event()
         self._idle_event = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -132,7 +105,7 @@ class Scheduler:
         self._stopping = False
         self._abort_all = False
         self._stopped = False  # stopped cleanly: the tick has exited
-        self._inflight: _Step | None = None  # sent, not yet committed (pipelined: not yet awaited)
+        self._inflight: Step | None = None  # sent, not yet committed (pipelined: not yet awaited)
         self._last_plan: StepPlan | None = None  # the step of the previous tick, if any
         self._last_step_s = 0.0
         self._results_at: float | None = None  # when the last step's results came back
@@ -143,20 +116,28 @@ class Scheduler:
 
     @property
     def num_queued(self) -> int:
-        """Choices submitted and not yet admitted (the bounded waiting queue)."""
-        inbox = sum(len(m.requests) for m in self._inbox if isinstance(m, Submission))
-        return len(self._waiting) + inbox
+        """Choices submitted and not yet admitted (the bounded waiting queue). One whose owner
+        gave it up (`cancel`, `withdraw`) leaves it at once, not at the next tick."""
+        return len(self._queued_ids)
 
     def load(self) -> LoadSnapshot:
         return self._load
 
     def submit(self, submission: Submission) -> None:
+        self._queued_ids.update(r.request_id for r in submission.requests)
         self._inbox.append(submission)
         self.wake()
 
     def cancel(self, request_ids: tuple[int, ...]) -> None:
+        self._queued_ids.difference_update(request_ids)
         self._inbox.append(Cancellation(request_ids))
         self.wake()
+
+    def withdraw(self, request_ids: tuple[int, ...]) -> None:
+        """Their owner left (a closed stream; may run in a finalizer): their places in the
+        queue are free now, and the tick cancels them at its next prune."""
+        self._queued_ids.difference_update(request_ids)
+        self.wake_threadsafe()
 
     def wake(self) -> None:
         self._wake_event.set()
@@ -260,11 +241,11 @@ class Scheduler:
             for entry in list(self._entries.values()):
                 self._cancel(entry)
 
-    def _add_entries(self, submission: Submission) -> list[_Entry]:
+    def _add_entries(self, submission: Submission) -> list[Entry]:
         entries = []
         for request in submission.requests:
-            detok = IncrementalDetokenizer(self._tokenizer, request.params.stop)
-            entry = _Entry(request, submission.sink, detok)
+            detok = IncrementalDetokenizer.for_params(self._tokenizer, request.params)
+            entry = Entry(request, submission.sink, detok)
             self._entries[request.request_id] = entry
             self._notify("queued", entry)
             entries.append(entry)
@@ -275,7 +256,7 @@ class Scheduler:
             if entry.sink.closed:
                 self._cancel(entry)
 
-    def _cancel(self, entry: _Entry) -> None:
+    def _cancel(self, entry: Entry) -> None:
         """Idempotent. What ranks hold is dropped before the abort is delivered."""
         request = entry.request
         rid = request.request_id
@@ -285,6 +266,7 @@ class Scheduler:
             del self._running[rid]
         else:
             self._waiting.remove(entry)
+            self._queued_ids.discard(rid)
         request.finish("abort")
         event = FinishedEvent(request.index, "abort", request.prompt_len, request.num_output_tokens, "")
         if request.on_ranks:
@@ -361,6 +343,7 @@ class Scheduler:
             reserve = request.reserve_tokens
             if reserve > self.max_model_len or not self.ledger.fits_ever(reserve):
                 self._waiting.popleft()
+                self._queued_ids.discard(request.request_id)
                 request.finish("error")
                 del self._entries[request.request_id]
                 message = (
@@ -373,12 +356,13 @@ class Scheduler:
             if not self.ledger.can_admit(reserve):
                 return
             self._waiting.popleft()
+            self._queued_ids.discard(request.request_id)
             self.ledger.admit(request.request_id, reserve)
             request.admit()
             self._running[request.request_id] = entry
             self._notify("admitted", entry)
 
-    async def _send(self, plan: StepPlan) -> _Step:
+    async def _send(self, plan: StepPlan) -> Step:
         """Dispatch a planned step once the ranks are free."""
         items = []
         for chunk in plan.chunks:
@@ -386,16 +370,17 @@ class Scheduler:
             tokens = request.input_tokens(chunk.start, chunk.num_tokens)
             new = None
             if chunk.start == 0:
-                new = NewRequest(request.reserve_tokens, request.params.to_spec(request.seed))
+                spec = request.params.to_spec(request.seed, self._eos_token_ids)
+                new = NewRequest(request.reserve_tokens, spec)
                 request.mark_dispatched()
             items.append(StepItem(chunk.request_id, chunk.start, tokens, chunk.sample, new))
         self._notify_plan(plan)
         sent_at = time.perf_counter()
         if self._results_at is not None:  # the ranks sat idle since the last step's results
             self.metrics.scheduler_seconds_total += sent_at - self._results_at
-        return _Step(plan, await self._controller.send_step(items), sent_at, {})
+        return Step(plan, await self._controller.send_step(items), sent_at, {})
 
-    def _follow(self, step: _Step) -> _Step | None:
+    def _follow(self, step: Step) -> Step | None:
         """Plan and send the next step behind `step`, which the ranks are running, if it
         needs none of its results (see the module docstring); else None."""
         if not self._pipeline or self._stopping or self._inbox:
@@ -429,7 +414,7 @@ class Scheduler:
         self._notify_plan(plan)
         self._pending_drop = {}
         self.metrics.pipelined_steps_total += 1
-        return _Step(plan, flight, time.perf_counter(), drops)
+        return Step(plan, flight, time.perf_counter(), drops)
 
     async def _advance(self) -> None:
         """Await the step in flight: once the gate releases it, hand out the last step's
@@ -445,7 +430,7 @@ class Scheduler:
         self._inflight = follower
         self._commit(step, samples)
 
-    def _commit(self, step: _Step, samples: SampleColumns) -> None:
+    def _commit(self, step: Step, samples: SampleColumns) -> None:
         results_at = time.perf_counter()
         # a pipelined step could start only once the one ahead of it ended
         self._last_step_s = results_at - max(step.sent_at, self._results_at or 0.0)
@@ -470,8 +455,8 @@ class Scheduler:
                     self.metrics.prompt_tokens_total += entry.request.prompt_len
                 self._commit_sample(entry, samples.sample(row), now)
 
-    def _commit_sample(self, entry: _Entry, sample: Sample, now: float) -> None:
-        request, params = entry.request, entry.request.params
+    def _commit_sample(self, entry: Entry, sample: Sample, now: float) -> None:
+        request = entry.request
         previous = request.last_token_time_s
         request.append_token(sample.token_id, now)
         self.metrics.generation_tokens_total += 1
@@ -481,22 +466,9 @@ class Scheduler:
         else:
             self.metrics.inter_token_latency_s.observe(now - previous)
         token = sample.token_id
-        stop_token = (not params.ignore_eos and token in self._eos_token_ids) or token in params.stop_token_ids
-        if not (stop_token or params.stop or request.num_output_tokens >= params.max_tokens):
-            self._outbox.append((entry, sample, None))  # nothing in its text can end it: detokenized later
-            return
-        reason = None
-        text = ""
-        if stop_token:
-            reason = "stop"  # the stop token's text is not part of the output (as vLLM)
-        else:
-            text = entry.detokenizer.add(token)
-            if entry.detokenizer.stop_matched is not None:
-                reason = "stop"
-        if reason is None and request.num_output_tokens >= params.max_tokens:
-            reason = "length"
+        reason, text = check_stop(request, token, self._eos_token_ids, entry.detokenizer)
         if reason is None:
-            self._outbox.append((entry, sample, text))
+            self._outbox.append((entry, sample, text))  # text None: made in _flush_outbox
             return
         event = TokenEvent(request.index, token, text, sample.logprob, list(sample.top_logprobs))
         tail = entry.detokenizer.flush()
@@ -532,7 +504,7 @@ class Scheduler:
         for listener in self.plan_listeners:
             listener(plan)
 
-    def _deliver(self, entry: _Entry, event: Event) -> None:
+    def _deliver(self, entry: Entry, event: Event) -> None:
         if self._outbox and not isinstance(event, TokenEvent):
             self._flush_outbox()  # a request's tokens always reach its owner before its end
         if isinstance(event, FinishedEvent) and event.reason == "abort":  # with its held-back text (vLLM too)
@@ -549,7 +521,7 @@ class Scheduler:
             else:
                 self._notify("dropped", entry, message=self.dead_reason)
 
-    def _notify(self, transition: Transition, entry: _Entry | None = None, *, client_id: str = "",
+    def _notify(self, transition: Transition, entry: Entry | None = None, *, client_id: str = "",
                 reason: str = "", message: str = "") -> None:
         """The one place lifecycle transitions leave the tick; nearly free without listeners."""
         if not self.lifecycle_listeners:
@@ -580,6 +552,7 @@ class Scheduler:
             self._deliver(entry, ErrorEvent(entry.request.index, message))
         self._entries.clear()
         self._waiting.clear()
+        self._queued_ids.clear()
         self._running.clear()
         self._pending_drop.clear()
         self._inflight = None

@@ -23,7 +23,9 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     """What a rank needs to sample one request's tokens; sent once, with its first chunk.
 
     `seed` is always set (the engine draws one for unseeded requests), so every sample is a
-    function of (seed, output index) alone, whatever else is in the batch.
+    function of (seed, output index) alone, whatever else is in the batch. Until `min_tokens`
+    tokens were sampled, `stop_token_ids` (the EOS ids and the request's stop ids, sent with
+    min_tokens only) cannot be; `logit_bias` holds (token id, bias) pairs, ids ascending.
     """
 
     seed: int
@@ -35,6 +37,9 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     num_logprobs: int = 0  # alternatives to return beside the sampled token's logprob
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 class NewRequest(msgspec.Struct, frozen=True, array_like=True):

@@ -137,3 +137,56 @@ class TestStopStrings:
     def test_stop_at_very_start(self, tokenizer):
         out, detok, used, _ = self._run(tokenizer, "Stop right there", ("Stop",))
         assert out == "" and detok.stop_matched == "Stop" and used == 1
+
+
+class TestStopOptions:
+    """vLLM's include_stop_str_in_output, min_tokens and skip_special_tokens=False."""
+
+    def _feed(self, tokenizer, text, stop, **options):
+        detok = IncrementalDetokenizer(tokenizer, stop, **options)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        emitted = []
+        for t in ids:
+            emitted.append(detok.add(t))
+            if detok.stop_matched is not None:
+                break
+        return "".join(emitted) + detok.flush(), emitted, detok
+
+    def test_include_stop_str_keeps_it_and_holds_nothing_back(self, tokenizer):
+        text = "The quick brown fox jumps over the lazy dog and keeps running."
+        stop = "ps over the la"
+        out, emitted, detok = self._feed(tokenizer, text, (stop,), include_stop_str=True)
+        assert out == text[: text.index(stop) + len(stop)] and detok.stop_matched == stop
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        for i in range(len(emitted) - 1):  # every token's text at once: no stop string is cut out
+            assert "".join(emitted[: i + 1]) == tokenizer.decode(ids[: i + 1])
+
+    def test_min_tokens_hides_stop_strings_in_the_first_tokens(self, tokenizer):
+        """As vLLM's detokenizer: no stop string is looked for until more than min_tokens
+        tokens were added, and then only where it ends in their text; one that began in
+        the first min_tokens tokens' text still counts."""
+        text = "The quick brown fox jumps over the lazy dog; the quick end."
+        k = len(tokenizer.encode("The quick brown", add_special_tokens=False))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids[:k]) == "The quick brown"
+        out, _, _ = self._feed(tokenizer, text, ("quick",))
+        assert out == "The "
+        out, _, detok = self._feed(tokenizer, text, ("quick",), min_tokens=k)
+        assert out == text[: text.index("quick", 10)] and detok.stop_matched == "quick"
+        out, _, _ = self._feed(tokenizer, text, ("quick", "brown fox"), min_tokens=k)
+        assert out == "The quick "
+        out, _, _ = self._feed(tokenizer, text, ("quick",), min_tokens=k, include_stop_str=True)
+        assert out == text[: text.index("quick", 10) + len("quick")]
+
+    def test_special_tokens_kept_when_not_skipped(self, tokenizer):
+        """skip_special_tokens=False keeps special tokens' text, with no space between two of
+        them: what the fast tokenizer's decode gives whatever spaces_between_special_tokens
+        says (vLLM's fast detokenizer alike)."""
+        text = "ok<|im_end|><|im_start|><think>x</think><|endoftext|>"
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        out, _, _ = self._feed(tokenizer, text, (), skip_special_tokens=False)
+        assert out == text
+        for spaces in (True, False):
+            kept = tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+            assert kept == text
+        assert self._feed(tokenizer, text, ())[0] == "ok<think>x</think>"

@@ -233,6 +233,95 @@ class TestSampler:
         sampler.add(0, SamplingSpec(**base, frequency_penalty=0.6))
         assert [sampler.sample([0], logits)[0].token_id for _ in range(2)] == [0, 1]
 
+    def test_min_tokens_masks_stop_ids_greedy_and_random(self):
+        """Until min_tokens tokens were sampled, the stop ids (EOS and stop_token_ids, as the
+        engine sends them) are -inf on the rank, for greedy and random rows alike; the rows
+        draw then exactly what they draw from the masked logits, and from the raw ones after
+        (the seed is per output index), whatever else is in the batch."""
+        from deltaserve.engine.rank.sampler import _draw, token_seed
+
+        stops = (4, 9)
+        specs = [SamplingSpec(seed=0, temperature=0.0, min_tokens=3, stop_token_ids=stops),
+                 SamplingSpec(seed=5, temperature=0.8, top_k=6, min_tokens=3, stop_token_ids=stops),
+                 SamplingSpec(seed=6, temperature=1.0, logit_bias=((2, 5.0),))]  # fmt: skip
+        sampler = Sampler()
+        for r, spec in enumerate(specs):
+            sampler.add(r, spec)
+        for step in range(5):
+            logits = _logits(80 + step, rows=3)
+            logits[:2, 9] = 40.0  # a stop id far ahead: taken as soon as it may be
+            got = [s.token_id for s in sampler.sample([0, 1, 2], logits)]
+            masked = logits.clone()
+            if step < 3:
+                masked[:2, list(stops)] = float("-inf")
+            generator = torch.Generator().manual_seed(token_seed(specs[1].seed, step))
+            drawn = int(_draw(masked[1] / specs[1].temperature, specs[1], generator))
+            assert got[:2] == [int(masked[0].argmax()), drawn], step
+            assert (got[0] in stops, got[1] in stops) == (step >= 3, step >= 3), (step, got)
+
+    def test_min_tokens_mask_holds_under_a_repetition_penalty(self):
+        """A tiny repetition penalty makes a seen stop id's logit by far the best; masked (after
+        the penalties, which leaves it -inf as vLLM's order does) it is not sampled until
+        min_tokens tokens were."""
+        sampler = Sampler()
+        sampler.add(0, SamplingSpec(seed=1, temperature=0.0, repetition_penalty=1e-30,
+                                    min_tokens=2, stop_token_ids=(3,)))  # fmt: skip
+        sampler.observe(0, [3], is_prompt=True)
+        logits = torch.tensor([[1.0, 0.5, 0.0, 2.0, -1.0]])
+        assert [sampler.sample([0], logits)[0].token_id for _ in range(3)] == [0, 0, 3]
+
+    def test_logit_bias_is_added_before_penalties_and_temperature(self):
+        """As vLLM: the bias is added to the logits, then the penalties act on the sum (a
+        repetition penalty halves a biased positive logit), then temperature scales it: a
+        biased request draws exactly what an unbiased one draws from the biased logits, and its
+        logprobs stay those of the raw logits."""
+        logits = torch.tensor([[3.0, 2.5, 0.0, -1.0]])
+        sampler = Sampler()
+        sampler.add(0, SamplingSpec(seed=0, temperature=0.0, logit_bias=((2, 4.0),)))
+        sampler.add(1, SamplingSpec(seed=0, temperature=0.0, logit_bias=((2, 4.0),),
+                                    repetition_penalty=2.0))  # fmt: skip
+        sampler.observe(1, [2], is_prompt=True)
+        first, second = sampler.sample([0, 1], logits.expand(2, -1))
+        assert (first.token_id, second.token_id) == (2, 0)  # 4 > 3; (0 + 4) / 2 = 2 < 3
+        assert first.logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[2]), abs=1e-6)
+
+        bias = ((1, -100.0), (7, 2.5), (30, 1.25), (49, 100.0 / 3))
+        rows = [_logits(600 + i)[0] for i in range(10)]
+        biased_rows = []
+        for row in rows:
+            row = row.clone()
+            for t, b in bias:
+                row[t] += b
+            biased_rows.append(row)
+        for extra in (dict(temperature=0.7), dict(temperature=1.3, top_p=0.9, min_p=0.01)):
+            with_bias = _draw(SamplingSpec(seed=21, logit_bias=bias, **extra), rows, companions=2)
+            assert with_bias == _draw(SamplingSpec(seed=21, **extra), biased_rows)
+            assert 1 not in with_bias
+
+    def test_biased_rows_follow_their_requests_through_a_changing_batch(self):
+        """The bias index is kept while the batch keeps its layout and rebuilt when it changes
+        (rows reordered, one request gone): each request's tokens stay its own."""
+        specs = {3: SamplingSpec(seed=0, temperature=0.0, logit_bias=((11, 30.0),)),
+                 4: SamplingSpec(seed=0, temperature=0.0, logit_bias=((12, 30.0), (13, 31.0))),
+                 5: SamplingSpec(seed=0, temperature=0.0)}  # fmt: skip
+        sampler = Sampler()
+        for r, spec in specs.items():
+            sampler.add(r, spec)
+        want = {3: 11, 4: 13}
+        for order in ([3, 4, 5], [3, 4, 5], [5, 4, 3], [4], [3, 5]):
+            logits = _logits(len(order), rows=len(order))
+            got = {s.request_id: s.token_id for s in sampler.sample(order, logits)}
+            for row, r in enumerate(order):
+                assert got[r] == want.get(r, int(logits[row].argmax())), (order, r)
+
+    def test_token_ids_outside_the_vocabulary_are_refused(self):
+        sampler = Sampler()
+        with pytest.raises(ValueError, match="negative token id"):
+            sampler.add(0, SamplingSpec(seed=0, logit_bias=((-1, 1.0),)))
+        sampler.add(1, SamplingSpec(seed=0, logit_bias=((VOCAB, 1.0),)))
+        with pytest.raises(ValueError, match=f"token id {VOCAB} .* outside the vocabulary"):
+            sampler.sample([1], _logits(0))
+
     def test_unknown_request_and_shape_errors(self):
         sampler = Sampler()
         sampler.add(1, SamplingSpec(seed=0))
@@ -273,6 +362,16 @@ class TestSamplingParams:
             ("stop", "abc"),
             ("stop_token_ids", (-3,)),
             ("ignore_eos", 1),
+            ("min_tokens", -1),
+            ("min_tokens", 17),  # past max_tokens (16), as vLLM refuses it
+            ("logit_bias", {-1: 1.0}),
+            ("logit_bias", {1: 100.5}),
+            ("logit_bias", {1: math.nan}),
+            ("logit_bias", {True: 1.0}),
+            ("logit_bias", "5"),
+            ("logit_bias", ((1, 1.0), (1, 2.0))),
+            ("include_stop_str_in_output", 1),
+            ("skip_special_tokens", "no"),
         ],
     )
     def test_bad_values_name_the_field(self, field, value):
@@ -285,6 +384,19 @@ class TestSamplingParams:
         assert p.is_greedy
         spec = p.to_spec(seed=9)
         assert spec.seed == 9 and spec.num_logprobs == 3 and spec.temperature == 0.0
+
+    def test_min_tokens_and_logit_bias_reach_the_spec(self):
+        """The rank masks the EOS ids and the stop ids while min_tokens lasts (sent only with
+        min_tokens); the bias goes as (id, bias) pairs in id order."""
+        p = SamplingParams(max_tokens=8, min_tokens=8, stop_token_ids=[7, 2],
+                           logit_bias={9: -1, 3: 2.5})  # fmt: skip
+        assert p.logit_bias == ((3, 2.5), (9, -1.0))
+        spec = p.to_spec(seed=1, eos_token_ids=frozenset({5, 2}))
+        assert (spec.min_tokens, spec.stop_token_ids) == (8, (2, 5, 7))
+        assert spec.logit_bias == ((3, 2.5), (9, -1.0))
+        plain = SamplingParams(stop_token_ids=[7]).to_spec(seed=1, eos_token_ids={5})
+        assert (plain.min_tokens, plain.stop_token_ids, plain.logit_bias) == (0, (), ())
+        assert SamplingParams(min_tokens=3).to_spec(seed=1).min_tokens == 0  # nothing to mask
 
 
 CUDA = torch.cuda.is_available()

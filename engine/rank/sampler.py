@@ -3,13 +3,18 @@
 The order of operations follows vLLM v1 (`vllm/v1/sample/sampler.py`, `ops/penalties.py`,
 `ops/topk_topp_sampler.py`, `logits_processor` min-p), written anew:
   raw logprobs (log_softmax of the untouched logits, vLLM's default "raw_logprobs")
+  -> min_tokens: EOS and stop ids at -inf until min_tokens tokens were sampled
+  -> logit_bias added
   -> penalties (repetition on prompt+output tokens, then frequency and presence on output tokens)
   -> greedy rows: argmax
   -> random rows: temperature -> min-p -> top-k -> top-p -> exponential race.
 The race (`argmax(probs / q)`, q ~ Exp(1)) draws q from a per-request `torch.Generator`
 re-seeded for every token from (seed, output index), over the candidates best first with tied
 logits in token-id order (`best_first`), so a request's tokens depend on its own logits and
-seed only, never on its batch companions.
+seed only, never on its batch companions. The min_tokens mask and the bias (vLLM's
+MinTokens and LogitBias logits processors, `vllm/v1/sample/logits_processor/builtin.py`) touch
+only their own rows' listed tokens, and the rank counts each request's samples itself, so they
+keep that true; a batch where no request uses them or penalties reads the logits once, unchanged.
 """
 
 from __future__ import annotations
@@ -51,9 +56,14 @@ def _has_penalties(spec: SamplingSpec) -> bool:
 @dataclass(slots=True)
 class _RequestState:
     """One request's sampling state. History is kept only when penalties are on, sparsely
-    (a penalty touches only the tokens seen), so no per-request vocab-sized tensor exists."""
+    (a penalty touches only the tokens seen), so no per-request vocab-sized tensor exists.
+    `always_adjusts`: penalties or a bias change its logits at every token (the min_tokens
+    mask only while num_sampled < spec.min_tokens)."""
 
     spec: SamplingSpec
+    has_penalties: bool
+    always_adjusts: bool
+    max_token_id: int  # the largest id its mask and bias touch (-1: none)
     num_sampled: int = 0
     seen: set[int] = field(default_factory=set)  # prompt and output tokens (repetition)
     output_counts: dict[int, int] = field(default_factory=dict)  # output occurrences
@@ -75,10 +85,22 @@ class SampleLaunch:
         return self.done is None or self.done.query()
 
 
+@dataclass(frozen=True, slots=True)
+class _BiasRows:
+    """The biases of one batch layout, on the device: `index` into the flattened [n, vocab]
+    logits (row * vocab + token id) and `values`. Kept while the layout lasts (a run of
+    decode steps over the same requests), so a step with biased rows sends nothing up."""
+
+    layout: tuple  # (vocab, device, (row, request id) of every biased row)
+    index: torch.Tensor
+    values: torch.Tensor
+
+
 class Sampler:
     def __init__(self) -> None:
         self._requests: dict[int, _RequestState] = {}
         self._in_flight = False  # a launch not yet finished
+        self._bias_rows: _BiasRows | None = None
 
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._requests
@@ -86,7 +108,12 @@ class Sampler:
     def add(self, request_id: int, spec: SamplingSpec) -> None:
         if request_id in self._requests:
             raise ValueError(f"sampler already holds request {request_id}")
-        self._requests[request_id] = _RequestState(spec)
+        ids = [*spec.stop_token_ids, *(t for t, _ in spec.logit_bias)]
+        if any(t < 0 for t in ids):
+            raise ValueError(f"request {request_id}: negative token id in {ids}")
+        penalties = _has_penalties(spec)
+        adjusts = penalties or bool(spec.logit_bias)
+        self._requests[request_id] = _RequestState(spec, penalties, adjusts, max(ids, default=-1))
 
     def remove(self, request_id: int) -> None:
         """Forget a request; idempotent."""
@@ -96,7 +123,7 @@ class Sampler:
         """Record history for penalties: repetition counts prompt+output tokens (as vLLM),
         presence/frequency count output tokens only."""
         state = self._state(request_id)
-        if not _has_penalties(state.spec):
+        if not state.has_penalties:
             return
         state.seen.update(token_ids)
         if not is_prompt:
@@ -138,11 +165,12 @@ class Sampler:
         log_normaliser, tokens, greedy = logsumexp_argmax(logits, slot_rows, last_tokens)
 
         work = logits
-        penalised = [i for i, s in enumerate(states) if _has_penalties(s.spec)]
-        if penalised:
-            work = logits.clone()
-            for i in penalised:
-                _apply_penalties(work[i], states[i])
+        adjusted = [
+            i for i, s in enumerate(states) if s.always_adjusts or s.num_sampled < s.spec.min_tokens
+        ]
+        if adjusted:
+            work = logits.clone(memory_format=torch.contiguous_format)  # `_adjust` indexes it flat
+            self._adjust(work, adjusted, request_ids, states)
             tokens = work.argmax(dim=-1)  # greedy rows keep these
         random_rows = [i for i, s in enumerate(states) if s.spec.temperature >= SAMPLING_EPS]
         if random_rows:
@@ -151,7 +179,7 @@ class Sampler:
             tokens[to_device(random_rows, torch.int64, tokens.device)] = drawn
 
         columns = [greedy]
-        if penalised or random_rows:  # tokens other than the argmax
+        if adjusted or random_rows:  # tokens other than the argmax
             token_logprobs = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - log_normaliser
             columns = [tokens[:, None].double(), token_logprobs[:, None].double()]
             if slot_rows is not None:
@@ -184,10 +212,48 @@ class Sampler:
             alternatives = [(int(t), v) for t, v in zip(row[2 : 2 + k], row[2 + k_max : 2 + k_max + k], strict=True)]
             samples.append(Sample(request_id, token, row[1], alternatives))
             state.num_sampled += 1
-            if _has_penalties(state.spec):
+            if state.has_penalties:
                 state.seen.add(token)
                 state.output_counts[token] = state.output_counts.get(token, 0) + 1
         return samples
+
+    def _adjust(
+        self,
+        work: torch.Tensor,
+        rows: list[int],
+        request_ids: list[int],
+        states: list[_RequestState],
+    ) -> None:
+        """In place on `work` [n, vocab], for `rows`: the bias, the penalties, the min_tokens
+        mask. vLLM (`Sampler.apply_logits_processors`) masks first, and a masked logit stays
+        -inf through its bias and penalties, so masking last gives the same logits (and no
+        penalty's clamp to the float range can lift a masked logit off -inf)."""
+        vocab, device = work.shape[1], work.device
+        for i in rows:
+            if states[i].max_token_id >= vocab:
+                raise ValueError(
+                    f"request {request_ids[i]}: token id {states[i].max_token_id} in its "
+                    f"stop_token_ids or logit_bias is outside the vocabulary [0, {vocab})"
+                )
+        flat = work.view(-1)
+        biased = tuple((i, request_ids[i]) for i in rows if states[i].spec.logit_bias)
+        if biased:
+            layout = (vocab, device, biased)
+            if self._bias_rows is None or self._bias_rows.layout != layout:
+                bias_of = {i: states[i].spec.logit_bias for i, _ in biased}
+                pairs = [(i * vocab + t, b) for i, bias in bias_of.items() for t, b in bias]
+                index = to_device([p[0] for p in pairs], torch.int64, device)
+                values = to_device([p[1] for p in pairs], work.dtype, device)
+                self._bias_rows = _BiasRows(layout, index, values)
+            # each (row, token) once, so each logit gets exactly one addition: deterministic
+            flat.index_add_(0, self._bias_rows.index, self._bias_rows.values)
+        for i in rows:
+            if states[i].has_penalties:
+                _apply_penalties(work[i], states[i])
+        masked = [i * vocab + t for i in rows if states[i].num_sampled < states[i].spec.min_tokens
+                  for t in states[i].spec.stop_token_ids]  # fmt: skip
+        if masked:
+            flat.index_fill_(0, to_device(masked, torch.int64, device), float("-inf"))
 
     def _state(self, request_id: int) -> _RequestState:
         state = self._requests.get(request_id)
