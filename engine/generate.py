@@ -3,6 +3,8 @@
 It is the plain path that the engine and the server are compared against, and a quick way to
 look at a checkpoint. With `--json` it prints one JSON object per generated token:
 {"token_id": int, "text": str, "logprob": float, "top_logprobs": [[token_id, logprob], ...]}.
+As `deltaserve serve` does, it samples with the settings of the model's generation_config.json
+where no flag gives one (`--generation-config vllm`: ignored); greedy where neither does.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import torch
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
-from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.rank.model_config import ConfigError, ModelConfig
 from deltaserve.engine.sampling_params import SamplingParams, wire_seed
-from deltaserve.engine.tokenizer import eos_token_ids
-from deltaserve.ipc.messages import NewRequest, Sample, SamplingSpec, StepItem
+from deltaserve.engine.tokenizer import eos_token_ids, generation_sampling_defaults
+from deltaserve.ipc.messages import NewRequest, Sample, StepItem
 
 
 def generate_tokens(
@@ -33,8 +35,13 @@ def generate_tokens(
     device: str = "cpu",
     dtype: str = "auto",
     ignore_eos: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
 ) -> list[Sample]:
-    """Generate up to `max_tokens` tokens after `prompt_ids`; stops after an EOS token."""
+    """Generate up to `max_tokens` tokens after `prompt_ids`; stops after an EOS token. The
+    sampling values are checked as the engine checks a request's (ValueError naming one)."""
     if not prompt_ids:
         raise ValueError("prompt is empty")
     if max_tokens < 1:
@@ -56,12 +63,21 @@ def generate_tokens(
     if bad:
         raise ValueError(f"prompt token ids out of the vocabulary (size {vocab}): {bad[:5]}")
     eos = frozenset() if ignore_eos else eos_token_ids(model_dir, executor.model_config)  # the engine's set
-    spec = SamplingSpec(seed=seed, temperature=temperature, num_logprobs=num_logprobs)
+    spec = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repetition_penalty=repetition_penalty, logprobs=num_logprobs,
+    ).to_spec(seed)  # fmt: skip
     samples = executor.run_step([StepItem(0, 0, list(prompt_ids), True, NewRequest(total, spec))])
     while samples[-1].token_id not in eos and len(samples) < max_tokens:
         position = len(prompt_ids) + len(samples) - 1
         samples += executor.run_step([StepItem(0, position, [samples[-1].token_id], True)])
     return samples
+
+
+# a sampling setting's value when neither a flag nor generation_config.json gives one: greedy,
+# nothing filtered
+_SAMPLING_FALLBACKS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                       "repetition_penalty": 1.0}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,7 +87,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated: 1,2,3")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 for greedy; default: generation_config.json's, else 0")  # fmt: skip
+    for flag, kind, off in (("--top-k", int, "0 (off)"), ("--top-p", float, "1"), ("--min-p", float, "0"),
+                            ("--repetition-penalty", float, "1")):  # fmt: skip
+        p.add_argument(flag, type=kind, default=None, help=f"default: generation_config.json's, else {off}")
+    p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                   help="auto: the sampling settings of the model's generation_config.json are the "
+                        "defaults of those no flag gives, as serve's; vllm: ignore them")  # fmt: skip
     p.add_argument("--seed", type=int, default=None, help="sampling seed, any int64 (random if unset)")
     p.add_argument("--logprobs", type=int, default=0, help="alternatives to report per token (0-20)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -79,9 +102,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--json", action="store_true", help="one JSON object per generated token")
     args = p.parse_args(argv)
+    try:  # serve's defaults of a request that leaves them out; its check of the file's values
+        defaults = generation_sampling_defaults(args.model) if args.generation_config == "auto" else {}
+    except ConfigError as exc:
+        p.error(str(exc))
+    args.file_defaults = {k: v for k, v in defaults.items() if getattr(args, k) is None}
+    for name, fallback in _SAMPLING_FALLBACKS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, args.file_defaults.get(name, fallback))
     try:  # the engine's checks and messages: NaN or inf temperatures, seeds outside int64 were taken
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                       logprobs=args.logprobs)  # fmt: skip
+                       logprobs=args.logprobs, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                       repetition_penalty=args.repetition_penalty)  # fmt: skip
     except ValueError as exc:
         p.error(f"--{str(exc).replace('_', '-')}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -107,10 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     seed = wire_seed(args.seed) if args.seed is not None else random.randrange(2**63)  # as the engine's
+    if args.file_defaults:  # said, as serve says it: the output is no longer greedy by default
+        print("sampling defaults from the model's generation_config.json: "
+              + ", ".join(f"{k}={v}" for k, v in args.file_defaults.items())
+              + " (flags win; --generation-config vllm ignores the file)", file=sys.stderr)  # fmt: skip
     try:
         samples = generate_tokens(
             args.model, prompt_ids, args.max_tokens, args.temperature, seed, args.logprobs,
-            args.device, args.dtype, args.ignore_eos,
+            args.device, args.dtype, args.ignore_eos, args.top_k, args.top_p, args.min_p,
+            args.repetition_penalty,
         )
     except (OSError, ValueError) as e:  # a bad config.json or checkpoint, refused parameters
         print(f"error: {e}", file=sys.stderr)

@@ -59,7 +59,8 @@ def test_generate_stops_at_the_engines_eos_ids(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("bad", [["--temperature", "nan"], ["--temperature", "inf"], ["--seed", str(-(2**63) - 1)],
-                                 ["--seed", str(2**64)], ["--max-tokens", "0"], ["--logprobs", "21"]])  # fmt: skip
+                                 ["--seed", str(2**64)], ["--max-tokens", "0"], ["--logprobs", "21"],
+                                 ["--top-p", "0"], ["--top-k", "-2"], ["--repetition-penalty", "0"]])  # fmt: skip
 def test_generate_refuses_what_the_engine_refuses(tiny_model_dir, capsys, bad):
     """A NaN or infinite temperature and seeds outside int64 were taken (and sampled
     with) where the engine refuses them; now the engine's checks name the option."""
@@ -94,3 +95,44 @@ def test_generate_names_a_missing_model_or_device(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(["--model", str(tmp_path), "--prompt", "hi", "--device", "cuda"])
         assert exit_info.value.code == 2 and "sees no CUDA device" in capsys.readouterr().err
+
+
+def _tokens(capsys, model, *flags: str) -> list[int]:
+    from deltaserve.engine.generate import main
+
+    assert main(["--model", str(model), "--prompt-ids", "5,6,7", "--max-tokens", "8", "--ignore-eos",
+                 "--seed", "3", "--json", *flags]) == 0  # fmt: skip
+    return [json.loads(line)["token_id"] for line in capsys.readouterr().out.splitlines()]
+
+
+def test_generate_samples_with_generation_config_defaults(tiny_model_dir, tmp_path, capsys):
+    """As `deltaserve serve` does, generation_config.json's sampling settings are the defaults
+    of those no flag gives (`--generation-config vllm`: ignored, as serve's); generate read
+    greedily whatever the file said, so it sampled unlike the server it is compared against."""
+    from deltaserve.engine.generate import generate_tokens
+    from deltaserve.engine.sampling_params import wire_seed
+
+    for f in tiny_model_dir.iterdir():
+        if f.name != "generation_config.json":
+            (tmp_path / f.name).symlink_to(f)
+    gen = json.loads((tiny_model_dir / "generation_config.json").read_text())
+    prompt, seed = [5, 6, 7], wire_seed(3)
+    greedy = [s.token_id for s in generate_tokens(tiny_model_dir, prompt, 8, ignore_eos=True)]
+    hot = [s.token_id for s in generate_tokens(tiny_model_dir, prompt, 8, temperature=1.5, seed=seed, ignore_eos=True)]
+    assert hot != greedy
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "temperature": 1.5}))
+    assert _tokens(capsys, tmp_path) == hot  # the file's temperature
+    assert _tokens(capsys, tmp_path, "--temperature", "0") == greedy  # the flag wins
+    assert _tokens(capsys, tmp_path, "--generation-config", "vllm") == greedy  # the file ignored
+    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "temperature": 1.5, "top_k": 1}))
+    assert _tokens(capsys, tmp_path) == greedy  # top_k 1: the best token, sampled at 1.5
+    assert _tokens(capsys, tmp_path, "--top-k", "0") == hot  # the flag wins, the file's temperature stays
+    from deltaserve.engine.generate import main
+
+    assert main(["--model", str(tmp_path), "--prompt-ids", "5", "--max-tokens", "1"]) == 0
+    assert "defaults from the model's generation_config.json: temperature=1.5, top_k=1" in capsys.readouterr().err
+    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "top_p": 2}))  # as serve, refused
+    with pytest.raises(SystemExit) as info:
+        main(["--model", str(tmp_path), "--prompt-ids", "5"])
+    assert info.value.code == 2 and "generation_config.json: top_p must be in (0.0, 1.0]" in capsys.readouterr().err
