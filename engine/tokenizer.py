@@ -1,6 +1,6 @@
 """Loading the model folder's tokenizer (with its chat template), its end-of-sequence ids and
-its recommended sampling settings; the worker thread that tokenizes large inputs off the event
-loop."""
+its recommended sampling settings; a --chat-template that replaces the model's; the worker
+thread that tokenizes large inputs off the event loop."""
 
 from __future__ import annotations
 
@@ -75,6 +75,51 @@ def processor_chat_template(path: Path) -> str | None:
         log.warning("%s has no chat_template string: not used", file)
         return None
     return template
+
+
+# What tells vLLM that a --chat-template value which opens no file is the template itself
+# (vllm/renderers/chat_utils/chat_template.py); a value without any is a mistyped path.
+_TEMPLATE_CHARS = "{}\n"
+
+
+def load_chat_template(value: str) -> str:
+    """`--chat-template`'s template, read as vLLM reads the flag: the text of the file it
+    names, else the value itself when it holds '{', '}' or a newline (a template given
+    inline). A ValueError, at start, for a value that looks like a path but opens no file
+    (a typo must not be served as a one-line template), for an empty template and for one
+    that does not compile."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            template, source = f.read(), f"--chat-template {value!r}"
+    except UnicodeDecodeError as e:  # a ValueError: before the next clause
+        raise ValueError(f"--chat-template {value!r} is not UTF-8 text: {e}") from None
+    except (OSError, ValueError) as e:  # no such file, a folder, a name too long or with NUL
+        if not any(c in value for c in _TEMPLATE_CHARS):
+            raise ValueError(
+                f"--chat-template {value!r} looks like a file path, but it cannot be opened "
+                f"({getattr(e, 'strerror', None) or e}); a template given inline has '{{', '}}' "
+                "or a newline"
+            ) from None
+        template, source = value, "--chat-template (given inline)"
+    check_chat_template(template, source)
+    log.info("chat template from %s: it replaces the model's", source)
+    return template
+
+
+def check_chat_template(template: str, source: str = "chat_template") -> None:
+    """Compile `template` as apply_chat_template will, in transformers' own environment (its
+    sandbox, its {% generation %} tag, loop controls), so that a syntax error or an unknown
+    filter is a ValueError naming `source` and the line at start, not a 400 on every chat."""
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError(f"{source}: the chat template is empty")
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateError as e:
+        line = f" on line {e.lineno}" if getattr(e, "lineno", None) else ""
+        raise ValueError(f"{source}: the chat template is not valid Jinja{line}: {e.message}") from None
 
 
 def tokenizer_class(path: Path) -> Any:

@@ -10,11 +10,13 @@ to it (its ValueError names the field); the OpenAI-only limits are checked here.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from deltaserve.http.errors import ApiError, bad_request, unsupported
+from deltaserve.http.tool_protocol import TOOL_MESSAGE_KEYS, parse_tool_fields, tool_message_fields
 
 if TYPE_CHECKING:
     from deltaserve.engine.sampling_params import SamplingParams
@@ -26,19 +28,19 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _SAMPLING_KEYS = frozenset(
     {
         "temperature", "top_p", "n", "seed", "stop", "presence_penalty", "frequency_penalty",
-        "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
+        "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens",
+        "logit_bias", "include_stop_str_in_output", "skip_special_tokens",
+        "spaces_between_special_tokens",
     }
 )  # fmt: skip
 # Harmless metadata: accepted and not used for generation.
 _METADATA_KEYS = frozenset({"user"})
 # vLLM's extra fields that clients send at their defaults, each the way this server works
-# anyway (stop strings and stop tokens left out of the text, special tokens skipped, no beam
-# search, ...): accepted at that value (or null), refused at any other.
+# anyway (no beam search, ...): accepted at that value (or null), refused at any other.
 _VLLM_DEFAULTS: dict[str, Any] = {
-    "include_stop_str_in_output": False, "skip_special_tokens": True,
-    "spaces_between_special_tokens": True, "min_tokens": 0, "use_beam_search": False,
-    "length_penalty": 1.0, "truncate_prompt_tokens": None, "prompt_logprobs": None,
-    "allowed_token_ids": None, "bad_words": [], "priority": 0, "return_tokens_as_token_ids": False,
+    "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None,
+    "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [], "priority": 0,
+    "return_tokens_as_token_ids": False,
 }  # fmt: skip
 # add_special_tokens: vLLM adds them to a completion's prompt, not to a rendered chat. The
 # Qwen tokenizer adds none when encoding, so the prompt is the same either way.
@@ -52,12 +54,16 @@ _COMPLETION_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_COMPLETION_DEFAU
 _CHAT_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_CHAT_DEFAULTS) | {
     "model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
     "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "response_format",
-    "parallel_tool_calls", "chat_template_kwargs",
+    "parallel_tool_calls", "chat_template_kwargs", "include_reasoning",
 }  # fmt: skip
-_ROLES = ("system", "user", "assistant", "developer")
+_ROLES = ("system", "user", "assistant", "developer", "tool")
 # Message fields taken only when null (or []): tool calls, and what the SDK's model_dump() of
 # a reply carries (annotations, audio, ...) when a client sends it back as history.
 _NULL_MESSAGE_KEYS = frozenset({"tool_calls", "function_call", "refusal", "annotations", "audio"})
+# An assistant message's thinking, as a reasoning parser returned it (`reasoning`, or its
+# older name): the template gets it under both names, as vLLM passes it (Qwen3.5's template
+# renders `reasoning_content` in the turns after the last user message).
+_REASONING_KEYS = ("reasoning", "reasoning_content")
 # OpenAI's newer name for the system message (as vLLM, we take it): the template sees "system".
 _ROLE_ALIASES = {"developer": "system"}
 
@@ -83,6 +89,10 @@ class SamplingFields:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """Build the engine's params (which check ranges and raise ValueError naming the
@@ -107,17 +117,22 @@ class CompletionRequest:
 
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
-    """`messages` are normalised to `{"role", "content": str}` (and `"name"` when given);
-    `logprobs` asks for the chat logprobs shape (then `sampling.logprobs` is the number of
-    alternatives, 0..20)."""
+    """`messages` are normalised to `{"role", "content": str}` (and `"name"` when given, and
+    the tool fields of tool_protocol.py's `tool_message_fields`); `logprobs` asks for the chat
+    logprobs shape (then `sampling.logprobs` is the number of alternatives, 0..20). `tools`
+    (for the template) and `tool_choice`: tool_protocol.py's `ToolFields`."""
 
     model: str | None
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     sampling: SamplingFields
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    include_reasoning: bool = True  # vLLM's: False leaves a reasoning parser's reasoning out
+    tools: tuple[dict[str, Any], ...] | None = None
+    tool_choice: str = "none"  # "none" or "auto": the output is read for tool calls
+    parallel_tool_calls: bool = True  # False: only the first call is returned (as vLLM)
 
 
 # ---- entry points ------------------------------------------------------------------------
@@ -137,7 +152,6 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
         raise unsupported("best_of", "only best_of=1 is supported; use n for several samples")
     if obj.get("suffix") not in (None, ""):
         raise unsupported("suffix", "insertion (suffix) is not supported")
-    _refuse_logit_bias(obj)
     logprobs = _opt_int(obj, "logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be in 0..{MAX_LOGPROBS}, got {logprobs}", "logprobs")
@@ -158,16 +172,10 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
     _refuse_unknown(obj, _CHAT_KEYS)
     _refuse_non_defaults(obj, _CHAT_DEFAULTS)
     _opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
-    if obj.get("tools") not in (None, []):
-        raise unsupported("tools", "tool calling is not supported")
-    if obj.get("tool_choice") not in (None, "none", "auto"):  # with no tools, "auto" calls none
-        raise unsupported("tool_choice", "tool calling is not supported; only 'none' or 'auto' with no tools")
-    if obj.get("parallel_tool_calls") is not None:
-        raise unsupported("parallel_tool_calls", "tool calling is not supported")
+    tool_fields = parse_tool_fields(obj)
     response_format = obj.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise unsupported("response_format", "only {'type': 'text'} is supported")
-    _refuse_logit_bias(obj)
     logprobs = _opt_bool(obj, "logprobs", default=False)
     top_logprobs = _opt_int(obj, "top_logprobs")
     if top_logprobs is not None:
@@ -207,6 +215,10 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
         include_usage=include_usage,
         logprobs=logprobs,
         chat_template_kwargs=dict(template_kwargs),
+        include_reasoning=_opt_bool(obj, "include_reasoning", default=True),
+        tools=tool_fields.tools,
+        tool_choice=tool_fields.tool_choice,
+        parallel_tool_calls=tool_fields.parallel_tool_calls,
     )
 
 
@@ -241,9 +253,25 @@ def _refuse_non_defaults(obj: dict[str, Any], defaults: dict[str, Any]) -> None:
             raise unsupported(name, f"only its default ({name}={shown}) is supported")
 
 
-def _refuse_logit_bias(obj: dict[str, Any]) -> None:
-    if obj.get("logit_bias") not in (None, {}):
-        raise unsupported("logit_bias", "logit_bias is not supported")
+def _logit_bias(obj: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {token id as a string: bias}, as (id, bias) pairs; a bias past [-100, 100] is
+    clamped to it, as vLLM clamps it. Ids outside the vocabulary are the engine's check."""
+    value = obj.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad_request(f"logit_bias must be an object, got {_json_type(value)}", "logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:  # int() refuses 4300 digits
+            raise bad_request(f"logit_bias key {key[:20]!r} is not a token id", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            got = _json_type(bias)
+            raise bad_request(f"logit_bias[{key!r}] must be a number, got {got}", "logit_bias")
+        if isinstance(bias, float) and not math.isfinite(bias):
+            raise bad_request(f"logit_bias[{key!r}] must be finite, got {bias}", "logit_bias")
+        pairs.append((int(key), float(min(100.0, max(-100.0, bias)))))  # ints of any size compare
+    return tuple(pairs)
 
 
 def _stream(obj: dict[str, Any]) -> tuple[bool, bool]:
@@ -271,6 +299,9 @@ def _sampling(
     defaults: Mapping[str, float] | None = None,
 ) -> SamplingFields:
     d = SamplingFields(**(defaults or {}))
+    # vLLM's spaces_between_special_tokens acts in slow (Python) tokenizers only; Qwen's fast
+    # one puts no space between special tokens either way (engine/detokenizer.py): type only
+    _opt_bool(obj, "spaces_between_special_tokens", default=True)
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=_opt_float(obj, "temperature", d.temperature),
@@ -286,6 +317,10 @@ def _sampling(
         ignore_eos=_opt_bool(obj, "ignore_eos", default=False),
         logprobs=logprobs,
         n=_opt_int(obj, "n", default=d.n),
+        min_tokens=_opt_int(obj, "min_tokens", default=0),
+        logit_bias=_logit_bias(obj),
+        include_stop_str_in_output=_opt_bool(obj, "include_stop_str_in_output", default=False),
+        skip_special_tokens=_opt_bool(obj, "skip_special_tokens", default=True),
     )
 
 
@@ -353,7 +388,7 @@ def _token_ids(value: object, name: str, *, empty_ok: bool = False) -> tuple[int
     return tuple(value)
 
 
-def _messages(obj: dict[str, Any]) -> tuple[dict[str, str], ...]:
+def _messages(obj: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
@@ -370,16 +405,29 @@ def _messages(obj: dict[str, Any]) -> tuple[dict[str, str], ...]:
         for key, value in m.items():
             if key in ("role", "content", "name") or (key in _NULL_MESSAGE_KEYS and value in (None, [])):
                 continue
+            if key in _REASONING_KEYS and role == "assistant":
+                continue
+            if key in TOOL_MESSAGE_KEYS.get(role, ()):
+                continue
             raise unsupported(f"{where}.{key}", "messages carry only role, content and name")
         content = m.get("content")
         if content is None and role == "assistant":  # OpenAI allows it; vLLM renders ""
             content = ""
         message = {"role": _ROLE_ALIASES.get(role, role), "content": _content(content, where)}
+        message.update(tool_message_fields(m, role, where))
         name = m.get("name")
         if name is not None:  # for the template, as vLLM passes it (Qwen's ignores it)
             if not isinstance(name, str):
                 raise bad_request(f"{where}.name must be a string, got {_json_type(name)}", "messages")
             message["name"] = name
+        reasoning = m.get("reasoning")
+        if reasoning is None:
+            reasoning = m.get("reasoning_content")
+        if reasoning is not None:  # an assistant's: other roles' were refused above
+            if not isinstance(reasoning, str):
+                got = _json_type(reasoning)
+                raise bad_request(f"{where}.reasoning must be a string, got {got}", "messages")
+            message["reasoning"] = message["reasoning_content"] = reasoning
         out.append(message)
     return tuple(out)
 

@@ -9,10 +9,14 @@ streaming). A `ChoiceState` per choice accumulates text, logprobs and counts.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+
+from deltaserve.http.reasoning import DeltaParts, ReasoningParser, ReasoningSplitter
+from deltaserve.http.tool_parsers import ToolCallReader
 
 # vLLM clamps -inf logprobs (tokens of zero probability) to a finite number; JSON has no inf.
 MIN_LOGPROB = -9999.0
@@ -89,10 +93,16 @@ class ChoiceState:
     prompt_tokens: int = 0
     output_tokens: int = 0
     logprobs: list[Any] = field(default_factory=list)  # per-token entries in endpoint shape
+    # a chat's with a reasoning parser (then `text` is its content)
+    reasoning: list[str] = field(default_factory=list)
 
     def add_text(self, delta: str) -> None:
         if delta:
             self.text.append(delta)
+
+    def add_reasoning(self, delta: str) -> None:
+        if delta:
+            self.reasoning.append(delta)
 
 
 class _Formatter:
@@ -185,9 +195,80 @@ class CompletionFormatter(_Formatter):
 
 class ChatFormatter(_Formatter):
     """`/v1/chat/completions`: `chat.completion(.chunk)` objects; logprobs in the chat shape
-    (content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}])."""
+    (content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]).
+
+    With a reasoning parser (reasoning.py), each choice's text goes through its own
+    `ReasoningSplitter` (`_parts`), and messages and deltas carry `reasoning` beside `content`
+    (vLLM's field names); `include_reasoning=False` leaves the reasoning out.
+
+    With `tool_calls` (tool_choice "auto"), the content part is read for tool calls
+    (tool_parsers.py): as it streams when `streaming`, else whole in `response`."""
 
     chunk_object = "chat.completion.chunk"
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        strings: TokenStrings,
+        logprobs: bool,
+        *,
+        reasoning: ReasoningParser | None = None,
+        prompt_ids: Sequence[int] = (),
+        include_reasoning: bool = True,
+        tool_calls: ToolCallReader | None = None,
+        streaming: bool = False,
+    ) -> None:
+        super().__init__(request_id, model, strings, logprobs)
+        self.tool_calls = tool_calls
+        self.streaming = streaming
+        self.reasoning = reasoning
+        self.include_reasoning = include_reasoning
+        self._starts_in_reasoning = bool(reasoning and reasoning.starts_in_reasoning(prompt_ids))
+        self._splitters: dict[int, ReasoningSplitter] = {}  # by choice index
+
+    def _parts(self, index: int, text: str, token_id: int | None, final: bool) -> DeltaParts:
+        """One event's text as (reasoning, content); all content without a parser."""
+        if self.reasoning is None:
+            return DeltaParts("", text)
+        splitter = self._splitters.get(index)
+        if splitter is None:
+            splitter = self._splitters[index] = self.reasoning.splitter(self._starts_in_reasoning)
+        parts = splitter.feed(text, token_id)
+        if final:
+            rest = splitter.flush()
+            parts = DeltaParts(parts.reasoning + rest.reasoning, parts.content + rest.content)
+        return parts
+
+    def _delta(self, parts: DeltaParts) -> dict[str, str]:
+        if self.reasoning is None:
+            return {"content": parts.content}
+        delta = {"reasoning": parts.reasoning} if parts.reasoning and self.include_reasoning else {}
+        if parts.content:
+            delta["content"] = parts.content
+        return delta
+
+    def _delta_with_tools(self, index: int, parts: DeltaParts, final: bool) -> dict[str, Any]:
+        """The delta, its content read for tool calls when they stream."""
+        if self.tool_calls is None or not self.streaming:
+            return self._delta(parts)
+        read = self.tool_calls.delta(index, parts.content, final)
+        delta: dict[str, Any] = self._delta(DeltaParts(parts.reasoning, read.content))
+        if read.tool_calls:
+            if not delta.get("content"):
+                delta.pop("content", None)
+            delta["tool_calls"] = [call.to_json() for call in read.tool_calls]
+        return delta
+
+    def _usage(self, usage_json: dict[str, int]) -> dict[str, Any]:
+        """As vLLM's with a reasoning parser: the reasoning tokens of all choices."""
+        if self.reasoning is None:
+            return usage_json
+        tokens = sum(s.reasoning_tokens for s in self._splitters.values())
+        return {**usage_json, "completion_tokens_details": {"reasoning_tokens": tokens}}
+
+    def usage_chunk(self, usage_json: dict[str, int]) -> dict[str, Any]:
+        return super().usage_chunk(self._usage(usage_json))
 
     def _entry(self, ev: Any) -> dict[str, Any]:
         s = self.strings
@@ -209,36 +290,45 @@ class ChatFormatter(_Formatter):
 
     def token(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any] | None:
         entry = self._entry(ev) if self.want_logprobs else None
-        state.add_text(ev.text)
-        if entry is not None:
+        parts = self._parts(index, ev.text, ev.token_id, final=False)
+        state.add_text(parts.content)
+        state.add_reasoning(parts.reasoning)
+        delta = self._delta_with_tools(index, parts, final=False)
+        if entry is not None:  # one entry per token, its text sent now or later
             state.logprobs.append(entry)
-        elif not ev.text:
+        elif not any(delta.values()):
             return None
         logprobs = {"content": [entry]} if entry is not None else None
-        choice = {
-            "index": index,
-            "delta": {"content": ev.text},
-            "logprobs": logprobs,
-            "finish_reason": None,
-        }
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
         return self._chunk([choice])
 
     def finish(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any]:
-        state.add_text(ev.text)
-        delta = {"content": ev.text} if ev.text else {}
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": ev.reason}
+        parts = self._parts(index, ev.text, None, final=True)
+        state.add_text(parts.content)
+        state.add_reasoning(parts.reasoning)
+        delta = {key: text for key, text in self._delta_with_tools(index, parts, final=True).items() if text}
+        reason = ev.reason
+        if self.tool_calls is not None and self.streaming:
+            reason = self.tool_calls.stream_finish_reason(index, reason)
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
         return self._chunk([choice])
 
+    def _message(self, state: ChoiceState) -> dict[str, Any]:
+        if self.reasoning is None:
+            return {"role": "assistant", "content": "".join(state.text)}
+        # as vLLM's: an empty part is null
+        reasoning = "".join(state.reasoning) if self.include_reasoning else ""
+        content = "".join(state.text)
+        return {"role": "assistant", "content": content or None, "reasoning": reasoning or None}
+
     def response(self, states: list[ChoiceState], usage_json: dict[str, int]) -> dict[str, Any]:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": "".join(s.text)},
-                "logprobs": {"content": s.logprobs} if self.want_logprobs else None,
-                "finish_reason": s.finish_reason,
-            }
-            for i, s in enumerate(states)
-        ]
+        choices = []
+        for i, s in enumerate(states):
+            message, reason = self._message(s), s.finish_reason
+            if self.tool_calls is not None:  # not streaming: read whole
+                message, reason = self.tool_calls.message(message, "".join(s.text), reason)
+            logprobs = {"content": s.logprobs} if self.want_logprobs else None
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         body = self._chunk(choices, "chat.completion")
-        body["usage"] = usage_json
+        body["usage"] = self._usage(usage_json)
         return body

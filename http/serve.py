@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,14 @@ from dataclasses import fields
 from pathlib import Path
 
 import deltaserve
+from deltaserve.http.reasoning import REASONING_PARSERS
+from deltaserve.http.tool_parsers import TOOL_CALL_PARSERS
+from deltaserve.http.vllm_flags import (
+    UVICORN_LOG_LEVELS,
+    add_vllm_flags,
+    human_readable_int,
+    refused_vllm_flag,
+)
 
 log = logging.getLogger("deltaserve.serve")
 
@@ -56,6 +65,17 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"--port must be in 0..65535, got {port}")
     return port
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        example = '{"enable_thinking": false}'
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{example}', got {text!r}")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -96,12 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="cuda ordinals, comma separated; default: 0..tp-1")  # fmt: skip
     eng.add_argument("--dtype", choices=("auto", "float32", "fp32", "bfloat16", "bf16"), default=d("dtype"),
                      help="weight/activation dtype; auto: the checkpoint's (float32 on cpu)")  # fmt: skip
-    eng.add_argument("--max-model-len", type=int, default=d("max_model_len"),
+    eng.add_argument("--max-model-len", type=human_readable_int, default=d("max_model_len"),
                      help="longest prompt + completion in tokens; default: "
                           "min(max_position_embeddings, 8192)")  # fmt: skip
     eng.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"),
                      help="most requests running at once (DeltaNet state slots)")  # fmt: skip
-    eng.add_argument("--max-num-batched-tokens", type=int, default=d("max_num_batched_tokens"),
+    eng.add_argument("--max-num-batched-tokens", type=human_readable_int, default=d("max_num_batched_tokens"),
                      help="token budget of one scheduler step (prefill chunks + decodes); "
                           "default: 8192 on cuda, 2048 on cpu")  # fmt: skip
     eng.add_argument("--max-queued-requests", type=int, default=d("max_queued_requests"),
@@ -146,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto: the sampling settings in the model's generation_config.json "
                           "(temperature, top_p, top_k, min_p, repetition_penalty) are the default "
                           "of every request that leaves them out, as in vLLM; vllm: ignore them")  # fmt: skip
+    srv.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                     help="chat messages carry the model's thinking (between <think> and </think>) "
+                          "as `reasoning`, apart from its answer in `content`, as vLLM's parsers "
+                          "of these names; default: all the text in `content`")  # fmt: skip
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="read the tool calls of chats that give tools (tool_choice 'auto', their "
+                          "default) out of the output into message.tool_calls, as vLLM's flag; "
+                          "needs --tool-call-parser")  # fmt: skip
+    srv.add_argument("--tool-call-parser", choices=tuple(TOOL_CALL_PARSERS), default=None,
+                     help="the format the model writes tool calls in, as vLLM's parsers of these "
+                          "names: qwen3_coder (Qwen3.5, Qwen3-Coder), hermes (Qwen2.5, Qwen3)")  # fmt: skip
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free)")
     srv.add_argument("--api-key", default=None,
@@ -158,6 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="INFO", type=str.upper,  # SGLang's lower case too
                      choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                      help="log level of the server and its rank processes")  # fmt: skip
+    srv.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                     help="the chat template chats render with, replacing the model's: a file, "
+                          "or the Jinja template itself (as vLLM's flag)")  # fmt: skip
+    srv.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                     help="template variables of every chat, e.g. '{\"enable_thinking\": false}'; "
+                          "a request's chat_template_kwargs win key by key (as vLLM's flag)")  # fmt: skip
+    srv.add_argument("--seed", type=int, default=None,
+                     help="requests that give no seed take theirs from a generator seeded with "
+                          "this, so the same requests in the same order sample the same; default: "
+                          "each a random seed")  # fmt: skip
+    add_vllm_flags(p)
     return p
 
 
@@ -201,6 +243,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         parser.error(f"the model is given twice: MODEL {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model if args.model is not None else args.model_tag
+    if (refused := refused_vllm_flag(args)) is not None:
+        parser.error(refused)
     names = args.served_model_name
     if args.model is None and names is not None and len(names) > 1:
         # --served-model-name takes every word up to the next flag, MODEL given after it too
@@ -217,6 +261,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         level=args.log_level, stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )  # fmt: skip
+    if args.uvicorn_log_level is not None:  # the HTTP server's own loggers
+        logging.getLogger("aiohttp").setLevel(UVICORN_LOG_LEVELS[args.uvicorn_log_level])
     # Every check before the first slow step (making the demo checkpoint, loading weights):
     # the flags (exit 2), then the listen address (exit 1).
     demo = args.model is None
@@ -280,6 +326,7 @@ def _base_url(host: str, port: int) -> str:
 
 
 def _server_config(args: argparse.Namespace):  # -> ServerConfig
+    from deltaserve.engine.tokenizer import load_chat_template
     from deltaserve.http.server import ServerConfig
 
     return ServerConfig(
@@ -287,6 +334,12 @@ def _server_config(args: argparse.Namespace):  # -> ServerConfig
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
         generation_config=args.generation_config,
+        chat_template=args.chat_template and load_chat_template(args.chat_template),
+        default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+        seed=args.seed,
+        reasoning_parser=args.reasoning_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 
@@ -399,7 +452,11 @@ async def _serve(args: argparse.Namespace, server_config, engine_config) -> int:
     exit_code = 0
     runner = None
     try:
-        app = build_app(engine, server_config)
+        try:
+            app = build_app(engine, server_config)
+        except ValueError as exc:  # what only the loaded tokenizer tells: no think tags
+            log.error("%s", exc)
+            return 1
         if defaults := app[STATE].sampling_defaults:
             log.info("default sampling from the model's generation_config.json: %s (a request's own "
                      "values win; --generation-config vllm ignores the file)",

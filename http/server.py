@@ -15,10 +15,11 @@ import contextlib
 import hmac
 import json
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -33,7 +34,7 @@ from deltaserve.engine.events import (
     QueueFullError,
     TokenEvent,
 )
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from deltaserve.engine.tokenizer import generation_sampling_defaults
 from deltaserve.http import errors
 from deltaserve.http.errors import ApiError
@@ -44,6 +45,7 @@ from deltaserve.http.protocol import (
     parse_chat_request,
     parse_completion_request,
 )
+from deltaserve.http.reasoning import ReasoningParser, check_include_reasoning
 from deltaserve.http.responses import (
     SSE_DONE,
     ChatFormatter,
@@ -53,49 +55,15 @@ from deltaserve.http.responses import (
     sse,
     usage,
 )
+from deltaserve.http.server_config import RESERVED_TEMPLATE_KWARGS, ServerConfig
+from deltaserve.http.tool_parsers import ToolCallReader
 
 if TYPE_CHECKING:
     from deltaserve.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("deltaserve.http")
 
-DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
-# Keys a client may not pass through chat_template_kwargs: they would change what the call
-# returns or replace the template itself, or are apply_chat_template's tokenizer options
-# (truncation, max_length, ...), which it ignores with tokenize=False: refused, not dropped.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-     "tokenize", "return_dict", "continue_final_message", "sanitize_control_tokens", "padding",
-     "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
-     "tokenizer_kwargs"}
-)  # fmt: skip
 _SAMPLING_FIELD_NAMES = frozenset(SamplingFields.__dataclass_fields__)
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    """`served_model_name`: one name or several (`--served-model-name a b`, as vLLM's), held
-    as a tuple: requests may name any, responses carry the one named (the first when none)."""
-
-    served_model_name: str | Sequence[str]
-    api_key: str | None = None
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    # "auto": generation_config.json's sampling settings are the requests' defaults, as in
-    # `vllm serve`; "vllm": ignored (vLLM's flag and values)
-    generation_config: str = "auto"
-
-    def __post_init__(self) -> None:
-        names = self.served_model_name
-        names = (names,) if isinstance(names, str) else tuple(dict.fromkeys(names))
-        if not names or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(f"served_model_name must be non-empty strings, got {self.served_model_name!r}")
-        object.__setattr__(self, "served_model_name", names)
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must be non-empty when given")
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
-        if self.generation_config not in ("auto", "vllm"):
-            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
 
 
 class ServerState:
@@ -111,6 +79,13 @@ class ServerState:
         self.sampling_defaults = (
             generation_sampling_defaults(engine.config.model) if config.generation_config == "auto" else {}
         )
+        # the seeds of requests that give none (--seed); None: the engine draws each at random
+        self.seeds = None if config.seed is None else random.Random(config.seed)
+        # ValueError when the tokenizer lacks the think tags
+        self.reasoning = (
+            ReasoningParser.for_tokenizer(config.reasoning_parser, engine.tokenizer)
+            if config.reasoning_parser is not None else None
+        )  # fmt: skip
 
     def model_name(self, requested: str | None) -> str:
         """The name a response carries: the one requested (refused if not served), else the
@@ -268,6 +243,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         req.sampling,
         DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
         logprobs_param="logprobs",
+        seeds=state.seeds,
     )
     choices, bound = len(req.prompts) * params.n, state.engine.config.max_queued_requests
     if choices > bound:  # the queue could never take them all: not a 429 to retry (n alone: the engine's check)
@@ -287,16 +263,27 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_chat_request(await _read_json(request), state.sampling_defaults)
     model = state.model_name(req.model)
+    check_include_reasoning(state.reasoning, req.include_reasoning, req.logprobs)
+    if req.tool_choice == "auto" and not state.config.enable_auto_tool_choice:  # vLLM's words
+        raise errors.bad_request('"auto" tool choice requires --enable-auto-tool-choice and '
+                                 "--tool-call-parser to be set", "tool_choice")  # fmt: skip
     state.check_admitting()
+    template_kwargs = {**state.config.default_chat_template_kwargs, **req.chat_template_kwargs}
     prompt_ids = await _apply_chat_template(
-        state.engine, req.messages, req.chat_template_kwargs, size=len(await request.read())
-    )
+        state.engine, req.messages, template_kwargs, size=len(await request.read()),
+        chat_template=state.config.chat_template, tools=req.tools,
+    )  # fmt: skip
     max_tokens = req.sampling.max_tokens
     if max_tokens is None:  # as vLLM: whatever context (or, if smaller, KV cache) the prompt leaves
         max_tokens = max(1, state.engine.longest_sequence - len(prompt_ids))
-    params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs")
+    params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs", seeds=state.seeds)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    formatter = ChatFormatter(request_id, model, state.strings, req.logprobs)
+    tool_calls = None  # the output read for tool calls: tool_choice "auto" (the server has a parser)
+    if req.tool_choice == "auto" and req.tools and state.config.tool_call_parser is not None:
+        tool_calls = ToolCallReader(state.config.tool_call_parser, req.tools, req.parallel_tool_calls)
+    formatter = ChatFormatter(request_id, model, state.strings, req.logprobs, reasoning=state.reasoning,
+                              prompt_ids=prompt_ids, include_reasoning=req.include_reasoning,
+                              tool_calls=tool_calls, streaming=req.stream)  # fmt: skip
     streams = await _open_streams(state, [prompt_ids], [params], request_id, prompt_param="messages")
     return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
 
@@ -335,7 +322,12 @@ def _decode_non_finite(raw: bytes, exc: msgspec.DecodeError) -> object | None:
     return body
 
 
-def _params(fields: SamplingFields, max_tokens: int, *, logprobs_param: str) -> SamplingParams:
+def _params(
+    fields: SamplingFields, max_tokens: int, *, logprobs_param: str, seeds: random.Random | None = None
+) -> SamplingParams:
+    """`seeds`: where a request that gives no seed takes one (--seed)."""
+    if fields.seed is None and seeds is not None:
+        fields = replace(fields, seed=seeds.randrange(SEED_MIN, SEED_MAX + 1))
     try:
         return fields.to_sampling_params(max_tokens)
     except ValueError as exc:
@@ -357,21 +349,25 @@ def _param_of(
 
 
 async def _apply_chat_template(
-    engine: AsyncEngine, messages: Sequence[dict[str, str]], kwargs: dict[str, Any], size: int
+    engine: AsyncEngine, messages: Sequence[dict[str, Any]], kwargs: dict[str, Any], size: int,
+    chat_template: str | None = None, tools: Sequence[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The prompt's token ids: the template rendered and tokenized, off the event loop when
-    the request (`size` bytes, which bounds what the template sees) is large."""
+    """The prompt's token ids: the template (`chat_template`, else the tokenizer's) rendered
+    with the request's `tools` and tokenized, off the event loop when the request (`size`
+    bytes, which bounds what the template sees) is large."""
     for key in kwargs:
-        if key in _RESERVED_TEMPLATE_KWARGS:
+        if key in RESERVED_TEMPLATE_KWARGS:
             raise errors.unsupported(f"chat_template_kwargs.{key}", "reserved by the server")
-    if not getattr(engine.tokenizer, "chat_template", None):
-        raise errors.bad_request("the model has no chat template; use /v1/completions", "messages")
+    if not chat_template and not getattr(engine.tokenizer, "chat_template", None):
+        raise errors.bad_request("the model has no chat template; use /v1/completions, or give "
+                                 "one at start (--chat-template)", "messages")  # fmt: skip
 
     def render(tokenizer: Any) -> list[int]:
         try:
             text = tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=False, **kwargs
-            )
+                list(messages), chat_template=chat_template, add_generation_prompt=True,
+                tokenize=False, tools=list(tools) if tools else None, **kwargs,
+            )  # fmt: skip
         except Exception as exc:  # jinja errors from the template (e.g. role order)
             raise errors.bad_request(
                 f"the chat template rejected the messages: {exc}", "messages"

@@ -112,12 +112,16 @@ CASES = {
     "huge max_completion_tokens": (CHAT, j({"messages": USER, "max_completion_tokens": HUGE}), 400, None, "max_model_len"),
     "huge seed": (C, j({"prompt": "x", "seed": 2**64}), 400, "seed", "seed must be"),
     "seed below int64": (C, j({"prompt": "x", "seed": -(2**63) - 1}), 400, "seed", "seed must be"),
-    # Tool calling is not supported: only its no-op values pass (see ACCEPTED).
+    # Tool calling needs guided decoding for these (see ACCEPTED).
     "tool_choice required": (CHAT, j({"messages": USER, "tool_choice": "required"}), 400, "tool_choice", "tool"),
     "tool_choice named": (CHAT, j({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
                           400, "tool_choice", "tool"),
+    # this server has no --enable-auto-tool-choice (tests/test_http_tools.py runs one that has)
     "tools with tool_choice auto": (CHAT, j({"messages": USER, "tool_choice": "auto", "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]}), 400, "tools", "tool"),
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}), 400, "tool_choice",
+        "--enable-auto-tool-choice"),
+    "tool_choice auto, no tools": (CHAT, j({"messages": USER, "tool_choice": "auto"}), 400, "tool_choice", "`tools` must be set"),
+    "tools []": (CHAT, j({"messages": USER, "tool_choice": "auto", "tools": []}), 400, "tools", "empty array"),
     "continuous_usage_stats true": (C, j({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}),
                                     400, "stream_options.continuous_usage_stats", "not supported"),
     "continuous_usage_stats not a bool": (CHAT, j({"messages": USER, "stream": True, "stream_options": {"continuous_usage_stats": 0}}),
@@ -139,11 +143,12 @@ CASES = {
     "temperature huge integer": (C, b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", 400, "temperature", "finite"),
     "chat top_p huge integer": (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -1' + b"0" * 400 + b"}", 400, "top_p", "finite"),
     "unknown field": (C, j({"prompt": "x", "guided_regex": "a+"}), 400, "guided_regex", "unknown"),
-    # vLLM's extra fields at a value other than their default: not honoured here, so refused
-    "min_tokens 5": (C, j({"prompt": "x", "min_tokens": 5}), 400, "min_tokens", "default"),
-    "include_stop_str_in_output true": (CHAT, j({"messages": USER, "include_stop_str_in_output": True}),
-                                        400, "include_stop_str_in_output", "default"),
-    "skip_special_tokens false": (C, j({"prompt": "x", "skip_special_tokens": False}), 400, "skip_special_tokens", "default"),
+    # vLLM's sampling extras, honoured: refused only where vLLM refuses them
+    "min_tokens past max_tokens": (C, j({"prompt": "x", "min_tokens": 17}), 400, "min_tokens", "max_tokens=16"),
+    "logit_bias id out of vocab": (CHAT, j({"messages": USER, "logit_bias": {str(VOCAB): 1}}), 400, "logit_bias", f"[{VOCAB}]"),
+    "logit_bias huge id": (C, j({"prompt": "x", "logit_bias": {"9" * 12: 1}}), 400, "logit_bias", "vocabulary"),
+    "logit_bias 5000-digit id": (C, j({"prompt": "x", "logit_bias": {"9" * 5000: 1}}), 400, "logit_bias", "not a token id"),
+    "logit_bias NaN": (C, b'{"prompt": "x", "logit_bias": {"5": NaN}}', 400, "logit_bias", "finite"),
     "stream not a bool": (C, j({"prompt": "x", "stream": "yes"}), 400, "stream", "boolean"),
     "temperature nan-ish string": (C, j({"prompt": "x", "temperature": "NaN"}), 400, "temperature", "number"),
     # Non-finite numbers (NaN and Infinity are not JSON, 1e400 overflows a float) are refused
@@ -214,8 +219,8 @@ SYSTEM_HI = [{"role": "system", "content": "Be brief."}, *USER]
 ACCEPTED = {
     "negative seed": (C, {"prompt": "x", "seed": -1, "temperature": 1.0}),
     "int64 min seed": (C, {"prompt": "x", "seed": -(2**63), "n": 2, "temperature": 1.0}),
-    "tool_choice auto, no tools": (CHAT, {"messages": USER, "tool_choice": "auto"}),
-    "tool_choice auto, tools []": (CHAT, {"messages": USER, "tool_choice": "auto", "tools": []}),
+    "tools, tool_choice none": (CHAT, {"messages": USER, "tool_choice": "none", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     "developer role": (CHAT, {"messages": [{"role": "developer", "content": "Be brief."}, *USER]}),
     "continuous_usage_stats false": (C, {"prompt": "x", "stream": True,
                                          "stream_options": {"continuous_usage_stats": False, "include_usage": True}}),
@@ -312,7 +317,10 @@ PLAUSIBLE = {
     "tools": st.just([]) | st.just([{"type": "function", "function": {"name": "f"}}]),
     "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),
     "repetition_penalty": st.floats(-1, 3), "echo": st.booleans(), "best_of": st.integers(0, 3),
-    "logit_bias": st.dictionaries(st.text(max_size=3), _ints, max_size=2),
+    "logit_bias": st.dictionaries(st.text(max_size=3) | st.integers(0, VOCAB + 2).map(str),
+                                  _ints | _floats, max_size=2),
+    "min_tokens": st.integers(-2, 24), "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(), "spaces_between_special_tokens": st.booleans(),
     "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "tools", "x"]), JSON, max_size=2),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
     "user": JSON,
@@ -327,6 +335,10 @@ VALID = {
     "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=2), "stream": st.booleans(),
     "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
     "repetition_penalty": st.floats(0.1, 2), "model": st.just(MODEL),
+    "min_tokens": st.integers(0, 1), "include_stop_str_in_output": st.booleans(),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100),
+                                  max_size=3),
+    "skip_special_tokens": st.booleans(), "spaces_between_special_tokens": st.booleans(),
 }  # fmt: skip
 VALID_PROMPT = st.text(min_size=1, max_size=20) | st.lists(
     st.integers(0, VOCAB - 1), min_size=1, max_size=8

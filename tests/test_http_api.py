@@ -377,7 +377,7 @@ def check_error(body: dict, param: str | None, words: str) -> None:
     [
         (dict(prompt="x", echo=True), "echo", "echo"),
         (dict(prompt="x", best_of=2), "best_of", "best_of"),
-        (dict(prompt="x", logit_bias={"5": 3}), "logit_bias", "logit_bias"),
+        (dict(prompt="x", logit_bias={"248320": 3}), "logit_bias", "[248320]"),
         (dict(prompt="x", suffix="y"), "suffix", "suffix"),
         (dict(prompt="x", logprobs=21), "logprobs", "0..20"),
         (dict(prompt="x", temperature=-0.5), "temperature", "temperature"),
@@ -398,7 +398,8 @@ async def test_400_completions(served: Served, call, param, words):
 @pytest.mark.parametrize(
     "call, param, words",
     [
-        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools", "tool"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tool_choice",
+         "--enable-auto-tool-choice"),
         (dict(tool_choice="required"), "tool_choice", "tool"),
         (dict(response_format={"type": "json_object"}), "response_format", "text"),
         (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),

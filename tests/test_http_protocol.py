@@ -84,7 +84,16 @@ class TestCompletionFields:
         [
             ({"echo": True}, "echo", "echo"),
             ({"best_of": 3}, "best_of", "best_of"),
-            ({"logit_bias": {"5": 1}}, "logit_bias", "logit_bias"),
+            ({"logit_bias": {"x5": 1}}, "logit_bias", "not a token id"),
+            ({"logit_bias": {"-5": 1}}, "logit_bias", "not a token id"),
+            ({"logit_bias": {"1" * 5000: 1}}, "logit_bias", "not a token id"),  # int() would raise
+            ({"logit_bias": [[5, 1]]}, "logit_bias", "object"),
+            ({"logit_bias": {"5": "1"}}, "logit_bias", "number"),
+            ({"logit_bias": {"5": True}}, "logit_bias", "number"),
+            ({"min_tokens": 1.5}, "min_tokens", "integer"),
+            ({"include_stop_str_in_output": 1}, "include_stop_str_in_output", "boolean"),
+            ({"skip_special_tokens": "no"}, "skip_special_tokens", "boolean"),
+            ({"spaces_between_special_tokens": "true"}, "spaces_between_special_tokens", "boolean"),
             ({"suffix": "tail"}, "suffix", "suffix"),
             ({"frobnicate": 1}, "frobnicate", "unknown"),
             ({"messages": []}, "messages", "unknown"),
@@ -108,6 +117,27 @@ class TestCompletionFields:
     )  # fmt: skip
     def test_refusals_name_the_field(self, extra, param, words):
         refused(parse_completion_request, {"prompt": "x", **extra}, param, words)
+
+    def test_vllm_sampling_extras_honoured(self):
+        """min_tokens, logit_bias (ids as strings, biases clamped to [-100, 100] as vLLM
+        clamps them), include_stop_str_in_output, skip_special_tokens and
+        spaces_between_special_tokens (no effect with a fast tokenizer) reach SamplingParams;
+        on both endpoints."""
+        extras = {"min_tokens": 3, "logit_bias": {"7": 2.5, "0012": -300, "5": 10**400},
+                  "include_stop_str_in_output": True, "skip_special_tokens": False,
+                  "spaces_between_special_tokens": False}  # fmt: skip
+        bodies = ((parse_completion_request, {"prompt": "x"}), (parse_chat_request, CHAT_BODY))
+        for parse, body in bodies:
+            p = parse({**body, **extras}).sampling.to_sampling_params(5)
+            assert (p.min_tokens, p.logit_bias) == (3, ((5, 100.0), (7, 2.5), (12, -100.0)))
+            assert (p.include_stop_str_in_output, p.skip_special_tokens) == (True, False)
+            assert parse({**body, "spaces_between_special_tokens": True}) == parse(body)
+        s = parse_completion_request({"prompt": "x", "min_tokens": 6}).sampling
+        with pytest.raises(ValueError, match=r"^min_tokens must be .* \[0, max_tokens=5\]"):
+            s.to_sampling_params(5)  # as vLLM: min_tokens past max_tokens is refused
+        s = parse_completion_request({"prompt": "x", "logit_bias": {"12": 1, "012": 2}}).sampling
+        with pytest.raises(ValueError, match="^logit_bias has token id 12 twice"):
+            s.to_sampling_params(5)
 
     def test_no_op_values_vllm_accepts(self):
         """continuous_usage_stats=false is the default (usage only at the end); any int64
@@ -153,10 +183,11 @@ class TestChat:
         )
         assert (r.sampling.max_tokens, r.logprobs, r.sampling.logprobs) == (9, True, 2)
 
-    @pytest.mark.parametrize("extra", [{"tool_choice": "auto"}, {"tool_choice": "auto", "tools": []},
-                                       {"tool_choice": "none", "tools": None}, {"tools": []}])  # fmt: skip
+    @pytest.mark.parametrize("extra", [{"tool_choice": "none"}, {"tool_choice": "none", "tools": None},
+                                       {"tool_choice": None}])  # fmt: skip
     def test_tool_choice_without_tools_is_a_no_op(self, extra):
-        """No tools: "auto" (and "none") can call none, as vLLM takes them."""
+        """No tools: "none" (or null) calls none, as vLLM takes them ("auto" without tools and
+        `tools: []` are refused, as vLLM's: tests/test_http_tools.py)."""
         r = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **extra})
         assert r.messages == ({"role": "user", "content": "hi"},)
 
@@ -183,7 +214,7 @@ class TestChat:
             ({"tool_choice": "none", "tools": [{"type": "function"}]}, "tools", "tool"),
             ({"tool_choice": 3}, "tool_choice", "tool"),
             ({"response_format": {"type": "json_object"}}, "response_format", "text"),
-            ({"logit_bias": {"1": 2}}, "logit_bias", "logit_bias"),
+            ({"logit_bias": {"1": float("nan")}}, "logit_bias", "finite"),
             ({"top_logprobs": 3}, "top_logprobs", "logprobs=true"),
             ({"logprobs": True, "top_logprobs": 25}, "top_logprobs", "0..20"),
             ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "disagree"),
@@ -201,7 +232,7 @@ class TestChat:
         [
             ([], "messages", "non-empty"),
             ("hi", "messages", "non-empty"),
-            ([{"role": "tool", "content": "x"}], "messages", "messages[0].role"),
+            ([{"role": "function", "content": "x"}], "messages", "messages[0].role"),
             ([{"role": "user"}], "messages", "messages[0].content"),
             ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
              "messages[0].content[0].type", "text"),
@@ -215,19 +246,16 @@ class TestChat:
 
 
 # vLLM's extra request fields and their defaults: what this server does anyway.
-VLLM_DEFAULTS = {"include_stop_str_in_output": False, "skip_special_tokens": True,
-                 "spaces_between_special_tokens": True, "min_tokens": 0, "use_beam_search": False,
-                 "length_penalty": 1.0, "truncate_prompt_tokens": None, "prompt_logprobs": None,
-                 "allowed_token_ids": None, "bad_words": [], "priority": 0,
+VLLM_DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None,
+                 "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [], "priority": 0,
                  "return_tokens_as_token_ids": False}  # fmt: skip
 COMPLETION_DEFAULTS = {**VLLM_DEFAULTS, "add_special_tokens": True}
 CHAT_DEFAULTS = {**VLLM_DEFAULTS, "add_special_tokens": False, "add_generation_prompt": True,
                  "continue_final_message": False}  # fmt: skip
 # A value other than the default, of the right type and of a wrong one.
-OTHER = {"include_stop_str_in_output": [True, 0], "skip_special_tokens": [False, 1],
-         "spaces_between_special_tokens": [False, "true"], "min_tokens": [3, False],
-         "use_beam_search": [True, 0], "length_penalty": [0.5, True], "truncate_prompt_tokens": [5, -1],
-         "prompt_logprobs": [0, 2], "allowed_token_ids": [[1], []], "bad_words": [["x"], {}],
+OTHER = {"use_beam_search": [True, 0], "length_penalty": [0.5, True],
+         "truncate_prompt_tokens": [5, -1], "prompt_logprobs": [0, 2],
+         "allowed_token_ids": [[1], []], "bad_words": [["x"], {}],
          "priority": [1, -1], "return_tokens_as_token_ids": [True, 0], "add_special_tokens": [None],
          "add_generation_prompt": [False, 1], "continue_final_message": [True, 0]}  # fmt: skip
 CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}

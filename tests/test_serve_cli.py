@@ -176,3 +176,108 @@ async def test_ready_line_says_what_a_request_can_use_and_why(tiny_model_dir, ca
     assert "--num-kv-blocks" in line, line
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("64" in w and "8192" in w for w in warned), caplog.text
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [(["--chat-template", "templates/chatml.jinja"], "--chat-template 'templates/chatml.jinja' looks like a file path, but it cannot be opened (No such file"),
+     (["--chat-template", "{{ messages }"], "--chat-template (given inline): the chat template is not valid Jinja on line 1: unexpected '}'"),
+     (["--chat-template", "FILE"], "--chat-template 'FILE': the chat template is not valid Jinja on line 2: No filter named 'nosuch'"),
+     (["--chat-template", "EMPTY"], "--chat-template 'EMPTY': the chat template is empty"),
+     (["--default-chat-template-kwargs", '{"enable_thinking": false, "tools": []}'],
+      "default_chat_template_kwargs: tools reserved by the server")],
+)  # fmt: skip
+def test_bad_chat_template_flags_fail_before_the_engine_starts(tiny_model_dir, tmp_path, monkeypatch, engine_starts,
+                                                               capsys, flags, words):  # fmt: skip
+    """A template path that opens nothing (vLLM refuses it too: it is no template), a Jinja
+    error (found by compiling as transformers does; it was a 400 on every chat), an empty
+    template, default kwargs the request path refuses: one line and exit 2, no weight loaded."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("{{ messages }}\n{{ messages | nosuch }}")
+    (tmp_path / "EMPTY").write_text("\n")
+    assert serve.serve_main([str(tiny_model_dir), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"deltaserve serve: error: {words}" in err, err
+    assert engine_starts == []
+
+
+@pytest.mark.parametrize("value", ["[1]", "{enable_thinking: false}", '"x"'])
+def test_default_chat_template_kwargs_must_be_a_json_object(capsys, value):
+    with pytest.raises(SystemExit) as info:
+        serve.parse_args(["--default-chat-template-kwargs", value])
+    assert info.value.code == 2
+    assert "argument --default-chat-template-kwargs:" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="default_chat_template_kwargs must map names"):
+        ServerConfig("m", default_chat_template_kwargs=[1])
+
+
+# vLLM launch-script flags deltaserve already does what they ask: accepted (they were "unrecognized
+# arguments", exit 2), and what each sets
+ACCEPTED = [
+    (["--trust-remote-code"], {}),  # no code from the checkpoint is ever run
+    (["--disable-log-requests"], {}),  # none are logged
+    (["--disable-log-stats"], {}),  # no periodic stats are logged
+    (["--disable-uvicorn-access-log"], {}),  # no access log is written
+    (["--no-enable-prefix-caching"], {}),  # there is no prefix cache
+    (["--enable-chunked-prefill"], {}),  # prompts are always prefilled in chunks
+    (["--kv-cache-dtype", "auto"], {}),  # the model's dtype
+    (["--swap-space", "16"], {}),  # nothing is ever preempted, so nothing swapped
+    (["--uvicorn-log-level", "warning"], {}),
+    (["--max-model-len", "32k"], {"max_model_len": 32000}),  # vLLM's human-readable sizes
+    (["--max-model-len", "32K"], {"max_model_len": 32768}),
+    (["--max-num-batched-tokens", "16k"], {"max_num_batched_tokens": 16000}),
+    (["--max-num-batched-tokens", "2.5k"], {"max_num_batched_tokens": 2500}),
+    (["--max-num-seqs", "8"], {"max_num_seqs": 8}),
+    (["--block-size", "32"], {"block_size": 32}),
+    (["--seed", "7"], {"seed": 7}),
+]
+# flags deltaserve cannot honour: the start refused, saying why (they were "unrecognized arguments")
+REFUSED = [
+    (["--enable-prefix-caching"], "--enable-prefix-caching: not supported: deltaserve has no prefix cache"),
+    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: not supported: deltaserve always prefills"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported: the KV cache is kept in the model's dtype"),
+    (["--quantization", "fp8"], "--quantization fp8: not supported: deltaserve loads unquantized"),
+    (["-q", "awq"], "--quantization awq: not supported"),
+    (["--enable-log-requests"], "--enable-log-requests: not supported: deltaserve logs no requests"),
+    (["--max-model-len", "auto"], "argument --max-model-len: 'auto' (vLLM: as long as memory allows) is not supported"),
+    (["--max-model-len", "-1"], "argument --max-model-len: '-1' (vLLM: as long as memory allows) is not supported"),
+    (["--max-model-len", "1.5K"], "argument --max-model-len: a decimal needs a lower case"),
+    (["--swap-space", "-1"], "--swap-space must be a number of GiB >= 0"),
+]
+
+
+@pytest.mark.parametrize(("flags", "sets"), ACCEPTED)
+def test_vllm_flags_that_deltaserve_honours(tmp_path, flags, sets):
+    args = serve.parse_args([str(tmp_path), *flags])
+    engine_config, server_config = serve._engine_config(args), serve._server_config(args)
+    for name, value in sets.items():
+        assert getattr(server_config if name == "seed" else engine_config, name) == value
+
+
+@pytest.mark.parametrize(("flags", "words"), REFUSED)
+def test_vllm_flags_that_deltaserve_cannot_honour(tmp_path, capsys, flags, words):
+    with pytest.raises(SystemExit) as info:
+        serve.parse_args([str(tmp_path), *flags])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {words}" in err, err
+
+
+@pytest.fixture
+def aiohttp_log_level():
+    import logging
+
+    logger = logging.getLogger("aiohttp")
+    level = logger.level
+    yield logger
+    logger.setLevel(level)
+
+
+def test_uvicorn_log_level_sets_the_http_servers(tiny_model_dir, taken_port, engine_starts, aiohttp_log_level):
+    """vLLM's --uvicorn-log-level is the HTTP server's log level: here aiohttp's loggers'."""
+    import logging
+
+    serve.serve_main([str(tiny_model_dir), "--port", str(taken_port), "--uvicorn-log-level", "error"])
+    assert aiohttp_log_level.level == logging.ERROR
+    serve.serve_main([str(tiny_model_dir), "--port", str(taken_port), "--uvicorn-log-level", "TRACE"])
+    assert aiohttp_log_level.level == logging.DEBUG

@@ -1,0 +1,83 @@
+"""What `deltaserve serve` configures in the HTTP front (`ServerConfig`), checked once at
+construction, so a bad flag stops the start before any weight loads."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltaserve.engine.sampling_params import SEED_MAX, SEED_MIN
+from deltaserve.engine.tokenizer import check_chat_template
+from deltaserve.http.reasoning import REASONING_PARSERS
+from deltaserve.http.tool_parsers import TOOL_CALL_PARSERS
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+# Keys a client may not pass through chat_template_kwargs: they would change what the call
+# returns or replace the template itself, or are apply_chat_template's tokenizer options
+# (truncation, max_length, ...), which it ignores with tokenize=False: refused, not dropped.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+     "tokenize", "return_dict", "continue_final_message", "sanitize_control_tokens", "padding",
+     "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
+     "tokenizer_kwargs"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """`served_model_name`: one name or several (`--served-model-name a b`, as vLLM's), held
+    as a tuple: requests may name any, responses carry the one named (the first when none)."""
+
+    served_model_name: str | Sequence[str]
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # "auto": generation_config.json's sampling settings are the requests' defaults, as in
+    # `vllm serve`; "vllm": ignored (vLLM's flag and values)
+    generation_config: str = "auto"
+    # --chat-template: what chats render with instead of the tokenizer's (or chat_template.json's)
+    chat_template: str | None = None
+    # --default-chat-template-kwargs: every chat's template variables; a request's own
+    # chat_template_kwargs win key by key (vLLM merges them so)
+    default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # --seed: the seeds of requests that give none are drawn from a generator seeded with it
+    seed: int | None = None
+    # chat messages carry the model's thinking apart from its answer (vLLM's parser names);
+    # None: the text as generated, in `content`
+    reasoning_parser: str | None = None
+    # --enable-auto-tool-choice, --tool-call-parser: chats with tools get their output's tool
+    # calls in message.tool_calls (tool_parsers.py; vLLM's flags and parser names)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        names = self.served_model_name
+        names = (names,) if isinstance(names, str) else tuple(dict.fromkeys(names))
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"served_model_name must be non-empty strings, got {self.served_model_name!r}")
+        object.__setattr__(self, "served_model_name", names)
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty when given")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
+        if self.chat_template is not None:
+            check_chat_template(self.chat_template)
+        kwargs = self.default_chat_template_kwargs
+        if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+            raise ValueError(f"default_chat_template_kwargs must map names to values, got {kwargs!r}")
+        if reserved := sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs)):
+            raise ValueError(f"default_chat_template_kwargs: {', '.join(reserved)} reserved by the "
+                             "server, as in a request's chat_template_kwargs")  # fmt: skip
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):  # fmt: skip
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")  # fmt: skip
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")  # fmt: skip
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:  # vLLM's words
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")

@@ -1,0 +1,113 @@
+"""The `vllm serve` flags that launch scripts carry, as `deltaserve serve` takes them: the
+spelling accepted where deltaserve already does what the flag asks, the start refused with the
+reason where it cannot (never a flag silently dropped).
+
+The vLLM flags that set a config field are serve.py's own (--max-model-len, --seed,
+--chat-template, ...); this module holds those that change nothing here and those refused,
+each with its reason, --uvicorn-log-level's levels, and vLLM's spelling of sizes (32k, 32K).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+
+# uvicorn's level names (vLLM's --uvicorn-log-level choices) as logging levels; trace is
+# uvicorn's level below debug
+UVICORN_LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
+                      "info": logging.INFO, "debug": logging.DEBUG, "trace": logging.DEBUG}  # fmt: skip
+
+# vLLM's human_readable_int (vllm/engine/arg_utils.py): lower case k m g t are powers of
+# 1000, upper case K M G T powers of 1024; a decimal only before a lower case suffix
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+             "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}  # fmt: skip
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+
+
+def human_readable_int(text: str) -> int:
+    """An integer as vLLM's --max-model-len and --max-num-batched-tokens take one: 32768,
+    32k (32,000), 32K (32,768), 25.6k. vLLM's --max-model-len auto (or -1: as long as the
+    KV cache allows) is refused: here the default is the model's context capped at 8192."""
+    value = text.strip()
+    if value.lower() in ("auto", "-1"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} (vLLM: as long as memory allows) is not supported: give a length, or "
+            "leave the flag out for min(max_position_embeddings, 8192)"
+        )
+    match = _HUMAN_INT.fullmatch(value)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer such as 32768, 32k or 32K, got {text!r}"
+        )
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * _SUFFIXES[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"a decimal needs a lower case (power of 1000) suffix such as 25.6k, got {text!r}"
+        )
+    return int(number) * _SUFFIXES.get(suffix, 1)
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """The vLLM flags that change nothing here or are refused (`refused_vllm_flag`)."""
+    g = parser.add_argument_group(
+        "vLLM flags that launch scripts pass (accepted where deltaserve already does what "
+        "they ask, refused at start where it cannot)"
+    )
+    # vLLM's flag lets transformers import Python shipped in the checkpoint folder (custom
+    # architectures, tokenizers). deltaserve runs no code from the checkpoint, with the flag
+    # or without it, and a checkpoint that cannot load without such code fails to load either
+    # way: the flag grants nothing here, so it is accepted and changes nothing.
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted, no effect: deltaserve runs no code from the checkpoint folder")  # fmt: skip
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted, no effect: deltaserve logs no requests")  # fmt: skip
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="refused: deltaserve logs no requests (/metrics and `deltaserve monitor` "
+                        "show them)")  # fmt: skip
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="accepted, no effect: deltaserve logs no periodic stats (/metrics has them)")  # fmt: skip
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="accepted, no effect: the HTTP server writes no access log")  # fmt: skip
+    g.add_argument("--uvicorn-log-level", choices=tuple(UVICORN_LOG_LEVELS), type=str.lower, default=None,
+                   help="the HTTP server's (aiohttp's) log level, as vLLM's sets uvicorn's; "
+                        "default: --log-level")  # fmt: skip
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="--no-enable-prefix-caching is accepted (what deltaserve does); "
+                        "--enable-prefix-caching is refused: there is no prefix cache")  # fmt: skip
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="--enable-chunked-prefill is accepted (what deltaserve does: prompts are "
+                        "prefilled in chunks of --max-num-batched-tokens); --no-... is refused")  # fmt: skip
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto only: the KV cache is kept in the model's dtype (--dtype)")  # fmt: skip
+    g.add_argument("--quantization", "-q", default=None,
+                   help="refused: deltaserve loads unquantized (bf16/fp32) checkpoints only")  # fmt: skip
+    # vLLM swaps a preempted request's KV blocks to this much CPU memory; here a request is
+    # never preempted (its whole lifetime's blocks are reserved when it is admitted), so no
+    # swap space is ever needed: any size is honoured by using none of it.
+    g.add_argument("--swap-space", type=float, default=None, metavar="GiB",
+                   help="accepted, no effect: no request is ever preempted, so nothing is swapped")  # fmt: skip
+
+
+def refused_vllm_flag(args: argparse.Namespace) -> str | None:
+    """Why the start is refused for a vLLM flag deltaserve cannot honour; None if none is."""
+    if args.enable_log_requests:
+        return ("--enable-log-requests: not supported: deltaserve logs no requests; /metrics "
+                "counts them and `deltaserve monitor` shows each live")  # fmt: skip
+    if args.enable_prefix_caching:
+        return ("--enable-prefix-caching: not supported: deltaserve has no prefix cache, every "
+                "prompt is prefilled whole; drop the flag (or pass --no-enable-prefix-caching)")  # fmt: skip
+    if args.enable_chunked_prefill is False:
+        return ("--no-enable-chunked-prefill: not supported: deltaserve always prefills a prompt "
+                "in chunks of at most --max-num-batched-tokens tokens")  # fmt: skip
+    if args.kv_cache_dtype != "auto":
+        return (f"--kv-cache-dtype {args.kv_cache_dtype}: not supported: the KV cache is kept in "
+                "the model's dtype (--dtype); only auto")  # fmt: skip
+    if args.quantization is not None:
+        return (f"--quantization {args.quantization}: not supported: deltaserve loads "
+                "unquantized (bf16/fp32) checkpoints only")  # fmt: skip
+    if args.swap_space is not None and not args.swap_space >= 0:
+        return f"--swap-space must be a number of GiB >= 0, got {args.swap_space}"
+    return None
