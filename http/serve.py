@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -203,8 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def demo_name() -> str:
+    """The demo checkpoint's folder name. It changes with the package version and with the demo's
+    chat template: a demo made earlier would otherwise keep serving the template it was made with."""
+    from deltaserve.tools.tokenizer_files import CHATML_TEMPLATE
+
+    digest = hashlib.sha256(CHATML_TEMPLATE.encode()).hexdigest()[:8]
+    return f"demo-{deltaserve.__version__}-{digest}"
+
+
 def demo_model_dir() -> Path:
-    return Path.home() / ".cache" / "deltaserve" / f"demo-{deltaserve.__version__}"
+    return Path.home() / ".cache" / "deltaserve" / demo_name()
 
 
 def ensure_demo_model() -> tuple[Path, bool]:

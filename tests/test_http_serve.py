@@ -21,7 +21,6 @@ import openai
 import pytest
 from serve_helpers import ServeProcess, get, rank_pids, wait_gone
 
-import deltaserve
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.generate import generate_tokens
@@ -155,7 +154,7 @@ async def test_serve_demo_then_rank_sigkill_exits_nonzero(tiny_model_dir, tmp_pa
     cache here; `test_demo_model_made_once` covers making it). A rank SIGKILLed under load
     ends the open streams with an error event and the process with a non-zero code."""
     home = tmp_path / "home"
-    demo = home / ".cache" / "deltaserve" / f"demo-{deltaserve.__version__}"
+    demo = home / ".cache" / "deltaserve" / serve.demo_name()
     shutil.copytree(tiny_model_dir, demo)
     env = dict(os.environ, HOME=str(home))
     server = await ServeProcess.start("--max-model-len", "4096", env=env)
@@ -185,7 +184,7 @@ def test_demo_model_made_once(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(Path.home() / ".cache"))  # keep the tokenizer cache
     monkeypatch.setenv("HOME", str(tmp_path))
     path, made = serve.ensure_demo_model()
-    assert made and path == tmp_path / ".cache" / "deltaserve" / f"demo-{deltaserve.__version__}"
+    assert made and path == tmp_path / ".cache" / "deltaserve" / serve.demo_name()
     assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left behind
     assert serve.ensure_demo_model() == (path, False)

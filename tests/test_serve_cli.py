@@ -13,7 +13,6 @@ import socket
 import pytest
 from serve_helpers import DELTASERVE, get
 
-import deltaserve
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.http import serve
 from deltaserve.http.server import ServerConfig
@@ -104,7 +103,7 @@ def test_bad_host_fails_before_the_demo_model_is_made(tmp_path, monkeypatch, eng
     assert engine_starts == [], caplog.text
     assert code == 1
     assert "cannot listen on 192.0.2.1:8000" in caplog.text
-    assert not (tmp_path / ".cache" / "deltaserve" / f"demo-{deltaserve.__version__}").exists()
+    assert not (tmp_path / ".cache" / "deltaserve" / serve.demo_name()).exists()
 
 
 def test_bad_flag_fails_before_the_demo_model_is_made(tmp_path, monkeypatch, engine_starts, capsys):

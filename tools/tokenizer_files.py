@@ -27,9 +27,48 @@ NON_SPECIAL_ADDED = frozenset(
     {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
 )
 
+# ChatML, plus tool calling in the qwen3_coder format (so the demo shows
+# `--tool-call-parser qwen3_coder`). Written for the project; the layout follows the facts of
+# Qwen3.5's own template: `tools` as JSON lines in `<tools></tools>` in a system turn (after the
+# first message's text when it is a system one), an assistant's calls after its content ("\n\n"
+# between when it has text, "\n" between calls), each string value as it is and any other as
+# JSON, and a run of `tool` messages as one user turn of `<tool_response>` blocks. A
+# conversation with no tools and no tool messages renders as plain ChatML, byte for byte.
 CHATML_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' and messages[0]['content'] -%}"
+    "{{- messages[0]['content'] + '\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call one or more of these functions:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nTo call a function, reply with one block per call, in this format '"
+    "+ '(a string value as it is, any other value as JSON):\\n<tool_call>\\n<function=NAME>\\n'"
+    "+ '<parameter=P>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- if tools and loop.first and message['role'] == 'system' -%}"
+    "{#- already in the tools' system turn -#}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' -}}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] -}}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- if not loop.first -%}{{- '\\n' -}}"
+    "{%- elif message['content'] | trim -%}{{- '\\n\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n<function=' + call['function']['name'] + '>\\n' -}}"
+    "{%- for key, value in call['function']['arguments'] | items -%}"
+    "{{- '<parameter=' + key + '>\\n' + (value if value is string else value | tojson) -}}"
+    "{{- '\\n</parameter>\\n' -}}"
+    "{%- endfor -%}"
+    "{{- '</function>\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
@@ -65,7 +104,9 @@ def _convert() -> bytes:
     from tokenizers import AddedToken, normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    tokenizer = TikTokenConverter(vocab_file=str(_ranks_path()), pattern=QWEN3_5_PAT_STR).converted()
+    tokenizer = TikTokenConverter(
+        vocab_file=str(_ranks_path()), pattern=QWEN3_5_PAT_STR
+    ).converted()
     tokenizer.normalizer = normalizers.NFC()
     num_ranks = tokenizer.get_vocab_size()
     for token_id, text in qwen_special_tokens():
