@@ -219,8 +219,8 @@ SYSTEM_HI = [{"role": "system", "content": "Be brief."}, *USER]
 ACCEPTED = {
     "negative seed": (C, {"prompt": "x", "seed": -1, "temperature": 1.0}),
     "int64 min seed": (C, {"prompt": "x", "seed": -(2**63), "n": 2, "temperature": 1.0}),
-    "tools, tool_choice none": (CHAT, {"messages": USER, "tool_choice": "none", "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    # tools with tool_choice "none" (rendered, no calls read): tests/test_http_tools.py; here the
+    # demo template's tool listing alone is longer than this server's max_model_len
     "developer role": (CHAT, {"messages": [{"role": "developer", "content": "Be brief."}, *USER]}),
     "continuous_usage_stats false": (C, {"prompt": "x", "stream": True,
                                          "stream_options": {"continuous_usage_stats": False, "include_usage": True}}),
