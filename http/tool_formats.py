@@ -155,7 +155,44 @@ _BARE_ENDS = {  # a bare call's body has no block to end
 }
 
 
-class Qwen3CoderScanner:
+class _Scanner:
+    """What both formats' scanners share: deltas in (`feed`, then `finish` at the end), and
+    out what each call decided. A delta with no "<" arriving while nothing is held unread is
+    all in the current part (every tag starts with "<"), unless the part ends on a character
+    (`_ends_on_plain_text`): then it is kept without a scan."""
+
+    _unread: UnreadText
+    _content: list[str]  # what this feed decided
+    _pieces: list[CallPiece]
+
+    def feed(self, text: str) -> Decided:
+        unread = self._unread
+        if unread.pos == len(unread.text) and "<" not in text and not self._ends_on_plain_text():
+            self._keep(text)
+        else:
+            unread.add(text)
+        return self._read(final=False)
+
+    def finish(self) -> Decided:
+        """The end of the output: what was held back is decided."""
+        return self._read(final=True)
+
+    def _decided(self) -> Decided:
+        decided = Decided("".join(self._content), self._pieces)
+        self._content, self._pieces = [], []
+        return decided
+
+    def _ends_on_plain_text(self) -> bool:
+        return False
+
+    def _keep(self, text: str) -> None:
+        raise NotImplementedError
+
+    def _read(self, final: bool) -> Decided:
+        raise NotImplementedError
+
+
+class Qwen3CoderScanner(_Scanner):
     """qwen3_coder calls in a text fed in deltas. A call is sent as it is read: its name and
     "{" once `<function=NAME>` is whole, each parameter when its value ends, "}" at the end
     of its body. Content is sent as soon as no later text can make it part of a call."""
@@ -177,24 +214,13 @@ class Qwen3CoderScanner:
         self._content: list[str] = []  # what this feed decided
         self._pieces: list[CallPiece] = []
 
-    def feed(self, text: str) -> Decided:
-        unread = self._unread
-        if unread.pos == len(unread.text) and "<" not in text and self._where not in _BY_CHARS:
-            self._keep(text)  # what ends the part starts with "<": all of this is in it
-        else:
-            unread.add(text)
-        return self._read(final=False)
-
-    def finish(self) -> Decided:
-        """The end of the output: what was held back is decided."""
-        return self._read(final=True)
+    def _ends_on_plain_text(self) -> bool:
+        return self._where in _BY_CHARS
 
     def _read(self, final: bool) -> Decided:
         while self._step(final):
             pass
-        decided = Decided("".join(self._content), self._pieces)
-        self._content, self._pieces = [], []
-        return decided
+        return self._decided()
 
     def _step(self, final: bool) -> bool:
         """Reads the part the scan is in up to what ends it, and goes on to the next part
@@ -445,7 +471,7 @@ _HERMES_ENDS: dict[str, tuple[Tag, ...]] = {
 }  # fmt: skip
 
 
-class HermesScanner:
+class HermesScanner(_Scanner):
     """hermes calls in a text fed in deltas: a call is sent whole when its block closes (its
     JSON is only read then); the text from the first `<tool_call>` is held until then."""
 
@@ -459,19 +485,8 @@ class HermesScanner:
         self._content: list[str] = []  # what this feed decided
         self._pieces: list[CallPiece] = []
 
-    def feed(self, text: str) -> Decided:
-        unread = self._unread
-        if unread.pos == len(unread.text) and "<" not in text:
-            self._keep(text)  # every tag starts with "<": all of this is in the current part
-        else:
-            unread.add(text)
-        return self._read(final=False)
-
-    def finish(self) -> Decided:
-        """The end of the output: a block not closed is read as it is."""
-        return self._read(final=True)
-
     def _read(self, final: bool) -> Decided:
+        """At the end (`final`), a block not closed is read as it is."""
         unread = self._unread
         while True:
             ends = _HERMES_ENDS[self._where]
@@ -489,9 +504,7 @@ class HermesScanner:
                 self._where = "json"
             else:
                 self._block_ended(END_TOOL_CALL)
-        decided = Decided("".join(self._content), self._pieces)
-        self._content, self._pieces = [], []
-        return decided
+        return self._decided()
 
     def _keep(self, text: str) -> None:
         if not text:
