@@ -251,7 +251,7 @@ class AsyncEngine:
         self._check_alive()
         with self._refusals_told(request_id):
             for prompt, p in zip(prompts, params, strict=True):
-                self._check_request(prompt, p)
+                self._check_request(prompt, p)  # its bad_words tokenized again by generate: small
             self._check_queue(sum(p.n for p in params))
 
     @contextlib.contextmanager
@@ -266,12 +266,16 @@ class AsyncEngine:
             self._scheduler.notify_refused(request_id or "", "invalid", str(exc))
             raise
 
-    def _check_request(self, prompt: str | list[int], params: SamplingParams) -> tuple[int, ...]:
+    def _check_request(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> tuple[tuple[int, ...], SamplingParams]:
+        """The prompt's ids, and the params with their bad_words tokenized (as vLLM's processor)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params = params.tokenize_bad_words(functools.partial(_encode_text, self.tokenizer))
         prompt_ids = self._prompt_ids(prompt)
         self._check_fits(prompt_ids, params)
-        return prompt_ids
+        return prompt_ids, params
 
     def _check_queue(self, choices: int) -> None:
         queued = self._scheduler.num_queued
@@ -282,7 +286,7 @@ class AsyncEngine:
             )
 
     def _submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> RequestStream:
-        prompt_ids = self._check_request(prompt, params)
+        prompt_ids, params = self._check_request(prompt, params)
         if request_id is None:
             request_id = f"req-{uuid.uuid4().hex}"
         elif (old := self._streams.get(request_id)) is not None:
@@ -353,6 +357,10 @@ class AsyncEngine:
             raise ValueError(
                 f"logit_bias has token ids {outside}, outside the vocabulary [0, {vocab})"
             )
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words", {t for word in params.bad_words_token_ids or () for t in word})):  # fmt: skip
+            if outside := sorted(t for t in ids if t >= vocab):
+                raise ValueError(f"{name} has token ids {outside}, outside the vocabulary [0, {vocab})")
         need = len(prompt_ids) + params.max_tokens
         if need > self.max_model_len:
             raise ValueError(

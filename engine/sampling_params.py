@@ -12,13 +12,17 @@ penalty > 0, logprobs up to 20). Conventions chosen here, and refused otherwise:
 - `logit_bias` maps token ids to a bias in [-100, 100] (OpenAI's range; the HTTP layer clamps
   to it as vLLM does), added to the logits before penalties and temperature; a dict or
   (id, bias) pairs, frozen into pairs in id order.
+- `allowed_token_ids` (non-empty; frozen sorted and unique): only these can be sampled (vLLM
+  masks every other logit); `bad_words`: the engine tokenizes them (`tokenize_bad_words`, as
+  vLLM's update_from_tokenizer) and the rank forbids a sequence's last token wherever the output
+  so far ends with the rest. Both are masks on the rank, like min_tokens': logprobs stay raw.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, replace
 
 from deltaserve.ipc.messages import SamplingSpec
 
@@ -38,6 +42,9 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value, either sign
 # Token ids past any vocabulary are refused here (the engine checks the model's own), so that
 # whatever these params hold can go on the wire (msgpack ints stop at 2**64).
 MAX_TOKEN_ID = 2**31 - 1
+# vLLM's VLLM_MAX_NUM_BAD_WORDS default: token sequences the bad words may give (each word
+# gives one or two), so a request cannot make the rank check thousands each token.
+MAX_BAD_WORD_SEQUENCES = 128
 
 
 def _is_int(value: object) -> bool:
@@ -68,6 +75,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # or a dict {token id: bias}
     include_stop_str_in_output: bool = False  # the matched stop string (or token) stays in the text
     skip_special_tokens: bool = True
+    allowed_token_ids: tuple[int, ...] | None = None  # None: every token
+    bad_words: tuple[str, ...] = ()
+    # bad_words as token-id sequences: set by `tokenize_bad_words` (the engine calls it)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -119,6 +130,34 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _allowed(self.allowed_token_ids))
+        if isinstance(self.bad_words, str) or not isinstance(self.bad_words, tuple | list) or not all(
+            isinstance(w, str) for w in self.bad_words
+        ):
+            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+        object.__setattr__(self, "bad_words", tuple(dict.fromkeys(self.bad_words)))  # as vLLM: once each
+        if self.bad_words_token_ids is not None:
+            object.__setattr__(self, "bad_words_token_ids", _sequences(self.bad_words_token_ids))
+
+    def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """These params with `bad_words_token_ids` set, as vLLM's update_from_tokenizer: each word
+        (leading spaces stripped) alone, and after a space when that starts with another token
+        and gives as many (so the word is caught at the text's start and mid-text)."""
+        if not self.bad_words or self.bad_words_token_ids is not None:
+            return self
+        sequences: list[tuple[int, ...]] = []
+        for word in self.bad_words:
+            alone = tuple(encode(word.lstrip()))
+            if not alone:
+                raise ValueError(f"bad_words entry {word!r} must tokenize to at least one token")
+            spaced = tuple(encode(" " + word.lstrip()))
+            sequences.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+            if len(sequences) > MAX_BAD_WORD_SEQUENCES:
+                raise ValueError(f"bad_words give more than {MAX_BAD_WORD_SEQUENCES} token sequences; send fewer words")
+        return replace(self, bad_words_token_ids=tuple(sequences))
 
     @property
     def is_greedy(self) -> bool:
@@ -128,6 +167,8 @@ class SamplingParams:
         """The rank-side part of these parameters, with the seed resolved by the engine; the
         rank masks `eos_token_ids` and the stop ids until min_tokens tokens were sampled."""
         masked = tuple(sorted({*eos_token_ids, *self.stop_token_ids})) if self.min_tokens else ()
+        if self.bad_words and self.bad_words_token_ids is None:
+            raise ValueError("bad_words must be tokenized first (tokenize_bad_words)")
         return SamplingSpec(
             seed=seed,
             temperature=float(self.temperature),
@@ -141,6 +182,8 @@ class SamplingParams:
             min_tokens=self.min_tokens if masked else 0,
             stop_token_ids=masked,
             logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids or (),
+            bad_words=self.bad_words_token_ids or (),
         )
 
 
@@ -148,6 +191,28 @@ def wire_seed(seed: int, index: int = 0) -> int:
     """The seed that choice `index` of a request seeded with `seed` samples with, in
     [0, MAX_SEED]: distinct int64 seeds give distinct wire seeds."""
     return (seed + index) % (MAX_SEED + 1)
+
+
+def _allowed(ids: object) -> tuple[int, ...]:
+    if isinstance(ids, str) or not isinstance(ids, tuple | list):
+        raise ValueError(f"allowed_token_ids must be a list of token ids, got {ids!r}")
+    if not ids:  # vLLM's "allowed_token_ids is not None and empty!"
+        raise ValueError("allowed_token_ids is empty: no token could be sampled")
+    for t in ids:
+        if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
+            raise ValueError(f"allowed_token_ids must hold token ids in [0, {MAX_TOKEN_ID}], got {t!r}")
+    return tuple(sorted(set(ids)))
+
+
+def _sequences(value: object) -> tuple[tuple[int, ...], ...]:
+    """bad_words_token_ids as given (by `tokenize_bad_words`, or a caller of its own): each a
+    non-empty run of token ids."""
+    if not isinstance(value, tuple | list) or not all(
+        isinstance(seq, tuple | list) and seq and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in seq)
+        for seq in value
+    ):
+        raise ValueError(f"bad_words_token_ids must be non-empty lists of token ids, got {value!r}")
+    return tuple(tuple(seq) for seq in value)
 
 
 def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:

@@ -30,7 +30,7 @@ _SAMPLING_KEYS = frozenset(
         "temperature", "top_p", "n", "seed", "stop", "presence_penalty", "frequency_penalty",
         "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens",
         "logit_bias", "include_stop_str_in_output", "skip_special_tokens",
-        "spaces_between_special_tokens",
+        "spaces_between_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
     }
 )  # fmt: skip
 # Harmless metadata: accepted and not used for generation.
@@ -38,8 +38,7 @@ _METADATA_KEYS = frozenset({"user"})
 # vLLM's extra fields that clients send at their defaults, each the way this server works
 # anyway (no beam search, ...): accepted at that value (or null), refused at any other.
 _VLLM_DEFAULTS: dict[str, Any] = {
-    "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None,
-    "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [], "priority": 0,
+    "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None, "priority": 0,
     "return_tokens_as_token_ids": False,
 }  # fmt: skip
 # add_special_tokens: vLLM adds them to a completion's prompt, not to a rendered chat. The
@@ -93,6 +92,8 @@ class SamplingFields:
     logit_bias: tuple[tuple[int, float], ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """Build the engine's params (which check ranges and raise ValueError naming the
@@ -113,6 +114,9 @@ class CompletionRequest:
     sampling: SamplingFields
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+    truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens; -1: what fits
+    echo: bool = False  # each choice's text starts with its prompt's
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,8 @@ class ChatRequest:
     sampling: SamplingFields
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
+    truncate_prompt_tokens: int | None = None  # of the rendered template's tokens
     logprobs: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     include_reasoning: bool = True  # vLLM's: False leaves a reasoning parser's reasoning out
@@ -146,8 +152,7 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
     _refuse_unknown(obj, _COMPLETION_KEYS)
     _refuse_non_defaults(obj, _COMPLETION_DEFAULTS)
     _opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
-    if obj.get("echo") not in (None, False):
-        raise unsupported("echo", "echo=true (returning the prompt) is not supported")
+    echo = _opt_bool(obj, "echo", default=False)
     if obj.get("best_of") not in (None, 1):
         raise unsupported("best_of", "only best_of=1 is supported; use n for several samples")
     if obj.get("suffix") not in (None, ""):
@@ -155,14 +160,19 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
     logprobs = _opt_int(obj, "logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be in 0..{MAX_LOGPROBS}, got {logprobs}", "logprobs")
+    if echo and logprobs is not None:  # vLLM computes the prompt's logprobs for it; we do not
+        raise unsupported("echo", "echo with logprobs needs prompt logprobs, which are not computed")
     max_tokens = _opt_int(obj, "max_tokens", default=DEFAULT_COMPLETION_MAX_TOKENS)
-    stream, include_usage = _stream(obj)
+    stream, include_usage, continuous = _stream(obj)
     return CompletionRequest(
         model=_opt_str(obj, "model"),
         prompts=_prompts(obj),
         sampling=_sampling(obj, max_tokens=max_tokens, logprobs=logprobs, defaults=defaults),
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous,
+        truncate_prompt_tokens=_truncate(obj),
+        echo=echo,
     )
 
 
@@ -201,7 +211,7 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
         template_kwargs = {}
     elif not isinstance(template_kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
-    stream, include_usage = _stream(obj)
+    stream, include_usage, continuous = _stream(obj)
     return ChatRequest(
         model=_opt_str(obj, "model"),
         messages=_messages(obj),
@@ -213,6 +223,8 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
         ),
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous,
+        truncate_prompt_tokens=_truncate(obj),
         logprobs=logprobs,
         chat_template_kwargs=dict(template_kwargs),
         include_reasoning=_opt_bool(obj, "include_reasoning", default=True),
@@ -274,24 +286,45 @@ def _logit_bias(obj: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def _stream(obj: dict[str, Any]) -> tuple[bool, bool]:
+def _stream(obj: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """stream, include_usage, continuous usage: as vLLM's should_include_usage, usage in every
+    chunk only with include_usage too."""
     stream = _opt_bool(obj, "stream", default=False)
     options = obj.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     if not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
     for key in options:
         if key not in ("include_usage", "continuous_usage_stats"):
-            raise unsupported(f"stream_options.{key}", "only include_usage is supported")
+            raise unsupported(f"stream_options.{key}", "only include_usage and continuous_usage_stats are supported")
         if options[key] is not None and not isinstance(options[key], bool):
             raise bad_request(f"stream_options.{key} must be a boolean", f"stream_options.{key}")
-    if options.get("continuous_usage_stats"):  # false is the default: usage in the last chunk only
-        raise unsupported("stream_options.continuous_usage_stats",
-                          "usage in every chunk is not supported; use include_usage")  # fmt: skip
-    return stream, bool(options.get("include_usage"))
+    include_usage = bool(options.get("include_usage"))
+    return stream, include_usage, include_usage and bool(options.get("continuous_usage_stats"))
+
+
+def _truncate(obj: dict[str, Any]) -> int | None:
+    keep = _opt_int(obj, "truncate_prompt_tokens")
+    if keep is not None and keep < 1 and keep != -1:  # vLLM's 0 leaves no prompt at all
+        raise bad_request(f"truncate_prompt_tokens must be >= 1 or -1, got {keep}", "truncate_prompt_tokens")
+    return keep
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_tokens: int | None, max_model_len: int) -> list[int]:
+    """The last `keep` prompt tokens, as vLLM's (newer) TokenizeParams: -1 keeps what the context
+    leaves after max_tokens, and more than that is refused."""
+    if keep is None:
+        return ids
+    limit = max_model_len - (max_tokens or 0)
+    if keep == -1:
+        keep = limit
+    if not 1 <= keep <= limit:
+        raise bad_request(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - max_tokens "
+                          f"= {limit}; request a smaller truncation size", "truncate_prompt_tokens")  # fmt: skip
+    return ids[-keep:] if keep < len(ids) else ids
 
 
 def _sampling(
@@ -302,6 +335,7 @@ def _sampling(
     # vLLM's spaces_between_special_tokens acts in slow (Python) tokenizers only; Qwen's fast
     # one puts no space between special tokens either way (engine/detokenizer.py): type only
     _opt_bool(obj, "spaces_between_special_tokens", default=True)
+    allowed = obj.get("allowed_token_ids")  # ids past the vocabulary: the engine's check
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=_opt_float(obj, "temperature", d.temperature),
@@ -321,6 +355,8 @@ def _sampling(
         logit_bias=_logit_bias(obj),
         include_stop_str_in_output=_opt_bool(obj, "include_stop_str_in_output", default=False),
         skip_special_tokens=_opt_bool(obj, "skip_special_tokens", default=True),
+        allowed_token_ids=None if allowed is None else _token_ids(allowed, "allowed_token_ids"),
+        bad_words=_strings(obj, "bad_words"),
     )
 
 
@@ -339,6 +375,18 @@ def _stop(obj: dict[str, Any]) -> tuple[str, ...]:
         if not s:
             raise bad_request(f"stop[{i}] is an empty string", "stop")
     return tuple(items)
+
+
+def _strings(obj: dict[str, Any], name: str) -> tuple[str, ...]:
+    value = obj.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad_request(f"{name} must be a list of strings, got {_json_type(value)}", name)
+    for i, s in enumerate(value):
+        if not isinstance(s, str):
+            raise bad_request(f"{name}[{i}] must be a string, got {_json_type(s)}", name)
+    return tuple(value)
 
 
 def _prompts(obj: dict[str, Any]) -> tuple[str | tuple[int, ...], ...]:
@@ -529,4 +577,5 @@ __all__ = [
     "SamplingFields",
     "parse_chat_request",
     "parse_completion_request",
+    "truncate_prompt",
 ]

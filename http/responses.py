@@ -3,7 +3,9 @@
 One formatter per endpoint (completions, chat), each with the same four calls used by the
 server for both modes: `start` (chunks before any token), `token` (a chunk for one
 TokenEvent), `finish` (a chunk for one FinishedEvent), and `response` (the whole body when not
-streaming). A `ChoiceState` per choice accumulates text, logprobs and counts.
+streaming). A `ChoiceState` per choice accumulates text, logprobs and counts. With
+`continuous_usage` (vLLM's stream_options.continuous_usage_stats) every choice chunk carries the
+choice's usage so far; a completion's `echo` puts each prompt's text before its choices' output.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class ChoiceState:
     token_offset: int = 0  # completions' logprobs: the token strings' lengths summed, as vLLM's
     finish_reason: str | None = None
     prompt_tokens: int = 0
-    output_tokens: int = 0
+    output_tokens: int = 0  # counted by `token`, then the FinishedEvent's
     logprobs: list[Any] = field(default_factory=list)  # per-token entries in endpoint shape
     # a chat's with a reasoning parser (then `text` is its content)
     reasoning: list[str] = field(default_factory=list)
@@ -110,12 +112,22 @@ class _Formatter:
 
     chunk_object = ""
 
-    def __init__(self, request_id: str, model: str, strings: TokenStrings, logprobs: bool) -> None:
+    def __init__(
+        self, request_id: str, model: str, strings: TokenStrings, logprobs: bool, continuous_usage: bool = False
+    ) -> None:
         self.id = request_id
         self.model = model
         self.created = int(time.time())
         self.strings = strings
         self.want_logprobs = logprobs
+        self.continuous_usage = continuous_usage
+
+    def _stamp(self, chunk: dict[str, Any] | None, state: ChoiceState) -> dict[str, Any] | None:
+        """vLLM's continuous usage: a choice chunk carries its prompt's tokens and the choice's
+        tokens so far (no details: those are the final usage's)."""
+        if chunk is not None and self.continuous_usage:
+            chunk["usage"] = usage(state.prompt_tokens, state.output_tokens)
+        return chunk
 
     def _chunk(self, choices: list[dict[str, Any]], kind: str | None = None) -> dict[str, Any]:
         return {
@@ -137,6 +149,14 @@ class CompletionFormatter(_Formatter):
     (tokens, token_logprobs, top_logprobs as token->logprob dicts, text_offset)."""
 
     chunk_object = "text_completion"
+    _echo: dict[int, str] | None = None  # choice index -> prompt text not sent yet
+
+    def echo(self, prompts: Sequence[str], n: int) -> None:
+        """vLLM's echo: choice p*n+i starts with prompt p's text, sent with its first event."""
+        self._echo = {p * n + i: text for p, text in enumerate(prompts) for i in range(n)}
+
+    def _echoed(self, index: int, text: str) -> str:
+        return text if self._echo is None else self._echo.pop(index, "") + text
 
     def _entry(self, ev: Any, offset: int) -> tuple[str, float, dict[str, float], int]:
         top: dict[str, float] = {}
@@ -156,27 +176,30 @@ class CompletionFormatter(_Formatter):
             "text_offset": [e[3] for e in entries],
         }
 
-    def start(self, index: int) -> dict[str, Any] | None:
+    def start(self, index: int, state: ChoiceState | None = None) -> dict[str, Any] | None:
         return None
 
     def token(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any] | None:
         entry = None
+        state.output_tokens += 1
         if self.want_logprobs:  # offsets by tokens, not by the text sent so far (a stop string holds it back)
             entry = self._entry(ev, state.token_offset)
             state.token_offset += len(entry[0])
-        state.add_text(ev.text)
+        text = self._echoed(index, ev.text)
+        state.add_text(text)
         if entry is not None:
             state.logprobs.append(entry)
-        elif not ev.text:
+        elif not text:
             return None  # nothing to send yet (mid-character or withheld for a stop string)
         logprobs = self._logprobs_json([entry]) if entry is not None else None
-        choice = {"index": index, "text": ev.text, "logprobs": logprobs, "finish_reason": None}
-        return self._chunk([choice])
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+        return self._stamp(self._chunk([choice]), state)
 
     def finish(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any]:
-        state.add_text(ev.text)
-        choice = {"index": index, "text": ev.text, "logprobs": None, "finish_reason": ev.reason}
-        return self._chunk([choice])
+        text = self._echoed(index, ev.text)
+        state.add_text(text)
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": ev.reason}
+        return self._stamp(self._chunk([choice]), state)
 
     def response(self, states: list[ChoiceState], usage_json: dict[str, int]) -> dict[str, Any]:
         choices = [
@@ -218,8 +241,9 @@ class ChatFormatter(_Formatter):
         include_reasoning: bool = True,
         tool_calls: ToolCallReader | None = None,
         streaming: bool = False,
+        continuous_usage: bool = False,
     ) -> None:
-        super().__init__(request_id, model, strings, logprobs)
+        super().__init__(request_id, model, strings, logprobs, continuous_usage)
         self.tool_calls = tool_calls
         self.streaming = streaming
         self.reasoning = reasoning
@@ -282,13 +306,13 @@ class ChatFormatter(_Formatter):
             ],
         }
 
-    def start(self, index: int) -> dict[str, Any] | None:
+    def start(self, index: int, state: ChoiceState | None = None) -> dict[str, Any] | None:
         delta = {"role": "assistant", "content": ""}
-        return self._chunk(
-            [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]
-        )
+        chunk = self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+        return chunk if state is None else self._stamp(chunk, state)
 
     def token(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any] | None:
+        state.output_tokens += 1
         entry = self._entry(ev) if self.want_logprobs else None
         parts = self._parts(index, ev.text, ev.token_id, final=False)
         state.add_text(parts.content)
@@ -300,7 +324,7 @@ class ChatFormatter(_Formatter):
             return None
         logprobs = {"content": [entry]} if entry is not None else None
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
-        return self._chunk([choice])
+        return self._stamp(self._chunk([choice]), state)
 
     def finish(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any]:
         parts = self._parts(index, ev.text, None, final=True)
@@ -311,7 +335,7 @@ class ChatFormatter(_Formatter):
         if self.tool_calls is not None and self.streaming:
             reason = self.tool_calls.stream_finish_reason(index, reason)
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return self._chunk([choice])
+        return self._stamp(self._chunk([choice]), state)
 
     def _message(self, state: ChoiceState) -> dict[str, Any]:
         if self.reasoning is None:

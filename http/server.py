@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,7 @@ from deltaserve.http.protocol import (
     SamplingFields,
     parse_chat_request,
     parse_completion_request,
+    truncate_prompt,
 )
 from deltaserve.http.reasoning import ReasoningParser, check_include_reasoning
 from deltaserve.http.responses import (
@@ -254,8 +256,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = [p if isinstance(p, str) else list(p) for p in req.prompts]
-    formatter = CompletionFormatter(request_id, model, state.strings, req.sampling.logprobs is not None)
-    streams = await _open_streams(state, prompts, [params] * len(prompts), request_id)
+    fit = functools.partial(truncate_prompt, keep=req.truncate_prompt_tokens, max_tokens=params.max_tokens,
+                            max_model_len=state.engine.max_model_len)  # fmt: skip
+    formatter = CompletionFormatter(request_id, model, state.strings, req.sampling.logprobs is not None,
+                                    continuous_usage=req.continuous_usage)  # fmt: skip
+    if req.echo:  # as vLLM's: a text prompt as sent, token ids decoded (after truncation)
+        formatter.echo([p if isinstance(p, str) else await state.engine.run_tokenizer(
+            lambda tok, ids=fit(p): tok.decode(ids), len(p)) for p in prompts], params.n)  # fmt: skip
+    streams = await _open_streams(state, prompts, [params] * len(prompts), request_id, fit=fit)
     return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
 
 
@@ -274,6 +282,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         chat_template=state.config.chat_template, tools=req.tools,
     )  # fmt: skip
     max_tokens = req.sampling.max_tokens
+    prompt_ids = truncate_prompt(prompt_ids, req.truncate_prompt_tokens, max_tokens, state.engine.max_model_len)
     if max_tokens is None:  # as vLLM: whatever context (or, if smaller, KV cache) the prompt leaves
         max_tokens = max(1, state.engine.longest_sequence - len(prompt_ids))
     params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs", seeds=state.seeds)
@@ -283,7 +292,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tool_calls = ToolCallReader(state.config.tool_call_parser, req.tools, req.parallel_tool_calls)
     formatter = ChatFormatter(request_id, model, state.strings, req.logprobs, reasoning=state.reasoning,
                               prompt_ids=prompt_ids, include_reasoning=req.include_reasoning,
-                              tool_calls=tool_calls, streaming=req.stream)  # fmt: skip
+                              tool_calls=tool_calls, streaming=req.stream,
+                              continuous_usage=req.continuous_usage)  # fmt: skip
     streams = await _open_streams(state, [prompt_ids], [params], request_id, prompt_param="messages")
     return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
 
@@ -387,14 +397,15 @@ async def _open_streams(
     request_id: str,
     *,
     prompt_param: str = "prompt",
+    fit: Callable[[list[int]], list[int]] = list,
 ) -> list[Any]:
     """Submit every prompt, or none: all are tokenized (a large text off the event loop), then
     checked together, before any is submitted, so a refusal opens no stream that would count
     as an abort. An error about the prompt names `prompt_param` (a chat's prompt is its
-    messages)."""
+    messages). `fit`: each prompt's ids as submitted (truncate_prompt_tokens)."""
     streams: list[Any] = []
     try:
-        prompts = [await state.engine.encode(p) if isinstance(p, str) else p for p in prompts]
+        prompts = [fit(await state.engine.encode(p) if isinstance(p, str) else p) for p in prompts]
         if len(prompts) > 1:  # all or none: no stream opened to be closed (counted an abort)
             state.engine.check(prompts, params, request_id)
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -472,7 +483,7 @@ async def _respond(
     include_usage: bool,
 ) -> web.StreamResponse:
     state = request.app[STATE]
-    states = [ChoiceState() for _ in range(len(streams) * n)]
+    states = [ChoiceState(prompt_tokens=len(streams[i // n].prompt_token_ids)) for i in range(len(streams) * n)]
     response: web.StreamResponse | None = None
     try:
         if stream:
@@ -483,7 +494,7 @@ async def _respond(
             )
             await response.prepare(request)
             for idx in range(len(states)):
-                chunk = formatter.start(idx)
+                chunk = formatter.start(idx, states[idx])
                 if chunk is not None:
                     await response.write(sse(chunk))
         events = _merged(streams)

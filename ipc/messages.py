@@ -26,6 +26,8 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     function of (seed, output index) alone, whatever else is in the batch. Until `min_tokens`
     tokens were sampled, `stop_token_ids` (the EOS ids and the request's stop ids, sent with
     min_tokens only) cannot be; `logit_bias` holds (token id, bias) pairs, ids ascending.
+    `allowed_token_ids` (empty: all) are the only ones that can be; `bad_words` are token-id
+    sequences whose last token cannot be where the output so far ends with the rest.
     """
 
     seed: int
@@ -40,6 +42,8 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
 
 class NewRequest(msgspec.Struct, frozen=True, array_like=True):

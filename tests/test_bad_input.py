@@ -122,8 +122,6 @@ CASES = {
         "--enable-auto-tool-choice"),
     "tool_choice auto, no tools": (CHAT, j({"messages": USER, "tool_choice": "auto"}), 400, "tool_choice", "`tools` must be set"),
     "tools []": (CHAT, j({"messages": USER, "tool_choice": "auto", "tools": []}), 400, "tools", "empty array"),
-    "continuous_usage_stats true": (C, j({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}),
-                                    400, "stream_options.continuous_usage_stats", "not supported"),
     "continuous_usage_stats not a bool": (CHAT, j({"messages": USER, "stream": True, "stream_options": {"continuous_usage_stats": 0}}),
                                           400, "stream_options.continuous_usage_stats", "boolean"),
     "prompt id = vocab": (C, j({"prompt": [VOCAB]}), 400, "prompt", f"[0, {VOCAB})"),
@@ -222,6 +220,8 @@ ACCEPTED = {
     # tools with tool_choice "none" (rendered, no calls read): tests/test_http_tools.py; here the
     # demo template's tool listing alone is longer than this server's max_model_len
     "developer role": (CHAT, {"messages": [{"role": "developer", "content": "Be brief."}, *USER]}),
+    "continuous_usage_stats true": (C, {"prompt": "x", "stream": True,
+                                        "stream_options": {"continuous_usage_stats": True, "include_usage": True}}),
     "continuous_usage_stats false": (C, {"prompt": "x", "stream": True,
                                          "stream_options": {"continuous_usage_stats": False, "include_usage": True}}),
     "chat continuous_usage_stats false": (CHAT, {"messages": USER, "stream": True,

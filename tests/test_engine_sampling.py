@@ -241,3 +241,120 @@ class TestOverHttp:
             )
         error = info.value.response.json()["error"]
         assert error["param"] == param and words in error["message"], error
+
+
+class TestAllowedAndBadWords:
+    """allowed_token_ids and bad_words act on the rank: greedy and seeded random tokens."""
+
+    async def test_allowed_token_ids_only(self, engine, reference):
+        allowed = sorted({reference[3], reference[4]})
+        assert reference[0] not in allowed  # the argmax of the first step is barred
+        for extra in (dict(temperature=0.0), dict(temperature=1.0, seed=4)):
+            params = SamplingParams(max_tokens=5, ignore_eos=True, allowed_token_ids=allowed, **extra)
+            ids = [t.token_id for t in (await run(engine, PROMPT, params))[0]]
+            assert set(ids) <= set(allowed) and len(ids) == 5, ids
+        with pytest.raises(ValueError, match=rf"^allowed_token_ids has token ids \[{VOCAB}\]"):
+            engine.generate(PROMPT, SamplingParams(allowed_token_ids=[1, VOCAB]))
+
+    async def test_bad_words_never_appear(self, engine, reference):
+        """A two-token word: its first token still comes, its second not after it; a one-token
+        word biased far ahead (random sampling) never comes."""
+        decode = engine.tokenizer.decode
+        encode = lambda text: engine.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        pair = decode(reference[1:3])
+        assert SamplingParams(bad_words=[pair]).tokenize_bad_words(encode).bad_words_token_ids == (tuple(reference[1:3]),)
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, bad_words=[pair])
+        ids = [t.token_id for t in (await run(engine, PROMPT, params))[0]]
+        assert ids[:2] == reference[:2] and ids[2] != reference[2], ids
+        target = reference[3]
+        assert (target,) in SamplingParams(bad_words=[decode([target])]).tokenize_bad_words(encode).bad_words_token_ids
+        params = SamplingParams(max_tokens=6, temperature=1.0, seed=9, ignore_eos=True,
+                                logit_bias={target: 100.0}, bad_words=[decode([target])])  # fmt: skip
+        ids = [t.token_id for t in (await run(engine, PROMPT, params))[0]]
+        assert target not in ids and len(ids) == 6, ids
+
+
+class TestExtrasOverHttp:
+    """echo, stream_options.continuous_usage_stats, truncate_prompt_tokens, allowed_token_ids
+    and bad_words as the openai client sends them (vLLM's extras in extra_body)."""
+
+    async def test_echo(self, client, engine):
+        kwargs = dict(model="tiny", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+        plain = (await client.completions.create(prompt=PROMPT, **kwargs)).choices[0].text
+        out = await client.completions.create(prompt=PROMPT, echo=True, n=2, **kwargs)
+        assert [c.text for c in out.choices] == [PROMPT + plain] * 2
+        ids = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+        out = await client.completions.create(prompt=ids, echo=True, **kwargs)  # token ids: decoded
+        assert out.choices[0].text == engine.tokenizer.decode(ids) + plain
+        chunks = [c async for c in await client.completions.create(prompt=PROMPT, echo=True, stream=True, **kwargs)]
+        texts = [c.choices[0].text for c in chunks]
+        assert texts[0].startswith(PROMPT) and "".join(texts) == PROMPT + plain
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(prompt=PROMPT, echo=True, logprobs=1, **kwargs)
+        assert info.value.response.json()["error"]["param"] == "echo"
+
+    async def test_continuous_usage_stats(self, client):
+        """Every chunk carries the usage so far (the chat's role chunk none of the output),
+        then the final usage chunk; without include_usage none (vLLM's should_include_usage)."""
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, stream=True,
+                                                 stream_options=options, extra_body={"ignore_eos": True})  # fmt: skip
+        chunks = [c async for c in stream]
+        *choice_chunks, last = chunks
+        prompt = last.usage.prompt_tokens
+        assert last.choices == [] and last.usage.completion_tokens == 4 and prompt > 0
+        counts = [c.usage.completion_tokens for c in choice_chunks]
+        assert counts == sorted(counts) and counts[-1] == 4, counts
+        assert all(c.usage.prompt_tokens == prompt and c.usage.total_tokens == prompt + c.usage.completion_tokens
+                   for c in choice_chunks)  # fmt: skip
+        messages = [{"role": "user", "content": "hi"}]
+        stream = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0,
+                                                      stream=True, stream_options=options)  # fmt: skip
+        chunks = [c async for c in stream]
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
+        assert all(c.usage is not None for c in chunks)
+        stream = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0,
+                                                      stream=True, stream_options={"continuous_usage_stats": True})  # fmt: skip
+        assert all([c.usage is None async for c in stream])
+
+    async def test_truncate_prompt_tokens(self, client, engine):
+        ids = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+        kwargs = dict(model="tiny", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+        tail = await client.completions.create(prompt=ids[-4:], **kwargs)
+        for prompt in (PROMPT, ids):
+            out = await client.completions.create(prompt=prompt, **{**kwargs, "extra_body": {
+                "ignore_eos": True, "truncate_prompt_tokens": 4}})  # fmt: skip
+            assert (out.choices[0].text, out.usage.prompt_tokens) == (tail.choices[0].text, 4)
+        out = await client.completions.create(prompt=ids, echo=True, **{**kwargs, "extra_body": {
+            "ignore_eos": True, "truncate_prompt_tokens": 4}})  # fmt: skip
+        assert out.choices[0].text == engine.tokenizer.decode(ids[-4:]) + tail.choices[0].text
+        out = await client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": -1}, model="tiny", max_tokens=3)
+        assert out.usage.prompt_tokens == len(ids)
+        messages = [{"role": "user", "content": PROMPT}]
+        chat = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                                    extra_body={"truncate_prompt_tokens": 5})  # fmt: skip
+        assert chat.usage.prompt_tokens == 5
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 254}, model="tiny", max_tokens=3)
+        error = info.value.response.json()["error"]
+        assert error["param"] == "truncate_prompt_tokens" and "= 253" in error["message"], error
+
+    async def test_allowed_token_ids_and_bad_words(self, client, engine, reference):
+        allowed = [reference[3], reference[4]]
+        out = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
+                                              extra_body={"allowed_token_ids": allowed, "ignore_eos": True})  # fmt: skip
+        assert set(engine.tokenizer.encode(out.choices[0].text, add_special_tokens=False)) <= set(allowed)
+        word = engine.tokenizer.decode(reference[1:3])
+        out = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                                              extra_body={"bad_words": [word], "ignore_eos": True})  # fmt: skip
+        assert word not in out.choices[0].text and out.usage.completion_tokens == 4
+        chat = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2, extra_body={"allowed_token_ids": [reference[3]]})  # fmt: skip
+        assert chat.choices[0].message.content == engine.tokenizer.decode([reference[3]] * 2)
+        for extra, param, words in (({"allowed_token_ids": [VOCAB]}, "allowed_token_ids", f"[{VOCAB}]"),
+                                    ({"allowed_token_ids": []}, "allowed_token_ids", "empty"),
+                                    ({"bad_words": [" "]}, "bad_words", "at least one token")):  # fmt: skip
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body=extra)
+            error = info.value.response.json()["error"]
+            assert error["param"] == param and words in error["message"], error

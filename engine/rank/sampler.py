@@ -3,6 +3,8 @@
 The order of operations follows vLLM v1 (`vllm/v1/sample/sampler.py`, `ops/penalties.py`,
 `ops/topk_topp_sampler.py`, `logits_processor` min-p), written anew:
   raw logprobs (log_softmax of the untouched logits, vLLM's default "raw_logprobs")
+  -> allowed_token_ids: every other token at -inf; bad_words: a sequence's last token at -inf
+     where the output so far ends with the rest (`barred`; vLLM's apply_bad_words)
   -> min_tokens: EOS and stop ids at -inf until min_tokens tokens were sampled
   -> logit_bias added
   -> penalties (repetition on prompt+output tokens, then frequency and presence on output tokens)
@@ -11,10 +13,11 @@ The order of operations follows vLLM v1 (`vllm/v1/sample/sampler.py`, `ops/penal
 The race (`argmax(probs / q)`, q ~ Exp(1)) draws q from a per-request `torch.Generator`
 re-seeded for every token from (seed, output index), over the candidates best first with tied
 logits in token-id order (`best_first`), so a request's tokens depend on its own logits and
-seed only, never on its batch companions. The min_tokens mask and the bias (vLLM's
-MinTokens and LogitBias logits processors, `vllm/v1/sample/logits_processor/builtin.py`) touch
-only their own rows' listed tokens, and the rank counts each request's samples itself, so they
-keep that true; a batch where no request uses them or penalties reads the logits once, unchanged.
+seed only, never on its batch companions. The masks and the bias (vLLM's Sampler
+`apply_logits_processors`, and its MinTokens and LogitBias logits processors,
+`vllm/v1/sample/logits_processor/builtin.py`) touch only their own rows, and the rank counts
+each request's samples (and keeps its last output tokens for bad words) itself, so they keep
+that true; a batch where no request uses them or penalties reads the logits once, unchanged.
 """
 
 from __future__ import annotations
@@ -57,17 +60,35 @@ def _has_penalties(spec: SamplingSpec) -> bool:
 class _RequestState:
     """One request's sampling state. History is kept only when penalties are on, sparsely
     (a penalty touches only the tokens seen), so no per-request vocab-sized tensor exists.
-    `always_adjusts`: penalties or a bias change its logits at every token (the min_tokens
-    mask only while num_sampled < spec.min_tokens)."""
+    `always_adjusts`: penalties, a bias or allowed_token_ids change its logits at every token
+    (the min_tokens and bad-word masks only where `barred` finds tokens)."""
 
     spec: SamplingSpec
     has_penalties: bool
     always_adjusts: bool
-    max_token_id: int  # the largest id its mask and bias touch (-1: none)
+    max_token_id: int  # the largest id its masks and bias touch (-1: none)
     num_sampled: int = 0
     seen: set[int] = field(default_factory=set)  # prompt and output tokens (repetition)
     output_counts: dict[int, int] = field(default_factory=dict)  # output occurrences
     generator: torch.Generator | None = None
+    recent: list[int] = field(default_factory=list)  # the last output tokens a bad word's prefix spans
+    allowed: torch.Tensor | None = None  # allowed_token_ids on the device, sent up once
+
+    def barred(self) -> list[int]:
+        """The tokens masked for its next sample: EOS and stop ids before min_tokens, and each
+        bad word's last token where the output so far ends with the rest of it."""
+        spec, recent = self.spec, self.recent
+        out = list(spec.stop_token_ids) if self.num_sampled < spec.min_tokens else []
+        for word in spec.bad_words:
+            prefix = len(word) - 1
+            if prefix <= len(recent) and (prefix == 0 or recent[-prefix:] == list(word[:-1])):
+                out.append(word[-1])
+        return out
+
+    def allowed_index(self, device: torch.device) -> torch.Tensor:
+        if self.allowed is None:
+            self.allowed = to_device(list(self.spec.allowed_token_ids), torch.int64, device)
+        return self.allowed
 
 
 @dataclass(slots=True)
@@ -108,11 +129,12 @@ class Sampler:
     def add(self, request_id: int, spec: SamplingSpec) -> None:
         if request_id in self._requests:
             raise ValueError(f"sampler already holds request {request_id}")
-        ids = [*spec.stop_token_ids, *(t for t, _ in spec.logit_bias)]
-        if any(t < 0 for t in ids):
-            raise ValueError(f"request {request_id}: negative token id in {ids}")
+        ids = [*spec.stop_token_ids, *(t for t, _ in spec.logit_bias), *spec.allowed_token_ids,
+               *(t for word in spec.bad_words for t in word)]  # fmt: skip
+        if any(t < 0 for t in ids) or not all(spec.bad_words):
+            raise ValueError(f"request {request_id}: negative token id in {ids}, or an empty bad word")
         penalties = _has_penalties(spec)
-        adjusts = penalties or bool(spec.logit_bias)
+        adjusts = penalties or bool(spec.logit_bias) or bool(spec.allowed_token_ids)
         self._requests[request_id] = _RequestState(spec, penalties, adjusts, max(ids, default=-1))
 
     def remove(self, request_id: int) -> None:
@@ -165,12 +187,12 @@ class Sampler:
         log_normaliser, tokens, greedy = logsumexp_argmax(logits, slot_rows, last_tokens)
 
         work = logits
-        adjusted = [
-            i for i, s in enumerate(states) if s.always_adjusts or s.num_sampled < s.spec.min_tokens
-        ]
+        barred = {i: b for i, s in enumerate(states) if (s.spec.bad_words or s.num_sampled < s.spec.min_tokens)
+                  and (b := s.barred())}  # fmt: skip
+        adjusted = [i for i, s in enumerate(states) if s.always_adjusts or i in barred]
         if adjusted:
             work = logits.clone(memory_format=torch.contiguous_format)  # `_adjust` indexes it flat
-            self._adjust(work, adjusted, request_ids, states)
+            self._adjust(work, adjusted, request_ids, states, barred)
             tokens = work.argmax(dim=-1)  # greedy rows keep these
         random_rows = [i for i, s in enumerate(states) if s.spec.temperature >= SAMPLING_EPS]
         if random_rows:
@@ -212,6 +234,9 @@ class Sampler:
             alternatives = [(int(t), v) for t, v in zip(row[2 : 2 + k], row[2 + k_max : 2 + k_max + k], strict=True)]
             samples.append(Sample(request_id, token, row[1], alternatives))
             state.num_sampled += 1
+            if state.spec.bad_words:  # as many last tokens as the longest prefix needs
+                state.recent.append(token)
+                del state.recent[: max(0, len(state.recent) - max(map(len, state.spec.bad_words)) + 1)]
             if state.has_penalties:
                 state.seen.add(token)
                 state.output_counts[token] = state.output_counts.get(token, 0) + 1
@@ -223,17 +248,19 @@ class Sampler:
         rows: list[int],
         request_ids: list[int],
         states: list[_RequestState],
+        barred: dict[int, list[int]],
     ) -> None:
-        """In place on `work` [n, vocab], for `rows`: the bias, the penalties, the min_tokens
-        mask. vLLM (`Sampler.apply_logits_processors`) masks first, and a masked logit stays
-        -inf through its bias and penalties, so masking last gives the same logits (and no
-        penalty's clamp to the float range can lift a masked logit off -inf)."""
+        """In place on `work` [n, vocab], for `rows`: the bias, the penalties, then the masks
+        (`barred` tokens by row, and allowed_token_ids). vLLM (`Sampler.apply_logits_processors`)
+        masks first, and a masked logit stays -inf through its bias and penalties, so masking
+        last gives the same logits (and no penalty's clamp to the float range can lift a masked
+        logit off -inf)."""
         vocab, device = work.shape[1], work.device
         for i in rows:
             if states[i].max_token_id >= vocab:
                 raise ValueError(
-                    f"request {request_ids[i]}: token id {states[i].max_token_id} in its "
-                    f"stop_token_ids or logit_bias is outside the vocabulary [0, {vocab})"
+                    f"request {request_ids[i]}: token id {states[i].max_token_id} in its stop_token_ids, "
+                    f"logit_bias, allowed_token_ids or bad_words is outside the vocabulary [0, {vocab})"
                 )
         flat = work.view(-1)
         biased = tuple((i, request_ids[i]) for i in rows if states[i].spec.logit_bias)
@@ -250,10 +277,14 @@ class Sampler:
         for i in rows:
             if states[i].has_penalties:
                 _apply_penalties(work[i], states[i])
-        masked = [i * vocab + t for i in rows if states[i].num_sampled < states[i].spec.min_tokens
-                  for t in states[i].spec.stop_token_ids]  # fmt: skip
+        masked = [i * vocab + t for i, tokens in barred.items() for t in tokens]
         if masked:
             flat.index_fill_(0, to_device(masked, torch.int64, device), float("-inf"))
+        for i in rows:  # every token but the allowed ones: theirs kept, the rest -inf
+            if states[i].spec.allowed_token_ids:
+                allowed = states[i].allowed_index(device)
+                kept = work[i].index_select(0, allowed)
+                work[i].fill_(float("-inf")).index_copy_(0, allowed, kept)
 
     def _state(self, request_id: int) -> _RequestState:
         state = self._requests.get(request_id)
