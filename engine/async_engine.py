@@ -115,6 +115,7 @@ class AsyncEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
             cuda_graphs=not config.enforce_eager,
             prompt_graph_tokens=config.prompt_graph_tokens,
+            prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
             overlap_steps=config.overlap_steps,
             max_num_batched_tokens=config.max_num_batched_tokens,
             startup_timeout_s=config.startup_timeout_s,
@@ -134,6 +135,8 @@ class AsyncEngine:
                 self.max_model_len,
                 force_mixed=config.force_mixed_steps,
                 pipeline=config.pipeline_steps,
+                prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
+                min_prefix_prompt_len=config.graphed_prompt_tokens,
             )
         except BaseException:
             await self._controller.shutdown()

@@ -4,9 +4,17 @@ Mirrors what every rank takes when a request's first chunk arrives (one slot, an
 ceil(reserve_tokens / block_size) KV blocks for prompt + max_tokens positions), so that a
 plan the scheduler sends can never run a rank out of either. Ask before acting, as nano-vllm's
 `can_allocate`/`allocate`: `can_admit` has no side effects, `admit` reserves.
+
+A block may have several holders: a saved prefix (engine/prefix_cache.py) holds the blocks of
+the request it was saved from, and a request that starts from it shares its full ones. So the
+ledger counts holders per block, as the ranks do (engine/rank/cache.py); its block numbers are
+its own, not the ranks', but the two count the same holders for each block, so a block is
+free here exactly when it is free on every rank.
 """
 
 from __future__ import annotations
+
+import itertools
 
 
 class CapacityError(ValueError):
@@ -21,8 +29,9 @@ class CapacityLedger:
         self.num_slots = num_slots
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._held: dict[int, int] = {}  # request id -> blocks reserved
-        self._blocks_used = 0
+        self._held: dict[int, list[int]] = {}  # request id -> its blocks
+        self._holders: dict[int, int] = {}  # block in use -> how many hold it
+        self._numbers = itertools.count()
 
     @property
     def free_slots(self) -> int:
@@ -30,7 +39,7 @@ class CapacityLedger:
 
     @property
     def free_blocks(self) -> int:
-        return self.num_blocks - self._blocks_used
+        return self.num_blocks - len(self._holders)
 
     @property
     def num_admitted(self) -> int:
@@ -46,23 +55,39 @@ class CapacityLedger:
         """Whether an otherwise empty replica could hold this reservation."""
         return self.blocks_for(reserve_tokens) <= self.num_blocks
 
-    def can_admit(self, reserve_tokens: int) -> bool:
-        return self.free_slots >= 1 and self.blocks_for(reserve_tokens) <= self.free_blocks
+    def can_admit(self, reserve_tokens: int, num_shared: int = 0) -> bool:
+        return self.free_slots >= 1 and self.blocks_for(reserve_tokens) - num_shared <= self.free_blocks
 
-    def admit(self, request_id: int, reserve_tokens: int) -> None:
+    def admit(self, request_id: int, reserve_tokens: int, shared: list[int] = ()) -> None:
+        """Reserve a slot and the blocks: `shared` (a saved prefix's full blocks) first."""
         if request_id in self._held:
             raise CapacityError(f"request {request_id} is already admitted")
-        blocks = self.blocks_for(reserve_tokens)
-        if self.free_slots < 1 or blocks > self.free_blocks:
+        fresh = self.blocks_for(reserve_tokens) - len(shared)
+        if self.free_slots < 1 or fresh > self.free_blocks:
             raise CapacityError(
-                f"request {request_id} needs 1 slot and {blocks} blocks; "
+                f"request {request_id} needs 1 slot and {fresh} blocks; "
                 f"{self.free_slots} slots and {self.free_blocks} blocks are free"
             )
+        blocks = [*shared, *itertools.islice(self._numbers, fresh)]
+        self.hold(blocks)
         self._held[request_id] = blocks
-        self._blocks_used += blocks
+
+    def blocks(self, request_id: int) -> list[int]:
+        return self._held[request_id]
 
     def release(self, request_id: int) -> None:
         blocks = self._held.pop(request_id, None)
         if blocks is None:
             raise CapacityError(f"request {request_id} holds no reservation")
-        self._blocks_used -= blocks
+        self.let_go(blocks)
+
+    def hold(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._holders[b] = self._holders.get(b, 0) + 1
+
+    def let_go(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self._holders[b] == 1:
+                del self._holders[b]
+            else:
+                self._holders[b] -= 1

@@ -46,6 +46,11 @@ class EngineConfig:
     # cuda: prompt-only steps of up to this many tokens replay a CUDA graph (engine/rank/
     # prompt_graphs.py); 0: prompts always run eagerly
     prompt_graph_tokens: int = 2048
+    # reuse a saved prompt's state and KV for later prompts that begin with it
+    # (engine/prefix_cache.py; vLLM's flag); each rank keeps `prefix_cache_states` saved
+    # states (default max_num_seqs), each the size of one request's DeltaNet state
+    enable_prefix_caching: bool = False
+    prefix_cache_states: int | None = None
     # send step N+1 while step N runs when it needs none of N's results (engine/scheduler.py;
     # vLLM's async scheduling); off: every step waits for the one before to be committed
     pipeline_steps: bool = True
@@ -68,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", DEFAULT_BATCHED_TOKENS[self.device])
+        if self.prefix_cache_states is None:
+            object.__setattr__(self, "prefix_cache_states", self.max_num_seqs)
         positive = {
             "tp_size": self.tp_size,
             "max_num_seqs": self.max_num_seqs,
@@ -83,8 +90,10 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so that every decode fits in a step"
             )
-        if not isinstance(self.prompt_graph_tokens, int) or isinstance(self.prompt_graph_tokens, bool) or self.prompt_graph_tokens < 0:
-            raise ValueError(f"prompt_graph_tokens must be an integer >= 0, got {self.prompt_graph_tokens!r}")
+        for name in ("prompt_graph_tokens", "prefix_cache_states"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         # optional integers: a float or a string here used to reach the ranks, which died at
         # start on msgspec's "Expected `int`, got `float`"
         for name, low in (("max_model_len", 2), ("num_kv_blocks", 1)):
@@ -112,6 +121,14 @@ class EngineConfig:
                 raise ValueError(
                     f"device_ids has {len(self.device_ids)} entries for tp_size {self.tp_size}"
                 )
+
+    @property
+    def graphed_prompt_tokens(self) -> int:
+        """Longest prompt step the ranks may replay as a CUDA graph (0: none); the ranks also
+        need fla and a dtype flash takes (engine/rank/prompt_graphs.py)."""
+        if self.device != "cuda" or self.enforce_eager:
+            return 0
+        return min(self.prompt_graph_tokens, self.max_num_batched_tokens)
 
 
 @dataclass(frozen=True, slots=True)

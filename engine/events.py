@@ -40,6 +40,7 @@ class FinishedEvent(msgspec.Struct, frozen=True):
     prompt_tokens: int
     output_tokens: int
     text: str
+    cached_tokens: int = 0  # prompt tokens taken from a saved prefix (prefix caching)
 
 
 class ErrorEvent(msgspec.Struct, frozen=True):

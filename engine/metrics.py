@@ -53,6 +53,10 @@ class Histogram:
 class EngineMetrics:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    # prefix caching (engine/prefix_cache.py): prompt tokens of admitted requests looked up,
+    # and of those, the ones a saved prefix held (vLLM's prefix_cache_queries / _hits)
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
     request_success_total: dict[str, int] = field(
         default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0}
     )

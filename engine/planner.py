@@ -8,6 +8,8 @@ contributes one token, first, in admission order; the tokens left over go to pre
 first come first served: a request's prompt is chunked to fit, and a later request gets
 tokens only when every earlier prompt has been scheduled to its end.
 
+A prompt's chunk never runs past its `split_at` (the prefix cache saves its state there).
+
 `force_mixed` (tests) staggers prefills so that prefill and decode share steps: at most one
 request prefills per step, in chunks of at most FORCED_CHUNK_TOKENS tokens.
 """
@@ -28,6 +30,7 @@ class PlanInput:
     request_id: int
     prompt_len: int
     num_computed: int
+    split_at: int = 0  # a position a prompt chunk must end at (engine/prefix_cache.py); 0: none
 
     @property
     def is_decoding(self) -> bool:
@@ -101,6 +104,8 @@ def plan_step(
             break
         remaining = req.prompt_len - req.num_computed
         size = min(remaining, tokens_left)
+        if req.num_computed < req.split_at:
+            size = min(size, req.split_at - req.num_computed)
         if force_mixed:
             size = min(size, FORCED_CHUNK_TOKENS)
         chunks.append(

@@ -55,6 +55,7 @@ class Request:
     arrival_time_s: float
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0  # positions whose state the ranks hold
+    num_cached: int = 0  # prompt positions taken from a saved prefix (engine/prefix_cache.py)
     on_ranks: bool = False  # ranks hold (or are about to hold) state for it
     _output_ids: list[int] = field(default_factory=list)
     first_token_time_s: float | None = None
@@ -107,9 +108,14 @@ class Request:
 
     # ---- transitions -------------------------------------------------------------------
 
-    def admit(self) -> None:
+    def admit(self, num_cached: int = 0) -> None:
+        """Its first `num_cached` prompt positions come from a saved prefix: computed."""
         self._expect(RequestStatus.WAITING, "admit")
+        if not 0 <= num_cached < len(self.prompt_ids):
+            raise ValueError(f"request {self.request_id}: {num_cached} cached positions of a "
+                             f"{len(self.prompt_ids)}-token prompt")
         self.status = RequestStatus.RUNNING
+        self.num_cached = self.num_computed = num_cached
 
     def mark_dispatched(self) -> None:
         """Its first chunk is going to the ranks: from now on they hold its state."""

@@ -55,6 +55,7 @@ from deltaserve.engine.events import (
 )
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.planner import PlanInput, PlannedChunk, StepBudget, StepPlan, plan_step
+from deltaserve.engine.prefix_cache import PrefixCache
 from deltaserve.engine.stop_check import check_stop
 from deltaserve.engine.tick_records import Cancellation, Entry, Step, Submission
 from deltaserve.ipc.controller import ReplicaPoisoned
@@ -74,6 +75,8 @@ class Scheduler:
         max_model_len: int,
         force_mixed: bool = False,
         pipeline: bool = True,
+        prefix_states: int = 0,
+        min_prefix_prompt_len: int = 0,
     ) -> None:
         self._controller = controller
         self._tokenizer = tokenizer
@@ -83,6 +86,8 @@ class Scheduler:
         self._pipeline = pipeline
         self.max_model_len = max_model_len
         self.ledger = CapacityLedger(controller.num_slots, controller.num_blocks, controller.block_size)
+        # prefix caching (engine/prefix_cache.py): None when off
+        self.prefix = PrefixCache(prefix_states, self.ledger, min_prefix_prompt_len) if prefix_states else None
         self.metrics = EngineMetrics()
         self.dead_reason: str | None = None
         self.load_listeners: list[Callable[[LoadSnapshot], None]] = []
@@ -197,7 +202,8 @@ class Scheduler:
                 self._admit()
                 if self._inflight is None:
                     plan = plan_step(
-                        [PlanInput(r, e.request.prompt_len, e.request.num_computed) for r, e in self._running.items()],
+                        [PlanInput(r, e.request.prompt_len, e.request.num_computed, self._split_at(r))
+                         for r, e in self._running.items()],
                         self._budget,
                         self._force_mixed,
                     )
@@ -268,12 +274,13 @@ class Scheduler:
             self._waiting.remove(entry)
             self._queued_ids.discard(rid)
         request.finish("abort")
-        event = FinishedEvent(request.index, "abort", request.prompt_len, request.num_output_tokens, "")
+        event = FinishedEvent(request.index, "abort", request.prompt_len, request.num_output_tokens, "",
+                              request.num_cached)
         if request.on_ranks:
             self._hold_until_dropped(rid, [event])
             return
         if rid in self.ledger:
-            self.ledger.release(rid)
+            self._release(rid)
         del self._entries[rid]
         self._deliver(entry, event)
 
@@ -294,9 +301,18 @@ class Scheduler:
         the events held back for them (the completion commit boundary)."""
         for rid, events in drops.items():
             entry = self._entries.pop(rid)
-            self.ledger.release(rid)
+            self._release(rid)
             for event in events:
                 self._deliver(entry, event)
+
+    def _release(self, request_id: int) -> None:
+        """What the ranks held for an admitted request is free: its slot, blocks, cache plan."""
+        self.ledger.release(request_id)
+        if self.prefix is not None:
+            self.prefix.forget(request_id)
+
+    def _split_at(self, request_id: int) -> int:
+        return self.prefix.split_at(request_id) if self.prefix is not None else 0
 
     def _state(self) -> EngineState:
         if self.dead_reason is not None or self._stopped:
@@ -353,32 +369,48 @@ class Scheduler:
                 )
                 self._deliver(entry, ErrorEvent(request.index, message))
                 continue
-            if not self.ledger.can_admit(reserve):
-                return
+            if self.prefix is None:
+                if not self.ledger.can_admit(reserve):
+                    return
+                self.ledger.admit(request.request_id, reserve)
+                request.admit()
+            else:
+                plan = self.prefix.plan(request)
+                if not self.prefix.make_room(request, plan):
+                    return
+                self.prefix.admit(request, plan)
+                request.admit(plan.start.num_tokens if plan.start else 0)
+                self.metrics.prefix_cache_queries_total += request.prompt_len
+                self.metrics.prefix_cache_hits_total += request.num_cached
             self._waiting.popleft()
             self._queued_ids.discard(request.request_id)
-            self.ledger.admit(request.request_id, reserve)
-            request.admit()
             self._running[request.request_id] = entry
             self._notify("admitted", entry)
 
     async def _send(self, plan: StepPlan) -> Step:
         """Dispatch a planned step once the ranks are free."""
         items = []
+        prefix = self.prefix
+        # saves first: they may evict, and the prefixes this step's requests start from are
+        # pinned until `start_of`
+        saves = {} if prefix is None else prefix.saves(
+            [(self._running[c.request_id].request, c.start + c.num_tokens) for c in plan.chunks if not c.is_decode]
+        )
         for chunk in plan.chunks:
             request = self._running[chunk.request_id].request
             tokens = request.input_tokens(chunk.start, chunk.num_tokens)
             new = None
-            if chunk.start == 0:
+            if not request.on_ranks:
                 spec = request.params.to_spec(request.seed, self._eos_token_ids)
-                new = NewRequest(request.reserve_tokens, spec)
+                new = NewRequest(request.reserve_tokens, spec, prefix.start_of(chunk.request_id) if prefix else -1)
                 request.mark_dispatched()
-            items.append(StepItem(chunk.request_id, chunk.start, tokens, chunk.sample, new))
+            items.append(StepItem(chunk.request_id, chunk.start, tokens, chunk.sample, new, saves.get(chunk.request_id, -1)))
         self._notify_plan(plan)
         sent_at = time.perf_counter()
         if self._results_at is not None:  # the ranks sat idle since the last step's results
             self.metrics.scheduler_seconds_total += sent_at - self._results_at
-        return Step(plan, await self._controller.send_step(items), sent_at, {})
+        evict = self.prefix.take_evicted() if prefix is not None else []
+        return Step(plan, await self._controller.send_step(items, (), evict), sent_at, {})
 
     def _follow(self, step: Step) -> Step | None:
         """Plan and send the next step behind `step`, which the ranks are running, if it
@@ -407,9 +439,12 @@ class Scheduler:
         items = [StepItem(chunk.request_id, chunk.start, [], True) for chunk in chunks]
         # their events come when `step` commits (_hold_until_dropped)
         drops = {**self._pending_drop, **{rid: [] for rid in last}}
-        flight = self._controller.follow_step(items, list(drops))
+        evict = self.prefix.evicted if self.prefix is not None else []
+        flight = self._controller.follow_step(items, list(drops), evict)
         if flight is None:
             return None
+        if evict:
+            self.prefix.take_evicted()
         plan = StepPlan(tuple(chunks))
         self._notify_plan(plan)
         self._pending_drop = {}
@@ -474,7 +509,8 @@ class Scheduler:
         tail = entry.detokenizer.flush()
         request.finish(reason)
         del self._running[request.request_id]
-        finished = FinishedEvent(request.index, reason, request.prompt_len, request.num_output_tokens, tail)
+        finished = FinishedEvent(request.index, reason, request.prompt_len, request.num_output_tokens, tail,
+                                 request.num_cached)
         self._hold_until_dropped(request.request_id, [event, finished])
 
     def _hold_until_dropped(self, request_id: int, events: list[Event]) -> None:

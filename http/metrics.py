@@ -4,6 +4,7 @@ Names follow vLLM's (`vllm:` prefix) so that existing dashboards work unchanged:
   vllm:num_requests_running, vllm:num_requests_waiting          gauges
   vllm:kv_cache_usage_perc                                      gauge, fraction 0..1
   vllm:prompt_tokens_total, vllm:generation_tokens_total        counters
+  vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total counters (tokens; prefix caching)
   vllm:request_success_total{finished_reason=stop|length|abort|error} counter (aborts and errors included)
   deltaserve:steps_total, deltaserve:pipelined_steps_total, deltaserve:step_seconds_total,
   deltaserve:scheduler_seconds_total                            counters (engine overhead)
@@ -102,6 +103,10 @@ def render_metrics(engine: Any, model_name: str) -> str:
                 [({}, m.prompt_tokens_total)])  # fmt: skip
     out.counter("vllm:generation_tokens_total", "Generated tokens.",
                 [({}, m.generation_tokens_total)])  # fmt: skip
+    out.counter("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                [({}, m.prefix_cache_queries_total)])  # fmt: skip
+    out.counter("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+                [({}, m.prefix_cache_hits_total)])  # fmt: skip
     out.counter("deltaserve:steps_total", "Steps run on the ranks.", [({}, m.steps_total)])
     out.counter("deltaserve:pipelined_steps_total", "Steps sent while the step before still ran.",
                 [({}, m.pipelined_steps_total)])  # fmt: skip

@@ -35,12 +35,16 @@ def clamp_logprob(x: float) -> float:
     return x if x >= MIN_LOGPROB else MIN_LOGPROB  # also maps NaN to the floor
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """`cached_tokens` > 0: vLLM's prompt_tokens_details (--enable-prompt-tokens-details)."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -93,6 +97,7 @@ class ChoiceState:
     token_offset: int = 0  # completions' logprobs: the token strings' lengths summed, as vLLM's
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, taken from a saved prefix (prefix caching)
     output_tokens: int = 0  # counted by `token`, then the FinishedEvent's
     logprobs: list[Any] = field(default_factory=list)  # per-token entries in endpoint shape
     # a chat's with a reasoning parser (then `text` is its content)

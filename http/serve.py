@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "on cpu max_num_seqs * max_model_len / block_size")  # fmt: skip
     eng.add_argument("--enforce-eager", action="store_true",
                      help="cuda: run every step eagerly, capturing no CUDA graphs")
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                     help="a prompt that begins with a saved prompt (the last turn of its "
+                          "conversation, a shared system prompt) skips that part's prefill "
+                          "(engine/prefix_cache.py); off by default")
+    eng.add_argument("--prefix-cache-states", type=int, default=None, metavar="N",
+                     help="with --enable-prefix-caching: saved prompt states each rank keeps, each "
+                          "the size of one request's DeltaNet state (default: --max-num-seqs)")
     eng.add_argument("--prompt-graph-tokens", type=int, default=2048,
                      help="cuda: prompt steps of up to this many tokens replay a CUDA graph (a "
                           "short prompt's first token no longer waits on ~450 launches); 0: never")
@@ -178,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-call-parser", choices=tuple(TOOL_CALL_PARSERS), default=None,
                      help="the format the model writes tool calls in, as vLLM's parsers of these "
                           "names: qwen3_coder (Qwen3.5, Qwen3-Coder), hermes (Qwen2.5, Qwen3)")  # fmt: skip
+    srv.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="usage gains prompt_tokens_details.cached_tokens (prefix caching), as vLLM's")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free)")
     srv.add_argument("--api-key", default=None,
@@ -350,6 +359,7 @@ def _server_config(args: argparse.Namespace):  # -> ServerConfig
         reasoning_parser=args.reasoning_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
 
 
@@ -371,6 +381,8 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         prompt_graph_tokens=args.prompt_graph_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_cache_states=args.prefix_cache_states,
         pipeline_steps=not args.no_pipelining,
         overlap_steps=False if args.no_overlap else None,
         step_timeout_s=args.step_timeout_s,
@@ -437,6 +449,8 @@ def _sizes(engine) -> tuple[str, str | None]:
                  f"completion), as /v1/models says; raise --num-kv-blocks or lower --max-model-len")  # fmt: skip
     ready = (f"max_model_len={longest} ({why}), {load.num_slots} state slots (--max-num-seqs), {load.num_blocks} KV blocks "
              f"of {config.block_size} = {kv_tokens} tokens of KV ({kv_why})")  # fmt: skip
+    if config.enable_prefix_caching:
+        ready += f"; prefix caching: {config.prefix_cache_states} saved prompt states (--prefix-cache-states)"
     return ready, short
 
 

@@ -507,7 +507,9 @@ async def _respond(
         finally:
             await events.aclose()
         prompt_tokens = sum(states[p * n].prompt_tokens for p in range(len(streams)))
-        usage_json = usage(prompt_tokens, sum(s.output_tokens for s in states))
+        cached = sum(states[p * n].cached_tokens for p in range(len(streams)))
+        usage_json = usage(prompt_tokens, sum(s.output_tokens for s in states),
+                           cached if state.config.enable_prompt_tokens_details else 0)
         if response is None:
             return _json(formatter.response(states, usage_json))
         if include_usage:
@@ -565,6 +567,7 @@ def _apply(
             raise _RequestFailed(_terminal_error(state, ev))
         choice.finish_reason = ev.reason
         choice.prompt_tokens = ev.prompt_tokens
+        choice.cached_tokens = ev.cached_tokens
         choice.output_tokens = ev.output_tokens
         return formatter.finish(idx, ev, choice)
     if isinstance(ev, ErrorEvent):

@@ -49,6 +49,9 @@ class ServerConfig:
     # calls in message.tool_calls (tool_parsers.py; vLLM's flags and parser names)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # usage.prompt_tokens_details.cached_tokens: the prompt tokens a saved prefix held (vLLM's
+    # flag; shown where there were any)
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         names = self.served_model_name

@@ -74,9 +74,6 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", choices=tuple(UVICORN_LOG_LEVELS), type=str.lower, default=None,
                    help="the HTTP server's (aiohttp's) log level, as vLLM's sets uvicorn's; "
                         "default: --log-level")  # fmt: skip
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="--no-enable-prefix-caching is accepted (what deltaserve does); "
-                        "--enable-prefix-caching is refused: there is no prefix cache")  # fmt: skip
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="--enable-chunked-prefill is accepted (what deltaserve does: prompts are "
                         "prefilled in chunks of --max-num-batched-tokens); --no-... is refused")  # fmt: skip
@@ -96,9 +93,6 @@ def refused_vllm_flag(args: argparse.Namespace) -> str | None:
     if args.enable_log_requests:
         return ("--enable-log-requests: not supported: deltaserve logs no requests; /metrics "
                 "counts them and `deltaserve monitor` shows each live")  # fmt: skip
-    if args.enable_prefix_caching:
-        return ("--enable-prefix-caching: not supported: deltaserve has no prefix cache, every "
-                "prompt is prefilled whole; drop the flag (or pass --no-enable-prefix-caching)")  # fmt: skip
     if args.enable_chunked_prefill is False:
         return ("--no-enable-chunked-prefill: not supported: deltaserve always prefills a prompt "
                 "in chunks of at most --max-num-batched-tokens tokens")  # fmt: skip

@@ -177,20 +177,20 @@ class ReplicaController:
     def gate_name(self) -> str:
         return self._gate.name
 
-    async def run_step(self, items: list[StepItem], drops: list[int] = ()) -> SampleColumns:
+    async def run_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> SampleColumns:
         """Run one unified step on every rank; rank 0's samples, matched by request id and
         returned in step order (row i: the i-th item with `sample` set)."""
-        return await self.step_result(await self.send_step(items, drops))
+        return await self.step_result(await self.send_step(items, drops, evict))
 
-    async def send_step(self, items: list[StepItem], drops: list[int] = ()) -> Flight:
+    async def send_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> Flight:
         """Send one unified step once no other command is in flight, and return without
         waiting for it: await `flight.gate` (released?) and `step_result(flight)`."""
         self._check_open()
         plan = check_plan(items, self.model_config.vocab_size, drops)
         await self._acquire()
-        return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops)), plan)
+        return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops), list(evict)), plan)
 
-    def follow_step(self, items: list[StepItem], drops: list[int] = ()) -> Flight | None:
+    def follow_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> Flight | None:
         """Send a step behind the one step in flight, which the gate has already released:
         the ranks take it up as soon as they finish that one, so the engine's work between
         steps overlaps the device's. Returns None, having sent nothing, when that is not the
@@ -200,7 +200,7 @@ class ReplicaController:
         plan = check_plan(items, self.model_config.vocab_size, drops)
         if self._callers_waiting or not self._flights.can_follow():
             return None
-        return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops)), plan)
+        return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops), list(evict)), plan)
 
     async def step_result(self, flight: Flight) -> SampleColumns:
         """The samples of a step sent with `send_step` or `follow_step`."""

@@ -46,12 +46,17 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     bad_words: tuple[tuple[int, ...], ...] = ()
 
 
-class NewRequest(msgspec.Struct, frozen=True, array_like=True):
+class NewRequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """Carried by a request's first chunk: the rank takes a state slot and KV blocks for
-    `reserve_tokens` positions (prompt + max_tokens) and keeps the sampling spec."""
+    `reserve_tokens` positions (prompt + max_tokens) and keeps the sampling spec.
+
+    `prefix` >= 0: its first positions are saved prefix `prefix` (a StepItem's `save`): the
+    rank starts the slot from that state, shares its full KV blocks and copies its partial
+    one, and the first chunk starts where the prefix ends."""
 
     reserve_tokens: int
     sampling: SamplingSpec
+    prefix: int = -1
 
 
 class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
@@ -59,9 +64,11 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
 
     A decode item is one token; a prefill chunk any number. `sample` asks for a token after
     the last position (decode items and the final prompt chunk). `new` is set on the first
-    chunk only (start == 0). Empty `token_ids` is a decode item whose token is the one the
-    ranks sampled for this request in its previous step: the scheduler sends such a step
-    before that sample has come back (a pipelined step).
+    chunk only (start == 0, or where its saved prefix ends). Empty `token_ids` is a decode
+    item whose token is the one the ranks sampled for this request in its previous step: the
+    scheduler sends such a step before that sample has come back (a pipelined step).
+    `save` >= 0 (prompt chunks): after the step, keep the request's state as saved prefix
+    `save` (a free one), holding the KV blocks of its positions so far.
     """
 
     request_id: RequestId
@@ -69,6 +76,7 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     token_ids: list[int]
     sample: bool
     new: NewRequest | None = None
+    save: int = -1
 
 
 class Sample(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -127,8 +135,9 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 
 class RunUnifiedStep(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
-    """First free the state of `drops` (every rank must hold each; none is in `items`), then
-    run one forward over `items` (ordered, each request at most once) and sample on rank 0.
+    """First forget the saved prefixes `evict` and free the state of `drops` (every rank must
+    hold each; none is in `items`), then run one forward over `items` (ordered, each request
+    at most once) and sample on rank 0.
     Reply: rank 0 `StepResult` with one sample per item with `sample` set (in any order);
     others `Ack`. A pipelined step carries the drops of requests that ended while it was
     planned, so that they cost no command of their own.
@@ -139,6 +148,7 @@ class RunUnifiedStep(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=
     seq: int
     items: list[StepItem]
     drops: list[RequestId] = []
+    evict: list[int] = []
 
 
 class DropRequests(msgspec.Struct, frozen=True, tag=True, array_like=True):

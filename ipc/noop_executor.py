@@ -20,7 +20,7 @@ class NoopExecutor:
         self.step_s = step_s  # slept per step: a stand-in for the GPU
         self.held: set[int] = set()
 
-    def run_step(self, items: list[StepItem], drops: list[int] = ()) -> list[Sample]:
+    def run_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> list[Sample]:
         if not self.held.issuperset(drops):
             raise ValueError(f"requests {sorted(set(drops) - self.held)} to drop are not held")
         self.held.difference_update(drops)

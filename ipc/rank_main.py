@@ -148,6 +148,7 @@ def build_executor(config: RankConfig) -> object:
             max_num_batched_tokens=config.max_num_batched_tokens,
             cuda_graphs=config.cuda_graphs,
             prompt_graph_tokens=config.prompt_graph_tokens,
+            prefix_states=config.prefix_states,
         )
     )
 
@@ -300,7 +301,7 @@ class RankServer:
         device has work while the host reads samples) and before its sampling (whose seeds
         and penalties count that step's samples)."""
         try:
-            step = self.executor.launch_step(command.items, command.drops)
+            step = self.executor.launch_step(command.items, command.drops, command.evict)
             self.complete_pending()
             self.executor.launch_sampling(step)
         except Exception as exc:  # a rank-local mismatch (nothing queued) or a device error
@@ -403,7 +404,7 @@ class RankServer:
         rank, seq = self.rank, command.seq
         kind = type(command)
         if kind is RunUnifiedStep:
-            return self.step_reply(seq, self.executor.run_step(command.items, command.drops))
+            return self.step_reply(seq, self.executor.run_step(command.items, command.drops, command.evict))
         if kind is DropRequests:
             return DropAck(rank, seq, self.executor.drop(command.request_ids))
         if kind is Snapshot:

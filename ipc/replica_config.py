@@ -28,6 +28,7 @@ class ReplicaConfig:
     max_num_batched_tokens: int = 2048  # when num_blocks is 0: tokens of the profiling step
     cuda_graphs: bool = True  # cuda: single-token items replay CUDA graphs
     prompt_graph_tokens: int = 2048  # cuda, with cuda_graphs: prompt steps up to this size too
+    prefix_states: int = 0  # saved prefix states each rank keeps (prefix caching); 0: off
     overlap_steps: bool | None = None  # ranks queue a follower before finishing the step; None: on cuda
     startup_timeout_s: float = 120.0
     step_timeout_s: float = 60.0
@@ -57,6 +58,7 @@ class ReplicaConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             cuda_graphs=self.cuda_graphs,
             prompt_graph_tokens=self.prompt_graph_tokens,
+            prefix_states=self.prefix_states,
             overlap_steps=(self.device == "cuda" if self.overlap_steps is None else self.overlap_steps)
             and not self.noop_executor,
             dist_init_method=f"file://{run_dir}/dist-store",

@@ -75,18 +75,20 @@ def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = ()) ->
             raise PlanRejected(
                 f"request {rid}: token id {bad} outside the vocabulary 0..{vocab_size - 1}"
             )
-        if start != 0:
-            if start < 0:
-                raise PlanRejected(f"request {rid}: negative start {start}")
-            if item.new is not None:
-                raise PlanRejected(
-                    f"request {rid}: `new` on an item starting at {start}; only a first chunk "
-                    f"(start 0) carries it"
-                )
-        elif item.new is None:
-            raise PlanRejected(f"request {rid}: first chunk (start 0) without `new`")
+        if start < 0:
+            raise PlanRejected(f"request {rid}: negative start {start}")
+        if item.new is None:
+            if start == 0:
+                raise PlanRejected(f"request {rid}: first chunk (start 0) without `new`")
+        elif (start == 0) != (item.new.prefix < 0):
+            raise PlanRejected(
+                f"request {rid}: `new` on an item starting at {start}; a first chunk starts at 0, "
+                f"or where the saved prefix it names ends"
+            )
         else:
-            _check_new(rid, len(tokens), item.new)
+            _check_new(rid, start + len(tokens), item.new)
+        if item.save < -1:
+            raise PlanRejected(f"request {rid}: save {item.save} names no saved prefix")
     if drops and not item_ids.isdisjoint(drops):
         rid = min(item_ids.intersection(drops))
         raise PlanRejected(f"request {rid} is both dropped and run in one step")

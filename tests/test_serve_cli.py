@@ -217,7 +217,9 @@ ACCEPTED = [
     (["--disable-log-requests"], {}),  # none are logged
     (["--disable-log-stats"], {}),  # no periodic stats are logged
     (["--disable-uvicorn-access-log"], {}),  # no access log is written
-    (["--no-enable-prefix-caching"], {}),  # there is no prefix cache
+    (["--no-enable-prefix-caching"], {"enable_prefix_caching": False}),  # the default
+    (["--enable-prefix-caching"], {"enable_prefix_caching": True}),
+    (["--enable-prefix-caching", "--prefix-cache-states", "4"], {"prefix_cache_states": 4}),
     (["--enable-chunked-prefill"], {}),  # prompts are always prefilled in chunks
     (["--kv-cache-dtype", "auto"], {}),  # the model's dtype
     (["--swap-space", "16"], {}),  # nothing is ever preempted, so nothing swapped
@@ -232,7 +234,6 @@ ACCEPTED = [
 ]
 # flags deltaserve cannot honour: the start refused, saying why (they were "unrecognized arguments")
 REFUSED = [
-    (["--enable-prefix-caching"], "--enable-prefix-caching: not supported: deltaserve has no prefix cache"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: not supported: deltaserve always prefills"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported: the KV cache is kept in the model's dtype"),
     (["--quantization", "fp8"], "--quantization fp8: not supported: deltaserve loads unquantized"),

@@ -75,6 +75,7 @@ class ExecutorConfig:
     max_num_batched_tokens: int = 2048  # tokens of the profiling step, when num_blocks is 0
     cuda_graphs: bool = True  # single-token items and short prompts replay CUDA graphs (CUDA, any TP size)
     prompt_graph_tokens: int = 2048  # largest prompt-graph bucket (capped by max_num_batched_tokens); 0: none
+    prefix_states: int = 0  # saved prefix states of the prefix cache (engine/prefix_cache.py); 0: off
 
 
 @dataclass(slots=True)
@@ -93,6 +94,17 @@ class LiveRequest:
     def kv_row(self, position: int, block_size: int) -> int:
         """The paged-cache row of the request's `position`."""
         return self.blocks[position // block_size] * block_size + position % block_size
+
+
+@dataclass(frozen=True, slots=True)
+class SavedPrefix:
+    """A prompt's state after `num_tokens` positions, in state slot `slot`; `blocks` hold
+    those positions' keys and values (the last one partly, when not a multiple of the block
+    size), held for it."""
+
+    slot: int
+    blocks: list[int]
+    num_tokens: int
 
 
 @dataclass(slots=True)
@@ -141,6 +153,7 @@ class Executor:
         log.info("rank %d: weights loaded in %.1f s", config.rank, time.monotonic() - started)
         self.sampler = Sampler() if config.rank == 0 else None
         self.requests: dict[int, LiveRequest] = {}
+        self.prefixes: dict[int, SavedPrefix] = {}  # saved prefix id -> its state and blocks
         self.graphs: DecodeGraphs | None = None
         self.prompt_graphs: PromptGraphs | None = None
         num_blocks = config.num_blocks
@@ -154,6 +167,7 @@ class Executor:
             config.world_size,
             self.dtype,
             self.device,
+            config.prefix_states,
         )
         if config.cuda_graphs and gpu_path(self.cache.kv):  # CUDA (or the interpreter, in tests)
             started = time.monotonic()
@@ -192,19 +206,19 @@ class Executor:
     def block_size(self) -> int:
         return self.cache.block_size
 
-    def run_step(self, items: list[StepItem], drops: list[int] = ()) -> list[Sample]:
-        """Drop `drops`, run the step, then sample on rank 0: one Sample per item with
-        `sample`, in order."""
-        step = self.launch_step(items, drops)
+    def run_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> list[Sample]:
+        """Evict `evict`, drop `drops`, run the step, then sample on rank 0: one Sample per
+        item with `sample`, in order."""
+        step = self.launch_step(items, drops, evict)
         self.launch_sampling(step)
         return self.finish_step(step)
 
-    def launch_step(self, items: list[StepItem], drops: list[int] = ()) -> LaunchedStep:
-        """Drop `drops` and queue the step's forward. The rank's serve loop queues step N+1
+    def launch_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> LaunchedStep:
+        """Evict `evict`, drop `drops` and queue the step's forward. The rank's serve loop queues step N+1
         this way before it finishes N (`finish_step`), so the device never waits for the host
         between pipelined steps; N+1's items without tokens read N's samples on the device."""
         # the sampling, queued before the next step's replay, reads the graph's output in place
-        step = LaunchedStep(items, self.forward(items, drops=drops, graph_output=True))
+        step = LaunchedStep(items, self.forward(items, drops=drops, graph_output=True, evict=evict))
         if self.sampler is None and self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
@@ -230,13 +244,15 @@ class Executor:
         return [] if step.sampling is None else self.sampler.finish(step.sampling)
 
     def forward(
-        self, items: list[StepItem], every_position: bool = False, drops: list[int] = (), graph_output: bool = False
+        self, items: list[StepItem], every_position: bool = False, drops: list[int] = (), graph_output: bool = False,
+        evict: list[int] = (),
     ) -> torch.Tensor | None:
-        """Drop `drops`, advance every item's request through the model; return fp32 logits
-        on rank 0 of the positions that sample (or of every position: golden tests), None
-        elsewhere. `graph_output`: a decode graph's logits may be its output buffer, which the
-        next replay overwrites (else they are copied out)."""
-        self._admit_new(items, drops)
+        """Evict `evict`, drop `drops`, advance every item's request through the model, save
+        the prefixes items ask for; return fp32 logits on rank 0 of the positions that sample
+        (or of every position: golden tests), None elsewhere. `graph_output`: a decode graph's
+        logits may be its output buffer, which the next replay overwrites (else they are
+        copied out)."""
+        self._admit_new(items, drops, evict)
         self._share_last_samples(items)
         if self.graphs is None or every_position:
             logits = self._run_eager(self._build_batch(items, every_position))
@@ -247,7 +263,23 @@ class Executor:
             req.num_tokens = item.start + item_length(item)
             if item.sample:
                 req.sampled_through = req.num_tokens
+            if item.save >= 0:  # queued after the forward: the state of its positions so far
+                self._save_prefix(item.save, req)
         return logits
+
+    def _save_prefix(self, prefix: int, req: LiveRequest) -> None:
+        blocks = req.blocks[: self.cache.blocks_for(req.num_tokens)]
+        self.cache.hold(blocks)
+        slot = self.cache.num_slots + prefix
+        self.cache.copy_state(req.slot, slot)
+        self.prefixes[prefix] = SavedPrefix(slot, blocks, req.num_tokens)
+
+    def _start_from_prefix(self, item: StepItem) -> tuple[list[int], SavedPrefix] | None:
+        """The saved prefix a new item starts from (its full blocks, shared), or None."""
+        if item.new.prefix < 0:
+            return None
+        saved = self.prefixes[item.new.prefix]
+        return saved.blocks[: saved.num_tokens // self.cache.block_size], saved
 
     def _share_last_samples(self, items: list[StepItem]) -> None:
         """Items without token_ids take their slot's last sample (`cache.last_tokens`),
@@ -302,31 +334,73 @@ class Executor:
             return self.prompt_graphs.run(plan)
         return self._run_eager(self._plan_batch(plan))
 
-    def _admit_new(self, items: list[StepItem], drops: list[int] = ()) -> None:
-        """Check every item and drop against this rank's state, then drop and take slots for
-        new requests; on any mismatch nothing is changed. Every rank holds the same state,
-        so all of them reach the same verdict (none waits in a collective for another)."""
-        new_tokens = 0
+    def _admit_new(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> None:
+        """Check every item, drop and eviction against this rank's state, then evict, drop and
+        take slots for new requests; on any mismatch nothing is changed. Every rank holds the
+        same state, so all of them reach the same verdict (none waits in a collective for
+        another)."""
+        self._check_step(items, drops, evict)
+        for prefix in evict:
+            self.cache.release(self.prefixes.pop(prefix).blocks)
+        self.drop(drops)
+        for item in items:
+            if item.new is None:
+                continue
+            start = self._start_from_prefix(item)
+            shared, saved = start if start is not None else ([], None)
+            slot, blocks = self.cache.allocate(item.new.reserve_tokens, shared)
+            if saved is not None:
+                self.cache.copy_state(saved.slot, slot)
+                if len(saved.blocks) > len(shared):  # its partly filled block: a copy of our own
+                    self.cache.copy_block(saved.blocks[-1], blocks[len(shared)])
+            table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+            if self.graphs is not None and len(blocks) <= self.graphs.max_blocks:
+                self.graphs.set_table(slot, table)
+            live = LiveRequest(slot, blocks, table, item.new.reserve_tokens, item.start)
+            self.requests[item.request_id] = live
+            if self.sampler is not None:
+                self.sampler.add(item.request_id, item.new.sampling)
+
+    def _check_step(self, items: list[StepItem], drops: list[int], evict: list[int]) -> None:
+        new_blocks = 0
         new_count = 0
+        rank = self.config.rank
+        for prefix in evict:
+            if prefix not in self.prefixes:
+                raise StepError(f"saved prefix {prefix} to evict is not held by rank {rank}")
         for request_id in drops:
             if request_id not in self.requests:
-                raise StepError(f"request {request_id} to drop is not held by rank {self.config.rank}")
+                raise StepError(f"request {request_id} to drop is not held by rank {rank}")
+        saves = [item.save for item in items if item.save >= 0]
+        for prefix in saves:
+            if not prefix < self.cache.num_prefix_states or (prefix in self.prefixes and prefix not in evict):
+                raise StepError(f"saved prefix {prefix} is not free on rank {rank}")
+        if len(set(saves)) != len(saves):
+            raise StepError("two items save the same prefix")
         for item in items:
             held = self.requests.get(item.request_id)
             if item.new is not None:
                 if held is not None:
                     raise StepError(f"request {item.request_id} is new but already held")
-                if item.start != 0:
-                    raise StepError(f"new request {item.request_id} starts at {item.start}, not 0")
-                if item.new.reserve_tokens < len(item.token_ids):
+                start = 0
+                if item.new.prefix >= 0:
+                    saved = self.prefixes.get(item.new.prefix)
+                    if saved is None or item.new.prefix in evict:
+                        raise StepError(f"request {item.request_id} starts from saved prefix "
+                                        f"{item.new.prefix}, which rank {rank} does not hold")
+                    start = saved.num_tokens
+                    new_blocks -= saved.num_tokens // self.cache.block_size
+                if item.start != start:
+                    raise StepError(f"new request {item.request_id} starts at {item.start}, not {start}")
+                if item.new.reserve_tokens < item.start + len(item.token_ids):
                     raise StepError(f"request {item.request_id} reserves fewer tokens than its chunk")
-                new_tokens += self.cache.blocks_for(item.new.reserve_tokens)
+                new_blocks += self.cache.blocks_for(item.new.reserve_tokens)
                 new_count += 1
             elif held is None:
-                raise StepError(f"request {item.request_id} is not held by rank {self.config.rank}")
+                raise StepError(f"request {item.request_id} is not held by rank {rank}")
             elif item.start != held.num_tokens:
                 raise StepError(
-                    f"request {item.request_id} item starts at {item.start}, rank {self.config.rank} "
+                    f"request {item.request_id} item starts at {item.start}, rank {rank} "
                     f"holds {held.num_tokens} positions"
                 )
             elif item.start + item_length(item) > held.capacity:
@@ -336,21 +410,20 @@ class Executor:
                     f"request {item.request_id} item has no token_ids, but its previous item "
                     f"did not sample"
                 )
-        if new_count > self.cache.free_slots or new_tokens > self.cache.free_blocks:
+        freed = self._blocks_freed(evict)
+        if new_count > self.cache.free_slots or new_blocks > self.cache.free_blocks + freed:
             raise StepError(
-                f"step needs {new_count} slots and {new_tokens} blocks; rank {self.config.rank} has "
+                f"step needs {new_count} slots and {new_blocks} blocks; rank {rank} has "
                 f"{self.cache.free_slots} slots and {self.cache.free_blocks} blocks free"
             )
-        self.drop(drops)
-        for item in items:
-            if item.new is not None:
-                slot, blocks = self.cache.allocate(item.new.reserve_tokens)
-                table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-                if self.graphs is not None and len(blocks) <= self.graphs.max_blocks:
-                    self.graphs.set_table(slot, table)
-                self.requests[item.request_id] = LiveRequest(slot, blocks, table, item.new.reserve_tokens)
-                if self.sampler is not None:
-                    self.sampler.add(item.request_id, item.new.sampling)
+
+    def _blocks_freed(self, evict: list[int]) -> int:
+        """Blocks that evicting `evict` frees: those nothing else holds."""
+        refs: dict[int, int] = {}
+        for prefix in evict:
+            for b in self.prefixes[prefix].blocks:
+                refs[b] = refs.get(b, 0) + 1
+        return sum(self.cache.refs(b) == n for b, n in refs.items())
 
     def _plan(self, items: list[StepItem], every_position: bool) -> StepPlan:
         plan = StepPlan()

@@ -161,7 +161,7 @@ class MemoryBudget:
         agreed = "" if self.local_blocks == self.num_blocks else f" (this rank fits {self.local_blocks}; another fewer)"
         return (
             f"not enough device memory for the request state on rank {rank}: {self._accounts()} "
-            f"leave {self.budget / GiB:.2f} GiB; {self.num_slots} state slots (max_num_seqs) take "
+            f"leave {self.budget / GiB:.2f} GiB; {self.num_slots} state slots (max_num_seqs and prefix states) take "
             f"{self.num_slots * self.sizes.slot_bytes / GiB:.2f} GiB and one max_model_len "
             f"{max_model_len} request needs {need_blocks} KV blocks of {self.block_size} "
             f"({need_blocks * self.sizes.block_bytes / GiB:.2f} GiB), but {self.num_blocks} fit{agreed}. "
@@ -201,7 +201,8 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
             reserve += len(token_buckets(prompt_tokens)) * seqs * executor.model_config.vocab_size * 4
     weights = sum(t.numel() * t.element_size() for t in (*executor.model.parameters(), *executor.model.buffers()))
     budget = int(total * config.gpu_memory_utilization) - in_use - activations - reserve
-    local = blocks_for_budget(budget, config.num_slots, sizes)
+    state_slots = config.num_slots + config.prefix_states  # requests' and saved prefixes'
+    local = blocks_for_budget(budget, state_slots, sizes)
     result = MemoryBudget(
         total=total,
         utilization=config.gpu_memory_utilization,
@@ -212,7 +213,7 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
         reserve=reserve,
         budget=budget,
         sizes=sizes,
-        num_slots=config.num_slots,
+        num_slots=state_slots,
         local_blocks=local,
         num_blocks=_min_over_ranks(local, executor.device),
         block_size=config.block_size,

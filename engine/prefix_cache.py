@@ -1,0 +1,238 @@
+"""Prefix caching for a hybrid model: a prompt that begins with a saved prompt skips its prefill.
+
+A full-attention layer keeps a key and value per position, so vLLM and SGLang can reuse any
+run of cached KV blocks. A DeltaNet layer keeps one state for everything it has read: a
+prefix can be reused only where that state was saved, at one position (SGLang's hybrid radix
+cache and vLLM's hybrid prefix caching meet the same limit). So a prompt's state is saved
+(`StepItem.save`, into one of the ranks' prefix state slots):
+  - where its prefill ends: the whole prompt, which the next turn of a conversation begins with;
+  - where it stops matching every recent prompt, at a block boundary, when that is past what
+    it could reuse: a system prompt shared by many requests is saved by the second one that
+    shows it (one of them, if several are admitted together). Its prefill is split there
+    (`split_at`), so the state exists.
+A later prompt starts from the longest saved prefix that it begins with and that is shorter
+than itself (one position at least must run, for the logits): it shares the prefix's full KV
+blocks (the ledger counts their holders), the ranks copy the partly filled one, and its
+first chunk starts where the prefix ends (`NewRequest.prefix`).
+
+Not reused by requests with a repetition penalty (the ranks count the prompt's tokens for it,
+and would miss the prefix's). On an engine that replays prompt graphs, only prompts longer
+than the largest graph bucket reuse or split (`min_prompt_len`): a prompt chunk that does not
+start at 0 runs eagerly, which costs more host time than the graph saves below that length.
+
+Eviction, when a save needs a state slot or an admission needs blocks: whole prompts before
+the prefixes saved where prompts part (those are shared, as a radix tree's inner nodes, which
+SGLang evicts after its leaves), least recently used first within each; a whole prompt's save
+never evicts a shared prefix (it is skipped instead); never a prefix an admitted request waits
+to start from (pinned until its first chunk is sent). The ranks forget
+an evicted prefix when the next step carries it (`evict`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from deltaserve.engine.capacity import CapacityLedger
+from deltaserve.engine.request import Request
+
+SEEN_BLOCKS = 1 << 16  # block hashes of recent prompts kept to find shared prefixes
+
+
+@dataclass(eq=False, slots=True)
+class SavedPrefix:
+    prefix_id: int  # the ranks' prefix state slot
+    prompt: tuple[int, ...]  # the prompt it was saved from: its first num_tokens ids count
+    num_tokens: int
+    blocks: list[int]  # the ledger's blocks of those positions, held for it
+    key: int  # the chain hash of its full blocks
+    shared: bool  # saved where prompts part (else where one ends): evicted last
+    pins: int = 0  # admitted requests that start from it and are not yet sent
+
+    def full_blocks(self, block_size: int) -> list[int]:
+        return self.blocks[: self.num_tokens // block_size]
+
+
+@dataclass(slots=True)
+class PromptPlan:
+    """What the cache decided for an admitted request, kept until it ends."""
+
+    hashes: list[int]  # chain hashes of its prompt's full blocks
+    start: SavedPrefix | None  # the prefix it starts from
+    split_at: int  # a position its prefill stops at to save its state there; 0: none
+    pinned: bool = False  # it holds a pin on `start`: admitted, first chunk not yet sent
+    splitting: bool = False  # its split is announced (`_splitting`) and not yet saved
+
+
+class PrefixCache:
+    def __init__(self, num_prefixes: int, ledger: CapacityLedger, min_prompt_len: int = 0) -> None:
+        self.ledger = ledger
+        self.block_size = ledger.block_size
+        self.min_prompt_len = min_prompt_len
+        self._free_ids = list(range(num_prefixes - 1, -1, -1))
+        self._saved: OrderedDict[int, SavedPrefix] = OrderedDict()  # by prefix id, least recently used first
+        self._by_hash: dict[int, list[SavedPrefix]] = {}  # chain hash of its full blocks -> prefixes
+        self._seen: OrderedDict[int, None] = OrderedDict()  # chain hashes of recent prompts' blocks
+        self._plans: dict[int, PromptPlan] = {}  # admitted request id -> its plan
+        self._evicted: list[int] = []  # prefix ids the ranks still hold: sent with the next step
+        self._splitting: set[int] = set()  # chain hashes where an admitted request will save
+
+    def __len__(self) -> int:
+        return len(self._saved)
+
+    # ---- admission ----------------------------------------------------------------------
+
+    def plan(self, request: Request) -> PromptPlan:
+        """Hash the request's prompt and find the prefix it could start from (not yet taken)."""
+        prompt, bs = request.prompt_ids, self.block_size
+        hashes, h = [], 0
+        for end in range(bs, len(prompt) + 1, bs):
+            h = hash((h, prompt[end - bs : end]))
+            hashes.append(h)
+        plan = PromptPlan(hashes, None, 0)
+        if len(prompt) <= self.min_prompt_len or request.params.repetition_penalty != 1.0:
+            return plan
+        plan.start = self._longest(prompt, hashes)
+        seen = 0  # leading full blocks (before the last position) an earlier prompt had too
+        while seen < (len(prompt) - 1) // bs and hashes[seen] in self._seen:
+            seen += 1
+        if seen * bs > (plan.start.num_tokens if plan.start else 0) and hashes[seen - 1] not in self._splitting:
+            plan.split_at = seen * bs
+        return plan
+
+    def _longest(self, prompt: tuple[int, ...], hashes: list[int]) -> SavedPrefix | None:
+        """The longest saved prefix that `prompt` begins with and is longer than."""
+        for full in range(len(hashes), 0, -1):
+            found = [
+                p for p in self._by_hash.get(hashes[full - 1], ())
+                if p.num_tokens < len(prompt) and prompt[: p.num_tokens] == p.prompt[: p.num_tokens]
+            ]  # fmt: skip
+            if found:
+                return max(found, key=lambda p: p.num_tokens)
+        return None
+
+    def make_room(self, request: Request, plan: PromptPlan) -> bool:
+        """Evict unpinned prefixes, least recently used first, until the request fits."""
+        if self.ledger.free_slots < 1:
+            return False  # no eviction frees a request slot
+        shared = len(plan.start.full_blocks(self.block_size)) if plan.start else 0
+        for prefix in self._victims():
+            if self.ledger.can_admit(request.reserve_tokens, shared):
+                return True
+            if prefix is not plan.start:
+                self._evict(prefix)
+        return self.ledger.can_admit(request.reserve_tokens, shared)
+
+    def admit(self, request: Request, plan: PromptPlan) -> None:
+        """The request is admitted with `plan`: reserve its blocks, take its starting prefix."""
+        start = plan.start
+        self.ledger.admit(request.request_id, request.reserve_tokens, start.full_blocks(self.block_size) if start else [])
+        if start is not None:
+            start.pins += 1
+            plan.pinned = True
+            self._saved.move_to_end(start.prefix_id)
+        if plan.split_at:
+            self._splitting.add(plan.hashes[plan.split_at // self.block_size - 1])
+            plan.splitting = True
+        for h in plan.hashes:
+            self._seen[h] = None
+            self._seen.move_to_end(h)
+        while len(self._seen) > SEEN_BLOCKS:
+            self._seen.popitem(last=False)
+        self._plans[request.request_id] = plan
+
+    # ---- dispatch -----------------------------------------------------------------------
+
+    def start_of(self, request_id: int) -> int:
+        """The prefix id a request's first chunk starts from (unpinned now: it is sent), or -1."""
+        plan = self._plans.get(request_id)
+        if plan is None or plan.start is None:
+            return -1
+        self._unpin(plan)
+        return plan.start.prefix_id
+
+    def split_at(self, request_id: int) -> int:
+        plan = self._plans.get(request_id)
+        return plan.split_at if plan is not None else 0
+
+    def saves(self, chunks: list[tuple[Request, int]]) -> dict[int, int]:
+        """For one step's prompt chunks, (request, where the chunk ends): the prefix id each
+        request's state is saved in after the step, by request id, where the chunk ends at a
+        save point (its split or its prompt's end). Call before `start_of` for the step, as
+        the prefixes its requests start from stay pinned until then."""
+        saved: dict[int, int] = {}
+        for request, end in chunks:
+            prefix_id = self.save(request, end, keep=saved.values())
+            if prefix_id >= 0:
+                saved[request.request_id] = prefix_id
+        return saved
+
+    def save(self, request: Request, end: int, keep: Collection[int] = ()) -> int:
+        """The prefix id to save the request's state in after its chunk ending at `end`, or
+        -1; eviction for the id passes over `keep` (saved in the same step)."""
+        plan = self._plans.get(request.request_id)
+        if plan is None or end not in (plan.split_at, request.prompt_len) or end < self.block_size:
+            return -1
+        if end == plan.split_at:
+            self._end_split(plan)
+        shared = end != request.prompt_len
+        if not self._free_ids and not self._evict_one(keep, shared):
+            return -1
+        blocks = self.ledger.blocks(request.request_id)[: self.ledger.blocks_for(end)]
+        self.ledger.hold(blocks)
+        key = plan.hashes[end // self.block_size - 1]
+        prefix = SavedPrefix(self._free_ids.pop(), request.prompt_ids, end, blocks, key, shared)
+        self._saved[prefix.prefix_id] = prefix
+        self._by_hash.setdefault(key, []).append(prefix)
+        return prefix.prefix_id
+
+    @property
+    def evicted(self) -> list[int]:
+        """Evicted prefix ids not yet sent to the ranks."""
+        return list(self._evicted)
+
+    def take_evicted(self) -> list[int]:
+        """Prefix ids to send as the next step's `evict` (before its saves reuse them)."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def forget(self, request_id: int) -> None:
+        """The request ended: drop its plan, and the pin of a prefix it never started from."""
+        plan = self._plans.pop(request_id, None)
+        if plan is not None:
+            self._unpin(plan)
+            self._end_split(plan)  # if it ended before its split was saved
+
+    def _end_split(self, plan: PromptPlan) -> None:
+        if plan.splitting:
+            self._splitting.discard(plan.hashes[plan.split_at // self.block_size - 1])
+            plan.splitting = False
+
+    def _unpin(self, plan: PromptPlan) -> None:
+        if plan.pinned:
+            plan.start.pins -= 1
+            plan.pinned = False
+
+    # ---- eviction -----------------------------------------------------------------------
+
+    def _evict_one(self, keep: Collection[int], shared_too: bool) -> bool:
+        victim = next((p for p in self._victims() if p.prefix_id not in keep and (shared_too or not p.shared)), None)
+        if victim is not None:
+            self._evict(victim)
+        return victim is not None
+
+    def _victims(self) -> list[SavedPrefix]:
+        """The unpinned prefixes in eviction order."""
+        ready = [p for p in self._saved.values() if p.pins == 0]
+        return [p for p in ready if not p.shared] + [p for p in ready if p.shared]
+
+    def _evict(self, prefix: SavedPrefix) -> None:
+        del self._saved[prefix.prefix_id]
+        group = self._by_hash[prefix.key]
+        group.remove(prefix)
+        if not group:
+            del self._by_hash[prefix.key]
+        self.ledger.let_go(prefix.blocks)
+        self._free_ids.append(prefix.prefix_id)
+        self._evicted.append(prefix.prefix_id)

@@ -1,0 +1,196 @@
+"""Prefix caching end to end on the tiny model (engine/prefix_cache.py): real rank processes,
+CPU at TP=1 and TP=2, and CUDA where there is one.
+
+What must hold: a prompt that begins with a saved one starts where it ends (`cached_tokens`)
+and gives the tokens and logprobs of a whole prefill (the in-process reference); a prefix
+shared by two prompts is saved where they part, so a third starts there; saved prefixes
+are evicted, least recently used first, when a request needs their blocks; and the ledger's
+count of free blocks is every rank's, whatever the saved prefixes and requests share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+import torch
+
+from deltaserve.engine.async_engine import AsyncEngine
+from deltaserve.engine.capacity import CapacityLedger
+from deltaserve.engine.events import FinishedEvent, TokenEvent
+from deltaserve.engine.generate import generate_tokens
+from deltaserve.engine.prefix_cache import PrefixCache, PromptPlan
+from deltaserve.engine.request import Request
+from deltaserve.engine.sampling_params import SamplingParams
+from tests.test_engine import engine_config
+
+module_loop = pytest.mark.asyncio(loop_scope="module")
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, ignore_eos=True)
+BLOCKS = 40  # few enough that three saved 200-token prompts leave no room for a fourth
+BASE = list(range(5, 45))  # 40 tokens: 2.5 blocks of 16
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[("cpu", 1), ("cpu", 2), ("cuda", 1)],
+                        ids=["tp1", "tp2", "cuda"])
+async def engine(request, tiny_model_dir):
+    device, tp_size = request.param
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    # prompt_graph_tokens 0: on CUDA, prompts of any length may start from a saved prefix
+    engine = await AsyncEngine.start(engine_config(
+        tiny_model_dir, device=device, tp_size=tp_size, num_kv_blocks=BLOCKS, max_num_batched_tokens=256,
+        enable_prefix_caching=True, prefix_cache_states=3, prompt_graph_tokens=0,
+    ))  # fmt: skip
+    yield engine
+    await engine.shutdown()
+
+
+async def run(engine: AsyncEngine, prompt: list[int], params: SamplingParams = PARAMS) -> tuple[list[TokenEvent], FinishedEvent]:
+    events = [e async for e in engine.generate(prompt, params)]
+    assert isinstance(events[-1], FinishedEvent), events[-1]
+    return events[:-1], events[-1]
+
+
+def assert_as_whole_prefill(engine: AsyncEngine, model_dir, prompt: list[int], tokens: list[TokenEvent]) -> None:
+    """The CPU's one forward over the whole prompt (CUDA: its kernels' rounding, fla's tf32)."""
+    reference = generate_tokens(model_dir, prompt, PARAMS.max_tokens, num_logprobs=1, ignore_eos=True)
+    assert [t.token_id for t in tokens] == [s.token_id for s in reference]
+    for got, want in zip(tokens, reference, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=5e-2 if engine.config.device == "cuda" else 1e-4)
+
+
+async def assert_ledger_is_every_ranks(engine: AsyncEngine) -> int:
+    """Idle: no request anywhere; the blocks the saved prefixes hold, by the ledger, are what
+    every rank has in use. Returns that count."""
+    for _ in range(250):
+        if engine.load().running == 0:
+            break
+        await asyncio.sleep(0.02)
+    load = engine.load()
+    assert (load.running, load.waiting, load.free_slots) == (0, 0, load.num_slots), load
+    held = load.num_blocks - load.free_blocks
+    for snap in await engine.rank_snapshots():
+        assert (snap.request_ids, snap.slots_used, snap.blocks_used) == ([], 0, held), snap
+    return held
+
+
+@module_loop
+async def test_a_conversation_and_a_shared_prefix_start_from_saved_states(engine, tiny_model_dir):
+    metrics = engine.metrics
+    queries, hits = metrics.prefix_cache_queries_total, metrics.prefix_cache_hits_total
+    turn2 = [*BASE, 50, 51, 52, 53, 54]
+    shared = [BASE[:35] + tail for tail in ([60, 61, 62], [70, 71, 72, 73], [80] * 9)]
+    # the first prompt is saved where it ends; the second begins with it; the third parts from
+    # them after 35 tokens: saved after its 2 full blocks that were seen before (32); the
+    # fourth and fifth start there
+    prompts = [BASE, turn2, *shared]
+    cached = []
+    for prompt in prompts:
+        tokens, finished = await run(engine, prompt)
+        assert_as_whole_prefill(engine, tiny_model_dir, prompt, tokens)
+        cached.append(finished.cached_tokens)
+    assert cached == [0, 40, 0, 32, 32]
+    assert metrics.prefix_cache_queries_total - queries == sum(map(len, prompts))
+    assert metrics.prefix_cache_hits_total - hits == 104
+    assert await assert_ledger_is_every_ranks(engine) > 0
+
+
+@module_loop
+async def test_concurrent_prompts_share_one_saved_prefix(engine, tiny_model_dir):
+    await run(engine, [*BASE, 7, 7])  # saved where it ends: 42
+    prompts = [[*BASE, 7, 7, 100 + i, 101 + i] for i in range(4)]
+    results = await asyncio.gather(*(run(engine, p) for p in prompts))
+    for prompt, (tokens, finished) in zip(prompts, results, strict=True):
+        assert finished.cached_tokens == 42
+        assert_as_whole_prefill(engine, tiny_model_dir, prompt, tokens)
+    await assert_ledger_is_every_ranks(engine)
+
+
+@module_loop
+async def test_saved_prefixes_give_way_to_a_request_that_needs_their_blocks(engine, tiny_model_dir):
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    long = [[1000 * k + i for i in range(200)] for k in range(1, 5)]  # 200 tokens: 13 blocks each
+    for prompt in long[:3]:
+        await run(engine, prompt, params)
+    held = await assert_ledger_is_every_ranks(engine)
+    assert BLOCKS - held < 13  # saved prefixes hold what the next request needs
+    tokens, finished = await run(engine, long[3] + [9], PARAMS)
+    assert_as_whole_prefill(engine, tiny_model_dir, long[3] + [9], tokens)
+    await assert_ledger_is_every_ranks(engine)
+    _, newest = await run(engine, long[3] + [9, 5], params)
+    assert newest.cached_tokens == 201
+    await assert_ledger_is_every_ranks(engine)
+
+
+def test_a_prefix_an_admitted_request_waits_for_is_never_evicted():
+    """Pinned from admission until its first chunk is sent: eviction for room, or for a
+    save's state slot, passes it by."""
+    ledger = CapacityLedger(num_slots=4, num_blocks=8, block_size=4)
+    cache = PrefixCache(num_prefixes=1, ledger=ledger)
+    first = Request(1, 0, tuple(range(8)), SamplingParams(max_tokens=1), 0, 0.0)
+    plan = cache.plan(first)
+    cache.admit(first, plan)
+    assert cache.save(first, 8) == 0  # where its prompt ends: blocks 0-1 held for the prefix
+    ledger.release(1)
+    cache.forget(1)
+    second = Request(2, 0, tuple(range(10)), SamplingParams(max_tokens=1), 0, 0.0)
+    plan = cache.plan(second)
+    assert plan.start is not None and plan.start.num_tokens == 8
+    cache.admit(second, plan)  # pins prefix 0; shares its 2 blocks
+    third = Request(3, 0, (99,) * 12, SamplingParams(max_tokens=9), 0, 0.0)  # 21 positions: 6 blocks
+    assert not cache.make_room(third, cache.plan(third))  # 8 - 2 - 1 free: only the pinned prefix to evict
+    assert cache.save(second, 10) == -1  # the one state slot is pinned too
+    assert cache.start_of(2) == 0  # its first chunk is sent: unpinned
+    assert cache.save(second, 10) == 0 and cache.evicted == [0]  # evicted and reused at once
+    assert cache.take_evicted() == [0] and cache.evicted == []
+
+
+@module_loop
+async def test_served_usage_and_metrics_count_the_cached_tokens(tiny_model_dir):
+    """--enable-prefix-caching --enable-prompt-tokens-details through the official client:
+    usage.prompt_tokens_details.cached_tokens (absent where nothing was cached, as vLLM's), and
+    /metrics' vllm:prefix_cache_{queries,hits}_total."""
+    openai = pytest.importorskip("openai")
+    from deltaserve.http.server_config import ServerConfig
+    from tests.serve_helpers import get, in_process_server
+
+    config = engine_config(tiny_model_dir, enable_prefix_caching=True, prefix_cache_states=2)
+    async with in_process_server(config, ServerConfig("tiny", enable_prompt_tokens_details=True)) as server:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        first = await client.completions.create(model="tiny", prompt=BASE, max_tokens=2, temperature=0)
+        second = await client.completions.create(model="tiny", prompt=[*BASE, 9, 9], max_tokens=2, temperature=0)
+        await client.close()
+        assert first.usage.prompt_tokens_details is None
+        assert second.usage.prompt_tokens_details.cached_tokens == len(BASE)
+        status, text = await get(server.url + "/metrics")
+    assert status == 200
+    assert 'vllm:prefix_cache_queries_total{model_name="tiny"} 82' in text
+    assert 'vllm:prefix_cache_hits_total{model_name="tiny"} 40' in text
+
+
+def test_shared_prefixes_are_split_once_and_outlive_whole_prompts():
+    """Prompts admitted together that part from a seen prompt at the same place: one of them
+    splits there. The shared prefix it saves is evicted after whole prompts, and never by a
+    whole prompt's save."""
+    ledger = CapacityLedger(num_slots=4, num_blocks=64, block_size=4)
+    cache = PrefixCache(num_prefixes=2, ledger=ledger)
+    params = SamplingParams(max_tokens=1)
+    requests = [Request(i, 0, (*range(8), 50 + i, 60 + i), params, 0, 0.0) for i in range(4)]
+
+    def admit(request: Request) -> PromptPlan:
+        plan = cache.plan(request)
+        cache.admit(request, plan)
+        return plan
+
+    admit(requests[0])  # shows blocks 0-1; saved whole (10 tokens)
+    assert cache.saves([(requests[0], 10)]) == {0: 0}
+    splits = [admit(r).split_at for r in requests[1:3]]
+    assert splits == [8, 0]  # the second one admitted with it does not split too
+    # request 1's split and request 2's whole prompt in one step: the split takes the free id,
+    # request 2 evicts request 0's whole prompt
+    assert cache.saves([(requests[1], 8), (requests[2], 10)]) == {1: 1, 2: 0} and cache.take_evicted() == [0]
+    assert cache.saves([(requests[1], 10)]) == {1: 0}  # evicts request 2's whole prompt, not the split
+    assert cache.take_evicted() == [0]
+    assert cache.plan(requests[3]).start.num_tokens == 8
