@@ -136,7 +136,6 @@ class AsyncEngine:
                 force_mixed=config.force_mixed_steps,
                 pipeline=config.pipeline_steps,
                 prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
-                min_prefix_prompt_len=config.graphed_prompt_tokens,
             )
         except BaseException:
             await self._controller.shutdown()

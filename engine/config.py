@@ -122,14 +122,6 @@ class EngineConfig:
                     f"device_ids has {len(self.device_ids)} entries for tp_size {self.tp_size}"
                 )
 
-    @property
-    def graphed_prompt_tokens(self) -> int:
-        """Longest prompt step the ranks may replay as a CUDA graph (0: none); the ranks also
-        need fla and a dtype flash takes (engine/rank/prompt_graphs.py)."""
-        if self.device != "cuda" or self.enforce_eager:
-            return 0
-        return min(self.prompt_graph_tokens, self.max_num_batched_tokens)
-
 
 @dataclass(frozen=True, slots=True)
 class EngineLimits:

@@ -16,9 +16,8 @@ blocks (the ledger counts their holders), the ranks copy the partly filled one, 
 first chunk starts where the prefix ends (`NewRequest.prefix`).
 
 Not reused by requests with a repetition penalty (the ranks count the prompt's tokens for it,
-and would miss the prefix's). On an engine that replays prompt graphs, only prompts longer
-than the largest graph bucket reuse or split (`min_prompt_len`): a prompt chunk that does not
-start at 0 runs eagerly, which costs more host time than the graph saves below that length.
+and would miss the prefix's). On CUDA a chunk that starts from a prefix replays a prompt graph
+as a first chunk does (engine/rank/prompt_graphs.py, `prefix_keys`).
 
 Eviction, when a save needs a state slot or an admission needs blocks: whole prompts before
 the prefixes saved where prompts part (those are shared, as a radix tree's inner nodes, which
@@ -66,10 +65,9 @@ class PromptPlan:
 
 
 class PrefixCache:
-    def __init__(self, num_prefixes: int, ledger: CapacityLedger, min_prompt_len: int = 0) -> None:
+    def __init__(self, num_prefixes: int, ledger: CapacityLedger) -> None:
         self.ledger = ledger
         self.block_size = ledger.block_size
-        self.min_prompt_len = min_prompt_len
         self._free_ids = list(range(num_prefixes - 1, -1, -1))
         self._saved: OrderedDict[int, SavedPrefix] = OrderedDict()  # by prefix id, least recently used first
         self._by_hash: dict[int, list[SavedPrefix]] = {}  # chain hash of its full blocks -> prefixes
@@ -91,7 +89,7 @@ class PrefixCache:
             h = hash((h, prompt[end - bs : end]))
             hashes.append(h)
         plan = PromptPlan(hashes, None, 0)
-        if len(prompt) <= self.min_prompt_len or request.params.repetition_penalty != 1.0:
+        if request.params.repetition_penalty != 1.0:
             return plan
         plan.start = self._longest(prompt, hashes)
         seen = 0  # leading full blocks (before the last position) an earlier prompt had too

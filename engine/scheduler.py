@@ -76,7 +76,6 @@ class Scheduler:
         force_mixed: bool = False,
         pipeline: bool = True,
         prefix_states: int = 0,
-        min_prefix_prompt_len: int = 0,
     ) -> None:
         self._controller = controller
         self._tokenizer = tokenizer
@@ -87,7 +86,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.ledger = CapacityLedger(controller.num_slots, controller.num_blocks, controller.block_size)
         # prefix caching (engine/prefix_cache.py): None when off
-        self.prefix = PrefixCache(prefix_states, self.ledger, min_prefix_prompt_len) if prefix_states else None
+        self.prefix = PrefixCache(prefix_states, self.ledger) if prefix_states else None
         self.metrics = EngineMetrics()
         self.dead_reason: str | None = None
         self.load_listeners: list[Callable[[LoadSnapshot], None]] = []

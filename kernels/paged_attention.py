@@ -6,6 +6,8 @@ of L queries at positions start .. start+L-1 attends to its request's positions 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +26,17 @@ from deltaserve.kernels.triton_compat import (
 )
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # what the flash kernel takes
+
+
+@dataclass(frozen=True, slots=True)
+class KeyBlocks:
+    """The KV blocks a step's prompt chunks attend to, for `gathered_prefill_attention`: each
+    span's blocks from its position 0, span after span; trailing entries name any block and
+    belong to no span."""
+
+    blocks: torch.Tensor  # [entries] int64: cache blocks
+    bounds: torch.Tensor  # [n + 1] int32: where each span's keys start in the gathered rows
+    lengths: torch.Tensor  # [n] int32: the keys each span attends to (its chunk's end position)
 
 
 def flash_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -107,6 +120,37 @@ def varlen_prefill_attention(
     for start, end in zip(edges[:-1], edges[1:], strict=True):
         if end > start:
             out[start:end] = prefill_attention(q[start:end], k[start:end], v[start:end], 0, scale)
+    return out
+
+
+def gathered_prefill_attention(
+    q: torch.Tensor,  # [T, nh, hd]: prompt chunks packed end to end (rows past bounds[-1]: padding)
+    k_cache: torch.Tensor,  # [rows, nkv, hd], the chunks' own keys already stored
+    v_cache: torch.Tensor,
+    bounds: torch.Tensor,  # [n + 1] int32: cumulative chunk lengths (cu_seqlens of the queries)
+    keys: KeyBlocks,
+    max_len: int,  # host bound on the chunk lengths
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:  # [T, nh, hd]; padding rows unwritten
+    """Causal attention of chunks that may follow cached positions (prefix caching), every
+    span in one launch and by sizes fixed on the host, so a prompt CUDA graph can hold it:
+    the spans' KV blocks gathered whole, in order (`keys.blocks`), then flash's varlen kernel
+    over them, each span using only its first `keys.lengths` keys (`seqused_k`; its causal
+    mask is aligned to the last of them). `prefill_attention` span by span off flash."""
+    rows = (keys.blocks[:, None] * block_size + torch.arange(block_size, device=q.device)).flatten()
+    k, v = k_cache[rows], v_cache[rows]
+    if flash_takes(q.device, q.dtype, q.shape[-1]):
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, bounds, keys.bounds, max_len, int(rows.shape[0]), 0.0, True, False, scale=scale,
+            seqused_k=keys.lengths,
+        )[0]  # fmt: skip
+    out = torch.empty_like(q)
+    spans = zip(bounds[:-1].tolist(), bounds[1:].tolist(), keys.bounds[:-1].tolist(), keys.lengths.tolist(), strict=True)
+    for start, end, first_key, used in spans:
+        if end > start:
+            piece = slice(first_key, first_key + used)
+            out[start:end] = prefill_attention(q[start:end], k[piece], v[piece], used - (end - start), scale)
     return out
 
 

@@ -32,8 +32,25 @@ def _steps(vocab: int = 240000):
         yield step
 
 
+def _prefix_steps(vocab: int = 240000):
+    """Prefix caching: a prompt saved where it ends (40 tokens: 2.5 blocks), then two prompts
+    that start from it (chunks of 20 and 3 tokens; the ranks copy its partial block for each)
+    beside a fresh one, then one of them chunked on from there."""
+    from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+
+    gen = torch.Generator().manual_seed(5)
+    ids = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()  # noqa: E731
+    spec = SamplingSpec(seed=0)
+    yield [StepItem(1, 0, ids(40), True, NewRequest(100, spec), save=0)]
+    yield [StepItem(2, 40, ids(20), False, NewRequest(100, spec, prefix=0)),
+           StepItem(3, 40, ids(3), True, NewRequest(100, spec, prefix=0)),
+           StepItem(4, 0, ids(30), True, NewRequest(100, spec))]  # fmt: skip
+    yield [StepItem(2, 60, ids(9), True, None)]
+
+
 def _run_steps(
-    model_dir: str, device: str, graphs: bool = False, dtype: str = "float32", prompt_graph_tokens: int = 2048
+    model_dir: str, device: str, graphs: bool = False, dtype: str = "float32", prompt_graph_tokens: int = 2048,
+    steps=_steps, prefix_states: int = 0,
 ) -> tuple[list[torch.Tensor], int]:
     """Logits of every step of `_steps` through one executor, and how many of its steps ran
     prompts through a prompt graph: eagerly, or with graphs, where single-token items replay
@@ -43,11 +60,11 @@ def _run_steps(
     from deltaserve.kernels.triton_compat import gpu_path
 
     config = ExecutorConfig(model_dir, device=device, dtype=dtype, num_slots=4, num_blocks=64, cuda_graphs=graphs,
-                            prompt_graph_tokens=prompt_graph_tokens)  # fmt: skip
+                            prompt_graph_tokens=prompt_graph_tokens, prefix_states=prefix_states)  # fmt: skip
     ex = Executor(config)
     assert (ex.graphs is not None) == (graphs and gpu_path(ex.cache.kv))
     logits = []
-    for items in _steps():
+    for items in steps():
         step = ex.launch_step(items)
         ex.launch_sampling(step)
         ex.finish_step(step)
@@ -131,6 +148,27 @@ def test_prompt_graphs_match_eager(kernels, tiny_model_dir):
     graphs, prompt_replays = _run_steps(model_dir, "cuda", graphs=True, dtype="bfloat16")
     assert (none, prompt_replays) == (0, 2), f"prompt-graph steps: {none} without, {prompt_replays} with"
     _assert_steps_match(graphs, eager, 2e-2, "prompt graphs vs eager prompts (bf16)")
+
+
+def test_prompt_graphs_start_from_saved_prefixes(kernels, tiny_model_dir, monkeypatch):
+    """With prefix caching, prompt graphs take chunks that follow cached positions (a saved
+    prefix's, or their own earlier chunk's): their logits are the eager steps' (the CPU's under
+    the interpreter, where the graphs' padded buffers run eagerly; bf16 with fla on CUDA)."""
+    model_dir = str(tiny_model_dir)
+    if CUDA:
+        skip_without_fla(kernels["gated_delta"])
+        eager, _ = _run_steps(model_dir, "cuda", True, "bfloat16", 0, _prefix_steps, prefix_states=1)
+        graphs, replays = _run_steps(model_dir, "cuda", True, "bfloat16", steps=_prefix_steps, prefix_states=1)
+        bound = 2e-2
+    else:
+        from deltaserve.kernels import triton_compat
+
+        eager, _ = _run_steps(model_dir, "cpu", steps=_prefix_steps, prefix_states=1)
+        monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
+        graphs, replays = _run_steps(model_dir, "cpu", True, prompt_graph_tokens=80, steps=_prefix_steps, prefix_states=1)
+        bound = 2e-3
+    assert replays == 3, f"{replays} of 3 steps ran through a prompt graph"
+    _assert_steps_match(graphs, eager, bound, "prompt graphs from saved prefixes vs eager")
 
 
 LATE_COMPILES = """

@@ -38,10 +38,11 @@ async def engine(request, tiny_model_dir):
     device, tp_size = request.param
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU")
-    # prompt_graph_tokens 0: on CUDA, prompts of any length may start from a saved prefix
+    # on CUDA the tiny fp32 model runs its prompts eagerly (flash takes half precision): prompt
+    # graphs that start from saved prefixes are checked in tests/test_gpu_path.py
     engine = await AsyncEngine.start(engine_config(
         tiny_model_dir, device=device, tp_size=tp_size, num_kv_blocks=BLOCKS, max_num_batched_tokens=256,
-        enable_prefix_caching=True, prefix_cache_states=3, prompt_graph_tokens=0,
+        enable_prefix_caching=True, prefix_cache_states=3,
     ))  # fmt: skip
     yield engine
     await engine.shutdown()

@@ -1,5 +1,5 @@
-"""min_tokens and logit_bias through the engine on CUDA (graphs, pipelined and overlapped steps),
-six requests at once: `python -m tools.sampling_check MODEL_DIR OUT.json` (exit 1 on a failed
+"""min_tokens, logit_bias, allowed_token_ids and bad words through the engine on CUDA (graphs,
+pipelined and overlapped steps), nine requests at once: `python -m tools.sampling_check MODEL_DIR OUT.json` (exit 1 on a failed
 check). The CPU tests check the same rules exactly (tests/test_sampler.py,
 tests/test_engine_sampling.py); this runs them where the decode step is a graph replay."""
 
@@ -40,6 +40,11 @@ async def main(model: str, out: str) -> bool:
         "eos_nomin": SamplingParams(max_tokens=10, temperature=0.0, logit_bias={eos: 100.0}),
         "plain1": SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
         "plain2": SamplingParams(max_tokens=24, temperature=0.8, seed=1, ignore_eos=True),
+        "allowed_XY": SamplingParams(max_tokens=8, temperature=0.0, allowed_token_ids=[X, Y], ignore_eos=True),
+        "allowed_random": SamplingParams(max_tokens=8, temperature=1.0, seed=3, allowed_token_ids=[X, Y],
+                                         ignore_eos=True),
+        "bad_XX": SamplingParams(max_tokens=8, temperature=0.0, logit_bias={X: 100.0}, allowed_token_ids=[X, Y],
+                                 bad_words_token_ids=[[X, X]], ignore_eos=True),  # X, then Y where X is barred
     }  # fmt: skip
     start = time.perf_counter()
     runs = [_run(engine, f"Prompt {i}: tell me a story", p) for i, p in enumerate(cases.values())]
@@ -54,6 +59,9 @@ async def main(model: str, out: str) -> bool:
         "eos_nomin": got["eos_nomin"] == ([eos], "stop"),
         "plain1": len(got["plain1"][0]) == 24,
         "plain2": len(got["plain2"][0]) == 24,
+        "allowed_XY": len(got["allowed_XY"][0]) == 8 and set(got["allowed_XY"][0]) <= {X, Y},
+        "allowed_random": len(got["allowed_random"][0]) == 8 and set(got["allowed_random"][0]) <= {X, Y},
+        "bad_XX": got["bad_XX"][0] == [X, Y] * 4,
     }
     record = {"eos": eos, "checks": checks, "seconds": time.perf_counter() - start,
               "results": {k: {"tokens": v[0], "reason": v[1]} for k, v in got.items()}}  # fmt: skip

@@ -19,6 +19,7 @@ from deltaserve.engine.rank.parallel import tp_size
 from deltaserve.engine.rank.step_meta import step_meta_of
 from deltaserve.kernels.activation import sigmoid_gate
 from deltaserve.kernels.paged_attention import (
+    gathered_prefill_attention,
     paged_attention,
     paged_decode_attention,
     paged_prefill_attention,
@@ -129,6 +130,10 @@ class GatedAttention(nn.Module):
                          self.rope.inv_freq, self.q_norm.eps, KVStore(v, k_cache, v_cache, batch.kv_index))
         scale = self.head_dim**-0.5
         packed = meta.packed
+        if packed is not None and packed.keys is not None:  # a prompt graph's chunks, maybe after cached positions
+            attended = gathered_prefill_attention(q, k_cache, v_cache, packed.bounds, packed.keys, packed.max_len,
+                                                  cache.block_size, scale)  # fmt: skip
+            return sigmoid_gate(attended, gate)
         if packed is not None and packed.fresh and not meta.num_decodes:  # every row a prompt's, from its start
             return sigmoid_gate(varlen_prefill_attention(q, k, v, packed.bounds, packed.max_len, scale), gate)
         out = torch.empty_like(q)

@@ -18,6 +18,7 @@ class SeqSpan:
     start: int  # position of the span's first token within its request
     slot: int  # DeltaNet state slot
     block_table: torch.Tensor  # [blocks] int64, KV blocks of the request in order
+    blocks: tuple[int, ...] | list[int] = ()  # the same on the host (prompt graphs read it)
 
     @property
     def end(self) -> int:

@@ -25,6 +25,7 @@ from deltaserve.engine.rank.prompt_graphs import (
     PROMPT_GRAPH_SEQS,
     PromptGraphs,
     capturable,
+    prefix_graph_keys,
 )
 from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
 from deltaserve.engine.rank.sampler import SampleLaunch, Sampler
@@ -173,7 +174,8 @@ class Executor:
             started = time.monotonic()
             reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
             if (size := self.prompt_graph_size()) is not None:
-                self.prompt_graphs = PromptGraphs(self.model, self.cache, *size)
+                keys = prefix_graph_keys(config.prefix_states, config.max_model_len or self.cache.num_blocks * config.block_size)
+                self.prompt_graphs = PromptGraphs(self.model, self.cache, *size, prefix_keys=keys)
                 self.prompt_graphs.capture()
             max_len = config.max_model_len or self.cache.num_blocks * config.block_size
             self.graphs = DecodeGraphs(self.model, self.cache, config.num_slots, self.cache.blocks_for(max_len))
@@ -432,7 +434,7 @@ class Executor:
         for item in items:
             req = self.requests[item.request_id]
             length = item_length(item)
-            plan.spans.append(SeqSpan(offset, length, item.start, req.slot, req.block_table))
+            plan.spans.append(SeqSpan(offset, length, item.start, req.slot, req.block_table, req.blocks))
             plan.ids.extend(item.token_ids or [-1])
             if not item.token_ids:
                 plan.last_sample_rows.append(offset)

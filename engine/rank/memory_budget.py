@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from deltaserve.engine.rank.cache import StateCache, cache_shapes
 from deltaserve.engine.rank.model_config import ModelConfig
-from deltaserve.engine.rank.prompt_graphs import token_buckets
+from deltaserve.engine.rank.prompt_graphs import prefix_graph_keys, token_buckets
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 
 if TYPE_CHECKING:
@@ -199,6 +199,12 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
             prompt_tokens, seqs = size
             reserve += activations * min(prompt_tokens, sum(lengths)) // sum(lengths)
             reserve += len(token_buckets(prompt_tokens)) * seqs * executor.model_config.vocab_size * 4
+            # with prefix caching, one layer's keys and values gathered for attention
+            keys = prefix_graph_keys(config.prefix_states, config.max_model_len)
+            if keys:
+                rows = prompt_tokens + keys + seqs * config.block_size
+                mc = executor.model_config
+                reserve += 2 * rows * mc.num_key_value_heads // config.world_size * mc.head_dim * executor.dtype.itemsize
     weights = sum(t.numel() * t.element_size() for t in (*executor.model.parameters(), *executor.model.buffers()))
     budget = int(total * config.gpu_memory_utilization) - in_use - activations - reserve
     state_slots = config.num_slots + config.prefix_states  # requests' and saved prefixes'

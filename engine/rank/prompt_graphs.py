@@ -13,7 +13,10 @@ attention left eager; here nothing is left out, because the chunked DeltaNet and
 attention need no host-side sizes.
 
 Only steps whose chunks are all their prompts' first qualify (attention then reads no cached
-keys); others run eagerly. On CUDA the graphs need fla (the chunked DeltaNet's torch reference
+keys), unless the engine caches prefixes (`prefix_keys`): then a chunk may follow cached
+positions (its prompt's saved prefix, or its own earlier chunk), and attention gathers each
+span's KV blocks from position 0 (`KeyBlocks`, up to `prefix_keys` positions before the
+step's tokens in all) for flash's varlen kernel; others run eagerly. On CUDA the graphs need fla (the chunked DeltaNet's torch reference
 loops over the spans on the host) and a dtype flash takes; without them prompts run eagerly
 (`capturable`). Off CUDA (the GPU path under Triton's interpreter, in tests)
 nothing is captured and `run` runs the model on the same padded buffers eagerly, so CI covers
@@ -34,12 +37,21 @@ from deltaserve.engine.rank.step_meta import GpuStepBatch, PackedSpans, StepMeta
 from deltaserve.kernels import gated_delta
 from deltaserve.kernels.causal_conv1d import span_blocks
 from deltaserve.kernels.gated_delta import CHUNK_SIZE
-from deltaserve.kernels.paged_attention import flash_takes
+from deltaserve.kernels.paged_attention import KeyBlocks, flash_takes
 
 MIN_BUCKET = 16
 # prompts per prompt-graph step: each padding span still gathers its (unused) DeltaNet state
 # for fla, 2 MiB per layer at 4B shapes, so the spans are kept few; more run eagerly
 PROMPT_GRAPH_SEQS = 8
+# with prefix caching: cached positions a prompt graph's chunks may follow, in all (their keys
+# are gathered into a buffer of the graph's, 2 x this x KV heads x head dim, 32 MiB at 4B
+# shapes); a step past it runs eagerly
+PREFIX_GRAPH_KEYS = 16384
+
+
+def prefix_graph_keys(prefix_states: int, max_model_len: int) -> int:
+    """The prompt graphs' `prefix_keys`: none without prefix caching."""
+    return min(PREFIX_GRAPH_KEYS, max_model_len) if prefix_states else 0
 
 
 def capturable(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -67,11 +79,15 @@ class PromptGraphs(BucketGraphs):
     A bucket of T tokens reads one int64 buffer laid out as [tokens | positions | KV rows]
     (T each), then the spans' [first rows | lengths | slots] (S = max_seqs + 1 each), their
     cumulative lengths (S + 1), the block table (entries(T) x 2) and the sampled rows
-    (max_seqs), copied to the GPU in one transfer from a pinned buffer. The graph keeps its
-    fp32 logits of max_seqs rows; `run` returns a copy of the sampled ones.
+    (max_seqs), copied to the GPU in one transfer from a pinned buffer; with `prefix_keys`, then
+    the spans' KV blocks (`_key_entries`), where each span's keys start (S + 1) and how many
+    it attends to (S). The graph keeps its fp32 logits of max_seqs rows; `run` returns a copy
+    of the sampled ones.
     """
 
-    def __init__(self, model: nn.Module, cache: StateCache, max_tokens: int, max_seqs: int) -> None:
+    def __init__(
+        self, model: nn.Module, cache: StateCache, max_tokens: int, max_seqs: int, prefix_keys: int = 0
+    ) -> None:
         if max_tokens < MIN_BUCKET or max_seqs < 1:
             raise ValueError(f"prompt graphs need max_tokens >= {MIN_BUCKET} and max_seqs >= 1, "
                              f"got {max_tokens}, {max_seqs}")  # fmt: skip
@@ -79,6 +95,7 @@ class PromptGraphs(BucketGraphs):
         self.max_tokens = max_tokens
         self.max_seqs = max_seqs
         self.spans = max_seqs + 1  # the last one always empty
+        self.prefix_keys = prefix_keys
         size = self._layout_size(max_tokens)
         self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=self.is_cuda)
@@ -88,17 +105,30 @@ class PromptGraphs(BucketGraphs):
         """Block-table entries of a bucket: every span's blocks, the partial ones included."""
         return tokens // CHUNK_SIZE + self.max_seqs
 
+    def _key_entries(self, tokens: int) -> int:
+        """KV blocks a bucket gathers (prefix caching): its tokens' and the cached positions'
+        before them, a partial block per span."""
+        return (tokens + self.prefix_keys) // self.cache.block_size + self.max_seqs
+
+    def _parts(self, tokens: int) -> list[int]:
+        """The sizes of a bucket's pieces of the static inputs, in order (see the class)."""
+        x, s = tokens, self.spans
+        parts = [x, x, x, 3 * s, s + 1, 2 * self._entries(tokens), self.max_seqs]
+        return parts + [self._key_entries(tokens), s + 1, s] if self.prefix_keys else parts
+
     def _layout_size(self, tokens: int) -> int:
-        return 3 * tokens + 3 * self.spans + self.spans + 1 + 2 * self._entries(tokens) + self.max_seqs
+        return sum(self._parts(tokens))
 
     def _batch(self, size: int) -> GpuStepBatch:
         """The step over bucket `size`'s views of the static inputs, by tensor ops only (so a
         capture records them)."""
-        x, s, e = size, self.spans, self._entries(size)
-        parts = self.inputs[: self._layout_size(size)].split([x, x, x, 3 * s, s + 1, 2 * e, self.max_seqs])
-        tokens, positions, kv_index, index, bounds, blocks, sampled = parts
+        s, e = self.spans, self._entries(size)
+        parts = self.inputs[: self._layout_size(size)].split(self._parts(size))
+        tokens, positions, kv_index, index, bounds, blocks, sampled = parts[:7]
         i32 = torch.int32
-        packed = PackedSpans(index.view(3, s).to(i32), bounds.to(i32), blocks.view(e, 2).to(i32), size, True)
+        keys = KeyBlocks(parts[7], parts[8].to(i32), parts[9].to(i32)) if self.prefix_keys else None
+        packed = PackedSpans(index.view(3, s).to(i32), bounds.to(i32), blocks.view(e, 2).to(i32), size,
+                             not self.prefix_keys, keys)  # fmt: skip
         device = self.device
         no_decodes = torch.zeros(0, dtype=i32, device=device)
         meta = StepMeta(
@@ -129,7 +159,22 @@ class PromptGraphs(BucketGraphs):
             *[v for entry in span_blocks(lengths, CHUNK_SIZE, self._entries(size)) for v in entry],
             *plan.sampled, *[0] * (self.max_seqs - len(plan.sampled)),
         ]  # fmt: skip
+        if self.prefix_keys:
+            values += self._key_values(size, spans)
         self._upload(torch.tensor(values, dtype=torch.int64), self.host[: len(values)], self.inputs[: len(values)])
+
+    def _key_values(self, size: int, spans: list) -> list[int]:
+        """Each span's KV blocks from position 0 through its chunk, padded with block 0; where
+        its keys start among the gathered rows; how many it attends to."""
+        bs = self.cache.block_size
+        blocks = [[*s.blocks[: -(-s.end // bs)]] if s else [] for s in spans]
+        flat = [b for span_blocks in blocks for b in span_blocks]
+        starts = itertools.accumulate((len(b) * bs for b in blocks), initial=0)
+        return [*flat, *[0] * (self._key_entries(size) - len(flat)), *starts, *[s.end if s else 0 for s in spans]]
+
+    def _keys_fit(self, plan: StepPlan) -> bool:
+        bucket = min(b for b in token_buckets(self.max_tokens) if b >= len(plan.ids))
+        return sum(-(-s.end // self.cache.block_size) for s in plan.spans) <= self._key_entries(bucket)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -138,14 +183,16 @@ class PromptGraphs(BucketGraphs):
         self._capture(token_buckets(self.max_tokens), lambda size: self._fill(size, StepPlan()))
 
     def can_run(self, plan: StepPlan) -> bool:
-        """Whether `plan` fits a captured bucket: prompts' first chunks only, at most
-        `max_seqs` of them, every token given."""
+        """Whether `plan` fits a captured bucket: at most `max_seqs` chunks, every token given,
+        each its prompt's first (with `prefix_keys`: whose blocks, cached ones included, fit
+        the bucket's gather)."""
         return (
             bool(self.graphs)
             and 0 < len(plan.ids) <= self.max_tokens
             and len(plan.spans) <= self.max_seqs
             and not plan.last_sample_rows
-            and all(s.start == 0 and s.length > 1 for s in plan.spans)
+            and all(s.length > 1 for s in plan.spans)
+            and (self._keys_fit(plan) if self.prefix_keys else all(s.start == 0 for s in plan.spans))
         )
 
     @torch.inference_mode()

@@ -18,6 +18,7 @@ import torch
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch
 from deltaserve.kernels.causal_conv1d import span_blocks
 from deltaserve.kernels.gated_delta import CHUNK_SIZE
+from deltaserve.kernels.paged_attention import KeyBlocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,9 @@ class PackedSpans:
     blocks: torch.Tensor  # [entries, 2] int32: (chunk, CHUNK_SIZE-token block), `span_blocks`
     max_len: int  # host-side bound on the lengths: sizes flash's grid
     fresh: bool  # every chunk is its prompt's first: attention reads no cached keys
+    # the blocks attention gathers its keys from (a prompt graph of an engine with prefix
+    # caching, whose chunks may follow cached positions); None: `fresh` decides
+    keys: KeyBlocks | None = None
 
     @classmethod
     def build(cls, spans: tuple[SeqSpan, ...], device: torch.device) -> PackedSpans:
