@@ -66,6 +66,8 @@ class PromptPlan:
 
 class PrefixCache:
     def __init__(self, num_prefixes: int, ledger: CapacityLedger) -> None:
+        """`num_prefixes` 0: off (nothing hashed, saved or reused; `admit` only reserves)."""
+        self.enabled = num_prefixes > 0
         self.ledger = ledger
         self.block_size = ledger.block_size
         self._free_ids = list(range(num_prefixes - 1, -1, -1))
@@ -84,6 +86,8 @@ class PrefixCache:
     def plan(self, request: Request) -> PromptPlan:
         """Hash the request's prompt and find the prefix it could start from (not yet taken)."""
         prompt, bs = request.prompt_ids, self.block_size
+        if not self.enabled:
+            return PromptPlan([], None, 0)
         hashes, h = [], 0
         for end in range(bs, len(prompt) + 1, bs):
             h = hash((h, prompt[end - bs : end]))
@@ -138,7 +142,8 @@ class PrefixCache:
             self._seen.move_to_end(h)
         while len(self._seen) > SEEN_BLOCKS:
             self._seen.popitem(last=False)
-        self._plans[request.request_id] = plan
+        if self.enabled:
+            self._plans[request.request_id] = plan
 
     # ---- dispatch -----------------------------------------------------------------------
 

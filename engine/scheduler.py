@@ -85,8 +85,7 @@ class Scheduler:
         self._pipeline = pipeline
         self.max_model_len = max_model_len
         self.ledger = CapacityLedger(controller.num_slots, controller.num_blocks, controller.block_size)
-        # prefix caching (engine/prefix_cache.py): None when off
-        self.prefix = PrefixCache(prefix_states, self.ledger) if prefix_states else None
+        self.prefix = PrefixCache(prefix_states, self.ledger)  # prefix caching: off with no states
         self.metrics = EngineMetrics()
         self.dead_reason: str | None = None
         self.load_listeners: list[Callable[[LoadSnapshot], None]] = []
@@ -201,7 +200,7 @@ class Scheduler:
                 self._admit()
                 if self._inflight is None:
                     plan = plan_step(
-                        [PlanInput(r, e.request.prompt_len, e.request.num_computed, self._split_at(r))
+                        [PlanInput(r, e.request.prompt_len, e.request.num_computed, self.prefix.split_at(r))
                          for r, e in self._running.items()],
                         self._budget,
                         self._force_mixed,
@@ -307,11 +306,7 @@ class Scheduler:
     def _release(self, request_id: int) -> None:
         """What the ranks held for an admitted request is free: its slot, blocks, cache plan."""
         self.ledger.release(request_id)
-        if self.prefix is not None:
-            self.prefix.forget(request_id)
-
-    def _split_at(self, request_id: int) -> int:
-        return self.prefix.split_at(request_id) if self.prefix is not None else 0
+        self.prefix.forget(request_id)
 
     def _state(self) -> EngineState:
         if self.dead_reason is not None or self._stopped:
@@ -368,17 +363,12 @@ class Scheduler:
                 )
                 self._deliver(entry, ErrorEvent(request.index, message))
                 continue
-            if self.prefix is None:
-                if not self.ledger.can_admit(reserve):
-                    return
-                self.ledger.admit(request.request_id, reserve)
-                request.admit()
-            else:
-                plan = self.prefix.plan(request)
-                if not self.prefix.make_room(request, plan):
-                    return
-                self.prefix.admit(request, plan)
-                request.admit(plan.start.num_tokens if plan.start else 0)
+            plan = self.prefix.plan(request)
+            if not self.prefix.make_room(request, plan):
+                return
+            self.prefix.admit(request, plan)  # reserves its slot and blocks
+            request.admit(plan.start.num_tokens if plan.start else 0)
+            if self.prefix.enabled:
                 self.metrics.prefix_cache_queries_total += request.prompt_len
                 self.metrics.prefix_cache_hits_total += request.num_cached
             self._waiting.popleft()
@@ -392,7 +382,7 @@ class Scheduler:
         prefix = self.prefix
         # saves first: they may evict, and the prefixes this step's requests start from are
         # pinned until `start_of`
-        saves = {} if prefix is None else prefix.saves(
+        saves = prefix.saves(
             [(self._running[c.request_id].request, c.start + c.num_tokens) for c in plan.chunks if not c.is_decode]
         )
         for chunk in plan.chunks:
@@ -401,15 +391,14 @@ class Scheduler:
             new = None
             if not request.on_ranks:
                 spec = request.params.to_spec(request.seed, self._eos_token_ids)
-                new = NewRequest(request.reserve_tokens, spec, prefix.start_of(chunk.request_id) if prefix else -1)
+                new = NewRequest(request.reserve_tokens, spec, prefix.start_of(chunk.request_id))
                 request.mark_dispatched()
             items.append(StepItem(chunk.request_id, chunk.start, tokens, chunk.sample, new, saves.get(chunk.request_id, -1)))
         self._notify_plan(plan)
         sent_at = time.perf_counter()
         if self._results_at is not None:  # the ranks sat idle since the last step's results
             self.metrics.scheduler_seconds_total += sent_at - self._results_at
-        evict = self.prefix.take_evicted() if prefix is not None else []
-        return Step(plan, await self._controller.send_step(items, (), evict), sent_at, {})
+        return Step(plan, await self._controller.send_step(items, (), prefix.take_evicted()), sent_at, {})
 
     def _follow(self, step: Step) -> Step | None:
         """Plan and send the next step behind `step`, which the ranks are running, if it
@@ -438,12 +427,10 @@ class Scheduler:
         items = [StepItem(chunk.request_id, chunk.start, [], True) for chunk in chunks]
         # their events come when `step` commits (_hold_until_dropped)
         drops = {**self._pending_drop, **{rid: [] for rid in last}}
-        evict = self.prefix.evicted if self.prefix is not None else []
-        flight = self._controller.follow_step(items, list(drops), evict)
+        flight = self._controller.follow_step(items, list(drops), self.prefix.evicted)
         if flight is None:
             return None
-        if evict:
-            self.prefix.take_evicted()
+        self.prefix.take_evicted()  # sent with it
         plan = StepPlan(tuple(chunks))
         self._notify_plan(plan)
         self._pending_drop = {}
