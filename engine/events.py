@@ -32,6 +32,19 @@ class TokenEvent(msgspec.Struct, frozen=True):
     top_logprobs: list[tuple[int, float]]
 
 
+class PromptLogprobsEvent(msgspec.Struct, frozen=True):
+    """The prompt's logprobs of choice `index` (a request with `prompt_logprobs`), before its
+    first TokenEvent. Entry i is prompt token i+1's (the first has none, as in vLLM):
+    its logprob and rank (1 + how many tokens the model found likelier) under the model's
+    raw distribution at the position before it, and the best `prompt_logprobs` alternatives
+    there, best first, as (token_id, logprob) pairs."""
+
+    index: int
+    token_logprobs: list[float]
+    ranks: list[int]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
 class FinishedEvent(msgspec.Struct, frozen=True):
     """Choice `index` ended normally. `text` is any withheld text, flushed at the end."""
 
@@ -50,7 +63,7 @@ class ErrorEvent(msgspec.Struct, frozen=True):
     message: str
 
 
-Event = TokenEvent | FinishedEvent | ErrorEvent
+Event = PromptLogprobsEvent | TokenEvent | FinishedEvent | ErrorEvent
 
 
 class LoadSnapshot(msgspec.Struct, frozen=True, kw_only=True):

@@ -16,7 +16,7 @@ blocks (the ledger counts their holders), the ranks copy the partly filled one, 
 first chunk starts where the prefix ends (`NewRequest.prefix`).
 
 Not reused by requests with a repetition penalty (the ranks count the prompt's tokens for it,
-and would miss the prefix's). On CUDA a chunk that starts from a prefix replays a prompt graph
+and would miss the prefix's) or with prompt logprobs (every prompt position's logits are needed). On CUDA a chunk that starts from a prefix replays a prompt graph
 as a first chunk does (engine/rank/prompt_graphs.py, `prefix_keys`).
 
 Eviction, when a save needs a state slot or an admission needs blocks: whole prompts before
@@ -93,7 +93,7 @@ class PrefixCache:
             h = hash((h, prompt[end - bs : end]))
             hashes.append(h)
         plan = PromptPlan(hashes, None, 0)
-        if request.params.repetition_penalty != 1.0:
+        if request.params.repetition_penalty != 1.0 or request.params.prompt_logprobs is not None:
             return plan
         plan.start = self._longest(prompt, hashes)
         seen = 0  # leading full blocks (before the last position) an earlier prompt had too

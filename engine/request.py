@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.ipc.messages import PromptLogprobs
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -58,6 +59,8 @@ class Request:
     num_cached: int = 0  # prompt positions taken from a saved prefix (engine/prefix_cache.py)
     on_ranks: bool = False  # ranks hold (or are about to hold) state for it
     _output_ids: list[int] = field(default_factory=list)
+    # the prompt's logprobs so far, a part per chunk (params.prompt_logprobs; the scheduler's)
+    prompt_logprob_parts: list[PromptLogprobs] = field(default_factory=list)
     first_token_time_s: float | None = None
     last_token_time_s: float | None = None
 

@@ -16,6 +16,9 @@ penalty > 0, logprobs up to 20). Conventions chosen here, and refused otherwise:
   masks every other logit); `bad_words`: the engine tokenizes them (`tokenize_bad_words`, as
   vLLM's update_from_tokenizer) and the rank forbids a sequence's last token wherever the output
   so far ends with the rest. Both are masks on the rank, like min_tokens': logprobs stay raw.
+- `prompt_logprobs` (0..20, vLLM's): the logprob and rank of every prompt token after the first,
+  with that many alternatives, of the model's raw distribution (`PromptLogprobsEvent`); such a
+  request reuses no saved prefix (its positions' logits are needed).
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     # bad_words as token-id sequences: set by `tokenize_bad_words` (the engine calls it)
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob and k alternatives
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -115,6 +119,12 @@ class SamplingParams:
         ):
             raise ValueError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
+            )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"
             )
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")

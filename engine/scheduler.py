@@ -50,12 +50,14 @@ from deltaserve.engine.events import (
     FinishedEvent,
     Lifecycle,
     LoadSnapshot,
+    PromptLogprobsEvent,
     TokenEvent,
     Transition,
 )
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.planner import PlanInput, PlannedChunk, StepBudget, StepPlan, plan_step
 from deltaserve.engine.prefix_cache import PrefixCache
+from deltaserve.engine.request import Request
 from deltaserve.engine.stop_check import check_stop
 from deltaserve.engine.tick_records import Cancellation, Entry, Step, Submission
 from deltaserve.ipc.controller import ReplicaPoisoned
@@ -393,7 +395,8 @@ class Scheduler:
                 spec = request.params.to_spec(request.seed, self._eos_token_ids)
                 new = NewRequest(request.reserve_tokens, spec, prefix.start_of(chunk.request_id))
                 request.mark_dispatched()
-            items.append(StepItem(chunk.request_id, chunk.start, tokens, chunk.sample, new, saves.get(chunk.request_id, -1)))
+            items.append(StepItem(chunk.request_id, chunk.start, tokens, chunk.sample, new, saves.get(chunk.request_id, -1),
+                                  *_prompt_logprobs_of(request, chunk)))  # fmt: skip
         self._notify_plan(plan)
         sent_at = time.perf_counter()
         if self._results_at is not None:  # the ranks sat idle since the last step's results
@@ -471,6 +474,8 @@ class Scheduler:
             if entry is None or entry.request.is_finished:
                 continue
             entry.request.advance(chunk.num_tokens)
+            if chunk.request_id in samples.prompt_logprobs:  # validated: exactly the chunks that asked
+                entry.request.prompt_logprob_parts.append(samples.prompt_logprobs[chunk.request_id])
             if chunk.sample:
                 if not chunk.is_decode:
                     self.metrics.prompt_tokens_total += entry.request.prompt_len
@@ -479,6 +484,8 @@ class Scheduler:
     def _commit_sample(self, entry: Entry, sample: Sample, now: float) -> None:
         request = entry.request
         previous = request.last_token_time_s
+        if previous is None and request.params.prompt_logprobs is not None:  # before its first token
+            entry.sink.put(_prompt_logprobs_event(request))
         request.append_token(sample.token_id, now)
         self.metrics.generation_tokens_total += 1
         if previous is None:
@@ -592,3 +599,21 @@ class Scheduler:
             message = self._inbox.popleft()
             if isinstance(message, Submission):
                 self._add_entries(message)
+
+
+def _prompt_logprobs_of(request: Request, chunk: PlannedChunk) -> tuple[int, int]:
+    """A prompt chunk's (StepItem.prompt_logprobs, next_token): (-1, -1) unless it asks."""
+    k = request.params.prompt_logprobs
+    if k is None or chunk.is_decode:
+        return -1, -1
+    return k, -1 if chunk.sample else request.prompt_ids[chunk.start + chunk.num_tokens]
+
+
+def _prompt_logprobs_event(request: Request) -> PromptLogprobsEvent:
+    parts = request.prompt_logprob_parts
+    return PromptLogprobsEvent(
+        request.index,
+        [lp for part in parts for lp in part.logprobs],
+        [rank for part in parts for rank in part.ranks],
+        [top for part in parts for top in part.top_logprobs],
+    )

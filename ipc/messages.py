@@ -69,6 +69,9 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     scheduler sends such a step before that sample has come back (a pipelined step).
     `save` >= 0 (prompt chunks): after the step, keep the request's state as saved prefix
     `save` (a free one), holding the KV blocks of its positions so far.
+    `prompt_logprobs` >= 0 (prompt chunks): rank 0 returns the logprob of each prompt token
+    that follows a position of the chunk, with that many alternatives (`PromptLogprobs`):
+    token_ids[1:], then `next_token` (the next chunk's first) unless the chunk samples.
     """
 
     request_id: RequestId
@@ -77,6 +80,15 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     sample: bool
     new: NewRequest | None = None
     save: int = -1
+    prompt_logprobs: int = -1
+    next_token: int = -1
+
+    @property
+    def num_prompt_logprobs(self) -> int:
+        """Rows of prompt logprobs the chunk returns (0 without prompt_logprobs)."""
+        if self.prompt_logprobs < 0:
+            return 0
+        return len(self.token_ids) - self.sample
 
 
 class Sample(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -90,6 +102,23 @@ class Sample(msgspec.Struct, frozen=True, array_like=True, gc=False):
     top_logprobs: list[tuple[int, float]]
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One chunk's prompt logprobs, a row per position (`StepItem.prompt_logprobs`): the
+    next prompt token's logprob and rank (1 + the tokens with a larger logit), and the best
+    alternatives as (token_id, logprob) pairs, best first; raw distribution."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_logprobs: list[list[tuple[int, float]]]
+
+    def __post_init__(self) -> None:
+        if not len(self.logprobs) == len(self.ranks) == len(self.top_logprobs):
+            raise ValueError(
+                f"prompt logprob columns differ in length: {len(self.logprobs)} logprobs, "
+                f"{len(self.ranks)} ranks, {len(self.top_logprobs)} top_logprobs"
+            )
+
+
 class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Rank 0's samples of one step as parallel columns: row i is request_ids[i]'s token
     and logprob; `top_logprobs` holds alternatives only for requests that asked for some
@@ -101,6 +130,7 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: dict[RequestId, list[tuple[int, float]]]
+    prompt_logprobs: dict[RequestId, PromptLogprobs] = {}  # of the chunks that asked
 
     def __post_init__(self) -> None:
         if not len(self.token_ids) == len(self.logprobs) == len(self.request_ids):
@@ -110,12 +140,15 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
             )
 
     @classmethod
-    def from_samples(cls, samples: list[Sample]) -> SampleColumns:
+    def from_samples(
+        cls, samples: list[Sample], prompt_logprobs: dict[RequestId, PromptLogprobs] | None = None
+    ) -> SampleColumns:
         return cls(
             [s.request_id for s in samples],
             [s.token_id for s in samples],
             [s.logprob for s in samples],
             {s.request_id: s.top_logprobs for s in samples if s.top_logprobs},
+            prompt_logprobs or {},
         )
 
     def __len__(self) -> int:

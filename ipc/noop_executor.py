@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from deltaserve.engine.rank.executor import RankSnapshot
+from deltaserve.engine.rank.executor import LaunchedStep, RankSnapshot
 from deltaserve.ipc.messages import Sample, StepItem
 
 
@@ -20,16 +20,22 @@ class NoopExecutor:
         self.step_s = step_s  # slept per step: a stand-in for the GPU
         self.held: set[int] = set()
 
-    def run_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> list[Sample]:
+    def launch_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> LaunchedStep:
         if not self.held.issuperset(drops):
             raise ValueError(f"requests {sorted(set(drops) - self.held)} to drop are not held")
         self.held.difference_update(drops)
         self.held.update(item.request_id for item in items if item.new is not None)
         if self.step_s:
             time.sleep(self.step_s)
+        return LaunchedStep(items)
+
+    def launch_sampling(self, step: LaunchedStep) -> None:
+        pass
+
+    def finish_step(self, step: LaunchedStep) -> list[Sample]:
         if self.rank != 0:
             return []
-        return [Sample(item.request_id, 0, 0.0, []) for item in items if item.sample]
+        return [Sample(item.request_id, 0, 0.0, []) for item in step.items if item.sample]
 
     def drop(self, request_ids: list[int]) -> list[bool]:
         existed = [rid in self.held for rid in request_ids]

@@ -316,7 +316,7 @@ class RankServer:
         if pending is None:
             return
         try:
-            reply = self.step_reply(pending.seq, self.executor.finish_step(pending.step))
+            reply = self.step_reply(pending.seq, pending.step)
         except Exception as exc:
             reply = self.failure(pending.seq, exc)
         self.reply_step(pending.seq, reply, len(pending.step.items))
@@ -331,10 +331,12 @@ class RankServer:
         self.send(reply)
         self.trace.mark(seq, "replied")
 
-    def step_reply(self, seq: int, samples: list) -> Ack | StepResult:
+    def step_reply(self, seq: int, step: LaunchedStep) -> Ack | StepResult:
+        """Wait for a launched step's samples (rank 0) and make its reply."""
+        samples = self.executor.finish_step(step)
         if self.rank != 0:
             return Ack(self.rank, seq)
-        return StepResult(self.rank, seq, SampleColumns.from_samples(samples))
+        return StepResult(self.rank, seq, SampleColumns.from_samples(samples, step.prompt_logprobs))
 
     def handle(self, frame: bytes, receipted: bool = False) -> bool:
         """Carry out one command frame (its receipt in the gate if `receipted`); True when
@@ -404,7 +406,9 @@ class RankServer:
         rank, seq = self.rank, command.seq
         kind = type(command)
         if kind is RunUnifiedStep:
-            return self.step_reply(seq, self.executor.run_step(command.items, command.drops, command.evict))
+            step = self.executor.launch_step(command.items, command.drops, command.evict)
+            self.executor.launch_sampling(step)
+            return self.step_reply(seq, step)
         if kind is DropRequests:
             return DropAck(rank, seq, self.executor.drop(command.request_ids))
         if kind is Snapshot:

@@ -44,6 +44,7 @@ class StepPlan(NamedTuple):
     item_ids: set[int]  # every request in the step
     sampled_ids: list[int]  # those whose item asks for a sample, in step order: the result's
     vocab_size: int  # every sampled token (and alternative) must be an id below it
+    prompt_logprobs: dict[int, tuple[int, int]]  # request -> (rows, alternatives) of the chunks that ask
 
 
 def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = ()) -> StepPlan:
@@ -53,6 +54,7 @@ def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = ()) ->
     check_drop_plan(list(drops), "must_exist")
     item_ids: set[int] = set()
     sampled_ids: list[int] = []
+    prompt_logprobs: dict[int, tuple[int, int]] = {}
     for item in items:
         rid = item.request_id
         if rid in item_ids:
@@ -89,10 +91,27 @@ def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = ()) ->
             _check_new(rid, start + len(tokens), item.new)
         if item.save < -1:
             raise PlanRejected(f"request {rid}: save {item.save} names no saved prefix")
+        if item.prompt_logprobs >= 0 or item.next_token != -1:
+            _check_prompt_logprobs(item, vocab_size)
+            prompt_logprobs[rid] = (item.num_prompt_logprobs, item.prompt_logprobs)
     if drops and not item_ids.isdisjoint(drops):
         rid = min(item_ids.intersection(drops))
         raise PlanRejected(f"request {rid} is both dropped and run in one step")
-    return StepPlan(item_ids, sampled_ids, vocab_size)
+    return StepPlan(item_ids, sampled_ids, vocab_size, prompt_logprobs)
+
+
+def _check_prompt_logprobs(item: StepItem, vocab_size: int) -> None:
+    rid, k = item.request_id, item.prompt_logprobs
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise PlanRejected(f"request {rid}: prompt_logprobs {k} outside -1..{MAX_LOGPROBS}")
+    if not item.token_ids:
+        raise PlanRejected(f"request {rid}: prompt logprobs asked of an item without prompt tokens")
+    if item.sample and item.next_token != -1:
+        raise PlanRejected(f"request {rid}: a chunk that samples has no next prompt token")
+    if not item.sample and not 0 <= item.next_token < vocab_size:
+        raise PlanRejected(
+            f"request {rid}: next_token {item.next_token} outside the vocabulary 0..{vocab_size - 1}"
+        )
 
 
 def first_duplicate(ids: list[int]) -> int:
@@ -230,6 +249,8 @@ def align_samples(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
             f"rank 0 sampled token {tokens[row]} for request {want[row]}, outside the "
             f"vocabulary 0..{plan.vocab_size - 1}"
         )
+    if samples.prompt_logprobs or plan.prompt_logprobs:
+        _check_prompt_logprob_rows(samples, plan)
     top = samples.top_logprobs
     if top:
         if not top.keys() <= set(want):
@@ -239,6 +260,23 @@ def align_samples(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
             if any(not 0 <= t < plan.vocab_size for t, _ in pairs):
                 raise ReplyError(f"rank 0 returned a top logprob for request {rid} outside the vocabulary")
     return samples
+
+
+def _check_prompt_logprob_rows(samples: SampleColumns, plan: StepPlan) -> None:
+    got, want = samples.prompt_logprobs, plan.prompt_logprobs
+    if got.keys() != want.keys():
+        extra, missing = sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys())
+        raise ReplyError(f"rank 0 returned prompt logprobs for request(s) {extra} that asked none, "
+                         f"and none for {missing} that asked")  # fmt: skip
+    for rid, part in got.items():
+        rows, k = want[rid]
+        if len(part.logprobs) != rows or any(len(top) != k for top in part.top_logprobs):
+            raise ReplyError(f"rank 0 returned {len(part.logprobs)} prompt logprob rows for request {rid}, "
+                             f"not {rows} of {k} alternatives each")  # fmt: skip
+        if part.ranks and min(part.ranks) < 1:
+            raise ReplyError(f"rank 0 returned a prompt token rank below 1 for request {rid}")
+        if any(not 0 <= t < plan.vocab_size for top in part.top_logprobs for t, _ in top):
+            raise ReplyError(f"rank 0 returned a prompt logprob for request {rid} outside the vocabulary")
 
 
 def _reorder(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
@@ -260,7 +298,8 @@ def _reorder(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
     rows = [row_of[rid] for rid in want]
     tokens, logprobs = samples.token_ids, samples.logprobs
     return SampleColumns(
-        list(want), [tokens[r] for r in rows], [logprobs[r] for r in rows], samples.top_logprobs
+        list(want), [tokens[r] for r in rows], [logprobs[r] for r in rows], samples.top_logprobs,
+        samples.prompt_logprobs,
     )
 
 

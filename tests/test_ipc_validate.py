@@ -18,6 +18,7 @@ from deltaserve.ipc.messages import (
     Failure,
     NewRequest,
     Ping,
+    PromptLogprobs,
     RunUnifiedStep,
     Sample,
     SampleColumns,
@@ -165,6 +166,47 @@ class TestStepReplies:
         replies = ReplySet(RunUnifiedStep(7, step_items()), 1, check_plan(step_items(), VOCAB))
         with pytest.raises(ReplyError, match="top logprobs for request 2, which has no sample"):
             replies.add(StepResult(0, 7, result))
+
+    def test_prompt_logprob_rows_checked(self) -> None:
+        """A chunk asking for prompt logprobs gets a row per position whose next token is a
+        prompt token (one fewer on the chunk that samples), k alternatives each; nothing else
+        gets any."""
+        items = [StepItem(2, 0, [1, 2, 3], False, new(), prompt_logprobs=2, next_token=4),
+                 StepItem(3, 0, [4, 5], True, new(), prompt_logprobs=0)]  # fmt: skip
+        plan = check_plan(items, VOCAB)
+        assert plan.prompt_logprobs == {2: (3, 2), 3: (1, 0)}
+
+        def reply(parts: dict) -> None:
+            result = SampleColumns.from_samples([sample(3)], parts)
+            ReplySet(RunUnifiedStep(7, items), 1, plan).add(StepResult(0, 7, result))
+
+        def rows(n: int, k: int, rank: int = 1, token: int = 5) -> PromptLogprobs:
+            return PromptLogprobs([-1.0] * n, [rank] * n, [[(token, -1.0)] * k for _ in range(n)])
+
+        reply({2: rows(3, 2), 3: rows(1, 0)})
+        for parts, message in [
+            ({2: rows(3, 2)}, r"none for \[3\] that asked"),
+            ({2: rows(3, 2), 3: rows(1, 0), 1: rows(0, 0)}, r"request\(s\) \[1\] that asked none"),
+            ({2: rows(2, 2), 3: rows(1, 0)}, "2 prompt logprob rows for request 2, not 3 of 2"),
+            ({2: rows(3, 1), 3: rows(1, 0)}, "not 3 of 2 alternatives"),
+            ({2: rows(3, 2, rank=0), 3: rows(1, 0)}, "rank below 1 for request 2"),
+            ({2: rows(3, 2, token=VOCAB), 3: rows(1, 0)}, "prompt logprob for request 2 outside"),
+        ]:
+            with pytest.raises(ReplyError, match=message):
+                reply(parts)
+
+    @pytest.mark.parametrize(
+        ("item", "message"),
+        [
+            (StepItem(9, 0, [1, 2], False, new(), prompt_logprobs=1), "next_token -1 outside"),
+            (StepItem(9, 0, [1, 2], True, new(), prompt_logprobs=1, next_token=3), "samples has no next prompt"),
+            (StepItem(9, 0, [1, 2], True, new(), prompt_logprobs=21), "prompt_logprobs 21 outside"),
+            (StepItem(9, 4, [], True, prompt_logprobs=1), "without prompt tokens"),
+        ],
+    )
+    def test_prompt_logprob_items_rejected(self, item: StepItem, message: str) -> None:
+        with pytest.raises(PlanRejected, match=message):
+            check_plan([item], VOCAB)
 
     def test_misaligned_sample_columns_do_not_decode(self) -> None:
         """Columns of different lengths are a decode error (a protocol error), never a crash."""

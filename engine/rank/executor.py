@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,11 +28,13 @@ from deltaserve.engine.rank.prompt_graphs import (
     capturable,
     prefix_graph_keys,
 )
+from deltaserve.engine.rank.prompt_logprobs import prompt_logprobs as compute_prompt_logprobs
+from deltaserve.engine.rank.prompt_logprobs import prompt_rows
 from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
 from deltaserve.engine.rank.sampler import SampleLaunch, Sampler
 from deltaserve.engine.rank.step_meta import with_step_meta
 from deltaserve.engine.rank.transfer import to_device
-from deltaserve.ipc.messages import Sample, StepItem
+from deltaserve.ipc.messages import PromptLogprobs, Sample, StepItem
 from deltaserve.kernels.triton_compat import gpu_path
 
 log = logging.getLogger("deltaserve.rank")
@@ -125,9 +128,11 @@ class LaunchedStep:
     copy of its samples to the host (`launch_sampling`). `finish_step` waits for them."""
 
     items: list[StepItem]
-    logits: torch.Tensor | None  # rank 0: the rows of the items that sample
+    logits: torch.Tensor | None = None  # rank 0: the rows of the items that sample
     sampling: SampleLaunch | None = None
     done: torch.cuda.Event | None = None  # off rank 0 (CUDA): recorded after the forward
+    # rank 0: the prompt logprobs its chunks asked for (already on the host)
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
 
     def ready(self) -> bool:
         """Whether the device has finished it (a poll; never waits)."""
@@ -220,7 +225,8 @@ class Executor:
         this way before it finishes N (`finish_step`), so the device never waits for the host
         between pipelined steps; N+1's items without tokens read N's samples on the device."""
         # the sampling, queued before the next step's replay, reads the graph's output in place
-        step = LaunchedStep(items, self.forward(items, drops=drops, graph_output=True, evict=evict))
+        step = LaunchedStep(items)
+        step.logits = self.forward(items, drops=drops, graph_output=True, evict=evict, prompt_logprobs=step.prompt_logprobs)
         if self.sampler is None and self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
@@ -247,16 +253,25 @@ class Executor:
 
     def forward(
         self, items: list[StepItem], every_position: bool = False, drops: list[int] = (), graph_output: bool = False,
-        evict: list[int] = (),
+        evict: list[int] = (), prompt_logprobs: dict[int, PromptLogprobs] | None = None,
     ) -> torch.Tensor | None:
         """Evict `evict`, drop `drops`, advance every item's request through the model, save
         the prefixes items ask for; return fp32 logits on rank 0 of the positions that sample
         (or of every position: golden tests), None elsewhere. `graph_output`: a decode graph's
         logits may be its output buffer, which the next replay overwrites (else they are
-        copied out)."""
+        copied out). Rank 0 puts the prompt logprobs items ask for into `prompt_logprobs`."""
         self._admit_new(items, drops, evict)
         self._share_last_samples(items)
-        if self.graphs is None or every_position:
+        if any(item.prompt_logprobs >= 0 for item in items):  # every row's hidden state: eagerly
+            plan = self._plan(items, every_position)
+            batch = self._plan_batch(plan)
+            hidden = self._run_eager(batch, self.model.hidden_states)
+            wanted = prompt_rows(items, [span.offset for span in plan.spans])
+            logits = self.model.output_embedding.logits(hidden if every_position else hidden[batch.logits_index])
+            found = compute_prompt_logprobs(hidden, wanted, self.model.output_embedding)  # every rank's lm_head
+            if prompt_logprobs is not None:
+                prompt_logprobs.update(found)
+        elif self.graphs is None or every_position:
             logits = self._run_eager(self._build_batch(items, every_position))
         else:
             logits = self._run_with_graphs(items, graph_output)
@@ -290,10 +305,11 @@ class Executor:
         if tp_size() > 1 and any(not item.token_ids for item in items):
             broadcast(self.cache.last_tokens)
 
-    def _run_eager(self, batch: StepBatch) -> torch.Tensor | None:
+    def _run_eager(self, batch: StepBatch, run: Callable[[StepBatch, StateCache], torch.Tensor | None] | None = None) -> torch.Tensor | None:
+        """The model (or `run`: its hidden_states) over the batch, without graphs."""
         if gpu_path(batch.input_ids):
             batch = with_step_meta(batch, self.device)  # index tensors once for all layers
-        return self.model(batch, self.cache)
+        return (run or self.model)(batch, self.cache)
 
     def _run_with_graphs(self, items: list[StepItem], graph_output: bool) -> torch.Tensor | None:
         """Single-token items replay a decode CUDA graph; prompt chunks run in a forward of

@@ -93,9 +93,15 @@ class Qwen3_5ForCausalLM(nn.Module):
     def forward(self, batch: StepBatch, cache: StateCache) -> torch.Tensor | None:
         """Run every layer over the step; return fp32 logits [S, vocab] of the tokens at
         `batch.logits_index` (every token where it is None) on rank 0 (None on the others)."""
+        x = self.hidden_states(batch, cache)
+        return self.output_embedding.logits(x if batch.logits_index is None else x[batch.logits_index])
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: StepBatch, cache: StateCache) -> torch.Tensor:
+        """Run every layer over the step; every token's final hidden state [T, hidden], normed."""
         x = self.model.embed_tokens(batch.input_ids, batch.token_slots, cache.last_tokens)  # [T, hidden]
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, batch, cache)
         x, _ = self.model.norm.add(x, residual)  # every row: x may be a projection's partial sums
-        return self.output_embedding.logits(x if batch.logits_index is None else x[batch.logits_index])
+        return x
