@@ -31,6 +31,7 @@ _SAMPLING_KEYS = frozenset(
         "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens",
         "logit_bias", "include_stop_str_in_output", "skip_special_tokens",
         "spaces_between_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+        "prompt_logprobs",
     }
 )  # fmt: skip
 # Harmless metadata: accepted and not used for generation.
@@ -38,8 +39,7 @@ _METADATA_KEYS = frozenset({"user"})
 # vLLM's extra fields that clients send at their defaults, each the way this server works
 # anyway (no beam search, ...): accepted at that value (or null), refused at any other.
 _VLLM_DEFAULTS: dict[str, Any] = {
-    "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None, "priority": 0,
-    "return_tokens_as_token_ids": False,
+    "use_beam_search": False, "length_penalty": 1.0, "priority": 0, "return_tokens_as_token_ids": False,
 }  # fmt: skip
 # add_special_tokens: vLLM adds them to a completion's prompt, not to a rendered chat. The
 # Qwen tokenizer adds none when encoding, so the prompt is the same either way.
@@ -94,6 +94,7 @@ class SamplingFields:
     skip_special_tokens: bool = True
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """Build the engine's params (which check ranges and raise ValueError naming the
@@ -116,7 +117,7 @@ class CompletionRequest:
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
     truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens; -1: what fits
-    echo: bool = False  # each choice's text starts with its prompt's
+    echo: bool = False  # each choice's text (and logprobs) starts with its prompt's
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,14 +161,16 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
     logprobs = _opt_int(obj, "logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be in 0..{MAX_LOGPROBS}, got {logprobs}", "logprobs")
-    if echo and logprobs is not None:  # vLLM computes the prompt's logprobs for it; we do not
-        raise unsupported("echo", "echo with logprobs needs prompt logprobs, which are not computed")
     max_tokens = _opt_int(obj, "max_tokens", default=DEFAULT_COMPLETION_MAX_TOKENS)
     stream, include_usage, continuous = _stream(obj)
+    prompt_logprobs = _prompt_logprobs(obj, stream)
+    if prompt_logprobs is None and echo:  # as vLLM: echoed logprobs cover the prompt's tokens too
+        prompt_logprobs = logprobs
     return CompletionRequest(
         model=_opt_str(obj, "model"),
         prompts=_prompts(obj),
-        sampling=_sampling(obj, max_tokens=max_tokens, logprobs=logprobs, defaults=defaults),
+        sampling=_sampling(obj, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                           defaults=defaults),
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous,
@@ -219,6 +222,7 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
             obj,
             max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
             logprobs=(top_logprobs or 0) if logprobs else None,
+            prompt_logprobs=_prompt_logprobs(obj, stream),
             defaults=defaults,
         ),
         stream=stream,
@@ -306,6 +310,17 @@ def _stream(obj: dict[str, Any]) -> tuple[bool, bool, bool]:
     return stream, include_usage, include_usage and bool(options.get("continuous_usage_stats"))
 
 
+def _prompt_logprobs(obj: dict[str, Any], stream: bool) -> int | None:
+    """vLLM's check (and words) for a stream, which has no field for them; its -1 (the whole
+    vocabulary) is past the engine's bound."""
+    k = _opt_int(obj, "prompt_logprobs")
+    if k is not None and stream and (k > 0 or k == -1):
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be in 0..{MAX_LOGPROBS}, got {k}", "prompt_logprobs")
+    return k
+
+
 def _truncate(obj: dict[str, Any]) -> int | None:
     keep = _opt_int(obj, "truncate_prompt_tokens")
     if keep is not None and keep < 1 and keep != -1:  # vLLM's 0 leaves no prompt at all
@@ -328,7 +343,7 @@ def truncate_prompt(ids: list[int], keep: int | None, max_tokens: int | None, ma
 
 
 def _sampling(
-    obj: dict[str, Any], *, max_tokens: int | None, logprobs: int | None,
+    obj: dict[str, Any], *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
     defaults: Mapping[str, float] | None = None,
 ) -> SamplingFields:
     d = SamplingFields(**(defaults or {}))
@@ -357,6 +372,7 @@ def _sampling(
         skip_special_tokens=_opt_bool(obj, "skip_special_tokens", default=True),
         allowed_token_ids=None if allowed is None else _token_ids(allowed, "allowed_token_ids"),
         bad_words=_strings(obj, "bad_words"),
+        prompt_logprobs=prompt_logprobs,
     )
 
 

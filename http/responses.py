@@ -5,7 +5,9 @@ server for both modes: `start` (chunks before any token), `token` (a chunk for o
 TokenEvent), `finish` (a chunk for one FinishedEvent), and `response` (the whole body when not
 streaming). A `ChoiceState` per choice accumulates text, logprobs and counts. With
 `continuous_usage` (vLLM's stream_options.continuous_usage_stats) every choice chunk carries the
-choice's usage so far; a completion's `echo` puts each prompt's text before its choices' output.
+choice's usage so far; a completion's `echo` puts each prompt's text before its choices' output
+(and, with logprobs, the prompt tokens' entries before the output's). A `PromptLogprobsEvent`
+(vLLM's `prompt_logprobs`) becomes vLLM's list: on each completion choice, on the chat response.
 """
 
 from __future__ import annotations
@@ -91,6 +93,22 @@ class TokenStrings:
         return b
 
 
+def prompt_logprobs_json(prompt_ids: Sequence[int], ev: Any, strings: TokenStrings) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then for each one {token id:
+    {logprob, rank, decoded_token}} of the token itself and its alternatives (ranks 1..k)."""
+
+    def logprob(token_id: int, lp: float, rank: int) -> dict[str, Any]:
+        return {"logprob": clamp_logprob(lp), "rank": rank, "decoded_token": strings.text(token_id)}
+
+    out: list[dict[str, Any] | None] = [None]
+    for i, token_id in enumerate(prompt_ids[1:]):
+        entry = {str(token_id): logprob(token_id, ev.token_logprobs[i], ev.ranks[i])}
+        for rank, (alt, lp) in enumerate(ev.top_logprobs[i], 1):
+            entry.setdefault(str(alt), logprob(alt, lp, rank))
+        out.append(entry)
+    return out
+
+
 @dataclass(slots=True)
 class ChoiceState:
     text: list[str] = field(default_factory=list)
@@ -100,6 +118,9 @@ class ChoiceState:
     cached_tokens: int = 0  # of the prompt's, taken from a saved prefix (prefix caching)
     output_tokens: int = 0  # counted by `token`, then the FinishedEvent's
     logprobs: list[Any] = field(default_factory=list)  # per-token entries in endpoint shape
+    logprobs_sent: int = 0  # of `logprobs`, streamed so far (completions)
+    prompt_ids: Sequence[int] = ()  # as the engine took them
+    prompt_logprobs: Any = None  # the choice's PromptLogprobsEvent, when it asked for one
     # a chat's with a reasoning parser (then `text` is its content)
     reasoning: list[str] = field(default_factory=list)
 
@@ -148,6 +169,13 @@ class _Formatter:
         body["usage"] = usage_json
         return body
 
+    def prompt(self, index: int, ev: Any, state: ChoiceState) -> None:
+        """A PromptLogprobsEvent: kept for the response (a stream has no field for it)."""
+        state.prompt_logprobs = ev
+
+    def _prompt_logprobs(self, state: ChoiceState) -> list[dict[str, Any] | None]:
+        return prompt_logprobs_json(state.prompt_ids, state.prompt_logprobs, self.strings)
+
 
 class CompletionFormatter(_Formatter):
     """`/v1/completions`: `text_completion` objects; logprobs in the legacy shape
@@ -155,10 +183,32 @@ class CompletionFormatter(_Formatter):
 
     chunk_object = "text_completion"
     _echo: dict[int, str] | None = None  # choice index -> prompt text not sent yet
+    _echo_logprobs: int | None = None  # echo's alternatives per prompt token (logprobs)
 
-    def echo(self, prompts: Sequence[str], n: int) -> None:
-        """vLLM's echo: choice p*n+i starts with prompt p's text, sent with its first event."""
+    def echo(self, prompts: Sequence[str], n: int, logprobs: int | None = None) -> None:
+        """vLLM's echo: choice p*n+i starts with prompt p's text, sent with its first event;
+        with `logprobs`, its logprobs with the prompt tokens' (from its PromptLogprobsEvent)."""
         self._echo = {p * n + i: text for p, text in enumerate(prompts) for i in range(n)}
+        self._echo_logprobs = logprobs
+
+    def prompt(self, index: int, ev: Any, state: ChoiceState) -> None:
+        """With echo and logprobs, the prompt tokens' entries go first, as vLLM's: each token
+        decoded alone, the first with no logprob, the others with up to `logprobs` + 1
+        alternatives (the token itself first); offsets count from the prompt's start."""
+        super().prompt(index, ev, state)
+        k = self._echo_logprobs
+        if k is None:
+            return
+        for i, token_id in enumerate(state.prompt_ids):
+            token, lp, top = self.strings.text(token_id), None, None
+            if i:
+                lp = clamp_logprob(ev.token_logprobs[i - 1])
+                alts = [(alt, alt_lp) for alt, alt_lp in ev.top_logprobs[i - 1] if alt != token_id]
+                top = {}
+                for alt, alt_lp in [(token_id, ev.token_logprobs[i - 1]), *alts][: k + 1]:
+                    top.setdefault(self.strings.text(alt), clamp_logprob(alt_lp))
+            state.logprobs.append((token, lp, top, state.token_offset))
+            state.token_offset += len(token)
 
     def _echoed(self, index: int, text: str) -> str:
         return text if self._echo is None else self._echo.pop(index, "") + text
@@ -185,18 +235,18 @@ class CompletionFormatter(_Formatter):
         return None
 
     def token(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any] | None:
-        entry = None
         state.output_tokens += 1
         if self.want_logprobs:  # offsets by tokens, not by the text sent so far (a stop string holds it back)
             entry = self._entry(ev, state.token_offset)
             state.token_offset += len(entry[0])
+            state.logprobs.append(entry)
         text = self._echoed(index, ev.text)
         state.add_text(text)
-        if entry is not None:
-            state.logprobs.append(entry)
-        elif not text:
+        entries = state.logprobs[state.logprobs_sent :]  # an echoed prompt's go with the first
+        state.logprobs_sent = len(state.logprobs)
+        if not entries and not text:
             return None  # nothing to send yet (mid-character or withheld for a stop string)
-        logprobs = self._logprobs_json([entry]) if entry is not None else None
+        logprobs = self._logprobs_json(entries) if entries else None
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
         return self._stamp(self._chunk([choice]), state)
 
@@ -207,15 +257,13 @@ class CompletionFormatter(_Formatter):
         return self._stamp(self._chunk([choice]), state)
 
     def response(self, states: list[ChoiceState], usage_json: dict[str, int]) -> dict[str, Any]:
-        choices = [
-            {
-                "index": i,
-                "text": "".join(s.text),
-                "logprobs": self._logprobs_json(s.logprobs) if self.want_logprobs else None,
-                "finish_reason": s.finish_reason,
-            }
-            for i, s in enumerate(states)
-        ]
+        choices = []
+        for i, s in enumerate(states):
+            logprobs = self._logprobs_json(s.logprobs) if self.want_logprobs else None
+            choice = {"index": i, "text": "".join(s.text), "logprobs": logprobs, "finish_reason": s.finish_reason}
+            if s.prompt_logprobs is not None:  # vLLM's extra, on each choice (its prompt's)
+                choice["prompt_logprobs"] = self._prompt_logprobs(s)
+            choices.append(choice)
         body = self._chunk(choices)
         body["usage"] = usage_json
         return body
@@ -360,4 +408,6 @@ class ChatFormatter(_Formatter):
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         body = self._chunk(choices, "chat.completion")
         body["usage"] = self._usage(usage_json)
+        if states and states[0].prompt_logprobs is not None:  # vLLM's extra: one prompt, top-level
+            body["prompt_logprobs"] = self._prompt_logprobs(states[0])
         return body

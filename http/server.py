@@ -32,6 +32,7 @@ from deltaserve.engine.events import (
     EngineDeadError,
     ErrorEvent,
     FinishedEvent,
+    PromptLogprobsEvent,
     QueueFullError,
     TokenEvent,
 )
@@ -262,7 +263,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                     continuous_usage=req.continuous_usage)  # fmt: skip
     if req.echo:  # as vLLM's: a text prompt as sent, token ids decoded (after truncation)
         formatter.echo([p if isinstance(p, str) else await state.engine.run_tokenizer(
-            lambda tok, ids=fit(p): tok.decode(ids), len(p)) for p in prompts], params.n)  # fmt: skip
+            lambda tok, ids=fit(p): tok.decode(ids), len(p)) for p in prompts], params.n, params.logprobs)  # fmt: skip
     streams = await _open_streams(state, prompts, [params] * len(prompts), request_id, fit=fit)
     return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
 
@@ -483,7 +484,8 @@ async def _respond(
     include_usage: bool,
 ) -> web.StreamResponse:
     state = request.app[STATE]
-    states = [ChoiceState(prompt_tokens=len(streams[i // n].prompt_token_ids)) for i in range(len(streams) * n)]
+    states = [ChoiceState(prompt_tokens=len(ids), prompt_ids=ids)
+              for ids in (streams[i // n].prompt_token_ids for i in range(len(streams) * n))]  # fmt: skip
     response: web.StreamResponse | None = None
     try:
         if stream:
@@ -562,6 +564,9 @@ def _apply(
 ) -> dict[str, Any] | None:
     if isinstance(ev, TokenEvent):
         return formatter.token(idx, ev, choice)
+    if isinstance(ev, PromptLogprobsEvent):  # sent with the choice's first token, if at all
+        formatter.prompt(idx, ev, choice)
+        return None
     if isinstance(ev, FinishedEvent):
         if ev.reason == "abort":
             raise _RequestFailed(_terminal_error(state, ev))

@@ -1,7 +1,8 @@
 """vLLM's small extras, on plain values (no engine): allowed_token_ids, bad_words,
-truncate_prompt_tokens, stream_options.continuous_usage_stats and echo as the request parser
-takes them, SamplingParams freezes and tokenizes them, the rank's Sampler masks with them, and
-the formatters write them. Through the real engine and server: tests/test_engine_sampling.py."""
+truncate_prompt_tokens, stream_options.continuous_usage_stats, echo and prompt_logprobs as the
+request parser takes them, SamplingParams freezes and tokenizes them, the rank's Sampler masks
+with them, and the formatters write them. Through the real engine and server:
+tests/test_engine_sampling.py and tests/test_http_prompt_logprobs.py."""
 
 from __future__ import annotations
 
@@ -50,11 +51,22 @@ class TestParse:
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1 or -1"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", ">= 1 or -1"),
         ({"truncate_prompt_tokens": "5"}, "truncate_prompt_tokens", "integer"),
-        ({"echo": True, "logprobs": 0}, "echo", "prompt logprobs"),
         ({"echo": 1}, "echo", "boolean"),
     ])  # fmt: skip
     def test_refused_naming_the_field(self, extra, param, words):
         refused(parse_completion_request, {"prompt": "x", **extra}, param, words)
+
+    def test_prompt_logprobs_as_vllm(self):
+        """Given, they reach the params; else echo with logprobs asks the prompt's at the logprobs
+        count (vLLM's to_sampling_params); a stream takes 0 and echo's."""
+
+        def asked(**body):
+            return parse_completion_request({"prompt": "x", **body}).sampling.to_sampling_params(4).prompt_logprobs
+
+        assert (asked(echo=True, logprobs=3), asked(echo=True, logprobs=3, prompt_logprobs=0)) == (3, 0)
+        assert (asked(logprobs=3), asked(echo=True), asked(prompt_logprobs=2.0)) == (None, None, 2)
+        assert (asked(stream=True, prompt_logprobs=0), asked(stream=True, echo=True, logprobs=1)) == (0, 1)
+        assert parse_chat_request({**CHAT, "prompt_logprobs": 20}).sampling.prompt_logprobs == 20
 
     def test_chat_has_no_echo(self):
         refused(parse_chat_request, {**CHAT, "echo": True}, "echo", "unknown")

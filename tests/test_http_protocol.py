@@ -82,7 +82,6 @@ class TestCompletionFields:
     @pytest.mark.parametrize(
         "extra, param, words",
         [
-            ({"echo": True, "logprobs": 1}, "echo", "prompt logprobs"),
             ({"best_of": 3}, "best_of", "best_of"),
             ({"logit_bias": {"x5": 1}}, "logit_bias", "not a token id"),
             ({"logit_bias": {"-5": 1}}, "logit_bias", "not a token id"),
@@ -244,14 +243,13 @@ class TestChat:
 
 
 # vLLM's extra request fields and their defaults: what this server does anyway.
-VLLM_DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None, "priority": 0,
+VLLM_DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0,
                  "return_tokens_as_token_ids": False}  # fmt: skip
 COMPLETION_DEFAULTS = {**VLLM_DEFAULTS, "add_special_tokens": True}
 CHAT_DEFAULTS = {**VLLM_DEFAULTS, "add_special_tokens": False, "add_generation_prompt": True,
                  "continue_final_message": False}  # fmt: skip
 # A value other than the default, of the right type and of a wrong one.
 OTHER = {"use_beam_search": [True, 0], "length_penalty": [0.5, True],
-         "prompt_logprobs": [0, 2],
          "priority": [1, -1], "return_tokens_as_token_ids": [True, 0], "add_special_tokens": [None],
          "add_generation_prompt": [False, 1], "continue_final_message": [True, 0]}  # fmt: skip
 CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
