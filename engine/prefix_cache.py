@@ -10,6 +10,9 @@ cache and vLLM's hybrid prefix caching meet the same limit). So a prompt's state
     it could reuse: a system prompt shared by many requests is saved by the second one that
     shows it (one of them, if several are admitted together). Its prefill is split there
     (`split_at`), so the state exists.
+  - one position short of its end, for a call of n > 1 choices: choice 0 prefills and saves
+    there, the others wait to be admitted until it has, then start there (n prompts cost one
+    prefill, as vLLM's parallel sampling shares its prefix blocks).
 A later prompt starts from the longest saved prefix that it begins with and that is shorter
 than itself (one position at least must run, for the logits): it shares the prefix's full KV
 blocks (the ledger counts their holders), the ranks copy the partly filled one, and its
@@ -62,6 +65,7 @@ class PromptPlan:
     split_at: int  # a position its prefill stops at to save its state there; 0: none
     pinned: bool = False  # it holds a pin on `start`: admitted, first chunk not yet sent
     splitting: bool = False  # its split is announced (`_splitting`) and not yet saved
+    for_siblings: bool = False  # choice 0 of n: split one short of its prompt's end, for the others
 
 
 class PrefixCache:
@@ -96,6 +100,11 @@ class PrefixCache:
         if request.params.repetition_penalty != 1.0 or request.params.prompt_logprobs is not None:
             return plan
         plan.start = self._longest(prompt, hashes)
+        if request.index == 0 and request.params.n > 1 and len(prompt) > bs and (
+            plan.start is None or plan.start.num_tokens < len(prompt) - 1
+        ):
+            plan.split_at, plan.for_siblings = len(prompt) - 1, True
+            return plan
         seen = 0  # leading full blocks (before the last position) an earlier prompt had too
         while seen < (len(prompt) - 1) // bs and hashes[seen] in self._seen:
             seen += 1
@@ -134,7 +143,7 @@ class PrefixCache:
             start.pins += 1
             plan.pinned = True
             self._saved.move_to_end(start.prefix_id)
-        if plan.split_at:
+        if plan.split_at and not plan.for_siblings:
             self._splitting.add(plan.hashes[plan.split_at // self.block_size - 1])
             plan.splitting = True
         for h in plan.hashes:
@@ -159,6 +168,12 @@ class PrefixCache:
         plan = self._plans.get(request_id)
         return plan.split_at if plan is not None else 0
 
+    def saves_for_siblings(self, request: Request) -> bool:
+        """Whether the other choices of the request's call should wait for the state it
+        saves one position short of its prompt's end (its prefill is not there yet)."""
+        plan = self._plans.get(request.request_id)
+        return plan is not None and plan.for_siblings and request.num_computed < plan.split_at
+
     def saves(self, chunks: list[tuple[Request, int]]) -> dict[int, int]:
         """For one step's prompt chunks, (request, where the chunk ends): the prefix id each
         request's state is saved in after the step, by request id, where the chunk ends at a
@@ -179,7 +194,7 @@ class PrefixCache:
             return -1
         if end == plan.split_at:
             self._end_split(plan)
-        shared = end != request.prompt_len
+        shared = end != request.prompt_len and not plan.for_siblings
         if not self._free_ids and not self._evict_one(keep, shared):
             return -1
         blocks = self.ledger.blocks(request.request_id)[: self.ledger.blocks_for(end)]

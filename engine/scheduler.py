@@ -365,6 +365,8 @@ class Scheduler:
                 )
                 self._deliver(entry, ErrorEvent(request.index, message))
                 continue
+            if self._waits_for_first_choice(entry):
+                return
             plan = self.prefix.plan(request)
             if not self.prefix.make_room(request, plan):
                 return
@@ -377,6 +379,14 @@ class Scheduler:
             self._queued_ids.discard(request.request_id)
             self._running[request.request_id] = entry
             self._notify("admitted", entry)
+
+    def _waits_for_first_choice(self, entry: Entry) -> bool:
+        """Choice i > 0 waits while choice 0 of its call prefills toward the state it saves
+        for them (prefix caching), and then starts from it."""
+        if entry.request.index == 0:
+            return False
+        first = self._running.get(entry.sink.request_ids[0])
+        return first is not None and self.prefix.saves_for_siblings(first.request)
 
     async def _send(self, plan: StepPlan) -> Step:
         """Dispatch a planned step once the ranks are free."""

@@ -3,7 +3,8 @@ CPU at TP=1 and TP=2, and CUDA where there is one.
 
 What must hold: a prompt that begins with a saved one starts where it ends (`cached_tokens`)
 and gives the tokens and logprobs of a whole prefill (the in-process reference); a prefix
-shared by two prompts is saved where they part, so a third starts there; saved prefixes
+shared by two prompts is saved where they part, so a third starts there; the choices of one
+call share one prefill; saved prefixes
 are evicted, least recently used first, when a request needs their blocks; and the ledger's
 count of free blocks is every rank's, whatever the saved prefixes and requests share.
 """
@@ -105,6 +106,21 @@ async def test_concurrent_prompts_share_one_saved_prefix(engine, tiny_model_dir)
     results = await asyncio.gather(*(run(engine, p) for p in prompts))
     for prompt, (tokens, finished) in zip(prompts, results, strict=True):
         assert finished.cached_tokens == 42
+        assert_as_whole_prefill(engine, tiny_model_dir, prompt, tokens)
+    await assert_ledger_is_every_ranks(engine)
+
+
+@module_loop
+async def test_the_choices_of_one_call_share_its_prefill(engine, tiny_model_dir):
+    """n choices: choice 0 prefills and saves one position short of the prompt's end, the
+    others wait for it and start there; every answer is a whole prefill's (greedy: alike)."""
+    prompt = [300 + i for i in range(37)]
+    params = SamplingParams(max_tokens=PARAMS.max_tokens, temperature=0.0, logprobs=1, ignore_eos=True, n=3)
+    events = [e async for e in engine.generate(prompt, params)]
+    finished = sorted((e for e in events if isinstance(e, FinishedEvent)), key=lambda e: e.index)
+    assert [f.cached_tokens for f in finished] == [0, 36, 36]
+    for index in range(3):
+        tokens = [e for e in events if isinstance(e, TokenEvent) and e.index == index]
         assert_as_whole_prefill(engine, tiny_model_dir, prompt, tokens)
     await assert_ledger_is_every_ranks(engine)
 

@@ -6,7 +6,9 @@
 - shared prefix: `--shared-requests` prompts of one `--shared-len`-token prefix and
   `--suffix-len` tokens of their own, `--concurrency` at a time, after one warm-up that has
   only the prefix's tokens in common with them. Time to first token and wall time.
-Greedy with ignore_eos, `--output-len` tokens each; the answers of the two runs are compared
+- parallel sampling: one call of `--n` choices (seeded, temperature 1) of a fresh
+  `--shared-len`-token prompt: time to every choice's first token, and wall time.
+Greedy with ignore_eos (but the parallel sampling), `--output-len` tokens each; the answers of the two runs are compared
 token by token. In bf16 a prefill split elsewhere rounds differently, and on random weights a
 greedy answer parts at the first token it tips: so a third run, prefix caching off and prompts
 chunked by `--baseline-chunk` tokens, measures how much that alone changes the answers.
@@ -78,6 +80,21 @@ async def shared_prefix(engine: AsyncEngine, args: argparse.Namespace, rng: rand
     return {"wall_s": time.perf_counter() - start, "requests": results}
 
 
+async def parallel_sampling(engine: AsyncEngine, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    prompt = [rng.randrange(1000, 100_000) for _ in range(args.shared_len)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=1.0, seed=args.seed, n=args.n, ignore_eos=True)
+    start, firsts, cached = time.perf_counter(), {}, []
+    async for event in engine.generate(prompt, params):
+        if isinstance(event, TokenEvent):
+            firsts.setdefault(event.index, time.perf_counter() - start)
+        elif isinstance(event, FinishedEvent):
+            cached.append(event.cached_tokens)
+        else:
+            raise RuntimeError(f"request failed: {event}")
+    return {"n": args.n, "last_first_token_s": max(firsts.values()), "wall_s": time.perf_counter() - start,
+            "cached": sorted(cached)}  # fmt: skip
+
+
 async def run(args: argparse.Namespace, enable: bool, chunk: int | None = None) -> dict[str, Any]:
     config = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -87,7 +104,8 @@ async def run(args: argparse.Namespace, enable: bool, chunk: int | None = None) 
     try:
         rng = random.Random(args.seed)
         await timed(engine, [rng.randrange(1000, 100_000) for _ in range(64)], 4)  # compile, warm
-        return {"conversation": await conversation(engine, args, rng), "shared": await shared_prefix(engine, args, rng)}
+        return {"conversation": await conversation(engine, args, rng), "shared": await shared_prefix(engine, args, rng),
+                "parallel": await parallel_sampling(engine, args, rng)}  # fmt: skip
     finally:
         await engine.shutdown()
 
@@ -113,7 +131,8 @@ def summary(off: dict[str, Any], on: dict[str, Any], chunked: dict[str, Any]) ->
         shared[name] = {"wall_s": result["wall_s"], "ttft_mean_ms": statistics.mean(ttfts),
                         "ttft_median_ms": statistics.median(ttfts),
                         "cached_mean": statistics.mean(r["cached"] for r in result["requests"])}  # fmt: skip
-    return {"conversation": conv, "shared": shared, "same_off_on": same(off, on), "same_off_chunked": same(off, chunked)}
+    return {"conversation": conv, "shared": shared, "parallel": {"off": off["parallel"], "on": on["parallel"]},
+            "same_off_on": same(off, on), "same_off_chunked": same(off, chunked)}  # fmt: skip
 
 
 def main() -> None:
@@ -130,6 +149,7 @@ def main() -> None:
     p.add_argument("--suffix-len", type=int, default=128)
     p.add_argument("--shared-requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--n", type=int, default=8, help="choices of the parallel-sampling call")
     p.add_argument("--baseline-chunk", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
@@ -150,6 +170,9 @@ def main() -> None:
     for name, s in result["shared"].items():
         print(f"shared {name}: wall {s['wall_s']:.2f} s, ttft mean {s['ttft_mean_ms']:.1f} ms, "
               f"median {s['ttft_median_ms']:.1f} ms, cached mean {s['cached_mean']:.0f}")
+    for name, r in result["parallel"].items():
+        print(f"parallel sampling {name}: n {r['n']}, every first token after {r['last_first_token_s']:.3f} s, "
+              f"wall {r['wall_s']:.2f} s, cached {r['cached']}")
     for name in ("same_off_on", "same_off_chunked"):
         print(name, " ".join(f"{k} {v:.3f}" for k, v in result[name].items()))
 
