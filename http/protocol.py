@@ -13,7 +13,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from deltaserve.http.errors import ApiError, bad_request, unsupported
 from deltaserve.http.tool_protocol import TOOL_MESSAGE_KEYS, parse_tool_fields, tool_message_fields
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from deltaserve.engine.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
+_D = TypeVar("_D", bool, None)  # _opt_bool's default: a bool, or None for "not given"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Sampling fields shared by both endpoints (OpenAI names plus the vLLM extras).
@@ -39,7 +40,7 @@ _METADATA_KEYS = frozenset({"user"})
 # vLLM's extra fields that clients send at their defaults, each the way this server works
 # anyway (no beam search, ...): accepted at that value (or null), refused at any other.
 _VLLM_DEFAULTS: dict[str, Any] = {
-    "use_beam_search": False, "length_penalty": 1.0, "priority": 0, "return_tokens_as_token_ids": False,
+    "use_beam_search": False, "length_penalty": 1.0, "priority": 0,
 }  # fmt: skip
 # add_special_tokens: vLLM adds them to a completion's prompt, not to a rendered chat. The
 # Qwen tokenizer adds none when encoding, so the prompt is the same either way.
@@ -48,12 +49,12 @@ _CHAT_DEFAULTS = {**_VLLM_DEFAULTS, "add_special_tokens": False, "add_generation
                   "continue_final_message": False}  # fmt: skip
 _COMPLETION_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_COMPLETION_DEFAULTS) | {
     "model", "prompt", "max_tokens", "stream", "stream_options", "logprobs", "echo",
-    "best_of", "logit_bias", "suffix",
+    "best_of", "logit_bias", "suffix", "return_tokens_as_token_ids",
 }  # fmt: skip
 _CHAT_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_CHAT_DEFAULTS) | {
     "model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
     "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "response_format",
-    "parallel_tool_calls", "chat_template_kwargs", "include_reasoning",
+    "parallel_tool_calls", "chat_template_kwargs", "include_reasoning", "return_tokens_as_token_ids",
 }  # fmt: skip
 _ROLES = ("system", "user", "assistant", "developer", "tool")
 # Message fields taken only when null (or []): tool calls, and what the SDK's model_dump() of
@@ -118,6 +119,7 @@ class CompletionRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
     truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens; -1: what fits
     echo: bool = False  # each choice's text (and logprobs) starts with its prompt's
+    return_tokens_as_token_ids: bool | None = None  # logprobs say "token_id:{id}"; None: the server's flag
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +142,7 @@ class ChatRequest:
     tools: tuple[dict[str, Any], ...] | None = None
     tool_choice: str = "none"  # "none" or "auto": the output is read for tool calls
     parallel_tool_calls: bool = True  # False: only the first call is returned (as vLLM)
+    return_tokens_as_token_ids: bool | None = None  # as CompletionRequest's
 
 
 # ---- entry points ------------------------------------------------------------------------
@@ -176,6 +179,7 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
         continuous_usage=continuous,
         truncate_prompt_tokens=_truncate(obj),
         echo=echo,
+        return_tokens_as_token_ids=_opt_bool(obj, "return_tokens_as_token_ids", default=None),
     )
 
 
@@ -195,20 +199,14 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
         if not logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         if not 0 <= top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(
-                f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {top_logprobs}", "top_logprobs"
-            )
+            raise bad_request(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {top_logprobs}", "top_logprobs")
     max_tokens = _opt_int(obj, "max_tokens")
     max_completion_tokens = _opt_int(obj, "max_completion_tokens")
     if max_completion_tokens is not None and max_completion_tokens < 1:  # else refused naming max_tokens
         raise bad_request(f"max_completion_tokens must be >= 1, got {max_completion_tokens}", "max_completion_tokens")
-    if max_tokens is not None and max_completion_tokens is not None:
-        if max_tokens != max_completion_tokens:
-            raise bad_request(
-                f"max_tokens ({max_tokens}) and max_completion_tokens "
-                f"({max_completion_tokens}) disagree; send one",
-                "max_completion_tokens",
-            )
+    if max_tokens is not None and max_completion_tokens is not None and max_tokens != max_completion_tokens:
+        raise bad_request(f"max_tokens ({max_tokens}) and max_completion_tokens ({max_completion_tokens}) "
+                          "disagree; send one", "max_completion_tokens")  # fmt: skip
     template_kwargs = obj.get("chat_template_kwargs")
     if template_kwargs is None:
         template_kwargs = {}
@@ -235,6 +233,7 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
         tools=tool_fields.tools,
         tool_choice=tool_fields.tool_choice,
         parallel_tool_calls=tool_fields.parallel_tool_calls,
+        return_tokens_as_token_ids=_opt_bool(obj, "return_tokens_as_token_ids", default=None),
     )
 
 
@@ -554,7 +553,7 @@ def _opt_float(obj: dict[str, Any], name: str, default: float) -> float:
         raise bad_request(f"{name} must be a finite number, got an integer out of range", name) from None
 
 
-def _opt_bool(obj: dict[str, Any], name: str, *, default: bool) -> bool:
+def _opt_bool(obj: dict[str, Any], name: str, *, default: _D) -> bool | _D:
     value = obj.get(name)
     if value is None:
         return default

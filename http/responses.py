@@ -8,10 +8,12 @@ streaming). A `ChoiceState` per choice accumulates text, logprobs and counts. Wi
 choice's usage so far; a completion's `echo` puts each prompt's text before its choices' output
 (and, with logprobs, the prompt tokens' entries before the output's). A `PromptLogprobsEvent`
 (vLLM's `prompt_logprobs`) becomes vLLM's list: on each completion choice, on the chat response.
+Logprobs name tokens through a request's `TokenStrings` (text, or "token_id:{id}").
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -67,12 +69,30 @@ _BYTE_DECODER = _byte_decoder()
 
 
 class TokenStrings:
-    """Text and raw bytes of single tokens, for logprobs; cached per token id."""
+    """Text and raw bytes of single tokens, for logprobs; cached per token id. `as_ids` (vLLM's
+    return_tokens_as_token_ids): each token's string in logprobs is "token_id:{id}" instead of
+    its text, so that clients keep the token's identity, which decoding loses (a token of part
+    of a character, two tokens of the same text)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_ids: bool = False) -> None:
         self._tokenizer = tokenizer
+        self.as_ids = as_ids
         self._text: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
+
+    def rendering(self, as_ids: bool | None) -> TokenStrings:
+        """For one request: its return_tokens_as_token_ids where it gives one, else this one's
+        (the server's flag), as vLLM's; a copy shares the caches."""
+        if as_ids is None or as_ids == self.as_ids:
+            return self
+        view = copy.copy(self)
+        view.as_ids = as_ids
+        return view
+
+    def token(self, token_id: int) -> str:
+        """A token's string wherever logprobs name one (completions' tokens and top_logprobs
+        keys, chat's token fields): the one place the token-id rule applies."""
+        return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
 
     def text(self, token_id: int) -> str:
         s = self._text.get(token_id)
@@ -92,10 +112,17 @@ class TokenStrings:
             self._bytes[token_id] = b
         return b
 
+    def alternative_bytes(self, token_id: int) -> list[int]:
+        """A chat alternative's `bytes`: as vLLM's, those of its string ("token_id:N" under
+        `as_ids`); the sampled token's stay its own (`bytes`), as vLLM's do."""
+        return list(self.token(token_id).encode()) if self.as_ids else self.bytes(token_id)
+
 
 def prompt_logprobs_json(prompt_ids: Sequence[int], ev: Any, strings: TokenStrings) -> list[dict[str, Any] | None]:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then for each one {token id:
-    {logprob, rank, decoded_token}} of the token itself and its alternatives (ranks 1..k)."""
+    {logprob, rank, decoded_token}} of the token itself and its alternatives (ranks 1..k).
+    decoded_token is the text even under return_tokens_as_token_ids, as vLLM's (its engine
+    decodes it; the key is the id)."""
 
     def logprob(token_id: int, lp: float, rank: int) -> dict[str, Any]:
         return {"logprob": clamp_logprob(lp), "rank": rank, "decoded_token": strings.text(token_id)}
@@ -200,13 +227,13 @@ class CompletionFormatter(_Formatter):
         if k is None:
             return
         for i, token_id in enumerate(state.prompt_ids):
-            token, lp, top = self.strings.text(token_id), None, None
+            token, lp, top = self.strings.token(token_id), None, None
             if i:
                 lp = clamp_logprob(ev.token_logprobs[i - 1])
                 alts = [(alt, alt_lp) for alt, alt_lp in ev.top_logprobs[i - 1] if alt != token_id]
                 top = {}
                 for alt, alt_lp in [(token_id, ev.token_logprobs[i - 1]), *alts][: k + 1]:
-                    top.setdefault(self.strings.text(alt), clamp_logprob(alt_lp))
+                    top.setdefault(self.strings.token(alt), clamp_logprob(alt_lp))
             state.logprobs.append((token, lp, top, state.token_offset))
             state.token_offset += len(token)
 
@@ -216,9 +243,9 @@ class CompletionFormatter(_Formatter):
     def _entry(self, ev: Any, offset: int) -> tuple[str, float, dict[str, float], int]:
         top: dict[str, float] = {}
         for tid, lp in ev.top_logprobs:
-            top.setdefault(self.strings.text(tid), clamp_logprob(lp))
+            top.setdefault(self.strings.token(tid), clamp_logprob(lp))
         # OpenAI always includes the sampled token among the alternatives.
-        token = self.strings.text(ev.token_id)
+        token = self.strings.token(ev.token_id)
         top.setdefault(token, clamp_logprob(ev.logprob))
         return token, clamp_logprob(ev.logprob), top, offset
 
@@ -350,11 +377,11 @@ class ChatFormatter(_Formatter):
     def _entry(self, ev: Any) -> dict[str, Any]:
         s = self.strings
         return {
-            "token": s.text(ev.token_id),
+            "token": s.token(ev.token_id),
             "logprob": clamp_logprob(ev.logprob),
             "bytes": s.bytes(ev.token_id),
             "top_logprobs": [
-                {"token": s.text(tid), "logprob": clamp_logprob(lp), "bytes": s.bytes(tid)}
+                {"token": s.token(tid), "logprob": clamp_logprob(lp), "bytes": s.alternative_bytes(tid)}
                 for tid, lp in ev.top_logprobs
             ],
         }

@@ -79,6 +79,20 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _json_list(text: str) -> list[str]:
+    """--allowed-origins, --allowed-methods, --allowed-headers: a JSON list, as vLLM reads them."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        example = '["http://localhost:3000"]'
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON list of strings such as '{example}', got {text!r}"
+        )
+    return value
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -187,11 +201,24 @@ def build_parser() -> argparse.ArgumentParser:
                           "names: qwen3_coder (Qwen3.5, Qwen3-Coder), hermes (Qwen2.5, Qwen3)")  # fmt: skip
     srv.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="usage gains prompt_tokens_details.cached_tokens (prefix caching), as vLLM's")
+    srv.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
+                     help="logprobs name each token 'token_id:{id}' instead of its text, in requests "
+                          "that leave return_tokens_as_token_ids out (as vLLM's flag)")  # fmt: skip
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on the /v1 routes (as vLLM: "
                           "/health, /metrics and /version stay open)")  # fmt: skip
+    # CORS, as vLLM's flags (JSON lists; a str default goes through `type` too)
+    srv.add_argument("--allowed-origins", type=_json_list, default='["*"]', metavar="JSON",
+                     help='CORS: the origins browser pages may call from; "*": any')  # fmt: skip
+    srv.add_argument("--allowed-methods", type=_json_list, default='["*"]', metavar="JSON",
+                     help='CORS: the methods they may use; "*": any')  # fmt: skip
+    srv.add_argument("--allowed-headers", type=_json_list, default='["*"]', metavar="JSON",
+                     help='CORS: the request headers they may send; "*": any')  # fmt: skip
+    srv.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
+                     help="CORS: browsers may send cookies and credentials (the Origin is then "
+                          "echoed, never \"*\"), as vLLM's flag")  # fmt: skip
     srv.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
                      help="seconds running requests may take to finish after SIGTERM")  # fmt: skip
     srv.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
@@ -360,6 +387,11 @@ def _server_config(args: argparse.Namespace):  # -> ServerConfig
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
     )
 
 

@@ -39,6 +39,7 @@ from deltaserve.engine.events import (
 from deltaserve.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from deltaserve.engine.tokenizer import generation_sampling_defaults
 from deltaserve.http import errors
+from deltaserve.http.cors import Cors
 from deltaserve.http.errors import ApiError
 from deltaserve.http.metrics import render_metrics
 from deltaserve.http.protocol import (
@@ -75,7 +76,8 @@ class ServerState:
     def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.strings = TokenStrings(engine.tokenizer)
+        # logprobs' token strings; a request's return_tokens_as_token_ids: `.rendering`
+        self.strings = TokenStrings(engine.tokenizer, config.return_tokens_as_token_ids)
         self.created = int(time.time())
         self.draining = False  # set by the serve command on SIGTERM
         # what a request leaves out of temperature, top_p, top_k, min_p, repetition_penalty
@@ -112,11 +114,15 @@ STATE = web.AppKey("deltaserve_state", ServerState)
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     """Serve it with `start_server` (or an AppRunner with handler_cancellation=True), so
-    that a client's disconnect cancels its requests."""
+    that a client's disconnect cancels its requests. CORS first: preflights need no key (as
+    in vLLM); its signal gives every response its headers (errors, 401s, SSE streams)."""
+    cors = Cors(config.allowed_origins, config.allowed_methods, config.allowed_headers,
+                config.allow_credentials)  # fmt: skip
     app = web.Application(
         client_max_size=config.max_request_bytes,
-        middlewares=[_error_middleware, _auth_middleware],
+        middlewares=[cors.middleware, _error_middleware, _auth_middleware],
     )
+    app.on_response_prepare.append(cors.on_response_prepare)
     app[STATE] = ServerState(engine, config)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -259,7 +265,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = [p if isinstance(p, str) else list(p) for p in req.prompts]
     fit = functools.partial(truncate_prompt, keep=req.truncate_prompt_tokens, max_tokens=params.max_tokens,
                             max_model_len=state.engine.max_model_len)  # fmt: skip
-    formatter = CompletionFormatter(request_id, model, state.strings, req.sampling.logprobs is not None,
+    strings = state.strings.rendering(req.return_tokens_as_token_ids)
+    formatter = CompletionFormatter(request_id, model, strings, req.sampling.logprobs is not None,
                                     continuous_usage=req.continuous_usage)  # fmt: skip
     if req.echo:  # as vLLM's: a text prompt as sent, token ids decoded (after truncation)
         formatter.echo([p if isinstance(p, str) else await state.engine.run_tokenizer(
@@ -291,7 +298,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tool_calls = None  # the output read for tool calls: tool_choice "auto" (the server has a parser)
     if req.tool_choice == "auto" and req.tools and state.config.tool_call_parser is not None:
         tool_calls = ToolCallReader(state.config.tool_call_parser, req.tools, req.parallel_tool_calls)
-    formatter = ChatFormatter(request_id, model, state.strings, req.logprobs, reasoning=state.reasoning,
+    strings = state.strings.rendering(req.return_tokens_as_token_ids)
+    formatter = ChatFormatter(request_id, model, strings, req.logprobs, reasoning=state.reasoning,
                               prompt_ids=prompt_ids, include_reasoning=req.include_reasoning,
                               tool_calls=tool_calls, streaming=req.stream,
                               continuous_usage=req.continuous_usage)  # fmt: skip

@@ -9,6 +9,7 @@ from typing import Any
 
 from deltaserve.engine.sampling_params import SEED_MAX, SEED_MIN
 from deltaserve.engine.tokenizer import check_chat_template
+from deltaserve.http.cors import cors_list
 from deltaserve.http.reasoning import REASONING_PARSERS
 from deltaserve.http.tool_parsers import TOOL_CALL_PARSERS
 
@@ -52,6 +53,15 @@ class ServerConfig:
     # usage.prompt_tokens_details.cached_tokens: the prompt tokens a saved prefix held (vLLM's
     # flag; shown where there were any)
     enable_prompt_tokens_details: bool = False
+    # logprobs name tokens "token_id:{id}" in requests that leave return_tokens_as_token_ids
+    # out (vLLM's flag: a request's own value wins)
+    return_tokens_as_token_ids: bool = False
+    # CORS for browser front-ends (http/cors.py), vLLM's flags and defaults: lists of strings,
+    # "*" for any; held as tuples
+    allowed_origins: Sequence[str] = ("*",)
+    allowed_methods: Sequence[str] = ("*",)
+    allowed_headers: Sequence[str] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         names = self.served_model_name
@@ -84,3 +94,7 @@ class ServerConfig:
                              f"got {self.tool_call_parser!r}")  # fmt: skip
         if self.enable_auto_tool_choice and self.tool_call_parser is None:  # vLLM's words
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            object.__setattr__(self, name, cors_list(name, getattr(self, name)))
+        if not isinstance(self.allow_credentials, bool):
+            raise ValueError(f"allow_credentials must be a bool, got {self.allow_credentials!r}")

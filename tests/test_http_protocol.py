@@ -243,14 +243,13 @@ class TestChat:
 
 
 # vLLM's extra request fields and their defaults: what this server does anyway.
-VLLM_DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0,
-                 "return_tokens_as_token_ids": False}  # fmt: skip
+VLLM_DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0}
 COMPLETION_DEFAULTS = {**VLLM_DEFAULTS, "add_special_tokens": True}
 CHAT_DEFAULTS = {**VLLM_DEFAULTS, "add_special_tokens": False, "add_generation_prompt": True,
                  "continue_final_message": False}  # fmt: skip
 # A value other than the default, of the right type and of a wrong one.
 OTHER = {"use_beam_search": [True, 0], "length_penalty": [0.5, True],
-         "priority": [1, -1], "return_tokens_as_token_ids": [True, 0], "add_special_tokens": [None],
+         "priority": [1, -1], "add_special_tokens": [None],
          "add_generation_prompt": [False, 1], "continue_final_message": [True, 0]}  # fmt: skip
 CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
 
