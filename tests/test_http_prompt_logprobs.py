@@ -14,14 +14,14 @@ from typing import Any
 import openai
 import pytest
 import pytest_asyncio
-from serve_helpers import wait_idle
+from serve_helpers import in_process_server, wait_idle
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.events import TokenEvent
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http.responses import TokenStrings
-from deltaserve.http.server import ServerConfig, build_app, start_server
+from deltaserve.http.server import ServerConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -42,16 +42,10 @@ class Served:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tiny_model_dir):
-    engine = await AsyncEngine.start(EngineConfig(model=str(tiny_model_dir), max_model_len=512, max_num_seqs=4))
-    runner, _ = await start_server(build_app(engine, ServerConfig(MODEL)), "127.0.0.1", 0)
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{runner.addresses[0][1]}/v1", api_key="x",
-                                max_retries=0, timeout=120)  # fmt: skip
-    try:
-        yield Served(engine, client, TokenStrings(engine.tokenizer))
-    finally:
-        await client.close()
-        await runner.cleanup()
-        await engine.shutdown()
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=512, max_num_seqs=4)
+    async with in_process_server(config, ServerConfig(MODEL)) as s:
+        async with openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+            yield Served(s.engine, client, TokenStrings(s.engine.tokenizer))
 
 
 @pytest_asyncio.fixture(autouse=True, loop_scope="module")
