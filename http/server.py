@@ -130,6 +130,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
+    from deltaserve.http.tokenize_routes import add_routes  # imports this module: not at its top
+    add_routes(app)  # /tokenize, /detokenize, /ping
     return app
 
 
@@ -370,10 +372,11 @@ def _param_of(
 async def _apply_chat_template(
     engine: AsyncEngine, messages: Sequence[dict[str, Any]], kwargs: dict[str, Any], size: int,
     chat_template: str | None = None, tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True, continue_final_message: bool = False, add_special_tokens: bool = False,
 ) -> list[int]:
     """The prompt's token ids: the template (`chat_template`, else the tokenizer's) rendered
     with the request's `tools` and tokenized, off the event loop when the request (`size`
-    bytes, which bounds what the template sees) is large."""
+    bytes, which bounds what the template sees) is large. The flags: /tokenize's (vLLM's)."""
     for key in kwargs:
         if key in RESERVED_TEMPLATE_KWARGS:
             raise errors.unsupported(f"chat_template_kwargs.{key}", "reserved by the server")
@@ -384,14 +387,15 @@ async def _apply_chat_template(
     def render(tokenizer: Any) -> list[int]:
         try:
             text = tokenizer.apply_chat_template(
-                list(messages), chat_template=chat_template, add_generation_prompt=True,
-                tokenize=False, tools=list(tools) if tools else None, **kwargs,
+                list(messages), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False,
+                tools=list(tools) if tools else None, **kwargs,
             )  # fmt: skip
         except Exception as exc:  # jinja errors from the template (e.g. role order)
             raise errors.bad_request(
                 f"the chat template rejected the messages: {exc}", "messages"
             ) from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     try:
         return await engine.run_tokenizer(render, size)

@@ -1,0 +1,122 @@
+"""vLLM's `/tokenize` and `/detokenize`, and `/ping` (SageMaker's health check): token counts
+and exact ids for clients (chat UIs, evals, RL frameworks), without generating.
+
+A `prompt` is tokenized as /v1/completions tokenizes one; `messages` are checked and rendered
+as /v1/chat/completions renders them (the same parsing, template, tools and template kwargs);
+a large input off the event loop. Outside /v1: no API key guards them, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from deltaserve.engine.events import EngineDeadError
+from deltaserve.http import errors
+from deltaserve.http.protocol import (
+    _json_type,
+    _object,
+    _opt_bool,
+    _opt_str,
+    _refuse_unknown,
+    _token_ids,
+    parse_chat_request,
+)
+from deltaserve.http.server import (
+    STATE,
+    ServerState,
+    _apply_chat_template,
+    _json,
+    _read_json,
+    health,
+)
+
+T = TypeVar("T")
+
+# vLLM's TokenizeCompletionRequest and TokenizeChatRequest (its chat_template, media_io_kwargs
+# and mm_processor_kwargs are refused as unknown, as the chat route refuses them); the other
+# form's prompt or messages may be there as null (both given are refused first)
+_PROMPT_KEYS = frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs"})
+_CHAT_ROUTE_KEYS = ("messages", "tools", "chat_template_kwargs")  # parsed as the chat route does
+_CHAT_KEYS = _PROMPT_KEYS | {*_CHAT_ROUTE_KEYS, "add_generation_prompt", "continue_final_message"}
+_DETOKENIZE_KEYS = frozenset({"model", "tokens"})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/ping", health)  # as vLLM's: /health's answer, to GET and POST
+    app.router.add_post("/ping", health)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """`{"count", "max_model_len", "tokens", "token_strs"}`; token_strs null unless asked."""
+    state = request.app[STATE]
+    obj = _object(await _read_json(request))
+    is_chat = obj.get("messages") is not None
+    if is_chat and obj.get("prompt") is not None:
+        raise errors.bad_request("give either prompt (a text) or messages (a chat), not both", "messages")
+    _refuse_unknown(obj, _CHAT_KEYS if is_chat else _PROMPT_KEYS)
+    return_strs = _opt_bool(obj, "return_token_strs", default=False)
+    if is_chat:
+        ids = await _chat_ids(state, obj, size=len(await request.read()))
+    else:
+        ids = await _prompt_ids(state, obj)
+    strs = await _run(state, lambda tok: tok.convert_ids_to_tokens(ids), len(ids)) if return_strs else None
+    # max_model_len: as /v1/models gives it, what one request can use
+    return _json({"count": len(ids), "max_model_len": state.engine.longest_sequence, "tokens": ids,
+                  "token_strs": strs})  # fmt: skip
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """`{"prompt": text}`: the ids decoded with their special tokens, as vLLM's."""
+    state = request.app[STATE]
+    obj = _object(await _read_json(request))
+    _refuse_unknown(obj, _DETOKENIZE_KEYS)
+    if obj.get("tokens") is None:
+        raise errors.bad_request("tokens is required", "tokens")
+    ids = _token_ids(obj["tokens"], "tokens", empty_ok=True)
+    vocab = state.engine.model_config.vocab_size  # the bound the engine holds prompt ids to
+    for i, t in enumerate(ids):
+        if t >= vocab:
+            raise errors.bad_request(f"tokens[{i}] is {t}, outside the vocabulary [0, {vocab})", "tokens")
+    state.model_name(_opt_str(obj, "model"))
+    return _json({"prompt": await _run(state, lambda tok: tok.decode(list(ids)), len(ids))})
+
+
+async def _prompt_ids(state: ServerState, obj: dict[str, Any]) -> list[int]:
+    prompt = obj.get("prompt")
+    if prompt is None:
+        raise errors.bad_request("either prompt (a text) or messages (a chat) is required", "prompt")
+    if not isinstance(prompt, str):
+        raise errors.bad_request(f"prompt must be a string, got {_json_type(prompt)}", "prompt")
+    special = _opt_bool(obj, "add_special_tokens", default=True)
+    state.model_name(_opt_str(obj, "model"))
+    return await _run(state, lambda tok: tok.encode(prompt, add_special_tokens=special), len(prompt))
+
+
+async def _chat_ids(state: ServerState, obj: dict[str, Any], size: int) -> list[int]:
+    chat = parse_chat_request({key: obj[key] for key in _CHAT_ROUTE_KEYS if key in obj})
+    generation = _opt_bool(obj, "add_generation_prompt", default=True)
+    continuation = _opt_bool(obj, "continue_final_message", default=False)
+    if generation and continuation:  # vLLM's words
+        raise errors.bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` "
+                                 "to True.", "continue_final_message")  # fmt: skip
+    special = _opt_bool(obj, "add_special_tokens", default=False)
+    state.model_name(_opt_str(obj, "model"))
+    kwargs = {**state.config.default_chat_template_kwargs, **chat.chat_template_kwargs}
+    return await _apply_chat_template(
+        state.engine, chat.messages, kwargs, size, chat_template=state.config.chat_template,
+        tools=chat.tools, add_generation_prompt=generation, continue_final_message=continuation,
+        add_special_tokens=special,
+    )  # fmt: skip
+
+
+async def _run(state: ServerState, fn: Callable[[Any], T], size: int) -> T:
+    """`fn(tokenizer)`, in the engine's tokenizer thread when `size` is large."""
+    try:
+        return await state.engine.run_tokenizer(fn, size)
+    except EngineDeadError as exc:
+        raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
