@@ -16,6 +16,20 @@ penalty > 0, logprobs up to 20). Conventions chosen here, and refused otherwise:
   masks every other logit); `bad_words`: the engine tokenizes them (`tokenize_bad_words`, as
   vLLM's update_from_tokenizer) and the rank forbids a sequence's last token wherever the output
   so far ends with the rest. Both are masks on the rank, like min_tokens': logprobs stay raw.
+- `guided_choice` (vLLM's structured_outputs.choice; at most MAX_GUIDED_CHOICES non-empty
+  strings): the output is one of them. The engine tokenizes each once, canonically
+  (`tokenize_guided_choice`: encode(choice) without special tokens), and the rank allows at each
+  step only the next token of every choice whose tokens the output so far begins, plus the EOS
+  ids where the output is a whole choice that a longer one extends; at a whole choice that none
+  extends the engine ends the request ("stop"), sampling nothing more. vLLM's grammar accepts any
+  tokenization that spells a choice, this only the canonical one: the same texts, a slightly
+  different distribution under sampling. Nor does vLLM end at a whole choice: its grammar
+  allows only EOS there, sampled as one more token. A choice request ends at a whole choice even
+  with ignore_eos (an EOS sampled there ends it too; vLLM's, past the EOS its grammar allowed,
+  would sample on unconstrained); stop strings, stop_token_ids and max_tokens ("length") still
+  end it earlier. It is refused with allowed_token_ids, bad_words, logit_bias and min_tokens
+  (masks of their own, whose intersection with the choices could leave nothing to sample);
+  penalties, temperature and the filters act on the choices' tokens. Logprobs stay raw.
 - `prompt_logprobs` (0..20, vLLM's): the logprob and rank of every prompt token after the first,
   with that many alternatives, of the model's raw distribution (`PromptLogprobsEvent`); such a
   request reuses no saved prefix (its positions' logits are needed).
@@ -48,6 +62,8 @@ MAX_TOKEN_ID = 2**31 - 1
 # vLLM's VLLM_MAX_NUM_BAD_WORDS default: token sequences the bad words may give (each word
 # gives one or two), so a request cannot make the rank check thousands each token.
 MAX_BAD_WORD_SEQUENCES = 128
+# guided_choice: the rank walks every choice's tokens at each step, so their number is bounded
+MAX_GUIDED_CHOICES = 64
 
 
 def _is_int(value: object) -> bool:
@@ -83,6 +99,9 @@ class SamplingParams:
     # bad_words as token-id sequences: set by `tokenize_bad_words` (the engine calls it)
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob and k alternatives
+    guided_choice: tuple[str, ...] = ()  # empty: unconstrained; else the output is one of these
+    # guided_choice as token-id sequences: set by `tokenize_guided_choice` (the engine calls it)
+    guided_choice_token_ids: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -148,7 +167,19 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
         object.__setattr__(self, "bad_words", tuple(dict.fromkeys(self.bad_words)))  # as vLLM: once each
         if self.bad_words_token_ids is not None:
-            object.__setattr__(self, "bad_words_token_ids", _sequences(self.bad_words_token_ids))
+            object.__setattr__(self, "bad_words_token_ids", _sequences(self.bad_words_token_ids, "bad_words_token_ids"))
+        object.__setattr__(self, "guided_choice", _choices(self.guided_choice))
+        if self.guided_choice or self.guided_choice_token_ids:
+            for name, used in (("allowed_token_ids", self.allowed_token_ids is not None),
+                               ("bad_words", bool(self.bad_words)), ("logit_bias", bool(self.logit_bias)),
+                               ("min_tokens", self.min_tokens > 0)):  # fmt: skip
+                if used:
+                    raise ValueError(f"guided_choice cannot be combined with {name}")
+        if self.guided_choice_token_ids is not None:
+            ids = _sequences(self.guided_choice_token_ids, "guided_choice_token_ids")
+            if len(ids) > MAX_GUIDED_CHOICES:
+                raise ValueError(f"guided_choice_token_ids has {len(ids)} choices; at most {MAX_GUIDED_CHOICES} allowed")
+            object.__setattr__(self, "guided_choice_token_ids", ids)
 
     def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> SamplingParams:
         """These params with `bad_words_token_ids` set, as vLLM's update_from_tokenizer: each word
@@ -169,6 +200,23 @@ class SamplingParams:
                 raise ValueError(f"bad_words give more than {MAX_BAD_WORD_SEQUENCES} token sequences; send fewer words")
         return replace(self, bad_words_token_ids=tuple(sequences))
 
+    def tokenize_guided_choice(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """These params with `guided_choice_token_ids` set: each choice's canonical tokens."""
+        if not self.guided_choice or self.guided_choice_token_ids is not None:
+            return self
+        sequences = []
+        for choice in self.guided_choice:
+            if not (tokens := tuple(encode(choice))):
+                raise ValueError(f"guided_choice entry {choice!r} must tokenize to at least one token")
+            sequences.append(tokens)
+        return replace(self, guided_choice_token_ids=tuple(sequences))
+
+    def ends_choice(self, output: tuple[int, ...]) -> bool:
+        """Whether `output` is a whole choice that no longer choice extends: the request ends."""
+        choices = self.guided_choice_token_ids or ()
+        n = len(output)
+        return output in choices and not any(len(c) > n and c[:n] == output for c in choices)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
@@ -179,6 +227,11 @@ class SamplingParams:
         masked = tuple(sorted({*eos_token_ids, *self.stop_token_ids})) if self.min_tokens else ()
         if self.bad_words and self.bad_words_token_ids is None:
             raise ValueError("bad_words must be tokenized first (tokenize_bad_words)")
+        choices = self.guided_choice_token_ids or ()
+        if self.guided_choice and not choices:
+            raise ValueError("guided_choice must be tokenized first (tokenize_guided_choice)")
+        # the EOS ids go up only where the output can end at a choice that a longer one extends
+        extended = any(len(a) < len(b) and b[: len(a)] == a for a in choices for b in choices)
         return SamplingSpec(
             seed=seed,
             temperature=float(self.temperature),
@@ -194,6 +247,8 @@ class SamplingParams:
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids or (),
             bad_words=self.bad_words_token_ids or (),
+            choices=choices,
+            choice_end_ids=tuple(sorted(eos_token_ids)) if extended else (),
         )
 
 
@@ -214,14 +269,26 @@ def _allowed(ids: object) -> tuple[int, ...]:
     return tuple(sorted(set(ids)))
 
 
-def _sequences(value: object) -> tuple[tuple[int, ...], ...]:
-    """bad_words_token_ids as given (by `tokenize_bad_words`, or a caller of its own): each a
-    non-empty run of token ids."""
+def _choices(value: object) -> tuple[str, ...]:
+    """guided_choice as given: distinct non-empty strings, once each, in their order."""
+    if isinstance(value, str) or not isinstance(value, tuple | list) or not all(
+        isinstance(c, str) and c for c in value
+    ):
+        raise ValueError(f"guided_choice must be a list of non-empty strings, got {value!r}")
+    choices = tuple(dict.fromkeys(value))
+    if len(choices) > MAX_GUIDED_CHOICES:
+        raise ValueError(f"guided_choice has {len(choices)} choices; at most {MAX_GUIDED_CHOICES} allowed")
+    return choices
+
+
+def _sequences(value: object, name: str) -> tuple[tuple[int, ...], ...]:
+    """Token-id sequences as given (by `tokenize_bad_words` or `tokenize_guided_choice`, or a
+    caller of its own): each a non-empty run of token ids."""
     if not isinstance(value, tuple | list) or not all(
         isinstance(seq, tuple | list) and seq and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in seq)
         for seq in value
     ):
-        raise ValueError(f"bad_words_token_ids must be non-empty lists of token ids, got {value!r}")
+        raise ValueError(f"{name} must be non-empty lists of token ids, got {value!r}")
     return tuple(tuple(seq) for seq in value)
 
 

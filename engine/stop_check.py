@@ -3,7 +3,9 @@ checks, as vLLM's `check_stop` (vllm/v1/core/sched/utils.py) and its detokenizer
 
 In order: a stop token (an EOS id unless ignore_eos, or one of `stop_token_ids`) ends the
 request, its text left out unless `include_stop_str_in_output` (as vLLM's detokenizer skips a
-stop-terminated token only then); else a stop string in the text; else max_tokens. Before
+stop-terminated token only then); a guided-choice request's EOS ends it even with ignore_eos
+(the rank allows one only at a whole choice). Else a stop string in the text; else a whole
+choice that no longer one extends ("stop", its last token's text kept); else max_tokens. Before
 min_tokens tokens the rank has masked every stop token, and the detokenizer looks for no
 stop string, so nothing here needs to count them.
 """
@@ -26,12 +28,13 @@ def check_stop(
     or None where nothing in it can end the request: then it is detokenized later, off the
     step's path)."""
     params = request.params
-    if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
+    if ((not params.ignore_eos or params.guided_choice_token_ids) and token in eos_token_ids) or token in params.stop_token_ids:
         return "stop", detokenizer.add(token) if params.include_stop_str_in_output else ""
     at_length = request.num_output_tokens >= params.max_tokens
-    if not (params.stop or at_length):
+    chosen = bool(params.guided_choice_token_ids) and params.ends_choice(request.output_ids)
+    if not (params.stop or at_length or chosen):
         return None, None
     text = detokenizer.add(token)
-    if detokenizer.stop_matched is not None:
+    if detokenizer.stop_matched is not None or chosen:
         return "stop", text
     return ("length" if at_length else None), text

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from deltaserve.http.errors import ApiError, bad_request, unsupported
+from deltaserve.http.structured_output import STRUCTURED_OUTPUT_KEYS, parse_guided_choice
 from deltaserve.http.tool_protocol import TOOL_MESSAGE_KEYS, parse_tool_fields, tool_message_fields
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ _SAMPLING_KEYS = frozenset(
         "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens",
         "logit_bias", "include_stop_str_in_output", "skip_special_tokens",
         "spaces_between_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-        "prompt_logprobs",
+        "prompt_logprobs", *STRUCTURED_OUTPUT_KEYS,
     }
 )  # fmt: skip
 # Harmless metadata: accepted and not used for generation.
@@ -96,6 +97,7 @@ class SamplingFields:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
+    guided_choice: tuple[str, ...] = ()  # vLLM's structured_outputs.choice (http/structured_output.py)
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """Build the engine's params (which check ranges and raise ValueError naming the
@@ -372,6 +374,7 @@ def _sampling(
         allowed_token_ids=None if allowed is None else _token_ids(allowed, "allowed_token_ids"),
         bad_words=_strings(obj, "bad_words"),
         prompt_logprobs=prompt_logprobs,
+        guided_choice=parse_guided_choice(obj),
     )
 
 

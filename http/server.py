@@ -296,6 +296,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if max_tokens is None:  # as vLLM: whatever context (or, if smaller, KV cache) the prompt leaves
         max_tokens = max(1, state.engine.longest_sequence - len(prompt_ids))
     params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs", seeds=state.seeds)
+    if params.guided_choice and state.reasoning is not None and state.reasoning.starts_in_reasoning(prompt_ids):
+        raise errors.unsupported("structured_outputs", "a choice while the model thinks first would be its reasoning; "
+                                 "turn thinking off (chat_template_kwargs {\"enable_thinking\": false})")  # fmt: skip
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     tool_calls = None  # the output read for tool calls: tool_choice "auto" (the server has a parser)
     if req.tool_choice == "auto" and req.tools and state.config.tool_call_parser is not None:

@@ -28,6 +28,9 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     min_tokens only) cannot be; `logit_bias` holds (token id, bias) pairs, ids ascending.
     `allowed_token_ids` (empty: all) are the only ones that can be; `bad_words` are token-id
     sequences whose last token cannot be where the output so far ends with the rest.
+    `choices` (guided_choice, non-empty: the output is one of these token sequences): only the
+    next token of each choice that the output so far begins can be, and `choice_end_ids` (the
+    EOS ids, sent only when a choice is a prefix of another) where it is a whole choice.
     """
 
     seed: int
@@ -44,6 +47,8 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
+    choices: tuple[tuple[int, ...], ...] = ()
+    choice_end_ids: tuple[int, ...] = ()
 
 
 class NewRequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

@@ -491,6 +491,15 @@ async def test_reasoning_end_to_end(tiny_model_dir, tmp_path):
             await client.chat.completions.create(**base, logprobs=True, extra_body=hidden)
         assert info.value.body["param"] == "include_reasoning"
 
+        # a choice while thinking is on would land in the reasoning: refused; with it off, honoured
+        choice = {"structured_outputs": {"choice": ["yes", "no"]}}
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(**base, extra_body=choice)
+        assert info.value.body["param"] == "structured_outputs" and "enable_thinking" in info.value.body["message"]
+        off = {**choice, "chat_template_kwargs": {"enable_thinking": False}}
+        r = await client.chat.completions.create(**base, extra_body=off)
+        assert (r.choices[0].message.content, r.choices[0].message.reasoning) in (("yes", None), ("no", None))
+
         # the reply sent back as history (the SDK's model_dump carries `reasoning`): rendered
         reply = (
             (await client.chat.completions.create(**base, extra_body=no_eos))

@@ -1,4 +1,4 @@
-"""min_tokens, logit_bias, allowed_token_ids and bad words through the engine on CUDA (graphs,
+"""min_tokens, logit_bias, allowed_token_ids, bad words and guided choices through the engine on CUDA (graphs,
 pipelined and overlapped steps), nine requests at once: `python -m tools.sampling_check MODEL_DIR OUT.json` (exit 1 on a failed
 check). The CPU tests check the same rules exactly (tests/test_sampler.py,
 tests/test_engine_sampling.py); this runs them where the decode step is a graph replay."""
@@ -16,6 +16,7 @@ from deltaserve.engine.events import FinishedEvent, TokenEvent
 from deltaserve.engine.sampling_params import SamplingParams
 
 X, Y = 1234, 5678  # two ordinary token ids
+CHOICES = ("red apple", "green pear", "blue")  # guided_choice
 
 
 async def _run(engine: AsyncEngine, prompt: str, params: SamplingParams) -> tuple[list[int], str]:
@@ -45,6 +46,8 @@ async def main(model: str, out: str) -> bool:
                                          ignore_eos=True),
         "bad_XX": SamplingParams(max_tokens=8, temperature=0.0, logit_bias={X: 100.0}, allowed_token_ids=[X, Y],
                                  bad_words_token_ids=[[X, X]], ignore_eos=True),  # X, then Y where X is barred
+        "choice_greedy": SamplingParams(max_tokens=8, temperature=0.0, guided_choice=CHOICES),
+        "choice_random": SamplingParams(max_tokens=8, temperature=1.0, seed=5, guided_choice=CHOICES),
     }  # fmt: skip
     start = time.perf_counter()
     runs = [_run(engine, f"Prompt {i}: tell me a story", p) for i, p in enumerate(cases.values())]
@@ -62,7 +65,9 @@ async def main(model: str, out: str) -> bool:
         "allowed_XY": len(got["allowed_XY"][0]) == 8 and set(got["allowed_XY"][0]) <= {X, Y},
         "allowed_random": len(got["allowed_random"][0]) == 8 and set(got["allowed_random"][0]) <= {X, Y},
         "bad_XX": got["bad_XX"][0] == [X, Y] * 4,
-    }
+        **{name: got[name][1] == "stop" and engine.tokenizer.decode(got[name][0]) in CHOICES
+           for name in ("choice_greedy", "choice_random")},
+    }  # fmt: skip
     record = {"eos": eos, "checks": checks, "seconds": time.perf_counter() - start,
               "results": {k: {"tokens": v[0], "reason": v[1]} for k, v in got.items()}}  # fmt: skip
     with open(out, "w") as f:

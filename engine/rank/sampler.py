@@ -6,6 +6,9 @@ The order of operations follows vLLM v1 (`vllm/v1/sample/sampler.py`, `ops/penal
   -> allowed_token_ids: every other token at -inf; bad_words: a sequence's last token at -inf
      where the output so far ends with the rest (`barred`; vLLM's apply_bad_words)
   -> min_tokens: EOS and stop ids at -inf until min_tokens tokens were sampled
+  -> guided choice: every token but the next of each choice the output so far begins at -inf
+     (`choice_next`; where the output is a whole choice that a longer one extends, its EOS ids
+     stay too)
   -> logit_bias added
   -> penalties (repetition on prompt+output tokens, then frequency and presence on output tokens)
   -> greedy rows: argmax
@@ -73,6 +76,7 @@ class _RequestState:
     generator: torch.Generator | None = None
     recent: list[int] = field(default_factory=list)  # the last output tokens a bad word's prefix spans
     allowed: torch.Tensor | None = None  # allowed_token_ids on the device, sent up once
+    live: list[tuple[int, ...]] = field(default_factory=list)  # the choices the output so far begins
 
     def barred(self) -> list[int]:
         """The tokens masked for its next sample: EOS and stop ids before min_tokens, and each
@@ -84,6 +88,17 @@ class _RequestState:
             if prefix <= len(recent) and (prefix == 0 or recent[-prefix:] == list(word[:-1])):
                 out.append(word[-1])
         return out
+
+    def choice_next(self) -> list[int]:
+        """The tokens a guided-choice request may sample next: each live choice's next token,
+        and the end ids where the output is a whole choice. Empty where no choice goes on (the
+        output a whole choice that none extends: the engine ends the request there, and the
+        sample a pipelined step still draws for it is dropped, so it goes unmasked)."""
+        depth = self.num_sampled
+        tokens = {seq[depth] for seq in self.live if len(seq) > depth}
+        if tokens and any(len(seq) == depth for seq in self.live):
+            tokens.update(self.spec.choice_end_ids)
+        return sorted(tokens)
 
     def allowed_index(self, device: torch.device) -> torch.Tensor:
         if self.allowed is None:
@@ -130,12 +145,13 @@ class Sampler:
         if request_id in self._requests:
             raise ValueError(f"sampler already holds request {request_id}")
         ids = [*spec.stop_token_ids, *(t for t, _ in spec.logit_bias), *spec.allowed_token_ids,
-               *(t for word in spec.bad_words for t in word)]  # fmt: skip
-        if any(t < 0 for t in ids) or not all(spec.bad_words):
-            raise ValueError(f"request {request_id}: negative token id in {ids}, or an empty bad word")
+               *(t for word in (*spec.bad_words, *spec.choices) for t in word), *spec.choice_end_ids]  # fmt: skip
+        if any(t < 0 for t in ids) or not all(spec.bad_words) or not all(spec.choices):
+            raise ValueError(f"request {request_id}: negative token id in {ids}, or an empty bad word or choice")
         penalties = _has_penalties(spec)
         adjusts = penalties or bool(spec.logit_bias) or bool(spec.allowed_token_ids)
-        self._requests[request_id] = _RequestState(spec, penalties, adjusts, max(ids, default=-1))
+        state = _RequestState(spec, penalties, adjusts, max(ids, default=-1), live=list(spec.choices))
+        self._requests[request_id] = state
 
     def remove(self, request_id: int) -> None:
         """Forget a request; idempotent."""
@@ -189,10 +205,11 @@ class Sampler:
         work = logits
         barred = {i: b for i, s in enumerate(states) if (s.spec.bad_words or s.num_sampled < s.spec.min_tokens)
                   and (b := s.barred())}  # fmt: skip
-        adjusted = [i for i, s in enumerate(states) if s.always_adjusts or i in barred]
+        chosen = {i: c for i, s in enumerate(states) if s.live and (c := s.choice_next())}
+        adjusted = [i for i, s in enumerate(states) if s.always_adjusts or i in barred or i in chosen]
         if adjusted:
             work = logits.clone(memory_format=torch.contiguous_format)  # `_adjust` indexes it flat
-            self._adjust(work, adjusted, request_ids, states, barred)
+            self._adjust(work, adjusted, request_ids, states, barred, chosen)
             tokens = work.argmax(dim=-1)  # greedy rows keep these
         random_rows = [i for i, s in enumerate(states) if s.spec.temperature >= SAMPLING_EPS]
         if random_rows:
@@ -233,6 +250,9 @@ class Sampler:
             token, k = int(row[0]), state.spec.num_logprobs
             alternatives = [(int(t), v) for t, v in zip(row[2 : 2 + k], row[2 + k_max : 2 + k_max + k], strict=True)]
             samples.append(Sample(request_id, token, row[1], alternatives))
+            if state.live:  # the choices that go on with this token
+                depth = state.num_sampled
+                state.live = [seq for seq in state.live if len(seq) > depth and seq[depth] == token]
             state.num_sampled += 1
             if state.spec.bad_words:  # as many last tokens as the longest prefix needs
                 state.recent.append(token)
@@ -249,18 +269,19 @@ class Sampler:
         request_ids: list[int],
         states: list[_RequestState],
         barred: dict[int, list[int]],
+        chosen: dict[int, list[int]],
     ) -> None:
         """In place on `work` [n, vocab], for `rows`: the bias, the penalties, then the masks
-        (`barred` tokens by row, and allowed_token_ids). vLLM (`Sampler.apply_logits_processors`)
-        masks first, and a masked logit stays -inf through its bias and penalties, so masking
-        last gives the same logits (and no penalty's clamp to the float range can lift a masked
-        logit off -inf)."""
+        (`barred` tokens by row, allowed_token_ids, and the only tokens of each `chosen` row).
+        vLLM (`Sampler.apply_logits_processors`) masks first, and a masked logit stays -inf
+        through its bias and penalties, so masking last gives the same logits (and no penalty's
+        clamp to the float range can lift a masked logit off -inf)."""
         vocab, device = work.shape[1], work.device
         for i in rows:
             if states[i].max_token_id >= vocab:
                 raise ValueError(
                     f"request {request_ids[i]}: token id {states[i].max_token_id} in its stop_token_ids, "
-                    f"logit_bias, allowed_token_ids or bad_words is outside the vocabulary [0, {vocab})"
+                    f"logit_bias, allowed_token_ids, bad_words or choices is outside the vocabulary [0, {vocab})"
                 )
         flat = work.view(-1)
         biased = tuple((i, request_ids[i]) for i in rows if states[i].spec.logit_bias)
@@ -285,6 +306,11 @@ class Sampler:
                 allowed = states[i].allowed_index(device)
                 kept = work[i].index_select(0, allowed)
                 work[i].fill_(float("-inf")).index_copy_(0, allowed, kept)
+        if chosen:  # the chosen rows together: their tokens' logits kept, the rest -inf
+            index = to_device([i * vocab + t for i, tokens in chosen.items() for t in tokens], torch.int64, device)
+            kept = flat.index_select(0, index)
+            work.index_fill_(0, to_device(list(chosen), torch.int64, device), float("-inf"))
+            flat.index_copy_(0, index, kept)
 
     def _state(self, request_id: int) -> _RequestState:
         state = self._requests.get(request_id)
