@@ -17,6 +17,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
+from deltaserve.engine.events import PromptLogprobsEvent
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.ipc.messages import PromptLogprobs
 
@@ -108,6 +109,25 @@ class Request:
         if start + num_tokens <= p:
             return list(self.prompt_ids[start : start + num_tokens])
         return [*self.prompt_ids[start:], *self._output_ids[max(0, start - p) : start + num_tokens - p]]
+
+    def prompt_logprobs_fields(self, start: int, num_tokens: int, is_decode: bool) -> tuple[int, int]:
+        """A chunk's (StepItem.prompt_logprobs, next_token): (-1, -1) unless it is a prompt
+        chunk of a request with prompt logprobs; the next token only if the prompt goes on."""
+        k = self.params.prompt_logprobs
+        if k is None or is_decode:
+            return -1, -1
+        end = start + num_tokens
+        return k, self.prompt_ids[end] if end < len(self.prompt_ids) else -1
+
+    def prompt_logprobs_event(self) -> PromptLogprobsEvent:
+        """Its chunks' prompt logprobs, in order, as one event."""
+        parts = self.prompt_logprob_parts
+        return PromptLogprobsEvent(
+            self.index,
+            [lp for part in parts for lp in part.logprobs],
+            [rank for part in parts for rank in part.ranks],
+            [top for part in parts for top in part.top_logprobs],
+        )
 
     # ---- transitions -------------------------------------------------------------------
 

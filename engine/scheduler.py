@@ -50,14 +50,12 @@ from deltaserve.engine.events import (
     FinishedEvent,
     Lifecycle,
     LoadSnapshot,
-    PromptLogprobsEvent,
     TokenEvent,
     Transition,
 )
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.planner import PlanInput, PlannedChunk, StepBudget, StepPlan, plan_step
 from deltaserve.engine.prefix_cache import PrefixCache
-from deltaserve.engine.request import Request
 from deltaserve.engine.stop_check import check_stop
 from deltaserve.engine.tick_records import Cancellation, Entry, Step, Submission
 from deltaserve.ipc.controller import ReplicaPoisoned
@@ -358,15 +356,14 @@ class Scheduler:
                 self._queued_ids.discard(request.request_id)
                 request.finish("error")
                 del self._entries[request.request_id]
-                message = (
+                self._deliver(entry, ErrorEvent(request.index, (
                     f"request needs {reserve} positions (prompt {request.prompt_len} + max_tokens "
                     f"{request.params.max_tokens}); max_model_len is {self.max_model_len} and the "
-                    f"KV cache holds {self.ledger.num_blocks * self.ledger.block_size}"
-                )
-                self._deliver(entry, ErrorEvent(request.index, message))
+                    f"KV cache holds {self.ledger.num_blocks * self.ledger.block_size}")))  # fmt: skip
                 continue
-            if self._waits_for_first_choice(entry):
-                return
+            first = self._running.get(entry.sink.request_ids[0]) if request.index else None
+            if first is not None and self.prefix.saves_for_siblings(first.request):
+                return  # choice 0 of its call prefills toward the state it saves for the others
             plan = self.prefix.plan(request)
             if not self.prefix.make_room(request, plan):
                 return
@@ -379,14 +376,6 @@ class Scheduler:
             self._queued_ids.discard(request.request_id)
             self._running[request.request_id] = entry
             self._notify("admitted", entry)
-
-    def _waits_for_first_choice(self, entry: Entry) -> bool:
-        """Choice i > 0 waits while choice 0 of its call prefills toward the state it saves
-        for them (prefix caching), and then starts from it."""
-        if entry.request.index == 0:
-            return False
-        first = self._running.get(entry.sink.request_ids[0])
-        return first is not None and self.prefix.saves_for_siblings(first.request)
 
     async def _send(self, plan: StepPlan) -> Step:
         """Dispatch a planned step once the ranks are free."""
@@ -406,7 +395,7 @@ class Scheduler:
                 new = NewRequest(request.reserve_tokens, spec, prefix.start_of(chunk.request_id))
                 request.mark_dispatched()
             items.append(StepItem(chunk.request_id, chunk.start, tokens, chunk.sample, new, saves.get(chunk.request_id, -1),
-                                  *_prompt_logprobs_of(request, chunk)))  # fmt: skip
+                                  *request.prompt_logprobs_fields(chunk.start, chunk.num_tokens, chunk.is_decode)))  # fmt: skip
         self._notify_plan(plan)
         sent_at = time.perf_counter()
         if self._results_at is not None:  # the ranks sat idle since the last step's results
@@ -484,8 +473,8 @@ class Scheduler:
             if entry is None or entry.request.is_finished:
                 continue
             entry.request.advance(chunk.num_tokens)
-            if chunk.request_id in samples.prompt_logprobs:  # validated: exactly the chunks that asked
-                entry.request.prompt_logprob_parts.append(samples.prompt_logprobs[chunk.request_id])
+            if (part := samples.prompt_logprobs.get(chunk.request_id)) is not None:  # the chunks that asked
+                entry.request.prompt_logprob_parts.append(part)
             if chunk.sample:
                 if not chunk.is_decode:
                     self.metrics.prompt_tokens_total += entry.request.prompt_len
@@ -495,7 +484,7 @@ class Scheduler:
         request = entry.request
         previous = request.last_token_time_s
         if previous is None and request.params.prompt_logprobs is not None:  # before its first token
-            entry.sink.put(_prompt_logprobs_event(request))
+            entry.sink.put(request.prompt_logprobs_event())
         request.append_token(sample.token_id, now)
         self.metrics.generation_tokens_total += 1
         if previous is None:
@@ -609,21 +598,3 @@ class Scheduler:
             message = self._inbox.popleft()
             if isinstance(message, Submission):
                 self._add_entries(message)
-
-
-def _prompt_logprobs_of(request: Request, chunk: PlannedChunk) -> tuple[int, int]:
-    """A prompt chunk's (StepItem.prompt_logprobs, next_token): (-1, -1) unless it asks."""
-    k = request.params.prompt_logprobs
-    if k is None or chunk.is_decode:
-        return -1, -1
-    return k, -1 if chunk.sample else request.prompt_ids[chunk.start + chunk.num_tokens]
-
-
-def _prompt_logprobs_event(request: Request) -> PromptLogprobsEvent:
-    parts = request.prompt_logprob_parts
-    return PromptLogprobsEvent(
-        request.index,
-        [lp for part in parts for lp in part.logprobs],
-        [rank for part in parts for rank in part.ranks],
-        [top for part in parts for top in part.top_logprobs],
-    )
