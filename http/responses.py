@@ -231,9 +231,7 @@ class CompletionFormatter(_Formatter):
             if i:
                 lp = clamp_logprob(ev.token_logprobs[i - 1])
                 alts = [(alt, alt_lp) for alt, alt_lp in ev.top_logprobs[i - 1] if alt != token_id]
-                top = {}
-                for alt, alt_lp in [(token_id, ev.token_logprobs[i - 1]), *alts][: k + 1]:
-                    top.setdefault(self.strings.token(alt), clamp_logprob(alt_lp))
+                top = self._top([(token_id, ev.token_logprobs[i - 1]), *alts][: k + 1])
             state.logprobs.append((token, lp, top, state.token_offset))
             state.token_offset += len(token)
 
@@ -241,13 +239,16 @@ class CompletionFormatter(_Formatter):
         return text if self._echo is None else self._echo.pop(index, "") + text
 
     def _entry(self, ev: Any, offset: int) -> tuple[str, float, dict[str, float], int]:
-        top: dict[str, float] = {}
-        for tid, lp in ev.top_logprobs:
-            top.setdefault(self.strings.token(tid), clamp_logprob(lp))
         # OpenAI always includes the sampled token among the alternatives.
-        token = self.strings.token(ev.token_id)
-        top.setdefault(token, clamp_logprob(ev.logprob))
-        return token, clamp_logprob(ev.logprob), top, offset
+        top = self._top([*ev.top_logprobs, (ev.token_id, ev.logprob)])
+        return self.strings.token(ev.token_id), clamp_logprob(ev.logprob), top, offset
+
+    def _top(self, pairs: list[tuple[int, float]]) -> dict[str, float]:
+        """(token id, logprob) pairs as the legacy shape's dict, in order, each string once."""
+        top: dict[str, float] = {}
+        for tid, lp in pairs:
+            top.setdefault(self.strings.token(tid), clamp_logprob(lp))
+        return top
 
     @staticmethod
     def _logprobs_json(entries: list[Any]) -> dict[str, Any]:

@@ -91,7 +91,7 @@ def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = ()) ->
             _check_new(rid, start + len(tokens), item.new)
         if item.save < -1:
             raise PlanRejected(f"request {rid}: save {item.save} names no saved prefix")
-        if item.prompt_logprobs >= 0 or item.next_token != -1:
+        if item.prompt_logprobs != -1 or item.next_token != -1:
             _check_prompt_logprobs(item, vocab_size)
             prompt_logprobs[rid] = (item.num_prompt_logprobs, item.prompt_logprobs)
     if drops and not item_ids.isdisjoint(drops):
@@ -102,8 +102,10 @@ def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = ()) ->
 
 def _check_prompt_logprobs(item: StepItem, vocab_size: int) -> None:
     rid, k = item.request_id, item.prompt_logprobs
-    if not 0 <= k <= MAX_LOGPROBS:
+    if not -1 <= k <= MAX_LOGPROBS:
         raise PlanRejected(f"request {rid}: prompt_logprobs {k} outside -1..{MAX_LOGPROBS}")
+    if k == -1:
+        raise PlanRejected(f"request {rid}: next_token {item.next_token} without prompt_logprobs")
     if not item.token_ids:
         raise PlanRejected(f"request {rid}: prompt logprobs asked of an item without prompt tokens")
     if item.sample and item.next_token != -1:

@@ -49,6 +49,18 @@ def engine_config(model: Path, **overrides) -> EngineConfig:
     return EngineConfig(**{**base, **overrides})
 
 
+# where an engine test runs: the CPU at TP 1 and 2 (gloo), and CUDA where there is one
+PLACEMENTS = {"params": [("cpu", 1), ("cpu", 2), ("cuda", 1)], "ids": ["tp1", "tp2", "cuda"]}
+
+
+async def start_placed(placement: tuple[str, int], model: Path, **overrides) -> AsyncEngine:
+    """An engine on one of PLACEMENTS (skipped where there is no GPU), engine_config's otherwise."""
+    device, tp_size = placement
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    return await AsyncEngine.start(engine_config(model, device=device, tp_size=tp_size, **overrides))
+
+
 async def collect(stream, timeout_s: float = 60.0) -> tuple[list[TokenEvent], object]:
     """All token events and the one terminal event of a single-choice stream."""
     events = await asyncio.wait_for(_drain(stream), timeout_s)

@@ -202,6 +202,8 @@ class TestStepReplies:
             (StepItem(9, 0, [1, 2], True, new(), prompt_logprobs=1, next_token=3), "samples has no next prompt"),
             (StepItem(9, 0, [1, 2], True, new(), prompt_logprobs=21), "prompt_logprobs 21 outside"),
             (StepItem(9, 4, [], True, prompt_logprobs=1), "without prompt tokens"),
+            (StepItem(9, 0, [1, 2], False, new(), prompt_logprobs=-2), "prompt_logprobs -2 outside"),
+            (StepItem(9, 0, [1, 2], False, new(), next_token=3), "next_token 3 without prompt_logprobs"),
         ],
     )
     def test_prompt_logprob_items_rejected(self, item: StepItem, message: str) -> None:

@@ -15,7 +15,6 @@ import asyncio
 
 import pytest
 import pytest_asyncio
-import torch
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.capacity import CapacityLedger
@@ -24,7 +23,7 @@ from deltaserve.engine.generate import generate_tokens
 from deltaserve.engine.prefix_cache import PrefixCache, PromptPlan
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams
-from tests.test_engine import engine_config
+from tests.test_engine import PLACEMENTS, engine_config, start_placed
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 
@@ -33,18 +32,12 @@ BLOCKS = 40  # few enough that three saved 200-token prompts leave no room for a
 BASE = list(range(5, 45))  # 40 tokens: 2.5 blocks of 16
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[("cpu", 1), ("cpu", 2), ("cuda", 1)],
-                        ids=["tp1", "tp2", "cuda"])
+@pytest_asyncio.fixture(scope="module", loop_scope="module", **PLACEMENTS)
 async def engine(request, tiny_model_dir):
-    device, tp_size = request.param
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no GPU")
     # on CUDA the tiny fp32 model runs its prompts eagerly (flash takes half precision): prompt
     # graphs that start from saved prefixes are checked in tests/test_gpu_path.py
-    engine = await AsyncEngine.start(engine_config(
-        tiny_model_dir, device=device, tp_size=tp_size, num_kv_blocks=BLOCKS, max_num_batched_tokens=256,
-        enable_prefix_caching=True, prefix_cache_states=3,
-    ))  # fmt: skip
+    engine = await start_placed(request.param, tiny_model_dir, num_kv_blocks=BLOCKS, max_num_batched_tokens=256,
+                                enable_prefix_caching=True, prefix_cache_states=3)  # fmt: skip
     yield engine
     await engine.shutdown()
 

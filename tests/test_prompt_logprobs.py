@@ -21,22 +21,16 @@ from transformers import Qwen3_5ForCausalLM
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.events import FinishedEvent, PromptLogprobsEvent, TokenEvent
 from deltaserve.engine.sampling_params import SamplingParams
-from tests.test_engine import engine_config
+from tests.test_engine import PLACEMENTS, start_placed
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 K = 5
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[("cpu", 1), ("cpu", 2), ("cuda", 1)],
-                        ids=["tp1", "tp2", "cuda"])
+@pytest_asyncio.fixture(scope="module", loop_scope="module", **PLACEMENTS)
 async def engine(request, tiny_model_dir):
-    device, tp_size = request.param
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no GPU")
-    engine = await AsyncEngine.start(engine_config(
-        tiny_model_dir, device=device, tp_size=tp_size, max_num_batched_tokens=24, enable_prefix_caching=True,
-        prefix_cache_states=2,
-    ))  # fmt: skip
+    engine = await start_placed(request.param, tiny_model_dir, max_num_batched_tokens=24, enable_prefix_caching=True,
+                                prefix_cache_states=2)  # fmt: skip
     yield engine
     await engine.shutdown()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -264,10 +263,10 @@ class Executor:
         self._share_last_samples(items)
         if any(item.prompt_logprobs >= 0 for item in items):  # every row's hidden state: eagerly
             plan = self._plan(items, every_position)
-            batch = self._plan_batch(plan)
-            hidden = self._run_eager(batch, self.model.hidden_states)
+            batch = self._eager_batch(self._plan_batch(plan))
+            hidden = self.model.hidden_states(batch, self.cache)
+            logits = self.model.logits(hidden, batch)
             wanted = prompt_rows(items, [span.offset for span in plan.spans])
-            logits = self.model.output_embedding.logits(hidden if every_position else hidden[batch.logits_index])
             found = compute_prompt_logprobs(hidden, wanted, self.model.output_embedding)  # every rank's lm_head
             if prompt_logprobs is not None:
                 prompt_logprobs.update(found)
@@ -305,11 +304,12 @@ class Executor:
         if tp_size() > 1 and any(not item.token_ids for item in items):
             broadcast(self.cache.last_tokens)
 
-    def _run_eager(self, batch: StepBatch, run: Callable[[StepBatch, StateCache], torch.Tensor | None] | None = None) -> torch.Tensor | None:
-        """The model (or `run`: its hidden_states) over the batch, without graphs."""
-        if gpu_path(batch.input_ids):
-            batch = with_step_meta(batch, self.device)  # index tensors once for all layers
-        return (run or self.model)(batch, self.cache)
+    def _run_eager(self, batch: StepBatch) -> torch.Tensor | None:
+        return self.model(self._eager_batch(batch), self.cache)
+
+    def _eager_batch(self, batch: StepBatch) -> StepBatch:
+        """On the GPU path, the batch with its index tensors made once for all layers."""
+        return with_step_meta(batch, self.device) if gpu_path(batch.input_ids) else batch
 
     def _run_with_graphs(self, items: list[StepItem], graph_output: bool) -> torch.Tensor | None:
         """Single-token items replay a decode CUDA graph; prompt chunks run in a forward of

@@ -93,8 +93,11 @@ class Qwen3_5ForCausalLM(nn.Module):
     def forward(self, batch: StepBatch, cache: StateCache) -> torch.Tensor | None:
         """Run every layer over the step; return fp32 logits [S, vocab] of the tokens at
         `batch.logits_index` (every token where it is None) on rank 0 (None on the others)."""
-        x = self.hidden_states(batch, cache)
-        return self.output_embedding.logits(x if batch.logits_index is None else x[batch.logits_index])
+        return self.logits(self.hidden_states(batch, cache), batch)
+
+    def logits(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
+        """The fp32 logits of `hidden`'s rows at `batch.logits_index` (all where None), rank 0."""
+        return self.output_embedding.logits(hidden if batch.logits_index is None else hidden[batch.logits_index])
 
     @torch.inference_mode()
     def hidden_states(self, batch: StepBatch, cache: StateCache) -> torch.Tensor:
