@@ -271,12 +271,12 @@ class AsyncEngine:
     def _check_request(
         self, prompt: str | list[int], params: SamplingParams
     ) -> tuple[tuple[int, ...], SamplingParams]:
-        """The prompt's ids, and the params with their bad_words (as vLLM's processor) and
-        guided_choice tokenized."""
+        """The prompt's ids, and the params with their bad_words tokenized (as vLLM's
+        processor)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         encode = functools.partial(_encode_text, self.tokenizer)
-        params = params.tokenize_bad_words(encode).tokenize_guided_choice(encode)
+        params = params.tokenize_bad_words(encode)
         prompt_ids = self._prompt_ids(prompt)
         self._check_fits(prompt_ids, params)
         return prompt_ids, params
@@ -361,14 +361,10 @@ class AsyncEngine:
             raise ValueError(
                 f"logit_bias has token ids {outside}, outside the vocabulary [0, {vocab})"
             )
-        choice_ids = {t for seq in params.guided_choice_token_ids or () for t in seq}
         for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("bad_words", {t for word in params.bad_words_token_ids or () for t in word}),
-                          ("guided_choice", choice_ids)):  # fmt: skip
+                          ("bad_words", {t for word in params.bad_words_token_ids or () for t in word})):  # fmt: skip
             if outside := sorted(t for t in ids if t >= vocab):
                 raise ValueError(f"{name} has token ids {outside}, outside the vocabulary [0, {vocab})")
-        if ends := sorted(choice_ids & set(self.eos_token_ids)):  # the request would end inside
-            raise ValueError(f"guided_choice holds end-of-sequence token ids {ends}")
         need = len(prompt_ids) + params.max_tokens
         if need > self.max_model_len:
             raise ValueError(

@@ -16,20 +16,20 @@ penalty > 0, logprobs up to 20). Conventions chosen here, and refused otherwise:
   masks every other logit); `bad_words`: the engine tokenizes them (`tokenize_bad_words`, as
   vLLM's update_from_tokenizer) and the rank forbids a sequence's last token wherever the output
   so far ends with the rest. Both are masks on the rank, like min_tokens': logprobs stay raw.
-- `guided_choice` (vLLM's structured_outputs.choice; at most MAX_GUIDED_CHOICES non-empty
-  strings): the output is one of them. The engine tokenizes each once, canonically
-  (`tokenize_guided_choice`: encode(choice) without special tokens), and the rank allows at each
-  step only the next token of every choice whose tokens the output so far begins, plus the EOS
-  ids where the output is a whole choice that a longer one extends; at a whole choice that none
-  extends the engine ends the request ("stop"), sampling nothing more. vLLM's grammar accepts any
-  tokenization that spells a choice, this only the canonical one: the same texts, a slightly
-  different distribution under sampling. Nor does vLLM end at a whole choice: its grammar
-  allows only EOS there, sampled as one more token. A choice request ends at a whole choice even
-  with ignore_eos (an EOS sampled there ends it too; vLLM's, past the EOS its grammar allowed,
-  would sample on unconstrained); stop strings, stop_token_ids and max_tokens ("length") still
-  end it earlier. It is refused with allowed_token_ids, bad_words, logit_bias and min_tokens
-  (masks of their own, whose intersection with the choices could leave nothing to sample);
-  penalties, temperature and the filters act on the choices' tokens. Logprobs stay raw.
+- Structured outputs (vLLM's StructuredOutputsParams), at most one of: `guided_choice` (the
+  output is one of these strings; at most MAX_GUIDED_CHOICES), `guided_regex` (the whole output
+  matches it), `guided_json` (a JSON schema, as JSON text or a dict: the output is a JSON text
+  valid for it), `guided_json_object` (some JSON object); `guided_whitespace` is the pattern of
+  the whitespace allowed between JSON tokens (vLLM's whitespace_pattern). engine/guided.py
+  turns the constraint into one pattern (`guide_regex`), and the rank masks every token that
+  cannot continue the output towards a match; where the output is a match the EOS ids stay
+  allowed, and where nothing may follow they alone are (vLLM's grammar too ends with EOS).
+  Any tokenization that spells a match is allowed, as vLLM's. The request ends at that EOS
+  even with ignore_eos (the constraint's end); stop strings, stop_token_ids and max_tokens
+  ("length", the output cut) may end it earlier. Refused with allowed_token_ids, bad_words,
+  logit_bias and min_tokens (masks of their own, whose intersection with the constraint's
+  could leave nothing to sample); penalties, temperature and the filters act on the allowed
+  tokens. Logprobs stay raw.
 - `prompt_logprobs` (0..20, vLLM's): the logprob and rank of every prompt token after the first,
   with that many alternatives, of the model's raw distribution (`PromptLogprobsEvent`); such a
   request reuses no saved prefix (its positions' logits are needed).
@@ -37,10 +37,12 @@ penalty > 0, logprobs up to 20). Conventions chosen here, and refused otherwise:
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from deltaserve.engine.guided import guide_pattern
 from deltaserve.ipc.messages import SamplingSpec
 
 MAX_LOGPROBS = 20
@@ -62,8 +64,8 @@ MAX_TOKEN_ID = 2**31 - 1
 # vLLM's VLLM_MAX_NUM_BAD_WORDS default: token sequences the bad words may give (each word
 # gives one or two), so a request cannot make the rank check thousands each token.
 MAX_BAD_WORD_SEQUENCES = 128
-# guided_choice: the rank walks every choice's tokens at each step, so their number is bounded
-MAX_GUIDED_CHOICES = 64
+# guided_choice: an alternation of this many strings at most
+MAX_GUIDED_CHOICES = 256
 
 
 def _is_int(value: object) -> bool:
@@ -100,8 +102,12 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob and k alternatives
     guided_choice: tuple[str, ...] = ()  # empty: unconstrained; else the output is one of these
-    # guided_choice as token-id sequences: set by `tokenize_guided_choice` (the engine calls it)
-    guided_choice_token_ids: tuple[tuple[int, ...], ...] | None = None
+    guided_regex: str | None = None  # the whole output matches this regex
+    guided_json: str | None = None  # a JSON schema (JSON text, or a dict): the output is valid for it
+    guided_json_object: bool = False  # the output is a JSON object
+    guided_whitespace: str | None = None  # regex of the whitespace between JSON tokens; None: the default
+    # the constraint as one pattern (engine/guided.py), "" for none
+    guide_regex: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -169,17 +175,22 @@ class SamplingParams:
         if self.bad_words_token_ids is not None:
             object.__setattr__(self, "bad_words_token_ids", _sequences(self.bad_words_token_ids, "bad_words_token_ids"))
         object.__setattr__(self, "guided_choice", _choices(self.guided_choice))
-        if self.guided_choice or self.guided_choice_token_ids:
+        if isinstance(self.guided_json, Mapping | bool):
+            object.__setattr__(self, "guided_json", json.dumps(self.guided_json))
+        for name in ("guided_regex", "guided_json", "guided_whitespace"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string or None, got {getattr(self, name)!r}")
+        if not isinstance(self.guided_json_object, bool):
+            raise ValueError(f"guided_json_object must be a bool, got {self.guided_json_object!r}")
+        pattern = guide_pattern(self.guided_choice, self.guided_regex, self.guided_json,
+                                self.guided_json_object, self.guided_whitespace)  # fmt: skip
+        object.__setattr__(self, "guide_regex", pattern)
+        if pattern:
             for name, used in (("allowed_token_ids", self.allowed_token_ids is not None),
                                ("bad_words", bool(self.bad_words)), ("logit_bias", bool(self.logit_bias)),
                                ("min_tokens", self.min_tokens > 0)):  # fmt: skip
                 if used:
-                    raise ValueError(f"guided_choice cannot be combined with {name}")
-        if self.guided_choice_token_ids is not None:
-            ids = _sequences(self.guided_choice_token_ids, "guided_choice_token_ids")
-            if len(ids) > MAX_GUIDED_CHOICES:
-                raise ValueError(f"guided_choice_token_ids has {len(ids)} choices; at most {MAX_GUIDED_CHOICES} allowed")
-            object.__setattr__(self, "guided_choice_token_ids", ids)
+                    raise ValueError(f"structured outputs (guided_*) cannot be combined with {name}")
 
     def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> SamplingParams:
         """These params with `bad_words_token_ids` set, as vLLM's update_from_tokenizer: each word
@@ -200,23 +211,6 @@ class SamplingParams:
                 raise ValueError(f"bad_words give more than {MAX_BAD_WORD_SEQUENCES} token sequences; send fewer words")
         return replace(self, bad_words_token_ids=tuple(sequences))
 
-    def tokenize_guided_choice(self, encode: Callable[[str], list[int]]) -> SamplingParams:
-        """These params with `guided_choice_token_ids` set: each choice's canonical tokens."""
-        if not self.guided_choice or self.guided_choice_token_ids is not None:
-            return self
-        sequences = []
-        for choice in self.guided_choice:
-            if not (tokens := tuple(encode(choice))):
-                raise ValueError(f"guided_choice entry {choice!r} must tokenize to at least one token")
-            sequences.append(tokens)
-        return replace(self, guided_choice_token_ids=tuple(sequences))
-
-    def ends_choice(self, output: tuple[int, ...]) -> bool:
-        """Whether `output` is a whole choice that no longer choice extends: the request ends."""
-        choices = self.guided_choice_token_ids or ()
-        n = len(output)
-        return output in choices and not any(len(c) > n and c[:n] == output for c in choices)
-
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
@@ -227,11 +221,6 @@ class SamplingParams:
         masked = tuple(sorted({*eos_token_ids, *self.stop_token_ids})) if self.min_tokens else ()
         if self.bad_words and self.bad_words_token_ids is None:
             raise ValueError("bad_words must be tokenized first (tokenize_bad_words)")
-        choices = self.guided_choice_token_ids or ()
-        if self.guided_choice and not choices:
-            raise ValueError("guided_choice must be tokenized first (tokenize_guided_choice)")
-        # the EOS ids go up only where the output can end at a choice that a longer one extends
-        extended = any(len(a) < len(b) and b[: len(a)] == a for a in choices for b in choices)
         return SamplingSpec(
             seed=seed,
             temperature=float(self.temperature),
@@ -247,8 +236,8 @@ class SamplingParams:
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids or (),
             bad_words=self.bad_words_token_ids or (),
-            choices=choices,
-            choice_end_ids=tuple(sorted(eos_token_ids)) if extended else (),
+            guide_regex=self.guide_regex,
+            guide_end_ids=tuple(sorted(eos_token_ids)) if self.guide_regex else (),
         )
 
 
@@ -282,8 +271,7 @@ def _choices(value: object) -> tuple[str, ...]:
 
 
 def _sequences(value: object, name: str) -> tuple[tuple[int, ...], ...]:
-    """Token-id sequences as given (by `tokenize_bad_words` or `tokenize_guided_choice`, or a
-    caller of its own): each a non-empty run of token ids."""
+    """Token-id sequences as given (by `tokenize_bad_words`, or a caller of its own): each a non-empty run of token ids."""
     if not isinstance(value, tuple | list) or not all(
         isinstance(seq, tuple | list) and seq and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in seq)
         for seq in value

@@ -28,13 +28,13 @@ def check_stop(
     or None where nothing in it can end the request: then it is detokenized later, off the
     step's path)."""
     params = request.params
-    if ((not params.ignore_eos or params.guided_choice_token_ids) and token in eos_token_ids) or token in params.stop_token_ids:
+    # a guided request's EOS is its constraint's end: it ends even with ignore_eos
+    if ((not params.ignore_eos or params.guide_regex) and token in eos_token_ids) or token in params.stop_token_ids:
         return "stop", detokenizer.add(token) if params.include_stop_str_in_output else ""
     at_length = request.num_output_tokens >= params.max_tokens
-    chosen = bool(params.guided_choice_token_ids) and params.ends_choice(request.output_ids)
-    if not (params.stop or at_length or chosen):
+    if not (params.stop or at_length):
         return None, None
     text = detokenizer.add(token)
-    if detokenizer.stop_matched is not None or chosen:
+    if detokenizer.stop_matched is not None:
         return "stop", text
     return ("length" if at_length else None), text

@@ -28,9 +28,9 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     min_tokens only) cannot be; `logit_bias` holds (token id, bias) pairs, ids ascending.
     `allowed_token_ids` (empty: all) are the only ones that can be; `bad_words` are token-id
     sequences whose last token cannot be where the output so far ends with the rest.
-    `choices` (guided_choice, non-empty: the output is one of these token sequences): only the
-    next token of each choice that the output so far begins can be, and `choice_end_ids` (the
-    EOS ids, sent only when a choice is a prefix of another) where it is a whole choice.
+    `guide_regex` (non-empty: guided decoding, engine/regex_automaton.py's dialect, checked by
+    the engine) is the pattern the whole output must match: only the tokens that keep the
+    output a prefix of a match can be, and `guide_end_ids` (the EOS ids) where it is a match.
     """
 
     seed: int
@@ -47,8 +47,8 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
-    choices: tuple[tuple[int, ...], ...] = ()
-    choice_end_ids: tuple[int, ...] = ()
+    guide_regex: str = ""
+    guide_end_ids: tuple[int, ...] = ()
 
 
 class NewRequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

@@ -6,9 +6,9 @@ The order of operations follows vLLM v1 (`vllm/v1/sample/sampler.py`, `ops/penal
   -> allowed_token_ids: every other token at -inf; bad_words: a sequence's last token at -inf
      where the output so far ends with the rest (`barred`; vLLM's apply_bad_words)
   -> min_tokens: EOS and stop ids at -inf until min_tokens tokens were sampled
-  -> guided choice: every token but the next of each choice the output so far begins at -inf
-     (`choice_next`; where the output is a whole choice that a longer one extends, its EOS ids
-     stay too)
+  -> guided decoding: every token that cannot continue the output towards a match of the
+     request's pattern at -inf (engine/rank/grammar_mask.py; its EOS ids stay where the output
+     is a match)
   -> logit_bias added
   -> penalties (repetition on prompt+output tokens, then frequency and presence on output tokens)
   -> greedy rows: argmax
@@ -26,16 +26,20 @@ that true; a batch where no request uses them or penalties reads the logits once
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from deltaserve.engine.rank.grammar_mask import START, Guide, TokenWalk
 from deltaserve.engine.rank.transfer import to_device
 from deltaserve.ipc.messages import Sample, SamplingSpec
 from deltaserve.kernels.logit_stats import logsumexp_argmax
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing by them overflows.
 SAMPLING_EPS = 1e-5
+GUIDES_KEPT = 16  # patterns whose automaton and masks stay after their requests end
 _MASK64 = (1 << 64) - 1
 
 
@@ -76,7 +80,8 @@ class _RequestState:
     generator: torch.Generator | None = None
     recent: list[int] = field(default_factory=list)  # the last output tokens a bad word's prefix spans
     allowed: torch.Tensor | None = None  # allowed_token_ids on the device, sent up once
-    live: list[tuple[int, ...]] = field(default_factory=list)  # the choices the output so far begins
+    guide: Guide | None = None  # its pattern's automaton (guided decoding)
+    guide_state: int = START  # where its output so far has taken the automaton
 
     def barred(self) -> list[int]:
         """The tokens masked for its next sample: EOS and stop ids before min_tokens, and each
@@ -88,17 +93,6 @@ class _RequestState:
             if prefix <= len(recent) and (prefix == 0 or recent[-prefix:] == list(word[:-1])):
                 out.append(word[-1])
         return out
-
-    def choice_next(self) -> list[int]:
-        """The tokens a guided-choice request may sample next: each live choice's next token,
-        and the end ids where the output is a whole choice. Empty where no choice goes on (the
-        output a whole choice that none extends: the engine ends the request there, and the
-        sample a pipelined step still draws for it is dropped, so it goes unmasked)."""
-        depth = self.num_sampled
-        tokens = {seq[depth] for seq in self.live if len(seq) > depth}
-        if tokens and any(len(seq) == depth for seq in self.live):
-            tokens.update(self.spec.choice_end_ids)
-        return sorted(tokens)
 
     def allowed_index(self, device: torch.device) -> torch.Tensor:
         if self.allowed is None:
@@ -133,10 +127,16 @@ class _BiasRows:
 
 
 class Sampler:
-    def __init__(self) -> None:
+    """`token_bytes` gives each token's bytes (engine/rank/token_bytes.py), read the first time
+    a guided request comes; without it guided requests are refused."""
+
+    def __init__(self, token_bytes: Callable[[], Sequence[bytes | None]] | None = None) -> None:
         self._requests: dict[int, _RequestState] = {}
         self._in_flight = False  # a launch not yet finished
         self._bias_rows: _BiasRows | None = None
+        self._token_bytes = token_bytes
+        self._walk: TokenWalk | None = None
+        self._guides: OrderedDict[str, Guide] = OrderedDict()
 
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._requests
@@ -145,13 +145,29 @@ class Sampler:
         if request_id in self._requests:
             raise ValueError(f"sampler already holds request {request_id}")
         ids = [*spec.stop_token_ids, *(t for t, _ in spec.logit_bias), *spec.allowed_token_ids,
-               *(t for word in (*spec.bad_words, *spec.choices) for t in word), *spec.choice_end_ids]  # fmt: skip
-        if any(t < 0 for t in ids) or not all(spec.bad_words) or not all(spec.choices):
-            raise ValueError(f"request {request_id}: negative token id in {ids}, or an empty bad word or choice")
+               *(t for word in spec.bad_words for t in word), *spec.guide_end_ids]  # fmt: skip
+        if any(t < 0 for t in ids) or not all(spec.bad_words):
+            raise ValueError(f"request {request_id}: negative token id in {ids}, or an empty bad word")
         penalties = _has_penalties(spec)
-        adjusts = penalties or bool(spec.logit_bias) or bool(spec.allowed_token_ids)
-        state = _RequestState(spec, penalties, adjusts, max(ids, default=-1), live=list(spec.choices))
-        self._requests[request_id] = state
+        adjusts = penalties or bool(spec.logit_bias) or bool(spec.allowed_token_ids) or bool(spec.guide_regex)
+        guide = self._guide(spec.guide_regex) if spec.guide_regex else None
+        self._requests[request_id] = _RequestState(spec, penalties, adjusts, max(ids, default=-1), guide=guide)
+
+    def _guide(self, pattern: str) -> Guide:
+        """The pattern's guide, shared by every request with it (and kept a while after)."""
+        guide = self._guides.get(pattern)
+        if guide is None:
+            if self._walk is None:
+                if self._token_bytes is None:
+                    raise ValueError("guided decoding needs the vocabulary's token bytes")
+                self._walk = TokenWalk(self._token_bytes())
+            guide = self._guides[pattern] = Guide(pattern, self._walk)
+            in_use = {s.spec.guide_regex for s in self._requests.values()}
+            idle = [p for p in self._guides if p not in in_use and p != pattern]  # least recent first
+            for old in idle[: len(self._guides) - GUIDES_KEPT]:
+                del self._guides[old]
+        self._guides.move_to_end(pattern)
+        return guide
 
     def remove(self, request_id: int) -> None:
         """Forget a request; idempotent."""
@@ -205,11 +221,10 @@ class Sampler:
         work = logits
         barred = {i: b for i, s in enumerate(states) if (s.spec.bad_words or s.num_sampled < s.spec.min_tokens)
                   and (b := s.barred())}  # fmt: skip
-        chosen = {i: c for i, s in enumerate(states) if s.live and (c := s.choice_next())}
-        adjusted = [i for i, s in enumerate(states) if s.always_adjusts or i in barred or i in chosen]
+        adjusted = [i for i, s in enumerate(states) if s.always_adjusts or i in barred]
         if adjusted:
             work = logits.clone(memory_format=torch.contiguous_format)  # `_adjust` indexes it flat
-            self._adjust(work, adjusted, request_ids, states, barred, chosen)
+            self._adjust(work, adjusted, request_ids, states, barred)
             tokens = work.argmax(dim=-1)  # greedy rows keep these
         random_rows = [i for i, s in enumerate(states) if s.spec.temperature >= SAMPLING_EPS]
         if random_rows:
@@ -250,9 +265,8 @@ class Sampler:
             token, k = int(row[0]), state.spec.num_logprobs
             alternatives = [(int(t), v) for t, v in zip(row[2 : 2 + k], row[2 + k_max : 2 + k_max + k], strict=True)]
             samples.append(Sample(request_id, token, row[1], alternatives))
-            if state.live:  # the choices that go on with this token
-                depth = state.num_sampled
-                state.live = [seq for seq in state.live if len(seq) > depth and seq[depth] == token]
+            if state.guide is not None:
+                state.guide_state = state.guide.advance(state.guide_state, token)
             state.num_sampled += 1
             if state.spec.bad_words:  # as many last tokens as the longest prefix needs
                 state.recent.append(token)
@@ -269,10 +283,9 @@ class Sampler:
         request_ids: list[int],
         states: list[_RequestState],
         barred: dict[int, list[int]],
-        chosen: dict[int, list[int]],
     ) -> None:
         """In place on `work` [n, vocab], for `rows`: the bias, the penalties, then the masks
-        (`barred` tokens by row, allowed_token_ids, and the only tokens of each `chosen` row).
+        (`barred` tokens by row, allowed_token_ids, and each guided row's grammar mask).
         vLLM (`Sampler.apply_logits_processors`) masks first, and a masked logit stays -inf
         through its bias and penalties, so masking last gives the same logits (and no penalty's
         clamp to the float range can lift a masked logit off -inf)."""
@@ -281,7 +294,7 @@ class Sampler:
             if states[i].max_token_id >= vocab:
                 raise ValueError(
                     f"request {request_ids[i]}: token id {states[i].max_token_id} in its stop_token_ids, "
-                    f"logit_bias, allowed_token_ids, bad_words or choices is outside the vocabulary [0, {vocab})"
+                    f"logit_bias, allowed_token_ids, bad_words or guide_end_ids is outside the vocabulary [0, {vocab})"
                 )
         flat = work.view(-1)
         biased = tuple((i, request_ids[i]) for i in rows if states[i].spec.logit_bias)
@@ -306,11 +319,12 @@ class Sampler:
                 allowed = states[i].allowed_index(device)
                 kept = work[i].index_select(0, allowed)
                 work[i].fill_(float("-inf")).index_copy_(0, allowed, kept)
-        if chosen:  # the chosen rows together: their tokens' logits kept, the rest -inf
-            index = to_device([i * vocab + t for i, tokens in chosen.items() for t in tokens], torch.int64, device)
-            kept = flat.index_select(0, index)
-            work.index_fill_(0, to_device(list(chosen), torch.int64, device), float("-inf"))
-            flat.index_copy_(0, index, kept)
+        guided = [i for i in rows if states[i].guide is not None]
+        if guided:  # the guided rows together: each its state's mask
+            masks = torch.stack([states[i].guide.mask(states[i].guide_state, states[i].spec.guide_end_ids, vocab, device)
+                                 for i in guided])  # fmt: skip
+            index = to_device(guided, torch.int64, device)
+            work[index] = work[index].masked_fill(~masks, float("-inf"))
 
     def _state(self, request_id: int) -> _RequestState:
         state = self._requests.get(request_id)
