@@ -3,10 +3,10 @@ guide's byte automaton at once.
 
 A token is allowed in DFA state s when its bytes lead from s to a live state (one from which
 the pattern can still be completed). Walking 248k tokens one by one in Python would take
-seconds, so the walk is column-wise tensor work: the tokens sorted longest first, column p
-holds byte p of every token at least p + 1 bytes long, and one gather per column moves all
-of them through the DFA's transition table at once (the table grows as the walk reaches
-states the lazy DFA had not made yet). The mask of a state is cached per guide (packed eight
+seconds, so the walk is tensor work, byte by byte: one gather moves every token still walking
+through the DFA's transition table at once (rows the lazy DFA had not made yet are made when
+a walk reaches them), and the tokens that died or ended drop out (outside a string nearly all
+die at their first byte). The mask of a state is cached per guide (packed eight
 tokens to a byte, on the device), and a guide per pattern, so the requests of one schema
 share the work: the string states of a JSON document, where most of the vocabulary is
 allowed, are walked once. (xgrammar precomputes such context-independent token sets per
@@ -27,19 +27,16 @@ _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 class TokenWalk:
-    """The vocabulary laid out for walking every token at once: token ids longest first
-    (`order`), and per byte position the bytes of the tokens that long (`columns`)."""
+    """The vocabulary laid out for walking every token at once: the usable token ids
+    (`order`), their lengths, and their bytes end to end (`data`, token k's from `starts[k]`)."""
 
     def __init__(self, token_bytes: Sequence[bytes | None]) -> None:
         self.token_bytes = list(token_bytes)
-        usable = sorted((i for i, b in enumerate(token_bytes) if b), key=lambda i: -len(token_bytes[i]))
+        usable = [i for i, b in enumerate(token_bytes) if b]
         self.order = torch.tensor(usable, dtype=torch.int64)
-        lengths = torch.tensor([len(token_bytes[i]) for i in usable], dtype=torch.int64)
-        data = torch.frombuffer(bytearray(b"".join(token_bytes[i] for i in usable)), dtype=torch.uint8)
-        starts = lengths.cumsum(0) - lengths
-        # lengths fall along `order`, so the tokens longer than p are its first n
-        longer = [int((lengths > p).sum()) for p in range(int(lengths[0]) if usable else 0)]
-        self.columns: list[torch.Tensor] = [data[starts[:n] + p].long() for p, n in enumerate(longer)]
+        self.lengths = torch.tensor([len(token_bytes[i]) for i in usable], dtype=torch.int64)
+        self.starts = self.lengths.cumsum(0) - self.lengths
+        self.data = torch.frombuffer(bytearray(b"".join(token_bytes[i] for i in usable)), dtype=torch.uint8).long()
 
 
 class Guide:
@@ -50,9 +47,11 @@ class Guide:
     def __init__(self, pattern: str, walk: TokenWalk) -> None:
         self.automaton = ByteAutomaton(pattern)
         self._walk = walk
-        self._table = torch.zeros((64, 256), dtype=torch.int64)
-        self._ready = torch.zeros(64, dtype=torch.bool)
-        self._ready[DEAD] = True  # its row: all DEAD
+        # flat transition table: [state * 256 + byte] = next state * 256 (the offset of its
+        # row, so a walk adds the byte and gathers); a row not made yet holds -(state + 1)
+        self._table = torch.zeros(0, dtype=torch.int64)
+        self._rows = 0  # states the table has a row (made or marked) for
+        self._mark_new_states()
         self._masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     def advance(self, state: int, token: int) -> int:
@@ -87,29 +86,47 @@ class Guide:
         live state."""
         walk = self._walk
         allowed = torch.zeros(len(walk.token_bytes), dtype=torch.bool)
-        if state == DEAD or not walk.columns:
+        if state == DEAD or walk.order.numel() == 0:
             return allowed
-        at = torch.full((walk.columns[0].shape[0],), state, dtype=torch.int64)
-        for column in walk.columns:
-            here = at[: column.shape[0]]
-            self._fill_rows(here)
-            at[: column.shape[0]] = self._table[here, column]
-        allowed[walk.order] = at != DEAD
-        return allowed
+        self._mark_new_states()  # `advance` may have made states the table lacks
+        # the tokens still walking: their index in `order`, where their next byte is, how
+        # many bytes they have left, and the row offset of the state they are in
+        token, cursor, left = torch.arange(walk.order.shape[0]), walk.starts.clone(), walk.lengths.clone()
+        here = torch.full_like(token, state * 256)
+        while True:
+            index = here + walk.data[cursor]
+            went = self._table[index]
+            if went.min() < 0:  # rows not made yet: make them, gather again
+                for unmade in (-went[went < 0] - 1).unique().tolist():
+                    self._make_row(unmade)
+                went = self._table[index]
+            ended = left == 1
+            allowed[walk.order[token[ended]]] = went[ended] != DEAD
+            walking = ((went != DEAD) & ~ended).nonzero().squeeze(1)
+            if walking.numel() == 0:
+                return allowed
+            token, cursor, left, here = token[walking], cursor[walking] + 1, left[walking] - 1, went[walking]
 
-    def _fill_rows(self, states: torch.Tensor) -> None:
-        """Make the DFA rows of `states` that the table does not hold yet."""
-        missing = states[~self._ready[states]]
-        if missing.numel() == 0:
+    def _make_row(self, state: int) -> None:
+        row = self.automaton.row(state)  # may make new states
+        self._mark_new_states()
+        self._table[state * 256 : (state + 1) * 256] = torch.tensor(row, dtype=torch.int64) * 256
+
+    def _mark_new_states(self) -> None:
+        """Rows for the states the automaton made since the last call, marked not made yet
+        (DEAD's row is all DEAD from the start)."""
+        states = self.automaton.num_states
+        if states <= self._rows:
             return
-        for state in missing.unique().tolist():
-            row = self.automaton.row(state)
-            if self.automaton.num_states > self._table.shape[0]:  # the row made new states
-                grow = max(self.automaton.num_states, 2 * self._table.shape[0]) - self._table.shape[0]
-                self._table = torch.cat([self._table, torch.zeros((grow, 256), dtype=torch.int64)])
-                self._ready = torch.cat([self._ready, torch.zeros(grow, dtype=torch.bool)])
-            self._table[state] = torch.tensor(row, dtype=torch.int64)
-            self._ready[state] = True
+        if states * 256 > self._table.shape[0]:
+            grown = torch.empty(max(states, 2 * self._rows, 64) * 256, dtype=torch.int64)
+            grown[: self._table.shape[0]] = self._table
+            self._table = grown
+        marks = -torch.arange(self._rows, states, dtype=torch.int64) - 1
+        self._table[self._rows * 256 : states * 256] = marks.repeat_interleave(256)
+        if self._rows == 0:
+            self._table[:256] = DEAD
+        self._rows = states
 
 
 def unpack(packed: torch.Tensor, width: int) -> torch.Tensor:
