@@ -48,22 +48,22 @@ class RegexError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class _Chars:
+class Chars:
     ranges: tuple[tuple[int, int], ...]  # sorted, disjoint code point ranges
 
 
 @dataclass(frozen=True, slots=True)
-class _Concat:
+class Concat:
     parts: tuple
 
 
 @dataclass(frozen=True, slots=True)
-class _Alt:
+class Alt:
     options: tuple
 
 
 @dataclass(frozen=True, slots=True)
-class _Repeat:
+class Repeat:
     node: object
     low: int
     high: int | None  # None: unbounded
@@ -108,13 +108,13 @@ class _Parser:
         while self.i < len(self.s) and self.s[self.i] == "|":
             self.i += 1
             options.append(self.sequence())
-        return options[0] if len(options) == 1 else _Alt(tuple(options))
+        return options[0] if len(options) == 1 else Alt(tuple(options))
 
     def sequence(self) -> object:
         parts = []
         while self.i < len(self.s) and self.s[self.i] not in "|)":
             parts.append(self.repeat())
-        return parts[0] if len(parts) == 1 else _Concat(tuple(parts))
+        return parts[0] if len(parts) == 1 else Concat(tuple(parts))
 
     def repeat(self) -> object:
         node = self.atom()
@@ -123,7 +123,7 @@ class _Parser:
             return node
         if self.i < len(self.s) and (self.s[self.i] in "*+?" or _COUNTED.match(self.s, self.i)):
             raise self.error("lazy, possessive or repeated quantifiers are not supported")
-        return _Repeat(node, *bounds)
+        return Repeat(node, *bounds)
 
     def quantifier(self) -> tuple[int, int | None] | None:
         if self.i >= len(self.s):
@@ -160,14 +160,14 @@ class _Parser:
         if c == "[":
             return self.char_class()
         if c == ".":
-            return _Chars(((0, 9), (11, MAX_CODEPOINT)))
+            return Chars(((0, 9), (11, MAX_CODEPOINT)))
         if c == "\\":
-            return _Chars(self.escape())
+            return Chars(self.escape())
         if c in "^$":
             raise self.error("anchors are not supported (the whole output is matched)")
         if c in "*+?":
             raise self.error("nothing to repeat")
-        return _Chars(((ord(c), ord(c)),))
+        return Chars(((ord(c), ord(c)),))
 
     def escape(self) -> tuple[tuple[int, int], ...]:
         if self.i >= len(self.s):
@@ -194,7 +194,7 @@ class _Parser:
             code = ord(c)
         return ((code, code),)
 
-    def char_class(self) -> _Chars:
+    def char_class(self) -> Chars:
         negate = self.s.startswith("^", self.i)
         self.i += negate
         ranges: list[tuple[int, int]] = []
@@ -219,7 +219,7 @@ class _Parser:
             else:
                 ranges.extend(low)
         out = _normalise(ranges)
-        return _Chars(_complement(out) if negate else out)
+        return Chars(_complement(out) if negate else out)
 
     def class_item(self) -> tuple[tuple[int, int], ...]:
         c = self.s[self.i]
@@ -227,6 +227,12 @@ class _Parser:
         if c == "\\":
             return self.escape()
         return ((ord(c), ord(c)),)
+
+
+def parse(pattern: str) -> object:
+    """The syntax tree of `pattern`: Chars, Concat, Alt and Repeat nodes; RegexError naming
+    what the dialect does not take."""
+    return _Parser(pattern).parse()
 
 
 # -- UTF-8: a code point range as byte-range sequences -----------------------------------------
@@ -281,7 +287,7 @@ class ByteAutomaton:
         self._edges: list[list[tuple[int, int, int]]] = []
         self._eps: list[list[int]] = []
         start = self._node()
-        self._final = self._build(_Parser(pattern).parse(), start)
+        self._final = self._build(parse(pattern), start)
         self._prune()
         self._closures: dict[int, frozenset[int]] = {}
         cuts = sorted({0, 256, *(b for es in self._edges for lo, hi, _ in es for b in (lo, hi + 1))})
@@ -385,7 +391,7 @@ class ByteAutomaton:
     def _build(self, node: object, start: int) -> int:
         """Thompson's construction: add `node`'s fragment from `start`, return its end. No
         fragment loops back to the `start` it was given, so alternatives may share it."""
-        if isinstance(node, _Chars):
+        if isinstance(node, Chars):
             end, inner = self._node(), {}
             for lo, hi in node.ranges:
                 for seq in utf8_sequences(lo, hi):
@@ -400,16 +406,16 @@ class ByteAutomaton:
                                 self._edges[at].append((blo, bhi, inner[key]))
                             at = inner[key]
             return end
-        if isinstance(node, _Concat):
+        if isinstance(node, Concat):
             for part in node.parts:
                 start = self._build(part, start)
             return start
-        if isinstance(node, _Alt):
+        if isinstance(node, Alt):
             end = self._node()
             for option in node.options:
                 self._eps[self._build(option, start)].append(end)
             return end
-        assert isinstance(node, _Repeat)
+        assert isinstance(node, Repeat)
         for _ in range(node.low):
             start = self._build(node.node, start)
         end = self._node()
