@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from deltaserve.http.errors import ApiError, bad_request, unsupported
-from deltaserve.http.structured_output import STRUCTURED_OUTPUT_KEYS, parse_guided_choice
+from deltaserve.http.structured_output import STRUCTURED_OUTPUT_KEYS, Guided, parse_guided
 from deltaserve.http.tool_protocol import TOOL_MESSAGE_KEYS, parse_tool_fields, tool_message_fields
 
 if TYPE_CHECKING:
     from deltaserve.engine.sampling_params import SamplingParams
+    from deltaserve.http.tool_protocol import ToolChoice, ToolFields
 
 MAX_LOGPROBS = 20
 _D = TypeVar("_D", bool, None)  # _opt_bool's default: a bool, or None for "not given"
@@ -54,7 +55,7 @@ _COMPLETION_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_COMPLETION_DEFAU
 }  # fmt: skip
 _CHAT_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_CHAT_DEFAULTS) | {
     "model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
-    "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "response_format",
+    "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
     "parallel_tool_calls", "chat_template_kwargs", "include_reasoning", "return_tokens_as_token_ids",
 }  # fmt: skip
 _ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -97,15 +98,15 @@ class SamplingFields:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
-    guided_choice: tuple[str, ...] = ()  # vLLM's structured_outputs.choice (http/structured_output.py)
+    guided: Guided = Guided()  # vLLM's structured outputs, forced tool calls (http/structured_output.py)
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """Build the engine's params (which check ranges and raise ValueError naming the
         field)."""
         from deltaserve.engine.sampling_params import SamplingParams
 
-        knobs = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "max_tokens"}
-        return SamplingParams(max_tokens=max_tokens, **knobs)
+        knobs = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in ("max_tokens", "guided")}
+        return SamplingParams(max_tokens=max_tokens, **knobs, **self.guided.params())
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +143,7 @@ class ChatRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     include_reasoning: bool = True  # vLLM's: False leaves a reasoning parser's reasoning out
     tools: tuple[dict[str, Any], ...] | None = None
-    tool_choice: str = "none"  # "none" or "auto": the output is read for tool calls
+    tool_choice: ToolChoice = "none"  # "auto": the output read by the parser; "required", named: forced
     parallel_tool_calls: bool = True  # False: only the first call is returned (as vLLM)
     return_tokens_as_token_ids: bool | None = None  # as CompletionRequest's
 
@@ -192,9 +193,6 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
     _refuse_non_defaults(obj, _CHAT_DEFAULTS)
     _opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
     tool_fields = parse_tool_fields(obj)
-    response_format = obj.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise unsupported("response_format", "only {'type': 'text'} is supported")
     logprobs = _opt_bool(obj, "logprobs", default=False)
     top_logprobs = _opt_int(obj, "top_logprobs")
     if top_logprobs is not None:
@@ -223,7 +221,7 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
             max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
             logprobs=(top_logprobs or 0) if logprobs else None,
             prompt_logprobs=_prompt_logprobs(obj, stream),
-            defaults=defaults,
+            defaults=defaults, tools=tool_fields,
         ),
         stream=stream,
         include_usage=include_usage,
@@ -345,7 +343,7 @@ def truncate_prompt(ids: list[int], keep: int | None, max_tokens: int | None, ma
 
 def _sampling(
     obj: dict[str, Any], *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
-    defaults: Mapping[str, float] | None = None,
+    defaults: Mapping[str, float] | None = None, tools: ToolFields | None = None,
 ) -> SamplingFields:
     d = SamplingFields(**(defaults or {}))
     # vLLM's spaces_between_special_tokens acts in slow (Python) tokenizers only; Qwen's fast
@@ -374,7 +372,7 @@ def _sampling(
         allowed_token_ids=None if allowed is None else _token_ids(allowed, "allowed_token_ids"),
         bad_words=_strings(obj, "bad_words"),
         prompt_logprobs=prompt_logprobs,
-        guided_choice=parse_guided_choice(obj),
+        guided=parse_guided(obj, tools),
     )
 
 

@@ -23,6 +23,7 @@ import msgspec
 
 from deltaserve.http.reasoning import DeltaParts, ReasoningParser, ReasoningSplitter
 from deltaserve.http.tool_parsers import ToolCallReader
+from deltaserve.http.tool_protocol import ForcedToolCalls
 
 # vLLM clamps -inf logprobs (tokens of zero probability) to a finite number; JSON has no inf.
 MIN_LOGPROB = -9999.0
@@ -305,8 +306,9 @@ class ChatFormatter(_Formatter):
     `ReasoningSplitter` (`_parts`), and messages and deltas carry `reasoning` beside `content`
     (vLLM's field names); `include_reasoning=False` leaves the reasoning out.
 
-    With `tool_calls` (tool_choice "auto"), the content part is read for tool calls
-    (tool_parsers.py): as it streams when `streaming`, else whole in `response`."""
+    With `tool_calls` (tool_choice "auto", or forced), the content part is read for tool calls
+    (tool_parsers.py; forced: tool_protocol.py): as it streams when `streaming`, else whole in
+    `response`."""
 
     chunk_object = "chat.completion.chunk"
 
@@ -320,7 +322,7 @@ class ChatFormatter(_Formatter):
         reasoning: ReasoningParser | None = None,
         prompt_ids: Sequence[int] = (),
         include_reasoning: bool = True,
-        tool_calls: ToolCallReader | None = None,
+        tool_calls: ToolCallReader | ForcedToolCalls | None = None,
         streaming: bool = False,
         continuous_usage: bool = False,
     ) -> None:

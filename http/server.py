@@ -60,7 +60,8 @@ from deltaserve.http.responses import (
     usage,
 )
 from deltaserve.http.server_config import RESERVED_TEMPLATE_KWARGS, ServerConfig
-from deltaserve.http.tool_parsers import ToolCallReader
+from deltaserve.http.structured_output import Guided, guided_error, refuse_in_reasoning
+from deltaserve.http.tool_protocol import tool_call_reader
 
 if TYPE_CHECKING:
     from deltaserve.engine.async_engine import AsyncEngine
@@ -273,7 +274,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if req.echo:  # as vLLM's: a text prompt as sent, token ids decoded (after truncation)
         formatter.echo([p if isinstance(p, str) else await state.engine.run_tokenizer(
             lambda tok, ids=fit(p): tok.decode(ids), len(p)) for p in prompts], params.n, params.logprobs)  # fmt: skip
-    streams = await _open_streams(state, prompts, [params] * len(prompts), request_id, fit=fit)
+    streams = await _open_streams(state, prompts, [params] * len(prompts), request_id, fit=fit, guided=req.sampling.guided)
     return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
 
 
@@ -282,9 +283,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat_request(await _read_json(request), state.sampling_defaults)
     model = state.model_name(req.model)
     check_include_reasoning(state.reasoning, req.include_reasoning, req.logprobs)
-    if req.tool_choice == "auto" and not state.config.enable_auto_tool_choice:  # vLLM's words
-        raise errors.bad_request('"auto" tool choice requires --enable-auto-tool-choice and '
-                                 "--tool-call-parser to be set", "tool_choice")  # fmt: skip
+    tool_calls = tool_call_reader(req.tool_choice, req.tools, req.parallel_tool_calls,
+                                  state.config.tool_call_parser if state.config.enable_auto_tool_choice else None)
     state.check_admitting()
     template_kwargs = {**state.config.default_chat_template_kwargs, **req.chat_template_kwargs}
     prompt_ids = await _apply_chat_template(
@@ -296,19 +296,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if max_tokens is None:  # as vLLM: whatever context (or, if smaller, KV cache) the prompt leaves
         max_tokens = max(1, state.engine.longest_sequence - len(prompt_ids))
     params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs", seeds=state.seeds)
-    if params.guided_choice and state.reasoning is not None and state.reasoning.starts_in_reasoning(prompt_ids):
-        raise errors.unsupported("structured_outputs", "a choice while the model thinks first would be its reasoning; "
-                                 "turn thinking off (chat_template_kwargs {\"enable_thinking\": false})")  # fmt: skip
+    if req.sampling.guided.param and state.reasoning is not None and state.reasoning.starts_in_reasoning(prompt_ids):
+        raise refuse_in_reasoning(req.sampling.guided)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    tool_calls = None  # the output read for tool calls: tool_choice "auto" (the server has a parser)
-    if req.tool_choice == "auto" and req.tools and state.config.tool_call_parser is not None:
-        tool_calls = ToolCallReader(state.config.tool_call_parser, req.tools, req.parallel_tool_calls)
     strings = state.strings.rendering(req.return_tokens_as_token_ids)
     formatter = ChatFormatter(request_id, model, strings, req.logprobs, reasoning=state.reasoning,
                               prompt_ids=prompt_ids, include_reasoning=req.include_reasoning,
                               tool_calls=tool_calls, streaming=req.stream,
                               continuous_usage=req.continuous_usage)  # fmt: skip
-    streams = await _open_streams(state, [prompt_ids], [params], request_id, prompt_param="messages")
+    streams = await _open_streams(state, [prompt_ids], [params], request_id, prompt_param="messages",
+                                  guided=req.sampling.guided)  # fmt: skip
     return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
 
 
@@ -355,7 +352,7 @@ def _params(
     try:
         return fields.to_sampling_params(max_tokens)
     except ValueError as exc:
-        raise errors.bad_request(str(exc), _param_of(str(exc), logprobs_param)) from None
+        raise guided_error(str(exc), fields.guided) or errors.bad_request(str(exc), _param_of(str(exc), logprobs_param)) from None
 
 
 def _param_of(
@@ -414,11 +411,13 @@ async def _open_streams(
     *,
     prompt_param: str = "prompt",
     fit: Callable[[list[int]], list[int]] = list,
+    guided: Guided = Guided(),
 ) -> list[Any]:
     """Submit every prompt, or none: all are tokenized (a large text off the event loop), then
     checked together, before any is submitted, so a refusal opens no stream that would count
     as an abort. An error about the prompt names `prompt_param` (a chat's prompt is its
-    messages). `fit`: each prompt's ids as submitted (truncate_prompt_tokens)."""
+    messages). `fit`: each prompt's ids as submitted (truncate_prompt_tokens). An error about
+    the `guided` constraint names the field it came from."""
     streams: list[Any] = []
     try:
         prompts = [fit(await state.engine.encode(p) if isinstance(p, str) else p) for p in prompts]
@@ -435,7 +434,8 @@ async def _open_streams(
         if isinstance(exc, EngineDeadError):
             raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
         if isinstance(exc, ValueError):
-            raise errors.bad_request(str(exc), _param_of(str(exc), prompt_param=prompt_param)) from None
+            raise guided_error(str(exc), guided) or errors.bad_request(
+                str(exc), _param_of(str(exc), prompt_param=prompt_param)) from None
         raise
     return streams
 

@@ -1,48 +1,235 @@
-"""vLLM's structured-output request fields, of which only the choice case is honoured.
+"""vLLM's structured-output request fields, as the engine's guided_* sampling parameters.
 
 Current vLLM (vllm/entrypoints/openai/chat_completion/protocol.py, completion/protocol.py)
 takes `structured_outputs`, a `StructuredOutputsParams` (vllm/sampling_params.py) with exactly
-one constraint of json, regex, choice, grammar, json_object and structural_tag; vLLM 0.11 and
-older took `guided_choice` (and guided_json, ...), removed in 0.12. Both spellings of the choice
-are taken here (the engine's `guided_choice`); every other constraint is refused naming it (no
-grammar engine), and so are the json options away from their defaults and unknown keys.
+one constraint of json, regex, choice, grammar, json_object and structural_tag, and maps
+`response_format` (json_object, json_schema; both endpoints) onto it; vLLM 0.11 and older took
+`guided_json`, `guided_regex`, `guided_choice` (removed in 0.12). A forced tool_choice
+("required" or a named function) is guided JSON too (tool_protocol.py). All become one `Guided`:
+grammar and structural_tag are refused (no such engine here), and so is anything unknown.
+
+One constraint per request: vLLM refuses two in `structured_outputs`; where two fields would
+each give one (response_format with structured_outputs, a forced tool with either), vLLM
+overrides one with the other, and which wins has changed between its versions: refused here.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any
 
-from deltaserve.http.errors import bad_request, unsupported
+from deltaserve.http.errors import ApiError, bad_request, unsupported
+from deltaserve.http.tool_protocol import ToolFields, forced_tool_schema
 
-STRUCTURED_OUTPUT_KEYS = frozenset({"structured_outputs", "guided_choice"})
-_CONSTRAINTS = ("json", "regex", "grammar", "json_object", "structural_tag")
-# options of the json constraint, taken at their defaults (a client's model_dump sends them)
-_OPTION_DEFAULTS = {"disable_any_whitespace": False, "disable_additional_properties": False,
-                    "whitespace_pattern": None}  # fmt: skip
+STRUCTURED_OUTPUT_KEYS = frozenset(
+    {"structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice",
+     "guided_grammar", "guided_whitespace_pattern", "guided_decoding_backend"}
+)  # fmt: skip
+_KINDS = ("json", "regex", "choice", "json_object")  # the constraints the engine has
+_REFUSED = ("grammar", "structural_tag")  # vLLM's others: no engine for them here
+# options of the json constraint (vLLM's defaults: False, False, None)
+_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
-def parse_guided_choice(obj: dict[str, Any]) -> tuple[str, ...]:
-    """The request's choices (empty: none), from `structured_outputs.choice` or `guided_choice`;
-    a 400 naming the field for anything else."""
-    legacy, structured = obj.get("guided_choice"), obj.get("structured_outputs")
-    if structured is None:
-        return () if legacy is None else _choices(legacy, "guided_choice")
-    if legacy is not None:
-        raise bad_request("send the choices once: structured_outputs.choice or guided_choice "
-                          "(its name before vLLM 0.12), not both", "guided_choice")  # fmt: skip
-    if not isinstance(structured, dict):
+@dataclass(frozen=True, slots=True)
+class Guided:
+    """A request's constraint in the engine's terms (SamplingParams' guided_* fields): at most
+    one of `choice`, `regex`, `json` (a JSON Schema as JSON text) and `json_object`, with
+    `whitespace` (a regex of the blanks between JSON tokens; None: the engine's default) for
+    the last two. `param` and `whitespace_param`: the request fields they came from, which
+    errors name; `param` None: no constraint."""
+
+    choice: tuple[str, ...] = ()
+    regex: str | None = None
+    json: str | None = None
+    json_object: bool = False
+    whitespace: str | None = None
+    param: str | None = None
+    whitespace_param: str | None = None
+
+    def params(self) -> dict[str, Any]:
+        """The SamplingParams fields it sets (those left at their defaults are not passed)."""
+        fields = {"guided_choice": self.choice, "guided_regex": self.regex, "guided_json": self.json,
+                  "guided_json_object": self.json_object, "guided_whitespace": self.whitespace}  # fmt: skip
+        return {name: value for name, value in fields.items() if value not in ((), None, False)}
+
+
+def parse_guided(obj: dict[str, Any], tools: ToolFields | None = None) -> Guided:
+    """The request's constraint, from whichever field gives one (`tools`: a chat's, whose
+    forced tool_choice is one); a 400 naming the field for two, or for anything refused."""
+    given = [g for g in (_structured(obj), _legacy(obj), _response_format(obj), _forced(tools)) if g.param]
+    if len(given) > 1:
+        first, second = given[0].param, given[1].param
+        if "tool_choice" in (first, second):  # vLLM's words
+            raise bad_request("You can only either use constraints for structured outputs or tools, not "
+                              f"both: {first} and {second} are set", second)  # fmt: skip
+        raise bad_request(f"You can only use one kind of structured outputs constraint: {first} and "
+                          f"{second} are both set; send one, not both", second)  # fmt: skip
+    return given[0] if given else Guided()
+
+
+def guided_error(message: str, guided: Guided) -> ApiError | None:
+    """An engine ValueError about the constraint (its message names a guided_* field: a bad
+    schema or regex, a mask the constraint cannot be combined with), as a 400 naming the
+    request field it came from, in the message too where it starts with the engine's; None
+    for any other message."""
+    if guided.param is None or "guided_" not in message:
+        return None
+    first, space, rest = message.partition(" ")
+    field = first.rstrip(":")
+    param = (guided.whitespace_param if field == "guided_whitespace" else None) or guided.param
+    if field.startswith("guided_"):
+        message = param + first[len(field) :] + space + rest
+    return bad_request(message, param)
+
+
+def refuse_in_reasoning(guided: Guided) -> ApiError:
+    """A constraint on a chat that opens a think block would constrain the reasoning."""
+    return unsupported(guided.param or "structured_outputs", "structured outputs would constrain the model's "
+                       "reasoning, which comes first in this chat; turn thinking off "
+                       '(chat_template_kwargs {"enable_thinking": false})')  # fmt: skip
+
+
+def _structured(obj: dict[str, Any]) -> Guided:
+    """`structured_outputs`: exactly one constraint, as vLLM's StructuredOutputsParams."""
+    spec = obj.get("structured_outputs")
+    if spec is None:
+        return Guided()
+    if not isinstance(spec, dict):
         raise bad_request("structured_outputs must be an object", "structured_outputs")
-    for key, value in structured.items():
+    for key, value in spec.items():
         name = f"structured_outputs.{key}"
-        if key in _CONSTRAINTS and value is not None:
-            raise unsupported(name, "only the choice constraint is supported (no grammar engine)")
-        if key in _OPTION_DEFAULTS and value is not None and value is not _OPTION_DEFAULTS[key]:
-            raise unsupported(name, "options of the json constraint are not supported")
-        if key not in (*_CONSTRAINTS, *_OPTION_DEFAULTS, "choice"):
+        if key in _REFUSED and value is not None:
+            raise unsupported(name, f"the {key} constraint is not supported (json, regex, choice and "
+                              "json_object are)")  # fmt: skip
+        if key not in (*_KINDS, *_REFUSED, *_OPTIONS):
             raise unsupported(name, "unknown structured outputs field")
-    if structured.get("choice") is None:  # as vLLM's StructuredOutputsParams
-        raise bad_request("structured_outputs needs one constraint: choice", "structured_outputs")
-    return _choices(structured["choice"], "structured_outputs.choice")
+    for key in ("disable_any_whitespace", "disable_additional_properties", "json_object"):
+        if spec.get(key) is not None and not isinstance(spec[key], bool):
+            raise bad_request(f"structured_outputs.{key} must be a boolean", f"structured_outputs.{key}")
+    # disable_additional_properties: the schemas here allow no properties they do not list,
+    # with it or without (engine/json_schema.py); xgrammar's only with it
+    whitespace, option = _string(spec, "whitespace_pattern", "structured_outputs."), "whitespace_pattern"
+    if spec.get("disable_any_whitespace"):  # xgrammar's: no blanks at all
+        if whitespace is not None:
+            raise bad_request("structured_outputs.disable_any_whitespace and whitespace_pattern both set the "
+                              "blanks between JSON tokens; send one", "structured_outputs.whitespace_pattern")  # fmt: skip
+        whitespace, option = "", "disable_any_whitespace"
+    guided = _one(spec, "structured_outputs.", whitespace, f"structured_outputs.{option}")
+    if guided.param is None:  # as vLLM's StructuredOutputsParams
+        raise bad_request("structured_outputs needs one constraint: json, regex, choice or json_object",
+                          "structured_outputs")  # fmt: skip
+    return guided
+
+
+def _legacy(obj: dict[str, Any]) -> Guided:
+    """vLLM 0.11's fields. guided_decoding_backend is refused: this server has one engine, and
+    vLLM's V1 engine refuses a request's backend other than its own too."""
+    for name, why in (("guided_grammar", "the grammar constraint is not supported"),
+                      ("guided_decoding_backend", "a request cannot choose the structured outputs "
+                                                  "engine (vLLM's V1 refuses it too)")):  # fmt: skip
+        if obj.get(name) is not None:
+            raise unsupported(name, why)
+    values = {kind: obj.get(f"guided_{kind}") for kind in ("json", "regex", "choice")}
+    whitespace = _string(obj, "guided_whitespace_pattern")
+    return _one(values, "guided_", whitespace, "guided_whitespace_pattern")
+
+
+def _one(values: dict[str, Any], prefix: str, whitespace: str | None, whitespace_param: str) -> Guided:
+    """The constraint of `values` (kind -> value; null or false: not given), its field
+    `prefix + kind`; `whitespace`, for a json one, from `whitespace_param`."""
+    given = [kind for kind in _KINDS if values.get(kind) not in (None, False)]
+    if len(given) > 1:  # vLLM's words
+        raise bad_request("You can only use one kind of structured outputs constraint but multiple are "
+                          f"specified: {', '.join(prefix + k for k in given)}", prefix + given[1])  # fmt: skip
+    if not given:
+        if whitespace is not None:
+            raise bad_request(f"{whitespace_param} needs a json constraint", whitespace_param)
+        return Guided()
+    kind, param = given[0], prefix + given[0]
+    value = values[kind]
+    if whitespace is not None and kind not in ("json", "json_object"):
+        raise unsupported(whitespace_param, "it applies to the json and json_object constraints only")
+    if kind == "choice":
+        return Guided(choice=_choices(value, param), param=param)
+    if kind == "regex":
+        if not isinstance(value, str):
+            raise bad_request(f"{param} must be a string", param)
+        return Guided(regex=value, param=param)
+    if kind == "json_object":
+        return Guided(json_object=True, whitespace=whitespace, param=param, whitespace_param=whitespace_param)
+    return Guided(json=_schema_text(value, param), whitespace=whitespace, param=param, whitespace_param=whitespace_param)
+
+
+def _response_format(obj: dict[str, Any]) -> Guided:
+    """OpenAI's response_format, as vLLM maps it: json_object, json_schema's `schema`."""
+    spec = obj.get("response_format")
+    if spec is None:
+        return Guided()
+    if not isinstance(spec, dict):
+        raise bad_request("response_format must be an object", "response_format")
+    kind = spec.get("type")
+    if kind == "structural_tag":
+        raise unsupported("response_format", "structural tags are not supported")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                          "response_format")  # fmt: skip
+    for key in spec:
+        if key != "type" and (kind != "json_schema" or key != "json_schema"):
+            raise unsupported(f"response_format.{key}", f"a {kind} response_format carries only its type"
+                              + (" and json_schema" if kind == "json_schema" else ""))  # fmt: skip
+    if kind == "text":
+        return Guided()
+    if kind == "json_object":
+        return Guided(json_object=True, param="response_format")
+    return Guided(json=_json_schema_format(spec.get("json_schema")), param="response_format")
+
+
+def _json_schema_format(spec: object) -> str:
+    """response_format.json_schema: {name, schema, description, strict} as OpenAI's (the name
+    is required, as there and in vLLM); strict is taken either way: the output follows the
+    schema."""
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise bad_request(f"{where} must be an object with name and schema", "response_format")
+    for key in spec:
+        if key not in ("name", "schema", "description", "strict"):
+            raise unsupported(f"{where}.{key}", "it carries only name, schema, description and strict")
+    if not isinstance(spec.get("name"), str):
+        raise bad_request(f"{where}.name is required: a string", "response_format")
+    for key, kind in (("description", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise bad_request(f"{where}.{key} must be a {kind.__name__}", "response_format")
+    if "schema" not in spec:
+        raise bad_request(f"{where}.schema is required", "response_format")
+    return _schema_text(spec["schema"], "response_format")
+
+
+def _forced(tools: ToolFields | None) -> Guided:
+    schema = None if tools is None else forced_tool_schema(tools)
+    return Guided() if schema is None else Guided(json=json.dumps(schema), param="tool_choice")
+
+
+def _schema_text(value: object, param: str) -> str:
+    """A JSON Schema given as an object (or true/false), or as its JSON text (vLLM takes
+    both), as JSON text; its keywords are the engine's check."""
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError as exc:
+            raise bad_request(f"{param} is not valid JSON: {exc}", param) from None
+        return value
+    if not isinstance(value, dict | bool):
+        raise bad_request(f"{param} must be a JSON Schema: an object, or its JSON text", param)
+    return json.dumps(value)
+
+
+def _string(obj: dict[str, Any], name: str, prefix: str = "") -> str | None:
+    value = obj.get(name)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"{prefix}{name} must be a string", prefix + name)
+    return value
 
 
 def _choices(value: object, name: str) -> tuple[str, ...]:

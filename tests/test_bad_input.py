@@ -112,7 +112,7 @@ CASES = {
     "huge max_completion_tokens": (CHAT, j({"messages": USER, "max_completion_tokens": HUGE}), 400, None, "max_model_len"),
     "huge seed": (C, j({"prompt": "x", "seed": 2**64}), 400, "seed", "seed must be"),
     "seed below int64": (C, j({"prompt": "x", "seed": -(2**63) - 1}), 400, "seed", "seed must be"),
-    # Tool calling needs guided decoding for these (see ACCEPTED).
+    # A forced tool_choice needs tools.
     "tool_choice required": (CHAT, j({"messages": USER, "tool_choice": "required"}), 400, "tool_choice", "tool"),
     "tool_choice named": (CHAT, j({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
                           400, "tool_choice", "tool"),
@@ -140,7 +140,7 @@ CASES = {
     # An integer literal past the float range (json reads it exactly) in a float field (was a 500).
     "temperature huge integer": (C, b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", 400, "temperature", "finite"),
     "chat top_p huge integer": (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -1' + b"0" * 400 + b"}", 400, "top_p", "finite"),
-    "unknown field": (C, j({"prompt": "x", "guided_regex": "a+"}), 400, "guided_regex", "unknown"),
+    "unknown field": (C, j({"prompt": "x", "logits_processors": ["a"]}), 400, "logits_processors", "unknown"),
     # vLLM's sampling extras, honoured: refused only where vLLM refuses them
     "min_tokens past max_tokens": (C, j({"prompt": "x", "min_tokens": 17}), 400, "min_tokens", "max_tokens=16"),
     "logit_bias id out of vocab": (CHAT, j({"messages": USER, "logit_bias": {str(VOCAB): 1}}), 400, "logit_bias", f"[{VOCAB}]"),

@@ -386,7 +386,7 @@ def check_error(body: dict, param: str | None, words: str) -> None:
         (dict(prompt="x", max_tokens=MAX_MODEL_LEN), "prompt", "max_model_len"),
         (dict(prompt=[248320]), "prompt", "[0, 248320)"),
         (dict(prompt="x", extra_body={"stop_token_ids": [10**6]}), "stop_token_ids", "vocabulary"),
-        (dict(prompt="x", extra_body={"guided_json": {}}), "guided_json", "unknown"),
+        (dict(prompt="x", extra_body={"guided_grammar": "x"}), "guided_grammar", "not supported"),
     ],
 )
 async def test_400_completions(served: Served, call, param, words):
@@ -401,7 +401,7 @@ async def test_400_completions(served: Served, call, param, words):
         (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tool_choice",
          "--enable-auto-tool-choice"),
         (dict(tool_choice="required"), "tool_choice", "tool"),
-        (dict(response_format={"type": "json_object"}), "response_format", "text"),
+        (dict(response_format={"type": "structural_tag"}), "response_format", "not supported"),
         (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
          "messages[0].content[0].type", "text"),
         (dict(top_logprobs=2), "top_logprobs", "logprobs=true"),

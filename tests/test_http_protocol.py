@@ -210,7 +210,7 @@ class TestChat:
             ({"tool_choice": "auto", "tools": [{"type": "function"}]}, "tools", "tool"),
             ({"tool_choice": "none", "tools": [{"type": "function"}]}, "tools", "tool"),
             ({"tool_choice": 3}, "tool_choice", "tool"),
-            ({"response_format": {"type": "json_object"}}, "response_format", "text"),
+            ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", "name"),
             ({"logit_bias": {"1": float("nan")}}, "logit_bias", "finite"),
             ({"top_logprobs": 3}, "top_logprobs", "logprobs=true"),
             ({"logprobs": True, "top_logprobs": 25}, "top_logprobs", "0..20"),

@@ -495,7 +495,7 @@ async def test_reasoning_end_to_end(tiny_model_dir, tmp_path):
         choice = {"structured_outputs": {"choice": ["yes", "no"]}}
         with pytest.raises(openai.BadRequestError) as info:
             await client.chat.completions.create(**base, extra_body=choice)
-        assert info.value.body["param"] == "structured_outputs" and "enable_thinking" in info.value.body["message"]
+        assert info.value.body["param"] == "structured_outputs.choice" and "enable_thinking" in info.value.body["message"]
         off = {**choice, "chat_template_kwargs": {"enable_thinking": False}}
         r = await client.chat.completions.create(**base, extra_body=off)
         assert (r.choices[0].message.content, r.choices[0].message.reasoning) in (("yes", None), ("no", None))

@@ -82,14 +82,14 @@ class TestToolFields:
             ({"tools": [{"function": {"name": ""}}]}, "tools", "name must be a non-empty string"),
             ({"tools": [{"function": {"name": "f", "parameters": "{}"}}]}, "tools", "JSON Schema object"),
             ({"tools": [{"function": {"name": "f", "description": 3}}]}, "tools", "description must be a string"),
-            ({"tools": [{"function": {"name": "f", "strict": True}}]}, "tools[0].function.strict", "guided decoding"),
+            ({"tools": [{"function": {"name": "f", "strict": True}}]}, "tools[0].function.strict", "not 'auto'"),
             ({"tools": [{"function": {"name": "f", "strict": "no"}}]}, "tools", "strict must be a boolean"),
             ({"tools": [{"function": {"name": "f", "examples": []}}]}, "tools[0].function.examples", "only name"),
             ({"tools": [{"function": {"name": "f"}, "cache_control": {}}]}, "tools[0].cache_control", "only type"),
             ({"tool_choice": "auto"}, "tool_choice", "`tools` must be set"),
-            ({"tools": [SEARCH], "tool_choice": "required"}, "tool_choice", "guided decoding"),
-            ({"tools": [SEARCH], "tool_choice": {"type": "function", "function": {"name": "search"}}},
-             "tool_choice", "guided decoding"),
+            ({"tools": [SEARCH], "tool_choice": {"type": "function", "function": {"name": "find"}}},
+             "tool_choice", "does not match any"),
+            ({"tools": [SEARCH], "tool_choice": {"type": "function", "function": {}}}, "tool_choice", "Expected field `name`"),
             ({"tool_choice": "any"}, "tool_choice", "Invalid value for `tool_choice`"),
             ({"tool_choice": 3}, "tool_choice", "Invalid value for `tool_choice`"),
             ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
@@ -469,14 +469,14 @@ async def test_greedy_answer_round_trips(served, parallel):
 @aio
 async def test_refusals(served):
     """Without --enable-auto-tool-choice, tool_choice "auto" (the default with tools) is
-    refused in vLLM's words; "none" still renders the tools. "required" needs guided
-    decoding."""
+    refused in vLLM's words; "none" still renders the tools. A named tool_choice must name
+    one of the tools."""
     server, client = served
     with pytest.raises(openai.BadRequestError) as info:
-        await chat(client, tool_choice="required")
+        await chat(client, tool_choice={"type": "function", "function": {"name": "find"}})
     assert (
         info.value.body["param"] == "tool_choice"
-        and "guided decoding" in info.value.body["message"]
+        and "does not match any" in info.value.body["message"]
     )
     runner, _ = await start_server(build_app(server.engine, ServerConfig(MODEL)), "127.0.0.1", 0)
     plain = openai.AsyncOpenAI(
