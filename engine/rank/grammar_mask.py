@@ -131,8 +131,8 @@ class Guide:
 
 def unpack(packed: torch.Tensor, width: int) -> torch.Tensor:
     """Bool [width] from a mask packed eight tokens to a byte, lowest bit first."""
-    bits = _BITS.to(packed.device)
-    return ((packed[:, None] & bits) != 0).view(-1)[:width]
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)  # made there: no host copy
+    return ((packed[:, None] >> shifts) & 1).bool().view(-1)[:width]
 
 
 __all__ = ["DEAD", "START", "Guide", "TokenWalk", "unpack"]
