@@ -143,7 +143,7 @@ def _logits(favour: dict[int, float], width: int = 16) -> torch.Tensor:
     return row
 
 
-def _walk(spec: SamplingSpec, rows: list[torch.Tensor]) -> list[int]:
+def _walk(spec: SamplingSpec, rows: list[torch.Tensor], device: str = "cpu") -> list[int]:
     """Request 1's tokens, one per row, batched behind an unguided greedy request 2 whose token
     (the row's argmax) must not change; request 1's logprobs stay raw."""
     sampler = _sampler()
@@ -151,7 +151,7 @@ def _walk(spec: SamplingSpec, rows: list[torch.Tensor]) -> list[int]:
     sampler.add(2, SamplingSpec(seed=0))
     tokens = []
     for row in rows:
-        logits = torch.cat([row, row])
+        logits = torch.cat([row, row]).to(device)
         other, sample = sampler.sample([2, 1], logits)
         assert other.token_id == int(row.argmax())
         assert sample.logprob == pytest.approx(float(logits[1].log_softmax(-1)[sample.token_id]), abs=1e-5)
@@ -160,11 +160,15 @@ def _walk(spec: SamplingSpec, rows: list[torch.Tensor]) -> list[int]:
 
 
 class TestSampler:
-    def test_greedy_follows_the_pattern_against_the_logits(self):
+    @pytest.mark.parametrize("device", ["cpu", "cuda"])
+    def test_greedy_follows_the_pattern_against_the_logits(self, device):
+        if device == "cuda" and not torch.cuda.is_available():
+            pytest.skip("no GPU")
         spec = SamplingSpec(seed=0, guide_regex="(?:ab|c)+", guide_end_ids=(EOS,))
         # "ab" as one token or two; at a match the EOS competes with going on
-        assert _walk(spec, [_logits({3: 2.0, 1: 1.0}), _logits({EOS: 1.0, 4: 2.0}), _logits({EOS: 3.0})]) == [3, 4, EOS]
-        assert _walk(spec, [_logits({1: 2.0}), _logits({2: 0.5, 4: 3.0}), _logits({})]) == [1, 2, EOS]
+        rows = [_logits({3: 2.0, 1: 1.0}), _logits({EOS: 1.0, 4: 2.0}), _logits({EOS: 3.0})]
+        assert _walk(spec, rows, device) == [3, 4, EOS]
+        assert _walk(spec, [_logits({1: 2.0}), _logits({2: 0.5, 4: 3.0}), _logits({})], device) == [1, 2, EOS]
 
     def test_a_complete_output_offers_only_the_end(self):
         spec = SamplingSpec(seed=0, guide_regex="12?", guide_end_ids=(EOS,))
