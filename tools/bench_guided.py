@@ -109,7 +109,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     base = rows[0]["tpot_ms_median"]
     for row in rows:
         row["tpot_vs_unguided"] = row["tpot_ms_median"] / base
-    return {"command": " ".join(sys.argv), "host": host_info(), "args": vars(args), "rows": rows}
+    return {"command": " ".join(sys.argv), "host": host_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
 
 
 if __name__ == "__main__":

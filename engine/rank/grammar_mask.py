@@ -22,7 +22,7 @@ import torch
 
 from deltaserve.engine.regex_automaton import DEAD, START, ByteAutomaton
 
-MASKS_PER_GUIDE = 256  # each vocab / 8 bytes on the device: 8 MB for Qwen's 248k tokens
+MASKS_PER_GUIDE = 2048  # each vocab / 8 bytes on the device: 64 MB for Qwen's 248k tokens
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 

@@ -39,7 +39,7 @@ from deltaserve.kernels.logit_stats import logsumexp_argmax
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing by them overflows.
 SAMPLING_EPS = 1e-5
-GUIDES_KEPT = 16  # patterns whose automaton and masks stay after their requests end
+GUIDES_KEPT = 8  # patterns whose automaton and masks stay after their requests end
 _MASK64 = (1 << 64) - 1
 
 
