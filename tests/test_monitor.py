@@ -29,6 +29,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 import zmq
+from engine_helpers import drain
 
 from deltaserve.engine import monitor_schema as schema
 from deltaserve.engine.async_engine import AsyncEngine
@@ -126,7 +127,7 @@ async def test_lifecycle_in_order_and_loads_are_the_engines(engine, subscriber):
         engine.generate([1] * 300, params, request_id="too-long")
     finals = []
     for stream in streams:
-        events = await asyncio.wait_for(_drain(stream), 60)
+        events = await asyncio.wait_for(drain(stream), 60)
         assert isinstance(events[-1], FinishedEvent)
         finals.append((stream.request_ids[0], events[-1]))
     await subscriber.wait_for(lambda m: isinstance(m, schema.Load) and m.running == 0
@@ -185,7 +186,7 @@ async def test_fatal_fault_poisoned_then_dead_load_then_terminal(engine, subscri
     """Rank 0 dies inside step FATAL_STEP with a request running."""
     assert engine.scheduler.steps_total < FATAL_STEP - 1
     stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
-    events = await asyncio.wait_for(_drain(stream), 60)
+    events = await asyncio.wait_for(drain(stream), 60)
     assert isinstance(events[-1], ErrorEvent) and all(isinstance(e, TokenEvent) for e in events[:-1])
     await subscriber.wait_for(lambda m: isinstance(m, schema.Terminal))
     msgs = subscriber.typed()
@@ -354,10 +355,6 @@ def test_monitor_view_renders_a_session():
     console.print(view.render())
     text = console.export_text()
     assert "time nan" in text and "silent for 10 s (was serving)" in text, text
-
-
-async def _drain(stream) -> list:
-    return [e async for e in stream]
 
 
 def test_monitor_says_when_nothing_is_at_its_ipc_path(tmp_path):

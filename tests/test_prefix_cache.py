@@ -15,6 +15,7 @@ import asyncio
 
 import pytest
 import pytest_asyncio
+from engine_helpers import PLACEMENTS, engine_config, start_placed
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.capacity import CapacityLedger
@@ -23,7 +24,6 @@ from deltaserve.engine.generate import generate_tokens
 from deltaserve.engine.prefix_cache import PrefixCache, PromptPlan
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams
-from tests.test_engine import PLACEMENTS, engine_config, start_placed
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 

@@ -16,12 +16,12 @@ import random
 import pytest
 import pytest_asyncio
 import torch
+from engine_helpers import PLACEMENTS, start_placed
 from transformers import Qwen3_5ForCausalLM
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.events import FinishedEvent, PromptLogprobsEvent, TokenEvent
 from deltaserve.engine.sampling_params import SamplingParams
-from tests.test_engine import PLACEMENTS, start_placed
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 K = 5
