@@ -4,15 +4,17 @@ sampler keeping guided rows on their pattern beside unguided ones."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
 import pytest
 import torch
 
-from deltaserve.engine.rank.grammar_mask import DEAD, START, Guide, TokenWalk
+from deltaserve.engine.rank.grammar_mask import DEAD, START, Guide
 from deltaserve.engine.rank.sampler import Sampler
 from deltaserve.engine.rank.token_bytes import read_token_bytes
+from deltaserve.engine.rank.token_trie import TokenTrie
 from deltaserve.engine.regex_automaton import (
     ByteAutomaton,
     RegexError,
@@ -79,8 +81,8 @@ class TestAutomaton:
 
 
 @pytest.fixture(scope="module")
-def walk(tiny_model_dir) -> TokenWalk:
-    return TokenWalk(read_token_bytes(tiny_model_dir))
+def walk(tiny_model_dir) -> TokenTrie:
+    return TokenTrie(read_token_bytes(tiny_model_dir))
 
 
 class TestVocabularyWalk:
@@ -92,6 +94,16 @@ class TestVocabularyWalk:
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert b"".join(walk.token_bytes[i] for i in ids) == text.encode()
         assert walk.token_bytes[tokenizer.convert_tokens_to_ids("<|im_end|>")] is None  # special
+
+    def test_token_bytes_read_whatever_the_member_order(self, tiny_model_dir, walk, tmp_path):
+        """The reader stops once it has what it needs; files that put the model first
+        (read past it), or sort every object's keys (merges before vocab) and indent, read
+        the same."""
+        data = json.loads((tiny_model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+        model_first = {"model": data["model"], **{k: v for k, v in data.items() if k != "model"}}
+        for text in (json.dumps(model_first), json.dumps(data, sort_keys=True, indent=1)):
+            (tmp_path / "tokenizer.json").write_text(text, encoding="utf-8")
+            assert read_token_bytes(tmp_path) == walk.token_bytes
 
     @pytest.mark.parametrize("pattern, prefix", [
         (r'\{"name": "[^"\\]{0,12}", "age": (?:0|[1-9][0-9]{0,2})\}', '{"name": "Ad'),
@@ -110,6 +122,24 @@ class TestVocabularyWalk:
             assert allowed.any()
             if step < len(prefix):
                 state = guide.automaton.step(state, prefix[step].encode())
+
+    def test_random_vocabularies_walked_as_one_by_one(self):
+        """Small random vocabularies (tokens that are prefixes of others, split characters,
+        long ones) under random patterns: the trie walk, sparse and by whole levels, allows
+        exactly the tokens a one-by-one walk does, in every state along random outputs."""
+        rng = random.Random(2)
+        pieces = [b"a", b"b", b"x", b".", b"1", "é".encode(), "中".encode(), b"\xc3", b"\xa9"]
+        for _ in range(40):
+            words = {b"".join(rng.choice(pieces) for _ in range(rng.randint(1, 6))) for _ in range(80)}
+            vocab = [None, *sorted(words), None]
+            guide = Guide("".join(_random_pattern(rng) for _ in range(rng.randint(1, 3))), TokenTrie(vocab))
+            state = START
+            for _ in range(6):
+                allowed = guide.allowed_tokens(state).tolist()
+                assert allowed == [bool(b) and guide.automaton.step(state, b) != DEAD for b in vocab]
+                if not any(allowed):
+                    break
+                state = guide.advance(state, rng.choice([i for i, ok in enumerate(allowed) if ok]))
 
     def test_mask_offers_the_end_ids_where_the_output_may_end(self, walk):
         guide = Guide(choice_regex(("no", "now")), walk)

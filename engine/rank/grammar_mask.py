@@ -3,10 +3,10 @@ guide's byte automaton at once.
 
 A token is allowed in DFA state s when its bytes lead from s to a live state (one from which
 the pattern can still be completed). Walking 248k tokens one by one in Python would take
-seconds, so the walk is tensor work, byte by byte: one gather moves every token still walking
-through the DFA's transition table at once (rows the lazy DFA had not made yet are made when
-a walk reaches them), and the tokens that died or ended drop out (outside a string nearly all
-die at their first byte). The mask of a state is cached per guide (packed eight
+seconds, so the walk is tensor work over the vocabulary's trie (engine/rank/token_trie.py), a
+level at a time: one gather moves every node of a level through the DFA's transition table
+(rows the lazy DFA had not made yet are made when a walk reaches them), and a node that dies
+takes every token under it along. The mask of a state is cached per guide (packed eight
 tokens to a byte, on the device), and a guide per pattern, so the requests of one schema
 share the work: the string states of a JSON document, where most of the vocabulary is
 allowed, are walked once. (xgrammar precomputes such context-independent token sets per
@@ -16,27 +16,14 @@ grammar position; this is the same saving, found lazily.)
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 
 import torch
 
+from deltaserve.engine.rank.token_trie import TokenTrie
 from deltaserve.engine.regex_automaton import DEAD, START, ByteAutomaton
 
 MASKS_PER_GUIDE = 2048  # each vocab / 8 bytes on the device: 64 MB for Qwen's 248k tokens
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-
-
-class TokenWalk:
-    """The vocabulary laid out for walking every token at once: the usable token ids
-    (`order`), their lengths, and their bytes end to end (`data`, token k's from `starts[k]`)."""
-
-    def __init__(self, token_bytes: Sequence[bytes | None]) -> None:
-        self.token_bytes = list(token_bytes)
-        usable = [i for i, b in enumerate(token_bytes) if b]
-        self.order = torch.tensor(usable, dtype=torch.int64)
-        self.lengths = torch.tensor([len(token_bytes[i]) for i in usable], dtype=torch.int64)
-        self.starts = self.lengths.cumsum(0) - self.lengths
-        self.data = torch.frombuffer(bytearray(b"".join(token_bytes[i] for i in usable)), dtype=torch.uint8).long()
 
 
 class Guide:
@@ -44,9 +31,9 @@ class Guide:
     and the token masks of the states reached (least recently used dropped past
     MASKS_PER_GUIDE)."""
 
-    def __init__(self, pattern: str, walk: TokenWalk) -> None:
+    def __init__(self, pattern: str, trie: TokenTrie) -> None:
         self.automaton = ByteAutomaton(pattern)
-        self._walk = walk
+        self._trie = trie
         # flat transition table: [state * 256 + byte] = next state * 256 (the offset of its
         # row, so a walk adds the byte and gathers); a row not made yet holds -(state + 1)
         self._table = torch.zeros(0, dtype=torch.int64)
@@ -57,7 +44,8 @@ class Guide:
     def advance(self, state: int, token: int) -> int:
         """The state after `token` (DEAD for a token the pattern cannot take, or one that
         writes no bytes)."""
-        data = self._walk.token_bytes[token] if 0 <= token < len(self._walk.token_bytes) else None
+        vocabulary = self._trie.token_bytes
+        data = vocabulary[token] if 0 <= token < len(vocabulary) else None
         return self.automaton.step(state, data) if data else DEAD
 
     def mask(self, state: int, end_ids: tuple[int, ...], width: int, device: torch.device) -> torch.Tensor:
@@ -83,29 +71,57 @@ class Guide:
 
     def allowed_tokens(self, state: int) -> torch.Tensor:
         """Bool [len(vocabulary)] on the CPU: the tokens whose bytes lead from `state` to a
-        live state."""
-        walk = self._walk
-        allowed = torch.zeros(len(walk.token_bytes), dtype=torch.bool)
-        if state == DEAD or walk.order.numel() == 0:
+        live state.
+
+        The trie is walked a level at a time. While few nodes live (outside strings nearly
+        all die at their first byte) the walk carries only those, each expanded to its
+        children. Once their children fill a third of the next level (inside a string most
+        nodes live), it carries whole levels, each node in the state its parent left, dead
+        ones in DEAD (whose row leads only to DEAD): a third of the tensor work per node."""
+        trie = self._trie
+        allowed = torch.zeros(len(trie.token_bytes), dtype=torch.bool)
+        if state == DEAD or trie.roots == 0:
             return allowed
         self._mark_new_states()  # `advance` may have made states the table lacks
-        # the tokens still walking: their index in `order`, where their next byte is, how
-        # many bytes they have left, and the row offset of the state they are in
-        token, cursor, left = torch.arange(walk.order.shape[0]), walk.starts.clone(), walk.lengths.clone()
-        here = torch.full_like(token, state * 256)
+        # the live nodes of level d, and the row offset of the state their parents left
+        node, here, d = torch.arange(trie.roots), torch.full((trie.roots,), state * 256), 1
         while True:
-            index = here + walk.data[cursor]
-            went = self._table[index]
-            if went.min() < 0:  # rows not made yet: make them, gather again
-                for unmade in (-went[went < 0] - 1).unique().tolist():
-                    self._make_row(unmade)
-                went = self._table[index]
-            ended = left == 1
-            allowed[walk.order[token[ended]]] = went[ended] != DEAD
-            walking = ((went != DEAD) & ~ended).nonzero().squeeze(1)
-            if walking.numel() == 0:
+            went = self._step(here + trie.byte[node])
+            token = trie.token[node]
+            allowed[token[(went != DEAD) & (token >= 0)]] = True
+            lo, hi = trie.child_lo[node], trie.child_hi[node]
+            on = ((went != DEAD) & (hi > lo)).nonzero().squeeze(1)
+            lo, count = lo[on], (hi - lo)[on]
+            children = int(count.sum())
+            if children == 0:
                 return allowed
-            token, cursor, left, here = token[walking], cursor[walking] + 1, left[walking] - 1, went[walking]
+            below = trie.level(d + 1)
+            if 3 * children >= below.stop - below.start:
+                break
+            parent = torch.repeat_interleave(count, output_size=children)
+            node = torch.arange(children) + (lo - (count.cumsum(0) - count))[parent]
+            here, d = went[on][parent], d + 1
+        level = trie.level(d)
+        went_whole = torch.zeros(level.stop - level.start, dtype=torch.int64)  # DEAD
+        went_whole[node[on] - level.start] = went[on]
+        for deeper in range(d + 1, trie.depth + 1):
+            level = trie.level(deeper)
+            went_whole = self._step(went_whole[trie.parent[level]] + trie.byte[level])
+            ending, token = trie.level_tokens[deeper]
+            allowed[token] = went_whole[ending] != DEAD
+            if not went_whole.any():
+                break
+        return allowed
+
+    def _step(self, index: torch.Tensor) -> torch.Tensor:
+        """The table at `index` (state row offset + byte), making the rows it reaches that
+        were not made yet."""
+        went = self._table[index]
+        if went.min() < 0:
+            for unmade in (-went[went < 0] - 1).unique().tolist():
+                self._make_row(unmade)
+            went = self._table[index]
+        return went
 
     def _make_row(self, state: int) -> None:
         row = self.automaton.row(state)  # may make new states
@@ -135,4 +151,4 @@ def unpack(packed: torch.Tensor, width: int) -> torch.Tensor:
     return ((packed[:, None] >> shifts) & 1).bool().view(-1)[:width]
 
 
-__all__ = ["DEAD", "START", "Guide", "TokenWalk", "unpack"]
+__all__ = ["DEAD", "START", "Guide", "unpack"]

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltaserve.engine.rank.grammar_mask import START, Guide, TokenWalk
+from deltaserve.engine.rank.grammar_mask import START, Guide
+from deltaserve.engine.rank.token_trie import TokenTrie
 from deltaserve.engine.rank.transfer import to_device
 from deltaserve.ipc.messages import Sample, SamplingSpec
 from deltaserve.kernels.logit_stats import logsumexp_argmax
@@ -135,7 +136,7 @@ class Sampler:
         self._in_flight = False  # a launch not yet finished
         self._bias_rows: _BiasRows | None = None
         self._token_bytes = token_bytes
-        self._walk: TokenWalk | None = None
+        self._trie: TokenTrie | None = None
         self._guides: OrderedDict[str, Guide] = OrderedDict()
 
     def __contains__(self, request_id: int) -> bool:
@@ -157,11 +158,11 @@ class Sampler:
         """The pattern's guide, shared by every request with it (and kept a while after)."""
         guide = self._guides.get(pattern)
         if guide is None:
-            if self._walk is None:
+            if self._trie is None:
                 if self._token_bytes is None:
                     raise ValueError("guided decoding needs the vocabulary's token bytes")
-                self._walk = TokenWalk(self._token_bytes())
-            guide = self._guides[pattern] = Guide(pattern, self._walk)
+                self._trie = TokenTrie(self._token_bytes())
+            guide = self._guides[pattern] = Guide(pattern, self._trie)
             in_use = {s.spec.guide_regex for s in self._requests.values()}
             idle = [p for p in self._guides if p not in in_use and p != pattern]  # least recent first
             for old in idle[: len(self._guides) - GUIDES_KEPT]:

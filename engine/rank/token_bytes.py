@@ -12,6 +12,7 @@ table, inverted here); SentencePiece-style ones write a space as U+2581 and a ra
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 
@@ -41,10 +42,48 @@ def _sentencepiece_bytes(token: str) -> bytes:
     return token.replace("\u2581", " ").encode("utf-8")
 
 
+_DECODER = json.JSONDecoder()
+_BLANK = re.compile(r"[ \t\n\r]*")
+_WANTED = {"added_tokens": None, "decoder": None, "model": {"vocab": None}}
+
+
+def _members(text: str, at: int, wanted: dict, stop_early: bool = True) -> tuple[dict, int | None]:
+    """The members named in `wanted` (a nested dict: that member's own members, read the
+    same way) of the JSON object at `text[at]`, and the index past the object, or None where
+    the reading stopped once all were found. Other members are decoded and dropped.
+    tokenizer.json writes `model.vocab` before `model.merges`, and decoding the merges was
+    two thirds of decoding the whole file."""
+    found: dict = {}
+    at = _BLANK.match(text, at).end()
+    if text[at : at + 1] != "{":
+        raise ValueError(f"tokenizer.json: an object expected at character {at}")
+    at += 1
+    while not (stop_early and len(found) == len(wanted)):
+        at = _BLANK.match(text, at).end()
+        if text[at] == "}":
+            return found, at + 1
+        if text[at] == ",":
+            at = _BLANK.match(text, at + 1).end()
+        key, at = _DECODER.raw_decode(text, at)
+        at = _BLANK.match(text, _BLANK.match(text, at).end() + 1).end()  # past the colon
+        if isinstance(wanted.get(key), dict):
+            last = len(found) == len(wanted) - 1  # every other member found: may stop inside
+            found[key], at = _members(text, at, wanted[key], stop_early and last)
+            if at is None:
+                return found, None
+        else:
+            value, at = _DECODER.raw_decode(text, at)
+            if key in wanted:
+                found[key] = value
+    return found, None
+
+
 def read_token_bytes(model_dir: str | Path) -> list[bytes | None]:
     """Token id -> its bytes (None: a special token, or an id the tokenizer leaves unused)."""
-    data = json.loads((Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8"))
-    vocab: dict[str, int] = data["model"]["vocab"]
+    data, _ = _members((Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8"), 0, _WANTED)
+    vocab: dict[str, int] | None = data.get("model", {}).get("vocab")
+    if not isinstance(vocab, dict):
+        raise ValueError(f"{model_dir}/tokenizer.json: no model.vocab object")
     added = data.get("added_tokens") or []
     size = 1 + max([*vocab.values(), *(t["id"] for t in added)])
     out: list[bytes | None] = [None] * size

@@ -1,0 +1,101 @@
+"""The vocabulary as a trie of its tokens' bytes, laid out for walking level by level.
+
+A guided mask walks every token through the pattern's automaton. Walked token by token the
+walk costs every byte of the vocabulary (1.8M for Qwen's 248k tokens) wherever most tokens
+stay alive, and all 248k tokens at their first byte where nearly all die there. Walked over
+the trie, tokens that share a prefix walk it once (592k nodes for Qwen's vocabulary), and a
+byte that kills a node kills every token under it: outside a string the walk ends after the
+256 nodes of the first level. (llguidance and outlines-core walk a token trie the same way,
+node by node; here a level's live nodes move at once, as tensors.)
+
+Nodes are numbered level by level, each level in the order of the bytes it spells, so a
+node's children are the contiguous range `child_lo[n]:child_hi[n]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class TokenTrie:
+    """`byte[n]`: the byte node n adds; `token[n]`: the token id its bytes spell, or -1;
+    `parent[n]`: its parent's index in the level above; `child_lo[n]:child_hi[n]`: its
+    children; the first level's nodes are `0:roots`."""
+
+    def __init__(self, token_bytes: Sequence[bytes | None]) -> None:
+        self.token_bytes = list(token_bytes)
+        in_order = sorted(
+            (i for i, b in enumerate(self.token_bytes) if b), key=self.token_bytes.__getitem__
+        )
+        spelled = [self.token_bytes[i] for i in in_order]
+        ids = torch.tensor(in_order, dtype=torch.int64)
+        lengths = torch.tensor(list(map(len, spelled)), dtype=torch.int64)
+        data = torch.frombuffer(bytearray(b"".join(spelled)), dtype=torch.uint8).long()
+        starts = lengths.cumsum(0) - lengths
+        shared = _shared_prefix_lengths(data, starts, lengths)
+        # token k (in byte order) adds the nodes of its prefixes longer than the one it
+        # shares with token k - 1: those shorter were added by earlier tokens
+        added = lengths - shared
+        owner = torch.repeat_interleave(torch.arange(ids.shape[0]), added)
+        first = added.cumsum(0) - added
+        depth = shared[owner] + 1 + torch.arange(owner.shape[0]) - first[owner]
+        level_order = torch.sort(depth, stable=True).indices  # by depth, then byte order
+        owner, depth = owner[level_order], depth[level_order]
+        self.byte = data[starts[owner] + depth - 1]
+        self.token = torch.where(depth == lengths[owner], ids[owner], -1)
+        # a node's parent is the node one level up on its owner's path: the last node of
+        # that level owned by a token at or before its owner (tokens are in byte order)
+        levels = torch.bincount(depth)
+        self.level_start = [0, *levels.cumsum(0).tolist()]
+        nodes = owner.shape[0]
+        self.parent = torch.full((nodes,), -1, dtype=torch.int64)  # its index in its level
+        self.child_lo = torch.full((nodes,), nodes, dtype=torch.int64)
+        self.child_hi = torch.full((nodes,), nodes, dtype=torch.int64)
+        for d in range(2, levels.shape[0]):
+            above, here = self.level(d - 1), self.level(d)
+            parent = torch.searchsorted(owner[above], owner[here], right=True) - 1
+            self.parent[here] = parent
+            children = torch.bincount(parent, minlength=above.stop - above.start)
+            ends = children.cumsum(0) + here.start
+            self.child_hi[above] = ends
+            self.child_lo[above] = ends - children
+        # each level's nodes that end a token (their index in the level) and the token ids
+        self.level_tokens = []
+        for d in range(len(self.level_start) - 1):
+            ending = (self.token[self.level(d)] >= 0).nonzero().squeeze(1)
+            self.level_tokens.append((ending, self.token[ending + self.level_start[d]]))
+        self.roots = self.level(1).stop if self.depth >= 1 else 0
+
+    @property
+    def depth(self) -> int:
+        """The longest token's length: the trie's last level."""
+        return len(self.level_start) - 2
+
+    def level(self, d: int) -> slice:
+        """The nodes of level `d` (tokens' d-th bytes; level 0 is empty)."""
+        return slice(self.level_start[d], self.level_start[d + 1])
+
+    @property
+    def num_nodes(self) -> int:
+        return self.byte.shape[0]
+
+
+def _shared_prefix_lengths(
+    data: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """For tokens in byte order: how many leading bytes each shares with the one before (0
+    for the first). Compared a position at a time, over the pairs still equal."""
+    shared = torch.zeros_like(lengths)
+    pair = torch.arange(1, lengths.shape[0])
+    k = 0
+    while pair.numel():
+        pair = pair[(lengths[pair] > k) & (lengths[pair - 1] > k)]
+        pair = pair[data[starts[pair] + k] == data[starts[pair - 1] + k]]
+        shared[pair] += 1
+        k += 1
+    return shared
+
+
+__all__ = ["TokenTrie"]
