@@ -197,6 +197,14 @@ class _Formatter:
         body["usage"] = usage_json
         return body
 
+    def encode(self, chunk: dict[str, Any]) -> bytes:
+        """A chunk of `start`, `token` or `finish` as the stream sends it."""
+        return sse(chunk)
+
+    def stream_end(self, usage_json: dict[str, int], include_usage: bool) -> bytes:
+        """What a stream ends with: the usage chunk when asked for, then [DONE]."""
+        return (sse(self.usage_chunk(usage_json)) if include_usage else b"") + SSE_DONE
+
     def prompt(self, index: int, ev: Any, state: ChoiceState) -> None:
         """A PromptLogprobsEvent: kept for the response (a stream has no field for it)."""
         state.prompt_logprobs = ev

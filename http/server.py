@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import functools
 import hmac
-import json
 import logging
 import random
 import time
@@ -25,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 
 import deltaserve
 from deltaserve.engine.events import (
@@ -44,12 +42,14 @@ from deltaserve.http.errors import ApiError
 from deltaserve.http.metrics import render_metrics
 from deltaserve.http.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
+    ChatRequest,
     SamplingFields,
     parse_chat_request,
     parse_completion_request,
     truncate_prompt,
 )
 from deltaserve.http.reasoning import ReasoningParser, check_include_reasoning
+from deltaserve.http.request_body import read_json
 from deltaserve.http.responses import (
     SSE_DONE,
     ChatFormatter,
@@ -65,6 +65,7 @@ from deltaserve.http.tool_protocol import tool_call_reader
 
 if TYPE_CHECKING:
     from deltaserve.engine.async_engine import AsyncEngine
+    from deltaserve.http.responses_events import ResponsesFormatter
 
 log = logging.getLogger("deltaserve.http")
 
@@ -131,8 +132,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
-    from deltaserve.http.tokenize_routes import add_routes  # imports this module: not at its top
-    add_routes(app)  # /tokenize, /detokenize, /ping
+    # route modules that import this one: not at its top
+    from deltaserve.http import responses_routes, tokenize_routes
+
+    tokenize_routes.add_routes(app)  # /tokenize, /detokenize, /ping
+    responses_routes.add_routes(app)  # /v1/responses
     return app
 
 
@@ -247,7 +251,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = parse_completion_request(await _read_json(request), state.sampling_defaults)
+    req = parse_completion_request(await read_json(request), state.sampling_defaults)
     model = state.model_name(req.model)
     state.check_admitting()
     max_tokens = req.sampling.max_tokens
@@ -280,7 +284,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = parse_chat_request(await _read_json(request), state.sampling_defaults)
+    req = parse_chat_request(await read_json(request), state.sampling_defaults)
+    formatter, streams = await open_chat(request, req, f"chatcmpl-{uuid.uuid4().hex}")
+    return await _respond(request, formatter, streams, req.sampling.n, req.stream, req.include_usage)
+
+
+async def open_chat(request: web.Request, req: ChatRequest, request_id: str) -> tuple[ChatFormatter, list[Any]]:
+    """A parsed chat request rendered, checked and submitted: its formatter and streams (the
+    chat route's, and the Responses API's under its translation)."""
+    state = request.app[STATE]
     model = state.model_name(req.model)
     check_include_reasoning(state.reasoning, req.include_reasoning, req.logprobs)
     tool_calls = tool_call_reader(req.tool_choice, req.tools, req.parallel_tool_calls,
@@ -298,7 +310,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs", seeds=state.seeds)
     if req.sampling.guided.param and state.reasoning is not None and state.reasoning.starts_in_reasoning(prompt_ids):
         raise refuse_in_reasoning(req.sampling.guided)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
     strings = state.strings.rendering(req.return_tokens_as_token_ids)
     formatter = ChatFormatter(request_id, model, strings, req.logprobs, reasoning=state.reasoning,
                               prompt_ids=prompt_ids, include_reasoning=req.include_reasoning,
@@ -306,41 +317,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                               continuous_usage=req.continuous_usage)  # fmt: skip
     streams = await _open_streams(state, [prompt_ids], [params], request_id, prompt_param="messages",
                                   guided=req.sampling.guided)  # fmt: skip
-    return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
-
-
-async def _read_json(request: web.Request) -> object:
-    try:
-        raw = await request.read()  # raises 413 past client_max_size
-    except RequestPayloadError as exc:  # e.g. a Content-Encoding its bytes do not decode by
-        raise errors.bad_request(f"the request body could not be read: {exc}") from None
-    try:
-        return msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        body = _decode_non_finite(raw, exc)
-        if body is not None:
-            return body
-        raise errors.bad_request(f"the request body is not valid JSON: {exc}") from None
-    except UnicodeDecodeError as exc:  # msgspec raises this, not DecodeError, for bad UTF-8
-        raise errors.bad_request(
-            f"the request body is not valid UTF-8 ({exc.reason}): JSON must be UTF-8"
-        ) from None
-    except RecursionError:  # msgspec's own depth limit: e.g. 100k nested arrays
-        raise errors.bad_request("the request body's JSON is nested too deeply") from None
-
-
-def _decode_non_finite(raw: bytes, exc: msgspec.DecodeError) -> object | None:
-    """The body, when msgspec refused it only for a non-finite number (`NaN`, `Infinity`, or
-    a float out of range such as 1e400, which Python's json module reads as nan / inf): the
-    field checks then refuse that value naming its field. None for any other error."""
-    if not (str(exc).startswith("Number out of range") or b"NaN" in raw or b"Infinity" in raw):
-        return None
-    try:
-        body = json.loads(raw.decode("utf-8"))
-        msgspec.json.encode(body)  # what else msgspec refuses (lone surrogates) stays refused
-    except (ValueError, RecursionError):  # UnicodeError and JSONDecodeError are ValueErrors
-        return None
-    return body
+    return formatter, streams
 
 
 def _params(
@@ -492,7 +469,7 @@ def _terminal_error(state: ServerState, ev: Any) -> ApiError:
 
 async def _respond(
     request: web.Request,
-    formatter: CompletionFormatter | ChatFormatter,
+    formatter: CompletionFormatter | ChatFormatter | ResponsesFormatter,
     streams: list[Any],
     n: int,
     stream: bool,
@@ -513,14 +490,14 @@ async def _respond(
             for idx in range(len(states)):
                 chunk = formatter.start(idx, states[idx])
                 if chunk is not None:
-                    await response.write(sse(chunk))
+                    await response.write(formatter.encode(chunk))
         events = _merged(streams)
         try:
             async for p, ev in events:
                 idx = p * n + ev.index
                 chunk = _apply(state, formatter, idx, ev, states[idx])
                 if response is not None and chunk is not None:
-                    await response.write(sse(chunk))
+                    await response.write(formatter.encode(chunk))
         finally:
             await events.aclose()
         prompt_tokens = sum(states[p * n].prompt_tokens for p in range(len(streams)))
@@ -529,9 +506,7 @@ async def _respond(
                            cached if state.config.enable_prompt_tokens_details else 0)
         if response is None:
             return _json(formatter.response(states, usage_json))
-        if include_usage:
-            await response.write(sse(formatter.usage_chunk(usage_json)))
-        await response.write(SSE_DONE)
+        await response.write(formatter.stream_end(usage_json, include_usage))
         await response.write_eof()
         return response
     except _RequestFailed as failed:

@@ -24,12 +24,12 @@ from deltaserve.http.protocol import (
     _token_ids,
     parse_chat_request,
 )
+from deltaserve.http.request_body import read_json
 from deltaserve.http.server import (
     STATE,
     ServerState,
     _apply_chat_template,
     _json,
-    _read_json,
     health,
 )
 
@@ -54,7 +54,7 @@ def add_routes(app: web.Application) -> None:
 async def tokenize(request: web.Request) -> web.Response:
     """`{"count", "max_model_len", "tokens", "token_strs"}`; token_strs null unless asked."""
     state = request.app[STATE]
-    obj = _object(await _read_json(request))
+    obj = _object(await read_json(request))
     is_chat = obj.get("messages") is not None
     if is_chat and obj.get("prompt") is not None:
         raise errors.bad_request("give either prompt (a text) or messages (a chat), not both", "messages")
@@ -73,7 +73,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     """`{"prompt": text}`: the ids decoded with their special tokens, as vLLM's."""
     state = request.app[STATE]
-    obj = _object(await _read_json(request))
+    obj = _object(await read_json(request))
     _refuse_unknown(obj, _DETOKENIZE_KEYS)
     if obj.get("tokens") is None:
         raise errors.bad_request("tokens is required", "tokens")
