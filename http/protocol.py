@@ -47,8 +47,7 @@ _VLLM_DEFAULTS: dict[str, Any] = {
 # add_special_tokens: vLLM adds them to a completion's prompt, not to a rendered chat. The
 # Qwen tokenizer adds none when encoding, so the prompt is the same either way.
 _COMPLETION_DEFAULTS = {**_VLLM_DEFAULTS, "add_special_tokens": True}
-_CHAT_DEFAULTS = {**_VLLM_DEFAULTS, "add_special_tokens": False, "add_generation_prompt": True,
-                  "continue_final_message": False}  # fmt: skip
+_CHAT_DEFAULTS = {**_VLLM_DEFAULTS, "add_special_tokens": False}
 _COMPLETION_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_COMPLETION_DEFAULTS) | {
     "model", "prompt", "max_tokens", "stream", "stream_options", "logprobs", "echo",
     "best_of", "logit_bias", "suffix", "return_tokens_as_token_ids",
@@ -57,6 +56,7 @@ _CHAT_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_CHAT_DEFAULTS) | {
     "model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
     "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
     "parallel_tool_calls", "chat_template_kwargs", "include_reasoning", "return_tokens_as_token_ids",
+    "add_generation_prompt", "continue_final_message",
 }  # fmt: skip
 _ROLES = ("system", "user", "assistant", "developer", "tool")
 # Message fields taken only when null (or []): tool calls, and what the SDK's model_dump() of
@@ -146,6 +146,10 @@ class ChatRequest:
     tool_choice: ToolChoice = "none"  # "auto": the output read by the parser; "required", named: forced
     parallel_tool_calls: bool = True  # False: only the first call is returned (as vLLM)
     return_tokens_as_token_ids: bool | None = None  # as CompletionRequest's
+    # vLLM's: the template's generation prompt, or the last message continued (an answer's
+    # start given, the output goes on from it)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 # ---- entry points ------------------------------------------------------------------------
@@ -213,6 +217,11 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
     elif not isinstance(template_kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
     stream, include_usage, continuous = _stream(obj)
+    generation = _opt_bool(obj, "add_generation_prompt", default=True)
+    continuation = _opt_bool(obj, "continue_final_message", default=False)
+    if generation and continuation:  # vLLM's words
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                          "continue_final_message")  # fmt: skip
     return ChatRequest(
         model=_opt_str(obj, "model"),
         messages=_messages(obj),
@@ -234,6 +243,8 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
         tool_choice=tool_fields.tool_choice,
         parallel_tool_calls=tool_fields.parallel_tool_calls,
         return_tokens_as_token_ids=_opt_bool(obj, "return_tokens_as_token_ids", default=None),
+        add_generation_prompt=generation,
+        continue_final_message=continuation,
     )
 
 

@@ -302,6 +302,7 @@ async def open_chat(request: web.Request, req: ChatRequest, request_id: str) -> 
     prompt_ids = await _apply_chat_template(
         state.engine, req.messages, template_kwargs, size=len(await request.read()),
         chat_template=state.config.chat_template, tools=req.tools,
+        add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
     )  # fmt: skip
     max_tokens = req.sampling.max_tokens
     prompt_ids = truncate_prompt(prompt_ids, req.truncate_prompt_tokens, max_tokens, state.engine.max_model_len)

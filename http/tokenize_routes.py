@@ -39,8 +39,9 @@ T = TypeVar("T")
 # and mm_processor_kwargs are refused as unknown, as the chat route refuses them); the other
 # form's prompt or messages may be there as null (both given are refused first)
 _PROMPT_KEYS = frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs"})
-_CHAT_ROUTE_KEYS = ("messages", "tools", "chat_template_kwargs")  # parsed as the chat route does
-_CHAT_KEYS = _PROMPT_KEYS | {*_CHAT_ROUTE_KEYS, "add_generation_prompt", "continue_final_message"}
+# parsed as the chat route does
+_CHAT_ROUTE_KEYS = ("messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+_CHAT_KEYS = _PROMPT_KEYS | set(_CHAT_ROUTE_KEYS)
 _DETOKENIZE_KEYS = frozenset({"model", "tokens"})
 
 
@@ -99,17 +100,13 @@ async def _prompt_ids(state: ServerState, obj: dict[str, Any]) -> list[int]:
 
 async def _chat_ids(state: ServerState, obj: dict[str, Any], size: int) -> list[int]:
     chat = parse_chat_request({key: obj[key] for key in _CHAT_ROUTE_KEYS if key in obj})
-    generation = _opt_bool(obj, "add_generation_prompt", default=True)
-    continuation = _opt_bool(obj, "continue_final_message", default=False)
-    if generation and continuation:  # vLLM's words
-        raise errors.bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` "
-                                 "to True.", "continue_final_message")  # fmt: skip
     special = _opt_bool(obj, "add_special_tokens", default=False)
     state.model_name(_opt_str(obj, "model"))
     kwargs = {**state.config.default_chat_template_kwargs, **chat.chat_template_kwargs}
     return await _apply_chat_template(
         state.engine, chat.messages, kwargs, size, chat_template=state.config.chat_template,
-        tools=chat.tools, add_generation_prompt=generation, continue_final_message=continuation,
+        tools=chat.tools, add_generation_prompt=chat.add_generation_prompt,
+        continue_final_message=chat.continue_final_message,
         add_special_tokens=special,
     )  # fmt: skip
 

@@ -271,6 +271,26 @@ async def test_chat_matches_engine_streamed_and_not(served: Served):
     assert [x.token for x in lps] == [c.token for c in content]
 
 
+async def test_chat_continues_the_final_message(served: Served):
+    """vLLM's continue_final_message (with add_generation_prompt false): the template renders
+    the assistant's start unclosed, as transformers renders it, and the output goes on from
+    it; both flags true is refused in vLLM's words."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    text = served.tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert text.endswith("My favourite is")
+    ids = served.tokenizer.encode(text, add_special_tokens=False)
+    ref = [e for e in (await engine_run(served.engine, ids, SamplingParams(max_tokens=6, temperature=0)))[0]
+           if isinstance(e, TokenEvent)]  # fmt: skip
+    r = await served.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )  # fmt: skip
+    assert r.choices[0].message.content == "".join(e.text for e in ref) and r.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError, match="Cannot set both") as info:
+        await served.client.chat.completions.create(model=MODEL, messages=messages, extra_body={"continue_final_message": True})
+    assert info.value.body["param"] == "continue_final_message"
+
+
 async def test_chat_n2_and_default_max_tokens(served: Served):
     """n=2 gives two choices; without max_tokens a chat may use the context left (here it
     ends at a stop token id instead)."""

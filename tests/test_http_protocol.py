@@ -245,12 +245,10 @@ class TestChat:
 # vLLM's extra request fields and their defaults: what this server does anyway.
 VLLM_DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0}
 COMPLETION_DEFAULTS = {**VLLM_DEFAULTS, "add_special_tokens": True}
-CHAT_DEFAULTS = {**VLLM_DEFAULTS, "add_special_tokens": False, "add_generation_prompt": True,
-                 "continue_final_message": False}  # fmt: skip
+CHAT_DEFAULTS = {**VLLM_DEFAULTS, "add_special_tokens": False}
 # A value other than the default, of the right type and of a wrong one.
 OTHER = {"use_beam_search": [True, 0], "length_penalty": [0.5, True],
-         "priority": [1, -1], "add_special_tokens": [None],
-         "add_generation_prompt": [False, 1], "continue_final_message": [True, 0]}  # fmt: skip
+         "priority": [1, -1], "add_special_tokens": [None]}  # fmt: skip
 CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -282,6 +280,16 @@ class TestVllmExtras:
         """vLLM adds special tokens to a completion's prompt, not to a rendered chat."""
         refused(parse_completion_request, {"prompt": "x", "add_special_tokens": False}, "add_special_tokens", "default")
         refused(parse_chat_request, {**CHAT_BODY, "add_special_tokens": True}, "add_special_tokens", "default")
+
+
+def test_continue_final_message_fields():
+    """vLLM's template flags on chat: taken (the route renders with them), checked as booleans,
+    not both true."""
+    r = parse_chat_request({**CHAT_BODY, "add_generation_prompt": False, "continue_final_message": True})
+    assert (r.add_generation_prompt, r.continue_final_message) == (False, True)
+    assert (parse_chat_request(CHAT_BODY).add_generation_prompt, parse_chat_request(CHAT_BODY).continue_final_message) == (True, False)
+    refused(parse_chat_request, {**CHAT_BODY, "continue_final_message": True}, "continue_final_message", "Cannot set both")
+    refused(parse_chat_request, {**CHAT_BODY, "add_generation_prompt": 1}, "add_generation_prompt", "boolean")
 
 
 def test_add_special_tokens_adds_none(tmp_path):
