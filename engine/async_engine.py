@@ -252,9 +252,11 @@ class AsyncEngine:
         change the answer."""
         self._check_alive()
         with self._refusals_told(request_id):
+            tokens = 0
             for prompt, p in zip(prompts, params, strict=True):
-                self._check_request(prompt, p)  # its words and choices tokenized again by generate: small
-            self._check_queue(sum(p.n for p in params))
+                prompt_ids, _ = self._check_request(prompt, p)  # tokenized again by generate: small
+                tokens += len(prompt_ids) * p.n
+            self._check_queue(sum(p.n for p in params), tokens)
 
     @contextlib.contextmanager
     def _refusals_told(self, request_id: str | None) -> Iterator[None]:
@@ -281,12 +283,20 @@ class AsyncEngine:
         self._check_fits(prompt_ids, params)
         return prompt_ids, params
 
-    def _check_queue(self, choices: int) -> None:
-        queued = self._scheduler.num_queued
+    def _check_queue(self, choices: int, tokens: int) -> None:
+        """The queue's bounds: choices, and their prompt tokens (a prompt is held in memory
+        while it waits). The token bound takes any one call while nothing else waits, so a
+        prompt over it is never refused forever."""
+        queued, queued_tokens = self._scheduler.num_queued, self._scheduler.queued_tokens
         if queued + choices > self.config.max_queued_requests:
             raise QueueFullError(
                 f"waiting queue is full: {queued} queued + {choices} new > "
                 f"max_queued_requests {self.config.max_queued_requests}"
+            )
+        if queued and queued_tokens + tokens > self.config.max_queued_tokens:
+            raise QueueFullError(
+                f"waiting queue is full: {queued_tokens} queued prompt tokens + {tokens} new > "
+                f"max_queued_tokens {self.config.max_queued_tokens}"
             )
 
     def _submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> RequestStream:
@@ -299,7 +309,7 @@ class AsyncEngine:
             # its owner left (aclose, a cancelled consumer, the stream dropped): the id is free
             # at once, as after `abort`; the tick cancels the old choices
             self._forget(old)
-        self._check_queue(params.n)
+        self._check_queue(params.n, len(prompt_ids) * params.n)
         now = time.monotonic()
         requests = []
         for index in range(params.n):

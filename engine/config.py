@@ -37,6 +37,9 @@ class EngineConfig:
     # chunk that small leaves the matmuls and the launch overhead per token poor), 2048 on cpu
     max_num_batched_tokens: int | None = None
     max_queued_requests: int = 256
+    # prompt tokens of the waiting choices (each held in memory until admitted); one call is
+    # taken past it while nothing else waits
+    max_queued_tokens: int = 4 * 1024 * 1024
     block_size: int = 16
     # default: on cuda what gpu_memory_utilization leaves, on cpu max_num_seqs * max_model_len
     # / block_size
@@ -80,6 +83,7 @@ class EngineConfig:
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_queued_requests": self.max_queued_requests,
+            "max_queued_tokens": self.max_queued_tokens,
             "block_size": self.block_size,
         }
         for name, value in positive.items():

@@ -58,6 +58,7 @@ from deltaserve.engine.planner import PlanInput, PlannedChunk, StepBudget, StepP
 from deltaserve.engine.prefix_cache import PrefixCache
 from deltaserve.engine.stop_check import check_stop
 from deltaserve.engine.tick_records import Cancellation, Entry, Step, Submission
+from deltaserve.engine.waiting_queue import WaitingQueue
 from deltaserve.ipc.controller import ReplicaPoisoned
 from deltaserve.ipc.messages import NewRequest, Sample, SampleColumns, StepItem
 from deltaserve.ipc.step_trace import StepTrace
@@ -93,9 +94,7 @@ class Scheduler:
         self.lifecycle_listeners: list[Callable[[Lifecycle], None]] = []
         self._inbox: deque[Submission | Cancellation] = deque()
         self._entries: dict[int, Entry] = {}  # every unresolved request
-        self._waiting: deque[Entry] = deque()
-        # submitted, not yet admitted, not given up by their owner: what the queue bound counts
-        self._queued_ids: set[int] = set()
+        self._waiting = WaitingQueue()
         self._running: dict[int, Entry] = {}  # admitted, in admission order
         self._pending_drop: dict[int, list[Event]] = {}  # on ranks, ended; events held back
         # the last step's samples of running requests (with their text, or None: not yet
@@ -121,25 +120,30 @@ class Scheduler:
     def num_queued(self) -> int:
         """Choices submitted and not yet admitted (the bounded waiting queue). One whose owner
         gave it up (`cancel`, `withdraw`) leaves it at once, not at the next tick."""
-        return len(self._queued_ids)
+        return self._waiting.num_choices
+
+    @property
+    def queued_tokens(self) -> int:
+        """The prompt tokens of those choices."""
+        return self._waiting.num_tokens
 
     def load(self) -> LoadSnapshot:
         return self._load
 
     def submit(self, submission: Submission) -> None:
-        self._queued_ids.update(r.request_id for r in submission.requests)
+        self._waiting.count(submission.requests)
         self._inbox.append(submission)
         self.wake()
 
     def cancel(self, request_ids: tuple[int, ...]) -> None:
-        self._queued_ids.difference_update(request_ids)
+        self._waiting.forget(request_ids)
         self._inbox.append(Cancellation(request_ids))
         self.wake()
 
     def withdraw(self, request_ids: tuple[int, ...]) -> None:
         """Their owner left (a closed stream; may run in a finalizer): their places in the
         queue are free now, and the tick cancels them at its next prune."""
-        self._queued_ids.difference_update(request_ids)
+        self._waiting.forget(request_ids)
         self.wake_threadsafe()
 
     def wake(self) -> None:
@@ -270,7 +274,6 @@ class Scheduler:
             del self._running[rid]
         else:
             self._waiting.remove(entry)
-            self._queued_ids.discard(rid)
         request.finish("abort")
         event = FinishedEvent(request.index, "abort", request.prompt_len, request.num_output_tokens, "",
                               request.num_cached)
@@ -348,12 +351,11 @@ class Scheduler:
     def _admit(self) -> None:
         """First come first served; stop at the first request that does not fit now."""
         while self._waiting:
-            entry = self._waiting[0]
+            entry = self._waiting.head()
             request = entry.request
             reserve = request.reserve_tokens
             if reserve > self.max_model_len or not self.ledger.fits_ever(reserve):
                 self._waiting.popleft()
-                self._queued_ids.discard(request.request_id)
                 request.finish("error")
                 del self._entries[request.request_id]
                 self._deliver(entry, ErrorEvent(request.index, (
@@ -373,7 +375,6 @@ class Scheduler:
                 self.metrics.prefix_cache_queries_total += request.prompt_len
                 self.metrics.prefix_cache_hits_total += request.num_cached
             self._waiting.popleft()
-            self._queued_ids.discard(request.request_id)
             self._running[request.request_id] = entry
             self._notify("admitted", entry)
 
@@ -407,7 +408,7 @@ class Scheduler:
         needs none of its results (see the module docstring); else None."""
         if not self._pipeline or self._stopping or self._inbox:
             return None
-        if self._waiting and (self._pending_drop or self.ledger.can_admit(self._waiting[0].request.reserve_tokens)):
+        if self._waiting and (self._pending_drop or self.ledger.can_admit(self._waiting.head().request.reserve_tokens)):
             return None  # admission comes first
         chunks = []
         last = []  # requests whose last token `step` samples (max_tokens): dropped right after it
@@ -580,7 +581,6 @@ class Scheduler:
             self._deliver(entry, ErrorEvent(entry.request.index, message))
         self._entries.clear()
         self._waiting.clear()
-        self._queued_ids.clear()
         self._running.clear()
         self._pending_drop.clear()
         self._inflight = None

@@ -323,6 +323,28 @@ class TestRefusals:
             await s.aclose()
         await assert_idle_and_empty(engine)
 
+    async def test_queued_prompt_tokens_bound(self, tiny_model_dir):
+        """The waiting prompts' tokens are bounded too (LESSONS: a queue of long prompts runs
+        the server out of memory): a call past the bound is refused while anything else
+        waits, taken alone, and an owner that leaves frees its tokens at once."""
+        engine = await AsyncEngine.start(engine_config(tiny_model_dir, max_queued_tokens=150))
+        try:
+            alone = engine.generate(list(range(5, 205)), GREEDY)  # 200 tokens, nothing else waits
+            with pytest.raises(QueueFullError, match="200 queued prompt tokens"):
+                engine.generate([7] * 5, GREEDY)
+            await alone.aclose()
+            first = engine.generate([5] * 100, GREEDY)
+            second = engine.generate([6] * 40, GREEDY)  # 140 of 150
+            with pytest.raises(QueueFullError, match=r"140 queued prompt tokens \+ 20 new > max_queued_tokens 150"):
+                engine.generate([7] * 10, SamplingParams(max_tokens=4, n=2))
+            await first.aclose()  # its 100 tokens leave the queue now
+            third = engine.generate([7] * 10, SamplingParams(max_tokens=4, n=2))
+            for stream in (second, third):
+                await stream.aclose()
+            await assert_idle_and_empty(engine)
+        finally:
+            await engine.shutdown()
+
 
 class TestCancellation:
     async def test_cancelled_before_admission_is_never_dispatched(self, engine, prompts):
