@@ -136,6 +136,7 @@ class AsyncEngine:
                 force_mixed=config.force_mixed_steps,
                 pipeline=config.pipeline_steps,
                 prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
+                by_priority=config.scheduling_policy == "priority",
             )
         except BaseException:
             await self._controller.shutdown()
@@ -234,13 +235,19 @@ class AsyncEngine:
     # ---- requests ---------------------------------------------------------------------------
 
     def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> RequestStream:
         """Submit a prompt; returns the stream of its events. Raises ValueError (bad input),
-        QueueFullError (waiting queue at its bound) or EngineDeadError, synchronously."""
+        QueueFullError (waiting queue at its bound) or EngineDeadError, synchronously.
+        `priority` (vLLM's): under the priority policy, lower values are admitted first."""
         self._check_alive()
         with self._refusals_told(request_id):
-            return self._submit(prompt, params, request_id)
+            if type(priority) is not int:
+                raise ValueError(f"priority must be an integer, got {priority!r}")
+            if priority and self.config.scheduling_policy != "priority":
+                raise ValueError(f"priority {priority} needs the priority scheduling policy "
+                                 "(--scheduling-policy priority); this engine admits first come first served")  # fmt: skip
+            return self._submit(prompt, params, request_id, priority)
 
     def check(
         self, prompts: list[str | list[int]], params: list[SamplingParams], request_id: str | None = None
@@ -299,7 +306,8 @@ class AsyncEngine:
                 f"max_queued_tokens {self.config.max_queued_tokens}"
             )
 
-    def _submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> RequestStream:
+    def _submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None,
+                priority: int) -> RequestStream:  # fmt: skip
         prompt_ids, params = self._check_request(prompt, params)
         if request_id is None:
             request_id = f"req-{uuid.uuid4().hex}"
@@ -321,6 +329,7 @@ class AsyncEngine:
                     params=params,
                     seed=self._seed(params, index),
                     arrival_time_s=now,
+                    priority=priority,
                 )
             )
         ids = tuple(r.request_id for r in requests)

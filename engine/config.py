@@ -40,6 +40,9 @@ class EngineConfig:
     # prompt tokens of the waiting choices (each held in memory until admitted); one call is
     # taken past it while nothing else waits
     max_queued_tokens: int = 4 * 1024 * 1024
+    # vLLM's: "fcfs" admits in arrival order; "priority" by each request's priority (lower
+    # first), then arrival. Nothing running is preempted for a waiting request.
+    scheduling_policy: str = "fcfs"
     block_size: int = 16
     # default: on cuda what gpu_memory_utilization leaves, on cpu max_num_seqs * max_model_len
     # / block_size
@@ -74,6 +77,8 @@ class EngineConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", DEFAULT_BATCHED_TOKENS[self.device])
         if self.prefix_cache_states is None:

@@ -55,6 +55,7 @@ class Request:
     params: SamplingParams
     seed: int  # resolved: the caller's seed (+ index) or one drawn at submit
     arrival_time_s: float
+    priority: int = 0  # admitted before higher values under the priority policy
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0  # positions whose state the ranks hold
     num_cached: int = 0  # prompt positions taken from a saved prefix (engine/prefix_cache.py)

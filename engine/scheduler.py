@@ -32,6 +32,7 @@ terminal snapshot, and tears the replica down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -77,6 +78,7 @@ class Scheduler:
         force_mixed: bool = False,
         pipeline: bool = True,
         prefix_states: int = 0,
+        by_priority: bool = False,  # admission by request priority, then arrival (else arrival)
     ) -> None:
         self._controller = controller
         self._tokenizer = tokenizer
@@ -94,7 +96,7 @@ class Scheduler:
         self.lifecycle_listeners: list[Callable[[Lifecycle], None]] = []
         self._inbox: deque[Submission | Cancellation] = deque()
         self._entries: dict[int, Entry] = {}  # every unresolved request
-        self._waiting = WaitingQueue()
+        self._waiting = WaitingQueue(by_priority)
         self._running: dict[int, Entry] = {}  # admitted, in admission order
         self._pending_drop: dict[int, list[Event]] = {}  # on ranks, ended; events held back
         # the last step's samples of running requests (with their text, or None: not yet
@@ -155,10 +157,8 @@ class Scheduler:
 
     def wake_threadsafe(self) -> None:
         """For finalizers: may run at any point, even after the loop closed."""
-        try:
+        with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._wake_event.set)
-        except RuntimeError:
-            pass
 
     def on_poison(self, reason: str) -> None:
         """The controller's callback: a rank died or the replica was poisoned, maybe idle."""
@@ -349,7 +349,7 @@ class Scheduler:
                 logger.exception("load listener failed")
 
     def _admit(self) -> None:
-        """First come first served; stop at the first request that does not fit now."""
+        """In the waiting queue's order; stop at the first request that does not fit now."""
         while self._waiting:
             entry = self._waiting.head()
             request = entry.request

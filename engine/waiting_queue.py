@@ -1,4 +1,4 @@
-"""The queue of requests waiting for admission, and what its bounds count."""
+"""The queue of requests waiting for admission, in admission order, and what its bounds count."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ from deltaserve.engine.tick_records import Entry
 
 
 class WaitingQueue:
-    """Entries in arrival order (admission is first come first served), and the choices the
+    """Entries in admission order: arrival order, or with `by_priority` (vLLM's priority
+    policy) each request's priority first (lower first), then arrival; and the choices the
     queue bounds count: submitted, not admitted, still wanted by their owner (request id ->
     prompt tokens). They are counted at submission, before the tick drains them into
     entries, and an owner that leaves frees its places at once (`forget`), before the tick
     takes its entries out."""
 
-    def __init__(self) -> None:
+    def __init__(self, by_priority: bool = False) -> None:
+        self.by_priority = by_priority
         self._entries: deque[Entry] = deque()
         self._counted: dict[int, int] = {}
 
@@ -42,7 +44,13 @@ class WaitingQueue:
         return self._entries[0]
 
     def extend(self, entries: Iterable[Entry]) -> None:
-        self._entries.extend(entries)
+        """Arrivals: behind every entry of their priority or a lower value."""
+        for entry in entries:
+            at = len(self._entries)
+            if self.by_priority:
+                while at and self._entries[at - 1].request.priority > entry.request.priority:
+                    at -= 1
+            self._entries.insert(at, entry)
 
     def popleft(self) -> Entry:
         entry = self._entries.popleft()

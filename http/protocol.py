@@ -42,7 +42,7 @@ _METADATA_KEYS = frozenset({"user"})
 # vLLM's extra fields that clients send at their defaults, each the way this server works
 # anyway (no beam search, ...): accepted at that value (or null), refused at any other.
 _VLLM_DEFAULTS: dict[str, Any] = {
-    "use_beam_search": False, "length_penalty": 1.0, "priority": 0,
+    "use_beam_search": False, "length_penalty": 1.0,
 }  # fmt: skip
 # add_special_tokens: vLLM adds them to a completion's prompt, not to a rendered chat. The
 # Qwen tokenizer adds none when encoding, so the prompt is the same either way.
@@ -50,13 +50,13 @@ _COMPLETION_DEFAULTS = {**_VLLM_DEFAULTS, "add_special_tokens": True}
 _CHAT_DEFAULTS = {**_VLLM_DEFAULTS, "add_special_tokens": False}
 _COMPLETION_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_COMPLETION_DEFAULTS) | {
     "model", "prompt", "max_tokens", "stream", "stream_options", "logprobs", "echo",
-    "best_of", "logit_bias", "suffix", "return_tokens_as_token_ids",
+    "best_of", "logit_bias", "suffix", "return_tokens_as_token_ids", "priority",
 }  # fmt: skip
 _CHAT_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_CHAT_DEFAULTS) | {
     "model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
     "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
     "parallel_tool_calls", "chat_template_kwargs", "include_reasoning", "return_tokens_as_token_ids",
-    "add_generation_prompt", "continue_final_message",
+    "add_generation_prompt", "continue_final_message", "priority",
 }  # fmt: skip
 _ROLES = ("system", "user", "assistant", "developer", "tool")
 # Message fields taken only when null (or []): tool calls, and what the SDK's model_dump() of
@@ -123,6 +123,7 @@ class CompletionRequest:
     truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens; -1: what fits
     echo: bool = False  # each choice's text (and logprobs) starts with its prompt's
     return_tokens_as_token_ids: bool | None = None  # logprobs say "token_id:{id}"; None: the server's flag
+    priority: int = 0  # vLLM's: lower is admitted first (--scheduling-policy priority)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +151,7 @@ class ChatRequest:
     # start given, the output goes on from it)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    priority: int = 0  # as CompletionRequest's
 
 
 # ---- entry points ------------------------------------------------------------------------
@@ -187,6 +189,7 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
         truncate_prompt_tokens=_truncate(obj),
         echo=echo,
         return_tokens_as_token_ids=_opt_bool(obj, "return_tokens_as_token_ids", default=None),
+        priority=_opt_int(obj, "priority", default=0),
     )
 
 
@@ -245,6 +248,7 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
         return_tokens_as_token_ids=_opt_bool(obj, "return_tokens_as_token_ids", default=None),
         add_generation_prompt=generation,
         continue_final_message=continuation,
+        priority=_opt_int(obj, "priority", default=0),
     )
 
 

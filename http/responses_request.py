@@ -26,7 +26,7 @@ from deltaserve.http.protocol import _opt_bool
 RESPONSES_KEPT = 1024
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _PASSED = ("temperature", "top_p", "parallel_tool_calls", "model",  # the chat route's names and checks
-           "top_k", "min_p", "repetition_penalty", "seed", "stop", "chat_template_kwargs")  # vLLM's extras
+           "top_k", "min_p", "repetition_penalty", "seed", "stop", "chat_template_kwargs", "priority")  # vLLM's extras
 _KEYS = frozenset({*_PASSED, "input", "instructions", "max_output_tokens", "stream", "tools", "tool_choice",
                    "text", "store", "previous_response_id", "metadata", "user", "top_logprobs", "include",
                    "truncation", "background", "reasoning", "service_tier", "max_tool_calls"})

@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-queued-tokens", type=human_readable_int, default=d("max_queued_tokens"),
                      help="prompt tokens of the waiting requests beyond which new ones get HTTP 429 "
                           "(one is taken past it while nothing else waits)")  # fmt: skip
+    eng.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=d("scheduling_policy"),
+                     help="admission order: arrival (fcfs), or each request's priority (lower first), then "
+                          "arrival; nothing running is preempted")  # fmt: skip
     eng.add_argument("--block-size", type=int, default=d("block_size"),
                      help="KV cache positions per block")  # fmt: skip
     eng.add_argument("--num-kv-blocks", type=int, default=d("num_kv_blocks"),
@@ -412,6 +415,7 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
+        scheduling_policy=args.scheduling_policy,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -278,7 +278,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if req.echo:  # as vLLM's: a text prompt as sent, token ids decoded (after truncation)
         formatter.echo([p if isinstance(p, str) else await state.engine.run_tokenizer(
             lambda tok, ids=fit(p): tok.decode(ids), len(p)) for p in prompts], params.n, params.logprobs)  # fmt: skip
-    streams = await _open_streams(state, prompts, [params] * len(prompts), request_id, fit=fit, guided=req.sampling.guided)
+    streams = await _open_streams(state, prompts, [params] * len(prompts), request_id, fit=fit,
+                                  guided=req.sampling.guided, priority=req.priority)  # fmt: skip
     return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
 
 
@@ -317,7 +318,7 @@ async def open_chat(request: web.Request, req: ChatRequest, request_id: str) -> 
                               tool_calls=tool_calls, streaming=req.stream,
                               continuous_usage=req.continuous_usage)  # fmt: skip
     streams = await _open_streams(state, [prompt_ids], [params], request_id, prompt_param="messages",
-                                  guided=req.sampling.guided)  # fmt: skip
+                                  guided=req.sampling.guided, priority=req.priority)  # fmt: skip
     return formatter, streams
 
 
@@ -340,7 +341,7 @@ def _param_of(
     first = message.split(" ", 1)[0].rstrip(":,")
     if first == "logprobs":
         return logprobs_param
-    if first in _SAMPLING_FIELD_NAMES:
+    if first in _SAMPLING_FIELD_NAMES or first == "priority":
         return first
     if first.startswith("prompt"):
         return prompt_param
@@ -390,6 +391,7 @@ async def _open_streams(
     prompt_param: str = "prompt",
     fit: Callable[[list[int]], list[int]] = list,
     guided: Guided = Guided(),
+    priority: int = 0,
 ) -> list[Any]:
     """Submit every prompt, or none: all are tokenized (a large text off the event loop), then
     checked together, before any is submitted, so a refusal opens no stream that would count
@@ -403,7 +405,7 @@ async def _open_streams(
             state.engine.check(prompts, params, request_id)
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(state.engine.generate(prompt, p, request_id=rid))
+            streams.append(state.engine.generate(prompt, p, request_id=rid, priority=priority))
     except BaseException as exc:
         for s in streams:
             await s.aclose()

@@ -134,6 +134,9 @@ CASES = {
     # More choices in one request than the queue can ever hold: refused (was a 429 forever).
     "more prompts than the queue holds": (C, j({"prompt": ["x"] * 65, "max_tokens": 1}), 400, "prompt", "max_queued_requests"),
     "prompts x n past the queue": (C, j({"prompt": [[5]] * 17, "n": 4, "max_tokens": 1}), 400, "prompt", "max_queued_requests"),
+    # vLLM's priority needs the priority policy (as vLLM refuses it): not ignored
+    "priority under fcfs": (CHAT, j({"messages": USER, "priority": 3}), 400, "priority", "--scheduling-policy priority"),
+    "priority not an integer": (C, j({"prompt": "x", "priority": "high"}), 400, "priority", "integer"),
     # apply_chat_template's own options are not template variables: refused, not ignored.
     "chat_template_kwargs truncation": (CHAT, j({"messages": USER, "chat_template_kwargs": {"truncation": True, "max_length": 2}}),
                                         400, "chat_template_kwargs.truncation", "reserved"),

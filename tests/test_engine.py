@@ -323,6 +323,29 @@ class TestRefusals:
             await s.aclose()
         await assert_idle_and_empty(engine)
 
+    async def test_priority_policy_admits_lower_values_first(self, tiny_model_dir, engine, prompts):
+        """vLLM's priority policy: with one slot busy, waiting requests are admitted by
+        priority (lower first), then arrival; nothing running is preempted. Under fcfs a
+        priority is refused, not ignored."""
+        with pytest.raises(ValueError, match="--scheduling-policy priority"):
+            engine.generate(prompts[0], GREEDY, priority=2)
+        placed = await AsyncEngine.start(engine_config(tiny_model_dir, max_num_seqs=1, scheduling_policy="priority"))
+        try:
+            log = PlanLog(placed)
+            running = placed.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True), priority=9)
+            await running.__anext__()  # admitted before the others arrive
+            order = [5, -1, 5, 0, -1]
+            streams = [placed.generate(prompts[1], SamplingParams(max_tokens=2), priority=p) for p in order]
+            for stream in (running, *streams):
+                await drain(stream)
+            first_seen = list(dict.fromkeys(c.request_id for plan in log.plans for c in plan.chunks))
+            expected = sorted(range(len(order)), key=lambda i: (order[i], i))  # stable: arrival within a priority
+            assert first_seen == [running.request_ids[0], *(streams[i].request_ids[0] for i in expected)]
+            log.close()
+            await assert_idle_and_empty(placed)
+        finally:
+            await placed.shutdown()
+
     async def test_queued_prompt_tokens_bound(self, tiny_model_dir):
         """The waiting prompts' tokens are bounded too (LESSONS: a queue of long prompts runs
         the server out of memory): a call past the bound is refused while anything else

@@ -243,12 +243,12 @@ class TestChat:
 
 
 # vLLM's extra request fields and their defaults: what this server does anyway.
-VLLM_DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0}
+VLLM_DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0}
 COMPLETION_DEFAULTS = {**VLLM_DEFAULTS, "add_special_tokens": True}
 CHAT_DEFAULTS = {**VLLM_DEFAULTS, "add_special_tokens": False}
 # A value other than the default, of the right type and of a wrong one.
 OTHER = {"use_beam_search": [True, 0], "length_penalty": [0.5, True],
-         "priority": [1, -1], "add_special_tokens": [None]}  # fmt: skip
+         "add_special_tokens": [None]}  # fmt: skip
 CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
 
 
