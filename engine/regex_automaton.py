@@ -20,6 +20,7 @@ backreferences, lazy or possessive quantifiers, flags and named groups are refus
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -242,7 +243,8 @@ def _encode(code: int) -> bytes:
     return chr(code).encode("utf-8", "surrogatepass")
 
 
-def utf8_sequences(lo: int, hi: int) -> list[tuple[tuple[int, int], ...]]:
+@functools.lru_cache(maxsize=8192)  # a JSON schema's string classes ask for the same ranges often
+def utf8_sequences(lo: int, hi: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Byte-range sequences whose concatenations are exactly the UTF-8 encodings of the code
     points lo..hi (surrogates left out): split the range until both ends encode to the same
     length and differ only in a suffix of whole 6-bit continuation ranges."""
@@ -271,7 +273,7 @@ def utf8_sequences(lo: int, hi: int) -> list[tuple[tuple[int, int], ...]]:
                         break
             else:
                 out.append(tuple(zip(_encode(a), _encode(b), strict=True)))
-    return out
+    return tuple(out)
 
 
 # -- the NFA over bytes, and its DFA made on demand -----------------------------------------
@@ -312,15 +314,13 @@ class ByteAutomaton:
         """The state after each byte 0..255 from `state`."""
         row = self._rows[state]
         if row is None:
-            nodes = self._sets[state]
-            by_class = []
-            for rep in self._reps:
-                targets: set[int] = set()
-                for n in nodes:
-                    for lo, hi, t in self._edges[n]:
-                        if lo <= rep <= hi:
-                            targets |= self._closure(t)
-                by_class.append(self._intern(frozenset(targets)))
+            targets: list[set[int]] = [set() for _ in self._reps]
+            for n in self._sets[state]:
+                for lo, hi, t in self._edges[n]:
+                    reached = self._closure(t)
+                    for c in range(self._class_of[lo], self._class_of[hi] + 1):  # the classes of lo..hi
+                        targets[c] |= reached
+            by_class = [self._intern(frozenset(t)) for t in targets]
             row = self._rows[state] = [by_class[c] for c in self._class_of]
         return row
 

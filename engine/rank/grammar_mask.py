@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from deltaserve.engine.rank.token_trie import TokenTrie
 from deltaserve.engine.regex_automaton import DEAD, START, ByteAutomaton
 
 MASKS_PER_GUIDE = 2048  # each vocab / 8 bytes on the device: 64 MB for Qwen's 248k tokens
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 class Guide:
@@ -36,7 +36,7 @@ class Guide:
         self._trie = trie
         # flat transition table: [state * 256 + byte] = next state * 256 (the offset of its
         # row, so a walk adds the byte and gathers); a row not made yet holds -(state + 1)
-        self._table = torch.zeros(0, dtype=torch.int64)
+        self._table = np.zeros(0, dtype=np.int64)
         self._rows = 0  # states the table has a row (made or marked) for
         self._mark_new_states()
         self._masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -56,12 +56,12 @@ class Guide:
         packed = self._masks.get(key)
         if packed is None:
             allowed = self.allowed_tokens(state)
-            mask = torch.zeros(width + (-width) % 8, dtype=torch.bool)
+            mask = np.zeros(width, dtype=bool)
             n = min(width, allowed.shape[0])
             mask[:n] = allowed[:n]
             if self.automaton.accepting[state] or not mask.any():
                 mask[[t for t in end_ids if t < width]] = True
-            packed = (mask.view(-1, 8).to(torch.uint8) * _BITS).sum(dim=1, dtype=torch.uint8).to(device)
+            packed = torch.from_numpy(np.packbits(mask, bitorder="little")).to(device)
             self._masks[key] = packed
             while len(self._masks) > MASKS_PER_GUIDE:
                 self._masks.popitem(last=False)
@@ -69,9 +69,9 @@ class Guide:
             self._masks.move_to_end(key)
         return unpack(packed, width)
 
-    def allowed_tokens(self, state: int) -> torch.Tensor:
-        """Bool [len(vocabulary)] on the CPU: the tokens whose bytes lead from `state` to a
-        live state.
+    def allowed_tokens(self, state: int) -> np.ndarray:
+        """Bool [len(vocabulary)] (numpy): the tokens whose bytes lead from `state` to a live
+        state.
 
         The trie is walked a level at a time. While few nodes live (outside strings nearly
         all die at their first byte) the walk carries only those, each expanded to its
@@ -79,18 +79,18 @@ class Guide:
         nodes live), it carries whole levels, each node in the state its parent left, dead
         ones in DEAD (whose row leads only to DEAD): a third of the tensor work per node."""
         trie = self._trie
-        allowed = torch.zeros(len(trie.token_bytes), dtype=torch.bool)
+        allowed = np.zeros(len(trie.token_bytes), dtype=bool)
         if state == DEAD or trie.roots == 0:
             return allowed
         self._mark_new_states()  # `advance` may have made states the table lacks
         # the live nodes of level d, and the row offset of the state their parents left
-        node, here, d = torch.arange(trie.roots), torch.full((trie.roots,), state * 256), 1
+        node, here, d = np.arange(trie.roots), np.full(trie.roots, state * 256), 1
         while True:
             went = self._step(here + trie.byte[node])
             token = trie.token[node]
             allowed[token[(went != DEAD) & (token >= 0)]] = True
             lo, hi = trie.child_lo[node], trie.child_hi[node]
-            on = ((went != DEAD) & (hi > lo)).nonzero().squeeze(1)
+            on = np.flatnonzero((went != DEAD) & (hi > lo))
             lo, count = lo[on], (hi - lo)[on]
             children = int(count.sum())
             if children == 0:
@@ -98,11 +98,11 @@ class Guide:
             below = trie.level(d + 1)
             if 3 * children >= below.stop - below.start:
                 break
-            parent = torch.repeat_interleave(count, output_size=children)
-            node = torch.arange(children) + (lo - (count.cumsum(0) - count))[parent]
+            parent = np.repeat(np.arange(on.shape[0]), count)
+            node = np.arange(children) + (lo - (np.cumsum(count) - count))[parent]
             here, d = went[on][parent], d + 1
         level = trie.level(d)
-        went_whole = torch.zeros(level.stop - level.start, dtype=torch.int64)  # DEAD
+        went_whole = np.zeros(level.stop - level.start, dtype=np.int64)  # DEAD
         went_whole[node[on] - level.start] = went[on]
         for deeper in range(d + 1, trie.depth + 1):
             level = trie.level(deeper)
@@ -113,12 +113,12 @@ class Guide:
                 break
         return allowed
 
-    def _step(self, index: torch.Tensor) -> torch.Tensor:
+    def _step(self, index: np.ndarray) -> np.ndarray:
         """The table at `index` (state row offset + byte), making the rows it reaches that
         were not made yet."""
         went = self._table[index]
         if went.min() < 0:
-            for unmade in (-went[went < 0] - 1).unique().tolist():
+            for unmade in np.unique(-went[went < 0] - 1).tolist():
                 self._make_row(unmade)
             went = self._table[index]
         return went
@@ -126,7 +126,7 @@ class Guide:
     def _make_row(self, state: int) -> None:
         row = self.automaton.row(state)  # may make new states
         self._mark_new_states()
-        self._table[state * 256 : (state + 1) * 256] = torch.tensor(row, dtype=torch.int64) * 256
+        self._table[state * 256 : (state + 1) * 256] = np.array(row, dtype=np.int64) * 256
 
     def _mark_new_states(self) -> None:
         """Rows for the states the automaton made since the last call, marked not made yet
@@ -135,11 +135,11 @@ class Guide:
         if states <= self._rows:
             return
         if states * 256 > self._table.shape[0]:
-            grown = torch.empty(max(states, 2 * self._rows, 64) * 256, dtype=torch.int64)
+            grown = np.empty(max(states, 2 * self._rows, 64) * 256, dtype=np.int64)
             grown[: self._table.shape[0]] = self._table
             self._table = grown
-        marks = -torch.arange(self._rows, states, dtype=torch.int64) - 1
-        self._table[self._rows * 256 : states * 256] = marks.repeat_interleave(256)
+        marks = -np.arange(self._rows, states, dtype=np.int64) - 1
+        self._table[self._rows * 256 : states * 256] = np.repeat(marks, 256)
         if self._rows == 0:
             self._table[:256] = DEAD
         self._rows = states

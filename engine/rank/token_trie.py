@@ -16,55 +16,54 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
 
 class TokenTrie:
     """`byte[n]`: the byte node n adds; `token[n]`: the token id its bytes spell, or -1;
     `parent[n]`: its parent's index in the level above; `child_lo[n]:child_hi[n]`: its
-    children; the first level's nodes are `0:roots`."""
+    children; the first level's nodes are `0:roots`. Numpy arrays: a walk is many small
+    operations, and numpy's cost per operation is a fraction of torch's."""
 
     def __init__(self, token_bytes: Sequence[bytes | None]) -> None:
         self.token_bytes = list(token_bytes)
-        in_order = sorted(
-            (i for i, b in enumerate(self.token_bytes) if b), key=self.token_bytes.__getitem__
-        )
+        in_order = sorted((i for i, b in enumerate(self.token_bytes) if b), key=self.token_bytes.__getitem__)
         spelled = [self.token_bytes[i] for i in in_order]
-        ids = torch.tensor(in_order, dtype=torch.int64)
-        lengths = torch.tensor(list(map(len, spelled)), dtype=torch.int64)
-        data = torch.frombuffer(bytearray(b"".join(spelled)), dtype=torch.uint8).long()
-        starts = lengths.cumsum(0) - lengths
+        ids = np.array(in_order, dtype=np.int64)
+        lengths = np.fromiter(map(len, spelled), dtype=np.int64, count=len(spelled))
+        data = np.frombuffer(b"".join(spelled), dtype=np.uint8).astype(np.int64)
+        starts = np.cumsum(lengths) - lengths
         shared = _shared_prefix_lengths(data, starts, lengths)
         # token k (in byte order) adds the nodes of its prefixes longer than the one it
         # shares with token k - 1: those shorter were added by earlier tokens
         added = lengths - shared
-        owner = torch.repeat_interleave(torch.arange(ids.shape[0]), added)
-        first = added.cumsum(0) - added
-        depth = shared[owner] + 1 + torch.arange(owner.shape[0]) - first[owner]
-        level_order = torch.sort(depth, stable=True).indices  # by depth, then byte order
+        owner = np.repeat(np.arange(ids.shape[0]), added)
+        first = np.cumsum(added) - added
+        depth = shared[owner] + 1 + np.arange(owner.shape[0]) - first[owner]
+        level_order = np.argsort(depth, kind="stable")  # by depth, then byte order
         owner, depth = owner[level_order], depth[level_order]
         self.byte = data[starts[owner] + depth - 1]
-        self.token = torch.where(depth == lengths[owner], ids[owner], -1)
+        self.token = np.where(depth == lengths[owner], ids[owner], -1)
         # a node's parent is the node one level up on its owner's path: the last node of
         # that level owned by a token at or before its owner (tokens are in byte order)
-        levels = torch.bincount(depth)
-        self.level_start = [0, *levels.cumsum(0).tolist()]
+        levels = np.bincount(depth) if depth.size else np.zeros(1, dtype=np.int64)
+        self.level_start = [0, *np.cumsum(levels).tolist()]
         nodes = owner.shape[0]
-        self.parent = torch.full((nodes,), -1, dtype=torch.int64)  # its index in its level
-        self.child_lo = torch.full((nodes,), nodes, dtype=torch.int64)
-        self.child_hi = torch.full((nodes,), nodes, dtype=torch.int64)
+        self.parent = np.full(nodes, -1, dtype=np.int64)  # its index in its level
+        self.child_lo = np.full(nodes, nodes, dtype=np.int64)
+        self.child_hi = np.full(nodes, nodes, dtype=np.int64)
         for d in range(2, levels.shape[0]):
             above, here = self.level(d - 1), self.level(d)
-            parent = torch.searchsorted(owner[above], owner[here], right=True) - 1
+            parent = np.searchsorted(owner[above], owner[here], side="right") - 1
             self.parent[here] = parent
-            children = torch.bincount(parent, minlength=above.stop - above.start)
-            ends = children.cumsum(0) + here.start
+            children = np.bincount(parent, minlength=above.stop - above.start)
+            ends = np.cumsum(children) + here.start
             self.child_hi[above] = ends
             self.child_lo[above] = ends - children
         # each level's nodes that end a token (their index in the level) and the token ids
         self.level_tokens = []
         for d in range(len(self.level_start) - 1):
-            ending = (self.token[self.level(d)] >= 0).nonzero().squeeze(1)
+            ending = np.flatnonzero(self.token[self.level(d)] >= 0)
             self.level_tokens.append((ending, self.token[ending + self.level_start[d]]))
         self.roots = self.level(1).stop if self.depth >= 1 else 0
 
@@ -82,15 +81,13 @@ class TokenTrie:
         return self.byte.shape[0]
 
 
-def _shared_prefix_lengths(
-    data: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor
-) -> torch.Tensor:
+def _shared_prefix_lengths(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """For tokens in byte order: how many leading bytes each shares with the one before (0
     for the first). Compared a position at a time, over the pairs still equal."""
-    shared = torch.zeros_like(lengths)
-    pair = torch.arange(1, lengths.shape[0])
+    shared = np.zeros_like(lengths)
+    pair = np.arange(1, lengths.shape[0])
     k = 0
-    while pair.numel():
+    while pair.size:
         pair = pair[(lengths[pair] > k) & (lengths[pair - 1] > k)]
         pair = pair[data[starts[pair] + k] == data[starts[pair - 1] + k]]
         shared[pair] += 1
