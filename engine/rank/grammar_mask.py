@@ -3,10 +3,11 @@ guide's byte automaton at once.
 
 A token is allowed in DFA state s when its bytes lead from s to a live state (one from which
 the pattern can still be completed). Walking 248k tokens one by one in Python would take
-seconds, so the walk is tensor work over the vocabulary's trie (engine/rank/token_trie.py), a
+seconds, so the walk is array work over the vocabulary's trie (engine/rank/token_trie.py), a
 level at a time: one gather moves every node of a level through the DFA's transition table
 (rows the lazy DFA had not made yet are made when a walk reaches them), and a node that dies
-takes every token under it along. The mask of a state is cached per guide (packed eight
+takes every token under it along. The arrays are numpy's: a walk is many small operations,
+each a fraction of what torch's cost. The mask of a state is cached per guide (packed eight
 tokens to a byte, on the device), and a guide per pattern, so the requests of one schema
 share the work: the string states of a JSON document, where most of the vocabulary is
 allowed, are walked once. (xgrammar precomputes such context-independent token sets per
@@ -77,7 +78,7 @@ class Guide:
         all die at their first byte) the walk carries only those, each expanded to its
         children. Once their children fill a third of the next level (inside a string most
         nodes live), it carries whole levels, each node in the state its parent left, dead
-        ones in DEAD (whose row leads only to DEAD): a third of the tensor work per node."""
+        ones in DEAD (whose row leads only to DEAD): a third of the array operations per node."""
         trie = self._trie
         allowed = np.zeros(len(trie.token_bytes), dtype=bool)
         if state == DEAD or trie.roots == 0:

@@ -6,7 +6,7 @@ stay alive, and all 248k tokens at their first byte where nearly all die there. 
 the trie, tokens that share a prefix walk it once (592k nodes for Qwen's vocabulary), and a
 byte that kills a node kills every token under it: outside a string the walk ends after the
 256 nodes of the first level. (llguidance and outlines-core walk a token trie the same way,
-node by node; here a level's live nodes move at once, as tensors.)
+node by node; here a level's live nodes move at once, as arrays.)
 
 Nodes are numbered level by level, each level in the order of the bytes it spells, so a
 node's children are the contiguous range `child_lo[n]:child_hi[n]`.
