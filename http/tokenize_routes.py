@@ -1,5 +1,6 @@
-"""vLLM's `/tokenize` and `/detokenize`, and `/ping` (SageMaker's health check): token counts
-and exact ids for clients (chat UIs, evals, RL frameworks), without generating.
+"""vLLM's `/tokenize` and `/detokenize`: token counts and exact ids for clients (chat UIs,
+evals, RL frameworks), without generating; and SageMaker's `/ping` (health) and
+`/invocations` (a chat or a completion, told apart by its body, as vLLM's).
 
 A `prompt` is tokenized as /v1/completions tokenizes one; `messages` are checked and rendered
 as /v1/chat/completions renders them (the same parsing, template, tools and template kwargs);
@@ -30,6 +31,8 @@ from deltaserve.http.server import (
     ServerState,
     _apply_chat_template,
     _json,
+    chat_completions,
+    completions,
     health,
 )
 
@@ -50,6 +53,17 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/ping", health)  # as vLLM's: /health's answer, to GET and POST
     app.router.add_post("/ping", health)
+    app.router.add_post("/invocations", invocations)
+
+
+async def invocations(request: web.Request) -> web.StreamResponse:
+    """A body with `messages` is a chat completion, one with `prompt` a completion."""
+    body = await read_json(request)  # the handler reads it again: aiohttp keeps the bytes
+    if isinstance(body, dict) and body.get("messages") is not None:
+        return await chat_completions(request)
+    if isinstance(body, dict) and body.get("prompt") is not None:
+        return await completions(request)
+    raise errors.bad_request("/invocations takes a chat completion (messages) or a completion (prompt) body")
 
 
 async def tokenize(request: web.Request) -> web.Response:

@@ -157,6 +157,21 @@ async def test_out_of_vocabulary_names_the_id(server):
     assert status == 400 and f"tokens[2] is {vocab + 7}" in answer["error"]["message"], answer
 
 
+async def test_invocations_is_a_chat_or_a_completion(server, client):
+    """SageMaker's /invocations, as vLLM's: a body with messages is the chat route's answer,
+    one with prompt the completion route's (greedy, the same text); neither is a 400."""
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    status, body = await post(server.url + "/invocations", chat)
+    direct = await client.chat.completions.create(**chat)
+    assert status == 200 and body["object"] == "chat.completion", body
+    assert body["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    status, body = await post(server.url + "/invocations", {"prompt": TEXT, "max_tokens": 4, "temperature": 0})
+    direct = await client.completions.create(model=MODEL, prompt=TEXT, max_tokens=4, temperature=0)
+    assert status == 200 and body["choices"][0]["text"] == direct.choices[0].text, body
+    status, body = await post(server.url + "/invocations", {"input": "x"})
+    assert status == 400 and "messages" in body["error"]["message"], body
+
+
 async def test_ping_and_no_key_outside_v1(server):
     """/ping answers as /health (GET and POST); with --api-key, /v1 needs it, these do not."""
     async with aiohttp.ClientSession() as s:
