@@ -196,13 +196,13 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """As vLLM: the key guards the paths under /v1 only (/health, /metrics, /version stay open
-    to probes and scrapers). By the path and by the route it resolved to, so no spelling of a
+    """As vLLM: the key guards the paths under /v1 (/health, /metrics, /version stay open to
+    probes and scrapers); unlike vLLM's, /invocations too, which generates. By the path and by the route it resolved to, so no spelling of a
     /v1 path reaches its handler without the key."""
     key = request.app[STATE].config.api_key
     resource = request.match_info.route.resource
     paths = (request.path, resource.canonical if resource is not None else "")
-    if key is not None and any(p.startswith("/v1") for p in paths):
+    if key is not None and any(p.startswith(("/v1", "/invocations")) for p in paths):
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
         # as bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500)

@@ -173,7 +173,8 @@ async def test_invocations_is_a_chat_or_a_completion(server, client):
 
 
 async def test_ping_and_no_key_outside_v1(server):
-    """/ping answers as /health (GET and POST); with --api-key, /v1 needs it, these do not."""
+    """/ping answers as /health (GET and POST); with --api-key, /v1 and /invocations need
+    it, the others do not."""
     async with aiohttp.ClientSession() as s:
         for method in ("GET", "POST"):
             async with s.request(method, server.url + "/ping") as r:
@@ -186,5 +187,6 @@ async def test_ping_and_no_key_outside_v1(server):
         async with aiohttp.ClientSession() as s, s.post(url + "/ping") as r:
             assert r.status == 200
         assert (await post(url + "/v1/completions", {"prompt": TEXT}))[0] == 401
+        assert (await post(url + "/invocations", {"prompt": TEXT}))[0] == 401  # it generates: guarded
     finally:
         await runner.cleanup()
