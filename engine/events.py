@@ -54,6 +54,9 @@ class FinishedEvent(msgspec.Struct, frozen=True):
     output_tokens: int
     text: str
     cached_tokens: int = 0  # prompt tokens taken from a saved prefix (prefix caching)
+    # vLLM's stop_reason: the stop string that ended it, or the stop_token_ids id; None for
+    # an EOS, max_tokens or an abort
+    stop_reason: str | int | None = None
 
 
 class ErrorEvent(msgspec.Struct, frozen=True):

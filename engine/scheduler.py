@@ -57,7 +57,7 @@ from deltaserve.engine.events import (
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.planner import PlanInput, PlannedChunk, StepBudget, StepPlan, plan_step
 from deltaserve.engine.prefix_cache import PrefixCache
-from deltaserve.engine.stop_check import check_stop
+from deltaserve.engine.stop_check import check_stop, matched_stop
 from deltaserve.engine.tick_records import Cancellation, Entry, Step, Submission
 from deltaserve.engine.waiting_queue import WaitingQueue
 from deltaserve.ipc.controller import ReplicaPoisoned
@@ -503,7 +503,7 @@ class Scheduler:
         request.finish(reason)
         del self._running[request.request_id]
         finished = FinishedEvent(request.index, reason, request.prompt_len, request.num_output_tokens, tail,
-                                 request.num_cached)
+                                 request.num_cached, matched_stop(request, token, entry.detokenizer))
         self._hold_until_dropped(request.request_id, [event, finished])
 
     def _hold_until_dropped(self, request_id: int, events: list[Event]) -> None:

@@ -38,3 +38,11 @@ def check_stop(
     if detokenizer.stop_matched is not None:
         return "stop", text
     return ("length" if at_length else None), text
+
+
+def matched_stop(request: Request, token: int, detokenizer: IncrementalDetokenizer) -> str | int | None:
+    """vLLM's stop_reason for a request that ended with `token`: the stop string its text
+    matched, or the token when it is one of stop_token_ids (an EOS: None)."""
+    if detokenizer.stop_matched is not None:
+        return detokenizer.stop_matched
+    return token if token in request.params.stop_token_ids else None

@@ -142,6 +142,7 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)
     token_offset: int = 0  # completions' logprobs: the token strings' lengths summed, as vLLM's
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt's, taken from a saved prefix (prefix caching)
     output_tokens: int = 0  # counted by `token`, then the FinishedEvent's
@@ -290,14 +291,16 @@ class CompletionFormatter(_Formatter):
     def finish(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any]:
         text = self._echoed(index, ev.text)
         state.add_text(text)
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": ev.reason}
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": ev.reason,
+                  "stop_reason": ev.stop_reason}
         return self._stamp(self._chunk([choice]), state)
 
     def response(self, states: list[ChoiceState], usage_json: dict[str, int]) -> dict[str, Any]:
         choices = []
         for i, s in enumerate(states):
             logprobs = self._logprobs_json(s.logprobs) if self.want_logprobs else None
-            choice = {"index": i, "text": "".join(s.text), "logprobs": logprobs, "finish_reason": s.finish_reason}
+            choice = {"index": i, "text": "".join(s.text), "logprobs": logprobs, "finish_reason": s.finish_reason,
+                      "stop_reason": s.stop_reason}
             if s.prompt_logprobs is not None:  # vLLM's extra, on each choice (its prompt's)
                 choice["prompt_logprobs"] = self._prompt_logprobs(s)
             choices.append(choice)
@@ -425,7 +428,8 @@ class ChatFormatter(_Formatter):
         reason = ev.reason
         if self.tool_calls is not None and self.streaming:
             reason = self.tool_calls.stream_finish_reason(index, reason)
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason,
+                  "stop_reason": ev.stop_reason}
         return self._stamp(self._chunk([choice]), state)
 
     def _message(self, state: ChoiceState) -> dict[str, Any]:
@@ -443,7 +447,8 @@ class ChatFormatter(_Formatter):
             if self.tool_calls is not None:  # not streaming: read whole
                 message, reason = self.tool_calls.message(message, "".join(s.text), reason)
             logprobs = {"content": s.logprobs} if self.want_logprobs else None
-            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason,
+                            "stop_reason": s.stop_reason})
         body = self._chunk(choices, "chat.completion")
         body["usage"] = self._usage(usage_json)
         if states and states[0].prompt_logprobs is not None:  # vLLM's extra: one prompt, top-level

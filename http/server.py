@@ -564,6 +564,7 @@ def _apply(
         if ev.reason == "abort":
             raise _RequestFailed(_terminal_error(state, ev))
         choice.finish_reason = ev.reason
+        choice.stop_reason = ev.stop_reason
         choice.prompt_tokens = ev.prompt_tokens
         choice.cached_tokens = ev.cached_tokens
         choice.output_tokens = ev.output_tokens

@@ -259,7 +259,7 @@ class TestStopping:
         stop = texts[k][-2:] + texts[k + 1][:2]
         params = SamplingParams(max_tokens=24, temperature=0, stop=("never-appears", stop))
         stopped, fin2 = await collect(engine.generate(prompts[1], params))
-        assert fin2.reason == "stop"
+        assert (fin2.reason, fin2.stop_reason, fin.stop_reason) == ("stop", stop, None)  # vLLM's stop_reason
         assert "".join(t.text for t in stopped) + fin2.text == full[: full.index(stop)]
         assert ids_of(stopped) == ids_of(tokens[: k + 2])  # ended on the token completing the stop
         assert fin2.output_tokens == k + 2
@@ -271,9 +271,9 @@ class TestStopping:
         tokens, fin = await collect(engine.generate(
             prompts[2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=(ref[j],))))
         assert ids_of(tokens) == ref[: j + 1] and tokens[-1].text == ""
-        assert (fin.reason, fin.output_tokens) == ("stop", j + 1)
+        assert (fin.reason, fin.output_tokens, fin.stop_reason) == ("stop", j + 1, ref[j])
         tokens, fin = await collect(engine.generate(prompts[2], SamplingParams(max_tokens=3, temperature=0)))
-        assert ids_of(tokens) == ref[:3] and (fin.reason, fin.output_tokens) == ("length", 3)
+        assert ids_of(tokens) == ref[:3] and (fin.reason, fin.output_tokens, fin.stop_reason) == ("length", 3, None)
         await assert_idle_and_empty(engine)
 
 

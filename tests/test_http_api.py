@@ -208,8 +208,10 @@ async def test_stop_strings_and_stop_token_ids(served: Served):
     start = offsets[5] - 1
     stop = text[start : start + 3]
     cut = await served.client.completions.create(stop=[stop, "never-seen"], **kwargs)
-    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].stop_reason == stop  # vLLM's field
     assert cut.choices[0].text == text[: text.index(stop)]
+    streamed = [c async for c in await served.client.completions.create(stream=True, stop=[stop], **kwargs)]
+    assert streamed[-1].choices[0].stop_reason == stop and base.stop_reason is None
     # text held back for a stop string that never comes does not move the offsets (it did)
     held = (await served.client.completions.create(stop=["a stop string never seen"], **kwargs)).choices[0]
     assert (held.text, held.logprobs.text_offset) == (text, offsets)
@@ -221,7 +223,13 @@ async def test_stop_strings_and_stop_token_ids(served: Served):
     body["extra_body"] = {"ignore_eos": True, "stop_token_ids": [tokens[3]]}
     by_id = await served.client.completions.create(**body)
     first = tokens.index(tokens[3])
-    assert by_id.choices[0].finish_reason == "stop"
+    assert by_id.choices[0].finish_reason == "stop" and by_id.choices[0].stop_reason == tokens[3]
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True})  # fmt: skip
+    said = (await served.client.chat.completions.create(**chat)).choices[0].message.content
+    assert len(said) >= 6
+    cut_chat = (await served.client.chat.completions.create(stop=[said[3:6]], **chat)).choices[0]
+    assert (cut_chat.finish_reason, cut_chat.stop_reason) == ("stop", said[3:6])
     assert by_id.usage.completion_tokens == first + 1  # the stop token is generated ...
     assert by_id.choices[0].text == served.tokenizer.decode(
         tokens[:first], skip_special_tokens=True

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import torch
 
+from deltaserve.engine.events import FinishedEvent
 from deltaserve.engine.rank.sampler import Sampler
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http.errors import ApiError
@@ -132,11 +133,6 @@ class _Token:
         self.token_id, self.text, self.logprob, self.top_logprobs = token_id, text, -1.0, []
 
 
-class _Finished:
-    def __init__(self, text: str, reason: str = "stop") -> None:
-        self.text, self.reason = text, reason
-
-
 class TestFormatters:
     def test_echo_prefixes_each_choice_once(self):
         """Choice p*n+i starts with prompt p's text, sent with its first event even when that
@@ -146,7 +142,7 @@ class TestFormatters:
         states = [ChoiceState() for _ in range(4)]
         assert f.token(3, _Token(5, ""), states[3])["choices"][0]["text"] == "P1"
         assert f.token(3, _Token(6, "b"), states[3])["choices"][0]["text"] == "b"
-        assert f.finish(0, _Finished("z"), states[0])["choices"][0]["text"] == "P0z"
+        assert f.finish(0, FinishedEvent(0, "stop", 0, 0, "z"), states[0])["choices"][0]["text"] == "P0z"
         assert "".join(states[3].text) == "P1b"
 
     def test_continuous_usage_on_every_chunk(self):
