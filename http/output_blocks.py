@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from deltaserve.http.errors import ApiError
 from deltaserve.http.responses import ChatFormatter, ChoiceState
 
 _encode = msgspec.json.Encoder().encode
@@ -31,6 +32,7 @@ class OutputBlocks:
         self.blocks: list[dict[str, Any]] = []
         self.kinds: list[str] = []
         self.reason: str | None = None  # the chat's finish_reason, once finished
+        self.stop: str | int | None = None  # and its stop_reason (the stop string or token)
         self._open = False
         self._call_index: int | None = None  # the chat index of the open call
         self._logprobs: list[dict[str, Any]] = []  # entries whose token's text is not placed yet
@@ -45,7 +47,7 @@ class OutputBlocks:
 
     def finish(self, index: int, ev: Any, state: ChoiceState) -> list[dict[str, Any]]:
         chunk = self.chat.finish(index, ev, state)
-        self.reason = chunk["choices"][0]["finish_reason"]
+        self.reason, self.stop = chunk["choices"][0]["finish_reason"], chunk["choices"][0].get("stop_reason")
         events = self._read(chunk)
         if all(kind == REASONING for kind in self.kinds):  # an answer, if an empty one
             events += self._close() + self._begin(TEXT)
@@ -54,6 +56,11 @@ class OutputBlocks:
     def encode(self, events: list[dict[str, Any]]) -> bytes:
         """Server-sent events named by their type, as both APIs send them."""
         return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + _encode(e) + b"\n\n" for e in events)
+
+    def stream_error(self, err: ApiError) -> bytes:
+        """A failure after the stream began: OpenAI's error body, which the openai client
+        raises for any event."""
+        return b"data: " + _encode(err.body()) + b"\n\n"
 
     # ---- the blocks -----------------------------------------------------------------------
 

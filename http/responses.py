@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from deltaserve.http.errors import ApiError
 from deltaserve.http.reasoning import DeltaParts, ReasoningParser, ReasoningSplitter
 from deltaserve.http.tool_parsers import ToolCallReader
 from deltaserve.http.tool_protocol import ForcedToolCalls
@@ -205,6 +206,11 @@ class _Formatter:
     def stream_end(self, usage_json: dict[str, int], include_usage: bool) -> bytes:
         """What a stream ends with: the usage chunk when asked for, then [DONE]."""
         return (sse(self.usage_chunk(usage_json)) if include_usage else b"") + SSE_DONE
+
+    def stream_error(self, err: ApiError) -> bytes:
+        """A failure after the stream began: OpenAI's error body as an event (the openai
+        client raises it), then [DONE]."""
+        return sse(err.body()) + SSE_DONE
 
     def prompt(self, index: int, ev: Any, state: ChoiceState) -> None:
         """A PromptLogprobsEvent: kept for the response (a stream has no field for it)."""

@@ -51,12 +51,10 @@ from deltaserve.http.protocol import (
 from deltaserve.http.reasoning import ReasoningParser, check_include_reasoning
 from deltaserve.http.request_body import read_json
 from deltaserve.http.responses import (
-    SSE_DONE,
     ChatFormatter,
     ChoiceState,
     CompletionFormatter,
     TokenStrings,
-    sse,
     usage,
 )
 from deltaserve.http.server_config import RESERVED_TEMPLATE_KWARGS, ServerConfig
@@ -133,10 +131,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     # route modules that import this one: not at its top
-    from deltaserve.http import responses_routes, tokenize_routes
+    from deltaserve.http import anthropic_routes, responses_routes, tokenize_routes
 
-    tokenize_routes.add_routes(app)  # /tokenize, /detokenize, /ping
+    tokenize_routes.add_routes(app)  # /tokenize, /detokenize, /ping, /invocations
     responses_routes.add_routes(app)  # /v1/responses
+    anthropic_routes.add_routes(app)  # /v1/messages
     return app
 
 
@@ -197,17 +196,19 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """As vLLM: the key guards the paths under /v1 (/health, /metrics, /version stay open to
-    probes and scrapers); unlike vLLM's, /invocations too, which generates. By the path and by the route it resolved to, so no spelling of a
-    /v1 path reaches its handler without the key."""
+    probes and scrapers); unlike vLLM's, /invocations too, which generates. By the path and
+    by the route it resolved to, so no spelling of a /v1 path reaches its handler without
+    the key. Given as `Authorization: Bearer KEY`, or as Anthropic's clients send it,
+    `x-api-key: KEY`."""
     key = request.app[STATE].config.api_key
     resource = request.match_info.route.resource
     paths = (request.path, resource.canonical if resource is not None else "")
     if key is not None and any(p.startswith(("/v1", "/invocations")) for p in paths):
-        given = request.headers.get("Authorization", "")
-        scheme, _, token = given.partition(" ")
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
         # as bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500)
-        given_key = token.strip().encode("utf-8", "surrogateescape")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given_key, key.encode("utf-8", "surrogateescape")):
+        if given is None or not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                                                    key.encode("utf-8", "surrogateescape")):  # fmt: skip
             raise errors.unauthorized()
     return await handler(request)
 
@@ -515,7 +516,7 @@ async def _respond(
     except _RequestFailed as failed:
         if response is None:
             raise failed.err from None
-        await _end_with_error(response, failed.err)
+        await _end_with_error(response, formatter.stream_error(failed.err))
         return response
     except ConnectionResetError:  # the client went away mid-write: cancelled in `finally`
         if response is None:
@@ -525,18 +526,18 @@ async def _respond(
         if response is None:
             raise
         log.exception("streaming %s failed", formatter.id)
-        await _end_with_error(response, _internal_error())
+        await _end_with_error(response, formatter.stream_error(_internal_error()))
         return response
     finally:
         for s in streams:  # idempotent; cancels whatever is still running
             await s.aclose()
 
 
-async def _end_with_error(response: web.StreamResponse, err: ApiError) -> None:
-    """Headers are sent: the error travels as an SSE event (the openai client raises it)."""
+async def _end_with_error(response: web.StreamResponse, error_events: bytes) -> None:
+    """Headers are sent: the error travels as the formatter's SSE event (which the API's
+    client raises)."""
     with contextlib.suppress(ConnectionResetError):
-        await response.write(sse(err.body()))
-        await response.write(SSE_DONE)
+        await response.write(error_events)
         await response.write_eof()
 
 

@@ -1,0 +1,195 @@
+"""An Anthropic Messages API request (`POST /v1/messages`) as the chat request that serves it.
+
+`system` becomes a system message; a user message's `tool_result` blocks become tool
+messages (before its text, as Anthropic orders them); an assistant message's `thinking`,
+`text` and `tool_use` blocks become one assistant turn (its reasoning, content and tool
+calls, the input as a JSON text). Tools (`input_schema`) and `tool_choice` (auto, any, tool,
+none) map to the chat's, so the chat route's checks and refusals hold here too, and
+`cache_control` marks are taken as the hints they are (prefix caching, when on, needs none).
+SGLang and vLLM serve the same translation; Claude Code and the `anthropic` SDK speak it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from deltaserve.http.errors import bad_request, unsupported
+
+_KEYS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
+                   "top_p", "top_k", "tools", "tool_choice", "metadata", "thinking", "service_tier",
+                   "cache_control", "output_config"})  # fmt: skip
+# thinking settings -> the chat template's enable_thinking ("adaptive": the model decides how
+# long to think, as Qwen3.5 does when thinking is on)
+_THINKING = {"disabled": False, "adaptive": True}
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+@dataclass(frozen=True, slots=True)
+class MessagesRequest:
+    chat: dict[str, Any]  # the chat request body that serves it
+    message_id: str
+    stream: bool
+    stop_sequences: tuple[str, ...]
+
+
+def parse_messages_request(body: object, *, count_only: bool = False) -> MessagesRequest:
+    """`count_only`: /v1/messages/count_tokens's body (no max_tokens)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    for key in body:
+        if key not in _KEYS:
+            raise unsupported(key, f"'{key}' is not a Messages API field deltaserve supports")
+    if body.get("service_tier") not in (None, "auto", "standard_only"):
+        raise unsupported("service_tier", "service tiers are not supported")
+    chat: dict[str, Any] = {k: body[k] for k in ("model", "temperature", "top_p", "top_k") if body.get(k) is not None}
+    chat["messages"] = _system(body.get("system")) + chat_messages(body.get("messages"))
+    if not count_only:
+        limit = body.get("max_tokens")
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise bad_request(f"max_tokens is required, an integer >= 1; got {limit!r}", "max_tokens")
+        chat["max_tokens"] = limit
+    stops = body.get("stop_sequences") or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("stop_sequences must be an array of non-empty strings", "stop_sequences")
+    if stops:
+        chat["stop"] = stops
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("stream must be a boolean", "stream")
+    chat["stream"] = True  # the formatter reads tool calls as they stream, in both modes
+    if body.get("tools"):
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        _tool_choice(body["tool_choice"], chat)
+    thinking = body.get("thinking")
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in _THINKING or thinking.get("display") not in (None, "summarized"):
+            raise unsupported("thinking", "only 'disabled' or 'adaptive' (shown): a thinking budget is not "
+                                          "enforced here; without the field, thinking follows the chat template")  # fmt: skip
+        chat["chat_template_kwargs"] = {"enable_thinking": _THINKING[kind]}
+    output = body.get("output_config") or {}
+    if not isinstance(output, dict) or output.get("effort") is not None or set(output) - {"effort", "format"}:
+        raise unsupported("output_config", "only output_config.format (a JSON schema) is supported")
+    if output.get("format") is not None:
+        schema_format = output["format"]
+        if not isinstance(schema_format, dict) or schema_format.get("type") != "json_schema":
+            raise bad_request("output_config.format must be {'type': 'json_schema', 'schema': ...}", "output_config.format")
+        chat["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "output", "schema": schema_format.get("schema")}}  # fmt: skip
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise bad_request("metadata must be an object", "metadata")
+    return MessagesRequest(chat, f"msg_{uuid.uuid4().hex}", bool(stream), tuple(stops))
+
+
+def chat_messages(value: object) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages must be a non-empty array", "messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(value):
+        at = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise bad_request(f"{at} must be an object with role 'user' or 'assistant'", "messages")
+        content = message.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise bad_request(f"{at}.content must be a string or an array of content blocks", "messages")
+        out += _user(blocks, at) if message["role"] == "user" else [_assistant(blocks, at)]
+    return out
+
+
+def _user(blocks: list[Any], at: str) -> list[dict[str, Any]]:
+    """Tool results as tool messages, then the text as one user message."""
+    tools, texts = [], []
+    for j, block in enumerate(blocks):
+        kind = _kind(block, f"{at}.content[{j}]", ("text", "tool_result"))
+        if kind == "text":
+            texts.append(_string(block, "text", f"{at}.content[{j}]"))
+            continue
+        tool_use_id = _string(block, "tool_use_id", f"{at}.content[{j}]")
+        result = block.get("content") or ""
+        if not isinstance(result, str):
+            result = "".join(_string(part, "text", f"{at}.content[{j}].content")
+                             for part in result if _kind(part, f"{at}.content[{j}].content", ("text",)))  # fmt: skip
+        tools.append({"role": "tool", "tool_call_id": tool_use_id, "content": result})
+    return tools + ([{"role": "user", "content": "".join(texts)}] if texts or not tools else [])
+
+
+def _assistant(blocks: list[Any], at: str) -> dict[str, Any]:
+    turn: dict[str, Any] = {"role": "assistant", "content": None}
+    for j, block in enumerate(blocks):
+        where = f"{at}.content[{j}]"
+        kind = _kind(block, where, ("text", "thinking", "tool_use"))
+        if kind == "text":
+            turn["content"] = (turn["content"] or "") + _string(block, "text", where)
+        elif kind == "thinking":
+            turn["reasoning"] = turn.get("reasoning", "") + _string(block, "thinking", where)
+        else:
+            if not isinstance(block.get("input"), dict):
+                raise bad_request(f"{where}.input must be an object", "messages")
+            arguments = json.dumps(block["input"], ensure_ascii=False)
+            call = {"id": _string(block, "id", where), "type": "function",
+                    "function": {"name": _string(block, "name", where), "arguments": arguments}}  # fmt: skip
+            turn.setdefault("tool_calls", []).append(call)
+    return turn
+
+
+def _system(value: object) -> list[dict[str, Any]]:
+    if value is None or value == "" or value == []:
+        return []
+    if isinstance(value, list):
+        value = "".join(_string(b, "text", f"system[{i}]")
+                        for i, b in enumerate(value) if _kind(b, f"system[{i}]", ("text",)))  # fmt: skip
+    if not isinstance(value, str):
+        raise bad_request("system must be a string or an array of text blocks", "system")
+    return [{"role": "system", "content": value}]
+
+
+def _tools(value: object) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise bad_request("tools must be an array", "tools")
+    tools = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
+            raise unsupported(f"tools[{i}].type", "only client tools (name, description, input_schema) are supported")
+        function = {"name": tool.get("name"), "description": tool.get("description"),
+                    "parameters": tool.get("input_schema")}  # fmt: skip
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _tool_choice(value: object, chat: dict[str, Any]) -> None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "tool":
+        chat["tool_choice"] = {"type": "function", "function": {"name": value.get("name")}}
+    elif kind in _TOOL_CHOICES:
+        chat["tool_choice"] = _TOOL_CHOICES[kind]
+    else:
+        raise bad_request("tool_choice.type must be 'auto', 'any', 'tool' or 'none'", "tool_choice")
+    if value.get("disable_parallel_tool_use"):
+        chat["parallel_tool_calls"] = False
+
+
+def _kind(block: object, at: str, allowed: tuple[str, ...]) -> str:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind not in allowed:
+        raise unsupported(_param(at), f"{at}: a {kind!r} block is not supported here (only {', '.join(allowed)})")
+    return kind
+
+
+def _string(block: dict[str, Any], name: str, at: str) -> str:
+    value = block.get(name)
+    if not isinstance(value, str):
+        raise bad_request(f"{at}.{name} must be a string", _param(at))
+    return value
+
+
+def _param(at: str) -> str:
+    return "system" if at.startswith("system") else "messages"
+
+
+__all__ = ["MessagesRequest", "chat_messages", "parse_messages_request"]
