@@ -13,9 +13,10 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from deltaserve.http.errors import ApiError, bad_request, unsupported
+from deltaserve.http.json_fields import is_int, json_type, opt_bool, opt_float, opt_int, opt_str
 from deltaserve.http.structured_output import STRUCTURED_OUTPUT_KEYS, Guided, parse_guided
 from deltaserve.http.tool_protocol import TOOL_MESSAGE_KEYS, parse_tool_fields, tool_message_fields
 
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from deltaserve.http.tool_protocol import ToolChoice, ToolFields
 
 MAX_LOGPROBS = 20
-_D = TypeVar("_D", bool, None)  # _opt_bool's default: a bool, or None for "not given"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Sampling fields shared by both endpoints (OpenAI names plus the vLLM extras).
@@ -164,22 +164,22 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
     obj = _object(body)
     _refuse_unknown(obj, _COMPLETION_KEYS)
     _refuse_non_defaults(obj, _COMPLETION_DEFAULTS)
-    _opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
-    echo = _opt_bool(obj, "echo", default=False)
+    opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
+    echo = opt_bool(obj, "echo", default=False)
     if obj.get("best_of") not in (None, 1):
         raise unsupported("best_of", "only best_of=1 is supported; use n for several samples")
     if obj.get("suffix") not in (None, ""):
         raise unsupported("suffix", "insertion (suffix) is not supported")
-    logprobs = _opt_int(obj, "logprobs")
+    logprobs = opt_int(obj, "logprobs")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be in 0..{MAX_LOGPROBS}, got {logprobs}", "logprobs")
-    max_tokens = _opt_int(obj, "max_tokens", default=DEFAULT_COMPLETION_MAX_TOKENS)
+    max_tokens = opt_int(obj, "max_tokens", default=DEFAULT_COMPLETION_MAX_TOKENS)
     stream, include_usage, continuous = _stream(obj)
     prompt_logprobs = _prompt_logprobs(obj, stream)
     if prompt_logprobs is None and echo:  # as vLLM: echoed logprobs cover the prompt's tokens too
         prompt_logprobs = logprobs
     return CompletionRequest(
-        model=_opt_str(obj, "model"),
+        model=opt_str(obj, "model"),
         prompts=_prompts(obj),
         sampling=_sampling(obj, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                            defaults=defaults),
@@ -188,8 +188,8 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
         continuous_usage=continuous,
         truncate_prompt_tokens=_truncate(obj),
         echo=echo,
-        return_tokens_as_token_ids=_opt_bool(obj, "return_tokens_as_token_ids", default=None),
-        priority=_opt_int(obj, "priority", default=0),
+        return_tokens_as_token_ids=opt_bool(obj, "return_tokens_as_token_ids", default=None),
+        priority=opt_int(obj, "priority", default=0),
     )
 
 
@@ -198,17 +198,17 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
     obj = _object(body)
     _refuse_unknown(obj, _CHAT_KEYS)
     _refuse_non_defaults(obj, _CHAT_DEFAULTS)
-    _opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
+    opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
     tool_fields = parse_tool_fields(obj)
-    logprobs = _opt_bool(obj, "logprobs", default=False)
-    top_logprobs = _opt_int(obj, "top_logprobs")
+    logprobs = opt_bool(obj, "logprobs", default=False)
+    top_logprobs = opt_int(obj, "top_logprobs")
     if top_logprobs is not None:
         if not logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         if not 0 <= top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {top_logprobs}", "top_logprobs")
-    max_tokens = _opt_int(obj, "max_tokens")
-    max_completion_tokens = _opt_int(obj, "max_completion_tokens")
+    max_tokens = opt_int(obj, "max_tokens")
+    max_completion_tokens = opt_int(obj, "max_completion_tokens")
     if max_completion_tokens is not None and max_completion_tokens < 1:  # else refused naming max_tokens
         raise bad_request(f"max_completion_tokens must be >= 1, got {max_completion_tokens}", "max_completion_tokens")
     if max_tokens is not None and max_completion_tokens is not None and max_tokens != max_completion_tokens:
@@ -220,13 +220,13 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
     elif not isinstance(template_kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
     stream, include_usage, continuous = _stream(obj)
-    generation = _opt_bool(obj, "add_generation_prompt", default=True)
-    continuation = _opt_bool(obj, "continue_final_message", default=False)
+    generation = opt_bool(obj, "add_generation_prompt", default=True)
+    continuation = opt_bool(obj, "continue_final_message", default=False)
     if generation and continuation:  # vLLM's words
         raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                           "continue_final_message")  # fmt: skip
     return ChatRequest(
-        model=_opt_str(obj, "model"),
+        model=opt_str(obj, "model"),
         messages=_messages(obj),
         sampling=_sampling(
             obj,
@@ -241,14 +241,14 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
         truncate_prompt_tokens=_truncate(obj),
         logprobs=logprobs,
         chat_template_kwargs=dict(template_kwargs),
-        include_reasoning=_opt_bool(obj, "include_reasoning", default=True),
+        include_reasoning=opt_bool(obj, "include_reasoning", default=True),
         tools=tool_fields.tools,
         tool_choice=tool_fields.tool_choice,
         parallel_tool_calls=tool_fields.parallel_tool_calls,
-        return_tokens_as_token_ids=_opt_bool(obj, "return_tokens_as_token_ids", default=None),
+        return_tokens_as_token_ids=opt_bool(obj, "return_tokens_as_token_ids", default=None),
         add_generation_prompt=generation,
         continue_final_message=continuation,
-        priority=_opt_int(obj, "priority", default=0),
+        priority=opt_int(obj, "priority", default=0),
     )
 
 
@@ -257,7 +257,7 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
 
 def _object(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
+        raise bad_request(f"the request body must be a JSON object, got {json_type(body)}")
     return body
 
 
@@ -290,13 +290,13 @@ def _logit_bias(obj: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
-        raise bad_request(f"logit_bias must be an object, got {_json_type(value)}", "logit_bias")
+        raise bad_request(f"logit_bias must be an object, got {json_type(value)}", "logit_bias")
     pairs = []
     for key, bias in value.items():
         if not (key.isascii() and key.isdigit()) or len(key) > 12:  # int() refuses 4300 digits
             raise bad_request(f"logit_bias key {key[:20]!r} is not a token id", "logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, int | float):
-            got = _json_type(bias)
+            got = json_type(bias)
             raise bad_request(f"logit_bias[{key!r}] must be a number, got {got}", "logit_bias")
         if isinstance(bias, float) and not math.isfinite(bias):
             raise bad_request(f"logit_bias[{key!r}] must be finite, got {bias}", "logit_bias")
@@ -307,7 +307,7 @@ def _logit_bias(obj: dict[str, Any]) -> tuple[tuple[int, float], ...]:
 def _stream(obj: dict[str, Any]) -> tuple[bool, bool, bool]:
     """stream, include_usage, continuous usage: as vLLM's should_include_usage, usage in every
     chunk only with include_usage too."""
-    stream = _opt_bool(obj, "stream", default=False)
+    stream = opt_bool(obj, "stream", default=False)
     options = obj.get("stream_options")
     if options is None:
         return stream, False, False
@@ -327,7 +327,7 @@ def _stream(obj: dict[str, Any]) -> tuple[bool, bool, bool]:
 def _prompt_logprobs(obj: dict[str, Any], stream: bool) -> int | None:
     """vLLM's check (and words) for a stream, which has no field for them; its -1 (the whole
     vocabulary) is past the engine's bound."""
-    k = _opt_int(obj, "prompt_logprobs")
+    k = opt_int(obj, "prompt_logprobs")
     if k is not None and stream and (k > 0 or k == -1):
         raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     if k is not None and not 0 <= k <= MAX_LOGPROBS:
@@ -336,7 +336,7 @@ def _prompt_logprobs(obj: dict[str, Any], stream: bool) -> int | None:
 
 
 def _truncate(obj: dict[str, Any]) -> int | None:
-    keep = _opt_int(obj, "truncate_prompt_tokens")
+    keep = opt_int(obj, "truncate_prompt_tokens")
     if keep is not None and keep < 1 and keep != -1:  # vLLM's 0 leaves no prompt at all
         raise bad_request(f"truncate_prompt_tokens must be >= 1 or -1, got {keep}", "truncate_prompt_tokens")
     return keep
@@ -363,27 +363,27 @@ def _sampling(
     d = SamplingFields(**(defaults or {}))
     # vLLM's spaces_between_special_tokens acts in slow (Python) tokenizers only; Qwen's fast
     # one puts no space between special tokens either way (engine/detokenizer.py): type only
-    _opt_bool(obj, "spaces_between_special_tokens", default=True)
+    opt_bool(obj, "spaces_between_special_tokens", default=True)
     allowed = obj.get("allowed_token_ids")  # ids past the vocabulary: the engine's check
     return SamplingFields(
         max_tokens=max_tokens,
-        temperature=_opt_float(obj, "temperature", d.temperature),
-        top_p=_opt_float(obj, "top_p", d.top_p),
-        top_k=_opt_int(obj, "top_k", default=d.top_k),
-        min_p=_opt_float(obj, "min_p", d.min_p),
-        seed=_opt_int(obj, "seed"),
-        presence_penalty=_opt_float(obj, "presence_penalty", d.presence_penalty),
-        frequency_penalty=_opt_float(obj, "frequency_penalty", d.frequency_penalty),
-        repetition_penalty=_opt_float(obj, "repetition_penalty", d.repetition_penalty),
+        temperature=opt_float(obj, "temperature", d.temperature),
+        top_p=opt_float(obj, "top_p", d.top_p),
+        top_k=opt_int(obj, "top_k", default=d.top_k),
+        min_p=opt_float(obj, "min_p", d.min_p),
+        seed=opt_int(obj, "seed"),
+        presence_penalty=opt_float(obj, "presence_penalty", d.presence_penalty),
+        frequency_penalty=opt_float(obj, "frequency_penalty", d.frequency_penalty),
+        repetition_penalty=opt_float(obj, "repetition_penalty", d.repetition_penalty),
         stop=_stop(obj),
         stop_token_ids=_token_ids(obj.get("stop_token_ids") or [], "stop_token_ids", empty_ok=True),
-        ignore_eos=_opt_bool(obj, "ignore_eos", default=False),
+        ignore_eos=opt_bool(obj, "ignore_eos", default=False),
         logprobs=logprobs,
-        n=_opt_int(obj, "n", default=d.n),
-        min_tokens=_opt_int(obj, "min_tokens", default=0),
+        n=opt_int(obj, "n", default=d.n),
+        min_tokens=opt_int(obj, "min_tokens", default=0),
         logit_bias=_logit_bias(obj),
-        include_stop_str_in_output=_opt_bool(obj, "include_stop_str_in_output", default=False),
-        skip_special_tokens=_opt_bool(obj, "skip_special_tokens", default=True),
+        include_stop_str_in_output=opt_bool(obj, "include_stop_str_in_output", default=False),
+        skip_special_tokens=opt_bool(obj, "skip_special_tokens", default=True),
         allowed_token_ids=None if allowed is None else _token_ids(allowed, "allowed_token_ids"),
         bad_words=_strings(obj, "bad_words"),
         prompt_logprobs=prompt_logprobs,
@@ -398,11 +398,11 @@ def _stop(obj: dict[str, Any]) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
         raise bad_request(
-            f"stop must be a string or a list of strings, got {_json_type(value)}", "stop"
+            f"stop must be a string or a list of strings, got {json_type(value)}", "stop"
         )
     for i, s in enumerate(items):
         if not isinstance(s, str):
-            raise bad_request(f"stop[{i}] must be a string, got {_json_type(s)}", "stop")
+            raise bad_request(f"stop[{i}] must be a string, got {json_type(s)}", "stop")
         if not s:
             raise bad_request(f"stop[{i}] is an empty string", "stop")
     return tuple(items)
@@ -413,10 +413,10 @@ def _strings(obj: dict[str, Any], name: str) -> tuple[str, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
-        raise bad_request(f"{name} must be a list of strings, got {_json_type(value)}", name)
+        raise bad_request(f"{name} must be a list of strings, got {json_type(value)}", name)
     for i, s in enumerate(value):
         if not isinstance(s, str):
-            raise bad_request(f"{name}[{i}] must be a string, got {_json_type(s)}", name)
+            raise bad_request(f"{name}[{i}] must be a string, got {json_type(s)}", name)
     return tuple(value)
 
 
@@ -441,7 +441,7 @@ def _prompts(obj: dict[str, Any]) -> tuple[str | tuple[int, ...], ...]:
             out.append(_token_ids(item, f"prompt[{i}]"))
         else:
             raise bad_request(
-                f"prompt[{i}] must be a string or a list of token ids, got {_json_type(item)}",
+                f"prompt[{i}] must be a string or a list of token ids, got {json_type(item)}",
                 "prompt",
             )
     return tuple(out)
@@ -456,11 +456,11 @@ def _text_prompt(text: str, name: str) -> str:
 def _token_ids(value: object, name: str, *, empty_ok: bool = False) -> tuple[int, ...]:
     param = name.split("[")[0]
     if not isinstance(value, list):
-        raise bad_request(f"{name} must be a list of token ids, got {_json_type(value)}", param)
+        raise bad_request(f"{name} must be a list of token ids, got {json_type(value)}", param)
     if not value and not empty_ok:
         raise bad_request(f"{name} is an empty list of token ids", param)
     for i, t in enumerate(value):
-        if not _is_int(t) or t < 0:
+        if not is_int(t) or t < 0:
             raise bad_request(
                 f"{name}[{i}] must be a non-negative integer token id, got {t!r}", param
             )
@@ -475,7 +475,7 @@ def _messages(obj: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise bad_request(f"{where} must be an object, got {_json_type(m)}", "messages")
+            raise bad_request(f"{where} must be an object, got {json_type(m)}", "messages")
         role = m.get("role")
         if role not in _ROLES:
             raise bad_request(
@@ -497,14 +497,14 @@ def _messages(obj: dict[str, Any]) -> tuple[dict[str, Any], ...]:
         name = m.get("name")
         if name is not None:  # for the template, as vLLM passes it (Qwen's ignores it)
             if not isinstance(name, str):
-                raise bad_request(f"{where}.name must be a string, got {_json_type(name)}", "messages")
+                raise bad_request(f"{where}.name must be a string, got {json_type(name)}", "messages")
             message["name"] = name
         reasoning = m.get("reasoning")
         if reasoning is None:
             reasoning = m.get("reasoning_content")
         if reasoning is not None:  # an assistant's: other roles' were refused above
             if not isinstance(reasoning, str):
-                got = _json_type(reasoning)
+                got = json_type(reasoning)
                 raise bad_request(f"{where}.reasoning must be a string, got {got}", "messages")
             message["reasoning"] = message["reasoning_content"] = reasoning
         out.append(message)
@@ -517,14 +517,14 @@ def _content(content: object, where: str) -> str:
     if not isinstance(content, list):
         raise bad_request(
             f"{where}.content must be a string or a list of content parts, got "
-            f"{_json_type(content)}",
+            f"{json_type(content)}",
             "messages",
         )
     texts = []
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
         if not isinstance(part, dict):
-            raise bad_request(f"{at} must be an object, got {_json_type(part)}", "messages")
+            raise bad_request(f"{at} must be an object, got {json_type(part)}", "messages")
         if part.get("type") != "text":
             raise unsupported(
                 f"{at}.type", f"only text content parts are supported, got {part.get('type')!r}"
@@ -534,71 +534,9 @@ def _content(content: object, where: str) -> str:
                 raise unsupported(f"{at}.{key}", "text parts carry only type and text")
         text = part.get("text")
         if not isinstance(text, str):
-            raise bad_request(f"{at}.text must be a string, got {_json_type(text)}", "messages")
+            raise bad_request(f"{at}.text must be a string, got {json_type(text)}", "messages")
         texts.append(text)
     return "\n".join(texts)  # as vLLM joins text parts
-
-
-# ---- typed field readers -----------------------------------------------------------------
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _opt_int(obj: dict[str, Any], name: str, *, default: int | None = None) -> int | None:
-    value = obj.get(name)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if not _is_int(value):
-        raise bad_request(f"{name} must be an integer, got {_json_type(value)} {value!r}", name)
-    return value
-
-
-def _opt_float(obj: dict[str, Any], name: str, default: float) -> float:
-    value = obj.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad_request(f"{name} must be a number, got {_json_type(value)} {value!r}", name)
-    try:
-        return float(value)
-    except OverflowError:  # an integer literal past the float range (json reads it exactly)
-        raise bad_request(f"{name} must be a finite number, got an integer out of range", name) from None
-
-
-def _opt_bool(obj: dict[str, Any], name: str, *, default: _D) -> bool | _D:
-    value = obj.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(f"{name} must be a boolean, got {_json_type(value)} {value!r}", name)
-    return value
-
-
-def _opt_str(obj: dict[str, Any], name: str) -> str | None:
-    value = obj.get(name)
-    if value is not None and not isinstance(value, str):
-        raise bad_request(f"{name} must be a string, got {_json_type(value)}", name)
-    return value
-
-
-def _json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
 
 
 __all__ = [

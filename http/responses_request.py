@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.http.errors import ApiError, bad_request, unsupported
-from deltaserve.http.protocol import _opt_bool
+from deltaserve.http.json_fields import opt_bool
 
 RESPONSES_KEPT = 1024
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -99,7 +99,7 @@ def parse_responses_request(body: object, store: ResponseStore) -> ResponsesRequ
     for key, (allowed, why) in _ONLY.items():
         if body.get(key) not in allowed:
             raise unsupported(key, why)
-    stream, keep = _opt_bool(body, "stream", default=False), _opt_bool(body, "store", default=True)
+    stream, keep = opt_bool(body, "stream", default=False), opt_bool(body, "store", default=True)
     history = _previous(body.get("previous_response_id"), store) + input_messages(body.get("input"))
     chat: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
     instructions = body.get("instructions")

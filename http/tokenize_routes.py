@@ -16,11 +16,9 @@ from aiohttp import web
 
 from deltaserve.engine.events import EngineDeadError
 from deltaserve.http import errors
+from deltaserve.http.json_fields import json_type, opt_bool, opt_str
 from deltaserve.http.protocol import (
-    _json_type,
     _object,
-    _opt_bool,
-    _opt_str,
     _refuse_unknown,
     _token_ids,
     parse_chat_request,
@@ -74,7 +72,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if is_chat and obj.get("prompt") is not None:
         raise errors.bad_request("give either prompt (a text) or messages (a chat), not both", "messages")
     _refuse_unknown(obj, _CHAT_KEYS if is_chat else _PROMPT_KEYS)
-    return_strs = _opt_bool(obj, "return_token_strs", default=False)
+    return_strs = opt_bool(obj, "return_token_strs", default=False)
     if is_chat:
         ids = await _chat_ids(state, obj, size=len(await request.read()))
     else:
@@ -97,7 +95,7 @@ async def detokenize(request: web.Request) -> web.Response:
     for i, t in enumerate(ids):
         if t >= vocab:
             raise errors.bad_request(f"tokens[{i}] is {t}, outside the vocabulary [0, {vocab})", "tokens")
-    state.model_name(_opt_str(obj, "model"))
+    state.model_name(opt_str(obj, "model"))
     return _json({"prompt": await _run(state, lambda tok: tok.decode(list(ids)), len(ids))})
 
 
@@ -106,16 +104,16 @@ async def _prompt_ids(state: ServerState, obj: dict[str, Any]) -> list[int]:
     if prompt is None:
         raise errors.bad_request("either prompt (a text) or messages (a chat) is required", "prompt")
     if not isinstance(prompt, str):
-        raise errors.bad_request(f"prompt must be a string, got {_json_type(prompt)}", "prompt")
-    special = _opt_bool(obj, "add_special_tokens", default=True)
-    state.model_name(_opt_str(obj, "model"))
+        raise errors.bad_request(f"prompt must be a string, got {json_type(prompt)}", "prompt")
+    special = opt_bool(obj, "add_special_tokens", default=True)
+    state.model_name(opt_str(obj, "model"))
     return await _run(state, lambda tok: tok.encode(prompt, add_special_tokens=special), len(prompt))
 
 
 async def _chat_ids(state: ServerState, obj: dict[str, Any], size: int) -> list[int]:
     chat = parse_chat_request({key: obj[key] for key in _CHAT_ROUTE_KEYS if key in obj})
-    special = _opt_bool(obj, "add_special_tokens", default=False)
-    state.model_name(_opt_str(obj, "model"))
+    special = opt_bool(obj, "add_special_tokens", default=False)
+    state.model_name(opt_str(obj, "model"))
     kwargs = {**state.config.default_chat_template_kwargs, **chat.chat_template_kwargs}
     return await _apply_chat_template(
         state.engine, chat.messages, kwargs, size, chat_template=state.config.chat_template,

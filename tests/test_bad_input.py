@@ -464,9 +464,10 @@ def test_fuzz_parsers_accept_only_encodable_params(request, parse, required):
 
 @aio
 async def test_api_key_on_v1_routes_only(server):
-    """As vLLM: every path under /v1 needs the key, whatever the method; every other path
-    (/health, /metrics, /version, an unknown one) answers as it does with the key, never 401
-    (a Prometheus scrape of /metrics got 401)."""
+    """As vLLM: every path under /v1 needs the key, whatever the method, and /invocations
+    (it generates; vLLM leaves it open); every other path (/health, /metrics, /version, an
+    unknown one) answers as it does with the key, never 401 (a Prometheus scrape of /metrics
+    got 401). The key is taken as a bearer token or as Anthropic's x-api-key."""
     app = build_app(server.engine, ServerConfig(MODEL, api_key=API_KEY))  # the route table
     routes = {(r.method, r.resource.canonical) for r in app.router.routes()}
     routes |= {("GET", "/nope"), ("POST", "/v1/nope"), ("DELETE", "/v1/models"), ("GET", "/v1"),
@@ -479,11 +480,13 @@ async def test_api_key_on_v1_routes_only(server):
         for method, path in sorted(routes):
             async with s.request(method, server.url + path, headers=ok, data=b"{") as r:
                 with_key = r.status
-            for auth in wrong:
-                headers = {} if auth is None else {"Authorization": auth}
+            async with s.request(method, server.url + path, headers={"x-api-key": API_KEY}, data=b"{") as r:
+                assert r.status == with_key, (method, path, "x-api-key")
+            for auth in [*wrong, {"x-api-key": "wrong"}, {"x-api-key": API_KEY + "x", "Authorization": "Bearer x"}]:
+                headers = auth if isinstance(auth, dict) else {} if auth is None else {"Authorization": auth}
                 async with s.request(method, server.url + path, headers=headers, data=b"{") as r:
                     body = await r.read()
-                if not path.startswith("/v1"):
+                if not path.startswith(("/v1", "/invocations")):
                     assert r.status == with_key != 401, (method, path, auth, r.status)
                     continue
                 assert r.status == 401, (method, path, auth, r.status)
