@@ -26,10 +26,10 @@ penalty > 0, logprobs up to 20). Conventions chosen here, and refused otherwise:
   allowed, and where nothing may follow they alone are (vLLM's grammar too ends with EOS).
   Any tokenization that spells a match is allowed, as vLLM's. The request ends at that EOS
   even with ignore_eos (the constraint's end); stop strings, stop_token_ids and max_tokens
-  ("length", the output cut) may end it earlier. Refused with allowed_token_ids, bad_words,
-  logit_bias and min_tokens (masks of their own, whose intersection with the constraint's
-  could leave nothing to sample); penalties, temperature and the filters act on the allowed
-  tokens. Logprobs stay raw.
+  ("length", the output cut) may end it earlier. Refused with allowed_token_ids, bad_words
+  and min_tokens (masks of their own, whose intersection with the constraint's could leave
+  nothing to sample); logit_bias (finite: the mask still wins), penalties, temperature and
+  the filters act on the allowed tokens, as vLLM's. Logprobs stay raw.
 - `prompt_logprobs` (0..20, vLLM's): the logprob and rank of every prompt token after the first,
   with that many alternatives, of the model's raw distribution (`PromptLogprobsEvent`); such a
   request reuses no saved prefix (its positions' logits are needed).
@@ -187,8 +187,7 @@ class SamplingParams:
         object.__setattr__(self, "guide_regex", pattern)
         if pattern:
             for name, used in (("allowed_token_ids", self.allowed_token_ids is not None),
-                               ("bad_words", bool(self.bad_words)), ("logit_bias", bool(self.logit_bias)),
-                               ("min_tokens", self.min_tokens > 0)):  # fmt: skip
+                               ("bad_words", bool(self.bad_words)), ("min_tokens", self.min_tokens > 0)):  # fmt: skip
                 if used:
                     raise ValueError(f"structured outputs (guided_*) cannot be combined with {name}")
 

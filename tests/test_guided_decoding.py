@@ -200,6 +200,12 @@ class TestSampler:
         assert _walk(spec, rows, device) == [3, 4, EOS]
         assert _walk(spec, [_logits({1: 2.0}), _logits({2: 0.5, 4: 3.0}), _logits({})], device) == [1, 2, EOS]
 
+    def test_logit_bias_chooses_among_the_allowed_only(self):
+        """A bias moves the choice between the pattern's tokens ("c" over "ab" here) and can
+        never lift one the pattern does not allow (token 10, "x", biased far ahead)."""
+        spec = SamplingSpec(seed=0, guide_regex="(?:ab|c)+", guide_end_ids=(EOS,), logit_bias=((4, 5.0), (10, 100.0)))
+        assert _walk(spec, [_logits({3: 2.0}), _logits({3: 2.0}), _logits({EOS: 9.0})]) == [4, 4, EOS]
+
     def test_a_complete_output_offers_only_the_end(self):
         spec = SamplingSpec(seed=0, guide_regex="12?", guide_end_ids=(EOS,))
         assert _walk(spec, [_logits({9: 1.0}), _logits({8: 5.0})]) == [9, EOS]
@@ -235,6 +241,8 @@ class TestParams:
         spec = SamplingParams(guided_regex="x").to_spec(1, eos_token_ids={5, 3})
         assert spec.guide_regex == "x" and spec.guide_end_ids == (3, 5)
         assert SamplingParams().to_spec(1, eos_token_ids={5}).guide_end_ids == ()
+        biased = SamplingParams(guided_regex="a", logit_bias={7: 1.0}).to_spec(1, eos_token_ids={5})  # as vLLM's
+        assert biased.guide_regex == "a" and biased.logit_bias == ((7, 1.0),)
 
     @pytest.mark.parametrize("extra, words", [
         (dict(guided_choice="yes"), "list of non-empty strings"),
@@ -247,7 +255,6 @@ class TestParams:
         (dict(guided_regex="a", guided_whitespace=" "), "guided_whitespace applies"),
         (dict(guided_json_object=True, guided_whitespace="(?= )"), "guided_whitespace: regex"),
         (dict(guided_json="{not json"), "guided_json: not a JSON schema"),
-        (dict(guided_regex="a", logit_bias={7: 1.0}), "combined with logit_bias"),
         (dict(guided_choice=["yes"], allowed_token_ids=[7]), "combined with allowed_token_ids"),
         (dict(guided_choice=["yes"], bad_words=["no"]), "combined with bad_words"),
         (dict(guided_regex="a", min_tokens=1), "combined with min_tokens"),

@@ -233,7 +233,7 @@ BOTH = ("completions", "chat")
     (BOTH, {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {
         "type": "object", "properties": {"x": {"type": "integer", "multipleOf": 2}}}}}}, "response_format", "multipleOf"),
     (BOTH, {"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex", "structured_outputs.regex"),
-    (BOTH, {"guided_json": SCHEMA, "logit_bias": {"5": 1}}, "guided_json", "logit_bias"),
+    (BOTH, {"guided_json": SCHEMA, "min_tokens": 3}, "guided_json", "min_tokens"),
     (("chat",), {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "does not match any"),
     (("chat",), {"tools": TOOLS, "tool_choice": "required", "response_format": SCHEMA_FORMAT}, "tool_choice", "not both"),
@@ -317,7 +317,7 @@ class TestChoice:
         ({"structured_outputs": {"choice": ["yes"], "regex": "y+"}}, "structured_outputs.choice", "one kind"),
         ({"structured_outputs": {}}, "structured_outputs", "needs one constraint"),
         ({"structured_outputs": {"choice": ["yes"]}, "guided_choice": ["yes"]}, "guided_choice", "not both"),
-        ({"guided_choice": ["yes"], "logit_bias": {"5": 1}}, "guided_choice", "combined with logit_bias"),
+        ({"guided_choice": ["yes"], "bad_words": ["no"]}, "guided_choice", "combined with bad_words"),
         ({"guided_choice": [str(i) for i in range(257)]}, "guided_choice", "at most 256"),
     ])  # fmt: skip
     async def test_refused(self, client, extra, param, words):
