@@ -67,6 +67,7 @@ class AsyncEngine:
         self._monitor: MonitorPublisher | None = None
         # loads the tokenizer (`start`) and tokenizes large inputs; the loop uses the same instance
         self._tokenizer_worker = TokenizerWorker(functools.partial(load_tokenizer, config.model))
+        self._think_end_id: int | None = None  # the tokenizer's </think> (a thinking budget's end)
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -127,6 +128,7 @@ class AsyncEngine:
         self._controller = await ReplicaController.start(replica, on_poison=self._on_poison)
         try:
             self.tokenizer = await self._tokenizer_worker.tokenizer()
+            self._think_end_id = _token_id(self.tokenizer, "</think>")
             self._scheduler = Scheduler(
                 self._controller,
                 self.tokenizer,
@@ -285,7 +287,7 @@ class AsyncEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         encode = functools.partial(_encode_text, self.tokenizer)
-        params = params.tokenize_bad_words(encode)
+        params = params.tokenize_bad_words(encode).resolve_thinking_end(self._think_end_id)
         prompt_ids = self._prompt_ids(prompt)
         self._check_fits(prompt_ids, params)
         return prompt_ids, params
@@ -452,3 +454,9 @@ def _encode_text(tokenizer: Any, text: str) -> list[int]:
                 f"{text[exc.start]!r}"
             ) from None
         raise
+
+
+def _token_id(tokenizer: Any, token: str) -> int | None:
+    """`token`'s id when the vocabulary holds it as one token, else None."""
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None

@@ -33,6 +33,10 @@ penalty > 0, logprobs up to 20). Conventions chosen here, and refused otherwise:
 - `prompt_logprobs` (0..20, vLLM's): the logprob and rank of every prompt token after the first,
   with that many alternatives, of the model's raw distribution (`PromptLogprobsEvent`); such a
   request reuses no saved prefix (its positions' logits are needed).
+- `thinking_budget` (>= 0): the output starts inside a think block (the prompt opened it); once
+  that many tokens were sampled without `</think>`, the rank forces `</think>` (its id resolved
+  from the tokenizer by the engine, `resolve_thinking_end`), and the answer follows. Refused
+  with a guided constraint (the forced token may not continue it).
 """
 
 from __future__ import annotations
@@ -106,6 +110,10 @@ class SamplingParams:
     guided_json: str | None = None  # a JSON schema (JSON text, or a dict): the output is valid for it
     guided_json_object: bool = False  # the output is a JSON object
     guided_whitespace: str | None = None  # regex of the whitespace between JSON tokens; None: the default
+    # the most tokens the output may think for: it starts inside a think block (the prompt
+    # opened it), and once this many were sampled without </think>, </think> is forced
+    thinking_budget: int | None = None
+    thinking_end_id: int | None = None  # the </think> token id: set by `resolve_thinking_end` (the engine calls it)
     # the constraint as one pattern (engine/guided.py), "" for none
     guide_regex: str = field(init=False, default="")
 
@@ -151,6 +159,8 @@ class SamplingParams:
             raise ValueError(
                 f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"
             )
+        if self.thinking_budget is not None and (not _is_int(self.thinking_budget) or self.thinking_budget < 0):
+            raise ValueError(f"thinking_budget must be an integer >= 0 or None, got {self.thinking_budget!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -187,9 +197,19 @@ class SamplingParams:
         object.__setattr__(self, "guide_regex", pattern)
         if pattern:
             for name, used in (("allowed_token_ids", self.allowed_token_ids is not None),
-                               ("bad_words", bool(self.bad_words)), ("min_tokens", self.min_tokens > 0)):  # fmt: skip
+                               ("bad_words", bool(self.bad_words)), ("min_tokens", self.min_tokens > 0),
+                               ("thinking_budget", self.thinking_budget is not None)):  # fmt: skip
                 if used:
                     raise ValueError(f"structured outputs (guided_*) cannot be combined with {name}")
+
+    def resolve_thinking_end(self, end_id: int | None) -> SamplingParams:
+        """These params with the tokenizer's </think> id (`end_id`, None: it has none) where a
+        thinking budget needs it."""
+        if self.thinking_budget is None or self.thinking_end_id is not None:
+            return self
+        if end_id is None:
+            raise ValueError("thinking_budget needs a </think> token, which this tokenizer lacks")
+        return replace(self, thinking_end_id=end_id)
 
     def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> SamplingParams:
         """These params with `bad_words_token_ids` set, as vLLM's update_from_tokenizer: each word
@@ -220,6 +240,8 @@ class SamplingParams:
         masked = tuple(sorted({*eos_token_ids, *self.stop_token_ids})) if self.min_tokens else ()
         if self.bad_words and self.bad_words_token_ids is None:
             raise ValueError("bad_words must be tokenized first (tokenize_bad_words)")
+        if self.thinking_budget is not None and self.thinking_end_id is None:
+            raise ValueError("thinking_budget needs its end token first (resolve_thinking_end)")
         return SamplingSpec(
             seed=seed,
             temperature=float(self.temperature),
@@ -237,6 +259,8 @@ class SamplingParams:
             bad_words=self.bad_words_token_ids or (),
             guide_regex=self.guide_regex,
             guide_end_ids=tuple(sorted(eos_token_ids)) if self.guide_regex else (),
+            think_budget=-1 if self.thinking_budget is None else self.thinking_budget,
+            think_end_id=-1 if self.thinking_end_id is None else self.thinking_end_id,
         )
 
 

@@ -22,8 +22,8 @@ _KEYS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences"
                    "top_p", "top_k", "tools", "tool_choice", "metadata", "thinking", "service_tier",
                    "cache_control", "output_config"})  # fmt: skip
 # thinking settings -> the chat template's enable_thinking ("adaptive": the model decides how
-# long to think, as Qwen3.5 does when thinking is on)
-_THINKING = {"disabled": False, "adaptive": True}
+# long to think, as Qwen3.5 does when thinking is on; "enabled": within budget_tokens)
+_THINKING = {"disabled": False, "adaptive": True, "enabled": True}
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
@@ -68,9 +68,14 @@ def parse_messages_request(body: object, *, count_only: bool = False) -> Message
     if thinking is not None:
         kind = thinking.get("type") if isinstance(thinking, dict) else None
         if kind not in _THINKING or thinking.get("display") not in (None, "summarized"):
-            raise unsupported("thinking", "only 'disabled' or 'adaptive' (shown): a thinking budget is not "
-                                          "enforced here; without the field, thinking follows the chat template")  # fmt: skip
+            raise unsupported("thinking", "'disabled', 'enabled' (with budget_tokens) or 'adaptive', shown; "
+                                          "without the field, thinking follows the chat template")  # fmt: skip
         chat["chat_template_kwargs"] = {"enable_thinking": _THINKING[kind]}
+        if kind == "enabled":
+            budget = thinking.get("budget_tokens")
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+                raise bad_request(f"thinking.budget_tokens must be an integer >= 1, got {budget!r}", "thinking")
+            chat["thinking_budget"] = budget  # </think> forced once it is spent
     output = body.get("output_config") or {}
     if not isinstance(output, dict) or output.get("effort") is not None or set(output) - {"effort", "format"}:
         raise unsupported("output_config", "only output_config.format (a JSON schema) is supported")

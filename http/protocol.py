@@ -34,7 +34,7 @@ _SAMPLING_KEYS = frozenset(
         "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens",
         "logit_bias", "include_stop_str_in_output", "skip_special_tokens",
         "spaces_between_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-        "prompt_logprobs", *STRUCTURED_OUTPUT_KEYS,
+        "prompt_logprobs", "thinking_budget", *STRUCTURED_OUTPUT_KEYS,
     }
 )  # fmt: skip
 # Harmless metadata: accepted and not used for generation.
@@ -98,6 +98,7 @@ class SamplingFields:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
+    thinking_budget: int | None = None  # the most tokens the output thinks for (then </think> is forced)
     guided: Guided = Guided()  # vLLM's structured outputs, forced tool calls (http/structured_output.py)
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -387,6 +388,7 @@ def _sampling(
         allowed_token_ids=None if allowed is None else _token_ids(allowed, "allowed_token_ids"),
         bad_words=_strings(obj, "bad_words"),
         prompt_logprobs=prompt_logprobs,
+        thinking_budget=opt_int(obj, "thinking_budget"),
         guided=parse_guided(obj, tools),
     )
 

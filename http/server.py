@@ -311,8 +311,12 @@ async def open_chat(request: web.Request, req: ChatRequest, request_id: str) -> 
     if max_tokens is None:  # as vLLM: whatever context (or, if smaller, KV cache) the prompt leaves
         max_tokens = max(1, state.engine.longest_sequence - len(prompt_ids))
     params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs", seeds=state.seeds)
-    if req.sampling.guided.param and state.reasoning is not None and state.reasoning.starts_in_reasoning(prompt_ids):
+    thinks = state.reasoning is not None and state.reasoning.starts_in_reasoning(prompt_ids)
+    if req.sampling.guided.param and thinks:
         raise refuse_in_reasoning(req.sampling.guided)
+    if params.thinking_budget is not None and not thinks:
+        raise errors.bad_request("thinking_budget needs a prompt that opens a think block (--reasoning-parser, "
+                                 "and thinking on in the chat template)", "thinking_budget")  # fmt: skip
     strings = state.strings.rendering(req.return_tokens_as_token_ids)
     formatter = ChatFormatter(request_id, model, strings, req.logprobs, reasoning=state.reasoning,
                               prompt_ids=prompt_ids, include_reasoning=req.include_reasoning,

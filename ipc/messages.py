@@ -31,6 +31,8 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     `guide_regex` (non-empty: guided decoding, engine/regex_automaton.py's dialect, checked by
     the engine) is the pattern the whole output must match: only the tokens that keep the
     output a prefix of a match can be, and `guide_end_ids` (the EOS ids) where it is a match.
+    `think_budget` >= 0: the output starts inside a think block, and once that many tokens
+    were sampled without `think_end_id` (`</think>`), that token is the only one that can be.
     """
 
     seed: int
@@ -49,6 +51,8 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     bad_words: tuple[tuple[int, ...], ...] = ()
     guide_regex: str = ""
     guide_end_ids: tuple[int, ...] = ()
+    think_budget: int = -1  # -1: none
+    think_end_id: int = -1
 
 
 class NewRequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

@@ -206,6 +206,16 @@ class TestSampler:
         spec = SamplingSpec(seed=0, guide_regex="(?:ab|c)+", guide_end_ids=(EOS,), logit_bias=((4, 5.0), (10, 100.0)))
         assert _walk(spec, [_logits({3: 2.0}), _logits({3: 2.0}), _logits({EOS: 9.0})]) == [4, 4, EOS]
 
+    def test_thinking_budget_forces_the_end_of_thinking(self):
+        """With a budget of 2, the third token is think_end_id whatever the logits (token 10
+        far ahead); after it nothing is forced. Its end sampled early, none is forced."""
+        spec = SamplingSpec(seed=0, think_budget=2, think_end_id=4)
+        assert _walk(spec, [_logits({}) for _ in range(5)]) == [10, 10, 4, 10, 10]
+        assert _walk(spec, [_logits({4: 30.0}), *(_logits({}) for _ in range(4))]) == [4, 10, 10, 10, 10]
+        random = SamplingSpec(seed=3, temperature=1.0, think_budget=0, think_end_id=7)
+        g = torch.Generator().manual_seed(0)
+        assert _walk(random, [torch.randn(1, 16, generator=g) for _ in range(3)])[0] == 7
+
     def test_a_complete_output_offers_only_the_end(self):
         spec = SamplingSpec(seed=0, guide_regex="12?", guide_end_ids=(EOS,))
         assert _walk(spec, [_logits({9: 1.0}), _logits({8: 5.0})]) == [9, EOS]
@@ -258,7 +268,19 @@ class TestParams:
         (dict(guided_choice=["yes"], allowed_token_ids=[7]), "combined with allowed_token_ids"),
         (dict(guided_choice=["yes"], bad_words=["no"]), "combined with bad_words"),
         (dict(guided_regex="a", min_tokens=1), "combined with min_tokens"),
+        (dict(guided_regex="a", thinking_budget=3), "combined with thinking_budget"),
+        (dict(thinking_budget=-1), "thinking_budget must be an integer >= 0"),
     ])  # fmt: skip
     def test_refused(self, extra, words):
         with pytest.raises(ValueError, match=re.escape(words)):
             SamplingParams(**extra)
+
+    def test_thinking_budget_reaches_the_spec_with_its_end_token(self):
+        params = SamplingParams(thinking_budget=5)
+        with pytest.raises(ValueError, match="resolve_thinking_end"):
+            params.to_spec(1)
+        with pytest.raises(ValueError, match="lacks"):
+            params.resolve_thinking_end(None)
+        spec = params.resolve_thinking_end(42).to_spec(1)
+        assert (spec.think_budget, spec.think_end_id) == (5, 42)
+        assert SamplingParams().to_spec(1).think_budget == -1

@@ -119,16 +119,27 @@ async def test_history_of_thinking_tool_use_and_tool_results(clients):
 
 
 @aio
-async def test_thinking_block_as_chat_reasoning(clients):
+async def test_thinking_block_as_chat_reasoning_and_its_budget(clients):
     """thinking adaptive turns the template's thinking on: the text before </think> is a
-    thinking block (none closes it here: an empty text block follows), as chat's reasoning."""
+    thinking block (none closes it here: an empty text block follows), as chat's reasoning.
+    enabled with budget_tokens 3: </think> is forced after 3 thinking tokens, so the thinking
+    is the unbudgeted one's start and an answer follows. A budget where the prompt opens no
+    think block is refused, naming it."""
     claude, gpt = clients
     user = [{"role": "user", "content": "Think first."}]
     m = await message(claude, user, thinking={"type": "adaptive"})
     c = await chat(gpt, user, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     thinking, text = m.content
-    assert thinking.type == "thinking" and thinking.thinking == c.choices[0].message.reasoning
+    reasoning = c.choices[0].message.reasoning
+    assert thinking.type == "thinking" and thinking.thinking == reasoning
     assert text.type == "text" and text.text == ""
+    budgeted = await message(claude, user, thinking={"type": "enabled", "budget_tokens": 3})
+    thinking, text = budgeted.content
+    assert reasoning.startswith(thinking.thinking) and 0 < len(thinking.thinking) < len(reasoning)
+    assert text.type == "text" and text.text and budgeted.usage.output_tokens == 12
+    with pytest.raises(openai.BadRequestError, match="think block") as info:
+        await chat(gpt, user, extra_body={"thinking_budget": 3})  # the server's default: thinking off
+    assert info.value.body["param"] == "thinking_budget"
 
 
 @aio
@@ -161,7 +172,7 @@ async def test_stop_sequence_tools_and_json(clients):
 @pytest.mark.parametrize("body, words", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "u"}}]}]}, "'image'"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "client tools"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "budget"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "budget_tokens must be an integer >= 1"),
     ({"output_config": {"effort": "high"}}, "output_config.format"),
     ({"speed": "fast"}, "'speed'"),
     ({"max_tokens": None}, "max_tokens is required"),

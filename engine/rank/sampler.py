@@ -10,6 +10,7 @@ The order of operations follows vLLM v1 (`vllm/v1/sample/sampler.py`, `ops/penal
      request's pattern at -inf (engine/rank/grammar_mask.py; its EOS ids stay where the output
      is a match)
   -> logit_bias added
+  -> a thinking budget spent: </think> the only token (`SamplingSpec.think_budget`)
   -> penalties (repetition on prompt+output tokens, then frequency and presence on output tokens)
   -> greedy rows: argmax
   -> random rows: temperature -> min-p -> top-k -> top-p -> exponential race.
@@ -83,6 +84,11 @@ class _RequestState:
     allowed: torch.Tensor | None = None  # allowed_token_ids on the device, sent up once
     guide: Guide | None = None  # its pattern's automaton (guided decoding)
     guide_state: int = START  # where its output so far has taken the automaton
+    thinking: bool = False  # inside the think block its budget counts (till think_end_id)
+
+    def thinking_spent(self) -> bool:
+        """Its thinking budget is used up: </think> must come next."""
+        return self.thinking and self.num_sampled >= self.spec.think_budget
 
     def barred(self) -> list[int]:
         """The tokens masked for its next sample: EOS and stop ids before min_tokens, and each
@@ -146,13 +152,15 @@ class Sampler:
         if request_id in self._requests:
             raise ValueError(f"sampler already holds request {request_id}")
         ids = [*spec.stop_token_ids, *(t for t, _ in spec.logit_bias), *spec.allowed_token_ids,
-               *(t for word in spec.bad_words for t in word), *spec.guide_end_ids]  # fmt: skip
+               *(t for word in spec.bad_words for t in word), *spec.guide_end_ids,
+               *([spec.think_end_id] if spec.think_budget >= 0 else [])]  # fmt: skip
         if any(t < 0 for t in ids) or not all(spec.bad_words):
             raise ValueError(f"request {request_id}: negative token id in {ids}, or an empty bad word")
         penalties = _has_penalties(spec)
         adjusts = penalties or bool(spec.logit_bias) or bool(spec.allowed_token_ids) or bool(spec.guide_regex)
         guide = self._guide(spec.guide_regex) if spec.guide_regex else None
-        self._requests[request_id] = _RequestState(spec, penalties, adjusts, max(ids, default=-1), guide=guide)
+        self._requests[request_id] = _RequestState(spec, penalties, adjusts, max(ids, default=-1), guide=guide,
+                                                   thinking=spec.think_budget >= 0)  # fmt: skip
 
     def _guide(self, pattern: str) -> Guide:
         """The pattern's guide, shared by every request with it (and kept a while after)."""
@@ -222,10 +230,13 @@ class Sampler:
         work = logits
         barred = {i: b for i, s in enumerate(states) if (s.spec.bad_words or s.num_sampled < s.spec.min_tokens)
                   and (b := s.barred())}  # fmt: skip
-        adjusted = [i for i, s in enumerate(states) if s.always_adjusts or i in barred]
+        forced = {i: s.spec.think_end_id for i, s in enumerate(states) if s.thinking_spent()}
+        adjusted = [i for i, s in enumerate(states) if s.always_adjusts or i in barred or i in forced]
         if adjusted:
             work = logits.clone(memory_format=torch.contiguous_format)  # `_adjust` indexes it flat
             self._adjust(work, adjusted, request_ids, states, barred)
+            for i, token in forced.items():  # the only token left
+                work[i].fill_(float("-inf"))[token] = 0.0
             tokens = work.argmax(dim=-1)  # greedy rows keep these
         random_rows = [i for i, s in enumerate(states) if s.spec.temperature >= SAMPLING_EPS]
         if random_rows:
@@ -268,6 +279,8 @@ class Sampler:
             samples.append(Sample(request_id, token, row[1], alternatives))
             if state.guide is not None:
                 state.guide_state = state.guide.advance(state.guide_state, token)
+            if state.thinking and token == state.spec.think_end_id:
+                state.thinking = False
             state.num_sampled += 1
             if state.spec.bad_words:  # as many last tokens as the longest prefix needs
                 state.recent.append(token)
