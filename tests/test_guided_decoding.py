@@ -206,12 +206,15 @@ class TestSampler:
         spec = SamplingSpec(seed=0, guide_regex="(?:ab|c)+", guide_end_ids=(EOS,), logit_bias=((4, 5.0), (10, 100.0)))
         assert _walk(spec, [_logits({3: 2.0}), _logits({3: 2.0}), _logits({EOS: 9.0})]) == [4, 4, EOS]
 
-    def test_thinking_budget_forces_the_end_of_thinking(self):
+    @pytest.mark.parametrize("device", ["cpu", "cuda"])
+    def test_thinking_budget_forces_the_end_of_thinking(self, device):
         """With a budget of 2, the third token is think_end_id whatever the logits (token 10
         far ahead); after it nothing is forced. Its end sampled early, none is forced."""
+        if device == "cuda" and not torch.cuda.is_available():
+            pytest.skip("no GPU")
         spec = SamplingSpec(seed=0, think_budget=2, think_end_id=4)
-        assert _walk(spec, [_logits({}) for _ in range(5)]) == [10, 10, 4, 10, 10]
-        assert _walk(spec, [_logits({4: 30.0}), *(_logits({}) for _ in range(4))]) == [4, 10, 10, 10, 10]
+        assert _walk(spec, [_logits({}) for _ in range(5)], device) == [10, 10, 4, 10, 10]
+        assert _walk(spec, [_logits({4: 30.0}), *(_logits({}) for _ in range(4))], device) == [4, 10, 10, 10, 10]
         random = SamplingSpec(seed=3, temperature=1.0, think_budget=0, think_end_id=7)
         g = torch.Generator().manual_seed(0)
         assert _walk(random, [torch.randn(1, 16, generator=g) for _ in range(3)])[0] == 7
