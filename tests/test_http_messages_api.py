@@ -191,6 +191,24 @@ async def test_refused_in_anthropics_error_shape(server, clients, body, words):
 
 
 @aio
+async def test_event_streams_declare_utf8(server):
+    """Every stream says `text/event-stream; charset=utf-8`, as OpenAI, Anthropic and vLLM do:
+    without the charset, clients that decode by the header (requests' `iter_lines(
+    decode_unicode=True)`) read the UTF-8 as Latin-1, so every non-ASCII token came out
+    mangled and lines split inside characters (Latin-1 byte 0x85 is a line break to
+    str.splitlines). Each ends as its API ends a stream."""
+    user = [{"role": "user", "content": "hi"}]
+    for path, body, end in [("/v1/chat/completions", {"messages": user, "max_tokens": 1}, b"data: [DONE]\n\n"),
+                            ("/v1/responses", {"input": "hi", "max_output_tokens": 1}, b'"response.incomplete"'),
+                            ("/v1/messages", {"model": MODEL, "messages": user, "max_tokens": 1}, b"event: message_stop")]:  # fmt: skip
+        async with aiohttp.ClientSession() as s:
+            async with s.post(server.url + path, json={**body, "stream": True}, headers={"x-api-key": KEY}) as r:
+                assert (r.status, r.content_type, r.charset) == (200, "text/event-stream", "utf-8"), (path, r.headers)
+                data = await r.read()
+        assert end in data[-4000:], (path, data[-300:])
+
+
+@aio
 async def test_api_key_as_anthropic_sends_it(server):
     """`x-api-key` is taken as a bearer token is (Anthropic's clients send it so); a wrong
     one is a 401 the SDK raises."""

@@ -157,6 +157,25 @@ async def test_out_of_vocabulary_names_the_id(server):
     assert status == 400 and f"tokens[2] is {vocab + 7}" in answer["error"]["message"], answer
 
 
+async def test_chat_continues_the_final_message(server, client):
+    """vLLM's continue_final_message (with add_generation_prompt false): the chat renders the
+    assistant's start unclosed, exactly as /tokenize does with the same flags, and the output
+    goes on from it (greedy: the completion of those ids); both flags true is refused in
+    vLLM's words."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    status, body = await post(server.url + "/tokenize", {"messages": messages, **flags})
+    assert status == 200, body
+    assert server.engine.tokenizer.decode(body["tokens"]).endswith("My favourite is")
+    reference = await client.completions.create(model=MODEL, prompt=body["tokens"], max_tokens=6, temperature=0)
+    answer = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                  extra_body=flags)  # fmt: skip
+    assert answer.choices[0].message.content == reference.choices[0].text and answer.usage.prompt_tokens == body["count"]
+    with pytest.raises(openai.BadRequestError, match="Cannot set both") as info:
+        await client.chat.completions.create(model=MODEL, messages=messages, extra_body={"continue_final_message": True})
+    assert info.value.body["param"] == "continue_final_message"
+
+
 async def test_invocations_is_a_chat_or_a_completion(server, client):
     """SageMaker's /invocations, as vLLM's: a body with messages is the chat route's answer,
     one with prompt the completion route's (greedy, the same text); neither is a 400."""
