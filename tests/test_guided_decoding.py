@@ -8,13 +8,16 @@ import json
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 
+from deltaserve.engine.rank import vocab_cache
 from deltaserve.engine.rank.grammar_mask import DEAD, START, Guide
 from deltaserve.engine.rank.sampler import Sampler
 from deltaserve.engine.rank.token_bytes import read_token_bytes
 from deltaserve.engine.rank.token_trie import TokenTrie
+from deltaserve.engine.rank.vocab_cache import cache_dir, load_trie
 from deltaserve.engine.regex_automaton import (
     ByteAutomaton,
     RegexError,
@@ -105,6 +108,31 @@ class TestVocabularyWalk:
             (tmp_path / "tokenizer.json").write_text(text, encoding="utf-8")
             assert read_token_bytes(tmp_path) == walk.token_bytes
 
+    def test_vocabulary_cache_reads_back_the_same_trie(self, tiny_model_dir, walk, tmp_path, monkeypatch):
+        """The trie is kept on disk, keyed by tokenizer.json's bytes: a second server reads it
+        (not tokenizer.json) and gets the trie built from scratch, masks and all; a damaged
+        file is built again and replaced; a folder that cannot be written costs only the
+        cache."""
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+        assert load_trie(tiny_model_dir).num_nodes == walk.num_nodes
+        [cached] = cache_dir().glob("*.npz")
+
+        def no_reading(model_dir):
+            raise AssertionError("tokenizer.json's vocabulary read again")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(vocab_cache, "read_token_bytes", no_reading)
+            again = load_trie(tiny_model_dir)
+        assert again.token_bytes == walk.token_bytes and again.level_start == walk.level_start
+        assert all(np.array_equal(getattr(again, name), getattr(walk, name)) for name in TokenTrie.ARRAYS)
+        pattern = r'\{"name": "[^"\\]{0,12}"\}'
+        assert (Guide(pattern, again).allowed_tokens(START) == Guide(pattern, walk).allowed_tokens(START)).all()
+        cached.write_bytes(b"damaged")
+        assert load_trie(tiny_model_dir).num_nodes == walk.num_nodes and cached.stat().st_size > 1000
+        (tmp_path / "a file").write_text("")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a file"))
+        assert load_trie(tiny_model_dir).num_nodes == walk.num_nodes
+
     @pytest.mark.parametrize("pattern, prefix", [
         (r'\{"name": "[^"\\]{0,12}", "age": (?:0|[1-9][0-9]{0,2})\}', '{"name": "Ad'),
         (r"(?:yes|no|maybe)", "ma"),
@@ -161,7 +189,7 @@ EOS = 0
 
 
 def _sampler() -> Sampler:
-    return Sampler(lambda: VOCAB)
+    return Sampler(lambda: TokenTrie(VOCAB))
 
 
 def _logits(favour: dict[int, float], width: int = 16) -> torch.Tensor:

@@ -33,8 +33,8 @@ from deltaserve.engine.rank.prompt_logprobs import prompt_rows
 from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
 from deltaserve.engine.rank.sampler import SampleLaunch, Sampler
 from deltaserve.engine.rank.step_meta import with_step_meta
-from deltaserve.engine.rank.token_bytes import read_token_bytes
 from deltaserve.engine.rank.transfer import to_device
+from deltaserve.engine.rank.vocab_cache import load_trie
 from deltaserve.ipc.messages import PromptLogprobs, Sample, StepItem
 from deltaserve.kernels.triton_compat import gpu_path
 
@@ -158,7 +158,7 @@ class Executor:
         self.model = Qwen3_5ForCausalLM(self.model_config, self.dtype, self.device)
         load_weights(self.model, config.model_dir, self.model_config.tie_word_embeddings)
         log.info("rank %d: weights loaded in %.1f s", config.rank, time.monotonic() - started)
-        self.sampler = Sampler(partial(read_token_bytes, config.model_dir)) if config.rank == 0 else None
+        self.sampler = Sampler(partial(load_trie, config.model_dir)) if config.rank == 0 else None
         self.requests: dict[int, LiveRequest] = {}
         self.prefixes: dict[int, SavedPrefix] = {}  # saved prefix id -> its state and blocks
         self.graphs: DecodeGraphs | None = None

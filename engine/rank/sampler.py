@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -134,14 +134,14 @@ class _BiasRows:
 
 
 class Sampler:
-    """`token_bytes` gives each token's bytes (engine/rank/token_bytes.py), read the first time
-    a guided request comes; without it guided requests are refused."""
+    """`vocabulary` gives the vocabulary's trie (engine/rank/vocab_cache.py), made the first
+    time a guided request comes; without it guided requests are refused."""
 
-    def __init__(self, token_bytes: Callable[[], Sequence[bytes | None]] | None = None) -> None:
+    def __init__(self, vocabulary: Callable[[], TokenTrie] | None = None) -> None:
         self._requests: dict[int, _RequestState] = {}
         self._in_flight = False  # a launch not yet finished
         self._bias_rows: _BiasRows | None = None
-        self._token_bytes = token_bytes
+        self._vocabulary = vocabulary
         self._trie: TokenTrie | None = None
         self._guides: OrderedDict[str, Guide] = OrderedDict()
 
@@ -167,9 +167,9 @@ class Sampler:
         guide = self._guides.get(pattern)
         if guide is None:
             if self._trie is None:
-                if self._token_bytes is None:
+                if self._vocabulary is None:
                     raise ValueError("guided decoding needs the vocabulary's token bytes")
-                self._trie = TokenTrie(self._token_bytes())
+                self._trie = self._vocabulary()
             guide = self._guides[pattern] = Guide(pattern, self._trie)
             in_use = {s.spec.guide_regex for s in self._requests.values()}
             idle = [p for p in self._guides if p not in in_use and p != pattern]  # least recent first

@@ -25,8 +25,18 @@ class TokenTrie:
     children; the first level's nodes are `0:roots`. Numpy arrays: a walk is many small
     operations, and numpy's cost per operation is a fraction of torch's."""
 
-    def __init__(self, token_bytes: Sequence[bytes | None]) -> None:
+    ARRAYS = ("byte", "token", "parent", "child_lo", "child_hi")
+
+    def __init__(self, token_bytes: Sequence[bytes | None], arrays: dict[str, np.ndarray] | None = None) -> None:
+        """Built from the tokens' bytes, or taken from `arrays` (`to_arrays`' of a trie built
+        from these same bytes: engine/rank/vocab_cache.py keeps them on disk)."""
         self.token_bytes = list(token_bytes)
+        if arrays is not None:
+            for name in self.ARRAYS:
+                setattr(self, name, arrays[name].astype(np.int64))
+            self.level_start = arrays["level_start"].tolist()
+            self._index_levels()
+            return
         in_order = sorted((i for i, b in enumerate(self.token_bytes) if b), key=self.token_bytes.__getitem__)
         spelled = [self.token_bytes[i] for i in in_order]
         ids = np.array(in_order, dtype=np.int64)
@@ -60,7 +70,13 @@ class TokenTrie:
             ends = np.cumsum(children) + here.start
             self.child_hi[above] = ends
             self.child_lo[above] = ends - children
-        # each level's nodes that end a token (their index in the level) and the token ids
+        self._index_levels()
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {**{name: getattr(self, name) for name in self.ARRAYS}, "level_start": np.array(self.level_start)}
+
+    def _index_levels(self) -> None:
+        """Each level's nodes that end a token (their index in the level) and the token ids."""
         self.level_tokens = []
         for d in range(len(self.level_start) - 1):
             ending = np.flatnonzero(self.token[self.level(d)] >= 0)
