@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ def load_trie(model_dir: str | Path) -> TokenTrie:
         return _read(path)
     except FileNotFoundError:
         pass
-    except (OSError, ValueError, KeyError) as exc:  # damaged or foreign: built again, replaced
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # damaged: built again, replaced
         log.warning("vocabulary cache %s unreadable (%s): building it again", path, exc)
     trie = TokenTrie(read_token_bytes(model_dir))
     try:
