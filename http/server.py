@@ -63,7 +63,7 @@ from deltaserve.http.tool_protocol import tool_call_reader
 
 if TYPE_CHECKING:
     from deltaserve.engine.async_engine import AsyncEngine
-    from deltaserve.http.responses_events import ResponsesFormatter
+    from deltaserve.http.output_blocks import OutputBlocks
 
 log = logging.getLogger("deltaserve.http")
 
@@ -293,7 +293,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def open_chat(request: web.Request, req: ChatRequest, request_id: str) -> tuple[ChatFormatter, list[Any]]:
     """A parsed chat request rendered, checked and submitted: its formatter and streams (the
-    chat route's, and the Responses API's under its translation)."""
+    chat route's, and the Responses and Messages APIs' under their translations)."""
     state = request.app[STATE]
     model = state.model_name(req.model)
     check_include_reasoning(state.reasoning, req.include_reasoning, req.logprobs)
@@ -477,7 +477,7 @@ def _terminal_error(state: ServerState, ev: Any) -> ApiError:
 
 async def _respond(
     request: web.Request,
-    formatter: CompletionFormatter | ChatFormatter | ResponsesFormatter,
+    formatter: CompletionFormatter | ChatFormatter | OutputBlocks,
     streams: list[Any],
     n: int,
     stream: bool,

@@ -7,7 +7,7 @@ seconds, so the walk is array work over the vocabulary's trie (engine/rank/token
 level at a time: one gather moves every node of a level through the DFA's transition table
 (rows the lazy DFA had not made yet are made when a walk reaches them), and a node that dies
 takes every token under it along. The arrays are numpy's: a walk is many small operations,
-each a fraction of what torch's cost. The mask of a state is cached per guide (packed eight
+and numpy's cost per operation is a fraction of torch's. The mask of a state is cached per guide (packed eight
 tokens to a byte, on the device), and a guide per pattern, so the requests of one schema
 share the work: the string states of a JSON document, where most of the vocabulary is
 allowed, are walked once. (xgrammar precomputes such context-independent token sets per
