@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.http.errors import bad_request, unsupported
+from deltaserve.http.protocol import TEXT_PART_SEPARATOR
 
 _KEYS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
                    "top_p", "top_k", "tools", "tool_choice", "metadata", "thinking", "service_tier",
@@ -118,21 +119,22 @@ def _user(blocks: list[Any], at: str) -> list[dict[str, Any]]:
         tool_use_id = _string(block, "tool_use_id", f"{at}.content[{j}]")
         result = block.get("content") or ""
         if not isinstance(result, str):
-            result = "".join(_string(part, "text", f"{at}.content[{j}].content")
-                             for part in result if _kind(part, f"{at}.content[{j}].content", ("text",)))  # fmt: skip
+            result = TEXT_PART_SEPARATOR.join(_string(part, "text", f"{at}.content[{j}].content")
+                                              for part in result if _kind(part, f"{at}.content[{j}].content", ("text",)))  # fmt: skip
         tools.append({"role": "tool", "tool_call_id": tool_use_id, "content": result})
-    return tools + ([{"role": "user", "content": "".join(texts)}] if texts or not tools else [])
+    return tools + ([{"role": "user", "content": TEXT_PART_SEPARATOR.join(texts)}] if texts or not tools else [])
 
 
 def _assistant(blocks: list[Any], at: str) -> dict[str, Any]:
     turn: dict[str, Any] = {"role": "assistant", "content": None}
+    texts, thoughts = [], []
     for j, block in enumerate(blocks):
         where = f"{at}.content[{j}]"
         kind = _kind(block, where, ("text", "thinking", "tool_use"))
         if kind == "text":
-            turn["content"] = (turn["content"] or "") + _string(block, "text", where)
+            texts.append(_string(block, "text", where))
         elif kind == "thinking":
-            turn["reasoning"] = turn.get("reasoning", "") + _string(block, "thinking", where)
+            thoughts.append(_string(block, "thinking", where))
         else:
             if not isinstance(block.get("input"), dict):
                 raise bad_request(f"{where}.input must be an object", "messages")
@@ -140,6 +142,10 @@ def _assistant(blocks: list[Any], at: str) -> dict[str, Any]:
             call = {"id": _string(block, "id", where), "type": "function",
                     "function": {"name": _string(block, "name", where), "arguments": arguments}}  # fmt: skip
             turn.setdefault("tool_calls", []).append(call)
+    if texts:
+        turn["content"] = TEXT_PART_SEPARATOR.join(texts)
+    if thoughts:
+        turn["reasoning"] = TEXT_PART_SEPARATOR.join(thoughts)
     return turn
 
 
@@ -147,8 +153,8 @@ def _system(value: object) -> list[dict[str, Any]]:
     if value is None or value == "" or value == []:
         return []
     if isinstance(value, list):
-        value = "".join(_string(b, "text", f"system[{i}]")
-                        for i, b in enumerate(value) if _kind(b, f"system[{i}]", ("text",)))  # fmt: skip
+        value = TEXT_PART_SEPARATOR.join(_string(b, "text", f"system[{i}]")
+                                         for i, b in enumerate(value) if _kind(b, f"system[{i}]", ("text",)))  # fmt: skip
     if not isinstance(value, str):
         raise bad_request("system must be a string or an array of text blocks", "system")
     return [{"role": "system", "content": value}]

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from deltaserve.http.tool_protocol import ToolChoice, ToolFields
 
 MAX_LOGPROBS = 20
+TEXT_PART_SEPARATOR = "\n"  # between a message's text parts, as vLLM joins them
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Sampling fields shared by both endpoints (OpenAI names plus the vLLM extras).
@@ -538,7 +539,7 @@ def _content(content: object, where: str) -> str:
         if not isinstance(text, str):
             raise bad_request(f"{at}.text must be a string, got {json_type(text)}", "messages")
         texts.append(text)
-    return "\n".join(texts)  # as vLLM joins text parts
+    return TEXT_PART_SEPARATOR.join(texts)
 
 
 __all__ = [

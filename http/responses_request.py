@@ -22,6 +22,7 @@ from typing import Any
 
 from deltaserve.http.errors import ApiError, bad_request, unsupported
 from deltaserve.http.json_fields import opt_bool
+from deltaserve.http.protocol import TEXT_PART_SEPARATOR
 
 RESPONSES_KEPT = 1024
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -235,7 +236,7 @@ def _text(content: object, at: str, field: str = "content") -> str:
         if not isinstance(part.get("text"), str):
             raise bad_request(f"{at}.{field}[{j}].text must be a string", "input")
         texts.append(part["text"])
-    return "".join(texts)
+    return TEXT_PART_SEPARATOR.join(texts)  # as the chat route joins a message's parts
 
 
 def _previous(response_id: object, store: ResponseStore) -> list[dict[str, Any]]:

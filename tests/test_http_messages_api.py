@@ -104,14 +104,15 @@ async def test_history_of_thinking_tool_use_and_tool_results(clients):
                                           {"type": "text", "text": "Checking."},
                                           {"type": "tool_use", "id": "call_1", "name": "lookup", "input": {"city": "Paris", "days": 1}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
-                                     {"type": "text", "text": "And tomorrow?", "cache_control": {"type": "ephemeral"}}]},
+                                     {"type": "text", "text": "And", "cache_control": {"type": "ephemeral"}},
+                                     {"type": "text", "text": "tomorrow?"}]},
     ]  # fmt: skip
     as_chat = [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "Checking.", "reasoning": "Look it up.", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"city": "Paris", "days": 1}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-        {"role": "user", "content": "And tomorrow?"},
+        {"role": "user", "content": [{"type": "text", "text": "And"}, {"type": "text", "text": "tomorrow?"}]},
     ]  # fmt: skip
     m = await message(claude, history, tools=[LOOKUP], tool_choice={"type": "none"})
     c = await chat(gpt, as_chat, tools=[CHAT_LOOKUP], tool_choice="none")

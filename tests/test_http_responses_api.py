@@ -130,6 +130,10 @@ async def test_previous_response_continues_the_conversation(client):
     items = [{"role": "user", "content": "Name a city."}, *(i.model_dump(exclude_none=True) for i in first.output),
              {"role": "user", "content": [{"type": "input_text", "text": "Why that one?"}]}]  # fmt: skip
     assert (await respond(client, input=items)).output_text == second.output_text
+    two = [{"type": "input_text", "text": "Why"}, {"type": "input_text", "text": "that one?"}]  # joined as chat joins parts
+    split = await respond(client, input=[*items[:-1], {"role": "user", "content": two}])
+    parts = await chat(client, [*history[:2], {"role": "user", "content": [{**p, "type": "text"} for p in two]}])
+    assert split.output_text == parts.choices[0].message.content and split.usage.input_tokens == parts.usage.prompt_tokens
     fetched = await client.responses.retrieve(first.id)
     assert fetched.output_text == first.output_text and fetched.usage == first.usage
     await client.responses.delete(first.id)
