@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import unicodedata
 from pathlib import Path
 
@@ -233,3 +235,18 @@ def test_tokenizer_is_the_real_qwen35_vocabulary(tiny_model_dir: Path) -> None:
     # <think> is text the model writes (kept by skip_special_tokens); <|im_end|> is not
     think = tok.encode("<think>\nhm\n</think>\n\nok<|im_end|>", add_special_tokens=False)
     assert tok.decode(think, skip_special_tokens=True) == "<think>\nhm\n</think>\n\nok"
+
+
+@pytest.mark.parametrize("first_import", ["deltaserve", "tools"])
+def test_checkout_root_hides_no_installed_package(first_import: str) -> None:
+    """Python run from the checkout's root (`python -m pytest`, `python -m tools.make_model`) has
+    the root on sys.path, where our kernels/ would shadow Hugging Face's `kernels`, which
+    transformers imports (and fails on ours). Importing deltaserve, or a tool, takes it off."""
+    root = Path(__file__).resolve().parents[1]
+    probe = (
+        f"import {first_import}, importlib.util as u; s = u.find_spec('kernels'); "
+        "print(s.origin if s else None)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "None" or not Path(out).resolve().is_relative_to(root), out
