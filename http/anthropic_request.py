@@ -26,6 +26,9 @@ _KEYS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences"
 # long to think, as Qwen3.5 does when thinking is on; "enabled": within budget_tokens)
 _THINKING = {"disabled": False, "adaptive": True, "enabled": True}
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+RENAMED = ((r"\bresponse_format(\.json_schema)?\b", "output_config.format"),  # the chat route's names -> ours
+           (r"(tools\[\d+\])\.function\.parameters\b", r"\1.input_schema"), (r"(tools\[\d+\])\.function\b", r"\1"),
+           (r"\btool_choice\.function\b", "tool_choice"), (r"\bthinking_budget\b", "thinking.budget_tokens"))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,4 +206,4 @@ def _param(at: str) -> str:
     return "system" if at.startswith("system") else "messages"
 
 
-__all__ = ["MessagesRequest", "chat_messages", "parse_messages_request"]
+__all__ = ["RENAMED", "MessagesRequest", "chat_messages", "parse_messages_request"]

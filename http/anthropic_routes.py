@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from deltaserve.http.anthropic_events import MessagesFormatter
-from deltaserve.http.anthropic_request import parse_messages_request
-from deltaserve.http.errors import ApiError
+from deltaserve.http.anthropic_request import RENAMED, parse_messages_request
+from deltaserve.http.errors import ApiError, renamed_fields
 from deltaserve.http.protocol import parse_chat_request
 from deltaserve.http.request_body import read_json
 from deltaserve.http.server import STATE, _apply_chat_template, _json, _respond, open_chat
@@ -38,8 +38,9 @@ def _anthropic_errors(handler: Handler) -> Handler:
 async def create_message(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_messages_request(await read_json(request))
-    chat = parse_chat_request(req.chat, state.sampling_defaults)
-    formatter, streams = await open_chat(request, chat, req.message_id)
+    with renamed_fields(RENAMED):
+        chat = parse_chat_request(req.chat, state.sampling_defaults)
+        formatter, streams = await open_chat(request, chat, req.message_id)
     messages = MessagesFormatter(formatter, req.message_id, req.stop_sequences)
     return await _respond(request, messages, streams, 1, req.stream, include_usage=False)
 
@@ -48,7 +49,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     """`{"input_tokens": N}`: the prompt as /v1/messages would render it."""
     state = request.app[STATE]
     req = parse_messages_request(await read_json(request), count_only=True)
-    chat = parse_chat_request(req.chat, state.sampling_defaults)
+    with renamed_fields(RENAMED):
+        chat = parse_chat_request(req.chat, state.sampling_defaults)
     state.model_name(chat.model)
     kwargs = {**state.config.default_chat_template_kwargs, **chat.chat_template_kwargs}
     ids = await _apply_chat_template(state.engine, chat.messages, kwargs, size=len(await request.read()),

@@ -7,6 +7,9 @@ parser stays pure.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -31,6 +34,19 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+@contextmanager
+def renamed_fields(renames: tuple[tuple[str, str], ...]) -> Iterator[None]:
+    """The chat route's refusals of a translated request (Responses, Messages), naming the
+    fields the client sent: each (pattern, replacement) applied in order to message and param."""
+    try:
+        yield
+    except ApiError as err:
+        for pattern, name in renames:
+            err.message = re.sub(pattern, name, err.message)
+            err.param = err.param and re.sub(pattern, name, err.param)
+        raise
 
 
 def error_body(

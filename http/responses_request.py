@@ -12,7 +12,6 @@ stored responses are kept, in memory (vLLM keeps every one).
 
 from __future__ import annotations
 
-import re
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from deltaserve.http.errors import ApiError, bad_request, unsupported
+from deltaserve.http.errors import ApiError, bad_request, renamed_fields, unsupported
 from deltaserve.http.json_fields import opt_bool
 from deltaserve.http.protocol import TEXT_PART_SEPARATOR
 
@@ -43,7 +42,7 @@ _ONLY = {
 # a chat field an error names -> the Responses field it came from, in its param and message
 _RENAMED = ((r"\bresponse_format\.json_schema\b", "text.format"), (r"\bresponse_format\b", "text.format"),
             (r"\bmax_tokens\b", "max_output_tokens"), (r"\bmessages\b", "input"), (r"\blogprobs\b", "include"),
-            (r"(tools\[\d+\])\.function\b", r"\1"))  # fmt: skip
+            (r"(tools\[\d+\])\.function\b", r"\1"), (r"\btool_choice\.function\b", "tool_choice"))  # fmt: skip
 _ITEM_KEYS = {  # each input item's fields (others only as null, as an SDK's dump may send them)
     "message": {"type", "role", "content", "id", "status"},
     "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
@@ -148,11 +147,9 @@ def parse_responses_request(body: object, store: ResponseStore) -> ResponsesRequ
 def renamed_errors() -> Iterator[None]:
     """The chat route's refusals, naming the Responses fields they came from."""
     try:
-        yield
+        with renamed_fields(_RENAMED):
+            yield
     except ApiError as err:
-        for pattern, name in _RENAMED:
-            err.message = re.sub(pattern, name, err.message)
-            err.param = err.param and re.sub(pattern, name, err.param)
         if err.param and err.param.startswith("input["):
             err.param = "input"  # a chat message's index is not its input item's
         raise

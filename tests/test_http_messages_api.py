@@ -11,6 +11,7 @@ Anthropic's error shape and its `x-api-key` header.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import aiohttp
@@ -178,6 +179,13 @@ async def test_stop_sequence_tools_and_json(clients):
     ({"speed": "fast"}, "'speed'"),
     ({"max_tokens": None}, "max_tokens is required"),
     ({"messages": [{"role": "system", "content": "x"}]}, "role 'user' or 'assistant'"),
+    # refused by the chat route's checks, naming the Messages API's fields
+    ({"tools": [{"name": "", "input_schema": {"type": "object"}}]}, "tools[0].name must be a non-empty"),
+    ({"tools": [{"name": "f", "input_schema": "x"}]}, "tools[0].input_schema must be a JSON Schema"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "integer", "multipleOf": 3}}}},
+     "output_config.format"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 8},
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "integer"}}}}, "thinking.budget_tokens"),
 ])  # fmt: skip
 async def test_refused_in_anthropics_error_shape(server, clients, body, words):
     """A 400 as Anthropic's API gives one (`{"type": "error", "error": {type, message}}`),
@@ -187,6 +195,7 @@ async def test_refused_in_anthropics_error_shape(server, clients, body, words):
         async with session.post(server.url + "/v1/messages", json=full, headers={"x-api-key": KEY}) as reply:
             answer = await reply.json()
     assert reply.status == 400 and answer["type"] == "error" and words in answer["error"]["message"], answer
+    assert not {"response_format", "function", "thinking_budget"} & set(re.findall(r"\w+", answer["error"]["message"]))
     assert answer["error"]["type"] == "invalid_request_error"
     assert (await message(clients[0], [{"role": "user", "content": "hi"}], max_tokens=2)).usage.output_tokens == 2
 

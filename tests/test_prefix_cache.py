@@ -163,8 +163,9 @@ async def test_served_usage_and_metrics_count_the_cached_tokens(tiny_model_dir):
     usage.prompt_tokens_details.cached_tokens (absent where nothing was cached, as vLLM's), and
     /metrics' vllm:prefix_cache_{queries,hits}_total."""
     openai = pytest.importorskip("openai")
-    from deltaserve.http.server_config import ServerConfig
     from serve_helpers import get, in_process_server
+
+    from deltaserve.http.server_config import ServerConfig
 
     config = engine_config(tiny_model_dir, enable_prefix_caching=True, prefix_cache_states=2)
     async with in_process_server(config, ServerConfig("tiny", enable_prompt_tokens_details=True)) as server:
