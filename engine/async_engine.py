@@ -341,6 +341,10 @@ class AsyncEngine:
         self._scheduler.submit(Submission(sink, requests))
         return RequestStream(sink, prompt_ids)
 
+    def request_ids(self) -> list[str]:
+        """The ids of the requests not yet ended or given up (what `abort` can still cancel)."""
+        return list(self._streams)
+
     async def abort(self, request_id: str) -> None:
         """Cancel every choice of `request_id`; idempotent, unknown ids are ignored. The id is
         free for a new request at once (as in vLLM); the aborted stream still ends with its

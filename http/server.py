@@ -64,6 +64,7 @@ from deltaserve.http.tool_protocol import tool_call_reader
 if TYPE_CHECKING:
     from deltaserve.engine.async_engine import AsyncEngine
     from deltaserve.http.output_blocks import OutputBlocks
+    from deltaserve.http.sglang_output import GenerateFormatter
 
 log = logging.getLogger("deltaserve.http")
 
@@ -131,11 +132,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     # route modules that import this one: not at its top
-    from deltaserve.http import anthropic_routes, responses_routes, tokenize_routes
+    from deltaserve.http import anthropic_routes, responses_routes, sglang_routes, tokenize_routes
 
     tokenize_routes.add_routes(app)  # /tokenize, /detokenize, /ping, /invocations
     responses_routes.add_routes(app)  # /v1/responses
     anthropic_routes.add_routes(app)  # /v1/messages
+    sglang_routes.add_routes(app)  # SGLang's /generate, /abort_request, /get_model_info, ...
     return app
 
 
@@ -193,17 +195,21 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
         return _error_response(_internal_error())
 
 
+_GUARDED = ("/v1", "/invocations", "/generate", "/abort_request")  # path prefixes that need the key
+
+
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """As vLLM: the key guards the paths under /v1 (/health, /metrics, /version stay open to
-    probes and scrapers); unlike vLLM's, /invocations too, which generates. By the path and
+    probes and scrapers); unlike vLLM's, /invocations too, which generates, and SGLang's
+    /generate and /abort_request (_GUARDED). By the path and
     by the route it resolved to, so no spelling of a /v1 path reaches its handler without
     the key. Given as `Authorization: Bearer KEY`, or as Anthropic's clients send it,
     `x-api-key: KEY`."""
     key = request.app[STATE].config.api_key
     resource = request.match_info.route.resource
     paths = (request.path, resource.canonical if resource is not None else "")
-    if key is not None and any(p.startswith(("/v1", "/invocations")) for p in paths):
+    if key is not None and any(p.startswith(_GUARDED) for p in paths):
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
         # as bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500)
@@ -397,19 +403,21 @@ async def _open_streams(
     fit: Callable[[list[int]], list[int]] = list,
     guided: Guided = Guided(),
     priority: int = 0,
+    request_ids: Sequence[str] = (),
 ) -> list[Any]:
     """Submit every prompt, or none: all are tokenized (a large text off the event loop), then
     checked together, before any is submitted, so a refusal opens no stream that would count
     as an abort. An error about the prompt names `prompt_param` (a chat's prompt is its
     messages). `fit`: each prompt's ids as submitted (truncate_prompt_tokens). An error about
-    the `guided` constraint names the field it came from."""
+    the `guided` constraint names the field it came from. `request_ids`: each prompt's engine
+    id, where the client named them (else `request_id`, numbered when there are several)."""
     streams: list[Any] = []
     try:
         prompts = [fit(await state.engine.encode(p) if isinstance(p, str) else p) for p in prompts]
         if len(prompts) > 1:  # all or none: no stream opened to be closed (counted an abort)
             state.engine.check(prompts, params, request_id)
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            rid = request_ids[i] if request_ids else request_id if len(prompts) == 1 else f"{request_id}-{i}"
             streams.append(state.engine.generate(prompt, p, request_id=rid, priority=priority))
     except BaseException as exc:
         for s in streams:
@@ -468,16 +476,16 @@ def _terminal_error(state: ServerState, ev: Any) -> ApiError:
     """The error a client sees for an ErrorEvent or an abort that reached it."""
     if state.engine.is_dead:
         return errors.engine_dead(state.engine.dead_reason or getattr(ev, "message", None))
-    if isinstance(ev, FinishedEvent):  # "abort" reaches a live client only on shutdown
-        return ApiError(503, "the request was aborted: the server is shutting down",
-                        type="service_unavailable", code="aborted")  # fmt: skip
+    if isinstance(ev, FinishedEvent):  # "abort" reaches a live client on shutdown, or by /abort_request
+        why = "the server is shutting down" if state.draining else "POST /abort_request"
+        return ApiError(503, f"the request was aborted: {why}", type="service_unavailable", code="aborted")
     return ApiError(500, f"the request failed: {ev.message}", type="internal_error",
                     code="request_failed")  # fmt: skip
 
 
 async def _respond(
     request: web.Request,
-    formatter: CompletionFormatter | ChatFormatter | OutputBlocks,
+    formatter: CompletionFormatter | ChatFormatter | OutputBlocks | GenerateFormatter,
     streams: list[Any],
     n: int,
     stream: bool,
@@ -566,7 +574,7 @@ def _apply(
         formatter.prompt(idx, ev, choice)
         return None
     if isinstance(ev, FinishedEvent):
-        if ev.reason == "abort":
+        if ev.reason == "abort" and not getattr(formatter, "finishes_aborts", False):
             raise _RequestFailed(_terminal_error(state, ev))
         choice.finish_reason = ev.reason
         choice.stop_reason = ev.stop_reason

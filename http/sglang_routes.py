@@ -1,0 +1,146 @@
+"""SGLang's native API, for clients written against an SGLang server (its frontend language,
+RL frameworks such as slime and AReaL): `POST /generate` (token ids in and out, logprobs,
+batches; served by the completion route's machinery, sglang_request.py and sglang_output.py),
+`POST /abort_request`, `GET /health_generate`, `GET /get_model_info` and `/get_server_info`
+(and SGLang's newer `/model_info`, `/server_info`).
+
+Errors keep this server's shape (`{"error": {"message", ...}}`, SGLang's `error.message`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from aiohttp import web
+
+import deltaserve
+from deltaserve.engine.events import EngineDeadError, ErrorEvent, FinishedEvent, QueueFullError
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.http import errors
+from deltaserve.http.errors import renamed_fields
+from deltaserve.http.json_fields import opt_bool, opt_str
+from deltaserve.http.protocol import parse_completion_request
+from deltaserve.http.request_body import read_json
+from deltaserve.http.server import STATE, _error_response, _json, _open_streams, _params, _respond
+from deltaserve.http.sglang_output import WEIGHT_VERSION, GenerateFormatter
+from deltaserve.http.sglang_request import RENAMED, parse_generate_request
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/generate", generate)
+    app.router.add_put("/generate", generate)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_get("/health_generate", health_generate)
+    for path in ("/get_model_info", "/model_info"):
+        app.router.add_get(path, model_info)
+    for path in ("/get_server_info", "/server_info"):
+        app.router.add_get(path, server_info)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = parse_generate_request(await read_json(request))
+    with renamed_fields(RENAMED):
+        parsed = [parse_completion_request(body, state.sampling_defaults) for body in req.bodies]
+        state.check_admitting()
+        try:
+            prompts = [await state.engine.encode(p) if isinstance(p, str) else list(p)
+                       for p in (c.prompts[0] for c in parsed)]  # fmt: skip
+        except EngineDeadError as exc:
+            raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
+        params = []
+        for prompt, completion, limit in zip(prompts, parsed, req.max_new_tokens, strict=True):
+            if req.return_logprob and req.logprob_start_len >= len(prompt):
+                raise errors.bad_request(f"logprob_start_len ({req.logprob_start_len}) must be less than the "
+                                         f"prompt's length ({len(prompt)} tokens)", "logprob_start_len")  # fmt: skip
+            # 0: the prompt alone (its logprobs), one token sampled and not returned; None: what fits
+            max_tokens = 1 if limit == 0 else limit or max(1, state.engine.longest_sequence - len(prompt))
+            params.append(_params(completion.sampling, max_tokens, logprobs_param="top_logprobs_num",
+                                  seeds=state.seeds))  # fmt: skip
+        streams = await _open_streams(state, prompts, params, req.rids[0], request_ids=req.rids,
+                                      guided=parsed[0].sampling.guided, priority=parsed[0].priority)  # fmt: skip
+    formatter = GenerateFormatter(req, params[0].n, state.strings)
+    return await _respond(request, formatter, streams, params[0].n, req.stream, include_usage=False)
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """SGLang's: `{"rid"}` cancels that request (and a batch's `{rid}_{i}`), `{"abort_all":
+    true}` every request of this server; each answers with its abort. Unknown ids: nothing."""
+    engine = request.app[STATE].engine
+    body = await read_json(request)
+    if not isinstance(body, dict) or set(body) - {"rid", "abort_all"}:
+        raise errors.bad_request("the body must be {'rid': str} or {'abort_all': true}")
+    rid, every = opt_str(body, "rid"), opt_bool(body, "abort_all", default=False)
+    for active in engine.request_ids():
+        if every or (rid and (active == rid or active.startswith(f"{rid}_"))):
+            await engine.abort(active)
+    return web.Response(status=200)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """200 once a one-token request comes back from the model; 503 (with why) if the engine is
+    dead, stopping, or the token does not come within HEALTH_GENERATE_TIMEOUT_S."""
+    state = request.app[STATE]
+    try:
+        state.check_admitting()
+        stream = state.engine.generate([0], SamplingParams(max_tokens=1, temperature=0.0))
+    except errors.ApiError as err:
+        return _error_response(err)
+    except EngineDeadError as exc:
+        return _error_response(errors.engine_dead(state.engine.dead_reason or str(exc)))
+    except QueueFullError as exc:  # as SGLang's: busy is not unhealthy, but no token came
+        return _error_response(errors.queue_full(str(exc)))
+    try:
+        async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+            async for ev in stream:
+                if isinstance(ev, ErrorEvent) or (isinstance(ev, FinishedEvent) and ev.reason == "abort"):
+                    break
+                if isinstance(ev, FinishedEvent):
+                    return web.Response(status=200)
+    except TimeoutError:
+        pass
+    finally:
+        await stream.aclose()
+    return _error_response(errors.ApiError(503, "the engine did not generate a token", type="service_unavailable",
+                                           code="unhealthy"))  # fmt: skip
+
+
+async def model_info(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    config = _checkpoint_config(engine.config.model)
+    return _json({"model_path": engine.config.model, "tokenizer_path": engine.config.model, "is_generation": True,
+                  "preferred_sampling_params": None, "weight_version": WEIGHT_VERSION,
+                  "has_image_understanding": False, "has_audio_understanding": False,
+                  "model_type": config.get("model_type"), "architectures": config.get("architectures")})  # fmt: skip
+
+
+async def server_info(request: web.Request) -> web.Response:
+    """The settings SGLang's clients read (context length, the token capacity, version), under
+    SGLang's names, and the load as `internal_states`."""
+    state = request.app[STATE]
+    engine, load = state.engine, state.engine.load()
+    return _json({
+        "model_path": engine.config.model, "tokenizer_path": engine.config.model,
+        "served_model_name": state.config.served_model_name[0], "tp_size": engine.config.tp_size,
+        "context_length": engine.max_model_len, "max_running_requests": engine.config.max_num_seqs,
+        "max_total_num_tokens": load.num_blocks * engine.config.block_size,
+        "max_req_input_len": engine.longest_sequence - 1, "page_size": engine.config.block_size,
+        "schedule_policy": engine.config.scheduling_policy, "weight_version": WEIGHT_VERSION,
+        "internal_states": [{"running_requests": load.running, "waiting_queue_size": load.waiting,
+                             "engine_state": load.state}],
+        "version": deltaserve.__version__,
+    })  # fmt: skip
+
+
+def _checkpoint_config(model_dir: str) -> dict:
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+__all__ = ["add_routes"]

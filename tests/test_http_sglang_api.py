@@ -1,0 +1,254 @@
+"""SGLang's native API (`/generate`, `/abort_request`, `/health_generate`, `/get_model_info`,
+`/get_server_info`) on one real server (tiny random model, an API key).
+
+/generate is the completion route under a translation, so the strong check is agreement:
+greedy, its output ids, text and every logprob equal /v1/completions' for the same prompt
+(which the HF golden tests hold to transformers). Then what only this API has: its shapes
+(batches, n, cumulative streams), SGLang's finish reasons, the prompt alone
+(max_new_tokens 0), aborting by rid, and refusals that name SGLang's fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+from serve_helpers import in_process_server, wait_idle
+from test_http_structured_output import SCHEMA, valid
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.http.server import ServerConfig
+
+aio = pytest.mark.asyncio(loop_scope="module")
+MODEL = "tiny"
+KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = [9707, 11, 1879, 0, 358, 1079, 264, 1273]  # token ids
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(tiny_model_dir):
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=1024, max_num_seqs=4)
+    async with in_process_server(config, ServerConfig(MODEL, api_key=KEY)) as s:
+        yield s
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gpt(server):
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    yield client
+    await client.close()
+
+
+@pytest_asyncio.fixture(autouse=True, loop_scope="module")
+async def leaves_the_engine_idle(server):
+    yield
+    await wait_idle(server.engine, timeout_s=30)
+
+
+async def post(server: Any, body: dict, path: str = "/generate", headers: dict | None = None) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.url + path, json=body, headers=AUTH if headers is None else headers) as reply:
+            text = await reply.text()
+            return reply.status, json.loads(text) if text else None
+
+
+async def stream(server: Any, body: dict) -> list[Any]:
+    """The SSE events' payloads, `[DONE]` as the string."""
+    events = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.url + "/generate", json={**body, "stream": True}, headers=AUTH) as reply:
+            assert reply.status == 200 and reply.headers["Content-Type"].startswith("text/event-stream")
+            async for line in reply.content:
+                if line.startswith(b"data: "):
+                    payload = line[6:].strip()
+                    events.append(payload.decode() if payload == b"[DONE]" else json.loads(payload))
+    return events
+
+
+def token_ids(logprobs: Any) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
+
+
+@aio
+async def test_generate_equals_the_completion_route(server, gpt):
+    """Greedy, with the prompt's logprobs from position 2 and two alternatives everywhere."""
+    status, out = await post(server, {"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 2,
+                                      "logprob_start_len": 2, "return_text_in_logprobs": True,
+                                      "sampling_params": {"max_new_tokens": 10, **GREEDY}})  # fmt: skip
+    assert status == 200, out
+    ref = await gpt.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2,
+                                       extra_body={"ignore_eos": True, "prompt_logprobs": 2,
+                                                   "return_tokens_as_token_ids": True})  # fmt: skip
+    choice, meta = ref.choices[0], out["meta_info"]
+    assert out["text"] == choice.text and out["output_ids"] == token_ids(choice.logprobs)
+    assert meta["finish_reason"] == {"type": "length", "length": 10} and meta["completion_tokens"] == 10
+    assert meta["prompt_tokens"] == len(PROMPT) and meta["cached_tokens"] == 0 and meta["e2e_latency"] > 0
+    assert [e[0] for e in meta["output_token_logprobs"]] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-6)
+    assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+    assert "".join(e[2] for e in meta["output_token_logprobs"]) == out["text"]
+    for top, ref_top in zip(meta["output_top_logprobs"], choice.logprobs.top_logprobs, strict=True):
+        assert {f"token_id:{e[1]}": e[0] for e in top} == pytest.approx(ref_top, abs=1e-6)
+    # the prompt from position 2: entry 0 without a logprob (as SGLang's), then vLLM's prompt logprobs
+    prompt_lps = choice.model_extra["prompt_logprobs"]
+    assert [e[1] for e in meta["input_token_logprobs"]] == PROMPT[2:]
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
+    for pos, entry, top in zip(range(3, len(PROMPT)), meta["input_token_logprobs"][1:], meta["input_top_logprobs"][1:],
+                               strict=True):  # fmt: skip
+        ref_entry = prompt_lps[pos]
+        assert entry[0] == pytest.approx(ref_entry[str(PROMPT[pos])]["logprob"], abs=1e-6)
+        assert {str(e[1]): e[0] for e in top} == pytest.approx(
+            {k: v["logprob"] for k, v in ref_entry.items() if v["rank"] <= 2}, abs=1e-6)
+    # text is tokenized as the completion route tokenizes it; by default only the last prompt token
+    text = "The capital of France is"
+    status, by_text = await post(server, {"text": text, "return_logprob": True,
+                                          "sampling_params": {"max_new_tokens": 6, **GREEDY}})  # fmt: skip
+    ref = await gpt.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0, logprobs=0,
+                                       extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})  # fmt: skip
+    assert by_text["output_ids"] == token_ids(ref.choices[0].logprobs) and by_text["text"] == ref.choices[0].text
+    assert by_text["meta_info"]["prompt_tokens"] == ref.usage.prompt_tokens
+    assert len(by_text["meta_info"]["input_token_logprobs"]) == 1 and "output_top_logprobs" not in by_text["meta_info"]
+
+
+@aio
+async def test_batches_n_and_cumulative_streams(server):
+    """A batch of two prompts (each its own sampling_params) with n=2 is a list, prompt-major,
+    each prompt's choices the single request's; its stream carries each choice so far."""
+    singles = [(await post(server, {"input_ids": p, "sampling_params": {"max_new_tokens": k, **GREEDY}}))[1]
+               for p, k in ((PROMPT, 5), (PROMPT[:4], 7))]  # fmt: skip
+    body = {"input_ids": [PROMPT, PROMPT[:4]], "rid": "batch",
+            "sampling_params": [{"max_new_tokens": 5, "n": 2, **GREEDY}, {"max_new_tokens": 7, "n": 2, **GREEDY}]}
+    status, out = await post(server, body)
+    assert status == 200 and len(out) == 4, out
+    for i, choice in enumerate(out):
+        single = singles[i // 2]
+        assert (choice["text"], choice["output_ids"]) == (single["text"], single["output_ids"])
+        assert choice["meta_info"]["id"] == f"batch_{i // 2}" and "index" not in choice
+    events = await stream(server, {**body, "rid": "batch2"})
+    assert events[-1] == "[DONE]" and all(isinstance(e, dict) for e in events[:-1])
+    for index in range(4):
+        mine = [e for e in events[:-1] if e["index"] == index]
+        # an event per token, then the finish's (the same output, its finish_reason set)
+        assert [len(e["output_ids"]) for e in mine] == [*range(1, len(out[index]["output_ids"]) + 1), 5 + index // 2 * 2]
+        for before, after in zip(mine, mine[1:], strict=False):  # cumulative: each event extends the one before
+            assert after["text"].startswith(before["text"]) and before["meta_info"]["finish_reason"] is None
+        assert (mine[-1]["text"], mine[-1]["output_ids"]) == (out[index]["text"], out[index]["output_ids"])
+        assert mine[-1]["meta_info"]["finish_reason"] == out[index]["meta_info"]["finish_reason"]
+    # one prompt, n = 1: one object, streamed without an index
+    single_events = await stream(server, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5, **GREEDY}})
+    assert single_events[-2]["output_ids"] == singles[0]["output_ids"] and "index" not in single_events[-2]
+
+
+@aio
+async def test_stops_seeds_and_the_prompt_alone(server):
+    status, free = await post(server, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, **GREEDY}})
+    ids, text = free["output_ids"], free["text"]
+    # a stop token: matched by id, in output_ids, its text left out
+    status, out = await post(server, {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 12, "stop_token_ids": [ids[3]], **GREEDY}})  # fmt: skip
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[3]} and out["output_ids"] == ids[:4]
+    # a stop string: matched by text, trimmed unless no_stop_trim
+    word = next(w for w in text.split() if len(w) > 2 and text.index(w) > 0)
+    cut = text.index(word)
+    status, out = await post(server, {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 12, "stop": [word], **GREEDY}})  # fmt: skip
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": word} and out["text"] == text[:cut]
+    status, out = await post(server, {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 12, "stop": [word], "no_stop_trim": True, **GREEDY}})  # fmt: skip
+    assert out["text"] == text[: cut + len(word)]
+    # sampling_seed: the same draws for the same seed
+    sampled = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    draws = [(await post(server, {"input_ids": PROMPT, "sampling_params": {**sampled, "sampling_seed": s}}))[1]
+             for s in (7, 7, 8)]  # fmt: skip
+    assert draws[0]["output_ids"] == draws[1]["output_ids"] != draws[2]["output_ids"]
+    # max_new_tokens 0: the prompt's logprobs alone, no output (SGLang's scoring call)
+    status, scored = await post(server, {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0,
+                                         "sampling_params": {"max_new_tokens": 0}})  # fmt: skip
+    status, ref = await post(server, {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0,
+                                      "sampling_params": {"max_new_tokens": 1, **GREEDY}})  # fmt: skip
+    meta = scored["meta_info"]
+    assert (scored["text"], scored["output_ids"], meta["completion_tokens"]) == ("", [], 0)
+    assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["output_token_logprobs"] == []
+    assert meta["input_token_logprobs"] == ref["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in meta["input_token_logprobs"]] == PROMPT and meta["input_token_logprobs"][0][0] is None
+
+
+@aio
+async def test_structured_output(server):
+    schema = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 200, "temperature": 0,
+                                                       "json_schema": json.dumps(SCHEMA)}}  # fmt: skip
+    status, out = await post(server, schema)
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "stop", out
+    assert valid(json.loads(out["text"]), SCHEMA)
+    status, out = await post(server, {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 20, "temperature": 0, "regex": "(yes|no)-[0-9]{3}"}})  # fmt: skip
+    assert status == 200 and out["text"] in {f"{w}-{n:03d}" for w in ("yes", "no") for n in range(1000)}, out
+
+
+@aio
+async def test_abort_request_by_rid_and_all(server):
+    """An aborted request answers with its abort (SGLang's finish reason, not an error)."""
+    long = {"sampling_params": {"max_new_tokens": 900, **GREEDY}}
+    streamed = asyncio.ensure_future(stream(server, {"input_ids": PROMPT, "rid": "job", **long}))
+    batch = asyncio.ensure_future(post(server, {"input_ids": [PROMPT, PROMPT[:3]], "rid": "pair", **long}))
+    other = asyncio.ensure_future(post(server, {"input_ids": PROMPT, "rid": "other", **long}))
+    while len(server.engine.request_ids()) < 4:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    assert (await post(server, {"rid": "job"}, "/abort_request")) == (200, None)
+    events = await streamed
+    assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(events[-2]["output_ids"]) < 900 and not other.done()
+    assert (await post(server, {"rid": "pair"}, "/abort_request"))[0] == 200  # pair_0 and pair_1
+    status, pair = await batch
+    assert status == 200 and [c["meta_info"]["finish_reason"]["type"] for c in pair] == ["abort", "abort"]
+    assert (await post(server, {"abort_all": True}, "/abort_request"))[0] == 200
+    status, rest = await other
+    assert status == 200 and rest["meta_info"]["finish_reason"]["message"] == "Aborted"
+
+
+@aio
+@pytest.mark.parametrize("body, words", [
+    ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "best_of": 2}}, "sampling_params.best_of"),
+    ({"input_ids": PROMPT, "text": "hi"}, "text or input_ids"),
+    ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
+    ({"input_ids": PROMPT, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 5}},
+     "sampling_params.min_new_tokens"),
+    ({"input_ids": PROMPT, "sampling_params": {"ebnf": "root ::= 'a'"}}, "EBNF"),
+    ({"input_ids": PROMPT, "sampling_params": {"json_schema": "{", "regex": "a"}}, "only one of"),
+    ({"input_ids": PROMPT, "sampling_params": {"json_schema": "{"}}, "sampling_params.json_schema"),
+    ({"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 8}, "logprob_start_len (8)"),
+    ({"input_ids": PROMPT, "image_data": "x.png"}, "'image_data'"),
+    ({"input_ids": [PROMPT, PROMPT], "sampling_params": [{"n": 1}, {"n": 2}]}, "n must be the same"),
+    ({"input_ids": [10**9]}, "ids must be integers in [0, "),
+])  # fmt: skip
+async def test_refusals_name_sglang_fields(server, body, words):
+    status, answer = await post(server, body)
+    assert status == 400 and words in answer["error"]["message"], answer
+    assert "max_tokens" not in answer["error"]["message"] and "min_tokens" not in answer["error"]["message"]
+    assert (await post(server, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}))[0] == 200
+
+
+@aio
+async def test_info_health_and_the_key(server, tiny_model_dir):
+    async with aiohttp.ClientSession() as session:
+        async with session.get(server.url + "/health_generate") as reply:  # open, as /health
+            assert reply.status == 200
+        async with session.get(server.url + "/get_model_info") as reply:
+            info = await reply.json()
+        async with session.get(server.url + "/server_info") as reply:
+            server_info = await reply.json()
+    assert info["model_path"] == str(tiny_model_dir) and info["is_generation"] is True
+    assert info["model_type"] == json.loads((tiny_model_dir / "config.json").read_text())["model_type"]
+    assert server_info["context_length"] == 1024 and server_info["max_running_requests"] == 4
+    assert server_info["internal_states"][0]["waiting_queue_size"] == 0 and server_info["version"]
+    for path in ("/generate", "/abort_request"):
+        status, answer = await post(server, {"input_ids": PROMPT}, path, headers={})
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key", (path, answer)
