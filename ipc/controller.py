@@ -41,6 +41,7 @@ from deltaserve.ipc.messages import (
     Command,
     DropRequests,
     Failure,
+    LoadWeights,
     Ping,
     Ready,
     RunUnifiedStep,
@@ -54,11 +55,7 @@ from deltaserve.ipc.messages import (
     reply_decoder,
     startup_decoder,
 )
-from deltaserve.ipc.replica_config import (
-    ReplicaConfig,
-    ReplicaPoisoned,
-    ReplicaStartupError,
-)
+from deltaserve.ipc.replica_config import ReplicaConfig, ReplicaPoisoned, ReplicaStartupError
 from deltaserve.ipc.step_trace import StepTrace
 from deltaserve.ipc.validate import (
     PlanRejected,
@@ -212,6 +209,10 @@ class ReplicaController:
         check_drop_plan(request_ids, expect)
         if request_ids:
             await self._call(lambda seq: DropRequests(seq, list(request_ids), expect))
+
+    async def load_weights(self, model_dir: str) -> None:
+        self._check_open()
+        await self._call(lambda seq: LoadWeights(seq, model_dir))
 
     async def snapshot(self) -> list[SnapshotReply]:
         self._check_open()

@@ -214,16 +214,25 @@ class Snapshot(msgspec.Struct, frozen=True, tag=True, array_like=True):
     seq: int
 
 
+class LoadWeights(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Copy the weights in `model_dir` (the same model's: an RL trainer's checkpoint) into
+    the parameters in place, between requests. Reply: `Ack` from every rank. A rank that
+    fails may hold half of them: the replica is poisoned (fail closed)."""
+
+    seq: int
+    model_dir: str
+
+
 class Shutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Leave the serve loop and exit 0. Reply: `Ack` from every rank, then the rank exits."""
 
     seq: int
 
 
-Command = RunUnifiedStep | DropRequests | Ping | Snapshot | Shutdown
+Command = RunUnifiedStep | DropRequests | Ping | Snapshot | LoadWeights | Shutdown
 
 # Commands that change rank state run only after the start gate releases them.
-GATED_COMMANDS = (RunUnifiedStep, DropRequests)
+GATED_COMMANDS = (RunUnifiedStep, DropRequests, LoadWeights)
 
 
 # ---- replies: ranks -> controller ---------------------------------------------------------

@@ -42,6 +42,7 @@ from deltaserve.ipc.messages import (
     DropAck,
     DropRequests,
     Failure,
+    LoadWeights,
     Ping,
     Ready,
     RunUnifiedStep,
@@ -415,6 +416,9 @@ class RankServer:
             s = self.executor.snapshot()
             return SnapshotReply(rank, seq, list(s.request_ids), s.slots_used, s.blocks_used,
                                  s.num_slots, s.num_blocks, s.state_heads, s.kv_heads)
+        if kind is LoadWeights:
+            self.executor.load_weights(command.model_dir)
+            return Ack(rank, seq)
         if kind is Ping or kind is Shutdown:
             return Ack(rank, seq)
         raise TypeError(f"no handler for {kind.__name__}")

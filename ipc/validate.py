@@ -17,6 +17,7 @@ from deltaserve.ipc.messages import (
     DropAck,
     DropRequests,
     Failure,
+    LoadWeights,
     NewRequest,
     Ping,
     Reply,
@@ -162,6 +163,7 @@ EXPECTED_REPLY: dict[type, tuple[type, type]] = {
     DropRequests: (DropAck, DropAck),
     Ping: (Ack, Ack),
     Snapshot: (SnapshotReply, SnapshotReply),
+    LoadWeights: (Ack, Ack),
     Shutdown: (Ack, Ack),
 }
 

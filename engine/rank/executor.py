@@ -17,7 +17,7 @@ import torch
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs
-from deltaserve.engine.rank.loader import load_weights
+from deltaserve.engine.rank.loader import CheckpointError, load_weights
 from deltaserve.engine.rank.memory_budget import size_kv_cache
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.parallel import broadcast, tp_rank, tp_size
@@ -490,6 +490,15 @@ class Executor:
                 if self.sampler is not None:
                     self.sampler.remove(request_id)
         return existed
+
+    def load_weights(self, model_dir: str) -> None:
+        """The same model's new weights (an RL trainer's checkpoint), copied into the
+        parameters in place: CUDA graphs replay them as captured."""
+        if differences := self.model_config.differences(ModelConfig.from_model_dir(model_dir)):
+            raise CheckpointError(f"{model_dir}: not the served model's config.json ({', '.join(differences)})")
+        started = time.monotonic()
+        load_weights(self.model, model_dir, self.model_config.tie_word_embeddings)
+        log.info("rank %d: weights loaded from %s in %.1f s", self.config.rank, model_dir, time.monotonic() - started)
 
     def snapshot(self) -> RankSnapshot:
         return RankSnapshot(

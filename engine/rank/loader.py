@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, SafetensorsError
+from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, SafetensorsError, read_header
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 VLM_TEXT_PREFIX = "model.language_model."
@@ -158,3 +158,32 @@ def load_tensor(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, in
     except ValueError as e:
         raise CheckpointError(f"tensor {name!r} in {path.name}: {e}") from None
     loaded.add(target)
+
+
+def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, tie_word_embeddings: bool) -> None:
+    """Raise CheckpointError unless `new_dir` holds the serving checkpoint's text tensors, each
+    of the same shape and floating point, read from the files' headers alone: a weight update
+    checks this before any rank copies a tensor (a rank failing half-way poisons the replica)."""
+
+    def tensors(model_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        out = {}
+        try:
+            for path in checkpoint_files(model_dir):
+                for entry in read_header(path):
+                    name = text_name(entry.name)
+                    if name is not None and not (name == "lm_head.weight" and tie_word_embeddings):
+                        out[name] = (entry.shape, entry.dtype)
+        except (SafetensorsError, OSError) as e:
+            raise CheckpointError(f"{model_dir}: {e}") from None
+        return out
+
+    old, new = tensors(Path(serving_dir)), tensors(Path(new_dir))
+    problems = [f"{name} missing" for name in sorted(old.keys() - new.keys())]
+    problems += [f"{name} unexpected" for name in sorted(new.keys() - old.keys())]
+    problems += [f"{name} of shape {list(new[name][0])}, not {list(old[name][0])}"
+                 for name in sorted(old.keys() & new.keys()) if new[name][0] != old[name][0]]  # fmt: skip
+    problems += [f"{name} of dtype {str(dtype).removeprefix('torch.')}"
+                 for name, (_, dtype) in sorted(new.items()) if dtype not in FLOAT_DTYPES]  # fmt: skip
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise CheckpointError(f"{new_dir} does not hold the served model's tensors: {shown}")

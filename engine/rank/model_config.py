@@ -7,7 +7,7 @@ before any rank starts.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TypeVar
 
@@ -105,6 +105,11 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+
+    def differences(self, other: ModelConfig) -> list[str]:
+        """The fields in which `other` is another model (the weights' dtype may differ: they
+        are converted as they load)."""
+        return [f.name for f in fields(self) if f.name != "torch_dtype" and getattr(self, f.name) != getattr(other, f.name)]
 
     def __post_init__(self) -> None:
         for key in POSITIVE_KEYS:  # a 0 would otherwise end in a ZeroDivisionError, here or later
