@@ -26,9 +26,11 @@ from typing import Any, TypeVar
 
 from deltaserve.engine.config import EngineConfig, resolve_limits
 from deltaserve.engine.events import EngineDeadError, LoadSnapshot, QueueFullError
+from deltaserve.engine.maintenance import Kind
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
+from deltaserve.engine.rank.loader import check_same_tensors
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams, wire_seed
@@ -68,6 +70,7 @@ class AsyncEngine:
         # loads the tokenizer (`start`) and tokenizes large inputs; the loop uses the same instance
         self._tokenizer_worker = TokenizerWorker(functools.partial(load_tokenizer, config.model))
         self._think_end_id: int | None = None  # the tokenizer's </think> (a thinking budget's end)
+        self.weights_dir = config.model  # where the weights served came from (update_weights)
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -340,6 +343,44 @@ class AsyncEngine:
         self._streams[request_id] = sink
         self._scheduler.submit(Submission(sink, requests))
         return RequestStream(sink, prompt_ids)
+
+    # ---- between requests (engine/maintenance.py) --------------------------------------------
+
+    async def update_weights(self, model_dir: str, abort_running: bool = False) -> None:
+        """Serve the same model's weights from `model_dir` (an RL trainer's checkpoint): every
+        rank loads them between requests. Running requests end first on the old weights (or,
+        `abort_running`, at once with "abort"); those waiting start on the new ones; saved
+        prompt states are forgotten. Raises ValueError, changing nothing, when the folder is
+        not this model's (config.json, its tensors' names and shapes), and EngineDeadError."""
+        self._check_alive()
+        model_dir = str(model_dir)
+
+        def check() -> None:
+            try:
+                differences = self.model_config.differences(ModelConfig.from_model_dir(model_dir))
+            except OSError as exc:
+                raise ValueError(f"{model_dir}: {exc}") from None
+            if differences:
+                raise ValueError(f"{model_dir} is not the served model: its config.json differs in "
+                                 f"{', '.join(differences)}")  # fmt: skip
+            check_same_tensors(self.weights_dir, model_dir, self.model_config.tie_word_embeddings)
+
+        await asyncio.to_thread(check)
+        if abort_running:
+            for request_id in self.request_ids():
+                await self.abort(request_id)
+        await self._maintain("load_weights", model_dir)
+        self.weights_dir = model_dir
+
+    async def flush_cache(self) -> None:
+        """Forget every saved prompt state (prefix caching), between requests."""
+        await self._maintain("flush_cache")
+
+    async def _maintain(self, kind: Kind, model_dir: str | None = None) -> None:
+        self._check_alive()
+        done = self._scheduler.maintenance.ask(kind, model_dir)
+        self._scheduler.wake()
+        await asyncio.shield(done)  # a caller that stops waiting leaves it to run
 
     def request_ids(self) -> list[str]:
         """The ids of the requests not yet ended or given up (what `abort` can still cancel)."""

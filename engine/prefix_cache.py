@@ -232,6 +232,13 @@ class PrefixCache:
             plan.start.pins -= 1
             plan.pinned = False
 
+    def flush(self) -> None:
+        """Forget every saved prefix (new weights make their states stale); called while no
+        request is admitted, so none is pinned. The ranks free them with the next step."""
+        for prefix in list(self._saved.values()):
+            self._evict(prefix)
+        self._seen.clear()
+
     # ---- eviction -----------------------------------------------------------------------
 
     def _evict_one(self, keep: Collection[int], shared_too: bool) -> bool:

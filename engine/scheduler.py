@@ -4,6 +4,7 @@ Each tick (DESIGN.md section 5):
   drain   take every submission and cancellation that arrived, in arrival order;
   prune   cancel requests whose owner left (closed sink); drop what ranks hold (must_exist);
   publish the load snapshot (the one place load leaves the tick: `load_listeners`);
+  maintain new weights or a cache flush (maintenance.py), once no request is on the ranks;
   admit   first come first served while slots and KV blocks allow; refuse what never fits;
   plan    one unified step (planner.py);
 then dispatch through the replica controller, await it, drain again (a cancellation that
@@ -54,6 +55,7 @@ from deltaserve.engine.events import (
     TokenEvent,
     Transition,
 )
+from deltaserve.engine.maintenance import Maintenance
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.planner import PlanInput, PlannedChunk, StepBudget, StepPlan, plan_step
 from deltaserve.engine.prefix_cache import PrefixCache
@@ -89,6 +91,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.ledger = CapacityLedger(controller.num_slots, controller.num_blocks, controller.block_size)
         self.prefix = PrefixCache(prefix_states, self.ledger)  # prefix caching: off with no states
+        self.maintenance = Maintenance()  # new weights, a cache flush: between requests
         self.metrics = EngineMetrics()
         self.dead_reason: str | None = None
         self.load_listeners: list[Callable[[LoadSnapshot], None]] = []
@@ -180,10 +183,6 @@ class Scheduler:
         self._abort_all = True
         self.wake()
 
-    @property
-    def steps_total(self) -> int:
-        return self.metrics.steps_total
-
     # ---- the tick -----------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -199,8 +198,12 @@ class Scheduler:
                     self._idle_event.set()
                     if self._stopping:
                         self._stopped = True
+                        self.maintenance.fail("the engine stopped")
                         self._publish_load()  # the last one: idle, state dead
                         return
+                if self.maintenance.pending and not self._running and self._inflight is None and not self._pending_drop:
+                    await self.maintenance.run(self._controller, self.prefix)  # between requests: none on the ranks
+                    continue  # the load it changed is published first
                 self._admit()
                 if self._inflight is None:
                     plan = plan_step(
@@ -229,9 +232,8 @@ class Scheduler:
 
     async def _wait_for_work(self) -> None:
         self._wake_event.clear()
-        if self._inbox or self._poison_reason is not None or (self._abort_all and self._entries):
-            return
-        if any(e.sink.closed for e in self._entries.values()):
+        if (self._inbox or self._poison_reason is not None or (self._abort_all and self._entries)
+                or any(e.sink.closed for e in self._entries.values())):  # fmt: skip
             return
         await self._wake_event.wait()
 
@@ -275,8 +277,7 @@ class Scheduler:
         else:
             self._waiting.remove(entry)
         request.finish("abort")
-        event = FinishedEvent(request.index, "abort", request.prompt_len, request.num_output_tokens, "",
-                              request.num_cached)
+        event = FinishedEvent(request.index, "abort", request.prompt_len, request.num_output_tokens, "", request.num_cached)
         if request.on_ranks:
             self._hold_until_dropped(rid, [event])
             return
@@ -312,9 +313,7 @@ class Scheduler:
         self.prefix.forget(request_id)
 
     def _state(self) -> EngineState:
-        if self.dead_reason is not None or self._stopped:
-            return "dead"
-        return "draining" if self._stopping else "serving"
+        return "dead" if self.dead_reason is not None or self._stopped else "draining" if self._stopping else "serving"
 
     def _snapshot(self) -> LoadSnapshot:
         """Counts as they stand; once failed closed, idle (every reservation is void)."""
@@ -329,7 +328,7 @@ class Scheduler:
             free_blocks=self.ledger.num_blocks if failed else self.ledger.free_blocks,
             num_slots=self.ledger.num_slots,
             num_blocks=self.ledger.num_blocks,
-            steps_total=self.steps_total,
+            steps_total=self.metrics.steps_total,
             step_prefill_tokens=plan.num_tokens - num_decodes if plan else 0,
             step_decode_tokens=num_decodes,
             step_duration_s=self._last_step_s if plan else 0.0,
@@ -349,8 +348,8 @@ class Scheduler:
                 logger.exception("load listener failed")
 
     def _admit(self) -> None:
-        """In the waiting queue's order; stop at the first request that does not fit now."""
-        while self._waiting:
+        """In the waiting queue's order; stop at the first that does not fit now (none while maintenance waits)."""
+        while self._waiting and not self.maintenance.pending:
             entry = self._waiting.head()
             request = entry.request
             reserve = request.reserve_tokens
@@ -573,6 +572,7 @@ class Scheduler:
         self.dead_reason = reason
         logger.error("engine failed closed: %s", reason)
         self._notify("poisoned", message=reason)
+        self.maintenance.fail(reason)
         self._drain_submissions_only()
         message = f"engine failed: {reason}"
         for entry in self._entries.values():

@@ -81,6 +81,7 @@ class ServerState:
         self.strings = TokenStrings(engine.tokenizer, config.return_tokens_as_token_ids)
         self.created = int(time.time())
         self.draining = False  # set by the serve command on SIGTERM
+        self.weight_version = "default"  # SGLang's name for the weights served (/update_weights_from_disk)
         # what a request leaves out of temperature, top_p, top_k, min_p, repetition_penalty
         self.sampling_defaults = (
             generation_sampling_defaults(engine.config.model) if config.generation_config == "auto" else {}
@@ -195,14 +196,15 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
         return _error_response(_internal_error())
 
 
-_GUARDED = ("/v1", "/invocations", "/generate", "/abort_request")  # path prefixes that need the key
+# path prefixes that need the key
+_GUARDED = ("/v1", "/invocations", "/generate", "/abort_request", "/update_weights_from_disk", "/flush_cache")
 
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """As vLLM: the key guards the paths under /v1 (/health, /metrics, /version stay open to
     probes and scrapers); unlike vLLM's, /invocations too, which generates, and SGLang's
-    /generate and /abort_request (_GUARDED). By the path and
+    routes that generate or change the engine (_GUARDED). By the path and
     by the route it resolved to, so no spelling of a /v1 path reaches its handler without
     the key. Given as `Authorization: Bearer KEY`, or as Anthropic's clients send it,
     `x-api-key: KEY`."""

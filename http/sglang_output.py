@@ -13,13 +13,12 @@ at `logprob_start_len` (its last token by default) and, as SGLang's, the first h
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from deltaserve.http.errors import ApiError
 from deltaserve.http.responses import SSE_DONE, ChoiceState, TokenStrings, clamp_logprob, sse
 from deltaserve.http.sglang_request import GenerateRequest
-
-WEIGHT_VERSION = "default"  # SGLang's until weights are updated (which deltaserve does not do)
 
 
 class GenerateFormatter:
@@ -27,8 +26,9 @@ class GenerateFormatter:
 
     finishes_aborts = True  # an aborted choice answers with its abort, as SGLang's (not an error)
 
-    def __init__(self, req: GenerateRequest, n: int, strings: TokenStrings) -> None:
+    def __init__(self, req: GenerateRequest, n: int, strings: TokenStrings, weight_version: Callable[[], str]) -> None:
         self.id = req.rids[0]
+        self._weight_version = weight_version  # the name of the weights serving now
         self._req, self._n, self._strings = req, n, strings
         self._started = time.monotonic()
         choices = len(req.rids) * n
@@ -90,7 +90,7 @@ class GenerateFormatter:
     def _choice(self, index: int, state: ChoiceState) -> dict[str, Any]:
         finish = self._finish[index]
         meta: dict[str, Any] = {"id": self._req.rids[index // self._n], "finish_reason": finish,
-                                "prompt_tokens": state.prompt_tokens, "weight_version": WEIGHT_VERSION}  # fmt: skip
+                                "prompt_tokens": state.prompt_tokens, "weight_version": self._weight_version()}  # fmt: skip
         if self._req.return_logprob:
             meta.update(self._input_logprobs(state))
             meta["output_token_logprobs"] = list(self._logprobs[index])
@@ -124,4 +124,4 @@ class GenerateFormatter:
         return [None if logprob is None else clamp_logprob(logprob), token_id, text]
 
 
-__all__ = ["WEIGHT_VERSION", "GenerateFormatter"]
+__all__ = ["GenerateFormatter"]

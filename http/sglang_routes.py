@@ -2,7 +2,8 @@
 RL frameworks such as slime and AReaL): `POST /generate` (token ids in and out, logprobs,
 batches; served by the completion route's machinery, sglang_request.py and sglang_output.py),
 `POST /abort_request`, `GET /health_generate`, `GET /get_model_info` and `/get_server_info`
-(and SGLang's newer `/model_info`, `/server_info`).
+(and SGLang's newer `/model_info`, `/server_info`), and for RL loops
+`/update_weights_from_disk` and `/flush_cache`.
 
 Errors keep this server's shape (`{"error": {"message", ...}}`, SGLang's `error.message`).
 """
@@ -24,10 +25,12 @@ from deltaserve.http.json_fields import opt_bool, opt_str
 from deltaserve.http.protocol import parse_completion_request
 from deltaserve.http.request_body import read_json
 from deltaserve.http.server import STATE, _error_response, _json, _open_streams, _params, _respond
-from deltaserve.http.sglang_output import WEIGHT_VERSION, GenerateFormatter
+from deltaserve.http.sglang_output import GenerateFormatter
 from deltaserve.http.sglang_request import RENAMED, parse_generate_request
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
+# update_weights_from_disk's fields taken only at the value that is how deltaserve works
+_UPDATE_DEFAULTS = {"load_format": "auto", "flush_cache": True, "is_async": False, "torch_empty_cache": False}
 
 
 def add_routes(app: web.Application) -> None:
@@ -39,6 +42,9 @@ def add_routes(app: web.Application) -> None:
         app.router.add_get(path, model_info)
     for path in ("/get_server_info", "/server_info"):
         app.router.add_get(path, server_info)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_route("GET", "/flush_cache", flush_cache)
+    app.router.add_route("POST", "/flush_cache", flush_cache)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -63,7 +69,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                                   seeds=state.seeds))  # fmt: skip
         streams = await _open_streams(state, prompts, params, req.rids[0], request_ids=req.rids,
                                       guided=parsed[0].sampling.guided, priority=parsed[0].priority)  # fmt: skip
-    formatter = GenerateFormatter(req, params[0].n, state.strings)
+    formatter = GenerateFormatter(req, params[0].n, state.strings, lambda: state.weight_version)
     return await _respond(request, formatter, streams, params[0].n, req.stream, include_usage=False)
 
 
@@ -109,11 +115,54 @@ async def health_generate(request: web.Request) -> web.Response:
                                            code="unhealthy"))  # fmt: skip
 
 
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    """SGLang's: the same model's weights from `model_path` (AsyncEngine.update_weights),
+    between requests; `weight_version` names them in later answers. `{"success", "message",
+    "num_paused_requests"}`, 200, or 400 when the folder is not this model's (nothing changed)."""
+    state = request.app[STATE]
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise errors.bad_request("the request body must be a JSON object")
+    for key, value in body.items():
+        if key in _UPDATE_DEFAULTS and value not in (None, _UPDATE_DEFAULTS[key]):
+            raise errors.unsupported(key, f"only {key}={_UPDATE_DEFAULTS[key]!r} is supported")
+        if key not in _UPDATE_DEFAULTS and key not in ("model_path", "abort_all_requests", "weight_version"):
+            raise errors.unsupported(key, f"'{key}' is not an update_weights_from_disk field deltaserve supports")
+    model_path, version = opt_str(body, "model_path"), opt_str(body, "weight_version")
+    if not model_path:
+        raise errors.bad_request("model_path is required: a checkpoint folder of the served model", "model_path")
+    state.check_admitting()
+    try:
+        await state.engine.update_weights(model_path, abort_running=opt_bool(body, "abort_all_requests", default=False))
+    except ValueError as exc:
+        return _json({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
+    except EngineDeadError as exc:
+        raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
+    state.weight_version = version or state.weight_version
+    return _json({"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """SGLang's: forget the saved prompt states, only while no request runs or waits (else 400)."""
+    state = request.app[STATE]
+    state.check_admitting()
+    load = state.engine.load()
+    if load.running or load.waiting:
+        return web.Response(status=400, text=f"Flush cache failed: {load.running} requests running and "
+                                             f"{load.waiting} waiting; try again when idle.\n")  # fmt: skip
+    try:
+        await state.engine.flush_cache()
+    except EngineDeadError as exc:
+        raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
+    return web.Response(status=200, text="Cache flushed.\n")
+
+
 async def model_info(request: web.Request) -> web.Response:
-    engine = request.app[STATE].engine
+    state = request.app[STATE]
+    engine = state.engine
     config = _checkpoint_config(engine.config.model)
-    return _json({"model_path": engine.config.model, "tokenizer_path": engine.config.model, "is_generation": True,
-                  "preferred_sampling_params": None, "weight_version": WEIGHT_VERSION,
+    return _json({"model_path": engine.weights_dir, "tokenizer_path": engine.config.model, "is_generation": True,
+                  "preferred_sampling_params": None, "weight_version": state.weight_version,
                   "has_image_understanding": False, "has_audio_understanding": False,
                   "model_type": config.get("model_type"), "architectures": config.get("architectures")})  # fmt: skip
 
@@ -124,12 +173,12 @@ async def server_info(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine, load = state.engine, state.engine.load()
     return _json({
-        "model_path": engine.config.model, "tokenizer_path": engine.config.model,
+        "model_path": engine.weights_dir, "tokenizer_path": engine.config.model,
         "served_model_name": state.config.served_model_name[0], "tp_size": engine.config.tp_size,
         "context_length": engine.max_model_len, "max_running_requests": engine.config.max_num_seqs,
         "max_total_num_tokens": load.num_blocks * engine.config.block_size,
         "max_req_input_len": engine.longest_sequence - 1, "page_size": engine.config.block_size,
-        "schedule_policy": engine.config.scheduling_policy, "weight_version": WEIGHT_VERSION,
+        "schedule_policy": engine.config.scheduling_policy, "weight_version": state.weight_version,
         "internal_states": [{"running_requests": load.running, "waiting_queue_size": load.waiting,
                              "engine_state": load.state}],
         "version": deltaserve.__version__,

@@ -131,7 +131,7 @@ async def test_lifecycle_in_order_and_loads_are_the_engines(engine, subscriber):
         assert isinstance(events[-1], FinishedEvent)
         finals.append((stream.request_ids[0], events[-1]))
     await subscriber.wait_for(lambda m: isinstance(m, schema.Load) and m.running == 0
-                              and m.steps_total == engine.scheduler.steps_total)  # fmt: skip
+                              and m.steps_total == engine.scheduler.metrics.steps_total)  # fmt: skip
 
     # Plain msgpack maps carry exactly the documented keys, `kind` first.
     for topic, raw, typed in subscriber.messages:
@@ -184,7 +184,7 @@ async def test_lifecycle_in_order_and_loads_are_the_engines(engine, subscriber):
 @module_loop
 async def test_fatal_fault_poisoned_then_dead_load_then_terminal(engine, subscriber):
     """Rank 0 dies inside step FATAL_STEP with a request running."""
-    assert engine.scheduler.steps_total < FATAL_STEP - 1
+    assert engine.scheduler.metrics.steps_total < FATAL_STEP - 1
     stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
     events = await asyncio.wait_for(drain(stream), 60)
     assert isinstance(events[-1], ErrorEvent) and all(isinstance(e, TokenEvent) for e in events[:-1])
