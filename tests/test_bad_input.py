@@ -462,10 +462,14 @@ def test_fuzz_parsers_accept_only_encodable_params(request, parse, required):
 # ---- API key -----------------------------------------------------------------------------
 
 
+GUARDED = ("/v1", "/invocations", "/generate", "/abort_request", "/update_weights_from_disk", "/flush_cache")
+
+
 @aio
 async def test_api_key_on_v1_routes_only(server):
     """As vLLM: every path under /v1 needs the key, whatever the method, and /invocations
-    (it generates; vLLM leaves it open); every other path (/health, /metrics, /version, an
+    (it generates; vLLM leaves it open) and SGLang's routes that generate or change the
+    engine (GUARDED); every other path (/health, /metrics, /version, an
     unknown one) answers as it does with the key, never 401 (a Prometheus scrape of /metrics
     got 401). The key is taken as a bearer token or as Anthropic's x-api-key."""
     app = build_app(server.engine, ServerConfig(MODEL, api_key=API_KEY))  # the route table
@@ -486,7 +490,7 @@ async def test_api_key_on_v1_routes_only(server):
                 headers = auth if isinstance(auth, dict) else {} if auth is None else {"Authorization": auth}
                 async with s.request(method, server.url + path, headers=headers, data=b"{") as r:
                     body = await r.read()
-                if not path.startswith(("/v1", "/invocations")):
+                if not path.startswith(GUARDED):
                     assert r.status == with_key != 401, (method, path, auth, r.status)
                     continue
                 assert r.status == 401, (method, path, auth, r.status)
