@@ -366,21 +366,22 @@ class AsyncEngine:
             check_same_tensors(self.weights_dir, model_dir, self.model_config.tie_word_embeddings)
 
         await asyncio.to_thread(check)
+        done = self._maintain("load_weights", model_dir)  # admission held from here
         if abort_running:
             for request_id in self.request_ids():
                 await self.abort(request_id)
-        await self._maintain("load_weights", model_dir)
+        await asyncio.shield(done)  # a caller that stops waiting leaves it to run
         self.weights_dir = model_dir
 
     async def flush_cache(self) -> None:
         """Forget every saved prompt state (prefix caching), between requests."""
-        await self._maintain("flush_cache")
+        await asyncio.shield(self._maintain("flush_cache"))
 
-    async def _maintain(self, kind: Kind, model_dir: str | None = None) -> None:
+    def _maintain(self, kind: Kind, model_dir: str | None = None) -> asyncio.Future[None]:
         self._check_alive()
         done = self._scheduler.maintenance.ask(kind, model_dir)
         self._scheduler.wake()
-        await asyncio.shield(done)  # a caller that stops waiting leaves it to run
+        return done
 
     def request_ids(self) -> list[str]:
         """The ids of the requests not yet ended or given up (what `abort` can still cancel)."""
