@@ -36,7 +36,12 @@ _REFUSED_SAMPLING = {
     "custom_params": "custom logit processors are not supported",
 }
 _KEYS = frozenset({"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "stream", "priority", "log_metrics"})  # fmt: skip
+                   "top_logprobs_num", "return_text_in_logprobs", "stream", "priority"})  # fmt: skip
+# SGLang's other fields, taken at their default (as clients that always send them send them)
+_DEFAULTS = {"log_metrics": True, "return_hidden_states": False, "return_routed_experts": False,
+             "return_entropy": False, "return_prompt_token_ids": False, "return_bytes": False,
+             "return_flat_raw_top_logprobs": False, "return_sampling_mask": False, "no_logs": False,
+             "background": False, "require_reasoning": False, "use_audio_in_video": False}  # fmt: skip
 # the completion route's field names in its refusals -> SGLang's
 RENAMED = ((r"\bmax_tokens\b", "sampling_params.max_new_tokens"),
            (r"\bmin_tokens\b", "sampling_params.min_new_tokens"),
@@ -69,11 +74,11 @@ class GenerateRequest:
 def parse_generate_request(body: object) -> GenerateRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    for key in body:
-        if key not in _KEYS and body[key] is not None:
+    for key, value in body.items():
+        if key in _DEFAULTS and value not in (None, _DEFAULTS[key]):
+            raise unsupported(key, f"only {key}={_DEFAULTS[key]} is supported")
+        if key not in _KEYS and key not in _DEFAULTS and value is not None:
             raise unsupported(key, f"'{key}' is not a /generate field deltaserve supports")
-    if body.get("log_metrics") is False:
-        raise unsupported("log_metrics", "every request is counted in the metrics")
     prompts, batch = _prompts(body)
     sampling = body.get("sampling_params")
     if isinstance(sampling, list):

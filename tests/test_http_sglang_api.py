@@ -226,6 +226,7 @@ async def test_abort_request_by_rid_and_all(server):
     ({"input_ids": PROMPT, "sampling_params": {"json_schema": "{"}}, "sampling_params.json_schema"),
     ({"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 8}, "logprob_start_len (8)"),
     ({"input_ids": PROMPT, "image_data": "x.png"}, "'image_data'"),
+    ({"input_ids": PROMPT, "return_hidden_states": True}, "only return_hidden_states=False"),
     ({"input_ids": [PROMPT, PROMPT], "sampling_params": [{"n": 1}, {"n": 2}]}, "n must be the same"),
     ({"input_ids": [10**9]}, "ids must be integers in [0, "),
 ])  # fmt: skip
@@ -233,7 +234,8 @@ async def test_refusals_name_sglang_fields(server, body, words):
     status, answer = await post(server, body)
     assert status == 400 and words in answer["error"]["message"], answer
     assert "max_tokens" not in answer["error"]["message"] and "min_tokens" not in answer["error"]["message"]
-    assert (await post(server, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}))[0] == 200
+    defaults = {"return_hidden_states": False, "log_metrics": True, "lora_path": None, "stream": False}
+    assert (await post(server, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, **defaults}))[0] == 200
 
 
 @aio
