@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from deltaserve.engine.config import EngineConfig, resolve_limits
 from deltaserve.engine.events import EngineDeadError, LoadSnapshot, QueueFullError
-from deltaserve.engine.maintenance import Kind
+from deltaserve.engine.maintenance import PAUSE_MODES, Kind, PauseMode
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
@@ -349,8 +349,9 @@ class AsyncEngine:
     async def update_weights(self, model_dir: str, abort_running: bool = False) -> None:
         """Serve the same model's weights from `model_dir` (an RL trainer's checkpoint): every
         rank loads them between requests. Running requests end first on the old weights (or,
-        `abort_running`, at once with "abort"); those waiting start on the new ones; saved
-        prompt states are forgotten. Raises ValueError, changing nothing, when the folder is
+        `abort_running`, at once with "abort"; requests frozen by a "keep" pause stay, to go
+        on with the new ones); those waiting start on the new ones; saved prompt states are
+        forgotten. Raises ValueError, changing nothing, when the folder is
         not this model's (config.json, its tensors' names and shapes), and EngineDeadError."""
         self._check_alive()
         model_dir = str(model_dir)
@@ -377,9 +378,33 @@ class AsyncEngine:
         """Forget every saved prompt state (prefix caching), between requests."""
         await asyncio.shield(self._maintain("flush_cache"))
 
-    def _maintain(self, kind: Kind, model_dir: str | None = None) -> asyncio.Future[None]:
+    async def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """Admit nothing until `resume` (vLLM's pause_generation), returning once in effect:
+        "abort" ends the running and waiting requests with "abort"; "wait" lets the running
+        ones finish; "keep" freezes them where they are, to go on after `resume` (with any
+        weights updated meanwhile). `clear_cache` (not with "keep"): also forget the saved
+        prompt states. Requests submitted while paused wait."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        done = self._maintain("pause", mode=mode, flush=clear_cache and mode != "keep")
+        if mode == "abort":
+            for request_id in self.request_ids():
+                await self.abort(request_id)
+        await asyncio.shield(done)
+
+    def resume(self) -> None:
+        """Admit and step again after `pause` (a pause not yet in effect raises ValueError)."""
         self._check_alive()
-        done = self._scheduler.maintenance.ask(kind, model_dir)
+        self._scheduler.maintenance.resume()
+        self._scheduler.wake()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._scheduler.maintenance.paused is not None
+
+    def _maintain(self, kind: Kind, model_dir: str | None = None, **pause: Any) -> asyncio.Future[None]:
+        self._check_alive()
+        done = self._scheduler.maintenance.ask(kind, model_dir, **pause)
         self._scheduler.wake()
         return done
 

@@ -1,11 +1,16 @@
 """Work the engine does between requests: new weights (an RL loop's update, from a
-checkpoint folder), a prefix-cache flush.
+checkpoint folder), a prefix-cache flush, and pausing generation around them.
 
-Asked for from outside the tick (AsyncEngine.update_weights, flush_cache); the tick runs the
-queued operations once no request holds state on the ranks and no step is in flight, and
-admits nothing while one waits: running requests finish on the weights they started with,
-waiting ones start on the new ones. Saved prompt states (prefix caching) are forgotten with
-every operation: they are the old weights' (SGLang flushes its radix cache the same way).
+Asked for from outside the tick (AsyncEngine.update_weights, flush_cache, pause); the tick runs
+the queued operations, in order, once no step is in flight and no request holds state on the
+ranks, and admits nothing while one waits: running requests finish on the weights they
+started with, waiting ones start on the new ones. Saved prompt states (prefix caching) are
+forgotten with new weights: they are the old weights' (SGLang flushes its radix cache so).
+
+A pause holds admission until `resume` (vLLM's pause modes): "abort" and "wait" take effect
+once the running requests are aborted or have ended; "keep" freezes them where they are (no
+step runs), and an update then runs beside them: they go on with the new weights on resume,
+their states made by the old (vLLM's in-flight update for asynchronous RL).
 """
 
 from __future__ import annotations
@@ -18,39 +23,66 @@ from typing import Any, Literal
 from deltaserve.engine.events import EngineDeadError
 from deltaserve.engine.prefix_cache import PrefixCache
 
-Kind = Literal["load_weights", "flush_cache"]
+Kind = Literal["load_weights", "flush_cache", "pause"]
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES = ("abort", "wait", "keep")
 
 
 @dataclass(frozen=True, slots=True)
 class Operation:
     kind: Kind
-    model_dir: str | None  # load_weights: the checkpoint folder
     done: asyncio.Future[None]
+    model_dir: str | None = None  # load_weights: the checkpoint folder
+    mode: PauseMode = "wait"  # pause: how it treats the running requests
+    flush: bool = False  # pause: also forget the saved prompt states (vLLM's clear_cache)
 
 
 class Maintenance:
     def __init__(self) -> None:
         self._queue: deque[Operation] = deque()
+        self.paused: PauseMode | None = None
 
     @property
-    def pending(self) -> bool:
-        return bool(self._queue)
+    def admits(self) -> bool:
+        """Whether the tick may admit requests: no operation waits and generation is not paused."""
+        return not self._queue and self.paused is None
 
-    def ask(self, kind: Kind, model_dir: str | None = None) -> asyncio.Future[None]:
+    @property
+    def frozen(self) -> bool:
+        """No step may run: paused with "keep", or such a pause waits for the step in flight."""
+        return self.paused == "keep" or any(op.kind == "pause" and op.mode == "keep" for op in self._queue)
+
+    def ready(self, running: bool) -> bool:
+        """Whether the next operation can run now that no step is in flight: once no request
+        is on the ranks, or beside frozen ones."""
+        return bool(self._queue) and (not running or self.frozen)
+
+    def ask(self, kind: Kind, model_dir: str | None = None, mode: PauseMode = "wait",
+            flush: bool = False) -> asyncio.Future[None]:  # fmt: skip
         """Queue an operation; the future resolves once it ran (or with the reason it did not)."""
         done = asyncio.get_running_loop().create_future()
-        self._queue.append(Operation(kind, model_dir, done))
+        self._queue.append(Operation(kind, done, model_dir, mode, flush))
         return done
 
+    def resume(self) -> None:
+        """Generation goes on; a pause that has not taken effect yet never will."""
+        self.paused = None
+        for op in [op for op in self._queue if op.kind == "pause"]:
+            self._queue.remove(op)
+            _settle(op.done, ValueError("resumed before the pause took effect"))
+
     async def run(self, controller: Any, prefix: PrefixCache) -> None:
-        """Every queued operation, in order (the tick calls this while nothing runs). A rank
-        that fails to load poisons the replica: raised, after the operation's owner is told."""
+        """Every queued operation, in order (the tick calls this when `ready`). A rank that
+        fails to load poisons the replica: raised, after the operation's owner is told."""
         while self._queue:
             op = self._queue.popleft()
             try:
                 if op.kind == "load_weights":
                     await controller.load_weights(op.model_dir)
-                prefix.flush()
+                if op.kind == "pause":
+                    self.paused = op.mode
+                if op.kind != "pause" or op.flush:
+                    prefix.flush()
             except BaseException as exc:  # the replica is poisoned, or the tick cancelled
                 _settle(op.done, EngineDeadError(f"{op.kind} failed: {exc!r}"))
                 raise

@@ -233,9 +233,10 @@ class PrefixCache:
             plan.pinned = False
 
     def flush(self) -> None:
-        """Forget every saved prefix (new weights make their states stale); called while no
-        request is admitted, so none is pinned. The ranks free them with the next step."""
-        for prefix in list(self._saved.values()):
+        """Forget every saved prefix (new weights make their states stale) but those an
+        admitted request waits to start from (pinned: only beside frozen requests, a "keep"
+        pause). The ranks free them with the next step."""
+        for prefix in self._victims():
             self._evict(prefix)
         self._seen.clear()
 

@@ -4,7 +4,7 @@ Each tick (DESIGN.md section 5):
   drain   take every submission and cancellation that arrived, in arrival order;
   prune   cancel requests whose owner left (closed sink); drop what ranks hold (must_exist);
   publish the load snapshot (the one place load leaves the tick: `load_listeners`);
-  maintain new weights or a cache flush (maintenance.py), once no request is on the ranks;
+  maintain new weights, a cache flush, a pause (maintenance.py), once no step is in flight;
   admit   first come first served while slots and KV blocks allow; refuse what never fits;
   plan    one unified step (planner.py);
 then dispatch through the replica controller, await it, drain again (a cancellation that
@@ -91,7 +91,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.ledger = CapacityLedger(controller.num_slots, controller.num_blocks, controller.block_size)
         self.prefix = PrefixCache(prefix_states, self.ledger)  # prefix caching: off with no states
-        self.maintenance = Maintenance()  # new weights, a cache flush: between requests
+        self.maintenance = Maintenance()  # new weights, a cache flush, pauses: between steps
         self.metrics = EngineMetrics()
         self.dead_reason: str | None = None
         self.load_listeners: list[Callable[[LoadSnapshot], None]] = []
@@ -201,14 +201,14 @@ class Scheduler:
                         self.maintenance.fail("the engine stopped")
                         self._publish_load()  # the last one: idle, state dead
                         return
-                if self.maintenance.pending and not self._running and self._inflight is None and not self._pending_drop:
-                    await self.maintenance.run(self._controller, self.prefix)  # between requests: none on the ranks
+                if self.maintenance.ready(bool(self._running)) and self._inflight is None and not self._pending_drop:
+                    await self.maintenance.run(self._controller, self.prefix)  # no step in flight: `ready` says when
                     continue  # the load it changed is published first
                 self._admit()
                 if self._inflight is None:
                     plan = plan_step(
                         [PlanInput(r, e.request.prompt_len, e.request.num_computed, self.prefix.split_at(r))
-                         for r, e in self._running.items()],
+                         for r, e in self._running.items() if not self.maintenance.frozen],  # frozen: no step
                         self._budget,
                         self._force_mixed,
                     )
@@ -348,8 +348,8 @@ class Scheduler:
                 logger.exception("load listener failed")
 
     def _admit(self) -> None:
-        """In the waiting queue's order; stop at the first that does not fit now (none while maintenance waits)."""
-        while self._waiting and not self.maintenance.pending:
+        """In the waiting queue's order; stop at the first that does not fit now (none while maintenance holds)."""
+        while self._waiting and self.maintenance.admits:
             entry = self._waiting.head()
             request = entry.request
             reserve = request.reserve_tokens
@@ -405,7 +405,7 @@ class Scheduler:
     def _follow(self, step: Step) -> Step | None:
         """Plan and send the next step behind `step`, which the ranks are running, if it
         needs none of its results (see the module docstring); else None."""
-        if not self._pipeline or self._stopping or self._inbox:
+        if not self._pipeline or self._stopping or self._inbox or self.maintenance.frozen:
             return None
         if self._waiting and (self._pending_drop or self.ledger.can_admit(self._waiting.head().request.reserve_tokens)):
             return None  # admission comes first

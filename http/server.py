@@ -133,12 +133,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     # route modules that import this one: not at its top
-    from deltaserve.http import anthropic_routes, responses_routes, sglang_routes, tokenize_routes
+    from deltaserve.http import (
+        anthropic_routes,
+        responses_routes,
+        rl_routes,
+        sglang_routes,
+        tokenize_routes,
+    )
 
     tokenize_routes.add_routes(app)  # /tokenize, /detokenize, /ping, /invocations
     responses_routes.add_routes(app)  # /v1/responses
     anthropic_routes.add_routes(app)  # /v1/messages
     sglang_routes.add_routes(app)  # SGLang's /generate, /abort_request, /get_model_info, ...
+    rl_routes.add_routes(app)  # new weights, pauses, a cache flush (vLLM's and SGLang's)
     return app
 
 
@@ -197,7 +204,8 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
 
 
 # path prefixes that need the key
-_GUARDED = ("/v1", "/invocations", "/generate", "/abort_request", "/update_weights_from_disk", "/flush_cache")
+_GUARDED = ("/v1", "/invocations", "/generate", "/abort_request", "/update_weights_from_disk", "/flush_cache",
+            "/reset_prefix_cache", "/pause", "/resume", "/continue_generation")
 
 
 @web.middleware

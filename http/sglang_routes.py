@@ -2,8 +2,8 @@
 RL frameworks such as slime and AReaL): `POST /generate` (token ids in and out, logprobs,
 batches; served by the completion route's machinery, sglang_request.py and sglang_output.py),
 `POST /abort_request`, `GET /health_generate`, `GET /get_model_info` and `/get_server_info`
-(and SGLang's newer `/model_info`, `/server_info`), and for RL loops
-`/update_weights_from_disk` and `/flush_cache`.
+(and SGLang's newer `/model_info`, `/server_info`). What an RL loop drives besides
+(weights, pauses): rl_routes.py.
 
 Errors keep this server's shape (`{"error": {"message", ...}}`, SGLang's `error.message`).
 """
@@ -29,8 +29,6 @@ from deltaserve.http.sglang_output import GenerateFormatter
 from deltaserve.http.sglang_request import RENAMED, parse_generate_request
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
-# update_weights_from_disk's fields taken only at the value that is how deltaserve works
-_UPDATE_DEFAULTS = {"load_format": "auto", "flush_cache": True, "is_async": False, "torch_empty_cache": False}
 
 
 def add_routes(app: web.Application) -> None:
@@ -42,9 +40,6 @@ def add_routes(app: web.Application) -> None:
         app.router.add_get(path, model_info)
     for path in ("/get_server_info", "/server_info"):
         app.router.add_get(path, server_info)
-    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
-    app.router.add_route("GET", "/flush_cache", flush_cache)
-    app.router.add_route("POST", "/flush_cache", flush_cache)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -113,48 +108,6 @@ async def health_generate(request: web.Request) -> web.Response:
         await stream.aclose()
     return _error_response(errors.ApiError(503, "the engine did not generate a token", type="service_unavailable",
                                            code="unhealthy"))  # fmt: skip
-
-
-async def update_weights_from_disk(request: web.Request) -> web.Response:
-    """SGLang's: the same model's weights from `model_path` (AsyncEngine.update_weights),
-    between requests; `weight_version` names them in later answers. `{"success", "message",
-    "num_paused_requests"}`, 200, or 400 when the folder is not this model's (nothing changed)."""
-    state = request.app[STATE]
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise errors.bad_request("the request body must be a JSON object")
-    for key, value in body.items():
-        if key in _UPDATE_DEFAULTS and value not in (None, _UPDATE_DEFAULTS[key]):
-            raise errors.unsupported(key, f"only {key}={_UPDATE_DEFAULTS[key]!r} is supported")
-        if key not in _UPDATE_DEFAULTS and key not in ("model_path", "abort_all_requests", "weight_version"):
-            raise errors.unsupported(key, f"'{key}' is not an update_weights_from_disk field deltaserve supports")
-    model_path, version = opt_str(body, "model_path"), opt_str(body, "weight_version")
-    if not model_path:
-        raise errors.bad_request("model_path is required: a checkpoint folder of the served model", "model_path")
-    state.check_admitting()
-    try:
-        await state.engine.update_weights(model_path, abort_running=opt_bool(body, "abort_all_requests", default=False))
-    except ValueError as exc:
-        return _json({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
-    except EngineDeadError as exc:
-        raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
-    state.weight_version = version or state.weight_version
-    return _json({"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
-
-
-async def flush_cache(request: web.Request) -> web.Response:
-    """SGLang's: forget the saved prompt states, only while no request runs or waits (else 400)."""
-    state = request.app[STATE]
-    state.check_admitting()
-    load = state.engine.load()
-    if load.running or load.waiting:
-        return web.Response(status=400, text=f"Flush cache failed: {load.running} requests running and "
-                                             f"{load.waiting} waiting; try again when idle.\n")  # fmt: skip
-    try:
-        await state.engine.flush_cache()
-    except EngineDeadError as exc:
-        raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
-    return web.Response(status=200, text="Cache flushed.\n")
 
 
 async def model_info(request: web.Request) -> web.Response:

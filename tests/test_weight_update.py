@@ -170,3 +170,84 @@ async def test_a_rank_that_fails_to_load_fails_closed(tiny_model_dir, model_b, t
         assert engine.is_dead and "safetensors" in engine.dead_reason
     finally:
         await engine.shutdown()
+
+
+async def still_waiting(engine, task: asyncio.Future, seconds: float = 0.3) -> bool:
+    await asyncio.sleep(seconds)
+    return not task.done() and engine.load().waiting == 1
+
+
+@pytest.mark.asyncio
+async def test_pause_modes_and_an_update_beside_frozen_requests(tiny_model_dir, model_b, refs):
+    """vLLM's pause modes: "wait" lets the running request finish, "abort" ends it; either way a
+    request that arrives waits until resume. "keep" freezes a running request (no token
+    while paused), an update runs beside it, and it goes on after resume."""
+    engine = await start_placed(("cpu", 1), tiny_model_dir)
+    try:
+        for mode in ("wait", "abort"):
+            running = engine.generate(PROMPT, SamplingParams(max_tokens=40, **GREEDY))
+            await anext(running)
+            await engine.pause(mode)
+            _, end = await collect(running)  # ended before pause returned
+            assert end.reason == ("length" if mode == "wait" else "abort") and engine.is_paused
+            waiting = asyncio.ensure_future(greedy(engine))
+            assert await still_waiting(engine, waiting)
+            engine.resume()
+            assert (await waiting)[0] == refs["a"][:8] and not engine.is_paused
+        events = []  # a consumer reading all along (one cancelled mid-read would abort the request)
+
+        async def consume(stream) -> None:
+            async for event in stream:
+                events.append(event)
+
+        consumer = asyncio.ensure_future(consume(engine.generate(PROMPT, SamplingParams(max_tokens=40, **GREEDY))))
+        while len(events) < 5:
+            await asyncio.sleep(0.005)
+        await engine.pause("keep")
+        await asyncio.sleep(0.1)  # the step in flight's token, if any, has come
+        frozen_at = len(events)
+        await asyncio.sleep(0.4)
+        assert len(events) == frozen_at <= 7 and not consumer.done()  # nothing while paused
+        assert ids_of(events) == refs["a"][:frozen_at]
+        await engine.update_weights(model_b)  # beside the frozen request
+        assert len(events) == frozen_at
+        engine.resume()
+        await consumer
+        assert events[-1].reason == "length" and len(events) == 41
+        assert ids_of(events[:-1])[frozen_at:] != refs["a"][frozen_at:40]  # it went on with B's weights
+        assert (await greedy(engine))[0] == refs["b"][:8]
+        with pytest.raises(ValueError, match="pause mode"):
+            await engine.pause("retract")
+        await assert_idle_and_empty(engine)
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_pause_routes(tiny_model_dir):
+    """vLLM's /pause, /resume, /is_paused and SGLang's /pause_generation, /continue_generation:
+    a request sent while paused waits for the resume; bad modes are refused, naming them."""
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=256, max_num_seqs=2)
+    async with in_process_server(config, ServerConfig("tiny")) as server, aiohttp.ClientSession() as session:
+        async def call(method: str, path: str, body: dict | None = None) -> tuple[int, object]:
+            async with session.request(method, server.url + path, json=body) as reply:
+                return reply.status, await reply.json()
+
+        generate = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, **GREEDY}}
+        for pause, resume, answers in (
+            ("/pause?mode=wait", "/resume", ({"status": "paused"}, {"status": "resumed"})),
+            ("/pause_generation", "/continue_generation", ({"message": "Generation paused successfully.", "status": "ok"},
+                                                           {"message": "Generation continued successfully.", "status": "ok"})),
+        ):  # fmt: skip
+            assert await call("POST", pause, {} if "generation" in pause else None) == (200, answers[0])
+            assert await call("GET", "/is_paused") == (200, {"is_paused": True})
+            waiting = asyncio.ensure_future(call("POST", "/generate", generate))
+            assert await still_waiting(server.engine, waiting)
+            assert await call("POST", resume) == (200, answers[1])
+            status, out = await waiting
+            assert status == 200 and len(out["output_ids"]) == 4
+            assert await call("GET", "/is_paused") == (200, {"is_paused": False})
+        status, answer = await call("POST", "/pause?mode=later")
+        assert status == 400 and answer["error"]["param"] == "mode", answer
+        status, answer = await call("POST", "/pause_generation", {"mode": "retract"})
+        assert status == 400 and answer["error"]["param"] == "mode" and not server.engine.is_paused, answer
