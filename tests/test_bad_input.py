@@ -462,7 +462,8 @@ def test_fuzz_parsers_accept_only_encodable_params(request, parse, required):
 # ---- API key -----------------------------------------------------------------------------
 
 
-GUARDED = ("/v1", "/invocations", "/generate", "/abort_request", "/update_weights_from_disk", "/flush_cache")
+GUARDED = ("/v1", "/invocations", "/generate", "/abort_request", "/update_weights_from_disk", "/flush_cache",
+           "/reset_prefix_cache", "/pause", "/resume", "/continue_generation")
 
 
 @aio
@@ -496,6 +497,8 @@ async def test_api_key_on_v1_routes_only(server):
                 assert r.status == 401, (method, path, auth, r.status)
                 if method != "HEAD":
                     assert check_error_body(body)["code"] == "invalid_api_key"
+        if server.engine.is_paused:  # POST /pause with the key paused it (if no /resume came after)
+            server.engine.resume()
         for path, status in (("/v1/models", 200), ("/metrics", 200), ("/version", 200), ("/nope", 404)):
             async with s.get(server.url + path, headers=ok) as r:
                 assert r.status == status, path
