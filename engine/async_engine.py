@@ -30,7 +30,6 @@ from deltaserve.engine.maintenance import PAUSE_MODES, Kind, PauseMode
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
-from deltaserve.engine.rank.loader import check_same_tensors
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams, wire_seed
@@ -356,7 +355,9 @@ class AsyncEngine:
         self._check_alive()
         model_dir = str(model_dir)
 
-        def check() -> None:
+        def check() -> None:  # in a worker thread: it imports torch, which serving never needs else
+            from deltaserve.engine.rank.loader import check_same_tensors
+
             try:
                 differences = self.model_config.differences(ModelConfig.from_model_dir(model_dir))
             except OSError as exc:

@@ -49,7 +49,7 @@ async def test_rank_fault_under_load_fails_closed(tiny_model_dir):
         late = []
 
         def submit_during_fatal_step(plan) -> None:
-            if engine.scheduler.steps_total == 5 and not late:  # the 6th step is dispatching
+            if engine.scheduler.metrics.steps_total == 5 and not late:  # the 6th step is dispatching
                 late.append(engine.generate([5, 6], params))
 
         engine.scheduler.plan_listeners.append(submit_during_fatal_step)
