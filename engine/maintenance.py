@@ -43,9 +43,14 @@ class Maintenance:
         self.paused: PauseMode | None = None
 
     @property
+    def pending(self) -> bool:
+        """Whether an operation waits to run."""
+        return bool(self._queue)
+
+    @property
     def admits(self) -> bool:
         """Whether the tick may admit requests: no operation waits and generation is not paused."""
-        return not self._queue and self.paused is None
+        return not self.pending and self.paused is None
 
     @property
     def frozen(self) -> bool:
@@ -55,7 +60,7 @@ class Maintenance:
     def ready(self, running: bool) -> bool:
         """Whether the next operation can run now that no step is in flight: once no request
         is on the ranks, or beside frozen ones."""
-        return bool(self._queue) and (not running or self.frozen)
+        return self.pending and (not running or self.frozen)
 
     def ask(self, kind: Kind, model_dir: str | None = None, mode: PauseMode = "wait",
             flush: bool = False) -> asyncio.Future[None]:  # fmt: skip
