@@ -108,11 +108,12 @@ def parse_generate_request(body: object) -> GenerateRequest:
                 completion["prompt_logprobs"] = top
         bodies.append(completion)
         limits.append(limit)
-    if len({b.get("n", 1) for b in bodies}) > 1:
+    choices = [b.get("n", 1) for b in bodies]  # each checked as the completion route checks n
+    if any(n != choices[0] for n in choices):
         raise bad_request("every prompt's sampling_params.n must be the same", "sampling_params")
     return GenerateRequest(
         bodies=tuple(bodies), max_new_tokens=tuple(limits), rids=_rids(body.get("rid"), len(prompts), batch),
-        listed=batch or bodies[0].get("n", 1) > 1, stream=bool(opt_bool(body, "stream", default=False)),
+        listed=batch or choices[0] != 1, stream=bool(opt_bool(body, "stream", default=False)),
         return_logprob=return_logprob, logprob_start_len=start, top_logprobs_num=top,
         text_in_logprobs=bool(opt_bool(body, "return_text_in_logprobs", default=False)),
     )  # fmt: skip
