@@ -1,9 +1,9 @@
 """A request's structured-output constraint as the one pattern the rank guides it by.
 
-vLLM's StructuredOutputsParams takes one of choice, regex, json (a schema), json_object (and
-grammar, structural_tag: not supported here). Each becomes a regex in
+vLLM's StructuredOutputsParams takes one of choice, regex, json (a schema), json_object,
+grammar (and structural_tag: not supported here). Each becomes a regex in
 engine/regex_automaton.py's dialect: a choice its escaped alternatives, a schema what
-engine/json_schema.py makes of it. The pattern is compiled here once, so that what the rank
+engine/json_schema.py makes of it, a grammar what engine/grammar.py does. The pattern is compiled here once, so that what the rank
 compiles again can never fail there (a rank's error is fatal to the engine); patterns are
 cached, since SamplingParams are rebuilt (`replace`) per choice and a schema is usually sent
 many times.
@@ -16,21 +16,23 @@ import json
 
 from deltaserve.engine.regex_automaton import ByteAutomaton, RegexError, choice_regex
 
-GUIDED_FIELDS = ("guided_choice", "guided_regex", "guided_json", "guided_json_object")
+GUIDED_FIELDS = ("guided_choice", "guided_regex", "guided_json", "guided_json_object", "guided_grammar")
 
 
 def guide_pattern(
-    choice: tuple[str, ...], regex: str | None, schema: str | None, json_object: bool, whitespace: str | None
+    choice: tuple[str, ...], regex: str | None, schema: str | None, json_object: bool, whitespace: str | None,
+    grammar: str | None = None,
 ) -> str:
     """The pattern of the one constraint given ("" for none); ValueError naming the field."""
-    given = [name for name, v in zip(GUIDED_FIELDS, (choice, regex, schema, json_object), strict=True) if v]
+    values = (choice, regex, schema, json_object, grammar)
+    given = [name for name, v in zip(GUIDED_FIELDS, values, strict=True) if v]
     if len(given) > 1:
         raise ValueError(f"give one structured-output constraint, not {' and '.join(given)}")
     if whitespace is not None and not (schema or json_object):
         raise ValueError("guided_whitespace applies to guided_json and guided_json_object only")
     if not given:
         return ""
-    return _compiled(given[0], choice or regex or schema or "", whitespace)
+    return _compiled(given[0], choice or regex or schema or grammar or "", whitespace)
 
 
 @functools.lru_cache(maxsize=256)
@@ -45,13 +47,17 @@ def _compiled(field: str, value: str | tuple[str, ...], whitespace: str | None) 
             pattern = choice_regex(value)
         elif field == "guided_regex":
             pattern = value
+        elif field == "guided_grammar":
+            from deltaserve.engine.grammar import grammar_regex
+
+            pattern = grammar_regex(value)
         else:
             from deltaserve.engine.json_schema import json_object_regex, schema_regex
 
             pattern = schema_regex(_schema(value), whitespace) if field == "guided_json" else json_object_regex(whitespace)
         if ByteAutomaton(pattern).matches_nothing():
             raise ValueError("no output can match it")
-    except ValueError as e:  # RegexError and SchemaError among them
+    except ValueError as e:  # RegexError, SchemaError and GrammarError among them
         raise ValueError(f"{field}: {e}") from None
     return pattern
 

@@ -26,8 +26,8 @@ STRUCTURED_OUTPUT_KEYS = frozenset(
     {"structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice",
      "guided_grammar", "guided_whitespace_pattern", "guided_decoding_backend"}
 )  # fmt: skip
-_KINDS = ("json", "regex", "choice", "json_object")  # the constraints the engine has
-_REFUSED = ("grammar", "structural_tag")  # vLLM's others: no engine for them here
+_KINDS = ("json", "regex", "choice", "json_object", "grammar")  # the constraints the engine has
+_REFUSED = ("structural_tag",)  # vLLM's other: no engine for it here
 # options of the json constraint (vLLM's defaults: False, False, None)
 _OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
@@ -44,6 +44,7 @@ class Guided:
     regex: str | None = None
     json: str | None = None
     json_object: bool = False
+    grammar: str | None = None  # GBNF (engine/grammar.py)
     whitespace: str | None = None
     param: str | None = None
     whitespace_param: str | None = None
@@ -51,7 +52,8 @@ class Guided:
     def params(self) -> dict[str, Any]:
         """The SamplingParams fields it sets (those left at their defaults are not passed)."""
         fields = {"guided_choice": self.choice, "guided_regex": self.regex, "guided_json": self.json,
-                  "guided_json_object": self.json_object, "guided_whitespace": self.whitespace}  # fmt: skip
+                  "guided_json_object": self.json_object, "guided_grammar": self.grammar,
+                  "guided_whitespace": self.whitespace}  # fmt: skip
         return {name: value for name, value in fields.items() if value not in ((), None, False)}
 
 
@@ -101,8 +103,8 @@ def _structured(obj: dict[str, Any]) -> Guided:
     for key, value in spec.items():
         name = f"structured_outputs.{key}"
         if key in _REFUSED and value is not None:
-            raise unsupported(name, f"the {key} constraint is not supported (json, regex, choice and "
-                              "json_object are)")  # fmt: skip
+            raise unsupported(name, f"the {key} constraint is not supported (json, regex, choice, "
+                              "json_object and grammar are)")  # fmt: skip
         if key not in (*_KINDS, *_REFUSED, *_OPTIONS):
             raise unsupported(name, "unknown structured outputs field")
     for key in ("disable_any_whitespace", "disable_additional_properties", "json_object"):
@@ -118,7 +120,7 @@ def _structured(obj: dict[str, Any]) -> Guided:
         whitespace, option = "", "disable_any_whitespace"
     guided = _one(spec, "structured_outputs.", whitespace, f"structured_outputs.{option}")
     if guided.param is None:  # as vLLM's StructuredOutputsParams
-        raise bad_request("structured_outputs needs one constraint: json, regex, choice or json_object",
+        raise bad_request("structured_outputs needs one constraint: json, regex, choice, json_object or grammar",
                           "structured_outputs")  # fmt: skip
     return guided
 
@@ -126,12 +128,10 @@ def _structured(obj: dict[str, Any]) -> Guided:
 def _legacy(obj: dict[str, Any]) -> Guided:
     """vLLM 0.11's fields. guided_decoding_backend is refused: this server has one engine, and
     vLLM's V1 engine refuses a request's backend other than its own too."""
-    for name, why in (("guided_grammar", "the grammar constraint is not supported"),
-                      ("guided_decoding_backend", "a request cannot choose the structured outputs "
-                                                  "engine (vLLM's V1 refuses it too)")):  # fmt: skip
-        if obj.get(name) is not None:
-            raise unsupported(name, why)
-    values = {kind: obj.get(f"guided_{kind}") for kind in ("json", "regex", "choice")}
+    if obj.get("guided_decoding_backend") is not None:
+        raise unsupported("guided_decoding_backend", "a request cannot choose the structured outputs engine "
+                          "(vLLM's V1 refuses it too)")  # fmt: skip
+    values = {kind: obj.get(f"guided_{kind}") for kind in ("json", "regex", "choice", "grammar")}
     whitespace = _string(obj, "guided_whitespace_pattern")
     return _one(values, "guided_", whitespace, "guided_whitespace_pattern")
 
@@ -153,10 +153,10 @@ def _one(values: dict[str, Any], prefix: str, whitespace: str | None, whitespace
         raise unsupported(whitespace_param, "it applies to the json and json_object constraints only")
     if kind == "choice":
         return Guided(choice=_choices(value, param), param=param)
-    if kind == "regex":
+    if kind in ("regex", "grammar"):
         if not isinstance(value, str):
             raise bad_request(f"{param} must be a string", param)
-        return Guided(regex=value, param=param)
+        return Guided(regex=value, param=param) if kind == "regex" else Guided(grammar=value, param=param)
     if kind == "json_object":
         return Guided(json_object=True, whitespace=whitespace, param=param, whitespace_param=whitespace_param)
     return Guided(json=_schema_text(value, param), whitespace=whitespace, param=param, whitespace_param=whitespace_param)

@@ -145,6 +145,50 @@ async def test_regex(client):
     assert "".join([c.choices[0].text async for c in stream]) == (await client.completions.create(**body)).choices[0].text
 
 
+TREE = """
+# a sum tree: a digit, or two trees added in parentheses
+root ::= tree
+tree ::= [0-9] | "(" tree "+" tree ")"
+"""
+
+
+def tree_depth(text: str) -> int:
+    """The nesting of a sum tree (0 for a digit), read by hand; ValueError if it is not one."""
+    def tree(i: int) -> tuple[int, int]:
+        if i < len(text) and text[i].isdigit():
+            return 0, i + 1
+        if not text.startswith("(", i):
+            raise ValueError(f"{text!r} at {i}")
+        left, i = tree(i + 1)
+        if not text.startswith("+", i):
+            raise ValueError(f"{text!r} at {i}")
+        right, i = tree(i + 1)
+        if not text.startswith(")", i):
+            raise ValueError(f"{text!r} at {i}")
+        return 1 + max(left, right), i + 1
+
+    depth, end = tree(0)
+    if end != len(text):
+        raise ValueError(f"{text!r} goes on at {end}")
+    return depth
+
+
+@aio
+async def test_grammar(client):
+    """A GBNF grammar (structured_outputs.grammar, guided_grammar): every output is a sum tree,
+    read by a parser written here, nested at most 4 deep (the recursion bound), and it ends
+    where the tree does (nothing may follow it: the EOS)."""
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=120, temperature=1.0, seed=5,
+                extra_body={"structured_outputs": {"grammar": TREE}})  # fmt: skip
+    completion = await client.completions.create(n=4, **body)
+    answer = await chat(client, temperature=0, max_tokens=120, extra_body={"guided_grammar": TREE})
+    outputs = [(c.text, c.finish_reason) for c in completion.choices]
+    outputs.append((answer.choices[0].message.content, answer.choices[0].finish_reason))
+    assert {finish for _, finish in outputs} == {"stop"}, outputs
+    assert all(tree_depth(text) <= 4 for text, _ in outputs), outputs
+    assert any(tree_depth(text) > 0 for text, _ in outputs), outputs  # not only single digits
+
+
 @aio
 async def test_stream_gives_the_non_stream_text(client):
     """Seeded: the same JSON text, the same finish, whether streamed or not."""
@@ -211,7 +255,10 @@ BOTH = ("completions", "chat")
 
 @aio
 @pytest.mark.parametrize("endpoints, extra, param, words", [
-    (BOTH, {"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar", "not supported"),
+    (BOTH, {"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar", "line 1, column 10"),
+    (BOTH, {"structured_outputs": {"grammar": 'start: "a"'}}, "structured_outputs.grammar", "expected a rule"),
+    (BOTH, {"structured_outputs": {"grammar": 'root ::= item\nitem ::= "(" item ")"'}}, "structured_outputs.grammar",
+     "derives no string"),
     (BOTH, {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "not supported"),
     (BOTH, {"structured_outputs": {"json": SCHEMA, "regex": "a+"}}, "structured_outputs.regex", "one kind"),
     (BOTH, {"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", "json"),
@@ -219,7 +266,7 @@ BOTH = ("completions", "chat")
      "structured_outputs.whitespace_pattern", "send one"),
     (BOTH, {"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "not valid JSON"),
     (BOTH, {"structured_outputs": {"choice": ["a"], "backend": "xgrammar"}}, "structured_outputs.backend", "unknown"),
-    (BOTH, {"guided_grammar": "root ::= 'a'"}, "guided_grammar", "not supported"),
+    (BOTH, {"guided_grammar": 'root ::= "a" x'}, "guided_grammar", "'x', which is not defined"),
     (BOTH, {"guided_json": SCHEMA, "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "not supported"),
     (BOTH, {"guided_json": SCHEMA, "guided_regex": "a+"}, "guided_regex", "one kind"),
     (BOTH, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "json constraint"),

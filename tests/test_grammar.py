@@ -1,0 +1,123 @@
+"""GBNF grammars as regexes (engine/grammar.py): the strings a grammar derives, and only those,
+match its regex (Python's `re` is the judge here, and the engine's automaton agrees), a
+recursive rule nests at most MAX_DEPTH deep, and a grammar it cannot take is an error naming
+the line and column."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from deltaserve.engine.grammar import MAX_DEPTH, GrammarError, grammar_regex
+from deltaserve.engine.regex_automaton import ByteAutomaton
+
+SQL = r"""
+root ::= select_statement
+select_statement ::= "SELECT " column " from " table " where " condition
+column ::= "col_1 " | "col_2 "
+table ::= "table_1 " | "table_2 "
+condition ::= column "= " number
+number ::= "1 " | "2 "
+"""  # vLLM's documentation example
+
+ARITHMETIC = r"""
+root ::= expr   # sums of products
+expr ::= term (("+" | "-") term)*
+term ::= factor ("*" factor)*
+factor ::= [0-9]+ | "(" expr ")"
+"""
+
+JSON = r"""
+root ::= value
+value ::= object | array | string | number | ("true" | "false" | "null")
+object ::= "{" ws ( string ws ":" ws value ws ("," ws string ws ":" ws value ws)* )? "}"
+array  ::= "[" ws ( value ws ("," ws value ws)* )? "]"
+string ::= "\"" ( [^"\\\x00-\x1f] | "\\" ["\\/bfnrt] )* "\""
+number ::= "-"? [0-9]+ ("." [0-9]+)?
+ws ::= [ \t\n]*
+"""
+
+
+def matches(grammar: str, text: str) -> bool:
+    return re.fullmatch(grammar_regex(grammar), text) is not None
+
+
+@pytest.mark.parametrize("grammar, yes, no", [
+    (SQL, ["SELECT col_1  from table_2  where col_2 = 1 "], ["SELECT col_3  from table_2  where col_2 = 1 ",
+                                                           "SELECT col_1  from table_2  where col_2 = 1"]),
+    (ARITHMETIC, ["1", "12+3*4", "(1+2)*3", "((((7))))", "1-(2*(3+4))"], ["", "1+", "(1", "1)", "a", "(((((7)))))"]),
+    (JSON, ['{"a": [1, 2.5, {"b": null}], "c": "x\\"y"}', "[]", "-3", '"\\u"'[:0] + '"t"', "true"],
+           ['{"a" 1}', "[1,]", "tru", '"\x01"', "[[[[[[1]]]]]]"]),
+    (r'root ::= "a"{2,3} "b"? [x-z\-]* .', ["aab!", "aaa-zx\n", "aabzz-é", "aab"], ["ab!", "aaaa!", "aa"]),
+    (r'root ::= [^a-c] "\x41\u00e9\U0001F600\n\t\"\\"', ["dAé😀\n\t\"\\"], ["aAé😀\n\t\"\\"]),
+    ('root ::= ("x" | "y" root)', ["x", "yx", "yyyyx"], ["yyyyyx", "y"]),  # root opens itself 5 times at most
+])  # fmt: skip
+def test_derived_strings_and_only_those(grammar, yes, no):
+    pattern = grammar_regex(grammar)
+    automaton = ByteAutomaton(pattern)  # what the rank compiles: it takes the pattern too
+    assert not automaton.matches_nothing()
+    for text in yes:
+        assert re.fullmatch(pattern, text), text
+    for text in no:
+        assert not re.fullmatch(pattern, text), text
+
+
+def derive(node_rules: dict[str, list[list[str]]], name: str, rng: random.Random, open_: dict[str, int]) -> str | None:
+    """A random string of a small grammar (rules: lists of alternatives of symbols, a quoted
+    symbol a literal), within the same bound as the engine's; None where the bound stops it."""
+    if open_.get(name, 0) >= MAX_DEPTH:
+        return None
+    open_[name] = open_.get(name, 0) + 1
+    try:
+        for option in rng.sample(node_rules[name], len(node_rules[name])):
+            parts = [s[1:-1] if s.startswith('"') else derive(node_rules, s, rng, open_) for s in option]
+            if None not in parts:
+                return "".join(parts)
+        return None
+    finally:
+        open_[name] -= 1
+
+
+def test_random_derivations_match():
+    """Random recursive grammars: every string derived within the bound matches. (Their
+    regexes grow fast with references per rule: past two, most are refused as too large.)"""
+    rng = random.Random(0)
+    compiled = 0
+    for _ in range(60):
+        names = ["root", "a", "b"]
+        rules = {name: [[rng.choice([f'"{rng.choice("xyz()")}"', *names]) for _ in range(rng.randint(1, 2))]
+                        for _ in range(rng.randint(1, 2))] for name in names}  # fmt: skip
+        for name in names:  # every rule can end: one all-literal alternative
+            rules[name].append([f'"{name}"'])
+        text = "\n".join(f"{n} ::= " + " | ".join(" ".join(option) for option in options) for n, options in rules.items())
+        try:
+            pattern = grammar_regex(text)
+        except GrammarError as e:
+            assert "grows past" in str(e)
+            continue
+        compiled += 1
+        for _ in range(20):
+            derived = derive(rules, "root", rng, {})
+            assert derived is not None and re.fullmatch(pattern, derived), (text, derived)
+    assert compiled >= 40
+
+
+@pytest.mark.parametrize("grammar, words", [
+    ("", "empty"),
+    ('start: "a"', "line 1, column 6"),  # Lark
+    ("root ::= 'a'", "line 1, column 10: unexpected \"'\""),
+    ('root ::= "a"\nroot ::= "b"', "line 2, column 1: rule 'root' is defined twice"),
+    ('root ::= x', "'x', which is not defined"),
+    ('item ::= "a"', "no 'root' rule"),
+    ('root ::= ("a"', "never closed"),
+    ('root ::= [z-a]', "out of order"),
+    ('root ::= "\\q"', "escape \\q"),
+    ('root ::= "a"{3,2}', "below the least"),
+    ('root ::= "(" root ")"', "derives no string"),
+    ('root ::= a\na ::= "(" a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a ")"\n  | "x"', "grows past"),
+])  # fmt: skip
+def test_errors_name_where(grammar, words):
+    with pytest.raises(GrammarError, match=re.escape(words)):
+        grammar_regex(grammar)
