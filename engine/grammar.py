@@ -78,7 +78,8 @@ class _Parser:
         while at < len(self.text):
             m = _TOKEN.match(self.text, at)
             if m is None:
-                raise self.error(at, f"unexpected {self.text[at]!r}")
+                hint = " (rules are 'name ::= ...', GBNF's; Lark grammars are not supported)" * (self.text[at] == ":")
+                raise self.error(at, f"unexpected {self.text[at]!r}{hint}")
             if m.lastgroup != "blank":
                 out.append(_Token(m.lastgroup, m.group(), at))
             at = m.end()
