@@ -208,7 +208,7 @@ class Scheduler:
                 if self._inflight is None:
                     plan = plan_step(
                         [PlanInput(r, e.request.prompt_len, e.request.num_computed, self.prefix.split_at(r))
-                         for r, e in self._running.items() if not self.maintenance.frozen],  # frozen: no step
+                         for r, e in (() if self.maintenance.frozen else self._running.items())],  # frozen: no step
                         self._budget,
                         self._force_mixed,
                     )

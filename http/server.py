@@ -486,8 +486,8 @@ def _terminal_error(state: ServerState, ev: Any) -> ApiError:
     """The error a client sees for an ErrorEvent or an abort that reached it."""
     if state.engine.is_dead:
         return errors.engine_dead(state.engine.dead_reason or getattr(ev, "message", None))
-    if isinstance(ev, FinishedEvent):  # "abort" reaches a live client on shutdown, or by /abort_request
-        why = "the server is shutting down" if state.draining else "POST /abort_request"
+    if isinstance(ev, FinishedEvent):  # "abort" reaches a live client on shutdown, /abort_request or /pause
+        why = "the server is shutting down" if state.draining else "asked for (an abort, or a pause in abort mode)"
         return ApiError(503, f"the request was aborted: {why}", type="service_unavailable", code="aborted")
     return ApiError(500, f"the request failed: {ev.message}", type="internal_error",
                     code="request_failed")  # fmt: skip

@@ -192,13 +192,16 @@ async def test_structured_output(server):
 
 
 @aio
-async def test_abort_request_by_rid_and_all(server):
-    """An aborted request answers with its abort (SGLang's finish reason, not an error)."""
+async def test_abort_request_by_rid_and_all(server, gpt):
+    """An aborted request answers with its abort (SGLang's finish reason, not an error); one of
+    the OpenAI routes, with a 503 saying it was aborted."""
     long = {"sampling_params": {"max_new_tokens": 900, **GREEDY}}
     streamed = asyncio.ensure_future(stream(server, {"input_ids": PROMPT, "rid": "job", **long}))
     batch = asyncio.ensure_future(post(server, {"input_ids": [PROMPT, PROMPT[:3]], "rid": "pair", **long}))
     other = asyncio.ensure_future(post(server, {"input_ids": PROMPT, "rid": "other", **long}))
-    while len(server.engine.request_ids()) < 4:
+    completion = asyncio.ensure_future(gpt.completions.create(model=MODEL, prompt=PROMPT, max_tokens=900, **{
+        "temperature": 0, "extra_body": {"ignore_eos": True}}))  # fmt: skip
+    while len(server.engine.request_ids()) < 5:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.2)
     assert (await post(server, {"rid": "job"}, "/abort_request")) == (200, None)
@@ -211,6 +214,9 @@ async def test_abort_request_by_rid_and_all(server):
     assert (await post(server, {"abort_all": True}, "/abort_request"))[0] == 200
     status, rest = await other
     assert status == 200 and rest["meta_info"]["finish_reason"]["message"] == "Aborted"
+    with pytest.raises(openai.APIStatusError) as info:
+        await completion
+    assert info.value.status_code == 503 and info.value.body["code"] == "aborted", info.value.body
 
 
 @aio
