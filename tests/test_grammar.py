@@ -9,6 +9,8 @@ import random
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deltaserve.engine.grammar import MAX_DEPTH, GrammarError, grammar_regex
 from deltaserve.engine.regex_automaton import ByteAutomaton
@@ -121,3 +123,19 @@ def test_random_derivations_match():
 def test_errors_name_where(grammar, words):
     with pytest.raises(GrammarError, match=re.escape(words)):
         grammar_regex(grammar)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.lists(st.sampled_from(['root', ' ::= ', 'a', ' ::= ', '"x"', '"\\\\"', '"\\u00e9"', "[a-c]", "[^\\n]",
+                                 "[-]", ".", "|", "(", ")", "*", "+", "?", "{2}", "{1,3}", "{2,}", "\n", " ", "#c\n",
+                                 ":", "'", "\\"]), max_size=14).map("".join))  # fmt: skip
+def test_any_text_is_a_regex_or_a_grammar_error(text):
+    """Whatever the text, a GrammarError naming the problem or a pattern both Python's `re`
+    and the engine's automaton compile: never another exception (a 500 for a request)."""
+    try:
+        pattern = grammar_regex(text)
+    except GrammarError as e:
+        assert str(e)
+        return
+    re.compile(pattern)
+    ByteAutomaton(pattern)

@@ -18,6 +18,8 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from serve_helpers import in_process_server, wait_idle
 from test_http_structured_output import SCHEMA, valid
 
@@ -261,3 +263,61 @@ async def test_info_health_and_the_key(server, tiny_model_dir):
     for path in ("/generate", "/abort_request"):
         status, answer = await post(server, {"input_ids": PROMPT}, path, headers={})
         assert status == 401 and answer["error"]["code"] == "invalid_api_key", (path, answer)
+
+
+# anything, small: a valid count here (n, max_new_tokens) stays cheap to serve
+ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 6), st.floats(-3, 3), st.text(max_size=4),
+                st.lists(st.integers(0, 300), max_size=3), st.just({}))  # fmt: skip
+SAMPLING = {  # each field: a value in range, or anything
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.1, 1), "top_k": st.integers(-1, 50),
+    "min_new_tokens": st.integers(0, 2), "stop": st.lists(st.text(min_size=1, max_size=2), max_size=2),
+    "stop_token_ids": st.lists(st.integers(0, 1000), max_size=2), "n": st.integers(1, 2),
+    "sampling_seed": st.integers(0, 100), "ebnf": st.just('root ::= "a" | "b" [0-9]'),
+}  # fmt: skip
+def in_range_or_any(valid: st.SearchStrategy) -> st.SearchStrategy:
+    """Half the time a value in range (`valid | ANY` would weigh each of ANY's kinds as much)."""
+    return st.booleans().flatmap(lambda ok: valid if ok else ANY)
+
+
+TOP = {"rid": st.text(min_size=1, max_size=4), "return_logprob": st.booleans(), "logprob_start_len": st.integers(-1, 1),
+       "top_logprobs_num": st.integers(0, 2), "return_text_in_logprobs": st.booleans(), "stream": st.booleans()}
+
+
+@aio
+async def test_fuzz_bodies_answer_or_refuse(server):
+    """Random /generate bodies (known fields with values in range or anything): SGLang's
+    answer or a 4xx naming the problem, never a 5xx; a stream always ends with [DONE]."""
+    limit = in_range_or_any(st.integers(0, 3)).filter(lambda v: v is not None)  # null: up to the context, slow
+    sampling = st.fixed_dictionaries({"max_new_tokens": limit},
+                                     optional={k: in_range_or_any(v) for k, v in SAMPLING.items()})  # fmt: skip
+    prompt = st.lists(st.integers(0, 5000), min_size=1, max_size=5)
+    body = st.fixed_dictionaries({"input_ids": in_range_or_any(prompt), "sampling_params": sampling},
+                                 optional={k: in_range_or_any(v) for k, v in TOP.items()})  # fmt: skip
+    loop = asyncio.get_running_loop()
+    statuses = []
+
+    async def fetch(sample: dict) -> tuple[int, str, bytes]:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.url + "/generate", json=sample, headers=AUTH) as reply:
+                return reply.status, reply.content_type, await reply.read()
+
+    @settings(max_examples=80, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(body)
+    def one(sample: dict) -> None:
+        status, kind, raw = asyncio.run_coroutine_threadsafe(fetch(sample), loop).result(timeout=60)
+        statuses.append(status)
+        assert status == 200 or 400 <= status < 500, (status, sample, raw[:300])
+        if status != 200:
+            assert json.loads(raw)["error"]["message"], raw
+            return
+        if kind == "text/event-stream":
+            events = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+            assert events[-1] == b"[DONE]" and all(b'"error"' not in e[:10] for e in events[:-1]), raw[-300:]
+            answer = [json.loads(e) for e in events[:-1]]
+        else:
+            answer = json.loads(raw)
+        for choice in answer if isinstance(answer, list) else [answer]:
+            assert {"text", "output_ids", "meta_info"} <= set(choice), choice
+
+    await asyncio.to_thread(one)
+    assert statuses.count(200) >= 5 and any(400 <= s < 500 for s in statuses), statuses
