@@ -1,21 +1,19 @@
 """What an RL loop drives besides generation, in vLLM's and SGLang's spellings: new weights
 from a checkpoint folder, pausing and resuming generation around them, and forgetting the
 saved prompt states. AsyncEngine.update_weights, pause, resume and flush_cache do the work
-(engine/maintenance.py); every route here but /is_paused needs the API key.
+(engine/maintenance.py); every route here but /is_paused needs the API key. An engine that
+died meanwhile is the server's 503 (its error middleware).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-
 from aiohttp import web
 
-from deltaserve.engine.events import EngineDeadError
 from deltaserve.engine.maintenance import PAUSE_MODES
 from deltaserve.http import errors
 from deltaserve.http.json_fields import opt_bool, opt_str
 from deltaserve.http.request_body import read_json
-from deltaserve.http.server import STATE, ServerState, _json
+from deltaserve.http.server import STATE, _json
 
 # update_weights_from_disk's fields taken only at the value that is how deltaserve works
 _UPDATE_DEFAULTS = {"load_format": "auto", "flush_cache": True, "is_async": False, "torch_empty_cache": False}
@@ -32,13 +30,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/is_paused", is_paused)
     app.router.add_post("/pause_generation", pause_generation)  # SGLang's
     app.router.add_post("/continue_generation", continue_generation)
-
-
-async def _engine_call(state: ServerState, call: Awaitable[None]) -> None:
-    try:
-        await call
-    except EngineDeadError as exc:
-        raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -59,8 +50,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         raise errors.bad_request("model_path is required: a checkpoint folder of the served model", "model_path")
     state.check_admitting()
     try:
-        await _engine_call(state, state.engine.update_weights(
-            model_path, abort_running=opt_bool(body, "abort_all_requests", default=False)))  # fmt: skip
+        await state.engine.update_weights(model_path, abort_running=opt_bool(body, "abort_all_requests", default=False))
     except ValueError as exc:
         return _json({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
     state.weight_version = version or state.weight_version
@@ -76,7 +66,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     if load.running or load.waiting:
         return web.Response(status=400, text=f"Flush cache failed: {load.running} requests running and "
                                              f"{load.waiting} waiting; try again when idle.\n")  # fmt: skip
-    await _engine_call(state, state.engine.flush_cache())
+    await state.engine.flush_cache()
     return web.Response(status=200, text="Cache flushed.\n")
 
 
@@ -91,7 +81,7 @@ async def pause(request: web.Request) -> web.Response:
         raise errors.bad_request(f"clear_cache must be true or false, got {clear!r}", "clear_cache")
     state = request.app[STATE]
     state.check_admitting()
-    await _engine_call(state, state.engine.pause(mode, clear_cache=clear == "true"))
+    await state.engine.pause(mode, clear_cache=clear == "true")
     return _json({"status": "paused"})
 
 
@@ -114,7 +104,7 @@ async def pause_generation(request: web.Request) -> web.Response:
         raise errors.unsupported("mode", f"'abort' or 'in_place' (running requests kept where they are), got {mode!r}")
     state = request.app[STATE]
     state.check_admitting()
-    await _engine_call(state, state.engine.pause(_SGLANG_PAUSE_MODES[mode], clear_cache=False))
+    await state.engine.pause(_SGLANG_PAUSE_MODES[mode], clear_cache=False)
     return _json({"message": "Generation paused successfully.", "status": "ok"})
 
 

@@ -183,6 +183,8 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
         return await handler(request)
     except ApiError as err:
         return _error_response(err)
+    except EngineDeadError as exc:  # it died, or shut down, while the route used it
+        return _error_response(errors.engine_dead(request.app[STATE].engine.dead_reason or str(exc)))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -17,14 +17,14 @@ from pathlib import Path
 from aiohttp import web
 
 import deltaserve
-from deltaserve.engine.events import EngineDeadError, ErrorEvent, FinishedEvent, QueueFullError
+from deltaserve.engine.events import ErrorEvent, FinishedEvent, QueueFullError
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http import errors
 from deltaserve.http.errors import renamed_fields
 from deltaserve.http.json_fields import opt_bool, opt_str
 from deltaserve.http.protocol import parse_completion_request
 from deltaserve.http.request_body import read_json
-from deltaserve.http.server import STATE, _error_response, _json, _open_streams, _params, _respond
+from deltaserve.http.server import STATE, _json, _open_streams, _params, _respond
 from deltaserve.http.sglang_output import GenerateFormatter
 from deltaserve.http.sglang_request import RENAMED, parse_generate_request
 
@@ -48,11 +48,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     with renamed_fields(RENAMED):
         parsed = [parse_completion_request(body, state.sampling_defaults) for body in req.bodies]
         state.check_admitting()
-        try:
-            prompts = [await state.engine.encode(p) if isinstance(p, str) else list(p)
-                       for p in (c.prompts[0] for c in parsed)]  # fmt: skip
-        except EngineDeadError as exc:
-            raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
+        prompts = [await state.engine.encode(p) if isinstance(p, str) else list(p)
+                   for p in (c.prompts[0] for c in parsed)]  # fmt: skip
         params = []
         for prompt, completion, limit in zip(prompts, parsed, req.max_new_tokens, strict=True):
             if req.return_logprob and req.logprob_start_len >= len(prompt):
@@ -86,15 +83,11 @@ async def health_generate(request: web.Request) -> web.Response:
     """200 once a one-token request comes back from the model; 503 (with why) if the engine is
     dead, stopping, or the token does not come within HEALTH_GENERATE_TIMEOUT_S."""
     state = request.app[STATE]
+    state.check_admitting()
     try:
-        state.check_admitting()
         stream = state.engine.generate([0], SamplingParams(max_tokens=1, temperature=0.0))
-    except errors.ApiError as err:
-        return _error_response(err)
-    except EngineDeadError as exc:
-        return _error_response(errors.engine_dead(state.engine.dead_reason or str(exc)))
     except QueueFullError as exc:  # as SGLang's: busy is not unhealthy, but no token came
-        return _error_response(errors.queue_full(str(exc)))
+        raise errors.queue_full(str(exc)) from None
     try:
         async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
             async for ev in stream:
@@ -106,8 +99,7 @@ async def health_generate(request: web.Request) -> web.Response:
         pass
     finally:
         await stream.aclose()
-    return _error_response(errors.ApiError(503, "the engine did not generate a token", type="service_unavailable",
-                                           code="unhealthy"))  # fmt: skip
+    raise errors.ApiError(503, "the engine did not generate a token", type="service_unavailable", code="unhealthy")
 
 
 async def model_info(request: web.Request) -> web.Response:

@@ -17,6 +17,7 @@ import shutil
 import signal
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
 from serve_helpers import ServeProcess, get, rank_pids, wait_gone
@@ -80,6 +81,9 @@ async def test_rank_sigkill_in_process(tiny_model_dir):
         assert info.value.status_code == 503
         status, body = await get(url + "/health")
         assert status == 503 and "engine_dead" in body
+        for path in ("/resume", "/continue_generation", "/pause"):  # routes that call the engine as it is
+            async with aiohttp.ClientSession() as session, session.post(url + path) as reply:
+                assert reply.status == 503 and (await reply.json())["error"]["code"] == "engine_dead", path
         with pytest.raises(openai.APIStatusError) as info:
             await client.completions.create(model="tiny", prompt="x", max_tokens=2)
         assert info.value.status_code == 503
