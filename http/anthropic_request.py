@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.http.errors import bad_request, unsupported
+from deltaserve.http.json_fields import json_object
 from deltaserve.http.protocol import TEXT_PART_SEPARATOR
 
 _KEYS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
@@ -41,8 +42,7 @@ class MessagesRequest:
 
 def parse_messages_request(body: object, *, count_only: bool = False) -> MessagesRequest:
     """`count_only`: /v1/messages/count_tokens's body (no max_tokens)."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
+    body = json_object(body)
     for key in body:
         if key not in _KEYS:
             raise unsupported(key, f"'{key}' is not a Messages API field deltaserve supports")

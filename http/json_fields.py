@@ -46,6 +46,13 @@ def opt_bool(obj: dict[str, Any], name: str, *, default: _D) -> bool | _D:
     return value
 
 
+def json_object(body: object) -> dict[str, Any]:
+    """A request body that must be a JSON object."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {json_type(body)}")
+    return body
+
+
 def opt_str(obj: dict[str, Any], name: str) -> str | None:
     value = obj.get(name)
     if value is not None and not isinstance(value, str):

@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from deltaserve.http.errors import ApiError, bad_request, unsupported
-from deltaserve.http.json_fields import is_int, json_type, opt_bool, opt_float, opt_int, opt_str
+from deltaserve.http.json_fields import (
+    is_int,
+    json_object,
+    json_type,
+    opt_bool,
+    opt_float,
+    opt_int,
+    opt_str,
+)
 from deltaserve.http.structured_output import STRUCTURED_OUTPUT_KEYS, Guided, parse_guided
 from deltaserve.http.tool_protocol import TOOL_MESSAGE_KEYS, parse_tool_fields, tool_message_fields
 
@@ -163,7 +171,7 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
     """`defaults`: sampling settings (temperature, top_p, top_k, min_p, repetition_penalty)
     taken where the body leaves them out or null: the model's generation_config.json, as
     vLLM takes it."""
-    obj = _object(body)
+    obj = json_object(body)
     _refuse_unknown(obj, _COMPLETION_KEYS)
     _refuse_non_defaults(obj, _COMPLETION_DEFAULTS)
     opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
@@ -197,7 +205,7 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
 
 def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None) -> ChatRequest:
     """`defaults`: as parse_completion_request's."""
-    obj = _object(body)
+    obj = json_object(body)
     _refuse_unknown(obj, _CHAT_KEYS)
     _refuse_non_defaults(obj, _CHAT_DEFAULTS)
     opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
@@ -257,12 +265,6 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
 # ---- pieces ------------------------------------------------------------------------------
 
 
-def _object(body: object) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {json_type(body)}")
-    return body
-
-
 def _refuse_unknown(obj: dict[str, Any], known: frozenset[str]) -> None:
     for key in obj:
         if key not in known:
@@ -279,7 +281,7 @@ def _refuse_non_defaults(obj: dict[str, Any], defaults: dict[str, Any]) -> None:
         if isinstance(default, bool) or isinstance(value, bool):
             same = value is default
         else:
-            same = isinstance(value, int | float | list) and value == default
+            same = isinstance(value, int | float | list | str) and value == default
         if not same:
             shown = "null" if default is None else json.dumps(default)
             raise unsupported(name, f"only its default ({name}={shown}) is supported")

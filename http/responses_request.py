@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.http.errors import ApiError, bad_request, renamed_fields, unsupported
-from deltaserve.http.json_fields import opt_bool
+from deltaserve.http.json_fields import json_object, opt_bool
 from deltaserve.http.protocol import TEXT_PART_SEPARATOR
 
 RESPONSES_KEPT = 1024
@@ -91,8 +91,7 @@ class ResponsesRequest:
 
 
 def parse_responses_request(body: object, store: ResponseStore) -> ResponsesRequest:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
+    body = json_object(body)
     for key in body:
         if key not in _KEYS:
             raise unsupported(key, f"'{key}' is not a Responses API field deltaserve supports")

@@ -11,7 +11,8 @@ from aiohttp import web
 
 from deltaserve.engine.maintenance import PAUSE_MODES
 from deltaserve.http import errors
-from deltaserve.http.json_fields import opt_bool, opt_str
+from deltaserve.http.json_fields import json_object, opt_bool, opt_str
+from deltaserve.http.protocol import _refuse_non_defaults, _refuse_unknown
 from deltaserve.http.request_body import read_json
 from deltaserve.http.server import STATE, _json
 
@@ -37,14 +38,9 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     between requests; `weight_version` names them in later answers. `{"success", "message",
     "num_paused_requests"}`, 200, or 400 when the folder is not this model's (nothing changed)."""
     state = request.app[STATE]
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise errors.bad_request("the request body must be a JSON object")
-    for key, value in body.items():
-        if key in _UPDATE_DEFAULTS and value not in (None, _UPDATE_DEFAULTS[key]):
-            raise errors.unsupported(key, f"only {key}={_UPDATE_DEFAULTS[key]!r} is supported")
-        if key not in _UPDATE_DEFAULTS and key not in ("model_path", "abort_all_requests", "weight_version"):
-            raise errors.unsupported(key, f"'{key}' is not an update_weights_from_disk field deltaserve supports")
+    body = json_object(await read_json(request))
+    _refuse_non_defaults(body, _UPDATE_DEFAULTS)
+    _refuse_unknown(body, frozenset({"model_path", "abort_all_requests", "weight_version", *_UPDATE_DEFAULTS}))
     model_path, version = opt_str(body, "model_path"), opt_str(body, "weight_version")
     if not model_path:
         raise errors.bad_request("model_path is required: a checkpoint folder of the served model", "model_path")

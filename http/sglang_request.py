@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.http.errors import bad_request, unsupported
-from deltaserve.http.json_fields import is_int, json_type, opt_bool, opt_int
+from deltaserve.http.json_fields import is_int, json_object, json_type, opt_bool, opt_int
+from deltaserve.http.protocol import _refuse_non_defaults, _refuse_unknown
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 _SAMPLING = {  # SGLang's sampling_params key -> the completion field that honours it
@@ -72,13 +73,9 @@ class GenerateRequest:
 
 
 def parse_generate_request(body: object) -> GenerateRequest:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    for key, value in body.items():
-        if key in _DEFAULTS and value not in (None, _DEFAULTS[key]):
-            raise unsupported(key, f"only {key}={_DEFAULTS[key]} is supported")
-        if key not in _KEYS and key not in _DEFAULTS and value is not None:
-            raise unsupported(key, f"'{key}' is not a /generate field deltaserve supports")
+    body = json_object(body)
+    _refuse_non_defaults(body, _DEFAULTS)
+    _refuse_unknown({k: v for k, v in body.items() if v is not None}, _KEYS | frozenset(_DEFAULTS))  # null: unsent
     prompts, batch = _prompts(body)
     sampling = body.get("sampling_params")
     if isinstance(sampling, list):

@@ -16,9 +16,8 @@ from aiohttp import web
 
 from deltaserve.engine.events import EngineDeadError
 from deltaserve.http import errors
-from deltaserve.http.json_fields import json_type, opt_bool, opt_str
+from deltaserve.http.json_fields import json_object, json_type, opt_bool, opt_str
 from deltaserve.http.protocol import (
-    _object,
     _refuse_unknown,
     _token_ids,
     parse_chat_request,
@@ -67,7 +66,7 @@ async def invocations(request: web.Request) -> web.StreamResponse:
 async def tokenize(request: web.Request) -> web.Response:
     """`{"count", "max_model_len", "tokens", "token_strs"}`; token_strs null unless asked."""
     state = request.app[STATE]
-    obj = _object(await read_json(request))
+    obj = json_object(await read_json(request))
     is_chat = obj.get("messages") is not None
     if is_chat and obj.get("prompt") is not None:
         raise errors.bad_request("give either prompt (a text) or messages (a chat), not both", "messages")
@@ -86,7 +85,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     """`{"prompt": text}`: the ids decoded with their special tokens, as vLLM's."""
     state = request.app[STATE]
-    obj = _object(await read_json(request))
+    obj = json_object(await read_json(request))
     _refuse_unknown(obj, _DETOKENIZE_KEYS)
     if obj.get("tokens") is None:
         raise errors.bad_request("tokens is required", "tokens")

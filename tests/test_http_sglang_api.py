@@ -235,7 +235,7 @@ async def test_abort_request_by_rid_and_all(server, gpt):
     ({"input_ids": PROMPT, "sampling_params": {"json_schema": "{"}}, "sampling_params.json_schema"),
     ({"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 8}, "logprob_start_len (8)"),
     ({"input_ids": PROMPT, "image_data": "x.png"}, "'image_data'"),
-    ({"input_ids": PROMPT, "return_hidden_states": True}, "only return_hidden_states=False"),
+    ({"input_ids": PROMPT, "return_hidden_states": True}, "only its default (return_hidden_states=false)"),
     ({"input_ids": [PROMPT, PROMPT], "sampling_params": [{"n": 1}, {"n": 2}]}, "n must be the same"),
     ({"input_ids": [10**9]}, "ids must be integers in [0, "),
 ])  # fmt: skip

@@ -128,7 +128,7 @@ async def test_sglang_routes(tiny_model_dir, model_b, refs, tmp_path):
         generate = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, **GREEDY}}
         status, out = await post("/generate", generate)
         assert out["output_ids"] == refs["a"][:8] and out["meta_info"]["weight_version"] == "default"
-        status, answer = await post("/update_weights_from_disk", {"model_path": str(model_b), "weight_version": "step-1"})
+        status, answer = await post("/update_weights_from_disk", {"model_path": str(model_b), "weight_version": "step-1", "load_format": "auto"})
         assert (status, answer["success"]) == (200, True), answer
         status, out = await post("/generate", generate)
         assert out["output_ids"] == refs["b"][:8] and out["meta_info"]["weight_version"] == "step-1"
