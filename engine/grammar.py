@@ -22,6 +22,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from deltaserve.engine.regex_automaton import MAX_CODEPOINT
+
 MAX_DEPTH = 5  # times a rule may be open at once: 4 levels of nesting below the first
 MAX_PATTERN_CHARS = 500_000  # the regex a grammar may become
 ROOT = "root"
@@ -149,7 +151,7 @@ class _Parser:
         if token.kind == "name":
             return ("ref", token.text)
         if token.text == ".":
-            return ("chars", ((0, 0x10FFFF),), False)
+            return ("chars", ((0, MAX_CODEPOINT),), False)
         if token.text == "(":
             node = self.alternatives()
             if (end := self.peek()) is None or end.text != ")":
@@ -170,7 +172,7 @@ class _Parser:
             width = {"x": 2, "u": 4, "U": 8}.get(e, 0)
             digits = body[j + 2 : j + 2 + width]
             if width and not (len(digits) == width and all(d in "0123456789abcdefABCDEF" for d in digits)
-                              and int(digits, 16) <= 0x10FFFF):  # fmt: skip
+                              and int(digits, 16) <= MAX_CODEPOINT):  # fmt: skip
                 raise self.error(at, f"\\{e} needs {width} hex digits of a code point")
             if not width and e.isalnum() and e not in _ESCAPES:
                 raise self.error(at, f"the escape \\{e} is not GBNF's")

@@ -57,16 +57,16 @@ class GenerateFormatter:
         return self._choice(index, state) if self._req.stream else None
 
     def finish(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any] | None:
-        ids = self._ids[index]
+        ids, alone = self._ids[index], self._req.max_new_tokens[index // self._n] == 0
         if ev.reason == "abort":
             reason = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-        elif self._req.max_new_tokens[index // self._n] == 0:
+        elif alone:
             reason = {"type": "length", "length": 0}
         elif ev.reason == "length":
             reason = {"type": "length", "length": len(ids)}
         else:  # a stop string or stop_token_ids id as vLLM's stop_reason names it, else the EOS
             reason = {"type": "stop", "matched": ev.stop_reason if ev.stop_reason is not None else ids[-1]}
-        if reason["type"] != "abort" and self._req.max_new_tokens[index // self._n] != 0:
+        if reason["type"] != "abort" and not alone:
             state.add_text(ev.text)
         self._finish[index] = reason
         return self._choice(index, state) if self._req.stream else None
