@@ -365,7 +365,7 @@ class AsyncEngine:
             if differences:
                 raise ValueError(f"{model_dir} is not the served model: its config.json differs in "
                                  f"{', '.join(differences)}")  # fmt: skip
-            check_same_tensors(self.weights_dir, model_dir, self.model_config.tie_word_embeddings)
+            check_same_tensors(self.weights_dir, model_dir, self.model_config)
 
         await asyncio.to_thread(check)
         done = self._maintain("load_weights", model_dir)  # admission held from here

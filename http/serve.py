@@ -31,6 +31,7 @@ from deltaserve.http.tool_parsers import TOOL_CALL_PARSERS
 from deltaserve.http.vllm_flags import (
     UVICORN_LOG_LEVELS,
     add_vllm_flags,
+    check_quantization,
     human_readable_int,
     refused_vllm_flag,
 )
@@ -327,6 +328,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 2
     try:
         server_config, engine_config = _server_config(args), _engine_config(args)
+        check_quantization(args.quantization, None if demo else args.model)
         if server_config.generation_config == "auto":  # read again at start: refused now, not then
             from deltaserve.engine.tokenizer import generation_sampling_defaults
 

@@ -80,7 +80,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto only: the KV cache is kept in the model's dtype (--dtype)")  # fmt: skip
     g.add_argument("--quantization", "-q", default=None,
-                   help="refused: deltaserve loads unquantized (bf16/fp32) checkpoints only")  # fmt: skip
+                   help="fp8 only, with an FP8 release (block scales, as Qwen's -FP8 checkpoints), which "
+                        "loads as such without it; other methods and quantizing at load are refused")  # fmt: skip
     # vLLM swaps a preempted request's KV blocks to this much CPU memory; here a request is
     # never preempted (its whole lifetime's blocks are reserved when it is admitted), so no
     # swap space is ever needed: any size is honoured by using none of it.
@@ -99,9 +100,26 @@ def refused_vllm_flag(args: argparse.Namespace) -> str | None:
     if args.kv_cache_dtype != "auto":
         return (f"--kv-cache-dtype {args.kv_cache_dtype}: not supported: the KV cache is kept in "
                 "the model's dtype (--dtype); only auto")  # fmt: skip
-    if args.quantization is not None:
-        return (f"--quantization {args.quantization}: not supported: deltaserve loads "
-                "unquantized (bf16/fp32) checkpoints only")  # fmt: skip
+    if args.quantization not in (None, "fp8"):
+        return (f"--quantization {args.quantization}: not supported: deltaserve loads unquantized "
+                "(bf16/fp32) checkpoints and FP8 releases with block scales (--quantization fp8)")  # fmt: skip
     if args.swap_space is not None and not args.swap_space >= 0:
         return f"--swap-space must be a number of GiB >= 0, got {args.swap_space}"
     return None
+
+
+def check_quantization(method: str | None, model_dir: str | None) -> None:
+    """ValueError unless --quantization names what the checkpoint is (`model_dir` None: the
+    demo's, unquantized): vLLM would quantize an unquantized checkpoint as it loads."""
+    if method is None:
+        return
+    from deltaserve.engine.rank.model_config import ModelConfig
+
+    try:
+        fp8 = model_dir is not None and ModelConfig.from_model_dir(model_dir).fp8_block is not None
+    except FileNotFoundError as e:  # no config.json
+        raise ValueError(str(e)) from None
+    if not fp8:
+        raise ValueError(f"--quantization {method}: {model_dir or 'the demo checkpoint'} is not an FP8 release "
+                         "(no FP8 quantization_config in its config.json), and quantizing a checkpoint as it "
+                         "loads is not supported")  # fmt: skip

@@ -19,6 +19,11 @@ Values are chosen so that mistakes show:
 Usage (from the repository root):
     python -m tools.make_model --preset tiny --out /tmp/tiny
     python -m tools.make_model --preset 4b --out /tmp/q4b --dtype bf16 --device cuda
+    python -m tools.make_model --preset 4b --out /tmp/q4b-fp8 --dtype fp8 --device cuda
+
+`--dtype fp8` writes an FP8 release as Qwen's `-FP8` checkpoints are laid out: the decoder
+layers' projections (but the DeltaNet's 1-row-per-head in_proj_a / in_proj_b) as float8_e4m3fn in
+blocks of `--fp8-block` squared, each with its fp32 `weight_scale_inv`; everything else bf16.
 """
 
 from __future__ import annotations
@@ -90,8 +95,12 @@ PRESETS: dict[str, dict] = {
     "9b": _published(4096, 32, 16, 4, 16, 32, 12288, False),
 }
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: the unquantized tensors'
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+FP8_QUANTIZED = re.compile(
+    r"layers\.\d+\.(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|mlp\.(gate|up|down)_proj)\.weight$")
+FP8_NOT_CONVERTED = ["lm_head", "embed_tokens", "in_proj_a", "in_proj_b", "visual", "mtp"]
 
 # Scales (see the module docstring). Logit std = EMBED_NORM * FINAL_NORM_GAIN.
 EMBED_NORM = 2.0  # expected L2 norm of an embedding row
@@ -220,6 +229,17 @@ def init_tensor(name: str, shape: tuple[int, ...], text: dict, seed: int,
     return out
 
 
+def quantize_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn values, fp32 weight_scale_inv) in blocks of block x block, as the FP8
+    releases are made: each block's largest magnitude maps to FP8_MAX."""
+    rows, cols = weight.shape
+    padded = torch.nn.functional.pad(weight.float(), (0, -cols % block, 0, -rows % block))
+    blocks = padded.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [row blocks, b, col blocks, b]
+    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    values = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    return values.flatten(2, 3).flatten(0, 1)[:rows, :cols].to(torch.float8_e4m3fn), scale_inv
+
+
 def _meta_state_shapes(model_cls, config) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = model_cls(config)
@@ -310,11 +330,11 @@ def _write_json(path: Path, data: dict) -> None:
 
 def make_model(out_dir: str | Path, preset: str = "tiny", dtype: str = "fp32", seed: int = 0,
                vlm_names: bool = False, shard_size: str | int | None = None,
-               overrides: dict | None = None, device: str = "cpu") -> Path:
+               overrides: dict | None = None, device: str = "cpu", fp8_block: int = 128) -> Path:
     """Write a random checkpoint of `preset` into `out_dir` (created) and return its path.
 
-    Same seed, same values, whatever the naming, sharding or dtype (bf16 = fp32 rounded);
-    values also depend on `device` (CPU and CUDA generators differ).
+    Same seed, same values, whatever the naming, sharding or dtype (bf16 = fp32 rounded, fp8
+    = fp32 quantized); values also depend on `device` (CPU and CUDA generators differ).
     """
     from safetensors.torch import save_file
 
@@ -326,6 +346,10 @@ def make_model(out_dir: str | Path, preset: str = "tiny", dtype: str = "fp32", s
     config, entries = checkpoint_layout(text, vlm_names)
     config["dtype"] = config["torch_dtype"] = _DTYPE_NAMES[dtype]
     config["eos_token_id"] = list(EOS_TOKEN_IDS)
+    if dtype == "fp8":  # as Qwen's FP8 releases say it (transformers' FineGrainedFP8Config)
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [fp8_block, fp8_block],
+                                         "modules_to_not_convert": FP8_NOT_CONVERTED}  # fmt: skip
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -344,11 +368,16 @@ def make_model(out_dir: str | Path, preset: str = "tiny", dtype: str = "fp32", s
                      else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
         tensors = {}
         for name, text_name, shape in shard:
-            value = init_tensor(text_name, shape, text, seed, torch_dtype, device, pool)
+            if dtype == "fp8" and FP8_QUANTIZED.search(text_name):
+                value = init_tensor(text_name, shape, text, seed, torch.float32, device, pool)
+                value, tensors[name + "_scale_inv"] = (t.cpu() for t in quantize_fp8(value, fp8_block))
+                weight_map[name + "_scale_inv"] = file_name
+            else:
+                value = init_tensor(text_name, shape, text, seed, torch_dtype, device, pool)
             tensors[name] = value.cpu()
             weight_map[name] = file_name
             total_params += math.prod(shape)
-            total_bytes += math.prod(shape) * torch_dtype.itemsize
+            total_bytes += math.prod(shape) * value.dtype.itemsize
         save_file(tensors, out / file_name, metadata={"format": "pt"})
         (out / file_name).chmod(0o644)  # safetensors creates files owner-only
         del tensors
@@ -391,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", required=True, choices=list(PRESETS))
     parser.add_argument("--out", required=True, help="output folder (created)")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    parser.add_argument("--fp8-block", type=int, default=128, help="with --dtype fp8: the scales' block side")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vlm-names", action="store_true",
                         help="released VLM layout: model.language_model.* + visual/mtp tensors")
@@ -401,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start_s = time.monotonic()
     out = make_model(args.out, preset=args.preset, dtype=args.dtype, seed=args.seed,
-                     vlm_names=args.vlm_names, shard_size=args.shard_size, device=args.device)
+                     vlm_names=args.vlm_names, shard_size=args.shard_size, device=args.device,
+                     fp8_block=args.fp8_block)
     size_gb = sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e9
     print(f"wrote {args.preset} ({args.dtype}) to {out}: {size_gb:.2f} GB of safetensors "
           f"in {time.monotonic() - start_s:.1f} s")

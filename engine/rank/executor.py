@@ -156,7 +156,7 @@ class Executor:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         started = time.monotonic()
         self.model = Qwen3_5ForCausalLM(self.model_config, self.dtype, self.device)
-        load_weights(self.model, config.model_dir, self.model_config.tie_word_embeddings)
+        load_weights(self.model, config.model_dir, self.model_config)
         log.info("rank %d: weights loaded in %.1f s", config.rank, time.monotonic() - started)
         self.sampler = Sampler(partial(load_trie, config.model_dir)) if config.rank == 0 else None
         self.requests: dict[int, LiveRequest] = {}
@@ -497,7 +497,7 @@ class Executor:
         if differences := self.model_config.differences(ModelConfig.from_model_dir(model_dir)):
             raise CheckpointError(f"{model_dir}: not the served model's config.json ({', '.join(differences)})")
         started = time.monotonic()
-        load_weights(self.model, model_dir, self.model_config.tie_word_embeddings)
+        load_weights(self.model, model_dir, self.model_config)
         log.info("rank %d: weights loaded from %s in %.1f s", self.config.rank, model_dir, time.monotonic() - started)
 
     def snapshot(self) -> RankSnapshot:

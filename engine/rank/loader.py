@@ -3,10 +3,11 @@
 Accepts both naming schemes: `model.language_model.*` of the released vision-language
 checkpoints (whose `model.visual.*` and `mtp.*` tensors are skipped) and `model.*` of text-only
 saves; single or sharded safetensors (`model.safetensors.index.json`); tied embeddings (no
-`lm_head.weight`, or one we ignore). A missing tensor (named as the checkpoint's layout names
-it), a wrong shape, a dtype that is not a float one (integer, bool or FP8: quantized weights)
-or an unexpected text tensor is an error that names the tensor and the file. Floating tensors
-(fp32, bf16, fp16, fp64) are converted to the model's dtype.
+`lm_head.weight`, or one we ignore); FP8 releases with block scales (fp8.py: each FP8 weight
+widened with its `weight_scale_inv`). A missing tensor (named as the checkpoint's layout names
+it), a wrong shape, a dtype that is not a float one (integer, bool, or FP8 outside an FP8
+release) or an unexpected text tensor is an error that names the tensor and the file. Floating
+tensors (fp32, bf16, fp16, fp64) are converted to the model's dtype.
 
 Projections the model runs as one GEMM (`model.packed_modules`: checkpoint module name ->
 (our module name, part)) load tensor by tensor into their part of the merged weight.
@@ -21,6 +22,8 @@ import torch
 from torch import nn
 
 from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, SafetensorsError, read_header
+from deltaserve.engine.rank.fp8 import FP8_DTYPES, SCALE_SUFFIX, Fp8Pairs
+from deltaserve.engine.rank.model_config import ModelConfig
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 VLM_TEXT_PREFIX = "model.language_model."
@@ -102,8 +105,9 @@ def expected_names(params: dict[str, nn.Parameter], packed: dict[str, tuple[str,
     return names
 
 
-def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: bool) -> None:
+def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig) -> None:
     model_dir = Path(model_dir)
+    tie_word_embeddings = config.tie_word_embeddings
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
     device = next(iter(params.values())).device
@@ -114,22 +118,36 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
         nonlocal vlm_layout
         vlm_layout = vlm_layout or name.startswith(VLM_TEXT_PREFIX)
         target = text_name(name)
-        return target is not None and not (target == "lm_head.weight" and tie_word_embeddings)
+        return target is not None and not (target.removesuffix(SCALE_SUFFIX) == "lm_head.weight" and tie_word_embeddings)
 
     reader = CheckpointReader(device)
+    fp8 = Fp8Pairs(config.fp8_block) if config.fp8_block else None
     loaded: set[str] = set()
     for path in checkpoint_files(model_dir):
         try:
             for name, tensor in reader.tensors(path, wanted):
+                if fp8 is not None:
+                    if (taken := fp8_take(fp8, name, path, tensor)) is None:
+                        continue  # half of an FP8 pair: the other half comes later
+                    name, tensor = taken
                 load_tensor(params, packed, name, path, tensor, loaded)
         except SafetensorsError as e:
             raise CheckpointError(f"{model_dir}: {e}") from None
+    if fp8 is not None and (unpaired := fp8.unpaired()):
+        raise CheckpointError(f"checkpoint {model_dir} has unpaired FP8 tensors: {', '.join(unpaired[:5])}")
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the staging copies' blocks, which later allocations would pin
     missing = sorted(checkpoint_name(name, vlm_layout) for name in expected_names(params, packed) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {model_dir} lacks tensors: {shown}")
+
+
+def fp8_take(fp8: Fp8Pairs, name: str, path: Path, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    try:
+        return fp8.take(name, tensor)
+    except ValueError as e:
+        raise CheckpointError(f"{e} (in {path.name})") from None
 
 
 def load_tensor(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, int]], name: str, path: Path,
@@ -160,10 +178,12 @@ def load_tensor(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, in
     loaded.add(target)
 
 
-def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, tie_word_embeddings: bool) -> None:
+def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, config: ModelConfig) -> None:
     """Raise CheckpointError unless `new_dir` holds the serving checkpoint's text tensors, each
-    of the same shape and floating point, read from the files' headers alone: a weight update
-    checks this before any rank copies a tensor (a rank failing half-way poisons the replica)."""
+    of the same shape and floating point (FP8 where the served one is), read from the files'
+    headers alone: a weight update checks this before any rank copies a tensor (a rank failing
+    half-way poisons the replica)."""
+    tie_word_embeddings = config.tie_word_embeddings
 
     def tensors(model_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         out = {}
@@ -183,7 +203,8 @@ def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, tie_word_em
     problems += [f"{name} of shape {list(new[name][0])}, not {list(old[name][0])}"
                  for name in sorted(old.keys() & new.keys()) if new[name][0] != old[name][0]]  # fmt: skip
     problems += [f"{name} of dtype {str(dtype).removeprefix('torch.')}"
-                 for name, (_, dtype) in sorted(new.items()) if dtype not in FLOAT_DTYPES]  # fmt: skip
+                 for name, (_, dtype) in sorted(new.items())
+                 if dtype not in FLOAT_DTYPES and (dtype not in FP8_DTYPES or old.get(name, (0, 0))[1] != dtype)]  # fmt: skip
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         raise CheckpointError(f"{new_dir} does not hold the served model's tensors: {shown}")

@@ -83,6 +83,30 @@ def token_ids(value: object, key: str) -> tuple[int, ...]:
     return tuple(to_number(token, key, int) for token in listed)
 
 
+def read_fp8_block(quant: object) -> tuple[int, int] | None:
+    """An FP8 release's weight_block_size (None: no quantization_config). Anything else that
+    is quantized is refused by name: its tensors would otherwise fail obscurely or load as garbage."""
+    if not quant:
+        return None
+    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+    if not isinstance(quant, dict) or method != "fp8":
+        raise ConfigError(f"quantized checkpoints other than FP8 with block scales are not supported "
+                          f"(quantization_config: {method!r:.40}); serve the bf16 or FP8 release of the model")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConfigError(f"quantization_config: activation_scheme {quant['activation_scheme']!r:.40} is not "
+                          f"supported (only 'dynamic': no input scales)")  # fmt: skip
+    block = quant.get("weight_block_size")
+    if block is None:
+        raise ConfigError("quantization_config: FP8 with one scale per tensor (no weight_block_size) is not "
+                          "supported, only block scales such as Qwen's [128, 128]")  # fmt: skip
+    if not isinstance(block, list) or len(block) != 2:
+        raise ConfigError(f"quantization_config: weight_block_size is {block!r:.40}, not [rows, columns]")
+    rows, cols = (to_number(size, "weight_block_size", int) for size in block)
+    if rows < 1 or cols < 1:
+        raise ConfigError(f"quantization_config: weight_block_size is {block}, not two positive integers")
+    return rows, cols
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     vocab_size: int
@@ -105,6 +129,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    fp8_block: tuple[int, int] | None = None  # an FP8 release's weight_block_size (engine/rank/fp8.py)
 
     def differences(self, other: ModelConfig) -> list[str]:
         """The fields in which `other` is another model (the weights' dtype may differ: they
@@ -189,11 +214,7 @@ class ModelConfig:
         text_config = raw.get("text_config")
         if "text_config" in raw and not isinstance(text_config, dict):
             raise ConfigError(f"text_config is {json_kind(text_config)}, not an object of the text model's settings")
-        quant = raw.get("quantization_config") or (text_config or {}).get("quantization_config")
-        if quant:  # FP8 and other quantized releases: their scale tensors would otherwise fail obscurely
-            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-            raise ConfigError(f"quantized checkpoints are not supported (quantization_config: {method}); "
-                              f"serve the bf16 release of the model")
+        fp8_block = read_fp8_block(raw.get("quantization_config") or (text_config or {}).get("quantization_config"))
         top_eos = raw.get("eos_token_id")
         if model_type == "qwen3_5":
             if text_config is None:
@@ -260,6 +281,7 @@ class ModelConfig:
             tie_word_embeddings=bool(tie),
             eos_token_ids=eos_ids,
             torch_dtype=dtype or "bfloat16",
+            fp8_block=fp8_block,
         )
 
     @classmethod

@@ -1,0 +1,73 @@
+"""FP8 checkpoints with block scales: Qwen's `-FP8` releases (DeepSeek-V3's format).
+
+Each quantized projection is stored as an FP8 `weight` of [rows, cols] beside an fp32
+`weight_scale_inv` of [ceil(rows / bm), ceil(cols / bn)] for `weight_block_size` [bm, bn]: the
+real weight is the FP8 value times its block's scale (the "inverse" of the quantizer's scale).
+Every other tensor (embeddings, norms, conv, whichever `modules_to_not_convert` names) is a
+plain float tensor. Which tensors are quantized is read from the tensors' dtypes, not from
+that list, so a release that quantizes more or fewer projections loads the same way.
+
+The weights are widened as they load (to fp32, then the model's dtype), as transformers
+does on a machine without FP8 kernels: the model runs as a bf16 or fp32 checkpoint would.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The fp32 weight: block (i, j) (rows i*bm.., columns j*bn..; the last ones may be
+    partial) times `scale_inv[i, j]`. ValueError when the scales do not tile the weight."""
+    bm, bn = block
+    if weight.dim() != 2:
+        raise ValueError(f"an FP8 weight of shape {list(weight.shape)}: only matrices are quantized in blocks")
+    rows, cols = weight.shape
+    grid = (math.ceil(rows / bm), math.ceil(cols / bn))
+    if tuple(scale_inv.shape) != grid:
+        raise ValueError(f"its scales have shape {list(scale_inv.shape)}, not {list(grid)} "
+                         f"(weight {[rows, cols]} in blocks of {[bm, bn]})")  # fmt: skip
+    scale = scale_inv.float().repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
+    return weight.float() * scale
+
+
+class Fp8Pairs:
+    """Pairs each FP8 weight with its scales as a checkpoint's tensors arrive (in file order,
+    a pair possibly split across two shard files) and hands out the widened weight."""
+
+    def __init__(self, block: tuple[int, int]) -> None:
+        self.block = block
+        self.weights: dict[str, torch.Tensor] = {}  # weight name -> FP8 values awaiting scales
+        self.scales: dict[str, torch.Tensor] = {}  # weight name -> scales awaiting the values
+
+    def take(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """(name, tensor) to load now: a plain tensor as it came, an FP8 weight widened once
+        both halves are here; None while one half waits. ValueError for a malformed pair."""
+        if name.endswith(SCALE_SUFFIX):
+            weight_name = name.removesuffix(SCALE_SUFFIX)
+            if not tensor.dtype.is_floating_point or tensor.dtype in FP8_DTYPES:
+                raise ValueError(f"{name} has dtype {str(tensor.dtype).removeprefix('torch.')}, not fp32 scales")
+            self.scales[weight_name] = tensor
+        elif tensor.dtype in FP8_DTYPES:
+            weight_name = name
+            self.weights[name] = tensor
+        else:
+            return name, tensor
+        if weight_name not in self.weights or weight_name not in self.scales:
+            return None
+        weight, scale_inv = self.weights.pop(weight_name), self.scales.pop(weight_name)
+        try:
+            return weight_name, dequantize(weight, scale_inv, self.block)
+        except ValueError as e:
+            raise ValueError(f"FP8 weight {weight_name}: {e}") from None
+
+    def unpaired(self) -> list[str]:
+        """What is left once every file is read: FP8 weights without scales, scales without
+        an FP8 weight (a plain weight's, or none)."""
+        return ([f"{name} (FP8, no {SCALE_SUFFIX})" for name in sorted(self.weights)]
+                + [f"{name}{SCALE_SUFFIX} (no FP8 weight)" for name in sorted(self.scales)])  # fmt: skip

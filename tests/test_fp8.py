@@ -1,0 +1,198 @@
+"""FP8 releases (block scales, as Qwen's -FP8 checkpoints): our model against transformers'
+own FP8 loader, in every layout and at TP 2; malformed pairs and other quantizations refused
+by name; `--quantization fp8` only for what is one; served end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import openai
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from serve_helpers import in_process_server
+from test_tp_golden import run_tp
+from transformers import Qwen3_5ForCausalLM
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+from deltaserve.engine.rank.fp8 import dequantize
+from deltaserve.engine.rank.loader import CheckpointError, check_same_tensors
+from deltaserve.engine.rank.model_config import ConfigError, ModelConfig
+from deltaserve.http import serve
+from deltaserve.http.server import ServerConfig
+from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+from deltaserve.tools.golden import compare_logprobs
+from deltaserve.tools.make_model import make_model
+
+BLOCK = 32  # the tiny model's widths are 64-512: several blocks each way
+PROMPT = [random.Random(5).randrange(248044) for _ in range(90)]
+
+
+def logits_of(model_dir) -> torch.Tensor:
+    ex = Executor(ExecutorConfig(str(model_dir), num_slots=1, num_blocks=16))
+    item = StepItem(1, 0, PROMPT, True, NewRequest(len(PROMPT), SamplingSpec(seed=0)))
+    return ex.forward([item], every_position=True)
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("fp8") / "m", preset="tiny", dtype="fp8", fp8_block=BLOCK)
+
+
+@pytest.fixture
+def broken_copy(fp8_dir, tmp_path):
+    return shutil.copytree(fp8_dir, tmp_path / "broken")
+
+
+def test_fp8_release_matches_transformers(fp8_dir, tiny_model_dir):
+    """Our logits equal those of transformers' FP8 loader (which widens the weights on a
+    machine without FP8 kernels) to the golden bound, and are not the unquantized model's."""
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    fp8 = [name for name, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
+    assert len(fp8) == 3 * 6 + 1 * 7  # 3 DeltaNet layers: in_proj_qkv, z, out, the MLP's 3; 1 attention: q, k, v, o, MLP
+    hf = Qwen3_5ForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32).eval()
+    name = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    assert torch.equal(dict(hf.named_parameters())[name],
+                       dequantize(tensors[name], tensors[name + "_scale_inv"], (BLOCK, BLOCK)))  # fmt: skip
+    with torch.inference_mode():
+        reference = hf(torch.tensor([PROMPT])).logits[0].float()
+    ours = logits_of(fp8_dir)
+    report = compare_logprobs(ours, reference)
+    assert report.argmax_mismatches == 0 and report.max_abs_diff <= 1e-3, report
+    unquantized = compare_logprobs(logits_of(tiny_model_dir), reference)  # same seed, same values unrounded
+    assert unquantized.mean_abs_diff > 10 * report.mean_abs_diff, (unquantized, report)
+
+
+def test_vlm_layout_with_a_pair_split_across_shards_gives_the_same_logits(fp8_dir, tmp_path):
+    """The released layout, sharded, and one weight's scales in another file than its values
+    (a shard boundary may fall between them): the same model to the bit."""
+    vlm = make_model(tmp_path / "vlm", preset="tiny", dtype="fp8", fp8_block=BLOCK, vlm_names=True, shard_size="1MB")
+    index_path = vlm / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    scale = "model.language_model.layers.2.mlp.down_proj.weight_scale_inv"
+    source = vlm / index["weight_map"][scale]
+    tensors = load_file(str(source))
+    save_file({scale: tensors.pop(scale)}, str(vlm / "model-extra.safetensors"))
+    save_file(tensors, str(source))
+    index["weight_map"][scale] = "model-extra.safetensors"
+    index_path.write_text(json.dumps(index))
+    assert torch.equal(logits_of(vlm), logits_of(fp8_dir))
+
+
+def test_tp2_matches_tp1(fp8_dir, tmp_path):
+    """Each rank widens the whole weight and takes its shard: TP 2 over gloo gives TP 1's
+    greedy tokens and logits."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    prompt = PROMPT[:70]
+    tp1, tp2 = run_tp(1, fp8_dir, tmp_path, prompt), run_tp(2, fp8_dir, tmp_path, prompt)
+    assert tp2["tokens"] == tp1["tokens"]
+    report = compare_logprobs(tp2["prefill"], tp1["prefill"])
+    assert report.argmax_mismatches == 0 and report.max_abs_diff <= 1e-4, report
+
+
+def test_dequantize_partial_blocks():
+    """Blocks at the right and bottom edges may be partial: each value takes its own block's scale."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(70, 45, generator=gen).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 2, generator=gen) + 0.5
+    got = dequantize(weight, scale, (32, 32))
+    for i, j in [(0, 0), (31, 31), (32, 0), (69, 44), (40, 33), (64, 12)]:
+        assert got[i, j] == weight[i, j].float() * scale[i // 32, j // 32], (i, j)
+    with pytest.raises(ValueError, match=r"scales have shape \[2, 2\], not \[3, 2\]"):
+        dequantize(weight, scale[:2], (32, 32))
+
+
+def edit_tensors(model_dir, edit) -> None:
+    path = str(model_dir / "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+
+
+DOWN = "model.layers.1.mlp.down_proj.weight"
+TENSOR_FAULTS = {
+    "no scales": (lambda t: t.pop(DOWN + "_scale_inv"),
+                  rf"unpaired FP8 tensors: {DOWN} \(FP8, no _scale_inv\)"),
+    "scales of a plain weight": (lambda t: t.__setitem__(DOWN, t[DOWN].to(torch.bfloat16)),
+                                 rf"unpaired FP8 tensors: {DOWN}_scale_inv \(no FP8 weight\)"),
+    "scales of the wrong grid": (lambda t: t.__setitem__(DOWN + "_scale_inv", t[DOWN + "_scale_inv"][:, :1].clone()),
+                                 rf"FP8 weight {DOWN}: its scales have shape \[2, 1\], not \[2, 4\] \(weight \[64, 128\] in blocks of \[32, 32\]\)"),
+    "integer scales": (lambda t: t.__setitem__(DOWN + "_scale_inv", t[DOWN + "_scale_inv"].to(torch.int32)),
+                       rf"{DOWN}_scale_inv has dtype int32, not fp32 scales \(in model.safetensors\)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", TENSOR_FAULTS)
+def test_malformed_pairs_are_named(broken_copy, fault):
+    edit, error = TENSOR_FAULTS[fault]
+    edit_tensors(broken_copy, edit)
+    with pytest.raises(CheckpointError, match=error):
+        logits_of(broken_copy)
+
+
+CONFIG_FAULTS = {
+    "awq": ({"quant_method": "awq", "bits": 4}, r"other than FP8 with block scales are not supported \(quantization_config: 'awq'\)"),
+    "static": ({"activation_scheme": "static"}, r"activation_scheme 'static' is not supported"),
+    "per tensor": ({"weight_block_size": None}, r"one scale per tensor \(no weight_block_size\) is not supported"),
+    "bad block": ({"weight_block_size": [128]}, r"weight_block_size is \[128\], not \[rows, columns\]"),
+    "zero block": ({"weight_block_size": [0, 128]}, r"weight_block_size is \[0, 128\], not two positive integers"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", CONFIG_FAULTS)
+def test_other_quantizations_are_refused_by_name(broken_copy, fault):
+    change, error = CONFIG_FAULTS[fault]
+    path = broken_copy / "config.json"
+    config = json.loads(path.read_text())
+    quant = config["quantization_config"] = change if "quant_method" in change else {**config["quantization_config"], **change}
+    if quant.get("weight_block_size", 0) is None:
+        del quant["weight_block_size"]
+    path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=error):
+        ModelConfig.from_model_dir(broken_copy)
+
+
+def test_weight_update_checks(fp8_dir, tiny_model_dir, tmp_path):
+    """Another FP8 checkpoint of the model passes the update's header check; an unquantized
+    one is another config (its quantization), and an FP8 tensor where the served one is plain is refused."""
+    config = ModelConfig.from_model_dir(fp8_dir)
+    other = make_model(tmp_path / "other", preset="tiny", dtype="fp8", fp8_block=BLOCK, seed=1)
+    check_same_tensors(fp8_dir, other, config)
+    assert config.differences(ModelConfig.from_model_dir(tiny_model_dir)) == ["fp8_block"]
+    edit_tensors(other, lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].to(torch.float8_e4m3fn)))
+    with pytest.raises(CheckpointError, match="model.norm.weight of dtype float8_e4m3fn"):
+        check_same_tensors(fp8_dir, other, config)
+
+
+def test_quantization_flag_only_for_an_fp8_release(fp8_dir, tiny_model_dir, capsys):
+    """vLLM's --quantization fp8 quantizes an unquantized checkpoint as it loads; here that is
+    refused before anything starts, and an FP8 release passes the check (then the port fails)."""
+    assert serve.serve_main([str(tiny_model_dir), "--quantization", "fp8"]) == 2
+    assert f"--quantization fp8: {tiny_model_dir} is not an FP8 release" in capsys.readouterr().err
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert serve.serve_main([str(fp8_dir), "--quantization", "fp8", "--port", str(port)]) == 1
+
+
+async def test_served_through_the_openai_client(fp8_dir):
+    """The FP8 release behind the OpenAI endpoint answers as our model does on its own."""
+    ex = Executor(ExecutorConfig(str(fp8_dir), num_slots=1, num_blocks=16))
+    ids, expected = PROMPT[:20], []
+    logits = ex.forward([StepItem(1, 0, ids, True, NewRequest(40, SamplingSpec(seed=0)))])
+    for step in range(8):
+        expected.append(int(logits[-1].argmax()))
+        logits = ex.forward([StepItem(1, len(ids) + step, [expected[-1]], True)])
+    config = EngineConfig(model=str(fp8_dir), device="cpu", max_num_seqs=2, num_kv_blocks=64)
+    async with in_process_server(config, ServerConfig("fp8")) as s:
+        client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="x")
+        out = await client.completions.create(model="fp8", prompt=ids, max_tokens=8, temperature=0, logprobs=1,
+                                              extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    assert out.choices[0].logprobs.tokens == [f"token_id:{token}" for token in expected]
