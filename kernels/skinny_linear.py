@@ -15,11 +15,13 @@ BLOCK_N rows fill the MMA's 64-row side and the few token rows its narrow side.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from deltaserve.engine.rank.fp8 import dequantize
 from deltaserve.kernels.activation import silu_and_mul
 from deltaserve.kernels.causal_conv1d import causal_conv1d_update
 from deltaserve.kernels.triton_compat import (
@@ -39,6 +41,7 @@ from deltaserve.kernels.triton_compat import (
 # The most rows the skinny kernels take (above 32, the narrow outputs and TUNED shapes); 0: cuBLAS for all.
 MAX_ROWS = 64
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 ONE_WAVE = True  # the split rule (tools/bench_step_ab.py's "even_splits" mode: the rule before it)
 SILU_EPILOGUE = True  # gate_up's kernel makes silu(gate) * up (tools/bench_step_ab.py turns it off)
 SUM_IN_NORM = True  # split-K partial sums added by the next norm (`linear(unsummed=True)`; ditto)
@@ -46,6 +49,7 @@ USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mo
 LM_HEAD_GEMV = True  # one row's logits by the whole-row GEMV (`logits`; ditto, "lm_cublas")
 CONV_EPILOGUE = True  # one row's in_proj GEMV makes the DeltaNet conv (`ConvEpilogue`; ditto, "conv_apart")
 RULE_FIRST_AHEAD = True  # the rule's one-row GEMVs read their first K block before the wait (ditto, "rule_plain")
+FP8_GEMV_ROWS = 2  # an FP8 weight's GEMV tile: this many times the rows of the bf16 tile, as many bytes (ditto, "fp8_rows1")
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,33 @@ def _weight_rows(pid_n, N, up, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
+def _x_tile(x, k_offs, hi, s_ptr, s_lo, s_hi, FP8: tl.constexpr, BN: tl.constexpr, TWO: tl.constexpr):
+    """x [BLOCK_K] in fp32 as the weight tile's rows multiply it: for FP8 weights, times each
+    row's block scales (engine/rank/fp8.py) over these columns. `s_lo` / `s_hi`: offsets of the
+    scale rows of the tile's (at most) two row blocks, `hi` the rows in the second (TWO: the
+    SILU_MUL tile's up half)."""
+    x = x.to(tl.float32)
+    if FP8:
+        lo = _scaled(x, s_ptr + s_lo, k_offs, BN)
+        if TWO:
+            tile = tl.where(hi[:, None], _scaled(x, s_ptr + s_hi, k_offs, BN)[None, :], lo[None, :])
+        else:
+            tile = lo[None, :]
+    else:
+        tile = x[None, :]
+    return tile
+
+
+@triton.jit
+def _scaled(x, s_row, k_offs, BN: tl.constexpr):
+    """x [BLOCK_K] (its columns k_offs, from a multiple of BN on) times the scale of each
+    column's block in this scale row: one load per block, not per column."""
+    blocks: tl.constexpr = x.shape[0] // BN
+    scale = tl.load(s_row + tl.min(k_offs, axis=0) // BN + tl.arange(0, blocks))
+    return tl.reshape(tl.reshape(x, (blocks, BN)) * scale[:, None], (x.shape[0],))
+
+
+@triton.jit
 def _silu_mul_halves(acc, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """[BLOCK_N, BLOCK_M] products of gate rows over up rows -> silu(gate) * up [BLOCK_N / 2,
     BLOCK_M], rounded as the unfused path rounds: each product to the model dtype (the
@@ -153,16 +184,28 @@ def _silu_mul_halves(acc, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: t
 
 
 @triton.jit
+def _dot(w, x, UPCAST: tl.constexpr, acc=None):
+    """w x^T (+ acc): in fp32 at full precision under UPCAST."""
+    if UPCAST:
+        return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+    return tl.dot(w, tl.trans(x), acc)
+
+
+@triton.jit
 def _skinny_dot_kernel(
     x_ptr, w_ptr, out_ptr,
     M, N, k_blocks, up,
     stride_xm, stride_wn, stride_om, stride_split,
+    s_ptr, stride_s, w_rows,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False, GDC: tl.constexpr = False,
+    FP8: tl.constexpr = False, BM: tl.constexpr = 1, BN: tl.constexpr = 1,
 ):
     """SILU_MUL: the weight is [gate | up] by rows (`up` rows each) and out = silu(gate) * up.
     The K split (grid axis 1) gives each part k_blocks / splits of the BLOCK_K blocks, rounded
-    down or up, so that a split need not divide them (K = 32 blocks in 3 parts: 10, 11, 11)."""
+    down or up, so that a split need not divide them (K = 32 blocks in 3 parts: 10, 11, 11).
+    FP8: the weight is FP8 with block scales [BM, BN] (BLOCK_K divides BN): each K block's
+    product is scaled by its rows' scales as it is added."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -176,14 +219,18 @@ def _skinny_dot_kernel(
     n_ok = row_ok[:, None]
     m_ok = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if FP8:
+        s_rows = s_ptr + (tl.minimum(rows, w_rows - 1) // BM) * stride_s
     wait_for_previous_grid(GDC)
-    for _ in range(first, (pid_k + 1) * k_blocks // splits):
+    for block in range(first, (pid_k + 1) * k_blocks // splits):
         w = _load_weights(w_ptrs, n_ok, EVICT)
         x = tl.load(x_ptrs, mask=m_ok, other=0.0)
         if UPCAST:  # the interpreter's bf16 dot is wrong (Triton 3.x); CPU tests only
-            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+            w, x = w.to(tl.float32), x.to(tl.float32)
+        if FP8:  # the weight widened to x's dtype (exact: bf16 and fp16 hold every FP8 value)
+            acc += _dot(w.to(x.dtype), x, UPCAST) * tl.load(s_rows + block * BLOCK_K // BN)[:, None]
         else:
-            acc += tl.dot(w, tl.trans(x))
+            acc = _dot(w, x, UPCAST, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if SILU_MUL:
@@ -201,21 +248,27 @@ def _gemv_kernel(
     N, k_per_split, up,
     stride_wn, stride_split,
     conv_channels, conv_w_ptr, conv_state_ptr, conv_slots_ptr, stride_conv_slot,
+    s_ptr, stride_s,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False,
     TAIL_K: tl.constexpr = -1, CONV: tl.constexpr = False, GDC: tl.constexpr = False,
-    FIRST_AHEAD: tl.constexpr = False,
+    FIRST_AHEAD: tl.constexpr = False, FP8: tl.constexpr = False, BM: tl.constexpr = 1, BN: tl.constexpr = 1,
 ):
     """One row: products summed per thread along K, reduced across threads once at the end.
     SILU_MUL as in `_skinny_dot_kernel`; CONV (whole rows only): the DeltaNet conv over the first
     conv_channels outputs (`ConvEpilogue`). TAIL_K >= 0: the program's rows are BLOCK_K + TAIL_K
     wide (no K split; TAIL_K 0 or a power of two) and read whole before the wait, so that a
     program launched while the previous kernel finishes streams its weights meanwhile.
-    FIRST_AHEAD (the K loop): the first K block so, the rest after the wait."""
+    FIRST_AHEAD (the K loop): the first K block so, the rest after the wait. FP8: the weight is
+    FP8 with block scales [BM, BN]; a tile's rows lie in one row block (two with SILU_MUL, its
+    halves), so x is scaled once per row block (`_x_tile`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows, row_ok = _weight_rows(pid_n, N, up, BLOCK_N, SILU_MUL)
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
+    lo_row = pid_n * (BLOCK_N // 2) if SILU_MUL else pid_n * BLOCK_N
+    s_lo, s_hi = (lo_row // BM) * stride_s, ((lo_row + up) // BM) * stride_s
+    hi = tl.arange(0, BLOCK_N) >= BLOCK_N // 2
     w_ptrs = w_ptr + rows[:, None] * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + k_start + offs_k
     n_ok = row_ok[:, None]
@@ -228,15 +281,17 @@ def _gemv_kernel(
             w_tail = _load_weights(w_ptr + rows[:, None] * stride_wn + (BLOCK_K + tl.arange(0, TAIL_K))[None, :],
                                    n_ok, EVICT)
         wait_for_previous_grid(GDC)
-        out = tl.sum(w.to(tl.float32) * tl.load(x_ptrs).to(tl.float32)[None, :], axis=1)
+        x = _x_tile(tl.load(x_ptrs), offs_k, hi, s_ptr, s_lo, s_hi, FP8, BN, SILU_MUL)
+        out = tl.sum(w.to(tl.float32) * x, axis=1)
         if TAIL_K > 0:
-            x_tail = tl.load(x_ptr + BLOCK_K + tl.arange(0, TAIL_K))
-            out += tl.sum(w_tail.to(tl.float32) * x_tail.to(tl.float32)[None, :], axis=1)
+            tail_k = BLOCK_K + tl.arange(0, TAIL_K)
+            x_tail = _x_tile(tl.load(x_ptr + tail_k), tail_k, hi, s_ptr, s_lo, s_hi, FP8, BN, SILU_MUL)
+            out += tl.sum(w_tail.to(tl.float32) * x_tail, axis=1)
     else:
         if FIRST_AHEAD:
             w = _load_weights(w_ptrs, n_ok, EVICT)
             wait_for_previous_grid(GDC)
-            acc = w.to(tl.float32) * tl.load(x_ptrs).to(tl.float32)[None, :]
+            acc = w.to(tl.float32) * _x_tile(tl.load(x_ptrs), k_start + offs_k, hi, s_ptr, s_lo, s_hi, FP8, BN, SILU_MUL)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             first = BLOCK_K
@@ -244,10 +299,10 @@ def _gemv_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             wait_for_previous_grid(GDC)
             first = 0
-        for _ in range(first, k_per_split, BLOCK_K):
+        for k in range(first, k_per_split, BLOCK_K):
             w = _load_weights(w_ptrs, n_ok, EVICT)
-            x = tl.load(x_ptrs)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            x = _x_tile(tl.load(x_ptrs), k_start + k + offs_k, hi, s_ptr, s_lo, s_hi, FP8, BN, SILU_MUL)
+            acc += w.to(tl.float32) * x
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         out = tl.sum(acc, axis=1)
@@ -292,6 +347,30 @@ def _check_conv_epilogue(
         raise ValueError(f"conv epilogue: needs the whole-row GEMV ({cfg}), no silu_mul and out in x's dtype")
 
 
+@dataclass(frozen=True, slots=True)
+class Fp8Args:
+    pointers: tuple  # the scales, their row stride, the weight's rows
+    flags: dict  # FP8, BM, BN
+
+
+def _fp8_args(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int], cfg: SkinnyConfig,
+              gemv: bool, silu_mul: bool) -> Fp8Args:  # fmt: skip
+    """The kernels' FP8 arguments (the weight itself when it is not FP8: never read)."""
+    if scale is None:
+        if weight.dtype in FP8_DTYPES:
+            raise ValueError("skinny_linear: an FP8 weight needs its block scales")
+        return Fp8Args((weight, 0, weight.shape[0]), {})
+    rows, k = weight.shape
+    bm, bn = block
+    if weight.dtype not in FP8_DTYPES or scale.dtype != torch.float32 or scale.stride(1) != 1 \
+            or tuple(scale.shape) != (triton.cdiv(rows, bm), triton.cdiv(k, bn)):
+        raise ValueError(f"skinny_linear: scales {tuple(scale.shape)} {scale.dtype} do not fit the weight "
+                         f"{tuple(weight.shape)} {weight.dtype} in blocks of {block}")  # fmt: skip
+    if not fp8_fits(cfg, gemv, block, silu_mul, rows):
+        raise ValueError(f"skinny_linear: tiles of {cfg} do not fit FP8 blocks of {block}")
+    return Fp8Args((scale, scale.stride(0), rows), {"FP8": True, "BM": bm, "BN": bn})
+
+
 def whole_row_parts(k: int) -> tuple[int, int] | None:
     """A row of K read whole in two power-of-two parts (the second 0 where K is a power of two),
     or None where K is no sum of two powers of two."""
@@ -319,13 +398,17 @@ def skinny_linear(
     silu_mul: bool = False,
     unsummed: bool = False,
     conv: ConvEpilogue | None = None,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] = (1, 1),
 ) -> torch.Tensor | SplitSum:
     """x [M, K] @ weight[N, K]^T in x's dtype (or fp32 into an fp32 `out`), fp32 accumulation;
     `out` [M, N] if given.
     With `unsummed` and K split, the partial sums as a `SplitSum` instead.
     With `silu_mul`, weight is the MLP's [gate | up] [2 I, K] and the result silu(gate) * up
     [M, I], made in the kernel's epilogue (`silu_and_mul` of the product, bit for bit).
-    With `conv`, the DeltaNet conv over the first columns, in the epilogue (`ConvEpilogue`)."""
+    With `conv`, the DeltaNet conv over the first columns, in the epilogue (`ConvEpilogue`).
+    With `scale`, weight is FP8 and `scale` its [ceil(N / bm), ceil(K / bn)] block scales for
+    `block` (bm, bn) (engine/rank/fp8.py)."""
     check_launchable(x, weight)
     m = x.shape[0]
     rows, k = weight.shape
@@ -344,6 +427,7 @@ def skinny_linear(
                          f"no K split, at least 2 rows per tile ({cfg}) and out in x's dtype")  # fmt: skip
     if conv is not None:
         _check_conv_epilogue(conv, m, n, cfg, gemv, silu_mul, out, x.dtype)
+    fp8 = _fp8_args(weight, scale, block, cfg, gemv, silu_mul)
     conv_args = (conv.weight.shape[0], conv.weight, conv.state, conv.slots, conv.state.stride(0)) if conv else (0, x, x, x, 0)
     k_per_split = k // cfg.split_k
     if out is None:
@@ -365,16 +449,17 @@ def skinny_linear(
                                  f"of two; K={k}, {cfg}")
             block_k, tail_k = parts
         _gemv_kernel[grid](
-            x, weight, target, n, k_per_split, n, weight.stride(0), m * n, *conv_args,
+            x, weight, target, n, k_per_split, n, weight.stride(0), m * n, *conv_args, *fp8.pointers[:2],
             BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVICT=cfg.evict_first, SILU_MUL=silu_mul, TAIL_K=tail_k,
-            CONV=conv is not None, FIRST_AHEAD=cfg.first_ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+            CONV=conv is not None, FIRST_AHEAD=cfg.first_ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **fp8.flags, **pdl,
         )
     else:
         _skinny_dot_kernel[grid](
-            x, weight, target, m, n, k // cfg.block_k, n, x.stride(0), weight.stride(0), n, m * n,
+            x, weight, target, m, n, k // cfg.block_k, n, x.stride(0), weight.stride(0), n, m * n, *fp8.pointers,
             BLOCK_M=block_m_for(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET,
             EVICT=cfg.evict_first, SILU_MUL=silu_mul,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8.flags, **pdl,
         )
     if cfg.split_k > 1 and unsummed:
         return SplitSum(target, x.dtype)
@@ -471,6 +556,8 @@ def linear(
     silu_mul: bool = False,
     unsummed: bool = False,
     conv: ConvEpilogue | None = None,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] = (1, 1),
 ) -> torch.Tensor | SplitSum:
     """The model's y = x W^T: the skinny kernels for a decode step's few rows on the GPU,
     cuBLAS (F.linear) for everything else. With `silu_mul`, W is the MLP's [gate | up] and
@@ -478,10 +565,12 @@ def linear(
     `silu_and_mul` after the product. With `unsummed`, a K-split product comes back as its
     partial sums (`SplitSum`, for `add_rms_norm`; SUM_IN_NORM). With `conv` (the GPU path
     only), the DeltaNet conv over the first columns: in the whole-row GEMV's epilogue
-    (CONV_EPILOGUE; one row, width 4), else by `causal_conv1d_update` after the product."""
+    (CONV_EPILOGUE; one row, width 4), else by `causal_conv1d_update` after the product.
+    With `scale`, W is FP8 with these block scales: the skinny kernels read it as it is, any
+    other path widens it first (`dequantize`)."""
     if (
         x.dtype in HALF_DTYPES
-        and weight.dtype == x.dtype
+        and (weight.dtype == x.dtype or scale is not None)
         and x.dim() == 2
         and 1 <= x.shape[0] <= MAX_ROWS
         and x.stride(1) == 1
@@ -490,20 +579,34 @@ def linear(
         and gpu_path(x)
     ):
         choice = decode_config(x.shape[0], weight.shape[0], weight.shape[1], sm_count(x))
-        if choice is not None:
+        if choice is not None and scale is not None and choice[1]:
+            choice = dataclasses.replace(choice[0], block_n=choice[0].block_n * FP8_GEMV_ROWS), True
+        if choice is not None and (scale is None or fp8_fits(choice[0], choice[1], block, silu_mul, weight.shape[0])):
             cfg, gemv = choice
+            fp8 = {"scale": scale, "block": block}
             if conv is not None:
                 if CONV_EPILOGUE and gemv and cfg.whole_rows and conv.weight.shape[1] == 4:
-                    return skinny_linear(x, weight, cfg, gemv, conv=conv)
-                return _conv_after(skinny_linear(x, weight, cfg, gemv), conv)
+                    return skinny_linear(x, weight, cfg, gemv, conv=conv, **fp8)
+                return _conv_after(skinny_linear(x, weight, cfg, gemv, **fp8), conv)
             if silu_mul and SILU_EPILOGUE and cfg.split_k == 1:
-                return skinny_linear(x, weight, cfg, gemv, silu_mul=True)
-            y = skinny_linear(x, weight, cfg, gemv, unsummed=unsummed and SUM_IN_NORM and not silu_mul)
+                return skinny_linear(x, weight, cfg, gemv, silu_mul=True, **fp8)
+            y = skinny_linear(x, weight, cfg, gemv, unsummed=unsummed and SUM_IN_NORM and not silu_mul, **fp8)
             return silu_and_mul(y) if silu_mul else y
+    if scale is not None:
+        weight = dequantize(weight, scale, block).to(x.dtype)
     if conv is not None:
         return _conv_after(F.linear(x, weight), conv)
     y = F.linear(x, weight)
     return silu_and_mul(y) if silu_mul else y
+
+
+def fp8_fits(cfg: SkinnyConfig, gemv: bool, block: tuple[int, int], silu_mul: bool, rows: int) -> bool:
+    """Whether the kernel's tiles can read FP8 weights of these blocks (`_fp8_args`' rule)."""
+    bm, bn = block
+    tile_rows = cfg.block_n // 2 if silu_mul else cfg.block_n
+    k_parts = (whole_row_parts(cfg.block_k) or (1, 1)) if cfg.whole_rows else (cfg.block_k, 0)
+    fits = bm % tile_rows == 0 and not any(part % bn for part in k_parts) if gemv else bn % cfg.block_k == 0
+    return fits and not (silu_mul and (rows // 2) % bm)
 
 
 def _conv_after(y: torch.Tensor, conv: ConvEpilogue) -> torch.Tensor:

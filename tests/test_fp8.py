@@ -83,15 +83,44 @@ def test_vlm_layout_with_a_pair_split_across_shards_gives_the_same_logits(fp8_di
     assert torch.equal(logits_of(vlm), logits_of(fp8_dir))
 
 
-def test_tp2_matches_tp1(fp8_dir, tmp_path):
-    """Each rank widens the whole weight and takes its shard: TP 2 over gloo gives TP 1's
-    greedy tokens and logits."""
+def test_kept_fp8_weights_give_the_widened_logits(fp8_dir):
+    """Kept FP8 (as on CUDA), every projection whose parts are all FP8 holds FP8 values and
+    their block scales; the DeltaNet's in_proj, whose b and a parts are bf16, is widened. On the
+    CPU a kept weight is widened at each product, so the logits are the widened model's, bit
+    for bit."""
+    ex = Executor(ExecutorConfig(str(fp8_dir), num_slots=1, num_blocks=16, fp8_weights="keep"))
+    dtypes = {name: p.dtype for name, p in ex.model.named_parameters() if name.startswith("model.layers.")}
+    kept = {name.removesuffix(".weight") for name, dtype in dtypes.items() if dtype == torch.float8_e4m3fn}
+    assert {name.split(".", 3)[3] for name in kept} == {
+        "linear_attn.out_proj", "mlp.gate_up_proj", "mlp.down_proj", "self_attn.qkv_proj", "self_attn.o_proj"}
+    assert all(dtypes[f"{name}.weight_scale_inv"] == torch.float32 for name in kept)
+    assert dtypes["model.layers.0.linear_attn.in_proj.weight"] == torch.float32
+    item = StepItem(1, 0, PROMPT, True, NewRequest(len(PROMPT), SamplingSpec(seed=0)))
+    assert torch.equal(ex.forward([item], every_position=True), logits_of(fp8_dir))
+
+
+@pytest.mark.parametrize("fp8_weights", ["widen", "keep"])
+def test_tp2_matches_tp1(fp8_dir, tmp_path, fp8_weights):
+    """Each rank takes its shard of the widened weight, or of the FP8 values and their block
+    scales: TP 2 over gloo gives TP 1's greedy tokens and logits."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     prompt = PROMPT[:70]
-    tp1, tp2 = run_tp(1, fp8_dir, tmp_path, prompt), run_tp(2, fp8_dir, tmp_path, prompt)
+    tp1 = run_tp(1, fp8_dir, tmp_path, prompt)
+    tp2 = run_tp(2, fp8_dir, tmp_path, prompt, fp8_weights=fp8_weights)
     assert tp2["tokens"] == tp1["tokens"]
     report = compare_logprobs(tp2["prefill"], tp1["prefill"])
     assert report.argmax_mismatches == 0 and report.max_abs_diff <= 1e-4, report
+
+
+def test_fp8_only_where_the_shards_are_whole_blocks():
+    """A projection whose rank shards would cut a block stays widened (`keep_fp8` says no)."""
+    from deltaserve.engine.rank.linear import ColumnParallelLinear, RowParallelLinear
+
+    column = ColumnParallelLinear(64, ((64, 64, 128),), torch.float32, torch.device("cpu"))
+    assert not column.keep_fp8((48, 48)) and column.weight.dtype == torch.float32
+    assert column.keep_fp8((32, 48)) and column.weight_scale_inv.shape == (8, 2)
+    row = RowParallelLinear(100, 64, torch.float32, torch.device("cpu"))
+    assert not row.keep_fp8((32, 32)) and row.weight_scale_inv is None
 
 
 def test_dequantize_partial_blocks():

@@ -564,16 +564,18 @@ def test_pdl_wait_keeps_its_place_in_hopper_code(gdc: int):
     assert "ld.global" in late and "st.global" in late  # the kernel's loads and stores were found
 
 
-@pytest.mark.parametrize("first_ahead", [False, True])
-def test_gemv_read_ahead_stays_ahead_in_hopper_code(first_ahead: bool):
+@pytest.mark.parametrize(("first_ahead", "fp8"), [(False, False), (True, False), (True, True)])
+def test_gemv_read_ahead_stays_ahead_in_hopper_code(first_ahead: bool, fp8: bool):
     """The K-looping GEMV with its first block read ahead: compiled for sm_90, loads (only)
     come before the wait, so the compiler did not sink the early reads after it (a silent loss
-    of the overlap) and stores nothing early; without it, nothing comes before the wait."""
+    of the overlap) and stores nothing early; without it, nothing comes before the wait. FP8
+    weights alike (their scales are read after the wait, with x)."""
     signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "out_ptr", "conv_w_ptr", "conv_state_ptr")}
-    signature |= {"conv_slots_ptr": "*i32"} | {name: "i32" for name in ("N", "k_per_split", "up", "stride_wn",
-                                                                          "stride_split", "conv_channels", "stride_conv_slot")}
+    signature |= {"conv_slots_ptr": "*i32", "s_ptr": "*fp32"} | ({"w_ptr": "*fp8e4nv"} if fp8 else {})
+    signature |= {name: "i32" for name in ("N", "k_per_split", "up", "stride_wn", "stride_split", "conv_channels",
+                                           "stride_conv_slot", "stride_s")}
     constants = {"BLOCK_N": 2, "BLOCK_K": 1024, "EVICT": True, "SILU_MUL": False, "TAIL_K": -1, "CONV": False,
-                 "GDC": 2, "FIRST_AHEAD": first_ahead}
+                 "GDC": 2, "FIRST_AHEAD": first_ahead, "FP8": fp8, "BM": 128, "BN": 128}
     lines, order = hopper_ptx("_gemv_kernel", signature, constants)
     assert order == ["griddepcontrol.launch_dependents", "griddepcontrol.wait"], order
     early, _ = global_ops_around_wait(lines)

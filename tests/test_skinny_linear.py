@@ -54,6 +54,53 @@ def test_skinny_linear(kernels, device, rows, n, k):
     assert torch.equal(mod.skinny_linear(x, w, cfg, gemv), got), "skinny_linear is not deterministic"
 
 
+FP8_BLOCK = (128, 128)
+FP8_CASES = [  # (rows, N, K, silu_mul, tile): None for `decode_config`'s
+    (1, 300, 512, False, None),  # the rule's K-looping GEMV (first block before the wait), a partial row block
+    (1, 4100, 512, False, None),  # the wide rule: 8 rows a program
+    (1, 300, 640, False, "whole"),  # whole rows of 512 + 128
+    (3, 260, 384, False, None),  # the tensor-core kernel, K split in 3
+    (1, 512, 256, True, None),  # gate_up's silu epilogue on the GEMV: the tile's halves in two row blocks
+    (5, 512, 256, True, None),  # ... and on the tensor-core kernel
+    pytest.param(1, 18432, 2560, True, None, marks=needs_cuda),  # the 4B's TUNED tiles: gate_up
+    pytest.param(1, 2560, 9216, False, None, marks=needs_cuda),  # ... down
+    pytest.param(1, 2560, 4096, False, None, marks=needs_cuda),  # ... out/o_proj
+    pytest.param(32, 2560, 4096, False, None, marks=needs_cuda),  # ... at 9-32 rows, K split
+    pytest.param(64, 18432, 2560, True, None, marks=needs_cuda),  # ... gate_up at 33-64 rows
+]
+
+
+@pytest.mark.parametrize("rows,n,k,silu_mul,tile", FP8_CASES)
+def test_fp8_weights(kernels, device, rows, n, k, silu_mul, tile):
+    """FP8 weights with block scales read as they are, against the fp32 product with the
+    widened weight (engine/rank/fp8.py's `dequantize`, which transformers matches)."""
+    from deltaserve.engine.rank.fp8 import dequantize
+    from deltaserve.tools.make_model import quantize_fp8
+
+    mod = kernels["skinny_linear"]
+    q, scale = (t.to(device) for t in quantize_fp8(torch.randn(n, k) / k**0.5, FP8_BLOCK[0]))
+    x = torch.randn(rows, k, device=device).to(torch.bfloat16)
+    if tile == "whole":
+        cfg, gemv = mod.SkinnyConfig(2, k, 1, 4, 1, whole_rows=True), True
+    else:
+        cfg, gemv = mod.decode_config(rows, n, k)
+    if silu_mul:  # the epilogue's tile: K unsplit (`linear` runs silu_and_mul after a split product)
+        cfg = dataclasses.replace(cfg, split_k=1)
+    assert mod.fp8_fits(cfg, gemv, FP8_BLOCK, silu_mul, n), "the kernels take FP8 tiles as the step picks them"
+    fp8 = {"scale": scale, "block": FP8_BLOCK}
+    out_n = n // 2 if silu_mul else n
+    got = mod.skinny_linear(x, q, cfg, gemv, out=poisoned((rows, out_n), torch.bfloat16, device), silu_mul=silu_mul, **fp8)
+    want = x.float() @ dequantize(q, scale, FP8_BLOCK).t()
+    if silu_mul:
+        want = torch.nn.functional.silu(want[:, : n // 2]) * want[:, n // 2 :]
+    assert_close(got, want, torch.bfloat16, f"FP8 {cfg}")
+    assert torch.equal(mod.skinny_linear(x, q, cfg, gemv, silu_mul=silu_mul, **fp8), got), "not deterministic"
+    widened = mod.linear(x.cpu(), q.cpu(), silu_mul=silu_mul, scale=scale.cpu(), block=FP8_BLOCK)  # CPU: widened first
+    assert_close(widened, want.cpu(), torch.bfloat16, "the widened path")
+    with pytest.raises(ValueError, match="an FP8 weight needs its block scales"):
+        mod.skinny_linear(x, q, cfg, gemv, silu_mul=silu_mul)
+
+
 def published_projection_shapes(tp: int = 1) -> set[tuple[int, int]]:
     """(N, K) of every decode projection of the published Qwen3.5 shapes (tools.make_model),
     as one of `tp` ranks holds it: the column-parallel ones N / tp, the row-parallel K / tp."""

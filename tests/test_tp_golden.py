@@ -20,11 +20,11 @@ from deltaserve.tools.golden import compare_logprobs
 DECODE_STEPS = 8
 
 
-def run_rank(rank: int, world: int, model_dir: str, init_file: str, ids: list[int], out: str) -> None:
+def run_rank(rank: int, world: int, model_dir: str, init_file: str, ids: list[int], out: str, extra: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        ex = Executor(ExecutorConfig(model_dir, rank=rank, world_size=world, num_slots=2, num_blocks=64))
+        ex = Executor(ExecutorConfig(model_dir, rank=rank, world_size=world, num_slots=2, num_blocks=64, **extra))
         spec = SamplingSpec(seed=0, num_logprobs=8)
         first = StepItem(1, 0, ids, False, NewRequest(len(ids) + DECODE_STEPS + 1, spec))
         prefill = ex.forward([first], every_position=True)
@@ -50,10 +50,11 @@ def run_rank(rank: int, world: int, model_dir: str, init_file: str, ids: list[in
         dist.destroy_process_group()
 
 
-def run_tp(world: int, model_dir, tmp_path, ids: list[int]) -> dict:
+def run_tp(world: int, model_dir, tmp_path, ids: list[int], **extra) -> dict:
+    """`extra`: more ExecutorConfig fields for every rank."""
     out = str(tmp_path / f"tp{world}.pt")
     init = str(tmp_path / f"init{world}")
-    mp.start_processes(run_rank, args=(world, str(model_dir), init, ids, out), nprocs=world, start_method="spawn")
+    mp.start_processes(run_rank, args=(world, str(model_dir), init, ids, out, extra), nprocs=world, start_method="spawn")
     result = torch.load(out)
     result["ranks"] = []
     for r in range(world):

@@ -55,6 +55,9 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
   att16s5, att16s7, att32s5, att32s5w8, att32s3  the default with decode attention's kernel on
           tiles of 16 or 32 positions, 4 or 8 warps, that many pipeline stages (else 32, 4, and
           2 stages from 256 programs, 3 below; Triton gives K and V two buffers from 5 stages)
+  fp8_keep, fp8_rows1  on an FP8 release, the default with the projections kept FP8 and read so by
+          the skinny kernels (else widened to bf16 as they load); fp8_rows1 with the GEMVs on the
+          bf16 tiles' rows (else twice as many, as many bytes a program)
 """
 
 from __future__ import annotations
@@ -101,6 +104,8 @@ class Mode:
     conv_epilogue: bool = True  # one row's DeltaNet conv in in_proj's GEMV
     early_trigger: frozenset[str] = triton_compat.EARLY_TRIGGER  # kernel kinds letting the next launch before their wait
     rule_first_ahead: bool = skinny.RULE_FIRST_AHEAD  # the rule's one-row GEMVs read their first block before the wait
+    fp8_weights: str = "auto"  # an FP8 release's projections widened as they load, or kept FP8 ("keep")
+    fp8_gemv_rows: int = skinny.FP8_GEMV_ROWS  # an FP8 GEMV tile's rows over the bf16 tile's
 
 
 MODES = {
@@ -134,6 +139,7 @@ MODES = {
                              ((1, 10240, 2560), skinny.SkinnyConfig(2, 2560, 1, 4, 1, whole_rows=True)),
                              ((1, 2560, 4096), skinny.SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True)))),
     "d9_rule32": Mode(tiles=(((32, 4096, 12288), None),)),
+    "fp8_keep": Mode(fp8_weights="keep"), "fp8_rows1": Mode(fp8_weights="keep", fp8_gemv_rows=1),
 }
 ALL_KINDS = frozenset({"gemv", "dot", "other"})
 MODES |= {
@@ -180,7 +186,7 @@ def use_mode(name: str) -> None:
     skinny.SILU_EPILOGUE, skinny.USE_TUNED, skinny.SUM_IN_NORM = mode.silu_epilogue, mode.tuned, mode.sum_in_norm
     skinny.ONE_WAVE, triton_compat.EARLY_TRIGGER = mode.one_wave, mode.early_trigger
     skinny.LM_HEAD_GEMV, skinny.CONV_EPILOGUE = mode.lm_head_gemv, mode.conv_epilogue
-    skinny.RULE_FIRST_AHEAD = mode.rule_first_ahead
+    skinny.RULE_FIRST_AHEAD, skinny.FP8_GEMV_ROWS = mode.rule_first_ahead, mode.fp8_gemv_rows
     paged_attention.PARTS_PER_SM = mode.parts_per_sm
     skinny.TUNED.clear()
     skinny.TUNED.update(DEFAULT_TUNED)
@@ -211,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     executors = {}
     for mode in modes:  # each captures its graphs under its own kernel choices
         use_mode(mode)
-        executors[mode] = step_executor(args.model, max(args.batches))
+        executors[mode] = step_executor(args.model, max(args.batches), MODES[mode].fp8_weights)
     use_mode("pdl")
     results = []
     next_id = 0

@@ -14,6 +14,9 @@
 3. AsyncEngine on CUDA through real rank processes: start-up time, greedy tokens equal to the
    executor's run of the same steps (whole prompt, then one token a step), time per output
    token at batch 1.
+
+On an FP8 release (`--make-dtype fp8`) HF's fp32 reference is its own FP8 loader widening the
+weights (`dequantize=True`, which needs accelerate), so both sides run the same weights.
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ def golden(model_dir: str, ex: Executor, device: str, lengths: tuple[int, ...]) 
     """The gate, the HF bf16 floor; and the cases [(ids, our tokens, HF fp32 logits)]."""
     from transformers import Qwen3_5ForCausalLM
 
-    hf = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    hf = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **hf_quantization(model_dir))
+    hf = hf.to(device).eval()
     reports, ours_all, cases = {}, [], []
     for i, n in enumerate(lengths):
         ids = prompt_ids(n, seed=i)
@@ -89,6 +93,18 @@ def golden(model_dir: str, ex: Executor, device: str, lengths: tuple[int, ...]) 
     report = {"per_prompt": reports, "pooled": pooled, "gate": GATE, "passed": passed,
               "hf_bf16_vs_hf_fp32": compare_logprobs(floor, refs).as_dict()}  # fmt: skip
     return report, cases
+
+
+def hf_quantization(model_dir: str) -> dict:
+    """from_pretrained's arguments for HF to widen an FP8 release's weights, as we do, rather
+    than run its FP8 kernels (which also quantize the activations)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if "quantization_config" not in config:
+        return {}
+    from transformers import FineGrainedFP8Config
+
+    block = config["quantization_config"]["weight_block_size"]
+    return {"quantization_config": FineGrainedFP8Config(weight_block_size=tuple(block), dequantize=True)}
 
 
 def hf_logits(hf, ids: list[int], tokens: list[int], device: str) -> torch.Tensor:
@@ -155,7 +171,8 @@ async def engine_run(model_dir: str, device: str, dtype: str, reference_tokens: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--make-preset", default=None, help="make a random bf16 checkpoint of this preset first")
+    p.add_argument("--make-preset", default=None, help="make a random checkpoint of this preset first")
+    p.add_argument("--make-dtype", default="bf16", choices=("bf16", "fp8"), help="its dtype (fp8: an FP8 release)")
     p.add_argument("--out", default=None, help="JSON result path")
     p.add_argument("--device", default="cuda", help="cuda; cpu only to try the script on a tiny model")
     p.add_argument("--dtype", default="bfloat16")
@@ -169,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         from deltaserve.tools.make_model import make_model
 
         t0 = time.perf_counter()
-        make_model(args.model, preset=args.make_preset, dtype="bf16", seed=0, device=args.device)
+        make_model(args.model, preset=args.make_preset, dtype=args.make_dtype, seed=0, device=args.device)
         result["make_model_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     ex = Executor(ExecutorConfig(args.model, device=args.device, dtype=args.dtype, num_slots=4,

@@ -81,6 +81,16 @@ class ExecutorConfig:
     cuda_graphs: bool = True  # single-token items and short prompts replay CUDA graphs (CUDA, any TP size)
     prompt_graph_tokens: int = 2048  # largest prompt-graph bucket (capped by max_num_batched_tokens); 0: none
     prefix_states: int = 0  # saved prefix states of the prefix cache (engine/prefix_cache.py); 0: off
+    # an FP8 release's projections: "widen" them to the model's dtype as they load, or "keep" them
+    # FP8, read so by the skinny kernels (loader.py); kept FP8 decode steps are not yet faster
+    # on the H200 (docs/GPU.md), so "auto" widens
+    fp8_weights: str = "auto"
+
+    @property
+    def keep_fp8(self) -> bool:
+        if self.fp8_weights not in ("auto", "keep", "widen"):
+            raise ValueError(f"fp8_weights {self.fp8_weights!r} is not one of auto, keep, widen")
+        return self.fp8_weights == "keep"
 
 
 @dataclass(slots=True)
@@ -156,7 +166,7 @@ class Executor:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         started = time.monotonic()
         self.model = Qwen3_5ForCausalLM(self.model_config, self.dtype, self.device)
-        load_weights(self.model, config.model_dir, self.model_config)
+        load_weights(self.model, config.model_dir, self.model_config, config.keep_fp8)
         log.info("rank %d: weights loaded in %.1f s", config.rank, time.monotonic() - started)
         self.sampler = Sampler(partial(load_trie, config.model_dir)) if config.rank == 0 else None
         self.requests: dict[int, LiveRequest] = {}
@@ -497,7 +507,7 @@ class Executor:
         if differences := self.model_config.differences(ModelConfig.from_model_dir(model_dir)):
             raise CheckpointError(f"{model_dir}: not the served model's config.json ({', '.join(differences)})")
         started = time.monotonic()
-        load_weights(self.model, model_dir, self.model_config)
+        load_weights(self.model, model_dir, self.model_config, self.config.keep_fp8)
         log.info("rank %d: weights loaded from %s in %.1f s", self.config.rank, model_dir, time.monotonic() - started)
 
     def snapshot(self) -> RankSnapshot:

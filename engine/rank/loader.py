@@ -3,8 +3,9 @@
 Accepts both naming schemes: `model.language_model.*` of the released vision-language
 checkpoints (whose `model.visual.*` and `mtp.*` tensors are skipped) and `model.*` of text-only
 saves; single or sharded safetensors (`model.safetensors.index.json`); tied embeddings (no
-`lm_head.weight`, or one we ignore); FP8 releases with block scales (fp8.py: each FP8 weight
-widened with its `weight_scale_inv`). A missing tensor (named as the checkpoint's layout names
+`lm_head.weight`, or one we ignore); FP8 releases with block scales (fp8.py), whose
+projections stay FP8 with `keep_fp8` (linear.py: where every part is FP8 and the shards are
+whole blocks), else are widened with their `weight_scale_inv` as they load. A missing tensor (named as the checkpoint's layout names
 it), a wrong shape, a dtype that is not a float one (integer, bool, or FP8 outside an FP8
 release) or an unexpected text tensor is an error that names the tensor and the file. Floating
 tensors (fp32, bf16, fp16, fp64) are converted to the model's dtype.
@@ -105,11 +106,14 @@ def expected_names(params: dict[str, nn.Parameter], packed: dict[str, tuple[str,
     return names
 
 
-def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig) -> None:
+def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig, keep_fp8: bool = False) -> None:
+    """keep_fp8: an FP8 release's projections stay FP8 (`keep_fp8_modules`), else all are widened."""
     model_dir = Path(model_dir)
     tie_word_embeddings = config.tie_word_embeddings
-    params = dict(model.named_parameters())
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
+    if keep_fp8 and config.fp8_block:
+        keep_fp8_modules(model, model_dir, packed, config.fp8_block)
+    params = dict(model.named_parameters())
     device = next(iter(params.values())).device
 
     vlm_layout = False  # any `model.language_model.*` name: missing tensors are named so too
@@ -126,7 +130,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig) -
     for path in checkpoint_files(model_dir):
         try:
             for name, tensor in reader.tensors(path, wanted):
-                if fp8 is not None:
+                if fp8 is not None and not holds_fp8(params, packed, name):
                     if (taken := fp8_take(fp8, name, path, tensor)) is None:
                         continue  # half of an FP8 pair: the other half comes later
                     name, tensor = taken
@@ -141,6 +145,30 @@ def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig) -
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {model_dir} lacks tensors: {shown}")
+
+
+def keep_fp8_modules(model: nn.Module, model_dir: Path, packed: dict[str, tuple[str, int]],
+                     block: tuple[int, int]) -> None:  # fmt: skip
+    """Before any tensor loads: each projection whose checkpoint tensors (every part of a packed
+    one) are all float8_e4m3fn holds its weight as FP8, where its shards allow (`keep_fp8`)."""
+    dtypes = {}
+    try:
+        for path in checkpoint_files(model_dir):
+            dtypes.update((text_name(entry.name), entry.dtype) for entry in read_header(path))
+    except SafetensorsError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
+    for name, module in model.named_modules():
+        if not hasattr(module, "keep_fp8") or module.weight.dtype in FP8_DTYPES:  # kept already (an update)
+            continue
+        sources = expected_names({f"{name}.weight": module.weight}, packed)
+        if all(dtypes.get(source) == torch.float8_e4m3fn for source in sources):
+            module.keep_fp8(block)
+
+
+def holds_fp8(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, int]], name: str) -> bool:
+    """Whether a checkpoint tensor (an FP8 weight or its scales) goes as it is into a kept FP8 projection."""
+    param = params.get(packed_target((text_name(name) or "").removesuffix(SCALE_SUFFIX), packed)[0])
+    return param is not None and param.dtype in FP8_DTYPES
 
 
 def fp8_take(fp8: Fp8Pairs, name: str, path: Path, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
@@ -161,7 +189,10 @@ def load_tensor(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, in
         raise CheckpointError(f"unexpected tensor {name!r} in {path.name}")
     if target in loaded:
         raise CheckpointError(f"tensor {name!r} in {path.name} appears twice in the checkpoint")
-    if tensor.dtype not in FLOAT_DTYPES:  # checked before the copy, which would convert it
+    if param.dtype in FP8_DTYPES and tensor.dtype != param.dtype:  # a copy would quantize it anew
+        raise CheckpointError(f"tensor {name!r} in {path.name} has dtype {str(tensor.dtype).removeprefix('torch.')}, "
+                              f"not the served FP8 weight's {str(param.dtype).removeprefix('torch.')}")
+    if tensor.dtype not in FLOAT_DTYPES and param.dtype not in FP8_DTYPES:  # checked before the copy, which would convert it
         dtype = str(tensor.dtype).removeprefix("torch.")
         what = "FP8-quantized weights" if tensor.dtype.is_floating_point else f"{dtype} values, not weights"
         raise CheckpointError(
@@ -202,9 +233,12 @@ def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, config: Mod
     problems += [f"{name} unexpected" for name in sorted(new.keys() - old.keys())]
     problems += [f"{name} of shape {list(new[name][0])}, not {list(old[name][0])}"
                  for name in sorted(old.keys() & new.keys()) if new[name][0] != old[name][0]]  # fmt: skip
+    def foreign(name: str, dtype: torch.dtype) -> bool:  # FP8 exactly where the served tensor is FP8
+        served = old.get(name, ((), None))[1]
+        return dtype != served and (dtype not in FLOAT_DTYPES or served in FP8_DTYPES)
+
     problems += [f"{name} of dtype {str(dtype).removeprefix('torch.')}"
-                 for name, (_, dtype) in sorted(new.items())
-                 if dtype not in FLOAT_DTYPES and (dtype not in FP8_DTYPES or old.get(name, (0, 0))[1] != dtype)]  # fmt: skip
+                 for name, (_, dtype) in sorted(new.items()) if foreign(name, dtype)]  # fmt: skip
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         raise CheckpointError(f"{new_dir} does not hold the served model's tensors: {shown}")
