@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from deltaserve.engine.rank.fp8 import dequantize
 from deltaserve.kernels.activation import silu_and_mul
 from deltaserve.kernels.causal_conv1d import causal_conv1d_update
+from deltaserve.kernels.fp8_scales import _x_tile, fp8_args
 from deltaserve.kernels.triton_compat import (
     H200_SMS,
     HAS_TRITON,
@@ -41,7 +42,6 @@ from deltaserve.kernels.triton_compat import (
 # The most rows the skinny kernels take (above 32, the narrow outputs and TUNED shapes); 0: cuBLAS for all.
 MAX_ROWS = 64
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 ONE_WAVE = True  # the split rule (tools/bench_step_ab.py's "even_splits" mode: the rule before it)
 SILU_EPILOGUE = True  # gate_up's kernel makes silu(gate) * up (tools/bench_step_ab.py turns it off)
 SUM_IN_NORM = True  # split-K partial sums added by the next norm (`linear(unsummed=True)`; ditto)
@@ -143,33 +143,6 @@ def _weight_rows(pid_n, N, up, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
         return offs + (tl.arange(0, BLOCK_N) // (BLOCK_N // 2)) * up, offs < N
     offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return offs, offs < N
-
-
-@triton.jit
-def _x_tile(x, k_offs, hi, s_ptr, s_lo, s_hi, FP8: tl.constexpr, BN: tl.constexpr, TWO: tl.constexpr):
-    """x [BLOCK_K] in fp32 as the weight tile's rows multiply it: for FP8 weights, times each
-    row's block scales (engine/rank/fp8.py) over these columns. `s_lo` / `s_hi`: offsets of the
-    scale rows of the tile's (at most) two row blocks, `hi` the rows in the second (TWO: the
-    SILU_MUL tile's up half)."""
-    x = x.to(tl.float32)
-    if FP8:
-        lo = _scaled(x, s_ptr + s_lo, k_offs, BN)
-        if TWO:
-            tile = tl.where(hi[:, None], _scaled(x, s_ptr + s_hi, k_offs, BN)[None, :], lo[None, :])
-        else:
-            tile = lo[None, :]
-    else:
-        tile = x[None, :]
-    return tile
-
-
-@triton.jit
-def _scaled(x, s_row, k_offs, BN: tl.constexpr):
-    """x [BLOCK_K] (its columns k_offs, from a multiple of BN on) times the scale of each
-    column's block in this scale row: one load per block, not per column."""
-    blocks: tl.constexpr = x.shape[0] // BN
-    scale = tl.load(s_row + tl.min(k_offs, axis=0) // BN + tl.arange(0, blocks))
-    return tl.reshape(tl.reshape(x, (blocks, BN)) * scale[:, None], (x.shape[0],))
 
 
 @triton.jit
@@ -347,30 +320,6 @@ def _check_conv_epilogue(
         raise ValueError(f"conv epilogue: needs the whole-row GEMV ({cfg}), no silu_mul and out in x's dtype")
 
 
-@dataclass(frozen=True, slots=True)
-class Fp8Args:
-    pointers: tuple  # the scales, their row stride, the weight's rows
-    flags: dict  # FP8, BM, BN
-
-
-def _fp8_args(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int], cfg: SkinnyConfig,
-              gemv: bool, silu_mul: bool) -> Fp8Args:  # fmt: skip
-    """The kernels' FP8 arguments (the weight itself when it is not FP8: never read)."""
-    if scale is None:
-        if weight.dtype in FP8_DTYPES:
-            raise ValueError("skinny_linear: an FP8 weight needs its block scales")
-        return Fp8Args((weight, 0, weight.shape[0]), {})
-    rows, k = weight.shape
-    bm, bn = block
-    if weight.dtype not in FP8_DTYPES or scale.dtype != torch.float32 or scale.stride(1) != 1 \
-            or tuple(scale.shape) != (triton.cdiv(rows, bm), triton.cdiv(k, bn)):
-        raise ValueError(f"skinny_linear: scales {tuple(scale.shape)} {scale.dtype} do not fit the weight "
-                         f"{tuple(weight.shape)} {weight.dtype} in blocks of {block}")  # fmt: skip
-    if not fp8_fits(cfg, gemv, block, silu_mul, rows):
-        raise ValueError(f"skinny_linear: tiles of {cfg} do not fit FP8 blocks of {block}")
-    return Fp8Args((scale, scale.stride(0), rows), {"FP8": True, "BM": bm, "BN": bn})
-
-
 def whole_row_parts(k: int) -> tuple[int, int] | None:
     """A row of K read whole in two power-of-two parts (the second 0 where K is a power of two),
     or None where K is no sum of two powers of two."""
@@ -427,7 +376,7 @@ def skinny_linear(
                          f"no K split, at least 2 rows per tile ({cfg}) and out in x's dtype")  # fmt: skip
     if conv is not None:
         _check_conv_epilogue(conv, m, n, cfg, gemv, silu_mul, out, x.dtype)
-    fp8 = _fp8_args(weight, scale, block, cfg, gemv, silu_mul)
+    fp8 = fp8_args(weight, scale, block, scale is None or fp8_fits(cfg, gemv, block, silu_mul, rows), cfg)
     conv_args = (conv.weight.shape[0], conv.weight, conv.state, conv.slots, conv.state.stride(0)) if conv else (0, x, x, x, 0)
     k_per_split = k // cfg.split_k
     if out is None:
