@@ -80,8 +80,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto only: the KV cache is kept in the model's dtype (--dtype)")  # fmt: skip
     g.add_argument("--quantization", "-q", default=None,
-                   help="fp8 only, with an FP8 release (block scales, as Qwen's -FP8 checkpoints), which "
-                        "loads as such without it; other methods and quantizing at load are refused")  # fmt: skip
+                   help="fp8 (Qwen's -FP8 releases) or compressed-tensors (llm-compressor's FP8), what the "
+                        "checkpoint is; it loads as such without it. Quantizing at load is refused")  # fmt: skip
     # vLLM swaps a preempted request's KV blocks to this much CPU memory; here a request is
     # never preempted (its whole lifetime's blocks are reserved when it is admitted), so no
     # swap space is ever needed: any size is honoured by using none of it.
@@ -100,12 +100,16 @@ def refused_vllm_flag(args: argparse.Namespace) -> str | None:
     if args.kv_cache_dtype != "auto":
         return (f"--kv-cache-dtype {args.kv_cache_dtype}: not supported: the KV cache is kept in "
                 "the model's dtype (--dtype); only auto")  # fmt: skip
-    if args.quantization not in (None, "fp8"):
-        return (f"--quantization {args.quantization}: not supported: deltaserve loads unquantized "
-                "(bf16/fp32) checkpoints and FP8 releases with block scales (--quantization fp8)")  # fmt: skip
+    if args.quantization not in (None, *QUANTIZATION_SCALES):
+        return (f"--quantization {args.quantization}: not supported: deltaserve loads unquantized (bf16/fp32) "
+                "checkpoints and FP8 ones (--quantization fp8 or compressed-tensors)")  # fmt: skip
     if args.swap_space is not None and not args.swap_space >= 0:
         return f"--swap-space must be a number of GiB >= 0, got {args.swap_space}"
     return None
+
+
+# --quantization's methods, by the names of their FP8 scale tensors (ModelConfig.fp8_scale_suffix)
+QUANTIZATION_SCALES = {"fp8": "_scale_inv", "compressed-tensors": "_scale"}
 
 
 def check_quantization(method: str | None, model_dir: str | None) -> None:
@@ -116,10 +120,13 @@ def check_quantization(method: str | None, model_dir: str | None) -> None:
     from deltaserve.engine.rank.model_config import ModelConfig
 
     try:
-        fp8 = model_dir is not None and ModelConfig.from_model_dir(model_dir).fp8_block is not None
+        config = ModelConfig.from_model_dir(model_dir) if model_dir is not None else None
     except FileNotFoundError as e:  # no config.json
         raise ValueError(str(e)) from None
-    if not fp8:
-        raise ValueError(f"--quantization {method}: {model_dir or 'the demo checkpoint'} is not an FP8 release "
+    if config is None or config.fp8_block is None:
+        raise ValueError(f"--quantization {method}: {model_dir or 'the demo checkpoint'} is not an FP8 checkpoint "
                          "(no FP8 quantization_config in its config.json), and quantizing a checkpoint as it "
                          "loads is not supported")  # fmt: skip
+    if config.fp8_scale_suffix != QUANTIZATION_SCALES[method]:
+        actual = next(name for name, suffix in QUANTIZATION_SCALES.items() if suffix == config.fp8_scale_suffix)
+        raise ValueError(f"--quantization {method}: {model_dir}'s quantization_config says {actual}")

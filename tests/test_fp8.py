@@ -26,7 +26,7 @@ from deltaserve.http import serve
 from deltaserve.http.server import ServerConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.golden import compare_logprobs
-from deltaserve.tools.make_model import make_model
+from deltaserve.tools.make_model import FP8_MAX, FP8_QUANTIZED, make_model, quantize_fp8
 
 BLOCK = 32  # the tiny model's widths are 64-512: several blocks each way
 PROMPT = [random.Random(5).randrange(248044) for _ in range(90)]
@@ -65,6 +65,52 @@ def test_fp8_release_matches_transformers(fp8_dir, tiny_model_dir):
     assert report.argmax_mismatches == 0 and report.max_abs_diff <= 1e-3, report
     unquantized = compare_logprobs(logits_of(tiny_model_dir), reference)  # same seed, same values unrounded
     assert unquantized.mean_abs_diff > 10 * report.mean_abs_diff, (unquantized, report)
+
+
+def compressed_tensors_copy(float_dir, out, strategy: str):
+    """`float_dir`'s projections as llm-compressor writes FP8 (FP8_DYNAMIC's per-channel scales,
+    one per tensor, or FP8_BLOCK's): float8 `weight` and its `weight_scale`, the rest bf16."""
+    shutil.copytree(float_dir, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    for name in [n for n in tensors if FP8_QUANTIZED.search(n)]:
+        weight = tensors[name].float()
+        if strategy == "block":
+            values, scale = quantize_fp8(weight, BLOCK)
+        else:
+            scale = weight.abs().amax(1, keepdim=True) if strategy == "channel" else weight.abs().amax().reshape(1)
+            scale = scale / FP8_MAX
+            values = (weight / (scale if strategy == "channel" else scale[0])).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        tensors[name], tensors[name + "_scale"] = values, scale
+    save_file({n: t if t.dtype == torch.float8_e4m3fn or n.endswith("_scale") else t.to(torch.bfloat16)
+               for n, t in tensors.items()}, str(out / "model.safetensors"))  # fmt: skip
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
+               "block_structure": [BLOCK, BLOCK] if strategy == "block" else None}
+    config = json.loads((out / "config.json").read_text())
+    config["dtype"] = config["torch_dtype"] = "bfloat16"
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "output_activations": None,
+                                      "input_activations": {"num_bits": 8, "type": "float", "dynamic": True,
+                                                            "symmetric": True, "strategy": "token"}}},
+        "ignore": ["lm_head", "re:.*in_proj_a$", "re:.*in_proj_b$"], "kv_cache_scheme": None}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor", "block"])
+def test_compressed_tensors_fp8_matches_transformers(tiny_model_dir, tmp_path, strategy):
+    """llm-compressor's FP8 checkpoints (vLLM's usual ones) against transformers' own
+    compressed-tensors loader widening the same weights."""
+    from transformers import CompressedTensorsConfig
+
+    model_dir = compressed_tensors_copy(tiny_model_dir, tmp_path / strategy, strategy)
+    hf = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                            quantization_config=CompressedTensorsConfig(dequantize=True)).eval()  # fmt: skip
+    with torch.inference_mode():
+        reference = hf(torch.tensor([PROMPT])).logits[0].float()
+    report = compare_logprobs(logits_of(model_dir), reference)
+    assert report.argmax_mismatches == 0 and report.max_abs_diff <= 1e-3, report
+    assert ModelConfig.from_model_dir(model_dir).fp8_scale_suffix == "_scale"
 
 
 def test_vlm_layout_with_a_pair_split_across_shards_gives_the_same_logits(fp8_dir, tmp_path):
@@ -164,11 +210,27 @@ def test_malformed_pairs_are_named(broken_copy, fault):
 
 
 CONFIG_FAULTS = {
-    "awq": ({"quant_method": "awq", "bits": 4}, r"other than FP8 with block scales are not supported \(quantization_config: 'awq'\)"),
+    "awq": ({"quant_method": "awq", "bits": 4}, r"other than FP8 are not supported \(quantization_config: 'awq'\)"),
     "static": ({"activation_scheme": "static"}, r"activation_scheme 'static' is not supported"),
     "per tensor": ({"weight_block_size": None}, r"one scale per tensor \(no weight_block_size\) is not supported"),
     "bad block": ({"weight_block_size": [128]}, r"weight_block_size is \[128\], not \[rows, columns\]"),
     "zero block": ({"weight_block_size": [0, 128]}, r"weight_block_size is \[0, 128\], not two positive integers"),
+}  # fmt: skip
+
+
+GROUP = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+CONFIG_FAULTS |= {
+    "w4a16": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        **GROUP, "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
+        r"config_groups.g: 4-bit int weights \(pack-quantized\) are not supported, only FP8"),
+    "static inputs": ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        **GROUP, "input_activations": {"num_bits": 8, "type": "float", "dynamic": False}}}},
+        r"config_groups.g: static activation scales are not supported"),
+    "kv cache": ({"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8}},
+                 r"kv_cache_scheme \(a quantized KV cache\) is not supported"),
+    "two strategies": ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "a": GROUP, "b": {**GROUP, "weights": {**GROUP["weights"], "strategy": "tensor"}}}},
+        r"config groups of different weight strategies are not supported"),
 }  # fmt: skip
 
 
@@ -201,7 +263,9 @@ def test_quantization_flag_only_for_an_fp8_release(fp8_dir, tiny_model_dir, caps
     """vLLM's --quantization fp8 quantizes an unquantized checkpoint as it loads; here that is
     refused before anything starts, and an FP8 release passes the check (then the port fails)."""
     assert serve.serve_main([str(tiny_model_dir), "--quantization", "fp8"]) == 2
-    assert f"--quantization fp8: {tiny_model_dir} is not an FP8 release" in capsys.readouterr().err
+    assert f"--quantization fp8: {tiny_model_dir} is not an FP8 checkpoint" in capsys.readouterr().err
+    assert serve.serve_main([str(fp8_dir), "--quantization", "compressed-tensors"]) == 2
+    assert f"--quantization compressed-tensors: {fp8_dir}'s quantization_config says fp8" in capsys.readouterr().err
     import socket
 
     with socket.socket() as sock:

@@ -236,7 +236,7 @@ ACCEPTED = [
 REFUSED = [
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: not supported: deltaserve always prefills"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported: the KV cache is kept in the model's dtype"),
-    (["-q", "awq"], "--quantization awq: not supported: deltaserve loads unquantized (bf16/fp32) checkpoints and FP8"),
+    (["-q", "awq"], "--quantization awq: not supported: deltaserve loads unquantized (bf16/fp32) checkpoints and FP8 ones"),
     (["--enable-log-requests"], "--enable-log-requests: not supported: deltaserve logs no requests"),
     (["--max-model-len", "auto"], "argument --max-model-len: 'auto' (vLLM: as long as memory allows) is not supported"),
     (["--max-model-len", "-1"], "argument --max-model-len: '-1' (vLLM: as long as memory allows) is not supported"),

@@ -98,13 +98,15 @@ def golden(model_dir: str, ex: Executor, device: str, lengths: tuple[int, ...]) 
 def hf_quantization(model_dir: str) -> dict:
     """from_pretrained's arguments for HF to widen an FP8 release's weights, as we do, rather
     than run its FP8 kernels (which also quantize the activations)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    if "quantization_config" not in config:
+    quant = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
+    if not quant:
         return {}
-    from transformers import FineGrainedFP8Config
+    from transformers import CompressedTensorsConfig, FineGrainedFP8Config
 
-    block = config["quantization_config"]["weight_block_size"]
-    return {"quantization_config": FineGrainedFP8Config(weight_block_size=tuple(block), dequantize=True)}
+    if quant.get("quant_method") == "compressed-tensors":
+        return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+    return {"quantization_config": FineGrainedFP8Config(weight_block_size=tuple(quant["weight_block_size"]),
+                                                        dequantize=True)}  # fmt: skip
 
 
 def hf_logits(hf, ids: list[int], tokens: list[int], device: str) -> torch.Tensor:

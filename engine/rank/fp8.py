@@ -1,8 +1,12 @@
-"""FP8 checkpoints with block scales: Qwen's `-FP8` releases (DeepSeek-V3's format).
+"""FP8 checkpoints: Qwen's `-FP8` releases (DeepSeek-V3's format) and llm-compressor's
+compressed-tensors FP8 (vLLM's usual FP8 checkpoints).
 
-Each quantized projection is stored as an FP8 `weight` of [rows, cols] beside an fp32
-`weight_scale_inv` of [ceil(rows / bm), ceil(cols / bn)] for `weight_block_size` [bm, bn]: the
-real weight is the FP8 value times its block's scale (the "inverse" of the quantizer's scale).
+Each quantized projection is stored as an FP8 `weight` of [rows, cols] beside fp32 scales of
+[ceil(rows / bm), ceil(cols / bn)] for blocks of [bm, bn]: the real weight is the FP8 value
+times its block's scale. Qwen's name them `weight_scale_inv` (the inverse of the quantizer's
+scale) with `weight_block_size` [bm, bn]; compressed-tensors' `weight_scale`, one per block,
+output row ("channel": [1, cols]) or tensor ([rows, cols]; a block side of 0 here means the
+whole dimension).
 Every other tensor (embeddings, norms, conv, whichever `modules_to_not_convert` names) is a
 plain float tensor. Which tensors are quantized is read from the tensors' dtypes, not from
 that list, so a release that quantizes more or fewer projections loads the same way.
@@ -17,18 +21,19 @@ import math
 
 import torch
 
-SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """The fp32 weight: block (i, j) (rows i*bm.., columns j*bn..; the last ones may be
     partial) times `scale_inv[i, j]`. ValueError when the scales do not tile the weight."""
-    bm, bn = block
     if weight.dim() != 2:
         raise ValueError(f"an FP8 weight of shape {list(weight.shape)}: only matrices are quantized in blocks")
     rows, cols = weight.shape
+    bm, bn = block[0] or rows, block[1] or cols
     grid = (math.ceil(rows / bm), math.ceil(cols / bn))
+    if scale_inv.numel() == 1 == math.prod(grid):  # one scale per tensor: [1] or []
+        scale_inv = scale_inv.reshape(grid)
     if tuple(scale_inv.shape) != grid:
         raise ValueError(f"its scales have shape {list(scale_inv.shape)}, not {list(grid)} "
                          f"(weight {[rows, cols]} in blocks of {[bm, bn]})")  # fmt: skip
@@ -40,16 +45,16 @@ class Fp8Pairs:
     """Pairs each FP8 weight with its scales as a checkpoint's tensors arrive (in file order,
     a pair possibly split across two shard files) and hands out the widened weight."""
 
-    def __init__(self, block: tuple[int, int]) -> None:
-        self.block = block
+    def __init__(self, block: tuple[int, int], scale_suffix: str) -> None:
+        self.block, self.suffix = block, scale_suffix
         self.weights: dict[str, torch.Tensor] = {}  # weight name -> FP8 values awaiting scales
         self.scales: dict[str, torch.Tensor] = {}  # weight name -> scales awaiting the values
 
     def take(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         """(name, tensor) to load now: a plain tensor as it came, an FP8 weight widened once
         both halves are here; None while one half waits. ValueError for a malformed pair."""
-        if name.endswith(SCALE_SUFFIX):
-            weight_name = name.removesuffix(SCALE_SUFFIX)
+        if name.endswith(self.suffix):
+            weight_name = name.removesuffix(self.suffix)
             if not tensor.dtype.is_floating_point or tensor.dtype in FP8_DTYPES:
                 raise ValueError(f"{name} has dtype {str(tensor.dtype).removeprefix('torch.')}, not fp32 scales")
             self.scales[weight_name] = tensor
@@ -69,5 +74,5 @@ class Fp8Pairs:
     def unpaired(self) -> list[str]:
         """What is left once every file is read: FP8 weights without scales, scales without
         an FP8 weight (a plain weight's, or none)."""
-        return ([f"{name} (FP8, no {SCALE_SUFFIX})" for name in sorted(self.weights)]
-                + [f"{name}{SCALE_SUFFIX} (no FP8 weight)" for name in sorted(self.scales)])  # fmt: skip
+        return ([f"{name} (FP8, no {self.suffix})" for name in sorted(self.weights)]
+                + [f"{name}{self.suffix} (no FP8 weight)" for name in sorted(self.scales)])  # fmt: skip

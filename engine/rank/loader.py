@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, SafetensorsError, read_header
-from deltaserve.engine.rank.fp8 import FP8_DTYPES, SCALE_SUFFIX, Fp8Pairs
+from deltaserve.engine.rank.fp8 import FP8_DTYPES, Fp8Pairs
 from deltaserve.engine.rank.model_config import ModelConfig
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
@@ -111,7 +111,8 @@ def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig, k
     model_dir = Path(model_dir)
     tie_word_embeddings = config.tie_word_embeddings
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
-    if keep_fp8 and config.fp8_block:
+    # the kernels' tiles need row blocks, and the kept scales are Qwen's `weight_scale_inv`
+    if keep_fp8 and config.fp8_block and min(config.fp8_block) > 1 and config.fp8_scale_suffix == "_scale_inv":
         keep_fp8_modules(model, model_dir, packed, config.fp8_block)
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
@@ -122,15 +123,16 @@ def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig, k
         nonlocal vlm_layout
         vlm_layout = vlm_layout or name.startswith(VLM_TEXT_PREFIX)
         target = text_name(name)
-        return target is not None and not (target.removesuffix(SCALE_SUFFIX) == "lm_head.weight" and tie_word_embeddings)
+        return target is not None and not (target.removesuffix(config.fp8_scale_suffix) == "lm_head.weight"
+                                           and tie_word_embeddings)
 
     reader = CheckpointReader(device)
-    fp8 = Fp8Pairs(config.fp8_block) if config.fp8_block else None
+    fp8 = Fp8Pairs(config.fp8_block, config.fp8_scale_suffix) if config.fp8_block else None
     loaded: set[str] = set()
     for path in checkpoint_files(model_dir):
         try:
             for name, tensor in reader.tensors(path, wanted):
-                if fp8 is not None and not holds_fp8(params, packed, name):
+                if fp8 is not None and not holds_fp8(params, packed, name.removesuffix(fp8.suffix)):
                     if (taken := fp8_take(fp8, name, path, tensor)) is None:
                         continue  # half of an FP8 pair: the other half comes later
                     name, tensor = taken
@@ -165,9 +167,9 @@ def keep_fp8_modules(model: nn.Module, model_dir: Path, packed: dict[str, tuple[
             module.keep_fp8(block)
 
 
-def holds_fp8(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, int]], name: str) -> bool:
-    """Whether a checkpoint tensor (an FP8 weight or its scales) goes as it is into a kept FP8 projection."""
-    param = params.get(packed_target((text_name(name) or "").removesuffix(SCALE_SUFFIX), packed)[0])
+def holds_fp8(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, int]], weight: str) -> bool:
+    """Whether a checkpoint weight (and so its scales) goes as it is into a kept FP8 projection."""
+    param = params.get(packed_target(text_name(weight) or "", packed)[0])
     return param is not None and param.dtype in FP8_DTYPES
 
 

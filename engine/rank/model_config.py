@@ -83,15 +83,18 @@ def token_ids(value: object, key: str) -> tuple[int, ...]:
     return tuple(to_number(token, key, int) for token in listed)
 
 
-def read_fp8_block(quant: object) -> tuple[int, int] | None:
-    """An FP8 release's weight_block_size (None: no quantization_config). Anything else that
+def read_fp8(quant: object) -> tuple[tuple[int, int], str] | None:
+    """An FP8 checkpoint's scale blocks (a side of 0: the whole dimension) and the suffix of its
+    scale tensors' names (engine/rank/fp8.py); None: no quantization_config. Anything else that
     is quantized is refused by name: its tensors would otherwise fail obscurely or load as garbage."""
     if not quant:
         return None
     method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+    if isinstance(quant, dict) and method == "compressed-tensors":
+        return read_compressed_tensors(quant), "_scale"
     if not isinstance(quant, dict) or method != "fp8":
-        raise ConfigError(f"quantized checkpoints other than FP8 with block scales are not supported "
-                          f"(quantization_config: {method!r:.40}); serve the bf16 or FP8 release of the model")
+        raise ConfigError(f"quantized checkpoints other than FP8 are not supported (quantization_config: "
+                          f"{method!r:.40}); serve the bf16 or FP8 release of the model")  # fmt: skip
     if quant.get("activation_scheme", "dynamic") != "dynamic":
         raise ConfigError(f"quantization_config: activation_scheme {quant['activation_scheme']!r:.40} is not "
                           f"supported (only 'dynamic': no input scales)")  # fmt: skip
@@ -99,12 +102,57 @@ def read_fp8_block(quant: object) -> tuple[int, int] | None:
     if block is None:
         raise ConfigError("quantization_config: FP8 with one scale per tensor (no weight_block_size) is not "
                           "supported, only block scales such as Qwen's [128, 128]")  # fmt: skip
+    return block_sizes(block, "weight_block_size"), "_scale_inv"
+
+
+def block_sizes(block: object, key: str) -> tuple[int, int]:
     if not isinstance(block, list) or len(block) != 2:
-        raise ConfigError(f"quantization_config: weight_block_size is {block!r:.40}, not [rows, columns]")
-    rows, cols = (to_number(size, "weight_block_size", int) for size in block)
+        raise ConfigError(f"quantization_config: {key} is {block!r:.40}, not [rows, columns]")
+    rows, cols = (to_number(size, key, int) for size in block)
     if rows < 1 or cols < 1:
-        raise ConfigError(f"quantization_config: weight_block_size is {block}, not two positive integers")
+        raise ConfigError(f"quantization_config: {key} is {block}, not two positive integers")
     return rows, cols
+
+
+# compressed-tensors' FP8 weight strategies -> the block a scale covers (0: the whole dimension)
+COMPRESSED_TENSORS_BLOCKS = {"tensor": (0, 0), "channel": (1, 0)}
+
+
+def read_compressed_tensors(quant: dict) -> tuple[int, int]:
+    """The scale block of llm-compressor's FP8 checkpoints (FP8_DYNAMIC, FP8_BLOCK): 8-bit float
+    weights, symmetric, one strategy for every group; activations dynamic or not quantized."""
+    where = "quantization_config"
+    if quant.get("kv_cache_scheme"):
+        raise ConfigError(f"{where}: kv_cache_scheme (a quantized KV cache) is not supported")
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{where}: config_groups is {groups!r:.40}, not an object of quantization groups")
+    blocks = set()
+    for name, group in groups.items():
+        at = f"{where}.config_groups.{name}"
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if not isinstance(weights, dict):
+            raise ConfigError(f"{at}: no weights scheme")
+        fmt = group.get("format") or quant.get("format")
+        if (weights.get("type"), weights.get("num_bits"), fmt) != ("float", 8, "float-quantized"):
+            raise ConfigError(f"{at}: {weights.get('num_bits')}-bit {weights.get('type')} weights ({fmt}) are not "
+                              f"supported, only FP8 (8-bit float, float-quantized)")  # fmt: skip
+        if not weights.get("symmetric", True) or weights.get("dynamic"):
+            raise ConfigError(f"{at}: only symmetric FP8 weights with stored scales are supported")
+        inputs = group.get("input_activations")
+        if (inputs and not inputs.get("dynamic")) or group.get("output_activations"):
+            raise ConfigError(f"{at}: static activation scales are not supported (only dynamic ones)")
+        strategy = weights.get("strategy")
+        if strategy == "block":
+            blocks.add(block_sizes(weights.get("block_structure"), f"config_groups.{name}.weights.block_structure"))
+        elif strategy in COMPRESSED_TENSORS_BLOCKS:
+            blocks.add(COMPRESSED_TENSORS_BLOCKS[strategy])
+        else:
+            raise ConfigError(f"{at}: weight strategy {strategy!r:.40} is not supported "
+                              f"(tensor, channel and block are)")  # fmt: skip
+    if len(blocks) > 1:
+        raise ConfigError(f"{where}: config groups of different weight strategies are not supported")
+    return blocks.pop()
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +177,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
-    fp8_block: tuple[int, int] | None = None  # an FP8 release's weight_block_size (engine/rank/fp8.py)
+    fp8_block: tuple[int, int] | None = None  # an FP8 checkpoint's scale blocks (engine/rank/fp8.py)
+    fp8_scale_suffix: str = "_scale_inv"  # its scale tensors' names: weight name + this
 
     def differences(self, other: ModelConfig) -> list[str]:
         """The fields in which `other` is another model (the weights' dtype may differ: they
@@ -214,7 +263,7 @@ class ModelConfig:
         text_config = raw.get("text_config")
         if "text_config" in raw and not isinstance(text_config, dict):
             raise ConfigError(f"text_config is {json_kind(text_config)}, not an object of the text model's settings")
-        fp8_block = read_fp8_block(raw.get("quantization_config") or (text_config or {}).get("quantization_config"))
+        fp8 = read_fp8(raw.get("quantization_config") or (text_config or {}).get("quantization_config"))
         top_eos = raw.get("eos_token_id")
         if model_type == "qwen3_5":
             if text_config is None:
@@ -281,7 +330,8 @@ class ModelConfig:
             tie_word_embeddings=bool(tie),
             eos_token_ids=eos_ids,
             torch_dtype=dtype or "bfloat16",
-            fp8_block=fp8_block,
+            fp8_block=fp8 and fp8[0],
+            fp8_scale_suffix=fp8[1] if fp8 else "_scale_inv",
         )
 
     @classmethod
