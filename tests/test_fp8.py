@@ -247,6 +247,25 @@ def test_other_quantizations_are_refused_by_name(broken_copy, fault):
         ModelConfig.from_model_dir(broken_copy)
 
 
+@pytest.mark.parametrize("fp8_weights", ["widen", "keep"])
+def test_new_fp8_weights_in_place(fp8_dir, tmp_path, fp8_weights):
+    """A weight update (`Executor.load_weights`, as a rank runs it) from another FP8 checkpoint
+    gives the logits of an executor started on it, widened or kept."""
+    other = make_model(tmp_path / "other", preset="tiny", dtype="fp8", fp8_block=BLOCK, seed=1)
+    item = StepItem(1, 0, PROMPT, True, NewRequest(len(PROMPT), SamplingSpec(seed=0)))
+
+    def executor(model_dir):
+        return Executor(ExecutorConfig(str(model_dir), num_slots=1, num_blocks=16, fp8_weights=fp8_weights))
+
+    updated, fresh = executor(fp8_dir), executor(other)
+    before = updated.forward([item], every_position=True)
+    updated.drop([1])
+    updated.load_weights(str(other))
+    after = updated.forward([item], every_position=True)
+    assert torch.equal(after, fresh.forward([item], every_position=True))
+    assert not torch.equal(after, before)
+
+
 def test_weight_update_checks(fp8_dir, tiny_model_dir, tmp_path):
     """Another FP8 checkpoint of the model passes the update's header check; an unquantized
     one is another config (its quantization), and an FP8 tensor where the served one is plain is refused."""
