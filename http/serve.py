@@ -18,7 +18,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -26,6 +25,13 @@ from dataclasses import fields
 from pathlib import Path
 
 import deltaserve
+from deltaserve.http.listen import (
+    Listen,
+    add_listen_flags,
+    check_listen,
+    listen_config,
+    remove_socket,
+)
 from deltaserve.http.reasoning import REASONING_PARSERS
 from deltaserve.http.tool_parsers import TOOL_CALL_PARSERS
 from deltaserve.http.vllm_flags import (
@@ -213,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "that leave return_tokens_as_token_ids out (as vLLM's flag)")  # fmt: skip
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free)")
+    add_listen_flags(srv)
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on the /v1 routes (as vLLM: "
                           "/health, /metrics and /version stay open)")  # fmt: skip
@@ -327,6 +334,7 @@ def serve_main(argv: list[str] | None = None) -> int:
               "checkpoint folder; hub names are not downloaded)", file=sys.stderr)  # fmt: skip
         return 2
     try:
+        listen = listen_config(args)
         server_config, engine_config = _server_config(args), _engine_config(args)
         check_quantization(args.quantization, None if demo else args.model)
         if server_config.generation_config == "auto":  # read again at start: refused now, not then
@@ -337,9 +345,9 @@ def serve_main(argv: list[str] | None = None) -> int:
         print(f"deltaserve serve: error: {exc}", file=sys.stderr)
         return 2
     try:
-        check_listen(args.host, args.port)
+        check_listen(listen)
     except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        log.error("cannot listen on %s: %s", args.uds or f"{args.host}:{args.port}", exc)
         return 1
     if demo:
         log.info("no --model given: serving the built-in demo checkpoint (random '%s' weights) "
@@ -353,30 +361,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     except ImportError:  # windows
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_serve(args, server_config, engine_config))
-
-
-def check_listen(host: str, port: int) -> None:
-    """Bind every address the server will listen on, then let go, so that a port in use or an
-    address this machine lacks fails in a second, not after the weights have loaded (minutes on
-    a GPU). Binds as asyncio's create_server does (SO_REUSEADDR, IPv6 only on IPv6 sockets);
-    raises the OSError (socket.gaierror for an unknown host name)."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    for family, kind, proto, _, address in dict.fromkeys(infos):
-        try:
-            sock = socket.socket(family, kind, proto)
-        except OSError:  # a family this kernel lacks (IPv6 off): asyncio skips it too
-            continue
-        with sock:
-            if os.name == "posix":
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-
-
-def _base_url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return runner.run(_serve(args, listen, server_config, engine_config))
 
 
 def _server_config(args: argparse.Namespace):  # -> ServerConfig
@@ -496,8 +481,9 @@ def _sizes(engine) -> tuple[str, str | None]:
     return ready, short
 
 
-async def _serve(args: argparse.Namespace, server_config, engine_config) -> int:
-    from deltaserve.http.server import STATE, build_app, start_server
+async def _serve(args: argparse.Namespace, listen: Listen, server_config, engine_config) -> int:
+    from deltaserve.http.listen import start_server
+    from deltaserve.http.server import STATE, build_app
 
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
@@ -528,14 +514,13 @@ async def _serve(args: argparse.Namespace, server_config, engine_config) -> int:
                      "values win; --generation-config vllm ignores the file)",
                      ", ".join(f"{k}={v}" for k, v in defaults.items()))  # fmt: skip
         try:
-            runner, site = await start_server(
-                app, args.host, args.port, shutdown_timeout_s=RUNNER_SHUTDOWN_TIMEOUT_S
-            )
+            runner, site = await start_server(app, listen.host, listen.port, uds=listen.uds, ssl_context=listen.ssl,
+                                              shutdown_timeout_s=RUNNER_SHUTDOWN_TIMEOUT_S)  # fmt: skip
         except OSError as exc:
-            log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+            log.error("cannot listen on %s: %s", args.uds or f"{args.host}:{args.port}", exc)
             return 1
         log.info("ready: serving '%s' at %s/v1 (health: /health, metrics: /metrics, "
-                 "monitor: %s)", "', '".join(server_config.served_model_name), _base_url(*runner.addresses[0][:2]),
+                 "monitor: %s)", "', '".join(server_config.served_model_name), listen.url(runner.addresses[0]),
                  engine.monitor_endpoint or "off")  # fmt: skip
         if not await _wait_stop_or_death(stop, engine):
             log.info("signal received: admitting no new requests, draining for up to %.1f s "
@@ -549,6 +534,7 @@ async def _serve(args: argparse.Namespace, server_config, engine_config) -> int:
     finally:
         if runner is not None:
             await runner.cleanup()
+            remove_socket(listen)
         with contextlib.suppress(Exception):
             await engine.shutdown()
     log.info("stopped (exit code %d)", exit_code)

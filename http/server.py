@@ -149,24 +149,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     return app
 
 
-async def start_server(
-    app: web.Application, host: str, port: int, *, shutdown_timeout_s: float = 5.0
-) -> tuple[web.AppRunner, web.TCPSite]:
-    """Listen on host:port (0: any free port; see `runner.addresses`). Handlers are
-    cancelled when their client disconnects, which cancels the client's requests."""
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
-    )
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    try:
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    return runner, site
-
-
 # ---- middleware --------------------------------------------------------------------------
 
 

@@ -24,7 +24,8 @@ import aiohttp
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
-from deltaserve.http.server import ServerConfig, build_app, start_server
+from deltaserve.http.listen import start_server
+from deltaserve.http.server import ServerConfig, build_app
 
 DELTASERVE = str(Path(sys.executable).with_name("deltaserve"))
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -107,7 +108,7 @@ class ServeProcess:
         async for raw in self.proc.stderr:
             line = raw.decode(errors="replace").rstrip()
             self.lines.append(line)
-            m = re.search(r"ready: serving .* at (http://[\d.]+:\d+)/v1", line)
+            m = re.search(r"ready: serving .* at (https?://[\d.]+:\d+|unix:\S+)/v1", line)
             if m:
                 self.url = m.group(1)
                 self._ready.set()

@@ -19,7 +19,8 @@ from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.events import FinishedEvent, QueueFullError, TokenEvent
 from deltaserve.engine.sampling_params import SamplingParams
-from deltaserve.http.server import ServerConfig, build_app, start_server
+from deltaserve.http.listen import start_server
+from deltaserve.http.server import ServerConfig, build_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -23,8 +23,9 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.events import FinishedEvent, TokenEvent
 from deltaserve.engine.generate import generate_tokens
 from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.http.listen import start_server
 from deltaserve.http.responses import TokenStrings
-from deltaserve.http.server import ServerConfig, build_app, start_server
+from deltaserve.http.server import ServerConfig, build_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -19,7 +19,8 @@ from multidict import CIMultiDictProxy
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.http import serve
-from deltaserve.http.server import ServerConfig, build_app, start_server
+from deltaserve.http.listen import start_server
+from deltaserve.http.server import ServerConfig, build_app
 
 module_loop = pytest.mark.asyncio(loop_scope="module")  # the module's engine and servers
 

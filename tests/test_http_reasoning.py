@@ -28,10 +28,11 @@ from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.tokenizer import load_tokenizer
 from deltaserve.http import serve
 from deltaserve.http.errors import ApiError
+from deltaserve.http.listen import start_server
 from deltaserve.http.protocol import parse_chat_request
 from deltaserve.http.reasoning import END_THINK, THINK, ReasoningParser, ReasoningSplitter
 from deltaserve.http.responses import ChatFormatter, ChoiceState, TokenStrings, usage
-from deltaserve.http.server import ServerConfig, build_app, start_server
+from deltaserve.http.server import ServerConfig, build_app
 from deltaserve.http.tool_formats import TOOL_CALL
 
 MODEL = "tiny-think"

@@ -26,7 +26,8 @@ from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.generate import generate_tokens
 from deltaserve.http import serve
-from deltaserve.http.server import ServerConfig, build_app, start_server
+from deltaserve.http.listen import start_server
+from deltaserve.http.server import ServerConfig, build_app
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 

@@ -22,7 +22,8 @@ from serve_helpers import wait_idle
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.http import serve
-from deltaserve.http.server import ServerConfig, build_app, start_server
+from deltaserve.http.listen import start_server
+from deltaserve.http.server import ServerConfig, build_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

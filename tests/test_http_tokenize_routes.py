@@ -18,7 +18,8 @@ from serve_helpers import in_process_server
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.tokenizer import INLINE_TOKENIZE_CHARS
-from deltaserve.http.server import ServerConfig, build_app, start_server
+from deltaserve.http.listen import start_server
+from deltaserve.http.server import ServerConfig, build_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

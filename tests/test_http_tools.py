@@ -21,10 +21,11 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.events import FinishedEvent, TokenEvent
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http.errors import ApiError
+from deltaserve.http.listen import start_server
 from deltaserve.http.protocol import parse_chat_request
 from deltaserve.http.reasoning import ReasoningParser
 from deltaserve.http.responses import ChatFormatter, ChoiceState, TokenStrings
-from deltaserve.http.server import ServerConfig, build_app, start_server
+from deltaserve.http.server import ServerConfig, build_app
 from deltaserve.http.tool_parsers import ToolCallReader, parse_tool_calls
 
 # ---- request side ------------------------------------------------------------------------
