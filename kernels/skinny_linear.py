@@ -550,7 +550,7 @@ def linear(
 
 
 def fp8_fits(cfg: SkinnyConfig, gemv: bool, block: tuple[int, int], silu_mul: bool, rows: int) -> bool:
-    """Whether the kernel's tiles can read FP8 weights of these blocks (`_fp8_args`' rule)."""
+    """Whether the kernel's tiles can read FP8 weights of these blocks (`fp8_args` refuses the others)."""
     bm, bn = block
     tile_rows = cfg.block_n // 2 if silu_mul else cfg.block_n
     k_parts = (whole_row_parts(cfg.block_k) or (1, 1)) if cfg.whole_rows else (cfg.block_k, 0)

@@ -24,21 +24,20 @@ import torch
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def dequantize(weight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """The fp32 weight: block (i, j) (rows i*bm.., columns j*bn..; the last ones may be
-    partial) times `scale_inv[i, j]`. ValueError when the scales do not tile the weight."""
+    partial) times `scales[i, j]`. ValueError when the scales do not tile the weight."""
     if weight.dim() != 2:
         raise ValueError(f"an FP8 weight of shape {list(weight.shape)}: only matrices are quantized in blocks")
     rows, cols = weight.shape
     bm, bn = block[0] or rows, block[1] or cols
     grid = (math.ceil(rows / bm), math.ceil(cols / bn))
-    if scale_inv.numel() == 1 == math.prod(grid):  # one scale per tensor: [1] or []
-        scale_inv = scale_inv.reshape(grid)
-    if tuple(scale_inv.shape) != grid:
-        raise ValueError(f"its scales have shape {list(scale_inv.shape)}, not {list(grid)} "
+    if scales.numel() == 1 == math.prod(grid):  # one scale per tensor: [1] or []
+        scales = scales.reshape(grid)
+    if tuple(scales.shape) != grid:
+        raise ValueError(f"its scales have shape {list(scales.shape)}, not {list(grid)} "
                          f"(weight {[rows, cols]} in blocks of {[bm, bn]})")  # fmt: skip
-    scale = scale_inv.float().repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
-    return weight.float() * scale
+    return weight.float() * scales.float().repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
 
 
 class Fp8Pairs:
@@ -65,9 +64,9 @@ class Fp8Pairs:
             return name, tensor
         if weight_name not in self.weights or weight_name not in self.scales:
             return None
-        weight, scale_inv = self.weights.pop(weight_name), self.scales.pop(weight_name)
+        weight, scales = self.weights.pop(weight_name), self.scales.pop(weight_name)
         try:
-            return weight_name, dequantize(weight, scale_inv, self.block)
+            return weight_name, dequantize(weight, scales, self.block)
         except ValueError as e:
             raise ValueError(f"FP8 weight {weight_name}: {e}") from None
 

@@ -3,12 +3,12 @@
 Accepts both naming schemes: `model.language_model.*` of the released vision-language
 checkpoints (whose `model.visual.*` and `mtp.*` tensors are skipped) and `model.*` of text-only
 saves; single or sharded safetensors (`model.safetensors.index.json`); tied embeddings (no
-`lm_head.weight`, or one we ignore); FP8 releases with block scales (fp8.py), whose
-projections stay FP8 with `keep_fp8` (linear.py: where every part is FP8 and the shards are
-whole blocks), else are widened with their `weight_scale_inv` as they load. A missing tensor (named as the checkpoint's layout names
-it), a wrong shape, a dtype that is not a float one (integer, bool, or FP8 outside an FP8
-release) or an unexpected text tensor is an error that names the tensor and the file. Floating
-tensors (fp32, bf16, fp16, fp64) are converted to the model's dtype.
+`lm_head.weight`, or one we ignore); FP8 checkpoints (fp8.py), each FP8 weight widened with
+its scales as it loads, or, asked to (`keep_fp8`), loaded as it is into a projection that
+stays FP8 (linear.py). A missing tensor (named as the checkpoint's layout names it), a wrong
+shape, a dtype that is not a float one (integer, bool, or FP8 outside an FP8 checkpoint) or an
+unexpected text tensor is an error that names the tensor and the file. Floating tensors (fp32,
+bf16, fp16, fp64) are converted to the model's dtype.
 
 Projections the model runs as one GEMM (`model.packed_modules`: checkpoint module name ->
 (our module name, part)) load tensor by tensor into their part of the merged weight.
@@ -107,7 +107,8 @@ def expected_names(params: dict[str, nn.Parameter], packed: dict[str, tuple[str,
 
 
 def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig, keep_fp8: bool = False) -> None:
-    """keep_fp8: an FP8 release's projections stay FP8 (`keep_fp8_modules`), else all are widened."""
+    """keep_fp8: an FP8 checkpoint's projections stay FP8 where they can (`keep_fp8_modules`);
+    else every FP8 weight is widened."""
     model_dir = Path(model_dir)
     tie_word_embeddings = config.tie_word_embeddings
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
@@ -235,6 +236,7 @@ def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, config: Mod
     problems += [f"{name} unexpected" for name in sorted(new.keys() - old.keys())]
     problems += [f"{name} of shape {list(new[name][0])}, not {list(old[name][0])}"
                  for name in sorted(old.keys() & new.keys()) if new[name][0] != old[name][0]]  # fmt: skip
+
     def foreign(name: str, dtype: torch.dtype) -> bool:  # FP8 exactly where the served tensor is FP8
         served = old.get(name, ((), None))[1]
         return dtype != served and (dtype not in FLOAT_DTYPES or served in FP8_DTYPES)
