@@ -49,7 +49,9 @@ USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mo
 LM_HEAD_GEMV = True  # one row's logits by the whole-row GEMV (`logits`; ditto, "lm_cublas")
 CONV_EPILOGUE = True  # one row's in_proj GEMV makes the DeltaNet conv (`ConvEpilogue`; ditto, "conv_apart")
 RULE_FIRST_AHEAD = True  # the rule's one-row GEMVs read their first K block before the wait (ditto, "rule_plain")
-FP8_GEMV_ROWS = 2  # an FP8 weight's GEMV tile: this many times the rows of the bf16 tile, as many bytes (ditto, "fp8_rows1")
+# an FP8 weight's GEMV tile: this many times the bf16 tile's rows (one row's replay 2.316 ms against
+# 2.376 at 2x and 2.400 at 8x, step_ab_h200_fp8_gemv_rows_4b_b1.json; ditto, "fp8_rows1", ...)
+FP8_GEMV_ROWS = 4
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,8 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
           tiles of 16 or 32 positions, 4 or 8 warps, that many pipeline stages (else 32, 4, and
           2 stages from 256 programs, 3 below; Triton gives K and V two buffers from 5 stages)
   fp8_keep, fp8_rows1  on an FP8 release, the default with the projections kept FP8 and read so by
-          the skinny kernels (else widened to bf16 as they load); fp8_rows1 with the GEMVs on the
-          bf16 tiles' rows (else twice as many, as many bytes a program)
+          the skinny kernels (else widened to bf16 as they load); fp8_rows1, fp8_rows4, fp8_rows8 with
+          the GEMVs on that many times the bf16 tiles' rows (else 4 times, FP8_GEMV_ROWS)
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ MODES = {
                              ((1, 2560, 4096), skinny.SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True)))),
     "d9_rule32": Mode(tiles=(((32, 4096, 12288), None),)),
     "fp8_keep": Mode(fp8_weights="keep"), "fp8_rows1": Mode(fp8_weights="keep", fp8_gemv_rows=1),
+    "fp8_rows4": Mode(fp8_weights="keep", fp8_gemv_rows=4), "fp8_rows8": Mode(fp8_weights="keep", fp8_gemv_rows=8),
 }
 ALL_KINDS = frozenset({"gemv", "dot", "other"})
 MODES |= {
