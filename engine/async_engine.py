@@ -118,6 +118,7 @@ class AsyncEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
             cuda_graphs=not config.enforce_eager,
             prompt_graph_tokens=config.prompt_graph_tokens,
+            fp8_weights=config.fp8_weights,
             prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
             overlap_steps=config.overlap_steps,
             max_num_batched_tokens=config.max_num_batched_tokens,

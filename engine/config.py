@@ -52,6 +52,9 @@ class EngineConfig:
     # cuda: prompt-only steps of up to this many tokens replay a CUDA graph (engine/rank/
     # prompt_graphs.py); 0: prompts always run eagerly
     prompt_graph_tokens: int = 2048
+    # an FP8 checkpoint's projections: "widen"ed to the model's dtype as they load, or "keep"
+    # FP8 (half their memory; engine/rank/loader.py)
+    fp8_weights: str = "widen"
     # reuse a saved prompt's state and KV for later prompts that begin with it
     # (engine/prefix_cache.py; vLLM's flag); each rank keeps `prefix_cache_states` saved
     # states (default max_num_seqs), each the size of one request's DeltaNet state
@@ -99,6 +102,8 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so that every decode fits in a step"
             )
+        if self.fp8_weights not in ("widen", "keep"):
+            raise ValueError(f"fp8_weights must be 'widen' or 'keep', got {self.fp8_weights!r}")
         for name in ("prompt_graph_tokens", "prefix_cache_states"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -46,6 +46,7 @@ class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_num_batched_tokens: int = 2048  # num_blocks 0: tokens of the profiling step
     cuda_graphs: bool = True  # cuda: single-token items replay CUDA graphs
     prompt_graph_tokens: int = 2048  # ... and prompt steps of up to this many tokens
+    fp8_weights: str = "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8
     prefix_states: int = 0  # saved prefix states (prefix caching); 0: off
     overlap_steps: bool = False  # queue a pipelined follower before finishing the step ahead
     noop_executor: bool = False  # benchmarks only

@@ -150,6 +150,7 @@ def build_executor(config: RankConfig) -> object:
             cuda_graphs=config.cuda_graphs,
             prompt_graph_tokens=config.prompt_graph_tokens,
             prefix_states=config.prefix_states,
+            fp8_weights=config.fp8_weights,
         )
     )
 

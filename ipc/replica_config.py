@@ -28,6 +28,7 @@ class ReplicaConfig:
     max_num_batched_tokens: int = 2048  # when num_blocks is 0: tokens of the profiling step
     cuda_graphs: bool = True  # cuda: single-token items replay CUDA graphs
     prompt_graph_tokens: int = 2048  # cuda, with cuda_graphs: prompt steps up to this size too
+    fp8_weights: str = "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8
     prefix_states: int = 0  # saved prefix states each rank keeps (prefix caching); 0: off
     overlap_steps: bool | None = None  # ranks queue a follower before finishing the step; None: on cuda
     startup_timeout_s: float = 120.0
@@ -58,6 +59,7 @@ class ReplicaConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             cuda_graphs=self.cuda_graphs,
             prompt_graph_tokens=self.prompt_graph_tokens,
+            fp8_weights=self.fp8_weights,
             prefix_states=self.prefix_states,
             overlap_steps=(self.device == "cuda" if self.overlap_steps is None else self.overlap_steps)
             and not self.noop_executor,

@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 
 import openai
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from serve_helpers import in_process_server
+from serve_helpers import ServeProcess, in_process_server
 from test_tp_golden import run_tp
 from transformers import Qwen3_5ForCausalLM
 
@@ -294,17 +295,38 @@ def test_quantization_flag_only_for_an_fp8_release(fp8_dir, tiny_model_dir, caps
         assert serve.serve_main([str(fp8_dir), "--quantization", "fp8", "--port", str(port)]) == 1
 
 
+def greedy_tokens(model_dir, ids: list[int], steps: int) -> list[str]:
+    """Our executor's greedy tokens, as `return_tokens_as_token_ids` names them."""
+    ex = Executor(ExecutorConfig(str(model_dir), num_slots=1, num_blocks=16))
+    tokens: list[int] = []
+    logits = ex.forward([StepItem(1, 0, ids, True, NewRequest(len(ids) + steps, SamplingSpec(seed=0)))])
+    for step in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        logits = ex.forward([StepItem(1, len(ids) + step, [tokens[-1]], True)])
+    return [f"token_id:{token}" for token in tokens]
+
+
+async def served_tokens(url: str, model: str, ids: list[int], steps: int) -> list[str]:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x")
+    out = await client.completions.create(model=model, prompt=ids, max_tokens=steps, temperature=0, logprobs=1,
+                                          extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    return out.choices[0].logprobs.tokens
+
+
 async def test_served_through_the_openai_client(fp8_dir):
     """The FP8 release behind the OpenAI endpoint answers as our model does on its own."""
-    ex = Executor(ExecutorConfig(str(fp8_dir), num_slots=1, num_blocks=16))
-    ids, expected = PROMPT[:20], []
-    logits = ex.forward([StepItem(1, 0, ids, True, NewRequest(40, SamplingSpec(seed=0)))])
-    for step in range(8):
-        expected.append(int(logits[-1].argmax()))
-        logits = ex.forward([StepItem(1, len(ids) + step, [expected[-1]], True)])
     config = EngineConfig(model=str(fp8_dir), device="cpu", max_num_seqs=2, num_kv_blocks=64)
     async with in_process_server(config, ServerConfig("fp8")) as s:
-        client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="x")
-        out = await client.completions.create(model="fp8", prompt=ids, max_tokens=8, temperature=0, logprobs=1,
-                                              extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
-    assert out.choices[0].logprobs.tokens == [f"token_id:{token}" for token in expected]
+        assert await served_tokens(s.url, "fp8", PROMPT[:20], 8) == greedy_tokens(fp8_dir, PROMPT[:20], 8)
+
+
+async def test_served_with_fp8_weights_kept(fp8_dir):
+    """`deltaserve serve --fp8-weights keep`: every rank holds the all-FP8 projections as FP8
+    (13 in the tiny model: its 4 MLPs' 2, 3 out_proj, 1 attention's qkv and o_proj) and answers
+    as the widened model does (bit for bit on the CPU, where each product widens them)."""
+    server = await ServeProcess.start(str(fp8_dir), "--fp8-weights", "keep")
+    try:
+        assert re.search(r"rank 0: weights loaded in [\d.]+ s; 13 projections kept FP8", server.log(80)), server.log()
+        assert await served_tokens(server.url, str(fp8_dir), PROMPT[:20], 8) == greedy_tokens(fp8_dir, PROMPT[:20], 8)
+    finally:
+        await server.kill()

@@ -104,7 +104,7 @@ class Mode:
     conv_epilogue: bool = True  # one row's DeltaNet conv in in_proj's GEMV
     early_trigger: frozenset[str] = triton_compat.EARLY_TRIGGER  # kernel kinds letting the next launch before their wait
     rule_first_ahead: bool = skinny.RULE_FIRST_AHEAD  # the rule's one-row GEMVs read their first block before the wait
-    fp8_weights: str = "auto"  # an FP8 release's projections widened as they load, or kept FP8 ("keep")
+    fp8_weights: str = "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8 ("keep")
     fp8_gemv_rows: int = skinny.FP8_GEMV_ROWS  # an FP8 GEMV tile's rows over the bf16 tile's
 
 

@@ -36,7 +36,7 @@ SPLIT_SUMS = ("_sum_splits_kernel", "void cublasLt::splitKreduce")
 BUSY_CYCLES = 4_000_000  # ~2 ms at the H200's 1.98 GHz: the launch finishes behind it
 
 
-def step_executor(model: str, max_batch: int, fp8_weights: str = "auto") -> Executor:
+def step_executor(model: str, max_batch: int, fp8_weights: str = "widen") -> Executor:
     """The 4B executor of the step tools: bf16 on CUDA, graphs up to `max_batch`, room for
     CONTEXT positions and a few hundred steps per request."""
     return Executor(ExecutorConfig(model, device="cuda", dtype="bfloat16", block_size=16, num_slots=max_batch,

@@ -52,6 +52,9 @@ def item_length(item: StepItem) -> int:
     return len(item.token_ids) or 1
 
 
+FP8_WEIGHTS = ("widen", "keep")
+
+
 def resolve_dtype(name: str, device: torch.device, config: ModelConfig) -> torch.dtype:
     if name == "auto":
         if device.type == "cpu":
@@ -81,15 +84,15 @@ class ExecutorConfig:
     cuda_graphs: bool = True  # single-token items and short prompts replay CUDA graphs (CUDA, any TP size)
     prompt_graph_tokens: int = 2048  # largest prompt-graph bucket (capped by max_num_batched_tokens); 0: none
     prefix_states: int = 0  # saved prefix states of the prefix cache (engine/prefix_cache.py); 0: off
-    # an FP8 release's projections: "widen" them to the model's dtype as they load, or "keep" them
-    # FP8, read so by the skinny kernels (loader.py); kept FP8 decode steps are not yet faster
-    # on the H200 (docs/GPU.md), so "auto" widens
-    fp8_weights: str = "auto"
+    # an FP8 checkpoint's projections: "widen" them to the model's dtype as they load, or "keep"
+    # them FP8 (half the memory), read so by the skinny kernels (loader.py; not yet faster past
+    # one row on the H200, docs/GPU.md)
+    fp8_weights: str = "widen"
 
     @property
     def keep_fp8(self) -> bool:
-        if self.fp8_weights not in ("auto", "keep", "widen"):
-            raise ValueError(f"fp8_weights {self.fp8_weights!r} is not one of auto, keep, widen")
+        if self.fp8_weights not in FP8_WEIGHTS:
+            raise ValueError(f"fp8_weights {self.fp8_weights!r} is not one of {', '.join(FP8_WEIGHTS)}")
         return self.fp8_weights == "keep"
 
 
@@ -166,8 +169,9 @@ class Executor:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         started = time.monotonic()
         self.model = Qwen3_5ForCausalLM(self.model_config, self.dtype, self.device)
-        load_weights(self.model, config.model_dir, self.model_config, config.keep_fp8)
-        log.info("rank %d: weights loaded in %.1f s", config.rank, time.monotonic() - started)
+        kept = load_weights(self.model, config.model_dir, self.model_config, config.keep_fp8)
+        log.info("rank %d: weights loaded in %.1f s%s", config.rank, time.monotonic() - started,
+                 f"; {kept} projections kept FP8" if kept else "")  # fmt: skip
         self.sampler = Sampler(partial(load_trie, config.model_dir)) if config.rank == 0 else None
         self.requests: dict[int, LiveRequest] = {}
         self.prefixes: dict[int, SavedPrefix] = {}  # saved prefix id -> its state and blocks

@@ -106,9 +106,9 @@ def expected_names(params: dict[str, nn.Parameter], packed: dict[str, tuple[str,
     return names
 
 
-def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig, keep_fp8: bool = False) -> None:
+def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig, keep_fp8: bool = False) -> int:
     """keep_fp8: an FP8 checkpoint's projections stay FP8 where they can (`keep_fp8_modules`);
-    else every FP8 weight is widened."""
+    else every FP8 weight is widened. Returns how many projections hold FP8."""
     model_dir = Path(model_dir)
     tie_word_embeddings = config.tie_word_embeddings
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
@@ -116,6 +116,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig, k
     if keep_fp8 and config.fp8_block and min(config.fp8_block) > 1 and config.fp8_scale_suffix == "_scale_inv":
         keep_fp8_modules(model, model_dir, packed, config.fp8_block)
     params = dict(model.named_parameters())
+    kept = sum(param.dtype in FP8_DTYPES for param in params.values())
     device = next(iter(params.values())).device
 
     vlm_layout = False  # any `model.language_model.*` name: missing tensors are named so too
@@ -148,6 +149,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig, k
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {model_dir} lacks tensors: {shown}")
+    return kept
 
 
 def keep_fp8_modules(model: nn.Module, model_dir: Path, packed: dict[str, tuple[str, int]],
