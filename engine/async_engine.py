@@ -57,6 +57,8 @@ class AsyncEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        # a request's logprobs and prompt_logprobs at most (EngineConfig.max_logprobs; -1: the vocabulary)
+        self.max_logprobs = model_config.vocab_size if config.max_logprobs == -1 else config.max_logprobs
         self.eos_token_ids = eos_token_ids(config.model, model_config)
         self._next_request_id = itertools.count(1)
         self._streams: dict[str, EventSink] = {}  # client request id -> unresolved sink
@@ -119,6 +121,7 @@ class AsyncEngine:
             cuda_graphs=not config.enforce_eager,
             prompt_graph_tokens=config.prompt_graph_tokens,
             fp8_weights=config.fp8_weights,
+            max_logprobs=self.max_logprobs,
             prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
             overlap_steps=config.overlap_steps,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -447,6 +450,9 @@ class AsyncEngine:
 
     def _check_fits(self, prompt_ids: tuple[int, ...], params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):  # the words of the HTTP layer's check
+            if (k := getattr(params, name)) is not None and k > self.max_logprobs:
+                raise ValueError(f"{name} must be in 0..{self.max_logprobs}, got {k} (--max-logprobs)")
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"stop_token_ids has {t}, outside the vocabulary [0, {vocab})")

@@ -52,6 +52,8 @@ class EngineConfig:
     # cuda: prompt-only steps of up to this many tokens replay a CUDA graph (engine/rank/
     # prompt_graphs.py); 0: prompts always run eagerly
     prompt_graph_tokens: int = 2048
+    # the most logprobs (and prompt logprobs) a request may ask for, as vLLM's; -1: the vocabulary
+    max_logprobs: int = 20
     # an FP8 checkpoint's projections: "widen"ed to the model's dtype as they load, or "keep"
     # FP8 (half their memory; engine/rank/loader.py)
     fp8_weights: str = "widen"
@@ -102,6 +104,8 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so that every decode fits in a step"
             )
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the vocabulary), got {self.max_logprobs!r}")
         if self.fp8_weights not in ("widen", "keep"):
             raise ValueError(f"fp8_weights must be 'widen' or 'keep', got {self.fp8_weights!r}")
         for name in ("prompt_graph_tokens", "prefix_cache_states"):

@@ -1,7 +1,8 @@
 """Per-request sampling parameters, checked once at construction.
 
 Ranges follow vLLM's `SamplingParams` (presence/frequency penalties in [-2, 2], repetition
-penalty > 0, logprobs up to 20). Conventions chosen here, and refused otherwise:
+penalty > 0; logprobs and prompt_logprobs up to the engine's max_logprobs, 20 by default, which
+`AsyncEngine.generate` checks). Conventions chosen here, and refused otherwise:
 - `top_k = 0` disables top-k, and so does -1, as in vLLM (clients built for it send -1).
 - `temperature = 0` is greedy; `seed` only matters for random sampling.
 - `stop` is a sequence of non-empty strings (a bare string is refused: it is a common slip
@@ -31,7 +32,7 @@ penalty > 0, logprobs up to 20). Conventions chosen here, and refused otherwise:
   and min_tokens (masks of their own, whose intersection with the constraint's could leave
   nothing to sample); logit_bias (finite: the mask still wins), penalties, temperature and
   the filters act on the allowed tokens, as vLLM's. Logprobs stay raw.
-- `prompt_logprobs` (0..20, vLLM's): the logprob and rank of every prompt token after the first,
+- `prompt_logprobs` (vLLM's): the logprob and rank of every prompt token after the first,
   with that many alternatives, of the model's raw distribution (`PromptLogprobsEvent`); such a
   request reuses no saved prefix (its positions' logits are needed).
 - `thinking_budget` (>= 0): the output starts inside a think block (the prompt opened it); once
@@ -50,7 +51,7 @@ from dataclasses import dataclass, field, replace
 from deltaserve.engine.guided import guide_pattern
 from deltaserve.ipc.messages import SamplingSpec
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (EngineConfig.max_logprobs)
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 # A request's seed is any int64, as vLLM's (negative ones included).
@@ -149,18 +150,9 @@ class SamplingParams:
                 )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}"
-            )
-        if self.prompt_logprobs is not None and (
-            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(self, name)) is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0 or None, got {value!r}")
         if self.thinking_budget is not None and (not _is_int(self.thinking_budget) or self.thinking_budget < 0):
             raise ValueError(f"thinking_budget must be an integer >= 0 or None, got {self.thinking_budget!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:

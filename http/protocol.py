@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from deltaserve.engine.sampling_params import SamplingParams
     from deltaserve.http.tool_protocol import ToolChoice, ToolFields
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs (the engine's `max_logprobs` is passed in)
 TEXT_PART_SEPARATOR = "\n"  # between a message's text parts, as vLLM joins them
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -167,10 +167,11 @@ class ChatRequest:
 # ---- entry points ------------------------------------------------------------------------
 
 
-def parse_completion_request(body: object, defaults: Mapping[str, float] | None = None) -> CompletionRequest:
+def parse_completion_request(body: object, defaults: Mapping[str, float] | None = None, *,
+                             max_logprobs: int = MAX_LOGPROBS) -> CompletionRequest:  # fmt: skip
     """`defaults`: sampling settings (temperature, top_p, top_k, min_p, repetition_penalty)
     taken where the body leaves them out or null: the model's generation_config.json, as
-    vLLM takes it."""
+    vLLM takes it. `max_logprobs`: the engine's bound on logprobs and prompt_logprobs."""
     obj = json_object(body)
     _refuse_unknown(obj, _COMPLETION_KEYS)
     _refuse_non_defaults(obj, _COMPLETION_DEFAULTS)
@@ -181,11 +182,11 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
     if obj.get("suffix") not in (None, ""):
         raise unsupported("suffix", "insertion (suffix) is not supported")
     logprobs = opt_int(obj, "logprobs")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be in 0..{MAX_LOGPROBS}, got {logprobs}", "logprobs")
+    if logprobs is not None and not 0 <= logprobs <= max_logprobs:
+        raise bad_request(f"logprobs must be in 0..{max_logprobs}, got {logprobs}", "logprobs")
     max_tokens = opt_int(obj, "max_tokens", default=DEFAULT_COMPLETION_MAX_TOKENS)
     stream, include_usage, continuous = _stream(obj)
-    prompt_logprobs = _prompt_logprobs(obj, stream)
+    prompt_logprobs = _prompt_logprobs(obj, stream, max_logprobs)
     if prompt_logprobs is None and echo:  # as vLLM: echoed logprobs cover the prompt's tokens too
         prompt_logprobs = logprobs
     return CompletionRequest(
@@ -203,8 +204,9 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
     )
 
 
-def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None) -> ChatRequest:
-    """`defaults`: as parse_completion_request's."""
+def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None, *,
+                       max_logprobs: int = MAX_LOGPROBS) -> ChatRequest:  # fmt: skip
+    """`defaults`, `max_logprobs`: as parse_completion_request's."""
     obj = json_object(body)
     _refuse_unknown(obj, _CHAT_KEYS)
     _refuse_non_defaults(obj, _CHAT_DEFAULTS)
@@ -215,8 +217,8 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
     if top_logprobs is not None:
         if not logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        if not 0 <= top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {top_logprobs}", "top_logprobs")
+        if not 0 <= top_logprobs <= max_logprobs:
+            raise bad_request(f"top_logprobs must be in 0..{max_logprobs}, got {top_logprobs}", "top_logprobs")
     max_tokens = opt_int(obj, "max_tokens")
     max_completion_tokens = opt_int(obj, "max_completion_tokens")
     if max_completion_tokens is not None and max_completion_tokens < 1:  # else refused naming max_tokens
@@ -242,7 +244,7 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
             obj,
             max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
             logprobs=(top_logprobs or 0) if logprobs else None,
-            prompt_logprobs=_prompt_logprobs(obj, stream),
+            prompt_logprobs=_prompt_logprobs(obj, stream, max_logprobs),
             defaults=defaults, tools=tool_fields,
         ),
         stream=stream,
@@ -328,14 +330,14 @@ def _stream(obj: dict[str, Any]) -> tuple[bool, bool, bool]:
     return stream, include_usage, include_usage and bool(options.get("continuous_usage_stats"))
 
 
-def _prompt_logprobs(obj: dict[str, Any], stream: bool) -> int | None:
+def _prompt_logprobs(obj: dict[str, Any], stream: bool, max_logprobs: int) -> int | None:
     """vLLM's check (and words) for a stream, which has no field for them; its -1 (the whole
     vocabulary) is past the engine's bound."""
     k = opt_int(obj, "prompt_logprobs")
     if k is not None and stream and (k > 0 or k == -1):
         raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
-    if k is not None and not 0 <= k <= MAX_LOGPROBS:
-        raise bad_request(f"prompt_logprobs must be in 0..{MAX_LOGPROBS}, got {k}", "prompt_logprobs")
+    if k is not None and not 0 <= k <= max_logprobs:
+        raise bad_request(f"prompt_logprobs must be in 0..{max_logprobs}, got {k}", "prompt_logprobs")
     return k
 
 

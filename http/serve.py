@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--prompt-graph-tokens", type=int, default=2048,
                      help="cuda: prompt steps of up to this many tokens replay a CUDA graph (a "
                           "short prompt's first token no longer waits on ~450 launches); 0: never")
+    eng.add_argument("--max-logprobs", type=int, default=20,
+                     help="the most logprobs, top_logprobs or prompt_logprobs a request may ask for "
+                          "(as vLLM's); -1: the whole vocabulary")  # fmt: skip
     eng.add_argument("--fp8-weights", choices=("widen", "keep"), default="widen",
                      help="an FP8 checkpoint's projections: widened to --dtype as they load, or kept FP8 "
                           "(half their memory; faster at one row, slower at more on the H200: docs/GPU.md)")  # fmt: skip
@@ -412,6 +415,7 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         enforce_eager=args.enforce_eager,
         prompt_graph_tokens=args.prompt_graph_tokens,
         fp8_weights=args.fp8_weights,
+        max_logprobs=args.max_logprobs,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_states=args.prefix_cache_states,
         pipeline_steps=not args.no_pipelining,

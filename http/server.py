@@ -252,7 +252,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = parse_completion_request(await read_json(request), state.sampling_defaults)
+    req = parse_completion_request(await read_json(request), state.sampling_defaults,
+                                   max_logprobs=state.engine.max_logprobs)
     model = state.model_name(req.model)
     state.check_admitting()
     max_tokens = req.sampling.max_tokens
@@ -286,7 +287,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = parse_chat_request(await read_json(request), state.sampling_defaults)
+    req = parse_chat_request(await read_json(request), state.sampling_defaults, max_logprobs=state.engine.max_logprobs)
     formatter, streams = await open_chat(request, req, f"chatcmpl-{uuid.uuid4().hex}")
     return await _respond(request, formatter, streams, req.sampling.n, req.stream, req.include_usage)
 

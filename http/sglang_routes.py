@@ -46,7 +46,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_generate_request(await read_json(request))
     with renamed_fields(RENAMED):
-        parsed = [parse_completion_request(body, state.sampling_defaults) for body in req.bodies]
+        parsed = [parse_completion_request(body, state.sampling_defaults, max_logprobs=state.engine.max_logprobs)
+                  for body in req.bodies]
         state.check_admitting()
         prompts = [await state.engine.encode(p) if isinstance(p, str) else list(p)
                    for p in (c.prompts[0] for c in parsed)]  # fmt: skip

@@ -183,7 +183,7 @@ class ReplicaController:
         """Send one unified step once no other command is in flight, and return without
         waiting for it: await `flight.gate` (released?) and `step_result(flight)`."""
         self._check_open()
-        plan = check_plan(items, self.model_config.vocab_size, drops)
+        plan = check_plan(items, self.model_config.vocab_size, drops, self.config.max_logprobs)
         await self._acquire()
         return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops), list(evict)), plan)
 
@@ -194,7 +194,7 @@ class ReplicaController:
         state (or another command waits its turn). Its items may leave `token_ids` empty:
         the ranks then use the token they sample in the step in flight."""
         self._check_open()
-        plan = check_plan(items, self.model_config.vocab_size, drops)
+        plan = check_plan(items, self.model_config.vocab_size, drops, self.config.max_logprobs)
         if self._callers_waiting or not self._flights.can_follow():
             return None
         return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops), list(evict)), plan)

@@ -29,6 +29,7 @@ class ReplicaConfig:
     cuda_graphs: bool = True  # cuda: single-token items replay CUDA graphs
     prompt_graph_tokens: int = 2048  # cuda, with cuda_graphs: prompt steps up to this size too
     fp8_weights: str = "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8
+    max_logprobs: int = 20  # a step item's logprobs and prompt logprobs at most (ipc/validate.py)
     prefix_states: int = 0  # saved prefix states each rank keeps (prefix caching); 0: off
     overlap_steps: bool | None = None  # ranks queue a follower before finishing the step; None: on cuda
     startup_timeout_s: float = 120.0

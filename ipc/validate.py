@@ -30,7 +30,7 @@ from deltaserve.ipc.messages import (
     StepResult,
 )
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (ReplicaConfig.max_logprobs)
 
 
 class PlanRejected(ValueError):
@@ -48,7 +48,7 @@ class StepPlan(NamedTuple):
     prompt_logprobs: dict[int, tuple[int, int]]  # request -> (rows, alternatives) of the chunks that ask
 
 
-def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = ()) -> StepPlan:
+def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = (), max_logprobs: int = MAX_LOGPROBS) -> StepPlan:
     """Raise PlanRejected for anything wrong with the step that needs no rank state."""
     if not items:
         raise PlanRejected("step has no items")
@@ -89,11 +89,11 @@ def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = ()) ->
                 f"or where the saved prefix it names ends"
             )
         else:
-            _check_new(rid, start + len(tokens), item.new)
+            _check_new(rid, start + len(tokens), item.new, max_logprobs)
         if item.save < -1:
             raise PlanRejected(f"request {rid}: save {item.save} names no saved prefix")
         if item.prompt_logprobs != -1 or item.next_token != -1:
-            _check_prompt_logprobs(item, vocab_size)
+            _check_prompt_logprobs(item, vocab_size, max_logprobs)
             prompt_logprobs[rid] = (item.num_prompt_logprobs, item.prompt_logprobs)
     if drops and not item_ids.isdisjoint(drops):
         rid = min(item_ids.intersection(drops))
@@ -101,10 +101,10 @@ def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = ()) ->
     return StepPlan(item_ids, sampled_ids, vocab_size, prompt_logprobs)
 
 
-def _check_prompt_logprobs(item: StepItem, vocab_size: int) -> None:
+def _check_prompt_logprobs(item: StepItem, vocab_size: int, max_logprobs: int) -> None:
     rid, k = item.request_id, item.prompt_logprobs
-    if not -1 <= k <= MAX_LOGPROBS:
-        raise PlanRejected(f"request {rid}: prompt_logprobs {k} outside -1..{MAX_LOGPROBS}")
+    if not -1 <= k <= max_logprobs:
+        raise PlanRejected(f"request {rid}: prompt_logprobs {k} outside -1..{max_logprobs}")
     if k == -1:
         raise PlanRejected(f"request {rid}: next_token {item.next_token} without prompt_logprobs")
     if not item.token_ids:
@@ -122,7 +122,7 @@ def first_duplicate(ids: list[int]) -> int:
     return next(rid for rid in ids if rid in seen or seen.add(rid))
 
 
-def _check_new(rid: int, chunk_len: int, new: NewRequest) -> None:
+def _check_new(rid: int, chunk_len: int, new: NewRequest, max_logprobs: int) -> None:
     reserve = new.reserve_tokens
     if reserve < chunk_len:
         raise PlanRejected(
@@ -144,10 +144,8 @@ def _check_new(rid: int, chunk_len: int, new: NewRequest) -> None:
         raise PlanRejected(f"request {rid}: min_p {spec.min_p} outside [0, 1]")
     if spec.repetition_penalty <= 0:
         raise PlanRejected(f"request {rid}: repetition_penalty {spec.repetition_penalty} <= 0")
-    if not 0 <= spec.num_logprobs <= MAX_LOGPROBS:
-        raise PlanRejected(
-            f"request {rid}: num_logprobs {spec.num_logprobs} outside 0..{MAX_LOGPROBS}"
-        )
+    if not 0 <= spec.num_logprobs <= max_logprobs:
+        raise PlanRejected(f"request {rid}: num_logprobs {spec.num_logprobs} outside 0..{max_logprobs}")
 
 
 def check_drop_plan(request_ids: list[int], expect: str) -> None:
