@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="auto: the sampling settings of the model's generation_config.json are the "
                         "defaults of those no flag gives, as serve's; vllm: ignore them")  # fmt: skip
     p.add_argument("--seed", type=int, default=None, help="sampling seed, any int64 (random if unset)")
-    p.add_argument("--logprobs", type=int, default=0, help="alternatives to report per token (0-20)")
+    p.add_argument("--logprobs", type=int, default=0, help="alternatives to report per token")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "fp32", "bfloat16", "bf16"))
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")

@@ -140,7 +140,7 @@ class CompletionRequest:
 class ChatRequest:
     """`messages` are normalised to `{"role", "content": str}` (and `"name"` when given, and
     the tool fields of tool_protocol.py's `tool_message_fields`); `logprobs` asks for the chat
-    logprobs shape (then `sampling.logprobs` is the number of alternatives, 0..20). `tools`
+    logprobs shape (then `sampling.logprobs` is the number of alternatives, 0..max_logprobs). `tools`
     (for the template) and `tool_choice`: tool_protocol.py's `ToolFields`."""
 
     model: str | None

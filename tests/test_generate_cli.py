@@ -59,7 +59,7 @@ def test_generate_stops_at_the_engines_eos_ids(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("bad", [["--temperature", "nan"], ["--temperature", "inf"], ["--seed", str(-(2**63) - 1)],
-                                 ["--seed", str(2**64)], ["--max-tokens", "0"], ["--logprobs", "21"],
+                                 ["--seed", str(2**64)], ["--max-tokens", "0"], ["--logprobs", "-1"],
                                  ["--top-p", "0"], ["--top-k", "-2"], ["--repetition-penalty", "0"]])  # fmt: skip
 def test_generate_refuses_what_the_engine_refuses(tiny_model_dir, capsys, bad):
     """A NaN or infinite temperature and seeds outside int64 were taken (and sampled
