@@ -22,6 +22,7 @@ DEFAULT_MAX_MODEL_LEN = 8192
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
 DEVICES = ("cpu", "cuda")
 DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
+FP8_WEIGHTS = ("widen", "keep")  # an FP8 checkpoint's projections: widened as they load, or kept FP8
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +107,8 @@ class EngineConfig:
             )
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the vocabulary), got {self.max_logprobs!r}")
-        if self.fp8_weights not in ("widen", "keep"):
-            raise ValueError(f"fp8_weights must be 'widen' or 'keep', got {self.fp8_weights!r}")
+        if self.fp8_weights not in FP8_WEIGHTS:
+            raise ValueError(f"fp8_weights must be one of {', '.join(FP8_WEIGHTS)}, got {self.fp8_weights!r}")
         for name in ("prompt_graph_tokens", "prefix_cache_states"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

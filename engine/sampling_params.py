@@ -51,7 +51,6 @@ from dataclasses import dataclass, field, replace
 from deltaserve.engine.guided import guide_pattern
 from deltaserve.ipc.messages import SamplingSpec
 
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs (EngineConfig.max_logprobs)
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 # A request's seed is any int64, as vLLM's (negative ones included).

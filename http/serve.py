@@ -25,6 +25,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import deltaserve
+from deltaserve.engine.config import FP8_WEIGHTS
 from deltaserve.http.listen import (
     Listen,
     add_listen_flags,
@@ -174,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-logprobs", type=int, default=20,
                      help="the most logprobs, top_logprobs or prompt_logprobs a request may ask for "
                           "(as vLLM's); -1: the whole vocabulary")  # fmt: skip
-    eng.add_argument("--fp8-weights", choices=("widen", "keep"), default="widen",
+    eng.add_argument("--fp8-weights", choices=FP8_WEIGHTS, default="widen",
                      help="an FP8 checkpoint's projections: widened to --dtype as they load, or kept FP8 "
                           "(half their memory; faster at one row, slower at more on the H200: docs/GPU.md)")  # fmt: skip
     eng.add_argument("--no-pipelining", action="store_true",

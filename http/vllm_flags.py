@@ -13,6 +13,8 @@ import argparse
 import logging
 import re
 
+from deltaserve.engine.rank.model_config import FP8_SCALE_SUFFIXES
+
 # uvicorn's level names (vLLM's --uvicorn-log-level choices) as logging levels; trace is
 # uvicorn's level below debug
 UVICORN_LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
@@ -100,16 +102,12 @@ def refused_vllm_flag(args: argparse.Namespace) -> str | None:
     if args.kv_cache_dtype != "auto":
         return (f"--kv-cache-dtype {args.kv_cache_dtype}: not supported: the KV cache is kept in "
                 "the model's dtype (--dtype); only auto")  # fmt: skip
-    if args.quantization not in (None, *QUANTIZATION_SCALES):
+    if args.quantization not in (None, *FP8_SCALE_SUFFIXES):
         return (f"--quantization {args.quantization}: not supported: deltaserve loads unquantized (bf16/fp32) "
                 "checkpoints and FP8 ones (--quantization fp8 or compressed-tensors)")  # fmt: skip
     if args.swap_space is not None and not args.swap_space >= 0:
         return f"--swap-space must be a number of GiB >= 0, got {args.swap_space}"
     return None
-
-
-# --quantization's methods, by the names of their FP8 scale tensors (ModelConfig.fp8_scale_suffix)
-QUANTIZATION_SCALES = {"fp8": "_scale_inv", "compressed-tensors": "_scale"}
 
 
 def check_quantization(method: str | None, model_dir: str | None) -> None:
@@ -127,6 +125,6 @@ def check_quantization(method: str | None, model_dir: str | None) -> None:
         raise ValueError(f"--quantization {method}: {model_dir or 'the demo checkpoint'} is not an FP8 checkpoint "
                          "(no FP8 quantization_config in its config.json), and quantizing a checkpoint as it "
                          "loads is not supported")  # fmt: skip
-    if config.fp8_scale_suffix != QUANTIZATION_SCALES[method]:
-        actual = next(name for name, suffix in QUANTIZATION_SCALES.items() if suffix == config.fp8_scale_suffix)
+    if config.fp8_scale_suffix != FP8_SCALE_SUFFIXES[method]:
+        actual = next(name for name, suffix in FP8_SCALE_SUFFIXES.items() if suffix == config.fp8_scale_suffix)
         raise ValueError(f"--quantization {method}: {model_dir}'s quantization_config says {actual}")

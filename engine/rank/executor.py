@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 
+from deltaserve.engine.config import FP8_WEIGHTS
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs
@@ -50,9 +51,6 @@ class StepError(ValueError):
 def item_length(item: StepItem) -> int:
     """Positions the item advances: its tokens, or one (its request's last sample)."""
     return len(item.token_ids) or 1
-
-
-FP8_WEIGHTS = ("widen", "keep")
 
 
 def resolve_dtype(name: str, device: torch.device, config: ModelConfig) -> torch.dtype:

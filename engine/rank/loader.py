@@ -24,7 +24,7 @@ from torch import nn
 
 from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, SafetensorsError, read_header
 from deltaserve.engine.rank.fp8 import FP8_DTYPES, Fp8Pairs
-from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.rank.model_config import FP8_SCALE_SUFFIXES, ModelConfig
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 VLM_TEXT_PREFIX = "model.language_model."
@@ -113,7 +113,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig, k
     tie_word_embeddings = config.tie_word_embeddings
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
     # the kernels' tiles need row blocks, and the kept scales are Qwen's `weight_scale_inv`
-    if keep_fp8 and config.fp8_block and min(config.fp8_block) > 1 and config.fp8_scale_suffix == "_scale_inv":
+    if keep_fp8 and config.fp8_block and min(config.fp8_block) > 1 and config.fp8_scale_suffix == FP8_SCALE_SUFFIXES["fp8"]:
         keep_fp8_modules(model, model_dir, packed, config.fp8_block)
     params = dict(model.named_parameters())
     kept = sum(param.dtype in FP8_DTYPES for param in params.values())

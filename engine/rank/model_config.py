@@ -83,6 +83,10 @@ def token_ids(value: object, key: str) -> tuple[int, ...]:
     return tuple(to_number(token, key, int) for token in listed)
 
 
+# an FP8 checkpoint's quant_method -> the suffix of its scale tensors' names (weight name + it)
+FP8_SCALE_SUFFIXES = {"fp8": "_scale_inv", "compressed-tensors": "_scale"}
+
+
 def read_fp8(quant: object) -> tuple[tuple[int, int], str] | None:
     """An FP8 checkpoint's scale blocks (a side of 0: the whole dimension) and the suffix of its
     scale tensors' names (engine/rank/fp8.py); None: no quantization_config. Anything else that
@@ -91,7 +95,7 @@ def read_fp8(quant: object) -> tuple[tuple[int, int], str] | None:
         return None
     method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
     if isinstance(quant, dict) and method == "compressed-tensors":
-        return read_compressed_tensors(quant), "_scale"
+        return read_compressed_tensors(quant), FP8_SCALE_SUFFIXES[method]
     if not isinstance(quant, dict) or method != "fp8":
         raise ConfigError(f"quantized checkpoints other than FP8 are not supported (quantization_config: "
                           f"{method!r:.40}); serve the bf16 or FP8 release of the model")  # fmt: skip
@@ -102,7 +106,7 @@ def read_fp8(quant: object) -> tuple[tuple[int, int], str] | None:
     if block is None:
         raise ConfigError("quantization_config: FP8 with one scale per tensor (no weight_block_size) is not "
                           "supported, only block scales such as Qwen's [128, 128]")  # fmt: skip
-    return block_sizes(block, "weight_block_size"), "_scale_inv"
+    return block_sizes(block, "weight_block_size"), FP8_SCALE_SUFFIXES[method]
 
 
 def block_sizes(block: object, key: str) -> tuple[int, int]:
@@ -178,7 +182,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
     fp8_block: tuple[int, int] | None = None  # an FP8 checkpoint's scale blocks (engine/rank/fp8.py)
-    fp8_scale_suffix: str = "_scale_inv"  # its scale tensors' names: weight name + this
+    fp8_scale_suffix: str = FP8_SCALE_SUFFIXES["fp8"]  # its scale tensors' names: weight name + this
 
     def differences(self, other: ModelConfig) -> list[str]:
         """The fields in which `other` is another model (the weights' dtype may differ: they
@@ -331,7 +335,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             torch_dtype=dtype or "bfloat16",
             fp8_block=fp8 and fp8[0],
-            fp8_scale_suffix=fp8[1] if fp8 else "_scale_inv",
+            fp8_scale_suffix=fp8[1] if fp8 else FP8_SCALE_SUFFIXES["fp8"],
         )
 
     @classmethod
