@@ -5,7 +5,10 @@ run of cached KV blocks. A DeltaNet layer keeps one state for everything it has 
 prefix can be reused only where that state was saved, at one position (SGLang's hybrid radix
 cache and vLLM's hybrid prefix caching meet the same limit). So a prompt's state is saved
 (`StepItem.save`, into one of the ranks' prefix state slots):
-  - where its prefill ends: the whole prompt, which the next turn of a conversation begins with;
+  - where its prefill ends: the whole prompt (a repeat, or a follow-up to it);
+  - where its generation ends (`saves_at_end`, as the ranks drop it: `SaveOnDrop`): its prompt
+    and output, which the next turn of the conversation begins with, up to the last position
+    the ranks ran (the last token sampled is fed only where a pipelined step ran past it);
   - where it stops matching every recent prompt, at a block boundary, when that is past what
     it could reuse: a system prompt shared by many requests is saved by the second one that
     shows it (one of them, if several are admitted together). Its prefill is split there
@@ -22,22 +25,25 @@ Not reused by requests with a repetition penalty (the ranks count the prompt's t
 and would miss the prefix's) or with prompt logprobs (every prompt position's logits are needed). On CUDA a chunk that starts from a prefix replays a prompt graph
 as a first chunk does (engine/rank/prompt_graphs.py, `prefix_keys`).
 
+The same positions are saved once: a save of positions held already refreshes that prefix.
+
 Eviction, when a save needs a state slot or an admission needs blocks: whole prompts before
 the prefixes saved where prompts part (those are shared, as a radix tree's inner nodes, which
 SGLang evicts after its leaves), least recently used first within each; a whole prompt's save
 never evicts a shared prefix (it is skipped instead); never a prefix an admitted request waits
 to start from (pinned until its first chunk is sent). The ranks forget
-an evicted prefix when the next step carries it (`evict`).
+an evicted prefix when the next step or drop carries it (`evict`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from deltaserve.engine.capacity import CapacityLedger
 from deltaserve.engine.request import Request
+from deltaserve.ipc.messages import SaveOnDrop
 
 SEEN_BLOCKS = 1 << 16  # block hashes of recent prompts kept to find shared prefixes
 
@@ -45,7 +51,7 @@ SEEN_BLOCKS = 1 << 16  # block hashes of recent prompts kept to find shared pref
 @dataclass(eq=False, slots=True)
 class SavedPrefix:
     prefix_id: int  # the ranks' prefix state slot
-    prompt: tuple[int, ...]  # the prompt it was saved from: its first num_tokens ids count
+    prompt: tuple[int, ...]  # the ids it was saved from (a prompt, maybe an output): the first num_tokens count
     num_tokens: int
     blocks: list[int]  # the ledger's blocks of those positions, held for it
     key: int  # the chain hash of its full blocks
@@ -195,20 +201,44 @@ class PrefixCache:
         if end == plan.split_at:
             self._end_split(plan)
         shared = end != request.prompt_len and not plan.for_siblings
+        return self._record(request, request.prompt_ids, end, plan.hashes[end // self.block_size - 1], shared, keep)
+
+    def saves_at_end(self, requests: Iterable[Request]) -> list[SaveOnDrop]:
+        """For requests whose states the ranks drop next: keep the state of each one that was
+        not cancelled, where it covers more than its prompt (which was saved where its prefill
+        ended): a conversation's next turn begins with this one's prompt and output."""
+        saves: list[SaveOnDrop] = []
+        for request in requests:
+            plan = self._plans.get(request.request_id)
+            ids, end, bs = request.sent_ids, request.num_sent, self.block_size
+            if (plan is None or ids is None or end <= request.prompt_len or end < bs
+                    or request.finish_reason in ("abort", "error")):  # fmt: skip
+                continue
+            key = plan.hashes[-1] if plan.hashes else 0
+            for block in range(len(plan.hashes), end // bs):  # the output's full blocks
+                key = hash((key, ids[block * bs : (block + 1) * bs]))
+            prefix_id = self._record(request, ids, end, key, False, [s.prefix for s in saves])
+            if prefix_id >= 0:
+                saves.append(SaveOnDrop(request.request_id, prefix_id, end))
+        return saves
+
+    def _record(self, request: Request, ids: tuple[int, ...], end: int, key: int, shared: bool,
+                keep: Collection[int]) -> int:
+        """A prefix id for the request's state over `ids[:end]` (`key`: the chain hash of its
+        full blocks), or -1: none to take, or the same positions are saved already (that one
+        is now the most recently used)."""
+        for saved in self._by_hash.get(key, ()):
+            if saved.num_tokens == end and saved.prompt[:end] == ids[:end]:
+                self._saved.move_to_end(saved.prefix_id)
+                return -1
         if not self._free_ids and not self._evict_one(keep, shared):
             return -1
         blocks = self.ledger.blocks(request.request_id)[: self.ledger.blocks_for(end)]
         self.ledger.hold(blocks)
-        key = plan.hashes[end // self.block_size - 1]
-        prefix = SavedPrefix(self._free_ids.pop(), request.prompt_ids, end, blocks, key, shared)
+        prefix = SavedPrefix(self._free_ids.pop(), ids, end, blocks, key, shared)
         self._saved[prefix.prefix_id] = prefix
         self._by_hash.setdefault(key, []).append(prefix)
         return prefix.prefix_id
-
-    @property
-    def evicted(self) -> list[int]:
-        """Evicted prefix ids not yet sent to the ranks."""
-        return list(self._evicted)
 
     def take_evicted(self) -> list[int]:
         """Prefix ids to send as the next step's `evict` (before its saves reuse them)."""

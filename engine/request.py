@@ -8,7 +8,8 @@ lifecycle can be read in one place:
   WAITING --finish(abort|error)--> FINISHED_*         (never reached a rank)
 
 Invariants: 0 <= num_computed <= num_tokens; while decoding, num_computed == num_tokens - 1
-(the newest sampled token is the next step's input); `on_ranks` once a first chunk was sent.
+(the newest sampled token is the next step's input); `on_ranks` once a first chunk was sent;
+num_computed <= num_sent (steps in flight have more of its positions).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0  # positions whose state the ranks hold
     num_cached: int = 0  # prompt positions taken from a saved prefix (engine/prefix_cache.py)
+    num_sent: int = 0  # positions sent to the ranks: their state covers these once the steps ran
     on_ranks: bool = False  # ranks hold (or are about to hold) state for it
     _output_ids: list[int] = field(default_factory=list)
     # the prompt's logprobs so far, a part per chunk (params.prompt_logprobs; the scheduler's)
@@ -141,10 +143,19 @@ class Request:
         self.status = RequestStatus.RUNNING
         self.num_cached = self.num_computed = num_cached
 
-    def mark_dispatched(self) -> None:
-        """Its first chunk is going to the ranks: from now on they hold its state."""
+    def mark_sent(self, end: int) -> None:
+        """A chunk through position `end` - 1 is going to the ranks: from now on they hold its
+        state (a pipelined step's position is not yet among `num_tokens`)."""
         self._expect(RequestStatus.RUNNING, "dispatch")
         self.on_ranks = True
+        self.num_sent = end
+
+    @property
+    def sent_ids(self) -> tuple[int, ...] | None:
+        """The ids at the positions sent to the ranks, or None if not all are known yet."""
+        if self.num_sent > self.num_tokens:
+            return None
+        return (*self.prompt_ids, *self._output_ids)[: self.num_sent]
 
     def advance(self, num_tokens: int) -> None:
         """A step ran `num_tokens` more of its positions."""

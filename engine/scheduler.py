@@ -295,7 +295,8 @@ class Scheduler:
         if not self._pending_drop:
             return
         drops, self._pending_drop = self._pending_drop, {}
-        await self._controller.drop(list(drops), "must_exist")
+        saves = self.prefix.saves_at_end(self._entries[rid].request for rid in drops)
+        await self._controller.drop(list(drops), "must_exist", self.prefix.take_evicted(), saves)
         self._dropped(drops)
 
     def _dropped(self, drops: dict[int, list[Event]]) -> None:
@@ -381,8 +382,7 @@ class Scheduler:
         """Dispatch a planned step once the ranks are free."""
         items = []
         prefix = self.prefix
-        # saves first: they may evict, and the prefixes this step's requests start from are
-        # pinned until `start_of`
+        # saves first: they may evict, and the prefixes its requests start from are pinned until `start_of`
         saves = prefix.saves(
             [(self._running[c.request_id].request, c.start + c.num_tokens) for c in plan.chunks if not c.is_decode]
         )
@@ -393,7 +393,7 @@ class Scheduler:
             if not request.on_ranks:
                 spec = request.params.to_spec(request.seed, self._eos_token_ids)
                 new = NewRequest(request.reserve_tokens, spec, prefix.start_of(chunk.request_id))
-                request.mark_dispatched()
+            request.mark_sent(chunk.start + chunk.num_tokens)
             items.append(StepItem(chunk.request_id, chunk.start, tokens, chunk.sample, new, saves.get(chunk.request_id, -1),
                                   *request.prompt_logprobs_fields(chunk.start, chunk.num_tokens, chunk.is_decode)))  # fmt: skip
         self._notify_plan(plan)
@@ -405,7 +405,7 @@ class Scheduler:
     def _follow(self, step: Step) -> Step | None:
         """Plan and send the next step behind `step`, which the ranks are running, if it
         needs none of its results (see the module docstring); else None."""
-        if not self._pipeline or self._stopping or self._inbox or self.maintenance.frozen:
+        if not self._pipeline or self._stopping or self._inbox or self.maintenance.frozen or not self._controller.can_follow:
             return None
         if self._waiting and (self._pending_drop or self.ledger.can_admit(self._waiting.head().request.reserve_tokens)):
             return None  # admission comes first
@@ -429,10 +429,10 @@ class Scheduler:
         items = [StepItem(chunk.request_id, chunk.start, [], True) for chunk in chunks]
         # their events come when `step` commits (_hold_until_dropped)
         drops = {**self._pending_drop, **{rid: [] for rid in last}}
-        flight = self._controller.follow_step(items, list(drops), self.prefix.evicted)
-        if flight is None:
-            return None
-        self.prefix.take_evicted()  # sent with it
+        saves = self.prefix.saves_at_end(self._entries[rid].request for rid in drops)
+        flight = self._controller.follow_step(items, list(drops), self.prefix.take_evicted(), saves)  # can_follow: sent
+        for chunk in chunks:
+            self._running[chunk.request_id].request.mark_sent(chunk.start + 1)
         plan = StepPlan(tuple(chunks))
         self._notify_plan(plan)
         self._pending_drop = {}

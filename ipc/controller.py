@@ -29,6 +29,7 @@ from deltaserve.ipc.channels import PullChannel, PushChannel, ipc_endpoint
 from deltaserve.ipc.flights import Flight, Flights
 from deltaserve.ipc.gate import CANCEL, EXECUTE, Doorbell, StartGate
 from deltaserve.ipc.launch import (
+    await_exits,
     describe_exit,
     emergency_cleanup,
     free_replica,
@@ -46,6 +47,7 @@ from deltaserve.ipc.messages import (
     Ready,
     RunUnifiedStep,
     SampleColumns,
+    SaveOnDrop,
     Shutdown,
     Snapshot,
     SnapshotReply,
@@ -174,41 +176,49 @@ class ReplicaController:
     def gate_name(self) -> str:
         return self._gate.name
 
-    async def run_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> SampleColumns:
+    async def run_step(self, items: list[StepItem]) -> SampleColumns:
         """Run one unified step on every rank; rank 0's samples, matched by request id and
         returned in step order (row i: the i-th item with `sample` set)."""
-        return await self.step_result(await self.send_step(items, drops, evict))
+        return await self.step_result(await self.send_step(items))
 
-    async def send_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> Flight:
+    async def send_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = (),
+                        saves: list[SaveOnDrop] = ()) -> Flight:
         """Send one unified step once no other command is in flight, and return without
         waiting for it: await `flight.gate` (released?) and `step_result(flight)`."""
         self._check_open()
-        plan = check_plan(items, self.model_config.vocab_size, drops, self.config.max_logprobs)
+        plan = check_plan(items, self.model_config.vocab_size, drops, self.config.max_logprobs, saves)
         await self._acquire()
-        return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops), list(evict)), plan)
+        return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops), list(evict), list(saves)), plan)
 
-    def follow_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> Flight | None:
+    @property
+    def can_follow(self) -> bool:
+        """`follow_step` would send now: the one command in flight is a step the gate has
+        released, and no other command waits its turn."""
+        return not self._callers_waiting and self._flights.can_follow()
+
+    def follow_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = (),
+                    saves: list[SaveOnDrop] = ()) -> Flight | None:
         """Send a step behind the one step in flight, which the gate has already released:
         the ranks take it up as soon as they finish that one, so the engine's work between
-        steps overlaps the device's. Returns None, having sent nothing, when that is not the
-        state (or another command waits its turn). Its items may leave `token_ids` empty:
-        the ranks then use the token they sample in the step in flight."""
+        steps overlaps the device's. Returns None, having sent nothing, unless `can_follow`.
+        Its items may leave `token_ids` empty: the ranks then use the token they sample in
+        the step in flight."""
         self._check_open()
-        plan = check_plan(items, self.model_config.vocab_size, drops, self.config.max_logprobs)
-        if self._callers_waiting or not self._flights.can_follow():
+        plan = check_plan(items, self.model_config.vocab_size, drops, self.config.max_logprobs, saves)
+        if not self.can_follow:
             return None
-        return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops), list(evict)), plan)
+        return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops), list(evict), list(saves)), plan)
 
     async def step_result(self, flight: Flight) -> SampleColumns:
         """The samples of a step sent with `send_step` or `follow_step`."""
         return await self._finish(flight)
 
-    async def drop(self, request_ids: list[int],
-                   expect: Literal["must_exist", "must_be_absent"]) -> None:
+    async def drop(self, request_ids: list[int], expect: Literal["must_exist", "must_be_absent"],
+                   evict: list[int] = (), saves: list[SaveOnDrop] = ()) -> None:
         self._check_open()
-        check_drop_plan(request_ids, expect)
-        if request_ids:
-            await self._call(lambda seq: DropRequests(seq, list(request_ids), expect))
+        check_drop_plan(request_ids, expect, saves)
+        if request_ids or evict:
+            await self._call(lambda seq: DropRequests(seq, list(request_ids), expect, list(evict), list(saves)))
 
     async def load_weights(self, model_dir: str) -> None:
         self._check_open()
@@ -277,16 +287,11 @@ class ReplicaController:
 
     def _check_capacity(self) -> None:
         first = self._ready[0]
+        capacity = (first.num_slots, first.num_blocks, first.block_size)
         for ready in self._ready:
-            if (ready.num_slots, ready.num_blocks, ready.block_size) != (
-                first.num_slots, first.num_blocks, first.block_size
-            ):
-                raise self._fail(
-                    f"ranks disagree on capacity: rank 0 has {first}, rank {ready.rank} has {ready}"
-                )
-        self.num_slots, self.num_blocks, self.block_size = (
-            first.num_slots, first.num_blocks, first.block_size
-        )
+            if (ready.num_slots, ready.num_blocks, ready.block_size) != capacity:
+                raise self._fail(f"ranks disagree on capacity: rank 0 has {first}, rank {ready.rank} has {ready}")
+        self.num_slots, self.num_blocks, self.block_size = capacity
 
     def _on_startup_timeout(self) -> None:
         if self._starting:
@@ -547,7 +552,7 @@ class ReplicaController:
             if cancelled_seq is not None:
                 await self._await_cancel_acks(cancelled_seq)
             kill_all(self._procs, self._pidfds)
-            await self._await_exits(EXIT_WAIT_S)
+            await await_exits(self._procs, EXIT_WAIT_S)
         finally:
             self._release()
 
@@ -559,14 +564,6 @@ class ReplicaController:
                    for rank, proc in enumerate(self._procs)):
                 return
             await asyncio.sleep(0.002)
-
-    async def _await_exits(self, timeout_s: float) -> bool:
-        deadline = self._loop.time() + timeout_s
-        while any(proc.poll() is None for proc in self._procs):
-            if self._loop.time() >= deadline:
-                return False
-            await asyncio.sleep(0.005)
-        return True
 
     def _release(self) -> None:
         """Free everything this replica holds, each step on its own: one that fails (a loop
@@ -594,6 +591,6 @@ class ReplicaController:
                 await asyncio.wait_for(self._call(Shutdown, stopping_ok=True), SHUTDOWN_ACK_S)
             except (ReplicaPoisoned, TimeoutError):
                 pass
-            await self._await_exits(EXIT_WAIT_S)
+            await await_exits(self._procs, EXIT_WAIT_S)
         await self._await_teardown()
 

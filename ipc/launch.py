@@ -7,6 +7,7 @@ to notice its death from the event loop.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -87,6 +88,17 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+async def await_exits(procs: list[subprocess.Popen], timeout_s: float) -> bool:
+    """Whether every process exited within `timeout_s` (polled: the loop stays free)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while any(proc.poll() is None for proc in procs):
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(0.005)
+    return True
 
 
 def kill_all(procs: list[subprocess.Popen], pidfds: list[int]) -> None:

@@ -176,9 +176,20 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
 # ---- commands: controller -> ranks --------------------------------------------------------
 
 
+class SaveOnDrop(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Before a request's state is dropped, keep it as saved prefix `prefix` (free, or evicted
+    by the same command), holding the KV blocks of its positions: where a generation ends, the
+    next turn of its conversation begins. `num_tokens` is how many positions the scheduler
+    knows the state covers; a rank that holds another count refuses the command."""
+
+    request_id: RequestId
+    prefix: int
+    num_tokens: int
+
+
 class RunUnifiedStep(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
-    """First forget the saved prefixes `evict` and free the state of `drops` (every rank must
-    hold each; none is in `items`), then run one forward over `items` (ordered, each request
+    """First forget the saved prefixes `evict`, keep the states `saves` names, and free the
+    state of `drops` (every rank must hold each; none is in `items`), then run one forward over `items` (ordered, each request
     at most once) and sample on rank 0.
     Reply: rank 0 `StepResult` with one sample per item with `sample` set (in any order);
     others `Ack`. A pipelined step carries the drops of requests that ended while it was
@@ -191,15 +202,20 @@ class RunUnifiedStep(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=
     items: list[StepItem]
     drops: list[RequestId] = []
     evict: list[int] = []
+    saves: list[SaveOnDrop] = []
 
 
 class DropRequests(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """Free the state of `request_ids`. Reply: `DropAck` from every rank, one flag per id,
-    in order, saying whether the rank held it. `expect` is what the scheduler believes."""
+    """Forget the saved prefixes `evict`, keep the states `saves` names (of requests in
+    `request_ids`, "must_exist" only), then free the state of `request_ids`. Reply: `DropAck`
+    from every rank, one flag per id, in order, saying whether the rank held it. `expect` is
+    what the scheduler believes."""
 
     seq: int
     request_ids: list[RequestId]
     expect: Literal["must_exist", "must_be_absent"]
+    evict: list[int] = []
+    saves: list[SaveOnDrop] = []
 
 
 class Ping(msgspec.Struct, frozen=True, tag=True, array_like=True):

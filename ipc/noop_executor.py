@@ -20,7 +20,7 @@ class NoopExecutor:
         self.step_s = step_s  # slept per step: a stand-in for the GPU
         self.held: set[int] = set()
 
-    def launch_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> LaunchedStep:
+    def launch_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = (), saves: list = ()) -> LaunchedStep:
         if not self.held.issuperset(drops):
             raise ValueError(f"requests {sorted(set(drops) - self.held)} to drop are not held")
         self.held.difference_update(drops)
@@ -37,7 +37,7 @@ class NoopExecutor:
             return []
         return [Sample(item.request_id, 0, 0.0, []) for item in step.items if item.sample]
 
-    def drop(self, request_ids: list[int]) -> list[bool]:
+    def drop(self, request_ids: list[int], evict: list[int] = (), saves: list = ()) -> list[bool]:
         existed = [rid in self.held for rid in request_ids]
         self.held.difference_update(request_ids)
         return existed

@@ -303,7 +303,7 @@ class RankServer:
         device has work while the host reads samples) and before its sampling (whose seeds
         and penalties count that step's samples)."""
         try:
-            step = self.executor.launch_step(command.items, command.drops, command.evict)
+            step = self.executor.launch_step(command.items, command.drops, command.evict, command.saves)
             self.complete_pending()
             self.executor.launch_sampling(step)
         except Exception as exc:  # a rank-local mismatch (nothing queued) or a device error
@@ -408,11 +408,11 @@ class RankServer:
         rank, seq = self.rank, command.seq
         kind = type(command)
         if kind is RunUnifiedStep:
-            step = self.executor.launch_step(command.items, command.drops, command.evict)
+            step = self.executor.launch_step(command.items, command.drops, command.evict, command.saves)
             self.executor.launch_sampling(step)
             return self.step_reply(seq, step)
         if kind is DropRequests:
-            return DropAck(rank, seq, self.executor.drop(command.request_ids))
+            return DropAck(rank, seq, self.executor.drop(command.request_ids, command.evict, command.saves))
         if kind is Snapshot:
             s = self.executor.snapshot()
             return SnapshotReply(rank, seq, list(s.request_ids), s.slots_used, s.blocks_used,

@@ -23,6 +23,7 @@ from deltaserve.ipc.messages import (
     Reply,
     RunUnifiedStep,
     SampleColumns,
+    SaveOnDrop,
     Shutdown,
     Snapshot,
     SnapshotReply,
@@ -48,11 +49,12 @@ class StepPlan(NamedTuple):
     prompt_logprobs: dict[int, tuple[int, int]]  # request -> (rows, alternatives) of the chunks that ask
 
 
-def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = (), max_logprobs: int = MAX_LOGPROBS) -> StepPlan:
+def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = (), max_logprobs: int = MAX_LOGPROBS,
+               saves: list[SaveOnDrop] = ()) -> StepPlan:
     """Raise PlanRejected for anything wrong with the step that needs no rank state."""
     if not items:
         raise PlanRejected("step has no items")
-    check_drop_plan(list(drops), "must_exist")
+    check_drop_plan(list(drops), "must_exist", saves)
     item_ids: set[int] = set()
     sampled_ids: list[int] = []
     prompt_logprobs: dict[int, tuple[int, int]] = {}
@@ -98,6 +100,9 @@ def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = (), ma
     if drops and not item_ids.isdisjoint(drops):
         rid = min(item_ids.intersection(drops))
         raise PlanRejected(f"request {rid} is both dropped and run in one step")
+    prefixes = [item.save for item in items if item.save >= 0] + [save.prefix for save in saves]
+    if len(set(prefixes)) != len(prefixes):
+        raise PlanRejected(f"saved prefix {first_duplicate(prefixes)} is saved twice in one step")
     return StepPlan(item_ids, sampled_ids, vocab_size, prompt_logprobs)
 
 
@@ -148,11 +153,19 @@ def _check_new(rid: int, chunk_len: int, new: NewRequest, max_logprobs: int) -> 
         raise PlanRejected(f"request {rid}: num_logprobs {spec.num_logprobs} outside 0..{max_logprobs}")
 
 
-def check_drop_plan(request_ids: list[int], expect: str) -> None:
+def check_drop_plan(request_ids: list[int], expect: str, saves: list[SaveOnDrop] = ()) -> None:
     if expect not in ("must_exist", "must_be_absent"):
         raise PlanRejected(f"drop expect must be 'must_exist' or 'must_be_absent', got {expect!r}")
     if len(set(request_ids)) != len(request_ids):
         raise PlanRejected(f"request {first_duplicate(request_ids)} appears twice in one drop")
+    for save in saves:
+        if expect != "must_exist" or save.request_id not in request_ids:
+            raise PlanRejected(f"request {save.request_id}: its state is saved, but it is not a drop that must exist")
+        if save.prefix < 0 or save.num_tokens < 1:
+            raise PlanRejected(f"request {save.request_id}: saved prefix {save.prefix} of {save.num_tokens} positions")
+    for ids, what in (([s.request_id for s in saves], "request"), ([s.prefix for s in saves], "saved prefix")):
+        if len(set(ids)) != len(ids):
+            raise PlanRejected(f"{what} {first_duplicate(ids)} appears twice in one drop's saves")
 
 
 # (variant rank 0 sends, variant the other ranks send), by command

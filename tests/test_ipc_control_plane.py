@@ -39,6 +39,7 @@ from deltaserve.ipc.messages import (
     Ready,
     Sample,
     SamplingSpec,
+    SaveOnDrop,
     Shutdown,
     StepItem,
     command_encoder,
@@ -318,6 +319,22 @@ async def test_last_sample_without_a_sample_poisons(tiny_model_dir: Path) -> Non
         await run(controller, [first(1, prompt(20), 40, sample=False)])
         with pytest.raises(ReplicaPoisoned, match="request 1 item has no token_ids, but its previous item did not sample"):
             await bounded(controller.run_step([StepItem(1, 20, [], True)]))
+    finally:
+        await controller.shutdown()
+    assert_gone(controller)
+
+
+async def test_a_save_at_another_count_poisons(tiny_model_dir: Path) -> None:
+    """A state kept as it is dropped must cover the positions the scheduler counts: a rank
+    that holds another count refuses the save (a prefix of other positions would be reused
+    silently wrong), on every rank alike."""
+    controller = await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), tp_size=2, prefix_states=2))
+    try:
+        await run(controller, [first(1, prompt(20), 40)])
+        with pytest.raises(PlanRejected, match="not a drop that must exist"):
+            await controller.drop([1], "must_be_absent", saves=[SaveOnDrop(1, 0, 20)])
+        with pytest.raises(ReplicaPoisoned, match="request 1 is saved at 21 positions; rank . holds 20"):
+            await bounded(controller.drop([1], "must_exist", saves=[SaveOnDrop(1, 0, 21)]))
     finally:
         await controller.shutdown()
     assert_gone(controller)

@@ -198,7 +198,7 @@ class TestRequestLifecycle:
         with pytest.raises(ValueError, match="waiting"):
             r.advance(1)
         r.admit()
-        r.mark_dispatched()
+        r.mark_sent(r.prompt_len)
         assert r.input_tokens(0, 2) == [5, 6]
         r.advance(2)
         with pytest.raises(ValueError, match="computed"):

@@ -134,6 +134,42 @@ async def test_saved_prefixes_give_way_to_a_request_that_needs_their_blocks(engi
     await assert_ledger_is_every_ranks(engine)
 
 
+@module_loop
+async def test_the_next_turn_starts_where_a_generation_ended(engine, tiny_model_dir):
+    """A generation's state is kept as the ranks drop it: the next turn of the conversation
+    (its prompt, its output, more) starts there. Ended by its length, the state covers all but
+    the last token (its step fed the one before): alone, dropped by a command of its own; beside
+    a longer one, by that one's pipelined step. Ended by a stop token, the pipelined step
+    behind fed that token too."""
+    def conversation(salt: int, n: int = 37) -> list[int]:
+        return [salt + i for i in range(n)]
+
+    async def next_turn(prompt: list[int], tokens: list[TokenEvent], cached: int) -> None:
+        turn2 = [*prompt, *(t.token_id for t in tokens), 9, 9]
+        tokens2, finished = await run(engine, turn2)
+        assert finished.cached_tokens == cached
+        assert_as_whole_prefill(engine, tiny_model_dir, turn2, tokens2)
+
+    alone = conversation(500)
+    tokens, finished = await run(engine, alone)
+    assert finished.reason == "length"
+    await next_turn(alone, tokens, len(alone) + 3)
+
+    stopped = conversation(600)
+    greedy = [s.token_id for s in generate_tokens(tiny_model_dir, stopped, 6, ignore_eos=True)]
+    k = next(k for k in range(2, 6) if greedy[k] not in greedy[:k])
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True, stop_token_ids=[greedy[k]])
+    tokens, finished = await run(engine, stopped, params)
+    assert (finished.reason, [t.token_id for t in tokens]) == ("stop", greedy[: k + 1])
+    await next_turn(stopped, tokens, len(stopped) + k + 1)
+
+    short, longer = conversation(700), conversation(800, 20)
+    (tokens, _), _ = await asyncio.gather(run(engine, short, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)),
+                                          run(engine, longer, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))  # fmt: skip
+    await next_turn(short, tokens, len(short) + 2)
+    await assert_ledger_is_every_ranks(engine)
+
+
 def test_a_prefix_an_admitted_request_waits_for_is_never_evicted():
     """Pinned from admission until its first chunk is sent: eviction for room, or for a
     save's state slot, passes it by."""
@@ -153,8 +189,8 @@ def test_a_prefix_an_admitted_request_waits_for_is_never_evicted():
     assert not cache.make_room(third, cache.plan(third))  # 8 - 2 - 1 free: only the pinned prefix to evict
     assert cache.save(second, 10) == -1  # the one state slot is pinned too
     assert cache.start_of(2) == 0  # its first chunk is sent: unpinned
-    assert cache.save(second, 10) == 0 and cache.evicted == [0]  # evicted and reused at once
-    assert cache.take_evicted() == [0] and cache.evicted == []
+    assert cache.save(second, 10) == 0 and cache.take_evicted() == [0]  # evicted and reused at once
+    assert cache.take_evicted() == []
 
 
 @module_loop
@@ -205,3 +241,45 @@ def test_shared_prefixes_are_split_once_and_outlive_whole_prompts():
     assert cache.saves([(requests[1], 10)]) == {1: 0}  # evicts request 2's whole prompt, not the split
     assert cache.take_evicted() == [0]
     assert cache.plan(requests[3]).start.num_tokens == 8
+
+
+def test_a_generation_is_saved_where_it_ends_and_the_same_positions_once():
+    """The state kept at a generation's end is keyed as the next turn's prompt hashes (its
+    output's blocks chained onto its prompt's); the same positions saved again, at a prompt's
+    end or a generation's, take no second state slot; a cancelled generation is not saved."""
+    ledger = CapacityLedger(num_slots=4, num_blocks=64, block_size=4)
+    cache = PrefixCache(num_prefixes=4, ledger=ledger)
+
+    def generate(request_id: int, prompt: tuple[int, ...], output: list[int]) -> Request:
+        """Admitted, its prompt saved, `output` sampled; the ranks fed all but the last."""
+        request = Request(request_id, 0, prompt, SamplingParams(max_tokens=8), 0, 0.0)
+        cache.admit(request, cache.plan(request))
+        request.admit()
+        request.mark_sent(len(prompt))
+        request.advance(len(prompt))
+        cache.save(request, len(prompt))
+        for token in output:
+            request.append_token(token, 0.0)
+            if token != output[-1]:
+                request.mark_sent(request.num_tokens)
+                request.advance(1)
+        return request
+
+    def end(request: Request, reason: str = "length") -> list:
+        request.finish(reason)
+        saves = cache.saves_at_end([request])
+        ledger.release(request.request_id)
+        cache.forget(request.request_id)
+        return saves
+
+    prompt = tuple(range(10))
+    first = generate(1, prompt, [20, 21, 22, 23, 24])  # fed 20 to 23: 14 positions
+    [save] = end(first)
+    assert (save.request_id, save.num_tokens) == (1, 14) and len(cache) == 2
+    turn2 = Request(2, 0, (*prompt, 20, 21, 22, 23, 24, 9), SamplingParams(max_tokens=1), 0, 0.0)
+    assert cache.plan(turn2).start.num_tokens == 14
+    again = generate(3, prompt, [20, 21, 22, 23, 24])
+    assert end(again) == [] and len(cache) == 2  # its prompt's save and its end's are held already
+    assert end(generate(4, prompt, [20, 21, 22, 30]), "abort") == [] and len(cache) == 2
+    assert [s.num_tokens for s in end(generate(5, prompt, [20, 21, 22, 30]))] == [13]  # other positions
+    assert len(cache) == 3

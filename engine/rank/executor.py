@@ -36,7 +36,7 @@ from deltaserve.engine.rank.sampler import SampleLaunch, Sampler
 from deltaserve.engine.rank.step_meta import with_step_meta
 from deltaserve.engine.rank.transfer import to_device
 from deltaserve.engine.rank.vocab_cache import load_trie
-from deltaserve.ipc.messages import PromptLogprobs, Sample, StepItem
+from deltaserve.ipc.messages import PromptLogprobs, Sample, SaveOnDrop, StepItem
 from deltaserve.kernels.triton_compat import gpu_path
 
 log = logging.getLogger("deltaserve.rank")
@@ -233,13 +233,15 @@ class Executor:
         self.launch_sampling(step)
         return self.finish_step(step)
 
-    def launch_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> LaunchedStep:
-        """Evict `evict`, drop `drops` and queue the step's forward. The rank's serve loop queues step N+1
+    def launch_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = (),
+                    saves: list[SaveOnDrop] = ()) -> LaunchedStep:
+        """Evict `evict`, save and drop `drops` (`drop`) and queue the step's forward. The rank's serve loop queues step N+1
         this way before it finishes N (`finish_step`), so the device never waits for the host
         between pipelined steps; N+1's items without tokens read N's samples on the device."""
         # the sampling, queued before the next step's replay, reads the graph's output in place
         step = LaunchedStep(items)
-        step.logits = self.forward(items, drops=drops, graph_output=True, evict=evict, prompt_logprobs=step.prompt_logprobs)
+        step.logits = self.forward(items, drops=drops, graph_output=True, evict=evict, prompt_logprobs=step.prompt_logprobs,
+                                   saves=saves)
         if self.sampler is None and self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
@@ -266,14 +268,14 @@ class Executor:
 
     def forward(
         self, items: list[StepItem], every_position: bool = False, drops: list[int] = (), graph_output: bool = False,
-        evict: list[int] = (), prompt_logprobs: dict[int, PromptLogprobs] | None = None,
+        evict: list[int] = (), prompt_logprobs: dict[int, PromptLogprobs] | None = None, saves: list[SaveOnDrop] = (),
     ) -> torch.Tensor | None:
-        """Evict `evict`, drop `drops`, advance every item's request through the model, save
+        """Evict `evict`, save and drop `drops` (`drop`), advance every item's request through the model, save
         the prefixes items ask for; return fp32 logits on rank 0 of the positions that sample
         (or of every position: golden tests), None elsewhere. `graph_output`: a decode graph's
         logits may be its output buffer, which the next replay overwrites (else they are
         copied out). Rank 0 puts the prompt logprobs items ask for into `prompt_logprobs`."""
-        self._admit_new(items, drops, evict)
+        self._admit_new(items, drops, evict, saves)
         self._share_last_samples(items)
         if any(item.prompt_logprobs >= 0 for item in items):  # every row's hidden state: eagerly
             plan = self._plan(items, every_position)
@@ -366,15 +368,13 @@ class Executor:
             return self.prompt_graphs.run(plan)
         return self._run_eager(self._plan_batch(plan))
 
-    def _admit_new(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> None:
-        """Check every item, drop and eviction against this rank's state, then evict, drop and
-        take slots for new requests; on any mismatch nothing is changed. Every rank holds the
-        same state, so all of them reach the same verdict (none waits in a collective for
-        another)."""
-        self._check_step(items, drops, evict)
-        for prefix in evict:
-            self.cache.release(self.prefixes.pop(prefix).blocks)
-        self.drop(drops)
+    def _admit_new(self, items: list[StepItem], drops: list[int], evict: list[int], saves: list[SaveOnDrop]) -> None:
+        """Check every item, drop, save and eviction against this rank's state, then evict,
+        save, drop and take slots for new requests; on any mismatch nothing is changed. Every
+        rank holds the same state, so all of them reach the same verdict (none waits in a
+        collective for another)."""
+        self._check_step(items, drops, evict, saves)
+        self._drop(drops, evict, saves)
         for item in items:
             if item.new is None:
                 continue
@@ -393,22 +393,14 @@ class Executor:
             if self.sampler is not None:
                 self.sampler.add(item.request_id, item.new.sampling)
 
-    def _check_step(self, items: list[StepItem], drops: list[int], evict: list[int]) -> None:
+    def _check_step(self, items: list[StepItem], drops: list[int], evict: list[int], saves: list[SaveOnDrop]) -> None:
         new_blocks = 0
         new_count = 0
         rank = self.config.rank
-        for prefix in evict:
-            if prefix not in self.prefixes:
-                raise StepError(f"saved prefix {prefix} to evict is not held by rank {rank}")
         for request_id in drops:
             if request_id not in self.requests:
                 raise StepError(f"request {request_id} to drop is not held by rank {rank}")
-        saves = [item.save for item in items if item.save >= 0]
-        for prefix in saves:
-            if not prefix < self.cache.num_prefix_states or (prefix in self.prefixes and prefix not in evict):
-                raise StepError(f"saved prefix {prefix} is not free on rank {rank}")
-        if len(set(saves)) != len(saves):
-            raise StepError("two items save the same prefix")
+        self._check_saves([item.save for item in items if item.save >= 0], evict, saves)
         for item in items:
             held = self.requests.get(item.request_id)
             if item.new is not None:
@@ -492,7 +484,37 @@ class Executor:
             ids[to_device(plan.last_sample_rows, torch.int64, self.device)] = self.cache.last_tokens[slots]
         return StepBatch(ids, positions, kv_index, tuple(plan.spans), logits_index)
 
-    def drop(self, request_ids: list[int]) -> list[bool]:
+    def _check_saves(self, prefixes: list[int], evict: list[int], saves: list[SaveOnDrop]) -> None:
+        """`evict` are held; the prefixes saved (`prefixes` by items, `saves` as requests are
+        dropped) are free once `evict` is, each once; a state saved as it is dropped covers
+        the positions the scheduler counts."""
+        rank = self.config.rank
+        for prefix in evict:
+            if prefix not in self.prefixes:
+                raise StepError(f"saved prefix {prefix} to evict is not held by rank {rank}")
+        prefixes = [*prefixes, *(save.prefix for save in saves)]
+        for prefix in prefixes:
+            if not prefix < self.cache.num_prefix_states or (prefix in self.prefixes and prefix not in evict):
+                raise StepError(f"saved prefix {prefix} is not free on rank {rank}")
+        if len(set(prefixes)) != len(prefixes):
+            raise StepError("two states are saved as the same prefix")
+        for save in saves:
+            held = self.requests.get(save.request_id)
+            if held is None or held.num_tokens != save.num_tokens:
+                raise StepError(f"request {save.request_id} is saved at {save.num_tokens} positions; rank {rank} "
+                                f"holds {held.num_tokens if held else 'none'}")  # fmt: skip
+
+    def drop(self, request_ids: list[int], evict: list[int] = (), saves: list[SaveOnDrop] = ()) -> list[bool]:
+        """Evict `evict`, keep the states `saves` names as saved prefixes, then free the
+        states of `request_ids`; one flag per id: whether this rank held it."""
+        self._check_saves([], evict, saves)
+        return self._drop(request_ids, evict, saves)
+
+    def _drop(self, request_ids: list[int], evict: list[int], saves: list[SaveOnDrop]) -> list[bool]:
+        for prefix in evict:
+            self.cache.release(self.prefixes.pop(prefix).blocks)
+        for save in saves:
+            self._save_prefix(save.prefix, self.requests[save.request_id])
         existed = []
         for request_id in request_ids:
             req = self.requests.pop(request_id, None)
