@@ -20,7 +20,8 @@ async def test_raised_bound_on_every_route(tiny_model_dir):
     config = EngineConfig(model=str(tiny_model_dir), max_model_len=256, max_num_seqs=2, max_logprobs=30)
     async with in_process_server(config, ServerConfig("m")) as s:
         client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
-        out = await client.completions.create(model="m", prompt="Hello there", max_tokens=3, logprobs=30,
+        # greedy: a sampled token outside the top 30 would come as a 31st entry (OpenAI's shape)
+        out = await client.completions.create(model="m", prompt="Hello there", max_tokens=3, logprobs=30, temperature=0,
                                               extra_body={"prompt_logprobs": 30, "ignore_eos": True})  # fmt: skip
         assert [len(top) for top in out.choices[0].logprobs.top_logprobs] == [30] * 3
         prompt_logprobs = out.choices[0].model_dump()["prompt_logprobs"]

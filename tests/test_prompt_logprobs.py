@@ -30,7 +30,7 @@ K = 5
 @pytest_asyncio.fixture(scope="module", loop_scope="module", **PLACEMENTS)
 async def engine(request, tiny_model_dir):
     engine = await start_placed(request.param, tiny_model_dir, max_num_batched_tokens=24, enable_prefix_caching=True,
-                                prefix_cache_states=2)  # fmt: skip
+                                prefix_cache_states=4)  # fmt: skip
     yield engine
     await engine.shutdown()
 

@@ -19,7 +19,7 @@ from deltaserve.engine.rank.batch import SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs
 from deltaserve.engine.rank.loader import CheckpointError, load_weights
-from deltaserve.engine.rank.memory_budget import size_kv_cache
+from deltaserve.engine.rank.memory_budget import size_kv_cache, warm_up
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.parallel import broadcast, tp_rank, tp_size
 from deltaserve.engine.rank.prompt_graphs import (
@@ -178,6 +178,8 @@ class Executor:
         num_blocks = config.num_blocks
         if num_blocks == 0:  # profiles a step through run_step, then budgets (all ranks agree)
             num_blocks = size_kv_cache(self).num_blocks
+        elif self.device.type == "cuda":
+            warm_up(self)  # the same steps, for their kernels' compiles
         self.cache = StateCache(
             self.model_config,
             config.num_slots,

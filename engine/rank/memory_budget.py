@@ -185,10 +185,7 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
         raise ValueError("num_blocks=0 (size the KV cache from memory) needs max_model_len")
     sizes = cache_sizes(executor.model_config, config.world_size, executor.dtype, config.block_size)
     lengths = profile_lengths(config.max_num_batched_tokens, config.num_slots, config.max_model_len)
-    started = time.monotonic()
-    activations = _profile(executor, lengths, probe)
-    if config.rank == 0:  # the first step also compiles (or loads) every Triton kernel
-        log.info("profiling step of %d tokens in %.1f s", sum(lengths), time.monotonic() - started)
+    activations = _timed_profile(executor, lengths, probe)
     in_use, total = probe.in_use_and_total()
     reserve = 0
     if config.cuda_graphs:  # each captured bucket (1, 2, 4, ... max) keeps its fp32 logits
@@ -230,6 +227,26 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
     if config.rank == 0:
         log.info("%s", result.describe())
     return result
+
+
+def warm_up(executor: Executor) -> None:
+    """With the KV cache's size given there is no budget to profile for, but the profiling
+    steps still run at start-up on CUDA: every Triton kernel a step uses compiles (or loads)
+    there, not in a request's first step (fla's autotuning on a cold cache took longer than
+    the step timeout)."""
+    config = executor.config
+    max_len = config.max_model_len or config.num_blocks * config.block_size
+    lengths = profile_lengths(config.max_num_batched_tokens, config.num_slots, max_len)
+    _timed_profile(executor, lengths, CudaMemory(executor.device))
+
+
+def _timed_profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
+    config = executor.config
+    started = time.monotonic()
+    peak = _profile(executor, lengths, probe)
+    if config.rank == 0:  # the first step also compiles (or loads) every Triton kernel
+        log.info("profiling step of %d tokens in %.1f s", sum(lengths), time.monotonic() - started)
+    return peak
 
 
 def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
