@@ -255,7 +255,7 @@ def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
     config = executor.config
     saved = getattr(executor, "cache", None)
     block_size = config.block_size
-    warm_len = min(WARM_PROMPT_TOKENS, config.max_model_len)
+    warm_len = min(WARM_PROMPT_TOKENS, config.max_model_len or max(lengths))
     executor.cache = StateCache(
         executor.model_config,
         len(lengths),
