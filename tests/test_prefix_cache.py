@@ -196,8 +196,8 @@ def test_a_prefix_an_admitted_request_waits_for_is_never_evicted():
 @module_loop
 async def test_served_usage_and_metrics_count_the_cached_tokens(tiny_model_dir):
     """--enable-prefix-caching --enable-prompt-tokens-details through the official client:
-    usage.prompt_tokens_details.cached_tokens (absent where nothing was cached, as vLLM's), and
-    /metrics' vllm:prefix_cache_{queries,hits}_total."""
+    usage.prompt_tokens_details.cached_tokens (absent where nothing was cached, as vLLM's),
+    /metrics' vllm:prefix_cache_{queries,hits}_total, and a chat's second turn."""
     openai = pytest.importorskip("openai")
     from serve_helpers import get, in_process_server
 
@@ -208,13 +208,20 @@ async def test_served_usage_and_metrics_count_the_cached_tokens(tiny_model_dir):
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
         first = await client.completions.create(model="tiny", prompt=BASE, max_tokens=2, temperature=0)
         second = await client.completions.create(model="tiny", prompt=[*BASE, 9, 9], max_tokens=2, temperature=0)
-        await client.close()
         assert first.usage.prompt_tokens_details is None
         assert second.usage.prompt_tokens_details.cached_tokens == len(BASE)
         status, text = await get(server.url + "/metrics")
-    assert status == 200
-    assert 'vllm:prefix_cache_queries_total{model_name="tiny"} 82' in text
-    assert 'vllm:prefix_cache_hits_total{model_name="tiny"} 40' in text
+        assert status == 200
+        assert 'vllm:prefix_cache_queries_total{model_name="tiny"} 82' in text
+        assert 'vllm:prefix_cache_hits_total{model_name="tiny"} 40' in text
+        # a chat's next turn: its answer, re-tokenized from its text, is cached too (all but
+        # its last token, which no step fed)
+        messages = [{"role": "user", "content": "Tell me a story about a cat."}]
+        turn = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+        messages += [{"role": "assistant", "content": turn.choices[0].message.content}, {"role": "user", "content": "Go on."}]
+        after = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+        assert after.usage.prompt_tokens_details.cached_tokens == turn.usage.prompt_tokens + turn.usage.completion_tokens - 1
+        await client.close()
 
 
 def test_shared_prefixes_are_split_once_and_outlive_whole_prompts():
