@@ -57,6 +57,7 @@ class SavedPrefix:
     key: int  # the chain hash of its full blocks
     shared: bool  # saved where prompts part (else where one ends): evicted last
     pins: int = 0  # admitted requests that start from it and are not yet sent
+    stale: bool = False  # pinned through a flush: the old weights' state, found by no one, evicted first
 
     def full_blocks(self, block_size: int) -> list[int]:
         return self.blocks[: self.num_tokens // block_size]
@@ -72,6 +73,7 @@ class PromptPlan:
     pinned: bool = False  # it holds a pin on `start`: admitted, first chunk not yet sent
     splitting: bool = False  # its split is announced (`_splitting`) and not yet saved
     for_siblings: bool = False  # choice 0 of n: split one short of its prompt's end, for the others
+    stale: bool = False  # admitted before a flush (new weights): its states are never saved
 
 
 class PrefixCache:
@@ -123,7 +125,7 @@ class PrefixCache:
         for full in range(len(hashes), 0, -1):
             found = [
                 p for p in self._by_hash.get(hashes[full - 1], ())
-                if p.num_tokens < len(prompt) and prompt[: p.num_tokens] == p.prompt[: p.num_tokens]
+                if not p.stale and p.num_tokens < len(prompt) and prompt[: p.num_tokens] == p.prompt[: p.num_tokens]
             ]  # fmt: skip
             if found:
                 return max(found, key=lambda p: p.num_tokens)
@@ -196,7 +198,7 @@ class PrefixCache:
         """The prefix id to save the request's state in after its chunk ending at `end`, or
         -1; eviction for the id passes over `keep` (saved in the same step)."""
         plan = self._plans.get(request.request_id)
-        if plan is None or end not in (plan.split_at, request.prompt_len) or end < self.block_size:
+        if plan is None or plan.stale or end not in (plan.split_at, request.prompt_len) or end < self.block_size:
             return -1
         if end == plan.split_at:
             self._end_split(plan)
@@ -211,7 +213,7 @@ class PrefixCache:
         for request in requests:
             plan = self._plans.get(request.request_id)
             ids, end, bs = request.sent_ids, request.num_sent, self.block_size
-            if (plan is None or ids is None or end <= request.prompt_len or end < bs
+            if (plan is None or plan.stale or ids is None or end <= request.prompt_len or end < bs
                     or request.finish_reason in ("abort", "error")):  # fmt: skip
                 continue
             key = plan.hashes[-1] if plan.hashes else 0
@@ -228,7 +230,7 @@ class PrefixCache:
         full blocks), or -1: none to take, or the same positions are saved already (that one
         is now the most recently used)."""
         for saved in self._by_hash.get(key, ()):
-            if saved.num_tokens == end and saved.prompt[:end] == ids[:end]:
+            if not saved.stale and saved.num_tokens == end and saved.prompt[:end] == ids[:end]:
                 self._saved.move_to_end(saved.prefix_id)
                 return -1
         if not self._free_ids and not self._evict_one(keep, shared):
@@ -265,10 +267,16 @@ class PrefixCache:
     def flush(self) -> None:
         """Forget every saved prefix (new weights make their states stale) but those an
         admitted request waits to start from (pinned: only beside frozen requests, a "keep"
-        pause). The ranks free them with the next step."""
+        pause), which no later request finds and which are evicted first once unpinned. The
+        ranks free the rest with the next command. Requests admitted already save nothing:
+        their states are partly the old weights'."""
         for prefix in self._victims():
             self._evict(prefix)
+        for prefix in self._saved.values():
+            prefix.stale = True
         self._seen.clear()
+        for plan in self._plans.values():
+            plan.stale = True
 
     # ---- eviction -----------------------------------------------------------------------
 
@@ -281,7 +289,9 @@ class PrefixCache:
     def _victims(self) -> list[SavedPrefix]:
         """The unpinned prefixes in eviction order."""
         ready = [p for p in self._saved.values() if p.pins == 0]
-        return [p for p in ready if not p.shared] + [p for p in ready if p.shared]
+        return [p for p in ready if p.stale] + [p for p in ready if not (p.shared or p.stale)] + [
+            p for p in ready if p.shared and not p.stale
+        ]
 
     def _evict(self, prefix: SavedPrefix) -> None:
         del self._saved[prefix.prefix_id]

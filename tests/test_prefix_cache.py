@@ -290,3 +290,36 @@ def test_a_generation_is_saved_where_it_ends_and_the_same_positions_once():
     assert end(generate(4, prompt, [20, 21, 22, 30]), "abort") == [] and len(cache) == 2
     assert [s.num_tokens for s in end(generate(5, prompt, [20, 21, 22, 30]))] == [13]  # other positions
     assert len(cache) == 3
+
+
+def test_after_a_flush_no_old_state_is_reused_or_saved():
+    """New weights (a flush) beside admitted requests, as in a "keep" pause: the prefix one of
+    them waits to start from stays for it, but no later prompt finds it; the states those
+    requests go on to make, partly the old weights', are saved neither at their prompt's end
+    nor at their generation's."""
+    ledger = CapacityLedger(num_slots=4, num_blocks=32, block_size=4)
+    cache = PrefixCache(num_prefixes=2, ledger=ledger)
+    params = SamplingParams(max_tokens=4)
+    first = Request(1, 0, tuple(range(8)), params, 0, 0.0)
+    cache.admit(first, cache.plan(first))
+    assert cache.save(first, 8) == 0
+    ledger.release(1)
+    cache.forget(1)
+    frozen = Request(2, 0, tuple(range(10)), params, 0, 0.0)
+    plan = cache.plan(frozen)
+    assert plan.start.prefix_id == 0
+    cache.admit(frozen, plan)
+    frozen.admit(8)
+    cache.flush()
+    assert cache.take_evicted() == [] and len(cache) == 1  # pinned: kept for the request
+    assert cache.plan(Request(3, 0, tuple(range(12)), params, 0, 0.0)).start is None
+    assert cache.start_of(2) == 0
+    frozen.mark_sent(10)
+    frozen.advance(2)
+    assert cache.save(frozen, 10) == -1
+    for token in (50, 51, 52):
+        frozen.append_token(token, 0.0)
+        frozen.mark_sent(frozen.num_tokens)
+        frozen.advance(1)
+    frozen.finish("stop")
+    assert cache.saves_at_end([frozen]) == [] and len(cache) == 1
