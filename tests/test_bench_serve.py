@@ -45,7 +45,7 @@ def generation_tokens(metrics_text: str) -> float:
 async def test_bench_serve_random_and_multi_turn(tiny_model_dir, tmp_path):
     server = await ServeProcess.start(
         "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--api-key", KEY,
-        "--max-model-len", "1024", "--max-num-seqs", "8",
+        "--max-model-len", "1024", "--max-num-seqs", "8", "--enable-prefix-caching", "--enable-prompt-tokens-details",
     )  # fmt: skip
     common = ["--base-url", server.url, "--api-key", KEY, "--result-dir", str(tmp_path),
               "--ignore-eos"]  # fmt: skip
@@ -61,7 +61,7 @@ async def test_bench_serve_random_and_multi_turn(tiny_model_dir, tmp_path):
         assert set(VLLM_FIELDS) <= r.keys()
         assert (r["completed"], r["failed"], r["model_id"]) == (8, 0, MODEL)
         assert r["input_lens"] == [24] * 8 and r["output_lens"] == [6] * 8  # token-exact
-        assert (r["total_input_tokens"], r["total_output_tokens"]) == (192, 48)
+        assert (r["total_input_tokens"], r["total_output_tokens"], r["total_cached_input_tokens"]) == (192, 48, 0)
         assert r["errors"] == [""] * 8
         assert r["request_goodput"] == pytest.approx(r["request_throughput"])
         assert r["output_throughput"] == pytest.approx(48 / r["duration"])
@@ -88,6 +88,7 @@ async def test_bench_serve_random_and_multi_turn(tiny_model_dir, tmp_path):
         turns = m["turns_per_conversation"]
         assert len(turns) == 4 and all(2 <= t <= 5 for t in turns)
         assert m["conversations_completed"] == 4 and m["conversations_failed"] == 0
+        assert 0 < m["total_cached_input_tokens"] < m["total_input_tokens"]  # later turns start after earlier ones
         assert m["turns_completed"] == m["completed"] == m["turns_planned"] == sum(turns)
         assert m["output_lens"] == [4] * sum(turns)
         # each turn resends the history: prompts grow within a conversation

@@ -39,6 +39,7 @@ class RequestOutput:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     start_time: float = 0.0  # time.perf_counter() when the request was sent
+    cached_len: int = 0  # prompt tokens the server took from its prefix cache, where its usage says
 
 
 def _error_message(text: str) -> str:
@@ -81,6 +82,7 @@ async def send_request(
                 if usage:
                     out.prompt_len = usage["prompt_tokens"]
                     out.output_len = usage["completion_tokens"]
+                    out.cached_len = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                     got_usage = True
                 for choice in data.get("choices") or ():
                     text = (
@@ -174,6 +176,7 @@ def compute_metrics(
         "failed": len(outputs) - len(ok),
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
+        "total_cached_input_tokens": sum(o.cached_len for o in ok),  # 0 unless the usage has details
         "request_throughput": len(ok) / duration_s,
         "request_goodput": good / duration_s if goodput else None,
         "output_throughput": total_out / duration_s,
@@ -211,6 +214,7 @@ def print_summary(title: str, m: dict[str, Any], percentiles: tuple[float, ...])
         ("Benchmark duration (s):", f"{m['duration']:.2f}"),
         ("Total input tokens:", m["total_input_tokens"]),
         ("Total generated tokens:", m["total_output_tokens"]),
+        ("Cached input tokens (usage details):", m["total_cached_input_tokens"]),
         ("Request throughput (req/s):", f"{m['request_throughput']:.2f}"),
     ]
     if m["request_goodput"] is not None:
