@@ -210,11 +210,11 @@ class PrefixCache:
         not cancelled, where it covers more than its prompt (which was saved where its prefill
         ended): a conversation's next turn begins with this one's prompt and output."""
         saves: list[SaveOnDrop] = []
+        bs = self.block_size
         for request in requests:
-            plan = self._plans.get(request.request_id)
-            ids, end, bs = request.sent_ids, request.num_sent, self.block_size
-            if (plan is None or plan.stale or ids is None or end <= request.prompt_len or end < bs
-                    or request.finish_reason in ("abort", "error")):  # fmt: skip
+            plan, end = self._plans.get(request.request_id), request.num_sent
+            if (plan is None or plan.stale or end <= request.prompt_len or end < bs
+                    or request.finish_reason in ("abort", "error") or (ids := request.sent_ids) is None):  # fmt: skip
                 continue
             key = plan.hashes[-1] if plan.hashes else 0
             for block in range(len(plan.hashes), end // bs):  # the output's full blocks
