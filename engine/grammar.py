@@ -11,8 +11,9 @@ those, is allowed. Where the bound cuts a rule's every way out, that rule's alte
 Syntax: rules `name ::= ...` (the grammar's root is `root`), alternatives `|`, sequences,
 groups `( )`, string literals `"..."`, character classes `[a-z_]` and `[^...]` (escapes
 `\\n \\t \\r \\\\ \\" \\] \\- \\xNN \\uNNNN \\UNNNNNNNN`), `.` (any character), rule references, the
-quantifiers `* + ? {m} {m,} {m,n}`, and `#` comments. Anything else (a Lark grammar,
-xgrammar's lookahead assertions) is an error naming its line and column.
+quantifiers `* + ? {m} {m,} {m,n}`, and `#` comments. Anything else (xgrammar's lookahead
+assertions among it) is an error naming its line and column. A grammar with no `::=` whose
+lines start Lark definitions (`name: ...`) is read as Lark's instead (engine/lark_grammar.py).
 """
 
 from __future__ import annotations
@@ -55,18 +56,23 @@ def grammar_regex(grammar: str) -> str:
     the problem and where."""
     if not isinstance(grammar, str) or not grammar.strip():
         raise GrammarError("the grammar is empty")
-    rules = _Parser(grammar).rules()
-    if ROOT not in rules:
-        raise GrammarError(f"the grammar has no '{ROOT}' rule (its rules: {', '.join(rules)})")
-    pattern = _Compiler(rules).rule(ROOT)
+    from deltaserve.engine.lark_grammar import lark_rules, looks_like_lark
+
+    if looks_like_lark(grammar):
+        rules, root = lark_rules(grammar)
+    else:
+        rules, root = _Parser(grammar).rules(), ROOT
+    if root not in rules:
+        raise GrammarError(f"the grammar has no '{root}' rule (its rules: {', '.join(rules)})")
+    pattern = _Compiler(rules).rule(root)
     if pattern is None:
-        raise GrammarError(f"'{ROOT}' derives no string within {MAX_DEPTH} levels of recursion")
+        raise GrammarError(f"'{root}' derives no string within {MAX_DEPTH} levels of recursion")
     return pattern
 
 
 # -- parsing: text -> rules of nested tuples ----------------------------------------------------
 # ("lit", text) ("chars", ranges, negated) ("ref", name) ("seq", items) ("alt", options)
-# ("repeat", node, low, high or None)
+# ("repeat", node, low, high or None) ("regex", pattern in the automaton's dialect: Lark's)
 
 
 class _Parser:
@@ -80,7 +86,7 @@ class _Parser:
         while at < len(self.text):
             m = _TOKEN.match(self.text, at)
             if m is None:
-                hint = " (rules are 'name ::= ...', GBNF's; Lark grammars are not supported)" * (self.text[at] == ":")
+                hint = " (GBNF's rules are 'name ::= ...'; a Lark grammar has no '::=')" * (self.text[at] == ":")
                 raise self.error(at, f"unexpected {self.text[at]!r}{hint}")
             if m.lastgroup != "blank":
                 out.append(_Token(m.lastgroup, m.group(), at))
@@ -238,6 +244,8 @@ class _Compiler:
         elif kind == "chars":
             pattern = "[" + "^" * node[2] + "".join(_literal(chr(lo)) if lo == hi else f"{_literal(chr(lo))}-{_literal(chr(hi))}"
                                                     for lo, hi in node[1]) + "]"  # fmt: skip
+        elif kind == "regex":
+            pattern = f"(?:{node[1]})"
         elif kind == "ref":
             inner = self.rule(node[1])
             pattern = None if inner is None else f"(?:{inner})"

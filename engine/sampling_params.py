@@ -20,7 +20,7 @@ penalty > 0; logprobs and prompt_logprobs up to the engine's max_logprobs, 20 by
 - Structured outputs (vLLM's StructuredOutputsParams), at most one of: `guided_choice` (the
   output is one of these strings; at most MAX_GUIDED_CHOICES), `guided_regex` (the whole output
   matches it), `guided_json` (a JSON schema, as JSON text or a dict: the output is a JSON text
-  valid for it), `guided_json_object` (some JSON object), `guided_grammar` (a GBNF grammar, its
+  valid for it), `guided_json_object` (some JSON object), `guided_grammar` (a GBNF or Lark grammar, its
   recursion bounded: engine/grammar.py); `guided_whitespace` is the pattern of
   the whitespace allowed between JSON tokens (vLLM's whitespace_pattern). engine/guided.py
   turns the constraint into one pattern (`guide_regex`), and the rank masks every token that
@@ -110,7 +110,7 @@ class SamplingParams:
     guided_regex: str | None = None  # the whole output matches this regex
     guided_json: str | None = None  # a JSON schema (JSON text, or a dict): the output is valid for it
     guided_json_object: bool = False  # the output is a JSON object
-    guided_grammar: str | None = None  # a GBNF grammar (vLLM's grammar, SGLang's ebnf): the output is its root's
+    guided_grammar: str | None = None  # a GBNF or Lark grammar (vLLM's grammar, SGLang's ebnf): the output is its root's
     guided_whitespace: str | None = None  # regex of the whitespace between JSON tokens; None: the default
     # the most tokens the output may think for: it starts inside a think block (the prompt
     # opened it), and once this many were sampled without </think>, </think> is forced

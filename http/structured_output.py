@@ -5,8 +5,9 @@ takes `structured_outputs`, a `StructuredOutputsParams` (vllm/sampling_params.py
 one constraint of json, regex, choice, grammar, json_object and structural_tag, and maps
 `response_format` (json_object, json_schema; both endpoints) onto it; vLLM 0.11 and older took
 `guided_json`, `guided_regex`, `guided_choice` (removed in 0.12). A forced tool_choice
-("required" or a named function) is guided JSON too (tool_protocol.py). All become one `Guided`:
-grammar and structural_tag are refused (no such engine here), and so is anything unknown.
+("required" or a named function) is guided JSON too (tool_protocol.py). All become one `Guided`;
+a grammar is GBNF or Lark (engine/grammar.py); structural_tag is refused, and so is anything
+unknown.
 
 One constraint per request: vLLM refuses two in `structured_outputs`; where two fields would
 each give one (response_format with structured_outputs, a forced tool with either), vLLM
@@ -44,7 +45,7 @@ class Guided:
     regex: str | None = None
     json: str | None = None
     json_object: bool = False
-    grammar: str | None = None  # GBNF (engine/grammar.py)
+    grammar: str | None = None  # GBNF or Lark (engine/grammar.py)
     whitespace: str | None = None
     param: str | None = None
     whitespace_param: str | None = None

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltaserve.engine.grammar import MAX_DEPTH, GrammarError, grammar_regex
-from deltaserve.engine.regex_automaton import ByteAutomaton
+from deltaserve.engine.regex_automaton import START, ByteAutomaton
 
 SQL = r"""
 root ::= select_statement
@@ -108,7 +108,7 @@ def test_random_derivations_match():
 
 @pytest.mark.parametrize("grammar, words", [
     ("", "empty"),
-    ('start: "a"', "line 1, column 6"),  # Lark
+    ('root ::= "a"\nitem: "b"', "line 2, column 5: unexpected ':' (GBNF's rules"),  # Lark's ':' in GBNF
     ("root ::= 'a'", "line 1, column 10: unexpected \"'\""),
     ('root ::= "a"\nroot ::= "b"', "line 2, column 1: rule 'root' is defined twice"),
     ('root ::= x', "'x', which is not defined"),
@@ -134,6 +134,107 @@ def test_any_text_is_a_regex_or_a_grammar_error(text):
     and the engine's automaton compile: never another exception (a 500 for a request)."""
     try:
         pattern = grammar_regex(text)
+    except GrammarError as e:
+        assert str(e)
+        return
+    re.compile(pattern)
+    ByteAutomaton(pattern)
+
+
+
+# -- Lark grammars (engine/lark_grammar.py) ------------------------------------------------------
+
+LARK_JSON = r"""
+?start: value
+?value: dict
+      | list
+      | string
+      | SIGNED_NUMBER      -> number
+      | "true"             -> true
+      | "false"            -> false
+      | "null"             -> null
+
+list : "[" [value ("," value)*] "]"
+dict : "{" [pair ("," pair)*] "}"
+pair : string ":" value
+string : ESCAPED_STRING
+
+%import common.ESCAPED_STRING
+%import common.SIGNED_NUMBER
+%import common.WS
+%ignore WS
+"""  # the JSON example of vLLM's Lark-era documentation
+
+LARK_ARITHMETIC = r"""
+start: expr  // sums of products, as ARITHMETIC above
+expr: term (("+" | "-") term)*
+term: factor ("*" factor)*
+factor: /[0-9]+/ | "(" expr ")"
+"""
+
+
+@pytest.mark.parametrize("grammar, yes, no", [
+    (LARK_JSON, ['{"a":[1,2.5e3,{"b":null}],"c":"x\\"y"}', "[]", "-3", "true", '"\\u"'],
+                ['{"a" 1}', "[1,]", "tru", '"a\nb"', "[[[[[[1]]]]]]", '{"a": 1}']),  # %ignore WS: no blanks
+    (LARK_ARITHMETIC, ["1", "12+3*4", "(1+2)*3", "((((7))))"], ["", "1+", "(1", "a", "(((((7)))))"]),
+    ('start: "select"i " " NAME ~ 1..2\nNAME: ("a".."c")+ "_"?\n', ["SeLeCt ab_c", "select a", "SELECT cc_"],
+     ["select ", "select d", "selec a", "select a__"]),
+    ('start: [sign] INT\nsign: "+" | "-"\n%import common (INT, WS)', ["+12", "7", "-0"], ["+", "1.5", "--1"]),
+    ('start: ID\n%import common.CNAME -> ID', ["_x1", "abc"], ["1x", ""]),
+    ("greeting: 'hi' | 'yo' ' ' name\nname: 'al' 'x'?", ["hi", "yo alx", "yo al"], ["hi al", "yo"]),  # vLLM's quotes, root
+    ('start: /\\/\\/[a-z]*/ "!"', ["//ab!", "//!"], ["/a!", "//A!"]),
+])  # fmt: skip
+def test_lark_derived_strings_and_only_those(grammar, yes, no):
+    pattern = grammar_regex(grammar)
+    automaton = ByteAutomaton(pattern)
+    for text in yes:
+        assert re.fullmatch(pattern, text), (text, pattern[:200])
+        assert automaton.accepting[automaton.step(START, text.encode())], text
+    for text in no:
+        assert not re.fullmatch(pattern, text), text
+
+
+def test_lark_and_gbnf_of_one_language_agree():
+    """ARITHMETIC in either syntax: the same verdict on 3,000 random strings of its alphabet."""
+    lark, gbnf = re.compile(grammar_regex(LARK_ARITHMETIC)), re.compile(grammar_regex(ARITHMETIC))
+    rng = random.Random(0)
+    texts = ["".join(rng.choices("12+-*()", k=rng.randint(0, 9))) for _ in range(3000)]
+    verdicts = [(bool(lark.fullmatch(t)), bool(gbnf.fullmatch(t))) for t in texts]
+    assert all(a == b for a, b in verdicts) and sum(a for a, _ in verdicts) > 100
+
+
+@pytest.mark.parametrize("grammar, words", [
+    ("%ignore WS\n// nothing else", "defines nothing"),
+    ("start: INT", "'INT', which is not defined (import it: %import common.INT)"),
+    ('start: item\n%declare item', "line 2, column 1: the directive %declare"),
+    ('%import lark.X\nstart: "a"', "line 1, column 1: %import lark.X: only Lark's common terminals"),
+    ('%import common.FOO\nstart: "a"', "common.FOO is not one of"),
+    ("start: x{1}\nx: \"a\"", "line 1, column 8: templates"),
+    ("start: /a/i", "regex flags"),
+    ("start: /a(?=b)/", "line 1, column 8: the regex /a(?=b)/"),
+    ('start: "a" ~', "'~' needs a count"),
+    ('start: "a" ~ 3..2', "below the least"),
+    ('start: "ab".."c"', "one-character strings"),
+    ('start: "z".."a"', "out of order"),
+    ('start: ["a"', "never closed"),
+    ('start: "a" ->', "alias name"),
+    ('start: "a"\nstart: "b"', "line 2, column 1: 'start' is defined twice"),
+    ('start: "(" start ")"', "derives no string"),
+])  # fmt: skip
+def test_lark_errors_name_where(grammar, words):
+    with pytest.raises(GrammarError, match=re.escape(words)):
+        grammar_regex(grammar)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.lists(st.sampled_from(["start", "x", "X", ": ", "?", "!", '"a"', '"b"i', "..", "/[a-c]+/", "/a/i", "[", "]",
+                                 "(", ")", "|", "*", "+", "~", " 2", "..3", "->", " al", "{", "}", ",", "\n",
+                                 "%import common.INT\n", "%ignore WS\n", "%import common (WS, DIGIT)\n", "// c\n",
+                                 "INT", ".2", "\\", "'"]), max_size=14).map("".join))  # fmt: skip
+def test_any_lark_text_is_a_regex_or_a_grammar_error(text):
+    """As for GBNF: a GrammarError or a pattern that compiles, never another exception."""
+    try:
+        pattern = grammar_regex("start: " + text)
     except GrammarError as e:
         assert str(e)
         return

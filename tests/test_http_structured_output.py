@@ -150,6 +150,11 @@ TREE = """
 root ::= tree
 tree ::= [0-9] | "(" tree "+" tree ")"
 """
+TREE_LARK = """
+// the same trees in Lark's syntax (vLLM takes it beside GBNF)
+start: tree
+tree: /[0-9]/ | "(" tree "+" tree ")"
+"""
 
 
 def tree_depth(text: str) -> int:
@@ -175,14 +180,15 @@ def tree_depth(text: str) -> int:
 
 @aio
 async def test_grammar(client):
-    """A GBNF grammar (structured_outputs.grammar, guided_grammar): every output is a sum tree,
-    read by a parser written here, nested at most 4 deep (the recursion bound), and it ends
-    where the tree does (nothing may follow it: the EOS)."""
+    """A GBNF grammar (structured_outputs.grammar, guided_grammar) and the same in Lark's
+    syntax: every output is a sum tree, read by a parser written here, nested at most 4 deep
+    (the recursion bound), and it ends where the tree does (nothing may follow it: the EOS)."""
     body = dict(model=MODEL, prompt=PROMPT, max_tokens=120, temperature=1.0, seed=5,
                 extra_body={"structured_outputs": {"grammar": TREE}})  # fmt: skip
     completion = await client.completions.create(n=4, **body)
+    lark = await client.completions.create(n=2, **body | {"extra_body": {"structured_outputs": {"grammar": TREE_LARK}}})
     answer = await chat(client, temperature=0, max_tokens=120, extra_body={"guided_grammar": TREE})
-    outputs = [(c.text, c.finish_reason) for c in completion.choices]
+    outputs = [(c.text, c.finish_reason) for c in completion.choices + lark.choices]
     outputs.append((answer.choices[0].message.content, answer.choices[0].finish_reason))
     assert {finish for _, finish in outputs} == {"stop"}, outputs
     assert all(tree_depth(text) <= 4 for text, _ in outputs), outputs
@@ -256,7 +262,8 @@ BOTH = ("completions", "chat")
 @aio
 @pytest.mark.parametrize("endpoints, extra, param, words", [
     (BOTH, {"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar", "line 1, column 10"),
-    (BOTH, {"structured_outputs": {"grammar": 'start: "a"'}}, "structured_outputs.grammar", "Lark grammars"),
+    (BOTH, {"structured_outputs": {"grammar": 'start: item\n%declare item'}}, "structured_outputs.grammar",
+     "line 2, column 1: the directive %declare"),
     (BOTH, {"structured_outputs": {"grammar": 'root ::= item\nitem ::= "(" item ")"'}}, "structured_outputs.grammar",
      "derives no string"),
     (BOTH, {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "not supported"),
