@@ -21,7 +21,8 @@ penalty > 0; logprobs and prompt_logprobs up to the engine's max_logprobs, 20 by
   output is one of these strings; at most MAX_GUIDED_CHOICES), `guided_regex` (the whole output
   matches it), `guided_json` (a JSON schema, as JSON text or a dict: the output is a JSON text
   valid for it), `guided_json_object` (some JSON object), `guided_grammar` (a GBNF or Lark grammar, its
-  recursion bounded: engine/grammar.py); `guided_whitespace` is the pattern of
+  recursion bounded: engine/grammar.py), `guided_structural_tag` (JSON text or a dict of
+  structures and triggers: engine/structural_tag.py); `guided_whitespace` is the pattern of
   the whitespace allowed between JSON tokens (vLLM's whitespace_pattern). engine/guided.py
   turns the constraint into one pattern (`guide_regex`), and the rank masks every token that
   cannot continue the output towards a match; where the output is a match the EOS ids stay
@@ -111,6 +112,9 @@ class SamplingParams:
     guided_json: str | None = None  # a JSON schema (JSON text, or a dict): the output is valid for it
     guided_json_object: bool = False  # the output is a JSON object
     guided_grammar: str | None = None  # a GBNF or Lark grammar (vLLM's grammar, SGLang's ebnf): the output is its root's
+    # a structural tag, JSON text {structures, triggers} (engine/structural_tag.py): free text whose triggers
+    # start tagged JSON structures
+    guided_structural_tag: str | None = None
     guided_whitespace: str | None = None  # regex of the whitespace between JSON tokens; None: the default
     # the most tokens the output may think for: it starts inside a think block (the prompt
     # opened it), and once this many were sampled without </think>, </think> is forced
@@ -180,13 +184,16 @@ class SamplingParams:
         object.__setattr__(self, "guided_choice", _choices(self.guided_choice))
         if isinstance(self.guided_json, Mapping | bool):
             object.__setattr__(self, "guided_json", json.dumps(self.guided_json))
-        for name in ("guided_regex", "guided_json", "guided_whitespace", "guided_grammar"):
+        if isinstance(self.guided_structural_tag, Mapping):
+            object.__setattr__(self, "guided_structural_tag", json.dumps(self.guided_structural_tag))
+        for name in ("guided_regex", "guided_json", "guided_whitespace", "guided_grammar", "guided_structural_tag"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string or None, got {getattr(self, name)!r}")
         if not isinstance(self.guided_json_object, bool):
             raise ValueError(f"guided_json_object must be a bool, got {self.guided_json_object!r}")
         pattern = guide_pattern(self.guided_choice, self.guided_regex, self.guided_json,
-                                self.guided_json_object, self.guided_whitespace, self.guided_grammar)  # fmt: skip
+                                self.guided_json_object, self.guided_whitespace, self.guided_grammar,
+                                self.guided_structural_tag)  # fmt: skip
         object.__setattr__(self, "guide_regex", pattern)
         if pattern:
             for name, used in (("allowed_token_ids", self.allowed_token_ids is not None),

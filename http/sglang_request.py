@@ -29,9 +29,9 @@ _SAMPLING = {  # SGLang's sampling_params key -> the completion field that honou
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "no_stop_trim": "include_stop_str_in_output", "n": "n", "logit_bias": "logit_bias", "sampling_seed": "seed",
 }  # fmt: skip
-_GUIDED = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}  # -> structured_outputs' kinds
+_GUIDED = {"json_schema": "json", "regex": "regex", "ebnf": "grammar",  # -> structured_outputs' kinds
+           "structural_tag": "structural_tag"}  # fmt: skip
 _REFUSED_SAMPLING = {
-    "structural_tag": "structural tags are not supported (json_schema, regex and ebnf are)",
     "stop_regex": "stop regexes are not supported (stop strings are)",
     "custom_params": "custom logit processors are not supported",
 }
@@ -50,6 +50,7 @@ RENAMED = ((r"\bmax_tokens\b", "sampling_params.max_new_tokens"),
            (r"\bstructured_outputs\.json\b", "sampling_params.json_schema"),
            (r"\bstructured_outputs\.regex\b", "sampling_params.regex"),
            (r"\bstructured_outputs\.grammar\b", "sampling_params.ebnf"),
+           (r"\bstructured_outputs\.structural_tag\b", "sampling_params.structural_tag"),
            (r"\b(prompt_)?logprobs\b", "top_logprobs_num"),
            (r"(?<![\w.])(temperature|top_p|top_k|min_p|frequency_penalty|presence_penalty|repetition_penalty|"
             r"stop_token_ids|logit_bias|n)\b", r"sampling_params.\1"))  # fmt: skip
@@ -156,7 +157,7 @@ def _completion(prompt: str | list[int], params: object, body: dict[str, Any]) -
         else:
             raise unsupported(f"sampling_params.{key}", f"'{key}' is not a sampling parameter deltaserve supports")
     if len(guided) > 1:
-        raise bad_request("only one of sampling_params.json_schema, regex and ebnf can be set",
+        raise bad_request("only one of sampling_params.json_schema, regex, ebnf and structural_tag can be set",
                           "sampling_params")  # fmt: skip
     if guided:
         completion["structured_outputs"] = guided

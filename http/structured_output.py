@@ -6,8 +6,8 @@ one constraint of json, regex, choice, grammar, json_object and structural_tag, 
 `response_format` (json_object, json_schema; both endpoints) onto it; vLLM 0.11 and older took
 `guided_json`, `guided_regex`, `guided_choice` (removed in 0.12). A forced tool_choice
 ("required" or a named function) is guided JSON too (tool_protocol.py). All become one `Guided`;
-a grammar is GBNF or Lark (engine/grammar.py); structural_tag is refused, and so is anything
-unknown.
+a grammar is GBNF or Lark (engine/grammar.py), a structural tag its structures and triggers
+(engine/structural_tag.py); anything unknown is refused.
 
 One constraint per request: vLLM refuses two in `structured_outputs`; where two fields would
 each give one (response_format with structured_outputs, a forced tool with either), vLLM
@@ -27,8 +27,7 @@ STRUCTURED_OUTPUT_KEYS = frozenset(
     {"structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice",
      "guided_grammar", "guided_whitespace_pattern", "guided_decoding_backend"}
 )  # fmt: skip
-_KINDS = ("json", "regex", "choice", "json_object", "grammar")  # the constraints the engine has
-_REFUSED = ("structural_tag",)  # vLLM's other: no engine for it here
+_KINDS = ("json", "regex", "choice", "json_object", "grammar", "structural_tag")  # the constraints the engine has
 # options of the json constraint (vLLM's defaults: False, False, None)
 _OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
@@ -46,6 +45,7 @@ class Guided:
     json: str | None = None
     json_object: bool = False
     grammar: str | None = None  # GBNF or Lark (engine/grammar.py)
+    structural_tag: str | None = None  # JSON text: {structures, triggers} (engine/structural_tag.py)
     whitespace: str | None = None
     param: str | None = None
     whitespace_param: str | None = None
@@ -54,7 +54,7 @@ class Guided:
         """The SamplingParams fields it sets (those left at their defaults are not passed)."""
         fields = {"guided_choice": self.choice, "guided_regex": self.regex, "guided_json": self.json,
                   "guided_json_object": self.json_object, "guided_grammar": self.grammar,
-                  "guided_whitespace": self.whitespace}  # fmt: skip
+                  "guided_structural_tag": self.structural_tag, "guided_whitespace": self.whitespace}  # fmt: skip
         return {name: value for name, value in fields.items() if value not in ((), None, False)}
 
 
@@ -101,13 +101,9 @@ def _structured(obj: dict[str, Any]) -> Guided:
         return Guided()
     if not isinstance(spec, dict):
         raise bad_request("structured_outputs must be an object", "structured_outputs")
-    for key, value in spec.items():
-        name = f"structured_outputs.{key}"
-        if key in _REFUSED and value is not None:
-            raise unsupported(name, f"the {key} constraint is not supported (json, regex, choice, "
-                              "json_object and grammar are)")  # fmt: skip
-        if key not in (*_KINDS, *_REFUSED, *_OPTIONS):
-            raise unsupported(name, "unknown structured outputs field")
+    for key in spec:
+        if key not in (*_KINDS, *_OPTIONS):
+            raise unsupported(f"structured_outputs.{key}", "unknown structured outputs field")
     for key in ("disable_any_whitespace", "disable_additional_properties", "json_object"):
         if spec.get(key) is not None and not isinstance(spec[key], bool):
             raise bad_request(f"structured_outputs.{key} must be a boolean", f"structured_outputs.{key}")
@@ -121,8 +117,8 @@ def _structured(obj: dict[str, Any]) -> Guided:
         whitespace, option = "", "disable_any_whitespace"
     guided = _one(spec, "structured_outputs.", whitespace, f"structured_outputs.{option}")
     if guided.param is None:  # as vLLM's StructuredOutputsParams
-        raise bad_request("structured_outputs needs one constraint: json, regex, choice, json_object or grammar",
-                          "structured_outputs")  # fmt: skip
+        raise bad_request("structured_outputs needs one constraint: json, regex, choice, json_object, grammar "
+                          "or structural_tag", "structured_outputs")  # fmt: skip
     return guided
 
 
@@ -158,6 +154,10 @@ def _one(values: dict[str, Any], prefix: str, whitespace: str | None, whitespace
         if not isinstance(value, str):
             raise bad_request(f"{param} must be a string", param)
         return Guided(regex=value, param=param) if kind == "regex" else Guided(grammar=value, param=param)
+    if kind == "structural_tag":  # vLLM's is JSON text; an object is taken too
+        if not isinstance(value, str | dict):
+            raise bad_request(f"{param} must be JSON text of {{structures, triggers}}", param)
+        return Guided(structural_tag=value if isinstance(value, str) else json.dumps(value), param=param)
     if kind == "json_object":
         return Guided(json_object=True, whitespace=whitespace, param=param, whitespace_param=whitespace_param)
     return Guided(json=_schema_text(value, param), whitespace=whitespace, param=param, whitespace_param=whitespace_param)
@@ -171,11 +171,11 @@ def _response_format(obj: dict[str, Any]) -> Guided:
     if not isinstance(spec, dict):
         raise bad_request("response_format must be an object", "response_format")
     kind = spec.get("type")
-    if kind == "structural_tag":
-        raise unsupported("response_format", "structural tags are not supported")
+    if kind == "structural_tag":  # its structures and triggers beside the type (vLLM's legacy form)
+        return Guided(structural_tag=json.dumps(spec), param="response_format")
     if kind not in ("text", "json_object", "json_schema"):
-        raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                          "response_format")  # fmt: skip
+        raise bad_request("response_format.type must be 'text', 'json_object', 'json_schema' or "
+                          f"'structural_tag', got {kind!r}", "response_format")  # fmt: skip
     for key in spec:
         if key != "type" and (kind != "json_schema" or key != "json_schema"):
             raise unsupported(f"response_format.{key}", f"a {kind} response_format carries only its type"

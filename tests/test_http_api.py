@@ -393,7 +393,7 @@ async def test_400_completions(served: Served, call, param, words):
         (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tool_choice",
          "--enable-auto-tool-choice"),
         (dict(tool_choice="required"), "tool_choice", "tool"),
-        (dict(response_format={"type": "structural_tag"}), "response_format", "not supported"),
+        (dict(response_format={"type": "structural_tag"}), "response_format", "triggers must be a non-empty list"),
         (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
          "messages[0].content[0].type", "text"),
         (dict(top_logprobs=2), "top_logprobs", "logprobs=true"),

@@ -230,7 +230,7 @@ async def test_abort_request_by_rid_and_all(server, gpt):
     ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 5}},
      "sampling_params.min_new_tokens"),
     ({"input_ids": PROMPT, "sampling_params": {"ebnf": "root ::= 'a'"}}, "sampling_params.ebnf: line 1"),
-    ({"input_ids": PROMPT, "sampling_params": {"structural_tag": "{}"}}, "structural tags"),
+    ({"input_ids": PROMPT, "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag: triggers"),
     ({"input_ids": PROMPT, "sampling_params": {"json_schema": "{", "regex": "a"}}, "only one of"),
     ({"input_ids": PROMPT, "sampling_params": {"json_schema": "{"}}, "sampling_params.json_schema"),
     ({"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 8}, "logprob_start_len (8)"),

@@ -22,6 +22,7 @@ from serve_helpers import in_process_server, wait_idle
 from test_http_reasoning import THINKING_TEMPLATE
 
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.tokenizer import load_tokenizer
 from deltaserve.http.server import ServerConfig
 
 aio = pytest.mark.asyncio(loop_scope="module")
@@ -195,6 +196,34 @@ async def test_grammar(client):
     assert any(tree_depth(text) > 0 for text, _ in outputs), outputs  # not only single digits
 
 
+# A structural tag whose trigger is a blank: every blank must open " <integer>;". Random text is
+# full of blanks (most tokens start with one), so the constraint shows in every output.
+SPACED = {"structures": [{"begin": " ", "schema": {"type": "integer"}, "end": ";"}], "triggers": [" "]}
+INTEGER = "-?(?:0|[1-9][0-9]*)"
+SPACED_TEXT = re.compile(f"[^ ]*(?: {INTEGER};[^ ]*)*")
+SPACED_CUT = re.compile(f"[^ ]*(?: {INTEGER};[^ ]*)*(?: -?[0-9]*)?")  # cut by max_tokens inside one
+
+
+@aio
+async def test_structural_tag(client, tiny_model_dir):
+    """structured_outputs.structural_tag (JSON text, completions) and response_format's
+    structural_tag (chat): each blank opens a tagged integer, where the same request without
+    the constraint writes bare blanks. The blank token is favoured, so that structures come."""
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=1.0, seed=3, n=4)
+    free = await client.completions.create(**body)
+    assert not all(SPACED_CUT.fullmatch(c.text) for c in free.choices), [c.text for c in free.choices]
+    (blank,) = load_tokenizer(tiny_model_dir).encode(" ")
+    body["logit_bias"] = {str(blank): 100}
+    tagged = await client.completions.create(**body, extra_body={"structured_outputs": {"structural_tag": json.dumps(SPACED)}})
+    answer = await chat(client, temperature=1.0, seed=3, max_tokens=40, logit_bias={str(blank): 100},
+                        response_format={"type": "structural_tag", **SPACED})  # fmt: skip
+    outputs = [(c.text, c.finish_reason) for c in tagged.choices]
+    outputs.append((answer.choices[0].message.content, answer.choices[0].finish_reason))
+    for text, finish in outputs:
+        assert (SPACED_TEXT if finish == "stop" else SPACED_CUT).fullmatch(text), outputs
+    assert any(" " in text for text, _ in outputs), outputs  # a structure was written
+
+
 @aio
 async def test_stream_gives_the_non_stream_text(client):
     """Seeded: the same JSON text, the same finish, whether streamed or not."""
@@ -266,7 +295,9 @@ BOTH = ("completions", "chat")
      "line 2, column 1: the directive %declare"),
     (BOTH, {"structured_outputs": {"grammar": 'root ::= item\nitem ::= "(" item ")"'}}, "structured_outputs.grammar",
      "derives no string"),
-    (BOTH, {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "not supported"),
+    (BOTH, {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "triggers must be"),
+    (BOTH, {"structured_outputs": {"structural_tag": json.dumps({**SPACED, "triggers": ["<"]})}},
+     "structured_outputs.structural_tag", "structures[0].begin ' ' starts with none of the triggers"),
     (BOTH, {"structured_outputs": {"json": SCHEMA, "regex": "a+"}}, "structured_outputs.regex", "one kind"),
     (BOTH, {"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", "json"),
     (BOTH, {"structured_outputs": {"json_object": True, "disable_any_whitespace": True, "whitespace_pattern": " "}},
