@@ -13,7 +13,8 @@ len(longest stop) - 1 characters are withheld while a stop string could still be
 With `include_stop_str` the text ends after the stop string instead, and nothing is withheld.
 As vLLM's detokenizer, stop strings are looked for only once more than `min_tokens` tokens
 were added, and only where they end in the text of those later tokens (a stop string that
-began earlier still counts).
+began earlier still counts). Stop regexes (SGLang's) are watched on the same text by
+engine/stop_regex.py; their match is kept.
 
 `skip_special_tokens=False` keeps special tokens' text. vLLM's `spaces_between_special_tokens`
 needs no counterpart: a fast (Rust) tokenizer's decode puts no space between special tokens,
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from deltaserve.engine.stop_regex import StopRegexWatch
 
 if TYPE_CHECKING:
     from deltaserve.engine.sampling_params import SamplingParams
@@ -47,6 +50,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         include_stop_str: bool = False,
         min_tokens: int = 0,
+        stop_regex: Sequence[str] = (),
     ) -> None:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._decode_fn = backend.decode if backend is not None else tokenizer.decode
@@ -63,6 +67,7 @@ class IncrementalDetokenizer:
         self.text = ""  # all output text decoded so far (cut at a stop string)
         self._num_emitted_chars = 0
         self.stop_matched: str | None = None
+        self._regexes = StopRegexWatch(stop_regex) if stop_regex else None
 
     @classmethod
     def for_params(cls, tokenizer: Any, params: SamplingParams) -> IncrementalDetokenizer:
@@ -73,6 +78,7 @@ class IncrementalDetokenizer:
             params.skip_special_tokens,
             params.include_stop_str_in_output,
             params.min_tokens,
+            params.stop_regex,
         )
 
     def _decode(self, ids: list[int]) -> str:
@@ -120,6 +126,11 @@ class IncrementalDetokenizer:
                 pos, stop = min(hits)
                 self.text = self.text[: pos + len(stop)] if self._include_stop else self.text[:pos]
                 self.stop_matched = stop
+                final = True
+        if self._regexes is not None and self.stop_matched is None and delta:
+            # the text through the token whose text completed a match stays (SGLang's)
+            if (pattern := self._regexes.feed(delta, len(self._ids) > self._min_tokens)) is not None:
+                self.stop_matched = pattern
                 final = True
         end = len(self.text) if final else len(self.text) - self._hold_chars
         if end <= self._num_emitted_chars:

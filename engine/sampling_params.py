@@ -50,6 +50,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from deltaserve.engine.guided import guide_pattern
+from deltaserve.engine.stop_regex import MAX_STOP_REGEXES, stop_automaton
 from deltaserve.ipc.messages import SamplingSpec
 
 MAX_N = 16
@@ -95,6 +96,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    stop_regex: tuple[str, ...] = ()  # SGLang's: a match in the output ends it, kept (engine/stop_regex.py)
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
@@ -143,6 +145,15 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        if isinstance(self.stop_regex, str):
+            object.__setattr__(self, "stop_regex", (self.stop_regex,))
+        if not isinstance(self.stop_regex, tuple | list) or len(self.stop_regex) > MAX_STOP_REGEXES:
+            raise ValueError(f"stop_regex must be at most {MAX_STOP_REGEXES} regexes, got {self.stop_regex!r}")
+        for pattern in self.stop_regex:
+            if not isinstance(pattern, str) or not pattern:
+                raise ValueError(f"stop_regex must hold non-empty strings, got {pattern!r}")
+            stop_automaton(pattern)  # its ValueError names the pattern
+        object.__setattr__(self, "stop_regex", tuple(self.stop_regex))
         if isinstance(self.stop_token_ids, str) or not isinstance(self.stop_token_ids, tuple | list):
             raise ValueError(f"stop_token_ids must be a list or tuple of ints, got {self.stop_token_ids!r}")
         for t in self.stop_token_ids:

@@ -4,7 +4,7 @@ checks, as vLLM's `check_stop` (vllm/v1/core/sched/utils.py) and its detokenizer
 In order: a stop token (an EOS id unless ignore_eos, or one of `stop_token_ids`) ends the
 request, its text left out unless `include_stop_str_in_output` (as vLLM's detokenizer skips a
 stop-terminated token only then); a guided-choice request's EOS ends it even with ignore_eos
-(the rank allows one only at a whole choice). Else a stop string in the text; else a whole
+(the rank allows one only at a whole choice). Else a stop string or stop regex in the text; else a whole
 choice that no longer one extends ("stop", its last token's text kept); else max_tokens. Before
 min_tokens tokens the rank has masked every stop token, and the detokenizer looks for no
 stop string, so nothing here needs to count them.
@@ -32,7 +32,7 @@ def check_stop(
     if ((not params.ignore_eos or params.guide_regex) and token in eos_token_ids) or token in params.stop_token_ids:
         return "stop", detokenizer.add(token) if params.include_stop_str_in_output else ""
     at_length = request.num_output_tokens >= params.max_tokens
-    if not (params.stop or at_length):
+    if not (params.stop or params.stop_regex or at_length):
         return None, None
     text = detokenizer.add(token)
     if detokenizer.stop_matched is not None:

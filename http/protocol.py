@@ -43,7 +43,7 @@ _SAMPLING_KEYS = frozenset(
         "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens",
         "logit_bias", "include_stop_str_in_output", "skip_special_tokens",
         "spaces_between_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-        "prompt_logprobs", "thinking_budget", *STRUCTURED_OUTPUT_KEYS,
+        "prompt_logprobs", "thinking_budget", "stop_regex", *STRUCTURED_OUTPUT_KEYS,
     }
 )  # fmt: skip
 # Harmless metadata: accepted and not used for generation.
@@ -96,6 +96,7 @@ class SamplingFields:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
+    stop_regex: tuple[str, ...] = ()  # SGLang's (engine/stop_regex.py)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -382,6 +383,7 @@ def _sampling(
         frequency_penalty=opt_float(obj, "frequency_penalty", d.frequency_penalty),
         repetition_penalty=opt_float(obj, "repetition_penalty", d.repetition_penalty),
         stop=_stop(obj),
+        stop_regex=_stop(obj, "stop_regex"),
         stop_token_ids=_token_ids(obj.get("stop_token_ids") or [], "stop_token_ids", empty_ok=True),
         ignore_eos=opt_bool(obj, "ignore_eos", default=False),
         logprobs=logprobs,
@@ -398,20 +400,19 @@ def _sampling(
     )
 
 
-def _stop(obj: dict[str, Any]) -> tuple[str, ...]:
-    value = obj.get("stop")
+def _stop(obj: dict[str, Any], name: str = "stop") -> tuple[str, ...]:
+    """`stop` (strings) or SGLang's `stop_regex`: one string or a list of non-empty ones."""
+    value = obj.get(name)
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
-        raise bad_request(
-            f"stop must be a string or a list of strings, got {json_type(value)}", "stop"
-        )
+        raise bad_request(f"{name} must be a string or a list of strings, got {json_type(value)}", name)
     for i, s in enumerate(items):
         if not isinstance(s, str):
-            raise bad_request(f"stop[{i}] must be a string, got {json_type(s)}", "stop")
+            raise bad_request(f"{name}[{i}] must be a string, got {json_type(s)}", name)
         if not s:
-            raise bad_request(f"stop[{i}] is an empty string", "stop")
+            raise bad_request(f"{name}[{i}] is an empty string", name)
     return tuple(items)
 
 

@@ -28,11 +28,11 @@ _SAMPLING = {  # SGLang's sampling_params key -> the completion field that honou
     "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "no_stop_trim": "include_stop_str_in_output", "n": "n", "logit_bias": "logit_bias", "sampling_seed": "seed",
+    "stop_regex": "stop_regex",
 }  # fmt: skip
 _GUIDED = {"json_schema": "json", "regex": "regex", "ebnf": "grammar",  # -> structured_outputs' kinds
            "structural_tag": "structural_tag"}  # fmt: skip
 _REFUSED_SAMPLING = {
-    "stop_regex": "stop regexes are not supported (stop strings are)",
     "custom_params": "custom logit processors are not supported",
 }
 _KEYS = frozenset({"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
@@ -51,6 +51,7 @@ RENAMED = ((r"\bmax_tokens\b", "sampling_params.max_new_tokens"),
            (r"\bstructured_outputs\.regex\b", "sampling_params.regex"),
            (r"\bstructured_outputs\.grammar\b", "sampling_params.ebnf"),
            (r"\bstructured_outputs\.structural_tag\b", "sampling_params.structural_tag"),
+           (r"(?<![\w.])stop_regex\b", "sampling_params.stop_regex"),
            (r"\b(prompt_)?logprobs\b", "top_logprobs_num"),
            (r"(?<![\w.])(temperature|top_p|top_k|min_p|frequency_penalty|presence_penalty|repetition_penalty|"
             r"stop_token_ids|logit_bias|n)\b", r"sampling_params.\1"))  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import aiohttp
@@ -24,6 +25,7 @@ from serve_helpers import in_process_server, wait_idle
 from test_http_structured_output import SCHEMA, valid
 
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.tokenizer import load_tokenizer
 from deltaserve.http.server import ServerConfig
 
 aio = pytest.mark.asyncio(loop_scope="module")
@@ -148,6 +150,26 @@ async def test_batches_n_and_cumulative_streams(server):
 
 
 @aio
+async def test_stop_regex(server, gpt, tiny_model_dir):
+    """SGLang's stop_regex, on /generate and (its extension) the completions route: the output
+    ends with the first token whose text completes a match, kept, and names the regex."""
+    status, free = await post(server, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, **GREEDY}})
+    ids, text = free["output_ids"], free["text"]
+    decode = load_tokenizer(tiny_model_dir).decode
+    word = next(w for w in text.split() if len(w) > 2 and text.index(w) > 0)
+    pattern = re.escape(word[:2]) + "|[0-9]{6}"
+    first = next(k for k in range(1, len(ids) + 1) if re.search(pattern, decode(ids[:k])))
+    status, out = await post(server, {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 12, "stop_regex": pattern, **GREEDY}})  # fmt: skip
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}, out
+    assert out["output_ids"] == ids[:first] and out["text"] == decode(ids[:first])
+    done = await gpt.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                        extra_body={"stop_regex": [pattern], "ignore_eos": True})  # fmt: skip
+    choice = done.choices[0]
+    assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (decode(ids[:first]), "stop", pattern)
+
+
+@aio
 async def test_stops_seeds_and_the_prompt_alone(server):
     status, free = await post(server, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, **GREEDY}})
     ids, text = free["output_ids"], free["text"]
@@ -231,6 +253,7 @@ async def test_abort_request_by_rid_and_all(server, gpt):
      "sampling_params.min_new_tokens"),
     ({"input_ids": PROMPT, "sampling_params": {"ebnf": "root ::= 'a'"}}, "sampling_params.ebnf: line 1"),
     ({"input_ids": PROMPT, "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag: triggers"),
+    ({"input_ids": PROMPT, "sampling_params": {"stop_regex": ["(?=a)"]}}, "sampling_params.stop_regex '(?=a)'"),
     ({"input_ids": PROMPT, "sampling_params": {"json_schema": "{", "regex": "a"}}, "only one of"),
     ({"input_ids": PROMPT, "sampling_params": {"json_schema": "{"}}, "sampling_params.json_schema"),
     ({"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 8}, "logprob_start_len (8)"),
