@@ -222,6 +222,11 @@ async def test_structural_tag(client, tiny_model_dir):
     for text, finish in outputs:
         assert (SPACED_TEXT if finish == "stop" else SPACED_CUT).fullmatch(text), outputs
     assert any(" " in text for text, _ in outputs), outputs  # a structure was written
+    one = {"type": "tags_with_separator", "separator": ",", "at_least_one": True, "stop_after_first": True,
+           "tags": [{"begin": "<a>", "content": {"type": "regex", "pattern": "[0-9]"}, "end": "</a>"}]}  # fmt: skip
+    spec = json.dumps({"type": "structural_tag", "format": one})
+    formatted = await client.completions.create(**body | {"logit_bias": None}, extra_body={"structured_outputs": {"structural_tag": spec}})
+    assert all(re.fullmatch("<a>[0-9]</a>", c.text) and c.finish_reason == "stop" for c in formatted.choices), formatted
 
 
 @aio
@@ -310,7 +315,8 @@ BOTH = ("completions", "chat")
     (BOTH, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "json constraint"),
     (BOTH, {"guided_json": SCHEMA, "structured_outputs": {"json": SCHEMA}}, "guided_json", "not both"),
     (BOTH, {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}, "response_format", "not both"),
-    (BOTH, {"response_format": {"type": "structural_tag", "format": {}}}, "response_format", "not supported"),
+    (BOTH, {"response_format": {"type": "structural_tag", "format": {"type": "dispatch"}}}, "response_format",
+     "format.type 'dispatch' is not supported"),
     (BOTH, {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "response_format", "name is required"),
     (BOTH, {"response_format": {"type": "json_schema", "json_schema": {"name": "w"}}}, "response_format", "schema is required"),
     (BOTH, {"response_format": {"type": "yaml"}}, "response_format", "must be"),
