@@ -220,7 +220,10 @@ async def test_abort_request_by_rid_and_all(server, gpt):
     """An aborted request answers with its abort (SGLang's finish reason, not an error); one of
     the OpenAI routes, with a 503 saying it was aborted."""
     long = {"sampling_params": {"max_new_tokens": 900, **GREEDY}}
+    generated = server.engine.load().generation_tokens_total
     streamed = asyncio.ensure_future(stream(server, {"input_ids": PROMPT, "rid": "job", **long}))
+    while server.engine.load().generation_tokens_total == generated:  # job runs before the rest come
+        await asyncio.sleep(0.01)
     batch = asyncio.ensure_future(post(server, {"input_ids": [PROMPT, PROMPT[:3]], "rid": "pair", **long}))
     other = asyncio.ensure_future(post(server, {"input_ids": PROMPT, "rid": "other", **long}))
     completion = asyncio.ensure_future(gpt.completions.create(model=MODEL, prompt=PROMPT, max_tokens=900, **{
