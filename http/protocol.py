@@ -55,12 +55,16 @@ _VLLM_DEFAULTS: dict[str, Any] = {
 }  # fmt: skip
 # add_special_tokens: vLLM adds them to a completion's prompt, not to a rendered chat. The
 # Qwen tokenizer adds none when encoding, so the prompt is the same either way.
-_COMPLETION_DEFAULTS = {**_VLLM_DEFAULTS, "add_special_tokens": True}
+_COMPLETION_DEFAULTS = {"add_special_tokens": True}  # use_beam_search and length_penalty: taken
 _CHAT_DEFAULTS = {**_VLLM_DEFAULTS, "add_special_tokens": False}
 _COMPLETION_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_COMPLETION_DEFAULTS) | {
     "model", "prompt", "max_tokens", "stream", "stream_options", "logprobs", "echo",
-    "best_of", "logit_bias", "suffix", "return_tokens_as_token_ids", "priority",
+    "best_of", "logit_bias", "suffix", "return_tokens_as_token_ids", "priority", *_VLLM_DEFAULTS,
 }  # fmt: skip
+# With use_beam_search (vLLM's BeamSearchParams): what a search uses; any other sampling field
+# given is refused, as the search would not honour it.
+_BEAM_KEYS = frozenset({"use_beam_search", "length_penalty", "n", "max_tokens", "temperature", "ignore_eos",
+                        "include_stop_str_in_output", "skip_special_tokens"})  # fmt: skip
 _CHAT_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_CHAT_DEFAULTS) | {
     "model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
     "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
@@ -135,6 +139,8 @@ class CompletionRequest:
     echo: bool = False  # each choice's text (and logprobs) starts with its prompt's
     return_tokens_as_token_ids: bool | None = None  # logprobs say "token_id:{id}"; None: the server's flag
     priority: int = 0  # vLLM's: lower is admitted first (--scheduling-policy priority)
+    beam_search: bool = False  # vLLM's use_beam_search: n beams, engine/beam_search.py
+    length_penalty: float = 1.0  # a beam's score: cumulative logprob / length ** length_penalty
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +196,12 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
     prompt_logprobs = _prompt_logprobs(obj, stream, max_logprobs)
     if prompt_logprobs is None and echo:  # as vLLM: echoed logprobs cover the prompt's tokens too
         prompt_logprobs = logprobs
+    beam_search = opt_bool(obj, "use_beam_search", default=False)
+    length_penalty = opt_float(obj, "length_penalty", 1.0)
+    if beam_search:
+        _check_beam_search(obj, max_logprobs)
+    elif length_penalty != 1.0:
+        raise unsupported("length_penalty", "it scores beams: only with use_beam_search")
     return CompletionRequest(
         model=opt_str(obj, "model"),
         prompts=_prompts(obj),
@@ -202,7 +214,26 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
         echo=echo,
         return_tokens_as_token_ids=opt_bool(obj, "return_tokens_as_token_ids", default=None),
         priority=opt_int(obj, "priority", default=0),
+        beam_search=beam_search,
+        length_penalty=length_penalty,
     )
+
+
+def _check_beam_search(obj: dict[str, Any], max_logprobs: int) -> None:
+    """A beam search takes n, max_tokens, temperature (no effect: candidates come from raw
+    logprobs, as vLLM's), ignore_eos, include_stop_str_in_output, skip_special_tokens and
+    length_penalty; its answer comes whole, without logprobs."""
+    for key, value in obj.items():
+        if value is not None and (key in _SAMPLING_KEYS or key == "logprobs") and key not in _BEAM_KEYS:
+            raise unsupported(key, "beam search does not use it (use_beam_search takes n, max_tokens, temperature, "
+                              "ignore_eos, include_stop_str_in_output, skip_special_tokens and length_penalty)")  # fmt: skip
+    for key, value in (("stream", False), ("echo", False), ("priority", 0)):
+        if obj.get(key) not in (None, value):
+            raise unsupported(key, f"beam search answers whole, at priority 0 and without echo: {key} must be {value}")
+    width = opt_int(obj, "n", default=1)
+    if width is None or not 1 <= 2 * width <= max_logprobs:
+        raise bad_request(f"n (the beam width) must be in 1..{max_logprobs // 2}: each step asks for 2 x n "
+                          f"logprobs, at most --max-logprobs ({max_logprobs})", "n")  # fmt: skip
 
 
 def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None, *,

@@ -37,6 +37,7 @@ from deltaserve.engine.events import (
 from deltaserve.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from deltaserve.engine.tokenizer import generation_sampling_defaults
 from deltaserve.http import errors
+from deltaserve.http.beam_completions import beam_completions
 from deltaserve.http.cors import Cors
 from deltaserve.http.errors import ApiError
 from deltaserve.http.metrics import render_metrics
@@ -256,6 +257,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                    max_logprobs=state.engine.max_logprobs)
     model = state.model_name(req.model)
     state.check_admitting()
+    if req.beam_search:
+        return _json(await beam_completions(state.engine, req, model))
     max_tokens = req.sampling.max_tokens
     params = _params(
         req.sampling,

@@ -1,0 +1,95 @@
+"""Beam search over the engine, as vLLM's frontend runs it (`use_beam_search`): each step asks
+for one token of every live beam with its 2 x width best logprobs (the model's raw
+distribution), keeps the `width` best extensions by cumulative logprob and sets aside each
+beam an EOS would end; the answer is the `width` best of those and the live beams by
+cumulative logprob / length ** length_penalty, the length counting the prompt and no EOS
+(vLLM's `get_beam_search_score`).
+
+Each step's prompt is the last one and one token more, so with prefix caching a beam's next
+step starts from the state its last step saved. Nothing of a step's own sample is used: it
+runs greedy (temperature changes no candidate, as in vLLM, whose candidates come from raw
+logprobs too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from deltaserve.engine.events import ErrorEvent, FinishedEvent, TokenEvent
+from deltaserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Beam:
+    tokens: tuple[int, ...]  # the output's tokens (an ending EOS only where include_stop)
+    cum_logprob: float
+    finish_reason: Literal["stop", "length"]
+    score: float
+    stop_reason: int | None = None  # the EOS id that ended it
+
+
+class BeamSearchError(RuntimeError):
+    """A step of the search failed in the engine (its ErrorEvent's message)."""
+
+
+async def beam_search(
+    engine: Any,
+    prompt: list[int],
+    width: int,
+    max_tokens: int,
+    eos_ids: Collection[int],
+    *,
+    length_penalty: float = 1.0,
+    ignore_eos: bool = False,
+    include_stop: bool = False,
+    request_id: str = "beam",
+) -> list[Beam]:
+    """The `width` best beams of `prompt`, best first. `engine`: an AsyncEngine (its
+    `generate`); ValueError from it (a prompt too long, ...) propagates."""
+    step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * width)
+    live: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
+    done: list[Beam] = []
+
+    def scored(tokens: tuple[int, ...], cum: float, reason: Literal["stop", "length"], eos: int | None) -> Beam:
+        length = len(prompt) + len(tokens) - (eos is not None and include_stop)
+        return Beam(tokens, cum, reason, cum / length**length_penalty, eos)
+
+    for n in range(max_tokens):
+        tops = await asyncio.gather(*(_best_next(engine, prompt + list(tokens), step, f"{request_id}-{n}-{i}")
+                                      for i, (tokens, _) in enumerate(live)))  # fmt: skip
+        candidates = []
+        for (tokens, cum), top in zip(live, tops, strict=True):
+            for token, logprob in top:
+                if token in eos_ids and not ignore_eos:
+                    done.append(scored(tokens + (token,) * include_stop, cum + logprob, "stop", token))
+                else:
+                    candidates.append((cum + logprob, tokens + (token,)))
+        candidates.sort(key=lambda c: -c[0])
+        live = [(tokens, cum) for cum, tokens in candidates[:width]]
+        if not live:
+            break
+    beams = done + [scored(tokens, cum, "length", None) for tokens, cum in live]
+    return sorted(beams, key=lambda b: b.score, reverse=True)[:width]
+
+
+async def _best_next(engine: Any, ids: list[int], params: SamplingParams, request_id: str) -> list[tuple[int, float]]:
+    """The best next tokens after `ids` and their logprobs, best first."""
+    stream = engine.generate(ids, params, request_id=request_id)
+    top: list[tuple[int, float]] = []
+    try:
+        async for ev in stream:
+            if isinstance(ev, TokenEvent):
+                top = ev.top_logprobs
+            elif isinstance(ev, ErrorEvent):
+                raise BeamSearchError(ev.message)
+            elif isinstance(ev, FinishedEvent) and ev.reason == "abort":
+                raise BeamSearchError("a step of the beam search was aborted")
+    finally:
+        await stream.aclose()
+    return top
+
+
+__all__ = ["Beam", "BeamSearchError", "beam_search"]

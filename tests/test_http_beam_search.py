@@ -1,0 +1,99 @@
+"""Beam search (vLLM's use_beam_search on /v1/completions; engine/beam_search.py) through a real
+server and the openai client: one beam is greedy decoding, each beam's cumulative logprob is
+what the model gives its tokens (rescored as a prompt), beams come best first, and the
+fields a search would not honour are refused."""
+
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+import pytest_asyncio
+from serve_helpers import in_process_server, wait_idle
+
+from deltaserve.engine.beam_search import beam_search
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.events import PromptLogprobsEvent
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.http.server import ServerConfig
+
+aio = pytest.mark.asyncio(loop_scope="module")
+MODEL = "tiny"
+PROMPT = [9707, 11, 1879, 0, 358, 1079, 264, 1273]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(tiny_model_dir):
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=256, max_num_seqs=8, enable_prefix_caching=True)
+    async with in_process_server(config, ServerConfig(MODEL)) as s:
+        yield s
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(server):
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    yield client
+    await client.close()
+
+
+@pytest_asyncio.fixture(autouse=True, loop_scope="module")
+async def leaves_the_engine_idle(server):
+    yield
+    await wait_idle(server.engine, timeout_s=30)
+
+
+@aio
+async def test_one_beam_is_greedy(client):
+    greedy = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True})  # fmt: skip
+    beam = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                           extra_body={"use_beam_search": True, "ignore_eos": True})  # fmt: skip
+    assert [c.text for c in beam.choices] == [greedy.choices[0].text] and beam.choices[0].finish_reason == "length"
+    assert beam.usage.prompt_tokens == len(PROMPT) and beam.usage.completion_tokens == 6
+
+
+@aio
+async def test_beams_carry_the_models_logprobs_best_first(server, client):
+    """Width 3, no length penalty: each beam's cumulative logprob equals the model's logprobs
+    of its tokens given as a prompt, the beams are distinct and best first, and the route
+    answers the same beams."""
+    engine = server.engine
+    beams = await beam_search(engine, PROMPT, 3, 5, engine.eos_token_ids, length_penalty=0.0, ignore_eos=True)
+    assert len({b.tokens for b in beams}) == 3 and all(len(b.tokens) == 5 for b in beams)
+    assert [b.cum_logprob for b in beams] == sorted((b.cum_logprob for b in beams), reverse=True)
+    for beam in beams:
+        stream = engine.generate(PROMPT + list(beam.tokens), SamplingParams(max_tokens=1, prompt_logprobs=0))
+        scored = [ev async for ev in stream if isinstance(ev, PromptLogprobsEvent)][0].token_logprobs
+        assert math.isclose(sum(scored[-5:]), beam.cum_logprob, abs_tol=1e-3), (scored[-5:], beam)
+    answer = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, n=3, extra_body={
+        "use_beam_search": True, "ignore_eos": True, "length_penalty": 0.0})  # fmt: skip
+    texts = await engine.run_tokenizer(lambda tok: [tok.decode(list(b.tokens)) for b in beams], 1)
+    assert [c.text for c in answer.choices] == texts and [c.index for c in answer.choices] == [0, 1, 2]
+
+
+@aio
+@pytest.mark.parametrize("extra, param", [
+    ({"stream": True}, "stream"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"top_p": 0.5}, "top_p"),
+    ({"stop": ["x"]}, "stop"),
+    ({"n": 11}, "n"),
+    ({"echo": True}, "echo"),
+])  # fmt: skip
+async def test_what_a_search_would_not_honour_is_refused(client, extra, param):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "use_beam_search": True, **extra}
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(**{k: body.pop(k) for k in ("model", "prompt")}, extra_body=body)
+    assert info.value.body["param"] == param, info.value.body
+
+
+@aio
+async def test_length_penalty_without_beams_and_beams_on_chat_are_refused(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"length_penalty": 2.0})
+    assert info.value.body["param"] == "length_penalty"
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                             extra_body={"use_beam_search": True})  # fmt: skip
+    assert info.value.body["param"] == "use_beam_search"
