@@ -29,6 +29,9 @@ async def beam_completions(engine: Any, req: CompletionRequest, model: str) -> d
     request_id = f"cmpl-{uuid.uuid4().hex}"
     try:
         prompts = [fit(await engine.encode(p) if isinstance(p, str) else list(p)) for p in req.prompts]
+        if longest := max((len(ids) for ids in prompts if len(ids) + max_tokens > engine.max_model_len), default=0):
+            raise errors.bad_request(f"a prompt of {longest} tokens + max_tokens ({max_tokens}) is more than "
+                                     f"max_model_len ({engine.max_model_len})", "max_tokens")  # fmt: skip
         searches = [beam_search(engine, ids, width, max_tokens, engine.eos_token_ids,
                                 length_penalty=req.length_penalty, ignore_eos=req.sampling.ignore_eos,
                                 include_stop=req.sampling.include_stop_str_in_output, request_id=f"{request_id}-{p}")

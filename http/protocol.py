@@ -230,6 +230,8 @@ def _check_beam_search(obj: dict[str, Any], max_logprobs: int) -> None:
     for key, value in (("stream", False), ("echo", False), ("priority", 0)):
         if obj.get(key) not in (None, value):
             raise unsupported(key, f"beam search answers whole, at priority 0 and without echo: {key} must be {value}")
+    if obj.get("max_tokens") is not None and opt_int(obj, "max_tokens") < 1:
+        raise bad_request("max_tokens must be at least 1 for a beam search", "max_tokens")
     width = opt_int(obj, "n", default=1)
     if width is None or not 1 <= 2 * width <= max_logprobs:
         raise bad_request(f"n (the beam width) must be in 1..{max_logprobs // 2}: each step asks for 2 x n "

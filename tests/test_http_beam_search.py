@@ -80,6 +80,8 @@ async def test_beams_carry_the_models_logprobs_best_first(server, client):
     ({"stop": ["x"]}, "stop"),
     ({"n": 11}, "n"),
     ({"echo": True}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 250}, "max_tokens"),  # + the prompt: past max_model_len
 ])  # fmt: skip
 async def test_what_a_search_would_not_honour_is_refused(client, extra, param):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "use_beam_search": True, **extra}
