@@ -73,6 +73,22 @@ async def test_beams_carry_the_models_logprobs_best_first(server, client):
 
 
 @aio
+async def test_a_beam_an_eos_ends_is_set_aside(server):
+    """The best first token made an EOS (the search's `eos_ids`): its beam ends there, "stop",
+    its score its one logprob; no beam goes on past it; include_stop keeps it in the tokens."""
+    engine = server.engine
+    (best, *_) = await beam_search(engine, PROMPT, 2, 1, (), ignore_eos=True)
+    eos = best.tokens[0]
+    ended = await beam_search(engine, PROMPT, 2, 3, {eos}, length_penalty=0.0)
+    stopped = [b for b in ended if b.finish_reason == "stop"]
+    assert [(b.tokens, b.stop_reason) for b in stopped] == [((), eos)], ended
+    assert math.isclose(stopped[0].cum_logprob, best.cum_logprob, abs_tol=1e-6) and stopped[0] == ended[0]
+    assert all(eos not in b.tokens for b in ended)
+    kept = await beam_search(engine, PROMPT, 2, 3, {eos}, length_penalty=0.0, include_stop=True)
+    assert [b.tokens for b in kept if b.finish_reason == "stop"] == [(eos,)]
+
+
+@aio
 @pytest.mark.parametrize("extra, param", [
     ({"stream": True}, "stream"),
     ({"logprobs": 1}, "logprobs"),
