@@ -229,7 +229,8 @@ def _check_beam_search(obj: dict[str, Any], max_logprobs: int) -> None:
                               "ignore_eos, include_stop_str_in_output, skip_special_tokens and length_penalty)")  # fmt: skip
     for key, value in (("stream", False), ("echo", False), ("priority", 0)):
         if obj.get(key) not in (None, value):
-            raise unsupported(key, f"beam search answers whole, at priority 0 and without echo: {key} must be {value}")
+            raise unsupported(key, "beam search answers whole, at priority 0 and without echo: "
+                              f"{key} must be {str(value).lower()}")
     if obj.get("max_tokens") is not None and opt_int(obj, "max_tokens") < 1:
         raise bad_request("max_tokens must be at least 1 for a beam search", "max_tokens")
     width = opt_int(obj, "n", default=1)
