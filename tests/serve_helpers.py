@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import openai
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
@@ -176,6 +177,16 @@ async def in_process_server(
             await runner.cleanup()
     finally:
         await engine.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def openai_client(server: InProcessServer, api_key: str = "none") -> AsyncIterator[openai.AsyncOpenAI]:
+    """The official client on `server`'s /v1, failing fast: no retries, a minute's timeout."""
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 async def wait_idle(engine: AsyncEngine, timeout_s: float = 10.0) -> None:

@@ -10,7 +10,7 @@ import math
 import openai
 import pytest
 import pytest_asyncio
-from serve_helpers import in_process_server, wait_idle
+from serve_helpers import in_process_server, openai_client, wait_idle
 
 from deltaserve.engine.beam_search import beam_search
 from deltaserve.engine.config import EngineConfig
@@ -32,9 +32,8 @@ async def server(tiny_model_dir):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(server):
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    yield client
-    await client.close()
+    async with openai_client(server) as client:
+        yield client
 
 
 @pytest_asyncio.fixture(autouse=True, loop_scope="module")
