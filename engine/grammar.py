@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from deltaserve.engine.regex_automaton import MAX_CODEPOINT
@@ -112,10 +113,7 @@ class _Parser:
                 raise self.error(token.at, f"rule '{token.text}' is defined twice")
             self.i += 2
             rules[token.text] = self.alternatives()
-        for name, body in rules.items():
-            for ref in _references(body):
-                if ref not in rules:
-                    raise GrammarError(f"rule '{name}' refers to '{ref}', which is not defined")
+        check_references(rules)
         return rules
 
     def alternatives(self) -> tuple:
@@ -203,6 +201,15 @@ class _Parser:
         if not ranges:
             raise self.error(at, "an empty character class")
         return tuple(ranges)
+
+
+def check_references(rules: dict[str, tuple], hint: Callable[[str], str] = lambda ref: "") -> None:
+    """GrammarError for the first reference to a rule `rules` does not define (`hint(ref)`
+    appended to its message)."""
+    for name, body in rules.items():
+        for ref in _references(body):
+            if ref not in rules:
+                raise GrammarError(f"rule '{name}' refers to '{ref}', which is not defined{hint(ref)}")
 
 
 def _references(node: tuple) -> list[str]:

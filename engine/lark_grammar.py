@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import re
 
-from deltaserve.engine.grammar import GrammarError, _Parser, _references, _Token
+from deltaserve.engine.grammar import GrammarError, _Parser, _Token, check_references
 from deltaserve.engine.regex_automaton import ByteAutomaton, RegexError
 
 LARK_ROOT = "start"  # else the first definition
@@ -86,11 +86,7 @@ def lark_rules(grammar: str) -> tuple[dict[str, tuple], str]:
     root = LARK_ROOT if LARK_ROOT in rules else defined[0]
     if parser.imports:
         rules |= _common_rules()
-    for name, body in rules.items():
-        for ref in _references(body):
-            if ref not in rules:
-                hint = f" (import it: %import common.{ref})" * (COMMON + ref in _common_rules())
-                raise GrammarError(f"rule '{name}' refers to '{ref}', which is not defined{hint}")
+    check_references(rules, lambda ref: f" (import it: %import common.{ref})" * (COMMON + ref in _common_rules()))
     return rules, root
 
 

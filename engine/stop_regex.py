@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from deltaserve.engine.regex_automaton import DEAD, START, ByteAutomaton, RegexError
+from deltaserve.engine.regex_automaton import START, ByteAutomaton, RegexError
 
 MAX_STOP_REGEXES = 16
 
@@ -49,7 +49,7 @@ class StopRegexWatch:
                 state = automaton.row(state)[b]
                 if counts and automaton.accepting[state]:
                     return pattern
-            self._states[i] = state if state != DEAD else START
+            self._states[i] = state  # never DEAD: the `[\s\S]*` before the pattern takes any text
         return None
 
 

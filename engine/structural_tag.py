@@ -19,6 +19,8 @@ trigger, this regex takes any split of the text that fits.
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any
 
 from deltaserve.engine.free_text import text_without
@@ -34,22 +36,26 @@ class StructuralTagError(ValueError):
     pass
 
 
-def structural_tag_regex(spec: Any, whitespace: str | None = None) -> str:
+def structural_tag_regex(spec: Any) -> str:
     """The regex of a structural tag (either form); StructuralTagError naming what is wrong and
-    where. `whitespace`: the blanks between JSON tokens, as for a JSON schema."""
+    where."""
     if not isinstance(spec, dict):
         raise StructuralTagError("a structural tag is an object: a format, or structures and triggers")
-    formats = _Formats(whitespace)
+    formats = _Formats()
     if "format" in spec:
         _keys(spec, {"type", "format"}, "the structural tag")
         return formats.compile(spec["format"], "format", ())
     _keys(spec, {"type", "structures", "triggers", "at_least_one"}, "the structural tag")
-    return formats.compile(_legacy(spec), "", ())
+    try:
+        return formats.compile(_legacy(spec), "", ())
+    except StructuralTagError as e:  # named as the first form names them
+        message = re.sub(r"^tags\[(\d+)\]\.content\.json_schema", r"structures[\1].schema", str(e))
+        raise StructuralTagError(re.sub(r"^tags\[(\d+)\]\.", r"structures[\1].", message)) from None
 
 
 def _legacy(spec: dict[str, Any]) -> dict[str, Any]:
-    """The first form as the triggered_tags format it stands for (its own field names in errors)."""
-    triggers = _strings(spec, "triggers", "")
+    """The first form as the triggered_tags format it stands for."""
+    triggers = _strings(spec, "triggers", "")  # before the structures, as the first form is read
     structures = spec.get("structures")
     if not isinstance(structures, list) or not structures:
         raise StructuralTagError("structures must be a non-empty list of {begin, schema, end}")
@@ -58,21 +64,21 @@ def _legacy(spec: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str):
             raise StructuralTagError(f"structures[{i}] must be an object with string begin and end")
         _keys(s, {"begin", "schema", "end"}, f"structures[{i}]")
-        if not any(s["begin"].startswith(t) for t in triggers):
-            raise StructuralTagError(f"structures[{i}].begin {s['begin']!r} starts with none of the triggers")
-        schema = {} if s.get("schema") is None else s["schema"]  # none: any JSON value
-        try:
-            schema_regex(schema)
-        except ValueError as e:
-            raise StructuralTagError(f"structures[{i}].schema: {e}") from None
-        tags.append({"begin": s["begin"], "content": {"type": "json_schema", "json_schema": schema}, "end": s["end"]})
+        content = {"type": "json_schema", "json_schema": s.get("schema")}  # none: any JSON value
+        tags.append({"begin": s["begin"], "content": content, "end": s["end"]})
     return {"type": "triggered_tags", "triggers": triggers, "tags": tags,
             "at_least_one": spec.get("at_least_one", False)}  # fmt: skip
 
 
 class _Formats:
-    def __init__(self, whitespace: str | None) -> None:
-        self.whitespace = whitespace
+    def __init__(self) -> None:
+        self.kinds = {"const_string": self._const_string, "json_schema": self._json_schema, "grammar": self._grammar,
+                      "regex": self._regex, "any_text": self._any_text, "sequence": self._sequence, "or": self._or,
+                      "optional": functools.partial(self._repeated, count="?"),
+                      "plus": functools.partial(self._repeated, count="+"),
+                      "star": functools.partial(self._repeated, count="*"), "repeat": self._repeat,
+                      "tag": self._tag, "triggered_tags": self._triggered_tags,
+                      "tags_with_separator": self._tags_with_separator}  # fmt: skip
 
     def compile(self, f: Any, at: str, ends: tuple[str, ...]) -> str:
         """The regex of format `f` (at path `at`); `ends`: the ends of the tag around it, which
@@ -83,14 +89,9 @@ class _Formats:
         where = f"{at}." if at else ""
         if kind in _REFUSED:
             raise StructuralTagError(f"{where}type {kind!r} is not supported (text-level formats are)")
-        kinds = {"const_string": self._const_string, "json_schema": self._json_schema, "grammar": self._grammar,
-                 "regex": self._regex, "any_text": self._any_text, "sequence": self._sequence, "or": self._or,
-                 "optional": self._optional, "plus": self._plus, "star": self._star, "repeat": self._repeat,
-                 "tag": self._tag, "triggered_tags": self._triggered_tags,
-                 "tags_with_separator": self._tags_with_separator}  # fmt: skip
-        if kind not in kinds:
+        if kind not in self.kinds:
             raise StructuralTagError(f"{where}type {kind!r} is not a structural tag format")
-        return kinds[kind](f, where, ends)
+        return self.kinds[kind](f, where, ends)
 
     def _const_string(self, f: dict, at: str, ends: tuple[str, ...]) -> str:
         _keys(f, {"type", "value"}, at)
@@ -101,7 +102,7 @@ class _Formats:
         if f.get("style", "json") != "json" or f.get("any_order", False) is not False:
             raise StructuralTagError(f"{at}style and any_order: only JSON in the schema's order is supported")
         try:
-            return f"(?:{schema_regex({} if f.get('json_schema') is None else f['json_schema'], self.whitespace)})"
+            return f"(?:{schema_regex({} if f.get('json_schema') is None else f['json_schema'])})"
         except ValueError as e:
             raise StructuralTagError(f"{at}json_schema: {e}") from None
 
@@ -134,15 +135,6 @@ class _Formats:
 
     def _or(self, f: dict, at: str, ends: tuple[str, ...]) -> str:
         return f"(?:{'|'.join(self._elements(f, at, ends))})"
-
-    def _optional(self, f: dict, at: str, ends: tuple[str, ...]) -> str:
-        return self._repeated(f, at, ends, "?")
-
-    def _plus(self, f: dict, at: str, ends: tuple[str, ...]) -> str:
-        return self._repeated(f, at, ends, "+")
-
-    def _star(self, f: dict, at: str, ends: tuple[str, ...]) -> str:
-        return self._repeated(f, at, ends, "*")
 
     def _repeat(self, f: dict, at: str, ends: tuple[str, ...]) -> str:
         low, high = f.get("min"), f.get("max")
