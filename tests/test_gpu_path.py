@@ -12,13 +12,16 @@ from test_kernels import CUDA, needs_cuda, skip_without_fla
 
 def _steps(vocab: int = 240000):
     """Mixed steps: chunked prefill across the 64-token chunk, prefill beside decodes, decodes;
-    the last decodes without tokens (as pipelined steps send them: each slot's last sample)."""
+    the last decodes without tokens (as pipelined steps send them: each slot's last sample).
+    Two prompts ask for prompt logprobs: request 1's first chunk (2 alternatives) in a
+    prompt-only step, request 4 (1 alternative) beside decodes."""
     from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 
     gen = torch.Generator().manual_seed(11)
     ids = {r: torch.randint(0, vocab, (n,), generator=gen).tolist() for r, n in [(1, 90), (2, 5), (3, 1), (4, 20)]}
     spec = SamplingSpec(seed=0)
-    yield [StepItem(1, 0, ids[1][:70], False, NewRequest(200, spec)), StepItem(2, 0, ids[2], True, NewRequest(200, spec))]
+    yield [StepItem(1, 0, ids[1][:70], False, NewRequest(200, spec), prompt_logprobs=2, next_token=ids[1][70]),
+           StepItem(2, 0, ids[2], True, NewRequest(200, spec))]  # fmt: skip
     yield [StepItem(1, 70, ids[1][70:], True, None), StepItem(2, 5, [7], True, None),
            StepItem(3, 0, ids[3], True, NewRequest(200, spec))]
     for t in range(6):
@@ -26,7 +29,7 @@ def _steps(vocab: int = 240000):
         step = [StepItem(2, 6 + t, [8 + t] * given, True, None), StepItem(1, 90 + t, [9 + t] * given, True, None),
                 StepItem(3, 1 + t, [10 + t] * given, True, None)]
         if t == 1:  # a new prompt beside decodes (with graphs: a prompt graph's replay beside a decode graph's)
-            step.insert(1, StepItem(4, 0, ids[4], True, NewRequest(200, spec)))
+            step.insert(1, StepItem(4, 0, ids[4], True, NewRequest(200, spec), prompt_logprobs=1))
         elif t > 1:
             step.append(StepItem(4, 20 + t - 2, [11 + t] * given, True, None))
         yield step
@@ -52,10 +55,11 @@ def _run_steps(
     model_dir: str, device: str, graphs: bool = False, dtype: str = "float32", prompt_graph_tokens: int = 2048,
     steps=_steps, prefix_states: int = 0,
 ) -> tuple[list[torch.Tensor], int]:
-    """Logits of every step of `_steps` through one executor, and how many of its steps ran
-    prompts through a prompt graph: eagerly, or with graphs, where single-token items replay
-    a decode graph beside a forward of the chunks (a prompt graph's where they fit one).
-    Each step samples (greedy), so that items without tokens have a last sample to read."""
+    """Logits of every step of `_steps` through one executor, each with the step's prompt
+    logprobs as an attribute, and how many of its steps ran prompts through a prompt graph:
+    eagerly, or with graphs, where single-token items replay a decode graph beside a forward
+    of the chunks (a prompt graph's where they fit one). Each step samples (greedy), so that
+    items without tokens have a last sample to read."""
     from deltaserve.engine.rank.executor import Executor, ExecutorConfig
     from deltaserve.kernels.triton_compat import gpu_path
 
@@ -69,6 +73,7 @@ def _run_steps(
         ex.launch_sampling(step)
         ex.finish_step(step)
         logits.append(step.logits.float().cpu())
+        logits[-1].prompt_logprobs = step.prompt_logprobs
     return logits, 0 if ex.prompt_graphs is None else ex.prompt_graphs.replays
 
 
@@ -80,6 +85,29 @@ def _assert_steps_match(got: list[torch.Tensor], want: list[torch.Tensor], bound
         print(f"{what}, step {step}: {report.as_dict()}")
         assert report.argmax_mismatches == 0, f"{what}: step {step} argmax differs ({report})"
         assert report.max_abs_diff <= bound, f"{what}: step {step} top-8 logprobs differ by {report.max_abs_diff}"
+        _assert_prompt_logprobs_match(ours.prompt_logprobs, reference.prompt_logprobs, bound, f"{what}, step {step}")
+
+
+def _assert_prompt_logprobs_match(got: dict, want: dict, bound: float, what: str) -> None:
+    """The same requests' prompt logprobs, each within `bound`, and their alternatives', best
+    first; ranks within 5%, and an alternative may differ only where `bound` makes logits tie."""
+    assert got.keys() == want.keys(), f"{what}: prompt logprobs of {sorted(got)}, expected {sorted(want)}"
+    for request, reference in sorted(want.items()):
+        ours = got[request]
+        rows = len(reference.logprobs)
+        assert rows > 0 and len(ours.logprobs) == len(ours.ranks) == len(ours.top_logprobs) == rows
+        # a prompt token's logprob is far in the tail (-40 on random weights): errors scale with it
+        assert ours.logprobs == pytest.approx(reference.logprobs, rel=bound / 20, abs=bound), f"{what}: {request}"
+        # a random token's rank is ~10^5 of 240k logits, packed densely: rounding moves it some
+        ranks = zip(ours.ranks, reference.ranks, strict=True)
+        assert all(abs(a - b) <= 2 + b // 20 for a, b in ranks), f"{what}: request {request} ranks"
+        for row, (top, ref_top) in enumerate(zip(ours.top_logprobs, reference.top_logprobs, strict=True)):
+            values = [lp for _, lp in ref_top]
+            assert len(top) == len(ref_top) > 0
+            assert [lp for _, lp in top] == pytest.approx(values, abs=bound), f"{what}: {request}/{row}"
+            for i, ((token, _), (ref_token, _)) in enumerate(zip(top, ref_top, strict=True)):
+                clear = all(abs(values[i] - v) > 2 * bound for j, v in enumerate(values) if j != i)
+                assert token == ref_token or not clear, f"{what}: request {request} row {row} alternative {i}"
 
 
 interpreter_only = pytest.mark.skipif(CUDA, reason="the GPU runs this path for real in test_cuda_executor_matches_cpu")
@@ -192,7 +220,8 @@ spec = SamplingSpec(temperature=0.8, top_p=0.9, seed=1)
 ids = lambda n: torch.randint(0, 1000, (n,), generator=gen).tolist()
 held, pending, rid = {}, {}, 0  # request -> positions held; -> the rest of a chunked prompt
 # 1 to 5 new prompts a step (eager past the 64-token prompt graphs; the first of a long one
-# chunked, its rest in the next step) beside the decodes of every request held
+# chunked, its rest in the next step; the last of several asks for prompt logprobs) beside
+# the decodes of every request held
 for count, length in [(1, 100), (2, 37), (3, 70), (5, 21), (4, 130), (1, 9), (2, 64)]:
     while len(held) + count > 8:
         old = next(iter(held))
@@ -207,7 +236,8 @@ for count, length in [(1, 100), (2, 37), (3, 70), (5, 21), (4, 130), (1, 9), (2,
             items.append(StepItem(rid, 0, tokens[:64], False, NewRequest(400, spec)))
             pending[rid] = tokens[64:]
         else:
-            items.append(StepItem(rid, 0, tokens, True, NewRequest(400, spec)))
+            asks = 1 if j == count - 1 > 0 else -1  # the last of several new prompts: prompt logprobs
+            items.append(StepItem(rid, 0, tokens, True, NewRequest(400, spec), prompt_logprobs=asks))
     ex.run_step(items)
     for item in items:
         held[item.request_id] = item.start + (len(item.token_ids) or 1)

@@ -105,10 +105,14 @@ class FakeProbe:
 
 
 def graph_reserve(executor, peak: int) -> int:
-    """The fixture's CUDA-graph reserve: the decode buckets' logits (4 slots) and pool; the
-    prompt buckets' (16, 32, 64, 100 tokens, 4 prompts each) logits and a pool as large as
-    the 100-token profiling step's activations."""
-    return GRAPH_POOL_RESERVE_BYTES + (2 * 4 + 4 * 4) * executor.model_config.vocab_size * 4 + peak
+    """The fixture's CUDA-graph reserve: the decode buckets' logits and hidden states (4
+    slots) and pool; the prompt buckets' (16, 32, 64, 100 tokens, 4 prompts each) logits,
+    every row's hidden states, and a pool as large as the 100-token profiling step's
+    activations."""
+    mc = executor.model_config
+    hidden_rows = 2 * 4 + 16 + 32 + 64 + 100
+    return (GRAPH_POOL_RESERVE_BYTES + (2 * 4 + 4 * 4) * mc.vocab_size * 4
+            + hidden_rows * mc.hidden_size * executor.dtype.itemsize + peak)
 
 
 @pytest.fixture(scope="module")

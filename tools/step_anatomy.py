@@ -164,7 +164,7 @@ def host_ops(ex: Executor, ids: list[int], steps: int = 10) -> list[dict]:
 def launch_costs(ex: Executor, reps: int = 20) -> dict[int, tuple[float, float]]:
     """Host ms of `graph.replay()` per bucket, with the GPU busy and idle."""
     costs = {}
-    for size, (graph, _) in sorted(ex.graphs.graphs.items()):
+    for size, (graph, *_) in sorted(ex.graphs.graphs.items()):
         times = replay_times(graph, reps)
         costs[size] = (times["replay_call_host_ms"], times["replay_call_host_idle_ms"])
     return costs
@@ -177,9 +177,9 @@ def anatomy(ex: Executor, batch: int, first_id: int, steps: int) -> dict:
         ex.run_step([StepItem(r, 0, torch.randint(0, 240000, (CONTEXT,), generator=gen).tolist(), True,
                               NewRequest(CONTEXT + 4 * steps + 64, SamplingSpec(seed=0))) for r in ids[i:i + 8]])  # fmt: skip
     size = min(b for b in ex.graphs.graphs if b >= batch)
-    graph, logits = ex.graphs.graphs[size]
+    graph, *outputs = ex.graphs.graphs[size]
     stamps: dict[str, float] = {}
-    ex.graphs.graphs[size] = (StampedGraph(graph, stamps), logits)
+    ex.graphs.graphs[size] = (StampedGraph(graph, stamps), *outputs)
     launch = ex.sampler.launch
 
     def stamped_launch(*args, **kwargs):
@@ -209,7 +209,7 @@ def anatomy(ex: Executor, batch: int, first_id: int, steps: int) -> dict:
         segments["sampler_incl_gpu_wait"].append(t1 - stamps["sample"])
     del ex.sampler.launch
     del ex.graphs.run
-    ex.graphs.graphs[size] = (graph, logits)
+    ex.graphs.graphs[size] = (graph, *outputs)
     row = {"batch": batch, "bucket": size, "run_step_ms": median_ms(walls),
            **{k: median_ms(v) for k, v in segments.items()}, **replay_times(graph, reps=20)}  # fmt: skip
     items = [StepItem(r, ex.requests[r].num_tokens, [], True, None) for r in ids]

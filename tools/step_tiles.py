@@ -97,7 +97,7 @@ def logits_gap(ex: Executor, rule: tuple, picks: tuple, batch: int) -> dict:
     gap (0.5-1 nat on a random checkpoint, tools/bench_step_ab.py)."""
     saved = (ex.cache.recurrent.clone(), ex.cache.conv.clone())
     logits = []
-    for graph, out in (rule, picks):
+    for graph, _, out in (rule, picks):
         ex.cache.recurrent.copy_(saved[0])
         ex.cache.conv.copy_(saved[1])
         graph.replay()

@@ -44,7 +44,8 @@ class BucketGraphs:
         self.device = cache.kv.device
         self.is_cuda = self.device.type == "cuda"
         self.copied = torch.cuda.Event() if self.is_cuda else None  # the pinned host buffer is free again
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        # per bucket: the graph, its final hidden states (every row, normed) and fp32 logits
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None, torch.Tensor | None]] = {}
         self.pool = None
 
     def _batch(self, size: int) -> GpuStepBatch:
@@ -57,17 +58,17 @@ class BucketGraphs:
         warm-up's entries would record no kernel for them."""
         for size in sorted(sizes, reverse=True):
             if not self.is_cuda:
-                self.graphs[size] = (None, None)
+                self.graphs[size] = (None, None, None)
                 continue
             prepare(size)
-            self.model(self._batch(size), self.cache)
+            self._forward(size)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.model(self._batch(size), self.cache)
+                hidden, logits = self._forward(size)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[size] = (graph, logits)
+            self.graphs[size] = (graph, hidden, logits)
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
@@ -81,14 +82,21 @@ class BucketGraphs:
         if self.copied is not None:
             self.copied.record()
 
-    def _replay(self, size: int) -> torch.Tensor | None:
-        """Bucket `size` over the static inputs as they are now: its logits buffer (None off
-        rank 0), which the next replay overwrites."""
-        graph, logits = self.graphs[size]
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model over bucket `size`: the final hidden states of every row (kept, so that
+        prompt logprobs can be taken from them) and the fp32 logits (None off rank 0)."""
+        batch = self._batch(size)
+        hidden = self.model.hidden_states(batch, self.cache)
+        return hidden, self.model.logits(hidden, batch)
+
+    def _replay(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bucket `size` over the static inputs as they are now: its hidden states' and logits'
+        buffers (logits None off rank 0), which the next replay overwrites."""
+        graph, hidden, logits = self.graphs[size]
         if graph is None:  # not CUDA: the same buffers, run eagerly
-            return self.model(self._batch(size), self.cache)
+            return self._forward(size)
         graph.replay()
-        return logits
+        return hidden, logits
 
 
 class DecodeGraphs(BucketGraphs):
@@ -197,7 +205,7 @@ class DecodeGraphs(BucketGraphs):
         narrow = torch.tensor([slots + no_slot, [p + 1 for p in positions] + pad, slots + pad], dtype=torch.int32)
         values = torch.cat((wide.view(-1).view(torch.uint8), narrow.view(-1).view(torch.uint8)))
         self._upload(values, self.host, self.inputs)
-        logits = self._replay(size)
+        _, logits = self._replay(size)
         if logits is None:
             return None
         if len(sampled) < n:

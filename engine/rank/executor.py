@@ -279,19 +279,13 @@ class Executor:
         copied out). Rank 0 puts the prompt logprobs items ask for into `prompt_logprobs`."""
         self._admit_new(items, drops, evict, saves)
         self._share_last_samples(items)
-        if any(item.prompt_logprobs >= 0 for item in items):  # every row's hidden state: eagerly
-            plan = self._plan(items, every_position)
-            batch = self._eager_batch(self._plan_batch(plan))
-            hidden = self.model.hidden_states(batch, self.cache)
-            logits = self.model.logits(hidden, batch)
-            wanted = prompt_rows(items, [span.offset for span in plan.spans])
-            found = compute_prompt_logprobs(hidden, wanted, self.model.output_embedding)  # every rank's lm_head
-            if prompt_logprobs is not None:
-                prompt_logprobs.update(found)
-        elif self.graphs is None or every_position:
-            logits = self._run_eager(self._build_batch(items, every_position))
+        # a prompt chunk's logprobs come from its forward's hidden states, a prompt graph's
+        # included; an item of one token asking for them runs with the step eagerly
+        one_token_asks = any(item.prompt_logprobs >= 0 and len(item.token_ids) <= 1 for item in items)
+        if self.graphs is None or every_position or one_token_asks:
+            logits = self._run_plan(items, every_position, prompt_logprobs)
         else:
-            logits = self._run_with_graphs(items, graph_output)
+            logits = self._run_with_graphs(items, graph_output, prompt_logprobs)
         for item in items:
             req = self.requests[item.request_id]
             req.num_tokens = item.start + item_length(item)
@@ -329,19 +323,21 @@ class Executor:
         """On the GPU path, the batch with its index tensors made once for all layers."""
         return with_step_meta(batch, self.device) if gpu_path(batch.input_ids) else batch
 
-    def _run_with_graphs(self, items: list[StepItem], graph_output: bool) -> torch.Tensor | None:
+    def _run_with_graphs(
+        self, items: list[StepItem], graph_output: bool, prompt_logprobs: dict[int, PromptLogprobs] | None
+    ) -> torch.Tensor | None:
         """Single-token items replay a decode CUDA graph; prompt chunks run in a forward of
-        their own, a prompt graph's replay where they fit one (`_run_prompts`). A mixed step
+        their own, a prompt graph's replay where they fit one (`_run_plan`). A mixed step
         so never makes its decodes pay Python's per-kernel launch cost (SGLang likewise keeps
         prefill and decode batches apart). The requests are disjoint, so order is free."""
         singles = [item for item in items if len(item.token_ids) <= 1]
         held = [self.requests[item.request_id] for item in singles]
         chunks = [item for item in items if len(item.token_ids) > 1]
         if not singles and chunks:
-            return self._run_prompts(chunks)
+            return self._run_plan(chunks, False, prompt_logprobs)
         if not self.graphs.can_run(len(singles), max((len(r.blocks) for r in held), default=0)):
-            return self._run_eager(self._build_batch(items, False))
-        chunk_logits = self._run_prompts(chunks) if chunks else None
+            return self._run_plan(items, False, prompt_logprobs)
+        chunk_logits = self._run_plan(chunks, False, prompt_logprobs) if chunks else None
         decode_logits = self.graphs.run(
             [item.token_ids[0] if item.token_ids else -1 for item in singles],  # -1: last sample
             [item.start for item in singles],
@@ -363,12 +359,28 @@ class Executor:
         merged = torch.cat((decode_logits, chunk_logits))
         return merged[torch.tensor(order, device=merged.device)]
 
-    def _run_prompts(self, chunks: list[StepItem]) -> torch.Tensor | None:
-        """Prompt chunks alone: a prompt graph's replay where they fit one, else eagerly."""
-        plan = self._plan(chunks, False)
-        if self.prompt_graphs is not None and self.prompt_graphs.can_run(plan):
-            return self.prompt_graphs.run(plan)
-        return self._run_eager(self._plan_batch(plan))
+    def _run_plan(
+        self, items: list[StepItem], every_position: bool, prompt_logprobs: dict[int, PromptLogprobs] | None
+    ) -> torch.Tensor | None:
+        """`items` in one forward: a prompt graph's replay where they fit one (prompt chunks
+        alone), else eagerly; then the lm_head over the rows whose prompt logprobs items ask
+        for, from the same forward's hidden states (every rank: its vocabulary shard), into
+        `prompt_logprobs` on rank 0."""
+        plan = self._plan(items, every_position)
+        wanted = prompt_rows(items, [span.offset for span in plan.spans])
+        if self.prompt_graphs is not None and not every_position and self.prompt_graphs.can_run(plan):
+            hidden, logits = self.prompt_graphs.run(plan)
+        elif wanted:
+            batch = self._eager_batch(self._plan_batch(plan))
+            hidden = self.model.hidden_states(batch, self.cache)
+            logits = self.model.logits(hidden, batch)
+        else:
+            return self._run_eager(self._plan_batch(plan))
+        if wanted:
+            found = compute_prompt_logprobs(hidden, wanted, self.model.output_embedding)
+            if prompt_logprobs is not None:
+                prompt_logprobs.update(found)
+        return logits
 
     def _admit_new(self, items: list[StepItem], drops: list[int], evict: list[int], saves: list[SaveOnDrop]) -> None:
         """Check every item, drop, save and eviction against this rank's state, then evict,

@@ -188,14 +188,18 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
     activations = _timed_profile(executor, lengths, probe)
     in_use, total = probe.in_use_and_total()
     reserve = 0
-    if config.cuda_graphs:  # each captured bucket (1, 2, 4, ... max) keeps its fp32 logits
-        reserve = GRAPH_POOL_RESERVE_BYTES + 2 * config.num_slots * executor.model_config.vocab_size * 4
+    # each captured bucket (1, 2, 4, ... max) keeps its fp32 logits and its rows' final hidden states
+    row_bytes = executor.model_config.vocab_size * 4
+    hidden_bytes = executor.model_config.hidden_size * executor.dtype.itemsize
+    if config.cuda_graphs:
+        reserve = GRAPH_POOL_RESERVE_BYTES + 2 * config.num_slots * (row_bytes + hidden_bytes)
         # the prompt graphs' pool holds the activations of their largest bucket, which scale
-        # with its tokens like the profiling step's, and each bucket keeps its fp32 logits
+        # with its tokens like the profiling step's; each bucket keeps its sampled rows' logits
         if (size := executor.prompt_graph_size()) is not None:
             prompt_tokens, seqs = size
             reserve += activations * min(prompt_tokens, sum(lengths)) // sum(lengths)
-            reserve += len(token_buckets(prompt_tokens)) * seqs * executor.model_config.vocab_size * 4
+            buckets = token_buckets(prompt_tokens)
+            reserve += len(buckets) * seqs * row_bytes + sum(buckets) * hidden_bytes
             # with prefix caching, one layer's keys and values gathered for attention
             keys = prefix_graph_keys(config.prefix_states, config.max_model_len)
             if keys:
@@ -269,7 +273,9 @@ def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
     items = [
         StepItem(base + i, 0, [0] * n, True, NewRequest(n, PROFILE_SAMPLING)) for i, n in enumerate(lengths)
     ]
-    warm = [StepItem(base + len(items), 0, [0] * warm_len, True, NewRequest(warm_len, PROFILE_SAMPLING))]
+    # it asks for prompt logprobs too: their kernels, compiled here, not for a request
+    warm = [StepItem(base + len(items), 0, [0] * warm_len, True, NewRequest(warm_len, PROFILE_SAMPLING),
+                     prompt_logprobs=2)]  # fmt: skip
     try:
         probe.start_peak()
         executor.run_step(items)

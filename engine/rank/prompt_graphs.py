@@ -81,8 +81,9 @@ class PromptGraphs(BucketGraphs):
     cumulative lengths (S + 1), the block table (entries(T) x 2) and the sampled rows
     (max_seqs), copied to the GPU in one transfer from a pinned buffer; with `prefix_keys`, then
     the spans' KV blocks (`_key_entries`), where each span's keys start (S + 1) and how many
-    it attends to (S). The graph keeps its fp32 logits of max_seqs rows; `run` returns a copy
-    of the sampled ones.
+    it attends to (S). The graph keeps its fp32 logits of max_seqs rows, of which `run`
+    returns a copy of the sampled ones, and every row's final hidden state, from which the
+    executor takes prompt logprobs.
     """
 
     def __init__(
@@ -196,13 +197,14 @@ class PromptGraphs(BucketGraphs):
         )
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
-        """Replay the smallest bucket that holds `plan` (one `can_run`); fp32 logits of its
-        sampled rows on rank 0, None on the others."""
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the smallest bucket that holds `plan` (one `can_run`): the final hidden states
+        of its rows (the graph's buffer: read them before the next replay), and fp32 logits of
+        its sampled rows on rank 0 (None on the others)."""
         size = min(b for b in self.graphs if b >= len(plan.ids))
         self._fill(size, plan)
         self.replays += 1
-        logits = self._replay(size)
-        if logits is None:
-            return None
-        return logits[: len(plan.sampled)].clone()  # the graph's buffer is overwritten by the next replay
+        hidden, logits = self._replay(size)
+        if logits is not None:  # the graph's buffer is overwritten by the next replay
+            logits = logits[: len(plan.sampled)].clone()
+        return hidden[: len(plan.ids)], logits
