@@ -25,6 +25,7 @@ from deltaserve.engine.sampling_params import SamplingParams
 @dataclass(frozen=True, slots=True)
 class Beam:
     tokens: tuple[int, ...]  # the output's tokens (an ending EOS only where include_stop)
+    logprobs: tuple[float, ...]  # each token's (an ending EOS's where it is not kept: only in cum_logprob)
     cum_logprob: float
     finish_reason: Literal["stop", "length"]
     score: float
@@ -50,28 +51,30 @@ async def beam_search(
     """The `width` best beams of `prompt`, best first. `engine`: an AsyncEngine (its
     `generate`); ValueError from it (a prompt too long, ...) propagates."""
     step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * width)
-    live: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
+    live: list[tuple[tuple[int, ...], tuple[float, ...], float]] = [((), (), 0.0)]  # tokens, their logprobs, sum
     done: list[Beam] = []
 
-    def scored(tokens: tuple[int, ...], cum: float, reason: Literal["stop", "length"], eos: int | None) -> Beam:
+    def scored(tokens: tuple[int, ...], logprobs: tuple[float, ...], cum: float, reason: Literal["stop", "length"],
+               eos: int | None) -> Beam:  # fmt: skip
         length = len(prompt) + len(tokens) - (eos is not None and include_stop)
-        return Beam(tokens, cum, reason, cum / length**length_penalty, eos)
+        return Beam(tokens, logprobs, cum, reason, cum / length**length_penalty, eos)
 
     for n in range(max_tokens):
         tops = await asyncio.gather(*(_best_next(engine, prompt + list(tokens), step, f"{request_id}-{n}-{i}")
-                                      for i, (tokens, _) in enumerate(live)))  # fmt: skip
+                                      for i, (tokens, _, _) in enumerate(live)))  # fmt: skip
         candidates = []
-        for (tokens, cum), top in zip(live, tops, strict=True):
+        for (tokens, logprobs, cum), top in zip(live, tops, strict=True):
             for token, logprob in top:
                 if token in eos_ids and not ignore_eos:
-                    done.append(scored(tokens + (token,) * include_stop, cum + logprob, "stop", token))
+                    kept = (token,) * include_stop, (logprob,) * include_stop
+                    done.append(scored(tokens + kept[0], logprobs + kept[1], cum + logprob, "stop", token))
                 else:
-                    candidates.append((cum + logprob, tokens + (token,)))
+                    candidates.append((cum + logprob, tokens + (token,), logprobs + (logprob,)))
         candidates.sort(key=lambda c: -c[0])
-        live = [(tokens, cum) for cum, tokens in candidates[:width]]
+        live = [(tokens, logprobs, cum) for cum, tokens, logprobs in candidates[:width]]
         if not live:
             break
-    beams = done + [scored(tokens, cum, "length", None) for tokens, cum in live]
+    beams = done + [scored(tokens, logprobs, cum, "length", None) for tokens, logprobs, cum in live]
     return sorted(beams, key=lambda b: b.score, reverse=True)[:width]
 
 

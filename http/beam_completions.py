@@ -1,6 +1,7 @@
-"""/v1/completions with use_beam_search (vLLM's): each prompt's n beams
-(engine/beam_search.py), answered whole as n choices, best first, prompt-major as the
-completion route indexes them (choice p * n + i)."""
+"""vLLM's use_beam_search, answered: each prompt's n beams (engine/beam_search.py) come back
+whole as n choices, best first. /v1/completions indexes them prompt-major (choice p * n + i);
+/v1/chat/completions reads them as it reads a request's stream (`BeamChoices`), so each
+beam's message goes through the same reasoning and tool-call parsing as a sampled one."""
 
 from __future__ import annotations
 
@@ -8,10 +9,20 @@ import asyncio
 import functools
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-from deltaserve.engine.beam_search import BeamSearchError, beam_search
-from deltaserve.engine.events import EngineDeadError, QueueFullError
+from deltaserve.engine.beam_search import Beam, BeamSearchError, beam_search
+from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.events import (
+    EngineDeadError,
+    Event,
+    FinishedEvent,
+    QueueFullError,
+    TokenEvent,
+)
+from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http import errors
 from deltaserve.http.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -20,29 +31,44 @@ from deltaserve.http.protocol import (
 )
 
 
-async def beam_completions(engine: Any, req: CompletionRequest, model: str) -> dict[str, Any]:
-    """The completion body; an ApiError for a refused prompt, a full queue or a dead engine."""
-    width = req.sampling.n
-    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.sampling.max_tokens is None else req.sampling.max_tokens
-    fit = functools.partial(truncate_prompt, keep=req.truncate_prompt_tokens, max_tokens=max_tokens,
-                            max_model_len=engine.max_model_len)  # fmt: skip
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+async def _search(engine: Any, prompts: list[list[int]], params: SamplingParams, length_penalty: float,
+                  request_id: str, prompt_param: str) -> list[list[Beam]]:  # fmt: skip
+    """Every prompt's beams (n = params.n of them); an ApiError for a prompt that does not fit
+    with max_tokens, a full queue or a dead engine."""
+    max_tokens = params.max_tokens
     try:
-        prompts = [fit(await engine.encode(p) if isinstance(p, str) else list(p)) for p in req.prompts]
         if longest := max((len(ids) for ids in prompts if len(ids) + max_tokens > engine.max_model_len), default=0):
             raise errors.bad_request(f"a prompt of {longest} tokens + max_tokens ({max_tokens}) is more than "
                                      f"max_model_len ({engine.max_model_len})", "max_tokens")  # fmt: skip
-        searches = [beam_search(engine, ids, width, max_tokens, engine.eos_token_ids,
-                                length_penalty=req.length_penalty, ignore_eos=req.sampling.ignore_eos,
-                                include_stop=req.sampling.include_stop_str_in_output, request_id=f"{request_id}-{p}")
+        searches = [beam_search(engine, ids, params.n, max_tokens, engine.eos_token_ids, length_penalty=length_penalty,
+                                ignore_eos=params.ignore_eos, include_stop=params.include_stop_str_in_output,
+                                request_id=f"{request_id}-{p}")
                     for p, ids in enumerate(prompts)]  # fmt: skip
-        results = await asyncio.gather(*searches)
+        return await asyncio.gather(*searches)
     except QueueFullError as e:
         raise errors.queue_full(str(e)) from None
     except (EngineDeadError, BeamSearchError) as e:
         raise errors.engine_dead(engine.dead_reason or str(e)) from None
     except ValueError as e:
+        raise errors.bad_request(str(e), prompt_param) from None
+
+
+async def beam_completions(engine: Any, req: CompletionRequest, model: str) -> dict[str, Any]:
+    """The completion body; an ApiError as `_search` raises them."""
+    width = req.sampling.n
+    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.sampling.max_tokens is None else req.sampling.max_tokens
+    fit = functools.partial(truncate_prompt, keep=req.truncate_prompt_tokens, max_tokens=max_tokens,
+                            max_model_len=engine.max_model_len)  # fmt: skip
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    params = SamplingParams(n=width, max_tokens=max_tokens, ignore_eos=req.sampling.ignore_eos,
+                            include_stop_str_in_output=req.sampling.include_stop_str_in_output)  # fmt: skip
+    try:
+        prompts = [fit(await engine.encode(p) if isinstance(p, str) else list(p)) for p in req.prompts]
+    except ValueError as e:
         raise errors.bad_request(str(e), "prompt") from None
+    except EngineDeadError as e:
+        raise errors.engine_dead(engine.dead_reason or str(e)) from None
+    results = await _search(engine, prompts, params, req.length_penalty, request_id, "prompt")
     choices = []
     for p, beams in enumerate(results):
         for i, beam in enumerate(beams):
@@ -61,4 +87,41 @@ def _decode(tokenizer: Any, ids: list[int], skip_special: bool) -> str:
     return tokenizer.decode(ids, skip_special_tokens=skip_special)
 
 
-__all__ = ["beam_completions"]
+@dataclass(frozen=True, slots=True)
+class BeamChoices:
+    """A finished beam search as a request's stream reads: beam i is choice i, its tokens'
+    TokenEvents (text deltas as the engine's detokenizer makes them) and its FinishedEvent."""
+
+    prompt_token_ids: list[int]
+    events: list[Event]
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        for event in self.events:
+            yield event
+
+    async def aclose(self) -> None:
+        """Nothing runs any more: the search has finished."""
+
+
+async def beam_chat_choices(engine: Any, prompt_ids: list[int], params: SamplingParams, length_penalty: float,
+                            request_id: str) -> BeamChoices:  # fmt: skip
+    """A chat request's params.n beams, best first; an ApiError as `_search` raises them."""
+    (beams,) = await _search(engine, [prompt_ids], params, length_penalty, request_id, "messages")
+    events = await engine.run_tokenizer(functools.partial(
+        _beam_events, beams=beams, prompt_tokens=len(prompt_ids), skip_special=params.skip_special_tokens),
+        sum(len(beam.tokens) for beam in beams))  # fmt: skip
+    return BeamChoices(prompt_ids, events)
+
+
+def _beam_events(tokenizer: Any, beams: list[Beam], prompt_tokens: int, skip_special: bool) -> list[Event]:
+    events: list[Event] = []
+    for i, beam in enumerate(beams):
+        text = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special)
+        for token, logprob in zip(beam.tokens, beam.logprobs, strict=True):
+            events.append(TokenEvent(i, token, text.add(token), logprob, []))
+        events.append(FinishedEvent(i, beam.finish_reason, prompt_tokens, len(beam.tokens), text.flush(),
+                                    stop_reason=beam.stop_reason))  # fmt: skip
+    return events
+
+
+__all__ = ["BeamChoices", "beam_chat_choices", "beam_completions"]

@@ -49,23 +49,21 @@ _SAMPLING_KEYS = frozenset(
 # Harmless metadata: accepted and not used for generation.
 _METADATA_KEYS = frozenset({"user"})
 # vLLM's extra fields that clients send at their defaults, each the way this server works
-# anyway (no beam search, ...): accepted at that value (or null), refused at any other.
-_VLLM_DEFAULTS: dict[str, Any] = {
-    "use_beam_search": False, "length_penalty": 1.0,
-}  # fmt: skip
-# add_special_tokens: vLLM adds them to a completion's prompt, not to a rendered chat. The
-# Qwen tokenizer adds none when encoding, so the prompt is the same either way.
-_COMPLETION_DEFAULTS = {"add_special_tokens": True}  # use_beam_search and length_penalty: taken
-_CHAT_DEFAULTS = {**_VLLM_DEFAULTS, "add_special_tokens": False}
-_COMPLETION_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_COMPLETION_DEFAULTS) | {
+# anyway: accepted at that value (or null), refused at any other. add_special_tokens: vLLM
+# adds them to a completion's prompt, not to a rendered chat. The Qwen tokenizer adds none
+# when encoding, so the prompt is the same either way.
+_COMPLETION_DEFAULTS = {"add_special_tokens": True}
+_CHAT_DEFAULTS = {"add_special_tokens": False}
+_BEAM_SEARCH_KEYS = frozenset({"use_beam_search", "length_penalty"})  # vLLM's: http/beam_completions.py
+_COMPLETION_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_COMPLETION_DEFAULTS) | _BEAM_SEARCH_KEYS | {
     "model", "prompt", "max_tokens", "stream", "stream_options", "logprobs", "echo",
-    "best_of", "logit_bias", "suffix", "return_tokens_as_token_ids", "priority", *_VLLM_DEFAULTS,
+    "best_of", "logit_bias", "suffix", "return_tokens_as_token_ids", "priority",
 }  # fmt: skip
 # With use_beam_search (vLLM's BeamSearchParams): what a search uses; any other sampling field
 # given is refused, as the search would not honour it.
 _BEAM_KEYS = frozenset({"use_beam_search", "length_penalty", "n", "max_tokens", "temperature", "ignore_eos",
                         "include_stop_str_in_output", "skip_special_tokens"})  # fmt: skip
-_CHAT_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_CHAT_DEFAULTS) | {
+_CHAT_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_CHAT_DEFAULTS) | _BEAM_SEARCH_KEYS | {
     "model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
     "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
     "parallel_tool_calls", "chat_template_kwargs", "include_reasoning", "return_tokens_as_token_ids",
@@ -169,6 +167,8 @@ class ChatRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     priority: int = 0  # as CompletionRequest's
+    beam_search: bool = False  # as CompletionRequest's: its n beams are the choices
+    length_penalty: float = 1.0
 
 
 # ---- entry points ------------------------------------------------------------------------
@@ -196,12 +196,7 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
     prompt_logprobs = _prompt_logprobs(obj, stream, max_logprobs)
     if prompt_logprobs is None and echo:  # as vLLM: echoed logprobs cover the prompt's tokens too
         prompt_logprobs = logprobs
-    beam_search = opt_bool(obj, "use_beam_search", default=False)
-    length_penalty = opt_float(obj, "length_penalty", 1.0)
-    if beam_search:
-        _check_beam_search(obj, max_logprobs)
-    elif length_penalty != 1.0:
-        raise unsupported("length_penalty", "it scores beams: only with use_beam_search")
+    beam_search, length_penalty = _beam_search(obj, max_logprobs)
     return CompletionRequest(
         model=opt_str(obj, "model"),
         prompts=_prompts(obj),
@@ -219,12 +214,24 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
     )
 
 
+def _beam_search(obj: dict[str, Any], max_logprobs: int) -> tuple[bool, float]:
+    """vLLM's use_beam_search and length_penalty, checked."""
+    beam_search = opt_bool(obj, "use_beam_search", default=False)
+    length_penalty = opt_float(obj, "length_penalty", 1.0)
+    if beam_search:
+        _check_beam_search(obj, max_logprobs)
+    elif length_penalty != 1.0:
+        raise unsupported("length_penalty", "it scores beams: only with use_beam_search")
+    return beam_search, length_penalty
+
+
 def _check_beam_search(obj: dict[str, Any], max_logprobs: int) -> None:
     """A beam search takes n, max_tokens, temperature (no effect: candidates come from raw
     logprobs, as vLLM's), ignore_eos, include_stop_str_in_output, skip_special_tokens and
-    length_penalty; its answer comes whole, without logprobs."""
+    length_penalty; its answer comes whole, without logprobs (chat's `logprobs: false` is none)."""
     for key, value in obj.items():
-        if value is not None and (key in _SAMPLING_KEYS or key == "logprobs") and key not in _BEAM_KEYS:
+        given = value is not None and not (key == "logprobs" and value is False)
+        if given and (key in _SAMPLING_KEYS or key in ("logprobs", "top_logprobs")) and key not in _BEAM_KEYS:
             raise unsupported(key, "beam search does not use it (use_beam_search takes n, max_tokens, temperature, "
                               "ignore_eos, include_stop_str_in_output, skip_special_tokens and length_penalty)")  # fmt: skip
     for key, value in (("stream", False), ("echo", False), ("priority", 0)):
@@ -272,16 +279,21 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
     if generation and continuation:  # vLLM's words
         raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                           "continue_final_message")  # fmt: skip
+    beam_search, length_penalty = _beam_search(obj, max_logprobs)
+    sampling = _sampling(
+        obj,
+        max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
+        logprobs=(top_logprobs or 0) if logprobs else None,
+        prompt_logprobs=_prompt_logprobs(obj, stream, max_logprobs),
+        defaults=defaults, tools=tool_fields,
+    )  # fmt: skip
+    if beam_search and sampling.guided.param is not None:  # a forced tool call
+        raise unsupported(sampling.guided.param, "beam search does not constrain its output; "
+                          "a forced tool call needs sampling (use_beam_search false)")  # fmt: skip
     return ChatRequest(
         model=opt_str(obj, "model"),
         messages=_messages(obj),
-        sampling=_sampling(
-            obj,
-            max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
-            logprobs=(top_logprobs or 0) if logprobs else None,
-            prompt_logprobs=_prompt_logprobs(obj, stream, max_logprobs),
-            defaults=defaults, tools=tool_fields,
-        ),
+        sampling=sampling,
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous,
@@ -296,6 +308,8 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
         add_generation_prompt=generation,
         continue_final_message=continuation,
         priority=opt_int(obj, "priority", default=0),
+        beam_search=beam_search,
+        length_penalty=length_penalty,
     )
 
 

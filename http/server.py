@@ -37,7 +37,7 @@ from deltaserve.engine.events import (
 from deltaserve.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from deltaserve.engine.tokenizer import generation_sampling_defaults
 from deltaserve.http import errors
-from deltaserve.http.beam_completions import beam_completions
+from deltaserve.http.beam_completions import beam_chat_choices, beam_completions
 from deltaserve.http.cors import Cors
 from deltaserve.http.errors import ApiError
 from deltaserve.http.metrics import render_metrics
@@ -326,6 +326,8 @@ async def open_chat(request: web.Request, req: ChatRequest, request_id: str) -> 
                               prompt_ids=prompt_ids, include_reasoning=req.include_reasoning,
                               tool_calls=tool_calls, streaming=req.stream,
                               continuous_usage=req.continuous_usage)  # fmt: skip
+    if req.beam_search:  # its beams, read as a finished stream's choices
+        return formatter, [await beam_chat_choices(state.engine, prompt_ids, params, req.length_penalty, request_id)]
     streams = await _open_streams(state, [prompt_ids], [params], request_id, prompt_param="messages",
                                   guided=req.sampling.guided, priority=req.priority)  # fmt: skip
     return formatter, streams

@@ -1,12 +1,14 @@
-"""Beam search (vLLM's use_beam_search on /v1/completions; engine/beam_search.py) through a real
-server and the openai client: one beam is greedy decoding, each beam's cumulative logprob is
-what the model gives its tokens (rescored as a prompt), beams come best first, and the
-fields a search would not honour are refused."""
+"""Beam search (vLLM's use_beam_search on /v1/completions and /v1/chat/completions;
+engine/beam_search.py) through a real server and the openai client: one beam is greedy
+decoding, each beam's cumulative logprob is what the model gives its tokens (rescored as a
+prompt), beams come best first, chat answers the beams of its rendered prompt, and the fields
+a search would not honour are refused."""
 
 from __future__ import annotations
 
 import math
 
+import aiohttp
 import openai
 import pytest
 import pytest_asyncio
@@ -39,7 +41,7 @@ async def client(server):
 @pytest_asyncio.fixture(autouse=True, loop_scope="module")
 async def leaves_the_engine_idle(server):
     yield
-    await wait_idle(server.engine, timeout_s=30)
+    await wait_idle(server.engine, timeout_s=30, prefixes=True)
 
 
 @aio
@@ -106,11 +108,54 @@ async def test_what_a_search_would_not_honour_is_refused(client, extra, param):
 
 
 @aio
-async def test_length_penalty_without_beams_and_beams_on_chat_are_refused(client):
+async def test_length_penalty_without_beams_is_refused(client):
     with pytest.raises(openai.BadRequestError) as info:
         await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"length_penalty": 2.0})
     assert info.value.body["param"] == "length_penalty"
+
+
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+@aio
+async def test_chat_beams_are_the_rendered_prompts_beams(server, client):
+    """On chat the beams of the rendered prompt (vLLM's /tokenize of the messages) come back as
+    the choices' messages, best first, as the completion route answers that prompt; one beam
+    is greedy decoding."""
+    async with aiohttp.ClientSession() as session, session.post(server.url + "/tokenize",
+                                                                json={"messages": MESSAGES}) as r:  # fmt: skip
+        prompt = (await r.json())["tokens"]
+    beams = {"use_beam_search": True, "ignore_eos": True, "length_penalty": 0.0}
+    chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, n=3, extra_body=beams)
+    plain = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, n=3, extra_body=beams)
+    assert [c.message.content for c in chat.choices] == [c.text for c in plain.choices]
+    assert len({c.text for c in plain.choices}) == 3 and [c.index for c in chat.choices] == [0, 1, 2]
+    assert {c.finish_reason for c in chat.choices} == {"length"} and all(c.message.role == "assistant" for c in chat.choices)
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(prompt), 15)
+    greedy = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0,
+                                                  extra_body={"ignore_eos": True})  # fmt: skip
+    one = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                               extra_body={"use_beam_search": True, "ignore_eos": True})  # fmt: skip
+    assert [c.message.content for c in one.choices] == [greedy.choices[0].message.content]
+
+
+@aio
+@pytest.mark.parametrize("extra, param", [
+    ({"stream": True}, "stream"),
+    ({"logprobs": True}, "logprobs"),
+    ({"top_p": 0.5}, "top_p"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+      "tool_choice": "required"}, "tool_choice"),
+    ({"max_completion_tokens": 250}, "max_tokens"),  # + the prompt: past max_model_len
+])  # fmt: skip
+async def test_what_a_chat_search_would_not_honour_is_refused(client, extra, param):
+    body = {"use_beam_search": True, "max_tokens": 4, **extra}
+    if "max_completion_tokens" in extra:
+        del body["max_tokens"]
     with pytest.raises(openai.BadRequestError) as info:
-        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                             extra_body={"use_beam_search": True})  # fmt: skip
-    assert info.value.body["param"] == "use_beam_search"
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=body)
+    assert info.value.body["param"] == param, info.value.body
+    ok = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logprobs=False,
+                                              extra_body={"use_beam_search": True})  # fmt: skip
+    assert len(ok.choices) == 1, "logprobs false asks for none: a search takes it"

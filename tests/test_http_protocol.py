@@ -242,14 +242,12 @@ class TestChat:
         refused(parse_chat_request, {"messages": messages}, param, words)
 
 
-# vLLM's extra request fields and their defaults: what this server does anyway (a completion
-# takes use_beam_search and length_penalty at any value: tests/test_http_beam_search.py).
-VLLM_DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0}
+# vLLM's extra request fields and their defaults: what this server does anyway
+# (use_beam_search and length_penalty are taken at any value: tests/test_http_beam_search.py).
 COMPLETION_DEFAULTS = {"add_special_tokens": True}
-CHAT_DEFAULTS = {**VLLM_DEFAULTS, "add_special_tokens": False}
+CHAT_DEFAULTS = {"add_special_tokens": False}
 # A value other than the default, of the right type and of a wrong one.
-OTHER = {"use_beam_search": [True, 0], "length_penalty": [0.5, True],
-         "add_special_tokens": [None]}  # fmt: skip
+OTHER = {"add_special_tokens": [None]}
 CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
 
 
