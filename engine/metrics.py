@@ -74,3 +74,22 @@ class EngineMetrics:
     e2e_request_latency_s: Histogram = field(
         default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS_S)
     )
+
+
+def summed_metrics(parts: list[EngineMetrics]) -> EngineMetrics:
+    """Several replicas' metrics as one engine's (engine/data_parallel.py): counts and totals
+    added, histograms bucket by bucket."""
+    out = EngineMetrics()
+    for part in parts:
+        for name in out.__dataclass_fields__:
+            mine, theirs = getattr(out, name), getattr(part, name)
+            if isinstance(mine, Histogram):
+                mine.counts = [a + b for a, b in zip(mine.counts, theirs.counts, strict=True)]
+                mine.total += theirs.total
+                mine.count += theirs.count
+            elif isinstance(mine, dict):
+                for key, value in theirs.items():
+                    mine[key] = mine.get(key, 0) + value
+            else:
+                setattr(out, name, mine + theirs)
+    return out

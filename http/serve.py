@@ -133,10 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "checkpoint, made once under ~/.cache/deltaserve")  # fmt: skip
     eng.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp_size", type=int,
                      default=d("tp_size"), help="tensor-parallel size (one rank process per device)")  # fmt: skip
+    eng.add_argument("--data-parallel-size", "-dp", "--dp-size", type=int, default=1,
+                     help="replicas of the model, each on its own tp-size devices with its own ranks and "
+                          "caches; a request goes to the least busy (engine/data_parallel.py)")  # fmt: skip
     eng.add_argument("--device", choices=("cuda", "cpu"), default=None,
                      help="device kind; default: cuda if available, else cpu")  # fmt: skip
     eng.add_argument("--device-ids", type=_device_ids, default=d("device_ids"),
-                     help="cuda ordinals, comma separated; default: 0..tp-1")  # fmt: skip
+                     help="cuda ordinals, comma separated; default: 0..tp x dp - 1 (replica i: the i-th tp of them)")  # fmt: skip
     eng.add_argument("--dtype", choices=("auto", "float32", "fp32", "bfloat16", "bf16"), default=d("dtype"),
                      help="weight/activation dtype; auto: the checkpoint's (float32 on cpu)")  # fmt: skip
     eng.add_argument("--max-model-len", type=human_readable_int, default=d("max_model_len"),
@@ -343,6 +346,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     try:
         listen = listen_config(args)
         server_config, engine_config = _server_config(args), _engine_config(args)
+        if args.data_parallel_size != 1:
+            from deltaserve.engine.data_parallel import replica_configs
+
+            replica_configs(engine_config, args.data_parallel_size, args.device_ids)  # refused now, not at start
         check_quantization(args.quantization, None if demo else args.model)
         if server_config.generation_config == "auto":  # read again at start: refused now, not then
             from deltaserve.engine.tokenizer import generation_sampling_defaults
@@ -402,7 +409,7 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         model=args.model,
         tp_size=args.tp_size,
         device=args.device or _default_device(),
-        device_ids=args.device_ids,
+        device_ids=args.device_ids if args.data_parallel_size == 1 else None,  # else each replica's
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -427,15 +434,17 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
     )
 
 
-async def _start_engine(config, stop: asyncio.Event):  # -> AsyncEngine | None
-    """Start the engine, saying every few seconds that weights are still loading; None if
-    a signal came first."""
+async def _start_engine(config, stop: asyncio.Event, dp_size: int = 1, device_ids=None):  # -> engine | None
+    """Start the engine (`dp_size` replicas: a DataParallelEngine), saying every few seconds
+    that weights are still loading; None if a signal came first."""
     from deltaserve.engine.async_engine import AsyncEngine
+    from deltaserve.engine.data_parallel import DataParallelEngine
 
     t0 = time.monotonic()
-    log.info("loading %s on %s (tp=%d, dtype=%s) ...", config.model, config.device,
-             config.tp_size, config.dtype)  # fmt: skip
-    task = asyncio.ensure_future(AsyncEngine.start(config))
+    log.info("loading %s on %s (tp=%d, dp=%d, dtype=%s) ...", config.model, config.device,
+             config.tp_size, dp_size, config.dtype)  # fmt: skip
+    starting = AsyncEngine.start(config) if dp_size == 1 else DataParallelEngine.start(config, dp_size, device_ids)
+    task = asyncio.ensure_future(starting)
     stopped = asyncio.ensure_future(stop.wait())
     try:
         while not task.done():
@@ -503,7 +512,7 @@ async def _serve(args: argparse.Namespace, listen: Listen, server_config, engine
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     try:
-        engine = await _start_engine(engine_config, stop)
+        engine = await _start_engine(engine_config, stop, args.data_parallel_size, args.device_ids)
     except Exception as exc:
         log.error("the engine failed to start: %s", exc)
         return 1

@@ -19,8 +19,10 @@ from deltaserve.http.server import ServerConfig
 
 
 def test_vllm_and_sglang_spellings():
-    """`-tp 2` as vLLM's short flag; `--log-level debug` in SGLang's lower case."""
+    """`-tp 2` as vLLM's short flag, `-dp 2` and SGLang's `--dp-size 2`; `--log-level debug`
+    in SGLang's lower case."""
     assert serve.parse_args(["-tp", "2"]).tp_size == 2
+    assert serve.parse_args(["-dp", "2"]).data_parallel_size == serve.parse_args(["--dp-size", "2"]).data_parallel_size == 2
     assert serve.parse_args(["--log-level", "debug"]).log_level == "DEBUG"
     assert serve.parse_args(["--log-level", "Warning"]).log_level == "WARNING"
 
@@ -108,10 +110,13 @@ def test_bad_host_fails_before_the_demo_model_is_made(tmp_path, monkeypatch, eng
 
 def test_bad_flag_fails_before_the_demo_model_is_made(tmp_path, monkeypatch, engine_starts, capsys):
     """A flag the engine refuses, with no --model: the usage error comes first, no demo
-    checkpoint made for nothing (that took seconds, and a first run made it)."""
+    checkpoint made for nothing (that took seconds, and a first run made it); data-parallel
+    replicas' devices are checked then too."""
     monkeypatch.setenv("HOME", str(tmp_path))
     assert serve.serve_main(["--max-num-seqs", "0"]) == 2
     assert "error: max_num_seqs must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert serve.serve_main(["-dp", "2", "--device", "cuda", "--device-ids", "0,1,2"]) == 2
+    assert "error: device_ids (0, 1, 2): need 2 distinct devices" in capsys.readouterr().err
     assert engine_starts == []
     assert not (tmp_path / ".cache" / "deltaserve").exists()
 

@@ -203,11 +203,12 @@ async def test_pause_modes_and_an_update_beside_frozen_requests(tiny_model_dir, 
         consumer = asyncio.ensure_future(consume(engine.generate(PROMPT, SamplingParams(max_tokens=40, **GREEDY))))
         while len(events) < 5:
             await asyncio.sleep(0.005)
+        at_pause = len(events)  # more than 5 on a busy machine: the loop noticed late
         await engine.pause("keep")
-        await asyncio.sleep(0.1)  # the step in flight's token, if any, has come
+        await asyncio.sleep(0.1)  # the tokens of the steps in flight (two, pipelined), if any, have come
         frozen_at = len(events)
         await asyncio.sleep(0.4)
-        assert len(events) == frozen_at <= 7 and not consumer.done()  # nothing while paused
+        assert len(events) == frozen_at <= at_pause + 2 and not consumer.done()  # nothing while paused
         assert ids_of(events) == refs["a"][:frozen_at]
         await engine.update_weights(model_b)  # beside the frozen request
         assert len(events) == frozen_at

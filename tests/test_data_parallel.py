@@ -1,0 +1,139 @@
+"""Data parallelism (`deltaserve serve -dp N`, engine/data_parallel.py): two CPU replicas of
+the tiny model, each with its own rank process, behind one engine. Requests spread over the
+replicas and answer as one engine does; an abort reaches the replica holding the request;
+through the server the official client is answered and /metrics adds the replicas up; a
+replica that dies takes the whole engine down, every request ending once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from engine_helpers import engine_config
+from serve_helpers import InProcessServer, openai_client
+from test_engine_faults import assert_gone
+
+from deltaserve.engine.data_parallel import DataParallelEngine, replica_configs
+from deltaserve.engine.events import EngineDeadError, ErrorEvent, FinishedEvent, TokenEvent
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.http import serve
+from deltaserve.http.listen import start_server
+from deltaserve.http.server import ServerConfig, build_app
+
+module_loop = pytest.mark.asyncio(loop_scope="module")
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_model_dir):
+    engine = await serve._start_engine(engine_config(tiny_model_dir), asyncio.Event(), dp_size=2)  # `serve -dp 2`
+    yield engine
+    await engine.shutdown()
+
+
+async def events_of(stream) -> list:
+    return await asyncio.wait_for(_drain(stream), 60)
+
+
+async def _drain(stream) -> list:
+    return [e async for e in stream]
+
+
+def tokens_of(events: list) -> list[int]:
+    assert isinstance(events[-1], FinishedEvent), events[-1]
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+@module_loop
+async def test_requests_spread_over_the_replicas_and_answer_as_one_engine(engine):
+    prompts = [[100 + i, 200 + i, 300 + i] for i in range(3)]
+    before = [r.metrics.generation_tokens_total for r in engine.replicas]
+    # each prompt twice at once: the two go to different replicas, which answer alike
+    streams = [engine.generate(p, GREEDY) for p in prompts for _ in range(2)]
+    answers = [tokens_of(events) for events in await asyncio.gather(*(events_of(s) for s in streams))]
+    assert answers[0::2] == answers[1::2] and len({tuple(a) for a in answers}) == 3
+    served = [r.metrics.generation_tokens_total - b for r, b in zip(engine.replicas, before, strict=True)]
+    assert served == [24, 24], served
+    load, parts = engine.load(), [r.load() for r in engine.replicas]
+    assert load.num_slots == sum(p.num_slots for p in parts) == 8 and load.state == "serving"
+    summed, each = engine.metrics, [r.metrics for r in engine.replicas]
+    assert summed.generation_tokens_total == sum(m.generation_tokens_total for m in each)
+    assert summed.request_success_total["length"] == sum(m.request_success_total["length"] for m in each) >= 6
+    ttft = summed.time_to_first_token_s
+    assert ttft.counts == [a + b for a, b in zip(*(m.time_to_first_token_s.counts for m in each), strict=True)]
+    assert ttft.count == sum(ttft.counts) == sum(m.time_to_first_token_s.count for m in each) >= 6
+    assert len(await engine.rank_snapshots()) == 2
+
+
+@module_loop
+async def test_abort_reaches_the_replica_holding_the_request(engine):
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    streams = [engine.generate([5, 6, 7], long, request_id=f"job-{i}") for i in range(2)]
+    await asyncio.sleep(0.3)
+    assert sorted(engine.request_ids()) == ["job-0", "job-1"]
+    assert [len(r.request_ids()) for r in engine.replicas] == [1, 1]
+    for i in range(2):
+        await engine.abort(f"job-{i}")
+    for events in await asyncio.gather(*(events_of(s) for s in streams)):
+        assert isinstance(events[-1], FinishedEvent) and events[-1].reason == "abort"
+    assert engine.request_ids() == []
+
+
+@module_loop
+async def test_served_by_the_official_client_with_summed_metrics(engine):
+    runner, _ = await start_server(build_app(engine, ServerConfig("tiny")), "127.0.0.1", 0)
+    try:
+        server = InProcessServer(engine, f"http://127.0.0.1:{runner.addresses[0][1]}")
+        async with openai_client(server) as client:
+            before = engine.metrics.generation_tokens_total
+            answers = await asyncio.gather(*(client.completions.create(
+                model="tiny", prompt=[9707, 11, 1879 + i], max_tokens=4, temperature=0,
+                extra_body={"ignore_eos": True}) for i in range(4)))  # fmt: skip
+            assert all(a.usage.completion_tokens == 4 for a in answers)
+        async with aiohttp.ClientSession() as session, session.get(server.url + "/metrics") as r:
+            text = await r.text()
+        line = next(x for x in text.splitlines() if x.startswith("vllm:generation_tokens_total"))
+        assert float(line.split()[-1]) == engine.metrics.generation_tokens_total == before + 16
+    finally:
+        await runner.cleanup()
+
+
+def test_replica_configs_split_the_devices():
+    from deltaserve.engine.config import EngineConfig
+
+    cuda = EngineConfig(model="m", device="cuda", tp_size=2)
+    assert [c.device_ids for c in replica_configs(cuda, 2)] == [(0, 1), (2, 3)]
+    assert [c.device_ids for c in replica_configs(cuda, 2, (4, 5, 6, 7))] == [(4, 5), (6, 7)]
+    with pytest.raises(ValueError, match="need 4 distinct devices"):
+        replica_configs(cuda, 2, (0, 1, 2))
+    with pytest.raises(ValueError, match="use 'auto'"):
+        replica_configs(EngineConfig(model="m", monitor_endpoint="ipc:///tmp/x"), 2)
+    with pytest.raises(ValueError, match="at least 1"):
+        replica_configs(EngineConfig(model="m"), 0)
+
+
+async def test_a_dying_replica_takes_the_engine_down_every_request_ending_once(tiny_model_dir):
+    engine = await DataParallelEngine.start(engine_config(tiny_model_dir, step_timeout_s=30.0), 2)
+    pids = engine.rank_pids
+    try:
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, n=2)
+        streams = [engine.generate([40 + i, 50, 60], long) for i in range(4)]
+        await asyncio.sleep(0.5)
+        assert all(r.request_ids() for r in engine.replicas), "both replicas hold requests"
+        os.kill(engine.replicas[0].rank_pids[0], signal.SIGKILL)
+        for events in await asyncio.gather(*(events_of(s) for s in streams)):
+            terminal = [e for e in events if not isinstance(e, TokenEvent)]
+            assert sorted(e.index for e in terminal) == [0, 1], terminal  # once per choice
+            assert all(isinstance(e, ErrorEvent | FinishedEvent) for e in terminal)
+        assert engine.is_dead and engine.dead_reason.startswith("replica 0:"), engine.dead_reason
+        assert engine.load().state == "dead"
+        with pytest.raises(EngineDeadError):
+            engine.generate([1, 2], GREEDY)
+        await asyncio.wait_for(engine.wait_closed(), 30)  # the other replica was shut down too
+        assert_gone(pids)
+    finally:
+        await engine.shutdown()
