@@ -59,8 +59,10 @@ def logsumexp_argmax(
 
 
 @triton.jit
-def _parts_kernel(x_ptr, stride_row, vocab, part_len, max_ptr, sum_ptr, arg_ptr, BLOCK: tl.constexpr):
-    # program: columns [part * part_len, (part + 1) * part_len) of one row
+def _parts_kernel(x_ptr, stride_row, vocab, part_len, max_ptr, sum_ptr, arg_ptr, above_ptr, count_ptr,
+                  BLOCK: tl.constexpr, COUNT: tl.constexpr = False):  # fmt: skip
+    # program: columns [part * part_len, (part + 1) * part_len) of one row; with COUNT, also
+    # how many of them are larger than the row's `above`
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
@@ -69,9 +71,14 @@ def _parts_kernel(x_ptr, stride_row, vocab, part_len, max_ptr, sum_ptr, arg_ptr,
     best = -float("inf")
     total = 0.0
     arg = start
+    larger = 0
+    if COUNT:
+        threshold = tl.load(above_ptr + row)
     for off in range(start, end, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_row + cols, mask=cols < end, other=-float("inf"))
+        if COUNT:
+            larger += tl.sum((x > threshold).to(tl.int32), axis=0)
         block_max = tl.max(x, axis=0)
         block_arg = off + tl.argmax(x, axis=0, tie_break_left=True)
         new_best = tl.maximum(best, block_max)
@@ -83,12 +90,14 @@ def _parts_kernel(x_ptr, stride_row, vocab, part_len, max_ptr, sum_ptr, arg_ptr,
     tl.store(max_ptr + row * parts + part, best)
     tl.store(sum_ptr + row * parts + part, total)
     tl.store(arg_ptr + row * parts + part, arg.to(tl.int64))
+    if COUNT:
+        tl.store(count_ptr + row * parts + part, larger)
 
 
 @triton.jit(do_not_specialize=["parts"])  # one compiled kernel for every row count
 def _combine_kernel(
-    max_ptr, sum_ptr, arg_ptr, lse_ptr, out_arg_ptr, greedy_ptr, slots_ptr, last_ptr, parts,
-    PARTS: tl.constexpr, TO_SLOTS: tl.constexpr,
+    max_ptr, sum_ptr, arg_ptr, lse_ptr, out_arg_ptr, greedy_ptr, slots_ptr, last_ptr, count_ptr, out_count_ptr, parts,
+    PARTS: tl.constexpr, TO_SLOTS: tl.constexpr, COUNT: tl.constexpr = False,
 ):
     # program: one row's parts, in column order
     row = tl.program_id(0).to(tl.int64)
@@ -109,6 +118,8 @@ def _combine_kernel(
     tl.store(greedy_ptr + 2 * row + 1, (best - lse).to(tl.float64))  # best: the argmax's logit
     if TO_SLOTS:
         tl.store(last_ptr + tl.load(slots_ptr + row), arg)
+    if COUNT:
+        tl.store(out_count_ptr + row, tl.sum(tl.load(count_ptr + row * parts + offs, mask=m, other=0), axis=0).to(tl.int64))
 
 
 def logsumexp_argmax_triton(
@@ -118,6 +129,34 @@ def logsumexp_argmax_triton(
     last_tokens: torch.Tensor | None = None,
     block: int = BLOCK,
 ) -> Stats:
+    lse, arg, greedy, _ = _launch(logits, target_programs, slots, last_tokens, block)
+    return lse, arg, greedy
+
+
+def target_stats(logits: torch.Tensor, targets: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, ...]:
+    """Prompt logprobs' read of [rows, vocab] fp32 logits, each row with its target token
+    [rows] int64: (logsumexp [rows], argmax [rows], the target's logit [rows], its rank [rows]
+    int64: 1 + the logits larger than it, as vLLM ranks). On the GPU one read of the logits
+    gives all four: torch's compare and sum for the rank alone took as long as the lm_head's
+    GEMM of a 256-row slice (0.57 against 0.61 ms on an H100)."""
+    target = logits.gather(1, targets[:, None])[:, 0]
+    if gpu_path(logits) and HAS_TRITON:
+        lse, arg, _, larger = _launch(logits, TARGET_PROGRAMS, None, None, block, above=target)
+    else:
+        lse, arg, _ = logsumexp_argmax_reference(logits)
+        larger = (logits > target[:, None]).sum(dim=-1)
+    return lse, arg, target, larger + 1
+
+
+def _launch(
+    logits: torch.Tensor,
+    target_programs: int,
+    slots: torch.Tensor | None,
+    last_tokens: torch.Tensor | None,
+    block: int,
+    above: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The two kernels; with `above` (fp32 [rows]), also each row's count of larger logits."""
     check_launchable(logits)
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(f"logits: expected [rows, vocab] fp32 with a contiguous last dim, got "
@@ -128,11 +167,15 @@ def logsumexp_argmax_triton(
         if last_tokens is None:
             raise ValueError("slots need the slots' last_tokens")
         check_vector("last_tokens", last_tokens, None, (torch.int64,))
+    count = above is not None
+    if count:
+        check_vector("above", above, rows, (torch.float32,))
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     arg = torch.empty(rows, dtype=torch.int64, device=logits.device)
     greedy = torch.empty((rows, 2), dtype=torch.float64, device=logits.device)
+    larger = torch.empty(rows, dtype=torch.int64, device=logits.device) if count else None
     if rows == 0:
-        return lse, arg, greedy
+        return lse, arg, greedy, larger
     most_parts = triton.next_power_of_2(min(target_programs, triton.cdiv(vocab, block)))  # any row count's
     parts = max(1, min(triton.cdiv(target_programs, rows), triton.cdiv(vocab, block)))
     part_len = triton.cdiv(triton.cdiv(vocab, parts), block) * block
@@ -140,10 +183,12 @@ def logsumexp_argmax_triton(
     part_max = torch.empty((rows, parts), dtype=torch.float32, device=logits.device)
     part_sum = torch.empty_like(part_max)
     part_arg = torch.empty((rows, parts), dtype=torch.int64, device=logits.device)
-    _parts_kernel[(rows, parts)](logits, logits.stride(0), vocab, part_len, part_max, part_sum, part_arg, BLOCK=block)
+    part_count = torch.empty((rows, parts), dtype=torch.int32, device=logits.device) if count else part_arg
+    _parts_kernel[(rows, parts)](logits, logits.stride(0), vocab, part_len, part_max, part_sum, part_arg,
+                                 above if count else lse, part_count, BLOCK=block, COUNT=count)  # fmt: skip
     to_slots = slots is not None
     _combine_kernel[(rows,)](
         part_max, part_sum, part_arg, lse, arg, greedy, slots if to_slots else arg, last_tokens if to_slots else arg,
-        parts, PARTS=most_parts, TO_SLOTS=to_slots,
+        part_count, larger if count else arg, parts, PARTS=most_parts, TO_SLOTS=to_slots, COUNT=count,
     )
-    return lse, arg, greedy
+    return lse, arg, greedy, larger

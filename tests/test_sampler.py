@@ -435,6 +435,13 @@ def test_logsumexp_argmax_kernel(rows, vocab, programs):
     want_greedy = torch.stack((arg.double(), (logits.gather(1, arg[:, None])[:, 0] - lse).double()), dim=1)
     assert torch.equal(greedy, want_greedy), (greedy - want_greedy).abs().max()
     assert torch.equal(last_tokens[slots], arg) and (last_tokens == -5).sum() == 2, "argmax not in its slot alone"
+    # prompt logprobs' read: the same, and each target's logit and rank (1 + the larger logits)
+    targets = torch.randint(0, vocab, (rows,), device=logits.device)
+    targets[0] = 3  # the row's best: rank 1
+    t_lse, t_arg, t_logit, t_rank = logit_stats.target_stats(logits, targets, block=1024)
+    want_logit = logits.gather(1, targets[:, None])[:, 0]
+    assert torch.equal(t_lse, lse) and torch.equal(t_arg, arg) and torch.equal(t_logit, want_logit)
+    assert torch.equal(t_rank, (logits > want_logit[:, None]).sum(dim=-1) + 1) and t_rank[0] == 1, t_rank
     spiked = logits.clone()
     spiked[-1, 7] = float("inf")  # logsumexp +inf, as torch's (it was NaN)
     spiked_lse, spiked_arg, _ = logit_stats.logsumexp_argmax_triton(spiked, programs, block=1024)

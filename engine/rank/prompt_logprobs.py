@@ -20,7 +20,7 @@ from deltaserve.engine.rank.embedding import VocabParallelEmbedding
 from deltaserve.engine.rank.parallel import tp_rank
 from deltaserve.engine.rank.transfer import to_device
 from deltaserve.ipc.messages import PromptLogprobs, StepItem
-from deltaserve.kernels.logit_stats import logsumexp_argmax
+from deltaserve.kernels.logit_stats import target_stats
 
 ROWS_PER_PASS = 256  # 256 x 248k fp32 logits: 254 MB at a time
 
@@ -63,12 +63,9 @@ def prompt_logprobs(
         if logits is None:  # not rank 0
             continue
         target_ids = to_device(targets[first : first + ROWS_PER_PASS], torch.int64, hidden.device)
-        normaliser, best, _ = logsumexp_argmax(logits)  # one read of the slice on the GPU
-        normaliser = normaliser[:, None]
-        target = logits.gather(1, target_ids[:, None])
-        rank = (logits > target).sum(dim=-1, keepdim=True) + 1
+        normaliser, best, target, rank = (t[:, None] for t in target_stats(logits, target_ids))  # one read
         if k == 1:  # lm-evaluation-harness's question: the argmax is the best alternative
-            ids = best[:, None]
+            ids = best
             values = logits.gather(1, ids)
         else:
             values, ids = logits.topk(k, dim=-1)  # best first
