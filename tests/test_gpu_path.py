@@ -95,7 +95,8 @@ def _assert_steps_match(
 
 def _assert_prompt_logprobs_match(got: dict, want: dict, bound: float, what: str) -> None:
     """The same requests' prompt logprobs, each within `bound`, and their alternatives', best
-    first; ranks within 5%, and an alternative may differ only where `bound` makes logits tie."""
+    first; ranks within 5%, and an alternative's token may differ only where `bound` makes
+    logits tie."""
     assert got.keys() == want.keys(), f"{what}: prompt logprobs of {sorted(got)}, expected {sorted(want)}"
     for request, reference in sorted(want.items()):
         ours = got[request]
@@ -110,7 +111,9 @@ def _assert_prompt_logprobs_match(got: dict, want: dict, bound: float, what: str
             values = [lp for _, lp in ref_top]
             assert len(top) == len(ref_top) > 0
             assert [lp for _, lp in top] == pytest.approx(values, abs=bound), f"{what}: {request}/{row}"
-            for i, ((token, _), (ref_token, _)) in enumerate(zip(top, ref_top, strict=True)):
+            # an alternative's token is the reference's where its neighbours are clearly apart (the
+            # last one's next, not listed, may be as close: its token is not compared)
+            for i, ((token, _), (ref_token, _)) in enumerate(zip(top[:-1], ref_top[:-1], strict=True)):
                 clear = all(abs(values[i] - v) > 2 * bound for j, v in enumerate(values) if j != i)
                 assert token == ref_token or not clear, f"{what}: request {request} row {row} alternative {i}"
 
