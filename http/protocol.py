@@ -215,20 +215,15 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
 
 
 def _beam_search(obj: dict[str, Any], max_logprobs: int) -> tuple[bool, float]:
-    """vLLM's use_beam_search and length_penalty, checked."""
-    beam_search = opt_bool(obj, "use_beam_search", default=False)
+    """vLLM's use_beam_search and length_penalty. A search takes n, max_tokens, temperature (no
+    effect: candidates come from raw logprobs, as vLLM's), ignore_eos, include_stop_str_in_output,
+    skip_special_tokens and length_penalty; its answer comes whole, without logprobs (chat's
+    `logprobs: false` is none)."""
     length_penalty = opt_float(obj, "length_penalty", 1.0)
-    if beam_search:
-        _check_beam_search(obj, max_logprobs)
-    elif length_penalty != 1.0:
-        raise unsupported("length_penalty", "it scores beams: only with use_beam_search")
-    return beam_search, length_penalty
-
-
-def _check_beam_search(obj: dict[str, Any], max_logprobs: int) -> None:
-    """A beam search takes n, max_tokens, temperature (no effect: candidates come from raw
-    logprobs, as vLLM's), ignore_eos, include_stop_str_in_output, skip_special_tokens and
-    length_penalty; its answer comes whole, without logprobs (chat's `logprobs: false` is none)."""
+    if not opt_bool(obj, "use_beam_search", default=False):
+        if length_penalty != 1.0:
+            raise unsupported("length_penalty", "it scores beams: only with use_beam_search")
+        return False, length_penalty
     for key, value in obj.items():
         given = value is not None and not (key == "logprobs" and value is False)
         if given and (key in _SAMPLING_KEYS or key in ("logprobs", "top_logprobs")) and key not in _BEAM_KEYS:
@@ -244,6 +239,7 @@ def _check_beam_search(obj: dict[str, Any], max_logprobs: int) -> None:
     if width is None or not 1 <= 2 * width <= max_logprobs:
         raise bad_request(f"n (the beam width) must be in 1..{max_logprobs // 2}: each step asks for 2 x n "
                           f"logprobs, at most --max-logprobs ({max_logprobs})", "n")  # fmt: skip
+    return True, length_penalty
 
 
 def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None, *,
@@ -280,13 +276,9 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
         raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                           "continue_final_message")  # fmt: skip
     beam_search, length_penalty = _beam_search(obj, max_logprobs)
-    sampling = _sampling(
-        obj,
-        max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
-        logprobs=(top_logprobs or 0) if logprobs else None,
-        prompt_logprobs=_prompt_logprobs(obj, stream, max_logprobs),
-        defaults=defaults, tools=tool_fields,
-    )  # fmt: skip
+    sampling = _sampling(obj, max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
+                         logprobs=(top_logprobs or 0) if logprobs else None, defaults=defaults, tools=tool_fields,
+                         prompt_logprobs=_prompt_logprobs(obj, stream, max_logprobs))  # fmt: skip
     if beam_search and sampling.guided.param is not None:  # a forced tool call
         raise unsupported(sampling.guided.param, "beam search does not constrain its output; "
                           "a forced tool call needs sampling (use_beam_search false)")  # fmt: skip
