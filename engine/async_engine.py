@@ -413,6 +413,11 @@ class AsyncEngine:
         self._scheduler.wake()
         return done
 
+    def cached_tokens(self, prompt_ids: list[int]) -> int:
+        """How many leading tokens of the prompt a saved prefix holds now (prefix caching;
+        else 0): what a request of it would skip, were it admitted now."""
+        return self._scheduler.prefix.cached_tokens(tuple(prompt_ids))
+
     def request_ids(self) -> list[str]:
         """The ids of the requests not yet ended or given up (what `abort` can still cancel)."""
         return list(self._streams)

@@ -3,8 +3,11 @@ AsyncEngine on its own devices with its own ranks, scheduler and caches, behind 
 interface the HTTP server and asyncio clients use.
 
 A request goes to the replica holding the fewest unfinished requests (ties: the one picked
-longest ago); everything else that changes the engine (pause, resume, flush, new weights,
-shutdown) goes to every replica. The tokenizer and the limits are replica 0's: every replica
+longest ago), unless prefix caching is on and another replica holds a saved prefix of its
+prompt (token ids) and is not a whole batch (max_num_seqs) busier: then to the one holding the
+longest, as SGLang's cache-aware router weighs hits against balance. A conversation's next turn
+so finds its last turn's state. Everything else that changes the engine (pause, resume,
+flush, new weights, shutdown) goes to every replica. The tokenizer and the limits are replica 0's: every replica
 serves the same model with the same configuration.
 
 Fail closed as one engine: when a replica dies, the others are shut down at once, so every
@@ -172,11 +175,23 @@ class DataParallelEngine:
     def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> RequestStream:
-        """As AsyncEngine.generate, on the replica with the fewest unfinished requests."""
+        """As AsyncEngine.generate, on the replica `_pick` chooses."""
         self._check_alive()
-        i = min(range(len(self.replicas)), key=lambda i: (len(self.replicas[i].request_ids()), self._picked[i]))
+        i = self._pick(prompt)
         self._picked[i] = next(self._picks)
         return self.replicas[i].generate(prompt, params, request_id=request_id, priority=priority)
+
+    def _pick(self, prompt: str | list[int]) -> int:
+        """The least busy replica, or the one holding the longest saved prefix of `prompt` (see
+        the module's doc)."""
+        count = range(len(self.replicas))
+        busy = [len(r.request_ids()) for r in self.replicas]
+        least = min(count, key=lambda i: (busy[i], self._picked[i]))
+        if not self.config.enable_prefix_caching or isinstance(prompt, str):
+            return least
+        cached = [r.cached_tokens(prompt) for r in self.replicas]
+        best = max(count, key=lambda i: (cached[i], -busy[i], -self._picked[i]))
+        return best if cached[best] > 0 and busy[best] < busy[least] + self.config.max_num_seqs else least
 
     def check(self, *args: Any, **kwargs: Any) -> None:
         """As AsyncEngine.check (every replica would answer the same)."""

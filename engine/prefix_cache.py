@@ -100,10 +100,7 @@ class PrefixCache:
         prompt, bs = request.prompt_ids, self.block_size
         if not self.enabled:
             return PromptPlan([], None, 0)
-        hashes, h = [], 0
-        for end in range(bs, len(prompt) + 1, bs):
-            h = hash((h, prompt[end - bs : end]))
-            hashes.append(h)
+        hashes = self._hashes(prompt)
         plan = PromptPlan(hashes, None, 0)
         if request.params.repetition_penalty != 1.0 or request.params.prompt_logprobs is not None:
             return plan
@@ -119,6 +116,22 @@ class PrefixCache:
         if seen * bs > (plan.start.num_tokens if plan.start else 0) and hashes[seen - 1] not in self._splitting:
             plan.split_at = seen * bs
         return plan
+
+    def cached_tokens(self, prompt: tuple[int, ...]) -> int:
+        """How many leading tokens of `prompt` a saved prefix holds now (a data-parallel
+        engine routes by it, engine/data_parallel.py); 0 when off."""
+        if not self.enabled:
+            return 0
+        found = self._longest(prompt, self._hashes(prompt))
+        return 0 if found is None else found.num_tokens
+
+    def _hashes(self, prompt: tuple[int, ...]) -> list[int]:
+        """The chain hash of each full block of `prompt`: block i's hashes blocks 0..i."""
+        bs, hashes, h = self.block_size, [], 0
+        for end in range(bs, len(prompt) + 1, bs):
+            h = hash((h, prompt[end - bs : end]))
+            hashes.append(h)
+        return hashes
 
     def _longest(self, prompt: tuple[int, ...], hashes: list[int]) -> SavedPrefix | None:
         """The longest saved prefix that `prompt` begins with and is longer than."""

@@ -102,6 +102,30 @@ async def test_served_by_the_official_client_with_summed_metrics(engine):
         await runner.cleanup()
 
 
+async def test_a_conversations_next_turn_goes_where_its_prefix_is_saved(tiny_model_dir):
+    """With prefix caching, a prompt that begins with a saved one goes to the replica holding
+    it (its FinishedEvent counts the cached tokens), though by load alone, both idle, the other
+    replica's turn had come; an unrelated prompt still goes by load."""
+    engine = await DataParallelEngine.start(engine_config(tiny_model_dir, enable_prefix_caching=True), 2)
+    try:
+        turn = [7 + i for i in range(40)]
+        first = await events_of(engine.generate(turn, GREEDY))
+        assert [len(r.request_ids()) for r in engine.replicas] == [0, 0]
+        held = [r.cached_tokens(turn + tokens_of(first) + [5, 6, 7]) for r in engine.replicas]
+        assert held.count(0) == 1 and max(held) > len(turn), held  # one replica saved the turn and its answer
+        home = held.index(max(held))
+        before = [r.metrics.prompt_tokens_total for r in engine.replicas]
+        second = await events_of(engine.generate(turn + tokens_of(first) + [5, 6, 7], GREEDY))
+        assert second[-1].cached_tokens > 0, "the second turn did not start from the first's state"
+        grew = [r.metrics.prompt_tokens_total - b for r, b in zip(engine.replicas, before, strict=True)]
+        assert grew[home] > 0 and grew[1 - home] == 0, grew
+        other = await events_of(engine.generate([900 + i for i in range(20)], GREEDY))
+        assert other[-1].cached_tokens == 0
+        assert engine.replicas[1 - home].metrics.prompt_tokens_total > before[1 - home], "by load: the other one"
+    finally:
+        await engine.shutdown()
+
+
 def test_replica_configs_split_the_devices():
     from deltaserve.engine.config import EngineConfig
 
