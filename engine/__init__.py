@@ -8,6 +8,7 @@ from typing import Any
 
 _EXPORTS = {
     "AsyncEngine": "deltaserve.engine.async_engine",
+    "DataParallelEngine": "deltaserve.engine.data_parallel",
     "EngineConfig": "deltaserve.engine.config",
     "SamplingParams": "deltaserve.engine.sampling_params",
     "EngineDeadError": "deltaserve.engine.events",
