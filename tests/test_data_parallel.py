@@ -141,8 +141,10 @@ def test_replica_configs_split_the_devices():
 
 
 async def test_a_dying_replica_takes_the_engine_down_every_request_ending_once(tiny_model_dir):
-    engine = await DataParallelEngine.start(engine_config(tiny_model_dir, step_timeout_s=30.0), 2)
+    """Two replicas of tp 2 (four rank processes, a gloo group each): one rank of replica 0 killed."""
+    engine = await DataParallelEngine.start(engine_config(tiny_model_dir, tp_size=2, step_timeout_s=30.0), 2)
     pids = engine.rank_pids
+    assert len(pids) == 4
     try:
         long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, n=2)
         streams = [engine.generate([40 + i, 50, 60], long) for i in range(4)]
