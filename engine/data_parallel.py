@@ -6,7 +6,8 @@ A request goes to the replica holding the fewest unfinished requests (ties: the 
 longest ago), unless prefix caching is on and another replica holds a saved prefix of its
 prompt (token ids) and is not a whole batch (max_num_seqs) busier: then to the one holding the
 longest, as SGLang's cache-aware router weighs hits against balance. A conversation's next turn
-so finds its last turn's state. Everything else that changes the engine (pause, resume,
+so finds its last turn's state. A request id that a replica still holds goes to that replica,
+which refuses it while its request runs, as one engine does. Everything else that changes the engine (pause, resume,
 flush, new weights, shutdown) goes to every replica. The tokenizer and the limits are replica 0's: every replica
 serves the same model with the same configuration.
 
@@ -177,7 +178,9 @@ class DataParallelEngine:
     ) -> RequestStream:
         """As AsyncEngine.generate, on the replica `_pick` chooses."""
         self._check_alive()
-        i = self._pick(prompt)
+        holder = next((i for i, r in enumerate(self.replicas) if request_id in r.request_ids()), None)
+        # an id a replica still holds goes to it, which refuses it while its request runs, as one engine does
+        i = self._pick(prompt) if request_id is None or holder is None else holder
         self._picked[i] = next(self._picks)
         return self.replicas[i].generate(prompt, params, request_id=request_id, priority=priority)
 

@@ -76,6 +76,9 @@ async def test_abort_reaches_the_replica_holding_the_request(engine):
     await asyncio.sleep(0.3)
     assert sorted(engine.request_ids()) == ["job-0", "job-1"]
     assert [len(r.request_ids()) for r in engine.replicas] == [1, 1]
+    for _ in range(2):  # an id in use on either replica is refused, as one engine refuses it
+        with pytest.raises(ValueError, match="already in use"):
+            engine.generate([1, 2], GREEDY, request_id="job-1")
     for i in range(2):
         await engine.abort(f"job-{i}")
     for events in await asyncio.gather(*(events_of(s) for s in streams)):
