@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from deltaserve.engine.config import EngineConfig, resolve_limits
 from deltaserve.engine.events import EngineDeadError, LoadSnapshot, QueueFullError
-from deltaserve.engine.maintenance import PAUSE_MODES, Kind, PauseMode
+from deltaserve.engine.maintenance import PAUSE_MODES, SLEEP_TAGS, Kind, PauseMode
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
@@ -407,9 +407,32 @@ class AsyncEngine:
     def is_paused(self) -> bool:
         return self._scheduler.maintenance.paused is not None
 
-    def _maintain(self, kind: Kind, model_dir: str | None = None, **pause: Any) -> asyncio.Future[None]:
+    async def sleep(self, level: int = 1) -> None:
+        """Sleep mode (vLLM's sleep): once no request runs (admission held meanwhile), the
+        ranks give back the device memory of their weights (level 1: kept on the host; 2:
+        dropped, new ones to be loaded) and of their cache; saved prompt states are forgotten.
+        Requests submitted while asleep wait for `wake_up`. ValueError when asleep already or
+        beside requests frozen by a "keep" pause."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        await asyncio.shield(self._maintain("sleep", level=level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what `sleep` gave: "weights", "kv_cache" (default both; vLLM's tags: an RL
+        loop wakes the weights, loads new ones, then the cache). Requests are admitted again
+        once both are back."""
+        tags = list(SLEEP_TAGS) if tags is None else list(tags)
+        if not tags or set(tags) - set(SLEEP_TAGS):
+            raise ValueError(f"wake_up tags must be among {', '.join(SLEEP_TAGS)}, got {tags}")
+        await asyncio.shield(self._maintain("wake_up", tags=tuple(tags)))
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._scheduler.maintenance.asleep)
+
+    def _maintain(self, kind: Kind, model_dir: str | None = None, **options: Any) -> asyncio.Future[None]:
         self._check_alive()
-        done = self._scheduler.maintenance.ask(kind, model_dir, **pause)
+        done = self._scheduler.maintenance.ask(kind, model_dir, **options)
         self._scheduler.wake()
         return done
 

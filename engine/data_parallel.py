@@ -228,6 +228,16 @@ class DataParallelEngine:
         for replica in self.replicas:
             replica.resume()
 
+    async def sleep(self, level: int = 1) -> None:
+        await self._each(lambda r: r.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._each(lambda r: r.wake_up(tags))
+
+    @property
+    def is_sleeping(self) -> bool:
+        return any(r.is_sleeping for r in self.replicas)
+
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """As AsyncEngine.shutdown, every replica at once."""
         await self._each(lambda r: r.shutdown(drain_timeout_s))

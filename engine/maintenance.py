@@ -1,5 +1,6 @@
 """Work the engine does between requests: new weights (an RL loop's update, from a
-checkpoint folder), a prefix-cache flush, and pausing generation around them.
+checkpoint folder), a prefix-cache flush, sleep mode (the ranks give their device memory back
+until a wake-up: engine/rank/sleep_mode.py), and pausing generation around them.
 
 Asked for from outside the tick (AsyncEngine.update_weights, flush_cache, pause); the tick runs
 the queued operations, in order, once no step is in flight and no request holds state on the
@@ -22,8 +23,10 @@ from typing import Any, Literal
 
 from deltaserve.engine.events import EngineDeadError
 from deltaserve.engine.prefix_cache import PrefixCache
+from deltaserve.ipc.messages import LoadWeights, Sleep, WakeUp
 
-Kind = Literal["load_weights", "flush_cache", "pause"]
+Kind = Literal["load_weights", "flush_cache", "pause", "sleep", "wake_up"]
+SLEEP_TAGS = ("weights", "kv_cache")  # what a wake-up may take back, as vLLM's tags
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -35,12 +38,15 @@ class Operation:
     model_dir: str | None = None  # load_weights: the checkpoint folder
     mode: PauseMode = "wait"  # pause: how it treats the running requests
     flush: bool = False  # pause: also forget the saved prompt states (vLLM's clear_cache)
+    level: int = 1  # sleep: 1 keeps the weights on the host, 2 drops them
+    tags: tuple[str, ...] = SLEEP_TAGS  # wake_up: what it takes back
 
 
 class Maintenance:
     def __init__(self) -> None:
         self._queue: deque[Operation] = deque()
         self.paused: PauseMode | None = None
+        self.asleep: set[str] = set()  # the sleep tags not yet woken
 
     @property
     def pending(self) -> bool:
@@ -49,8 +55,9 @@ class Maintenance:
 
     @property
     def admits(self) -> bool:
-        """Whether the tick may admit requests: no operation waits and generation is not paused."""
-        return not self.pending and self.paused is None
+        """Whether the tick may admit requests: no operation waits, generation is not paused
+        and the ranks are awake."""
+        return not self.pending and self.paused is None and not self.asleep
 
     @property
     def frozen(self) -> bool:
@@ -62,11 +69,11 @@ class Maintenance:
         is on the ranks, or beside frozen ones."""
         return self.pending and (not running or self.frozen)
 
-    def ask(self, kind: Kind, model_dir: str | None = None, mode: PauseMode = "wait",
-            flush: bool = False) -> asyncio.Future[None]:  # fmt: skip
-        """Queue an operation; the future resolves once it ran (or with the reason it did not)."""
+    def ask(self, kind: Kind, model_dir: str | None = None, **options: Any) -> asyncio.Future[None]:
+        """Queue an operation (`options`: Operation's); the future resolves once it ran (or
+        with the reason it did not)."""
         done = asyncio.get_running_loop().create_future()
-        self._queue.append(Operation(kind, done, model_dir, mode, flush))
+        self._queue.append(Operation(kind, done, model_dir, **options))
         return done
 
     def resume(self) -> None:
@@ -81,17 +88,38 @@ class Maintenance:
         fails to load poisons the replica: raised, after the operation's owner is told."""
         while self._queue:
             op = self._queue.popleft()
+            if refusal := self._refusal(op):
+                _settle(op.done, ValueError(refusal))
+                continue
             try:
                 if op.kind == "load_weights":
-                    await controller.load_weights(op.model_dir)
+                    await controller.maintain(LoadWeights(0, op.model_dir))
+                if op.kind == "sleep":  # the saved prefixes' states and blocks go with the cache
+                    prefix.flush()
+                    await controller.drop([], "must_be_absent", evict=prefix.take_evicted())
+                    await controller.maintain(Sleep(0, op.level))
+                    self.asleep = set(SLEEP_TAGS)
+                if op.kind == "wake_up" and self.asleep & set(op.tags):
+                    await controller.maintain(WakeUp(0, list(op.tags)))
+                    self.asleep -= set(op.tags)
                 if op.kind == "pause":
                     self.paused = op.mode
-                if op.kind != "pause" or op.flush:
+                if op.kind in ("load_weights", "flush_cache") or op.flush:
                     prefix.flush()
             except BaseException as exc:  # the replica is poisoned, or the tick cancelled
                 _settle(op.done, EngineDeadError(f"{op.kind} failed: {exc!r}"))
                 raise
             _settle(op.done, None)
+
+    def _refusal(self, op: Operation) -> str | None:
+        """Why `op` cannot run now (sleep mode's rules), or None."""
+        if op.kind == "sleep" and self.asleep:
+            return "the engine is asleep already"
+        if op.kind == "sleep" and self.frozen:
+            return "requests frozen by a keep pause hold the cache: resume them first"
+        if op.kind == "load_weights" and "weights" in self.asleep:
+            return "the weights are asleep: wake_up(['weights']) first"
+        return None
 
     def fail(self, reason: str) -> None:
         """The engine stopped or died with operations queued: each owner hears why."""

@@ -1,11 +1,15 @@
 """What an RL loop drives besides generation, in vLLM's and SGLang's spellings: new weights
-from a checkpoint folder, pausing and resuming generation around them, and forgetting the
-saved prompt states. AsyncEngine.update_weights, pause, resume and flush_cache do the work
-(engine/maintenance.py); every route here but /is_paused needs the API key. An engine that
-died meanwhile is the server's 503 (its error middleware).
+from a checkpoint folder, pausing and resuming generation around them, forgetting the saved
+prompt states, and sleep mode (the GPU memory given to a trainer between rollouts).
+AsyncEngine.update_weights, pause, resume, flush_cache, sleep and wake_up do the work
+(engine/maintenance.py); every route here but /is_paused and /is_sleeping needs the API key.
+An engine that died meanwhile is the server's 503 (its error middleware).
 """
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -31,6 +35,11 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/is_paused", is_paused)
     app.router.add_post("/pause_generation", pause_generation)  # SGLang's
     app.router.add_post("/continue_generation", continue_generation)
+    app.router.add_post("/sleep", sleep)  # vLLM's
+    app.router.add_post("/wake_up", wake_up)
+    app.router.add_get("/is_sleeping", is_sleeping)
+    app.router.add_post("/release_memory_occupation", release_memory_occupation)  # SGLang's
+    app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -107,6 +116,60 @@ async def pause_generation(request: web.Request) -> web.Response:
 async def continue_generation(request: web.Request) -> web.Response:
     request.app[STATE].engine.resume()
     return _json({"message": "Generation continued successfully.", "status": "ok"})
+
+
+async def sleep(request: web.Request) -> web.Response:
+    """vLLM's `POST /sleep?level=1|2` (AsyncEngine.sleep): 200 once asleep."""
+    level = request.query.get("level", "1")
+    if level not in ("1", "2"):
+        raise errors.bad_request(f"level must be 1 (weights kept on the host) or 2 (dropped), got {level!r}", "level")
+    await _maintain_or_400(request, lambda engine: engine.sleep(int(level)), "level")
+    return web.Response(status=200)
+
+
+async def wake_up(request: web.Request) -> web.Response:
+    """vLLM's `POST /wake_up[?tags=weights&tags=kv_cache]` (AsyncEngine.wake_up)."""
+    await _maintain_or_400(request, lambda engine: engine.wake_up(request.query.getall("tags", None)), "tags")
+    return web.Response(status=200)
+
+
+async def is_sleeping(request: web.Request) -> web.Response:
+    return _json({"is_sleeping": request.app[STATE].engine.is_sleeping})
+
+
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    """SGLang's: `{"tags": [...]}` (weights and kv_cache together, the default) -> sleep level 1."""
+    tags = await _sglang_tags(request)
+    if tags is not None and set(tags) != {"weights", "kv_cache"}:
+        raise errors.unsupported("tags", "weights and the KV cache are released together (omit tags)")
+    await _maintain_or_400(request, lambda engine: engine.sleep(1), None)
+    return _json({"success": True, "message": "Succeeded to release memory occupation."})
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    """SGLang's: `{"tags": ["weights"]}`, then `["kv_cache"]`, or both at once (the default)."""
+    tags = await _sglang_tags(request)
+    await _maintain_or_400(request, lambda engine: engine.wake_up(tags), "tags")
+    return _json({"success": True, "message": "Succeeded to resume memory occupation."})
+
+
+async def _sglang_tags(request: web.Request) -> list[str] | None:
+    body = json_object(await read_json(request)) if request.can_read_body else {}
+    _refuse_unknown(body, frozenset({"tags"}))
+    tags = body.get("tags")
+    if tags is not None and (not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)):
+        raise errors.bad_request("tags must be a list of strings", "tags")
+    return tags
+
+
+async def _maintain_or_400(request: web.Request, call: Callable[[Any], Awaitable[None]], param: str | None) -> None:
+    """`call(engine)`; its ValueError (a tag unknown, asleep already, ...) is a 400 naming `param`."""
+    state = request.app[STATE]
+    state.check_admitting()
+    try:
+        await call(state.engine)
+    except ValueError as exc:
+        raise errors.bad_request(str(exc), param) from None
 
 
 __all__ = ["add_routes"]

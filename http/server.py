@@ -190,7 +190,8 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
 
 # path prefixes that need the key
 _GUARDED = ("/v1", "/invocations", "/generate", "/abort_request", "/update_weights_from_disk", "/flush_cache",
-            "/reset_prefix_cache", "/pause", "/resume", "/continue_generation")
+            "/reset_prefix_cache", "/pause", "/resume", "/continue_generation",
+            "/sleep", "/wake_up", "/release_memory_occupation", "/resume_memory_occupation")
 
 
 @web.middleware

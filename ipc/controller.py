@@ -22,6 +22,7 @@ import zlib
 from collections.abc import Callable
 from typing import Literal
 
+import msgspec
 import zmq
 
 from deltaserve.engine.rank.model_config import ModelConfig
@@ -49,10 +50,12 @@ from deltaserve.ipc.messages import (
     SampleColumns,
     SaveOnDrop,
     Shutdown,
+    Sleep,
     Snapshot,
     SnapshotReply,
     StartupFailed,
     StepItem,
+    WakeUp,
     command_encoder,
     reply_decoder,
     startup_decoder,
@@ -220,9 +223,10 @@ class ReplicaController:
         if request_ids or evict:
             await self._call(lambda seq: DropRequests(seq, list(request_ids), expect, list(evict), list(saves)))
 
-    async def load_weights(self, model_dir: str) -> None:
+    async def maintain(self, command: LoadWeights | Sleep | WakeUp) -> None:
+        """A command of the engine's maintenance (engine/maintenance.py), `seq` set here."""
         self._check_open()
-        await self._call(lambda seq: LoadWeights(seq, model_dir))
+        await self._call(lambda seq: msgspec.structs.replace(command, seq=seq))
 
     async def snapshot(self) -> list[SnapshotReply]:
         self._check_open()

@@ -239,16 +239,32 @@ class LoadWeights(msgspec.Struct, frozen=True, tag=True, array_like=True):
     model_dir: str
 
 
+class Sleep(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Sleep mode (engine/rank/sleep_mode.py): give back the device memory of the weights (level
+    1: kept on the host; 2: dropped) and of the cache, with no request or saved prefix held.
+    Reply: `Ack` from every rank."""
+
+    seq: int
+    level: int
+
+
+class WakeUp(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Take back what `Sleep` gave: the parts `tags` name ("weights", "kv_cache"). Reply: `Ack`."""
+
+    seq: int
+    tags: list[str]
+
+
 class Shutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Leave the serve loop and exit 0. Reply: `Ack` from every rank, then the rank exits."""
 
     seq: int
 
 
-Command = RunUnifiedStep | DropRequests | Ping | Snapshot | LoadWeights | Shutdown
+Command = RunUnifiedStep | DropRequests | Ping | Snapshot | LoadWeights | Sleep | WakeUp | Shutdown
 
 # Commands that change rank state run only after the start gate releases them.
-GATED_COMMANDS = (RunUnifiedStep, DropRequests, LoadWeights)
+GATED_COMMANDS = (RunUnifiedStep, DropRequests, LoadWeights, Sleep, WakeUp)
 
 
 # ---- replies: ranks -> controller ---------------------------------------------------------

@@ -48,10 +48,12 @@ from deltaserve.ipc.messages import (
     RunUnifiedStep,
     SampleColumns,
     Shutdown,
+    Sleep,
     Snapshot,
     SnapshotReply,
     StartupFailed,
     StepResult,
+    WakeUp,
     command_decoder,
     command_encoder,
 )
@@ -419,6 +421,11 @@ class RankServer:
                                  s.num_slots, s.num_blocks, s.state_heads, s.kv_heads)
         if kind is LoadWeights:
             self.executor.load_weights(command.model_dir)
+        elif kind is Sleep:
+            self.executor.sleep(command.level)
+        elif kind is WakeUp:
+            self.executor.wake_up(command.tags)
+        if kind in (LoadWeights, Sleep, WakeUp):
             return Ack(rank, seq)
         if kind is Ping or kind is Shutdown:
             return Ack(rank, seq)

@@ -25,10 +25,12 @@ from deltaserve.ipc.messages import (
     SampleColumns,
     SaveOnDrop,
     Shutdown,
+    Sleep,
     Snapshot,
     SnapshotReply,
     StepItem,
     StepResult,
+    WakeUp,
 )
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (ReplicaConfig.max_logprobs)
@@ -175,6 +177,8 @@ EXPECTED_REPLY: dict[type, tuple[type, type]] = {
     Ping: (Ack, Ack),
     Snapshot: (SnapshotReply, SnapshotReply),
     LoadWeights: (Ack, Ack),
+    Sleep: (Ack, Ack),
+    WakeUp: (Ack, Ack),
     Shutdown: (Ack, Ack),
 }
 

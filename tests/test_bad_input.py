@@ -463,7 +463,8 @@ def test_fuzz_parsers_accept_only_encodable_params(request, parse, required):
 
 
 GUARDED = ("/v1", "/invocations", "/generate", "/abort_request", "/update_weights_from_disk", "/flush_cache",
-           "/reset_prefix_cache", "/pause", "/resume", "/continue_generation")
+           "/reset_prefix_cache", "/pause", "/resume", "/continue_generation",
+           "/sleep", "/wake_up", "/release_memory_occupation", "/resume_memory_occupation")
 
 
 @aio
@@ -485,8 +486,12 @@ async def test_api_key_on_v1_routes_only(server):
         for method, path in sorted(routes):
             async with s.request(method, server.url + path, headers=ok, data=b"{") as r:
                 with_key = r.status
+            if server.engine.is_sleeping:  # POST /sleep with the key: awake again for the next
+                await server.engine.wake_up()
             async with s.request(method, server.url + path, headers={"x-api-key": API_KEY}, data=b"{") as r:
                 assert r.status == with_key, (method, path, "x-api-key")
+            if server.engine.is_sleeping:
+                await server.engine.wake_up()
             for auth in [*wrong, {"x-api-key": "wrong"}, {"x-api-key": API_KEY + "x", "Authorization": "Bearer x"}]:
                 headers = auth if isinstance(auth, dict) else {} if auth is None else {"Authorization": auth}
                 async with s.request(method, server.url + path, headers=headers, data=b"{") as r:

@@ -33,6 +33,7 @@ from deltaserve.engine.rank.prompt_logprobs import prompt_logprobs as compute_pr
 from deltaserve.engine.rank.prompt_logprobs import prompt_rows
 from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
 from deltaserve.engine.rank.sampler import SampleLaunch, Sampler
+from deltaserve.engine.rank.sleep_mode import Asleep, release_memory, restore_memory
 from deltaserve.engine.rank.step_meta import with_step_meta
 from deltaserve.engine.rank.transfer import to_device
 from deltaserve.engine.rank.vocab_cache import load_trie
@@ -190,6 +191,13 @@ class Executor:
             self.device,
             config.prefix_states,
         )
+        self.asleep: Asleep | None = None  # sleep mode: what this rank gave back
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """The prompt and decode CUDA graphs over the model and cache as they are (start-up, and
+        a wake-up from sleep mode: the cache's memory is new)."""
+        config = self.config
         if config.cuda_graphs and gpu_path(self.cache.kv):  # CUDA (or the interpreter, in tests)
             started = time.monotonic()
             reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
@@ -547,6 +555,26 @@ class Executor:
         started = time.monotonic()
         load_weights(self.model, model_dir, self.model_config, self.config.keep_fp8)
         log.info("rank %d: weights loaded from %s in %.1f s", self.config.rank, model_dir, time.monotonic() - started)
+
+    def sleep(self, level: int) -> None:
+        """Sleep mode: give the device memory of the weights and the cache back, between
+        requests (engine/rank/sleep_mode.py)."""
+        if self.requests or self.prefixes or self.asleep is not None:
+            raise RuntimeError(f"sleep with {len(self.requests)} requests and {len(self.prefixes)} saved prefixes "
+                               f"held{', already asleep' if self.asleep is not None else ''}")  # fmt: skip
+        self.graphs = self.prompt_graphs = None  # their memory pool and the cache's pointers
+        self.asleep = release_memory(self.model, self.cache, level)
+        log.info("rank %d: asleep (level %d)", self.config.rank, level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Take back what sleep gave (`tags`: "weights", "kv_cache"); once both are back, the
+        CUDA graphs are captured again."""
+        if self.asleep is None:
+            raise RuntimeError("wake_up while awake")
+        if restore_memory(self.model, self.cache, self.asleep, tags):
+            self.asleep = None
+            self._capture_graphs()
+            log.info("rank %d: awake", self.config.rank)
 
     def snapshot(self) -> RankSnapshot:
         return RankSnapshot(
