@@ -87,6 +87,21 @@ async def test_abort_reaches_the_replica_holding_the_request(engine):
 
 
 @module_loop
+async def test_maintenance_goes_to_every_replica(engine):
+    await engine.sleep(1)
+    assert engine.is_sleeping and all(r.is_sleeping for r in engine.replicas)
+    waiting = asyncio.ensure_future(events_of(engine.generate([3, 4, 5], GREEDY)))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    await engine.wake_up()
+    assert not any(r.is_sleeping for r in engine.replicas) and len(tokens_of(await waiting)) == 8
+    await engine.pause("wait")
+    assert engine.is_paused and all(r.is_paused for r in engine.replicas)
+    engine.resume()
+    assert not any(r.is_paused for r in engine.replicas)
+
+
+@module_loop
 async def test_served_by_the_official_client_with_summed_metrics(engine):
     runner, _ = await start_server(build_app(engine, ServerConfig("tiny")), "127.0.0.1", 0)
     try:
