@@ -67,8 +67,12 @@ class DataParallelEngine:
 
     def __init__(self, replicas: list[AsyncEngine]) -> None:
         self.replicas = replicas
-        first = replicas[0]
-        self.config, self.model_config, self.tokenizer = first.config, first.model_config, first.tokenizer
+        first, n = replicas[0], len(replicas)
+        # the engine's queue bounds are all the replicas' (a call of more choices than one queue
+        # takes is taken, spread); the rest is each replica's
+        self.config = dataclasses.replace(first.config, max_queued_requests=n * first.config.max_queued_requests,
+                                          max_queued_tokens=n * first.config.max_queued_tokens)  # fmt: skip
+        self.model_config, self.tokenizer = first.model_config, first.tokenizer
         self.max_model_len, self.max_logprobs, self.eos_token_ids = first.max_model_len, first.max_logprobs, first.eos_token_ids
         self._picked = [0] * len(replicas)  # when each was last picked (a count of picks)
         self._picks = itertools.count(1)
@@ -180,25 +184,36 @@ class DataParallelEngine:
         self._check_alive()
         holder = next((i for i, r in enumerate(self.replicas) if request_id in r.request_ids()), None)
         # an id a replica still holds goes to it, which refuses it while its request runs, as one engine does
-        i = self._pick(prompt) if request_id is None or holder is None else holder
+        i = self._route([prompt])[0] if request_id is None or holder is None else holder
         self._picked[i] = next(self._picks)
         return self.replicas[i].generate(prompt, params, request_id=request_id, priority=priority)
 
-    def _pick(self, prompt: str | list[int]) -> int:
-        """The least busy replica, or the one holding the longest saved prefix of `prompt` (see
-        the module's doc)."""
+    def _route(self, prompts: list[str | list[int]]) -> list[int]:
+        """The replica each prompt goes to, submitted one after another: the least busy, or the
+        one holding the longest saved prefix of it (see the module's doc)."""
         count = range(len(self.replicas))
         busy = [len(r.request_ids()) for r in self.replicas]
-        least = min(count, key=lambda i: (busy[i], self._picked[i]))
-        if not self.config.enable_prefix_caching or isinstance(prompt, str):
-            return least
-        cached = [r.cached_tokens(prompt) for r in self.replicas]
-        best = max(count, key=lambda i: (cached[i], -busy[i], -self._picked[i]))
-        return best if cached[best] > 0 and busy[best] < busy[least] + self.config.max_num_seqs else least
+        picked, stamp = list(self._picked), max(self._picked)
+        routes = []
+        for prompt in prompts:
+            i = least = min(count, key=lambda i: (busy[i], picked[i]))
+            if self.config.enable_prefix_caching and not isinstance(prompt, str):
+                cached = [r.cached_tokens(prompt) for r in self.replicas]
+                best = max(count, key=lambda i: (cached[i], -busy[i], -picked[i]))
+                if cached[best] > 0 and busy[best] < busy[least] + self.replicas[best].config.max_num_seqs:
+                    i = best
+            stamp += 1
+            busy[i], picked[i] = busy[i] + 1, stamp
+            routes.append(i)
+        return routes
 
-    def check(self, *args: Any, **kwargs: Any) -> None:
-        """As AsyncEngine.check (every replica would answer the same)."""
-        self.replicas[0].check(*args, **kwargs)
+    def check(self, prompts: list[str | list[int]], params: list[SamplingParams], request_id: str | None = None) -> None:
+        """As AsyncEngine.check: each replica checks the prompts `generate` would send it."""
+        self._check_alive()
+        routes = self._route(prompts)
+        for i, replica in enumerate(self.replicas):
+            if mine := [k for k, route in enumerate(routes) if route == i]:
+                replica.check([prompts[k] for k in mine], [params[k] for k in mine], request_id)
 
     def request_ids(self) -> list[str]:
         return [rid for r in self.replicas for rid in r.request_ids()]

@@ -18,7 +18,13 @@ from serve_helpers import InProcessServer, openai_client
 from test_engine_faults import assert_gone
 
 from deltaserve.engine.data_parallel import DataParallelEngine, replica_configs
-from deltaserve.engine.events import EngineDeadError, ErrorEvent, FinishedEvent, TokenEvent
+from deltaserve.engine.events import (
+    EngineDeadError,
+    ErrorEvent,
+    FinishedEvent,
+    QueueFullError,
+    TokenEvent,
+)
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http import serve
 from deltaserve.http.listen import start_server
@@ -67,6 +73,14 @@ async def test_requests_spread_over_the_replicas_and_answer_as_one_engine(engine
     assert ttft.counts == [a + b for a, b in zip(*(m.time_to_first_token_s.counts for m in each), strict=True)]
     assert ttft.count == sum(ttft.counts) == sum(m.time_to_first_token_s.count for m in each) >= 6
     assert len(await engine.rank_snapshots()) == 2
+    # a call of 12 prompts: more than one replica's queue (8) takes, as many as the two do
+    many, params = [[7, 8, 9]] * 12, [GREEDY] * 12
+    engine.check(many, params)
+    assert engine.config.max_queued_requests == 16  # the route's bound for one call: both queues
+    with pytest.raises(QueueFullError):
+        engine.replicas[0].check(many, params)
+    with pytest.raises(QueueFullError):
+        engine.check(many + [[1]] * 5, params + [GREEDY] * 5)
 
 
 @module_loop
