@@ -211,6 +211,10 @@ class AsyncEngine:
     def load(self) -> LoadSnapshot:
         return self._scheduler.load()
 
+    def replica_loads(self) -> list[LoadSnapshot]:
+        """Each data-parallel replica's load (one here; engine/data_parallel.py has several)."""
+        return [self.load()]
+
     async def rank_snapshots(self) -> list[SnapshotReply]:
         self._check_alive()
         return await self._controller.snapshot()

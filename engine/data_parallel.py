@@ -155,6 +155,9 @@ class DataParallelEngine:
         state = max((load.state for load in loads), key=_STATE_ORDER.index)
         return LoadSnapshot(state=state, step_duration_s=max(load.step_duration_s for load in loads), **added)
 
+    def replica_loads(self) -> list[LoadSnapshot]:
+        return [r.load() for r in self.replicas]
+
     async def rank_snapshots(self) -> list[SnapshotReply]:
         return [snap for r in self.replicas for snap in await r.rank_snapshots()]
 

@@ -115,18 +115,19 @@ async def model_info(request: web.Request) -> web.Response:
 
 async def server_info(request: web.Request) -> web.Response:
     """The settings SGLang's clients read (context length, the token capacity, version), under
-    SGLang's names, and the load as `internal_states`."""
+    SGLang's names, and each data-parallel replica's load as `internal_states`."""
     state = request.app[STATE]
     engine, load = state.engine, state.engine.load()
     return _json({
         "model_path": engine.weights_dir, "tokenizer_path": engine.config.model,
         "served_model_name": state.config.served_model_name[0], "tp_size": engine.config.tp_size,
+        "dp_size": len(engine.replica_loads()),
         "context_length": engine.max_model_len, "max_running_requests": engine.config.max_num_seqs,
         "max_total_num_tokens": load.num_blocks * engine.config.block_size,
         "max_req_input_len": engine.longest_sequence - 1, "page_size": engine.config.block_size,
         "schedule_policy": engine.config.scheduling_policy, "weight_version": state.weight_version,
-        "internal_states": [{"running_requests": load.running, "waiting_queue_size": load.waiting,
-                             "engine_state": load.state}],
+        "internal_states": [{"running_requests": r.running, "waiting_queue_size": r.waiting, "engine_state": r.state}
+                            for r in engine.replica_loads()],  # one per data-parallel replica, as SGLang's
         "version": deltaserve.__version__,
     })  # fmt: skip
 

@@ -128,6 +128,9 @@ async def test_served_by_the_official_client_with_summed_metrics(engine):
             assert all(a.usage.completion_tokens == 4 for a in answers)
         async with aiohttp.ClientSession() as session, session.get(server.url + "/metrics") as r:
             text = await r.text()
+        async with aiohttp.ClientSession() as session, session.get(server.url + "/get_server_info") as r:
+            info = await r.json()
+        assert info["dp_size"] == len(info["internal_states"]) == 2, info  # SGLang's: a state per replica
         line = next(x for x in text.splitlines() if x.startswith("vllm:generation_tokens_total"))
         assert float(line.split()[-1]) == engine.metrics.generation_tokens_total == before + 16
     finally:

@@ -286,6 +286,7 @@ async def test_info_health_and_the_key(server, tiny_model_dir):
     assert info["model_type"] == json.loads((tiny_model_dir / "config.json").read_text())["model_type"]
     assert server_info["context_length"] == 1024 and server_info["max_running_requests"] == 4
     assert server_info["internal_states"][0]["waiting_queue_size"] == 0 and server_info["version"]
+    assert server_info["dp_size"] == len(server_info["internal_states"]) == 1
     for path in ("/generate", "/abort_request"):
         status, answer = await post(server, {"input_ids": PROMPT}, path, headers={})
         assert status == 401 and answer["error"]["code"] == "invalid_api_key", (path, answer)
