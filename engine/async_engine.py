@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from deltaserve.engine.config import EngineConfig, resolve_limits
 from deltaserve.engine.events import EngineDeadError, LoadSnapshot, QueueFullError
-from deltaserve.engine.maintenance import PAUSE_MODES, SLEEP_TAGS, Kind, PauseMode
+from deltaserve.engine.maintenance import PAUSE_MODES, Kind, PauseMode
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
@@ -43,7 +43,7 @@ from deltaserve.engine.tokenizer import (
     load_tokenizer,
 )
 from deltaserve.ipc.controller import ReplicaConfig, ReplicaController
-from deltaserve.ipc.messages import SnapshotReply
+from deltaserve.ipc.messages import SLEEP_TAGS, SnapshotReply
 
 T = TypeVar("T")
 

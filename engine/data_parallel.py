@@ -7,9 +7,10 @@ longest ago), unless prefix caching is on and another replica holds a saved pref
 prompt (token ids) and is not a whole batch (max_num_seqs) busier: then to the one holding the
 longest, as SGLang's cache-aware router weighs hits against balance. A conversation's next turn
 so finds its last turn's state. A request id that a replica still holds goes to that replica,
-which refuses it while its request runs, as one engine does. Everything else that changes the engine (pause, resume,
-flush, new weights, shutdown) goes to every replica. The tokenizer and the limits are replica 0's: every replica
-serves the same model with the same configuration.
+which refuses it while its request runs, as one engine does. Everything else that changes the
+engine (pause, resume, flush, sleep, new weights, shutdown) goes to every replica. The
+tokenizer and the limits are replica 0's: every replica serves the same model with the same
+configuration.
 
 Fail closed as one engine: when a replica dies, the others are shut down at once, so every
 request owner still gets exactly one terminal event and the engine is dead, naming the
@@ -183,7 +184,7 @@ class DataParallelEngine:
     def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> RequestStream:
-        """As AsyncEngine.generate, on the replica `_pick` chooses."""
+        """As AsyncEngine.generate, on the replica `_route` chooses."""
         self._check_alive()
         holder = next((i for i, r in enumerate(self.replicas) if request_id in r.request_ids()), None)
         # an id a replica still holds goes to it, which refuses it while its request runs, as one engine does

@@ -23,10 +23,9 @@ from typing import Any, Literal
 
 from deltaserve.engine.events import EngineDeadError
 from deltaserve.engine.prefix_cache import PrefixCache
-from deltaserve.ipc.messages import LoadWeights, Sleep, WakeUp
+from deltaserve.ipc.messages import SLEEP_TAGS, LoadWeights, Sleep, WakeUp
 
 Kind = Literal["load_weights", "flush_cache", "pause", "sleep", "wake_up"]
-SLEEP_TAGS = ("weights", "kv_cache")  # what a wake-up may take back, as vLLM's tags
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES = ("abort", "wait", "keep")
 

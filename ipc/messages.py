@@ -248,6 +248,9 @@ class Sleep(msgspec.Struct, frozen=True, tag=True, array_like=True):
     level: int
 
 
+SLEEP_TAGS = ("weights", "kv_cache")  # what a wake-up may take back, as vLLM's tags
+
+
 class WakeUp(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Take back what `Sleep` gave: the parts `tags` name ("weights", "kv_cache"). Reply: `Ack`."""
 

@@ -15,14 +15,14 @@ keep their tensors, so nothing else needs to know.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from deltaserve.engine.rank.cache import StateCache
+from deltaserve.ipc.messages import SLEEP_TAGS
 
-TAGS = ("weights", "kv_cache")
 CACHE_TENSORS = ("kv", "conv", "recurrent", "last_tokens")
 
 
@@ -30,10 +30,9 @@ CACHE_TENSORS = ("kv", "conv", "recurrent", "last_tokens")
 class Asleep:
     """What a sleeping rank gave back, and how to take it again."""
 
-    level: int
     # each weight tensor, its shape and its host copy (None at level 2, or once back)
     weights: list[tuple[torch.Tensor, torch.Size, torch.Tensor | None]] | None
-    cache: dict[str, tuple[torch.Size, torch.dtype]] | None = field(default=None)
+    cache: dict[str, tuple[torch.Size, torch.dtype]] | None
 
 
 def release_memory(model: nn.Module, cache: StateCache, level: int) -> Asleep:
@@ -55,13 +54,13 @@ def release_memory(model: nn.Module, cache: StateCache, level: int) -> Asleep:
         setattr(cache, name, torch.empty(0, dtype=tensor.dtype, device=tensor.device))
     if pinned:
         torch.cuda.empty_cache()
-    return Asleep(level, weights, shapes)
+    return Asleep(weights, shapes)
 
 
 def restore_memory(model: nn.Module, cache: StateCache, asleep: Asleep, tags: list[str]) -> bool:
     """Take back the parts `tags` name (those already back are skipped); True once all are."""
-    if unknown := set(tags) - set(TAGS):
-        raise ValueError(f"wake_up tags must be among {', '.join(TAGS)}, got {sorted(unknown)}")
+    if unknown := set(tags) - set(SLEEP_TAGS):
+        raise ValueError(f"wake_up tags must be among {', '.join(SLEEP_TAGS)}, got {sorted(unknown)}")
     device = cache.kv.device
     if "weights" in tags and asleep.weights is not None:
         for tensor, shape, host in asleep.weights:
@@ -74,4 +73,4 @@ def restore_memory(model: nn.Module, cache: StateCache, asleep: Asleep, tags: li
     return asleep.weights is None and asleep.cache is None
 
 
-__all__ = ["TAGS", "Asleep", "release_memory", "restore_memory"]
+__all__ = ["Asleep", "release_memory", "restore_memory"]
