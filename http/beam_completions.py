@@ -9,7 +9,7 @@ import asyncio
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,20 +31,24 @@ from deltaserve.http.protocol import (
 )
 
 
-async def _search(engine: Any, prompts: list[list[int]], params: SamplingParams, length_penalty: float,
-                  request_id: str, prompt_param: str) -> list[list[Beam]]:  # fmt: skip
-    """Every prompt's beams (n = params.n of them); an ApiError for a prompt that does not fit
-    with max_tokens, a full queue or a dead engine."""
+async def _search(engine: Any, prompts: list[str | list[int]], params: SamplingParams, length_penalty: float,
+                  request_id: str, prompt_param: str, fit: Callable[[list[int]], list[int]] | None = None,
+                  ) -> tuple[list[list[int]], list[list[Beam]]]:  # fmt: skip
+    """Every prompt's token ids (a text encoded, then `fit`) and beams (n = params.n of them); an
+    ApiError for a prompt refused or that does not fit with max_tokens, a full queue or a dead
+    engine."""
     max_tokens = params.max_tokens
     try:
-        if longest := max((len(ids) for ids in prompts if len(ids) + max_tokens > engine.max_model_len), default=0):
+        ids = [await engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = [fit(i) for i in ids] if fit is not None else ids
+        if longest := max((len(i) for i in ids if len(i) + max_tokens > engine.max_model_len), default=0):
             raise errors.bad_request(f"a prompt of {longest} tokens + max_tokens ({max_tokens}) is more than "
                                      f"max_model_len ({engine.max_model_len})", "max_tokens")  # fmt: skip
-        searches = [beam_search(engine, ids, params.n, max_tokens, engine.eos_token_ids, length_penalty=length_penalty,
-                                ignore_eos=params.ignore_eos, include_stop=params.include_stop_str_in_output,
-                                request_id=f"{request_id}-{p}")
-                    for p, ids in enumerate(prompts)]  # fmt: skip
-        return await asyncio.gather(*searches)
+        searches = [beam_search(engine, prompt, params.n, max_tokens, engine.eos_token_ids,
+                                length_penalty=length_penalty, ignore_eos=params.ignore_eos,
+                                include_stop=params.include_stop_str_in_output, request_id=f"{request_id}-{p}")
+                    for p, prompt in enumerate(ids)]  # fmt: skip
+        return ids, await asyncio.gather(*searches)
     except QueueFullError as e:
         raise errors.queue_full(str(e)) from None
     except (EngineDeadError, BeamSearchError) as e:
@@ -62,29 +66,19 @@ async def beam_completions(engine: Any, req: CompletionRequest, model: str) -> d
     request_id = f"cmpl-{uuid.uuid4().hex}"
     params = SamplingParams(n=width, max_tokens=max_tokens, ignore_eos=req.sampling.ignore_eos,
                             include_stop_str_in_output=req.sampling.include_stop_str_in_output)  # fmt: skip
-    try:
-        prompts = [fit(await engine.encode(p) if isinstance(p, str) else list(p)) for p in req.prompts]
-    except ValueError as e:
-        raise errors.bad_request(str(e), "prompt") from None
-    except EngineDeadError as e:
-        raise errors.engine_dead(engine.dead_reason or str(e)) from None
-    results = await _search(engine, prompts, params, req.length_penalty, request_id, "prompt")
-    choices = []
-    for p, beams in enumerate(results):
-        for i, beam in enumerate(beams):
-            text = await engine.run_tokenizer(functools.partial(
-                _decode, ids=list(beam.tokens), skip_special=req.sampling.skip_special_tokens), len(beam.tokens))  # fmt: skip
-            choices.append({"index": p * width + i, "text": text, "logprobs": None, "finish_reason": beam.finish_reason,
-                            "stop_reason": beam.stop_reason})  # fmt: skip
+    prompts, results = await _search(engine, list(req.prompts), params, req.length_penalty, request_id, "prompt", fit)
+    skip = req.sampling.skip_special_tokens
+    texts = await engine.run_tokenizer(lambda tok: [[tok.decode(list(b.tokens), skip_special_tokens=skip) for b in beams]
+                                                    for beams in results],
+                                       sum(len(b.tokens) for beams in results for b in beams))  # fmt: skip
+    choices = [{"index": p * width + i, "text": texts[p][i], "logprobs": None, "finish_reason": beam.finish_reason,
+                "stop_reason": beam.stop_reason}
+               for p, beams in enumerate(results) for i, beam in enumerate(beams)]  # fmt: skip
     prompt_tokens = sum(len(ids) for ids in prompts)  # each prompt once, as the completion route counts it
     completion_tokens = sum(len(beam.tokens) for beams in results for beam in beams)
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                           "total_tokens": prompt_tokens + completion_tokens}}  # fmt: skip
-
-
-def _decode(tokenizer: Any, ids: list[int], skip_special: bool) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=skip_special)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +100,7 @@ class BeamChoices:
 async def beam_chat_choices(engine: Any, prompt_ids: list[int], params: SamplingParams, length_penalty: float,
                             request_id: str) -> BeamChoices:  # fmt: skip
     """A chat request's params.n beams, best first; an ApiError as `_search` raises them."""
-    (beams,) = await _search(engine, [prompt_ids], params, length_penalty, request_id, "messages")
+    _, (beams,) = await _search(engine, [prompt_ids], params, length_penalty, request_id, "messages")
     events = await engine.run_tokenizer(functools.partial(
         _beam_events, beams=beams, prompt_tokens=len(prompt_ids), skip_special=params.skip_special_tokens),
         sum(len(beam.tokens) for beam in beams))  # fmt: skip
