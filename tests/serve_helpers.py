@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
@@ -158,7 +159,7 @@ class ServeProcess:
 
 @dataclass
 class InProcessServer:
-    engine: AsyncEngine
+    engine: Any  # an AsyncEngine, or a DataParallelEngine
     url: str  # http://127.0.0.1:PORT
 
 
@@ -170,13 +171,21 @@ async def in_process_server(
     free loopback port, served from this event loop."""
     engine = await AsyncEngine.start(config)
     try:
-        runner, _ = await start_server(build_app(engine, server_config), "127.0.0.1", 0)
-        try:
-            yield InProcessServer(engine, f"http://127.0.0.1:{runner.addresses[0][1]}")
-        finally:
-            await runner.cleanup()
+        async with serving(engine, server_config) as server:
+            yield server
     finally:
         await engine.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def serving(engine: Any, server_config: ServerConfig) -> AsyncIterator[InProcessServer]:
+    """The aiohttp app over a started engine (one AsyncEngine, or several replicas' engine)
+    on a free loopback port; the engine is the caller's to shut down."""
+    runner, _ = await start_server(build_app(engine, server_config), "127.0.0.1", 0)
+    try:
+        yield InProcessServer(engine, f"http://127.0.0.1:{runner.addresses[0][1]}")
+    finally:
+        await runner.cleanup()
 
 
 @contextlib.asynccontextmanager

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from engine_helpers import engine_config
-from serve_helpers import InProcessServer, openai_client
+from serve_helpers import openai_client, serving
 from test_engine_faults import assert_gone
 
 from deltaserve.engine.data_parallel import DataParallelEngine, replica_configs
@@ -27,8 +27,7 @@ from deltaserve.engine.events import (
 )
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http import serve
-from deltaserve.http.listen import start_server
-from deltaserve.http.server import ServerConfig, build_app
+from deltaserve.http.server import ServerConfig
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -117,9 +116,7 @@ async def test_maintenance_goes_to_every_replica(engine):
 
 @module_loop
 async def test_served_by_the_official_client_with_summed_metrics(engine):
-    runner, _ = await start_server(build_app(engine, ServerConfig("tiny")), "127.0.0.1", 0)
-    try:
-        server = InProcessServer(engine, f"http://127.0.0.1:{runner.addresses[0][1]}")
+    async with serving(engine, ServerConfig("tiny")) as server:
         async with openai_client(server) as client:
             before = engine.metrics.generation_tokens_total
             answers = await asyncio.gather(*(client.completions.create(
@@ -133,8 +130,6 @@ async def test_served_by_the_official_client_with_summed_metrics(engine):
         assert info["dp_size"] == len(info["internal_states"]) == 2, info  # SGLang's: a state per replica
         line = next(x for x in text.splitlines() if x.startswith("vllm:generation_tokens_total"))
         assert float(line.split()[-1]) == engine.metrics.generation_tokens_total == before + 16
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_conversations_next_turn_goes_where_its_prefix_is_saved(tiny_model_dir):
