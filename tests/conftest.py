@@ -51,6 +51,13 @@ def tiny_vlm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                       vlm_names=True, shard_size="20MB")
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny mixture-of-experts preset (8 experts, 2 a token, a shared one), fp32, seed 0,
+    its experts stored one by one as the releases store them."""
+    return make_model(tmp_path_factory.mktemp("tiny_moe"), preset="tiny-moe", dtype="fp32", seed=0)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--long", action="store_true", default=False,

@@ -199,16 +199,28 @@ def bench_fla_prefill(device: torch.device, tokens: int = 4096) -> dict | None:
 # ---- the model -------------------------------------------------------------------------------
 
 
+def idle_expert_params(config, experts_used: float) -> float:
+    """Parameters of a mixture-of-experts model's routed experts that a step (or a token) does
+    not use, when each layer uses `experts_used` of its experts; 0 for a dense model."""
+    if not config.num_experts:
+        return 0.0
+    per_expert = 3 * config.moe_intermediate_size * config.hidden_size
+    return config.num_hidden_layers * (config.num_experts - experts_used) * per_expert
+
+
 def step_bytes(config, params_bytes: int, batch: int, context: int, dtype: torch.dtype) -> int:
     """Bytes one decode step must move: weights once (of an input embedding apart from the
-    lm_head, the 9B's, only its rows of the step), each request's state slot (DeltaNet state
-    and conv windows) read and written, every context position's K and V read (its own K and
-    V written)."""
+    lm_head, the 9B's, only its rows of the step; of an MoE model's routed experts, those its
+    tokens choose: E (1 - (1 - k/E)^batch) a layer, expected under even routing), each
+    request's state slot (DeltaNet state and conv windows) read and written, every context
+    position's K and V read (its own K and V written)."""
     from deltaserve.engine.rank.memory_budget import cache_sizes
 
     per = cache_sizes(config, 1, dtype, block_size=1)  # block_bytes: K and V of one position
     embedding = 0 if config.tie_word_embeddings else (config.vocab_size - batch) * config.hidden_size * dtype.itemsize
-    return params_bytes - embedding + batch * (2 * per.slot_bytes + per.block_bytes * (context + 1))
+    used = config.num_experts * (1 - (1 - config.num_experts_per_tok / max(1, config.num_experts)) ** batch)
+    idle = round(idle_expert_params(config, used) * dtype.itemsize)
+    return params_bytes - embedding - idle + batch * (2 * per.slot_bytes + per.block_bytes * (context + 1))
 
 
 def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflops: float | None) -> dict:
@@ -347,10 +359,12 @@ def profile_step(fn: Callable[[int], None], batch: int, device: torch.device, to
 
 def prefill_flops(config, params_bytes: int, dtype_bytes: int, tokens: int) -> float:
     """Model FLOPs of one prompt of `tokens` tokens: 2 per weight per token for every matrix
-    but the output embedding (only the last position's logits), plus causal attention's
-    QK^T and PV (2 x 2 x T^2 / 2 x heads x head_dim per full-attention layer)."""
+    but the output embedding (only the last position's logits; of an MoE model's routed
+    experts, a token's k), plus causal attention's QK^T and PV (2 x 2 x T^2 / 2 x heads x
+    head_dim per full-attention layer)."""
     embedding = config.vocab_size * config.hidden_size
     matrix_params = params_bytes // dtype_bytes - embedding * (1 if config.tie_word_embeddings else 2)
+    matrix_params -= idle_expert_params(config, config.num_experts_per_tok)
     attention = len(config.full_attention_layers) * 2 * tokens * tokens * config.num_attention_heads * config.head_dim
     return 2.0 * matrix_params * tokens + attention + 2.0 * embedding
 

@@ -15,10 +15,10 @@ def bench_hf(model_dir: str, dtype_name: str, device: torch.device, batches: lis
              steps: int, prefill_lengths: list[int]) -> tuple[list[dict], list[dict]]:
     """HF transformers' generate on the same checkpoint: decode time per token from two runs
     that differ only in the number of new tokens; then prefill times."""
-    from transformers import Qwen3_5ForCausalLM
+    from deltaserve.tools.make_model import hf_causal_lm
 
     dtype = torch.bfloat16 if dtype_name in ("bfloat16", "auto") and device.type == "cuda" else torch.float32
-    model = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model = hf_causal_lm(model_dir).from_pretrained(model_dir, dtype=dtype).to(device).eval()
     rows = []
     gen = torch.Generator().manual_seed(1)
     for batch in batches:

@@ -70,9 +70,9 @@ def our_logits(
 
 def golden(model_dir: str, ex: Executor, device: str, lengths: tuple[int, ...]) -> tuple[dict, list]:
     """The gate, the HF bf16 floor; and the cases [(ids, our tokens, HF fp32 logits)]."""
-    from transformers import Qwen3_5ForCausalLM
+    from deltaserve.tools.make_model import hf_causal_lm
 
-    hf = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **hf_quantization(model_dir))
+    hf = hf_causal_lm(model_dir).from_pretrained(model_dir, dtype=torch.float32, **hf_quantization(model_dir))
     hf = hf.to(device).eval()
     reports, ours_all, cases = {}, [], []
     for i, n in enumerate(lengths):

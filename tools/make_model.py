@@ -20,6 +20,7 @@ Usage (from the repository root):
     python -m tools.make_model --preset tiny --out /tmp/tiny
     python -m tools.make_model --preset 4b --out /tmp/q4b --dtype bf16 --device cuda
     python -m tools.make_model --preset 4b --out /tmp/q4b-fp8 --dtype fp8 --device cuda
+    python -m tools.make_model --preset 35b-a3b --layers 8 --out /tmp/moe --dtype bf16 --device cuda
 
 `--dtype fp8` writes an FP8 release as Qwen's `-FP8` checkpoints are laid out: the decoder
 layers' projections (but the DeltaNet's 1-row-per-head in_proj_a / in_proj_b) as float8_e4m3fn in
@@ -94,13 +95,39 @@ PRESETS: dict[str, dict] = {
     "4b": _published(2560, 32, 16, 4, 16, 32, 9216, True),
     "9b": _published(4096, 32, 16, 4, 16, 32, 12288, False),
 }
+# Mixture-of-experts models (model_type qwen3_5_moe): no intermediate_size, experts instead.
+_MOE_SMALL = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+PRESETS["tiny-moe"] = {k: v for k, v in PRESETS["tiny"].items() if k != "intermediate_size"} | _MOE_SMALL
+PRESETS["35b-a3b"] = {k: v for k, v in _published(2048, 40, 16, 2, 16, 32, 0, False).items() if k != "intermediate_size"} | dict(
+    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512)
+
+
+def is_moe(text: dict) -> bool:
+    return "num_experts" in text
+
+
+def hf_classes(moe: bool) -> tuple[type, type, type, type]:
+    """transformers' (text config, causal LM, VLM config, VLM) classes of the dense or MoE model."""
+    import transformers as hf
+
+    prefix = "Qwen3_5Moe" if moe else "Qwen3_5"
+    return tuple(getattr(hf, prefix + name) for name in ("TextConfig", "ForCausalLM", "Config",
+                                                         "ForConditionalGeneration"))  # fmt: skip
+
+
+def hf_causal_lm(model_dir: str | Path) -> type:
+    """transformers' causal-LM class for a checkpoint folder (dense or MoE, by its config)."""
+    with open(Path(model_dir) / "config.json") as f:
+        return hf_classes(json.load(f).get("model_type", "").startswith("qwen3_5_moe"))[1]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: the unquantized tensors'
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 FP8_QUANTIZED = re.compile(
-    r"layers\.\d+\.(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|mlp\.(gate|up|down)_proj)\.weight$")
-FP8_NOT_CONVERTED = ["lm_head", "embed_tokens", "in_proj_a", "in_proj_b", "visual", "mtp"]
+    r"layers\.\d+\.(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)"
+    r"|mlp\.((experts\.\d+|shared_expert)\.)?(gate|up|down)_proj)\.weight$")
+FP8_NOT_CONVERTED = ["lm_head", "embed_tokens", "in_proj_a", "in_proj_b", "visual", "mtp", "mlp.gate",
+                     "shared_expert_gate"]  # fmt: skip
 
 # Scales (see the module docstring). Logit std = EMBED_NORM * FINAL_NORM_GAIN.
 EMBED_NORM = 2.0  # expected L2 norm of an embedding row
@@ -127,13 +154,12 @@ def parse_size(value: str | int) -> int:
 
 
 def text_config_dict(preset: str, overrides: dict | None = None) -> dict:
-    """Keyword arguments of Qwen3_5TextConfig for a preset, with `overrides` applied."""
-    from transformers import Qwen3_5TextConfig
-
+    """Keyword arguments of Qwen3_5TextConfig (Qwen3_5MoeTextConfig) for a preset, with
+    `overrides` applied."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     params = dict(PRESETS[preset])
-    known = set(Qwen3_5TextConfig.__annotations__) | {"rope_theta", "partial_rotary_factor"}
+    known = set(hf_classes(is_moe(params))[0].__annotations__) | {"rope_theta", "partial_rotary_factor"}
     for key in overrides or {}:
         if key not in known:
             raise ValueError(f"overrides: unknown text config field {key!r}")
@@ -264,38 +290,49 @@ def _mtp_shapes(text: dict) -> dict[str, tuple[int, ...]]:
     }
 
 
-def checkpoint_layout(text: dict, vlm_names: bool) -> tuple[dict, list[tuple[str, str, tuple]]]:
-    """(config.json contents, [(file name, text name, shape)]) in HF's state_dict order."""
-    from transformers import (
-        Qwen3_5Config,
-        Qwen3_5ForCausalLM,
-        Qwen3_5ForConditionalGeneration,
-        Qwen3_5TextConfig,
-    )
+def _experts_apart(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """HF's stacked expert tensors (`mlp.experts.gate_up_proj` [E, 2 I, H], `down_proj` [E, H, I])
+    as the released checkpoints store them: `mlp.experts.E.{gate,up,down}_proj.weight`."""
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, (experts, rows, cols) = name.removesuffix("gate_up_proj"), shape
+            out.update({f"{prefix}{e}.{m}.weight": (rows // 2, cols) for e in range(experts) for m in ("gate_proj", "up_proj")})
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix, (experts, rows, cols) = name.removesuffix("down_proj"), shape
+            out.update({f"{prefix}{e}.down_proj.weight": (rows, cols) for e in range(experts)})
+        else:
+            out[name] = shape
+    return out
 
-    text_config = Qwen3_5TextConfig(**text)
-    shapes = _meta_state_shapes(Qwen3_5ForCausalLM, text_config)
+
+def checkpoint_layout(text: dict, vlm_names: bool) -> tuple[dict, list[tuple[str, str, tuple]]]:
+    """(config.json contents, [(file name, text name, shape)]) in HF's state_dict order; an
+    MoE model's experts one by one, as the releases store them (`_experts_apart`)."""
+    text_config_cls, causal_lm, vlm_config, vlm = hf_classes(is_moe(text))
+    text_config = text_config_cls(**text)
+    shapes = _experts_apart(_meta_state_shapes(causal_lm, text_config))
     tied = text["tie_word_embeddings"]
     if tied:
         del shapes["lm_head.weight"]  # released tied checkpoints do not store it
     if not vlm_names:
         config = text_config.to_dict()
-        config["architectures"] = ["Qwen3_5ForCausalLM"]
+        config["architectures"] = [causal_lm.__name__]
         return config, [(n, n, s) for n, s in shapes.items()]
 
-    full = Qwen3_5Config(text_config=text_config.to_dict(), vision_config=_vision_config(text),
-                         tie_word_embeddings=tied)
-    full_shapes = _meta_state_shapes(Qwen3_5ForConditionalGeneration, full)
+    full = vlm_config(text_config=text_config.to_dict(), vision_config=_vision_config(text),
+                      tie_word_embeddings=tied)
+    full_shapes = _experts_apart(_meta_state_shapes(vlm, full))
     entries = []
     for name, shape in shapes.items():
         vlm_name = re.sub(r"^model\.", "model.language_model.", name)
         if full_shapes.get(vlm_name) != shape:
-            raise RuntimeError(f"{vlm_name}: not in Qwen3_5ForConditionalGeneration as {shape}")
+            raise RuntimeError(f"{vlm_name}: not in {vlm.__name__} as {shape}")
         entries.append((vlm_name, name, shape))
     entries += [(n, n, s) for n, s in full_shapes.items() if n.startswith("model.visual.")]
     entries += [(n, n, s) for n, s in _mtp_shapes(text).items()]
     config = full.to_dict()
-    config["architectures"] = ["Qwen3_5ForConditionalGeneration"]
+    config["architectures"] = [vlm.__name__]
     rotary_half = int(text["head_dim"] * text["rope_parameters"]["partial_rotary_factor"]) // 2
     side = round(rotary_half * 11 / 32)
     config["text_config"]["rope_parameters"].update(
@@ -400,10 +437,8 @@ def mean_top1_probability(model_dir: str | Path, num_prompts: int = 4, prompt_le
     """Mean top-1 next-token probability of HF's model (fp32) over random-token prompts; on
     the GPU when there is one (with fla installed, HF's DeltaNet runs fla's Triton kernels,
     which need CUDA tensors)."""
-    from transformers import Qwen3_5ForCausalLM
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = hf_causal_lm(model_dir).from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     gen = torch.Generator().manual_seed(seed)
     first_special = qwen_special_tokens()[0][0]
     ids = torch.randint(0, first_special, (num_prompts, prompt_len), generator=gen).to(device)
@@ -426,17 +461,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="released VLM layout: model.language_model.* + visual/mtp tensors")
     parser.add_argument("--shard-size", default=None, help="e.g. 50MB, 5GB: write shards + index")
     parser.add_argument("--device", default="cpu", help="where to draw values (cpu, cuda)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="fewer (or more) layers than the preset's, every other shape kept")
     parser.add_argument("--measure", action="store_true",
                         help="report HF's mean top-1 probability (default for tiny)")
     args = parser.parse_args(argv)
     start_s = time.monotonic()
     out = make_model(args.out, preset=args.preset, dtype=args.dtype, seed=args.seed,
                      vlm_names=args.vlm_names, shard_size=args.shard_size, device=args.device,
-                     fp8_block=args.fp8_block)
+                     fp8_block=args.fp8_block,
+                     overrides=None if args.layers is None else {"num_hidden_layers": args.layers})
     size_gb = sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e9
     print(f"wrote {args.preset} ({args.dtype}) to {out}: {size_gb:.2f} GB of safetensors "
           f"in {time.monotonic() - start_s:.1f} s")
-    if args.measure or args.preset == "tiny":
+    if args.measure or args.preset in ("tiny", "tiny-moe"):
         print(f"mean top-1 probability (HF, fp32, random prompts): {mean_top1_probability(out):.3f}")
     return 0
 

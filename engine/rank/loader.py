@@ -17,6 +17,7 @@ Projections the model runs as one GEMM (`model.packed_modules`: checkpoint modul
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -28,6 +29,9 @@ from deltaserve.engine.rank.model_config import FP8_SCALE_SUFFIXES, ModelConfig
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 VLM_TEXT_PREFIX = "model.language_model."
+# one expert's projection as released checkpoints store it -> (our stacked parameter, part)
+EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 # dtypes we convert to the model's; any other (integers, bool, FP8) is a quantized or foreign
 # tensor whose values a plain conversion would turn into garbage weights
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -89,13 +93,24 @@ def packed_target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, i
     return name, 0
 
 
+def expert_names(param_name: str, num_experts: int) -> set[str]:
+    """The released per-expert names a stacked expert parameter (`...mlp.experts.down_proj`) holds."""
+    prefix, stacked = param_name.rsplit(".", 1)
+    modules = [module for module, (target, _) in EXPERT_PARTS.items() if target == stacked]
+    return {f"{prefix}.{expert}.{module}.weight" for expert in range(num_experts) for module in modules}
+
+
 def expected_names(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, int]]) -> set[str]:
-    """The checkpoint text names that must be present: each packed parameter once per part."""
+    """The checkpoint text names that must be present: each packed parameter once per part,
+    each stacked expert parameter once per expert and part (or the stacked tensor)."""
     modules_of: dict[str, list[str]] = {}
     for module, (merged, _) in packed.items():
         modules_of.setdefault(merged, []).append(module)
     names = set()
-    for name in params:
+    for name, param in params.items():
+        if hasattr(param, "num_experts"):
+            names |= expert_names(name, param.num_experts)
+            continue
         parts = name.split(".")
         at = next((i for i, module in enumerate(parts) if module in modules_of), None)
         if at is None:
@@ -188,11 +203,18 @@ def load_tensor(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, in
     """Copy one checkpoint tensor into its parameter (or its part of a packed one)."""
     target = text_name(name)
     assert target is not None  # the reader hands out wanted names only
-    param_name, part = packed_target(target, packed)
+    if expert := EXPERT_TENSOR.match(target):
+        merged, part = EXPERT_PARTS[expert[3]]
+        param_name, args, covers = f"{expert[1]}.{merged}", (int(expert[2]), part), {target}
+    else:
+        param_name, part = packed_target(target, packed)
+        args, covers = (part,), {target}
     param = params.get(param_name)
-    if param is None:
+    if param is None or (expert and not hasattr(param, "num_experts")):
         raise CheckpointError(f"unexpected tensor {name!r} in {path.name}")
-    if target in loaded:
+    if hasattr(param, "num_experts") and not expert:  # a stacked tensor holds every expert's
+        args, covers = (), expert_names(param_name, param.num_experts)
+    if covers & loaded:
         raise CheckpointError(f"tensor {name!r} in {path.name} appears twice in the checkpoint")
     if param.dtype in FP8_DTYPES and tensor.dtype != param.dtype:  # a copy would quantize it anew
         raise CheckpointError(f"tensor {name!r} in {path.name} has dtype {str(tensor.dtype).removeprefix('torch.')}, "
@@ -205,13 +227,13 @@ def load_tensor(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, in
             f"without its quantization_config?): only floating-point tensors (fp32, bf16, fp16, fp64) load"
         )
     try:
-        if hasattr(param, "num_parts"):  # a ColumnParallelLinear: load into its part
-            param.weight_loader(param, tensor, part)
+        if hasattr(param, "num_parts") or hasattr(param, "num_experts"):  # into its part (and expert)
+            param.weight_loader(param, tensor, *args)
         else:
             param.weight_loader(param, tensor)
-    except ValueError as e:
+    except (ValueError, IndexError) as e:
         raise CheckpointError(f"tensor {name!r} in {path.name}: {e}") from None
-    loaded.add(target)
+    loaded |= covers
 
 
 def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, config: ModelConfig) -> None:

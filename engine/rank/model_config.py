@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TypeVar
 
-ACCEPTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+ACCEPTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+VLM_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # their text model's settings are in text_config
 
 # transformers' Qwen3_5TextConfig defaults, used for keys a config.json leaves out (HF reads
 # such a config with these; head_dim in particular is 256, not hidden_size // heads)
@@ -31,9 +32,22 @@ TEXT_DEFAULTS = {
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 32768,
 }
-POSITIVE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+# transformers' Qwen3_5MoeTextConfig defaults where they differ (Qwen3.5-35B-A3B's shape); a
+# mixture-of-experts config names no intermediate_size: every layer's MLP is its experts
+MOE_TEXT_DEFAULTS = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 2,
+    "intermediate_size": 0,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+}
+POSITIVE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings")
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 JSON_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
               list: "an array", dict: "an object"}
 
@@ -183,6 +197,12 @@ class ModelConfig:
     torch_dtype: str
     fp8_block: tuple[int, int] | None = None  # an FP8 checkpoint's scale blocks (engine/rank/fp8.py)
     fp8_scale_suffix: str = FP8_SCALE_SUFFIXES["fp8"]  # its scale tensors' names: weight name + this
+    # mixture of experts (the qwen3_5_moe models): every layer's MLP is num_experts_per_tok of
+    # num_experts routed experts plus a gated shared expert (engine/rank/moe.py); 0: dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def differences(self, other: ModelConfig) -> list[str]:
         """The fields in which `other` is another model (the weights' dtype may differ: they
@@ -193,6 +213,11 @@ class ModelConfig:
         for key in POSITIVE_KEYS:  # a 0 would otherwise end in a ZeroDivisionError, here or later
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}, not a positive integer")
+        for key in MOE_KEYS if self.num_experts or self.num_experts_per_tok else ("intermediate_size",):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} is {getattr(self, key)}, not a positive integer")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} is more than num_experts {self.num_experts}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries, "
@@ -247,6 +272,9 @@ class ModelConfig:
             "linear_num_key_heads": self.linear_num_key_heads,
             "linear_num_value_heads": self.linear_num_value_heads,
         }
+        if self.num_experts:  # each expert's intermediate rows are split across ranks
+            counts["moe_intermediate_size"] = self.moe_intermediate_size
+            counts["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         for name, count in counts.items():
             if count % tp_size:
                 raise ValueError(
@@ -269,9 +297,9 @@ class ModelConfig:
             raise ConfigError(f"text_config is {json_kind(text_config)}, not an object of the text model's settings")
         fp8 = read_fp8(raw.get("quantization_config") or (text_config or {}).get("quantization_config"))
         top_eos = raw.get("eos_token_id")
-        if model_type == "qwen3_5":
+        if model_type in VLM_MODEL_TYPES:
             if text_config is None:
-                raise ConfigError("model_type 'qwen3_5' config has no text_config")
+                raise ConfigError(f"model_type {model_type!r} config has no text_config")
             text = dict(text_config)
             # Qwen3_5ForConditionalGeneration ties by the top-level flag only (default False)
             tie = raw.get("tie_word_embeddings", False)
@@ -282,7 +310,9 @@ class ModelConfig:
             dtype = raw.get("torch_dtype") or raw.get("dtype")
         if dtype is not None and not isinstance(dtype, str):
             raise ConfigError(f"torch_dtype is {json_kind(dtype)}, not a dtype name such as 'bfloat16'")
-        text = {**TEXT_DEFAULTS, **{key: value for key, value in text.items() if value is not None}}
+        moe = model_type.startswith("qwen3_5_moe")
+        defaults = {**TEXT_DEFAULTS, **MOE_TEXT_DEFAULTS} if moe else TEXT_DEFAULTS
+        text = {**defaults, **{key: value for key, value in text.items() if value is not None}}
 
         def integer(key: str) -> int:
             return to_number(text[key], key, int)
@@ -336,6 +366,7 @@ class ModelConfig:
             torch_dtype=dtype or "bfloat16",
             fp8_block=fp8 and fp8[0],
             fp8_scale_suffix=fp8[1] if fp8 else FP8_SCALE_SUFFIXES["fp8"],
+            **({key: integer(key) for key in MOE_KEYS} if moe else {}),
         )
 
     @classmethod

@@ -2,7 +2,8 @@
 
 Module names follow the HF text checkpoint (`model.layers.N.linear_attn.in_proj_qkv.weight`,
 ...), so the loader maps names one to one. Layers repeat DeltaNet x3 then full attention x1
-(config.layer_types); every block is pre-norm with a SwiGLU MLP. Projections of the same
+(config.layer_types); every block is pre-norm with a SwiGLU MLP (in the MoE models, routed
+experts and a shared one: moe.py). Projections of the same
 input run as one GEMM (`packed_modules`); the residual add runs inside the next norm.
 """
 
@@ -18,6 +19,7 @@ from deltaserve.engine.rank.deltanet import GatedDeltaNet
 from deltaserve.engine.rank.embedding import VocabParallelEmbedding
 from deltaserve.engine.rank.mlp import MLP
 from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.rank.moe import SparseMoeBlock
 from deltaserve.engine.rank.norm import RMSNorm
 from deltaserve.kernels.skinny_linear import SplitSum
 
@@ -46,7 +48,10 @@ class DecoderLayer(nn.Module):
         else:
             cache_layer = config.full_attention_layers.index(index)
             self.self_attn = GatedAttention(config, cache_layer, dtype, device)
-        self.mlp = MLP(hidden, config.intermediate_size, dtype, device)
+        if config.num_experts:
+            self.mlp = SparseMoeBlock(config, dtype, device)
+        else:
+            self.mlp = MLP(hidden, config.intermediate_size, dtype, device)
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
 

@@ -1,0 +1,168 @@
+"""The routed experts of a mixture-of-experts MLP: each token's top-k experts' SwiGLU MLPs,
+summed with the router's weights.
+
+The reference (the CPU path) runs each expert that any token chose over its tokens, as HF's
+`Qwen3_5MoeExperts` does. The GPU path must fit a CUDA graph, so nothing may depend on the
+routing on the host: `group_pairs` orders the (token, expert) pairs by expert into blocks of
+`block_m` rows, padded, with fixed-size tensor ops (vLLM's moe_align_block_size idea; the block
+count is bounded by the pair count alone), and one Triton kernel per product runs every block
+against its expert's weight tile (`_expert_product_kernel`): gate and up with their SiLU
+product made as they are written, then down, each pair's row weighted. The k rows of a token
+are added in order afterwards, so the result never depends on which block finished first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deltaserve.kernels.triton_compat import (
+    HAS_TRITON,
+    INTERPRET,
+    check_launchable,
+    gpu_path,
+    pdl_options,
+    tl,
+    triton,
+    wait_for_previous_grid,
+)
+
+
+def route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] int64) from router logits [T, E]: softmax in fp32,
+    the top k, renormalised to sum to 1 and rounded to the model dtype (HF's
+    Qwen3_5MoeTopKRouter)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(probs, top_k, dim=-1)
+    return (top / top.sum(dim=-1, keepdim=True)).to(dtype).float(), ids
+
+
+def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """sum_k weights[t, k] * down[e] (silu(gate[e] x_t) * up[e] x_t) over e = ids[t, k], in fp32 [T, H].
+    gate_up [E, 2 I, H] (gate rows then up rows), down [E, H, I]; products in x's dtype."""
+    out = torch.zeros((x.shape[0], down.shape[1]), dtype=torch.float32, device=x.device)
+    inter = down.shape[2]
+    for expert in ids.unique().tolist():
+        tokens, slots = (ids == expert).nonzero(as_tuple=True)
+        h = F.linear(x[tokens], gate_up[expert])
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        y = F.linear(h, down[expert]).float() * weights[tokens, slots, None]
+        out.index_add_(0, tokens, y)
+    return out
+
+
+def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pairs [blocks * block_m] int32, block_expert [blocks] int32) for ids [T, k].
+
+    Pair p is (token p // k, its (p % k)-th expert). Each expert's pairs fill whole blocks of
+    `block_m` rows in token order, padded with -1; block b holds expert block_expert[b]'s, and
+    blocks past the last used one have expert -1. Shapes depend on T, k, E and block_m only."""
+    flat = ids.reshape(-1)
+    num_pairs = flat.numel()
+    blocks = min(num_pairs, -(-num_pairs // block_m) + min(num_experts, num_pairs))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    expert_blocks = (counts + block_m - 1) // block_m
+    block_end = expert_blocks.cumsum(0)
+    order = torch.argsort(flat, stable=True)  # pairs by expert, token order kept
+    by_expert = flat[order]
+    rank = torch.arange(num_pairs, device=ids.device) - (counts.cumsum(0) - counts)[by_expert]
+    pairs = torch.full((blocks * block_m,), -1, dtype=torch.int32, device=ids.device)
+    pairs[(block_end - expert_blocks)[by_expert] * block_m + rank] = order.to(torch.int32)
+    index = torch.arange(blocks, device=ids.device)
+    block_expert = torch.searchsorted(block_end, index, right=True)
+    return pairs, torch.where(index < block_end[-1], block_expert, -1).to(torch.int32)
+
+
+@triton.jit
+def _expert_product_kernel(
+    x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
+    stride_x, stride_we, stride_wn, stride_out, n_out, k_in, up_offset,
+    ROWS_PER_PAIR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GATE_UP: tl.constexpr, EXACT: tl.constexpr, GDC: tl.constexpr = False,
+):
+    # program: block b of pairs (one expert) x BN output features.
+    # GATE_UP: input row = the pair's token (pair // ROWS_PER_PAIR), out = silu(x Wg^T) * (x Wu^T)
+    # in the model dtype; else input row = the pair, out = (x W^T) * weight[pair] in fp32.
+    wait_for_previous_grid(GDC)
+    b = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + b)
+    if expert < 0:
+        return
+    offs_m = tl.arange(0, BM)
+    pairs = tl.load(pairs_ptr + b * BM + offs_m)
+    valid = pairs >= 0
+    rows = tl.where(valid, pairs // ROWS_PER_PAIR if GATE_UP else pairs, 0).to(tl.int64)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mn = offs_n < n_out
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BM, BN], tl.float32)
+    acc_up = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, k_in, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < k_in
+        a = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        if EXACT:  # fp32 model (or the interpreter, whose bf16 dot is wrong)
+            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w))
+        if GATE_UP:
+            u = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            if EXACT:
+                acc_up += tl.dot(a.to(tl.float32), tl.trans(u.to(tl.float32)), input_precision="ieee")
+            else:
+                acc_up += tl.dot(a, tl.trans(u))
+    dtype = out_ptr.dtype.element_ty
+    if GATE_UP:  # rounded as silu_and_mul_reference rounds: each product, the activation, the result
+        g = acc.to(dtype).to(tl.float32)
+        result = ((g * tl.sigmoid(g)).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    else:
+        result = acc * tl.load(weights_ptr + tl.where(valid, pairs, 0))[:, None]
+    out_ptrs = out_ptr + tl.where(valid, pairs, 0).to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, result.to(dtype), mask=valid[:, None] & mn[None, :])
+
+
+def _block_m(num_pairs: int) -> int:
+    return 16 if num_pairs <= 512 else 64
+
+
+def experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """`experts_reference` in two grouped products (same arguments; weights fp32)."""
+    check_launchable(x, gate_up, down)
+    tokens, hidden = x.shape
+    num_experts, inter = down.shape[0], down.shape[2]
+    if gate_up.shape != (num_experts, 2 * inter, hidden) or down.shape[1] != hidden or x.stride(1) != 1:
+        raise ValueError(f"experts: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)} and down "
+                         f"{tuple(down.shape)} do not fit [T, H], [E, 2 I, H], [E, H, I]")  # fmt: skip
+    top_k = ids.shape[1]
+    out = torch.empty((tokens * top_k, hidden), dtype=torch.float32, device=x.device)
+    if tokens == 0:
+        return out.view(tokens, top_k, hidden).sum(1)
+    block_m = _block_m(tokens * top_k)
+    pairs, block_expert = group_pairs(ids, num_experts, block_m)
+    h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    flat_weights = weights.reshape(-1).contiguous()
+    exact = x.dtype == torch.float32 or INTERPRET
+    launch = dict(BM=block_m, BN=64, BK=64, EXACT=exact, num_warps=4, **pdl_options(x))
+    _expert_product_kernel[(block_expert.numel(), triton.cdiv(inter, 64))](
+        x, gate_up, h, pairs, block_expert, flat_weights,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), inter, hidden, inter,
+        ROWS_PER_PAIR=top_k, GATE_UP=True, **launch,
+    )
+    _expert_product_kernel[(block_expert.numel(), triton.cdiv(hidden, 64))](
+        h, down, out, pairs, block_expert, flat_weights,
+        h.stride(0), down.stride(0), down.stride(1), out.stride(0), hidden, inter, 0,
+        ROWS_PER_PAIR=1, GATE_UP=False, **launch,
+    )
+    return out.view(tokens, top_k, hidden).sum(1)
+
+
+def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+            ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The routed experts' output [T, H] in fp32 (see `experts_reference`)."""
+    if gpu_path(x) and HAS_TRITON:
+        return experts_triton(x, gate_up, down, weights, ids)
+    return experts_reference(x, gate_up, down, weights, ids)

@@ -1,0 +1,150 @@
+"""The mixture-of-experts models (Qwen3.5-35B-A3B's family): the routed-experts kernel against
+its reference, our model against HF's Qwen3_5MoeForCausalLM at TP=1 and TP=2, both checkpoint
+layouts of the experts, and the engine serving one."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from engine_helpers import collect, engine_config, ids_of
+from kernel_checks import DTYPES, assert_close, needs_cuda
+from safetensors.torch import load_file, save_file
+from test_gpu_path import _assert_steps_match, _run_steps
+from test_tp_golden import DECODE_STEPS, run_tp
+
+from deltaserve.engine.rank.loader import CheckpointError
+from deltaserve.kernels.moe import experts_reference, group_pairs, route
+from deltaserve.tools.golden import compare_logprobs
+from deltaserve.tools.make_model import hf_causal_lm
+
+
+@pytest.fixture(scope="module")
+def hf_moe(tiny_moe_model_dir):
+    return hf_causal_lm(tiny_moe_model_dir).from_pretrained(tiny_moe_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 8, 256, 16), (37, 2, 6, 16), (300, 4, 16, 64)])
+def test_group_pairs_places_every_pair_once_by_expert(tokens, top_k, experts, block_m):
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    pairs, block_expert = group_pairs(ids, experts, block_m)
+    assert pairs.numel() == block_expert.numel() * block_m
+    placed = pairs[pairs >= 0].long()
+    assert sorted(placed.tolist()) == list(range(tokens * top_k)), "a pair missing or placed twice"
+    blocks = pairs.view(-1, block_m)
+    for b, expert in enumerate(block_expert.tolist()):
+        members = blocks[b][blocks[b] >= 0].long()
+        if expert < 0:
+            assert members.numel() == 0, f"unused block {b} holds pairs"
+            continue
+        assert members.numel() > 0 and (ids.view(-1)[members] == expert).all(), f"block {b} mixes experts"
+        assert (members.diff() > 0).all(), "an expert's pairs out of token order"
+
+
+EXPERT_SHAPES = [  # (tokens, experts, top_k, hidden, inter)
+    (1, 6, 2, 40, 24),
+    (19, 5, 3, 72, 40),
+    pytest.param(1, 256, 8, 2048, 512, marks=needs_cuda),  # Qwen3.5-35B-A3B: decode, batch 1
+    pytest.param(64, 256, 8, 2048, 512, marks=needs_cuda),  # batch 64
+    pytest.param(700, 256, 8, 2048, 512, marks=needs_cuda),  # a prompt chunk
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,num_experts,top_k,hidden,inter", EXPERT_SHAPES)
+def test_experts_kernel_matches_reference(kernels, device, dtype, tokens, num_experts, top_k, hidden, inter):
+    from deltaserve.kernels.moe import experts_triton
+
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, device=device) / hidden**0.5).to(dtype)
+    down = (torch.randn(num_experts, hidden, inter, device=device) / inter**0.5).to(dtype)
+    weights, ids = route(torch.randn(tokens, num_experts, device=device), top_k, dtype)
+    want = experts_reference(x, gate_up, down, weights, ids)
+    got = experts_triton(x, gate_up, down, weights, ids)
+    assert_close(got, want, dtype, f"experts {tokens}x{num_experts}/{top_k}")
+
+
+def test_tp_matches_hf_and_tp1(tiny_moe_model_dir, tmp_path, hf_moe):
+    """Our model against HF's in fp32 over a 130-token prompt (past the 64-token DeltaNet
+    chunk) and greedy decode steps, at TP=1 and TP=2 (each expert's rows split)."""
+    prompt = [random.Random(5).randrange(248044) for _ in range(130)]
+    runs = {world: run_tp(world, tiny_moe_model_dir, tmp_path, prompt) for world in (1, 2)}
+    assert runs[2]["tokens"] == runs[1]["tokens"], "greedy tokens differ between TP=1 and TP=2"
+    with torch.inference_mode():
+        reference = hf_moe(torch.tensor([prompt + runs[1]["tokens"]])).logits[0].float()
+    n = len(prompt)
+    for world, result in runs.items():
+        for what, ours, ref in (("prefill", result["prefill"], reference[:n]),
+                                ("decode", result["decode"], reference[n : n + DECODE_STEPS])):  # fmt: skip
+            report = compare_logprobs(ours, ref)
+            print(f"TP={world} {what}: {json.dumps(report.as_dict())}")
+            assert report.argmax_mismatches == 0 and report.max_abs_diff <= 1e-3, report
+
+
+def _stacked_copy(model_dir, out_dir):
+    """The checkpoint with each layer's experts stacked as transformers' modules hold them
+    (`mlp.experts.gate_up_proj` [E, 2 I, H], `mlp.experts.down_proj` [E, H, I])."""
+    shutil.copytree(model_dir, out_dir)
+    tensors = load_file(out_dir / "model.safetensors")
+    num = json.loads((out_dir / "config.json").read_text())["num_experts"]
+    for prefix in sorted({name.split(".experts.")[0] for name in tensors if ".experts." in name}):
+        pick = lambda e, m, prefix=prefix: tensors.pop(f"{prefix}.experts.{e}.{m}_proj.weight")  # noqa: E731
+        tensors[f"{prefix}.experts.gate_up_proj"] = torch.stack([torch.cat([pick(e, "gate"), pick(e, "up")]) for e in range(num)])
+        tensors[f"{prefix}.experts.down_proj"] = torch.stack([pick(e, "down") for e in range(num)])
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
+def test_stacked_experts_load_as_released_ones(tiny_moe_model_dir, tmp_path):
+    """Stacked expert tensors give the same logits as the released per-expert ones; a
+    checkpoint missing one expert's projection is refused naming it."""
+    from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+    from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+
+    ids = [random.Random(3).randrange(248044) for _ in range(20)]
+
+    def logits(model_dir):
+        ex = Executor(ExecutorConfig(str(model_dir), num_slots=2, num_blocks=16))
+        return ex.forward([StepItem(1, 0, ids, True, NewRequest(30, SamplingSpec(seed=0)))], every_position=True)
+
+    stacked = _stacked_copy(tiny_moe_model_dir, tmp_path / "stacked")
+    assert torch.equal(logits(stacked), logits(tiny_moe_model_dir))
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_moe_model_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"lacks tensors: model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
+        logits(broken)
+
+
+async def test_engine_serves_hf_greedy_tokens(tiny_moe_model_dir, hf_moe):
+    """AsyncEngine (real rank processes) on the MoE checkpoint: HF's greedy continuation."""
+    from deltaserve.engine.async_engine import AsyncEngine
+    from deltaserve.engine.sampling_params import SamplingParams
+
+    prompt = [random.Random(8).randrange(248044) for _ in range(70)]
+    expected = hf_moe.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 70:].tolist()
+    engine = await AsyncEngine.start(engine_config(tiny_moe_model_dir))
+    try:
+        tokens, finished = await collect(engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                                ignore_eos=True)))  # fmt: skip
+    finally:
+        await engine.shutdown()
+    assert ids_of(tokens) == expected and finished.reason == "length"
+
+
+@needs_cuda
+def test_cuda_graphs_match_cpu(tiny_moe_model_dir):
+    """On CUDA (the grouped expert kernels, routing inside the decode graphs) the MoE model's
+    mixed steps give the CPU's log-probabilities, and graph replays the eager steps'."""
+    model_dir = str(tiny_moe_model_dir)
+    cpu, _ = _run_steps(model_dir, "cpu")
+    eager, _ = _run_steps(model_dir, "cuda")
+    _assert_steps_match(eager, cpu, 5e-2, "cuda vs cpu (moe)", 0.25)
+    graphs, _ = _run_steps(model_dir, "cuda", graphs=True)
+    _assert_steps_match(graphs, eager, 1e-4, "graphs vs eager (moe)")
+
