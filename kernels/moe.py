@@ -28,13 +28,56 @@ from deltaserve.kernels.triton_compat import (
 )
 
 
-def route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def route_reference(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32, expert ids [T, k] int64) from router logits [T, E]: softmax in fp32,
     the top k, renormalised to sum to 1 and rounded to the model dtype (HF's
     Qwen3_5MoeTopKRouter)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, ids = torch.topk(probs, top_k, dim=-1)
     return (top / top.sum(dim=-1, keepdim=True)).to(dtype).float(), ids
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_logits, num_experts,
+                  TOP_K: tl.constexpr, BE: tl.constexpr, BF16: tl.constexpr, GDC: tl.constexpr = False):  # fmt: skip
+    # program: one token's router logits -> its top-k experts (best first) and their weights
+    wait_for_previous_grid(GDC)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BE)
+    logits = tl.load(logits_ptr + t * stride_logits + offs, mask=offs < num_experts, other=float("-inf"))
+    probs = tl.exp(logits.to(tl.float32) - tl.max(logits.to(tl.float32), axis=0))
+    probs = probs / tl.sum(probs, axis=0)
+    total = 0.0
+    left = probs
+    for _ in tl.static_range(TOP_K):  # the top k's sum; the same picks again below, stored
+        best = tl.max(left, axis=0)
+        total += best
+        left = tl.where(offs == tl.argmax(left, axis=0, tie_break_left=True), -1.0, left)
+    left = probs
+    for k in tl.static_range(TOP_K):
+        best = tl.max(left, axis=0)
+        index = tl.argmax(left, axis=0, tie_break_left=True)
+        weight = best / total
+        if BF16:  # the weights in the model dtype, as HF's router returns them
+            weight = weight.to(tl.bfloat16).to(tl.float32)
+        tl.store(ids_ptr + t * TOP_K + k, index.to(tl.int64))
+        tl.store(weights_ptr + t * TOP_K + k, weight)
+        left = tl.where(offs == index, -1.0, left)
+
+
+def route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_reference`: one Triton program a token on the GPU path."""
+    if not (gpu_path(logits) and HAS_TRITON):
+        return route_reference(logits, top_k, dtype)
+    check_launchable(logits)
+    tokens, num_experts = logits.shape
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](logits, weights, ids, logits.stride(0), num_experts, TOP_K=top_k,
+                                 BE=triton.next_power_of_2(num_experts), BF16=dtype == torch.bfloat16,
+                                 num_warps=1 if num_experts <= 256 else 4, **pdl_options(logits))  # fmt: skip
+    return weights, ids
 
 
 def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
@@ -124,6 +167,48 @@ def _expert_product_kernel(
     tl.store(out_ptrs, result.to(dtype), mask=valid[:, None] & mn[None, :])
 
 
+@triton.jit
+def _expert_gemv_kernel(
+    x_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr,
+    stride_x, stride_we, stride_wn, stride_out, n_out, k_in, up_offset,
+    ROWS_PER_PAIR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
+    GDC: tl.constexpr = False,
+):
+    # program: one (token, expert) pair x BN output features, products on CUDA cores: with a
+    # few tokens each pair reads its expert's rows once, and no grouping is needed.
+    # GATE_UP / else: as _expert_product_kernel.
+    wait_for_previous_grid(GDC)
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair)
+    row = pair // ROWS_PER_PAIR if GATE_UP else pair
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mn = offs_n < n_out
+    w_rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BN], tl.float32)
+    acc_up = tl.zeros([BN], tl.float32)
+    for k0 in range(0, k_in, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < k_in
+        x = tl.load(x_ptr + row * stride_x + offs_k, mask=mk, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if GATE_UP:
+            u = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            acc_up += tl.sum(u.to(tl.float32) * x[None, :], axis=1)
+    dtype = out_ptr.dtype.element_ty
+    if GATE_UP:
+        g = acc.to(dtype).to(tl.float32)
+        result = ((g * tl.sigmoid(g)).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    else:
+        result = acc * tl.load(weights_ptr + pair)
+    tl.store(out_ptr + pair * stride_out + offs_n, result.to(dtype), mask=mn)
+
+
+# Up to this many (token, expert) pairs a step, each pair reads its expert's rows itself
+# (`_expert_gemv_kernel`); past it the pairs are grouped by expert and each expert is read once.
+GEMV_PAIRS = 64
+
+
 def _block_m(num_pairs: int) -> int:
     return 16 if num_pairs <= 512 else 64
 
@@ -141,10 +226,24 @@ def experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, w
     out = torch.empty((tokens * top_k, hidden), dtype=torch.float32, device=x.device)
     if tokens == 0:
         return out.view(tokens, top_k, hidden).sum(1)
-    block_m = _block_m(tokens * top_k)
-    pairs, block_expert = group_pairs(ids, num_experts, block_m)
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).contiguous()
+    if tokens * top_k <= GEMV_PAIRS:
+        flat_ids = ids.reshape(-1).contiguous()
+        launch = dict(BK=128, num_warps=4, **pdl_options(x))
+        _expert_gemv_kernel[(tokens * top_k, triton.cdiv(inter, 16))](
+            x, gate_up, h, flat_ids, flat_weights,
+            x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), inter, hidden, inter,
+            ROWS_PER_PAIR=top_k, BN=16, GATE_UP=True, **launch,
+        )
+        _expert_gemv_kernel[(tokens * top_k, triton.cdiv(hidden, 16))](
+            h, down, out, flat_ids, flat_weights,
+            h.stride(0), down.stride(0), down.stride(1), out.stride(0), hidden, inter, 0,
+            ROWS_PER_PAIR=1, BN=16, GATE_UP=False, **launch,
+        )
+        return out.view(tokens, top_k, hidden).sum(1)
+    block_m = _block_m(tokens * top_k)
+    pairs, block_expert = group_pairs(ids, num_experts, block_m)
     exact = x.dtype == torch.float32 or INTERPRET
     launch = dict(BM=block_m, BN=64, BK=64, EXACT=exact, num_warps=4, **pdl_options(x))
     _expert_product_kernel[(block_expert.numel(), triton.cdiv(inter, 64))](

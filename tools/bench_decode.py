@@ -270,7 +270,7 @@ def bench_model(args, device: torch.device, copy_gbps: float | None, matmul_tflo
 
     def run_meta(batch: int) -> None:
         items = decode_items(batch)
-        ex._admit_new(items)
+        ex._admit_new(items, [], [], [])
         step = with_step_meta(ex._build_batch(items, False), device)
         finish(items, ex.model(step, ex.cache))
 
