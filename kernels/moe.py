@@ -168,19 +168,16 @@ def _expert_product_kernel(
 
 
 @triton.jit
-def _expert_gemv_kernel(
-    x_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr,
-    stride_x, stride_we, stride_wn, stride_out, n_out, k_in, up_offset,
-    ROWS_PER_PAIR: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATE_UP: tl.constexpr,
-    GDC: tl.constexpr = False,
+def _gate_up_gemv_kernel(
+    x_ptr, w_ptr, out_ptr, ids_ptr, stride_x, stride_we, stride_wn, stride_out, n_out, k_in,
+    TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr = False,
 ):
-    # program: one (token, expert) pair x BN output features, products on CUDA cores: with a
-    # few tokens each pair reads its expert's rows once, and no grouping is needed.
-    # GATE_UP / else: as _expert_product_kernel.
+    # program: one (token, expert) pair x BN of its expert's gate rows and the matching up rows,
+    # products on CUDA cores: with a few tokens each pair reads its expert's rows once, and
+    # nothing is grouped. out = silu(x Wg^T) * (x Wu^T), rounded as _expert_product_kernel's.
     wait_for_previous_grid(GDC)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair)
-    row = pair // ROWS_PER_PAIR if GATE_UP else pair
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < n_out
     w_rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
@@ -189,59 +186,91 @@ def _expert_gemv_kernel(
     for k0 in range(0, k_in, BK):
         offs_k = k0 + tl.arange(0, BK)
         mk = offs_k < k_in
-        x = tl.load(x_ptr + row * stride_x + offs_k, mask=mk, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + (pair // TOP_K) * stride_x + offs_k, mask=mk, other=0.0).to(tl.float32)
         w = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        u = tl.load(w_rows + n_out * stride_wn + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        if GATE_UP:
-            u = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-            acc_up += tl.sum(u.to(tl.float32) * x[None, :], axis=1)
+        acc_up += tl.sum(u.to(tl.float32) * x[None, :], axis=1)
     dtype = out_ptr.dtype.element_ty
-    if GATE_UP:
-        g = acc.to(dtype).to(tl.float32)
-        result = ((g * tl.sigmoid(g)).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
-    else:
-        result = acc * tl.load(weights_ptr + pair)
+    g = acc.to(dtype).to(tl.float32)
+    result = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
     tl.store(out_ptr + pair * stride_out + offs_n, result.to(dtype), mask=mn)
 
 
+@triton.jit
+def _row_dot(x_ptr, w_rows, mn, k_in, BK: tl.constexpr, BN: tl.constexpr):
+    """sum over k of w[n, k] x[k] for the BN rows at w_rows, in fp32."""
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(0, k_in, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < k_in
+        x = tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _down_sum_kernel(
+    h_ptr, w_ptr, ids_ptr, weights_ptr, shared_h_ptr, shared_w_ptr, shared_gate_ptr, out_ptr,
+    stride_h, stride_we, stride_wn, stride_shared_h, stride_shared_wn, stride_gate, stride_out,
+    n_out, k_in, k_shared,
+    TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SHARED: tl.constexpr, GDC: tl.constexpr = False,
+):
+    # program: one token x BN output features: sum over its k experts of weight * (h W_down^T),
+    # plus, with SHARED, sigmoid(shared gate) * (shared h W_shared_down^T) rounded to the dtype
+    # (as HF's shared expert's output is); one write in `out`'s dtype.
+    wait_for_previous_grid(GDC)
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mn = offs_n < n_out
+    rows = offs_n[:, None].to(tl.int64)
+    acc = tl.zeros([BN], tl.float32)
+    for j in range(TOP_K):
+        pair = t * TOP_K + j
+        expert = tl.load(ids_ptr + pair)
+        part = _row_dot(h_ptr + pair * stride_h, w_ptr + expert * stride_we + rows * stride_wn, mn, k_in, BK, BN)
+        acc += part * tl.load(weights_ptr + pair)
+    dtype = out_ptr.dtype.element_ty
+    if SHARED:
+        part = _row_dot(shared_h_ptr + t * stride_shared_h, shared_w_ptr + rows * stride_shared_wn, mn, k_shared, BK, BN)
+        gate = tl.sigmoid(tl.load(shared_gate_ptr + t * stride_gate).to(tl.float32)).to(dtype).to(tl.float32)
+        acc += part.to(dtype).to(tl.float32) * gate
+    tl.store(out_ptr + t * stride_out + offs_n, acc.to(dtype), mask=mn)
+
+
 # Up to this many (token, expert) pairs a step, each pair reads its expert's rows itself
-# (`_expert_gemv_kernel`); past it the pairs are grouped by expert and each expert is read once.
+# (`_gate_up_gemv_kernel`, `_down_sum_kernel`); past it the pairs are grouped by expert and
+# each expert is read once (`_expert_product_kernel`).
 GEMV_PAIRS = 64
+GEMV_TILE = (16, 128)  # (rows, columns) of a GEMV program's weight tile
 
 
 def _block_m(num_pairs: int) -> int:
     return 16 if num_pairs <= 512 else 64
 
 
-def experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                   ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """`experts_reference` in two grouped products (same arguments; weights fp32)."""
-    check_launchable(x, gate_up, down)
-    tokens, hidden = x.shape
-    num_experts, inter = down.shape[0], down.shape[2]
-    if gate_up.shape != (num_experts, 2 * inter, hidden) or down.shape[1] != hidden or x.stride(1) != 1:
+def _check_shapes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    num_experts, hidden, inter = down.shape
+    if gate_up.shape != (num_experts, 2 * inter, x.shape[1]) or hidden != x.shape[1] or x.stride(1) != 1:
         raise ValueError(f"experts: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)} and down "
                          f"{tuple(down.shape)} do not fit [T, H], [E, 2 I, H], [E, H, I]")  # fmt: skip
+
+
+def experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """`experts_reference` (same arguments; weights fp32): per-pair GEMVs up to GEMV_PAIRS
+    pairs (`experts_and_shared`), else two grouped products and the sum over k."""
+    check_launchable(x, gate_up, down)
+    _check_shapes(x, gate_up, down)
+    tokens, hidden = x.shape
+    num_experts, inter = down.shape[0], down.shape[2]
     top_k = ids.shape[1]
+    if tokens * top_k <= GEMV_PAIRS:
+        return experts_and_shared(x, gate_up, down, weights, ids, torch.float32)
     out = torch.empty((tokens * top_k, hidden), dtype=torch.float32, device=x.device)
-    if tokens == 0:
-        return out.view(tokens, top_k, hidden).sum(1)
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).contiguous()
-    if tokens * top_k <= GEMV_PAIRS:
-        flat_ids = ids.reshape(-1).contiguous()
-        launch = dict(BK=128, num_warps=4, **pdl_options(x))
-        _expert_gemv_kernel[(tokens * top_k, triton.cdiv(inter, 16))](
-            x, gate_up, h, flat_ids, flat_weights,
-            x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), inter, hidden, inter,
-            ROWS_PER_PAIR=top_k, BN=16, GATE_UP=True, **launch,
-        )
-        _expert_gemv_kernel[(tokens * top_k, triton.cdiv(hidden, 16))](
-            h, down, out, flat_ids, flat_weights,
-            h.stride(0), down.stride(0), down.stride(1), out.stride(0), hidden, inter, 0,
-            ROWS_PER_PAIR=1, BN=16, GATE_UP=False, **launch,
-        )
-        return out.view(tokens, top_k, hidden).sum(1)
     block_m = _block_m(tokens * top_k)
     pairs, block_expert = group_pairs(ids, num_experts, block_m)
     exact = x.dtype == torch.float32 or INTERPRET
@@ -257,6 +286,46 @@ def experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, w
         ROWS_PER_PAIR=1, GATE_UP=False, **launch,
     )
     return out.view(tokens, top_k, hidden).sum(1)
+
+
+def experts_and_shared(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                       ids: torch.Tensor, out_dtype: torch.dtype, shared_h: torch.Tensor | None = None,
+                       shared_down: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+                       ) -> torch.Tensor:  # fmt: skip
+    """The routed experts' output in `out_dtype` by per-pair GEMVs (a few tokens on the GPU):
+    [T, H] = sum_k weights * expert(x), plus sigmoid(shared_gate) * shared_h shared_down^T where
+    the shared expert is given (its activation [T, Is], down weight [H, Is], gate logit [T, 1])."""
+    check_launchable(x, gate_up, down)
+    _check_shapes(x, gate_up, down)
+    tokens, hidden = x.shape
+    inter, top_k = down.shape[2], ids.shape[1]
+    out = torch.empty((tokens, hidden), dtype=out_dtype, device=x.device)
+    shared = shared_h is not None
+    if shared and (shared_down.shape != (hidden, shared_h.shape[1]) or shared_gate.shape != (tokens, 1)):
+        raise ValueError(f"shared expert: h {tuple(shared_h.shape)}, down {tuple(shared_down.shape)} and gate "
+                         f"{tuple(shared_gate.shape)} do not fit [T, Is], [H, Is], [T, 1]")  # fmt: skip
+    if tokens == 0:
+        return out
+    h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
+    flat_ids = ids.reshape(-1).contiguous()
+    bn, bk = GEMV_TILE
+    _gate_up_gemv_kernel[(tokens * top_k, triton.cdiv(inter, bn))](
+        x, gate_up, h, flat_ids, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), inter, hidden,
+        TOP_K=top_k, BN=bn, BK=bk, num_warps=4, **pdl_options(x),
+    )
+    sh, sw, sg = (shared_h, shared_down, shared_gate) if shared else (h, down[0], weights)  # unread without SHARED
+    _down_sum_kernel[(tokens, triton.cdiv(hidden, bn))](
+        h, down, flat_ids, weights.reshape(-1).contiguous(), sh, sw, sg, out,
+        h.stride(0), down.stride(0), down.stride(1), sh.stride(0), sw.stride(0), sg.stride(0), out.stride(0),
+        hidden, inter, sh.shape[1],
+        TOP_K=top_k, BN=bn, BK=bk, SHARED=shared, num_warps=4, **pdl_options(x),
+    )
+    return out
+
+
+def gemv_path(x: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether a step's experts run as per-pair GEMVs (`experts_and_shared`)."""
+    return gpu_path(x) and HAS_TRITON and ids.numel() <= GEMV_PAIRS
 
 
 def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,

@@ -22,7 +22,7 @@ from deltaserve.engine.rank.linear import WeightLoader, check_and_copy, new_para
 from deltaserve.engine.rank.mlp import MLP
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.parallel import all_reduce, shard, tp_size
-from deltaserve.kernels.moe import experts, route
+from deltaserve.kernels.moe import experts, experts_and_shared, gemv_path, route
 
 
 class ReplicatedLinear(nn.Module):
@@ -87,8 +87,15 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A few tokens on the GPU: the experts' and the shared expert's down products summed
+        in one kernel (`experts_and_shared`); else each apart, then added."""
         weights, ids = route(self.gate(x), self.top_k, x.dtype)
+        shared_h = self.shared_expert.gate_up_proj(x, silu_mul=True)
+        shared_down = self.shared_expert.down_proj
+        if gemv_path(x, ids) and shared_down.weight.dtype == x.dtype:  # (not an FP8 weight kept as it is)
+            out = experts_and_shared(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, x.dtype,
+                                     shared_h, shared_down.weight, self.shared_expert_gate(x))  # fmt: skip
+            return all_reduce(out)
         out = self.experts(x, weights, ids)
-        shared = self.shared_expert.down_proj.product(self.shared_expert.gate_up_proj(x, silu_mul=True))
-        out += torch.sigmoid(self.shared_expert_gate(x)) * shared
+        out += torch.sigmoid(self.shared_expert_gate(x)) * shared_down.product(shared_h)
         return all_reduce(out.to(x.dtype))
