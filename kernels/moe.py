@@ -22,6 +22,7 @@ from deltaserve.kernels.triton_compat import (
     check_launchable,
     gpu_path,
     pdl_options,
+    sm_count,
     tl,
     triton,
     wait_for_previous_grid,
@@ -241,9 +242,20 @@ def _down_sum_kernel(
 
 # Up to this many (token, expert) pairs a step, each pair reads its expert's rows itself
 # (`_gate_up_gemv_kernel`, `_down_sum_kernel`); past it the pairs are grouped by expert and
-# each expert is read once (`_expert_product_kernel`).
-GEMV_PAIRS = 64
-GEMV_TILE = (16, 128)  # (rows, columns) of a GEMV program's weight tile
+# each expert is read once (`_expert_product_kernel`). On an H100 at 35B-A3B's shapes the
+# GEMVs won up to 32 tokens (256 pairs: 406 against 441 us a layer) and lost at 64
+# (bench/results/moe_kernels_h100_at_594b39e.json).
+GEMV_PAIRS = 256
+GEMV_COLUMNS = 128  # columns of a GEMV program's weight tile
+
+
+def gemv_rows(total_rows: int, sms: int) -> int:
+    """Rows of a GEMV program's tile: 16, or fewer (down to 4) until there are programs for
+    four per SM (one token's down product has only H / 16 = 128 programs of 16 rows)."""
+    rows = 16
+    while rows > 4 and total_rows // rows < 4 * sms:
+        rows //= 2
+    return rows
 
 
 def _block_m(num_pairs: int) -> int:
@@ -308,11 +320,12 @@ def experts_and_shared(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
         return out
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     flat_ids = ids.reshape(-1).contiguous()
-    bn, bk = GEMV_TILE
+    bn, bk = gemv_rows(tokens * top_k * inter, sm_count(x)), GEMV_COLUMNS
     _gate_up_gemv_kernel[(tokens * top_k, triton.cdiv(inter, bn))](
         x, gate_up, h, flat_ids, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), inter, hidden,
         TOP_K=top_k, BN=bn, BK=bk, num_warps=4, **pdl_options(x),
     )
+    bn = gemv_rows(tokens * hidden, sm_count(x))
     sh, sw, sg = (shared_h, shared_down, shared_gate) if shared else (h, down[0], weights)  # unread without SHARED
     _down_sum_kernel[(tokens, triton.cdiv(hidden, bn))](
         h, down, flat_ids, weights.reshape(-1).contiguous(), sh, sw, sg, out,

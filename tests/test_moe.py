@@ -28,9 +28,15 @@ from deltaserve.tools.golden import compare_logprobs
 from deltaserve.tools.make_model import hf_causal_lm
 
 # With fla installed (the GPU machines) HF's DeltaNet runs fla's kernels, which need CUDA tensors
-# and compute their chunks in tf32: there the bound is test_gpu_path's for fla.
+# and compute their chunks in tf32: there the bounds are test_gpu_path's for fla (decode 5e-2,
+# prompt positions 0.25), and a near tie may pick another argmax at a regret within them.
 HF_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BOUND = 5e-2 if HF_DEVICE == "cuda" else 1e-3
+BOUNDS = {"prefill": 0.25, "decode": 5e-2} if HF_DEVICE == "cuda" else {"prefill": 1e-3, "decode": 1e-3}
+
+
+def assert_golden(report, bound: float) -> None:
+    same_argmax = report.argmax_mismatches == 0 if HF_DEVICE == "cpu" else report.max_regret <= bound
+    assert same_argmax and report.max_abs_diff <= bound, report
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +65,9 @@ def test_group_pairs_places_every_pair_once_by_expert(tokens, top_k, experts, bl
 EXPERT_SHAPES = [  # (tokens, experts, top_k, hidden, inter): <= GEMV_PAIRS pairs, then grouped ones
     (1, 6, 2, 40, 24),
     (19, 5, 3, 72, 40),
-    (40, 7, 3, 48, 40),
+    (90, 7, 3, 48, 40),
     pytest.param(1, 256, 8, 2048, 512, marks=needs_cuda),  # Qwen3.5-35B-A3B: decode, batch 1
+    pytest.param(16, 256, 8, 2048, 512, marks=needs_cuda),  # batch 16
     pytest.param(64, 256, 8, 2048, 512, marks=needs_cuda),  # batch 64
     pytest.param(700, 256, 8, 2048, 512, marks=needs_cuda),  # a prompt chunk
 ]
@@ -71,7 +78,7 @@ EXPERT_SHAPES = [  # (tokens, experts, top_k, hidden, inter): <= GEMV_PAIRS pair
 def test_experts_kernel_matches_reference(kernels, device, dtype, tokens, num_experts, top_k, hidden, inter):
     from deltaserve.kernels.moe import experts_and_shared, experts_triton
 
-    assert (tokens * top_k > GEMV_PAIRS) == (tokens >= 40), "a shape meant for the other kernel"
+    assert (tokens * top_k > GEMV_PAIRS) == (tokens >= 64), "a shape meant for the other kernel"
     x = torch.randn(tokens, hidden, device=device).to(dtype)
     gate_up = (torch.randn(num_experts, 2 * inter, hidden, device=device) / hidden**0.5).to(dtype)
     down = (torch.randn(num_experts, hidden, inter, device=device) / inter**0.5).to(dtype)
@@ -123,7 +130,7 @@ def test_tp_matches_hf_and_tp1(tiny_moe_model_dir, tmp_path, hf_moe):
                                 ("decode", result["decode"], reference[n : n + DECODE_STEPS])):  # fmt: skip
             report = compare_logprobs(ours, ref)
             print(f"TP={world} {what}: {json.dumps(report.as_dict())}")
-            assert report.argmax_mismatches == 0 and report.max_abs_diff <= BOUND, report
+            assert_golden(report, BOUNDS[what])
 
 
 def _stacked_copy(model_dir, out_dir):
@@ -194,16 +201,16 @@ def test_cuda_graphs_match_cpu(tiny_moe_model_dir):
 
 
 def _short_steps(vocab: int = 240000):
-    """A prompt (12 tokens: the prompt path, 24 pairs, per-pair GEMVs), one beside it past
-    GEMV_PAIRS (40 tokens: grouped products), then two decode steps of both."""
+    """A prompt (12 tokens: 24 pairs, per-pair GEMVs), one beside a decode past GEMV_PAIRS
+    (140 tokens: grouped products), then two decode steps of both."""
     from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 
     gen = torch.Generator().manual_seed(2)
     spec = SamplingSpec(seed=0)
     yield [StepItem(1, 0, torch.randint(0, vocab, (12,), generator=gen).tolist(), True, NewRequest(60, spec))]
-    yield [StepItem(2, 0, torch.randint(0, vocab, (40,), generator=gen).tolist(), True, NewRequest(60, spec)),
+    yield [StepItem(2, 0, torch.randint(0, vocab, (140,), generator=gen).tolist(), True, NewRequest(160, spec)),
            StepItem(1, 12, [5], True, None)]  # fmt: skip
-    yield [StepItem(1, 13, [6], True, None), StepItem(2, 40, [7], True, None)]
+    yield [StepItem(1, 13, [6], True, None), StepItem(2, 140, [7], True, None)]
 
 
 def test_gpu_path_under_interpreter_matches_cpu(kernels, tiny_moe_model_dir, monkeypatch):
