@@ -108,9 +108,10 @@ def published_projection_shapes(tp: int = 1) -> set[tuple[int, int]]:
 
     shapes = set()
     for name, p in PRESETS.items():
-        if name == "tiny":
+        if name.startswith("tiny"):
             continue
-        h, inter, hd = p["hidden_size"], p["intermediate_size"], p["head_dim"]
+        inter = p.get("intermediate_size") or p["shared_expert_intermediate_size"]  # an MoE: its shared expert
+        h, hd = p["hidden_size"], p["head_dim"]
         keys, values = p["linear_num_key_heads"] * p["linear_key_head_dim"], p["linear_num_value_heads"] * p["linear_value_head_dim"]
         columns = [2 * keys + 2 * values + 2 * p["linear_num_value_heads"],  # in_proj
                    2 * p["num_attention_heads"] * hd + 2 * p["num_key_value_heads"] * hd, 2 * inter]  # qkv (+ gate), gate_up
