@@ -232,3 +232,45 @@ def test_gpu_path_under_interpreter_matches_cpu(kernels, tiny_moe_model_dir, mon
     monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
     gpu_path, _ = _run_steps(str(tiny_moe_model_dir), "cpu", steps=_short_steps)
     _assert_steps_match(gpu_path, cpu, 2e-3, "GPU path under the interpreter vs cpu (moe)")
+
+
+def test_released_layouts_load(tiny_moe_model_dir, tmp_path):
+    """The MoE release's layouts: the vision-language one (`model.language_model.*`, vision
+    and MTP tensors skipped, sharded) gives the text-only checkpoint's logits, and an FP8
+    release (each expert's projections FP8 with block scales, widened as they load) gives
+    HF's on the same files."""
+    from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+    from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+    from deltaserve.tools.make_model import make_model
+
+    ids = [random.Random(1).randrange(248044) for _ in range(30)]
+
+    def logits(model_dir):
+        ex = Executor(ExecutorConfig(str(model_dir), num_slots=2, num_blocks=16))
+        return ex.forward([StepItem(1, 0, ids, True, NewRequest(40, SamplingSpec(seed=0)))], every_position=True)
+
+    vlm = make_model(tmp_path / "vlm", preset="tiny-moe", dtype="fp32", seed=0, vlm_names=True, shard_size="2MB")
+    assert json.loads((vlm / "config.json").read_text())["model_type"] == "qwen3_5_moe"
+    assert torch.equal(logits(vlm), logits(tiny_moe_model_dir))
+    fp8 = make_model(tmp_path / "fp8", preset="tiny-moe", dtype="fp8", seed=0, fp8_block=16)
+    hf = hf_causal_lm(fp8).from_pretrained(fp8, dtype=torch.float32).to(HF_DEVICE).eval()
+    with torch.inference_mode():
+        reference = hf(torch.tensor([ids], device=HF_DEVICE)).logits[0].float().cpu()
+    assert_golden(compare_logprobs(logits(fp8), reference), BOUNDS["prefill"])
+
+
+def test_moe_config_is_read_and_checked(tiny_moe_model_dir):
+    """An MoE config.json reads HF's MoE defaults for keys it leaves out, and one we cannot
+    serve is refused naming the key: more experts a token than there are, a TP size that does
+    not split the experts' rows."""
+    from deltaserve.engine.rank.model_config import ConfigError, ModelConfig
+
+    raw = json.loads((tiny_moe_model_dir / "config.json").read_text())
+    config = ModelConfig.from_dict(raw)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 32)
+    bare = ModelConfig.from_dict({"model_type": "qwen3_5_moe_text"})  # Qwen3.5-35B-A3B's shape
+    assert (bare.num_experts, bare.num_experts_per_tok, bare.hidden_size, bare.num_hidden_layers) == (256, 8, 2048, 40)
+    with pytest.raises(ConfigError, match="num_experts_per_tok 9 is more than num_experts 8"):
+        ModelConfig.from_dict({**raw, "num_experts_per_tok": 9})
+    with pytest.raises(ValueError, match="size 4 does not divide shared_expert_intermediate_size=50"):
+        ModelConfig.from_dict({**raw, "shared_expert_intermediate_size": 50}).check_tp_size(4)
