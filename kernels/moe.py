@@ -3,14 +3,16 @@ summed with the router's weights.
 
 The reference (the CPU path) runs each expert that any token chose over its tokens, as HF's
 `Qwen3_5MoeExperts` does. The GPU path must fit a CUDA graph, so nothing may depend on the
-routing on the host: `group_pairs` orders the (token, expert) pairs by expert into blocks of
-`block_m` rows, padded, with fixed-size tensor ops (vLLM's moe_align_block_size idea; the block
-count is bounded by the pair count alone), and one Triton kernel per product runs every block
-against its expert's weight tile (`_expert_product_kernel`): gate and up with their SiLU
-product made as they are written, then down, each pair's row weighted. The k rows of a token
-are added in order afterwards, so the result never depends on which block finished first.
+routing on the host. One program a token picks its top k (`_route_kernel`). A few tokens
+(up to GEMV_PAIRS (token, expert) pairs) run per-pair GEMVs on CUDA cores: gate and up rows
+together, then one program per (token, output rows) adds its k experts' down products and the
+shared expert's in one write (`experts_and_shared`). More tokens are grouped: `group_pairs`
+orders the pairs by expert into blocks of `block_m` rows, padded, with fixed-size tensor ops
+(vLLM's moe_align_block_size idea; the block count is bounded by the pair count alone), and a
+tensor-core kernel per product runs every block against its expert's weight tile
+(`_expert_product_kernel`); the k rows of a token are added in order afterwards, so the result
+never depends on which block finished first.
 """
-
 from __future__ import annotations
 
 import torch
