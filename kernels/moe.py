@@ -50,6 +50,8 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_logits, num_experts,
     logits = tl.load(logits_ptr + t * stride_logits + offs, mask=offs < num_experts, other=float("-inf"))
     probs = tl.exp(logits.to(tl.float32) - tl.max(logits.to(tl.float32), axis=0))
     probs = probs / tl.sum(probs, axis=0)
+    # a row of NaN logits (a graph's padding row may hold anything) picks experts 0..k-1
+    probs = tl.where(probs == probs, probs, 0.0)
     total = 0.0
     left = probs
     for _ in tl.static_range(TOP_K):  # the top k's sum; the same picks again below, stored
