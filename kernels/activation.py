@@ -35,6 +35,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def silu_times(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in fp32 from fp32 products, rounded as `silu_and_mul_reference` rounds
+    in `dtype`: each product, then silu(gate) (the caller rounds the result)."""
+    g = gate.to(dtype).to(tl.float32)
+    return (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, width, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
     # program: BLOCK features of one row
     wait_for_previous_grid(GDC)
@@ -43,9 +51,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, width, BLOCK: tl.constexpr, G
     m = offs < width
     gate = tl.load(x_ptr + r * stride_x + offs, mask=m, other=0.0)
     up = tl.load(x_ptr + r * stride_x + width + offs, mask=m, other=0.0)
-    g = gate.to(tl.float32)
-    act = (g * tl.sigmoid(g)).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + r * width + offs, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + r * width + offs, silu_times(gate, up, gate.dtype).to(out_ptr.dtype.element_ty), mask=m)
 
 
 def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltaserve.kernels.activation import silu_and_mul_reference, silu_times, times_sigmoid
 from deltaserve.kernels.triton_compat import (
     HAS_TRITON,
     INTERPRET,
@@ -90,11 +91,9 @@ def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     """sum_k weights[t, k] * down[e] (silu(gate[e] x_t) * up[e] x_t) over e = ids[t, k], in fp32 [T, H].
     gate_up [E, 2 I, H] (gate rows then up rows), down [E, H, I]; products in x's dtype."""
     out = torch.zeros((x.shape[0], down.shape[1]), dtype=torch.float32, device=x.device)
-    inter = down.shape[2]
     for expert in ids.unique().tolist():
         tokens, slots = (ids == expert).nonzero(as_tuple=True)
-        h = F.linear(x[tokens], gate_up[expert])
-        h = F.silu(h[:, :inter]) * h[:, inter:]
+        h = silu_and_mul_reference(F.linear(x[tokens], gate_up[expert]))
         y = F.linear(h, down[expert]).float() * weights[tokens, slots, None]
         out.index_add_(0, tokens, y)
     return out
@@ -163,9 +162,8 @@ def _expert_product_kernel(
             else:
                 acc_up += tl.dot(a, tl.trans(u))
     dtype = out_ptr.dtype.element_ty
-    if GATE_UP:  # rounded as silu_and_mul_reference rounds: each product, the activation, the result
-        g = acc.to(dtype).to(tl.float32)
-        result = ((g * tl.sigmoid(g)).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    if GATE_UP:
+        result = silu_times(acc, acc_up, dtype)
     else:
         result = acc * tl.load(weights_ptr + tl.where(valid, pairs, 0))[:, None]
     out_ptrs = out_ptr + tl.where(valid, pairs, 0).to(tl.int64)[:, None] * stride_out + offs_n[None, :]
@@ -179,7 +177,7 @@ def _gate_up_gemv_kernel(
 ):
     # program: one (token, expert) pair x BN of its expert's gate rows and the matching up rows,
     # products on CUDA cores: with a few tokens each pair reads its expert's rows once, and
-    # nothing is grouped. out = silu(x Wg^T) * (x Wu^T), rounded as _expert_product_kernel's.
+    # nothing is grouped. out = silu(x Wg^T) * (x Wu^T), rounded as `silu_times` rounds.
     wait_for_previous_grid(GDC)
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair)
@@ -196,10 +194,8 @@ def _gate_up_gemv_kernel(
         u = tl.load(w_rows + n_out * stride_wn + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         acc_up += tl.sum(u.to(tl.float32) * x[None, :], axis=1)
-    dtype = out_ptr.dtype.element_ty
-    g = acc.to(dtype).to(tl.float32)
-    result = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
-    tl.store(out_ptr + pair * stride_out + offs_n, result.to(dtype), mask=mn)
+    result = silu_times(acc, acc_up, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + pair * stride_out + offs_n, result.to(out_ptr.dtype.element_ty), mask=mn)
 
 
 @triton.jit
@@ -239,8 +235,7 @@ def _down_sum_kernel(
     dtype = out_ptr.dtype.element_ty
     if SHARED:
         part = _row_dot(shared_h_ptr + t * stride_shared_h, shared_w_ptr + rows * stride_shared_wn, mn, k_shared, BK, BN)
-        gate = tl.sigmoid(tl.load(shared_gate_ptr + t * stride_gate).to(tl.float32)).to(dtype).to(tl.float32)
-        acc += part.to(dtype).to(tl.float32) * gate
+        acc += times_sigmoid(part.to(dtype), tl.load(shared_gate_ptr + t * stride_gate))
     tl.store(out_ptr + t * stride_out + offs_n, acc.to(dtype), mask=mn)
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.engine.rank.fp8 import dequantize
-from deltaserve.kernels.activation import silu_and_mul
+from deltaserve.kernels.activation import silu_and_mul, silu_times
 from deltaserve.kernels.causal_conv1d import causal_conv1d_update
 from deltaserve.kernels.fp8_scales import _x_tile, fp8_args
 from deltaserve.kernels.triton_compat import (
@@ -153,9 +153,7 @@ def _silu_mul_halves(acc, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: t
     BLOCK_M], rounded as the unfused path rounds: each product to the model dtype (the
     gate_up output), silu(gate) to it, then the product (`silu_and_mul`)."""
     gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0)))
-    g = gate.to(dtype).to(tl.float32)
-    act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
-    return act * up.to(dtype).to(tl.float32)
+    return silu_times(gate, up, dtype)
 
 
 @triton.jit
