@@ -205,15 +205,20 @@ def load_tensor(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, in
     assert target is not None  # the reader hands out wanted names only
     if expert := EXPERT_TENSOR.match(target):
         merged, part = EXPERT_PARTS[expert[3]]
-        param_name, args, covers = f"{expert[1]}.{merged}", (int(expert[2]), part), {target}
+        param_name = f"{expert[1]}.{merged}"
     else:
         param_name, part = packed_target(target, packed)
-        args, covers = (part,), {target}
     param = params.get(param_name)
-    if param is None or (expert and not hasattr(param, "num_experts")):
+    stacked = hasattr(param, "num_experts")
+    if param is None or (expert and not stacked):
         raise CheckpointError(f"unexpected tensor {name!r} in {path.name}")
-    if hasattr(param, "num_experts") and not expert:  # a stacked tensor holds every expert's
-        args, covers = (), expert_names(param_name, param.num_experts)
+    args, covers = (), {target}  # the loader's arguments past (param, tensor); the names it loads
+    if expert:
+        args = (int(expert[2]), part)
+    elif stacked:  # a stacked tensor holds every expert's
+        covers = expert_names(param_name, param.num_experts)
+    elif hasattr(param, "num_parts"):  # a ColumnParallelLinear: into its part
+        args = (part,)
     if covers & loaded:
         raise CheckpointError(f"tensor {name!r} in {path.name} appears twice in the checkpoint")
     if param.dtype in FP8_DTYPES and tensor.dtype != param.dtype:  # a copy would quantize it anew
@@ -227,10 +232,7 @@ def load_tensor(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, in
             f"without its quantization_config?): only floating-point tensors (fp32, bf16, fp16, fp64) load"
         )
     try:
-        if hasattr(param, "num_parts") or hasattr(param, "num_experts"):  # into its part (and expert)
-            param.weight_loader(param, tensor, *args)
-        else:
-            param.weight_loader(param, tensor)
+        param.weight_loader(param, tensor, *args)
     except (ValueError, IndexError) as e:
         raise CheckpointError(f"tensor {name!r} in {path.name}: {e}") from None
     loaded |= covers

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltaserve.engine.rank.linear import WeightLoader, check_and_copy, new_param, replicated_param
+from deltaserve.engine.rank.linear import WeightLoader, new_param, replicated_param, sharded_loader
 from deltaserve.engine.rank.mlp import MLP
 from deltaserve.engine.rank.model_config import ModelConfig
-from deltaserve.engine.rank.parallel import all_reduce, shard, tp_size
+from deltaserve.engine.rank.parallel import all_reduce, tp_size
 from deltaserve.kernels.moe import experts, experts_and_shared, gemv_path, route
 
 
@@ -40,20 +40,15 @@ def expert_loader(stacked: tuple[int, ...], sections: tuple[int, ...], dim: int)
     """The loader of a stacked expert parameter whose full checkpoint shape is `stacked`
     ([E, ...]): this rank's shard of `sections` along `dim` of it. Called with the stacked
     tensor, or with one expert's tensor of one part (`expert`, `part`: gate 0, up 1)."""
+    whole = sharded_loader(sections, dim, stacked)
+    parts = [sharded_loader(None, dim - 1, (*stacked[1:dim], size, *stacked[dim + 1 :])) for size in sections]
 
     def load(param: nn.Parameter, loaded: torch.Tensor, expert: int | None = None, part: int = 0) -> None:
         if expert is None:
-            if tuple(loaded.shape) != stacked:
-                raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, expected {stacked}")
-            check_and_copy(param, shard(loaded, sections, dim))
+            whole(param, loaded)
             return
-        one = list(stacked[1:])
-        one[dim - 1] = sections[part]
-        if tuple(loaded.shape) != tuple(one):
-            raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, expected {tuple(one)}")
         local = sections[part] // tp_size()
-        target = param.data[expert].narrow(dim - 1, part * local, local)
-        check_and_copy(target, shard(loaded, (sections[part],), dim - 1))
+        parts[part](param.data[expert].narrow(dim - 1, part * local, local), loaded)
 
     return load
 
