@@ -95,11 +95,18 @@ PRESETS: dict[str, dict] = {
     "4b": _published(2560, 32, 16, 4, 16, 32, 9216, True),
     "9b": _published(4096, 32, 16, 4, 16, 32, 12288, False),
 }
-# Mixture-of-experts models (model_type qwen3_5_moe): no intermediate_size, experts instead.
-_MOE_SMALL = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-PRESETS["tiny-moe"] = {k: v for k, v in PRESETS["tiny"].items() if k != "intermediate_size"} | _MOE_SMALL
-PRESETS["35b-a3b"] = {k: v for k, v in _published(2048, 40, 16, 2, 16, 32, 0, False).items() if k != "intermediate_size"} | dict(
-    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512)
+
+
+def _moe(dense: dict, experts: int, top_k: int, inter: int, shared_inter: int) -> dict:
+    """A mixture-of-experts model (model_type qwen3_5_moe) of `dense`'s shape: experts in place
+    of its MLP, so no intermediate_size."""
+    return {k: v for k, v in dense.items() if k != "intermediate_size"} | dict(
+        num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
+        shared_expert_intermediate_size=shared_inter)  # fmt: skip
+
+
+PRESETS["tiny-moe"] = _moe(PRESETS["tiny"], 8, 2, 32, 48)
+PRESETS["35b-a3b"] = _moe(_published(2048, 40, 16, 2, 16, 32, 0, False), 256, 8, 512, 512)
 
 
 def is_moe(text: dict) -> bool:
