@@ -13,7 +13,7 @@ import torch
 from engine_helpers import collect, engine_config, ids_of
 from kernel_checks import DTYPES, assert_close, needs_cuda
 from safetensors.torch import load_file, save_file
-from test_gpu_path import _assert_steps_match, _run_steps
+from test_gpu_path import _assert_steps_match, _run_steps, interpreter_only
 from test_tp_golden import DECODE_STEPS, run_tp
 
 from deltaserve.engine.rank.loader import CheckpointError
@@ -222,14 +222,13 @@ def _short_steps(vocab: int = 240000):
     yield [StepItem(1, 13, [6], True, None), StepItem(2, 140, [7], True, None)]
 
 
+@interpreter_only
 def test_gpu_path_under_interpreter_matches_cpu(kernels, tiny_moe_model_dir, monkeypatch):
     """The MoE layer's GPU path (the router kernel, per-pair and grouped expert products, the
     shared expert summed in), run on CPU tensors by Triton's interpreter, gives the CPU path's
     log-probabilities (on a GPU, test_cuda_graphs_match_cpu covers it for real)."""
     from deltaserve.kernels import triton_compat
 
-    if torch.cuda.is_available():
-        pytest.skip("the GPU runs this path for real")
     cpu, _ = _run_steps(str(tiny_moe_model_dir), "cpu", steps=_short_steps)
     monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
     gpu_path, _ = _run_steps(str(tiny_moe_model_dir), "cpu", steps=_short_steps)
