@@ -144,7 +144,7 @@ def projection_shapes(ex: Executor, items: list[StepItem]) -> list[tuple[int, in
 
     rank_linear.linear = recording
     try:
-        ex._run_eager(ex._build_batch(items, False))
+        ex.model(ex._eager_batch(ex._build_batch(items, False)), ex.cache)
     finally:
         rank_linear.linear = original
     return seen

@@ -324,9 +324,6 @@ class Executor:
         if tp_size() > 1 and any(not item.token_ids for item in items):
             broadcast(self.cache.last_tokens)
 
-    def _run_eager(self, batch: StepBatch) -> torch.Tensor | None:
-        return self.model(self._eager_batch(batch), self.cache)
-
     def _eager_batch(self, batch: StepBatch) -> StepBatch:
         """On the GPU path, the batch with its index tensors made once for all layers."""
         return with_step_meta(batch, self.device) if gpu_path(batch.input_ids) else batch
@@ -378,12 +375,10 @@ class Executor:
         wanted = prompt_rows(items, [span.offset for span in plan.spans])
         if self.prompt_graphs is not None and not every_position and self.prompt_graphs.can_run(plan):
             hidden, logits = self.prompt_graphs.run(plan)
-        elif wanted:
+        else:
             batch = self._eager_batch(self._plan_batch(plan))
             hidden = self.model.hidden_states(batch, self.cache)
             logits = self.model.logits(hidden, batch)
-        else:
-            return self._run_eager(self._plan_batch(plan))
         if wanted:
             found = compute_prompt_logprobs(hidden, wanted, self.model.output_embedding)
             if prompt_logprobs is not None:
