@@ -51,14 +51,18 @@ T = TypeVar("T")
 class AsyncEngine:
     """Start with `await AsyncEngine.start(config)` (or `async with`), stop with `shutdown`."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any, max_model_len: int
+    ) -> None:
         """Holds the parts; `start` is the way in (it also launches the replica)."""
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         # a request's logprobs and prompt_logprobs at most (EngineConfig.max_logprobs; -1: the vocabulary)
-        self.max_logprobs = model_config.vocab_size if config.max_logprobs == -1 else config.max_logprobs
+        self.max_logprobs = (
+            model_config.vocab_size if config.max_logprobs == -1 else config.max_logprobs
+        )
         self.eos_token_ids = eos_token_ids(config.model, model_config)
         self._next_request_id = itertools.count(1)
         self._streams: dict[str, EventSink] = {}  # client request id -> unresolved sink
@@ -97,9 +101,16 @@ class AsyncEngine:
             raise
         if monitor is not None:
             c = self._controller
-            monitor.ready(model=config.model, tp_size=config.tp_size, device=config.device,
-                          num_slots=c.num_slots, num_blocks=c.num_blocks, block_size=c.block_size,
-                          max_model_len=self.max_model_len, startup_s=time.monotonic() - t0)  # fmt: skip
+            monitor.ready(
+                model=config.model,
+                tp_size=config.tp_size,
+                device=config.device,
+                num_slots=c.num_slots,
+                num_blocks=c.num_blocks,
+                block_size=c.block_size,
+                max_model_len=self.max_model_len,
+                startup_s=time.monotonic() - t0,
+            )
         return self
 
     async def _launch(self, num_kv_blocks: int | None) -> None:
@@ -153,7 +164,9 @@ class AsyncEngine:
             self._monitor.attach(self._scheduler)
         if self._controller.poison_reason is not None:
             self._scheduler.on_poison(self._controller.poison_reason)
-        self._task = asyncio.get_running_loop().create_task(self._scheduler.run(), name="deltaserve-scheduler")
+        self._task = asyncio.get_running_loop().create_task(
+            self._scheduler.run(), name="deltaserve-scheduler"
+        )
 
     async def __aenter__(self) -> AsyncEngine:
         return self
@@ -247,7 +260,11 @@ class AsyncEngine:
     # ---- requests ---------------------------------------------------------------------------
 
     def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Submit a prompt; returns the stream of its events. Raises ValueError (bad input),
         QueueFullError (waiting queue at its bound) or EngineDeadError, synchronously.
@@ -257,12 +274,17 @@ class AsyncEngine:
             if type(priority) is not int:
                 raise ValueError(f"priority must be an integer, got {priority!r}")
             if priority and self.config.scheduling_policy != "priority":
-                raise ValueError(f"priority {priority} needs the priority scheduling policy "
-                                 "(--scheduling-policy priority); this engine admits first come first served")  # fmt: skip
+                raise ValueError(
+                    f"priority {priority} needs the priority scheduling policy "
+                    "(--scheduling-policy priority); this engine admits first come first served"
+                )
             return self._submit(prompt, params, request_id, priority)
 
     def check(
-        self, prompts: list[str | list[int]], params: list[SamplingParams], request_id: str | None = None
+        self,
+        prompts: list[str | list[int]],
+        params: list[SamplingParams],
+        request_id: str | None = None,
     ) -> None:
         """Raise what `generate` would for these prompts submitted one after another (the
         queue bound over all their choices), submitting none: a caller that needs all or none
@@ -318,14 +340,17 @@ class AsyncEngine:
                 f"max_queued_tokens {self.config.max_queued_tokens}"
             )
 
-    def _submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None,
-                priority: int) -> RequestStream:  # fmt: skip
+    def _submit(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None, priority: int
+    ) -> RequestStream:
         prompt_ids, params = self._check_request(prompt, params)
         if request_id is None:
             request_id = f"req-{uuid.uuid4().hex}"
         elif (old := self._streams.get(request_id)) is not None:
             if not old.closed:
-                raise ValueError(f"request_id {request_id!r} is already in use by a running request")
+                raise ValueError(
+                    f"request_id {request_id!r} is already in use by a running request"
+                )
             # its owner left (aclose, a cancelled consumer, the stream dropped): the id is free
             # at once, as after `abort`; the tick cancels the old choices
             self._forget(old)
@@ -371,8 +396,10 @@ class AsyncEngine:
             except OSError as exc:
                 raise ValueError(f"{model_dir}: {exc}") from None
             if differences:
-                raise ValueError(f"{model_dir} is not the served model: its config.json differs in "
-                                 f"{', '.join(differences)}")  # fmt: skip
+                raise ValueError(
+                    f"{model_dir} is not the served model: its config.json differs in "
+                    f"{', '.join(differences)}"
+                )
             check_same_tensors(self.weights_dir, model_dir, self.model_config)
 
         await asyncio.to_thread(check)
@@ -434,7 +461,9 @@ class AsyncEngine:
     def is_sleeping(self) -> bool:
         return bool(self._scheduler.maintenance.asleep)
 
-    def _maintain(self, kind: Kind, model_dir: str | None = None, **options: Any) -> asyncio.Future[None]:
+    def _maintain(
+        self, kind: Kind, model_dir: str | None = None, **options: Any
+    ) -> asyncio.Future[None]:
         self._check_alive()
         done = self._scheduler.maintenance.ask(kind, model_dir, **options)
         self._scheduler.wake()
@@ -470,12 +499,18 @@ class AsyncEngine:
             ids = list(prompt)
             vocab = self.model_config.vocab_size
             # one fast pass (a prompt can hold a million ids), the slow one only to name the culprit
-            if ids and not (all(type(t) is int for t in ids) and min(ids) >= 0 and max(ids) < vocab):
+            if ids and not (
+                all(type(t) is int for t in ids) and min(ids) >= 0 and max(ids) < vocab
+            ):
                 for i, t in enumerate(ids):
                     if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                        raise ValueError(f"prompt token {i} is {t!r}: ids must be integers in [0, {vocab})")
+                        raise ValueError(
+                            f"prompt token {i} is {t!r}: ids must be integers in [0, {vocab})"
+                        )
         else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
         return tuple(ids)
@@ -484,7 +519,9 @@ class AsyncEngine:
         vocab = self.model_config.vocab_size
         for name in ("logprobs", "prompt_logprobs"):  # the words of the HTTP layer's check
             if (k := getattr(params, name)) is not None and k > self.max_logprobs:
-                raise ValueError(f"{name} must be in 0..{self.max_logprobs}, got {k} (--max-logprobs)")
+                raise ValueError(
+                    f"{name} must be in 0..{self.max_logprobs}, got {k} (--max-logprobs)"
+                )
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"stop_token_ids has {t}, outside the vocabulary [0, {vocab})")
@@ -493,10 +530,14 @@ class AsyncEngine:
             raise ValueError(
                 f"logit_bias has token ids {outside}, outside the vocabulary [0, {vocab})"
             )
-        for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("bad_words", {t for word in params.bad_words_token_ids or () for t in word})):  # fmt: skip
+        for name, ids in (
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("bad_words", {t for word in params.bad_words_token_ids or () for t in word}),
+        ):
             if outside := sorted(t for t in ids if t >= vocab):
-                raise ValueError(f"{name} has token ids {outside}, outside the vocabulary [0, {vocab})")
+                raise ValueError(
+                    f"{name} has token ids {outside}, outside the vocabulary [0, {vocab})"
+                )
         need = len(prompt_ids) + params.max_tokens
         if need > self.max_model_len:
             raise ValueError(
@@ -504,7 +545,9 @@ class AsyncEngine:
                 f"exceeds max_model_len {self.max_model_len}"
             )
         if params.n > self.config.max_queued_requests:  # refused now, it would be refused forever
-            raise ValueError(f"n ({params.n}) exceeds max_queued_requests ({self.config.max_queued_requests})")
+            raise ValueError(
+                f"n ({params.n}) exceeds max_queued_requests ({self.config.max_queued_requests})"
+            )
         ledger = self._scheduler.ledger
         if not ledger.fits_ever(need):
             raise ValueError(

@@ -25,7 +25,9 @@ from deltaserve.engine.sampling_params import SamplingParams
 @dataclass(frozen=True, slots=True)
 class Beam:
     tokens: tuple[int, ...]  # the output's tokens (an ending EOS only where include_stop)
-    logprobs: tuple[float, ...]  # each token's (an ending EOS's where it is not kept: only in cum_logprob)
+    logprobs: tuple[
+        float, ...
+    ]  # each token's (an ending EOS's where it is not kept: only in cum_logprob)
     cum_logprob: float
     finish_reason: Literal["stop", "length"]
     score: float
@@ -51,23 +53,36 @@ async def beam_search(
     """The `width` best beams of `prompt`, best first. `engine`: an AsyncEngine (its
     `generate`); ValueError from it (a prompt too long, ...) propagates."""
     step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * width)
-    live: list[tuple[tuple[int, ...], tuple[float, ...], float]] = [((), (), 0.0)]  # tokens, their logprobs, sum
+    live: list[tuple[tuple[int, ...], tuple[float, ...], float]] = [
+        ((), (), 0.0)
+    ]  # tokens, their logprobs, sum
     done: list[Beam] = []
 
-    def scored(tokens: tuple[int, ...], logprobs: tuple[float, ...], cum: float, reason: Literal["stop", "length"],
-               eos: int | None) -> Beam:  # fmt: skip
+    def scored(
+        tokens: tuple[int, ...],
+        logprobs: tuple[float, ...],
+        cum: float,
+        reason: Literal["stop", "length"],
+        eos: int | None,
+    ) -> Beam:
         length = len(prompt) + len(tokens) - (eos is not None and include_stop)
         return Beam(tokens, logprobs, cum, reason, cum / length**length_penalty, eos)
 
     for n in range(max_tokens):
-        tops = await asyncio.gather(*(_best_next(engine, prompt + list(tokens), step, f"{request_id}-{n}-{i}")
-                                      for i, (tokens, _, _) in enumerate(live)))  # fmt: skip
+        tops = await asyncio.gather(
+            *(
+                _best_next(engine, prompt + list(tokens), step, f"{request_id}-{n}-{i}")
+                for i, (tokens, _, _) in enumerate(live)
+            )
+        )
         candidates = []
         for (tokens, logprobs, cum), top in zip(live, tops, strict=True):
             for token, logprob in top:
                 if token in eos_ids and not ignore_eos:
                     kept = (token,) * include_stop, (logprob,) * include_stop
-                    done.append(scored(tokens + kept[0], logprobs + kept[1], cum + logprob, "stop", token))
+                    done.append(
+                        scored(tokens + kept[0], logprobs + kept[1], cum + logprob, "stop", token)
+                    )
                 else:
                     candidates.append((cum + logprob, tokens + (token,), logprobs + (logprob,)))
         candidates.sort(key=lambda c: -c[0])
@@ -78,7 +93,9 @@ async def beam_search(
     return sorted(beams, key=lambda b: b.score, reverse=True)[:width]
 
 
-async def _best_next(engine: Any, ids: list[int], params: SamplingParams, request_id: str) -> list[tuple[int, float]]:
+async def _best_next(
+    engine: Any, ids: list[int], params: SamplingParams, request_id: str
+) -> list[tuple[int, float]]:
     """The best next tokens after `ids` and their logprobs, best first."""
     stream = engine.generate(ids, params, request_id=request_id)
     top: list[tuple[int, float]] = []

@@ -23,7 +23,11 @@ class CapacityError(ValueError):
 
 class CapacityLedger:
     def __init__(self, num_slots: int, num_blocks: int, block_size: int) -> None:
-        for name, value in (("num_slots", num_slots), ("num_blocks", num_blocks), ("block_size", block_size)):
+        for name, value in (
+            ("num_slots", num_slots),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.num_slots = num_slots
@@ -56,7 +60,10 @@ class CapacityLedger:
         return self.blocks_for(reserve_tokens) <= self.num_blocks
 
     def can_admit(self, reserve_tokens: int, num_shared: int = 0) -> bool:
-        return self.free_slots >= 1 and self.blocks_for(reserve_tokens) - num_shared <= self.free_blocks
+        return (
+            self.free_slots >= 1
+            and self.blocks_for(reserve_tokens) - num_shared <= self.free_blocks
+        )
 
     def admit(self, request_id: int, reserve_tokens: int, shared: list[int] = ()) -> None:
         """Reserve a slot and the blocks: `shared` (a saved prefix's full blocks) first."""

@@ -22,7 +22,10 @@ DEFAULT_MAX_MODEL_LEN = 8192
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
 DEVICES = ("cpu", "cuda")
 DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
-FP8_WEIGHTS = ("widen", "keep")  # an FP8 checkpoint's projections: widened as they load, or kept FP8
+FP8_WEIGHTS = (
+    "widen",
+    "keep",
+)  # an FP8 checkpoint's projections: widened as they load, or kept FP8
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +87,9 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", DEFAULT_BATCHED_TOKENS[self.device])
         if self.prefix_cache_states is None:
@@ -105,10 +110,18 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so that every decode fits in a step"
             )
-        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the vocabulary), got {self.max_logprobs!r}")
+        if (
+            not isinstance(self.max_logprobs, int)
+            or isinstance(self.max_logprobs, bool)
+            or self.max_logprobs < -1
+        ):
+            raise ValueError(
+                f"max_logprobs must be an integer >= -1 (-1: the vocabulary), got {self.max_logprobs!r}"
+            )
         if self.fp8_weights not in FP8_WEIGHTS:
-            raise ValueError(f"fp8_weights must be one of {', '.join(FP8_WEIGHTS)}, got {self.fp8_weights!r}")
+            raise ValueError(
+                f"fp8_weights must be one of {', '.join(FP8_WEIGHTS)}, got {self.fp8_weights!r}"
+            )
         for name in ("prompt_graph_tokens", "prefix_cache_states"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -117,10 +130,16 @@ class EngineConfig:
         # start on msgspec's "Expected `int`, got `float`"
         for name, low in (("max_model_len", 2), ("num_kv_blocks", 1)):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < low
+            ):
                 raise ValueError(f"{name} must be an integer >= {low} or None, got {value!r}")
         util = self.gpu_memory_utilization
-        if not isinstance(util, int | float) or isinstance(util, bool) or not (math.isfinite(util) and 0 < util <= 1):
+        if (
+            not isinstance(util, int | float)
+            or isinstance(util, bool)
+            or not (math.isfinite(util) and 0 < util <= 1)
+        ):
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
         for name in ("step_timeout_s", "startup_timeout_s"):
             value = getattr(self, name)
@@ -128,7 +147,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         endpoint = self.monitor_endpoint
         if endpoint is not None and (
-            not isinstance(endpoint, str) or not (endpoint == "auto" or endpoint.startswith(("ipc://", "tcp://")))
+            not isinstance(endpoint, str)
+            or not (endpoint == "auto" or endpoint.startswith(("ipc://", "tcp://")))
         ):
             raise ValueError(
                 f"monitor_endpoint must be 'auto', ipc://PATH or tcp://HOST:PORT, got {endpoint!r}"

@@ -41,25 +41,35 @@ T = TypeVar("T")
 _STATE_ORDER = ("serving", "starting", "draining", "dead")
 
 
-def replica_configs(config: EngineConfig, size: int, device_ids: tuple[int, ...] | None = None) -> list[EngineConfig]:
+def replica_configs(
+    config: EngineConfig, size: int, device_ids: tuple[int, ...] | None = None
+) -> list[EngineConfig]:
     """Each replica's configuration: on CUDA replica i takes devices i * tp_size .. (i + 1) *
     tp_size - 1 of `device_ids` (default 0, 1, ...); a monitor endpoint only as "auto" (each
     replica publishes on its own)."""
     if size < 1:
         raise ValueError(f"data_parallel_size must be at least 1, got {size}")
     if config.device_ids is not None:
-        raise ValueError("give a data-parallel engine's devices as device_ids (tp_size x data_parallel_size of them)")
+        raise ValueError(
+            "give a data-parallel engine's devices as device_ids (tp_size x data_parallel_size of them)"
+        )
     if size > 1 and config.monitor_endpoint not in (None, "auto"):
-        raise ValueError(f"monitor_endpoint {config.monitor_endpoint!r}: with data parallelism each replica "
-                         "publishes on its own endpoint; use 'auto'")  # fmt: skip
+        raise ValueError(
+            f"monitor_endpoint {config.monitor_endpoint!r}: with data parallelism each replica "
+            "publishes on its own endpoint; use 'auto'"
+        )
     tp = config.tp_size
     if config.device != "cuda":
         if device_ids is not None:
-            raise ValueError(f"device_ids {device_ids} given with device {config.device!r}; they name CUDA devices")
+            raise ValueError(
+                f"device_ids {device_ids} given with device {config.device!r}; they name CUDA devices"
+            )
         return [config] * size
     ids = tuple(range(tp * size)) if device_ids is None else tuple(device_ids)
     if len(ids) != tp * size or len(set(ids)) != len(ids):
-        raise ValueError(f"device_ids {ids}: need {tp * size} distinct devices (tp_size {tp} x data_parallel_size {size})")
+        raise ValueError(
+            f"device_ids {ids}: need {tp * size} distinct devices (tp_size {tp} x data_parallel_size {size})"
+        )
     return [dataclasses.replace(config, device_ids=ids[i * tp : (i + 1) * tp]) for i in range(size)]
 
 
@@ -71,19 +81,30 @@ class DataParallelEngine:
         first, n = replicas[0], len(replicas)
         # the engine's queue bounds are all the replicas' (a call of more choices than one queue
         # takes is taken, spread); the rest is each replica's
-        self.config = dataclasses.replace(first.config, max_queued_requests=n * first.config.max_queued_requests,
-                                          max_queued_tokens=n * first.config.max_queued_tokens)  # fmt: skip
+        self.config = dataclasses.replace(
+            first.config,
+            max_queued_requests=n * first.config.max_queued_requests,
+            max_queued_tokens=n * first.config.max_queued_tokens,
+        )
         self.model_config, self.tokenizer = first.model_config, first.tokenizer
-        self.max_model_len, self.max_logprobs, self.eos_token_ids = first.max_model_len, first.max_logprobs, first.eos_token_ids
+        self.max_model_len, self.max_logprobs, self.eos_token_ids = (
+            first.max_model_len,
+            first.max_logprobs,
+            first.eos_token_ids,
+        )
         self._picked = [0] * len(replicas)  # when each was last picked (a count of picks)
         self._picks = itertools.count(1)
         self._watch = asyncio.get_running_loop().create_task(self._fail_together())
 
     @classmethod
-    async def start(cls, config: EngineConfig, size: int, device_ids: tuple[int, ...] | None = None) -> DataParallelEngine:
+    async def start(
+        cls, config: EngineConfig, size: int, device_ids: tuple[int, ...] | None = None
+    ) -> DataParallelEngine:
         """Every replica started at once; if one fails, the others are shut down and its error raised."""
         configs = replica_configs(config, size, device_ids)
-        started = await asyncio.gather(*(AsyncEngine.start(c) for c in configs), return_exceptions=True)
+        started = await asyncio.gather(
+            *(AsyncEngine.start(c) for c in configs), return_exceptions=True
+        )
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
             for replica in started:
@@ -107,8 +128,14 @@ class DataParallelEngine:
             task.cancel()
         dead = next((waits[t] for t in done if waits[t].is_dead), None)
         if dead is not None:
-            log.error("replica %d died (%s): shutting the others down", self.replicas.index(dead), dead.dead_reason)
-            await asyncio.gather(*(r.shutdown() for r in self.replicas if r is not dead), return_exceptions=True)
+            log.error(
+                "replica %d died (%s): shutting the others down",
+                self.replicas.index(dead),
+                dead.dead_reason,
+            )
+            await asyncio.gather(
+                *(r.shutdown() for r in self.replicas if r is not dead), return_exceptions=True
+            )
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -118,7 +145,10 @@ class DataParallelEngine:
 
     @property
     def dead_reason(self) -> str | None:
-        return next((f"replica {i}: {r.dead_reason}" for i, r in enumerate(self.replicas) if r.is_dead), None)
+        return next(
+            (f"replica {i}: {r.dead_reason}" for i, r in enumerate(self.replicas) if r.is_dead),
+            None,
+        )
 
     @property
     def is_paused(self) -> bool:
@@ -150,11 +180,26 @@ class DataParallelEngine:
         """The replicas' loads added up (step figures: the longest step's duration), in the
         worst of their states."""
         loads = [r.load() for r in self.replicas]
-        added = {name: sum(getattr(load, name) for load in loads) for name in (
-            "running", "waiting", "free_slots", "free_blocks", "num_slots", "num_blocks", "steps_total",
-            "step_prefill_tokens", "step_decode_tokens", "prompt_tokens_total", "generation_tokens_total")}  # fmt: skip
+        added = {
+            name: sum(getattr(load, name) for load in loads)
+            for name in (
+                "running",
+                "waiting",
+                "free_slots",
+                "free_blocks",
+                "num_slots",
+                "num_blocks",
+                "steps_total",
+                "step_prefill_tokens",
+                "step_decode_tokens",
+                "prompt_tokens_total",
+                "generation_tokens_total",
+            )
+        }
         state = max((load.state for load in loads), key=_STATE_ORDER.index)
-        return LoadSnapshot(state=state, step_duration_s=max(load.step_duration_s for load in loads), **added)
+        return LoadSnapshot(
+            state=state, step_duration_s=max(load.step_duration_s for load in loads), **added
+        )
 
     def replica_loads(self) -> list[LoadSnapshot]:
         return [r.load() for r in self.replicas]
@@ -182,11 +227,17 @@ class DataParallelEngine:
     # ---- requests ---------------------------------------------------------------------------
 
     def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """As AsyncEngine.generate, on the replica `_route` chooses."""
         self._check_alive()
-        holder = next((i for i, r in enumerate(self.replicas) if request_id in r.request_ids()), None)
+        holder = next(
+            (i for i, r in enumerate(self.replicas) if request_id in r.request_ids()), None
+        )
         # an id a replica still holds goes to it, which refuses it while its request runs, as one engine does
         i = self._route([prompt])[0] if request_id is None or holder is None else holder
         self._picked[i] = next(self._picks)
@@ -204,14 +255,22 @@ class DataParallelEngine:
             if self.config.enable_prefix_caching and not isinstance(prompt, str):
                 cached = [r.cached_tokens(prompt) for r in self.replicas]
                 best = max(count, key=lambda i: (cached[i], -busy[i], -picked[i]))
-                if cached[best] > 0 and busy[best] < busy[least] + self.replicas[best].config.max_num_seqs:
+                if (
+                    cached[best] > 0
+                    and busy[best] < busy[least] + self.replicas[best].config.max_num_seqs
+                ):
                     i = best
             stamp += 1
             busy[i], picked[i] = busy[i] + 1, stamp
             routes.append(i)
         return routes
 
-    def check(self, prompts: list[str | list[int]], params: list[SamplingParams], request_id: str | None = None) -> None:
+    def check(
+        self,
+        prompts: list[str | list[int]],
+        params: list[SamplingParams],
+        request_id: str | None = None,
+    ) -> None:
         """As AsyncEngine.check: each replica checks the prompts `generate` would send it."""
         self._check_alive()
         routes = self._route(prompts)

@@ -129,7 +129,9 @@ class IncrementalDetokenizer:
                 final = True
         if self._regexes is not None and self.stop_matched is None and delta:
             # the text through the token whose text completed a match stays (SGLang's)
-            if (pattern := self._regexes.feed(delta, len(self._ids) > self._min_tokens)) is not None:
+            if (
+                pattern := self._regexes.feed(delta, len(self._ids) > self._min_tokens)
+            ) is not None:
                 self.stop_matched = pattern
                 final = True
         end = len(self.text) if final else len(self.text) - self._hold_chars

@@ -97,8 +97,14 @@ class LoadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 
 
 Transition = Literal[
-    "queued", "admitted", "first_token", "finished", "rejected", "dropped",  # a request's
-    "poisoned", "terminal",  # the engine's: failing closed, and done tearing down
+    "queued",
+    "admitted",
+    "first_token",
+    "finished",
+    "rejected",
+    "dropped",  # a request's
+    "poisoned",
+    "terminal",  # the engine's: failing closed, and done tearing down
 ]
 
 

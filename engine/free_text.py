@@ -20,7 +20,9 @@ def text_without(words: list[str]) -> str:
     if not words:
         return "[\\s\\S]*"
     if sum(map(len, words)) > MAX_WORD_CHARS or not all(words):
-        raise ValueError(f"the strings to exclude must be non-empty, {MAX_WORD_CHARS} characters together at most")
+        raise ValueError(
+            f"the strings to exclude must be non-empty, {MAX_WORD_CHARS} characters together at most"
+        )
     prefixes = sorted({w[:k] for w in words for k in range(len(w))}, key=lambda p: (len(p), p))
     alphabet = sorted({c for w in words for c in w})
 
@@ -29,7 +31,9 @@ def text_without(words: list[str]) -> str:
         text = state + c
         if any(text.endswith(w) for w in words):
             return None
-        return next(text[k:] for k in range(len(text) + 1) if text[k:] in prefixes or k == len(text))
+        return next(
+            text[k:] for k in range(len(text) + 1) if text[k:] in prefixes or k == len(text)
+        )
 
     # edges[p][q]: the class of characters from p to q (the ones outside the words' alphabet
     # lead back to the empty prefix); every state accepts
@@ -41,7 +45,9 @@ def text_without(words: list[str]) -> str:
                 by_target.setdefault(q, []).append(c)
         elsewhere = [c for c in alphabet if c not in by_target.get("", [])]  # blocked or deeper
         edges[p] = {q: _chars(cs) for q, cs in by_target.items() if q != ""}
-        edges[p][""] = "[^" + "".join(_literal(c) for c in elsewhere) + "]" if elsewhere else "[\\s\\S]"
+        edges[p][""] = (
+            "[^" + "".join(_literal(c) for c in elsewhere) + "]" if elsewhere else "[\\s\\S]"
+        )
     return _eliminate(edges, prefixes)
 
 

@@ -30,7 +30,8 @@ MAX_DEPTH = 5  # times a rule may be open at once: 4 levels of nesting below the
 MAX_PATTERN_CHARS = 500_000  # the regex a grammar may become
 ROOT = "root"
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
-_TOKEN = re.compile(r"""
+_TOKEN = re.compile(
+    r"""
     (?P<blank>\s+|\#[^\n]*)
   | (?P<define>::=)
   | (?P<name>[A-Za-z_][A-Za-z0-9_.-]*)
@@ -38,7 +39,9 @@ _TOKEN = re.compile(r"""
   | (?P<chars>\[(?:[^\]\\\n]|\\.)*\])
   | (?P<repeat>\{\s*\d+\s*(?:,\s*\d*\s*)?\})
   | (?P<punct>[()|*+?.])
-""", re.VERBOSE)  # fmt: skip
+""",
+    re.VERBOSE,
+)
 
 
 class GrammarError(ValueError):
@@ -87,7 +90,9 @@ class _Parser:
         while at < len(self.text):
             m = _TOKEN.match(self.text, at)
             if m is None:
-                hint = " (GBNF's rules are 'name ::= ...'; a Lark grammar has no '::=')" * (self.text[at] == ":")
+                hint = " (GBNF's rules are 'name ::= ...'; a Lark grammar has no '::=')" * (
+                    self.text[at] == ":"
+                )
                 raise self.error(at, f"unexpected {self.text[at]!r}{hint}")
             if m.lastgroup != "blank":
                 out.append(_Token(m.lastgroup, m.group(), at))
@@ -126,13 +131,19 @@ class _Parser:
     def sequence(self) -> tuple:
         items = []
         while (token := self.peek()) is not None and token.text not in ("|", ")"):
-            if token.kind == "name" and (after := self.peek(1)) is not None and after.kind == "define":
+            if (
+                token.kind == "name"
+                and (after := self.peek(1)) is not None
+                and after.kind == "define"
+            ):
                 break  # the next rule
             items.append(self.repeated(self.primary()))
         return items[0] if len(items) == 1 else ("seq", tuple(items))
 
     def repeated(self, node: tuple) -> tuple:
-        while (token := self.peek()) is not None and (token.text in ("*", "+", "?") or token.kind == "repeat"):
+        while (token := self.peek()) is not None and (
+            token.text in ("*", "+", "?") or token.kind == "repeat"
+        ):
             self.i += 1
             if token.kind == "repeat":
                 low, comma, high = token.text.strip("{}").replace(" ", "").partition(",")
@@ -148,7 +159,10 @@ class _Parser:
         token = self.peek()
         self.i += 1
         if token.kind == "string":
-            return ("lit", "".join(chr(code) for code, _ in self._characters(token.text[1:-1], token.at)))
+            return (
+                "lit",
+                "".join(chr(code) for code, _ in self._characters(token.text[1:-1], token.at)),
+            )
         if token.kind == "chars":
             negated = token.text.startswith("[^")
             return ("chars", self._class(token.text[1 + negated : -1], token.at), negated)
@@ -175,8 +189,11 @@ class _Parser:
             e = body[j + 1]
             width = {"x": 2, "u": 4, "U": 8}.get(e, 0)
             digits = body[j + 2 : j + 2 + width]
-            if width and not (len(digits) == width and all(d in "0123456789abcdefABCDEF" for d in digits)
-                              and int(digits, 16) <= MAX_CODEPOINT):  # fmt: skip
+            if width and not (
+                len(digits) == width
+                and all(d in "0123456789abcdefABCDEF" for d in digits)
+                and int(digits, 16) <= MAX_CODEPOINT
+            ):
                 raise self.error(at, f"\\{e} needs {width} hex digits of a code point")
             if not width and e.isalnum() and e not in _ESCAPES:
                 raise self.error(at, f"the escape \\{e} is not GBNF's")
@@ -192,7 +209,9 @@ class _Parser:
             if k + 2 < len(items) and items[k + 1] == (ord("-"), False):
                 high = items[k + 2][0]
                 if high < low:
-                    raise self.error(at, f"the class range {chr(low)!r}-{chr(high)!r} is out of order")
+                    raise self.error(
+                        at, f"the class range {chr(low)!r}-{chr(high)!r} is out of order"
+                    )
                 ranges.append((low, high))
                 k += 3
             else:
@@ -209,7 +228,9 @@ def check_references(rules: dict[str, tuple], hint: Callable[[str], str] = lambd
     for name, body in rules.items():
         for ref in _references(body):
             if ref not in rules:
-                raise GrammarError(f"rule '{name}' refers to '{ref}', which is not defined{hint(ref)}")
+                raise GrammarError(
+                    f"rule '{name}' refers to '{ref}', which is not defined{hint(ref)}"
+                )
 
 
 def _references(node: tuple) -> list[str]:
@@ -249,8 +270,15 @@ class _Compiler:
         if kind == "lit":
             pattern = "".join(_literal(c) for c in node[1])
         elif kind == "chars":
-            pattern = "[" + "^" * node[2] + "".join(_literal(chr(lo)) if lo == hi else f"{_literal(chr(lo))}-{_literal(chr(hi))}"
-                                                    for lo, hi in node[1]) + "]"  # fmt: skip
+            pattern = (
+                "["
+                + "^" * node[2]
+                + "".join(
+                    _literal(chr(lo)) if lo == hi else f"{_literal(chr(lo))}-{_literal(chr(hi))}"
+                    for lo, hi in node[1]
+                )
+                + "]"
+            )
         elif kind == "regex":
             pattern = f"(?:{node[1]})"
         elif kind == "ref":
@@ -261,17 +289,27 @@ class _Compiler:
             pattern = None if None in parts else "".join(parts)
         elif kind == "alt":
             options = [p for p in (self.node(child) for child in node[1]) if p is not None]
-            pattern = None if not options else options[0] if len(options) == 1 else f"(?:{'|'.join(options)})"
+            pattern = (
+                None
+                if not options
+                else options[0]
+                if len(options) == 1
+                else f"(?:{'|'.join(options)})"
+            )
         else:  # repeat
             inner, low, high = self.node(node[1]), node[2], node[3]
             if inner is None or inner == "" or high == 0:
                 return "" if inner == "" or low == 0 else None
             count = {(0, None): "*", (1, None): "+", (0, 1): "?"}.get((low, high))
-            count = count or (f"{{{low}}}" if low == high else f"{{{low},{'' if high is None else high}}}")
+            count = count or (
+                f"{{{low}}}" if low == high else f"{{{low},{'' if high is None else high}}}"
+            )
             pattern = f"(?:{inner}){count}"
         if pattern is not None and len(pattern) > MAX_PATTERN_CHARS:
-            raise GrammarError(f"the grammar grows past {MAX_PATTERN_CHARS} characters of regex with its "
-                               f"recursion bounded to {MAX_DEPTH} levels; simplify it")  # fmt: skip
+            raise GrammarError(
+                f"the grammar grows past {MAX_PATTERN_CHARS} characters of regex with its "
+                f"recursion bounded to {MAX_DEPTH} levels; simplify it"
+            )
         return pattern
 
 

@@ -16,13 +16,24 @@ import json
 
 from deltaserve.engine.regex_automaton import ByteAutomaton, RegexError, choice_regex
 
-GUIDED_FIELDS = ("guided_choice", "guided_regex", "guided_json", "guided_json_object", "guided_grammar",
-                 "guided_structural_tag")
+GUIDED_FIELDS = (
+    "guided_choice",
+    "guided_regex",
+    "guided_json",
+    "guided_json_object",
+    "guided_grammar",
+    "guided_structural_tag",
+)
 
 
 def guide_pattern(
-    choice: tuple[str, ...], regex: str | None, schema: str | None, json_object: bool, whitespace: str | None,
-    grammar: str | None = None, structural_tag: str | None = None,
+    choice: tuple[str, ...],
+    regex: str | None,
+    schema: str | None,
+    json_object: bool,
+    whitespace: str | None,
+    grammar: str | None = None,
+    structural_tag: str | None = None,
 ) -> str:
     """The pattern of the one constraint given ("" for none); ValueError naming the field."""
     values = (choice, regex, schema, json_object, grammar, structural_tag)
@@ -33,7 +44,9 @@ def guide_pattern(
         raise ValueError("guided_whitespace applies to guided_json and guided_json_object only")
     if not given:
         return ""
-    return _compiled(given[0], choice or regex or schema or grammar or structural_tag or "", whitespace)
+    return _compiled(
+        given[0], choice or regex or schema or grammar or structural_tag or "", whitespace
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -59,7 +72,11 @@ def _compiled(field: str, value: str | tuple[str, ...], whitespace: str | None) 
         else:
             from deltaserve.engine.json_schema import json_object_regex, schema_regex
 
-            pattern = schema_regex(_json(value), whitespace) if field == "guided_json" else json_object_regex(whitespace)
+            pattern = (
+                schema_regex(_json(value), whitespace)
+                if field == "guided_json"
+                else json_object_regex(whitespace)
+            )
         if ByteAutomaton(pattern).matches_nothing():
             raise ValueError("no output can match it")
     except ValueError as e:  # RegexError, SchemaError and GrammarError among them

@@ -58,9 +58,13 @@ _STRING_CHARS = ((0x20, 0x21), (0x23, 0x5B), (0x5D, 0x10FFFF))  # written unesca
 _FRACTION, _ZERO_FRACTION, _NONZERO_FRACTION = r"\.[0-9]+", r"\.0+", r"\.[0-9]*[1-9][0-9]*"
 _ATOMIC = re.compile(r"\\?.|\[[^\[\]\\]*\]", re.DOTALL)  # a character or plain class: repeated bare
 
-_DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
-        r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")  # fmt: skip
-_LEAP_DAY = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)-02-29"
+_DAY = (
+    r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    r"|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+)
+_LEAP_DAY = (
+    r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)-02-29"
+)
 _DATE = rf"(?:[0-9]{{4}}-{_DAY}|{_LEAP_DAY})"
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+\-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
@@ -69,25 +73,79 @@ _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9\-]*[A-Za-z0-9])?"
 _HEX = "[0-9a-fA-F]"
 # string formats: RFC 3339's date-time, date and time (with an offset), RFC 4122's uuid, a
 # simple email (dotted atoms @ a domain name), ipv4
-FORMATS = {"date-time": rf"{_DATE}T{_TIME}", "date": _DATE, "time": _TIME,
-           "uuid": rf"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",
-           "email": rf"{_ATOM}(?:\.{_ATOM})*@(?:{_LABEL}\.)+[A-Za-z]{{2,}}", "ipv4": rf"{_OCTET}(?:\.{_OCTET}){{3}}"}  # fmt: skip
+FORMATS = {
+    "date-time": rf"{_DATE}T{_TIME}",
+    "date": _DATE,
+    "time": _TIME,
+    "uuid": rf"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",
+    "email": rf"{_ATOM}(?:\.{_ATOM})*@(?:{_LABEL}\.)+[A-Za-z]{{2,}}",
+    "ipv4": rf"{_OCTET}(?:\.{_OCTET}){{3}}",
+}
 
 # Keywords that do not constrain, ignored; "x-" extensions too. `discriminator` (OpenAPI's)
 # names the property whose const already tells oneOf's branches apart.
-_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$anchor", "$comment",
-                          "$defs", "definitions", "deprecated", "readOnly", "writeOnly", "contentEncoding",
-                          "contentMediaType", "discriminator"})  # fmt: skip
-_SCHEMAS = ("items", "additionalProperties", "unevaluatedProperties", "additionalItems", "unevaluatedItems")
+_ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$schema",
+        "$id",
+        "$anchor",
+        "$comment",
+        "$defs",
+        "definitions",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "contentEncoding",
+        "contentMediaType",
+        "discriminator",
+    }
+)
+_SCHEMAS = (
+    "items",
+    "additionalProperties",
+    "unevaluatedProperties",
+    "additionalItems",
+    "unevaluatedItems",
+)
 # What each type reads: a schema with no `type` is of the types whose keywords it has.
 _TYPE_KEYWORDS = {
-    "object": ("properties", "required", "additionalProperties", "unevaluatedProperties", "minProperties", "maxProperties"),
-    "array": ("items", "prefixItems", "additionalItems", "unevaluatedItems", "minItems", "maxItems", "uniqueItems"),
+    "object": (
+        "properties",
+        "required",
+        "additionalProperties",
+        "unevaluatedProperties",
+        "minProperties",
+        "maxProperties",
+    ),
+    "array": (
+        "items",
+        "prefixItems",
+        "additionalItems",
+        "unevaluatedItems",
+        "minItems",
+        "maxItems",
+        "uniqueItems",
+    ),
     "string": ("minLength", "maxLength", "pattern", "format"),
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
 }
-_KEYWORDS = frozenset({"$ref", "allOf", "anyOf", "oneOf", "enum", "const", "type", "nullable",
-                       *(k for keys in _TYPE_KEYWORDS.values() for k in keys)})  # fmt: skip
+_KEYWORDS = frozenset(
+    {
+        "$ref",
+        "allOf",
+        "anyOf",
+        "oneOf",
+        "enum",
+        "const",
+        "type",
+        "nullable",
+        *(k for keys in _TYPE_KEYWORDS.values() for k in keys),
+    }
+)
 _TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
 _LOWER_BOUNDS = frozenset({"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties"})
 _UPPER_BOUNDS = frozenset({"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties"})
@@ -137,7 +195,9 @@ def _repeat(regex: str, low: int, high: int | None) -> str:
     if high == 0 or low == high == 1:
         return "" if high == 0 else regex
     quantifier = {(0, None): "*", (1, None): "+", (0, 1): "?"}.get((low, high))
-    quantifier = quantifier or (f"{{{low}}}" if low == high else f"{{{low},{'' if high is None else high}}}")
+    quantifier = quantifier or (
+        f"{{{low}}}" if low == high else f"{{{low},{'' if high is None else high}}}"
+    )
     return f"{regex if regex == CHAR or _ATOMIC.fullmatch(regex) else f'(?:{regex})'}{quantifier}"
 
 
@@ -145,12 +205,16 @@ def _list(ws: str, open_: str, close: str, item: str | None, low: int, high: int
     """`open_`, low..high `item`s separated by commas, `close`; no item at all when None."""
     if item is None or high == 0:
         return f"{open_}{ws}{close}"
-    body = item + _repeat(f"{ws},{ws}{item}", max(low - 1, 0), None if high is None else high - 1) + ws
+    body = (
+        item + _repeat(f"{ws},{ws}{item}", max(low - 1, 0), None if high is None else high - 1) + ws
+    )
     return f"{open_}{ws}{body if low else f'(?:{body})?'}{close}"
 
 
 def _map(ws: str, value: str | None, low: int, high: int | None) -> str:
-    return _list(ws, r"\{", r"\}", None if value is None else f"{STRING}{ws}:{ws}{value}", low, high)
+    return _list(
+        ws, r"\{", r"\}", None if value is None else f"{STRING}{ws}:{ws}{value}", low, high
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -166,7 +230,12 @@ def _any(ws: str, depth: int) -> str:
 def _literal(value: Any, ws: str) -> str:
     """The JSON text of `value`, with `ws` between the tokens of its arrays and objects."""
     if isinstance(value, Mapping):
-        return _sequence(ws, r"\{", r"\}", [f"{escape(_dumps(k))}{ws}:{ws}{_literal(v, ws)}" for k, v in value.items()])
+        return _sequence(
+            ws,
+            r"\{",
+            r"\}",
+            [f"{escape(_dumps(k))}{ws}:{ws}{_literal(v, ws)}" for k, v in value.items()],
+        )
     if isinstance(value, list):
         return _sequence(ws, r"\[", r"\]", [_literal(v, ws) for v in value])
     return escape(_dumps(value))
@@ -208,7 +277,9 @@ def _naturals(low: int, high: int | None) -> str | None:
     options, digits = [], len(str(low))
     while high is None or digits <= len(str(high)):
         top = 10**digits - 1 if high is None else min(high, 10**digits - 1)
-        options.append(_same_length(str(max(low, 10 ** (digits - 1) if digits > 1 else 0)), str(top)))
+        options.append(
+            _same_length(str(max(low, 10 ** (digits - 1) if digits > 1 else 0)), str(top))
+        )
         if high is None:
             options.append(f"[1-9][0-9]{{{digits},}}")
             break
@@ -222,7 +293,9 @@ def integer_regex(low: int | None, high: int | None) -> str | None:
         return None
     options = []
     if low is None or low < 0:  # the negative ones, by magnitude
-        magnitudes = _naturals(1 if high is None or high >= 0 else -high, None if low is None else -low)
+        magnitudes = _naturals(
+            1 if high is None or high >= 0 else -high, None if low is None else -low
+        )
         options.append(f"-{magnitudes}")
     if high is None or high >= 0:
         options.append(_naturals(max(low or 0, 0), high))
@@ -253,7 +326,9 @@ def number_regex(low: Bound, high: Bound) -> str | None:
     options = []
     if low is None or low[0] < 0:  # x < 0, as -|x|
         near = (-high[0], high[1]) if high is not None and high[0] < 0 else (0, False)
-        options.append(_magnitudes("-", *near, *((None, False) if low is None else (-low[0], low[1]))))
+        options.append(
+            _magnitudes("-", *near, *((None, False) if low is None else (-low[0], low[1])))
+        )
     if high is None or high[0] > 0 or high == (0, True):
         start = low if low is not None and low[0] >= 0 else (0, True)
         options.append(_magnitudes("", *start, *((None, False) if high is None else high)))
@@ -276,12 +351,21 @@ def _pattern(pattern: str, path: str) -> str | None:
 
 def _unescaped(node: object) -> str | None:
     if isinstance(node, syntax.Chars):
-        ranges = [(max(a, c), min(b, d)) for a, b in node.ranges for c, d in _STRING_CHARS if max(a, c) <= min(b, d)]
+        ranges = [
+            (max(a, c), min(b, d))
+            for a, b in node.ranges
+            for c, d in _STRING_CHARS
+            if max(a, c) <= min(b, d)
+        ]
         if not ranges:
             return None
         if ranges[0][0] == ranges[-1][1]:
             return escape(chr(ranges[0][0]))
-        return "[" + "".join(_class_char(a) + (f"-{_class_char(b)}" if b > a else "") for a, b in ranges) + "]"
+        return (
+            "["
+            + "".join(_class_char(a) + (f"-{_class_char(b)}" if b > a else "") for a, b in ranges)
+            + "]"
+        )
     if isinstance(node, syntax.Concat):
         parts = [_unescaped(p) for p in node.parts]
         return None if None in parts else "".join(parts)  # type: ignore[arg-type]
@@ -313,7 +397,11 @@ class _Compiler:
             return _any(self.ws, ANY_DEPTH) if schema else None
         if not isinstance(schema, Mapping):
             raise _fail(path, "a schema must be an object or a boolean")
-        if unknown := [k for k in schema if k not in _KEYWORDS and k not in _ANNOTATIONS and not k.startswith("x-")]:
+        if unknown := [
+            k
+            for k in schema
+            if k not in _KEYWORDS and k not in _ANNOTATIONS and not k.startswith("x-")
+        ]:
             raise _fail(path, f"{unknown[0]!r} is not supported")
         regex = self._schema(schema, path)
         if regex is not None and len(regex) > MAX_REGEX_CHARS:
@@ -338,7 +426,9 @@ class _Compiler:
             types = [t for t, keys in _TYPE_KEYWORDS.items() if any(k in s for k in keys)]
             if not types:
                 return _any(self.ws, ANY_DEPTH)
-        types = _type_list(types, path) + (["null"] if s.get("nullable") is True else [])  # nullable: OpenAPI's
+        types = _type_list(types, path) + (
+            ["null"] if s.get("nullable") is True else []
+        )  # nullable: OpenAPI's
         for kind in types:
             if kind not in _TYPES:
                 raise _fail(path, f"unknown type {kind!r}")
@@ -374,7 +464,9 @@ class _Compiler:
     def _resolve(self, ref: object, path: str) -> tuple[object, str]:
         """The schema a `#...` JSON pointer names, and its path."""
         if not isinstance(ref, str) or (ref != "#" and not ref.startswith("#/")):
-            raise _fail(path, f"$ref {ref!r}: only references within the schema (#/...) are supported")
+            raise _fail(
+                path, f"$ref {ref!r}: only references within the schema (#/...) are supported"
+            )
         target, where = self.root, ""
         for part in ref[2:].split("/") if ref != "#" else []:
             part = unquote(part).replace("~1", "/").replace("~0", "~")
@@ -395,7 +487,9 @@ class _Compiler:
         except (TypeError, ValueError) as e:
             raise _fail(path, f"{key!r} holds a value that is not JSON: {e}") from None
         if rest := _constraints(s, key):
-            valid = re.compile(self.node(rest, path) or "(?!)", re.ASCII)  # (?!): Python's, nothing matches
+            valid = re.compile(
+                self.node(rest, path) or "(?!)", re.ASCII
+            )  # (?!): Python's, nothing matches
             values = [v for v, text in zip(values, texts, strict=True) if valid.fullmatch(text)]
         return _alt([_literal(v, self.ws) for v in values])
 
@@ -403,14 +497,28 @@ class _Compiler:
         if kind in ("integer", "number"):
             low, high = _bounds(s, path)
             if kind == "integer":
-                return integer_regex(None if low is None else math.ceil(low[0]) if low[1] else math.floor(low[0]) + 1,
-                                     None if high is None else math.floor(high[0]) if high[1] else math.ceil(high[0]) - 1)  # fmt: skip
+                return integer_regex(
+                    None
+                    if low is None
+                    else math.ceil(low[0])
+                    if low[1]
+                    else math.floor(low[0]) + 1,
+                    None
+                    if high is None
+                    else math.floor(high[0])
+                    if high[1]
+                    else math.ceil(high[0]) - 1,
+                )
             for value, _, key in filter(None, (low, high)):
                 if not (isinstance(value, int) or value.is_integer()):
-                    raise _fail(path, f"{key!r} {value}: only whole-number bounds are supported for numbers")
+                    raise _fail(
+                        path, f"{key!r} {value}: only whole-number bounds are supported for numbers"
+                    )
             return number_regex(*(None if b is None else (int(b[0]), b[1]) for b in (low, high)))
         if kind in ("string", "array", "object"):
-            return {"string": self._string, "array": self._array, "object": self._object}[kind](s, path)
+            return {"string": self._string, "array": self._array, "object": self._object}[kind](
+                s, path
+            )
         return "null" if kind == "null" else "(?:true|false)"
 
     def _string(self, s: Mapping[str, Any], path: str) -> str | None:
@@ -426,7 +534,9 @@ class _Compiler:
             return None if content is None else f'"{content}"'
         if shape == "format":
             if s["format"] not in FORMATS:
-                raise _fail(path, f"format {s['format']!r} is not supported (only {', '.join(FORMATS)})")
+                raise _fail(
+                    path, f"format {s['format']!r} is not supported (only {', '.join(FORMATS)})"
+                )
             return f'"{FORMATS[s["format"]]}"'
         return None if high is not None and low > high else f'"{_repeat(CHAR, low, high)}"'
 
@@ -437,17 +547,29 @@ class _Compiler:
         if high is not None and low > high:
             return None
         key, rest_key, prefix = "items", "items", []
-        if "prefixItems" in s or isinstance(s.get("items"), list):  # 2020-12's tuples, and draft 7's
-            key, rest_key = ("prefixItems", "items") if "prefixItems" in s else ("items", "additionalItems")
+        if "prefixItems" in s or isinstance(
+            s.get("items"), list
+        ):  # 2020-12's tuples, and draft 7's
+            key, rest_key = (
+                ("prefixItems", "items") if "prefixItems" in s else ("items", "additionalItems")
+            )
             prefix = _array_of(s, key, path)[:high]
         items = [self.node(p, _at(path, key, i)) for i, p in enumerate(prefix)]
-        more = self.node(s[rest_key] if rest_key in s else s.get("unevaluatedItems", True), _at(path, rest_key))
+        more = self.node(
+            s[rest_key] if rest_key in s else s.get("unevaluatedItems", True), _at(path, rest_key)
+        )
         if None in items or (more is None and low > len(items)):  # the prefix items are all written
             return None
         if not items:
             return _list(self.ws, r"\[", r"\]", more, low, high)
         k = len(items)
-        tail = "" if more is None else _repeat(f"{self.ws},{self.ws}{more}", max(low - k, 0), None if high is None else high - k)
+        tail = (
+            ""
+            if more is None
+            else _repeat(
+                f"{self.ws},{self.ws}{more}", max(low - k, 0), None if high is None else high - k
+            )
+        )
         return _sequence(self.ws, r"\[", r"\]", [*items[:-1], f"{items[-1]}{tail}"])  # type: ignore[list-item]
 
     def _object(self, s: Mapping[str, Any], path: str) -> str | None:
@@ -469,10 +591,15 @@ class _Compiler:
             if value is None and name in required:
                 return None
             if value is not None:
-                members.append((f"{escape(_dumps(name))}{self.ws}:{self.ws}{value}", name in required))
+                members.append(
+                    (f"{escape(_dumps(name))}{self.ws}:{self.ws}{value}", name in required)
+                )
         if low > sum(r for _, r in members) or (high is not None and high < len(members)):
-            raise _fail(path, "'minProperties' and 'maxProperties' are supported only where the listed properties "
-                        "(the required ones always, no others) satisfy them")  # fmt: skip
+            raise _fail(
+                path,
+                "'minProperties' and 'maxProperties' are supported only where the listed properties "
+                "(the required ones always, no others) satisfy them",
+            )
         return _members(self.ws, members)
 
 
@@ -480,9 +607,15 @@ def _members(ws: str, members: list[tuple[str, bool]]) -> str:
     """An object of `members` (regex, required) in order: the optional ones before the first
     required one by `_some`, each later one with its comma, optional or not."""
     first = next((i for i, (_, required) in enumerate(members) if required), len(members))
-    later = "".join(_repeat(f"{ws},{ws}{m}", int(required), 1) for m, required in members[first + 1 :])
+    later = "".join(
+        _repeat(f"{ws},{ws}{m}", int(required), 1) for m, required in members[first + 1 :]
+    )
     if first == len(members):  # all optional
-        return rf"\{{{ws}" + (f"(?:{_some(ws, [m for m, _ in members])}{ws})?" if members else "") + r"\}"
+        return (
+            rf"\{{{ws}"
+            + (f"(?:{_some(ws, [m for m, _ in members])}{ws})?" if members else "")
+            + r"\}"
+        )
     head = f"(?:{_some(ws, [m for m, _ in members[:first]])}{ws},{ws})?" if first else ""
     return rf"\{{{ws}{head}{members[first][0]}{later}{ws}\}}"
 
@@ -493,17 +626,29 @@ def _some(ws: str, members: list[str]) -> str:
     of 16 keep the nesting shallow (the engine's parser recurses); a member is written 3 times
     up to 256 members, 4 up to 4096."""
     size = -(-len(members) // 16)
-    runs = [[m] for m in members] if size == 1 else [members[i : i + size] for i in range(0, len(members), size)]
+    runs = (
+        [[m] for m in members]
+        if size == 1
+        else [members[i : i + size] for i in range(0, len(members), size)]
+    )
     some = None
     for run in runs:
         first = run[0] if len(run) == 1 else _some(ws, run)
-        some = first if some is None else f"(?:{some}{''.join(f'(?:{ws},{ws}{m})?' for m in run)}|{first})"
+        some = (
+            first
+            if some is None
+            else f"(?:{some}{''.join(f'(?:{ws},{ws}{m})?' for m in run)}|{first})"
+        )
     return some or ""
 
 
 def _constraints(s: Mapping[str, Any], *leave_out: str) -> dict[str, Any]:
     """`s` without its annotations and the keys left out."""
-    return {k: v for k, v in s.items() if k not in _ANNOTATIONS and k not in leave_out and not k.startswith("x-")}
+    return {
+        k: v
+        for k, v in s.items()
+        if k not in _ANNOTATIONS and k not in leave_out and not k.startswith("x-")
+    }
 
 
 def _array_of(s: Mapping[str, Any], key: str, path: str) -> list[Any]:
@@ -526,7 +671,9 @@ def _type_list(types: object, path: str) -> list[str]:
 
 
 def _is_number(value: object) -> bool:
-    return not isinstance(value, bool) and (isinstance(value, int) or isinstance(value, float) and math.isfinite(value))
+    return not isinstance(value, bool) and (
+        isinstance(value, int) or isinstance(value, float) and math.isfinite(value)
+    )
 
 
 def _count(s: Mapping[str, Any], key: str, path: str) -> int | None:
@@ -575,25 +722,40 @@ def _merge(a: Mapping[str, Any] | bool, b: object, path: str) -> Mapping[str, An
             out[key] = value
         elif key in _ANNOTATIONS or out[key] == value or key == "properties":
             continue
-        elif key in ("required", "allOf") and isinstance(value, list) and isinstance(out[key], list):
-            out[key] = list(dict.fromkeys([*out[key], *value])) if key == "required" else [*out[key], *value]
+        elif (
+            key in ("required", "allOf") and isinstance(value, list) and isinstance(out[key], list)
+        ):
+            out[key] = (
+                list(dict.fromkeys([*out[key], *value]))
+                if key == "required"
+                else [*out[key], *value]
+            )
         elif key in _SCHEMAS:
             out[key] = {"allOf": [out[key], value]}
         elif key in _LOWER_BOUNDS | _UPPER_BOUNDS and _is_number(out[key]) and _is_number(value):
             out[key] = (max if key in _LOWER_BOUNDS else min)(out[key], value)
         elif key == "type":
             ta, tb = _type_list(out[key], path), _type_list(value, path)
-            out[key] = [t for t in ta if t in tb] + ["integer"] * (("integer" in ta and "number" in tb) or
-                                                                  ("number" in ta and "integer" in tb))  # fmt: skip
+            out[key] = [t for t in ta if t in tb] + ["integer"] * (
+                ("integer" in ta and "number" in tb) or ("number" in ta and "integer" in tb)
+            )
             if not out[key]:
                 return False
         else:
-            raise _fail(path, f"'allOf' (or a $ref beside other keywords) with two different {key!r} is not supported")
-    if "properties" in a or "properties" in b:  # each side's property, else its additionalProperties
+            raise _fail(
+                path,
+                f"'allOf' (or a $ref beside other keywords) with two different {key!r} is not supported",
+            )
+    if (
+        "properties" in a or "properties" in b
+    ):  # each side's property, else its additionalProperties
         pa, pb = _properties(a, path), _properties(b, path)
         out["properties"] = {
-            name: _merge(pa.get(name, a.get("additionalProperties", True)), pb.get(name, b.get("additionalProperties", True)),
-                         _at(path, "properties", name))
+            name: _merge(
+                pa.get(name, a.get("additionalProperties", True)),
+                pb.get(name, b.get("additionalProperties", True)),
+                _at(path, "properties", name),
+            )
             for name in dict.fromkeys([*pa, *pb])
-        }  # fmt: skip
+        }
     return out

@@ -27,9 +27,12 @@ COMMON = "common."  # the prefix of Lark's common terminals among a grammar's ru
 # A definition: at a line's start, [?!]name[.priority] then ':' (not GBNF's '::=').
 _DEFINITION = re.compile(r"[ \t]*[?!]?([A-Za-z_][A-Za-z0-9_]*)(?:\.-?\d+)?[ \t]*:(?!:=)")
 _DIRECTIVE = re.compile(r"[ \t]*%([A-Za-z_]+)([^\n]*)")
-_IMPORT = re.compile(r"\s*common\s*(?:\.\s*([A-Z_][A-Z0-9_]*)\s*(?:->\s*([A-Za-z_][A-Za-z0-9_]*))?"
-                     r"|\(\s*([A-Z_][A-Z0-9_]*(?:\s*,\s*[A-Z_][A-Z0-9_]*)*)\s*,?\s*\))\s*(?://[^\n]*)?")
-_TOKEN = re.compile(r"""
+_IMPORT = re.compile(
+    r"\s*common\s*(?:\.\s*([A-Z_][A-Z0-9_]*)\s*(?:->\s*([A-Za-z_][A-Za-z0-9_]*))?"
+    r"|\(\s*([A-Z_][A-Z0-9_]*(?:\s*,\s*[A-Z_][A-Z0-9_]*)*)\s*,?\s*\))\s*(?://[^\n]*)?"
+)
+_TOKEN = re.compile(
+    r"""
     (?P<blank>[ \t\r\f\v]+|\n|//[^\n]*)
   | (?P<arrow>->)
   | (?P<range>\.\.)
@@ -38,7 +41,9 @@ _TOKEN = re.compile(r"""
   | (?P<regex>/(?:[^/\\\n]|\\.)+/[a-z]*)
   | (?P<number>\d+)
   | (?P<punct>[()\[\]|*+?~{},])
-""", re.VERBOSE)  # fmt: skip
+""",
+    re.VERBOSE,
+)
 
 # Lark's common.lark terminals, as it defines them (its ESCAPED_STRING by lookbehind: here the
 # same strings, a backslash escaping the one character after it).
@@ -86,7 +91,9 @@ def lark_rules(grammar: str) -> tuple[dict[str, tuple], str]:
     root = LARK_ROOT if LARK_ROOT in rules else defined[0]
     if parser.imports:
         rules |= _common_rules()
-    check_references(rules, lambda ref: f" (import it: %import common.{ref})" * (COMMON + ref in _common_rules()))
+    check_references(
+        rules, lambda ref: f" (import it: %import common.{ref})" * (COMMON + ref in _common_rules())
+    )
     return rules, root
 
 
@@ -135,21 +142,36 @@ class _LarkParser(_Parser):
         if name == "ignore":
             return  # dropped (the module docstring says why)
         if name != "import":
-            raise self.error(at, f"the directive %{name} is not supported (%import common.X and %ignore are)")
+            raise self.error(
+                at, f"the directive %{name} is not supported (%import common.X and %ignore are)"
+            )
         m = _IMPORT.fullmatch(rest)
         if m is None:
-            raise self.error(at, f"%import{rest}: only Lark's common terminals are taken (%import common.X)")
-        names = [(m.group(1), m.group(2) or m.group(1))] if m.group(1) else [(n.strip(), n.strip()) for n in m.group(3).split(",")]
+            raise self.error(
+                at, f"%import{rest}: only Lark's common terminals are taken (%import common.X)"
+            )
+        names = (
+            [(m.group(1), m.group(2) or m.group(1))]
+            if m.group(1)
+            else [(n.strip(), n.strip()) for n in m.group(3).split(",")]
+        )
         for terminal, alias in names:
             if COMMON + terminal not in _common_rules():
-                raise self.error(at, f"common.{terminal} is not one of Lark's common terminals taken here")
+                raise self.error(
+                    at, f"common.{terminal} is not one of Lark's common terminals taken here"
+                )
             self.imports[alias] = terminal
 
     def rules(self) -> dict[str, tuple]:
-        rules: dict[str, tuple] = {alias: ("ref", COMMON + terminal) for alias, terminal in self.imports.items()}
+        rules: dict[str, tuple] = {
+            alias: ("ref", COMMON + terminal) for alias, terminal in self.imports.items()
+        }
         while (token := self.peek()) is not None:
             if token.kind != "define":
-                raise self.error(token.at, f"expected a definition 'name: ...' at a line's start, got {token.text!r}")
+                raise self.error(
+                    token.at,
+                    f"expected a definition 'name: ...' at a line's start, got {token.text!r}",
+                )
             if token.text in rules:
                 raise self.error(token.at, f"'{token.text}' is defined twice")
             self.i += 1
@@ -158,8 +180,14 @@ class _LarkParser(_Parser):
 
     def sequence(self) -> tuple:
         items = []
-        while (token := self.peek()) is not None and token.text not in ("|", ")", "]") and token.kind != "define":
-            if token.kind == "arrow":  # an alias names the alternative's tree node: nothing to match
+        while (
+            (token := self.peek()) is not None
+            and token.text not in ("|", ")", "]")
+            and token.kind != "define"
+        ):
+            if (
+                token.kind == "arrow"
+            ):  # an alias names the alternative's tree node: nothing to match
                 alias = self.peek(1)
                 if alias is None or alias.kind != "name":
                     raise self.error(token.at, "'->' needs an alias name after it")
@@ -218,10 +246,10 @@ class _LarkParser(_Parser):
         if (dots := self.peek()) is not None and dots.kind == "range":
             high = self.peek(1)
             if high is None or high.kind != "string" or high.text.endswith("i"):
-                raise self.error(dots.at, "a range is two one-character strings: \"a\"..\"z\"")
+                raise self.error(dots.at, 'a range is two one-character strings: "a".."z"')
             top = self._characters(high.text[1:-1], high.at)
             if len(chars) != 1 or len(top) != 1 or fold:
-                raise self.error(token.at, "a range is two one-character strings: \"a\"..\"z\"")
+                raise self.error(token.at, 'a range is two one-character strings: "a".."z"')
             if top[0][0] < chars[0][0]:
                 raise self.error(token.at, "this range is out of order")
             self.i += 2

@@ -61,7 +61,9 @@ class Maintenance:
     @property
     def frozen(self) -> bool:
         """No step may run: paused with "keep", or such a pause waits for the step in flight."""
-        return self.paused == "keep" or any(op.kind == "pause" and op.mode == "keep" for op in self._queue)
+        return self.paused == "keep" or any(
+            op.kind == "pause" and op.mode == "keep" for op in self._queue
+        )
 
     def ready(self, running: bool) -> bool:
         """Whether the next operation can run now that no step is in flight: once no request

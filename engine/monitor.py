@@ -44,8 +44,16 @@ HEARTBEAT_S = 1.0
 SNDHWM = 10_000  # messages queued per subscriber before PUB drops them for it
 CLOSE_LINGER_MS = 250  # time the last messages get to leave on close
 
-_STARTING = LoadSnapshot(state="starting", running=0, waiting=0, free_slots=0, free_blocks=0,
-                         num_slots=0, num_blocks=0, steps_total=0)  # fmt: skip
+_STARTING = LoadSnapshot(
+    state="starting",
+    running=0,
+    waiting=0,
+    free_slots=0,
+    free_blocks=0,
+    num_slots=0,
+    num_blocks=0,
+    steps_total=0,
+)
 
 
 def runtime_dir() -> str:
@@ -68,7 +76,7 @@ def runtime_dir() -> str:
 
 
 def resolve_endpoint(endpoint: str) -> str:
-    """"auto": monitor-PID, or monitor-PID-N if taken (binding an ipc path replaces it)."""
+    """ "auto": monitor-PID, or monitor-PID-N if taken (binding an ipc path replaces it)."""
     if endpoint != AUTO:
         return endpoint
     folder, name, n = runtime_dir(), f"monitor-{os.getpid()}", 1
@@ -83,10 +91,13 @@ class MonitorPublisher:
     """Bind with `MonitorPublisher(endpoint)` (in the event loop), `attach` to a scheduler,
     `aclose` at the end. `endpoint` is what subscribers connect to (tcp port 0 resolved)."""
 
-    def __init__(self, endpoint: str, *, idle_max_hz: float = IDLE_MAX_HZ,
-                 heartbeat_s: float = HEARTBEAT_S) -> None:  # fmt: skip
+    def __init__(
+        self, endpoint: str, *, idle_max_hz: float = IDLE_MAX_HZ, heartbeat_s: float = HEARTBEAT_S
+    ) -> None:
         if not idle_max_hz > 0 or not heartbeat_s > 0:
-            raise ValueError(f"idle_max_hz ({idle_max_hz}) and heartbeat_s ({heartbeat_s}) must be > 0")
+            raise ValueError(
+                f"idle_max_hz ({idle_max_hz}) and heartbeat_s ({heartbeat_s}) must be > 0"
+            )
         self._loop = asyncio.get_running_loop()
         self._idle_interval_s = 1.0 / idle_max_hz
         self._heartbeat_s = heartbeat_s
@@ -145,13 +156,31 @@ class MonitorPublisher:
         elif event.transition == "terminal":
             self._send(schema.Terminal(**self._fields(b"replica"), reason=event.message))
 
-    def ready(self, *, model: str, tp_size: int, device: str, num_slots: int, num_blocks: int,
-              block_size: int, max_model_len: int, startup_s: float) -> None:  # fmt: skip
-        self._send(schema.Ready(
-            **self._fields(b"replica"), model=model, tp_size=tp_size, device=device,
-            num_slots=num_slots, num_blocks=num_blocks, block_size=block_size,
-            max_model_len=max_model_len, startup_s=startup_s,
-        ))  # fmt: skip
+    def ready(
+        self,
+        *,
+        model: str,
+        tp_size: int,
+        device: str,
+        num_slots: int,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        startup_s: float,
+    ) -> None:
+        self._send(
+            schema.Ready(
+                **self._fields(b"replica"),
+                model=model,
+                tp_size=tp_size,
+                device=device,
+                num_slots=num_slots,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                startup_s=startup_s,
+            )
+        )
 
     def failed_to_start(self, reason: str) -> None:
         self._send(schema.Terminal(**self._fields(b"replica"), reason=reason))
@@ -196,16 +225,27 @@ class MonitorPublisher:
         """Send the newest snapshot; as a heartbeat it ran no step, so step_* are zero."""
         s = self._latest
         if heartbeat:
-            s = msgspec.structs.replace(s, step_prefill_tokens=0, step_decode_tokens=0,
-                                        step_duration_s=0.0)  # fmt: skip
-        self._send(schema.Load(
-            **self._fields(b"load"), state=s.state, running=s.running, waiting=s.waiting,
-            free_slots=s.free_slots, free_blocks=s.free_blocks, num_slots=s.num_slots,
-            num_blocks=s.num_blocks, steps_total=s.steps_total,
-            step_prefill_tokens=s.step_prefill_tokens, step_decode_tokens=s.step_decode_tokens,
-            step_duration_s=s.step_duration_s, prompt_tokens_total=s.prompt_tokens_total,
-            generation_tokens_total=s.generation_tokens_total,
-        ))  # fmt: skip
+            s = msgspec.structs.replace(
+                s, step_prefill_tokens=0, step_decode_tokens=0, step_duration_s=0.0
+            )
+        self._send(
+            schema.Load(
+                **self._fields(b"load"),
+                state=s.state,
+                running=s.running,
+                waiting=s.waiting,
+                free_slots=s.free_slots,
+                free_blocks=s.free_blocks,
+                num_slots=s.num_slots,
+                num_blocks=s.num_blocks,
+                steps_total=s.steps_total,
+                step_prefill_tokens=s.step_prefill_tokens,
+                step_decode_tokens=s.step_decode_tokens,
+                step_duration_s=s.step_duration_s,
+                prompt_tokens_total=s.prompt_tokens_total,
+                generation_tokens_total=s.generation_tokens_total,
+            )
+        )
         self._sent = self._latest
         self._held = False
         self._last_sent_mono = now
@@ -249,36 +289,59 @@ def _request_id(event: Lifecycle) -> int:
 
 def _queued(e: Lifecycle, f: dict) -> schema.Queued:
     r = e.request
-    return schema.Queued(**f, request_id=r.request_id, client_id=e.client_id, index=r.index,
-                         prompt_tokens=r.prompt_len, max_tokens=r.params.max_tokens)  # fmt: skip
+    return schema.Queued(
+        **f,
+        request_id=r.request_id,
+        client_id=e.client_id,
+        index=r.index,
+        prompt_tokens=r.prompt_len,
+        max_tokens=r.params.max_tokens,
+    )
 
 
 def _admitted(e: Lifecycle, f: dict) -> schema.Admitted:
-    return schema.Admitted(**f, request_id=_request_id(e), queue_s=e.time_s - e.request.arrival_time_s)
+    return schema.Admitted(
+        **f, request_id=_request_id(e), queue_s=e.time_s - e.request.arrival_time_s
+    )
 
 
 def _first_token(e: Lifecycle, f: dict) -> schema.FirstToken:
     r = e.request
-    return schema.FirstToken(**f, request_id=r.request_id, ttft_s=r.first_token_time_s - r.arrival_time_s)
+    return schema.FirstToken(
+        **f, request_id=r.request_id, ttft_s=r.first_token_time_s - r.arrival_time_s
+    )
 
 
 def _finished(e: Lifecycle, f: dict) -> schema.Finished:
     r = e.request
     ttft = None if r.first_token_time_s is None else r.first_token_time_s - r.arrival_time_s
-    return schema.Finished(**f, request_id=r.request_id, reason=e.reason, prompt_tokens=r.prompt_len,
-                           output_tokens=r.num_output_tokens, ttft_s=ttft,
-                           e2e_s=e.time_s - r.arrival_time_s)  # fmt: skip
+    return schema.Finished(
+        **f,
+        request_id=r.request_id,
+        reason=e.reason,
+        prompt_tokens=r.prompt_len,
+        output_tokens=r.num_output_tokens,
+        ttft_s=ttft,
+        e2e_s=e.time_s - r.arrival_time_s,
+    )
 
 
 def _rejected(e: Lifecycle, f: dict) -> schema.Rejected:
     rid = None if e.request is None else e.request.request_id
-    return schema.Rejected(**f, request_id=rid, client_id=e.client_id, reason=e.reason, message=e.message)
+    return schema.Rejected(
+        **f, request_id=rid, client_id=e.client_id, reason=e.reason, message=e.message
+    )
 
 
 def _dropped(e: Lifecycle, f: dict) -> schema.Dropped:
     r = e.request
-    return schema.Dropped(**f, request_id=r.request_id, output_tokens=r.num_output_tokens,
-                          e2e_s=e.time_s - r.arrival_time_s, message=e.message)  # fmt: skip
+    return schema.Dropped(
+        **f,
+        request_id=r.request_id,
+        output_tokens=r.num_output_tokens,
+        e2e_s=e.time_s - r.arrival_time_s,
+        message=e.message,
+    )
 
 
 _REQUEST_MESSAGES: dict[str, Callable[[Lifecycle, dict], schema.MonitorMessage]] = {

@@ -144,9 +144,18 @@ class ShutDown(_Message, frozen=True, kw_only=True, tag="shut_down"):
 
 
 MonitorMessage = (
-    Load | Queued | Admitted | FirstToken | Finished | Rejected | Dropped
-    | Ready | Poisoned | Terminal | ShutDown
-)  # fmt: skip
+    Load
+    | Queued
+    | Admitted
+    | FirstToken
+    | Finished
+    | Rejected
+    | Dropped
+    | Ready
+    | Poisoned
+    | Terminal
+    | ShutDown
+)
 
 TOPICS: dict[type, bytes] = {
     Load: b"load",

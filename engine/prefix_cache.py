@@ -51,13 +51,17 @@ SEEN_BLOCKS = 1 << 16  # block hashes of recent prompts kept to find shared pref
 @dataclass(eq=False, slots=True)
 class SavedPrefix:
     prefix_id: int  # the ranks' prefix state slot
-    prompt: tuple[int, ...]  # the ids it was saved from (a prompt, maybe an output): the first num_tokens count
+    prompt: tuple[
+        int, ...
+    ]  # the ids it was saved from (a prompt, maybe an output): the first num_tokens count
     num_tokens: int
     blocks: list[int]  # the ledger's blocks of those positions, held for it
     key: int  # the chain hash of its full blocks
     shared: bool  # saved where prompts part (else where one ends): evicted last
     pins: int = 0  # admitted requests that start from it and are not yet sent
-    stale: bool = False  # pinned through a flush: the old weights' state, found by no one, evicted first
+    stale: bool = (
+        False  # pinned through a flush: the old weights' state, found by no one, evicted first
+    )
 
     def full_blocks(self, block_size: int) -> list[int]:
         return self.blocks[: self.num_tokens // block_size]
@@ -83,8 +87,12 @@ class PrefixCache:
         self.ledger = ledger
         self.block_size = ledger.block_size
         self._free_ids = list(range(num_prefixes - 1, -1, -1))
-        self._saved: OrderedDict[int, SavedPrefix] = OrderedDict()  # by prefix id, least recently used first
-        self._by_hash: dict[int, list[SavedPrefix]] = {}  # chain hash of its full blocks -> prefixes
+        self._saved: OrderedDict[int, SavedPrefix] = (
+            OrderedDict()
+        )  # by prefix id, least recently used first
+        self._by_hash: dict[
+            int, list[SavedPrefix]
+        ] = {}  # chain hash of its full blocks -> prefixes
         self._seen: OrderedDict[int, None] = OrderedDict()  # chain hashes of recent prompts' blocks
         self._plans: dict[int, PromptPlan] = {}  # admitted request id -> its plan
         self._evicted: list[int] = []  # prefix ids the ranks still hold: sent with the next step
@@ -105,15 +113,21 @@ class PrefixCache:
         if request.params.repetition_penalty != 1.0 or request.params.prompt_logprobs is not None:
             return plan
         plan.start = self._longest(prompt, hashes)
-        if request.index == 0 and request.params.n > 1 and len(prompt) > bs and (
-            plan.start is None or plan.start.num_tokens < len(prompt) - 1
+        if (
+            request.index == 0
+            and request.params.n > 1
+            and len(prompt) > bs
+            and (plan.start is None or plan.start.num_tokens < len(prompt) - 1)
         ):
             plan.split_at, plan.for_siblings = len(prompt) - 1, True
             return plan
         seen = 0  # leading full blocks (before the last position) an earlier prompt had too
         while seen < (len(prompt) - 1) // bs and hashes[seen] in self._seen:
             seen += 1
-        if seen * bs > (plan.start.num_tokens if plan.start else 0) and hashes[seen - 1] not in self._splitting:
+        if (
+            seen * bs > (plan.start.num_tokens if plan.start else 0)
+            and hashes[seen - 1] not in self._splitting
+        ):
             plan.split_at = seen * bs
         return plan
 
@@ -137,9 +151,12 @@ class PrefixCache:
         """The longest saved prefix that `prompt` begins with and is longer than."""
         for full in range(len(hashes), 0, -1):
             found = [
-                p for p in self._by_hash.get(hashes[full - 1], ())
-                if not p.stale and p.num_tokens < len(prompt) and prompt[: p.num_tokens] == p.prompt[: p.num_tokens]
-            ]  # fmt: skip
+                p
+                for p in self._by_hash.get(hashes[full - 1], ())
+                if not p.stale
+                and p.num_tokens < len(prompt)
+                and prompt[: p.num_tokens] == p.prompt[: p.num_tokens]
+            ]
             if found:
                 return max(found, key=lambda p: p.num_tokens)
         return None
@@ -159,7 +176,11 @@ class PrefixCache:
     def admit(self, request: Request, plan: PromptPlan) -> None:
         """The request is admitted with `plan`: reserve its blocks, take its starting prefix."""
         start = plan.start
-        self.ledger.admit(request.request_id, request.reserve_tokens, start.full_blocks(self.block_size) if start else [])
+        self.ledger.admit(
+            request.request_id,
+            request.reserve_tokens,
+            start.full_blocks(self.block_size) if start else [],
+        )
         if start is not None:
             start.pins += 1
             plan.pinned = True
@@ -211,12 +232,19 @@ class PrefixCache:
         """The prefix id to save the request's state in after its chunk ending at `end`, or
         -1; eviction for the id passes over `keep` (saved in the same step)."""
         plan = self._plans.get(request.request_id)
-        if plan is None or plan.stale or end not in (plan.split_at, request.prompt_len) or end < self.block_size:
+        if (
+            plan is None
+            or plan.stale
+            or end not in (plan.split_at, request.prompt_len)
+            or end < self.block_size
+        ):
             return -1
         if end == plan.split_at:
             self._end_split(plan)
         shared = end != request.prompt_len and not plan.for_siblings
-        return self._record(request, request.prompt_ids, end, plan.hashes[end // self.block_size - 1], shared, keep)
+        return self._record(
+            request, request.prompt_ids, end, plan.hashes[end // self.block_size - 1], shared, keep
+        )
 
     def saves_at_end(self, requests: Iterable[Request]) -> list[SaveOnDrop]:
         """For requests whose states the ranks drop next: keep the state of each one that was
@@ -226,8 +254,14 @@ class PrefixCache:
         bs = self.block_size
         for request in requests:
             plan, end = self._plans.get(request.request_id), request.num_sent
-            if (plan is None or plan.stale or end <= request.prompt_len or end < bs
-                    or request.finish_reason in ("abort", "error") or (ids := request.sent_ids) is None):  # fmt: skip
+            if (
+                plan is None
+                or plan.stale
+                or end <= request.prompt_len
+                or end < bs
+                or request.finish_reason in ("abort", "error")
+                or (ids := request.sent_ids) is None
+            ):
                 continue
             key = plan.hashes[-1] if plan.hashes else 0
             for block in range(len(plan.hashes), end // bs):  # the output's full blocks
@@ -237,8 +271,15 @@ class PrefixCache:
                 saves.append(SaveOnDrop(request.request_id, prefix_id, end))
         return saves
 
-    def _record(self, request: Request, ids: tuple[int, ...], end: int, key: int, shared: bool,
-                keep: Collection[int]) -> int:
+    def _record(
+        self,
+        request: Request,
+        ids: tuple[int, ...],
+        end: int,
+        key: int,
+        shared: bool,
+        keep: Collection[int],
+    ) -> int:
         """A prefix id for the request's state over `ids[:end]` (`key`: the chain hash of its
         full blocks), or -1: none to take, or the same positions are saved already (that one
         is now the most recently used)."""
@@ -294,7 +335,14 @@ class PrefixCache:
     # ---- eviction -----------------------------------------------------------------------
 
     def _evict_one(self, keep: Collection[int], shared_too: bool) -> bool:
-        victim = next((p for p in self._victims() if p.prefix_id not in keep and (shared_too or not p.shared)), None)
+        victim = next(
+            (
+                p
+                for p in self._victims()
+                if p.prefix_id not in keep and (shared_too or not p.shared)
+            ),
+            None,
+        )
         if victim is not None:
             self._evict(victim)
         return victim is not None
@@ -302,9 +350,11 @@ class PrefixCache:
     def _victims(self) -> list[SavedPrefix]:
         """The unpinned prefixes in eviction order."""
         ready = [p for p in self._saved.values() if p.pins == 0]
-        return [p for p in ready if p.stale] + [p for p in ready if not (p.shared or p.stale)] + [
-            p for p in ready if p.shared and not p.stale
-        ]
+        return (
+            [p for p in ready if p.stale]
+            + [p for p in ready if not (p.shared or p.stale)]
+            + [p for p in ready if p.shared and not p.stale]
+        )
 
     def _evict(self, prefix: SavedPrefix) -> None:
         del self._saved[prefix.prefix_id]

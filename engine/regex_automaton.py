@@ -209,10 +209,19 @@ class _Parser:
                 break
             first = False
             low = self.class_item()
-            if self.s.startswith("-", self.i) and self.i + 1 < len(self.s) and self.s[self.i + 1] != "]":
+            if (
+                self.s.startswith("-", self.i)
+                and self.i + 1 < len(self.s)
+                and self.s[self.i + 1] != "]"
+            ):
                 self.i += 1
                 high = self.class_item()
-                if len(low) != 1 or len(high) != 1 or low[0][0] != low[0][1] or high[0][0] != high[0][1]:
+                if (
+                    len(low) != 1
+                    or len(high) != 1
+                    or low[0][0] != low[0][1]
+                    or high[0][0] != high[0][1]
+                ):
                     raise self.error("a class range needs single characters at both ends")
                 if high[0][0] < low[0][0]:
                     raise self.error("a class range out of order")
@@ -292,7 +301,9 @@ class ByteAutomaton:
         self._final = self._build(parse(pattern), start)
         self._prune()
         self._closures: dict[int, frozenset[int]] = {}
-        cuts = sorted({0, 256, *(b for es in self._edges for lo, hi, _ in es for b in (lo, hi + 1))})
+        cuts = sorted(
+            {0, 256, *(b for es in self._edges for lo, hi, _ in es for b in (lo, hi + 1))}
+        )
         # bytes no edge tells apart share a class: a DFA row is computed once per class
         self._class_of = [0] * 256
         self._reps = []
@@ -318,7 +329,9 @@ class ByteAutomaton:
             for n in self._sets[state]:
                 for lo, hi, t in self._edges[n]:
                     reached = self._closure(t)
-                    for c in range(self._class_of[lo], self._class_of[hi] + 1):  # the classes of lo..hi
+                    for c in range(
+                        self._class_of[lo], self._class_of[hi] + 1
+                    ):  # the classes of lo..hi
                         targets[c] |= reached
             by_class = [self._intern(frozenset(t)) for t in targets]
             row = self._rows[state] = [by_class[c] for c in self._class_of]
@@ -342,7 +355,7 @@ class ByteAutomaton:
 
     def _prune(self) -> None:
         """Drop the edges into nodes from which the final node cannot be reached (an empty
-        class on the way: `a[^\x00-\U0010FFFF]`), so that every DFA state but DEAD can still
+        class on the way: `a[^\x00-\U0010ffff]`), so that every DFA state but DEAD can still
         end in a match, and a guided output never walks into a dead end."""
         into: list[list[int]] = [[] for _ in self._edges]
         for n, (edges, eps) in enumerate(zip(self._edges, self._eps, strict=True)):
@@ -378,7 +391,9 @@ class ByteAutomaton:
                     if m not in seen:
                         seen.add(m)
                         todo.append(m)
-            done = self._closures[node] = frozenset(n for n in seen if self._edges[n] or n == self._final)
+            done = self._closures[node] = frozenset(
+                n for n in seen if self._edges[n] or n == self._final
+            )
         return done
 
     def _node(self) -> int:
@@ -434,7 +449,7 @@ class ByteAutomaton:
 
 def escape(text: str) -> str:
     """`text` as a regex of itself in this dialect."""
-    return "".join(f"\\{c}" if c in "\\.^$*+?{}[]()|-/\"" else c for c in text)
+    return "".join(f"\\{c}" if c in '\\.^$*+?{}[]()|-/"' else c for c in text)
 
 
 def choice_regex(choices: tuple[str, ...]) -> str:

@@ -111,9 +111,14 @@ class Request:
         p = len(self.prompt_ids)
         if start + num_tokens <= p:
             return list(self.prompt_ids[start : start + num_tokens])
-        return [*self.prompt_ids[start:], *self._output_ids[max(0, start - p) : start + num_tokens - p]]
+        return [
+            *self.prompt_ids[start:],
+            *self._output_ids[max(0, start - p) : start + num_tokens - p],
+        ]
 
-    def prompt_logprobs_fields(self, start: int, num_tokens: int, is_decode: bool) -> tuple[int, int]:
+    def prompt_logprobs_fields(
+        self, start: int, num_tokens: int, is_decode: bool
+    ) -> tuple[int, int]:
         """A chunk's (StepItem.prompt_logprobs, next_token): (-1, -1) unless it is a prompt
         chunk of a request with prompt logprobs; the next token only if the prompt goes on."""
         k = self.params.prompt_logprobs
@@ -138,8 +143,10 @@ class Request:
         """Its first `num_cached` prompt positions come from a saved prefix: computed."""
         self._expect(RequestStatus.WAITING, "admit")
         if not 0 <= num_cached < len(self.prompt_ids):
-            raise ValueError(f"request {self.request_id}: {num_cached} cached positions of a "
-                             f"{len(self.prompt_ids)}-token prompt")
+            raise ValueError(
+                f"request {self.request_id}: {num_cached} cached positions of a "
+                f"{len(self.prompt_ids)}-token prompt"
+            )
         self.status = RequestStatus.RUNNING
         self.num_cached = self.num_computed = num_cached
 
@@ -183,9 +190,13 @@ class Request:
         if self.status.is_finished:
             raise ValueError(f"request {self.request_id} already {self.status.value}")
         if reason in ("stop", "length") and self.status is not RequestStatus.RUNNING:
-            raise ValueError(f"request {self.request_id} cannot end with {reason!r} while {self.status.value}")
+            raise ValueError(
+                f"request {self.request_id} cannot end with {reason!r} while {self.status.value}"
+            )
         self.status = _FINISHED_BY_REASON[reason]
 
     def _expect(self, status: RequestStatus, action: str) -> None:
         if self.status is not status:
-            raise ValueError(f"cannot {action} request {self.request_id}: it is {self.status.value}")
+            raise ValueError(
+                f"cannot {action} request {self.request_id}: it is {self.status.value}"
+            )

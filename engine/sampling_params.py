@@ -96,7 +96,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    stop_regex: tuple[str, ...] = ()  # SGLang's: a match in the output ends it, kept (engine/stop_regex.py)
+    stop_regex: tuple[
+        str, ...
+    ] = ()  # SGLang's: a match in the output ends it, kept (engine/stop_regex.py)
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
@@ -108,20 +110,30 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     # bad_words as token-id sequences: set by `tokenize_bad_words` (the engine calls it)
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
-    prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob and k alternatives
+    prompt_logprobs: int | None = (
+        None  # None: off; k: each prompt token's logprob and k alternatives
+    )
     guided_choice: tuple[str, ...] = ()  # empty: unconstrained; else the output is one of these
     guided_regex: str | None = None  # the whole output matches this regex
-    guided_json: str | None = None  # a JSON schema (JSON text, or a dict): the output is valid for it
+    guided_json: str | None = (
+        None  # a JSON schema (JSON text, or a dict): the output is valid for it
+    )
     guided_json_object: bool = False  # the output is a JSON object
-    guided_grammar: str | None = None  # a GBNF or Lark grammar (vLLM's grammar, SGLang's ebnf): the output is its root's
+    guided_grammar: str | None = (
+        None  # a GBNF or Lark grammar (vLLM's grammar, SGLang's ebnf): the output is its root's
+    )
     # a structural tag, JSON text {structures, triggers} (engine/structural_tag.py): free text whose triggers
     # start tagged JSON structures
     guided_structural_tag: str | None = None
-    guided_whitespace: str | None = None  # regex of the whitespace between JSON tokens; None: the default
+    guided_whitespace: str | None = (
+        None  # regex of the whitespace between JSON tokens; None: the default
+    )
     # the most tokens the output may think for: it starts inside a think block (the prompt
     # opened it), and once this many were sampled without </think>, </think> is forced
     thinking_budget: int | None = None
-    thinking_end_id: int | None = None  # the </think> token id: set by `resolve_thinking_end` (the engine calls it)
+    thinking_end_id: int | None = (
+        None  # the </think> token id: set by `resolve_thinking_end` (the engine calls it)
+    )
     # the constraint as one pattern (engine/guided.py), "" for none
     guide_regex: str = field(init=False, default="")
 
@@ -131,31 +143,45 @@ class SamplingParams:
         _check_range("temperature", self.temperature, 0.0, math.inf)
         _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables top-k), got {self.top_k!r}")
+            raise ValueError(
+                f"top_k must be an integer >= -1 (0 or -1 disables top-k), got {self.top_k!r}"
+            )
         _check_range("min_p", self.min_p, 0.0, 1.0)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ValueError(
+                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}"
+            )
         if isinstance(self.stop, str) or not isinstance(self.stop, tuple | list):
             raise ValueError(f"stop must be a list or tuple of strings, got {self.stop!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} allowed")
+            raise ValueError(
+                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} allowed"
+            )
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         if isinstance(self.stop_regex, str):
             object.__setattr__(self, "stop_regex", (self.stop_regex,))
         if not isinstance(self.stop_regex, tuple | list) or len(self.stop_regex) > MAX_STOP_REGEXES:
-            raise ValueError(f"stop_regex must be at most {MAX_STOP_REGEXES} regexes, got {self.stop_regex!r}")
+            raise ValueError(
+                f"stop_regex must be at most {MAX_STOP_REGEXES} regexes, got {self.stop_regex!r}"
+            )
         for pattern in self.stop_regex:
             if not isinstance(pattern, str) or not pattern:
                 raise ValueError(f"stop_regex must hold non-empty strings, got {pattern!r}")
             stop_automaton(pattern)  # its ValueError names the pattern
         object.__setattr__(self, "stop_regex", tuple(self.stop_regex))
-        if isinstance(self.stop_token_ids, str) or not isinstance(self.stop_token_ids, tuple | list):
-            raise ValueError(f"stop_token_ids must be a list or tuple of ints, got {self.stop_token_ids!r}")
+        if isinstance(self.stop_token_ids, str) or not isinstance(
+            self.stop_token_ids, tuple | list
+        ):
+            raise ValueError(
+                f"stop_token_ids must be a list or tuple of ints, got {self.stop_token_ids!r}"
+            )
         for t in self.stop_token_ids:
             if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
                 raise ValueError(
@@ -167,8 +193,12 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if (value := getattr(self, name)) is not None and (not _is_int(value) or value < 0):
                 raise ValueError(f"{name} must be an integer >= 0 or None, got {value!r}")
-        if self.thinking_budget is not None and (not _is_int(self.thinking_budget) or self.thinking_budget < 0):
-            raise ValueError(f"thinking_budget must be an integer >= 0 or None, got {self.thinking_budget!r}")
+        if self.thinking_budget is not None and (
+            not _is_int(self.thinking_budget) or self.thinking_budget < 0
+        ):
+            raise ValueError(
+                f"thinking_budget must be an integer >= 0 or None, got {self.thinking_budget!r}"
+            )
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -185,33 +215,60 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", _allowed(self.allowed_token_ids))
-        if isinstance(self.bad_words, str) or not isinstance(self.bad_words, tuple | list) or not all(
-            isinstance(w, str) for w in self.bad_words
+        if (
+            isinstance(self.bad_words, str)
+            or not isinstance(self.bad_words, tuple | list)
+            or not all(isinstance(w, str) for w in self.bad_words)
         ):
             raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
-        object.__setattr__(self, "bad_words", tuple(dict.fromkeys(self.bad_words)))  # as vLLM: once each
+        object.__setattr__(
+            self, "bad_words", tuple(dict.fromkeys(self.bad_words))
+        )  # as vLLM: once each
         if self.bad_words_token_ids is not None:
-            object.__setattr__(self, "bad_words_token_ids", _sequences(self.bad_words_token_ids, "bad_words_token_ids"))
+            object.__setattr__(
+                self,
+                "bad_words_token_ids",
+                _sequences(self.bad_words_token_ids, "bad_words_token_ids"),
+            )
         object.__setattr__(self, "guided_choice", _choices(self.guided_choice))
         if isinstance(self.guided_json, Mapping | bool):
             object.__setattr__(self, "guided_json", json.dumps(self.guided_json))
         if isinstance(self.guided_structural_tag, Mapping):
-            object.__setattr__(self, "guided_structural_tag", json.dumps(self.guided_structural_tag))
-        for name in ("guided_regex", "guided_json", "guided_whitespace", "guided_grammar", "guided_structural_tag"):
+            object.__setattr__(
+                self, "guided_structural_tag", json.dumps(self.guided_structural_tag)
+            )
+        for name in (
+            "guided_regex",
+            "guided_json",
+            "guided_whitespace",
+            "guided_grammar",
+            "guided_structural_tag",
+        ):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string or None, got {getattr(self, name)!r}")
         if not isinstance(self.guided_json_object, bool):
             raise ValueError(f"guided_json_object must be a bool, got {self.guided_json_object!r}")
-        pattern = guide_pattern(self.guided_choice, self.guided_regex, self.guided_json,
-                                self.guided_json_object, self.guided_whitespace, self.guided_grammar,
-                                self.guided_structural_tag)  # fmt: skip
+        pattern = guide_pattern(
+            self.guided_choice,
+            self.guided_regex,
+            self.guided_json,
+            self.guided_json_object,
+            self.guided_whitespace,
+            self.guided_grammar,
+            self.guided_structural_tag,
+        )
         object.__setattr__(self, "guide_regex", pattern)
         if pattern:
-            for name, used in (("allowed_token_ids", self.allowed_token_ids is not None),
-                               ("bad_words", bool(self.bad_words)), ("min_tokens", self.min_tokens > 0),
-                               ("thinking_budget", self.thinking_budget is not None)):  # fmt: skip
+            for name, used in (
+                ("allowed_token_ids", self.allowed_token_ids is not None),
+                ("bad_words", bool(self.bad_words)),
+                ("min_tokens", self.min_tokens > 0),
+                ("thinking_budget", self.thinking_budget is not None),
+            ):
                 if used:
-                    raise ValueError(f"structured outputs (guided_*) cannot be combined with {name}")
+                    raise ValueError(
+                        f"structured outputs (guided_*) cannot be combined with {name}"
+                    )
 
     def resolve_thinking_end(self, end_id: int | None) -> SamplingParams:
         """These params with the tokenizer's </think> id (`end_id`, None: it has none) where a
@@ -238,7 +295,9 @@ class SamplingParams:
             if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
                 sequences.append(spaced)
             if len(sequences) > MAX_BAD_WORD_SEQUENCES:
-                raise ValueError(f"bad_words give more than {MAX_BAD_WORD_SEQUENCES} token sequences; send fewer words")
+                raise ValueError(
+                    f"bad_words give more than {MAX_BAD_WORD_SEQUENCES} token sequences; send fewer words"
+                )
         return replace(self, bad_words_token_ids=tuple(sequences))
 
     @property
@@ -288,26 +347,34 @@ def _allowed(ids: object) -> tuple[int, ...]:
         raise ValueError("allowed_token_ids is empty: no token could be sampled")
     for t in ids:
         if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
-            raise ValueError(f"allowed_token_ids must hold token ids in [0, {MAX_TOKEN_ID}], got {t!r}")
+            raise ValueError(
+                f"allowed_token_ids must hold token ids in [0, {MAX_TOKEN_ID}], got {t!r}"
+            )
     return tuple(sorted(set(ids)))
 
 
 def _choices(value: object) -> tuple[str, ...]:
     """guided_choice as given: distinct non-empty strings, once each, in their order."""
-    if isinstance(value, str) or not isinstance(value, tuple | list) or not all(
-        isinstance(c, str) and c for c in value
+    if (
+        isinstance(value, str)
+        or not isinstance(value, tuple | list)
+        or not all(isinstance(c, str) and c for c in value)
     ):
         raise ValueError(f"guided_choice must be a list of non-empty strings, got {value!r}")
     choices = tuple(dict.fromkeys(value))
     if len(choices) > MAX_GUIDED_CHOICES:
-        raise ValueError(f"guided_choice has {len(choices)} choices; at most {MAX_GUIDED_CHOICES} allowed")
+        raise ValueError(
+            f"guided_choice has {len(choices)} choices; at most {MAX_GUIDED_CHOICES} allowed"
+        )
     return choices
 
 
 def _sequences(value: object, name: str) -> tuple[tuple[int, ...], ...]:
     """Token-id sequences as given (by `tokenize_bad_words`, or a caller of its own): each a non-empty run of token ids."""
     if not isinstance(value, tuple | list) or not all(
-        isinstance(seq, tuple | list) and seq and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in seq)
+        isinstance(seq, tuple | list)
+        and seq
+        and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in seq)
         for seq in value
     ):
         raise ValueError(f"{name} must be non-empty lists of token ids, got {value!r}")

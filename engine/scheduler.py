@@ -89,7 +89,9 @@ class Scheduler:
         self._force_mixed = force_mixed
         self._pipeline = pipeline
         self.max_model_len = max_model_len
-        self.ledger = CapacityLedger(controller.num_slots, controller.num_blocks, controller.block_size)
+        self.ledger = CapacityLedger(
+            controller.num_slots, controller.num_blocks, controller.block_size
+        )
         self.prefix = PrefixCache(prefix_states, self.ledger)  # prefix caching: off with no states
         self.maintenance = Maintenance()  # new weights, a cache flush, pauses: between steps
         self.metrics = EngineMetrics()
@@ -201,14 +203,27 @@ class Scheduler:
                         self.maintenance.fail("the engine stopped")
                         self._publish_load()  # the last one: idle, state dead
                         return
-                if self.maintenance.ready(bool(self._running)) and self._inflight is None and not self._pending_drop:
-                    await self.maintenance.run(self._controller, self.prefix)  # no step in flight: `ready` says when
+                if (
+                    self.maintenance.ready(bool(self._running))
+                    and self._inflight is None
+                    and not self._pending_drop
+                ):
+                    await self.maintenance.run(
+                        self._controller, self.prefix
+                    )  # no step in flight: `ready` says when
                     continue  # the load it changed is published first
                 self._admit()
                 if self._inflight is None:
                     plan = plan_step(
-                        [PlanInput(r, e.request.prompt_len, e.request.num_computed, self.prefix.split_at(r))
-                         for r, e in (() if self.maintenance.frozen else self._running.items())],  # frozen: no step
+                        [
+                            PlanInput(
+                                r,
+                                e.request.prompt_len,
+                                e.request.num_computed,
+                                self.prefix.split_at(r),
+                            )
+                            for r, e in (() if self.maintenance.frozen else self._running.items())
+                        ],  # frozen: no step
                         self._budget,
                         self._force_mixed,
                     )
@@ -232,8 +247,12 @@ class Scheduler:
 
     async def _wait_for_work(self) -> None:
         self._wake_event.clear()
-        if (self._inbox or self._poison_reason is not None or (self._abort_all and self._entries)
-                or any(e.sink.closed for e in self._entries.values())):  # fmt: skip
+        if (
+            self._inbox
+            or self._poison_reason is not None
+            or (self._abort_all and self._entries)
+            or any(e.sink.closed for e in self._entries.values())
+        ):
             return
         await self._wake_event.wait()
 
@@ -277,7 +296,14 @@ class Scheduler:
         else:
             self._waiting.remove(entry)
         request.finish("abort")
-        event = FinishedEvent(request.index, "abort", request.prompt_len, request.num_output_tokens, "", request.num_cached)
+        event = FinishedEvent(
+            request.index,
+            "abort",
+            request.prompt_len,
+            request.num_output_tokens,
+            "",
+            request.num_cached,
+        )
         if request.on_ranks:
             self._hold_until_dropped(rid, [event])
             return
@@ -314,7 +340,13 @@ class Scheduler:
         self.prefix.forget(request_id)
 
     def _state(self) -> EngineState:
-        return "dead" if self.dead_reason is not None or self._stopped else "draining" if self._stopping else "serving"
+        return (
+            "dead"
+            if self.dead_reason is not None or self._stopped
+            else "draining"
+            if self._stopping
+            else "serving"
+        )
 
     def _snapshot(self) -> LoadSnapshot:
         """Counts as they stand; once failed closed, idle (every reservation is void)."""
@@ -358,10 +390,17 @@ class Scheduler:
                 self._waiting.popleft()
                 request.finish("error")
                 del self._entries[request.request_id]
-                self._deliver(entry, ErrorEvent(request.index, (
-                    f"request needs {reserve} positions (prompt {request.prompt_len} + max_tokens "
-                    f"{request.params.max_tokens}); max_model_len is {self.max_model_len} and the "
-                    f"KV cache holds {self.ledger.num_blocks * self.ledger.block_size}")))  # fmt: skip
+                self._deliver(
+                    entry,
+                    ErrorEvent(
+                        request.index,
+                        (
+                            f"request needs {reserve} positions (prompt {request.prompt_len} + max_tokens "
+                            f"{request.params.max_tokens}); max_model_len is {self.max_model_len} and the "
+                            f"KV cache holds {self.ledger.num_blocks * self.ledger.block_size}"
+                        ),
+                    ),
+                )
                 continue
             first = self._running.get(entry.sink.request_ids[0]) if request.index else None
             if first is not None and self.prefix.saves_for_siblings(first.request):
@@ -384,7 +423,11 @@ class Scheduler:
         prefix = self.prefix
         # saves first: they may evict, and the prefixes its requests start from are pinned until `start_of`
         saves = prefix.saves(
-            [(self._running[c.request_id].request, c.start + c.num_tokens) for c in plan.chunks if not c.is_decode]
+            [
+                (self._running[c.request_id].request, c.start + c.num_tokens)
+                for c in plan.chunks
+                if not c.is_decode
+            ]
         )
         for chunk in plan.chunks:
             request = self._running[chunk.request_id].request
@@ -394,20 +437,39 @@ class Scheduler:
                 spec = request.params.to_spec(request.seed, self._eos_token_ids)
                 new = NewRequest(request.reserve_tokens, spec, prefix.start_of(chunk.request_id))
             request.mark_sent(chunk.start + chunk.num_tokens)
-            items.append(StepItem(chunk.request_id, chunk.start, tokens, chunk.sample, new, saves.get(chunk.request_id, -1),
-                                  *request.prompt_logprobs_fields(chunk.start, chunk.num_tokens, chunk.is_decode)))  # fmt: skip
+            items.append(
+                StepItem(
+                    chunk.request_id,
+                    chunk.start,
+                    tokens,
+                    chunk.sample,
+                    new,
+                    saves.get(chunk.request_id, -1),
+                    *request.prompt_logprobs_fields(chunk.start, chunk.num_tokens, chunk.is_decode),
+                )
+            )
         self._notify_plan(plan)
         sent_at = time.perf_counter()
         if self._results_at is not None:  # the ranks sat idle since the last step's results
             self.metrics.scheduler_seconds_total += sent_at - self._results_at
-        return Step(plan, await self._controller.send_step(items, (), prefix.take_evicted()), sent_at, {})
+        return Step(
+            plan, await self._controller.send_step(items, (), prefix.take_evicted()), sent_at, {}
+        )
 
     def _follow(self, step: Step) -> Step | None:
         """Plan and send the next step behind `step`, which the ranks are running, if it
         needs none of its results (see the module docstring); else None."""
-        if not self._pipeline or self._stopping or self._inbox or self.maintenance.frozen or not self._controller.can_follow:
+        if (
+            not self._pipeline
+            or self._stopping
+            or self._inbox
+            or self.maintenance.frozen
+            or not self._controller.can_follow
+        ):
             return None
-        if self._waiting and (self._pending_drop or self.ledger.can_admit(self._waiting.head().request.reserve_tokens)):
+        if self._waiting and (
+            self._pending_drop or self.ledger.can_admit(self._waiting.head().request.reserve_tokens)
+        ):
             return None  # admission comes first
         chunks = []
         last = []  # requests whose last token `step` samples (max_tokens): dropped right after it
@@ -421,7 +483,9 @@ class Scheduler:
             num_running += 1
             request = entry.request
             if request.num_output_tokens + 2 <= request.params.max_tokens:
-                chunks.append(PlannedChunk(chunk.request_id, chunk.start + chunk.num_tokens, 1, True, True))
+                chunks.append(
+                    PlannedChunk(chunk.request_id, chunk.start + chunk.num_tokens, 1, True, True)
+                )
             else:
                 last.append(chunk.request_id)
         if num_running != len(self._running) or not chunks:
@@ -430,7 +494,9 @@ class Scheduler:
         # their events come when `step` commits (_hold_until_dropped)
         drops = {**self._pending_drop, **{rid: [] for rid in last}}
         saves = self.prefix.saves_at_end(self._entries[rid].request for rid in drops)
-        flight = self._controller.follow_step(items, list(drops), self.prefix.take_evicted(), saves)  # can_follow: sent
+        flight = self._controller.follow_step(
+            items, list(drops), self.prefix.take_evicted(), saves
+        )  # can_follow: sent
         for chunk in chunks:
             self._running[chunk.request_id].request.mark_sent(chunk.start + 1)
         plan = StepPlan(tuple(chunks))
@@ -473,7 +539,9 @@ class Scheduler:
             if entry is None or entry.request.is_finished:
                 continue
             entry.request.advance(chunk.num_tokens)
-            if (part := samples.prompt_logprobs.get(chunk.request_id)) is not None:  # the chunks that asked
+            if (
+                part := samples.prompt_logprobs.get(chunk.request_id)
+            ) is not None:  # the chunks that asked
                 entry.request.prompt_logprob_parts.append(part)
             if chunk.sample:
                 if not chunk.is_decode:
@@ -483,7 +551,9 @@ class Scheduler:
     def _commit_sample(self, entry: Entry, sample: Sample, now: float) -> None:
         request = entry.request
         previous = request.last_token_time_s
-        if previous is None and request.params.prompt_logprobs is not None:  # before its first token
+        if (
+            previous is None and request.params.prompt_logprobs is not None
+        ):  # before its first token
             entry.sink.put(request.prompt_logprobs_event())
         request.append_token(sample.token_id, now)
         self.metrics.generation_tokens_total += 1
@@ -501,8 +571,15 @@ class Scheduler:
         tail = entry.detokenizer.flush()
         request.finish(reason)
         del self._running[request.request_id]
-        finished = FinishedEvent(request.index, reason, request.prompt_len, request.num_output_tokens, tail,
-                                 request.num_cached, matched_stop(request, token, entry.detokenizer))
+        finished = FinishedEvent(
+            request.index,
+            reason,
+            request.prompt_len,
+            request.num_output_tokens,
+            tail,
+            request.num_cached,
+            matched_stop(request, token, entry.detokenizer),
+        )
         self._hold_until_dropped(request.request_id, [event, finished])
 
     def _hold_until_dropped(self, request_id: int, events: list[Event]) -> None:
@@ -523,9 +600,17 @@ class Scheduler:
         stop strings, run while the ranks compute."""
         outbox, self._outbox = self._outbox, []
         for entry, sample, text in outbox:
-            if text is None:  # a request without stop strings: its text is made here, off the step's path
+            if (
+                text is None
+            ):  # a request without stop strings: its text is made here, off the step's path
                 text = entry.detokenizer.add(sample.token_id)
-            event = TokenEvent(entry.request.index, sample.token_id, text, sample.logprob, list(sample.top_logprobs))
+            event = TokenEvent(
+                entry.request.index,
+                sample.token_id,
+                text,
+                sample.logprob,
+                list(sample.top_logprobs),
+            )
             entry.sink.put(event)
 
     def _notify_plan(self, plan: StepPlan) -> None:
@@ -535,13 +620,17 @@ class Scheduler:
     def _deliver(self, entry: Entry, event: Event) -> None:
         if self._outbox and not isinstance(event, TokenEvent):
             self._flush_outbox()  # a request's tokens always reach its owner before its end
-        if isinstance(event, FinishedEvent) and event.reason == "abort":  # with its held-back text (vLLM too)
+        if (
+            isinstance(event, FinishedEvent) and event.reason == "abort"
+        ):  # with its held-back text (vLLM too)
             event = msgspec.structs.replace(event, text=entry.detokenizer.flush())
         entry.sink.put(event)
         if isinstance(event, FinishedEvent | ErrorEvent):
             reason = event.reason if isinstance(event, FinishedEvent) else "error"
             self.metrics.request_success_total[reason] += 1
-            self.metrics.e2e_request_latency_s.observe(time.monotonic() - entry.request.arrival_time_s)
+            self.metrics.e2e_request_latency_s.observe(
+                time.monotonic() - entry.request.arrival_time_s
+            )
             if isinstance(event, FinishedEvent):
                 self._notify("finished", entry, reason=event.reason)
             elif self.dead_reason is None:  # refused at admission: it can never fit
@@ -549,8 +638,15 @@ class Scheduler:
             else:
                 self._notify("dropped", entry, message=self.dead_reason)
 
-    def _notify(self, transition: Transition, entry: Entry | None = None, *, client_id: str = "",
-                reason: str = "", message: str = "") -> None:
+    def _notify(
+        self,
+        transition: Transition,
+        entry: Entry | None = None,
+        *,
+        client_id: str = "",
+        reason: str = "",
+        message: str = "",
+    ) -> None:
         """The one place lifecycle transitions leave the tick; nearly free without listeners."""
         if not self.lifecycle_listeners:
             return

@@ -29,7 +29,9 @@ def check_stop(
     step's path)."""
     params = request.params
     # a guided request's EOS is its constraint's end: it ends even with ignore_eos
-    if ((not params.ignore_eos or params.guide_regex) and token in eos_token_ids) or token in params.stop_token_ids:
+    if (
+        (not params.ignore_eos or params.guide_regex) and token in eos_token_ids
+    ) or token in params.stop_token_ids:
         return "stop", detokenizer.add(token) if params.include_stop_str_in_output else ""
     at_length = request.num_output_tokens >= params.max_tokens
     if not (params.stop or params.stop_regex or at_length):
@@ -40,7 +42,9 @@ def check_stop(
     return ("length" if at_length else None), text
 
 
-def matched_stop(request: Request, token: int, detokenizer: IncrementalDetokenizer) -> str | int | None:
+def matched_stop(
+    request: Request, token: int, detokenizer: IncrementalDetokenizer
+) -> str | int | None:
     """vLLM's stop_reason for a request that ended with `token`: the stop string its text
     matched, or the token when it is one of stop_token_ids (an EOS: None)."""
     if detokenizer.stop_matched is not None:

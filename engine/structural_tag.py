@@ -28,8 +28,15 @@ from deltaserve.engine.grammar import _literal
 from deltaserve.engine.json_schema import schema_regex
 from deltaserve.engine.regex_automaton import MAX_REPEAT, ByteAutomaton, RegexError
 
-_REFUSED = {"token", "exclude_token", "any_tokens", "token_triggered_tags", "token_dispatch", "dispatch",
-            "qwen_xml_parameter"}  # fmt: skip
+_REFUSED = {
+    "token",
+    "exclude_token",
+    "any_tokens",
+    "token_triggered_tags",
+    "token_dispatch",
+    "dispatch",
+    "qwen_xml_parameter",
+}
 
 
 class StructuralTagError(ValueError):
@@ -40,7 +47,9 @@ def structural_tag_regex(spec: Any) -> str:
     """The regex of a structural tag (either form); StructuralTagError naming what is wrong and
     where."""
     if not isinstance(spec, dict):
-        raise StructuralTagError("a structural tag is an object: a format, or structures and triggers")
+        raise StructuralTagError(
+            "a structural tag is an object: a format, or structures and triggers"
+        )
     formats = _Formats()
     if "format" in spec:
         _keys(spec, {"type", "format"}, "the structural tag")
@@ -61,24 +70,41 @@ def _legacy(spec: dict[str, Any]) -> dict[str, Any]:
         raise StructuralTagError("structures must be a non-empty list of {begin, schema, end}")
     tags = []
     for i, s in enumerate(structures):
-        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str):
+        if (
+            not isinstance(s, dict)
+            or not isinstance(s.get("begin"), str)
+            or not isinstance(s.get("end"), str)
+        ):
             raise StructuralTagError(f"structures[{i}] must be an object with string begin and end")
         _keys(s, {"begin", "schema", "end"}, f"structures[{i}]")
         content = {"type": "json_schema", "json_schema": s.get("schema")}  # none: any JSON value
         tags.append({"begin": s["begin"], "content": content, "end": s["end"]})
-    return {"type": "triggered_tags", "triggers": triggers, "tags": tags,
-            "at_least_one": spec.get("at_least_one", False)}  # fmt: skip
+    return {
+        "type": "triggered_tags",
+        "triggers": triggers,
+        "tags": tags,
+        "at_least_one": spec.get("at_least_one", False),
+    }
 
 
 class _Formats:
     def __init__(self) -> None:
-        self.kinds = {"const_string": self._const_string, "json_schema": self._json_schema, "grammar": self._grammar,
-                      "regex": self._regex, "any_text": self._any_text, "sequence": self._sequence, "or": self._or,
-                      "optional": functools.partial(self._repeated, count="?"),
-                      "plus": functools.partial(self._repeated, count="+"),
-                      "star": functools.partial(self._repeated, count="*"), "repeat": self._repeat,
-                      "tag": self._tag, "triggered_tags": self._triggered_tags,
-                      "tags_with_separator": self._tags_with_separator}  # fmt: skip
+        self.kinds = {
+            "const_string": self._const_string,
+            "json_schema": self._json_schema,
+            "grammar": self._grammar,
+            "regex": self._regex,
+            "any_text": self._any_text,
+            "sequence": self._sequence,
+            "or": self._or,
+            "optional": functools.partial(self._repeated, count="?"),
+            "plus": functools.partial(self._repeated, count="+"),
+            "star": functools.partial(self._repeated, count="*"),
+            "repeat": self._repeat,
+            "tag": self._tag,
+            "triggered_tags": self._triggered_tags,
+            "tags_with_separator": self._tags_with_separator,
+        }
 
     def compile(self, f: Any, at: str, ends: tuple[str, ...]) -> str:
         """The regex of format `f` (at path `at`); `ends`: the ends of the tag around it, which
@@ -88,7 +114,9 @@ class _Formats:
         kind = f.get("type", "tag")  # xgrammar takes a typeless object as a tag first
         where = f"{at}." if at else ""
         if kind in _REFUSED:
-            raise StructuralTagError(f"{where}type {kind!r} is not supported (text-level formats are)")
+            raise StructuralTagError(
+                f"{where}type {kind!r} is not supported (text-level formats are)"
+            )
         if kind not in self.kinds:
             raise StructuralTagError(f"{where}type {kind!r} is not a structural tag format")
         return self.kinds[kind](f, where, ends)
@@ -100,7 +128,9 @@ class _Formats:
     def _json_schema(self, f: dict, at: str, ends: tuple[str, ...]) -> str:
         _keys(f, {"type", "json_schema", "style", "any_order"}, at)
         if f.get("style", "json") != "json" or f.get("any_order", False) is not False:
-            raise StructuralTagError(f"{at}style and any_order: only JSON in the schema's order is supported")
+            raise StructuralTagError(
+                f"{at}style and any_order: only JSON in the schema's order is supported"
+            )
         try:
             return f"(?:{schema_regex({} if f.get('json_schema') is None else f['json_schema'])})"
         except ValueError as e:
@@ -138,21 +168,34 @@ class _Formats:
 
     def _repeat(self, f: dict, at: str, ends: tuple[str, ...]) -> str:
         low, high = f.get("min"), f.get("max")
-        if not _count(low) or not (_count(high) and high >= low or high == -1) or max(low, high) > MAX_REPEAT:
-            raise StructuralTagError(f"{at}min and max must be counts up to {MAX_REPEAT}, min <= max (max -1: "
-                                     "no bound)")  # fmt: skip
-        return self._repeated(f, at, ends, f"{{{low},{'' if high == -1 else high}}}", {"min", "max"})
+        if (
+            not _count(low)
+            or not (_count(high) and high >= low or high == -1)
+            or max(low, high) > MAX_REPEAT
+        ):
+            raise StructuralTagError(
+                f"{at}min and max must be counts up to {MAX_REPEAT}, min <= max (max -1: no bound)"
+            )
+        return self._repeated(
+            f, at, ends, f"{{{low},{'' if high == -1 else high}}}", {"min", "max"}
+        )
 
     def _tag(self, f: dict, at: str, ends: tuple[str, ...]) -> str:
         _keys(f, {"type", "begin", "content", "end"}, at)
         end = f.get("end")
         closing = [end] if isinstance(end, str) else end
-        if not isinstance(closing, list) or not closing or not all(isinstance(e, str) for e in closing):
+        if (
+            not isinstance(closing, list)
+            or not closing
+            or not all(isinstance(e, str) for e in closing)
+        ):
             raise StructuralTagError(f"{at}end must be a string or a non-empty list of strings")
         if "content" not in f:
             raise StructuralTagError(f"{at}content is required")
         content = self.compile(f["content"], f"{at}content", tuple(e for e in closing if e))
-        tail = _text(closing[0]) if len(closing) == 1 else f"(?:{'|'.join(_text(e) for e in closing)})"
+        tail = (
+            _text(closing[0]) if len(closing) == 1 else f"(?:{'|'.join(_text(e) for e in closing)})"
+        )
         return _text(_string(f, "begin", at)) + content + tail
 
     def _triggered_tags(self, f: dict, at: str, ends: tuple[str, ...]) -> str:
@@ -161,7 +204,9 @@ class _Formats:
         tags = self._tags(f, at)
         for i, tag in enumerate(f["tags"]):
             if not any(tag["begin"].startswith(t) for t in triggers):
-                raise StructuralTagError(f"{at}tags[{i}].begin {tag['begin']!r} starts with none of the triggers")
+                raise StructuralTagError(
+                    f"{at}tags[{i}].begin {tag['begin']!r} starts with none of the triggers"
+                )
         free = self._free(triggers + _strings(f, "excludes", at, required=False) + list(ends), at)
         first, only = _flags(f, at)
         if only:  # the structure ends with its first tag
@@ -184,7 +229,9 @@ class _Formats:
             raise StructuralTagError(f"{at}elements must be a non-empty list of formats")
         return [self.compile(e, f"{at}elements[{i}]", ends) for i, e in enumerate(elements)]
 
-    def _repeated(self, f: dict, at: str, ends: tuple[str, ...], count: str, extra: set[str] = frozenset()) -> str:
+    def _repeated(
+        self, f: dict, at: str, ends: tuple[str, ...], count: str, extra: set[str] = frozenset()
+    ) -> str:
         _keys(f, {"type", "content", *extra}, at)
         if "content" not in f:
             raise StructuralTagError(f"{at}content is required")
@@ -195,9 +242,15 @@ class _Formats:
         if not isinstance(tags, list) or not tags:
             raise StructuralTagError(f"{at}tags must be a non-empty list of tags")
         for i, tag in enumerate(tags):
-            if not isinstance(tag, dict) or tag.get("type", "tag") != "tag" or not isinstance(tag.get("begin"), str):
+            if (
+                not isinstance(tag, dict)
+                or tag.get("type", "tag") != "tag"
+                or not isinstance(tag.get("begin"), str)
+            ):
                 raise StructuralTagError(f"{at}tags[{i}] must be a tag with a string begin")
-        return "(?:" + "|".join(self._tag(t, f"{at}tags[{i}].", ()) for i, t in enumerate(tags)) + ")"
+        return (
+            "(?:" + "|".join(self._tag(t, f"{at}tags[{i}].", ()) for i, t in enumerate(tags)) + ")"
+        )
 
     def _free(self, words: list[str], at: str) -> str:
         try:
@@ -220,8 +273,14 @@ def _string(f: dict, key: str, at: str) -> str:
 
 def _strings(f: dict, key: str, at: str, required: bool = True) -> list[str]:
     value = f.get(key, None if required else [])
-    if not isinstance(value, list) or (required and not value) or not all(isinstance(s, str) and s for s in value):
-        raise StructuralTagError(f"{at}{key} must be a {'non-empty ' * required}list of non-empty strings")
+    if (
+        not isinstance(value, list)
+        or (required and not value)
+        or not all(isinstance(s, str) and s for s in value)
+    ):
+        raise StructuralTagError(
+            f"{at}{key} must be a {'non-empty ' * required}list of non-empty strings"
+        )
     return list(value)
 
 

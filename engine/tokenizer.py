@@ -48,7 +48,9 @@ def load_tokenizer(model_dir: str | Path) -> Any:
         try:
             tokenizer = tokenizer_class(path).from_pretrained(str(path))
         except Exception as e:  # a malformed tokenizer.json fails as KeyError, TypeError, ...
-            raise ValueError(f"cannot load the tokenizer in {model_dir}: {type(e).__name__}: {e}") from e
+            raise ValueError(
+                f"cannot load the tokenizer in {model_dir}: {type(e).__name__}: {e}"
+            ) from e
     log.info("tokenizer loaded in %.1f s", time.monotonic() - started)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"the tokenizer in {model_dir} is not a fast (tokenizers) tokenizer")
@@ -119,7 +121,9 @@ def check_chat_template(template: str, source: str = "chat_template") -> None:
         _compile_jinja_template(template)
     except TemplateError as e:
         line = f" on line {e.lineno}" if getattr(e, "lineno", None) else ""
-        raise ValueError(f"{source}: the chat template is not valid Jinja{line}: {e.message}") from None
+        raise ValueError(
+            f"{source}: the chat template is not valid Jinja{line}: {e.message}"
+        ) from None
 
 
 def tokenizer_class(path: Path) -> Any:
@@ -146,7 +150,9 @@ def eos_token_ids(model_dir: str | Path, model_config: ModelConfig) -> frozenset
     (as vLLM adds them to the stop ids) together with the model config's."""
     path, raw = _generation_config(model_dir)
     try:
-        return frozenset(model_config.eos_token_ids) | frozenset(token_ids(raw.get("eos_token_id"), "eos_token_id"))
+        return frozenset(model_config.eos_token_ids) | frozenset(
+            token_ids(raw.get("eos_token_id"), "eos_token_id")
+        )
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
 
@@ -159,7 +165,13 @@ def _generation_config(model_dir: str | Path) -> tuple[Path, dict]:
 
 # transformers' GenerationConfig defaults of the settings vLLM takes from generation_config.json
 # (its --generation-config auto): a value equal to its default is not a setting (to_diff_dict)
-_GENERATION_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+_GENERATION_SAMPLING = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 50,
+    "min_p": None,
+    "repetition_penalty": 1.0,
+}
 
 
 def generation_sampling_defaults(model_dir: str | Path) -> dict[str, float | int]:
@@ -206,7 +218,9 @@ class TokenizerWorker:
     def start(self) -> None:
         """Start the thread, which makes the tokenizer at once (idempotent)."""
         if self._thread is None and not self._closed:
-            self._thread = threading.Thread(target=self._serve, name="deltaserve-tokenizer", daemon=True)
+            self._thread = threading.Thread(
+                target=self._serve, name="deltaserve-tokenizer", daemon=True
+            )
             self._thread.start()
 
     async def tokenizer(self) -> Any:

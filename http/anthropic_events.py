@@ -23,7 +23,9 @@ _DELTAS = {REASONING: ("thinking_delta", "thinking"), CALL: ("input_json_delta",
 
 
 class MessagesFormatter(OutputBlocks):
-    def __init__(self, chat: ChatFormatter, message_id: str, stop_sequences: tuple[str, ...]) -> None:
+    def __init__(
+        self, chat: ChatFormatter, message_id: str, stop_sequences: tuple[str, ...]
+    ) -> None:
         super().__init__(chat, message_id)
         self._stop_sequences = stop_sequences
         self._arguments = ""  # the open tool_use block's input, as JSON text so far
@@ -37,11 +39,18 @@ class MessagesFormatter(OutputBlocks):
     def stream_end(self, usage_json: dict[str, int], include_usage: bool) -> bytes:
         final = self.response([], usage_json)
         delta = {"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]}
-        return self.encode([{"type": "message_delta", "delta": delta, "usage": final["usage"]},
-                            {"type": "message_stop"}])  # fmt: skip
+        return self.encode(
+            [
+                {"type": "message_delta", "delta": delta, "usage": final["usage"]},
+                {"type": "message_stop"},
+            ]
+        )
 
     def response(self, states: list[ChoiceState], usage_json: dict[str, int]) -> dict[str, Any]:
-        usage = {"input_tokens": usage_json["prompt_tokens"], "output_tokens": usage_json["completion_tokens"]}
+        usage = {
+            "input_tokens": usage_json["prompt_tokens"],
+            "output_tokens": usage_json["completion_tokens"],
+        }
         cached = (usage_json.get("prompt_tokens_details") or {}).get("cached_tokens")
         if cached is not None:
             usage["cache_read_input_tokens"] = cached
@@ -54,15 +63,27 @@ class MessagesFormatter(OutputBlocks):
     def _message(self, content: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
         stop = self.stop
         sequence = stop if isinstance(stop, str) and stop in self._stop_sequences else None
-        reason = {"length": "max_tokens", "tool_calls": "tool_use"}.get(self.reason or "", "end_turn")
+        reason = {"length": "max_tokens", "tool_calls": "tool_use"}.get(
+            self.reason or "", "end_turn"
+        )
         if self.reason is None:
             reason = None
         elif sequence is not None:
             reason = "stop_sequence"
-        elif reason == "end_turn" and CALL in self.kinds:  # a named tool's call ends as the engine's "stop"
+        elif (
+            reason == "end_turn" and CALL in self.kinds
+        ):  # a named tool's call ends as the engine's "stop"
             reason = "tool_use"
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.chat.model, "content": content,
-                "stop_reason": reason, "stop_sequence": sequence, "usage": usage}  # fmt: skip
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.chat.model,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": usage,
+        }
 
     # ---- the blocks -----------------------------------------------------------------------
 
@@ -75,7 +96,13 @@ class MessagesFormatter(OutputBlocks):
         else:
             block = {"type": "text", "text": ""}
         self.blocks.append(block)
-        return [{"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)}]
+        return [
+            {
+                "type": "content_block_start",
+                "index": len(self.blocks) - 1,
+                "content_block": dict(block),
+            }
+        ]
 
     def _grow(self, kind: str, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         delta_type, field = _DELTAS.get(kind, ("text_delta", "text"))
@@ -83,8 +110,13 @@ class MessagesFormatter(OutputBlocks):
             self._arguments += text
         else:
             self.blocks[-1][field] += text
-        return [{"type": "content_block_delta", "index": len(self.blocks) - 1,
-                 "delta": {"type": delta_type, field: text}}]  # fmt: skip
+        return [
+            {
+                "type": "content_block_delta",
+                "index": len(self.blocks) - 1,
+                "delta": {"type": delta_type, field: text},
+            }
+        ]
 
     def _close_block(self, kind: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == CALL:

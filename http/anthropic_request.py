@@ -20,16 +20,40 @@ from deltaserve.http.errors import bad_request, unsupported
 from deltaserve.http.json_fields import json_object
 from deltaserve.http.protocol import TEXT_PART_SEPARATOR
 
-_KEYS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
-                   "top_p", "top_k", "tools", "tool_choice", "metadata", "thinking", "service_tier",
-                   "cache_control", "output_config"})  # fmt: skip
+_KEYS = frozenset(
+    {
+        "model",
+        "messages",
+        "max_tokens",
+        "system",
+        "stop_sequences",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "tools",
+        "tool_choice",
+        "metadata",
+        "thinking",
+        "service_tier",
+        "cache_control",
+        "output_config",
+    }
+)
 # thinking settings -> the chat template's enable_thinking ("adaptive": the model decides how
 # long to think, as Qwen3.5 does when thinking is on; "enabled": within budget_tokens)
 _THINKING = {"disabled": False, "adaptive": True, "enabled": True}
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
-RENAMED = ((r"\bresponse_format(\.json_schema)?\b", "output_config.format"),  # the chat route's names -> ours
-           (r"(tools\[\d+\])\.function\.parameters\b", r"\1.input_schema"), (r"(tools\[\d+\])\.function\b", r"\1"),
-           (r"\btool_choice\.function\b", "tool_choice"), (r"\bthinking_budget\b", "thinking.budget_tokens"))  # fmt: skip
+RENAMED = (
+    (
+        r"\bresponse_format(\.json_schema)?\b",
+        "output_config.format",
+    ),  # the chat route's names -> ours
+    (r"(tools\[\d+\])\.function\.parameters\b", r"\1.input_schema"),
+    (r"(tools\[\d+\])\.function\b", r"\1"),
+    (r"\btool_choice\.function\b", "tool_choice"),
+    (r"\bthinking_budget\b", "thinking.budget_tokens"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +72,16 @@ def parse_messages_request(body: object, *, count_only: bool = False) -> Message
             raise unsupported(key, f"'{key}' is not a Messages API field deltaserve supports")
     if body.get("service_tier") not in (None, "auto", "standard_only"):
         raise unsupported("service_tier", "service tiers are not supported")
-    chat: dict[str, Any] = {k: body[k] for k in ("model", "temperature", "top_p", "top_k") if body.get(k) is not None}
+    chat: dict[str, Any] = {
+        k: body[k] for k in ("model", "temperature", "top_p", "top_k") if body.get(k) is not None
+    }
     chat["messages"] = _system(body.get("system")) + chat_messages(body.get("messages"))
     if not count_only:
         limit = body.get("max_tokens")
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise bad_request(f"max_tokens is required, an integer >= 1; got {limit!r}", "max_tokens")
+            raise bad_request(
+                f"max_tokens is required, an integer >= 1; got {limit!r}", "max_tokens"
+            )
         chat["max_tokens"] = limit
     stops = body.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
@@ -72,23 +100,37 @@ def parse_messages_request(body: object, *, count_only: bool = False) -> Message
     if thinking is not None:
         kind = thinking.get("type") if isinstance(thinking, dict) else None
         if kind not in _THINKING or thinking.get("display") not in (None, "summarized"):
-            raise unsupported("thinking", "'disabled', 'enabled' (with budget_tokens) or 'adaptive', shown; "
-                                          "without the field, thinking follows the chat template")  # fmt: skip
+            raise unsupported(
+                "thinking",
+                "'disabled', 'enabled' (with budget_tokens) or 'adaptive', shown; "
+                "without the field, thinking follows the chat template",
+            )
         chat["chat_template_kwargs"] = {"enable_thinking": _THINKING[kind]}
         if kind == "enabled":
             budget = thinking.get("budget_tokens")
             if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-                raise bad_request(f"thinking.budget_tokens must be an integer >= 1, got {budget!r}", "thinking")
+                raise bad_request(
+                    f"thinking.budget_tokens must be an integer >= 1, got {budget!r}", "thinking"
+                )
             chat["thinking_budget"] = budget  # </think> forced once it is spent
     output = body.get("output_config") or {}
-    if not isinstance(output, dict) or output.get("effort") is not None or set(output) - {"effort", "format"}:
+    if (
+        not isinstance(output, dict)
+        or output.get("effort") is not None
+        or set(output) - {"effort", "format"}
+    ):
         raise unsupported("output_config", "only output_config.format (a JSON schema) is supported")
     if output.get("format") is not None:
         schema_format = output["format"]
         if not isinstance(schema_format, dict) or schema_format.get("type") != "json_schema":
-            raise bad_request("output_config.format must be {'type': 'json_schema', 'schema': ...}", "output_config.format")
-        chat["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": "output", "schema": schema_format.get("schema")}}  # fmt: skip
+            raise bad_request(
+                "output_config.format must be {'type': 'json_schema', 'schema': ...}",
+                "output_config.format",
+            )
+        chat["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": schema_format.get("schema")},
+        }
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise bad_request("metadata must be an object", "metadata")
@@ -106,7 +148,9 @@ def chat_messages(value: object) -> list[dict[str, Any]]:
         content = message.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
-            raise bad_request(f"{at}.content must be a string or an array of content blocks", "messages")
+            raise bad_request(
+                f"{at}.content must be a string or an array of content blocks", "messages"
+            )
         out += _user(blocks, at) if message["role"] == "user" else [_assistant(blocks, at)]
     return out
 
@@ -122,10 +166,15 @@ def _user(blocks: list[Any], at: str) -> list[dict[str, Any]]:
         tool_use_id = _string(block, "tool_use_id", f"{at}.content[{j}]")
         result = block.get("content") or ""
         if not isinstance(result, str):
-            result = TEXT_PART_SEPARATOR.join(_string(part, "text", f"{at}.content[{j}].content")
-                                              for part in result if _kind(part, f"{at}.content[{j}].content", ("text",)))  # fmt: skip
+            result = TEXT_PART_SEPARATOR.join(
+                _string(part, "text", f"{at}.content[{j}].content")
+                for part in result
+                if _kind(part, f"{at}.content[{j}].content", ("text",))
+            )
         tools.append({"role": "tool", "tool_call_id": tool_use_id, "content": result})
-    return tools + ([{"role": "user", "content": TEXT_PART_SEPARATOR.join(texts)}] if texts or not tools else [])
+    return tools + (
+        [{"role": "user", "content": TEXT_PART_SEPARATOR.join(texts)}] if texts or not tools else []
+    )
 
 
 def _assistant(blocks: list[Any], at: str) -> dict[str, Any]:
@@ -142,8 +191,11 @@ def _assistant(blocks: list[Any], at: str) -> dict[str, Any]:
             if not isinstance(block.get("input"), dict):
                 raise bad_request(f"{where}.input must be an object", "messages")
             arguments = json.dumps(block["input"], ensure_ascii=False)
-            call = {"id": _string(block, "id", where), "type": "function",
-                    "function": {"name": _string(block, "name", where), "arguments": arguments}}  # fmt: skip
+            call = {
+                "id": _string(block, "id", where),
+                "type": "function",
+                "function": {"name": _string(block, "name", where), "arguments": arguments},
+            }
             turn.setdefault("tool_calls", []).append(call)
     if texts:
         turn["content"] = TEXT_PART_SEPARATOR.join(texts)
@@ -156,8 +208,11 @@ def _system(value: object) -> list[dict[str, Any]]:
     if value is None or value == "" or value == []:
         return []
     if isinstance(value, list):
-        value = TEXT_PART_SEPARATOR.join(_string(b, "text", f"system[{i}]")
-                                         for i, b in enumerate(value) if _kind(b, f"system[{i}]", ("text",)))  # fmt: skip
+        value = TEXT_PART_SEPARATOR.join(
+            _string(b, "text", f"system[{i}]")
+            for i, b in enumerate(value)
+            if _kind(b, f"system[{i}]", ("text",))
+        )
     if not isinstance(value, str):
         raise bad_request("system must be a string or an array of text blocks", "system")
     return [{"role": "system", "content": value}]
@@ -169,9 +224,15 @@ def _tools(value: object) -> list[dict[str, Any]]:
     tools = []
     for i, tool in enumerate(value):
         if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
-            raise unsupported(f"tools[{i}].type", "only client tools (name, description, input_schema) are supported")
-        function = {"name": tool.get("name"), "description": tool.get("description"),
-                    "parameters": tool.get("input_schema")}  # fmt: skip
+            raise unsupported(
+                f"tools[{i}].type",
+                "only client tools (name, description, input_schema) are supported",
+            )
+        function = {
+            "name": tool.get("name"),
+            "description": tool.get("description"),
+            "parameters": tool.get("input_schema"),
+        }
         tools.append({"type": "function", "function": function})
     return tools
 
@@ -191,7 +252,9 @@ def _tool_choice(value: object, chat: dict[str, Any]) -> None:
 def _kind(block: object, at: str, allowed: tuple[str, ...]) -> str:
     kind = block.get("type") if isinstance(block, dict) else None
     if kind not in allowed:
-        raise unsupported(_param(at), f"{at}: a {kind!r} block is not supported here (only {', '.join(allowed)})")
+        raise unsupported(
+            _param(at), f"{at}: a {kind!r} block is not supported here (only {', '.join(allowed)})"
+        )
     return kind
 
 

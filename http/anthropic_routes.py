@@ -30,7 +30,9 @@ def _anthropic_errors(handler: Handler) -> Handler:
         try:
             return await handler(request)
         except ApiError as err:
-            return _json({"type": "error", "error": {"type": err.type, "message": err.message}}, err.status)
+            return _json(
+                {"type": "error", "error": {"type": err.type, "message": err.message}}, err.status
+            )
 
     return answer
 
@@ -39,7 +41,9 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_messages_request(await read_json(request))
     with renamed_fields(RENAMED):
-        chat = parse_chat_request(req.chat, state.sampling_defaults, max_logprobs=state.engine.max_logprobs)
+        chat = parse_chat_request(
+            req.chat, state.sampling_defaults, max_logprobs=state.engine.max_logprobs
+        )
         formatter, streams = await open_chat(request, chat, req.message_id)
     messages = MessagesFormatter(formatter, req.message_id, req.stop_sequences)
     return await _respond(request, messages, streams, 1, req.stream, include_usage=False)
@@ -50,9 +54,17 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse_messages_request(await read_json(request), count_only=True)
     with renamed_fields(RENAMED):
-        chat = parse_chat_request(req.chat, state.sampling_defaults, max_logprobs=state.engine.max_logprobs)
+        chat = parse_chat_request(
+            req.chat, state.sampling_defaults, max_logprobs=state.engine.max_logprobs
+        )
     state.model_name(chat.model)
     kwargs = {**state.config.default_chat_template_kwargs, **chat.chat_template_kwargs}
-    ids = await _apply_chat_template(state.engine, chat.messages, kwargs, size=len(await request.read()),
-                                     chat_template=state.config.chat_template, tools=chat.tools)  # fmt: skip
+    ids = await _apply_chat_template(
+        state.engine,
+        chat.messages,
+        kwargs,
+        size=len(await request.read()),
+        chat_template=state.config.chat_template,
+        tools=chat.tools,
+    )
     return _json({"input_tokens": len(ids)})

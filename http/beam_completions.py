@@ -31,9 +31,15 @@ from deltaserve.http.protocol import (
 )
 
 
-async def _search(engine: Any, prompts: list[str | list[int]], params: SamplingParams, length_penalty: float,
-                  request_id: str, prompt_param: str, fit: Callable[[list[int]], list[int]] | None = None,
-                  ) -> tuple[list[list[int]], list[list[Beam]]]:  # fmt: skip
+async def _search(
+    engine: Any,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    length_penalty: float,
+    request_id: str,
+    prompt_param: str,
+    fit: Callable[[list[int]], list[int]] | None = None,
+) -> tuple[list[list[int]], list[list[Beam]]]:
     """Every prompt's token ids (a text encoded, then `fit`) and beams (n = params.n of them); an
     ApiError for a prompt refused or that does not fit with max_tokens, a full queue or a dead
     engine."""
@@ -41,13 +47,28 @@ async def _search(engine: Any, prompts: list[str | list[int]], params: SamplingP
     try:
         ids = [await engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         ids = [fit(i) for i in ids] if fit is not None else ids
-        if longest := max((len(i) for i in ids if len(i) + max_tokens > engine.max_model_len), default=0):
-            raise errors.bad_request(f"a prompt of {longest} tokens + max_tokens ({max_tokens}) is more than "
-                                     f"max_model_len ({engine.max_model_len})", "max_tokens")  # fmt: skip
-        searches = [beam_search(engine, prompt, params.n, max_tokens, engine.eos_token_ids,
-                                length_penalty=length_penalty, ignore_eos=params.ignore_eos,
-                                include_stop=params.include_stop_str_in_output, request_id=f"{request_id}-{p}")
-                    for p, prompt in enumerate(ids)]  # fmt: skip
+        if longest := max(
+            (len(i) for i in ids if len(i) + max_tokens > engine.max_model_len), default=0
+        ):
+            raise errors.bad_request(
+                f"a prompt of {longest} tokens + max_tokens ({max_tokens}) is more than "
+                f"max_model_len ({engine.max_model_len})",
+                "max_tokens",
+            )
+        searches = [
+            beam_search(
+                engine,
+                prompt,
+                params.n,
+                max_tokens,
+                engine.eos_token_ids,
+                length_penalty=length_penalty,
+                ignore_eos=params.ignore_eos,
+                include_stop=params.include_stop_str_in_output,
+                request_id=f"{request_id}-{p}",
+            )
+            for p, prompt in enumerate(ids)
+        ]
         return ids, await asyncio.gather(*searches)
     except QueueFullError as e:
         raise errors.queue_full(str(e)) from None
@@ -60,25 +81,62 @@ async def _search(engine: Any, prompts: list[str | list[int]], params: SamplingP
 async def beam_completions(engine: Any, req: CompletionRequest, model: str) -> dict[str, Any]:
     """The completion body; an ApiError as `_search` raises them."""
     width = req.sampling.n
-    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.sampling.max_tokens is None else req.sampling.max_tokens
-    fit = functools.partial(truncate_prompt, keep=req.truncate_prompt_tokens, max_tokens=max_tokens,
-                            max_model_len=engine.max_model_len)  # fmt: skip
+    max_tokens = (
+        DEFAULT_COMPLETION_MAX_TOKENS
+        if req.sampling.max_tokens is None
+        else req.sampling.max_tokens
+    )
+    fit = functools.partial(
+        truncate_prompt,
+        keep=req.truncate_prompt_tokens,
+        max_tokens=max_tokens,
+        max_model_len=engine.max_model_len,
+    )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    params = SamplingParams(n=width, max_tokens=max_tokens, ignore_eos=req.sampling.ignore_eos,
-                            include_stop_str_in_output=req.sampling.include_stop_str_in_output)  # fmt: skip
-    prompts, results = await _search(engine, list(req.prompts), params, req.length_penalty, request_id, "prompt", fit)
+    params = SamplingParams(
+        n=width,
+        max_tokens=max_tokens,
+        ignore_eos=req.sampling.ignore_eos,
+        include_stop_str_in_output=req.sampling.include_stop_str_in_output,
+    )
+    prompts, results = await _search(
+        engine, list(req.prompts), params, req.length_penalty, request_id, "prompt", fit
+    )
     skip = req.sampling.skip_special_tokens
-    texts = await engine.run_tokenizer(lambda tok: [[tok.decode(list(b.tokens), skip_special_tokens=skip) for b in beams]
-                                                    for beams in results],
-                                       sum(len(b.tokens) for beams in results for b in beams))  # fmt: skip
-    choices = [{"index": p * width + i, "text": texts[p][i], "logprobs": None, "finish_reason": beam.finish_reason,
-                "stop_reason": beam.stop_reason}
-               for p, beams in enumerate(results) for i, beam in enumerate(beams)]  # fmt: skip
-    prompt_tokens = sum(len(ids) for ids in prompts)  # each prompt once, as the completion route counts it
+    texts = await engine.run_tokenizer(
+        lambda tok: [
+            [tok.decode(list(b.tokens), skip_special_tokens=skip) for b in beams]
+            for beams in results
+        ],
+        sum(len(b.tokens) for beams in results for b in beams),
+    )
+    choices = [
+        {
+            "index": p * width + i,
+            "text": texts[p][i],
+            "logprobs": None,
+            "finish_reason": beam.finish_reason,
+            "stop_reason": beam.stop_reason,
+        }
+        for p, beams in enumerate(results)
+        for i, beam in enumerate(beams)
+    ]
+    prompt_tokens = sum(
+        len(ids) for ids in prompts
+    )  # each prompt once, as the completion route counts it
     completion_tokens = sum(len(beam.tokens) for beams in results for beam in beams)
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                          "total_tokens": prompt_tokens + completion_tokens}}  # fmt: skip
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,24 +155,47 @@ class BeamChoices:
         """Nothing runs any more: the search has finished."""
 
 
-async def beam_chat_choices(engine: Any, prompt_ids: list[int], params: SamplingParams, length_penalty: float,
-                            request_id: str) -> BeamChoices:  # fmt: skip
+async def beam_chat_choices(
+    engine: Any,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    length_penalty: float,
+    request_id: str,
+) -> BeamChoices:
     """A chat request's params.n beams, best first; an ApiError as `_search` raises them."""
-    _, (beams,) = await _search(engine, [prompt_ids], params, length_penalty, request_id, "messages")
-    events = await engine.run_tokenizer(functools.partial(
-        _beam_events, beams=beams, prompt_tokens=len(prompt_ids), skip_special=params.skip_special_tokens),
-        sum(len(beam.tokens) for beam in beams))  # fmt: skip
+    _, (beams,) = await _search(
+        engine, [prompt_ids], params, length_penalty, request_id, "messages"
+    )
+    events = await engine.run_tokenizer(
+        functools.partial(
+            _beam_events,
+            beams=beams,
+            prompt_tokens=len(prompt_ids),
+            skip_special=params.skip_special_tokens,
+        ),
+        sum(len(beam.tokens) for beam in beams),
+    )
     return BeamChoices(prompt_ids, events)
 
 
-def _beam_events(tokenizer: Any, beams: list[Beam], prompt_tokens: int, skip_special: bool) -> list[Event]:
+def _beam_events(
+    tokenizer: Any, beams: list[Beam], prompt_tokens: int, skip_special: bool
+) -> list[Event]:
     events: list[Event] = []
     for i, beam in enumerate(beams):
         text = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special)
         for token, logprob in zip(beam.tokens, beam.logprobs, strict=True):
             events.append(TokenEvent(i, token, text.add(token), logprob, []))
-        events.append(FinishedEvent(i, beam.finish_reason, prompt_tokens, len(beam.tokens), text.flush(),
-                                    stop_reason=beam.stop_reason))  # fmt: skip
+        events.append(
+            FinishedEvent(
+                i,
+                beam.finish_reason,
+                prompt_tokens,
+                len(beam.tokens),
+                text.flush(),
+                stop_reason=beam.stop_reason,
+            )
+        )
     return events
 
 

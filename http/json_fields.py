@@ -34,7 +34,9 @@ def opt_float(obj: dict[str, Any], name: str, default: float) -> float:
     try:
         return float(value)
     except OverflowError:  # an integer literal past the float range (json reads it exactly)
-        raise bad_request(f"{name} must be a finite number, got an integer out of range", name) from None
+        raise bad_request(
+            f"{name} must be a finite number, got an integer out of range", name
+        ) from None
 
 
 def opt_bool(obj: dict[str, Any], name: str, *, default: _D) -> bool | _D:

@@ -19,13 +19,28 @@ if TYPE_CHECKING:  # aiohttp is imported when the server starts, not to read the
 
 
 def add_listen_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--uds", default=None, metavar="PATH",
-                       help="listen on this Unix domain socket instead of --host/--port (as vLLM's)")  # fmt: skip
+    group.add_argument(
+        "--uds",
+        default=None,
+        metavar="PATH",
+        help="listen on this Unix domain socket instead of --host/--port (as vLLM's)",
+    )
     group.add_argument("--ssl-keyfile", default=None, help="TLS: the server's private key (PEM)")
-    group.add_argument("--ssl-certfile", default=None, help="TLS: the server's certificate chain (PEM)")
-    group.add_argument("--ssl-ca-certs", default=None, help="TLS: CA certificates that client certificates must chain to")
-    group.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=int(ssl.CERT_NONE),
-                       help="TLS: client certificates 0 not asked for, 1 optional, 2 required (as uvicorn's)")  # fmt: skip
+    group.add_argument(
+        "--ssl-certfile", default=None, help="TLS: the server's certificate chain (PEM)"
+    )
+    group.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        help="TLS: CA certificates that client certificates must chain to",
+    )
+    group.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=(0, 1, 2),
+        default=int(ssl.CERT_NONE),
+        help="TLS: client certificates 0 not asked for, 1 optional, 2 required (as uvicorn's)",
+    )
 
 
 @dataclass(frozen=True)
@@ -52,17 +67,23 @@ def listen_config(args: argparse.Namespace) -> Listen:
 def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
     if args.ssl_keyfile is None and args.ssl_certfile is None:
         if args.ssl_ca_certs is not None or args.ssl_cert_reqs != ssl.CERT_NONE:
-            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile and --ssl-keyfile")
+            raise ValueError(
+                "--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile and --ssl-keyfile"
+            )
         return None
     if args.ssl_keyfile is None or args.ssl_certfile is None:
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     if args.ssl_cert_reqs != ssl.CERT_NONE and args.ssl_ca_certs is None:
-        raise ValueError(f"--ssl-cert-reqs {args.ssl_cert_reqs} needs --ssl-ca-certs to check client certificates with")
+        raise ValueError(
+            f"--ssl-cert-reqs {args.ssl_cert_reqs} needs --ssl-ca-certs to check client certificates with"
+        )
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
     except (OSError, ssl.SSLError) as e:
-        raise ValueError(f"--ssl-certfile {args.ssl_certfile} / --ssl-keyfile {args.ssl_keyfile}: {e}") from None
+        raise ValueError(
+            f"--ssl-certfile {args.ssl_certfile} / --ssl-keyfile {args.ssl_keyfile}: {e}"
+        ) from None
     if args.ssl_ca_certs is not None:
         try:
             context.load_verify_locations(args.ssl_ca_certs)
@@ -88,7 +109,9 @@ def check_listen(listen: Listen) -> None:
                 if probe.connect_ex(str(path)) == 0:
                     raise OSError(f"{path}: another server listens there")
         return
-    infos = socket.getaddrinfo(listen.host or None, listen.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    infos = socket.getaddrinfo(
+        listen.host or None, listen.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
     for family, kind, proto, _, address in dict.fromkeys(infos):
         try:
             sock = socket.socket(family, kind, proto)
@@ -103,7 +126,12 @@ def check_listen(listen: Listen) -> None:
 
 
 async def start_server(
-    app: web.Application, host: str, port: int, *, shutdown_timeout_s: float = 5.0, uds: str | None = None,
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    shutdown_timeout_s: float = 5.0,
+    uds: str | None = None,
     ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[web.AppRunner, web.BaseSite]:
     """Listen on host:port (0: any free port; see `runner.addresses`), or on the Unix socket

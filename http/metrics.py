@@ -95,28 +95,53 @@ def render_metrics(engine: Any, model_name: str) -> str:
     out.gauge("vllm:num_requests_waiting", "Requests waiting for admission.", load.waiting)
     used = (load.num_blocks - load.free_blocks) / load.num_blocks if load.num_blocks else 0.0
     out.gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks reserved (1 = full).", used)
-    out.gauge("deltaserve:state_slots_usage_perc", "Fraction of DeltaNet state slots in use.",
-              (load.num_slots - load.free_slots) / load.num_slots if load.num_slots else 0.0)  # fmt: skip
-    out.gauge("deltaserve:engine_dead", "1 once the engine has died (a fatal failure; not a shutdown).",
-              int(bool(engine.is_dead)))  # fmt: skip
-    out.counter("vllm:prompt_tokens_total", "Prefilled prompt tokens.",
-                [({}, m.prompt_tokens_total)])  # fmt: skip
-    out.counter("vllm:generation_tokens_total", "Generated tokens.",
-                [({}, m.generation_tokens_total)])  # fmt: skip
-    out.counter("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
-                [({}, m.prefix_cache_queries_total)])  # fmt: skip
-    out.counter("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
-                [({}, m.prefix_cache_hits_total)])  # fmt: skip
+    out.gauge(
+        "deltaserve:state_slots_usage_perc",
+        "Fraction of DeltaNet state slots in use.",
+        (load.num_slots - load.free_slots) / load.num_slots if load.num_slots else 0.0,
+    )
+    out.gauge(
+        "deltaserve:engine_dead",
+        "1 once the engine has died (a fatal failure; not a shutdown).",
+        int(bool(engine.is_dead)),
+    )
+    out.counter(
+        "vllm:prompt_tokens_total", "Prefilled prompt tokens.", [({}, m.prompt_tokens_total)]
+    )
+    out.counter(
+        "vllm:generation_tokens_total", "Generated tokens.", [({}, m.generation_tokens_total)]
+    )
+    out.counter(
+        "vllm:prefix_cache_queries_total",
+        "Prompt tokens looked up in the prefix cache.",
+        [({}, m.prefix_cache_queries_total)],
+    )
+    out.counter(
+        "vllm:prefix_cache_hits_total",
+        "Prompt tokens found in the prefix cache.",
+        [({}, m.prefix_cache_hits_total)],
+    )
     out.counter("deltaserve:steps_total", "Steps run on the ranks.", [({}, m.steps_total)])
-    out.counter("deltaserve:pipelined_steps_total", "Steps sent while the step before still ran.",
-                [({}, m.pipelined_steps_total)])  # fmt: skip
-    out.counter("deltaserve:step_seconds_total", "Time steps spent in flight on the ranks.",
-                [({}, m.step_seconds_total)])  # fmt: skip
-    out.counter("deltaserve:scheduler_seconds_total",
-                "Scheduler time between a step's results and the next step's dispatch (ranks idle).",
-                [({}, m.scheduler_seconds_total)])  # fmt: skip
-    out.counter("vllm:request_success_total", "Finished requests by finish reason.",
-                [({"finished_reason": k}, v) for k, v in sorted(m.request_success_total.items())])  # fmt: skip
+    out.counter(
+        "deltaserve:pipelined_steps_total",
+        "Steps sent while the step before still ran.",
+        [({}, m.pipelined_steps_total)],
+    )
+    out.counter(
+        "deltaserve:step_seconds_total",
+        "Time steps spent in flight on the ranks.",
+        [({}, m.step_seconds_total)],
+    )
+    out.counter(
+        "deltaserve:scheduler_seconds_total",
+        "Scheduler time between a step's results and the next step's dispatch (ranks idle).",
+        [({}, m.scheduler_seconds_total)],
+    )
+    out.counter(
+        "vllm:request_success_total",
+        "Finished requests by finish reason.",
+        [({"finished_reason": k}, v) for k, v in sorted(m.request_success_total.items())],
+    )
     for name, help_text, h in (
         ("vllm:time_to_first_token_seconds", "Time to first token.", m.time_to_first_token_s),
         ("vllm:inter_token_latency_seconds", "Time between tokens.", m.inter_token_latency_s),

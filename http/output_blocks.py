@@ -47,7 +47,10 @@ class OutputBlocks:
 
     def finish(self, index: int, ev: Any, state: ChoiceState) -> list[dict[str, Any]]:
         chunk = self.chat.finish(index, ev, state)
-        self.reason, self.stop = chunk["choices"][0]["finish_reason"], chunk["choices"][0].get("stop_reason")
+        self.reason, self.stop = (
+            chunk["choices"][0]["finish_reason"],
+            chunk["choices"][0].get("stop_reason"),
+        )
         events = self._read(chunk)
         if all(kind == REASONING for kind in self.kinds):  # an answer, if an empty one
             events += self._close() + self._begin(TEXT)
@@ -55,7 +58,9 @@ class OutputBlocks:
 
     def encode(self, events: list[dict[str, Any]]) -> bytes:
         """Server-sent events named by their type, as both APIs send them."""
-        return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + _encode(e) + b"\n\n" for e in events)
+        return b"".join(
+            b"event: " + e["type"].encode() + b"\ndata: " + _encode(e) + b"\n\n" for e in events
+        )
 
     def stream_error(self, err: ApiError) -> bytes:
         """A failure after the stream began: OpenAI's error body, which the openai client

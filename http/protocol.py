@@ -39,13 +39,32 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Sampling fields shared by both endpoints (OpenAI names plus the vLLM extras).
 _SAMPLING_KEYS = frozenset(
     {
-        "temperature", "top_p", "n", "seed", "stop", "presence_penalty", "frequency_penalty",
-        "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens",
-        "logit_bias", "include_stop_str_in_output", "skip_special_tokens",
-        "spaces_between_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-        "prompt_logprobs", "thinking_budget", "stop_regex", *STRUCTURED_OUTPUT_KEYS,
+        "temperature",
+        "top_p",
+        "n",
+        "seed",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+        "stop_token_ids",
+        "min_tokens",
+        "logit_bias",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "allowed_token_ids",
+        "bad_words",
+        "truncate_prompt_tokens",
+        "prompt_logprobs",
+        "thinking_budget",
+        "stop_regex",
+        *STRUCTURED_OUTPUT_KEYS,
     }
-)  # fmt: skip
+)
 # Harmless metadata: accepted and not used for generation.
 _METADATA_KEYS = frozenset({"user"})
 # vLLM's extra fields that clients send at their defaults, each the way this server works
@@ -54,21 +73,69 @@ _METADATA_KEYS = frozenset({"user"})
 # when encoding, so the prompt is the same either way.
 _COMPLETION_DEFAULTS = {"add_special_tokens": True}
 _CHAT_DEFAULTS = {"add_special_tokens": False}
-_BEAM_SEARCH_KEYS = frozenset({"use_beam_search", "length_penalty"})  # vLLM's: http/beam_completions.py
-_COMPLETION_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_COMPLETION_DEFAULTS) | _BEAM_SEARCH_KEYS | {
-    "model", "prompt", "max_tokens", "stream", "stream_options", "logprobs", "echo",
-    "best_of", "logit_bias", "suffix", "return_tokens_as_token_ids", "priority",
-}  # fmt: skip
+_BEAM_SEARCH_KEYS = frozenset(
+    {"use_beam_search", "length_penalty"}
+)  # vLLM's: http/beam_completions.py
+_COMPLETION_KEYS = (
+    _SAMPLING_KEYS
+    | _METADATA_KEYS
+    | frozenset(_COMPLETION_DEFAULTS)
+    | _BEAM_SEARCH_KEYS
+    | {
+        "model",
+        "prompt",
+        "max_tokens",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "echo",
+        "best_of",
+        "logit_bias",
+        "suffix",
+        "return_tokens_as_token_ids",
+        "priority",
+    }
+)
 # With use_beam_search (vLLM's BeamSearchParams): what a search uses; any other sampling field
 # given is refused, as the search would not honour it.
-_BEAM_KEYS = frozenset({"use_beam_search", "length_penalty", "n", "max_tokens", "temperature", "ignore_eos",
-                        "include_stop_str_in_output", "skip_special_tokens"})  # fmt: skip
-_CHAT_KEYS = _SAMPLING_KEYS | _METADATA_KEYS | frozenset(_CHAT_DEFAULTS) | _BEAM_SEARCH_KEYS | {
-    "model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
-    "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
-    "parallel_tool_calls", "chat_template_kwargs", "include_reasoning", "return_tokens_as_token_ids",
-    "add_generation_prompt", "continue_final_message", "priority",
-}  # fmt: skip
+_BEAM_KEYS = frozenset(
+    {
+        "use_beam_search",
+        "length_penalty",
+        "n",
+        "max_tokens",
+        "temperature",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+    }
+)
+_CHAT_KEYS = (
+    _SAMPLING_KEYS
+    | _METADATA_KEYS
+    | frozenset(_CHAT_DEFAULTS)
+    | _BEAM_SEARCH_KEYS
+    | {
+        "model",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "top_logprobs",
+        "logit_bias",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "chat_template_kwargs",
+        "include_reasoning",
+        "return_tokens_as_token_ids",
+        "add_generation_prompt",
+        "continue_final_message",
+        "priority",
+    }
+)
 _ROLES = ("system", "user", "assistant", "developer", "tool")
 # Message fields taken only when null (or []): tool calls, and what the SDK's model_dump() of
 # a reply carries (annotations, audio, ...) when a client sends it back as history.
@@ -110,15 +177,23 @@ class SamplingFields:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
-    thinking_budget: int | None = None  # the most tokens the output thinks for (then </think> is forced)
-    guided: Guided = Guided()  # vLLM's structured outputs, forced tool calls (http/structured_output.py)
+    thinking_budget: int | None = (
+        None  # the most tokens the output thinks for (then </think> is forced)
+    )
+    guided: Guided = (
+        Guided()
+    )  # vLLM's structured outputs, forced tool calls (http/structured_output.py)
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """Build the engine's params (which check ranges and raise ValueError naming the
         field)."""
         from deltaserve.engine.sampling_params import SamplingParams
 
-        knobs = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in ("max_tokens", "guided")}
+        knobs = {
+            name: getattr(self, name)
+            for name in self.__dataclass_fields__
+            if name not in ("max_tokens", "guided")
+        }
         return SamplingParams(max_tokens=max_tokens, **knobs, **self.guided.params())
 
 
@@ -135,7 +210,9 @@ class CompletionRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
     truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens; -1: what fits
     echo: bool = False  # each choice's text (and logprobs) starts with its prompt's
-    return_tokens_as_token_ids: bool | None = None  # logprobs say "token_id:{id}"; None: the server's flag
+    return_tokens_as_token_ids: bool | None = (
+        None  # logprobs say "token_id:{id}"; None: the server's flag
+    )
     priority: int = 0  # vLLM's: lower is admitted first (--scheduling-policy priority)
     beam_search: bool = False  # vLLM's use_beam_search: n beams, engine/beam_search.py
     length_penalty: float = 1.0  # a beam's score: cumulative logprob / length ** length_penalty
@@ -159,7 +236,9 @@ class ChatRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     include_reasoning: bool = True  # vLLM's: False leaves a reasoning parser's reasoning out
     tools: tuple[dict[str, Any], ...] | None = None
-    tool_choice: ToolChoice = "none"  # "auto": the output read by the parser; "required", named: forced
+    tool_choice: ToolChoice = (
+        "none"  # "auto": the output read by the parser; "required", named: forced
+    )
     parallel_tool_calls: bool = True  # False: only the first call is returned (as vLLM)
     return_tokens_as_token_ids: bool | None = None  # as CompletionRequest's
     # vLLM's: the template's generation prompt, or the last message continued (an answer's
@@ -174,8 +253,9 @@ class ChatRequest:
 # ---- entry points ------------------------------------------------------------------------
 
 
-def parse_completion_request(body: object, defaults: Mapping[str, float] | None = None, *,
-                             max_logprobs: int = MAX_LOGPROBS) -> CompletionRequest:  # fmt: skip
+def parse_completion_request(
+    body: object, defaults: Mapping[str, float] | None = None, *, max_logprobs: int = MAX_LOGPROBS
+) -> CompletionRequest:
     """`defaults`: sampling settings (temperature, top_p, top_k, min_p, repetition_penalty)
     taken where the body leaves them out or null: the model's generation_config.json, as
     vLLM takes it. `max_logprobs`: the engine's bound on logprobs and prompt_logprobs."""
@@ -200,8 +280,13 @@ def parse_completion_request(body: object, defaults: Mapping[str, float] | None 
     return CompletionRequest(
         model=opt_str(obj, "model"),
         prompts=_prompts(obj),
-        sampling=_sampling(obj, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                           defaults=defaults),
+        sampling=_sampling(
+            obj,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            defaults=defaults,
+        ),
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous,
@@ -226,24 +311,38 @@ def _beam_search(obj: dict[str, Any], max_logprobs: int) -> tuple[bool, float]:
         return False, length_penalty
     for key, value in obj.items():
         given = value is not None and not (key == "logprobs" and value is False)
-        if given and (key in _SAMPLING_KEYS or key in ("logprobs", "top_logprobs")) and key not in _BEAM_KEYS:
-            raise unsupported(key, "beam search does not use it (use_beam_search takes n, max_tokens, temperature, "
-                              "ignore_eos, include_stop_str_in_output, skip_special_tokens and length_penalty)")  # fmt: skip
+        if (
+            given
+            and (key in _SAMPLING_KEYS or key in ("logprobs", "top_logprobs"))
+            and key not in _BEAM_KEYS
+        ):
+            raise unsupported(
+                key,
+                "beam search does not use it (use_beam_search takes n, max_tokens, temperature, "
+                "ignore_eos, include_stop_str_in_output, skip_special_tokens and length_penalty)",
+            )
     for key, value in (("stream", False), ("echo", False), ("priority", 0)):
         if obj.get(key) not in (None, value):
-            raise unsupported(key, "beam search answers whole, at priority 0 and without echo: "
-                              f"{key} must be {str(value).lower()}")
+            raise unsupported(
+                key,
+                "beam search answers whole, at priority 0 and without echo: "
+                f"{key} must be {str(value).lower()}",
+            )
     if obj.get("max_tokens") is not None and opt_int(obj, "max_tokens") < 1:
         raise bad_request("max_tokens must be at least 1 for a beam search", "max_tokens")
     width = opt_int(obj, "n", default=1)
     if width is None or not 1 <= 2 * width <= max_logprobs:
-        raise bad_request(f"n (the beam width) must be in 1..{max_logprobs // 2}: each step asks for 2 x n "
-                          f"logprobs, at most --max-logprobs ({max_logprobs})", "n")  # fmt: skip
+        raise bad_request(
+            f"n (the beam width) must be in 1..{max_logprobs // 2}: each step asks for 2 x n "
+            f"logprobs, at most --max-logprobs ({max_logprobs})",
+            "n",
+        )
     return True, length_penalty
 
 
-def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None, *,
-                       max_logprobs: int = MAX_LOGPROBS) -> ChatRequest:  # fmt: skip
+def parse_chat_request(
+    body: object, defaults: Mapping[str, float] | None = None, *, max_logprobs: int = MAX_LOGPROBS
+) -> ChatRequest:
     """`defaults`, `max_logprobs`: as parse_completion_request's."""
     obj = json_object(body)
     _refuse_unknown(obj, _CHAT_KEYS)
@@ -256,14 +355,28 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
         if not logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         if not 0 <= top_logprobs <= max_logprobs:
-            raise bad_request(f"top_logprobs must be in 0..{max_logprobs}, got {top_logprobs}", "top_logprobs")
+            raise bad_request(
+                f"top_logprobs must be in 0..{max_logprobs}, got {top_logprobs}", "top_logprobs"
+            )
     max_tokens = opt_int(obj, "max_tokens")
     max_completion_tokens = opt_int(obj, "max_completion_tokens")
-    if max_completion_tokens is not None and max_completion_tokens < 1:  # else refused naming max_tokens
-        raise bad_request(f"max_completion_tokens must be >= 1, got {max_completion_tokens}", "max_completion_tokens")
-    if max_tokens is not None and max_completion_tokens is not None and max_tokens != max_completion_tokens:
-        raise bad_request(f"max_tokens ({max_tokens}) and max_completion_tokens ({max_completion_tokens}) "
-                          "disagree; send one", "max_completion_tokens")  # fmt: skip
+    if (
+        max_completion_tokens is not None and max_completion_tokens < 1
+    ):  # else refused naming max_tokens
+        raise bad_request(
+            f"max_completion_tokens must be >= 1, got {max_completion_tokens}",
+            "max_completion_tokens",
+        )
+    if (
+        max_tokens is not None
+        and max_completion_tokens is not None
+        and max_tokens != max_completion_tokens
+    ):
+        raise bad_request(
+            f"max_tokens ({max_tokens}) and max_completion_tokens ({max_completion_tokens}) "
+            "disagree; send one",
+            "max_completion_tokens",
+        )
     template_kwargs = obj.get("chat_template_kwargs")
     if template_kwargs is None:
         template_kwargs = {}
@@ -273,15 +386,25 @@ def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None
     generation = opt_bool(obj, "add_generation_prompt", default=True)
     continuation = opt_bool(obj, "continue_final_message", default=False)
     if generation and continuation:  # vLLM's words
-        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                          "continue_final_message")  # fmt: skip
+        raise bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "continue_final_message",
+        )
     beam_search, length_penalty = _beam_search(obj, max_logprobs)
-    sampling = _sampling(obj, max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
-                         logprobs=(top_logprobs or 0) if logprobs else None, defaults=defaults, tools=tool_fields,
-                         prompt_logprobs=_prompt_logprobs(obj, stream, max_logprobs))  # fmt: skip
+    sampling = _sampling(
+        obj,
+        max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
+        logprobs=(top_logprobs or 0) if logprobs else None,
+        defaults=defaults,
+        tools=tool_fields,
+        prompt_logprobs=_prompt_logprobs(obj, stream, max_logprobs),
+    )
     if beam_search and sampling.guided.param is not None:  # a forced tool call
-        raise unsupported(sampling.guided.param, "beam search does not constrain its output; "
-                          "a forced tool call needs sampling (use_beam_search false)")  # fmt: skip
+        raise unsupported(
+            sampling.guided.param,
+            "beam search does not constrain its output; "
+            "a forced tool call needs sampling (use_beam_search false)",
+        )
     return ChatRequest(
         model=opt_str(obj, "model"),
         messages=_messages(obj),
@@ -364,7 +487,10 @@ def _stream(obj: dict[str, Any]) -> tuple[bool, bool, bool]:
         raise bad_request("stream_options must be an object", "stream_options")
     for key in options:
         if key not in ("include_usage", "continuous_usage_stats"):
-            raise unsupported(f"stream_options.{key}", "only include_usage and continuous_usage_stats are supported")
+            raise unsupported(
+                f"stream_options.{key}",
+                "only include_usage and continuous_usage_stats are supported",
+            )
         if options[key] is not None and not isinstance(options[key], bool):
             raise bad_request(f"stream_options.{key} must be a boolean", f"stream_options.{key}")
     include_usage = bool(options.get("include_usage"))
@@ -376,20 +502,28 @@ def _prompt_logprobs(obj: dict[str, Any], stream: bool, max_logprobs: int) -> in
     vocabulary) is past the engine's bound."""
     k = opt_int(obj, "prompt_logprobs")
     if k is not None and stream and (k > 0 or k == -1):
-        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        raise bad_request(
+            "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+        )
     if k is not None and not 0 <= k <= max_logprobs:
-        raise bad_request(f"prompt_logprobs must be in 0..{max_logprobs}, got {k}", "prompt_logprobs")
+        raise bad_request(
+            f"prompt_logprobs must be in 0..{max_logprobs}, got {k}", "prompt_logprobs"
+        )
     return k
 
 
 def _truncate(obj: dict[str, Any]) -> int | None:
     keep = opt_int(obj, "truncate_prompt_tokens")
     if keep is not None and keep < 1 and keep != -1:  # vLLM's 0 leaves no prompt at all
-        raise bad_request(f"truncate_prompt_tokens must be >= 1 or -1, got {keep}", "truncate_prompt_tokens")
+        raise bad_request(
+            f"truncate_prompt_tokens must be >= 1 or -1, got {keep}", "truncate_prompt_tokens"
+        )
     return keep
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_tokens: int | None, max_model_len: int) -> list[int]:
+def truncate_prompt(
+    ids: list[int], keep: int | None, max_tokens: int | None, max_model_len: int
+) -> list[int]:
     """The last `keep` prompt tokens, as vLLM's (newer) TokenizeParams: -1 keeps what the context
     leaves after max_tokens, and more than that is refused."""
     if keep is None:
@@ -398,14 +532,22 @@ def truncate_prompt(ids: list[int], keep: int | None, max_tokens: int | None, ma
     if keep == -1:
         keep = limit
     if not 1 <= keep <= limit:
-        raise bad_request(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - max_tokens "
-                          f"= {limit}; request a smaller truncation size", "truncate_prompt_tokens")  # fmt: skip
+        raise bad_request(
+            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - max_tokens "
+            f"= {limit}; request a smaller truncation size",
+            "truncate_prompt_tokens",
+        )
     return ids[-keep:] if keep < len(ids) else ids
 
 
 def _sampling(
-    obj: dict[str, Any], *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
-    defaults: Mapping[str, float] | None = None, tools: ToolFields | None = None,
+    obj: dict[str, Any],
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    defaults: Mapping[str, float] | None = None,
+    tools: ToolFields | None = None,
 ) -> SamplingFields:
     d = SamplingFields(**(defaults or {}))
     # vLLM's spaces_between_special_tokens acts in slow (Python) tokenizers only; Qwen's fast
@@ -447,7 +589,9 @@ def _stop(obj: dict[str, Any], name: str = "stop") -> tuple[str, ...]:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
-        raise bad_request(f"{name} must be a string or a list of strings, got {json_type(value)}", name)
+        raise bad_request(
+            f"{name} must be a string or a list of strings, got {json_type(value)}", name
+        )
     for i, s in enumerate(items):
         if not isinstance(s, str):
             raise bad_request(f"{name}[{i}] must be a string, got {json_type(s)}", name)
@@ -530,7 +674,9 @@ def _messages(obj: dict[str, Any]) -> tuple[dict[str, Any], ...]:
                 f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", "messages"
             )
         for key, value in m.items():
-            if key in ("role", "content", "name") or (key in _NULL_MESSAGE_KEYS and value in (None, [])):
+            if key in ("role", "content", "name") or (
+                key in _NULL_MESSAGE_KEYS and value in (None, [])
+            ):
                 continue
             if key in _REASONING_KEYS and role == "assistant":
                 continue
@@ -545,7 +691,9 @@ def _messages(obj: dict[str, Any]) -> tuple[dict[str, Any], ...]:
         name = m.get("name")
         if name is not None:  # for the template, as vLLM passes it (Qwen's ignores it)
             if not isinstance(name, str):
-                raise bad_request(f"{where}.name must be a string, got {json_type(name)}", "messages")
+                raise bad_request(
+                    f"{where}.name must be a string, got {json_type(name)}", "messages"
+                )
             message["name"] = name
         reasoning = m.get("reasoning")
         if reasoning is None:

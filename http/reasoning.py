@@ -114,11 +114,16 @@ def check_include_reasoning(
     if include_reasoning:
         return
     if parser is None:
-        raise unsupported("include_reasoning", "false needs a server started with "
-                          "--reasoning-parser (without one, the thinking is content)")  # fmt: skip
+        raise unsupported(
+            "include_reasoning",
+            "false needs a server started with "
+            "--reasoning-parser (without one, the thinking is content)",
+        )
     if logprobs:
-        raise unsupported("include_reasoning", "false with logprobs: the logprobs would show "
-                          "the reasoning's tokens")  # fmt: skip
+        raise unsupported(
+            "include_reasoning",
+            "false with logprobs: the logprobs would show the reasoning's tokens",
+        )
 
 
 def _index(ids: list[int], value: int) -> int | None:

@@ -120,7 +120,9 @@ class TokenStrings:
         return list(self.token(token_id).encode()) if self.as_ids else self.bytes(token_id)
 
 
-def prompt_logprobs_json(prompt_ids: Sequence[int], ev: Any, strings: TokenStrings) -> list[dict[str, Any] | None]:
+def prompt_logprobs_json(
+    prompt_ids: Sequence[int], ev: Any, strings: TokenStrings
+) -> list[dict[str, Any] | None]:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then for each one {token id:
     {logprob, rank, decoded_token}} of the token itself and its alternatives (ranks 1..k).
     decoded_token is the text even under return_tokens_as_token_ids, as vLLM's (its engine
@@ -169,7 +171,12 @@ class _Formatter:
     chunk_object = ""
 
     def __init__(
-        self, request_id: str, model: str, strings: TokenStrings, logprobs: bool, continuous_usage: bool = False
+        self,
+        request_id: str,
+        model: str,
+        strings: TokenStrings,
+        logprobs: bool,
+        continuous_usage: bool = False,
     ) -> None:
         self.id = request_id
         self.model = model
@@ -280,7 +287,9 @@ class CompletionFormatter(_Formatter):
 
     def token(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any] | None:
         state.output_tokens += 1
-        if self.want_logprobs:  # offsets by tokens, not by the text sent so far (a stop string holds it back)
+        if (
+            self.want_logprobs
+        ):  # offsets by tokens, not by the text sent so far (a stop string holds it back)
             entry = self._entry(ev, state.token_offset)
             state.token_offset += len(entry[0])
             state.logprobs.append(entry)
@@ -297,16 +306,26 @@ class CompletionFormatter(_Formatter):
     def finish(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any]:
         text = self._echoed(index, ev.text)
         state.add_text(text)
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": ev.reason,
-                  "stop_reason": ev.stop_reason}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": ev.reason,
+            "stop_reason": ev.stop_reason,
+        }
         return self._stamp(self._chunk([choice]), state)
 
     def response(self, states: list[ChoiceState], usage_json: dict[str, int]) -> dict[str, Any]:
         choices = []
         for i, s in enumerate(states):
             logprobs = self._logprobs_json(s.logprobs) if self.want_logprobs else None
-            choice = {"index": i, "text": "".join(s.text), "logprobs": logprobs, "finish_reason": s.finish_reason,
-                      "stop_reason": s.stop_reason}
+            choice = {
+                "index": i,
+                "text": "".join(s.text),
+                "logprobs": logprobs,
+                "finish_reason": s.finish_reason,
+                "stop_reason": s.stop_reason,
+            }
             if s.prompt_logprobs is not None:  # vLLM's extra, on each choice (its prompt's)
                 choice["prompt_logprobs"] = self._prompt_logprobs(s)
             choices.append(choice)
@@ -401,14 +420,20 @@ class ChatFormatter(_Formatter):
             "logprob": clamp_logprob(ev.logprob),
             "bytes": s.bytes(ev.token_id),
             "top_logprobs": [
-                {"token": s.token(tid), "logprob": clamp_logprob(lp), "bytes": s.alternative_bytes(tid)}
+                {
+                    "token": s.token(tid),
+                    "logprob": clamp_logprob(lp),
+                    "bytes": s.alternative_bytes(tid),
+                }
                 for tid, lp in ev.top_logprobs
             ],
         }
 
     def start(self, index: int, state: ChoiceState | None = None) -> dict[str, Any] | None:
         delta = {"role": "assistant", "content": ""}
-        chunk = self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+        chunk = self._chunk(
+            [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]
+        )
         return chunk if state is None else self._stamp(chunk, state)
 
     def token(self, index: int, ev: Any, state: ChoiceState) -> dict[str, Any] | None:
@@ -430,12 +455,21 @@ class ChatFormatter(_Formatter):
         parts = self._parts(index, ev.text, None, final=True)
         state.add_text(parts.content)
         state.add_reasoning(parts.reasoning)
-        delta = {key: text for key, text in self._delta_with_tools(index, parts, final=True).items() if text}
+        delta = {
+            key: text
+            for key, text in self._delta_with_tools(index, parts, final=True).items()
+            if text
+        }
         reason = ev.reason
         if self.tool_calls is not None and self.streaming:
             reason = self.tool_calls.stream_finish_reason(index, reason)
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason,
-                  "stop_reason": ev.stop_reason}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": reason,
+            "stop_reason": ev.stop_reason,
+        }
         return self._stamp(self._chunk([choice]), state)
 
     def _message(self, state: ChoiceState) -> dict[str, Any]:
@@ -453,8 +487,15 @@ class ChatFormatter(_Formatter):
             if self.tool_calls is not None:  # not streaming: read whole
                 message, reason = self.tool_calls.message(message, "".join(s.text), reason)
             logprobs = {"content": s.logprobs} if self.want_logprobs else None
-            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason,
-                            "stop_reason": s.stop_reason})
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                    "stop_reason": s.stop_reason,
+                }
+            )
         body = self._chunk(choices, "chat.completion")
         body["usage"] = self._usage(usage_json)
         if states and states[0].prompt_logprobs is not None:  # vLLM's extra: one prompt, top-level

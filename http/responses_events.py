@@ -22,15 +22,19 @@ from deltaserve.http.responses import ChatFormatter, ChoiceState
 class ResponsesFormatter(OutputBlocks):
     """`keep` gets the final response object (the store keeps it)."""
 
-    def __init__(self, chat: ChatFormatter, skeleton: dict[str, Any], keep: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(
+        self, chat: ChatFormatter, skeleton: dict[str, Any], keep: Callable[[dict[str, Any]], None]
+    ) -> None:
         super().__init__(chat, skeleton["id"])
         self._skeleton = {**skeleton, "created_at": chat.created, "model": chat.model}
         self._keep = keep
         self._sequence = 0
 
     def start(self, index: int, state: ChoiceState | None = None) -> list[dict[str, Any]]:
-        return [self._event("response.created", response=self._snapshot()),
-                self._event("response.in_progress", response=self._snapshot())]  # fmt: skip
+        return [
+            self._event("response.created", response=self._snapshot()),
+            self._event("response.in_progress", response=self._snapshot()),
+        ]
 
     def stream_end(self, usage_json: dict[str, int], include_usage: bool) -> bytes:
         final = self._final(usage_json)
@@ -44,17 +48,46 @@ class ResponsesFormatter(OutputBlocks):
 
     def _open_block(self, kind: str, call_id: str = "", name: str = "") -> list[dict[str, Any]]:
         if kind == CALL:
-            return self._add({"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
-                              "call_id": call_id, "name": name, "arguments": ""})  # fmt: skip
+            return self._add(
+                {
+                    "id": f"fc_{uuid.uuid4().hex}",
+                    "type": "function_call",
+                    "status": "in_progress",
+                    "call_id": call_id,
+                    "name": name,
+                    "arguments": "",
+                }
+            )
         if kind == REASONING:
-            return self._add({"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": [],
-                              "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"})  # fmt: skip
-        events = self._add({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-                            "status": "in_progress", "content": []})  # fmt: skip
+            return self._add(
+                {
+                    "id": f"rs_{uuid.uuid4().hex}",
+                    "type": "reasoning",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}],
+                    "status": "in_progress",
+                }
+            )
+        events = self._add(
+            {
+                "id": f"msg_{uuid.uuid4().hex}",
+                "type": "message",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
+        )
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         self.blocks[-1]["content"].append(part)
-        return [*events, self._event("response.content_part.added", **self._at(), content_index=0,
-                                     part=copy.deepcopy(part))]  # fmt: skip
+        return [
+            *events,
+            self._event(
+                "response.content_part.added",
+                **self._at(),
+                content_index=0,
+                part=copy.deepcopy(part),
+            ),
+        ]
 
     def _grow(self, kind: str, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         item = self.blocks[-1]
@@ -63,33 +96,77 @@ class ResponsesFormatter(OutputBlocks):
             return [self._event("response.function_call_arguments.delta", **self._at(), delta=text)]
         item["content"][0]["text"] += text
         if kind == REASONING:
-            return [self._event("response.reasoning_text.delta", **self._at(), content_index=0, delta=text)]
+            return [
+                self._event(
+                    "response.reasoning_text.delta", **self._at(), content_index=0, delta=text
+                )
+            ]
         item["content"][0]["logprobs"] += logprobs
-        return [self._event("response.output_text.delta", **self._at(), content_index=0, delta=text,
-                            logprobs=logprobs)]  # fmt: skip
+        return [
+            self._event(
+                "response.output_text.delta",
+                **self._at(),
+                content_index=0,
+                delta=text,
+                logprobs=logprobs,
+            )
+        ]
 
     def _close_block(self, kind: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         item = self.blocks[-1]
         item["status"] = "incomplete" if self.reason == "length" else "completed"
         if kind == CALL:
-            events = [self._event("response.function_call_arguments.done", **self._at(),
-                                  name=item["name"], arguments=item["arguments"])]  # fmt: skip
+            events = [
+                self._event(
+                    "response.function_call_arguments.done",
+                    **self._at(),
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            ]
         elif kind == REASONING:
             text = item["content"][0]["text"]
-            events = [self._event("response.reasoning_text.done", **self._at(), content_index=0, text=text)]
+            events = [
+                self._event(
+                    "response.reasoning_text.done", **self._at(), content_index=0, text=text
+                )
+            ]
         else:
             part = item["content"][0]
             part["logprobs"] += logprobs
-            events = [self._event("response.output_text.done", **self._at(), content_index=0, text=part["text"],
-                                  logprobs=part["logprobs"]),
-                      self._event("response.content_part.done", **self._at(), content_index=0,
-                                  part=copy.deepcopy(part))]  # fmt: skip
-        return [*events, self._event("response.output_item.done", output_index=len(self.blocks) - 1,
-                                     item=copy.deepcopy(item))]  # fmt: skip
+            events = [
+                self._event(
+                    "response.output_text.done",
+                    **self._at(),
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=part["logprobs"],
+                ),
+                self._event(
+                    "response.content_part.done",
+                    **self._at(),
+                    content_index=0,
+                    part=copy.deepcopy(part),
+                ),
+            ]
+        return [
+            *events,
+            self._event(
+                "response.output_item.done",
+                output_index=len(self.blocks) - 1,
+                item=copy.deepcopy(item),
+            ),
+        ]
 
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         self.blocks.append(item)
-        return [self._event("response.output_item.added", output_index=len(self.blocks) - 1, item=copy.deepcopy(item))]
+        return [
+            self._event(
+                "response.output_item.added",
+                output_index=len(self.blocks) - 1,
+                item=copy.deepcopy(item),
+            )
+        ]
 
     def _at(self) -> dict[str, Any]:
         return {"item_id": self.blocks[-1]["id"], "output_index": len(self.blocks) - 1}
@@ -107,10 +184,18 @@ class ResponsesFormatter(OutputBlocks):
         usage = self.chat.usage_chunk(usage_json)["usage"]
         reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        final = {**self._snapshot(), "output": copy.deepcopy(self.blocks), "status": "completed", "usage": {
-            "input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning},
-            "total_tokens": usage["total_tokens"]}}  # fmt: skip
+        final = {
+            **self._snapshot(),
+            "output": copy.deepcopy(self.blocks),
+            "status": "completed",
+            "usage": {
+                "input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": reasoning},
+                "total_tokens": usage["total_tokens"],
+            },
+        }
         if self.reason == "length":
             final["status"] = "incomplete"
             final["incomplete_details"] = {"reason": "max_output_tokens"}

@@ -25,24 +25,67 @@ from deltaserve.http.protocol import TEXT_PART_SEPARATOR
 
 RESPONSES_KEPT = 1024
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-_PASSED = ("temperature", "top_p", "parallel_tool_calls", "model",  # the chat route's names and checks
-           "top_k", "min_p", "repetition_penalty", "seed", "stop", "chat_template_kwargs", "priority")  # vLLM's extras
-_KEYS = frozenset({*_PASSED, "input", "instructions", "max_output_tokens", "stream", "tools", "tool_choice",
-                   "text", "store", "previous_response_id", "metadata", "user", "top_logprobs", "include",
-                   "truncation", "background", "reasoning", "service_tier", "max_tool_calls"})
+_PASSED = (
+    "temperature",
+    "top_p",
+    "parallel_tool_calls",
+    "model",  # the chat route's names and checks
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "chat_template_kwargs",
+    "priority",
+)  # vLLM's extras
+_KEYS = frozenset(
+    {
+        *_PASSED,
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "stream",
+        "tools",
+        "tool_choice",
+        "text",
+        "store",
+        "previous_response_id",
+        "metadata",
+        "user",
+        "top_logprobs",
+        "include",
+        "truncation",
+        "background",
+        "reasoning",
+        "service_tier",
+        "max_tool_calls",
+    }
+)
 # taken only at their defaults, with why not otherwise
 _ONLY = {
     "background": ((None, False), "background responses are not supported"),
-    "truncation": ((None, "disabled"), "only 'disabled': a prompt longer than the context is refused"),
-    "reasoning": ((None,), "reasoning settings are not supported; thinking follows the chat template "
-                           "(chat_template_kwargs, e.g. enable_thinking)"),
+    "truncation": (
+        (None, "disabled"),
+        "only 'disabled': a prompt longer than the context is refused",
+    ),
+    "reasoning": (
+        (None,),
+        "reasoning settings are not supported; thinking follows the chat template "
+        "(chat_template_kwargs, e.g. enable_thinking)",
+    ),
     "service_tier": ((None, "auto", "default"), "service tiers are not supported"),
     "max_tool_calls": ((None,), "max_tool_calls is not supported"),
-}  # fmt: skip
+}
 # a chat field an error names -> the Responses field it came from, in its param and message
-_RENAMED = ((r"\bresponse_format\.json_schema\b", "text.format"), (r"\bresponse_format\b", "text.format"),
-            (r"\bmax_tokens\b", "max_output_tokens"), (r"\bmessages\b", "input"), (r"\blogprobs\b", "include"),
-            (r"(tools\[\d+\])\.function\b", r"\1"), (r"\btool_choice\.function\b", "tool_choice"))  # fmt: skip
+_RENAMED = (
+    (r"\bresponse_format\.json_schema\b", "text.format"),
+    (r"\bresponse_format\b", "text.format"),
+    (r"\bmax_tokens\b", "max_output_tokens"),
+    (r"\bmessages\b", "input"),
+    (r"\blogprobs\b", "include"),
+    (r"(tools\[\d+\])\.function\b", r"\1"),
+    (r"\btool_choice\.function\b", "tool_choice"),
+)
 _ITEM_KEYS = {  # each input item's fields (others only as null, as an SDK's dump may send them)
     "message": {"type", "role", "content", "id", "status"},
     "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
@@ -78,7 +121,12 @@ class ResponseStore:
 
 
 def not_found(response_id: str, param: str | None = None) -> ApiError:
-    return ApiError(404, f"Response with id '{response_id}' not found.", type="invalid_request_error", param=param)
+    return ApiError(
+        404,
+        f"Response with id '{response_id}' not found.",
+        type="invalid_request_error",
+        param=param,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,12 +152,16 @@ def parse_responses_request(body: object, store: ResponseStore) -> ResponsesRequ
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("instructions must be a string", "instructions")
-    chat["messages"] = ([{"role": "system", "content": instructions}] if instructions else []) + history
+    chat["messages"] = (
+        [{"role": "system", "content": instructions}] if instructions else []
+    ) + history
     chat["stream"] = True  # the formatter reads tool calls as they stream, in both modes
     limit = body.get("max_output_tokens")
     if limit is not None:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise bad_request(f"max_output_tokens must be an integer >= 1, got {limit!r}", "max_output_tokens")
+            raise bad_request(
+                f"max_output_tokens must be an integer >= 1, got {limit!r}", "max_output_tokens"
+            )
         chat["max_tokens"] = limit
     tools = _tools(body.get("tools"))
     if tools:
@@ -117,28 +169,50 @@ def parse_responses_request(body: object, store: ResponseStore) -> ResponsesRequ
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     text = body.get("text") if body.get("text") is not None else {}
-    if not isinstance(text, dict) or set(text) - {"format", "verbosity"} or text.get("verbosity") is not None:
+    if (
+        not isinstance(text, dict)
+        or set(text) - {"format", "verbosity"}
+        or text.get("verbosity") is not None
+    ):
         raise unsupported("text", "only text.format is supported")
     text_format = text.get("format") or {"type": "text"}
     if _response_format(text_format) is not None:
         chat["response_format"] = _response_format(text_format)
     _logprobs(body, chat)
     metadata = body.get("metadata")
-    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
         raise bad_request("metadata must be an object of strings", "metadata")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad_request("user must be a string", "user")
     skeleton = {
-        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "status": "in_progress",
-        "background": False, "error": None, "incomplete_details": None, "instructions": instructions,
-        "max_output_tokens": limit, "max_tool_calls": None, "metadata": metadata or {},
-        "output": [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "previous_response_id": body.get("previous_response_id"), "reasoning": None,
-        "service_tier": "auto", "store": keep, "temperature": body.get("temperature"),
-        "text": {"format": text_format}, "tool_choice": body.get("tool_choice") or "auto",
-        "tools": body.get("tools") or [], "top_logprobs": body.get("top_logprobs"),
-        "top_p": body.get("top_p"), "truncation": "disabled", "usage": None, "user": body.get("user"),
-    }  # fmt: skip
+        "id": f"resp_{uuid.uuid4().hex}",
+        "object": "response",
+        "status": "in_progress",
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": instructions,
+        "max_output_tokens": limit,
+        "max_tool_calls": None,
+        "metadata": metadata or {},
+        "output": [],
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": body.get("previous_response_id"),
+        "reasoning": None,
+        "service_tier": "auto",
+        "store": keep,
+        "temperature": body.get("temperature"),
+        "text": {"format": text_format},
+        "tool_choice": body.get("tool_choice") or "auto",
+        "tools": body.get("tools") or [],
+        "top_logprobs": body.get("top_logprobs"),
+        "top_p": body.get("top_p"),
+        "truncation": "disabled",
+        "usage": None,
+        "user": body.get("user"),
+    }
     return ResponsesRequest(chat, history, skeleton, stream, keep)
 
 
@@ -180,7 +254,9 @@ def input_messages(value: object, where: str = "input") -> list[dict[str, Any]]:
         if kind == "message" and item.get("role") != "assistant":
             role = item.get("role")
             if role not in ("user", "system", "developer"):
-                raise bad_request(f"{at}.role must be user, assistant, system or developer, got {role!r}", "input")
+                raise bad_request(
+                    f"{at}.role must be user, assistant, system or developer, got {role!r}", "input"
+                )
             messages.append({"role": role, "content": _text(item.get("content"), at)})
             turn = None
             continue
@@ -188,7 +264,9 @@ def input_messages(value: object, where: str = "input") -> list[dict[str, Any]]:
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise bad_request(f"{at}.call_id must be a string", "input")
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": _text(output, at, "output")})
+            messages.append(
+                {"role": "tool", "tool_call_id": call_id, "content": _text(output, at, "output")}
+            )
             turn = None
             continue
         if _starts_turn(turn, kind):
@@ -200,9 +278,17 @@ def input_messages(value: object, where: str = "input") -> list[dict[str, Any]]:
             turn["content"] = _text(item.get("content"), at)
         else:
             name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
-            if not (isinstance(name, str) and isinstance(arguments, str) and isinstance(call_id, str)):
-                raise bad_request(f"{at}: a function_call needs string name, arguments and call_id", "input")
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            if not (
+                isinstance(name, str) and isinstance(arguments, str) and isinstance(call_id, str)
+            ):
+                raise bad_request(
+                    f"{at}: a function_call needs string name, arguments and call_id", "input"
+                )
+            call = {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
             turn.setdefault("tool_calls", []).append(call)
     return messages
 
@@ -227,8 +313,11 @@ def _text(content: object, at: str, field: str = "content") -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS:
-            raise unsupported("input", f"{at}.{field}[{j}]: only text parts are supported (the model reads "
-                                       f"text), got {kind!r}")  # fmt: skip
+            raise unsupported(
+                "input",
+                f"{at}.{field}[{j}]: only text parts are supported (the model reads "
+                f"text), got {kind!r}",
+            )
         if not isinstance(part.get("text"), str):
             raise bad_request(f"{at}.{field}[{j}].text must be a string", "input")
         texts.append(part["text"])
@@ -267,7 +356,9 @@ def _tools(value: object) -> list[dict[str, Any]]:
 def _tool_choice(value: object) -> object:
     if isinstance(value, dict):
         if value.get("type") != "function" or set(value) - {"type", "name"}:
-            raise unsupported("tool_choice", "only 'none', 'auto', 'required' or {'type': 'function', 'name'}")
+            raise unsupported(
+                "tool_choice", "only 'none', 'auto', 'required' or {'type': 'function', 'name'}"
+            )
         return {"type": "function", "function": {"name": value.get("name")}}
     return value
 
@@ -281,7 +372,10 @@ def _response_format(text_format: object) -> dict[str, Any] | None:
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "json_schema":
-        return {"type": "json_schema", "json_schema": {k: v for k, v in text_format.items() if k != "type"}}
+        return {
+            "type": "json_schema",
+            "json_schema": {k: v for k, v in text_format.items() if k != "type"},
+        }
     raise unsupported("text.format.type", f"'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
@@ -298,5 +392,13 @@ def _logprobs(body: dict[str, Any], chat: dict[str, Any]) -> None:
     chat["top_logprobs"] = body.get("top_logprobs") or 0
 
 
-__all__ = ["LOGPROBS_INCLUDE", "RESPONSES_KEPT", "ResponseStore", "ResponsesRequest", "input_messages",
-           "not_found", "parse_responses_request", "renamed_errors"]  # fmt: skip
+__all__ = [
+    "LOGPROBS_INCLUDE",
+    "RESPONSES_KEPT",
+    "ResponseStore",
+    "ResponsesRequest",
+    "input_messages",
+    "not_found",
+    "parse_responses_request",
+    "renamed_errors",
+]

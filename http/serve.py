@@ -126,140 +126,321 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     eng = p.add_argument_group("engine (EngineConfig fields, one flag each)")
-    eng.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                     help="the checkpoint directory, as `vllm serve MODEL` takes it (or --model)")  # fmt: skip
-    eng.add_argument("--model", default=None,
-                     help="checkpoint directory (HF layout); omitted: a tiny built-in demo "
-                          "checkpoint, made once under ~/.cache/deltaserve")  # fmt: skip
-    eng.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp_size", type=int,
-                     default=d("tp_size"), help="tensor-parallel size (one rank process per device)")  # fmt: skip
-    eng.add_argument("--data-parallel-size", "-dp", "--dp-size", type=int, default=1,
-                     help="replicas of the model, each on its own tp-size devices with its own ranks and "
-                          "caches; a request goes to the least busy (engine/data_parallel.py)")  # fmt: skip
-    eng.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                     help="device kind; default: cuda if available, else cpu")  # fmt: skip
-    eng.add_argument("--device-ids", type=_device_ids, default=d("device_ids"),
-                     help="cuda ordinals, comma separated; default: 0..tp x dp - 1 (replica i: the i-th tp of them)")  # fmt: skip
-    eng.add_argument("--dtype", choices=("auto", "float32", "fp32", "bfloat16", "bf16"), default=d("dtype"),
-                     help="weight/activation dtype; auto: the checkpoint's (float32 on cpu)")  # fmt: skip
-    eng.add_argument("--max-model-len", type=human_readable_int, default=d("max_model_len"),
-                     help="longest prompt + completion in tokens; default: "
-                          "min(max_position_embeddings, 8192)")  # fmt: skip
-    eng.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"),
-                     help="most requests running at once (DeltaNet state slots)")  # fmt: skip
-    eng.add_argument("--max-num-batched-tokens", type=human_readable_int, default=d("max_num_batched_tokens"),
-                     help="token budget of one scheduler step (prefill chunks + decodes); "
-                          "default: 8192 on cuda, 2048 on cpu")  # fmt: skip
-    eng.add_argument("--max-queued-requests", type=int, default=d("max_queued_requests"),
-                     help="waiting requests beyond which new ones get HTTP 429")  # fmt: skip
-    eng.add_argument("--max-queued-tokens", type=human_readable_int, default=d("max_queued_tokens"),
-                     help="prompt tokens of the waiting requests beyond which new ones get HTTP 429 "
-                          "(one is taken past it while nothing else waits)")  # fmt: skip
-    eng.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=d("scheduling_policy"),
-                     help="admission order: arrival (fcfs), or each request's priority (lower first), then "
-                          "arrival; nothing running is preempted")  # fmt: skip
-    eng.add_argument("--block-size", type=int, default=d("block_size"),
-                     help="KV cache positions per block")  # fmt: skip
-    eng.add_argument("--num-kv-blocks", type=int, default=d("num_kv_blocks"),
-                     help="KV blocks; default: on cuda what --gpu-memory-utilization leaves, "
-                          "on cpu max_num_seqs * max_model_len / block_size")  # fmt: skip
-    eng.add_argument("--enforce-eager", action="store_true",
-                     help="cuda: run every step eagerly, capturing no CUDA graphs")
-    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                     help="a prompt that begins with a saved prompt (the last turn of its "
-                          "conversation, a shared system prompt) skips that part's prefill "
-                          "(engine/prefix_cache.py); off by default")
-    eng.add_argument("--prefix-cache-states", type=int, default=None, metavar="N",
-                     help="with --enable-prefix-caching: saved prompt states each rank keeps, each "
-                          "the size of one request's DeltaNet state (default: --max-num-seqs)")
-    eng.add_argument("--prompt-graph-tokens", type=int, default=2048,
-                     help="cuda: prompt steps of up to this many tokens replay a CUDA graph (a "
-                          "short prompt's first token no longer waits on ~450 launches); 0: never")
-    eng.add_argument("--max-logprobs", type=int, default=20,
-                     help="the most logprobs, top_logprobs or prompt_logprobs a request may ask for "
-                          "(as vLLM's); -1: the whole vocabulary")  # fmt: skip
-    eng.add_argument("--fp8-weights", choices=FP8_WEIGHTS, default="widen",
-                     help="an FP8 checkpoint's projections: widened to --dtype as they load, or kept FP8 "
-                          "(half their memory; faster at one row, slower at more on the H200: docs/GPU.md)")  # fmt: skip
-    eng.add_argument("--no-pipelining", action="store_true",
-                     help="send each step only after the previous one's results are committed, "
-                          "instead of planning the next decode step while one runs")  # fmt: skip
-    eng.add_argument("--no-overlap", action="store_true",
-                     help="cuda: each rank finishes a step (reads its samples) before it queues the "
-                          "pipelined step behind it, instead of queueing that one first")  # fmt: skip
-    eng.add_argument("--gpu-memory-utilization", type=float, default=d("gpu_memory_utilization"),
-                     help="share (0, 1] of each GPU's total memory the engine may use: weights, "
-                          "activations and CUDA graphs first, the request state (max_num_seqs "
-                          "state slots, then as many KV blocks as fit) takes the rest; cuda only, "
-                          "unused with --num-kv-blocks")  # fmt: skip
-    eng.add_argument("--step-timeout", dest="step_timeout_s", type=float,
-                     default=d("step_timeout_s"), help="seconds a step may take before the "
-                     "replica is declared dead")  # fmt: skip
-    eng.add_argument("--startup-timeout", dest="startup_timeout_s", type=float,
-                     default=d("startup_timeout_s"), help="seconds for every rank to load")  # fmt: skip
-    eng.add_argument("--monitor-endpoint", default="auto",
-                     help="ZeroMQ PUB endpoint for monitors (deltaserve monitor ENDPOINT; "
-                          "docs/MONITOR.md): auto (an ipc:// socket in a private 0700 folder), "
-                          "ipc://PATH, tcp://HOST:PORT, or off")  # fmt: skip
+    eng.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the checkpoint directory, as `vllm serve MODEL` takes it (or --model)",
+    )
+    eng.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory (HF layout); omitted: a tiny built-in demo "
+        "checkpoint, made once under ~/.cache/deltaserve",
+    )
+    eng.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        "-tp",
+        dest="tp_size",
+        type=int,
+        default=d("tp_size"),
+        help="tensor-parallel size (one rank process per device)",
+    )
+    eng.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        "--dp-size",
+        type=int,
+        default=1,
+        help="replicas of the model, each on its own tp-size devices with its own ranks and "
+        "caches; a request goes to the least busy (engine/data_parallel.py)",
+    )
+    eng.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="device kind; default: cuda if available, else cpu",
+    )
+    eng.add_argument(
+        "--device-ids",
+        type=_device_ids,
+        default=d("device_ids"),
+        help="cuda ordinals, comma separated; default: 0..tp x dp - 1 (replica i: the i-th tp of them)",
+    )
+    eng.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "fp32", "bfloat16", "bf16"),
+        default=d("dtype"),
+        help="weight/activation dtype; auto: the checkpoint's (float32 on cpu)",
+    )
+    eng.add_argument(
+        "--max-model-len",
+        type=human_readable_int,
+        default=d("max_model_len"),
+        help="longest prompt + completion in tokens; default: min(max_position_embeddings, 8192)",
+    )
+    eng.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=d("max_num_seqs"),
+        help="most requests running at once (DeltaNet state slots)",
+    )
+    eng.add_argument(
+        "--max-num-batched-tokens",
+        type=human_readable_int,
+        default=d("max_num_batched_tokens"),
+        help="token budget of one scheduler step (prefill chunks + decodes); "
+        "default: 8192 on cuda, 2048 on cpu",
+    )
+    eng.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=d("max_queued_requests"),
+        help="waiting requests beyond which new ones get HTTP 429",
+    )
+    eng.add_argument(
+        "--max-queued-tokens",
+        type=human_readable_int,
+        default=d("max_queued_tokens"),
+        help="prompt tokens of the waiting requests beyond which new ones get HTTP 429 "
+        "(one is taken past it while nothing else waits)",
+    )
+    eng.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default=d("scheduling_policy"),
+        help="admission order: arrival (fcfs), or each request's priority (lower first), then "
+        "arrival; nothing running is preempted",
+    )
+    eng.add_argument(
+        "--block-size", type=int, default=d("block_size"), help="KV cache positions per block"
+    )
+    eng.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=d("num_kv_blocks"),
+        help="KV blocks; default: on cuda what --gpu-memory-utilization leaves, "
+        "on cpu max_num_seqs * max_model_len / block_size",
+    )
+    eng.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="cuda: run every step eagerly, capturing no CUDA graphs",
+    )
+    eng.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="a prompt that begins with a saved prompt (the last turn of its "
+        "conversation, a shared system prompt) skips that part's prefill "
+        "(engine/prefix_cache.py); off by default",
+    )
+    eng.add_argument(
+        "--prefix-cache-states",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --enable-prefix-caching: saved prompt states each rank keeps, each "
+        "the size of one request's DeltaNet state (default: --max-num-seqs)",
+    )
+    eng.add_argument(
+        "--prompt-graph-tokens",
+        type=int,
+        default=2048,
+        help="cuda: prompt steps of up to this many tokens replay a CUDA graph (a "
+        "short prompt's first token no longer waits on ~450 launches); 0: never",
+    )
+    eng.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="the most logprobs, top_logprobs or prompt_logprobs a request may ask for "
+        "(as vLLM's); -1: the whole vocabulary",
+    )
+    eng.add_argument(
+        "--fp8-weights",
+        choices=FP8_WEIGHTS,
+        default="widen",
+        help="an FP8 checkpoint's projections: widened to --dtype as they load, or kept FP8 "
+        "(half their memory; faster at one row, slower at more on the H200: docs/GPU.md)",
+    )
+    eng.add_argument(
+        "--no-pipelining",
+        action="store_true",
+        help="send each step only after the previous one's results are committed, "
+        "instead of planning the next decode step while one runs",
+    )
+    eng.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="cuda: each rank finishes a step (reads its samples) before it queues the "
+        "pipelined step behind it, instead of queueing that one first",
+    )
+    eng.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d("gpu_memory_utilization"),
+        help="share (0, 1] of each GPU's total memory the engine may use: weights, "
+        "activations and CUDA graphs first, the request state (max_num_seqs "
+        "state slots, then as many KV blocks as fit) takes the rest; cuda only, "
+        "unused with --num-kv-blocks",
+    )
+    eng.add_argument(
+        "--step-timeout",
+        dest="step_timeout_s",
+        type=float,
+        default=d("step_timeout_s"),
+        help="seconds a step may take before the replica is declared dead",
+    )
+    eng.add_argument(
+        "--startup-timeout",
+        dest="startup_timeout_s",
+        type=float,
+        default=d("startup_timeout_s"),
+        help="seconds for every rank to load",
+    )
+    eng.add_argument(
+        "--monitor-endpoint",
+        default="auto",
+        help="ZeroMQ PUB endpoint for monitors (deltaserve monitor ENDPOINT; "
+        "docs/MONITOR.md): auto (an ipc:// socket in a private 0700 folder), "
+        "ipc://PATH, tcp://HOST:PORT, or off",
+    )
     srv = p.add_argument_group("server")
-    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                     help="the model names clients may send (several: each accepted, the first "
-                          "reported in metrics); default: MODEL (or --model) as given, "
-                          f"{DEMO_MODEL_NAME} for the demo checkpoint. Give MODEL before it, "
-                          "or as --model")  # fmt: skip
-    srv.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
-                     help="auto: the sampling settings in the model's generation_config.json "
-                          "(temperature, top_p, top_k, min_p, repetition_penalty) are the default "
-                          "of every request that leaves them out, as in vLLM; vllm: ignore them")  # fmt: skip
-    srv.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                     help="chat messages carry the model's thinking (between <think> and </think>) "
-                          "as `reasoning`, apart from its answer in `content`, as vLLM's parsers "
-                          "of these names; default: all the text in `content`")  # fmt: skip
-    srv.add_argument("--enable-auto-tool-choice", action="store_true",
-                     help="read the tool calls of chats that give tools (tool_choice 'auto', their "
-                          "default) out of the output into message.tool_calls, as vLLM's flag; "
-                          "needs --tool-call-parser")  # fmt: skip
-    srv.add_argument("--tool-call-parser", choices=tuple(TOOL_CALL_PARSERS), default=None,
-                     help="the format the model writes tool calls in, as vLLM's parsers of these "
-                          "names: qwen3_coder (Qwen3.5, Qwen3-Coder), hermes (Qwen2.5, Qwen3)")  # fmt: skip
-    srv.add_argument("--enable-prompt-tokens-details", action="store_true",
-                     help="usage gains prompt_tokens_details.cached_tokens (prefix caching), as vLLM's")
-    srv.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
-                     help="logprobs name each token 'token_id:{id}' instead of its text, in requests "
-                          "that leave return_tokens_as_token_ids out (as vLLM's flag)")  # fmt: skip
+    srv.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model names clients may send (several: each accepted, the first "
+        "reported in metrics); default: MODEL (or --model) as given, "
+        f"{DEMO_MODEL_NAME} for the demo checkpoint. Give MODEL before it, "
+        "or as --model",
+    )
+    srv.add_argument(
+        "--generation-config",
+        choices=("auto", "vllm"),
+        default="auto",
+        help="auto: the sampling settings in the model's generation_config.json "
+        "(temperature, top_p, top_k, min_p, repetition_penalty) are the default "
+        "of every request that leaves them out, as in vLLM; vllm: ignore them",
+    )
+    srv.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="chat messages carry the model's thinking (between <think> and </think>) "
+        "as `reasoning`, apart from its answer in `content`, as vLLM's parsers "
+        "of these names; default: all the text in `content`",
+    )
+    srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="read the tool calls of chats that give tools (tool_choice 'auto', their "
+        "default) out of the output into message.tool_calls, as vLLM's flag; "
+        "needs --tool-call-parser",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        choices=tuple(TOOL_CALL_PARSERS),
+        default=None,
+        help="the format the model writes tool calls in, as vLLM's parsers of these "
+        "names: qwen3_coder (Qwen3.5, Qwen3-Coder), hermes (Qwen2.5, Qwen3)",
+    )
+    srv.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage gains prompt_tokens_details.cached_tokens (prefix caching), as vLLM's",
+    )
+    srv.add_argument(
+        "--return-tokens-as-token-ids",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="logprobs name each token 'token_id:{id}' instead of its text, in requests "
+        "that leave return_tokens_as_token_ids out (as vLLM's flag)",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free)")
     add_listen_flags(srv)
-    srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on the /v1 routes (as vLLM: "
-                          "/health, /metrics and /version stay open)")  # fmt: skip
+    srv.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the /v1 routes (as vLLM: "
+        "/health, /metrics and /version stay open)",
+    )
     # CORS, as vLLM's flags (JSON lists; a str default goes through `type` too)
-    srv.add_argument("--allowed-origins", type=_json_list, default='["*"]', metavar="JSON",
-                     help='CORS: the origins browser pages may call from; "*": any')  # fmt: skip
-    srv.add_argument("--allowed-methods", type=_json_list, default='["*"]', metavar="JSON",
-                     help='CORS: the methods they may use; "*": any')  # fmt: skip
-    srv.add_argument("--allowed-headers", type=_json_list, default='["*"]', metavar="JSON",
-                     help='CORS: the request headers they may send; "*": any')  # fmt: skip
-    srv.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
-                     help="CORS: browsers may send cookies and credentials (the Origin is then "
-                          "echoed, never \"*\"), as vLLM's flag")  # fmt: skip
-    srv.add_argument("--shutdown-timeout", type=_seconds, default=30.0,
-                     help="seconds running requests may take to finish after SIGTERM")  # fmt: skip
-    srv.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
-                     help="largest accepted request body (HTTP 413 beyond)")  # fmt: skip
-    srv.add_argument("--log-level", default="INFO", type=str.upper,  # SGLang's lower case too
-                     choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                     help="log level of the server and its rank processes")  # fmt: skip
-    srv.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
-                     help="the chat template chats render with, replacing the model's: a file, "
-                          "or the Jinja template itself (as vLLM's flag)")  # fmt: skip
-    srv.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
-                     help="template variables of every chat, e.g. '{\"enable_thinking\": false}'; "
-                          "a request's chat_template_kwargs win key by key (as vLLM's flag)")  # fmt: skip
-    srv.add_argument("--seed", type=int, default=None,
-                     help="requests that give no seed take theirs from a generator seeded with "
-                          "this, so the same requests in the same order sample the same; default: "
-                          "each a random seed")  # fmt: skip
+    srv.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default='["*"]',
+        metavar="JSON",
+        help='CORS: the origins browser pages may call from; "*": any',
+    )
+    srv.add_argument(
+        "--allowed-methods",
+        type=_json_list,
+        default='["*"]',
+        metavar="JSON",
+        help='CORS: the methods they may use; "*": any',
+    )
+    srv.add_argument(
+        "--allowed-headers",
+        type=_json_list,
+        default='["*"]',
+        metavar="JSON",
+        help='CORS: the request headers they may send; "*": any',
+    )
+    srv.add_argument(
+        "--allow-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="CORS: browsers may send cookies and credentials (the Origin is then "
+        'echoed, never "*"), as vLLM\'s flag',
+    )
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=30.0,
+        help="seconds running requests may take to finish after SIGTERM",
+    )
+    srv.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 * 2**20,
+        help="largest accepted request body (HTTP 413 beyond)",
+    )
+    srv.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,  # SGLang's lower case too
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="log level of the server and its rank processes",
+    )
+    srv.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="the chat template chats render with, replacing the model's: a file, "
+        "or the Jinja template itself (as vLLM's flag)",
+    )
+    srv.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="template variables of every chat, e.g. '{\"enable_thinking\": false}'; "
+        "a request's chat_template_kwargs win key by key (as vLLM's flag)",
+    )
+    srv.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="requests that give no seed take theirs from a generator seeded with "
+        "this, so the same requests in the same order sample the same; default: "
+        "each a random seed",
+    )
     add_vllm_flags(p)
     return p
 
@@ -311,7 +492,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
-        parser.error(f"the model is given twice: MODEL {args.model_tag!r} and --model {args.model!r}")
+        parser.error(
+            f"the model is given twice: MODEL {args.model_tag!r} and --model {args.model!r}"
+        )
     args.model = args.model if args.model is not None else args.model_tag
     if (refused := refused_vllm_flag(args)) is not None:
         parser.error(refused)
@@ -319,18 +502,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.model is None and names is not None and len(names) > 1:
         # --served-model-name takes every word up to the next flag, MODEL given after it too
         # (vLLM's parser does the same); a MODEL so lost must not start the demo checkpoint
-        parser.error(f"no MODEL, and --served-model-name took {', '.join(map(repr, names))}: a "
-                     "MODEL given after it is taken as a name. Give MODEL first (deltaserve serve "
-                     "MODEL --served-model-name a b), as --model MODEL, or after --")  # fmt: skip
+        parser.error(
+            f"no MODEL, and --served-model-name took {', '.join(map(repr, names))}: a "
+            "MODEL given after it is taken as a name. Give MODEL first (deltaserve serve "
+            "MODEL --served-model-name a b), as --model MODEL, or after --"
+        )
     return args
 
 
 def serve_main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
-        level=args.log_level, stream=sys.stderr,
+        level=args.log_level,
+        stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )  # fmt: skip
+    )
     if args.uvicorn_log_level is not None:  # the HTTP server's own loggers
         logging.getLogger("aiohttp").setLevel(UVICORN_LOG_LEVELS[args.uvicorn_log_level])
     # Every check before the first slow step (making the demo checkpoint, loading weights):
@@ -340,8 +526,11 @@ def serve_main(argv: list[str] | None = None) -> int:
         args.model = str(demo_model_dir())
         args.served_model_name = args.served_model_name or [DEMO_MODEL_NAME]
     elif not Path(args.model).is_dir():
-        print(f"deltaserve serve: error: --model {args.model!r} is not a directory (a local "
-              "checkpoint folder; hub names are not downloaded)", file=sys.stderr)  # fmt: skip
+        print(
+            f"deltaserve serve: error: --model {args.model!r} is not a directory (a local "
+            "checkpoint folder; hub names are not downloaded)",
+            file=sys.stderr,
+        )
         return 2
     try:
         listen = listen_config(args)
@@ -349,7 +538,9 @@ def serve_main(argv: list[str] | None = None) -> int:
         if args.data_parallel_size != 1:
             from deltaserve.engine.data_parallel import replica_configs
 
-            replica_configs(engine_config, args.data_parallel_size, args.device_ids)  # refused now, not at start
+            replica_configs(
+                engine_config, args.data_parallel_size, args.device_ids
+            )  # refused now, not at start
         check_quantization(args.quantization, None if demo else args.model)
         if server_config.generation_config == "auto":  # read again at start: refused now, not then
             from deltaserve.engine.tokenizer import generation_sampling_defaults
@@ -364,9 +555,13 @@ def serve_main(argv: list[str] | None = None) -> int:
         log.error("cannot listen on %s: %s", args.uds or f"{args.host}:{args.port}", exc)
         return 1
     if demo:
-        log.info("no --model given: serving the built-in demo checkpoint (random '%s' weights) "
-                 "from %s%s", DEMO_PRESET, args.model,
-                 "" if (Path(args.model) / "config.json").is_file() else " (making it now, once)")  # fmt: skip
+        log.info(
+            "no --model given: serving the built-in demo checkpoint (random '%s' weights) "
+            "from %s%s",
+            DEMO_PRESET,
+            args.model,
+            "" if (Path(args.model) / "config.json").is_file() else " (making it now, once)",
+        )
         ensure_demo_model()
     try:
         import uvloop
@@ -434,16 +629,28 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
     )
 
 
-async def _start_engine(config, stop: asyncio.Event, dp_size: int = 1, device_ids=None):  # -> engine | None
+async def _start_engine(
+    config, stop: asyncio.Event, dp_size: int = 1, device_ids=None
+):  # -> engine | None
     """Start the engine (`dp_size` replicas: a DataParallelEngine), saying every few seconds
     that weights are still loading; None if a signal came first."""
     from deltaserve.engine.async_engine import AsyncEngine
     from deltaserve.engine.data_parallel import DataParallelEngine
 
     t0 = time.monotonic()
-    log.info("loading %s on %s (tp=%d, dp=%d, dtype=%s) ...", config.model, config.device,
-             config.tp_size, dp_size, config.dtype)  # fmt: skip
-    starting = AsyncEngine.start(config) if dp_size == 1 else DataParallelEngine.start(config, dp_size, device_ids)
+    log.info(
+        "loading %s on %s (tp=%d, dp=%d, dtype=%s) ...",
+        config.model,
+        config.device,
+        config.tp_size,
+        dp_size,
+        config.dtype,
+    )
+    starting = (
+        AsyncEngine.start(config)
+        if dp_size == 1
+        else DataParallelEngine.start(config, dp_size, device_ids)
+    )
     task = asyncio.ensure_future(starting)
     stopped = asyncio.ensure_future(stop.wait())
     try:
@@ -475,8 +682,10 @@ def _sizes(engine) -> tuple[str, str | None]:
     if config.max_model_len is not None:
         why = "--max-model-len"
     elif engine.max_model_len < model_max:
-        why = (f"the default: min(the model's max_position_embeddings {model_max}, "
-               f"{engine.max_model_len}); --max-model-len for more")  # fmt: skip
+        why = (
+            f"the default: min(the model's max_position_embeddings {model_max}, "
+            f"{engine.max_model_len}); --max-model-len for more"
+        )
     else:
         why = "the model's max_position_embeddings"
     kv_tokens = load.num_blocks * config.block_size
@@ -489,11 +698,15 @@ def _sizes(engine) -> tuple[str, str | None]:
     longest, short = engine.longest_sequence, None
     if longest < engine.max_model_len:
         why = f"all the KV cache holds, below the {engine.max_model_len} of {why}"
-        short = (f"the KV cache holds {kv_tokens} tokens, fewer than max_model_len "
-                 f"{engine.max_model_len}: one request can use at most {longest} positions (prompt + "
-                 f"completion), as /v1/models says; raise --num-kv-blocks or lower --max-model-len")  # fmt: skip
-    ready = (f"max_model_len={longest} ({why}), {load.num_slots} state slots (--max-num-seqs), {load.num_blocks} KV blocks "
-             f"of {config.block_size} = {kv_tokens} tokens of KV ({kv_why})")  # fmt: skip
+        short = (
+            f"the KV cache holds {kv_tokens} tokens, fewer than max_model_len "
+            f"{engine.max_model_len}: one request can use at most {longest} positions (prompt + "
+            f"completion), as /v1/models says; raise --num-kv-blocks or lower --max-model-len"
+        )
+    ready = (
+        f"max_model_len={longest} ({why}), {load.num_slots} state slots (--max-num-seqs), {load.num_blocks} KV blocks "
+        f"of {config.block_size} = {kv_tokens} tokens of KV ({kv_why})"
+    )
     if config.enable_prefix_caching:
         ready += f"; prefix caching: {config.prefix_cache_states} saved prompt states (--prefix-cache-states)"
     return ready, short
@@ -528,21 +741,35 @@ async def _serve(args: argparse.Namespace, listen: Listen, server_config, engine
             log.error("%s", exc)
             return 1
         if defaults := app[STATE].sampling_defaults:
-            log.info("default sampling from the model's generation_config.json: %s (a request's own "
-                     "values win; --generation-config vllm ignores the file)",
-                     ", ".join(f"{k}={v}" for k, v in defaults.items()))  # fmt: skip
+            log.info(
+                "default sampling from the model's generation_config.json: %s (a request's own "
+                "values win; --generation-config vllm ignores the file)",
+                ", ".join(f"{k}={v}" for k, v in defaults.items()),
+            )
         try:
-            runner, site = await start_server(app, listen.host, listen.port, uds=listen.uds, ssl_context=listen.ssl,
-                                              shutdown_timeout_s=RUNNER_SHUTDOWN_TIMEOUT_S)  # fmt: skip
+            runner, site = await start_server(
+                app,
+                listen.host,
+                listen.port,
+                uds=listen.uds,
+                ssl_context=listen.ssl,
+                shutdown_timeout_s=RUNNER_SHUTDOWN_TIMEOUT_S,
+            )
         except OSError as exc:
             log.error("cannot listen on %s: %s", args.uds or f"{args.host}:{args.port}", exc)
             return 1
-        log.info("ready: serving '%s' at %s/v1 (health: /health, metrics: /metrics, "
-                 "monitor: %s)", "', '".join(server_config.served_model_name), listen.url(runner.addresses[0]),
-                 engine.monitor_endpoint or "off")  # fmt: skip
+        log.info(
+            "ready: serving '%s' at %s/v1 (health: /health, metrics: /metrics, monitor: %s)",
+            "', '".join(server_config.served_model_name),
+            listen.url(runner.addresses[0]),
+            engine.monitor_endpoint or "off",
+        )
         if not await _wait_stop_or_death(stop, engine):
-            log.info("signal received: admitting no new requests, draining for up to %.1f s "
-                     "(a second signal aborts at once)", args.shutdown_timeout)  # fmt: skip
+            log.info(
+                "signal received: admitting no new requests, draining for up to %.1f s "
+                "(a second signal aborts at once)",
+                args.shutdown_timeout,
+            )
             app[STATE].draining = True
             await site.stop()  # stop listening; open connections get 503 for new requests
             await _drain(engine, args.shutdown_timeout, force)

@@ -82,18 +82,23 @@ class ServerState:
         self.strings = TokenStrings(engine.tokenizer, config.return_tokens_as_token_ids)
         self.created = int(time.time())
         self.draining = False  # set by the serve command on SIGTERM
-        self.weight_version = "default"  # SGLang's name for the weights served (/update_weights_from_disk)
+        self.weight_version = (
+            "default"  # SGLang's name for the weights served (/update_weights_from_disk)
+        )
         # what a request leaves out of temperature, top_p, top_k, min_p, repetition_penalty
         self.sampling_defaults = (
-            generation_sampling_defaults(engine.config.model) if config.generation_config == "auto" else {}
+            generation_sampling_defaults(engine.config.model)
+            if config.generation_config == "auto"
+            else {}
         )
         # the seeds of requests that give none (--seed); None: the engine draws each at random
         self.seeds = None if config.seed is None else random.Random(config.seed)
         # ValueError when the tokenizer lacks the think tags
         self.reasoning = (
             ReasoningParser.for_tokenizer(config.reasoning_parser, engine.tokenizer)
-            if config.reasoning_parser is not None else None
-        )  # fmt: skip
+            if config.reasoning_parser is not None
+            else None
+        )
 
     def model_name(self, requested: str | None) -> str:
         """The name a response carries: the one requested (refused if not served), else the
@@ -119,8 +124,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     """Serve it with `start_server` (or an AppRunner with handler_cancellation=True), so
     that a client's disconnect cancels its requests. CORS first: preflights need no key (as
     in vLLM); its signal gives every response its headers (errors, 401s, SSE streams)."""
-    cors = Cors(config.allowed_origins, config.allowed_methods, config.allowed_headers,
-                config.allow_credentials)  # fmt: skip
+    cors = Cors(
+        config.allowed_origins,
+        config.allowed_methods,
+        config.allowed_headers,
+        config.allow_credentials,
+    )
     app = web.Application(
         client_max_size=config.max_request_bytes,
         middlewares=[cors.middleware, _error_middleware, _auth_middleware],
@@ -167,7 +176,9 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except ApiError as err:
         return _error_response(err)
     except EngineDeadError as exc:  # it died, or shut down, while the route used it
-        return _error_response(errors.engine_dead(request.app[STATE].engine.dead_reason or str(exc)))
+        return _error_response(
+            errors.engine_dead(request.app[STATE].engine.dead_reason or str(exc))
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -189,9 +200,22 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
 
 
 # path prefixes that need the key
-_GUARDED = ("/v1", "/invocations", "/generate", "/abort_request", "/update_weights_from_disk", "/flush_cache",
-            "/reset_prefix_cache", "/pause", "/resume", "/continue_generation",
-            "/sleep", "/wake_up", "/release_memory_occupation", "/resume_memory_occupation")
+_GUARDED = (
+    "/v1",
+    "/invocations",
+    "/generate",
+    "/abort_request",
+    "/update_weights_from_disk",
+    "/flush_cache",
+    "/reset_prefix_cache",
+    "/pause",
+    "/resume",
+    "/continue_generation",
+    "/sleep",
+    "/wake_up",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+)
 
 
 @web.middleware
@@ -209,8 +233,9 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
         # as bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500)
-        if given is None or not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
-                                                    key.encode("utf-8", "surrogateescape")):  # fmt: skip
+        if given is None or not hmac.compare_digest(
+            given.encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape")
+        ):
             raise errors.unauthorized()
     return await handler(request)
 
@@ -234,10 +259,18 @@ async def version(request: web.Request) -> web.Response:
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     # max_model_len: what one request can use, fewer positions where the KV cache holds fewer
-    cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "deltaserve",
-              "root": state.engine.config.model, "parent": None,
-              "max_model_len": state.engine.longest_sequence}
-             for name in state.config.served_model_name]  # fmt: skip
+    cards = [
+        {
+            "id": name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "deltaserve",
+            "root": state.engine.config.model,
+            "parent": None,
+            "max_model_len": state.engine.longest_sequence,
+        }
+        for name in state.config.served_model_name
+    ]
     return _json({"object": "list", "data": cards})
 
 
@@ -254,8 +287,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = parse_completion_request(await read_json(request), state.sampling_defaults,
-                                   max_logprobs=state.engine.max_logprobs)
+    req = parse_completion_request(
+        await read_json(request), state.sampling_defaults, max_logprobs=state.engine.max_logprobs
+    )
     model = state.model_name(req.model)
     state.check_admitting()
     if req.beam_search:
@@ -268,7 +302,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         seeds=state.seeds,
     )
     choices, bound = len(req.prompts) * params.n, state.engine.config.max_queued_requests
-    if choices > bound:  # the queue could never take them all: not a 429 to retry (n alone: the engine's check)
+    if (
+        choices > bound
+    ):  # the queue could never take them all: not a 429 to retry (n alone: the engine's check)
         raise errors.bad_request(
             f"{len(req.prompts)} prompts x n={params.n} = {choices} choices exceed "
             f"max_queued_requests ({bound}); send fewer prompts per request",
@@ -276,43 +312,86 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = [p if isinstance(p, str) else list(p) for p in req.prompts]
-    fit = functools.partial(truncate_prompt, keep=req.truncate_prompt_tokens, max_tokens=params.max_tokens,
-                            max_model_len=state.engine.max_model_len)  # fmt: skip
+    fit = functools.partial(
+        truncate_prompt,
+        keep=req.truncate_prompt_tokens,
+        max_tokens=params.max_tokens,
+        max_model_len=state.engine.max_model_len,
+    )
     strings = state.strings.rendering(req.return_tokens_as_token_ids)
-    formatter = CompletionFormatter(request_id, model, strings, req.sampling.logprobs is not None,
-                                    continuous_usage=req.continuous_usage)  # fmt: skip
+    formatter = CompletionFormatter(
+        request_id,
+        model,
+        strings,
+        req.sampling.logprobs is not None,
+        continuous_usage=req.continuous_usage,
+    )
     if req.echo:  # as vLLM's: a text prompt as sent, token ids decoded (after truncation)
-        formatter.echo([p if isinstance(p, str) else await state.engine.run_tokenizer(
-            lambda tok, ids=fit(p): tok.decode(ids), len(p)) for p in prompts], params.n, params.logprobs)  # fmt: skip
-    streams = await _open_streams(state, prompts, [params] * len(prompts), request_id, fit=fit,
-                                  guided=req.sampling.guided, priority=req.priority)  # fmt: skip
+        formatter.echo(
+            [
+                p
+                if isinstance(p, str)
+                else await state.engine.run_tokenizer(
+                    lambda tok, ids=fit(p): tok.decode(ids), len(p)
+                )
+                for p in prompts
+            ],
+            params.n,
+            params.logprobs,
+        )
+    streams = await _open_streams(
+        state,
+        prompts,
+        [params] * len(prompts),
+        request_id,
+        fit=fit,
+        guided=req.sampling.guided,
+        priority=req.priority,
+    )
     return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = parse_chat_request(await read_json(request), state.sampling_defaults, max_logprobs=state.engine.max_logprobs)
+    req = parse_chat_request(
+        await read_json(request), state.sampling_defaults, max_logprobs=state.engine.max_logprobs
+    )
     formatter, streams = await open_chat(request, req, f"chatcmpl-{uuid.uuid4().hex}")
-    return await _respond(request, formatter, streams, req.sampling.n, req.stream, req.include_usage)
+    return await _respond(
+        request, formatter, streams, req.sampling.n, req.stream, req.include_usage
+    )
 
 
-async def open_chat(request: web.Request, req: ChatRequest, request_id: str) -> tuple[ChatFormatter, list[Any]]:
+async def open_chat(
+    request: web.Request, req: ChatRequest, request_id: str
+) -> tuple[ChatFormatter, list[Any]]:
     """A parsed chat request rendered, checked and submitted: its formatter and streams (the
     chat route's, and the Responses and Messages APIs' under their translations)."""
     state = request.app[STATE]
     model = state.model_name(req.model)
     check_include_reasoning(state.reasoning, req.include_reasoning, req.logprobs)
-    tool_calls = tool_call_reader(req.tool_choice, req.tools, req.parallel_tool_calls,
-                                  state.config.tool_call_parser if state.config.enable_auto_tool_choice else None)
+    tool_calls = tool_call_reader(
+        req.tool_choice,
+        req.tools,
+        req.parallel_tool_calls,
+        state.config.tool_call_parser if state.config.enable_auto_tool_choice else None,
+    )
     state.check_admitting()
     template_kwargs = {**state.config.default_chat_template_kwargs, **req.chat_template_kwargs}
     prompt_ids = await _apply_chat_template(
-        state.engine, req.messages, template_kwargs, size=len(await request.read()),
-        chat_template=state.config.chat_template, tools=req.tools,
-        add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-    )  # fmt: skip
+        state.engine,
+        req.messages,
+        template_kwargs,
+        size=len(await request.read()),
+        chat_template=state.config.chat_template,
+        tools=req.tools,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+    )
     max_tokens = req.sampling.max_tokens
-    prompt_ids = truncate_prompt(prompt_ids, req.truncate_prompt_tokens, max_tokens, state.engine.max_model_len)
+    prompt_ids = truncate_prompt(
+        prompt_ids, req.truncate_prompt_tokens, max_tokens, state.engine.max_model_len
+    )
     if max_tokens is None:  # as vLLM: whatever context (or, if smaller, KV cache) the prompt leaves
         max_tokens = max(1, state.engine.longest_sequence - len(prompt_ids))
     params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs", seeds=state.seeds)
@@ -320,22 +399,48 @@ async def open_chat(request: web.Request, req: ChatRequest, request_id: str) -> 
     if req.sampling.guided.param and thinks:
         raise refuse_in_reasoning(req.sampling.guided)
     if params.thinking_budget is not None and not thinks:
-        raise errors.bad_request("thinking_budget needs a prompt that opens a think block (--reasoning-parser, "
-                                 "and thinking on in the chat template)", "thinking_budget")  # fmt: skip
+        raise errors.bad_request(
+            "thinking_budget needs a prompt that opens a think block (--reasoning-parser, "
+            "and thinking on in the chat template)",
+            "thinking_budget",
+        )
     strings = state.strings.rendering(req.return_tokens_as_token_ids)
-    formatter = ChatFormatter(request_id, model, strings, req.logprobs, reasoning=state.reasoning,
-                              prompt_ids=prompt_ids, include_reasoning=req.include_reasoning,
-                              tool_calls=tool_calls, streaming=req.stream,
-                              continuous_usage=req.continuous_usage)  # fmt: skip
+    formatter = ChatFormatter(
+        request_id,
+        model,
+        strings,
+        req.logprobs,
+        reasoning=state.reasoning,
+        prompt_ids=prompt_ids,
+        include_reasoning=req.include_reasoning,
+        tool_calls=tool_calls,
+        streaming=req.stream,
+        continuous_usage=req.continuous_usage,
+    )
     if req.beam_search:  # its beams, read as a finished stream's choices
-        return formatter, [await beam_chat_choices(state.engine, prompt_ids, params, req.length_penalty, request_id)]
-    streams = await _open_streams(state, [prompt_ids], [params], request_id, prompt_param="messages",
-                                  guided=req.sampling.guided, priority=req.priority)  # fmt: skip
+        return formatter, [
+            await beam_chat_choices(
+                state.engine, prompt_ids, params, req.length_penalty, request_id
+            )
+        ]
+    streams = await _open_streams(
+        state,
+        [prompt_ids],
+        [params],
+        request_id,
+        prompt_param="messages",
+        guided=req.sampling.guided,
+        priority=req.priority,
+    )
     return formatter, streams
 
 
 def _params(
-    fields: SamplingFields, max_tokens: int, *, logprobs_param: str, seeds: random.Random | None = None
+    fields: SamplingFields,
+    max_tokens: int,
+    *,
+    logprobs_param: str,
+    seeds: random.Random | None = None,
 ) -> SamplingParams:
     """`seeds`: where a request that gives no seed takes one (--seed)."""
     if fields.seed is None and seeds is not None:
@@ -343,7 +448,9 @@ def _params(
     try:
         return fields.to_sampling_params(max_tokens)
     except ValueError as exc:
-        raise guided_error(str(exc), fields.guided) or errors.bad_request(str(exc), _param_of(str(exc), logprobs_param)) from None
+        raise guided_error(str(exc), fields.guided) or errors.bad_request(
+            str(exc), _param_of(str(exc), logprobs_param)
+        ) from None
 
 
 def _param_of(
@@ -361,9 +468,15 @@ def _param_of(
 
 
 async def _apply_chat_template(
-    engine: AsyncEngine, messages: Sequence[dict[str, Any]], kwargs: dict[str, Any], size: int,
-    chat_template: str | None = None, tools: Sequence[dict[str, Any]] | None = None,
-    add_generation_prompt: bool = True, continue_final_message: bool = False, add_special_tokens: bool = False,
+    engine: AsyncEngine,
+    messages: Sequence[dict[str, Any]],
+    kwargs: dict[str, Any],
+    size: int,
+    chat_template: str | None = None,
+    tools: Sequence[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """The prompt's token ids: the template (`chat_template`, else the tokenizer's) rendered
     with the request's `tools` and tokenized, off the event loop when the request (`size`
@@ -372,16 +485,23 @@ async def _apply_chat_template(
         if key in RESERVED_TEMPLATE_KWARGS:
             raise errors.unsupported(f"chat_template_kwargs.{key}", "reserved by the server")
     if not chat_template and not getattr(engine.tokenizer, "chat_template", None):
-        raise errors.bad_request("the model has no chat template; use /v1/completions, or give "
-                                 "one at start (--chat-template)", "messages")  # fmt: skip
+        raise errors.bad_request(
+            "the model has no chat template; use /v1/completions, or give "
+            "one at start (--chat-template)",
+            "messages",
+        )
 
     def render(tokenizer: Any) -> list[int]:
         try:
             text = tokenizer.apply_chat_template(
-                list(messages), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False,
-                tools=list(tools) if tools else None, **kwargs,
-            )  # fmt: skip
+                list(messages),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                tools=list(tools) if tools else None,
+                **kwargs,
+            )
         except Exception as exc:  # jinja errors from the template (e.g. role order)
             raise errors.bad_request(
                 f"the chat template rejected the messages: {exc}", "messages"
@@ -418,7 +538,13 @@ async def _open_streams(
         if len(prompts) > 1:  # all or none: no stream opened to be closed (counted an abort)
             state.engine.check(prompts, params, request_id)
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            rid = request_ids[i] if request_ids else request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            rid = (
+                request_ids[i]
+                if request_ids
+                else request_id
+                if len(prompts) == 1
+                else f"{request_id}-{i}"
+            )
             streams.append(state.engine.generate(prompt, p, request_id=rid, priority=priority))
     except BaseException as exc:
         for s in streams:
@@ -429,7 +555,8 @@ async def _open_streams(
             raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
         if isinstance(exc, ValueError):
             raise guided_error(str(exc), guided) or errors.bad_request(
-                str(exc), _param_of(str(exc), prompt_param=prompt_param)) from None
+                str(exc), _param_of(str(exc), prompt_param=prompt_param)
+            ) from None
         raise
     return streams
 
@@ -477,11 +604,20 @@ def _terminal_error(state: ServerState, ev: Any) -> ApiError:
     """The error a client sees for an ErrorEvent or an abort that reached it."""
     if state.engine.is_dead:
         return errors.engine_dead(state.engine.dead_reason or getattr(ev, "message", None))
-    if isinstance(ev, FinishedEvent):  # "abort" reaches a live client on shutdown, /abort_request or /pause
-        why = "the server is shutting down" if state.draining else "asked for (an abort, or a pause in abort mode)"
-        return ApiError(503, f"the request was aborted: {why}", type="service_unavailable", code="aborted")
-    return ApiError(500, f"the request failed: {ev.message}", type="internal_error",
-                    code="request_failed")  # fmt: skip
+    if isinstance(
+        ev, FinishedEvent
+    ):  # "abort" reaches a live client on shutdown, /abort_request or /pause
+        why = (
+            "the server is shutting down"
+            if state.draining
+            else "asked for (an abort, or a pause in abort mode)"
+        )
+        return ApiError(
+            503, f"the request was aborted: {why}", type="service_unavailable", code="aborted"
+        )
+    return ApiError(
+        500, f"the request failed: {ev.message}", type="internal_error", code="request_failed"
+    )
 
 
 async def _respond(
@@ -493,15 +629,20 @@ async def _respond(
     include_usage: bool,
 ) -> web.StreamResponse:
     state = request.app[STATE]
-    states = [ChoiceState(prompt_tokens=len(ids), prompt_ids=ids)
-              for ids in (streams[i // n].prompt_token_ids for i in range(len(streams) * n))]  # fmt: skip
+    states = [
+        ChoiceState(prompt_tokens=len(ids), prompt_ids=ids)
+        for ids in (streams[i // n].prompt_token_ids for i in range(len(streams) * n))
+    ]
     response: web.StreamResponse | None = None
     try:
         if stream:
             response = web.StreamResponse(
                 # the charset, as OpenAI and vLLM send it: clients that decode by the header
                 # (requests) read text/* without one as Latin-1
-                headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+                headers={
+                    "Content-Type": "text/event-stream; charset=utf-8",
+                    "Cache-Control": "no-cache",
+                }
             )
             await response.prepare(request)
             for idx in range(len(states)):
@@ -519,8 +660,11 @@ async def _respond(
             await events.aclose()
         prompt_tokens = sum(states[p * n].prompt_tokens for p in range(len(streams)))
         cached = sum(states[p * n].cached_tokens for p in range(len(streams)))
-        usage_json = usage(prompt_tokens, sum(s.output_tokens for s in states),
-                           cached if state.config.enable_prompt_tokens_details else 0)
+        usage_json = usage(
+            prompt_tokens,
+            sum(s.output_tokens for s in states),
+            cached if state.config.enable_prompt_tokens_details else 0,
+        )
         if response is None:
             return _json(formatter.response(states, usage_json))
         await response.write(formatter.stream_end(usage_json, include_usage))

@@ -18,11 +18,24 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 # returns or replace the template itself, or are apply_chat_template's tokenizer options
 # (truncation, max_length, ...), which it ignores with tokenize=False: refused, not dropped.
 RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-     "tokenize", "return_dict", "continue_final_message", "sanitize_control_tokens", "padding",
-     "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
-     "tokenizer_kwargs"}
-)  # fmt: skip
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "tokenize",
+        "return_dict",
+        "continue_final_message",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,31 +80,48 @@ class ServerConfig:
         names = self.served_model_name
         names = (names,) if isinstance(names, str) else tuple(dict.fromkeys(names))
         if not names or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(f"served_model_name must be non-empty strings, got {self.served_model_name!r}")
+            raise ValueError(
+                f"served_model_name must be non-empty strings, got {self.served_model_name!r}"
+            )
         object.__setattr__(self, "served_model_name", names)
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.generation_config not in ("auto", "vllm"):
-            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
+            raise ValueError(
+                f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}"
+            )
         if self.chat_template is not None:
             check_chat_template(self.chat_template)
         kwargs = self.default_chat_template_kwargs
         if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
-            raise ValueError(f"default_chat_template_kwargs must map names to values, got {kwargs!r}")
+            raise ValueError(
+                f"default_chat_template_kwargs must map names to values, got {kwargs!r}"
+            )
         if reserved := sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs)):
-            raise ValueError(f"default_chat_template_kwargs: {', '.join(reserved)} reserved by the "
-                             "server, as in a request's chat_template_kwargs")  # fmt: skip
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not SEED_MIN <= self.seed <= SEED_MAX):  # fmt: skip
-            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}")
+            raise ValueError(
+                f"default_chat_template_kwargs: {', '.join(reserved)} reserved by the "
+                "server, as in a request's chat_template_kwargs"
+            )
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ValueError(
+                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}"
+            )
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
-                             f"got {self.reasoning_parser!r}")  # fmt: skip
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
+            )
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
-                             f"got {self.tool_call_parser!r}")  # fmt: skip
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:  # vLLM's words
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):

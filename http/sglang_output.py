@@ -26,7 +26,9 @@ class GenerateFormatter:
 
     finishes_aborts = True  # an aborted choice answers with its abort, as SGLang's (not an error)
 
-    def __init__(self, req: GenerateRequest, n: int, strings: TokenStrings, weight_version: Callable[[], str]) -> None:
+    def __init__(
+        self, req: GenerateRequest, n: int, strings: TokenStrings, weight_version: Callable[[], str]
+    ) -> None:
         self.id = req.rids[0]
         self._weight_version = weight_version  # the name of the weights serving now
         self._req, self._n, self._strings = req, n, strings
@@ -65,7 +67,10 @@ class GenerateFormatter:
         elif ev.reason == "length":
             reason = {"type": "length", "length": len(ids)}
         else:  # a stop string or stop_token_ids id as vLLM's stop_reason names it, else the EOS
-            reason = {"type": "stop", "matched": ev.stop_reason if ev.stop_reason is not None else ids[-1]}
+            reason = {
+                "type": "stop",
+                "matched": ev.stop_reason if ev.stop_reason is not None else ids[-1],
+            }
         if reason["type"] != "abort" and not alone:
             state.add_text(ev.text)
         self._finish[index] = reason
@@ -89,8 +94,12 @@ class GenerateFormatter:
 
     def _choice(self, index: int, state: ChoiceState) -> dict[str, Any]:
         finish = self._finish[index]
-        meta: dict[str, Any] = {"id": self._req.rids[index // self._n], "finish_reason": finish,
-                                "prompt_tokens": state.prompt_tokens, "weight_version": self._weight_version()}  # fmt: skip
+        meta: dict[str, Any] = {
+            "id": self._req.rids[index // self._n],
+            "finish_reason": finish,
+            "prompt_tokens": state.prompt_tokens,
+            "weight_version": self._weight_version(),
+        }
         if self._req.return_logprob:
             meta.update(self._input_logprobs(state))
             meta["output_token_logprobs"] = list(self._logprobs[index])
@@ -100,7 +109,11 @@ class GenerateFormatter:
         meta["cached_tokens"] = state.cached_tokens
         if finish is not None:
             meta["e2e_latency"] = time.monotonic() - self._started
-        choice = {"text": "".join(state.text), "output_ids": list(self._ids[index]), "meta_info": meta}
+        choice = {
+            "text": "".join(state.text),
+            "output_ids": list(self._ids[index]),
+            "meta_info": meta,
+        }
         if self._req.stream and self._req.listed:
             choice["index"] = index
         return choice
@@ -111,11 +124,14 @@ class GenerateFormatter:
         start = len(ids) - 1 if self._req.logprob_start_len < 0 else self._req.logprob_start_len
         # the engine's prompt logprobs: entry i is prompt token i + 1's
         token = [self._entry(ids[start], None)]
-        token += [self._entry(ids[pos], ev.token_logprobs[pos - 1]) for pos in range(start + 1, len(ids))]
+        token += [
+            self._entry(ids[pos], ev.token_logprobs[pos - 1]) for pos in range(start + 1, len(ids))
+        ]
         out: dict[str, Any] = {"input_token_logprobs": token}
         if self._req.top_logprobs_num:
             out["input_top_logprobs"] = [None] + [
-                [self._entry(t, lp) for t, lp in ev.top_logprobs[pos - 1]] for pos in range(start + 1, len(ids))
+                [self._entry(t, lp) for t, lp in ev.top_logprobs[pos - 1]]
+                for pos in range(start + 1, len(ids))
             ]
         return out
 

@@ -46,22 +46,46 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_generate_request(await read_json(request))
     with renamed_fields(RENAMED):
-        parsed = [parse_completion_request(body, state.sampling_defaults, max_logprobs=state.engine.max_logprobs)
-                  for body in req.bodies]
+        parsed = [
+            parse_completion_request(
+                body, state.sampling_defaults, max_logprobs=state.engine.max_logprobs
+            )
+            for body in req.bodies
+        ]
         state.check_admitting()
-        prompts = [await state.engine.encode(p) if isinstance(p, str) else list(p)
-                   for p in (c.prompts[0] for c in parsed)]  # fmt: skip
+        prompts = [
+            await state.engine.encode(p) if isinstance(p, str) else list(p)
+            for p in (c.prompts[0] for c in parsed)
+        ]
         params = []
         for prompt, completion, limit in zip(prompts, parsed, req.max_new_tokens, strict=True):
             if req.return_logprob and req.logprob_start_len >= len(prompt):
-                raise errors.bad_request(f"logprob_start_len ({req.logprob_start_len}) must be less than the "
-                                         f"prompt's length ({len(prompt)} tokens)", "logprob_start_len")  # fmt: skip
+                raise errors.bad_request(
+                    f"logprob_start_len ({req.logprob_start_len}) must be less than the "
+                    f"prompt's length ({len(prompt)} tokens)",
+                    "logprob_start_len",
+                )
             # 0: the prompt alone (its logprobs), one token sampled and not returned; None: what fits
-            max_tokens = 1 if limit == 0 else limit or max(1, state.engine.longest_sequence - len(prompt))
-            params.append(_params(completion.sampling, max_tokens, logprobs_param="top_logprobs_num",
-                                  seeds=state.seeds))  # fmt: skip
-        streams = await _open_streams(state, prompts, params, req.rids[0], request_ids=req.rids,
-                                      guided=parsed[0].sampling.guided, priority=parsed[0].priority)  # fmt: skip
+            max_tokens = (
+                1 if limit == 0 else limit or max(1, state.engine.longest_sequence - len(prompt))
+            )
+            params.append(
+                _params(
+                    completion.sampling,
+                    max_tokens,
+                    logprobs_param="top_logprobs_num",
+                    seeds=state.seeds,
+                )
+            )
+        streams = await _open_streams(
+            state,
+            prompts,
+            params,
+            req.rids[0],
+            request_ids=req.rids,
+            guided=parsed[0].sampling.guided,
+            priority=parsed[0].priority,
+        )
     formatter = GenerateFormatter(req, params[0].n, state.strings, lambda: state.weight_version)
     return await _respond(request, formatter, streams, params[0].n, req.stream, include_usage=False)
 
@@ -92,7 +116,9 @@ async def health_generate(request: web.Request) -> web.Response:
     try:
         async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
             async for ev in stream:
-                if isinstance(ev, ErrorEvent) or (isinstance(ev, FinishedEvent) and ev.reason == "abort"):
+                if isinstance(ev, ErrorEvent) or (
+                    isinstance(ev, FinishedEvent) and ev.reason == "abort"
+                ):
                     break
                 if isinstance(ev, FinishedEvent):
                     return web.Response(status=200)
@@ -100,17 +126,28 @@ async def health_generate(request: web.Request) -> web.Response:
         pass
     finally:
         await stream.aclose()
-    raise errors.ApiError(503, "the engine did not generate a token", type="service_unavailable", code="unhealthy")
+    raise errors.ApiError(
+        503, "the engine did not generate a token", type="service_unavailable", code="unhealthy"
+    )
 
 
 async def model_info(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.engine
     config = _checkpoint_config(engine.config.model)
-    return _json({"model_path": engine.weights_dir, "tokenizer_path": engine.config.model, "is_generation": True,
-                  "preferred_sampling_params": None, "weight_version": state.weight_version,
-                  "has_image_understanding": False, "has_audio_understanding": False,
-                  "model_type": config.get("model_type"), "architectures": config.get("architectures")})  # fmt: skip
+    return _json(
+        {
+            "model_path": engine.weights_dir,
+            "tokenizer_path": engine.config.model,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": state.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": config.get("model_type"),
+            "architectures": config.get("architectures"),
+        }
+    )
 
 
 async def server_info(request: web.Request) -> web.Response:
@@ -118,18 +155,31 @@ async def server_info(request: web.Request) -> web.Response:
     SGLang's names, and each data-parallel replica's load as `internal_states`."""
     state = request.app[STATE]
     engine, load = state.engine, state.engine.load()
-    return _json({
-        "model_path": engine.weights_dir, "tokenizer_path": engine.config.model,
-        "served_model_name": state.config.served_model_name[0], "tp_size": engine.config.tp_size,
-        "dp_size": len(engine.replica_loads()),
-        "context_length": engine.max_model_len, "max_running_requests": engine.config.max_num_seqs,
-        "max_total_num_tokens": load.num_blocks * engine.config.block_size,
-        "max_req_input_len": engine.longest_sequence - 1, "page_size": engine.config.block_size,
-        "schedule_policy": engine.config.scheduling_policy, "weight_version": state.weight_version,
-        "internal_states": [{"running_requests": r.running, "waiting_queue_size": r.waiting, "engine_state": r.state}
-                            for r in engine.replica_loads()],  # one per data-parallel replica, as SGLang's
-        "version": deltaserve.__version__,
-    })  # fmt: skip
+    return _json(
+        {
+            "model_path": engine.weights_dir,
+            "tokenizer_path": engine.config.model,
+            "served_model_name": state.config.served_model_name[0],
+            "tp_size": engine.config.tp_size,
+            "dp_size": len(engine.replica_loads()),
+            "context_length": engine.max_model_len,
+            "max_running_requests": engine.config.max_num_seqs,
+            "max_total_num_tokens": load.num_blocks * engine.config.block_size,
+            "max_req_input_len": engine.longest_sequence - 1,
+            "page_size": engine.config.block_size,
+            "schedule_policy": engine.config.scheduling_policy,
+            "weight_version": state.weight_version,
+            "internal_states": [
+                {
+                    "running_requests": r.running,
+                    "waiting_queue_size": r.waiting,
+                    "engine_state": r.state,
+                }
+                for r in engine.replica_loads()
+            ],  # one per data-parallel replica, as SGLang's
+            "version": deltaserve.__version__,
+        }
+    )
 
 
 def _checkpoint_config(model_dir: str) -> dict:

@@ -24,10 +24,25 @@ from deltaserve.http.errors import ApiError, bad_request, unsupported
 from deltaserve.http.tool_protocol import ToolFields, forced_tool_schema
 
 STRUCTURED_OUTPUT_KEYS = frozenset(
-    {"structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice",
-     "guided_grammar", "guided_whitespace_pattern", "guided_decoding_backend"}
-)  # fmt: skip
-_KINDS = ("json", "regex", "choice", "json_object", "grammar", "structural_tag")  # the constraints the engine has
+    {
+        "structured_outputs",
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_whitespace_pattern",
+        "guided_decoding_backend",
+    }
+)
+_KINDS = (
+    "json",
+    "regex",
+    "choice",
+    "json_object",
+    "grammar",
+    "structural_tag",
+)  # the constraints the engine has
 # options of the json constraint (vLLM's defaults: False, False, None)
 _OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
@@ -45,30 +60,48 @@ class Guided:
     json: str | None = None
     json_object: bool = False
     grammar: str | None = None  # GBNF or Lark (engine/grammar.py)
-    structural_tag: str | None = None  # JSON text: {structures, triggers} (engine/structural_tag.py)
+    structural_tag: str | None = (
+        None  # JSON text: {structures, triggers} (engine/structural_tag.py)
+    )
     whitespace: str | None = None
     param: str | None = None
     whitespace_param: str | None = None
 
     def params(self) -> dict[str, Any]:
         """The SamplingParams fields it sets (those left at their defaults are not passed)."""
-        fields = {"guided_choice": self.choice, "guided_regex": self.regex, "guided_json": self.json,
-                  "guided_json_object": self.json_object, "guided_grammar": self.grammar,
-                  "guided_structural_tag": self.structural_tag, "guided_whitespace": self.whitespace}  # fmt: skip
+        fields = {
+            "guided_choice": self.choice,
+            "guided_regex": self.regex,
+            "guided_json": self.json,
+            "guided_json_object": self.json_object,
+            "guided_grammar": self.grammar,
+            "guided_structural_tag": self.structural_tag,
+            "guided_whitespace": self.whitespace,
+        }
         return {name: value for name, value in fields.items() if value not in ((), None, False)}
 
 
 def parse_guided(obj: dict[str, Any], tools: ToolFields | None = None) -> Guided:
     """The request's constraint, from whichever field gives one (`tools`: a chat's, whose
     forced tool_choice is one); a 400 naming the field for two, or for anything refused."""
-    given = [g for g in (_structured(obj), _legacy(obj), _response_format(obj), _forced(tools)) if g.param]
+    given = [
+        g
+        for g in (_structured(obj), _legacy(obj), _response_format(obj), _forced(tools))
+        if g.param
+    ]
     if len(given) > 1:
         first, second = given[0].param, given[1].param
         if "tool_choice" in (first, second):  # vLLM's words
-            raise bad_request("You can only either use constraints for structured outputs or tools, not "
-                              f"both: {first} and {second} are set", second)  # fmt: skip
-        raise bad_request(f"You can only use one kind of structured outputs constraint: {first} and "
-                          f"{second} are both set; send one, not both", second)  # fmt: skip
+            raise bad_request(
+                "You can only either use constraints for structured outputs or tools, not "
+                f"both: {first} and {second} are set",
+                second,
+            )
+        raise bad_request(
+            f"You can only use one kind of structured outputs constraint: {first} and "
+            f"{second} are both set; send one, not both",
+            second,
+        )
     return given[0] if given else Guided()
 
 
@@ -89,9 +122,12 @@ def guided_error(message: str, guided: Guided) -> ApiError | None:
 
 def refuse_in_reasoning(guided: Guided) -> ApiError:
     """A constraint on a chat that opens a think block would constrain the reasoning."""
-    return unsupported(guided.param or "structured_outputs", "structured outputs would constrain the model's "
-                       "reasoning, which comes first in this chat; turn thinking off "
-                       '(chat_template_kwargs {"enable_thinking": false})')  # fmt: skip
+    return unsupported(
+        guided.param or "structured_outputs",
+        "structured outputs would constrain the model's "
+        "reasoning, which comes first in this chat; turn thinking off "
+        '(chat_template_kwargs {"enable_thinking": false})',
+    )
 
 
 def _structured(obj: dict[str, Any]) -> Guided:
@@ -106,19 +142,30 @@ def _structured(obj: dict[str, Any]) -> Guided:
             raise unsupported(f"structured_outputs.{key}", "unknown structured outputs field")
     for key in ("disable_any_whitespace", "disable_additional_properties", "json_object"):
         if spec.get(key) is not None and not isinstance(spec[key], bool):
-            raise bad_request(f"structured_outputs.{key} must be a boolean", f"structured_outputs.{key}")
+            raise bad_request(
+                f"structured_outputs.{key} must be a boolean", f"structured_outputs.{key}"
+            )
     # disable_additional_properties: the schemas here allow no properties they do not list,
     # with it or without (engine/json_schema.py); xgrammar's only with it
-    whitespace, option = _string(spec, "whitespace_pattern", "structured_outputs."), "whitespace_pattern"
+    whitespace, option = (
+        _string(spec, "whitespace_pattern", "structured_outputs."),
+        "whitespace_pattern",
+    )
     if spec.get("disable_any_whitespace"):  # xgrammar's: no blanks at all
         if whitespace is not None:
-            raise bad_request("structured_outputs.disable_any_whitespace and whitespace_pattern both set the "
-                              "blanks between JSON tokens; send one", "structured_outputs.whitespace_pattern")  # fmt: skip
+            raise bad_request(
+                "structured_outputs.disable_any_whitespace and whitespace_pattern both set the "
+                "blanks between JSON tokens; send one",
+                "structured_outputs.whitespace_pattern",
+            )
         whitespace, option = "", "disable_any_whitespace"
     guided = _one(spec, "structured_outputs.", whitespace, f"structured_outputs.{option}")
     if guided.param is None:  # as vLLM's StructuredOutputsParams
-        raise bad_request("structured_outputs needs one constraint: json, regex, choice, json_object, grammar "
-                          "or structural_tag", "structured_outputs")  # fmt: skip
+        raise bad_request(
+            "structured_outputs needs one constraint: json, regex, choice, json_object, grammar "
+            "or structural_tag",
+            "structured_outputs",
+        )
     return guided
 
 
@@ -126,20 +173,27 @@ def _legacy(obj: dict[str, Any]) -> Guided:
     """vLLM 0.11's fields. guided_decoding_backend is refused: this server has one engine, and
     vLLM's V1 engine refuses a request's backend other than its own too."""
     if obj.get("guided_decoding_backend") is not None:
-        raise unsupported("guided_decoding_backend", "a request cannot choose the structured outputs engine "
-                          "(vLLM's V1 refuses it too)")  # fmt: skip
+        raise unsupported(
+            "guided_decoding_backend",
+            "a request cannot choose the structured outputs engine (vLLM's V1 refuses it too)",
+        )
     values = {kind: obj.get(f"guided_{kind}") for kind in ("json", "regex", "choice", "grammar")}
     whitespace = _string(obj, "guided_whitespace_pattern")
     return _one(values, "guided_", whitespace, "guided_whitespace_pattern")
 
 
-def _one(values: dict[str, Any], prefix: str, whitespace: str | None, whitespace_param: str) -> Guided:
+def _one(
+    values: dict[str, Any], prefix: str, whitespace: str | None, whitespace_param: str
+) -> Guided:
     """The constraint of `values` (kind -> value; null or false: not given), its field
     `prefix + kind`; `whitespace`, for a json one, from `whitespace_param`."""
     given = [kind for kind in _KINDS if values.get(kind) not in (None, False)]
     if len(given) > 1:  # vLLM's words
-        raise bad_request("You can only use one kind of structured outputs constraint but multiple are "
-                          f"specified: {', '.join(prefix + k for k in given)}", prefix + given[1])  # fmt: skip
+        raise bad_request(
+            "You can only use one kind of structured outputs constraint but multiple are "
+            f"specified: {', '.join(prefix + k for k in given)}",
+            prefix + given[1],
+        )
     if not given:
         if whitespace is not None:
             raise bad_request(f"{whitespace_param} needs a json constraint", whitespace_param)
@@ -147,20 +201,35 @@ def _one(values: dict[str, Any], prefix: str, whitespace: str | None, whitespace
     kind, param = given[0], prefix + given[0]
     value = values[kind]
     if whitespace is not None and kind not in ("json", "json_object"):
-        raise unsupported(whitespace_param, "it applies to the json and json_object constraints only")
+        raise unsupported(
+            whitespace_param, "it applies to the json and json_object constraints only"
+        )
     if kind == "choice":
         return Guided(choice=_choices(value, param), param=param)
     if kind in ("regex", "grammar"):
         if not isinstance(value, str):
             raise bad_request(f"{param} must be a string", param)
-        return Guided(regex=value, param=param) if kind == "regex" else Guided(grammar=value, param=param)
+        return (
+            Guided(regex=value, param=param)
+            if kind == "regex"
+            else Guided(grammar=value, param=param)
+        )
     if kind == "structural_tag":  # vLLM's is JSON text; an object is taken too
         if not isinstance(value, str | dict):
             raise bad_request(f"{param} must be JSON text of {{structures, triggers}}", param)
-        return Guided(structural_tag=value if isinstance(value, str) else json.dumps(value), param=param)
+        return Guided(
+            structural_tag=value if isinstance(value, str) else json.dumps(value), param=param
+        )
     if kind == "json_object":
-        return Guided(json_object=True, whitespace=whitespace, param=param, whitespace_param=whitespace_param)
-    return Guided(json=_schema_text(value, param), whitespace=whitespace, param=param, whitespace_param=whitespace_param)
+        return Guided(
+            json_object=True, whitespace=whitespace, param=param, whitespace_param=whitespace_param
+        )
+    return Guided(
+        json=_schema_text(value, param),
+        whitespace=whitespace,
+        param=param,
+        whitespace_param=whitespace_param,
+    )
 
 
 def _response_format(obj: dict[str, Any]) -> Guided:
@@ -174,12 +243,18 @@ def _response_format(obj: dict[str, Any]) -> Guided:
     if kind == "structural_tag":  # its structures and triggers beside the type (vLLM's legacy form)
         return Guided(structural_tag=json.dumps(spec), param="response_format")
     if kind not in ("text", "json_object", "json_schema"):
-        raise bad_request("response_format.type must be 'text', 'json_object', 'json_schema' or "
-                          f"'structural_tag', got {kind!r}", "response_format")  # fmt: skip
+        raise bad_request(
+            "response_format.type must be 'text', 'json_object', 'json_schema' or "
+            f"'structural_tag', got {kind!r}",
+            "response_format",
+        )
     for key in spec:
         if key != "type" and (kind != "json_schema" or key != "json_schema"):
-            raise unsupported(f"response_format.{key}", f"a {kind} response_format carries only its type"
-                              + (" and json_schema" if kind == "json_schema" else ""))  # fmt: skip
+            raise unsupported(
+                f"response_format.{key}",
+                f"a {kind} response_format carries only its type"
+                + (" and json_schema" if kind == "json_schema" else ""),
+            )
     if kind == "text":
         return Guided()
     if kind == "json_object":
@@ -196,7 +271,9 @@ def _json_schema_format(spec: object) -> str:
         raise bad_request(f"{where} must be an object with name and schema", "response_format")
     for key in spec:
         if key not in ("name", "schema", "description", "strict"):
-            raise unsupported(f"{where}.{key}", "it carries only name, schema, description and strict")
+            raise unsupported(
+                f"{where}.{key}", "it carries only name, schema, description and strict"
+            )
     if not isinstance(spec.get("name"), str):
         raise bad_request(f"{where}.name is required: a string", "response_format")
     for key, kind in (("description", str), ("strict", bool)):

@@ -40,7 +40,13 @@ T = TypeVar("T")
 # form's prompt or messages may be there as null (both given are refused first)
 _PROMPT_KEYS = frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs"})
 # parsed as the chat route does
-_CHAT_ROUTE_KEYS = ("messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+_CHAT_ROUTE_KEYS = (
+    "messages",
+    "tools",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+)
 _CHAT_KEYS = _PROMPT_KEYS | set(_CHAT_ROUTE_KEYS)
 _DETOKENIZE_KEYS = frozenset({"model", "tokens"})
 
@@ -60,7 +66,9 @@ async def invocations(request: web.Request) -> web.StreamResponse:
         return await chat_completions(request)
     if isinstance(body, dict) and body.get("prompt") is not None:
         return await completions(request)
-    raise errors.bad_request("/invocations takes a chat completion (messages) or a completion (prompt) body")
+    raise errors.bad_request(
+        "/invocations takes a chat completion (messages) or a completion (prompt) body"
+    )
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -69,17 +77,29 @@ async def tokenize(request: web.Request) -> web.Response:
     obj = json_object(await read_json(request))
     is_chat = obj.get("messages") is not None
     if is_chat and obj.get("prompt") is not None:
-        raise errors.bad_request("give either prompt (a text) or messages (a chat), not both", "messages")
+        raise errors.bad_request(
+            "give either prompt (a text) or messages (a chat), not both", "messages"
+        )
     _refuse_unknown(obj, _CHAT_KEYS if is_chat else _PROMPT_KEYS)
     return_strs = opt_bool(obj, "return_token_strs", default=False)
     if is_chat:
         ids = await _chat_ids(state, obj, size=len(await request.read()))
     else:
         ids = await _prompt_ids(state, obj)
-    strs = await _run(state, lambda tok: tok.convert_ids_to_tokens(ids), len(ids)) if return_strs else None
+    strs = (
+        await _run(state, lambda tok: tok.convert_ids_to_tokens(ids), len(ids))
+        if return_strs
+        else None
+    )
     # max_model_len: as /v1/models gives it, what one request can use
-    return _json({"count": len(ids), "max_model_len": state.engine.longest_sequence, "tokens": ids,
-                  "token_strs": strs})  # fmt: skip
+    return _json(
+        {
+            "count": len(ids),
+            "max_model_len": state.engine.longest_sequence,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+    )
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -93,7 +113,9 @@ async def detokenize(request: web.Request) -> web.Response:
     vocab = state.engine.model_config.vocab_size  # the bound the engine holds prompt ids to
     for i, t in enumerate(ids):
         if t >= vocab:
-            raise errors.bad_request(f"tokens[{i}] is {t}, outside the vocabulary [0, {vocab})", "tokens")
+            raise errors.bad_request(
+                f"tokens[{i}] is {t}, outside the vocabulary [0, {vocab})", "tokens"
+            )
     state.model_name(opt_str(obj, "model"))
     return _json({"prompt": await _run(state, lambda tok: tok.decode(list(ids)), len(ids))})
 
@@ -101,12 +123,16 @@ async def detokenize(request: web.Request) -> web.Response:
 async def _prompt_ids(state: ServerState, obj: dict[str, Any]) -> list[int]:
     prompt = obj.get("prompt")
     if prompt is None:
-        raise errors.bad_request("either prompt (a text) or messages (a chat) is required", "prompt")
+        raise errors.bad_request(
+            "either prompt (a text) or messages (a chat) is required", "prompt"
+        )
     if not isinstance(prompt, str):
         raise errors.bad_request(f"prompt must be a string, got {json_type(prompt)}", "prompt")
     special = opt_bool(obj, "add_special_tokens", default=True)
     state.model_name(opt_str(obj, "model"))
-    return await _run(state, lambda tok: tok.encode(prompt, add_special_tokens=special), len(prompt))
+    return await _run(
+        state, lambda tok: tok.encode(prompt, add_special_tokens=special), len(prompt)
+    )
 
 
 async def _chat_ids(state: ServerState, obj: dict[str, Any], size: int) -> list[int]:
@@ -115,11 +141,16 @@ async def _chat_ids(state: ServerState, obj: dict[str, Any], size: int) -> list[
     state.model_name(opt_str(obj, "model"))
     kwargs = {**state.config.default_chat_template_kwargs, **chat.chat_template_kwargs}
     return await _apply_chat_template(
-        state.engine, chat.messages, kwargs, size, chat_template=state.config.chat_template,
-        tools=chat.tools, add_generation_prompt=chat.add_generation_prompt,
+        state.engine,
+        chat.messages,
+        kwargs,
+        size,
+        chat_template=state.config.chat_template,
+        tools=chat.tools,
+        add_generation_prompt=chat.add_generation_prompt,
         continue_final_message=chat.continue_final_message,
         add_special_tokens=special,
-    )  # fmt: skip
+    )
 
 
 async def _run(state: ServerState, fn: Callable[[Any], T], size: int) -> T:

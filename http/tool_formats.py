@@ -467,8 +467,11 @@ def _json_or(value: Any, text: str) -> Any:
 # whole text is content) or "done" (a later one: no more calls)
 _HermesWhere = Literal["text", "json", "content", "done"]
 _HERMES_ENDS: dict[str, tuple[Tag, ...]] = {
-    "text": (TOOL_CALL,), "json": (END_TOOL_CALL,), "content": (), "done": (),
-}  # fmt: skip
+    "text": (TOOL_CALL,),
+    "json": (END_TOOL_CALL,),
+    "content": (),
+    "done": (),
+}
 
 
 class HermesScanner(_Scanner):

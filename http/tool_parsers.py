@@ -42,8 +42,11 @@ class ToolCall:
     arguments: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 class ParsedOutput(NamedTuple):
@@ -69,8 +72,12 @@ class ToolCallDelta:
         first, then `{index, function: {arguments}}`."""
         if self.id is None:
             return {"index": self.index, "function": {"arguments": self.arguments}}
-        return {"index": self.index, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+        return {
+            "index": self.index,
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 class ToolDelta(NamedTuple):

@@ -66,15 +66,21 @@ def parse_tool_fields(obj: dict[str, Any]) -> ToolFields:
     if isinstance(choice, dict):
         choice = _named_tool(choice, tools)
     elif choice not in ("none", "auto", "required"):
-        raise bad_request(f"Invalid value for `tool_choice`: {choice!r}! Only named tools, "
-                          '"none", "auto" or "required" are supported.', "tool_choice")  # fmt: skip
+        raise bad_request(
+            f"Invalid value for `tool_choice`: {choice!r}! Only named tools, "
+            '"none", "auto" or "required" are supported.',
+            "tool_choice",
+        )
     elif choice != "none" and tools is None:  # vLLM's words
         raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
     if choice == "auto":  # the parser reads free text: nothing holds the arguments to a schema
         for i, tool in enumerate(tools or ()):
             if tool["function"].get("strict"):
-                raise unsupported(f"tools[{i}].function.strict", "strict=true (arguments held to the "
-                                  "schema) needs tool_choice 'required' or a named function, not 'auto'")  # fmt: skip
+                raise unsupported(
+                    f"tools[{i}].function.strict",
+                    "strict=true (arguments held to the "
+                    "schema) needs tool_choice 'required' or a named function, not 'auto'",
+                )
     parallel = obj.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad_request(
@@ -89,23 +95,39 @@ def _named_tool(choice: dict[str, Any], tools: tuple[dict[str, Any], ...] | None
         raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
     for key in choice:
         if key not in ("type", "function"):
-            raise unsupported(f"tool_choice.{key}", "a named tool choice carries only type and function")
+            raise unsupported(
+                f"tool_choice.{key}", "a named tool choice carries only type and function"
+            )
     if choice.get("type", "function") != "function":
-        raise unsupported("tool_choice.type", f"only function tools are supported, got {choice['type']!r}")
+        raise unsupported(
+            "tool_choice.type", f"only function tools are supported, got {choice['type']!r}"
+        )
     function = choice.get("function")
     if not isinstance(function, dict):
-        raise bad_request(f"Invalid value for `function`: `{function}` in `tool_choice`! {_NAMED_USAGE}", "tool_choice")
+        raise bad_request(
+            f"Invalid value for `function`: `{function}` in `tool_choice`! {_NAMED_USAGE}",
+            "tool_choice",
+        )
     for key in function:
         if key != "name":
-            raise unsupported(f"tool_choice.function.{key}", "a named tool choice's function carries only name")
+            raise unsupported(
+                f"tool_choice.function.{key}", "a named tool choice's function carries only name"
+            )
     if "name" not in function:
-        raise bad_request(f"Expected field `name` in `function` in `tool_choice`! {_NAMED_USAGE}", "tool_choice")
+        raise bad_request(
+            f"Expected field `name` in `function` in `tool_choice`! {_NAMED_USAGE}", "tool_choice"
+        )
     name = function["name"]
     if not isinstance(name, str) or not name:
-        raise bad_request(f"Invalid `name` in `function`: `{name}` in `tool_choice`! {_NAMED_USAGE}", "tool_choice")
+        raise bad_request(
+            f"Invalid `name` in `function`: `{name}` in `tool_choice`! {_NAMED_USAGE}",
+            "tool_choice",
+        )
     if all(tool["function"]["name"] != name for tool in tools):
-        raise bad_request("The tool specified in `tool_choice` does not match any of the specified "
-                          "`tools`", "tool_choice")  # fmt: skip
+        raise bad_request(
+            "The tool specified in `tool_choice` does not match any of the specified `tools`",
+            "tool_choice",
+        )
     return NamedTool(name)
 
 
@@ -115,8 +137,11 @@ def _tools(tools: object) -> tuple[dict[str, Any], ...] | None:
     if not isinstance(tools, list):
         raise bad_request(f"tools must be an array, got {_kind(tools)}", "tools")
     if not tools:  # vLLM's words (OpenAI refuses it too)
-        raise bad_request("`tools` must not be an empty array. Either provide at least one tool "
-                          "or omit the field entirely.", "tools")  # fmt: skip
+        raise bad_request(
+            "`tools` must not be an empty array. Either provide at least one tool "
+            "or omit the field entirely.",
+            "tools",
+        )
     return tuple(_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools))
 
 
@@ -141,8 +166,10 @@ def _tool(tool: object, where: str) -> dict[str, Any]:
             f"{where}.function.description must be a string, got {_kind(description)}", "tools"
         )
     if parameters is not None and not isinstance(parameters, dict):
-        raise bad_request(f"{where}.function.parameters must be a JSON Schema object, got "
-                          f"{_kind(parameters)}", "tools")  # fmt: skip
+        raise bad_request(
+            f"{where}.function.parameters must be a JSON Schema object, got {_kind(parameters)}",
+            "tools",
+        )
     out = {"name": name, "description": description, "parameters": parameters}
     for key, value in function.items():
         if key in out:
@@ -224,8 +251,15 @@ def _history_call(call: object, where: str) -> dict[str, Any]:
 
 def _kind(value: object) -> str:
     """A value's JSON type, for messages."""
-    names = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string",
-             list: "array", dict: "object"}  # fmt: skip
+    names = {
+        type(None): "null",
+        bool: "boolean",
+        int: "number",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -251,16 +285,34 @@ def forced_tool_schema(fields: ToolFields) -> dict[str, Any] | None:
     for tool in tools:
         parameters = dict(_parameters(tool))
         for key in ("$defs", "definitions"):
-            for name, definition in (parameters.pop(key) if isinstance(parameters.get(key), dict) else {}).items():
-                if schema.setdefault(key, {}).setdefault(name, definition) != definition:  # vLLM's words
-                    raise bad_request(f"Tool definition '{name}' has multiple schemas, which is not supported.", "tools")
-        schema["items"]["anyOf"].append({"type": "object", "required": ["name", "parameters"], "properties": {
-            "name": {"type": "string", "enum": [tool["function"]["name"]]}, "parameters": parameters}})  # fmt: skip
+            for name, definition in (
+                parameters.pop(key) if isinstance(parameters.get(key), dict) else {}
+            ).items():
+                if (
+                    schema.setdefault(key, {}).setdefault(name, definition) != definition
+                ):  # vLLM's words
+                    raise bad_request(
+                        f"Tool definition '{name}' has multiple schemas, which is not supported.",
+                        "tools",
+                    )
+        schema["items"]["anyOf"].append(
+            {
+                "type": "object",
+                "required": ["name", "parameters"],
+                "properties": {
+                    "name": {"type": "string", "enum": [tool["function"]["name"]]},
+                    "parameters": parameters,
+                },
+            }
+        )
     return schema
 
 
 def tool_call_reader(
-    choice: ToolChoice, tools: Sequence[Mapping[str, Any]] | None, parallel_tool_calls: bool, parser: str | None
+    choice: ToolChoice,
+    tools: Sequence[Mapping[str, Any]] | None,
+    parallel_tool_calls: bool,
+    parser: str | None,
 ) -> ToolCallReader | ForcedToolCalls | None:
     """How a chat's output is read for calls: as a forced choice's guided JSON, or (tool_choice
     "auto") in the format of `parser`, the server's --tool-call-parser when it has
@@ -270,8 +322,10 @@ def tool_call_reader(
     if choice != "auto":
         return None
     if parser is None or not tools:
-        raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
-                          "tool_choice")  # fmt: skip
+        raise bad_request(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+            "tool_choice",
+        )
     return ToolCallReader(parser, tools, parallel_tool_calls)
 
 
@@ -318,11 +372,17 @@ class ForcedToolCalls:
     def stream_finish_reason(self, index: int, reason: str) -> str:
         return self._reason(reason)
 
-    def message(self, message: dict[str, Any], content: str, reason: str) -> tuple[dict[str, Any], str]:
+    def message(
+        self, message: dict[str, Any], content: str, reason: str
+    ) -> tuple[dict[str, Any], str]:
         """A whole choice: `message` with the calls its `content` holds."""
         reader = self._reader()
         reader.feed(content)
-        calls = [ToolCall(make_tool_call_id(), name, args).to_json() for name, args in reader.calls if name is not None]
+        calls = [
+            ToolCall(make_tool_call_id(), name, args).to_json()
+            for name, args in reader.calls
+            if name is not None
+        ]
         return {**message, "content": "", "tool_calls": calls}, self._reason(reason)
 
     def _reason(self, reason: str) -> str:
@@ -396,7 +456,9 @@ class _CallArray:
     def _structure(self, char: str) -> None:
         if char in _BLANK:
             return
-        if self._depth == 2 and (self._expect == "value" or (self._expect == "key" and char == '"')):
+        if self._depth == 2 and (
+            self._expect == "value" or (self._expect == "key" and char == '"')
+        ):
             self._reading, self._text, self._nest = self._expect, [], 0
             self._take(char)
         elif char == ":":

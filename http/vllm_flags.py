@@ -17,13 +17,27 @@ from deltaserve.engine.rank.model_config import FP8_SCALE_SUFFIXES
 
 # uvicorn's level names (vLLM's --uvicorn-log-level choices) as logging levels; trace is
 # uvicorn's level below debug
-UVICORN_LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
-                      "info": logging.INFO, "debug": logging.DEBUG, "trace": logging.DEBUG}  # fmt: skip
+UVICORN_LOG_LEVELS = {
+    "critical": logging.CRITICAL,
+    "error": logging.ERROR,
+    "warning": logging.WARNING,
+    "info": logging.INFO,
+    "debug": logging.DEBUG,
+    "trace": logging.DEBUG,
+}
 
 # vLLM's human_readable_int (vllm/engine/arg_utils.py): lower case k m g t are powers of
 # 1000, upper case K M G T powers of 1024; a decimal only before a lower case suffix
-_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-             "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}  # fmt: skip
+_SUFFIXES = {
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "K": 2**10,
+    "M": 2**20,
+    "G": 2**30,
+    "T": 2**40,
+}
 _HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
 
 
@@ -62,49 +76,92 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     # architectures, tokenizers). deltaserve runs no code from the checkpoint, with the flag
     # or without it, and a checkpoint that cannot load without such code fails to load either
     # way: the flag grants nothing here, so it is accepted and changes nothing.
-    g.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted, no effect: deltaserve runs no code from the checkpoint folder")  # fmt: skip
-    g.add_argument("--disable-log-requests", action="store_true",
-                   help="accepted, no effect: deltaserve logs no requests")  # fmt: skip
-    g.add_argument("--enable-log-requests", action="store_true",
-                   help="refused: deltaserve logs no requests (/metrics and `deltaserve monitor` "
-                        "show them)")  # fmt: skip
-    g.add_argument("--disable-log-stats", action="store_true",
-                   help="accepted, no effect: deltaserve logs no periodic stats (/metrics has them)")  # fmt: skip
-    g.add_argument("--disable-uvicorn-access-log", action="store_true",
-                   help="accepted, no effect: the HTTP server writes no access log")  # fmt: skip
-    g.add_argument("--uvicorn-log-level", choices=tuple(UVICORN_LOG_LEVELS), type=str.lower, default=None,
-                   help="the HTTP server's (aiohttp's) log level, as vLLM's sets uvicorn's; "
-                        "default: --log-level")  # fmt: skip
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help="--enable-chunked-prefill is accepted (what deltaserve does: prompts are "
-                        "prefilled in chunks of --max-num-batched-tokens); --no-... is refused")  # fmt: skip
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto only: the KV cache is kept in the model's dtype (--dtype)")  # fmt: skip
-    g.add_argument("--quantization", "-q", default=None,
-                   help="fp8 (Qwen's -FP8 releases) or compressed-tensors (llm-compressor's FP8), what the "
-                        "checkpoint is; it loads as such without it. Quantizing at load is refused")  # fmt: skip
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted, no effect: deltaserve runs no code from the checkpoint folder",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted, no effect: deltaserve logs no requests",
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="refused: deltaserve logs no requests (/metrics and `deltaserve monitor` show them)",
+    )
+    g.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted, no effect: deltaserve logs no periodic stats (/metrics has them)",
+    )
+    g.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="accepted, no effect: the HTTP server writes no access log",
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        choices=tuple(UVICORN_LOG_LEVELS),
+        type=str.lower,
+        default=None,
+        help="the HTTP server's (aiohttp's) log level, as vLLM's sets uvicorn's; "
+        "default: --log-level",
+    )
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--enable-chunked-prefill is accepted (what deltaserve does: prompts are "
+        "prefilled in chunks of --max-num-batched-tokens); --no-... is refused",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto only: the KV cache is kept in the model's dtype (--dtype)",
+    )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="fp8 (Qwen's -FP8 releases) or compressed-tensors (llm-compressor's FP8), what the "
+        "checkpoint is; it loads as such without it. Quantizing at load is refused",
+    )
     # vLLM swaps a preempted request's KV blocks to this much CPU memory; here a request is
     # never preempted (its whole lifetime's blocks are reserved when it is admitted), so no
     # swap space is ever needed: any size is honoured by using none of it.
-    g.add_argument("--swap-space", type=float, default=None, metavar="GiB",
-                   help="accepted, no effect: no request is ever preempted, so nothing is swapped")  # fmt: skip
+    g.add_argument(
+        "--swap-space",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="accepted, no effect: no request is ever preempted, so nothing is swapped",
+    )
 
 
 def refused_vllm_flag(args: argparse.Namespace) -> str | None:
     """Why the start is refused for a vLLM flag deltaserve cannot honour; None if none is."""
     if args.enable_log_requests:
-        return ("--enable-log-requests: not supported: deltaserve logs no requests; /metrics "
-                "counts them and `deltaserve monitor` shows each live")  # fmt: skip
+        return (
+            "--enable-log-requests: not supported: deltaserve logs no requests; /metrics "
+            "counts them and `deltaserve monitor` shows each live"
+        )
     if args.enable_chunked_prefill is False:
-        return ("--no-enable-chunked-prefill: not supported: deltaserve always prefills a prompt "
-                "in chunks of at most --max-num-batched-tokens tokens")  # fmt: skip
+        return (
+            "--no-enable-chunked-prefill: not supported: deltaserve always prefills a prompt "
+            "in chunks of at most --max-num-batched-tokens tokens"
+        )
     if args.kv_cache_dtype != "auto":
-        return (f"--kv-cache-dtype {args.kv_cache_dtype}: not supported: the KV cache is kept in "
-                "the model's dtype (--dtype); only auto")  # fmt: skip
+        return (
+            f"--kv-cache-dtype {args.kv_cache_dtype}: not supported: the KV cache is kept in "
+            "the model's dtype (--dtype); only auto"
+        )
     if args.quantization not in (None, *FP8_SCALE_SUFFIXES):
-        return (f"--quantization {args.quantization}: not supported: deltaserve loads unquantized (bf16/fp32) "
-                "checkpoints and FP8 ones (--quantization fp8 or compressed-tensors)")  # fmt: skip
+        return (
+            f"--quantization {args.quantization}: not supported: deltaserve loads unquantized (bf16/fp32) "
+            "checkpoints and FP8 ones (--quantization fp8 or compressed-tensors)"
+        )
     if args.swap_space is not None and not args.swap_space >= 0:
         return f"--swap-space must be a number of GiB >= 0, got {args.swap_space}"
     return None
@@ -122,9 +179,15 @@ def check_quantization(method: str | None, model_dir: str | None) -> None:
     except FileNotFoundError as e:  # no config.json
         raise ValueError(str(e)) from None
     if config is None or config.fp8_block is None:
-        raise ValueError(f"--quantization {method}: {model_dir or 'the demo checkpoint'} is not an FP8 checkpoint "
-                         "(no FP8 quantization_config in its config.json), and quantizing a checkpoint as it "
-                         "loads is not supported")  # fmt: skip
+        raise ValueError(
+            f"--quantization {method}: {model_dir or 'the demo checkpoint'} is not an FP8 checkpoint "
+            "(no FP8 quantization_config in its config.json), and quantizing a checkpoint as it "
+            "loads is not supported"
+        )
     if config.fp8_scale_suffix != FP8_SCALE_SUFFIXES[method]:
-        actual = next(name for name, suffix in FP8_SCALE_SUFFIXES.items() if suffix == config.fp8_scale_suffix)
-        raise ValueError(f"--quantization {method}: {model_dir}'s quantization_config says {actual}")
+        actual = next(
+            name for name, suffix in FP8_SCALE_SUFFIXES.items() if suffix == config.fp8_scale_suffix
+        )
+        raise ValueError(
+            f"--quantization {method}: {model_dir}'s quantization_config says {actual}"
+        )

@@ -95,7 +95,9 @@ class PullChannel:
                 try:
                     on_frame(frame)
                 except Exception as exc:  # keep draining: a frame left behind raises no edge
-                    loop.call_exception_handler({"message": "PullChannel frame handler failed", "exception": exc})
+                    loop.call_exception_handler(
+                        {"message": "PullChannel frame handler failed", "exception": exc}
+                    )
 
         self._loop = loop
         loop.add_reader(self.socket.getsockopt(zmq.FD), drain)

@@ -71,7 +71,13 @@ from deltaserve.ipc.validate import (
     check_plan,
 )
 
-__all__ = ["PlanRejected", "ReplicaConfig", "ReplicaController", "ReplicaPoisoned", "ReplicaStartupError"]
+__all__ = [
+    "PlanRejected",
+    "ReplicaConfig",
+    "ReplicaController",
+    "ReplicaPoisoned",
+    "ReplicaStartupError",
+]
 
 CANCEL_GRACE_S = 1.0  # after a Cancel, how long ranks that got the command may take to ack it
 # A rank's Failure is often a peer's death seen through a collective ("connection reset by
@@ -85,8 +91,13 @@ SHUTDOWN_ACK_S = 10.0  # how long a graceful shutdown waits for every rank's ack
 class ReplicaController:
     """Use `await ReplicaController.start(config)`; see the module docstring."""
 
-    def __init__(self, config: ReplicaConfig, model_config: ModelConfig, devices: list[str],
-                 on_poison: Callable[[str], None] | None) -> None:
+    def __init__(
+        self,
+        config: ReplicaConfig,
+        model_config: ModelConfig,
+        devices: list[str],
+        on_poison: Callable[[str], None] | None,
+    ) -> None:
         self.config = config
         self.model_config = model_config
         self.tp_size = config.tp_size
@@ -119,14 +130,22 @@ class ReplicaController:
         self._receipt_bell = Doorbell()
         self._release_bells = [Doorbell() for _ in range(config.tp_size)]
         self._ctx, sockets = zmq.Context(io_threads=1), []
-        self._held = (self._gate, self._run_dir, self._ctx, sockets, self._pidfds,
-                      [self._receipt_bell, *self._release_bells])  # free_replica's arguments
+        self._held = (
+            self._gate,
+            self._run_dir,
+            self._ctx,
+            sockets,
+            self._pidfds,
+            [self._receipt_bell, *self._release_bells],
+        )  # free_replica's arguments
         # if the owner never shuts down: kill the ranks, free all (ipc/launch.py says why here)
         self._finalizer = weakref.finalize(self, emergency_cleanup, self._procs, *self._held)
         try:
             self._replies = PullChannel(self._ctx, ipc_endpoint(self._run_dir, "reply"), bind=True)
-            self._commands = [PushChannel(self._ctx, ipc_endpoint(self._run_dir, f"cmd{r}"), bind=True)
-                              for r in range(config.tp_size)]
+            self._commands = [
+                PushChannel(self._ctx, ipc_endpoint(self._run_dir, f"cmd{r}"), bind=True)
+                for r in range(config.tp_size)
+            ]
         except BaseException:
             self._finalizer()  # the sockets made are still alive: ctx.destroy closes them
             raise
@@ -135,8 +154,9 @@ class ReplicaController:
     # ---- public API -------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, config: ReplicaConfig,
-                    on_poison: Callable[[str], None] | None = None) -> ReplicaController:
+    async def start(
+        cls, config: ReplicaConfig, on_poison: Callable[[str], None] | None = None
+    ) -> ReplicaController:
         """Check the config against the model and machine, spawn the ranks, wait for all of
         them to be Ready. On any failure everything started is torn down and this raises."""
         model_config = ModelConfig.from_model_dir(config.model_dir)
@@ -150,7 +170,9 @@ class ReplicaController:
                 self._poison(f"start-up interrupted: {exc!r}")
             await self._await_teardown()
             if isinstance(exc, ReplicaPoisoned):
-                raise ReplicaStartupError(f"replica failed to start: {self._poison_reason}") from None
+                raise ReplicaStartupError(
+                    f"replica failed to start: {self._poison_reason}"
+                ) from None
             raise
         return self
 
@@ -184,14 +206,23 @@ class ReplicaController:
         returned in step order (row i: the i-th item with `sample` set)."""
         return await self.step_result(await self.send_step(items))
 
-    async def send_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = (),
-                        saves: list[SaveOnDrop] = ()) -> Flight:
+    async def send_step(
+        self,
+        items: list[StepItem],
+        drops: list[int] = (),
+        evict: list[int] = (),
+        saves: list[SaveOnDrop] = (),
+    ) -> Flight:
         """Send one unified step once no other command is in flight, and return without
         waiting for it: await `flight.gate` (released?) and `step_result(flight)`."""
         self._check_open()
-        plan = check_plan(items, self.model_config.vocab_size, drops, self.config.max_logprobs, saves)
+        plan = check_plan(
+            items, self.model_config.vocab_size, drops, self.config.max_logprobs, saves
+        )
         await self._acquire()
-        return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops), list(evict), list(saves)), plan)
+        return self._begin(
+            RunUnifiedStep(self._seq + 1, items, list(drops), list(evict), list(saves)), plan
+        )
 
     @property
     def can_follow(self) -> bool:
@@ -199,29 +230,45 @@ class ReplicaController:
         released, and no other command waits its turn."""
         return not self._callers_waiting and self._flights.can_follow()
 
-    def follow_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = (),
-                    saves: list[SaveOnDrop] = ()) -> Flight | None:
+    def follow_step(
+        self,
+        items: list[StepItem],
+        drops: list[int] = (),
+        evict: list[int] = (),
+        saves: list[SaveOnDrop] = (),
+    ) -> Flight | None:
         """Send a step behind the one step in flight, which the gate has already released:
         the ranks take it up as soon as they finish that one, so the engine's work between
         steps overlaps the device's. Returns None, having sent nothing, unless `can_follow`.
         Its items may leave `token_ids` empty: the ranks then use the token they sample in
         the step in flight."""
         self._check_open()
-        plan = check_plan(items, self.model_config.vocab_size, drops, self.config.max_logprobs, saves)
+        plan = check_plan(
+            items, self.model_config.vocab_size, drops, self.config.max_logprobs, saves
+        )
         if not self.can_follow:
             return None
-        return self._begin(RunUnifiedStep(self._seq + 1, items, list(drops), list(evict), list(saves)), plan)
+        return self._begin(
+            RunUnifiedStep(self._seq + 1, items, list(drops), list(evict), list(saves)), plan
+        )
 
     async def step_result(self, flight: Flight) -> SampleColumns:
         """The samples of a step sent with `send_step` or `follow_step`."""
         return await self._finish(flight)
 
-    async def drop(self, request_ids: list[int], expect: Literal["must_exist", "must_be_absent"],
-                   evict: list[int] = (), saves: list[SaveOnDrop] = ()) -> None:
+    async def drop(
+        self,
+        request_ids: list[int],
+        expect: Literal["must_exist", "must_be_absent"],
+        evict: list[int] = (),
+        saves: list[SaveOnDrop] = (),
+    ) -> None:
         self._check_open()
         check_drop_plan(request_ids, expect, saves)
         if request_ids or evict:
-            await self._call(lambda seq: DropRequests(seq, list(request_ids), expect, list(evict), list(saves)))
+            await self._call(
+                lambda seq: DropRequests(seq, list(request_ids), expect, list(evict), list(saves))
+            )
 
     async def maintain(self, command: LoadWeights | Sleep | WakeUp) -> None:
         """A command of the engine's maintenance (engine/maintenance.py), `seq` set here."""
@@ -261,14 +308,18 @@ class ReplicaController:
         self._starting = False
 
     def _spawn(self, rank: int) -> None:
-        proc = spawn_rank(self.config.rank_config(
-            rank, self._devices[rank], self._run_dir,
-            command_endpoint=self._commands[rank].endpoint,
-            reply_endpoint=self._replies.endpoint,
-            gate_name=self._gate.name,
-            receipt_fd=self._receipt_bell.fd,
-            release_fd=self._release_bells[rank].fd,
-        ))
+        proc = spawn_rank(
+            self.config.rank_config(
+                rank,
+                self._devices[rank],
+                self._run_dir,
+                command_endpoint=self._commands[rank].endpoint,
+                reply_endpoint=self._replies.endpoint,
+                gate_name=self._gate.name,
+                receipt_fd=self._receipt_bell.fd,
+                release_fd=self._release_bells[rank].fd,
+            )
+        )
         self._procs.append(proc)
         pidfd = os.pidfd_open(proc.pid)
         self._pidfds.append(pidfd)
@@ -294,7 +345,9 @@ class ReplicaController:
         capacity = (first.num_slots, first.num_blocks, first.block_size)
         for ready in self._ready:
             if (ready.num_slots, ready.num_blocks, ready.block_size) != capacity:
-                raise self._fail(f"ranks disagree on capacity: rank 0 has {first}, rank {ready.rank} has {ready}")
+                raise self._fail(
+                    f"ranks disagree on capacity: rank 0 has {first}, rank {ready.rank} has {ready}"
+                )
         self.num_slots, self.num_blocks, self.block_size = capacity
 
     def _on_startup_timeout(self) -> None:
@@ -313,14 +366,21 @@ class ReplicaController:
         if (self._stopping and not stopping_ok) or self._closed:
             raise ReplicaPoisoned("replica is shut down")
 
-    async def _call(self, make: Callable[[int], Command], plan: StepPlan | None = None,
-                    patient_until: float | None = None, stopping_ok: bool = False) -> object:
+    async def _call(
+        self,
+        make: Callable[[int], Command],
+        plan: StepPlan | None = None,
+        patient_until: float | None = None,
+        stopping_ok: bool = False,
+    ) -> object:
         """Send one command, wait for (and validate) every rank's reply. One at a time; a
         caller that is cancelled leaves the command to finish (or time out) on its own."""
         await self._acquire(stopping_ok)
         flight = self._begin(make(self._seq + 1), plan, patient=patient_until is not None)
         unsent = flight.unsent
-        if patient_until is not None and unsent:  # start-up: a rank's socket may still be connecting
+        if (
+            patient_until is not None and unsent
+        ):  # start-up: a rank's socket may still be connecting
             while unsent and self._loop.time() < patient_until and not flight.future.done():
                 await asyncio.sleep(0.002)
                 unsent = [rank for rank in unsent if not self._commands[rank].send(flight.frame)]
@@ -352,8 +412,13 @@ class ReplicaController:
         self._seq = command.seq
         self.trace.mark(command.seq, "call")
         gated = isinstance(command, GATED_COMMANDS)
-        flight = Flight(ReplySet(command, self.tp_size, plan), self._loop.create_future(),
-                        self._loop.create_future(), gated, frame)
+        flight = Flight(
+            ReplySet(command, self.tp_size, plan),
+            self._loop.create_future(),
+            self._loop.create_future(),
+            gated,
+            frame,
+        )
         if gated:
             flight.digest = zlib.crc32(frame)
         else:
@@ -363,7 +428,9 @@ class ReplicaController:
         flight.future.add_done_callback(self._end_flight)
         if len(self._flights) == 1:  # a follower's timer starts when the flight ahead ends
             self._start_timer(flight)
-        flight.unsent = [rank for rank, channel in enumerate(self._commands) if not channel.send(frame)]
+        flight.unsent = [
+            rank for rank, channel in enumerate(self._commands) if not channel.send(frame)
+        ]
         if flight.unsent and not patient:
             self._poison_unsent(flight, flight.unsent)
         self.trace.mark(command.seq, "sent")
@@ -482,8 +549,11 @@ class ReplicaController:
             return
         replies = flight.replies
         if flight.gated and not flight.released:
-            late = [r for r in range(self.tp_size)
-                    if (receipt := self._gate.receipt(r)) is None or receipt[0] != replies.seq]
+            late = [
+                r
+                for r in range(self.tp_size)
+                if (receipt := self._gate.receipt(r)) is None or receipt[0] != replies.seq
+            ]
             self._poison(
                 f"rank(s) {late} did not receive {replies.name} seq {replies.seq} within "
                 f"gate_timeout_s={self._gate_timeout_s}"
@@ -544,7 +614,9 @@ class ReplicaController:
         try:
             self._on_poison(reason)
         except Exception as exc:  # the callback's bug must not stop the teardown
-            self._loop.call_exception_handler({"message": "on_poison callback failed", "exception": exc})
+            self._loop.call_exception_handler(
+                {"message": "on_poison callback failed", "exception": exc}
+            )
 
     async def _await_teardown(self) -> None:
         if self._teardown_task is None:
@@ -564,8 +636,10 @@ class ReplicaController:
         """Give live ranks a moment to see the Cancel (so none is killed mid-decision)."""
         deadline = self._loop.time() + CANCEL_GRACE_S
         while self._loop.time() < deadline:
-            if all(proc.poll() is not None or self._gate.done_seq(rank) == seq
-                   for rank, proc in enumerate(self._procs)):
+            if all(
+                proc.poll() is not None or self._gate.done_seq(rank) == seq
+                for rank, proc in enumerate(self._procs)
+            ):
                 return
             await asyncio.sleep(0.002)
 
@@ -576,15 +650,22 @@ class ReplicaController:
             return
         self._closed = True
         self.trace.write()
-        self._flights.fail_all(self._poison_reason or "replica is shut down")  # e.g. a Shutdown never acked
+        self._flights.fail_all(
+            self._poison_reason or "replica is shut down"
+        )  # e.g. a Shutdown never acked
         errors, readers = [], (*self._pidfds, self._receipt_bell.fd)
-        for step in [*(lambda fd=fd: self._loop.remove_reader(fd) for fd in readers), self._replies.close]:
+        for step in [
+            *(lambda fd=fd: self._loop.remove_reader(fd) for fd in readers),
+            self._replies.close,
+        ]:
             try:  # the loop's readers (the replies' too), then free_replica: each step on its own
                 step()
             except Exception as exc:
                 errors.append(exc)
         for exc in errors + free_replica(*self._held):
-            self._loop.call_exception_handler({"message": "replica teardown step failed", "exception": exc})
+            self._loop.call_exception_handler(
+                {"message": "replica teardown step failed", "exception": exc}
+            )
         if all(proc.returncode is not None for proc in self._procs):
             self._finalizer.detach()
 
@@ -597,4 +678,3 @@ class ReplicaController:
                 pass
             await await_exits(self._procs, EXIT_WAIT_S)
         await self._await_teardown()
-

@@ -127,7 +127,11 @@ def mangled_frames(kind: str, reply: Reply, world_size: int) -> list[bytes]:
     if kind == "wrong_rank":
         return [encode(msgspec.structs.replace(reply, rank=reply.rank + world_size))]
     if kind == "wrong_variant":
-        wrong = DropAck(reply.rank, reply.seq, []) if isinstance(reply, Ack) else Ack(reply.rank, reply.seq)
+        wrong = (
+            DropAck(reply.rank, reply.seq, [])
+            if isinstance(reply, Ack)
+            else Ack(reply.rank, reply.seq)
+        )
         return [encode(wrong)]
     if kind == "bad_token" and isinstance(reply, StepResult):
         columns = msgspec.structs.replace(reply.samples, token_ids=[-1] * len(reply.samples))
@@ -137,7 +141,9 @@ def mangled_frames(kind: str, reply: Reply, world_size: int) -> list[bytes]:
     raise ValueError(f"fault kind {kind!r} does not change replies")
 
 
-REPLY_FAULTS = frozenset({"malformed_reply", "duplicate_reply", "wrong_rank", "wrong_variant", "bad_token"})
+REPLY_FAULTS = frozenset(
+    {"malformed_reply", "duplicate_reply", "wrong_rank", "wrong_variant", "bad_token"}
+)
 RECEIPT_FAULTS = frozenset({"die_before_receipt", "stall_before_receipt"})
 
 

@@ -77,10 +77,16 @@ class Flights:
     def stray_reason(self, reply: Reply, num_ranks: int) -> str:
         """Why `reply`, which matches no flight, poisons the replica."""
         last = next((r for r in self._ended if r.seq == reply.seq), None)
-        if last is not None and 0 <= reply.rank < num_ranks and last.replies[reply.rank] is not None:
+        if (
+            last is not None
+            and 0 <= reply.rank < num_ranks
+            and last.replies[reply.rank] is not None
+        ):
             return f"rank {reply.rank} sent a second reply to {last.name} seq {last.seq}"
-        return (f"{type(reply).__name__} from rank {reply.rank} for seq {reply.seq}, "
-                f"but no command with that seq awaits a reply")
+        return (
+            f"{type(reply).__name__} from rank {reply.rank} for seq {reply.seq}, "
+            f"but no command with that seq awaits a reply"
+        )
 
     def end(self, future: asyncio.Future) -> bool | None:
         """Take out the flight whose `future` is done (its timer stopped, its gate settled);

@@ -51,7 +51,9 @@ class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix_states: int = 0  # saved prefix states (prefix caching); 0: off
     overlap_steps: bool = False  # queue a pipelined follower before finishing the step ahead
     noop_executor: bool = False  # benchmarks only
-    noop_step_s: float = 0.0  # the no-op executor sleeps this long per step (a stand-in for the GPU)
+    noop_step_s: float = (
+        0.0  # the no-op executor sleeps this long per step (a stand-in for the GPU)
+    )
     journal_path: str | None = None  # tests: append-only log of gated commands
     fault: FaultPlan | None = None
     log_level: int = 20  # the server's deltaserve logger level (logging.INFO by default)
@@ -111,13 +113,23 @@ def kill_all(procs: list[subprocess.Popen], pidfds: list[int]) -> None:
                 pass
 
 
-def free_replica(gate: StartGate, run_dir: str, ctx: zmq.Context, sockets: list[zmq.Socket],
-                 fds: list[int], bells: list[Doorbell]) -> list[Exception]:
+def free_replica(
+    gate: StartGate,
+    run_dir: str,
+    ctx: zmq.Context,
+    sockets: list[zmq.Socket],
+    fds: list[int],
+    bells: list[Doorbell],
+) -> list[Exception]:
     """Free what a replica holds besides its ranks, each step on its own (one that fails must
     not leave the segment or the run dir behind); idempotent (`fds` are emptied as closed).
     Returns the steps' errors."""
-    steps = [lambda: gate.close(unlink=True), lambda: shutil.rmtree(run_dir, ignore_errors=True),
-             lambda: close_context(ctx, sockets), *(bell.close for bell in bells)]
+    steps = [
+        lambda: gate.close(unlink=True),
+        lambda: shutil.rmtree(run_dir, ignore_errors=True),
+        lambda: close_context(ctx, sockets),
+        *(bell.close for bell in bells),
+    ]
     steps += [lambda: os.close(fds.pop()) for _ in fds]  # popped: never closed twice
     errors = []
     for step in steps:

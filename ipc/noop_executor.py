@@ -12,7 +12,9 @@ from deltaserve.ipc.messages import Sample, StepItem
 
 
 class NoopExecutor:
-    def __init__(self, rank: int, num_slots: int, num_blocks: int, block_size: int, step_s: float = 0.0) -> None:
+    def __init__(
+        self, rank: int, num_slots: int, num_blocks: int, block_size: int, step_s: float = 0.0
+    ) -> None:
         self.rank = rank
         self.num_slots = num_slots
         self.num_blocks = num_blocks
@@ -20,7 +22,9 @@ class NoopExecutor:
         self.step_s = step_s  # slept per step: a stand-in for the GPU
         self.held: set[int] = set()
 
-    def launch_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = (), saves: list = ()) -> LaunchedStep:
+    def launch_step(
+        self, items: list[StepItem], drops: list[int] = (), evict: list[int] = (), saves: list = ()
+    ) -> LaunchedStep:
         if not self.held.issuperset(drops):
             raise ValueError(f"requests {sorted(set(drops) - self.held)} to drop are not held")
         self.held.difference_update(drops)

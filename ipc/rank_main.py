@@ -110,7 +110,9 @@ def build_executor(config: RankConfig) -> object:
     if config.noop_executor:
         from deltaserve.ipc.noop_executor import NoopExecutor
 
-        return NoopExecutor(config.rank, config.num_slots, config.num_blocks, config.block_size, config.noop_step_s)
+        return NoopExecutor(
+            config.rank, config.num_slots, config.num_blocks, config.block_size, config.noop_step_s
+        )
     started = time.monotonic()
     driver = warm_cuda_driver(config.device) if config.device.startswith("cuda") else None
     import torch
@@ -133,7 +135,12 @@ def build_executor(config: RankConfig) -> object:
             world_size=config.world_size,
             timeout=timedelta(seconds=config.dist_timeout_s),
         )
-    log.info("rank %d: torch on %s ready in %.1f s", config.rank, config.device, time.monotonic() - started)
+    log.info(
+        "rank %d: torch on %s ready in %.1f s",
+        config.rank,
+        config.device,
+        time.monotonic() - started,
+    )
     from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 
     return Executor(
@@ -168,8 +175,14 @@ class PendingStep:
 class RankServer:
     """The serve loop of one rank; owns its executor, channels and gate view."""
 
-    def __init__(self, config: RankConfig, executor: object, commands: PullChannel,
-                 replies: PushChannel, gate: StartGate) -> None:
+    def __init__(
+        self,
+        config: RankConfig,
+        executor: object,
+        commands: PullChannel,
+        replies: PushChannel,
+        gate: StartGate,
+    ) -> None:
         self.config = config
         self.rank = config.rank
         self.executor = executor
@@ -181,7 +194,9 @@ class RankServer:
         self.fault = config.fault if config.fault and config.fault.rank == config.rank else None
         self.journal_fd = -1
         if config.journal_path:
-            self.journal_fd = os.open(config.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self.journal_fd = os.open(
+                config.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+            )
         self.expected_seq = 1
         self.ahead: bytes | None = None  # the next frame, its receipt already in the gate
         self.overlap = config.overlap_steps
@@ -305,7 +320,9 @@ class RankServer:
         device has work while the host reads samples) and before its sampling (whose seeds
         and penalties count that step's samples)."""
         try:
-            step = self.executor.launch_step(command.items, command.drops, command.evict, command.saves)
+            step = self.executor.launch_step(
+                command.items, command.drops, command.evict, command.saves
+            )
             self.complete_pending()
             self.executor.launch_sampling(step)
         except Exception as exc:  # a rank-local mismatch (nothing queued) or a device error
@@ -354,12 +371,20 @@ class RankServer:
             command = command_decoder.decode(frame)
         except DECODE_ERRORS as exc:
             self.complete_pending()
-            self.send(Failure(self.rank, seq, f"malformed command frame ({len(frame)} bytes): {exc}"))
+            self.send(
+                Failure(self.rank, seq, f"malformed command frame ({len(frame)} bytes): {exc}")
+            )
             return False
         name = type(command).__name__
         if command.seq != seq:
             self.complete_pending()
-            self.send(Failure(self.rank, command.seq, f"{name} seq {command.seq} out of order; expected seq {seq}"))
+            self.send(
+                Failure(
+                    self.rank,
+                    command.seq,
+                    f"{name} seq {command.seq} out of order; expected seq {seq}",
+                )
+            )
             return False
         is_step = type(command) is RunUnifiedStep
         if is_step:
@@ -410,15 +435,28 @@ class RankServer:
         rank, seq = self.rank, command.seq
         kind = type(command)
         if kind is RunUnifiedStep:
-            step = self.executor.launch_step(command.items, command.drops, command.evict, command.saves)
+            step = self.executor.launch_step(
+                command.items, command.drops, command.evict, command.saves
+            )
             self.executor.launch_sampling(step)
             return self.step_reply(seq, step)
         if kind is DropRequests:
-            return DropAck(rank, seq, self.executor.drop(command.request_ids, command.evict, command.saves))
+            return DropAck(
+                rank, seq, self.executor.drop(command.request_ids, command.evict, command.saves)
+            )
         if kind is Snapshot:
             s = self.executor.snapshot()
-            return SnapshotReply(rank, seq, list(s.request_ids), s.slots_used, s.blocks_used,
-                                 s.num_slots, s.num_blocks, s.state_heads, s.kv_heads)
+            return SnapshotReply(
+                rank,
+                seq,
+                list(s.request_ids),
+                s.slots_used,
+                s.blocks_used,
+                s.num_slots,
+                s.num_blocks,
+                s.state_heads,
+                s.kv_heads,
+            )
         if kind is LoadWeights:
             self.executor.load_weights(command.model_dir)
         elif kind is Sleep:
@@ -468,7 +506,9 @@ class RankServer:
         if fault.kind == "die_mid_step":
             faults.die()  # the executor ran no module (no-op executor): die now
         if fault.kind == "failure_reply":  # sent raw: this rank is not marked failed
-            self.replies.send(command_encoder.encode(Failure(self.rank, command.seq, "injected failure")))
+            self.replies.send(
+                command_encoder.encode(Failure(self.rank, command.seq, "injected failure"))
+            )
             faults.stall(fault.stall_s, self.parent_alive)
             return
         if fault.kind == "late_failure":
@@ -495,10 +535,15 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # deltaserve's own lines (the memory budget) at the server's level on stderr, other
     # libraries' warnings
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     logging.getLogger("deltaserve").setLevel(config.log_level)
-    log.info("rank %d: process up", config.rank)  # its time stamp against the server's marks the spawn
+    log.info(
+        "rank %d: process up", config.rank
+    )  # its time stamp against the server's marks the spawn
     ctx = zmq.Context(io_threads=1)
     replies = PushChannel(ctx, config.reply_endpoint, bind=False, linger_ms=REPLY_LINGER_MS)
     try:
@@ -506,7 +551,9 @@ def main() -> int:
         gate = StartGate.attach(config.gate_name, config.world_size)
         executor = build_executor(config)
     except Exception as exc:
-        replies.send(command_encoder.encode(StartupFailed(config.rank, f"{type(exc).__name__}: {exc}")))
+        replies.send(
+            command_encoder.encode(StartupFailed(config.rank, f"{type(exc).__name__}: {exc}"))
+        )
         replies.close()
         ctx.term()
         return 1
@@ -519,9 +566,11 @@ def main() -> int:
         from deltaserve.kernels.triton_compat import report_late_compiles
 
         report_late_compiles(log, config.rank)
-    replies.send(command_encoder.encode(
-        Ready(config.rank, executor.num_slots, executor.num_blocks, executor.block_size)
-    ))
+    replies.send(
+        command_encoder.encode(
+            Ready(config.rank, executor.num_slots, executor.num_blocks, executor.block_size)
+        )
+    )
     code = RankServer(config, executor, commands, replies, gate).serve()
     commands.close()
     replies.close()  # lingers until the Shutdown ack is out

@@ -31,7 +31,9 @@ class ReplicaConfig:
     fp8_weights: str = "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8
     max_logprobs: int = 20  # a step item's logprobs and prompt logprobs at most (ipc/validate.py)
     prefix_states: int = 0  # saved prefix states each rank keeps (prefix caching); 0: off
-    overlap_steps: bool | None = None  # ranks queue a follower before finishing the step; None: on cuda
+    overlap_steps: bool | None = (
+        None  # ranks queue a follower before finishing the step; None: on cuda
+    )
     startup_timeout_s: float = 120.0
     step_timeout_s: float = 60.0
     gate_timeout_s: float = 10.0  # every rank must record receipt of a gated command by then
@@ -62,7 +64,9 @@ class ReplicaConfig:
             prompt_graph_tokens=self.prompt_graph_tokens,
             fp8_weights=self.fp8_weights,
             prefix_states=self.prefix_states,
-            overlap_steps=(self.device == "cuda" if self.overlap_steps is None else self.overlap_steps)
+            overlap_steps=(
+                self.device == "cuda" if self.overlap_steps is None else self.overlap_steps
+            )
             and not self.noop_executor,
             dist_init_method=f"file://{run_dir}/dist-store",
             dist_timeout_s=max(self.startup_timeout_s, 2 * self.step_timeout_s),
@@ -70,7 +74,9 @@ class ReplicaConfig:
             noop_step_s=self.noop_step_s,
             journal_path=journal,
             fault=self.fault,
-            log_level=logging.getLogger("deltaserve").getEffectiveLevel(),  # --log-level reaches ranks
+            log_level=logging.getLogger(
+                "deltaserve"
+            ).getEffectiveLevel(),  # --log-level reaches ranks
             **channels,
         )
 
@@ -78,12 +84,18 @@ class ReplicaConfig:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r} (pick GPUs with device_ids)")
+            raise ValueError(
+                f"device must be 'cpu' or 'cuda', got {self.device!r} (pick GPUs with device_ids)"
+            )
         if self.device_ids is not None:
             if self.device == "cpu":
-                raise ValueError(f"device_ids {self.device_ids} given with device 'cpu'; they name CUDA devices")
+                raise ValueError(
+                    f"device_ids {self.device_ids} given with device 'cpu'; they name CUDA devices"
+                )
             if len(self.device_ids) != self.tp_size:
-                raise ValueError(f"device_ids {self.device_ids} has {len(self.device_ids)} entries for tp_size {self.tp_size}")
+                raise ValueError(
+                    f"device_ids {self.device_ids} has {len(self.device_ids)} entries for tp_size {self.tp_size}"
+                )
             if len(set(self.device_ids)) != len(self.device_ids):
                 raise ValueError(f"device_ids {self.device_ids} names a device twice")
             if min(self.device_ids) < 0:
@@ -94,9 +106,13 @@ class ReplicaConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks < 0 or (self.num_blocks == 0 and self.device != "cuda"):
-            raise ValueError(f"num_blocks must be >= 1 (or 0 on cuda: size from memory), got {self.num_blocks}")
+            raise ValueError(
+                f"num_blocks must be >= 1 (or 0 on cuda: size from memory), got {self.num_blocks}"
+            )
         if self.num_blocks == 0 and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         for name in ("startup_timeout_s", "step_timeout_s", "gate_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -111,7 +127,9 @@ class ReplicaConfig:
         count = cuda_device_count()
         for ordinal in ids:
             if ordinal >= count:
-                raise ValueError(f"CUDA device {ordinal} does not exist: this machine has {count} CUDA device(s)")
+                raise ValueError(
+                    f"CUDA device {ordinal} does not exist: this machine has {count} CUDA device(s)"
+                )
         return [f"cuda:{ordinal}" for ordinal in ids]
 
 

@@ -48,11 +48,18 @@ class StepPlan(NamedTuple):
     item_ids: set[int]  # every request in the step
     sampled_ids: list[int]  # those whose item asks for a sample, in step order: the result's
     vocab_size: int  # every sampled token (and alternative) must be an id below it
-    prompt_logprobs: dict[int, tuple[int, int]]  # request -> (rows, alternatives) of the chunks that ask
+    prompt_logprobs: dict[
+        int, tuple[int, int]
+    ]  # request -> (rows, alternatives) of the chunks that ask
 
 
-def check_plan(items: list[StepItem], vocab_size: int, drops: list[int] = (), max_logprobs: int = MAX_LOGPROBS,
-               saves: list[SaveOnDrop] = ()) -> StepPlan:
+def check_plan(
+    items: list[StepItem],
+    vocab_size: int,
+    drops: list[int] = (),
+    max_logprobs: int = MAX_LOGPROBS,
+    saves: list[SaveOnDrop] = (),
+) -> StepPlan:
     """Raise PlanRejected for anything wrong with the step that needs no rank state."""
     if not items:
         raise PlanRejected("step has no items")
@@ -137,8 +144,14 @@ def _check_new(rid: int, chunk_len: int, new: NewRequest, max_logprobs: int) -> 
         )
     spec = new.sampling
     # NaN compares false and would slip past every range check below; inf is no sampling value
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
         if not math.isfinite(value := getattr(spec, name)):
             raise PlanRejected(f"request {rid}: {name} {value} is not a finite number")
     if spec.temperature < 0:
@@ -152,7 +165,9 @@ def _check_new(rid: int, chunk_len: int, new: NewRequest, max_logprobs: int) -> 
     if spec.repetition_penalty <= 0:
         raise PlanRejected(f"request {rid}: repetition_penalty {spec.repetition_penalty} <= 0")
     if not 0 <= spec.num_logprobs <= max_logprobs:
-        raise PlanRejected(f"request {rid}: num_logprobs {spec.num_logprobs} outside 0..{max_logprobs}")
+        raise PlanRejected(
+            f"request {rid}: num_logprobs {spec.num_logprobs} outside 0..{max_logprobs}"
+        )
 
 
 def check_drop_plan(request_ids: list[int], expect: str, saves: list[SaveOnDrop] = ()) -> None:
@@ -162,10 +177,17 @@ def check_drop_plan(request_ids: list[int], expect: str, saves: list[SaveOnDrop]
         raise PlanRejected(f"request {first_duplicate(request_ids)} appears twice in one drop")
     for save in saves:
         if expect != "must_exist" or save.request_id not in request_ids:
-            raise PlanRejected(f"request {save.request_id}: its state is saved, but it is not a drop that must exist")
+            raise PlanRejected(
+                f"request {save.request_id}: its state is saved, but it is not a drop that must exist"
+            )
         if save.prefix < 0 or save.num_tokens < 1:
-            raise PlanRejected(f"request {save.request_id}: saved prefix {save.prefix} of {save.num_tokens} positions")
-    for ids, what in (([s.request_id for s in saves], "request"), ([s.prefix for s in saves], "saved prefix")):
+            raise PlanRejected(
+                f"request {save.request_id}: saved prefix {save.prefix} of {save.num_tokens} positions"
+            )
+    for ids, what in (
+        ([s.request_id for s in saves], "request"),
+        ([s.prefix for s in saves], "saved prefix"),
+    ):
         if len(set(ids)) != len(ids):
             raise PlanRejected(f"{what} {first_duplicate(ids)} appears twice in one drop's saves")
 
@@ -277,7 +299,9 @@ def align_samples(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
             raise ReplyError(f"rank 0 returned top logprobs for request {rid}, which has no sample")
         for rid, pairs in top.items():
             if any(not 0 <= t < plan.vocab_size for t, _ in pairs):
-                raise ReplyError(f"rank 0 returned a top logprob for request {rid} outside the vocabulary")
+                raise ReplyError(
+                    f"rank 0 returned a top logprob for request {rid} outside the vocabulary"
+                )
     return samples
 
 
@@ -285,17 +309,23 @@ def _check_prompt_logprob_rows(samples: SampleColumns, plan: StepPlan) -> None:
     got, want = samples.prompt_logprobs, plan.prompt_logprobs
     if got.keys() != want.keys():
         extra, missing = sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys())
-        raise ReplyError(f"rank 0 returned prompt logprobs for request(s) {extra} that asked none, "
-                         f"and none for {missing} that asked")  # fmt: skip
+        raise ReplyError(
+            f"rank 0 returned prompt logprobs for request(s) {extra} that asked none, "
+            f"and none for {missing} that asked"
+        )
     for rid, part in got.items():
         rows, k = want[rid]
         if len(part.logprobs) != rows or any(len(top) != k for top in part.top_logprobs):
-            raise ReplyError(f"rank 0 returned {len(part.logprobs)} prompt logprob rows for request {rid}, "
-                             f"not {rows} of {k} alternatives each")  # fmt: skip
+            raise ReplyError(
+                f"rank 0 returned {len(part.logprobs)} prompt logprob rows for request {rid}, "
+                f"not {rows} of {k} alternatives each"
+            )
         if part.ranks and min(part.ranks) < 1:
             raise ReplyError(f"rank 0 returned a prompt token rank below 1 for request {rid}")
         if any(not 0 <= t < plan.vocab_size for top in part.top_logprobs for t, _ in top):
-            raise ReplyError(f"rank 0 returned a prompt logprob for request {rid} outside the vocabulary")
+            raise ReplyError(
+                f"rank 0 returned a prompt logprob for request {rid} outside the vocabulary"
+            )
 
 
 def _reorder(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
@@ -311,13 +341,18 @@ def _reorder(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
                     f"rank 0 returned a sample for request {rid}, whose item asked for none "
                     f"(not its final chunk)"
                 )
-            raise ReplyError(f"rank 0 returned a sample for request {rid}, which is not in the step")
+            raise ReplyError(
+                f"rank 0 returned a sample for request {rid}, which is not in the step"
+            )
         missing = sorted(wanted - row_of.keys())
         raise ReplyError(f"rank 0 returned no sample for request(s) {missing}")
     rows = [row_of[rid] for rid in want]
     tokens, logprobs = samples.token_ids, samples.logprobs
     return SampleColumns(
-        list(want), [tokens[r] for r in rows], [logprobs[r] for r in rows], samples.top_logprobs,
+        list(want),
+        [tokens[r] for r in rows],
+        [logprobs[r] for r in rows],
+        samples.top_logprobs,
         samples.prompt_logprobs,
     )
 
@@ -344,6 +379,4 @@ def check_drop_acks(command: DropRequests, replies: list[DropAck]) -> None:
             )
         if bool(held) != want:
             state = "no rank held it" if want else "every rank still held it"
-            raise ReplyError(
-                f"request {rid} dropped with expect={command.expect}, but {state}"
-            )
+            raise ReplyError(f"request {rid} dropped with expect={command.expect}, but {state}")

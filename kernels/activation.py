@@ -43,7 +43,9 @@ def silu_times(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, width, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, width, BLOCK: tl.constexpr, GDC: tl.constexpr = False
+):
     # program: BLOCK features of one row
     wait_for_previous_grid(GDC)
     r = tl.program_id(0).to(tl.int64)
@@ -51,13 +53,19 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, width, BLOCK: tl.constexpr, G
     m = offs < width
     gate = tl.load(x_ptr + r * stride_x + offs, mask=m, other=0.0)
     up = tl.load(x_ptr + r * stride_x + width + offs, mask=m, other=0.0)
-    tl.store(out_ptr + r * width + offs, silu_times(gate, up, gate.dtype).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(
+        out_ptr + r * width + offs,
+        silu_times(gate, up, gate.dtype).to(out_ptr.dtype.element_ty),
+        mask=m,
+    )
 
 
 def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     check_launchable(gate_up)
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
-        raise ValueError(f"gate_up: expected [T, 2 I] with unit last stride, got {tuple(gate_up.shape)}")
+        raise ValueError(
+            f"gate_up: expected [T, 2 I] with unit last stride, got {tuple(gate_up.shape)}"
+        )
     tokens, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((tokens, width), dtype=gate_up.dtype, device=gate_up.device)
     if tokens:
@@ -81,8 +89,15 @@ def times_sigmoid(x, g):
 
 @triton.jit
 def _sigmoid_gate_kernel(
-    x_ptr, gate_ptr, out_ptr, stride_gate_row, stride_gate_head, heads, dim,
-    BLOCK: tl.constexpr, GDC: tl.constexpr = False,
+    x_ptr,
+    gate_ptr,
+    out_ptr,
+    stride_gate_row,
+    stride_gate_head,
+    heads,
+    dim,
+    BLOCK: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     # program: one (token, head) row of `dim` features; x and out contiguous, gate strided
     wait_for_previous_grid(GDC)
@@ -90,7 +105,11 @@ def _sigmoid_gate_kernel(
     offs = tl.arange(0, BLOCK)
     m = offs < dim
     x = tl.load(x_ptr + r * dim + offs, mask=m, other=0.0)
-    g = tl.load(gate_ptr + (r // heads) * stride_gate_row + (r % heads) * stride_gate_head + offs, mask=m, other=0.0)
+    g = tl.load(
+        gate_ptr + (r // heads) * stride_gate_row + (r % heads) * stride_gate_head + offs,
+        mask=m,
+        other=0.0,
+    )
     tl.store(out_ptr + r * dim + offs, times_sigmoid(x, g).to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -102,12 +121,16 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return sigmoid_gate_reference(x, gate)
 
 
-def sigmoid_gate_triton(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def sigmoid_gate_triton(
+    x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """`sigmoid_gate_reference` in one kernel, into `out` (contiguous like x) or a new tensor."""
     check_launchable(x, gate)
     if x.dim() != 3 or gate.shape != x.shape or not x.is_contiguous() or gate.stride(2) != 1:
-        raise ValueError(f"sigmoid_gate: x {tuple(x.shape)} (contiguous) and gate {tuple(gate.shape)} "
-                         f"(unit last stride) must be [T, heads, dim], got strides {gate.stride()}")
+        raise ValueError(
+            f"sigmoid_gate: x {tuple(x.shape)} (contiguous) and gate {tuple(gate.shape)} "
+            f"(unit last stride) must be [T, heads, dim], got strides {gate.stride()}"
+        )
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or not out.is_contiguous():
@@ -115,7 +138,15 @@ def sigmoid_gate_triton(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor |
     tokens, heads, dim = x.shape
     if tokens:
         _sigmoid_gate_kernel[(tokens * heads,)](
-            x, gate, out, gate.stride(0), gate.stride(1), heads, dim,
-            BLOCK=triton.next_power_of_2(dim), num_warps=1, **pdl_options(x),
+            x,
+            gate,
+            out,
+            gate.stride(0),
+            gate.stride(1),
+            heads,
+            dim,
+            BLOCK=triton.next_power_of_2(dim),
+            num_warps=1,
+            **pdl_options(x),
         )
     return out

@@ -49,7 +49,9 @@ def causal_conv1d_update_reference(
         out[row : row + 1] = causal_conv1d(x[row : row + 1], weight, state[slot])
 
 
-def _check_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
+def _check_conv(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, out: torch.Tensor
+) -> tuple[int, int]:
     """The conv kernels' shared argument checks; returns (channels, width)."""
     check_launchable(x, state)
     channels, width = weight.shape
@@ -62,18 +64,32 @@ def _check_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, out:
     if weight.stride(1) != 1:
         raise ValueError(f"weight: expected a contiguous last dim, got strides {weight.stride()}")
     if state.dim() != 3 or state.shape[1:] != (channels, width - 1) or state.stride(2) != 1:
-        raise ValueError(f"state: expected [slots, {channels}, {width - 1}] with a contiguous last "
-                         f"dim, got {tuple(state.shape)} strides {state.stride()}")
+        raise ValueError(
+            f"state: expected [slots, {channels}, {width - 1}] with a contiguous last "
+            f"dim, got {tuple(state.shape)} strides {state.stride()}"
+        )
     return channels, width
 
 
 @triton.jit
 def _conv_update_kernel(
-    x_ptr, w_ptr, state_ptr, rows_ptr, slots_ptr, out_ptr,
-    stride_x, stride_w, stride_slot, stride_channel, stride_out,
+    x_ptr,
+    w_ptr,
+    state_ptr,
+    rows_ptr,
+    slots_ptr,
+    out_ptr,
+    stride_x,
+    stride_w,
+    stride_slot,
+    stride_channel,
+    stride_out,
     channels,
-    WIDTH: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
-    GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
+    WIDTH: tl.constexpr,
+    WP: tl.constexpr,
+    BC: tl.constexpr,
+    GDC: tl.constexpr = False,
+    GDC_LATE: tl.constexpr = False,
 ):
     # program: (decode request i, block of BC channels); the state window shifts left by one.
     # Every load comes before the first store: a store to the window could alias a later
@@ -91,15 +107,23 @@ def _conv_update_kernel(
     in_window = m[:, None] & (taps < WIDTH - 1)
     window = state_ptr + slot * stride_slot + offs[:, None] * stride_channel + taps
     prev = read_ahead(window, in_window, 0.0)  # [BC, WP]
-    after = read_ahead(window + 1, m[:, None] & (taps < WIDTH - 2), 0.0)  # the window shifted by one
+    after = read_ahead(
+        window + 1, m[:, None] & (taps < WIDTH - 2), 0.0
+    )  # the window shifted by one
     w = read_ahead(w_ptr + offs[:, None] * stride_w + taps, m[:, None] & (taps < WIDTH), 0.0)
     wait_for_previous_grid(GDC_LATE)
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
     inputs = tl.where(taps == WIDTH - 1, x[:, None], prev)
     acc = tl.sum(w.to(tl.float32) * inputs.to(tl.float32), axis=1)
-    tl.store(window, tl.where(taps == WIDTH - 2, x[:, None].to(state_ptr.dtype.element_ty), after), mask=in_window)
+    tl.store(
+        window,
+        tl.where(taps == WIDTH - 2, x[:, None].to(state_ptr.dtype.element_ty), after),
+        mask=in_window,
+    )
     y = acc.to(x.dtype).to(tl.float32)  # the conv output is rounded to the model dtype first
-    tl.store(out_ptr + row * stride_out + offs, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(
+        out_ptr + row * stride_out + offs, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=m
+    )
 
 
 # Channels and warps per program of the decode update: many small programs, each a short
@@ -131,9 +155,22 @@ def causal_conv1d_update(
     block = min(block, triton.next_power_of_2(channels))
     grid = (num, triton.cdiv(channels, block))
     _conv_update_kernel[grid](
-        x, weight, state, rows, slots, out,
-        x.stride(0), weight.stride(0), state.stride(0), state.stride(1), out.stride(0),
-        channels, WIDTH=width, WP=triton.next_power_of_2(width), BC=block, num_warps=warps,
+        x,
+        weight,
+        state,
+        rows,
+        slots,
+        out,
+        x.stride(0),
+        weight.stride(0),
+        state.stride(0),
+        state.stride(1),
+        out.stride(0),
+        channels,
+        WIDTH=width,
+        WP=triton.next_power_of_2(width),
+        BC=block,
+        num_warps=warps,
         **pdl_options(x, reads_ahead="conv"),
     )
 
@@ -157,12 +194,28 @@ def causal_conv1d_prefill_reference(
         out[piece] = causal_conv1d(x[piece], weight, state[slot])
 
 
-@triton.jit(do_not_specialize_on_alignment=["offsets_ptr", "lengths_ptr", "slots_ptr"])  # PackedSpans.index rows
+@triton.jit(
+    do_not_specialize_on_alignment=["offsets_ptr", "lengths_ptr", "slots_ptr"]
+)  # PackedSpans.index rows
 def _conv_prefill_kernel(
-    x_ptr, w_ptr, state_ptr, offsets_ptr, lengths_ptr, slots_ptr, blocks_ptr, out_ptr,
-    stride_x, stride_w, stride_slot, stride_channel, stride_out,
+    x_ptr,
+    w_ptr,
+    state_ptr,
+    offsets_ptr,
+    lengths_ptr,
+    slots_ptr,
+    blocks_ptr,
+    out_ptr,
+    stride_x,
+    stride_w,
+    stride_slot,
+    stride_channel,
+    stride_out,
     channels,
-    WIDTH: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    WIDTH: tl.constexpr,
+    KP: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
 ):
     # program: (entry e of the block table: span i, its block of BT tokens; block of BC
     # channels). Token p's tap j reads input p - (WIDTH-1) + j of the span, or state column
@@ -186,8 +239,14 @@ def _conv_prefill_kernel(
     acc = tl.zeros((BT, BC), dtype=tl.float32)
     for j in tl.static_range(WIDTH):
         src = pos - (WIDTH - 1) + j
-        xs = tl.load(x_span + src[:, None] * stride_x + offs[None, :], mask=rows & (src >= 0)[:, None], other=0.0)
-        acc += tl.load(w_ptr + offs * stride_w + j, mask=m, other=0.0).to(tl.float32)[None, :] * xs.to(tl.float32)
+        xs = tl.load(
+            x_span + src[:, None] * stride_x + offs[None, :],
+            mask=rows & (src >= 0)[:, None],
+            other=0.0,
+        )
+        acc += tl.load(w_ptr + offs * stride_w + j, mask=m, other=0.0).to(tl.float32)[
+            None, :
+        ] * xs.to(tl.float32)
     window = state_ptr + slot * stride_slot + offs * stride_channel  # [BC] this slot's columns
     if first == 0:  # the old state: column c is tap t of token c - t
         for c in tl.static_range(WIDTH - 1):
@@ -195,29 +254,44 @@ def _conv_prefill_kernel(
             for t in tl.static_range(c + 1):
                 tap = tl.load(w_ptr + offs * stride_w + t, mask=m, other=0.0).to(tl.float32)
                 acc += tl.where((pos == c - t)[:, None], (tap * prev)[None, :], 0.0)
-    y = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # the conv output is rounded to the model dtype first
+    y = acc.to(x_ptr.dtype.element_ty).to(
+        tl.float32
+    )  # the conv output is rounded to the model dtype first
     out = out_ptr + offset * stride_out + pos[:, None] * stride_out + offs[None, :]
     tl.store(out, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=rows)
-    if first == 0:  # the new state: inputs length - (WIDTH-1) .. length - 1, read before the barrier
+    if (
+        first == 0
+    ):  # the new state: inputs length - (WIDTH-1) .. length - 1, read before the barrier
         cols = tl.arange(0, KP)  # [KP] state column
         tail = length - (WIDTH - 1) + cols  # the input it takes, < 0: an old state column
         m_state = m[:, None] & (cols < WIDTH - 1)[None, :]  # [BC, KP]
-        x_tail = tl.load(x_span + tail[None, :] * stride_x + offs[:, None], mask=m_state & (tail >= 0)[None, :],
-                         other=0.0)
-        kept = tl.load(window[:, None] + (length + cols)[None, :], mask=m_state & (tail < 0)[None, :], other=0.0)
+        x_tail = tl.load(
+            x_span + tail[None, :] * stride_x + offs[:, None],
+            mask=m_state & (tail >= 0)[None, :],
+            other=0.0,
+        )
+        kept = tl.load(
+            window[:, None] + (length + cols)[None, :],
+            mask=m_state & (tail < 0)[None, :],
+            other=0.0,
+        )
         new = tl.where((tail >= 0)[None, :], x_tail, kept.to(x_tail.dtype))
         tl.debug_barrier()  # every thread of the program has read the old state
         tl.store(window[:, None] + cols[None, :], new.to(state_ptr.dtype.element_ty), mask=m_state)
 
 
-def span_blocks(lengths: list[int], block: int, entries: int | None = None) -> list[tuple[int, int]]:
+def span_blocks(
+    lengths: list[int], block: int, entries: int | None = None
+) -> list[tuple[int, int]]:
     """(span, block) of every `block`-token block of the spans, in order: the prefill conv's
     grid and fla's chunk_indices. Padded to `entries` with (last span, 0), which must then
     be an empty span (a CUDA graph's fixed grid)."""
     table = [(i, j) for i, length in enumerate(lengths) for j in range(-(-length // block))]
     if entries is not None:
         if len(table) > entries or (len(table) < entries and (not lengths or lengths[-1] != 0)):
-            raise ValueError(f"{len(table)} blocks do not pad to {entries} entries ending on an empty span")
+            raise ValueError(
+                f"{len(table)} blocks do not pad to {entries} entries ending on an empty span"
+            )
         table += [(len(lengths) - 1, 0)] * (entries - len(table))
     return table
 
@@ -242,8 +316,15 @@ def causal_conv1d_prefill(
     check_index("offsets", offsets, num)
     check_index("lengths", lengths, num)
     check_index("slots", slots, num)
-    if blocks.dim() != 2 or blocks.shape[1] != 2 or blocks.dtype != torch.int32 or not blocks.is_contiguous():
-        raise ValueError(f"blocks: expected [entries, 2] int32, got {tuple(blocks.shape)} {blocks.dtype}")
+    if (
+        blocks.dim() != 2
+        or blocks.shape[1] != 2
+        or blocks.dtype != torch.int32
+        or not blocks.is_contiguous()
+    ):
+        raise ValueError(
+            f"blocks: expected [entries, 2] int32, got {tuple(blocks.shape)} {blocks.dtype}"
+        )
     if block < width - 1 or block & (block - 1):
         raise ValueError(f"block {block} must be a power of 2 of at least width - 1 = {width - 1}")
     if num == 0 or blocks.shape[0] == 0:
@@ -253,7 +334,23 @@ def causal_conv1d_prefill(
     block_c = min(64, triton.next_power_of_2(channels))
     grid = (blocks.shape[0], triton.cdiv(channels, block_c))
     _conv_prefill_kernel[grid](
-        x, weight, state, offsets, lengths, slots, blocks, out,
-        x.stride(0), weight.stride(0), state.stride(0), state.stride(1), out.stride(0),
-        channels, WIDTH=width, KP=triton.next_power_of_2(width - 1), BT=block, BC=block_c, num_warps=4,
+        x,
+        weight,
+        state,
+        offsets,
+        lengths,
+        slots,
+        blocks,
+        out,
+        x.stride(0),
+        weight.stride(0),
+        state.stride(0),
+        state.stride(1),
+        out.stride(0),
+        channels,
+        WIDTH=width,
+        KP=triton.next_power_of_2(width - 1),
+        BT=block,
+        BC=block_c,
+        num_warps=4,
     )

@@ -44,8 +44,17 @@ def embedding_reference(
 
 @triton.jit
 def _embedding_kernel(
-    ids_ptr, slots_ptr, last_ptr, w_ptr, out_ptr, first, rows_held, hidden,
-    BLOCK: tl.constexpr, FROM_LAST: tl.constexpr, GDC: tl.constexpr = False,
+    ids_ptr,
+    slots_ptr,
+    last_ptr,
+    w_ptr,
+    out_ptr,
+    first,
+    rows_held,
+    hidden,
+    BLOCK: tl.constexpr,
+    FROM_LAST: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     # program: one token's row
     wait_for_previous_grid(GDC)
@@ -55,7 +64,9 @@ def _embedding_kernel(
         slot = tl.maximum(tl.load(slots_ptr + r).to(tl.int64), 0)
         token = tl.where(token < 0, tl.load(last_ptr + slot).to(tl.int64), token)
     local = token - first
-    held = tl.where((local >= 0) & (local < rows_held), hidden, 0)  # features to read: none outside the shard
+    held = tl.where(
+        (local >= 0) & (local < rows_held), hidden, 0
+    )  # features to read: none outside the shard
     offs = tl.arange(0, BLOCK)
     row = tl.load(w_ptr + local * hidden + offs, mask=offs < held, other=0.0)
     tl.store(out_ptr + r * hidden + offs, row, mask=offs < hidden)
@@ -73,7 +84,9 @@ def embedding_triton(
     tokens = ids.shape[0]
     check_index("ids", ids, tokens)
     if weight.dim() != 2 or not weight.is_contiguous():
-        raise ValueError(f"embedding: weight must be contiguous [rows, hidden], got {tuple(weight.shape)}")
+        raise ValueError(
+            f"embedding: weight must be contiguous [rows, hidden], got {tuple(weight.shape)}"
+        )
     if token_slots is not None:
         check_index("token_slots", token_slots, tokens)
         if last_tokens is None:
@@ -83,9 +96,17 @@ def embedding_triton(
     if tokens:
         from_last = token_slots is not None
         _embedding_kernel[(tokens,)](
-            ids, token_slots if from_last else ids, last_tokens if from_last else ids, weight, out,
-            first, weight.shape[0], weight.shape[1],
-            BLOCK=triton.next_power_of_2(weight.shape[1]), FROM_LAST=from_last, **pdl_options(ids),
+            ids,
+            token_slots if from_last else ids,
+            last_tokens if from_last else ids,
+            weight,
+            out,
+            first,
+            weight.shape[0],
+            weight.shape[1],
+            BLOCK=triton.next_power_of_2(weight.shape[1]),
+            FROM_LAST=from_last,
+            **pdl_options(ids),
         )
     return out
 

@@ -17,7 +17,9 @@ from deltaserve.kernels.triton_compat import tl, triton
 
 
 @triton.jit
-def _x_tile(x, k_offs, hi, s_ptr, s_lo, s_hi, FP8: tl.constexpr, BN: tl.constexpr, TWO: tl.constexpr):
+def _x_tile(
+    x, k_offs, hi, s_ptr, s_lo, s_hi, FP8: tl.constexpr, BN: tl.constexpr, TWO: tl.constexpr
+):
     """x [BLOCK_K] in fp32 as the weight tile's rows multiply it: for FP8 weights, times each
     row's block scales (engine/rank/fp8.py) over these columns. `s_lo` / `s_hi`: offsets of the
     scale rows of the tile's (at most) two row blocks, `hi` the rows in the second (TWO: the
@@ -49,8 +51,13 @@ class Fp8Args:
     flags: dict  # FP8, BM, BN
 
 
-def fp8_args(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int], fits: bool,
-             tiles: object) -> Fp8Args:  # fmt: skip
+def fp8_args(
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    block: tuple[int, int],
+    fits: bool,
+    tiles: object,
+) -> Fp8Args:
     """The kernels' FP8 arguments (the weight itself when it is not FP8: never read). `fits`:
     whether the launch's `tiles` fit the blocks (skinny_linear.fp8_fits)."""
     if scale is None:
@@ -59,10 +66,16 @@ def fp8_args(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int,
         return Fp8Args((weight, 0, weight.shape[0]), {})
     rows, k = weight.shape
     bm, bn = block
-    if weight.dtype not in FP8_DTYPES or scale.dtype != torch.float32 or scale.stride(1) != 1 \
-            or tuple(scale.shape) != (triton.cdiv(rows, bm), triton.cdiv(k, bn)):
-        raise ValueError(f"skinny_linear: scales {tuple(scale.shape)} {scale.dtype} do not fit the weight "
-                         f"{tuple(weight.shape)} {weight.dtype} in blocks of {block}")  # fmt: skip
+    if (
+        weight.dtype not in FP8_DTYPES
+        or scale.dtype != torch.float32
+        or scale.stride(1) != 1
+        or tuple(scale.shape) != (triton.cdiv(rows, bm), triton.cdiv(k, bn))
+    ):
+        raise ValueError(
+            f"skinny_linear: scales {tuple(scale.shape)} {scale.dtype} do not fit the weight "
+            f"{tuple(weight.shape)} {weight.dtype} in blocks of {block}"
+        )
     if not fits:
         raise ValueError(f"skinny_linear: tiles of {tiles} do not fit FP8 blocks of {block}")
     return Fp8Args((scale, scale.stride(0), rows), {"FP8": True, "BM": bm, "BN": bn})

@@ -162,7 +162,9 @@ def gated_delta_decode_reference(
     q (times dk^-0.5) and k, beta = sigmoid(b) in the model dtype, g = -exp(A_log) *
     softplus(a + dt_bias) in fp32, then one `recurrent_gated_delta` step."""
     rows, slots = rows.long(), slots.long()
-    q, k, v, g, beta = delta_rule_inputs(mixed[rows], a[rows], b[rows], a_log, dt_bias, num_k_heads, state.shape[-1], eps)
+    q, k, v, g, beta = delta_rule_inputs(
+        mixed[rows], a[rows], b[rows], a_log, dt_bias, num_k_heads, state.shape[-1], eps
+    )
     s = state[slots]
     o = recurrent_gated_delta(q, k, v, g, beta, s)
     state[slots] = s
@@ -171,11 +173,30 @@ def gated_delta_decode_reference(
 
 @triton.jit
 def _gated_delta_decode_kernel(
-    mixed_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, rows_ptr, slots_ptr, out_ptr,
-    stride_mixed, stride_a, stride_b, stride_slot, stride_out,
-    q_scale, eps,
-    NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, EVICT: tl.constexpr, GDC: tl.constexpr = False,
+    mixed_ptr,
+    a_ptr,
+    b_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    state_ptr,
+    rows_ptr,
+    slots_ptr,
+    out_ptr,
+    stride_mixed,
+    stride_a,
+    stride_b,
+    stride_slot,
+    stride_out,
+    q_scale,
+    eps,
+    NK: tl.constexpr,
+    NV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    EVICT: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     # program: (decode request i, value head h, block of BV value columns)
     wait_for_previous_grid(GDC)
@@ -246,18 +267,24 @@ def gated_delta_decode(
     if nk < 1 or nv % nk:
         raise ValueError(f"value heads {nv} are not a multiple of key heads {nk}")
     if state.dtype != torch.float32 or state.stride()[1:] != (dk * dv, dv, 1):
-        raise ValueError(f"state: expected fp32 [slots, nv, dk, dv] with contiguous heads, got "
-                         f"{state.dtype} strides {state.stride()}")
+        raise ValueError(
+            f"state: expected fp32 [slots, nv, dk, dv] with contiguous heads, got "
+            f"{state.dtype} strides {state.stride()}"
+        )
     tokens = mixed.shape[0]
     check_rows("mixed", mixed, 2 * nk * dk + nv * dv)
     check_rows("a", a, nv)
     check_rows("b", b, nv)
     if a.shape[0] != tokens or b.shape[0] != tokens or out.shape[0] != tokens:
-        raise ValueError(f"a, b, out need {tokens} rows, got {a.shape[0]}, {b.shape[0]}, {out.shape[0]}")
+        raise ValueError(
+            f"a, b, out need {tokens} rows, got {a.shape[0]}, {b.shape[0]}, {out.shape[0]}"
+        )
     check_vector("A_log", a_log, nv)
     check_vector("dt_bias", dt_bias, nv)
     if out.dim() != 3 or out.shape[1:] != (nv, dv) or out.stride()[1:] != (dv, 1):
-        raise ValueError(f"out: expected [T, {nv}, {dv}] with contiguous heads, got {tuple(out.shape)} {out.stride()}")
+        raise ValueError(
+            f"out: expected [T, {nv}, {dv}] with contiguous heads, got {tuple(out.shape)} {out.stride()}"
+        )
     num = rows.shape[0]
     check_index("rows", rows, num)
     check_index("slots", slots, num)
@@ -268,15 +295,37 @@ def gated_delta_decode(
     programs = num * nv
     if DECODE_TILE is not None:
         block_v, num_warps = block_v or DECODE_TILE[0], num_warps or DECODE_TILE[1]
-    bv = block_v or min(triton.next_power_of_2(dv), 16 if programs <= 64 else 32 if programs <= 256 else 64)
+    bv = block_v or min(
+        triton.next_power_of_2(dv), 16 if programs <= 64 else 32 if programs <= 256 else 64
+    )
     warps = num_warps or (2 if bv <= 32 else 4)
     grid = (num, nv, triton.cdiv(dv, bv))
     _gated_delta_decode_kernel[grid](
-        mixed, a, b, a_log, dt_bias, state, rows, slots, out,
-        mixed.stride(0), a.stride(0), b.stride(0), state.stride(0), out.stride(0),
-        dk**-0.5, eps,
-        NK=nk, NV=nv, DK=dk, DV=dv, BK=bk, BV=bv, EVICT="evict_first" if evict_first else "",
-        num_warps=warps, **pdl_options(mixed),
+        mixed,
+        a,
+        b,
+        a_log,
+        dt_bias,
+        state,
+        rows,
+        slots,
+        out,
+        mixed.stride(0),
+        a.stride(0),
+        b.stride(0),
+        state.stride(0),
+        out.stride(0),
+        dk**-0.5,
+        eps,
+        NK=nk,
+        NV=nv,
+        DK=dk,
+        DV=dv,
+        BK=bk,
+        BV=bv,
+        EVICT="evict_first" if evict_first else "",
+        num_warps=warps,
+        **pdl_options(mixed),
     )
 
 
@@ -320,7 +369,9 @@ def import_lazily(names: list[str]) -> None:
             raise ImportError(f"{name} is not a package")
         package = importlib.util.module_from_spec(spec)  # its __init__ not run
 
-        def run_init(attr: str, package: types.ModuleType = package, spec: ModuleSpec = spec) -> object:
+        def run_init(
+            attr: str, package: types.ModuleType = package, spec: ModuleSpec = spec
+        ) -> object:
             del package.__getattr__  # once: the real __init__ fills the module in
             spec.loader.exec_module(package)
             return getattr(package, attr)
@@ -337,7 +388,9 @@ def compiler_disable_as_is() -> Iterator[None]:
     imports torch._dynamo (a second or more); outside torch.compile, which a rank never
     runs, the decorated function and the function are the same."""
     saved = torch.compiler.disable
-    torch.compiler.disable = lambda fn=None, recursive=True, reason=None: fn if fn is not None else (lambda f: f)
+    torch.compiler.disable = lambda fn=None, recursive=True, reason=None: (
+        fn if fn is not None else (lambda f: f)
+    )
     try:
         yield
     finally:
@@ -357,18 +410,24 @@ def gated_delta_prefill_reference(
     eps: float = 1e-6,
 ) -> torch.Tensor:  # [L, nv, dv] in mixed's dtype
     """`chunk_gated_delta` sequence by sequence, on the inputs the decode kernel derives."""
-    q, k, v, g, beta = delta_rule_inputs(mixed, a, b, a_log, dt_bias, num_k_heads, state.shape[-1], eps)
+    q, k, v, g, beta = delta_rule_inputs(
+        mixed, a, b, a_log, dt_bias, num_k_heads, state.shape[-1], eps
+    )
     out = torch.zeros(v.shape, dtype=mixed.dtype, device=v.device)
     edges = bounds.tolist()
     for slot, start, end in zip(slots.tolist(), edges[:-1], edges[1:], strict=True):
         if end > start:
             piece = slice(start, end)
-            out[piece] = chunk_gated_delta(q[piece], k[piece], v[piece], g[piece], beta[piece], state[slot])
+            out[piece] = chunk_gated_delta(
+                q[piece], k[piece], v[piece], g[piece], beta[piece], state[slot]
+            )
     return out
 
 
 @triton.jit(do_not_specialize_on_alignment=["slots_ptr"])  # a PackedSpans.index row
-def _store_states_kernel(src_ptr, dst_ptr, slots_ptr, numel, stride_src, stride_dst, BLOCK: tl.constexpr):
+def _store_states_kernel(
+    src_ptr, dst_ptr, slots_ptr, numel, stride_src, stride_dst, BLOCK: tl.constexpr
+):
     # program: (sequence i, block of BLOCK elements of its state); slot < 0: nothing
     i = tl.program_id(0)
     slot = tl.load(slots_ptr + i).to(tl.int64)
@@ -385,22 +444,40 @@ def store_states(state: torch.Tensor, slots: torch.Tensor, final: torch.Tensor) 
     graph writes nowhere, where `state[slots] = final` would write some real slot twice."""
     check_index("slots", slots, final.shape[0])
     if final.shape[1:] != state.shape[1:] or final.dtype != state.dtype:
-        raise ValueError(f"final {tuple(final.shape)} {final.dtype} does not fit state {tuple(state.shape)} {state.dtype}")
+        raise ValueError(
+            f"final {tuple(final.shape)} {final.dtype} does not fit state {tuple(state.shape)} {state.dtype}"
+        )
     if not (state[0].is_contiguous() and final[0].is_contiguous()):
         raise ValueError("store_states needs each slot's state contiguous")
     numel = state[0].numel()
     if final.shape[0] and numel:
         block = 4096
         grid = (final.shape[0], triton.cdiv(numel, block))
-        _store_states_kernel[grid](final, state, slots, numel, final.stride(0), state.stride(0), BLOCK=block)
+        _store_states_kernel[grid](
+            final, state, slots, numel, final.stride(0), state.stride(0), BLOCK=block
+        )
 
 
 @triton.jit
 def _fla_inputs_kernel(
-    mixed_ptr, a_ptr, b_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
-    stride_mixed, stride_a, stride_b, eps,
-    NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    mixed_ptr,
+    a_ptr,
+    b_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    stride_mixed,
+    stride_a,
+    stride_b,
+    eps,
+    NK: tl.constexpr,
+    NV: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
 ):
     # program: (token t, key head h): q and k of head h L2-normalised as fla's l2norm does
     # (x / sqrt(sum x^2 + eps) in fp32), then the value heads h * r .. h * r + r - 1 that
@@ -447,14 +524,35 @@ def fla_inputs(
     check_rows("a", a, nv)
     check_rows("b", b, nv)
     if nv % nk or b.shape[0] != length or mixed.shape[0] != length:
-        raise ValueError(f"fla_inputs: {nv} value heads over {nk} key heads, rows {mixed.shape[0]}/{length}/{b.shape[0]}")
+        raise ValueError(
+            f"fla_inputs: {nv} value heads over {nk} key heads, rows {mixed.shape[0]}/{length}/{b.shape[0]}"
+        )
     new = functools.partial(torch.empty, dtype=mixed.dtype, device=mixed.device)
     q, k, v = new((length, nk, dk)), new((length, nk, dk)), new((length, nv, dv))
-    g, beta = torch.empty((length, nv), dtype=a.dtype, device=a.device), new((length, nv), dtype=b.dtype)
+    g, beta = (
+        torch.empty((length, nv), dtype=a.dtype, device=a.device),
+        new((length, nv), dtype=b.dtype),
+    )
     if length:
         _fla_inputs_kernel[(length, nk)](
-            mixed, a, b, q, k, v, g, beta, mixed.stride(0), a.stride(0), b.stride(0), eps,
-            NK=nk, NV=nv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv),
+            mixed,
+            a,
+            b,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            mixed.stride(0),
+            a.stride(0),
+            b.stride(0),
+            eps,
+            NK=nk,
+            NV=nv,
+            DK=dk,
+            DV=dv,
+            BK=triton.next_power_of_2(dk),
+            BV=triton.next_power_of_2(dv),
         )
     return q, k, v, g, beta
 
@@ -480,14 +578,25 @@ def gated_delta_prefill(
     of `chunks` name an empty sequence, whose programs return at once."""
     fla = fla_chunk_kernel() if mixed.is_cuda else None
     if fla is None:
-        return gated_delta_prefill_reference(mixed, a, b, a_log, dt_bias, state, slots, bounds, num_k_heads, eps)
+        return gated_delta_prefill_reference(
+            mixed, a, b, a_log, dt_bias, state, slots, bounds, num_k_heads, eps
+        )
     dk = state.shape[2]
     q, k, v, g, beta = fla_inputs(mixed, a, b, num_k_heads, dk, eps)
     _, out, _, final, _, _ = fla.forward(
-        q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=dk**-0.5,
-        initial_state=state[slots.clamp(min=0)], output_final_state=True,
-        cu_seqlens=bounds, chunk_indices=chunks,
-        use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias,  # made fp32 inside fla's gate kernel
-    )  # fmt: skip
+        q=q[None],
+        k=k[None],
+        v=v[None],
+        g=g[None],
+        beta=beta[None],
+        scale=dk**-0.5,
+        initial_state=state[slots.clamp(min=0)],
+        output_final_state=True,
+        cu_seqlens=bounds,
+        chunk_indices=chunks,
+        use_gate_in_kernel=True,
+        A_log=a_log,
+        dt_bias=dt_bias,  # made fp32 inside fla's gate kernel
+    )
     store_states(state, slots, final.float())
     return out[0].to(mixed.dtype)

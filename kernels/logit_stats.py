@@ -41,7 +41,9 @@ def logsumexp_argmax_reference(
     logits: torch.Tensor, slots: torch.Tensor | None = None, last_tokens: torch.Tensor | None = None
 ) -> Stats:
     lse, arg = torch.logsumexp(logits, dim=-1), logits.argmax(dim=-1)
-    greedy = torch.stack((arg.double(), (logits.gather(1, arg[:, None])[:, 0] - lse).double()), dim=1)
+    greedy = torch.stack(
+        (arg.double(), (logits.gather(1, arg[:, None])[:, 0] - lse).double()), dim=1
+    )
     if slots is not None:
         last_tokens[slots] = arg
     return lse, arg, greedy
@@ -59,8 +61,19 @@ def logsumexp_argmax(
 
 
 @triton.jit
-def _parts_kernel(x_ptr, stride_row, vocab, part_len, max_ptr, sum_ptr, arg_ptr, above_ptr, count_ptr,
-                  BLOCK: tl.constexpr, COUNT: tl.constexpr = False):  # fmt: skip
+def _parts_kernel(
+    x_ptr,
+    stride_row,
+    vocab,
+    part_len,
+    max_ptr,
+    sum_ptr,
+    arg_ptr,
+    above_ptr,
+    count_ptr,
+    BLOCK: tl.constexpr,
+    COUNT: tl.constexpr = False,
+):
     # program: columns [part * part_len, (part + 1) * part_len) of one row; with COUNT, also
     # how many of them are larger than the row's `above`
     row = tl.program_id(0).to(tl.int64)
@@ -85,7 +98,9 @@ def _parts_kernel(x_ptr, stride_row, vocab, part_len, max_ptr, sum_ptr, arg_ptr,
         # all -inf so far, or a +inf: exp(inf - inf) is NaN; torch's logsumexp gives -inf, +inf
         shift = tl.where((new_best == -float("inf")) | (new_best == float("inf")), 0.0, new_best)
         total = total * tl.exp(best - shift) + tl.sum(tl.exp(x - shift), axis=0)
-        arg = tl.where(block_max > best, block_arg, arg)  # strictly greater: the first maximum stays
+        arg = tl.where(
+            block_max > best, block_arg, arg
+        )  # strictly greater: the first maximum stays
         best = new_best
     tl.store(max_ptr + row * parts + part, best)
     tl.store(sum_ptr + row * parts + part, total)
@@ -96,8 +111,20 @@ def _parts_kernel(x_ptr, stride_row, vocab, part_len, max_ptr, sum_ptr, arg_ptr,
 
 @triton.jit(do_not_specialize=["parts"])  # one compiled kernel for every row count
 def _combine_kernel(
-    max_ptr, sum_ptr, arg_ptr, lse_ptr, out_arg_ptr, greedy_ptr, slots_ptr, last_ptr, count_ptr, out_count_ptr, parts,
-    PARTS: tl.constexpr, TO_SLOTS: tl.constexpr, COUNT: tl.constexpr = False,
+    max_ptr,
+    sum_ptr,
+    arg_ptr,
+    lse_ptr,
+    out_arg_ptr,
+    greedy_ptr,
+    slots_ptr,
+    last_ptr,
+    count_ptr,
+    out_count_ptr,
+    parts,
+    PARTS: tl.constexpr,
+    TO_SLOTS: tl.constexpr,
+    COUNT: tl.constexpr = False,
 ):
     # program: one row's parts, in column order
     row = tl.program_id(0).to(tl.int64)
@@ -109,7 +136,9 @@ def _combine_kernel(
     best = tl.max(part_max, axis=0)
     shift = tl.where((best == -float("inf")) | (best == float("inf")), 0.0, best)
     total = tl.sum(part_sum * tl.exp(part_max - shift), axis=0)
-    first = tl.argmax(part_max, axis=0, tie_break_left=True)  # the earliest part holding the maximum
+    first = tl.argmax(
+        part_max, axis=0, tie_break_left=True
+    )  # the earliest part holding the maximum
     arg = tl.sum(tl.where(offs == first, part_arg, 0), axis=0)
     lse = best + tl.log(total)
     tl.store(lse_ptr + row, lse)
@@ -119,7 +148,10 @@ def _combine_kernel(
     if TO_SLOTS:
         tl.store(last_ptr + tl.load(slots_ptr + row), arg)
     if COUNT:
-        tl.store(out_count_ptr + row, tl.sum(tl.load(count_ptr + row * parts + offs, mask=m, other=0), axis=0).to(tl.int64))
+        tl.store(
+            out_count_ptr + row,
+            tl.sum(tl.load(count_ptr + row * parts + offs, mask=m, other=0), axis=0).to(tl.int64),
+        )
 
 
 def logsumexp_argmax_triton(
@@ -133,7 +165,9 @@ def logsumexp_argmax_triton(
     return lse, arg, greedy
 
 
-def target_stats(logits: torch.Tensor, targets: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, ...]:
+def target_stats(
+    logits: torch.Tensor, targets: torch.Tensor, block: int = BLOCK
+) -> tuple[torch.Tensor, ...]:
     """Prompt logprobs' read of [rows, vocab] fp32 logits, each row with its target token
     [rows] int64: (logsumexp [rows], argmax [rows], the target's logit [rows], its rank [rows]
     int64: 1 + the logits larger than it, as vLLM ranks). On the GPU one read of the logits
@@ -159,8 +193,10 @@ def _launch(
     """The two kernels; with `above` (fp32 [rows]), also each row's count of larger logits."""
     check_launchable(logits)
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
-        raise ValueError(f"logits: expected [rows, vocab] fp32 with a contiguous last dim, got "
-                         f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}")  # fmt: skip
+        raise ValueError(
+            f"logits: expected [rows, vocab] fp32 with a contiguous last dim, got "
+            f"{tuple(logits.shape)} {logits.dtype} strides {logits.stride()}"
+        )
     rows, vocab = logits.shape
     if slots is not None:
         check_index("slots", slots, rows)
@@ -176,19 +212,46 @@ def _launch(
     larger = torch.empty(rows, dtype=torch.int64, device=logits.device) if count else None
     if rows == 0:
         return lse, arg, greedy, larger
-    most_parts = triton.next_power_of_2(min(target_programs, triton.cdiv(vocab, block)))  # any row count's
+    most_parts = triton.next_power_of_2(
+        min(target_programs, triton.cdiv(vocab, block))
+    )  # any row count's
     parts = max(1, min(triton.cdiv(target_programs, rows), triton.cdiv(vocab, block)))
     part_len = triton.cdiv(triton.cdiv(vocab, parts), block) * block
     parts = triton.cdiv(vocab, part_len)
     part_max = torch.empty((rows, parts), dtype=torch.float32, device=logits.device)
     part_sum = torch.empty_like(part_max)
     part_arg = torch.empty((rows, parts), dtype=torch.int64, device=logits.device)
-    part_count = torch.empty((rows, parts), dtype=torch.int32, device=logits.device) if count else part_arg
-    _parts_kernel[(rows, parts)](logits, logits.stride(0), vocab, part_len, part_max, part_sum, part_arg,
-                                 above if count else lse, part_count, BLOCK=block, COUNT=count)  # fmt: skip
+    part_count = (
+        torch.empty((rows, parts), dtype=torch.int32, device=logits.device) if count else part_arg
+    )
+    _parts_kernel[(rows, parts)](
+        logits,
+        logits.stride(0),
+        vocab,
+        part_len,
+        part_max,
+        part_sum,
+        part_arg,
+        above if count else lse,
+        part_count,
+        BLOCK=block,
+        COUNT=count,
+    )
     to_slots = slots is not None
     _combine_kernel[(rows,)](
-        part_max, part_sum, part_arg, lse, arg, greedy, slots if to_slots else arg, last_tokens if to_slots else arg,
-        part_count, larger if count else arg, parts, PARTS=most_parts, TO_SLOTS=to_slots, COUNT=count,
+        part_max,
+        part_sum,
+        part_arg,
+        lse,
+        arg,
+        greedy,
+        slots if to_slots else arg,
+        last_tokens if to_slots else arg,
+        part_count,
+        larger if count else arg,
+        parts,
+        PARTS=most_parts,
+        TO_SLOTS=to_slots,
+        COUNT=count,
     )
     return lse, arg, greedy, larger

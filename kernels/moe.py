@@ -13,6 +13,7 @@ tensor-core kernel per product runs every block against its expert's weight tile
 (`_expert_product_kernel`); the k rows of a token are added in order afterwards, so the result
 never depends on which block finished first.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,9 @@ from deltaserve.kernels.triton_compat import (
 )
 
 
-def route_reference(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def route_reference(
+    logits: torch.Tensor, top_k: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32, expert ids [T, k] int64) from router logits [T, E]: softmax in fp32,
     the top k, renormalised to sum to 1 and rounded to the model dtype (HF's
     Qwen3_5MoeTopKRouter)."""
@@ -42,13 +45,24 @@ def route_reference(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tup
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_logits, num_experts,
-                  TOP_K: tl.constexpr, BE: tl.constexpr, BF16: tl.constexpr, GDC: tl.constexpr = False):  # fmt: skip
+def _route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    stride_logits,
+    num_experts,
+    TOP_K: tl.constexpr,
+    BE: tl.constexpr,
+    BF16: tl.constexpr,
+    GDC: tl.constexpr = False,
+):
     # program: one token's router logits -> its top-k experts (best first) and their weights
     wait_for_previous_grid(GDC)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BE)
-    logits = tl.load(logits_ptr + t * stride_logits + offs, mask=offs < num_experts, other=float("-inf"))
+    logits = tl.load(
+        logits_ptr + t * stride_logits + offs, mask=offs < num_experts, other=float("-inf")
+    )
     probs = tl.exp(logits.to(tl.float32) - tl.max(logits.to(tl.float32), axis=0))
     probs = probs / tl.sum(probs, axis=0)
     # a row of NaN logits (a graph's padding row may hold anything) picks experts 0..k-1
@@ -71,7 +85,9 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_logits, num_experts,
         left = tl.where(offs == index, -1.0, left)
 
 
-def route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, top_k: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_reference`: one Triton program a token on the GPU path."""
     if not (gpu_path(logits) and HAS_TRITON):
         return route_reference(logits, top_k, dtype)
@@ -80,14 +96,28 @@ def route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.T
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
     if tokens:
-        _route_kernel[(tokens,)](logits, weights, ids, logits.stride(0), num_experts, TOP_K=top_k,
-                                 BE=triton.next_power_of_2(num_experts), BF16=dtype == torch.bfloat16,
-                                 num_warps=1 if num_experts <= 256 else 4, **pdl_options(logits))  # fmt: skip
+        _route_kernel[(tokens,)](
+            logits,
+            weights,
+            ids,
+            logits.stride(0),
+            num_experts,
+            TOP_K=top_k,
+            BE=triton.next_power_of_2(num_experts),
+            BF16=dtype == torch.bfloat16,
+            num_warps=1 if num_experts <= 256 else 4,
+            **pdl_options(logits),
+        )
     return weights, ids
 
 
-def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def experts_reference(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
     """sum_k weights[t, k] * down[e] (silu(gate[e] x_t) * up[e] x_t) over e = ids[t, k], in fp32 [T, H].
     gate_up [E, 2 I, H] (gate rows then up rows), down [E, H, I]; products in x's dtype."""
     out = torch.zeros((x.shape[0], down.shape[1]), dtype=torch.float32, device=x.device)
@@ -99,7 +129,9 @@ def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     return out
 
 
-def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_pairs(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(pairs [blocks * block_m] int32, block_expert [blocks] int32) for ids [T, k].
 
     Pair p is (token p // k, its (p % k)-th expert). Each expert's pairs fill whole blocks of
@@ -124,10 +156,26 @@ def group_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 
 @triton.jit
 def _expert_product_kernel(
-    x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
-    stride_x, stride_we, stride_wn, stride_out, n_out, k_in, up_offset,
-    ROWS_PER_PAIR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GATE_UP: tl.constexpr, EXACT: tl.constexpr, GDC: tl.constexpr = False,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    weights_ptr,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_out,
+    n_out,
+    k_in,
+    up_offset,
+    ROWS_PER_PAIR: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    EXACT: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     # program: block b of pairs (one expert) x BN output features.
     # GATE_UP: input row = the pair's token (pair // ROWS_PER_PAIR), out = silu(x Wg^T) * (x Wu^T)
@@ -149,16 +197,26 @@ def _expert_product_kernel(
     for k0 in range(0, k_in, BK):
         offs_k = k0 + tl.arange(0, BK)
         mk = offs_k < k_in
-        a = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
+        a = tl.load(
+            x_ptr + rows[:, None] * stride_x + offs_k[None, :],
+            mask=valid[:, None] & mk[None, :],
+            other=0.0,
+        )
         w = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         if EXACT:  # fp32 model (or the interpreter, whose bf16 dot is wrong)
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(w))
         if GATE_UP:
-            u = tl.load(w_rows + up_offset * stride_wn + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+            u = tl.load(
+                w_rows + up_offset * stride_wn + offs_k[None, :],
+                mask=mn[:, None] & mk[None, :],
+                other=0.0,
+            )
             if EXACT:
-                acc_up += tl.dot(a.to(tl.float32), tl.trans(u.to(tl.float32)), input_precision="ieee")
+                acc_up += tl.dot(
+                    a.to(tl.float32), tl.trans(u.to(tl.float32)), input_precision="ieee"
+                )
             else:
                 acc_up += tl.dot(a, tl.trans(u))
     dtype = out_ptr.dtype.element_ty
@@ -166,14 +224,28 @@ def _expert_product_kernel(
         result = silu_times(acc, acc_up, dtype)
     else:
         result = acc * tl.load(weights_ptr + tl.where(valid, pairs, 0))[:, None]
-    out_ptrs = out_ptr + tl.where(valid, pairs, 0).to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    out_ptrs = (
+        out_ptr + tl.where(valid, pairs, 0).to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    )
     tl.store(out_ptrs, result.to(dtype), mask=valid[:, None] & mn[None, :])
 
 
 @triton.jit
 def _gate_up_gemv_kernel(
-    x_ptr, w_ptr, out_ptr, ids_ptr, stride_x, stride_we, stride_wn, stride_out, n_out, k_in,
-    TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr = False,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    ids_ptr,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_out,
+    n_out,
+    k_in,
+    TOP_K: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     # program: one (token, expert) pair x BN of its expert's gate rows and the matching up rows,
     # products on CUDA cores: with a few tokens each pair reads its expert's rows once, and
@@ -191,7 +263,9 @@ def _gate_up_gemv_kernel(
         mk = offs_k < k_in
         x = tl.load(x_ptr + (pair // TOP_K) * stride_x + offs_k, mask=mk, other=0.0).to(tl.float32)
         w = tl.load(w_rows + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-        u = tl.load(w_rows + n_out * stride_wn + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        u = tl.load(
+            w_rows + n_out * stride_wn + offs_k[None, :], mask=mn[:, None] & mk[None, :], other=0.0
+        )
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         acc_up += tl.sum(u.to(tl.float32) * x[None, :], axis=1)
     result = silu_times(acc, acc_up, out_ptr.dtype.element_ty)
@@ -213,10 +287,29 @@ def _row_dot(x_ptr, w_rows, mn, k_in, BK: tl.constexpr, BN: tl.constexpr):
 
 @triton.jit
 def _down_sum_kernel(
-    h_ptr, w_ptr, ids_ptr, weights_ptr, shared_h_ptr, shared_w_ptr, shared_gate_ptr, out_ptr,
-    stride_h, stride_we, stride_wn, stride_shared_h, stride_shared_wn, stride_gate, stride_out,
-    n_out, k_in, k_shared,
-    TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SHARED: tl.constexpr, GDC: tl.constexpr = False,
+    h_ptr,
+    w_ptr,
+    ids_ptr,
+    weights_ptr,
+    shared_h_ptr,
+    shared_w_ptr,
+    shared_gate_ptr,
+    out_ptr,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_shared_h,
+    stride_shared_wn,
+    stride_gate,
+    stride_out,
+    n_out,
+    k_in,
+    k_shared,
+    TOP_K: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SHARED: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     # program: one token x BN output features: sum over its k experts of weight * (h W_down^T),
     # plus, with SHARED, sigmoid(shared gate) * (shared h W_shared_down^T) rounded to the dtype
@@ -230,11 +323,20 @@ def _down_sum_kernel(
     for j in range(TOP_K):
         pair = t * TOP_K + j
         expert = tl.load(ids_ptr + pair)
-        part = _row_dot(h_ptr + pair * stride_h, w_ptr + expert * stride_we + rows * stride_wn, mn, k_in, BK, BN)
+        part = _row_dot(
+            h_ptr + pair * stride_h, w_ptr + expert * stride_we + rows * stride_wn, mn, k_in, BK, BN
+        )
         acc += part * tl.load(weights_ptr + pair)
     dtype = out_ptr.dtype.element_ty
     if SHARED:
-        part = _row_dot(shared_h_ptr + t * stride_shared_h, shared_w_ptr + rows * stride_shared_wn, mn, k_shared, BK, BN)
+        part = _row_dot(
+            shared_h_ptr + t * stride_shared_h,
+            shared_w_ptr + rows * stride_shared_wn,
+            mn,
+            k_shared,
+            BK,
+            BN,
+        )
         acc += times_sigmoid(part.to(dtype), tl.load(shared_gate_ptr + t * stride_gate))
     tl.store(out_ptr + t * stride_out + offs_n, acc.to(dtype), mask=mn)
 
@@ -263,13 +365,24 @@ def _block_m(num_pairs: int) -> int:
 
 def _check_shapes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
     num_experts, hidden, inter = down.shape
-    if gate_up.shape != (num_experts, 2 * inter, x.shape[1]) or hidden != x.shape[1] or x.stride(1) != 1:
-        raise ValueError(f"experts: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)} and down "
-                         f"{tuple(down.shape)} do not fit [T, H], [E, 2 I, H], [E, H, I]")  # fmt: skip
+    if (
+        gate_up.shape != (num_experts, 2 * inter, x.shape[1])
+        or hidden != x.shape[1]
+        or x.stride(1) != 1
+    ):
+        raise ValueError(
+            f"experts: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)} and down "
+            f"{tuple(down.shape)} do not fit [T, H], [E, 2 I, H], [E, H, I]"
+        )
 
 
-def experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                   ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def experts_triton(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
     """`experts_reference` (same arguments; weights fp32): per-pair GEMVs up to GEMV_PAIRS
     pairs (`experts_and_shared`), else two grouped products and the sum over k."""
     check_launchable(x, gate_up, down)
@@ -287,22 +400,55 @@ def experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, w
     exact = x.dtype == torch.float32 or INTERPRET
     launch = dict(BM=block_m, BN=64, BK=64, EXACT=exact, num_warps=4, **pdl_options(x))
     _expert_product_kernel[(block_expert.numel(), triton.cdiv(inter, 64))](
-        x, gate_up, h, pairs, block_expert, flat_weights,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), inter, hidden, inter,
-        ROWS_PER_PAIR=top_k, GATE_UP=True, **launch,
+        x,
+        gate_up,
+        h,
+        pairs,
+        block_expert,
+        flat_weights,
+        x.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        h.stride(0),
+        inter,
+        hidden,
+        inter,
+        ROWS_PER_PAIR=top_k,
+        GATE_UP=True,
+        **launch,
     )
     _expert_product_kernel[(block_expert.numel(), triton.cdiv(hidden, 64))](
-        h, down, out, pairs, block_expert, flat_weights,
-        h.stride(0), down.stride(0), down.stride(1), out.stride(0), hidden, inter, 0,
-        ROWS_PER_PAIR=1, GATE_UP=False, **launch,
+        h,
+        down,
+        out,
+        pairs,
+        block_expert,
+        flat_weights,
+        h.stride(0),
+        down.stride(0),
+        down.stride(1),
+        out.stride(0),
+        hidden,
+        inter,
+        0,
+        ROWS_PER_PAIR=1,
+        GATE_UP=False,
+        **launch,
     )
     return out.view(tokens, top_k, hidden).sum(1)
 
 
-def experts_and_shared(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                       ids: torch.Tensor, out_dtype: torch.dtype, shared_h: torch.Tensor | None = None,
-                       shared_down: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
-                       ) -> torch.Tensor:  # fmt: skip
+def experts_and_shared(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    out_dtype: torch.dtype,
+    shared_h: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The routed experts' output in `out_dtype` by per-pair GEMVs (a few tokens on the GPU):
     [T, H] = sum_k weights * expert(x), plus sigmoid(shared_gate) * shared_h shared_down^T where
     the shared expert is given (its activation [T, Is], down weight [H, Is], gate logit [T, 1])."""
@@ -312,25 +458,64 @@ def experts_and_shared(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     inter, top_k = down.shape[2], ids.shape[1]
     out = torch.empty((tokens, hidden), dtype=out_dtype, device=x.device)
     shared = shared_h is not None
-    if shared and (shared_down.shape != (hidden, shared_h.shape[1]) or shared_gate.shape != (tokens, 1)):
-        raise ValueError(f"shared expert: h {tuple(shared_h.shape)}, down {tuple(shared_down.shape)} and gate "
-                         f"{tuple(shared_gate.shape)} do not fit [T, Is], [H, Is], [T, 1]")  # fmt: skip
+    if shared and (
+        shared_down.shape != (hidden, shared_h.shape[1]) or shared_gate.shape != (tokens, 1)
+    ):
+        raise ValueError(
+            f"shared expert: h {tuple(shared_h.shape)}, down {tuple(shared_down.shape)} and gate "
+            f"{tuple(shared_gate.shape)} do not fit [T, Is], [H, Is], [T, 1]"
+        )
     if tokens == 0:
         return out
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     flat_ids = ids.reshape(-1).contiguous()
     bn, bk = gemv_rows(tokens * top_k * inter, sm_count(x)), GEMV_COLUMNS
     _gate_up_gemv_kernel[(tokens * top_k, triton.cdiv(inter, bn))](
-        x, gate_up, h, flat_ids, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), inter, hidden,
-        TOP_K=top_k, BN=bn, BK=bk, num_warps=4, **pdl_options(x),
+        x,
+        gate_up,
+        h,
+        flat_ids,
+        x.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        h.stride(0),
+        inter,
+        hidden,
+        TOP_K=top_k,
+        BN=bn,
+        BK=bk,
+        num_warps=4,
+        **pdl_options(x),
     )
     bn = gemv_rows(tokens * hidden, sm_count(x))
-    sh, sw, sg = (shared_h, shared_down, shared_gate) if shared else (h, down[0], weights)  # unread without SHARED
+    sh, sw, sg = (
+        (shared_h, shared_down, shared_gate) if shared else (h, down[0], weights)
+    )  # unread without SHARED
     _down_sum_kernel[(tokens, triton.cdiv(hidden, bn))](
-        h, down, flat_ids, weights.reshape(-1).contiguous(), sh, sw, sg, out,
-        h.stride(0), down.stride(0), down.stride(1), sh.stride(0), sw.stride(0), sg.stride(0), out.stride(0),
-        hidden, inter, sh.shape[1],
-        TOP_K=top_k, BN=bn, BK=bk, SHARED=shared, num_warps=4, **pdl_options(x),
+        h,
+        down,
+        flat_ids,
+        weights.reshape(-1).contiguous(),
+        sh,
+        sw,
+        sg,
+        out,
+        h.stride(0),
+        down.stride(0),
+        down.stride(1),
+        sh.stride(0),
+        sw.stride(0),
+        sg.stride(0),
+        out.stride(0),
+        hidden,
+        inter,
+        sh.shape[1],
+        TOP_K=top_k,
+        BN=bn,
+        BK=bk,
+        SHARED=shared,
+        num_warps=4,
+        **pdl_options(x),
     )
     return out
 
@@ -340,8 +525,13 @@ def gemv_path(x: torch.Tensor, ids: torch.Tensor) -> bool:
     return gpu_path(x) and HAS_TRITON and ids.numel() <= GEMV_PAIRS
 
 
-def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-            ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
     """The routed experts' output [T, H] in fp32 (see `experts_reference`)."""
     if gpu_path(x) and HAS_TRITON:
         return experts_triton(x, gate_up, down, weights, ids)

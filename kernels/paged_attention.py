@@ -90,12 +90,16 @@ def prefill_attention(
         # Called directly: SDPA itself picks cuDNN on Hopper, which builds a graph for every new
         # (query, key) length, and a bottom-right mask through torch.nn.attention.bias imports
         # torch._dynamo (seconds of start-up). Flash's causal mask is bottom-right aligned.
-        out = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, True, False, scale=scale)[0]
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            q4, k4, v4, 0.0, True, False, scale=scale
+        )[0]
         return out[0].transpose(0, 1)
     mask = None
     if start:  # query i (position start + i) sees keys 0 .. start + i
         mask = torch.ones(length, start + length, dtype=torch.bool, device=q.device).tril(start)
-    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=not start, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q4, k4, v4, attn_mask=mask, is_causal=not start, scale=scale, enable_gqa=True
+    )
     return out[0].transpose(0, 1)
 
 
@@ -142,15 +146,33 @@ def gathered_prefill_attention(
     k, v = k_cache[rows], v_cache[rows]
     if flash_takes(q.device, q.dtype, q.shape[-1]):
         return torch.ops.aten._flash_attention_forward(
-            q, k, v, bounds, keys.bounds, max_len, int(rows.shape[0]), 0.0, True, False, scale=scale,
+            q,
+            k,
+            v,
+            bounds,
+            keys.bounds,
+            max_len,
+            int(rows.shape[0]),
+            0.0,
+            True,
+            False,
+            scale=scale,
             seqused_k=keys.lengths,
-        )[0]  # fmt: skip
+        )[0]
     out = torch.empty_like(q)
-    spans = zip(bounds[:-1].tolist(), bounds[1:].tolist(), keys.bounds[:-1].tolist(), keys.lengths.tolist(), strict=True)
+    spans = zip(
+        bounds[:-1].tolist(),
+        bounds[1:].tolist(),
+        keys.bounds[:-1].tolist(),
+        keys.lengths.tolist(),
+        strict=True,
+    )
     for start, end, first_key, used in spans:
         if end > start:
             piece = slice(first_key, first_key + used)
-            out[start:end] = prefill_attention(q[start:end], k[piece], v[piece], used - (end - start), scale)
+            out[start:end] = prefill_attention(
+                q[start:end], k[piece], v[piece], used - (end - start), scale
+            )
     return out
 
 
@@ -196,13 +218,40 @@ def paged_decode_attention_reference(
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, rows_ptr, out_ptr, part_ptr, lse_ptr, gate_ptr,
-    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-    stride_table, stride_out_row, stride_out_head, stride_gate_row, stride_gate_head,
-    scale, block_size, num_heads,
-    GROUP: tl.constexpr, BG: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr,
-    BN: tl.constexpr, NUM_PARTS: tl.constexpr, EXACT: tl.constexpr, GATED: tl.constexpr,
-    GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    rows_ptr,
+    out_ptr,
+    part_ptr,
+    lse_ptr,
+    gate_ptr,
+    stride_q_row,
+    stride_q_head,
+    stride_k_row,
+    stride_k_head,
+    stride_v_row,
+    stride_v_head,
+    stride_table,
+    stride_out_row,
+    stride_out_head,
+    stride_gate_row,
+    stride_gate_head,
+    scale,
+    block_size,
+    num_heads,
+    GROUP: tl.constexpr,
+    BG: tl.constexpr,
+    HD: tl.constexpr,
+    BD: tl.constexpr,
+    BN: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    EXACT: tl.constexpr,
+    GATED: tl.constexpr,
+    GDC: tl.constexpr = False,
+    GDC_LATE: tl.constexpr = False,
 ):
     # program: (decode request i, KV head kvh, partition p of the context)
     wait_for_previous_grid(GDC)
@@ -216,7 +265,11 @@ def _paged_decode_kernel(
     offs_d = tl.arange(0, BD)
     heads = kvh * GROUP + offs_g
     mq = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HD)
-    q = tl.load(q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=mq, other=0.0)
+    q = tl.load(
+        q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :],
+        mask=mq,
+        other=0.0,
+    )
     m_i = tl.full([BG], float("-inf"), tl.float32)
     l_i = tl.zeros([BG], tl.float32)
     acc = tl.zeros([BG, BD], tl.float32)
@@ -226,11 +279,21 @@ def _paged_decode_kernel(
     for n0 in range(begin, end, BN):
         pos = n0 + tl.arange(0, BN)
         mn = pos < end
-        block = tl.load(tables_ptr + i * stride_table + pos // block_size, mask=mn, other=0).to(tl.int64)
+        block = tl.load(tables_ptr + i * stride_table + pos // block_size, mask=mn, other=0).to(
+            tl.int64
+        )
         cache_row = block * block_size + pos % block_size
         mkv = mn[:, None] & (offs_d[None, :] < HD)
-        k = tl.load(k_ptr + cache_row[:, None] * stride_k_row + kvh * stride_k_head + offs_d[None, :], mask=mkv, other=0.0)
-        v = tl.load(v_ptr + cache_row[:, None] * stride_v_row + kvh * stride_v_head + offs_d[None, :], mask=mkv, other=0.0)
+        k = tl.load(
+            k_ptr + cache_row[:, None] * stride_k_row + kvh * stride_k_head + offs_d[None, :],
+            mask=mkv,
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr + cache_row[:, None] * stride_v_row + kvh * stride_v_head + offs_d[None, :],
+            mask=mkv,
+            other=0.0,
+        )
         if EXACT:  # fp32 model (or the interpreter, whose bf16 dot is wrong): fp32 products
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -251,7 +314,9 @@ def _paged_decode_kernel(
     result = acc / safe_l[:, None]  # an empty partition (or a padding row) gives zeros
     if NUM_PARTS == 1:
         o_ptrs = out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + offs_d[None, :]
-        g_ptrs = gate_ptr + row * stride_gate_row + heads[:, None] * stride_gate_head + offs_d[None, :]
+        g_ptrs = (
+            gate_ptr + row * stride_gate_row + heads[:, None] * stride_gate_head + offs_d[None, :]
+        )
         tl.store(o_ptrs, _output(result, g_ptrs, mq, out_ptr.dtype.element_ty, GATED), mask=mq)
     else:
         # partials: part [D, nh, NUM_PARTS, HD] fp32, lse [D, nh, NUM_PARTS]
@@ -272,10 +337,23 @@ def _output(result, gate_ptrs, mask, dtype: tl.constexpr, GATED: tl.constexpr):
 
 @triton.jit
 def _merge_parts_kernel(
-    part_ptr, lse_ptr, rows_ptr, out_ptr, gate_ptr, stride_out_row, stride_out_head,
-    stride_gate_row, stride_gate_head, num_heads,
-    HD: tl.constexpr, BD: tl.constexpr, NUM_PARTS: tl.constexpr, BP: tl.constexpr, GATED: tl.constexpr,
-    GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
+    part_ptr,
+    lse_ptr,
+    rows_ptr,
+    out_ptr,
+    gate_ptr,
+    stride_out_row,
+    stride_out_head,
+    stride_gate_row,
+    stride_gate_head,
+    num_heads,
+    HD: tl.constexpr,
+    BD: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    BP: tl.constexpr,
+    GATED: tl.constexpr,
+    GDC: tl.constexpr = False,
+    GDC_LATE: tl.constexpr = False,
 ):
     wait_for_previous_grid(GDC)
     i = tl.program_id(0)
@@ -290,11 +368,16 @@ def _merge_parts_kernel(
     weight = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
     total = tl.sum(weight, 0)
     mask = (offs_p[:, None] < NUM_PARTS) & (offs_d[None, :] < HD)
-    parts = tl.load(part_ptr + (base + offs_p[:, None]) * HD + offs_d[None, :], mask=mask, other=0.0)
+    parts = tl.load(
+        part_ptr + (base + offs_p[:, None]) * HD + offs_d[None, :], mask=mask, other=0.0
+    )
     result = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     g_ptrs = gate_ptr + row * stride_gate_row + h * stride_gate_head + offs_d
-    tl.store(out_ptr + row * stride_out_row + h * stride_out_head + offs_d,
-             _output(result, g_ptrs, offs_d < HD, out_ptr.dtype.element_ty, GATED), mask=offs_d < HD)
+    tl.store(
+        out_ptr + row * stride_out_row + h * stride_out_head + offs_d,
+        _output(result, g_ptrs, offs_d < HD, out_ptr.dtype.element_ty, GATED),
+        mask=offs_d < HD,
+    )
 
 
 # Programs per SM the decode split aims at (`decode_partitions`; tools/bench_step_ab.py's
@@ -305,8 +388,14 @@ PARTS_PER_SM = 2
 DECODE_LAUNCH: tuple[int, int, int] | None = None
 
 
-def decode_partitions(num_requests: int, num_kv_heads: int, max_seq_len: int, tile: int,
-                      per_sm: int | None = None, sms: int = H200_SMS) -> int:
+def decode_partitions(
+    num_requests: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    tile: int,
+    per_sm: int | None = None,
+    sms: int = H200_SMS,
+) -> int:
     """How many partitions split each request's context: enough programs to fill the GPU's
     `sms` SMs `per_sm` times over, never more than `max_seq_len` has tiles. Each request divides
     its own context evenly among them (in the kernel), so a CUDA graph can fix this number
@@ -344,27 +433,41 @@ def paged_decode_attention(
     if num_kv < 1 or num_heads % num_kv:
         raise ValueError(f"query heads {num_heads} are not a multiple of KV heads {num_kv}")
     if k_cache.shape != v_cache.shape or k_cache.shape[2] != hd or k_cache.dtype != q.dtype:
-        raise ValueError(f"k/v cache {tuple(k_cache.shape)}/{tuple(v_cache.shape)} {k_cache.dtype} "
-                         f"do not fit queries {tuple(q.shape)} {q.dtype}")
+        raise ValueError(
+            f"k/v cache {tuple(k_cache.shape)}/{tuple(v_cache.shape)} {k_cache.dtype} "
+            f"do not fit queries {tuple(q.shape)} {q.dtype}"
+        )
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if t.stride(2) != 1:
             raise ValueError(f"{name}: head_dim must be contiguous, got strides {t.stride()}")
-    if out.shape != q.shape or (gate is not None and (gate.shape != q.shape or gate.stride(2) != 1)):
-        raise ValueError(f"out {tuple(out.shape)} and gate must match q {tuple(q.shape)}, head_dim contiguous")
+    if out.shape != q.shape or (
+        gate is not None and (gate.shape != q.shape or gate.stride(2) != 1)
+    ):
+        raise ValueError(
+            f"out {tuple(out.shape)} and gate must match q {tuple(q.shape)}, head_dim contiguous"
+        )
     num = rows.shape[0]
     check_index("rows", rows, num)
     check_index("seq_lens", seq_lens, num)
     if block_tables.dim() != 2 or block_tables.shape[0] != num or block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables: expected [{num}, max_blocks] contiguous rows, got "
-                         f"{tuple(block_tables.shape)} strides {block_tables.stride()}")
+        raise ValueError(
+            f"block_tables: expected [{num}, max_blocks] contiguous rows, got "
+            f"{tuple(block_tables.shape)} strides {block_tables.stride()}"
+        )
     if max_seq_len > block_tables.shape[1] * block_size:
-        raise ValueError(f"max_seq_len {max_seq_len} exceeds the block tables' "
-                         f"{block_tables.shape[1]} blocks of {block_size}")
+        raise ValueError(
+            f"max_seq_len {max_seq_len} exceeds the block tables' "
+            f"{block_tables.shape[1]} blocks of {block_size}"
+        )
     if num == 0:
         return
     group = num_heads // num_kv
     if DECODE_LAUNCH is not None:
-        block_n, num_warps, num_stages = block_n or DECODE_LAUNCH[0], num_warps or DECODE_LAUNCH[1], num_stages or DECODE_LAUNCH[2]
+        block_n, num_warps, num_stages = (
+            block_n or DECODE_LAUNCH[0],
+            num_warps or DECODE_LAUNCH[1],
+            num_stages or DECODE_LAUNCH[2],
+        )
     tile = block_n or (64 if hd <= 128 else 32)
     num_parts = decode_partitions(num, num_kv, max_seq_len, tile, parts_per_sm, sm_count(q))
     bd = triton.next_power_of_2(hd)
@@ -374,19 +477,60 @@ def paged_decode_attention(
         lse = torch.empty((num, num_heads, num_parts), dtype=torch.float32, device=q.device)
     g = out if gate is None else gate  # (unread without a gate)
     _paged_decode_kernel[(num, num_kv, num_parts)](
-        q, k_cache, v_cache, block_tables, seq_lens, rows, out, part, lse, g,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1), g.stride(0), g.stride(1),
-        scale, block_size, num_heads,
-        GROUP=group, BG=max(16, triton.next_power_of_2(group)), HD=hd, BD=bd, BN=tile, NUM_PARTS=num_parts,
-        EXACT=q.dtype == torch.float32 or INTERPRET, GATED=gate is not None, num_warps=num_warps or 4,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        rows,
+        out,
+        part,
+        lse,
+        g,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        g.stride(0),
+        g.stride(1),
+        scale,
+        block_size,
+        num_heads,
+        GROUP=group,
+        BG=max(16, triton.next_power_of_2(group)),
+        HD=hd,
+        BD=bd,
+        BN=tile,
+        NUM_PARTS=num_parts,
+        EXACT=q.dtype == torch.float32 or INTERPRET,
+        GATED=gate is not None,
+        num_warps=num_warps or 4,
         # tuned on the H200 (bench/results): two stages win once the grid is large
-        num_stages=num_stages or (2 if num * num_kv >= 256 else 3), **pdl_options(q, reads_ahead="attention"),
+        num_stages=num_stages or (2 if num * num_kv >= 256 else 3),
+        **pdl_options(q, reads_ahead="attention"),
     )
     if num_parts > 1:
         _merge_parts_kernel[(num, num_heads)](
-            part, lse, rows, out, g, out.stride(0), out.stride(1), g.stride(0), g.stride(1), num_heads,
-            HD=hd, BD=bd, NUM_PARTS=num_parts, BP=triton.next_power_of_2(num_parts), GATED=gate is not None,
+            part,
+            lse,
+            rows,
+            out,
+            g,
+            out.stride(0),
+            out.stride(1),
+            g.stride(0),
+            g.stride(1),
+            num_heads,
+            HD=hd,
+            BD=bd,
+            NUM_PARTS=num_parts,
+            BP=triton.next_power_of_2(num_parts),
+            GATED=gate is not None,
             num_warps=4,
             **pdl_options(q, reads_ahead="attention"),
         )

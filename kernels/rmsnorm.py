@@ -42,7 +42,9 @@ def add_rms_norm_reference(
     return rms_norm_reference(total, weight, eps), total
 
 
-def gated_rms_norm_reference(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_reference(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     """As HF does it: normalise in fp32, cast back, scale by w, then gate by silu(z) in fp32."""
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -65,7 +67,9 @@ def add_rms_norm(
     return add_rms_norm_reference(x, residual, weight, eps)
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     if gpu_path(x) and HAS_TRITON:
         return gated_rms_norm_triton(x, z, weight, eps)
     return gated_rms_norm_reference(x, z, weight, eps)
@@ -73,9 +77,24 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 @triton.jit(do_not_specialize=["num_rows"])  # one kernel for every row count (a prompt's are any)
 def _rms_norm_kernel(
-    x_ptr, z_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_z, stride_z_head, z_heads, dim, eps, stride_split,
+    x_ptr,
+    z_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    stride_x,
+    stride_z,
+    stride_z_head,
+    z_heads,
+    dim,
+    eps,
+    stride_split,
     num_rows,
-    GATED: tl.constexpr, ADD: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr = 1, ROWS: tl.constexpr = 1,
+    GATED: tl.constexpr,
+    ADD: tl.constexpr,
+    BD: tl.constexpr,
+    SPLITS: tl.constexpr = 1,
+    ROWS: tl.constexpr = 1,
     GDC: tl.constexpr = False,
 ):
     # program: ROWS rows of `dim` features; ADD: z is the residual, the sum goes to sum_ptr.
@@ -127,13 +146,19 @@ def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(
-    x: torch.Tensor | SplitSum, z: torch.Tensor | None, weight: torch.Tensor, eps: float, add: bool = False
+    x: torch.Tensor | SplitSum,
+    z: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    add: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm, sum): z is the gate, or with `add` the residual; sum is x + z (else x)."""
     splits, stride_split, dtype = 1, 0, None
     if isinstance(x, SplitSum):  # [splits, rows, dim] fp32, contiguous (skinny_linear)
         if not add or x.parts.dim() != 3 or not x.parts.is_contiguous():
-            raise ValueError("partial sums are taken by the residual add only, as [splits, rows, dim] contiguous")
+            raise ValueError(
+                "partial sums are taken by the residual add only, as [splits, rows, dim] contiguous"
+            )
         splits, stride_split, dtype = x.parts.shape[0], x.parts.stride(0), x.dtype
         x = x.parts[0]
     check_launchable(x, weight)
@@ -156,9 +181,26 @@ def _launch(
     block = triton.next_power_of_2(dim)
     per_program = rows_per_program()
     _rms_norm_kernel[(triton.cdiv(rows.shape[0], per_program),)](
-        rows, gate, weight, out, total, rows.stride(0), gate.stride(0), stride_z_head, z_heads, dim, eps, stride_split,
-        rows.shape[0], GATED=z is not None and not add, ADD=add, BD=block, SPLITS=splits, ROWS=per_program,
-        num_warps=WIDE_ROW_WARPS if block >= 2048 else 4 if block >= 512 else 1, **pdl_options(x),
+        rows,
+        gate,
+        weight,
+        out,
+        total,
+        rows.stride(0),
+        gate.stride(0),
+        stride_z_head,
+        z_heads,
+        dim,
+        eps,
+        stride_split,
+        rows.shape[0],
+        GATED=z is not None and not add,
+        ADD=add,
+        BD=block,
+        SPLITS=splits,
+        ROWS=per_program,
+        num_warps=WIDE_ROW_WARPS if block >= 2048 else 4 if block >= 512 else 1,
+        **pdl_options(x),
     )
     return out, total
 
@@ -175,6 +217,8 @@ def add_rms_norm_triton(
     return _launch(x, residual, weight, eps, add=True)
 
 
-def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_triton(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     """`gated_rms_norm_reference` in one kernel."""
     return _launch(x, z, weight, eps)[0]

@@ -61,12 +61,37 @@ class KVStore:
 
 @triton.jit(do_not_specialize=["tokens"])  # one kernel for every token count (a prompt's are any)
 def _norm_rope_kernel(
-    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, index_ptr,
-    q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr,
-    stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head,
-    stride_kc, stride_vc, eps, tokens,
-    QH: tl.constexpr, KH: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, HALF: tl.constexpr,
-    STORE: tl.constexpr, ROWS: tl.constexpr = 1, GDC: tl.constexpr = False, GDC_LATE: tl.constexpr = False,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qw_ptr,
+    kw_ptr,
+    pos_ptr,
+    inv_freq_ptr,
+    index_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_q_row,
+    stride_q_head,
+    stride_k_row,
+    stride_k_head,
+    stride_v_row,
+    stride_v_head,
+    stride_kc,
+    stride_vc,
+    eps,
+    tokens,
+    QH: tl.constexpr,
+    KH: tl.constexpr,
+    HD: tl.constexpr,
+    BD: tl.constexpr,
+    HALF: tl.constexpr,
+    STORE: tl.constexpr,
+    ROWS: tl.constexpr = 1,
+    GDC: tl.constexpr = False,
+    GDC_LATE: tl.constexpr = False,
 ):
     # program: (ROWS tokens t, head h of q, then of k, then (STORE) of v); one head of HD
     # features a token. The weights, the positions and their cos and sin (and the cache
@@ -81,8 +106,11 @@ def _norm_rope_kernel(
     hk = tl.minimum(tl.maximum(h - QH, 0), KH - 1)
     hv = tl.maximum(h - QH - KH, 0)
     k_src = k_ptr + t * stride_k_row + hk * stride_k_head
-    src = tl.where(is_q, q_ptr + t * stride_q_row + hq * stride_q_head,
-                   tl.where(is_v, v_ptr + t * stride_v_row + hv * stride_v_head, k_src))
+    src = tl.where(
+        is_q,
+        q_ptr + t * stride_q_row + hq * stride_q_head,
+        tl.where(is_v, v_ptr + t * stride_v_row + hv * stride_v_head, k_src),
+    )
     w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
     dtype = q_out_ptr.dtype.element_ty
     offs = tl.arange(0, BD)[None, :]
@@ -116,7 +144,9 @@ def _norm_rope_kernel(
     if STORE:  # k's and v's programs: the cache row (a negative one is CUDA-graph padding)
         out = tl.where(is_v, x, out)
         row = tl.maximum(dest, 0)
-        cache = tl.where(is_v, v_cache_ptr + row * stride_vc + hv * HD, k_cache_ptr + row * stride_kc + hk * HD)
+        cache = tl.where(
+            is_v, v_cache_ptr + row * stride_vc + hv * HD, k_cache_ptr + row * stride_kc + hk * HD
+        )
         tl.store(cache + offs, out, mask=offs < tl.where(is_q | (dest < 0), 0, HD))
 
 
@@ -152,15 +182,43 @@ def norm_rope(
     k_out = torch.empty((tokens, num_k, hd), dtype=k.dtype, device=k.device)
     if tokens == 0:
         return q_out, k_out
-    v, k_cache, v_cache, index = (store.v, store.k_cache, store.v_cache, store.index) if store else (k, k, k, positions)
+    v, k_cache, v_cache, index = (
+        (store.v, store.k_cache, store.v_cache, store.index) if store else (k, k, k, positions)
+    )
     block = triton.next_power_of_2(hd)
     per_program = rows_per_program()
     _norm_rope_kernel[(triton.cdiv(tokens, per_program), num_q + num_k * (2 if store else 1))](
-        q, k, v, q_weight, k_weight, positions, inv_freq, index, q_out, k_out, k_cache, v_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), v_cache.stride(0), eps, tokens,
-        QH=num_q, KH=num_k, HD=hd, BD=block, HALF=half, STORE=store is not None, ROWS=per_program,
-        num_warps=1 if block <= 256 else 2, **pdl_options(q, reads_ahead="attention"),
+        q,
+        k,
+        v,
+        q_weight,
+        k_weight,
+        positions,
+        inv_freq,
+        index,
+        q_out,
+        k_out,
+        k_cache,
+        v_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        v_cache.stride(0),
+        eps,
+        tokens,
+        QH=num_q,
+        KH=num_k,
+        HD=hd,
+        BD=block,
+        HALF=half,
+        STORE=store is not None,
+        ROWS=per_program,
+        num_warps=1 if block <= 256 else 2,
+        **pdl_options(q, reads_ahead="attention"),
     )
     return q_out, k_out
 
@@ -168,9 +226,17 @@ def norm_rope(
 def check_kv_store(store: KVStore, k: torch.Tensor) -> None:
     tokens, num_k, hd = k.shape
     for name, t in (("v", store.v), ("k_cache", store.k_cache), ("v_cache", store.v_cache)):
-        if t.dim() != 3 or t.shape[1:] != (num_k, hd) or t.stride(2) != 1 or t.stride(1) != hd or t.dtype != k.dtype:
-            raise ValueError(f"{name}: expected [*, {num_k}, {hd}] {k.dtype} with contiguous rows, got "
-                             f"{tuple(t.shape)} {t.dtype} strides {t.stride()}")
+        if (
+            t.dim() != 3
+            or t.shape[1:] != (num_k, hd)
+            or t.stride(2) != 1
+            or t.stride(1) != hd
+            or t.dtype != k.dtype
+        ):
+            raise ValueError(
+                f"{name}: expected [*, {num_k}, {hd}] {k.dtype} with contiguous rows, got "
+                f"{tuple(t.shape)} {t.dtype} strides {t.stride()}"
+            )
     if store.v.shape[0] != tokens:
         raise ValueError(f"k has {tokens} rows, v {store.v.shape[0]}")
     check_index("kv index", store.index, tokens)

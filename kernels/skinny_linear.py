@@ -47,8 +47,12 @@ SILU_EPILOGUE = True  # gate_up's kernel makes silu(gate) * up (tools/bench_step
 SUM_IN_NORM = True  # split-K partial sums added by the next norm (`linear(unsummed=True)`; ditto)
 USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mode turns them off)
 LM_HEAD_GEMV = True  # one row's logits by the whole-row GEMV (`logits`; ditto, "lm_cublas")
-CONV_EPILOGUE = True  # one row's in_proj GEMV makes the DeltaNet conv (`ConvEpilogue`; ditto, "conv_apart")
-RULE_FIRST_AHEAD = True  # the rule's one-row GEMVs read their first K block before the wait (ditto, "rule_plain")
+CONV_EPILOGUE = (
+    True  # one row's in_proj GEMV makes the DeltaNet conv (`ConvEpilogue`; ditto, "conv_apart")
+)
+RULE_FIRST_AHEAD = (
+    True  # the rule's one-row GEMVs read their first K block before the wait (ditto, "rule_plain")
+)
 # an FP8 weight's GEMV tile: this many times the bf16 tile's rows (one row's replay 2.316 ms against
 # 2.376 at 2x and 2.400 at 8x, step_ab_h200_fp8_gemv_rows_4b_b1.json; ditto, "fp8_rows1", ...)
 FP8_GEMV_ROWS = 4
@@ -91,7 +95,9 @@ class ConvEpilogue:
 
     weight: torch.Tensor  # [channels, width] conv taps
     state: torch.Tensor  # [slots, channels, width - 1] the windows, updated in place
-    rows: torch.Tensor  # [M] the step's token rows, 0 .. M-1 (for `causal_conv1d_update` when not fused)
+    rows: (
+        torch.Tensor
+    )  # [M] the step's token rows, 0 .. M-1 (for `causal_conv1d_update` when not fused)
     slots: torch.Tensor  # [M] each row's slot; -1: a padding row, no window touched
 
 
@@ -104,19 +110,33 @@ def _conv_inputs(offs, channels, slot, w_ptr, state_ptr, stride_slot):
     live = offs < tl.where(slot >= 0, channels, 0)  # the windows to shift: none for a padding row
     window = state_ptr + tl.maximum(slot, 0) * stride_slot + offs * 3
     taps = w_ptr + offs * 4
-    return (window, live, read_ahead(window, live, 0.0), read_ahead(window + 1, live, 0.0),
-            read_ahead(window + 2, live, 0.0), read_ahead(taps, conv, 0.0), read_ahead(taps + 1, conv, 0.0),
-            read_ahead(taps + 2, conv, 0.0), read_ahead(taps + 3, conv, 0.0))
+    return (
+        window,
+        live,
+        read_ahead(window, live, 0.0),
+        read_ahead(window + 1, live, 0.0),
+        read_ahead(window + 2, live, 0.0),
+        read_ahead(taps, conv, 0.0),
+        read_ahead(taps + 1, conv, 0.0),
+        read_ahead(taps + 2, conv, 0.0),
+        read_ahead(taps + 3, conv, 0.0),
+    )
 
 
 @triton.jit
-def _conv_output(acc, offs, channels, window, live, old0, old1, old2, w0, w1, w2, w3, dtype: tl.constexpr):
+def _conv_output(
+    acc, offs, channels, window, live, old0, old1, old2, w0, w1, w2, w3, dtype: tl.constexpr
+):
     """acc: fp32 products of columns `offs`; the conv channels' become silu(y), y the taps
     times [window | x] summed in fp32 and rounded to the model dtype, x being the product
     rounded to it (as `causal_conv1d_update` rounds), and their windows shift x in."""
     x = acc.to(dtype)
-    y = (w0.to(tl.float32) * old0.to(tl.float32) + w1.to(tl.float32) * old1.to(tl.float32)
-         + w2.to(tl.float32) * old2.to(tl.float32) + w3.to(tl.float32) * x.to(tl.float32))
+    y = (
+        w0.to(tl.float32) * old0.to(tl.float32)
+        + w1.to(tl.float32) * old1.to(tl.float32)
+        + w2.to(tl.float32) * old2.to(tl.float32)
+        + w3.to(tl.float32) * x.to(tl.float32)
+    )
     tl.store(window, old1, mask=live)
     tl.store(window + 1, old2, mask=live)
     tl.store(window + 2, x.to(old0.dtype), mask=live)
@@ -166,13 +186,30 @@ def _dot(w, x, UPCAST: tl.constexpr, acc=None):
 
 @triton.jit
 def _skinny_dot_kernel(
-    x_ptr, w_ptr, out_ptr,
-    M, N, k_blocks, up,
-    stride_xm, stride_wn, stride_om, stride_split,
-    s_ptr, stride_s, w_rows,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False, GDC: tl.constexpr = False,
-    FP8: tl.constexpr = False, BM: tl.constexpr = 1, BN: tl.constexpr = 1,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    k_blocks,
+    up,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_split,
+    s_ptr,
+    stride_s,
+    w_rows,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EVICT: tl.constexpr,
+    SILU_MUL: tl.constexpr = False,
+    GDC: tl.constexpr = False,
+    FP8: tl.constexpr = False,
+    BM: tl.constexpr = 1,
+    BN: tl.constexpr = 1,
 ):
     """SILU_MUL: the weight is [gate | up] by rows (`up` rows each) and out = silu(gate) * up.
     The K split (grid axis 1) gives each part k_blocks / splits of the BLOCK_K blocks, rounded
@@ -212,19 +249,41 @@ def _skinny_dot_kernel(
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ptrs = out_ptr + pid_k * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
+    tl.store(
+        out_ptrs,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(offs_m[None, :] < M) & (offs_n[:, None] < N),
+    )
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr,
-    N, k_per_split, up,
-    stride_wn, stride_split,
-    conv_channels, conv_w_ptr, conv_state_ptr, conv_slots_ptr, stride_conv_slot,
-    s_ptr, stride_s,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, SILU_MUL: tl.constexpr = False,
-    TAIL_K: tl.constexpr = -1, CONV: tl.constexpr = False, GDC: tl.constexpr = False,
-    FIRST_AHEAD: tl.constexpr = False, FP8: tl.constexpr = False, BM: tl.constexpr = 1, BN: tl.constexpr = 1,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    N,
+    k_per_split,
+    up,
+    stride_wn,
+    stride_split,
+    conv_channels,
+    conv_w_ptr,
+    conv_state_ptr,
+    conv_slots_ptr,
+    stride_conv_slot,
+    s_ptr,
+    stride_s,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVICT: tl.constexpr,
+    SILU_MUL: tl.constexpr = False,
+    TAIL_K: tl.constexpr = -1,
+    CONV: tl.constexpr = False,
+    GDC: tl.constexpr = False,
+    FIRST_AHEAD: tl.constexpr = False,
+    FP8: tl.constexpr = False,
+    BM: tl.constexpr = 1,
+    BN: tl.constexpr = 1,
 ):
     """One row: products summed per thread along K, reduced across threads once at the end.
     SILU_MUL as in `_skinny_dot_kernel`; CONV (whole rows only): the DeltaNet conv over the first
@@ -247,24 +306,37 @@ def _gemv_kernel(
     n_ok = row_ok[:, None]
     if TAIL_K >= 0:
         if CONV:
-            conv_in = _conv_inputs(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), conv_channels,
-                                   read_ahead(conv_slots_ptr).to(tl.int64), conv_w_ptr, conv_state_ptr, stride_conv_slot)
+            conv_in = _conv_inputs(
+                pid_n * BLOCK_N + tl.arange(0, BLOCK_N),
+                conv_channels,
+                read_ahead(conv_slots_ptr).to(tl.int64),
+                conv_w_ptr,
+                conv_state_ptr,
+                stride_conv_slot,
+            )
         w = _load_weights(w_ptrs, n_ok, EVICT)
         if TAIL_K > 0:
-            w_tail = _load_weights(w_ptr + rows[:, None] * stride_wn + (BLOCK_K + tl.arange(0, TAIL_K))[None, :],
-                                   n_ok, EVICT)
+            w_tail = _load_weights(
+                w_ptr + rows[:, None] * stride_wn + (BLOCK_K + tl.arange(0, TAIL_K))[None, :],
+                n_ok,
+                EVICT,
+            )
         wait_for_previous_grid(GDC)
         x = _x_tile(tl.load(x_ptrs), offs_k, hi, s_ptr, s_lo, s_hi, FP8, BN, SILU_MUL)
         out = tl.sum(w.to(tl.float32) * x, axis=1)
         if TAIL_K > 0:
             tail_k = BLOCK_K + tl.arange(0, TAIL_K)
-            x_tail = _x_tile(tl.load(x_ptr + tail_k), tail_k, hi, s_ptr, s_lo, s_hi, FP8, BN, SILU_MUL)
+            x_tail = _x_tile(
+                tl.load(x_ptr + tail_k), tail_k, hi, s_ptr, s_lo, s_hi, FP8, BN, SILU_MUL
+            )
             out += tl.sum(w_tail.to(tl.float32) * x_tail, axis=1)
     else:
         if FIRST_AHEAD:
             w = _load_weights(w_ptrs, n_ok, EVICT)
             wait_for_previous_grid(GDC)
-            acc = w.to(tl.float32) * _x_tile(tl.load(x_ptrs), k_start + offs_k, hi, s_ptr, s_lo, s_hi, FP8, BN, SILU_MUL)
+            acc = w.to(tl.float32) * _x_tile(
+                tl.load(x_ptrs), k_start + offs_k, hi, s_ptr, s_lo, s_hi, FP8, BN, SILU_MUL
+            )
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             first = BLOCK_K
@@ -274,26 +346,47 @@ def _gemv_kernel(
             first = 0
         for k in range(first, k_per_split, BLOCK_K):
             w = _load_weights(w_ptrs, n_ok, EVICT)
-            x = _x_tile(tl.load(x_ptrs), k_start + k + offs_k, hi, s_ptr, s_lo, s_hi, FP8, BN, SILU_MUL)
+            x = _x_tile(
+                tl.load(x_ptrs), k_start + k + offs_k, hi, s_ptr, s_lo, s_hi, FP8, BN, SILU_MUL
+            )
             acc += w.to(tl.float32) * x
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         out = tl.sum(acc, axis=1)
     if SILU_MUL:
-        out = tl.reshape(_silu_mul_halves(tl.reshape(out, (BLOCK_N, 1)), out_ptr.dtype.element_ty, BLOCK_N, 1),
-                         (BLOCK_N // 2,))
+        out = tl.reshape(
+            _silu_mul_halves(tl.reshape(out, (BLOCK_N, 1)), out_ptr.dtype.element_ty, BLOCK_N, 1),
+            (BLOCK_N // 2,),
+        )
         offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if CONV:
             window, live, old0, old1, old2, w0, w1, w2, w3 = conv_in
-            out = _conv_output(out, offs_n, conv_channels, window, live, old0, old1, old2, w0, w1, w2, w3,
-                               out_ptr.dtype.element_ty)
-    tl.store(out_ptr + pid_k * stride_split + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+            out = _conv_output(
+                out,
+                offs_n,
+                conv_channels,
+                window,
+                live,
+                old0,
+                old1,
+                old2,
+                w0,
+                w1,
+                w2,
+                w3,
+                out_ptr.dtype.element_ty,
+            )
+    tl.store(
+        out_ptr + pid_k * stride_split + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N
+    )
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+def _sum_splits_kernel(
+    part_ptr, out_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False
+):
     """out = sum over splits in order 0..SPLIT_K-1 (fixed order: deterministic)."""
     wait_for_previous_grid(GDC)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -305,19 +398,37 @@ def _sum_splits_kernel(part_ptr, out_ptr, total, SPLIT_K: tl.constexpr, BLOCK: t
 
 
 def _check_conv_epilogue(
-    conv: ConvEpilogue, m: int, n: int, cfg: SkinnyConfig, gemv: bool, silu_mul: bool, out: torch.Tensor | None,
+    conv: ConvEpilogue,
+    m: int,
+    n: int,
+    cfg: SkinnyConfig,
+    gemv: bool,
+    silu_mul: bool,
+    out: torch.Tensor | None,
     dtype: torch.dtype,
 ) -> None:
     channels = conv.weight.shape[0]
     if conv.weight.shape != (channels, 4) or not conv.weight.is_contiguous() or channels > n:
-        raise ValueError(f"conv epilogue: taps must be contiguous [channels <= {n}, 4], got {tuple(conv.weight.shape)}")
-    if conv.state.dim() != 3 or conv.state.shape[1:] != (channels, 3) or conv.state.stride()[1:] != (3, 1):
-        raise ValueError(f"conv epilogue: windows must be [slots, {channels}, 3] contiguous per slot, got "
-                         f"{tuple(conv.state.shape)} strides {conv.state.stride()}")  # fmt: skip
+        raise ValueError(
+            f"conv epilogue: taps must be contiguous [channels <= {n}, 4], got {tuple(conv.weight.shape)}"
+        )
+    if (
+        conv.state.dim() != 3
+        or conv.state.shape[1:] != (channels, 3)
+        or conv.state.stride()[1:] != (3, 1)
+    ):
+        raise ValueError(
+            f"conv epilogue: windows must be [slots, {channels}, 3] contiguous per slot, got "
+            f"{tuple(conv.state.shape)} strides {conv.state.stride()}"
+        )
     if conv.slots.shape != (m,) or conv.slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"conv epilogue: slots must be [{m}] int32/int64, got {tuple(conv.slots.shape)} {conv.slots.dtype}")
+        raise ValueError(
+            f"conv epilogue: slots must be [{m}] int32/int64, got {tuple(conv.slots.shape)} {conv.slots.dtype}"
+        )
     if not (gemv and cfg.whole_rows) or silu_mul or (out is not None and out.dtype != dtype):
-        raise ValueError(f"conv epilogue: needs the whole-row GEMV ({cfg}), no silu_mul and out in x's dtype")
+        raise ValueError(
+            f"conv epilogue: needs the whole-row GEMV ({cfg}), no silu_mul and out in x's dtype"
+        )
 
 
 def whole_row_parts(k: int) -> tuple[int, int] | None:
@@ -363,27 +474,54 @@ def skinny_linear(
     rows, k = weight.shape
     n = rows // 2 if silu_mul else rows
     if x.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit")
+        raise ValueError(
+            f"skinny_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit"
+        )
     if not splits_fit(k, cfg.block_k, cfg.split_k, gemv):
-        raise ValueError(f"skinny_linear: K={k} does not split into {cfg.split_k} parts of whole blocks of "
-                         f"{cfg.block_k}" + (" (the GEMV's parts alike)" if gemv else ""))
+        raise ValueError(
+            f"skinny_linear: K={k} does not split into {cfg.split_k} parts of whole blocks of "
+            f"{cfg.block_k}" + (" (the GEMV's parts alike)" if gemv else "")
+        )
     if (cfg.whole_rows or cfg.first_ahead) and not gemv:
-        raise ValueError(f"skinny_linear: whole rows and the first block read ahead are the GEMV's ({cfg})")
+        raise ValueError(
+            f"skinny_linear: whole rows and the first block read ahead are the GEMV's ({cfg})"
+        )
     if cfg.whole_rows and cfg.first_ahead:
-        raise ValueError(f"skinny_linear: whole rows are read ahead whole, not by their first block ({cfg})")
-    if silu_mul and (rows % 2 or cfg.split_k != 1 or cfg.block_n < 2 or (out is not None and out.dtype != x.dtype)):
-        raise ValueError(f"skinny_linear: silu_mul needs an even [gate | up] weight (got {rows} rows), "
-                         f"no K split, at least 2 rows per tile ({cfg}) and out in x's dtype")  # fmt: skip
+        raise ValueError(
+            f"skinny_linear: whole rows are read ahead whole, not by their first block ({cfg})"
+        )
+    if silu_mul and (
+        rows % 2
+        or cfg.split_k != 1
+        or cfg.block_n < 2
+        or (out is not None and out.dtype != x.dtype)
+    ):
+        raise ValueError(
+            f"skinny_linear: silu_mul needs an even [gate | up] weight (got {rows} rows), "
+            f"no K split, at least 2 rows per tile ({cfg}) and out in x's dtype"
+        )
     if conv is not None:
         _check_conv_epilogue(conv, m, n, cfg, gemv, silu_mul, out, x.dtype)
-    fp8 = fp8_args(weight, scale, block, scale is None or fp8_fits(cfg, gemv, block, silu_mul, rows), cfg)
-    conv_args = (conv.weight.shape[0], conv.weight, conv.state, conv.slots, conv.state.stride(0)) if conv else (0, x, x, x, 0)
+    fp8 = fp8_args(
+        weight, scale, block, scale is None or fp8_fits(cfg, gemv, block, silu_mul, rows), cfg
+    )
+    conv_args = (
+        (conv.weight.shape[0], conv.weight, conv.state, conv.slots, conv.state.stride(0))
+        if conv
+        else (0, x, x, x, 0)
+    )
     k_per_split = k // cfg.split_k
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype not in (x.dtype, torch.float32) or not out.is_contiguous():
+    elif (
+        out.shape != (m, n) or out.dtype not in (x.dtype, torch.float32) or not out.is_contiguous()
+    ):
         raise ValueError(f"skinny_linear: out must be contiguous [{m}, {n}] {x.dtype} or fp32")
-    target = out if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+    target = (
+        out
+        if cfg.split_k == 1
+        else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+    )
     outputs_per_tile = cfg.block_n // 2 if silu_mul else cfg.block_n
     grid = (triton.cdiv(n, outputs_per_tile), cfg.split_k)
     pdl = pdl_options(x, kind="gemv" if gemv else "dot")
@@ -394,21 +532,58 @@ def skinny_linear(
         if cfg.whole_rows:
             parts = whole_row_parts(k)
             if cfg.block_k != k or parts is None:
-                raise ValueError(f"skinny_linear: whole rows need block_k = K and K a sum of two powers "
-                                 f"of two; K={k}, {cfg}")
+                raise ValueError(
+                    f"skinny_linear: whole rows need block_k = K and K a sum of two powers "
+                    f"of two; K={k}, {cfg}"
+                )
             block_k, tail_k = parts
         _gemv_kernel[grid](
-            x, weight, target, n, k_per_split, n, weight.stride(0), m * n, *conv_args, *fp8.pointers[:2],
-            BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVICT=cfg.evict_first, SILU_MUL=silu_mul, TAIL_K=tail_k,
-            CONV=conv is not None, FIRST_AHEAD=cfg.first_ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **fp8.flags, **pdl,
+            x,
+            weight,
+            target,
+            n,
+            k_per_split,
+            n,
+            weight.stride(0),
+            m * n,
+            *conv_args,
+            *fp8.pointers[:2],
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=block_k,
+            EVICT=cfg.evict_first,
+            SILU_MUL=silu_mul,
+            TAIL_K=tail_k,
+            CONV=conv is not None,
+            FIRST_AHEAD=cfg.first_ahead,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **fp8.flags,
+            **pdl,
         )
     else:
         _skinny_dot_kernel[grid](
-            x, weight, target, m, n, k // cfg.block_k, n, x.stride(0), weight.stride(0), n, m * n, *fp8.pointers,
-            BLOCK_M=block_m_for(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=INTERPRET,
-            EVICT=cfg.evict_first, SILU_MUL=silu_mul,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8.flags, **pdl,
+            x,
+            weight,
+            target,
+            m,
+            n,
+            k // cfg.block_k,
+            n,
+            x.stride(0),
+            weight.stride(0),
+            n,
+            m * n,
+            *fp8.pointers,
+            BLOCK_M=block_m_for(m),
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            UPCAST=INTERPRET,
+            EVICT=cfg.evict_first,
+            SILU_MUL=silu_mul,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            **fp8.flags,
+            **pdl,
         )
     if cfg.split_k > 1 and unsummed:
         return SplitSum(target, x.dtype)
@@ -427,8 +602,12 @@ def skinny_linear(
 TUNED = {
     # one row, whole rows read before the wait (replay 2.597 against 2.641 ms,
     # step_ab_h200_gemv_whole_rows_adopted_at_180c95a.json; for down or qkv: slower)
-    (1, 12352, 2560): SkinnyConfig(2, 2560, 1, 4, 1, whole_rows=True),  # DeltaNet in_proj: 351 against 430
-    (1, 18432, 2560): SkinnyConfig(2, 2560, 1, 2, 1, whole_rows=True),  # MLP gate_up + silu epilogue: 748 against 766
+    (1, 12352, 2560): SkinnyConfig(
+        2, 2560, 1, 4, 1, whole_rows=True
+    ),  # DeltaNet in_proj: 351 against 430
+    (1, 18432, 2560): SkinnyConfig(
+        2, 2560, 1, 2, 1, whole_rows=True
+    ),  # MLP gate_up + silu epilogue: 748 against 766
     # MLP down: 2 rows a program, its first block read before the wait (replay -1.0% with the rule's
     # one-row GEMVs so, step_ab_h200_first_block_ahead_down_tiles_4b_b1_at_7e91d54.json)
     (1, 2560, 9216): SkinnyConfig(2, 1024, 1, 4, 2, evict_first=True, first_ahead=True),
@@ -437,21 +616,35 @@ TUNED = {
     (1, 2560, 4096): SkinnyConfig(2, 1024, 1, 4, 2, first_ahead=True),
     # (out/o_proj and down at 2-64 rows, K in 3 parts, are the rule's: one wave of 120 programs)
     (64, 12352, 2560): SkinnyConfig(64, 64, 1, 4, 5),  # DeltaNet in_proj: 453 against cuBLAS's 482
-    (64, 18432, 2560): SkinnyConfig(64, 64, 1, 4, 4),  # MLP gate_up + silu epilogue: step 5.467 ms against cuBLAS's 5.542
+    (64, 18432, 2560): SkinnyConfig(
+        64, 64, 1, 4, 4
+    ),  # MLP gate_up + silu epilogue: step 5.467 ms against cuBLAS's 5.542
     # 9B (hidden 4096; step_tiles_h200_9b_at_01e2744.json). One row: every projection reads its
     # rows whole before the wait (replay 4.154 against the rule's 4.457 ms), down's K of 12288 too
-    (1, 12352, 4096): SkinnyConfig(2, 4096, 1, 4, 1, evict_first=True, whole_rows=True),  # in_proj: 587 against 696
-    (1, 24576, 4096): SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True),  # gate_up + silu epilogue: 1458 against 1670
+    (1, 12352, 4096): SkinnyConfig(
+        2, 4096, 1, 4, 1, evict_first=True, whole_rows=True
+    ),  # in_proj: 587 against 696
+    (1, 24576, 4096): SkinnyConfig(
+        4, 4096, 1, 8, 1, whole_rows=True
+    ),  # gate_up + silu epilogue: 1458 against 1670
     (1, 4096, 12288): SkinnyConfig(2, 12288, 1, 4, 1, whole_rows=True),  # down: 779 against 843
-    (1, 10240, 4096): SkinnyConfig(2, 4096, 1, 4, 1, whole_rows=True),  # attention qkv: 148 against 164
+    (1, 10240, 4096): SkinnyConfig(
+        2, 4096, 1, 4, 1, whole_rows=True
+    ),  # attention qkv: 148 against 164
     (1, 4096, 4096): SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True),  # out/o_proj: 296 against 342
-    (32, 4096, 12288): SkinnyConfig(64, 128, 3, 4, 4),  # down: 825 against 1016 at 8 rows (the rule's 2 parts: 835)
+    (32, 4096, 12288): SkinnyConfig(
+        64, 128, 3, 4, 4
+    ),  # down: 825 against 1016 at 8 rows (the rule's 2 parts: 835)
     # 2B (hidden 2048). One row: whole rows again (replay 1.280 against 1.312 ms,
     # step_ab_h200_2b_one_wave_at_01e2744-onewave.json; the shares from step_tiles at 01e2744)
     (1, 8224, 2048): SkinnyConfig(2, 2048, 1, 2, 1, whole_rows=True),  # in_proj: 168 against 182
-    (1, 12288, 2048): SkinnyConfig(2, 2048, 1, 2, 1, whole_rows=True),  # gate_up + silu epilogue: 307 against 381
+    (1, 12288, 2048): SkinnyConfig(
+        2, 2048, 1, 2, 1, whole_rows=True
+    ),  # gate_up + silu epilogue: 307 against 381
     (1, 2048, 6144): SkinnyConfig(4, 6144, 1, 8, 1, whole_rows=True),  # down: 157 against 185
-    (1, 5120, 2048): SkinnyConfig(2, 2048, 1, 4, 1, whole_rows=True),  # attention qkv: 28 against 48
+    (1, 5120, 2048): SkinnyConfig(
+        2, 2048, 1, 4, 1, whole_rows=True
+    ),  # attention qkv: 28 against 48
     (1, 2048, 2048): SkinnyConfig(2, 2048, 1, 4, 1, whole_rows=True),  # out/o_proj: 57 against 85
 }
 
@@ -461,7 +654,9 @@ def tuned_class(rows: int) -> int:
     return 1 if rows == 1 else 32 if rows <= 32 else 64 if rows <= 64 else 0
 
 
-def decode_config(rows: int, n: int, k: int, sms: int = H200_SMS) -> tuple[SkinnyConfig, bool] | None:
+def decode_config(
+    rows: int, n: int, k: int, sms: int = H200_SMS
+) -> tuple[SkinnyConfig, bool] | None:
     """The kernel for `rows` x [n, k], or None for cuBLAS: a TUNED tile, else the rule read
     off the sweeps at the 0.8B-9B shapes on the H200 (bench/results/step_tiles_h200_*.json).
 
@@ -487,11 +682,19 @@ def decode_config(rows: int, n: int, k: int, sms: int = H200_SMS) -> tuple[Skinn
             wide = SkinnyConfig(8, 256, 1, 4, 2, evict_first=True, first_ahead=RULE_FIRST_AHEAD)
             return (wide, True) if k % 256 == 0 else None
         block_k = next((b for b in (1024, 512, 256) if k % b == 0), None)
-        return (SkinnyConfig(4, block_k, 1, 8, 2, first_ahead=RULE_FIRST_AHEAD), True) if block_k else None
+        return (
+            (SkinnyConfig(4, block_k, 1, 8, 2, first_ahead=RULE_FIRST_AHEAD), True)
+            if block_k
+            else None
+        )
     if k % 128:
         return None
     if not ONE_WAVE:  # splits that divide K's blocks, up to 32 rows
-        split = next((s for s in (3, 4, 2) if (k // 128) % s == 0), 1) if triton.cdiv(n, 64) < sms else 1
+        split = (
+            next((s for s in (3, 4, 2) if (k // 128) % s == 0), 1)
+            if triton.cdiv(n, 64) < sms
+            else 1
+        )
         return None if rows > 32 else (SkinnyConfig(64, 128, split, 4, 3), False)
     split = max(1, min(sms // triton.cdiv(n, 64), k // 128))
     if split == 1 and rows > 32:
@@ -530,7 +733,9 @@ def linear(
         choice = decode_config(x.shape[0], weight.shape[0], weight.shape[1], sm_count(x))
         if choice is not None and scale is not None and choice[1]:
             choice = dataclasses.replace(choice[0], block_n=choice[0].block_n * FP8_GEMV_ROWS), True
-        if choice is not None and (scale is None or fp8_fits(choice[0], choice[1], block, silu_mul, weight.shape[0])):
+        if choice is not None and (
+            scale is None or fp8_fits(choice[0], choice[1], block, silu_mul, weight.shape[0])
+        ):
             cfg, gemv = choice
             fp8 = {"scale": scale, "block": block}
             if conv is not None:
@@ -539,7 +744,9 @@ def linear(
                 return _conv_after(skinny_linear(x, weight, cfg, gemv, **fp8), conv)
             if silu_mul and SILU_EPILOGUE and cfg.split_k == 1:
                 return skinny_linear(x, weight, cfg, gemv, silu_mul=True, **fp8)
-            y = skinny_linear(x, weight, cfg, gemv, unsummed=unsummed and SUM_IN_NORM and not silu_mul, **fp8)
+            y = skinny_linear(
+                x, weight, cfg, gemv, unsummed=unsummed and SUM_IN_NORM and not silu_mul, **fp8
+            )
             return silu_and_mul(y) if silu_mul else y
     if scale is not None:
         weight = dequantize(weight, scale, block).to(x.dtype)
@@ -549,12 +756,18 @@ def linear(
     return silu_and_mul(y) if silu_mul else y
 
 
-def fp8_fits(cfg: SkinnyConfig, gemv: bool, block: tuple[int, int], silu_mul: bool, rows: int) -> bool:
+def fp8_fits(
+    cfg: SkinnyConfig, gemv: bool, block: tuple[int, int], silu_mul: bool, rows: int
+) -> bool:
     """Whether the kernel's tiles can read FP8 weights of these blocks (`fp8_args` refuses the others)."""
     bm, bn = block
     tile_rows = cfg.block_n // 2 if silu_mul else cfg.block_n
     k_parts = (whole_row_parts(cfg.block_k) or (1, 1)) if cfg.whole_rows else (cfg.block_k, 0)
-    fits = bm % tile_rows == 0 and not any(part % bn for part in k_parts) if gemv else bn % cfg.block_k == 0
+    fits = (
+        bm % tile_rows == 0 and not any(part % bn for part in k_parts)
+        if gemv
+        else bn % cfg.block_k == 0
+    )
     return fits and not (silu_mul and (rows // 2) % bm)
 
 
@@ -572,10 +785,21 @@ def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows per program stay in registers), launched with PDL where cuBLAS is not, and measured
     faster than cuBLAS's GEMM at the 4B shapes on the H200; else that GEMM."""
     k = weight.shape[1]
-    if LM_HEAD_GEMV and x.shape[0] == 1 and k <= 4096 and whole_row_parts(k) and x.dtype in HALF_DTYPES \
-            and weight.dtype == x.dtype and x.stride(1) == weight.stride(1) == 1 and HAS_TRITON and gpu_path(x):
+    if (
+        LM_HEAD_GEMV
+        and x.shape[0] == 1
+        and k <= 4096
+        and whole_row_parts(k)
+        and x.dtype in HALF_DTYPES
+        and weight.dtype == x.dtype
+        and x.stride(1) == weight.stride(1) == 1
+        and HAS_TRITON
+        and gpu_path(x)
+    ):
         out = torch.empty((1, weight.shape[0]), dtype=torch.float32, device=x.device)
-        return skinny_linear(x, weight, SkinnyConfig(2, k, 1, 4, 1, whole_rows=True), gemv=True, out=out)
+        return skinny_linear(
+            x, weight, SkinnyConfig(2, k, 1, 4, 1, whole_rows=True), gemv=True, out=out
+        )
     if x.is_cuda and x.dtype != torch.float32:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x, weight).float()

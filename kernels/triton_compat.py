@@ -162,7 +162,12 @@ def report_late_compiles(log: logging.Logger, rank: int) -> None:
         return
 
     def hook(*, fn, compile, **_kwargs) -> None:
-        log.warning("rank %d: Triton kernel %s first used after start-up: %s", rank, fn.name, _specialization(fn, compile))
+        log.warning(
+            "rank %d: Triton kernel %s first used after start-up: %s",
+            rank,
+            fn.name,
+            _specialization(fn, compile),
+        )
 
     knobs.runtime.jit_post_compile_hook = hook
 
@@ -189,7 +194,9 @@ def check_launchable(*tensors) -> None:
         raise RuntimeError("triton is not installed: install deltaserve[gpu] for the GPU kernels")
     for t in tensors:
         if not (t.is_cuda or INTERPRET):
-            raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {t.device}")
+            raise ValueError(
+                f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {t.device}"
+            )
 
 
 def check_rows(name: str, t, width: int) -> None:
@@ -208,10 +215,11 @@ def check_vector(name: str, t, length: int | None, dtypes: tuple = ()) -> None:
     ok_shape = t.dim() == 1 and (length is None or t.shape[0] == length)
     if not ok_shape or (t.numel() > 1 and t.stride(0) != 1) or (dtypes and t.dtype not in dtypes):
         kinds = "/".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{name}: expected [{'n' if length is None else length}] {kinds} with adjacent "
-                         f"elements, got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
+        raise ValueError(
+            f"{name}: expected [{'n' if length is None else length}] {kinds} with adjacent "
+            f"elements, got {tuple(t.shape)} {t.dtype} strides {t.stride()}"
+        )
 
 
 def check_index(name: str, t, length: int) -> None:
     check_vector(name, t, length, (torch.int32, torch.int64))
-

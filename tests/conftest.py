@@ -27,7 +27,16 @@ def kernels() -> dict:
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         # triton reads the flag when it is first imported, before any test runs
         pytest.skip("no GPU: set TRITON_INTERPRET=1 for the whole session to use the interpreter")
-    names = ["gated_delta", "causal_conv1d", "paged_attention", "rmsnorm", "rope", "activation", "skinny_linear", "embedding"]
+    names = [
+        "gated_delta",
+        "causal_conv1d",
+        "paged_attention",
+        "rmsnorm",
+        "rope",
+        "activation",
+        "skinny_linear",
+        "embedding",
+    ]
     return {n: importlib.import_module(f"deltaserve.kernels.{n}") for n in names}
 
 
@@ -47,8 +56,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_vlm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same weights as `tiny_model_dir` in the released layout: `model.language_model.*`
     plus `model.visual.*` and `mtp.*` tensors to skip, in 2 shards with an index file."""
-    return make_model(tmp_path_factory.mktemp("tiny_vlm"), preset="tiny", dtype="fp32", seed=0,
-                      vlm_names=True, shard_size="20MB")
+    return make_model(
+        tmp_path_factory.mktemp("tiny_vlm"),
+        preset="tiny",
+        dtype="fp32",
+        seed=0,
+        vlm_names=True,
+        shard_size="20MB",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +75,8 @@ def tiny_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--long", action="store_true", default=False,
+        "--long",
+        action="store_true",
+        default=False,
         help="run the load / fault suite at its long size (GPU or soak run), not the CI size",
-    )  # fmt: skip
+    )

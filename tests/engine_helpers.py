@@ -16,8 +16,14 @@ from deltaserve.engine.events import ErrorEvent, FinishedEvent, TokenEvent
 
 def engine_config(model: Path, **overrides) -> EngineConfig:
     base = dict(
-        model=str(model), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
-        num_kv_blocks=64, block_size=16, max_queued_requests=8, startup_timeout_s=90.0,
+        model=str(model),
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=256,
+        num_kv_blocks=64,
+        block_size=16,
+        max_queued_requests=8,
+        startup_timeout_s=90.0,
     )
     return EngineConfig(**{**base, **overrides})
 
@@ -31,7 +37,9 @@ async def start_placed(placement: tuple[str, int], model: Path, **overrides) -> 
     device, tp_size = placement
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU")
-    return await AsyncEngine.start(engine_config(model, device=device, tp_size=tp_size, **overrides))
+    return await AsyncEngine.start(
+        engine_config(model, device=device, tp_size=tp_size, **overrides)
+    )
 
 
 async def collect(stream, timeout_s: float = 60.0) -> tuple[list[TokenEvent], object]:

@@ -121,10 +121,16 @@ class ServeProcess:
         cls, *args: str, env: dict | None = None, timeout_s: float = 180
     ) -> ServeProcess:
         proc = await asyncio.create_subprocess_exec(
-            DELTASERVE, "serve", "--port", "0", *args,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
+            DELTASERVE,
+            "serve",
+            "--port",
+            "0",
+            *args,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
             start_new_session=True,  # its own process group, as a service manager starts it
-        )  # fmt: skip
+        )
         self = cls(proc)
         try:
             await asyncio.wait_for(self._ready.wait(), timeout_s)
@@ -189,9 +195,13 @@ async def serving(engine: Any, server_config: ServerConfig) -> AsyncIterator[InP
 
 
 @contextlib.asynccontextmanager
-async def openai_client(server: InProcessServer, api_key: str = "none") -> AsyncIterator[openai.AsyncOpenAI]:
+async def openai_client(
+    server: InProcessServer, api_key: str = "none"
+) -> AsyncIterator[openai.AsyncOpenAI]:
     """The official client on `server`'s /v1, failing fast: no retries, a minute's timeout."""
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+    client = openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=60
+    )
     try:
         yield client
     finally:
@@ -217,10 +227,15 @@ async def wait_idle(engine: AsyncEngine, timeout_s: float = 10.0, prefixes: bool
 
 def source_tree() -> str:
     """The commit the suite ran at, "+changes" where the checkout differs from it."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
 
-    changed = git("status", "--porcelain", "--", ".", f":!{LONG_FIGURES.relative_to(REPO_ROOT)}")  # not this record
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True
+        ).stdout.strip()
+
+    changed = git(
+        "status", "--porcelain", "--", ".", f":!{LONG_FIGURES.relative_to(REPO_ROOT)}"
+    )  # not this record
     return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+changes" if changed else "")
 
 
@@ -230,11 +245,19 @@ def record_long_figures(is_long: bool, name: str, figures: dict) -> None:
     if not is_long:
         return
     data = json.loads(LONG_FIGURES.read_text()) if LONG_FIGURES.exists() else {}
-    data["command"] = ("python -m pytest --long --timeout 5400 -q tests/test_load.py "
-                       "tests/test_load_faults.py")  # fmt: skip
-    data["hardware"] = {"cores": os.cpu_count(), "python": platform.python_version(),
-                        "machine": platform.machine()}  # fmt: skip
-    entry = {**figures, "tree": source_tree(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    data["command"] = (
+        "python -m pytest --long --timeout 5400 -q tests/test_load.py tests/test_load_faults.py"
+    )
+    data["hardware"] = {
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+    entry = {
+        **figures,
+        "tree": source_tree(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     data.pop("tree", None)  # once one field for the whole file, which later runs left stale
     data.setdefault("tests", {})[name] = entry
     LONG_FIGURES.parent.mkdir(parents=True, exist_ok=True)

@@ -46,8 +46,12 @@ QUICK_EXAMPLES, LONG_EXAMPLES = 40, 400
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(tiny_model_dir):
-    config = EngineConfig(model=str(tiny_model_dir), max_model_len=MAX_MODEL_LEN,
-                          max_num_seqs=4, max_queued_requests=64)  # fmt: skip
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=4,
+        max_queued_requests=64,
+    )
     server_config = ServerConfig(MODEL, api_key=API_KEY, max_request_bytes=MAX_BODY)
     async with in_process_server(config, server_config) as s:
         yield s
@@ -97,77 +101,306 @@ CASES = {
     "invalid utf-8": (C, b'{"prompt": "\xff\xfe"}', 400, None, "UTF-8"),
     "lone surrogate": (C, b'{"prompt": "\\ud800"}', 400, None, "not valid JSON"),
     "deep nesting": (C, b"[" * 20_000 + b"]" * 20_000, 400, None, "nested too deeply"),
-    "huge integer literal": (C, b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}", 400, None, "out of range"),
+    "huge integer literal": (
+        C,
+        b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}",
+        400,
+        None,
+        "out of range",
+    ),
     "truncated": (C, b'{"prompt": "x",', 400, None, "not valid JSON"),
     "empty body": (C, b"", 400, None, "not valid JSON"),
     "not an object": (CHAT, b'["hi"]', 400, None, "JSON object"),
     "huge n": (C, j({"prompt": "x", "n": HUGE}), 400, "n", "n must be"),
     "huge max_tokens": (C, j({"prompt": "x", "max_tokens": HUGE}), 400, None, "max_tokens"),
-    "negative max_tokens": (C, j({"prompt": "x", "max_tokens": -1}), 400, "max_tokens", "max_tokens must"),
-    "max_completion_tokens 0": (CHAT, j({"messages": USER, "max_completion_tokens": 0}), 400, "max_completion_tokens", ">= 1"),
+    "negative max_tokens": (
+        C,
+        j({"prompt": "x", "max_tokens": -1}),
+        400,
+        "max_tokens",
+        "max_tokens must",
+    ),
+    "max_completion_tokens 0": (
+        CHAT,
+        j({"messages": USER, "max_completion_tokens": 0}),
+        400,
+        "max_completion_tokens",
+        ">= 1",
+    ),
     "user not a string": (C, j({"prompt": "x", "user": 123}), 400, "user", "string"),
     "chat user not a string": (CHAT, j({"messages": USER, "user": ["u"]}), 400, "user", "string"),
     "huge logprobs": (C, j({"prompt": "x", "logprobs": HUGE}), 400, "logprobs", "0..20"),
-    "huge top_logprobs": (CHAT, j({"messages": USER, "logprobs": True, "top_logprobs": HUGE}), 400, "top_logprobs", "0..20"),
-    "huge max_completion_tokens": (CHAT, j({"messages": USER, "max_completion_tokens": HUGE}), 400, None, "max_model_len"),
+    "huge top_logprobs": (
+        CHAT,
+        j({"messages": USER, "logprobs": True, "top_logprobs": HUGE}),
+        400,
+        "top_logprobs",
+        "0..20",
+    ),
+    "huge max_completion_tokens": (
+        CHAT,
+        j({"messages": USER, "max_completion_tokens": HUGE}),
+        400,
+        None,
+        "max_model_len",
+    ),
     "huge seed": (C, j({"prompt": "x", "seed": 2**64}), 400, "seed", "seed must be"),
     "seed below int64": (C, j({"prompt": "x", "seed": -(2**63) - 1}), 400, "seed", "seed must be"),
     # A forced tool_choice needs tools.
-    "tool_choice required": (CHAT, j({"messages": USER, "tool_choice": "required"}), 400, "tool_choice", "tool"),
-    "tool_choice named": (CHAT, j({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
-                          400, "tool_choice", "tool"),
+    "tool_choice required": (
+        CHAT,
+        j({"messages": USER, "tool_choice": "required"}),
+        400,
+        "tool_choice",
+        "tool",
+    ),
+    "tool_choice named": (
+        CHAT,
+        j({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+        400,
+        "tool_choice",
+        "tool",
+    ),
     # this server has no --enable-auto-tool-choice (tests/test_http_tools.py runs one that has)
-    "tools with tool_choice auto": (CHAT, j({"messages": USER, "tool_choice": "auto", "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]}), 400, "tool_choice",
-        "--enable-auto-tool-choice"),
-    "tool_choice auto, no tools": (CHAT, j({"messages": USER, "tool_choice": "auto"}), 400, "tool_choice", "`tools` must be set"),
-    "tools []": (CHAT, j({"messages": USER, "tool_choice": "auto", "tools": []}), 400, "tools", "empty array"),
-    "continuous_usage_stats not a bool": (CHAT, j({"messages": USER, "stream": True, "stream_options": {"continuous_usage_stats": 0}}),
-                                          400, "stream_options.continuous_usage_stats", "boolean"),
+    "tools with tool_choice auto": (
+        CHAT,
+        j(
+            {
+                "messages": USER,
+                "tool_choice": "auto",
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            }
+        ),
+        400,
+        "tool_choice",
+        "--enable-auto-tool-choice",
+    ),
+    "tool_choice auto, no tools": (
+        CHAT,
+        j({"messages": USER, "tool_choice": "auto"}),
+        400,
+        "tool_choice",
+        "`tools` must be set",
+    ),
+    "tools []": (
+        CHAT,
+        j({"messages": USER, "tool_choice": "auto", "tools": []}),
+        400,
+        "tools",
+        "empty array",
+    ),
+    "continuous_usage_stats not a bool": (
+        CHAT,
+        j({"messages": USER, "stream": True, "stream_options": {"continuous_usage_stats": 0}}),
+        400,
+        "stream_options.continuous_usage_stats",
+        "boolean",
+    ),
     "prompt id = vocab": (C, j({"prompt": [VOCAB]}), 400, "prompt", f"[0, {VOCAB})"),
     "prompt id 2**64": (C, j({"prompt": [1, 2**64]}), 400, "prompt", f"[0, {VOCAB})"),
     "negative prompt id": (C, j({"prompt": [-1]}), 400, "prompt", "non-negative"),
-    "bad id in 2nd prompt": (C, j({"prompt": ["x", [5, VOCAB + 5]]}), 400, "prompt", f"[0, {VOCAB})"),
-    "stop id out of vocab": (C, j({"prompt": "x", "stop_token_ids": [HUGE]}), 400, "stop_token_ids", "vocabulary"),
-    "prompt longer than the model": (C, j({"prompt": list(range(1, MAX_MODEL_LEN + 1))}), 400, None, "max_model_len"),
-    "chat longer than the model": (CHAT, j({"messages": [{"role": "user", "content": "word " * 200}]}), 400, "messages", "max_model_len"),  # was param "prompt"
+    "bad id in 2nd prompt": (
+        C,
+        j({"prompt": ["x", [5, VOCAB + 5]]}),
+        400,
+        "prompt",
+        f"[0, {VOCAB})",
+    ),
+    "stop id out of vocab": (
+        C,
+        j({"prompt": "x", "stop_token_ids": [HUGE]}),
+        400,
+        "stop_token_ids",
+        "vocabulary",
+    ),
+    "prompt longer than the model": (
+        C,
+        j({"prompt": list(range(1, MAX_MODEL_LEN + 1))}),
+        400,
+        None,
+        "max_model_len",
+    ),
+    "chat longer than the model": (
+        CHAT,
+        j({"messages": [{"role": "user", "content": "word " * 200}]}),
+        400,
+        "messages",
+        "max_model_len",
+    ),  # was param "prompt"
     # More choices in one request than the queue can ever hold: refused (was a 429 forever).
-    "more prompts than the queue holds": (C, j({"prompt": ["x"] * 65, "max_tokens": 1}), 400, "prompt", "max_queued_requests"),
-    "prompts x n past the queue": (C, j({"prompt": [[5]] * 17, "n": 4, "max_tokens": 1}), 400, "prompt", "max_queued_requests"),
+    "more prompts than the queue holds": (
+        C,
+        j({"prompt": ["x"] * 65, "max_tokens": 1}),
+        400,
+        "prompt",
+        "max_queued_requests",
+    ),
+    "prompts x n past the queue": (
+        C,
+        j({"prompt": [[5]] * 17, "n": 4, "max_tokens": 1}),
+        400,
+        "prompt",
+        "max_queued_requests",
+    ),
     # vLLM's priority needs the priority policy (as vLLM refuses it): not ignored
-    "priority under fcfs": (CHAT, j({"messages": USER, "priority": 3}), 400, "priority", "--scheduling-policy priority"),
-    "priority not an integer": (C, j({"prompt": "x", "priority": "high"}), 400, "priority", "integer"),
+    "priority under fcfs": (
+        CHAT,
+        j({"messages": USER, "priority": 3}),
+        400,
+        "priority",
+        "--scheduling-policy priority",
+    ),
+    "priority not an integer": (
+        C,
+        j({"prompt": "x", "priority": "high"}),
+        400,
+        "priority",
+        "integer",
+    ),
     # apply_chat_template's own options are not template variables: refused, not ignored.
-    "chat_template_kwargs truncation": (CHAT, j({"messages": USER, "chat_template_kwargs": {"truncation": True, "max_length": 2}}),
-                                        400, "chat_template_kwargs.truncation", "reserved"),
+    "chat_template_kwargs truncation": (
+        CHAT,
+        j({"messages": USER, "chat_template_kwargs": {"truncation": True, "max_length": 2}}),
+        400,
+        "chat_template_kwargs.truncation",
+        "reserved",
+    ),
     # An integer literal past the float range (json reads it exactly) in a float field (was a 500).
-    "temperature huge integer": (C, b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", 400, "temperature", "finite"),
-    "chat top_p huge integer": (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -1' + b"0" * 400 + b"}", 400, "top_p", "finite"),
-    "unknown field": (C, j({"prompt": "x", "logits_processors": ["a"]}), 400, "logits_processors", "unknown"),
+    "temperature huge integer": (
+        C,
+        b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}",
+        400,
+        "temperature",
+        "finite",
+    ),
+    "chat top_p huge integer": (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -1' + b"0" * 400 + b"}",
+        400,
+        "top_p",
+        "finite",
+    ),
+    "unknown field": (
+        C,
+        j({"prompt": "x", "logits_processors": ["a"]}),
+        400,
+        "logits_processors",
+        "unknown",
+    ),
     # vLLM's sampling extras, honoured: refused only where vLLM refuses them
-    "min_tokens past max_tokens": (C, j({"prompt": "x", "min_tokens": 17}), 400, "min_tokens", "max_tokens=16"),
-    "logit_bias id out of vocab": (CHAT, j({"messages": USER, "logit_bias": {str(VOCAB): 1}}), 400, "logit_bias", f"[{VOCAB}]"),
-    "logit_bias huge id": (C, j({"prompt": "x", "logit_bias": {"9" * 12: 1}}), 400, "logit_bias", "vocabulary"),
-    "logit_bias 5000-digit id": (C, j({"prompt": "x", "logit_bias": {"9" * 5000: 1}}), 400, "logit_bias", "not a token id"),
-    "logit_bias NaN": (C, b'{"prompt": "x", "logit_bias": {"5": NaN}}', 400, "logit_bias", "finite"),
+    "min_tokens past max_tokens": (
+        C,
+        j({"prompt": "x", "min_tokens": 17}),
+        400,
+        "min_tokens",
+        "max_tokens=16",
+    ),
+    "logit_bias id out of vocab": (
+        CHAT,
+        j({"messages": USER, "logit_bias": {str(VOCAB): 1}}),
+        400,
+        "logit_bias",
+        f"[{VOCAB}]",
+    ),
+    "logit_bias huge id": (
+        C,
+        j({"prompt": "x", "logit_bias": {"9" * 12: 1}}),
+        400,
+        "logit_bias",
+        "vocabulary",
+    ),
+    "logit_bias 5000-digit id": (
+        C,
+        j({"prompt": "x", "logit_bias": {"9" * 5000: 1}}),
+        400,
+        "logit_bias",
+        "not a token id",
+    ),
+    "logit_bias NaN": (
+        C,
+        b'{"prompt": "x", "logit_bias": {"5": NaN}}',
+        400,
+        "logit_bias",
+        "finite",
+    ),
     "stream not a bool": (C, j({"prompt": "x", "stream": "yes"}), 400, "stream", "boolean"),
-    "temperature nan-ish string": (C, j({"prompt": "x", "temperature": "NaN"}), 400, "temperature", "number"),
+    "temperature nan-ish string": (
+        C,
+        j({"prompt": "x", "temperature": "NaN"}),
+        400,
+        "temperature",
+        "number",
+    ),
     # Non-finite numbers (NaN and Infinity are not JSON, 1e400 overflows a float) are refused
     # naming the field, on both routes.
     "temperature NaN": (C, b'{"prompt": "x", "temperature": NaN}', 400, "temperature", "finite"),
-    "temperature 1e400": (C, b'{"prompt": "x", "temperature": 1e400}', 400, "temperature", "finite"),
+    "temperature 1e400": (
+        C,
+        b'{"prompt": "x", "temperature": 1e400}',
+        400,
+        "temperature",
+        "finite",
+    ),
     "top_p Infinity": (C, b'{"prompt": "x", "top_p": Infinity}', 400, "top_p", "finite"),
     "min_p -Infinity": (C, b'{"prompt": "x", "min_p": -Infinity}', 400, "min_p", "finite"),
-    "presence_penalty NaN": (C, b'{"prompt": "x", "presence_penalty": NaN}', 400, "presence_penalty", "finite"),
-    "frequency_penalty -1e400": (C, b'{"prompt": "x", "frequency_penalty": -1e400}', 400, "frequency_penalty", "finite"),
-    "repetition_penalty Infinity": (C, b'{"prompt": "x", "repetition_penalty": Infinity}', 400, "repetition_penalty", "finite"),
-    "chat temperature Infinity": (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', 400, "temperature", "finite"),
-    "chat top_p NaN": (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', 400, "top_p", "finite"),
-    "chat repetition_penalty 1e400": (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1e400}', 400, "repetition_penalty", "finite"),
-    "max_tokens Infinity": (C, b'{"prompt": "x", "max_tokens": Infinity}', 400, "max_tokens", "integer"),
+    "presence_penalty NaN": (
+        C,
+        b'{"prompt": "x", "presence_penalty": NaN}',
+        400,
+        "presence_penalty",
+        "finite",
+    ),
+    "frequency_penalty -1e400": (
+        C,
+        b'{"prompt": "x", "frequency_penalty": -1e400}',
+        400,
+        "frequency_penalty",
+        "finite",
+    ),
+    "repetition_penalty Infinity": (
+        C,
+        b'{"prompt": "x", "repetition_penalty": Infinity}',
+        400,
+        "repetition_penalty",
+        "finite",
+    ),
+    "chat temperature Infinity": (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}',
+        400,
+        "temperature",
+        "finite",
+    ),
+    "chat top_p NaN": (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN}',
+        400,
+        "top_p",
+        "finite",
+    ),
+    "chat repetition_penalty 1e400": (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1e400}',
+        400,
+        "repetition_penalty",
+        "finite",
+    ),
+    "max_tokens Infinity": (
+        C,
+        b'{"prompt": "x", "max_tokens": Infinity}',
+        400,
+        "max_tokens",
+        "integer",
+    ),
     "NaN token id": (C, b'{"prompt": [1, NaN]}', 400, "prompt", "non-negative"),
-    "NaN beside a lone surrogate": (C, b'{"prompt": "\\ud800", "temperature": NaN}', 400, None, "not valid JSON"),
-}  # fmt: skip
+    "NaN beside a lone surrogate": (
+        C,
+        b'{"prompt": "\\ud800", "temperature": NaN}',
+        400,
+        None,
+        "not valid JSON",
+    ),
+}
 
 
 @aio
@@ -184,11 +417,20 @@ async def test_bad_request_named(server, case):
 
 
 @aio
-@pytest.mark.parametrize("encoding,data", [("gzip", b"not gzip at all"), ("deflate", b"0123456789")])
+@pytest.mark.parametrize(
+    "encoding,data", [("gzip", b"not gzip at all"), ("deflate", b"0123456789")]
+)
 async def test_body_its_content_encoding_does_not_decode(server, encoding, data):
     """A body that its Content-Encoding does not decode is the client's error (was a 500)."""
-    headers = {"Content-Type": "application/json", "Content-Encoding": encoding, "Authorization": f"Bearer {API_KEY}"}
-    async with aiohttp.ClientSession() as s, s.post(server.url + C, data=data, headers=headers) as r:
+    headers = {
+        "Content-Type": "application/json",
+        "Content-Encoding": encoding,
+        "Authorization": f"Bearer {API_KEY}",
+    }
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(server.url + C, data=data, headers=headers) as r,
+    ):
         assert r.status == 400, await r.read()
         assert "could not be read" in check_error_body(await r.read())["message"]
     assert (await get(server.url + "/health"))[0] == 200
@@ -199,8 +441,14 @@ async def test_huge_top_k_means_off_and_the_engine_lives(server):
     """top_k past the vocabulary, or -1 (vLLM's "off"), samples as if top-k were off (same
     seed, same tokens); before the fix, a top_k over 2**64 could not be encoded and killed the
     engine."""
-    base = {"prompt": "Sphinx of black quartz", "max_tokens": 4, "temperature": 1.0, "seed": 7,
-            "logprobs": 0, "ignore_eos": True}  # fmt: skip
+    base = {
+        "prompt": "Sphinx of black quartz",
+        "max_tokens": 4,
+        "temperature": 1.0,
+        "seed": 7,
+        "logprobs": 0,
+        "ignore_eos": True,
+    }
     texts = []
     for top_k in (0, 2**40, HUGE, -1):
         status, _, raw = await post(server.url + C, j({**base, "top_k": top_k}))
@@ -211,11 +459,20 @@ async def test_huge_top_k_means_off_and_the_engine_lives(server):
 
 
 # What vLLM accepts and clients send, each a no-op or honoured here: served, not refused.
-VLLM_DEFAULTS = {"include_stop_str_in_output": False, "skip_special_tokens": True,
-                 "spaces_between_special_tokens": True, "min_tokens": 0, "use_beam_search": False,
-                 "length_penalty": 1.0, "truncate_prompt_tokens": None, "prompt_logprobs": None,
-                 "allowed_token_ids": None, "bad_words": [], "priority": 0,
-                 "return_tokens_as_token_ids": False}  # fmt: skip
+VLLM_DEFAULTS = {
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "min_tokens": 0,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+    "allowed_token_ids": None,
+    "bad_words": [],
+    "priority": 0,
+    "return_tokens_as_token_ids": False,
+}
 SYSTEM_HI = [{"role": "system", "content": "Be brief."}, *USER]
 ACCEPTED = {
     "negative seed": (C, {"prompt": "x", "seed": -1, "temperature": 1.0}),
@@ -223,24 +480,63 @@ ACCEPTED = {
     # tools with tool_choice "none" (rendered, no calls read): tests/test_http_tools.py; here the
     # demo template's tool listing alone is longer than this server's max_model_len
     "developer role": (CHAT, {"messages": [{"role": "developer", "content": "Be brief."}, *USER]}),
-    "continuous_usage_stats true": (C, {"prompt": "x", "stream": True,
-                                        "stream_options": {"continuous_usage_stats": True, "include_usage": True}}),
-    "continuous_usage_stats false": (C, {"prompt": "x", "stream": True,
-                                         "stream_options": {"continuous_usage_stats": False, "include_usage": True}}),
-    "chat continuous_usage_stats false": (CHAT, {"messages": USER, "stream": True,
-                                                 "stream_options": {"continuous_usage_stats": False}}),
+    "continuous_usage_stats true": (
+        C,
+        {
+            "prompt": "x",
+            "stream": True,
+            "stream_options": {"continuous_usage_stats": True, "include_usage": True},
+        },
+    ),
+    "continuous_usage_stats false": (
+        C,
+        {
+            "prompt": "x",
+            "stream": True,
+            "stream_options": {"continuous_usage_stats": False, "include_usage": True},
+        },
+    ),
+    "chat continuous_usage_stats false": (
+        CHAT,
+        {"messages": USER, "stream": True, "stream_options": {"continuous_usage_stats": False}},
+    ),
     # vLLM's extra fields at their defaults, as clients send them (each a no-op here too)
-    "vLLM extras at their defaults": (C, {"prompt": "x", **VLLM_DEFAULTS, "add_special_tokens": True}),
-    "chat vLLM extras at their defaults": (CHAT, {"messages": USER, **VLLM_DEFAULTS, "add_special_tokens": False,
-                                                  "add_generation_prompt": True, "continue_final_message": False}),
+    "vLLM extras at their defaults": (
+        C,
+        {"prompt": "x", **VLLM_DEFAULTS, "add_special_tokens": True},
+    ),
+    "chat vLLM extras at their defaults": (
+        CHAT,
+        {
+            "messages": USER,
+            **VLLM_DEFAULTS,
+            "add_special_tokens": False,
+            "add_generation_prompt": True,
+            "continue_final_message": False,
+        },
+    ),
     # history as clients send it back: a name, the SDK's model_dump() of a reply (its
     # response-only fields null), an assistant message with null content
-    "chat replayed history": (CHAT, {"messages": [
-        {"role": "user", "content": "hi", "name": "alice"},
-        {"role": "assistant", "content": "Hello", "refusal": None, "annotations": None, "audio": None,
-         "function_call": None, "tool_calls": None},
-        {"role": "assistant", "content": None}, *USER]}),
-}  # fmt: skip
+    "chat replayed history": (
+        CHAT,
+        {
+            "messages": [
+                {"role": "user", "content": "hi", "name": "alice"},
+                {
+                    "role": "assistant",
+                    "content": "Hello",
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "tool_calls": None,
+                },
+                {"role": "assistant", "content": None},
+                *USER,
+            ]
+        },
+    ),
+}
 
 
 @aio
@@ -257,8 +553,13 @@ async def test_negative_seeds_are_distinct_and_reproducible(server):
     """Any int64 seed is taken, as vLLM takes it: the same seed gives the same tokens, and a
     negative seed does not share its stream with a non-negative one (its wire seed is the
     seed modulo 2**64; modulo 2**63, -1 was 2**63 - 1 and -2**63 was 0)."""
-    base = {"prompt": "Sphinx of black quartz", "max_tokens": 4, "temperature": 1.0, "logprobs": 0,
-            "ignore_eos": True}  # fmt: skip
+    base = {
+        "prompt": "Sphinx of black quartz",
+        "max_tokens": 4,
+        "temperature": 1.0,
+        "logprobs": 0,
+        "ignore_eos": True,
+    }
     tokens = {}
     for seed in (-1, -1, 2**63 - 1, -(2**63), 0):
         status, _, raw = await post(server.url + C, j({**base, "seed": seed}))
@@ -274,12 +575,20 @@ async def test_developer_role_is_a_system_message(server):
     same prompt (usage, greedy tokens and their logprobs) as the system message."""
     answers = []
     for role in ("developer", "system"):
-        body = {"messages": [{"role": role, "content": "Be brief."}, *USER], "max_tokens": 3,
-                "temperature": 0, "logprobs": True, "top_logprobs": 2, "ignore_eos": True}  # fmt: skip
+        body = {
+            "messages": [{"role": role, "content": "Be brief."}, *USER],
+            "max_tokens": 3,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "ignore_eos": True,
+        }
         status, _, raw = await post(server.url + CHAT, j(body))
         assert status == 200, raw
         answer = json.loads(raw)
-        answers.append((answer["usage"], answer["choices"][0]["message"], answer["choices"][0]["logprobs"]))
+        answers.append(
+            (answer["usage"], answer["choices"][0]["message"], answer["choices"][0]["logprobs"])
+        )
     assert answers[0] == answers[1]
 
 
@@ -290,9 +599,11 @@ _floats = st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([1e
 _scalars = st.none() | st.booleans() | _ints | _floats | st.text(max_size=12)
 JSON = st.recursive(
     _scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
     max_leaves=10,
-)  # fmt: skip
+)
 _ids = st.lists(st.integers(-2, VOCAB + 2), max_size=8)
 _small = st.integers(-2, 24)
 PLAUSIBLE = {
@@ -301,64 +612,111 @@ PLAUSIBLE = {
     "messages": st.lists(
         st.fixed_dictionaries(
             {"role": st.sampled_from(["user", "assistant", "system", "developer", "tool", "x"])},
-            optional={"content": st.text(max_size=20) | st.lists(
-                st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
-                                       "text": st.text(max_size=8)}), max_size=2),
-                      "name": st.none() | st.text(max_size=4)},
+            optional={
+                "content": st.text(max_size=20)
+                | st.lists(
+                    st.fixed_dictionaries(
+                        {
+                            "type": st.sampled_from(["text", "image_url"]),
+                            "text": st.text(max_size=8),
+                        }
+                    ),
+                    max_size=2,
+                ),
+                "name": st.none() | st.text(max_size=4),
+            },
         ),
         max_size=4,
     ),
-    "max_tokens": _small | st.just(HUGE), "max_completion_tokens": _small,
-    "n": st.integers(-1, 17), "logprobs": st.integers(-1, 21) | st.booleans(),
-    "top_logprobs": st.integers(-1, 21), "temperature": st.floats(-1, 3) | st.just(0),
-    "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-1, 10**25), "min_p": st.floats(-0.5, 1.5),
-    "seed": _ints, "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3),
-    "stop_token_ids": _ids, "stream": st.booleans(), "ignore_eos": st.booleans(),
-    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | _ints,
-                                                          "continuous_usage_stats": st.booleans()}),
-    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+    "max_tokens": _small | st.just(HUGE),
+    "max_completion_tokens": _small,
+    "n": st.integers(-1, 17),
+    "logprobs": st.integers(-1, 21) | st.booleans(),
+    "top_logprobs": st.integers(-1, 21),
+    "temperature": st.floats(-1, 3) | st.just(0),
+    "top_p": st.floats(-0.5, 1.5),
+    "top_k": st.integers(-1, 10**25),
+    "min_p": st.floats(-0.5, 1.5),
+    "seed": _ints,
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3),
+    "stop_token_ids": _ids,
+    "stream": st.booleans(),
+    "ignore_eos": st.booleans(),
+    "stream_options": st.fixed_dictionaries(
+        {},
+        optional={"include_usage": st.booleans() | _ints, "continuous_usage_stats": st.booleans()},
+    ),
+    "tool_choice": st.sampled_from(
+        ["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]
+    ),
     "tools": st.just([]) | st.just([{"type": "function", "function": {"name": "f"}}]),
-    "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),
-    "repetition_penalty": st.floats(-1, 3), "echo": st.booleans(), "best_of": st.integers(0, 3),
-    "logit_bias": st.dictionaries(st.text(max_size=3) | st.integers(0, VOCAB + 2).map(str),
-                                  _ints | _floats, max_size=2),
-    "min_tokens": st.integers(-2, 24), "include_stop_str_in_output": st.booleans(),
-    "skip_special_tokens": st.booleans(), "spaces_between_special_tokens": st.booleans(),
-    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "tools", "x"]), JSON, max_size=2),
+    "presence_penalty": st.floats(-3, 3),
+    "frequency_penalty": st.floats(-3, 3),
+    "repetition_penalty": st.floats(-1, 3),
+    "echo": st.booleans(),
+    "best_of": st.integers(0, 3),
+    "logit_bias": st.dictionaries(
+        st.text(max_size=3) | st.integers(0, VOCAB + 2).map(str), _ints | _floats, max_size=2
+    ),
+    "min_tokens": st.integers(-2, 24),
+    "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "spaces_between_special_tokens": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(
+        st.sampled_from(["enable_thinking", "tools", "x"]), JSON, max_size=2
+    ),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
     "user": JSON,
-}  # fmt: skip
+}
 
 
 VALID = {
-    "max_tokens": st.integers(1, 4), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
-    "top_k": st.integers(0, 50) | st.just(HUGE), "min_p": st.floats(0, 1),
-    "seed": st.integers(-(2**63), 2**63 - 1), "n": st.integers(1, 2), "ignore_eos": st.booleans(),
+    "max_tokens": st.integers(1, 4),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(0, 50) | st.just(HUGE),
+    "min_p": st.floats(0, 1),
+    "seed": st.integers(-(2**63), 2**63 - 1),
+    "n": st.integers(1, 2),
+    "ignore_eos": st.booleans(),
     "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
-    "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=2), "stream": st.booleans(),
-    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
-    "repetition_penalty": st.floats(0.1, 2), "model": st.just(MODEL),
-    "min_tokens": st.integers(0, 1), "include_stop_str_in_output": st.booleans(),
-    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100),
-                                  max_size=3),
-    "skip_special_tokens": st.booleans(), "spaces_between_special_tokens": st.booleans(),
-}  # fmt: skip
+    "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=2),
+    "stream": st.booleans(),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.1, 2),
+    "model": st.just(MODEL),
+    "min_tokens": st.integers(0, 1),
+    "include_stop_str_in_output": st.booleans(),
+    "logit_bias": st.dictionaries(
+        st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=3
+    ),
+    "skip_special_tokens": st.booleans(),
+    "spaces_between_special_tokens": st.booleans(),
+}
 VALID_PROMPT = st.text(min_size=1, max_size=20) | st.lists(
     st.integers(0, VOCAB - 1), min_size=1, max_size=8
 )
 VALID_MESSAGES = st.lists(
-    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer"]),
-                           "content": st.text(max_size=16)}),
-    min_size=1, max_size=3,
-)  # fmt: skip
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "system", "developer"]),
+            "content": st.text(max_size=16),
+        }
+    ),
+    min_size=1,
+    max_size=3,
+)
 
 
 def valid_bodies(required: str) -> st.SearchStrategy[dict]:
     """Bodies that should be served: every field in range (a chat template may still refuse
     an odd order of roles)."""
     first = {"prompt": VALID_PROMPT, "messages": VALID_MESSAGES}[required]
-    return st.fixed_dictionaries({required: first, "max_tokens": VALID["max_tokens"]},
-                                 optional={k: v for k, v in VALID.items() if k != "max_tokens"})  # fmt: skip
+    return st.fixed_dictionaries(
+        {required: first, "max_tokens": VALID["max_tokens"]},
+        optional={k: v for k, v in VALID.items() if k != "max_tokens"},
+    )
 
 
 def bodies(required: str) -> st.SearchStrategy[dict]:
@@ -391,8 +749,9 @@ def run_fuzz(
     the statuses seen."""
     statuses = []
 
-    @settings(max_examples=examples, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(strategy)
     def one(data: bytes) -> None:
         future = asyncio.run_coroutine_threadsafe(post(server.url + path, data), loop)
@@ -431,15 +790,17 @@ async def test_fuzz_raw_bytes(server, examples):
         await asyncio.to_thread(run_fuzz, server, loop, path, strategy, examples)
 
 
-@pytest.mark.parametrize("parse, required", [(parse_completion_request, "prompt"),
-                                             (parse_chat_request, "messages")])  # fmt: skip
+@pytest.mark.parametrize(
+    "parse, required", [(parse_completion_request, "prompt"), (parse_chat_request, "messages")]
+)
 def test_fuzz_parsers_accept_only_encodable_params(request, parse, required):
     """No server: whatever a parser accepts becomes SamplingParams (or a ValueError naming
     the field) whose wire form the control plane can encode."""
     examples = 5 * (LONG_EXAMPLES if request.config.getoption("--long") else QUICK_EXAMPLES)
 
-    @settings(max_examples=examples, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(valid_bodies(required) | bodies(required))
     def one(body: dict) -> None:
         try:
@@ -462,9 +823,22 @@ def test_fuzz_parsers_accept_only_encodable_params(request, parse, required):
 # ---- API key -----------------------------------------------------------------------------
 
 
-GUARDED = ("/v1", "/invocations", "/generate", "/abort_request", "/update_weights_from_disk", "/flush_cache",
-           "/reset_prefix_cache", "/pause", "/resume", "/continue_generation",
-           "/sleep", "/wake_up", "/release_memory_occupation", "/resume_memory_occupation")
+GUARDED = (
+    "/v1",
+    "/invocations",
+    "/generate",
+    "/abort_request",
+    "/update_weights_from_disk",
+    "/flush_cache",
+    "/reset_prefix_cache",
+    "/pause",
+    "/resume",
+    "/continue_generation",
+    "/sleep",
+    "/wake_up",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+)
 
 
 @aio
@@ -476,11 +850,26 @@ async def test_api_key_on_v1_routes_only(server):
     got 401). The key is taken as a bearer token or as Anthropic's x-api-key."""
     app = build_app(server.engine, ServerConfig(MODEL, api_key=API_KEY))  # the route table
     routes = {(r.method, r.resource.canonical) for r in app.router.routes()}
-    routes |= {("GET", "/nope"), ("POST", "/v1/nope"), ("DELETE", "/v1/models"), ("GET", "/v1"),
-               ("OPTIONS", "/v1/completions"), ("PUT", "/health/x"), ("POST", "/metrics")}  # fmt: skip
+    routes |= {
+        ("GET", "/nope"),
+        ("POST", "/v1/nope"),
+        ("DELETE", "/v1/models"),
+        ("GET", "/v1"),
+        ("OPTIONS", "/v1/completions"),
+        ("PUT", "/health/x"),
+        ("POST", "/metrics"),
+    }
     assert ("POST", "/v1/completions") in routes and ("GET", "/metrics") in routes
-    wrong = [None, "Bearer wrong", f"Basic {API_KEY}", API_KEY, f"Bearer {API_KEY}x",
-             f"Bearer{API_KEY}", "Bearer ", f"Bearer {API_KEY}\u00e9"]  # fmt: skip (non-ASCII: was a 500)
+    wrong = [
+        None,
+        "Bearer wrong",
+        f"Basic {API_KEY}",
+        API_KEY,
+        f"Bearer {API_KEY}x",
+        f"Bearer{API_KEY}",
+        "Bearer ",
+        f"Bearer {API_KEY}\u00e9",
+    ]  # non-ASCII: was a 500
     ok = {"Authorization": f"Bearer {API_KEY}"}
     async with aiohttp.ClientSession() as s:
         for method, path in sorted(routes):
@@ -488,12 +877,24 @@ async def test_api_key_on_v1_routes_only(server):
                 with_key = r.status
             if server.engine.is_sleeping:  # POST /sleep with the key: awake again for the next
                 await server.engine.wake_up()
-            async with s.request(method, server.url + path, headers={"x-api-key": API_KEY}, data=b"{") as r:
+            async with s.request(
+                method, server.url + path, headers={"x-api-key": API_KEY}, data=b"{"
+            ) as r:
                 assert r.status == with_key, (method, path, "x-api-key")
             if server.engine.is_sleeping:
                 await server.engine.wake_up()
-            for auth in [*wrong, {"x-api-key": "wrong"}, {"x-api-key": API_KEY + "x", "Authorization": "Bearer x"}]:
-                headers = auth if isinstance(auth, dict) else {} if auth is None else {"Authorization": auth}
+            for auth in [
+                *wrong,
+                {"x-api-key": "wrong"},
+                {"x-api-key": API_KEY + "x", "Authorization": "Bearer x"},
+            ]:
+                headers = (
+                    auth
+                    if isinstance(auth, dict)
+                    else {}
+                    if auth is None
+                    else {"Authorization": auth}
+                )
                 async with s.request(method, server.url + path, headers=headers, data=b"{") as r:
                     body = await r.read()
                 if not path.startswith(GUARDED):
@@ -504,7 +905,12 @@ async def test_api_key_on_v1_routes_only(server):
                     assert check_error_body(body)["code"] == "invalid_api_key"
         if server.engine.is_paused:  # POST /pause with the key paused it (if no /resume came after)
             server.engine.resume()
-        for path, status in (("/v1/models", 200), ("/metrics", 200), ("/version", 200), ("/nope", 404)):
+        for path, status in (
+            ("/v1/models", 200),
+            ("/metrics", 200),
+            ("/version", 200),
+            ("/nope", 404),
+        ):
             async with s.get(server.url + path, headers=ok) as r:
                 assert r.status == status, path
         async with s.post(server.url + C, headers=ok, data=b"{") as r:
@@ -518,7 +924,9 @@ async def test_refused_prompt_list_counts_nothing(server, bad):
     vocabulary) submits none: the prompts before it were opened, closed again and counted
     as aborts in /metrics (vLLM checks every prompt first and counts nothing)."""
     before = dict(server.engine.metrics.request_success_total)
-    status, _, raw = await post(server.url + C, j({"prompt": [[1, 2, 3], [4, 5], bad], "max_tokens": 2, "n": 2}))
+    status, _, raw = await post(
+        server.url + C, j({"prompt": [[1, 2, 3], [4, 5], bad], "max_tokens": 2, "n": 2})
+    )
     assert status == 400 and b'"param":"prompt"' in raw, raw
     await wait_idle(server.engine)
     assert server.engine.metrics.request_success_total == before

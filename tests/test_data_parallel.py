@@ -35,7 +35,9 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_model_dir):
-    engine = await serve._start_engine(engine_config(tiny_model_dir), asyncio.Event(), dp_size=2)  # `serve -dp 2`
+    engine = await serve._start_engine(
+        engine_config(tiny_model_dir), asyncio.Event(), dp_size=2
+    )  # `serve -dp 2`
     yield engine
     await engine.shutdown()
 
@@ -59,17 +61,27 @@ async def test_requests_spread_over_the_replicas_and_answer_as_one_engine(engine
     before = [r.metrics.generation_tokens_total for r in engine.replicas]
     # each prompt twice at once: the two go to different replicas, which answer alike
     streams = [engine.generate(p, GREEDY) for p in prompts for _ in range(2)]
-    answers = [tokens_of(events) for events in await asyncio.gather(*(events_of(s) for s in streams))]
+    answers = [
+        tokens_of(events) for events in await asyncio.gather(*(events_of(s) for s in streams))
+    ]
     assert answers[0::2] == answers[1::2] and len({tuple(a) for a in answers}) == 3
-    served = [r.metrics.generation_tokens_total - b for r, b in zip(engine.replicas, before, strict=True)]
+    served = [
+        r.metrics.generation_tokens_total - b for r, b in zip(engine.replicas, before, strict=True)
+    ]
     assert served == [24, 24], served
     load, parts = engine.load(), [r.load() for r in engine.replicas]
     assert load.num_slots == sum(p.num_slots for p in parts) == 8 and load.state == "serving"
     summed, each = engine.metrics, [r.metrics for r in engine.replicas]
     assert summed.generation_tokens_total == sum(m.generation_tokens_total for m in each)
-    assert summed.request_success_total["length"] == sum(m.request_success_total["length"] for m in each) >= 6
+    assert (
+        summed.request_success_total["length"]
+        == sum(m.request_success_total["length"] for m in each)
+        >= 6
+    )
     ttft = summed.time_to_first_token_s
-    assert ttft.counts == [a + b for a, b in zip(*(m.time_to_first_token_s.counts for m in each), strict=True)]
+    assert ttft.counts == [
+        a + b for a, b in zip(*(m.time_to_first_token_s.counts for m in each), strict=True)
+    ]
     assert ttft.count == sum(ttft.counts) == sum(m.time_to_first_token_s.count for m in each) >= 6
     assert len(await engine.rank_snapshots()) == 2
     # a call of 12 prompts: more than one replica's queue (8) takes, as many as the two do
@@ -119,15 +131,29 @@ async def test_served_by_the_official_client_with_summed_metrics(engine):
     async with serving(engine, ServerConfig("tiny")) as server:
         async with openai_client(server) as client:
             before = engine.metrics.generation_tokens_total
-            answers = await asyncio.gather(*(client.completions.create(
-                model="tiny", prompt=[9707, 11, 1879 + i], max_tokens=4, temperature=0,
-                extra_body={"ignore_eos": True}) for i in range(4)))  # fmt: skip
+            answers = await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model="tiny",
+                        prompt=[9707, 11, 1879 + i],
+                        max_tokens=4,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for i in range(4)
+                )
+            )
             assert all(a.usage.completion_tokens == 4 for a in answers)
         async with aiohttp.ClientSession() as session, session.get(server.url + "/metrics") as r:
             text = await r.text()
-        async with aiohttp.ClientSession() as session, session.get(server.url + "/get_server_info") as r:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(server.url + "/get_server_info") as r,
+        ):
             info = await r.json()
-        assert info["dp_size"] == len(info["internal_states"]) == 2, info  # SGLang's: a state per replica
+        assert info["dp_size"] == len(info["internal_states"]) == 2, (
+            info
+        )  # SGLang's: a state per replica
         line = next(x for x in text.splitlines() if x.startswith("vllm:generation_tokens_total"))
         assert float(line.split()[-1]) == engine.metrics.generation_tokens_total == before + 16
 
@@ -136,22 +162,30 @@ async def test_a_conversations_next_turn_goes_where_its_prefix_is_saved(tiny_mod
     """With prefix caching, a prompt that begins with a saved one goes to the replica holding
     it (its FinishedEvent counts the cached tokens), though by load alone, both idle, the other
     replica's turn had come; an unrelated prompt still goes by load."""
-    engine = await DataParallelEngine.start(engine_config(tiny_model_dir, enable_prefix_caching=True), 2)
+    engine = await DataParallelEngine.start(
+        engine_config(tiny_model_dir, enable_prefix_caching=True), 2
+    )
     try:
         turn = [7 + i for i in range(40)]
         first = await events_of(engine.generate(turn, GREEDY))
         assert [len(r.request_ids()) for r in engine.replicas] == [0, 0]
         held = [r.cached_tokens(turn + tokens_of(first) + [5, 6, 7]) for r in engine.replicas]
-        assert held.count(0) == 1 and max(held) > len(turn), held  # one replica saved the turn and its answer
+        assert held.count(0) == 1 and max(held) > len(turn), (
+            held
+        )  # one replica saved the turn and its answer
         home = held.index(max(held))
         before = [r.metrics.prompt_tokens_total for r in engine.replicas]
         second = await events_of(engine.generate(turn + tokens_of(first) + [5, 6, 7], GREEDY))
         assert second[-1].cached_tokens > 0, "the second turn did not start from the first's state"
-        grew = [r.metrics.prompt_tokens_total - b for r, b in zip(engine.replicas, before, strict=True)]
+        grew = [
+            r.metrics.prompt_tokens_total - b for r, b in zip(engine.replicas, before, strict=True)
+        ]
         assert grew[home] > 0 and grew[1 - home] == 0, grew
         other = await events_of(engine.generate([900 + i for i in range(20)], GREEDY))
         assert other[-1].cached_tokens == 0
-        assert engine.replicas[1 - home].metrics.prompt_tokens_total > before[1 - home], "by load: the other one"
+        assert engine.replicas[1 - home].metrics.prompt_tokens_total > before[1 - home], (
+            "by load: the other one"
+        )
     finally:
         await engine.shutdown()
 
@@ -172,7 +206,9 @@ def test_replica_configs_split_the_devices():
 
 async def test_a_dying_replica_takes_the_engine_down_every_request_ending_once(tiny_model_dir):
     """Two replicas of tp 2 (four rank processes, a gloo group each): one rank of replica 0 killed."""
-    engine = await DataParallelEngine.start(engine_config(tiny_model_dir, tp_size=2, step_timeout_s=30.0), 2)
+    engine = await DataParallelEngine.start(
+        engine_config(tiny_model_dir, tp_size=2, step_timeout_s=30.0), 2
+    )
     pids = engine.rank_pids
     assert len(pids) == 4
     try:

@@ -33,30 +33,56 @@ PLAIN_CONVERSATIONS = [
     ],
 ]
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
-        "hourly": {"type": "boolean"}, "hours": {"type": "array"}, "where": {"type": "object"},
-        "code": {"type": "string"}, "note": {"type": "string"}}}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "ratio": {"type": "number"},
+                "hourly": {"type": "boolean"},
+                "hours": {"type": "array"},
+                "where": {"type": "object"},
+                "code": {"type": "string"},
+                "note": {"type": "string"},
+            },
+        },
+    },
+}
 # As the server hands a tool without description or parameters to the template (tool_protocol.py).
 PING = {"type": "function", "function": {"name": "ping", "description": None, "parameters": None}}
 TOOLS = [WEATHER, PING]
 # Arguments as objects, as the server hands an assistant's calls to the template.
-WEATHER_ARGS = {"city": "Zürich", "days": 2, "ratio": 0.5, "hourly": True, "hours": [6, 12],
-                "where": {"lat": 47.4, "tags": ["a b", "c"]}, "code": "42",
-                "note": "line one\nline two"}  # fmt: skip
+WEATHER_ARGS = {
+    "city": "Zürich",
+    "days": 2,
+    "ratio": 0.5,
+    "hourly": True,
+    "hours": [6, 12],
+    "where": {"lat": 47.4, "tags": ["a b", "c"]},
+    "code": "42",
+    "note": "line one\nline two",
+}
 CALLS = [("get_weather", WEATHER_ARGS), ("ping", {})]
 TOOL_CONVERSATION = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Zürich?"},
-    {"role": "assistant", "content": "Let me check.", "tool_calls": [
-        {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}
-        for i, (name, args) in enumerate(CALLS)]},
+    {
+        "role": "assistant",
+        "content": "Let me check.",
+        "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}
+            for i, (name, args) in enumerate(CALLS)
+        ],
+    },
     {"role": "tool", "content": "sunny", "tool_call_id": "call_0"},
     {"role": "tool", "content": "pong", "tool_call_id": "call_1"},
     {"role": "user", "content": "Thanks."},
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +147,9 @@ def test_tools_in_the_system_turn_and_tool_results_as_one_user_turn(tokenizer):
     # No system message: the tools' system turn comes first, alone.
     bare = render(tokenizer, TOOL_CONVERSATION[1:2], tools=TOOLS)
     assert bare.startswith("<|im_start|>system\n# Tools\n")
-    assert bare.endswith("<|im_end|>\n<|im_start|>user\nWeather in Zürich?<|im_end|>\n"
-                         "<|im_start|>assistant\n")  # fmt: skip
+    assert bare.endswith(
+        "<|im_end|>\n<|im_start|>user\nWeather in Zürich?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_demo_folder_changes_with_the_template(monkeypatch):

@@ -189,7 +189,9 @@ class TestStopOptions:
         out, _, _ = self._feed(tokenizer, text, (), skip_special_tokens=False)
         assert out == text
         for spaces in (True, False):
-            kept = tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+            kept = tokenizer.decode(
+                ids, skip_special_tokens=False, spaces_between_special_tokens=spaces
+            )
             assert kept == text
         assert self._feed(tokenizer, text, ())[0] == "ok<think>x</think>"
 
@@ -198,12 +200,15 @@ class TestStopRegex:
     """SGLang's stop_regex (engine/stop_regex.py): the first token whose text completes a match
     ends the output, the match kept; matches may span tokens and characters of several bytes."""
 
-    @pytest.mark.parametrize("text, pattern", [
-        ("The answer is 42. Then more text follows", r"\d+\."),
-        ("你好，世界！今天天气很好。这是一个测试。", "天气(很|不)好"),
-        ("Emoji: 🎉👍🏽 and then more words here", "🎉[^ ]+ and"),
-        ("alpha beta gamma delta", "gam|zzz"),
-    ])  # fmt: skip
+    @pytest.mark.parametrize(
+        "text, pattern",
+        [
+            ("The answer is 42. Then more text follows", r"\d+\."),
+            ("你好，世界！今天天气很好。这是一个测试。", "天气(很|不)好"),
+            ("Emoji: 🎉👍🏽 and then more words here", "🎉[^ ]+ and"),
+            ("alpha beta gamma delta", "gam|zzz"),
+        ],
+    )
     def test_ends_at_the_token_completing_the_first_match(self, tokenizer, text, pattern):
         ids = tokenizer.encode(text, add_special_tokens=False)
         detok = IncrementalDetokenizer(tokenizer, stop_regex=[pattern])
@@ -212,14 +217,18 @@ class TestStopRegex:
             out += detok.add(ids[used])
             used += 1
         out += detok.flush()
-        first = next(k for k in range(1, len(ids) + 1) if re.search(pattern, tokenizer.decode(ids[:k])))
+        first = next(
+            k for k in range(1, len(ids) + 1) if re.search(pattern, tokenizer.decode(ids[:k]))
+        )
         assert detok.stop_matched == pattern and used == first
         assert out == tokenizer.decode(ids[:first])  # kept through that token
 
     def test_min_tokens_and_no_match(self, tokenizer):
         ids = tokenizer.encode("12. and then 34. again", add_special_tokens=False)
         detok = IncrementalDetokenizer(tokenizer, stop_regex=[r"\d\d\."], min_tokens=len(ids) - 1)
-        assert "".join(detok.add(t) for t in ids[:-1]) + detok.flush() and detok.stop_matched is None
+        assert (
+            "".join(detok.add(t) for t in ids[:-1]) + detok.flush() and detok.stop_matched is None
+        )
         detok = IncrementalDetokenizer(tokenizer, stop_regex=[r"\d\d\.", "xyz"], min_tokens=2)
         for t in ids:
             detok.add(t)
@@ -234,9 +243,15 @@ class TestStopRegex:
             detok.add(t)
         assert detok.stop_matched is None and time.perf_counter() - started < 2.0
 
-    @pytest.mark.parametrize("pattern, words", [
-        ("a*", "matches the empty text"), ("(?=x)", "groups"), ("(a", "missing ')'"), ("", "non-empty"),
-    ])  # fmt: skip
+    @pytest.mark.parametrize(
+        "pattern, words",
+        [
+            ("a*", "matches the empty text"),
+            ("(?=x)", "groups"),
+            ("(a", "missing ')'"),
+            ("", "non-empty"),
+        ],
+    )
     def test_bad_patterns_are_refused(self, pattern, words):
         from deltaserve.engine.sampling_params import SamplingParams
 

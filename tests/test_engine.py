@@ -96,7 +96,11 @@ class TestGreedy:
             assert ids_of(tokens) == ids_of(ref)
             for a, b in zip(tokens, ref, strict=True):
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-            assert (fin.reason, fin.prompt_tokens, fin.output_tokens) == ("length", len(p), MAX_TOKENS)
+            assert (fin.reason, fin.prompt_tokens, fin.output_tokens) == (
+                "length",
+                len(p),
+                MAX_TOKENS,
+            )
         await assert_idle_and_empty(engine)
 
     async def test_last_token_and_finish_arrive_after_the_drop(self, engine, prompts):
@@ -115,20 +119,35 @@ class TestGreedy:
     async def test_matches_in_process_generate(self, tiny_model_dir, prompts, reference):
         """The engine agrees with `deltaserve generate` (one executor, no control plane)."""
         for p, ref in zip(prompts[1:3], reference[1:3], strict=True):
-            samples = await asyncio.to_thread(generate_tokens, tiny_model_dir, p, MAX_TOKENS, ignore_eos=True)
+            samples = await asyncio.to_thread(
+                generate_tokens, tiny_model_dir, p, MAX_TOKENS, ignore_eos=True
+            )
             assert [s.token_id for s in samples] == ids_of(ref)
             for s, t in zip(samples, ref, strict=True):
                 assert s.logprob == pytest.approx(t.logprob, abs=1e-4)
 
 
 class TestSampling:
-    async def test_concurrent_mixed_sampling_is_reproducible_per_seed(self, engine, prompts, reference):
-        seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, top_k=200, seed=77,
-                                repetition_penalty=1.1, frequency_penalty=0.3)
+    async def test_concurrent_mixed_sampling_is_reproducible_per_seed(
+        self, engine, prompts, reference
+    ):
+        seeded = SamplingParams(
+            max_tokens=MAX_TOKENS,
+            temperature=0.9,
+            top_p=0.95,
+            top_k=200,
+            seed=77,
+            repetition_penalty=1.1,
+            frequency_penalty=0.3,
+        )
 
         async def run(order: list[int]) -> dict[int, list[int]]:
-            kinds = {0: (prompts[0], GREEDY), 1: (prompts[1], seeded), 2: (prompts[2], seeded),
-                     3: (prompts[3], GREEDY)}
+            kinds = {
+                0: (prompts[0], GREEDY),
+                1: (prompts[1], seeded),
+                2: (prompts[2], seeded),
+                3: (prompts[3], GREEDY),
+            }
             streams = {k: engine.generate(kinds[k][0], kinds[k][1]) for k in order}
             got = await asyncio.gather(*(collect(s) for s in streams.values()))
             return {k: ids_of(t) for k, (t, _) in zip(streams, got, strict=True)}
@@ -148,7 +167,10 @@ class TestSampling:
         stream = engine.generate(prompts[0], params)
         assert len(set(stream.request_ids)) == 3
         events = await asyncio.wait_for(drain(stream), 60)
-        by_index = {i: [e.token_id for e in events if isinstance(e, TokenEvent) and e.index == i] for i in range(3)}
+        by_index = {
+            i: [e.token_id for e in events if isinstance(e, TokenEvent) and e.index == i]
+            for i in range(3)
+        }
         finals = [e for e in events if isinstance(e, FinishedEvent)]
         assert sorted(f.index for f in finals) == [0, 1, 2]
         for i in range(3):
@@ -159,7 +181,9 @@ class TestSampling:
 
 
 class TestPipelining:
-    async def test_pipelined_steps_change_no_event(self, engine, tiny_model_dir, prompts, reference):
+    async def test_pipelined_steps_change_no_event(
+        self, engine, tiny_model_dir, prompts, reference
+    ):
         """A concurrent mix (greedy, seeded sampling with a penalty and logprobs, a stop token,
         a stop string, max_tokens 1 and 2, n=2; more choices than slots, so admissions break
         the pipeline) gives the same tokens, texts and ends per choice whether each step waits
@@ -170,9 +194,21 @@ class TestPipelining:
         stop = next(t.text for t in reference[0][3:] if t.text.strip())
         cases = [
             (prompts[0], GREEDY),
-            (prompts[1], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=3, presence_penalty=0.5,
-                                        logprobs=3)),
-            (prompts[2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=(ref2[j],))),
+            (
+                prompts[1],
+                SamplingParams(
+                    max_tokens=12,
+                    temperature=0.9,
+                    top_p=0.95,
+                    seed=3,
+                    presence_penalty=0.5,
+                    logprobs=3,
+                ),
+            ),
+            (
+                prompts[2],
+                SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=(ref2[j],)),
+            ),
             (prompts[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop=(stop,))),
             (prompts[3], SamplingParams(max_tokens=2, temperature=0)),
             (prompts[0], SamplingParams(max_tokens=1, temperature=0)),
@@ -182,21 +218,39 @@ class TestPipelining:
         async def run(eng: AsyncEngine) -> list[dict]:
             """Each case's events by choice index (choices of one request may interleave
             differently: a choice's end waits for its drop)."""
+
             async def one(prompt, params) -> dict:
                 by_index: dict = {}
                 async for e in eng.generate(prompt, params):
                     by_index.setdefault(e.index, []).append(e)
                 return by_index
-            return await asyncio.wait_for(asyncio.gather(*(one(p, params) for p, params in cases)), 120)
+
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(p, params) for p, params in cases)), 120
+            )
 
         def strip_logprobs(runs: list[dict]) -> list:
-            return [{i: [(e.token_id, e.text, [t for t, _ in e.top_logprobs]) if isinstance(e, TokenEvent) else e
-                         for e in events] for i, events in choices.items()} for choices in runs]  # fmt: skip
+            return [
+                {
+                    i: [
+                        (e.token_id, e.text, [t for t, _ in e.top_logprobs])
+                        if isinstance(e, TokenEvent)
+                        else e
+                        for e in events
+                    ]
+                    for i, events in choices.items()
+                }
+                for choices in runs
+            ]
 
         def max_logprob_gap(a: list[dict], b: list[dict]) -> float:
             """Logprobs differ by fp32 noise: the two engines batch the requests differently."""
-            gaps = [abs(x.logprob - y.logprob) for ca, cb in zip(a, b, strict=True) for i in ca
-                    for x, y in zip(ca[i][:-1], cb[i][:-1], strict=True)]  # fmt: skip
+            gaps = [
+                abs(x.logprob - y.logprob)
+                for ca, cb in zip(a, b, strict=True)
+                for i in ca
+                for x, y in zip(ca[i][:-1], cb[i][:-1], strict=True)
+            ]
             return max(gaps)
 
         before = engine.metrics.pipelined_steps_total
@@ -226,22 +280,37 @@ class TestPipelining:
         assert sorted(f.reason for f in finals) == ["length"] * 6 + ["stop"] * 2
         await assert_idle_and_empty(engine)
 
-
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="the ranks overlap steps on CUDA by default")
+    @pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="the ranks overlap steps on CUDA by default"
+    )
     async def test_cuda_overlapped_steps_give_the_same_tokens(self, tiny_model_dir, prompts):
         """On CUDA each rank queues a pipelined step before it reads the samples of the step
         ahead (the device takes the follower's tokens from the slots' last samples, seeds and
         penalties count them before its sampling): greedy, seeded top-p with a penalty and
         seeded top-k decode the tokens of ranks that finish every step first."""
-        cases = [GREEDY, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=3,
-                                        presence_penalty=0.5),
-                 SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_k=20, seed=8)]  # fmt: skip
+        cases = [
+            GREEDY,
+            SamplingParams(
+                max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=3, presence_penalty=0.5
+            ),
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_k=20, seed=8),
+        ]
 
         async def run(overlap: bool | None) -> list[list[int]]:
-            config = engine_config(tiny_model_dir, device="cuda", dtype="float32", num_kv_blocks=None,
-                                   max_num_seqs=16, max_num_batched_tokens=512, max_queued_requests=16, overlap_steps=overlap)
+            config = engine_config(
+                tiny_model_dir,
+                device="cuda",
+                dtype="float32",
+                num_kv_blocks=None,
+                max_num_seqs=16,
+                max_num_batched_tokens=512,
+                max_queued_requests=16,
+                overlap_steps=overlap,
+            )
             async with await AsyncEngine.start(config) as eng:
-                results = await asyncio.gather(*(collect(eng.generate(p, c)) for p in prompts for c in cases))
+                results = await asyncio.gather(
+                    *(collect(eng.generate(p, c)) for p in prompts for c in cases)
+                )
                 assert eng.metrics.pipelined_steps_total >= 5
             return [ids_of(tokens) for tokens, _ in results]
 
@@ -250,16 +319,28 @@ class TestPipelining:
 
 class TestStopping:
     async def test_stop_string_across_token_boundary(self, engine, prompts):
-        tokens, fin = await collect(engine.generate(prompts[1], SamplingParams(max_tokens=24, temperature=0)))
+        tokens, fin = await collect(
+            engine.generate(prompts[1], SamplingParams(max_tokens=24, temperature=0))
+        )
         texts = [t.text for t in tokens]
         full = "".join(texts) + fin.text
         # A stop string made of the end of one token's text and the start of the next.
-        k = next(i for i in range(2, len(texts) - 1) if len(texts[i]) >= 2 and len(texts[i + 1]) >= 2
-                 and full.find(texts[i][-2:] + texts[i + 1][:2]) == len("".join(texts[:i])) + len(texts[i]) - 2)
+        k = next(
+            i
+            for i in range(2, len(texts) - 1)
+            if len(texts[i]) >= 2
+            and len(texts[i + 1]) >= 2
+            and full.find(texts[i][-2:] + texts[i + 1][:2])
+            == len("".join(texts[:i])) + len(texts[i]) - 2
+        )
         stop = texts[k][-2:] + texts[k + 1][:2]
         params = SamplingParams(max_tokens=24, temperature=0, stop=("never-appears", stop))
         stopped, fin2 = await collect(engine.generate(prompts[1], params))
-        assert (fin2.reason, fin2.stop_reason, fin.stop_reason) == ("stop", stop, None)  # vLLM's stop_reason
+        assert (fin2.reason, fin2.stop_reason, fin.stop_reason) == (
+            "stop",
+            stop,
+            None,
+        )  # vLLM's stop_reason
         assert "".join(t.text for t in stopped) + fin2.text == full[: full.index(stop)]
         assert ids_of(stopped) == ids_of(tokens[: k + 2])  # ended on the token completing the stop
         assert fin2.output_tokens == k + 2
@@ -268,12 +349,22 @@ class TestStopping:
     async def test_stop_token_ids_and_length(self, engine, prompts, reference):
         ref = ids_of(reference[2])
         j = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
-        tokens, fin = await collect(engine.generate(
-            prompts[2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=(ref[j],))))
+        tokens, fin = await collect(
+            engine.generate(
+                prompts[2],
+                SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=(ref[j],)),
+            )
+        )
         assert ids_of(tokens) == ref[: j + 1] and tokens[-1].text == ""
         assert (fin.reason, fin.output_tokens, fin.stop_reason) == ("stop", j + 1, ref[j])
-        tokens, fin = await collect(engine.generate(prompts[2], SamplingParams(max_tokens=3, temperature=0)))
-        assert ids_of(tokens) == ref[:3] and (fin.reason, fin.output_tokens, fin.stop_reason) == ("length", 3, None)
+        tokens, fin = await collect(
+            engine.generate(prompts[2], SamplingParams(max_tokens=3, temperature=0))
+        )
+        assert ids_of(tokens) == ref[:3] and (fin.reason, fin.output_tokens, fin.stop_reason) == (
+            "length",
+            3,
+            None,
+        )
         await assert_idle_and_empty(engine)
 
 
@@ -289,7 +380,9 @@ class TestRefusals:
             engine.generate([1], SamplingParams(stop_token_ids=(10**7,)))
         with pytest.raises(ValueError, match="top_p"):
             SamplingParams(top_p=0)
-        with pytest.raises(ValueError, match=r"n \(9\) exceeds max_queued_requests \(8\)"):  # not "queue full": never fits
+        with pytest.raises(
+            ValueError, match=r"n \(9\) exceeds max_queued_requests \(8\)"
+        ):  # not "queue full": never fits
             engine.generate(prompts[0], SamplingParams(n=9, temperature=1.0, seed=1))
         await assert_idle_and_empty(engine)
 
@@ -303,12 +396,22 @@ class TestRefusals:
             await engine.encode(bad)
         with pytest.raises(ValueError, match="lone surrogate"):
             await engine.encode(bad * 2000)  # large: tokenized in the worker thread
-        assert await engine.encode("café") == engine.tokenizer.encode("café", add_special_tokens=False)
+        assert await engine.encode("café") == engine.tokenizer.encode(
+            "café", add_special_tokens=False
+        )
         await assert_idle_and_empty(engine)
 
-    @pytest.mark.parametrize("field,value", [("max_model_len", 300.5), ("max_model_len", "300"),
-                                             ("num_kv_blocks", 40.5), ("num_kv_blocks", True),
-                                             ("step_timeout_s", "5"), ("startup_timeout_s", float("nan"))])
+    @pytest.mark.parametrize(
+        "field,value",
+        [
+            ("max_model_len", 300.5),
+            ("max_model_len", "300"),
+            ("num_kv_blocks", 40.5),
+            ("num_kv_blocks", True),
+            ("step_timeout_s", "5"),
+            ("startup_timeout_s", float("nan")),
+        ],
+    )
     async def test_config_refuses_non_integers_naming_the_field(self, tiny_model_dir, field, value):
         """A float max_model_len or num_kv_blocks was accepted and killed the ranks at start
         with msgspec's "Expected `int`, got `float`"; a string compared with a TypeError."""
@@ -329,18 +432,31 @@ class TestRefusals:
         priority is refused, not ignored."""
         with pytest.raises(ValueError, match="--scheduling-policy priority"):
             engine.generate(prompts[0], GREEDY, priority=2)
-        placed = await AsyncEngine.start(engine_config(tiny_model_dir, max_num_seqs=1, scheduling_policy="priority"))
+        placed = await AsyncEngine.start(
+            engine_config(tiny_model_dir, max_num_seqs=1, scheduling_policy="priority")
+        )
         try:
             log = PlanLog(placed)
-            running = placed.generate(prompts[0], SamplingParams(max_tokens=8, ignore_eos=True), priority=9)
+            running = placed.generate(
+                prompts[0], SamplingParams(max_tokens=8, ignore_eos=True), priority=9
+            )
             await running.__anext__()  # admitted before the others arrive
             order = [5, -1, 5, 0, -1]
-            streams = [placed.generate(prompts[1], SamplingParams(max_tokens=2), priority=p) for p in order]
+            streams = [
+                placed.generate(prompts[1], SamplingParams(max_tokens=2), priority=p) for p in order
+            ]
             for stream in (running, *streams):
                 await drain(stream)
-            first_seen = list(dict.fromkeys(c.request_id for plan in log.plans for c in plan.chunks))
-            expected = sorted(range(len(order)), key=lambda i: (order[i], i))  # stable: arrival within a priority
-            assert first_seen == [running.request_ids[0], *(streams[i].request_ids[0] for i in expected)]
+            first_seen = list(
+                dict.fromkeys(c.request_id for plan in log.plans for c in plan.chunks)
+            )
+            expected = sorted(
+                range(len(order)), key=lambda i: (order[i], i)
+            )  # stable: arrival within a priority
+            assert first_seen == [
+                running.request_ids[0],
+                *(streams[i].request_ids[0] for i in expected),
+            ]
             log.close()
             await assert_idle_and_empty(placed)
         finally:
@@ -358,7 +474,9 @@ class TestRefusals:
             await alone.aclose()
             first = engine.generate([5] * 100, GREEDY)
             second = engine.generate([6] * 40, GREEDY)  # 140 of 150
-            with pytest.raises(QueueFullError, match=r"140 queued prompt tokens \+ 20 new > max_queued_tokens 150"):
+            with pytest.raises(
+                QueueFullError, match=r"140 queued prompt tokens \+ 20 new > max_queued_tokens 150"
+            ):
                 engine.generate([7] * 10, SamplingParams(max_tokens=4, n=2))
             await first.aclose()  # its 100 tokens leave the queue now
             third = engine.generate([7] * 10, SamplingParams(max_tokens=4, n=2))
@@ -376,7 +494,9 @@ class TestCancellation:
             early = engine.generate(prompts[0], GREEDY, request_id="early")
             await engine.abort("early")  # drained together with the submission
             # Fill every slot, then queue one more and cancel it while it waits.
-            busy = [engine.generate(p, SamplingParams(max_tokens=20, temperature=0)) for p in prompts]
+            busy = [
+                engine.generate(p, SamplingParams(max_tokens=20, temperature=0)) for p in prompts
+            ]
             queued = engine.generate(prompts[0], GREEDY, request_id="queued")
             for _ in range(500):
                 await asyncio.sleep(0.01)
@@ -399,7 +519,9 @@ class TestCancellation:
         """As in vLLM, an id can be used again right after `await abort(id)` returns (it was
         refused as "already in use" until the abort reached the tick); the old stream still
         ends with its abort, and a second abort of the id cancels the new request only."""
-        old = engine.generate(prompts[0], SamplingParams(max_tokens=50, temperature=0), request_id="again")
+        old = engine.generate(
+            prompts[0], SamplingParams(max_tokens=50, temperature=0), request_id="again"
+        )
         assert isinstance(await old.__anext__(), TokenEvent)
         await engine.abort("again")
         new = engine.generate(prompts[0], GREEDY, request_id="again")
@@ -408,14 +530,18 @@ class TestCancellation:
         tokens, fin_new = await collect(new)
         assert fin_old.reason == "abort"
         assert fin_new.reason == "length" and ids_of(tokens) == ids_of(reference[0])
-        third = engine.generate(prompts[0], SamplingParams(max_tokens=50, temperature=0), request_id="again")
+        third = engine.generate(
+            prompts[0], SamplingParams(max_tokens=50, temperature=0), request_id="again"
+        )
         await engine.abort("again")
         tokens, fin = await collect(third)
         assert fin.reason == "abort" and len(tokens) < 50
         await assert_idle_and_empty(engine)
 
     async def test_cancelled_mid_step_gets_no_later_token(self, engine, prompts):
-        stream = engine.generate(prompts[1], SamplingParams(max_tokens=50, temperature=0), request_id="mid")
+        stream = engine.generate(
+            prompts[1], SamplingParams(max_tokens=50, temperature=0), request_id="mid"
+        )
         rid = stream.request_ids[0]
         log = PlanLog(engine)
         sampled_steps = []
@@ -467,7 +593,9 @@ class TestCancellation:
                 if count == 2:
                     two_events.set()
 
-        task = asyncio.create_task(consume(engine.generate(prompts[1], params, request_id="cancelled")))
+        task = asyncio.create_task(
+            consume(engine.generate(prompts[1], params, request_id="cancelled"))
+        )
         await two_events.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -510,11 +638,20 @@ async def mixed_engine(eos_case):
 
 
 class TestForcedMixed:
-    async def test_prefill_and_decode_share_steps_and_agree(self, mixed_engine, prompts, reference, eos_case):
+    async def test_prefill_and_decode_share_steps_and_agree(
+        self, mixed_engine, prompts, reference, eos_case
+    ):
         log = PlanLog(mixed_engine)
         try:
-            streams = [mixed_engine.generate(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
-                                                               logprobs=2, ignore_eos=True)) for p in prompts]
+            streams = [
+                mixed_engine.generate(
+                    p,
+                    SamplingParams(
+                        max_tokens=MAX_TOKENS, temperature=0, logprobs=2, ignore_eos=True
+                    ),
+                )
+                for p in prompts
+            ]
             results = await asyncio.gather(*(collect(s) for s in streams))
         finally:
             log.close()
@@ -531,8 +668,11 @@ class TestForcedMixed:
         tokens, fin = await collect(mixed_engine.generate(prompts[0], GREEDY))
         assert ids_of(tokens) == ids_of(reference[0])[: j + 1]
         assert (fin.reason, fin.output_tokens) == ("stop", j + 1) and tokens[-1].text == ""
-        tokens, fin = await collect(mixed_engine.generate(
-            prompts[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)))
+        tokens, fin = await collect(
+            mixed_engine.generate(
+                prompts[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+            )
+        )
         assert ids_of(tokens) == ids_of(reference[0]) and fin.reason == "length"
         await assert_idle_and_empty(mixed_engine)
 
@@ -545,7 +685,9 @@ async def tp2_engine(tiny_model_dir):
     # A cache (24 blocks of 16 = 384 positions) smaller than max_model_len (512).
     # overlapped steps (the CUDA default), so that they meet the broadcast of the last samples
     engine = await AsyncEngine.start(
-        engine_config(tiny_model_dir, tp_size=2, max_model_len=512, num_kv_blocks=24, overlap_steps=True)
+        engine_config(
+            tiny_model_dir, tp_size=2, max_model_len=512, num_kv_blocks=24, overlap_steps=True
+        )
     )
     yield engine
     await engine.shutdown()
@@ -565,7 +707,9 @@ class TestTensorParallel:
         await assert_idle_and_empty(tp2_engine)
 
     async def test_request_larger_than_the_cache_is_refused(self, tp2_engine, prompts):
-        with pytest.raises(ValueError, match=r"= 400 positions need 25 KV blocks; the cache has 24 blocks of 16"):
+        with pytest.raises(
+            ValueError, match=r"= 400 positions need 25 KV blocks; the cache has 24 blocks of 16"
+        ):
             tp2_engine.generate(prompts[0], SamplingParams(max_tokens=400 - len(prompts[0])))
         await assert_idle_and_empty(tp2_engine)
 

@@ -17,8 +17,15 @@ from deltaserve.ipc.faults import FaultPlan
 
 
 def config(model, **overrides) -> EngineConfig:
-    base = dict(model=str(model), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
-                num_kv_blocks=64, startup_timeout_s=90.0, step_timeout_s=30.0)
+    base = dict(
+        model=str(model),
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=256,
+        num_kv_blocks=64,
+        startup_timeout_s=90.0,
+        step_timeout_s=30.0,
+    )
     return EngineConfig(**{**base, **overrides})
 
 
@@ -45,11 +52,15 @@ async def test_rank_fault_under_load_fails_closed(tiny_model_dir):
         assert len(pids) == 2
         params = SamplingParams(max_tokens=40, temperature=0.7, seed=1)
         streams = [engine.generate([100 + i, 200 + i, 300 + i] * (i + 1), params) for i in range(6)]
-        streams.append(engine.generate([7, 8, 9], SamplingParams(max_tokens=40, temperature=0, n=2)))
+        streams.append(
+            engine.generate([7, 8, 9], SamplingParams(max_tokens=40, temperature=0, n=2))
+        )
         late = []
 
         def submit_during_fatal_step(plan) -> None:
-            if engine.scheduler.metrics.steps_total == 5 and not late:  # the 6th step is dispatching
+            if (
+                engine.scheduler.metrics.steps_total == 5 and not late
+            ):  # the 6th step is dispatching
                 late.append(engine.generate([5, 6], params))
 
         engine.scheduler.plan_listeners.append(submit_during_fatal_step)
@@ -60,7 +71,9 @@ async def test_rank_fault_under_load_fails_closed(tiny_model_dir):
             terminal = [e for e in events if not isinstance(e, TokenEvent)]
             indices = sorted(e.index for e in terminal)
             assert indices == list(range(len(indices))) and len(indices) >= 1
-            assert all(isinstance(e, ErrorEvent) and "rank 1" in e.message for e in terminal), terminal
+            assert all(isinstance(e, ErrorEvent) and "rank 1" in e.message for e in terminal), (
+                terminal
+            )
             assert not isinstance(events[-1], TokenEvent)
             num_choices += len(indices)
         assert num_choices == 9
@@ -83,7 +96,9 @@ async def test_rank_fault_under_load_fails_closed(tiny_model_dir):
 async def test_rank_death_while_idle_kills_the_engine(tiny_model_dir):
     engine = await AsyncEngine.start(config(tiny_model_dir))
     try:
-        events = await events_of(engine.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0)))
+        events = await events_of(
+            engine.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
+        )
         assert isinstance(events[-1], FinishedEvent)
         pids = engine.rank_pids
         os.kill(pids[0], signal.SIGKILL)
@@ -108,7 +123,9 @@ async def test_owners_hear_of_a_poisoned_replica_before_its_teardown(tiny_model_
     runs, i.e. before the teardown (DESIGN: errors first, then teardown); they were told only
     once the teardown was over."""
     fault = FaultPlan(rank=1, kind="stall_before_receipt", at_step=4, stall_s=60.0)
-    engine = await AsyncEngine.start(config(tiny_model_dir, tp_size=2, step_timeout_s=2.0, fault=fault))
+    engine = await AsyncEngine.start(
+        config(tiny_model_dir, tp_size=2, step_timeout_s=2.0, fault=fault)
+    )
     try:
         stalled = engine.rank_pids[1]
 
@@ -121,10 +138,14 @@ async def test_owners_hear_of_a_poisoned_replica_before_its_teardown(tiny_model_
                 return events, False
 
         params = SamplingParams(max_tokens=40, temperature=0)
-        results = await asyncio.wait_for(asyncio.gather(
-            *(consume(engine.generate([11 + i, 12, 13], params)) for i in range(3))), 30)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(consume(engine.generate([11 + i, 12, 13], params)) for i in range(3))),
+            30,
+        )
         assert all(isinstance(events[-1], ErrorEvent) for events, _ in results)
-        assert all(alive for _, alive in results), "an owner heard only after the stalled rank was killed"
+        assert all(alive for _, alive in results), (
+            "an owner heard only after the stalled rank was killed"
+        )
         await asyncio.wait_for(engine.wait_closed(), 30)
         assert_gone(engine.rank_pids)
     finally:

@@ -33,8 +33,15 @@ HOLD = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)  # keeps
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_model_dir):
-    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256,
-                          num_kv_blocks=32, block_size=16, max_queued_requests=MAX_QUEUED)  # fmt: skip
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        num_kv_blocks=32,
+        block_size=16,
+        max_queued_requests=MAX_QUEUED,
+    )
     engine = await AsyncEngine.start(config)
     yield engine
     await engine.shutdown()
@@ -154,8 +161,14 @@ class TestMinTokensAndLogitBias:
         )
         tokens, fin = await run(engine, PROMPT, params)
         assert len(tokens) == 2 and fin.reason == "stop"
-        params = SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[stop], ignore_eos=True,
-                                min_tokens=3, logit_bias={stop: 100.0})  # fmt: skip
+        params = SamplingParams(
+            max_tokens=6,
+            temperature=0.0,
+            stop_token_ids=[stop],
+            ignore_eos=True,
+            min_tokens=3,
+            logit_bias={stop: 100.0},
+        )
         tokens, fin = await run(engine, PROMPT, params)
         ids = [t.token_id for t in tokens]
         assert stop not in ids[:3] and ids[3:] == [stop] and fin.reason == "stop", ids
@@ -178,8 +191,12 @@ class TestMinTokensAndLogitBias:
         include_stop_str_in_output."""
         decode = engine.tokenizer.decode
         for include, n in ((False, 2), (True, 3)):
-            params = SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[reference[2]],
-                                    include_stop_str_in_output=include)  # fmt: skip
+            params = SamplingParams(
+                max_tokens=6,
+                temperature=0.0,
+                stop_token_ids=[reference[2]],
+                include_stop_str_in_output=include,
+            )
             tokens, fin = await run(engine, PROMPT, params)
             assert "".join(t.text for t in tokens) + fin.text == decode(reference[:n])
 
@@ -191,17 +208,30 @@ class TestOverHttp:
         self, client, engine, eos, reference
     ):
         bias = {str(eos): 100}
-        out = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
-                                              logit_bias=bias, extra_body={"min_tokens": 4})  # fmt: skip
+        out = await client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            logit_bias=bias,
+            extra_body={"min_tokens": 4},
+        )
         choice = out.choices[0]
         assert (choice.finish_reason, out.usage.completion_tokens) == ("stop", 5)
         assert choice.text == engine.tokenizer.decode(reference[:4])
         messages = [{"role": "user", "content": "hi"}]
-        chat = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
-                                                    logit_bias=bias, extra_body={"min_tokens": 2})  # fmt: skip
+        chat = await client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            logit_bias=bias,
+            extra_body={"min_tokens": 2},
+        )
         assert (chat.choices[0].finish_reason, chat.usage.completion_tokens) == ("stop", 3)
-        chat = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
-                                                    logit_bias=bias)  # fmt: skip
+        chat = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, temperature=0, logit_bias=bias
+        )
         assert (chat.choices[0].finish_reason, chat.usage.completion_tokens) == ("stop", 1)
 
     async def test_special_tokens_kept_when_asked(self, client):
@@ -213,8 +243,14 @@ class TestOverHttp:
             {"skip_special_tokens": False},
             {"skip_special_tokens": False, "spaces_between_special_tokens": False},
         ):
-            out = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
-                                                  logit_bias={str(IM_START): 100}, extra_body=extra)  # fmt: skip
+            out = await client.completions.create(
+                model="tiny",
+                prompt=PROMPT,
+                max_tokens=3,
+                temperature=0,
+                logit_bias={str(IM_START): 100},
+                extra_body=extra,
+            )
             texts.append(out.choices[0].text)
         assert texts == ["", "<|im_start|>" * 3, "<|im_start|>" * 3]
 
@@ -225,16 +261,22 @@ class TestOverHttp:
         plain = (
             await client.completions.create(**kwargs, extra_body={"ignore_eos": True})
         ).choices[0]
-        kept = (await client.completions.create(**kwargs, extra_body={"ignore_eos": True,
-                                                                      "include_stop_str_in_output": True})).choices[0]  # fmt: skip
+        kept = (
+            await client.completions.create(
+                **kwargs, extra_body={"ignore_eos": True, "include_stop_str_in_output": True}
+            )
+        ).choices[0]
         assert (plain.text, plain.finish_reason) == (text[: text.index(stop)], "stop")
         assert (kept.text, kept.finish_reason) == (text[: text.index(stop) + len(stop)], "stop")
 
-    @pytest.mark.parametrize("body, param, words", [
-        ({"logit_bias": {str(VOCAB + 1): 5}}, "logit_bias", f"[{VOCAB + 1}]"),
-        ({"logit_bias": {"abc": 5}}, "logit_bias", "not a token id"),
-        ({"max_tokens": 3, "extra_body": {"min_tokens": 4}}, "min_tokens", "max_tokens=3"),
-    ])  # fmt: skip
+    @pytest.mark.parametrize(
+        "body, param, words",
+        [
+            ({"logit_bias": {str(VOCAB + 1): 5}}, "logit_bias", f"[{VOCAB + 1}]"),
+            ({"logit_bias": {"abc": 5}}, "logit_bias", "not a token id"),
+            ({"max_tokens": 3, "extra_body": {"min_tokens": 4}}, "min_tokens", "max_tokens=3"),
+        ],
+    )
     async def test_refused_naming_the_field(self, client, body, param, words):
         with pytest.raises(openai.BadRequestError) as info:
             await client.completions.create(
@@ -251,7 +293,9 @@ class TestAllowedAndBadWords:
         allowed = sorted({reference[3], reference[4]})
         assert reference[0] not in allowed  # the argmax of the first step is barred
         for extra in (dict(temperature=0.0), dict(temperature=1.0, seed=4)):
-            params = SamplingParams(max_tokens=5, ignore_eos=True, allowed_token_ids=allowed, **extra)
+            params = SamplingParams(
+                max_tokens=5, ignore_eos=True, allowed_token_ids=allowed, **extra
+            )
             ids = [t.token_id for t in (await run(engine, PROMPT, params))[0]]
             assert set(ids) <= set(allowed) and len(ids) == 5, ids
         with pytest.raises(ValueError, match=rf"^allowed_token_ids has token ids \[{VOCAB}\]"):
@@ -263,14 +307,24 @@ class TestAllowedAndBadWords:
         decode = engine.tokenizer.decode
         encode = lambda text: engine.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         pair = decode(reference[1:3])
-        assert SamplingParams(bad_words=[pair]).tokenize_bad_words(encode).bad_words_token_ids == (tuple(reference[1:3]),)
+        assert SamplingParams(bad_words=[pair]).tokenize_bad_words(encode).bad_words_token_ids == (
+            tuple(reference[1:3]),
+        )
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, bad_words=[pair])
         ids = [t.token_id for t in (await run(engine, PROMPT, params))[0]]
         assert ids[:2] == reference[:2] and ids[2] != reference[2], ids
         target = reference[3]
-        assert (target,) in SamplingParams(bad_words=[decode([target])]).tokenize_bad_words(encode).bad_words_token_ids
-        params = SamplingParams(max_tokens=6, temperature=1.0, seed=9, ignore_eos=True,
-                                logit_bias={target: 100.0}, bad_words=[decode([target])])  # fmt: skip
+        assert (target,) in SamplingParams(bad_words=[decode([target])]).tokenize_bad_words(
+            encode
+        ).bad_words_token_ids
+        params = SamplingParams(
+            max_tokens=6,
+            temperature=1.0,
+            seed=9,
+            ignore_eos=True,
+            logit_bias={target: 100.0},
+            bad_words=[decode([target])],
+        )
         ids = [t.token_id for t in (await run(engine, PROMPT, params))[0]]
         assert target not in ids and len(ids) == 6, ids
 
@@ -287,7 +341,12 @@ class TestExtrasOverHttp:
         ids = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
         out = await client.completions.create(prompt=ids, echo=True, **kwargs)  # token ids: decoded
         assert out.choices[0].text == engine.tokenizer.decode(ids) + plain
-        chunks = [c async for c in await client.completions.create(prompt=PROMPT, echo=True, stream=True, **kwargs)]
+        chunks = [
+            c
+            async for c in await client.completions.create(
+                prompt=PROMPT, echo=True, stream=True, **kwargs
+            )
+        ]
         texts = [c.choices[0].text for c in chunks]
         assert texts[0].startswith(PROMPT) and "".join(texts) == PROMPT + plain
 
@@ -295,24 +354,49 @@ class TestExtrasOverHttp:
         """Every chunk carries the usage so far (the chat's role chunk none of the output),
         then the final usage chunk; without include_usage none (vLLM's should_include_usage)."""
         options = {"include_usage": True, "continuous_usage_stats": True}
-        stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, stream=True,
-                                                 stream_options=options, extra_body={"ignore_eos": True})  # fmt: skip
+        stream = await client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options=options,
+            extra_body={"ignore_eos": True},
+        )
         chunks = [c async for c in stream]
         *choice_chunks, last = chunks
         prompt = last.usage.prompt_tokens
         assert last.choices == [] and last.usage.completion_tokens == 4 and prompt > 0
         counts = [c.usage.completion_tokens for c in choice_chunks]
         assert counts == sorted(counts) and counts[-1] == 4, counts
-        assert all(c.usage.prompt_tokens == prompt and c.usage.total_tokens == prompt + c.usage.completion_tokens
-                   for c in choice_chunks)  # fmt: skip
+        assert all(
+            c.usage.prompt_tokens == prompt
+            and c.usage.total_tokens == prompt + c.usage.completion_tokens
+            for c in choice_chunks
+        )
         messages = [{"role": "user", "content": "hi"}]
-        stream = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0,
-                                                      stream=True, stream_options=options)  # fmt: skip
+        stream = await client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options=options,
+        )
         chunks = [c async for c in stream]
-        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
+        assert (
+            chunks[0].choices[0].delta.role == "assistant"
+            and chunks[0].usage.completion_tokens == 0
+        )
         assert all(c.usage is not None for c in chunks)
-        stream = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0,
-                                                      stream=True, stream_options={"continuous_usage_stats": True})  # fmt: skip
+        stream = await client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options={"continuous_usage_stats": True},
+        )
         assert all([c.usage is None async for c in stream])
 
     async def test_truncate_prompt_tokens(self, client, engine):
@@ -320,39 +404,69 @@ class TestExtrasOverHttp:
         kwargs = dict(model="tiny", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
         tail = await client.completions.create(prompt=ids[-4:], **kwargs)
         for prompt in (PROMPT, ids):
-            out = await client.completions.create(prompt=prompt, **{**kwargs, "extra_body": {
-                "ignore_eos": True, "truncate_prompt_tokens": 4}})  # fmt: skip
+            out = await client.completions.create(
+                prompt=prompt,
+                **{**kwargs, "extra_body": {"ignore_eos": True, "truncate_prompt_tokens": 4}},
+            )
             assert (out.choices[0].text, out.usage.prompt_tokens) == (tail.choices[0].text, 4)
-        out = await client.completions.create(prompt=ids, echo=True, **{**kwargs, "extra_body": {
-            "ignore_eos": True, "truncate_prompt_tokens": 4}})  # fmt: skip
+        out = await client.completions.create(
+            prompt=ids,
+            echo=True,
+            **{**kwargs, "extra_body": {"ignore_eos": True, "truncate_prompt_tokens": 4}},
+        )
         assert out.choices[0].text == engine.tokenizer.decode(ids[-4:]) + tail.choices[0].text
-        out = await client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": -1}, model="tiny", max_tokens=3)
+        out = await client.completions.create(
+            prompt=ids, extra_body={"truncate_prompt_tokens": -1}, model="tiny", max_tokens=3
+        )
         assert out.usage.prompt_tokens == len(ids)
         messages = [{"role": "user", "content": PROMPT}]
-        chat = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
-                                                    extra_body={"truncate_prompt_tokens": 5})  # fmt: skip
+        chat = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=2, extra_body={"truncate_prompt_tokens": 5}
+        )
         assert chat.usage.prompt_tokens == 5
         with pytest.raises(openai.BadRequestError) as info:
-            await client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 254}, model="tiny", max_tokens=3)
+            await client.completions.create(
+                prompt=ids, extra_body={"truncate_prompt_tokens": 254}, model="tiny", max_tokens=3
+            )
         error = info.value.response.json()["error"]
         assert error["param"] == "truncate_prompt_tokens" and "= 253" in error["message"], error
 
     async def test_allowed_token_ids_and_bad_words(self, client, engine, reference):
         allowed = [reference[3], reference[4]]
-        out = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
-                                              extra_body={"allowed_token_ids": allowed, "ignore_eos": True})  # fmt: skip
-        assert set(engine.tokenizer.encode(out.choices[0].text, add_special_tokens=False)) <= set(allowed)
+        out = await client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=3,
+            temperature=0,
+            extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+        )
+        assert set(engine.tokenizer.encode(out.choices[0].text, add_special_tokens=False)) <= set(
+            allowed
+        )
         word = engine.tokenizer.decode(reference[1:3])
-        out = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
-                                              extra_body={"bad_words": [word], "ignore_eos": True})  # fmt: skip
+        out = await client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=4,
+            temperature=0,
+            extra_body={"bad_words": [word], "ignore_eos": True},
+        )
         assert word not in out.choices[0].text and out.usage.completion_tokens == 4
-        chat = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                    max_tokens=2, extra_body={"allowed_token_ids": [reference[3]]})  # fmt: skip
+        chat = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            extra_body={"allowed_token_ids": [reference[3]]},
+        )
         assert chat.choices[0].message.content == engine.tokenizer.decode([reference[3]] * 2)
-        for extra, param, words in (({"allowed_token_ids": [VOCAB]}, "allowed_token_ids", f"[{VOCAB}]"),
-                                    ({"allowed_token_ids": []}, "allowed_token_ids", "empty"),
-                                    ({"bad_words": [" "]}, "bad_words", "at least one token")):  # fmt: skip
+        for extra, param, words in (
+            ({"allowed_token_ids": [VOCAB]}, "allowed_token_ids", f"[{VOCAB}]"),
+            ({"allowed_token_ids": []}, "allowed_token_ids", "empty"),
+            ({"bad_words": [" "]}, "bad_words", "at least one token"),
+        ):
             with pytest.raises(openai.BadRequestError) as info:
-                await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body=extra)
+                await client.completions.create(
+                    model="tiny", prompt=PROMPT, max_tokens=2, extra_body=extra
+                )
             error = info.value.response.json()["error"]
             assert error["param"] == param and words in error["message"], error

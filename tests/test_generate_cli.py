@@ -12,9 +12,22 @@ from transformers import AutoTokenizer
 
 
 def test_generate_json_lines(tiny_model_dir):
-    cmd = [sys.executable, "-m", "deltaserve.tools.cli", "generate", "--model", str(tiny_model_dir),
-           "--prompt", "The capital of France is", "--max-tokens", "6", "--ignore-eos",
-           "--logprobs", "3", "--json"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "deltaserve.tools.cli",
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--logprobs",
+        "3",
+        "--json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
     rows = [json.loads(line) for line in out.splitlines()]
     assert len(rows) == 6
@@ -32,8 +45,18 @@ def test_generate_json_lines(tiny_model_dir):
 
 
 def test_generate_refuses_out_of_vocab_ids(tiny_model_dir):
-    cmd = [sys.executable, "-m", "deltaserve.tools.cli", "generate", "--model", str(tiny_model_dir),
-           "--prompt-ids", "1,999999999", "--max-tokens", "2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "deltaserve.tools.cli",
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt-ids",
+        "1,999999999",
+        "--max-tokens",
+        "2",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "out of the vocabulary" in result.stderr and "999999999" in result.stderr
@@ -58,9 +81,20 @@ def test_generate_stops_at_the_engines_eos_ids(tiny_model_dir, tmp_path):
     assert [s.token_id for s in generate_tokens(tmp_path, prompt, 6)] == tokens[:3]
 
 
-@pytest.mark.parametrize("bad", [["--temperature", "nan"], ["--temperature", "inf"], ["--seed", str(-(2**63) - 1)],
-                                 ["--seed", str(2**64)], ["--max-tokens", "0"], ["--logprobs", "-1"],
-                                 ["--top-p", "0"], ["--top-k", "-2"], ["--repetition-penalty", "0"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--temperature", "nan"],
+        ["--temperature", "inf"],
+        ["--seed", str(-(2**63) - 1)],
+        ["--seed", str(2**64)],
+        ["--max-tokens", "0"],
+        ["--logprobs", "-1"],
+        ["--top-p", "0"],
+        ["--top-k", "-2"],
+        ["--repetition-penalty", "0"],
+    ],
+)
 def test_generate_refuses_what_the_engine_refuses(tiny_model_dir, capsys, bad):
     """A NaN or infinite temperature and seeds outside int64 were taken (and sampled
     with) where the engine refuses them; now the engine's checks name the option."""
@@ -69,7 +103,21 @@ def test_generate_refuses_what_the_engine_refuses(tiny_model_dir, capsys, bad):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--model", str(tiny_model_dir), "--prompt", "hi", *bad])
     assert exit_info.value.code == 2 and f"error: {bad[0]} must be" in capsys.readouterr().err
-    assert parse_args(["--model", str(tiny_model_dir), "--prompt", "hi", "--temperature", "0.5", "--seed", "3"]).seed == 3
+    assert (
+        parse_args(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--prompt",
+                "hi",
+                "--temperature",
+                "0.5",
+                "--seed",
+                "3",
+            ]
+        ).seed
+        == 3
+    )
 
 
 def test_generate_refuses_positions_past_the_models_context(tiny_model_dir):
@@ -77,7 +125,9 @@ def test_generate_refuses_positions_past_the_models_context(tiny_model_dir):
     from deltaserve.engine.generate import generate_tokens
 
     context = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
-    with pytest.raises(ValueError, match=f"= {context + 1} exceeds the model's max_position_embeddings {context}"):
+    with pytest.raises(
+        ValueError, match=f"= {context + 1} exceeds the model's max_position_embeddings {context}"
+    ):
         generate_tokens(tiny_model_dir, [1, 2], context - 1)
 
 
@@ -100,8 +150,24 @@ def test_generate_names_a_missing_model_or_device(tmp_path, capsys):
 def _tokens(capsys, model, *flags: str) -> list[int]:
     from deltaserve.engine.generate import main
 
-    assert main(["--model", str(model), "--prompt-ids", "5,6,7", "--max-tokens", "8", "--ignore-eos",
-                 "--seed", "3", "--json", *flags]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "--model",
+                str(model),
+                "--prompt-ids",
+                "5,6,7",
+                "--max-tokens",
+                "8",
+                "--ignore-eos",
+                "--seed",
+                "3",
+                "--json",
+                *flags,
+            ]
+        )
+        == 0
+    )
     return [json.loads(line)["token_id"] for line in capsys.readouterr().out.splitlines()]
 
 
@@ -118,21 +184,38 @@ def test_generate_samples_with_generation_config_defaults(tiny_model_dir, tmp_pa
     gen = json.loads((tiny_model_dir / "generation_config.json").read_text())
     prompt, seed = [5, 6, 7], wire_seed(3)
     greedy = [s.token_id for s in generate_tokens(tiny_model_dir, prompt, 8, ignore_eos=True)]
-    hot = [s.token_id for s in generate_tokens(tiny_model_dir, prompt, 8, temperature=1.5, seed=seed, ignore_eos=True)]
+    hot = [
+        s.token_id
+        for s in generate_tokens(
+            tiny_model_dir, prompt, 8, temperature=1.5, seed=seed, ignore_eos=True
+        )
+    ]
     assert hot != greedy
 
     (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "temperature": 1.5}))
     assert _tokens(capsys, tmp_path) == hot  # the file's temperature
     assert _tokens(capsys, tmp_path, "--temperature", "0") == greedy  # the flag wins
     assert _tokens(capsys, tmp_path, "--generation-config", "vllm") == greedy  # the file ignored
-    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "temperature": 1.5, "top_k": 1}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({**gen, "temperature": 1.5, "top_k": 1})
+    )
     assert _tokens(capsys, tmp_path) == greedy  # top_k 1: the best token, sampled at 1.5
-    assert _tokens(capsys, tmp_path, "--top-k", "0") == hot  # the flag wins, the file's temperature stays
+    assert (
+        _tokens(capsys, tmp_path, "--top-k", "0") == hot
+    )  # the flag wins, the file's temperature stays
     from deltaserve.engine.generate import main
 
     assert main(["--model", str(tmp_path), "--prompt-ids", "5", "--max-tokens", "1"]) == 0
-    assert "defaults from the model's generation_config.json: temperature=1.5, top_k=1" in capsys.readouterr().err
-    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "top_p": 2}))  # as serve, refused
+    assert (
+        "defaults from the model's generation_config.json: temperature=1.5, top_k=1"
+        in capsys.readouterr().err
+    )
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({**gen, "top_p": 2})
+    )  # as serve, refused
     with pytest.raises(SystemExit) as info:
         main(["--model", str(tmp_path), "--prompt-ids", "5"])
-    assert info.value.code == 2 and "generation_config.json: top_p must be in (0.0, 1.0]" in capsys.readouterr().err
+    assert (
+        info.value.code == 2
+        and "generation_config.json: top_p must be in (0.0, 1.0]" in capsys.readouterr().err
+    )

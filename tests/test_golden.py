@@ -40,7 +40,9 @@ def hf_model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def executor(tiny_model_dir):
-    return Executor(ExecutorConfig(str(tiny_model_dir), num_slots=8, num_blocks=1024, block_size=16))
+    return Executor(
+        ExecutorConfig(str(tiny_model_dir), num_slots=8, num_blocks=1024, block_size=16)
+    )
 
 
 @pytest.fixture
@@ -77,7 +79,9 @@ def test_chunked_prefill_equals_whole(executor, hf_model, prompts):
         parts = []
         for begin, end in zip(cuts[:-1], cuts[1:], strict=True):
             new = NewRequest(201, GREEDY) if begin == 0 else None
-            parts.append(executor.forward([StepItem(2, begin, ids[begin:end], end == 200, new)], True))
+            parts.append(
+                executor.forward([StepItem(2, begin, ids[begin:end], end == 200, new)], True)
+            )
         executor.drop([2])
         assert_golden(torch.cat(parts), reference, f"chunks at {cuts}")
 
@@ -126,7 +130,12 @@ def test_mixed_forward_equals_each_alone(executor, prompts):
         return [logits[a:b] for a, b in spans]
 
     step1 = executor.forward(
-        [first_item(0, ids[0], 8), first_item(1, ids[1], 73), first_item(2, ids[2][:50], 133, False)], True
+        [
+            first_item(0, ids[0], 8),
+            first_item(1, ids[1], 73),
+            first_item(2, ids[2][:50], 133, False),
+        ],
+        True,
     )
     r0, r1, r2a = rows(step1, [(0, 5), (5, 75), (75, 125)])
     step2 = executor.forward(

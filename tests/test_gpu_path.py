@@ -18,17 +18,38 @@ def _steps(vocab: int = 240000):
     from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 
     gen = torch.Generator().manual_seed(11)
-    ids = {r: torch.randint(0, vocab, (n,), generator=gen).tolist() for r, n in [(1, 90), (2, 5), (3, 1), (4, 20)]}
+    ids = {
+        r: torch.randint(0, vocab, (n,), generator=gen).tolist()
+        for r, n in [(1, 90), (2, 5), (3, 1), (4, 20)]
+    }
     spec = SamplingSpec(seed=0)
-    yield [StepItem(1, 0, ids[1][:70], False, NewRequest(200, spec), prompt_logprobs=2, next_token=ids[1][70]),
-           StepItem(2, 0, ids[2], True, NewRequest(200, spec))]  # fmt: skip
-    yield [StepItem(1, 70, ids[1][70:], True, None), StepItem(2, 5, [7], True, None),
-           StepItem(3, 0, ids[3], True, NewRequest(200, spec))]
+    yield [
+        StepItem(
+            1,
+            0,
+            ids[1][:70],
+            False,
+            NewRequest(200, spec),
+            prompt_logprobs=2,
+            next_token=ids[1][70],
+        ),
+        StepItem(2, 0, ids[2], True, NewRequest(200, spec)),
+    ]
+    yield [
+        StepItem(1, 70, ids[1][70:], True, None),
+        StepItem(2, 5, [7], True, None),
+        StepItem(3, 0, ids[3], True, NewRequest(200, spec)),
+    ]
     for t in range(6):
         given = t < 3
-        step = [StepItem(2, 6 + t, [8 + t] * given, True, None), StepItem(1, 90 + t, [9 + t] * given, True, None),
-                StepItem(3, 1 + t, [10 + t] * given, True, None)]
-        if t == 1:  # a new prompt beside decodes (with graphs: a prompt graph's replay beside a decode graph's)
+        step = [
+            StepItem(2, 6 + t, [8 + t] * given, True, None),
+            StepItem(1, 90 + t, [9 + t] * given, True, None),
+            StepItem(3, 1 + t, [10 + t] * given, True, None),
+        ]
+        if (
+            t == 1
+        ):  # a new prompt beside decodes (with graphs: a prompt graph's replay beside a decode graph's)
             step.insert(1, StepItem(4, 0, ids[4], True, NewRequest(200, spec), prompt_logprobs=1))
         elif t > 1:
             step.append(StepItem(4, 20 + t - 2, [11 + t] * given, True, None))
@@ -45,15 +66,22 @@ def _prefix_steps(vocab: int = 240000):
     ids = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()  # noqa: E731
     spec = SamplingSpec(seed=0)
     yield [StepItem(1, 0, ids(40), True, NewRequest(100, spec), save=0)]
-    yield [StepItem(2, 40, ids(20), False, NewRequest(100, spec, prefix=0)),
-           StepItem(3, 40, ids(3), True, NewRequest(100, spec, prefix=0)),
-           StepItem(4, 0, ids(30), True, NewRequest(100, spec))]  # fmt: skip
+    yield [
+        StepItem(2, 40, ids(20), False, NewRequest(100, spec, prefix=0)),
+        StepItem(3, 40, ids(3), True, NewRequest(100, spec, prefix=0)),
+        StepItem(4, 0, ids(30), True, NewRequest(100, spec)),
+    ]
     yield [StepItem(2, 60, ids(9), True, None)]
 
 
 def _run_steps(
-    model_dir: str, device: str, graphs: bool = False, dtype: str = "float32", prompt_graph_tokens: int = 2048,
-    steps=_steps, prefix_states: int = 0,
+    model_dir: str,
+    device: str,
+    graphs: bool = False,
+    dtype: str = "float32",
+    prompt_graph_tokens: int = 2048,
+    steps=_steps,
+    prefix_states: int = 0,
 ) -> tuple[list[torch.Tensor], int]:
     """Logits of every step of `_steps` through one executor, each with the step's prompt
     logprobs as an attribute, and how many of its steps ran prompts through a prompt graph:
@@ -63,8 +91,16 @@ def _run_steps(
     from deltaserve.engine.rank.executor import Executor, ExecutorConfig
     from deltaserve.kernels.triton_compat import gpu_path
 
-    config = ExecutorConfig(model_dir, device=device, dtype=dtype, num_slots=4, num_blocks=64, cuda_graphs=graphs,
-                            prompt_graph_tokens=prompt_graph_tokens, prefix_states=prefix_states)  # fmt: skip
+    config = ExecutorConfig(
+        model_dir,
+        device=device,
+        dtype=dtype,
+        num_slots=4,
+        num_blocks=64,
+        cuda_graphs=graphs,
+        prompt_graph_tokens=prompt_graph_tokens,
+        prefix_states=prefix_states,
+    )
     ex = Executor(config)
     assert (ex.graphs is not None) == (graphs and gpu_path(ex.cache.kv))
     logits = []
@@ -78,7 +114,11 @@ def _run_steps(
 
 
 def _assert_steps_match(
-    got: list[torch.Tensor], want: list[torch.Tensor], bound: float, what: str, prompt_bound: float | None = None
+    got: list[torch.Tensor],
+    want: list[torch.Tensor],
+    bound: float,
+    what: str,
+    prompt_bound: float | None = None,
 ) -> None:
     """Each step's logits within `bound` (top-8 logprobs, same argmax), and its prompt
     logprobs within `prompt_bound` (default `bound`): they are many more positions."""
@@ -88,37 +128,57 @@ def _assert_steps_match(
         report = compare_logprobs(ours, reference)
         print(f"{what}, step {step}: {report.as_dict()}")
         assert report.argmax_mismatches == 0, f"{what}: step {step} argmax differs ({report})"
-        assert report.max_abs_diff <= bound, f"{what}: step {step} top-8 logprobs differ by {report.max_abs_diff}"
-        _assert_prompt_logprobs_match(ours.prompt_logprobs, reference.prompt_logprobs, prompt_bound or bound,
-                                      f"{what}, step {step}")  # fmt: skip
+        assert report.max_abs_diff <= bound, (
+            f"{what}: step {step} top-8 logprobs differ by {report.max_abs_diff}"
+        )
+        _assert_prompt_logprobs_match(
+            ours.prompt_logprobs,
+            reference.prompt_logprobs,
+            prompt_bound or bound,
+            f"{what}, step {step}",
+        )
 
 
 def _assert_prompt_logprobs_match(got: dict, want: dict, bound: float, what: str) -> None:
     """The same requests' prompt logprobs, each within `bound`, and their alternatives', best
     first; ranks within 5%, and an alternative's token may differ only where `bound` makes
     logits tie."""
-    assert got.keys() == want.keys(), f"{what}: prompt logprobs of {sorted(got)}, expected {sorted(want)}"
+    assert got.keys() == want.keys(), (
+        f"{what}: prompt logprobs of {sorted(got)}, expected {sorted(want)}"
+    )
     for request, reference in sorted(want.items()):
         ours = got[request]
         rows = len(reference.logprobs)
         assert rows > 0 and len(ours.logprobs) == len(ours.ranks) == len(ours.top_logprobs) == rows
         # a prompt token's logprob is far in the tail (-40 on random weights): errors scale with it
-        assert ours.logprobs == pytest.approx(reference.logprobs, rel=bound / 20, abs=bound), f"{what}: {request}"
+        assert ours.logprobs == pytest.approx(reference.logprobs, rel=bound / 20, abs=bound), (
+            f"{what}: {request}"
+        )
         # a random token's rank is ~10^5 of 240k logits, packed densely: rounding moves it some
         ranks = zip(ours.ranks, reference.ranks, strict=True)
         assert all(abs(a - b) <= 2 + b // 20 for a, b in ranks), f"{what}: request {request} ranks"
-        for row, (top, ref_top) in enumerate(zip(ours.top_logprobs, reference.top_logprobs, strict=True)):
+        for row, (top, ref_top) in enumerate(
+            zip(ours.top_logprobs, reference.top_logprobs, strict=True)
+        ):
             values = [lp for _, lp in ref_top]
             assert len(top) == len(ref_top) > 0
-            assert [lp for _, lp in top] == pytest.approx(values, abs=bound), f"{what}: {request}/{row}"
+            assert [lp for _, lp in top] == pytest.approx(values, abs=bound), (
+                f"{what}: {request}/{row}"
+            )
             # an alternative's token is the reference's where its neighbours are clearly apart (the
             # last one's next, not listed, may be as close: its token is not compared)
-            for i, ((token, _), (ref_token, _)) in enumerate(zip(top[:-1], ref_top[:-1], strict=True)):
+            for i, ((token, _), (ref_token, _)) in enumerate(
+                zip(top[:-1], ref_top[:-1], strict=True)
+            ):
                 clear = all(abs(values[i] - v) > 2 * bound for j, v in enumerate(values) if j != i)
-                assert token == ref_token or not clear, f"{what}: request {request} row {row} alternative {i}"
+                assert token == ref_token or not clear, (
+                    f"{what}: request {request} row {row} alternative {i}"
+                )
 
 
-interpreter_only = pytest.mark.skipif(CUDA, reason="the GPU runs this path for real in test_cuda_executor_matches_cpu")
+interpreter_only = pytest.mark.skipif(
+    CUDA, reason="the GPU runs this path for real in test_cuda_executor_matches_cpu"
+)
 
 
 @interpreter_only
@@ -131,7 +191,9 @@ def test_gpu_path_under_interpreter_matches_cpu(kernels, tiny_model_dir, monkeyp
     model_dir = str(tiny_model_dir)
     cpu, _ = _run_steps(model_dir, "cpu")
     monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
-    _assert_steps_match(_run_steps(model_dir, "cpu")[0], cpu, 2e-3, "GPU path under the interpreter vs cpu")
+    _assert_steps_match(
+        _run_steps(model_dir, "cpu")[0], cpu, 2e-3, "GPU path under the interpreter vs cpu"
+    )
 
 
 @interpreter_only
@@ -182,9 +244,13 @@ def test_prompt_graphs_match_eager(kernels, tiny_model_dir):
     their prompts run eagerly, decodes after them included."""
     skip_without_fla(kernels["gated_delta"])
     model_dir = str(tiny_model_dir)
-    eager, none = _run_steps(model_dir, "cuda", graphs=True, dtype="bfloat16", prompt_graph_tokens=0)
+    eager, none = _run_steps(
+        model_dir, "cuda", graphs=True, dtype="bfloat16", prompt_graph_tokens=0
+    )
     graphs, prompt_replays = _run_steps(model_dir, "cuda", graphs=True, dtype="bfloat16")
-    assert (none, prompt_replays) == (0, 2), f"prompt-graph steps: {none} without, {prompt_replays} with"
+    assert (none, prompt_replays) == (0, 2), (
+        f"prompt-graph steps: {none} without, {prompt_replays} with"
+    )
     _assert_steps_match(graphs, eager, 2e-2, "prompt graphs vs eager prompts (bf16)")
 
 
@@ -195,15 +261,21 @@ def test_prompt_graphs_start_from_saved_prefixes(kernels, tiny_model_dir, monkey
     model_dir = str(tiny_model_dir)
     if CUDA:
         skip_without_fla(kernels["gated_delta"])
-        eager, _ = _run_steps(model_dir, "cuda", True, "bfloat16", 0, _prefix_steps, prefix_states=1)
-        graphs, replays = _run_steps(model_dir, "cuda", True, "bfloat16", steps=_prefix_steps, prefix_states=1)
+        eager, _ = _run_steps(
+            model_dir, "cuda", True, "bfloat16", 0, _prefix_steps, prefix_states=1
+        )
+        graphs, replays = _run_steps(
+            model_dir, "cuda", True, "bfloat16", steps=_prefix_steps, prefix_states=1
+        )
         bound = 2e-2
     else:
         from deltaserve.kernels import triton_compat
 
         eager, _ = _run_steps(model_dir, "cpu", steps=_prefix_steps, prefix_states=1)
         monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
-        graphs, replays = _run_steps(model_dir, "cpu", True, prompt_graph_tokens=80, steps=_prefix_steps, prefix_states=1)
+        graphs, replays = _run_steps(
+            model_dir, "cpu", True, prompt_graph_tokens=80, steps=_prefix_steps, prefix_states=1
+        )
         bound = 2e-3
     assert replays == 3, f"{replays} of 3 steps ran through a prompt graph"
     _assert_steps_match(graphs, eager, bound, "prompt graphs from saved prefixes vs eager")
@@ -280,9 +352,17 @@ def test_serving_steps_compile_nothing_after_start_up(kernels, tiny_model_dir, t
     from deltaserve.tools.make_model import make_model
 
     skip_without_fla(kernels["gated_delta"])
-    model_dir = tiny_model_dir if shapes == "tiny" else make_model(tmp_path, overrides=SPLIT_K_SHAPES)
-    done = subprocess.run([sys.executable, "-c", LATE_COMPILES, str(model_dir)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    model_dir = (
+        tiny_model_dir if shapes == "tiny" else make_model(tmp_path, overrides=SPLIT_K_SHAPES)
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", LATE_COMPILES, str(model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "LATE 0" in done.stdout, done.stdout[-3000:]
-    assert "CONTROL 1" in done.stdout, f"the control's compile was not reported: {done.stdout[-3000:]}"
+    assert "CONTROL 1" in done.stdout, (
+        f"the control's compile was not reported: {done.stdout[-3000:]}"
+    )

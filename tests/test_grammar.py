@@ -46,16 +46,40 @@ def matches(grammar: str, text: str) -> bool:
     return re.fullmatch(grammar_regex(grammar), text) is not None
 
 
-@pytest.mark.parametrize("grammar, yes, no", [
-    (SQL, ["SELECT col_1  from table_2  where col_2 = 1 "], ["SELECT col_3  from table_2  where col_2 = 1 ",
-                                                           "SELECT col_1  from table_2  where col_2 = 1"]),
-    (ARITHMETIC, ["1", "12+3*4", "(1+2)*3", "((((7))))", "1-(2*(3+4))"], ["", "1+", "(1", "1)", "a", "(((((7)))))"]),
-    (JSON, ['{"a": [1, 2.5, {"b": null}], "c": "x\\"y"}', "[]", "-3", '"\\u"'[:0] + '"t"', "true"],
-           ['{"a" 1}', "[1,]", "tru", '"\x01"', "[[[[[[1]]]]]]"]),
-    (r'root ::= "a"{2,3} "b"? [x-z\-]* .', ["aab!", "aaa-zx\n", "aabzz-é", "aab"], ["ab!", "aaaa!", "aa"]),
-    (r'root ::= [^a-c] "\x41\u00e9\U0001F600\n\t\"\\"', ["dAé😀\n\t\"\\"], ["aAé😀\n\t\"\\"]),
-    ('root ::= ("x" | "y" root)', ["x", "yx", "yyyyx"], ["yyyyyx", "y"]),  # root opens itself 5 times at most
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "grammar, yes, no",
+    [
+        (
+            SQL,
+            ["SELECT col_1  from table_2  where col_2 = 1 "],
+            [
+                "SELECT col_3  from table_2  where col_2 = 1 ",
+                "SELECT col_1  from table_2  where col_2 = 1",
+            ],
+        ),
+        (
+            ARITHMETIC,
+            ["1", "12+3*4", "(1+2)*3", "((((7))))", "1-(2*(3+4))"],
+            ["", "1+", "(1", "1)", "a", "(((((7)))))"],
+        ),
+        (
+            JSON,
+            ['{"a": [1, 2.5, {"b": null}], "c": "x\\"y"}', "[]", "-3", '"\\u"'[:0] + '"t"', "true"],
+            ['{"a" 1}', "[1,]", "tru", '"\x01"', "[[[[[[1]]]]]]"],
+        ),
+        (
+            r'root ::= "a"{2,3} "b"? [x-z\-]* .',
+            ["aab!", "aaa-zx\n", "aabzz-é", "aab"],
+            ["ab!", "aaaa!", "aa"],
+        ),
+        (r'root ::= [^a-c] "\x41\u00e9\U0001F600\n\t\"\\"', ['dAé😀\n\t"\\'], ['aAé😀\n\t"\\']),
+        (
+            'root ::= ("x" | "y" root)',
+            ["x", "yx", "yyyyx"],
+            ["yyyyyx", "y"],
+        ),  # root opens itself 5 times at most
+    ],
+)
 def test_derived_strings_and_only_those(grammar, yes, no):
     pattern = grammar_regex(grammar)
     automaton = ByteAutomaton(pattern)  # what the rank compiles: it takes the pattern too
@@ -66,7 +90,9 @@ def test_derived_strings_and_only_those(grammar, yes, no):
         assert not re.fullmatch(pattern, text), text
 
 
-def derive(node_rules: dict[str, list[list[str]]], name: str, rng: random.Random, open_: dict[str, int]) -> str | None:
+def derive(
+    node_rules: dict[str, list[list[str]]], name: str, rng: random.Random, open_: dict[str, int]
+) -> str | None:
     """A random string of a small grammar (rules: lists of alternatives of symbols, a quoted
     symbol a literal), within the same bound as the engine's; None where the bound stops it."""
     if open_.get(name, 0) >= MAX_DEPTH:
@@ -74,7 +100,9 @@ def derive(node_rules: dict[str, list[list[str]]], name: str, rng: random.Random
     open_[name] = open_.get(name, 0) + 1
     try:
         for option in rng.sample(node_rules[name], len(node_rules[name])):
-            parts = [s[1:-1] if s.startswith('"') else derive(node_rules, s, rng, open_) for s in option]
+            parts = [
+                s[1:-1] if s.startswith('"') else derive(node_rules, s, rng, open_) for s in option
+            ]
             if None not in parts:
                 return "".join(parts)
         return None
@@ -89,11 +117,19 @@ def test_random_derivations_match():
     compiled = 0
     for _ in range(60):
         names = ["root", "a", "b"]
-        rules = {name: [[rng.choice([f'"{rng.choice("xyz()")}"', *names]) for _ in range(rng.randint(1, 2))]
-                        for _ in range(rng.randint(1, 2))] for name in names}  # fmt: skip
+        rules = {
+            name: [
+                [rng.choice([f'"{rng.choice("xyz()")}"', *names]) for _ in range(rng.randint(1, 2))]
+                for _ in range(rng.randint(1, 2))
+            ]
+            for name in names
+        }
         for name in names:  # every rule can end: one all-literal alternative
             rules[name].append([f'"{name}"'])
-        text = "\n".join(f"{n} ::= " + " | ".join(" ".join(option) for option in options) for n, options in rules.items())
+        text = "\n".join(
+            f"{n} ::= " + " | ".join(" ".join(option) for option in options)
+            for n, options in rules.items()
+        )
         try:
             pattern = grammar_regex(text)
         except GrammarError as e:
@@ -106,29 +142,70 @@ def test_random_derivations_match():
     assert compiled >= 40
 
 
-@pytest.mark.parametrize("grammar, words", [
-    ("", "empty"),
-    ('root ::= "a"\nitem: "b"', "line 2, column 5: unexpected ':' (GBNF's rules"),  # Lark's ':' in GBNF
-    ("root ::= 'a'", "line 1, column 10: unexpected \"'\""),
-    ('root ::= "a"\nroot ::= "b"', "line 2, column 1: rule 'root' is defined twice"),
-    ('root ::= x', "'x', which is not defined"),
-    ('item ::= "a"', "no 'root' rule"),
-    ('root ::= ("a"', "never closed"),
-    ('root ::= [z-a]', "out of order"),
-    ('root ::= "\\q"', "escape \\q"),
-    ('root ::= "a"{3,2}', "below the least"),
-    ('root ::= "(" root ")"', "derives no string"),
-    ('root ::= a\na ::= "(" a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a ")"\n  | "x"', "grows past"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "grammar, words",
+    [
+        ("", "empty"),
+        (
+            'root ::= "a"\nitem: "b"',
+            "line 2, column 5: unexpected ':' (GBNF's rules",
+        ),  # Lark's ':' in GBNF
+        ("root ::= 'a'", 'line 1, column 10: unexpected "\'"'),
+        ('root ::= "a"\nroot ::= "b"', "line 2, column 1: rule 'root' is defined twice"),
+        ("root ::= x", "'x', which is not defined"),
+        ('item ::= "a"', "no 'root' rule"),
+        ('root ::= ("a"', "never closed"),
+        ("root ::= [z-a]", "out of order"),
+        ('root ::= "\\q"', "escape \\q"),
+        ('root ::= "a"{3,2}', "below the least"),
+        ('root ::= "(" root ")"', "derives no string"),
+        (
+            'root ::= a\na ::= "(" a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a ")"\n  | "x"',
+            "grows past",
+        ),
+    ],
+)
 def test_errors_name_where(grammar, words):
     with pytest.raises(GrammarError, match=re.escape(words)):
         grammar_regex(grammar)
 
 
 @settings(max_examples=300, deadline=None, database=None)
-@given(st.lists(st.sampled_from(['root', ' ::= ', 'a', ' ::= ', '"x"', '"\\\\"', '"\\u00e9"', "[a-c]", "[^\\n]",
-                                 "[-]", ".", "|", "(", ")", "*", "+", "?", "{2}", "{1,3}", "{2,}", "\n", " ", "#c\n",
-                                 ":", "'", "\\"]), max_size=14).map("".join))  # fmt: skip
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "root",
+                " ::= ",
+                "a",
+                " ::= ",
+                '"x"',
+                '"\\\\"',
+                '"\\u00e9"',
+                "[a-c]",
+                "[^\\n]",
+                "[-]",
+                ".",
+                "|",
+                "(",
+                ")",
+                "*",
+                "+",
+                "?",
+                "{2}",
+                "{1,3}",
+                "{2,}",
+                "\n",
+                " ",
+                "#c\n",
+                ":",
+                "'",
+                "\\",
+            ]
+        ),
+        max_size=14,
+    ).map("".join)
+)
 def test_any_text_is_a_regex_or_a_grammar_error(text):
     """Whatever the text, a GrammarError naming the problem or a pattern both Python's `re`
     and the engine's automaton compile: never another exception (a 500 for a request)."""
@@ -139,7 +216,6 @@ def test_any_text_is_a_regex_or_a_grammar_error(text):
         return
     re.compile(pattern)
     ByteAutomaton(pattern)
-
 
 
 # -- Lark grammars (engine/lark_grammar.py) ------------------------------------------------------
@@ -173,17 +249,38 @@ factor: /[0-9]+/ | "(" expr ")"
 """
 
 
-@pytest.mark.parametrize("grammar, yes, no", [
-    (LARK_JSON, ['{"a":[1,2.5e3,{"b":null}],"c":"x\\"y"}', "[]", "-3", "true", '"\\u"'],
-                ['{"a" 1}', "[1,]", "tru", '"a\nb"', "[[[[[[1]]]]]]", '{"a": 1}']),  # %ignore WS: no blanks
-    (LARK_ARITHMETIC, ["1", "12+3*4", "(1+2)*3", "((((7))))"], ["", "1+", "(1", "a", "(((((7)))))"]),
-    ('start: "select"i " " NAME ~ 1..2\nNAME: ("a".."c")+ "_"?\n', ["SeLeCt ab_c", "select a", "SELECT cc_"],
-     ["select ", "select d", "selec a", "select a__"]),
-    ('start: [sign] INT\nsign: "+" | "-"\n%import common (INT, WS)', ["+12", "7", "-0"], ["+", "1.5", "--1"]),
-    ('start: ID\n%import common.CNAME -> ID', ["_x1", "abc"], ["1x", ""]),
-    ("greeting: 'hi' | 'yo' ' ' name\nname: 'al' 'x'?", ["hi", "yo alx", "yo al"], ["hi al", "yo"]),  # vLLM's quotes, root
-    ('start: /\\/\\/[a-z]*/ "!"', ["//ab!", "//!"], ["/a!", "//A!"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "grammar, yes, no",
+    [
+        (
+            LARK_JSON,
+            ['{"a":[1,2.5e3,{"b":null}],"c":"x\\"y"}', "[]", "-3", "true", '"\\u"'],
+            ['{"a" 1}', "[1,]", "tru", '"a\nb"', "[[[[[[1]]]]]]", '{"a": 1}'],
+        ),  # %ignore WS: no blanks
+        (
+            LARK_ARITHMETIC,
+            ["1", "12+3*4", "(1+2)*3", "((((7))))"],
+            ["", "1+", "(1", "a", "(((((7)))))"],
+        ),
+        (
+            'start: "select"i " " NAME ~ 1..2\nNAME: ("a".."c")+ "_"?\n',
+            ["SeLeCt ab_c", "select a", "SELECT cc_"],
+            ["select ", "select d", "selec a", "select a__"],
+        ),
+        (
+            'start: [sign] INT\nsign: "+" | "-"\n%import common (INT, WS)',
+            ["+12", "7", "-0"],
+            ["+", "1.5", "--1"],
+        ),
+        ("start: ID\n%import common.CNAME -> ID", ["_x1", "abc"], ["1x", ""]),
+        (
+            "greeting: 'hi' | 'yo' ' ' name\nname: 'al' 'x'?",
+            ["hi", "yo alx", "yo al"],
+            ["hi al", "yo"],
+        ),  # vLLM's quotes, root
+        ('start: /\\/\\/[a-z]*/ "!"', ["//ab!", "//!"], ["/a!", "//A!"]),
+    ],
+)
 def test_lark_derived_strings_and_only_those(grammar, yes, no):
     pattern = grammar_regex(grammar)
     automaton = ByteAutomaton(pattern)
@@ -203,34 +300,80 @@ def test_lark_and_gbnf_of_one_language_agree():
     assert all(a == b for a, b in verdicts) and sum(a for a, _ in verdicts) > 100
 
 
-@pytest.mark.parametrize("grammar, words", [
-    ("%ignore WS\n// nothing else", "defines nothing"),
-    ("start: INT", "'INT', which is not defined (import it: %import common.INT)"),
-    ('start: item\n%declare item', "line 2, column 1: the directive %declare"),
-    ('%import lark.X\nstart: "a"', "line 1, column 1: %import lark.X: only Lark's common terminals"),
-    ('%import common.FOO\nstart: "a"', "common.FOO is not one of"),
-    ("start: x{1}\nx: \"a\"", "line 1, column 8: templates"),
-    ("start: /a/i", "regex flags"),
-    ("start: /a(?=b)/", "line 1, column 8: the regex /a(?=b)/"),
-    ('start: "a" ~', "'~' needs a count"),
-    ('start: "a" ~ 3..2', "below the least"),
-    ('start: "ab".."c"', "one-character strings"),
-    ('start: "z".."a"', "out of order"),
-    ('start: ["a"', "never closed"),
-    ('start: "a" ->', "alias name"),
-    ('start: "a"\nstart: "b"', "line 2, column 1: 'start' is defined twice"),
-    ('start: "(" start ")"', "derives no string"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "grammar, words",
+    [
+        ("%ignore WS\n// nothing else", "defines nothing"),
+        ("start: INT", "'INT', which is not defined (import it: %import common.INT)"),
+        ("start: item\n%declare item", "line 2, column 1: the directive %declare"),
+        (
+            '%import lark.X\nstart: "a"',
+            "line 1, column 1: %import lark.X: only Lark's common terminals",
+        ),
+        ('%import common.FOO\nstart: "a"', "common.FOO is not one of"),
+        ('start: x{1}\nx: "a"', "line 1, column 8: templates"),
+        ("start: /a/i", "regex flags"),
+        ("start: /a(?=b)/", "line 1, column 8: the regex /a(?=b)/"),
+        ('start: "a" ~', "'~' needs a count"),
+        ('start: "a" ~ 3..2', "below the least"),
+        ('start: "ab".."c"', "one-character strings"),
+        ('start: "z".."a"', "out of order"),
+        ('start: ["a"', "never closed"),
+        ('start: "a" ->', "alias name"),
+        ('start: "a"\nstart: "b"', "line 2, column 1: 'start' is defined twice"),
+        ('start: "(" start ")"', "derives no string"),
+    ],
+)
 def test_lark_errors_name_where(grammar, words):
     with pytest.raises(GrammarError, match=re.escape(words)):
         grammar_regex(grammar)
 
 
 @settings(max_examples=300, deadline=None, database=None)
-@given(st.lists(st.sampled_from(["start", "x", "X", ": ", "?", "!", '"a"', '"b"i', "..", "/[a-c]+/", "/a/i", "[", "]",
-                                 "(", ")", "|", "*", "+", "~", " 2", "..3", "->", " al", "{", "}", ",", "\n",
-                                 "%import common.INT\n", "%ignore WS\n", "%import common (WS, DIGIT)\n", "// c\n",
-                                 "INT", ".2", "\\", "'"]), max_size=14).map("".join))  # fmt: skip
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "start",
+                "x",
+                "X",
+                ": ",
+                "?",
+                "!",
+                '"a"',
+                '"b"i',
+                "..",
+                "/[a-c]+/",
+                "/a/i",
+                "[",
+                "]",
+                "(",
+                ")",
+                "|",
+                "*",
+                "+",
+                "~",
+                " 2",
+                "..3",
+                "->",
+                " al",
+                "{",
+                "}",
+                ",",
+                "\n",
+                "%import common.INT\n",
+                "%ignore WS\n",
+                "%import common (WS, DIGIT)\n",
+                "// c\n",
+                "INT",
+                ".2",
+                "\\",
+                "'",
+            ]
+        ),
+        max_size=14,
+    ).map("".join)
+)
 def test_any_lark_text_is_a_regex_or_a_grammar_error(text):
     """As for GBNF: a GrammarError or a pattern that compiles, never another exception."""
     try:

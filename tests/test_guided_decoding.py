@@ -38,7 +38,9 @@ def _random_pattern(rng: random.Random, depth: int = 0) -> str:
     over nested unbounded ones."""
     atoms = ["a", "b", "é", "中", "[ab]", "[^a]", "[a-cé]", ".", r"\d", r"\.", "x"]
     if depth > 1 or rng.random() < 0.5:
-        return rng.choice(atoms) + rng.choice(["", "", "*", "+", "?", "{2}", "{1,3}", "{,2}", "{2,}"])
+        return rng.choice(atoms) + rng.choice(
+            ["", "", "*", "+", "?", "{2}", "{1,3}", "{,2}", "{2,}"]
+        )
     parts = [_random_pattern(rng, depth + 1) for _ in range(rng.randint(1, 3))]
     group = "(?:" + "|".join(parts) + ")" if rng.random() < 0.5 else "(" + "".join(parts) + ")"
     return group + rng.choice(["", "?", "{2}", "{1,2}"])
@@ -55,18 +57,30 @@ class TestAutomaton:
             automaton = ByteAutomaton(pattern)
             for _ in range(30):
                 text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6)))
-                assert _matches(automaton, text) == bool(re.fullmatch(pattern, text)), (pattern, text)
+                assert _matches(automaton, text) == bool(re.fullmatch(pattern, text)), (
+                    pattern,
+                    text,
+                )
 
     def test_utf8_sequences_spell_exactly_the_range(self):
         rng = random.Random(1)
-        for lo, hi in [(0, 0x10FFFF), (0x80, 0x7FF), (0x3B1, 0x3C9), (0xD000, 0xE000), (0xFFFF, 0x10001)]:
+        for lo, hi in [
+            (0, 0x10FFFF),
+            (0x80, 0x7FF),
+            (0x3B1, 0x3C9),
+            (0xD000, 0xE000),
+            (0xFFFF, 0x10001),
+        ]:
             sequences = utf8_sequences(lo, hi)
             for code in [lo, hi, lo - 1, hi + 1, *rng.sample(range(0x110000), 2000)]:
                 if not 0 <= code <= 0x10FFFF or 0xD800 <= code <= 0xDFFF:
                     continue
                 data = chr(code).encode()
-                spelled = any(len(s) == len(data) and all(a <= b <= c for (a, c), b in zip(s, data, strict=True))
-                              for s in sequences)  # fmt: skip
+                spelled = any(
+                    len(s) == len(data)
+                    and all(a <= b <= c for (a, c), b in zip(s, data, strict=True))
+                    for s in sequences
+                )
                 assert spelled == (lo <= code <= hi), hex(code)
 
     def test_dead_ends_are_pruned(self):
@@ -74,10 +88,31 @@ class TestAutomaton:
         automaton = ByteAutomaton("a[^\x00-\U0010ffff]|ab")
         after_a = automaton.step(START, b"a")
         assert [b for b, s in enumerate(automaton.row(after_a)) if s != DEAD] == [ord("b")]
-        assert ByteAutomaton("[^\x00-\U0010ffff]").matches_nothing() and not ByteAutomaton("").matches_nothing()
+        assert (
+            ByteAutomaton("[^\x00-\U0010ffff]").matches_nothing()
+            and not ByteAutomaton("").matches_nothing()
+        )
 
-    @pytest.mark.parametrize("pattern", ["^a", "a$", "(?=a)", "a*?", "a++", r"\b", "(a", "a)", "[a", "*", r"\1",
-                                         "(?P<x>a)", "a{3,2}", "a{1001}", r"\u12"])  # fmt: skip
+    @pytest.mark.parametrize(
+        "pattern",
+        [
+            "^a",
+            "a$",
+            "(?=a)",
+            "a*?",
+            "a++",
+            r"\b",
+            "(a",
+            "a)",
+            "[a",
+            "*",
+            r"\1",
+            "(?P<x>a)",
+            "a{3,2}",
+            "a{1001}",
+            r"\u12",
+        ],
+    )
     def test_refused(self, pattern):
         with pytest.raises(RegexError):
             ByteAutomaton(pattern)
@@ -108,7 +143,9 @@ class TestVocabularyWalk:
             (tmp_path / "tokenizer.json").write_text(text, encoding="utf-8")
             assert read_token_bytes(tmp_path) == walk.token_bytes
 
-    def test_vocabulary_cache_reads_back_the_same_trie(self, tiny_model_dir, walk, tmp_path, monkeypatch):
+    def test_vocabulary_cache_reads_back_the_same_trie(
+        self, tiny_model_dir, walk, tmp_path, monkeypatch
+    ):
         """The trie is kept on disk, keyed by tokenizer.json's bytes: a second server reads it
         (not tokenizer.json) and gets the trie built from scratch, masks and all; a damaged
         file is built again and replaced; a folder that cannot be written costs only the
@@ -124,22 +161,32 @@ class TestVocabularyWalk:
             patch.setattr(vocab_cache, "read_token_bytes", no_reading)
             again = load_trie(tiny_model_dir)
         assert again.token_bytes == walk.token_bytes and again.level_start == walk.level_start
-        assert all(np.array_equal(getattr(again, name), getattr(walk, name)) for name in TokenTrie.ARRAYS)
+        assert all(
+            np.array_equal(getattr(again, name), getattr(walk, name)) for name in TokenTrie.ARRAYS
+        )
         pattern = r'\{"name": "[^"\\]{0,12}"\}'
-        assert (Guide(pattern, again).allowed_tokens(START) == Guide(pattern, walk).allowed_tokens(START)).all()
+        assert (
+            Guide(pattern, again).allowed_tokens(START)
+            == Guide(pattern, walk).allowed_tokens(START)
+        ).all()
         whole = cached.read_bytes()
         for damaged in (b"damaged", whole[: len(whole) // 2]):  # not an npz; a cut zip (BadZipFile)
             cached.write_bytes(damaged)
-            assert load_trie(tiny_model_dir).num_nodes == walk.num_nodes and cached.stat().st_size == len(whole)
+            assert load_trie(
+                tiny_model_dir
+            ).num_nodes == walk.num_nodes and cached.stat().st_size == len(whole)
         (tmp_path / "a file").write_text("")
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a file"))
         assert load_trie(tiny_model_dir).num_nodes == walk.num_nodes
 
-    @pytest.mark.parametrize("pattern, prefix", [
-        (r'\{"name": "[^"\\]{0,12}", "age": (?:0|[1-9][0-9]{0,2})\}', '{"name": "Ad'),
-        (r"(?:yes|no|maybe)", "ma"),
-        (r"[α-ω]+ [0-9]+", "αβ"),
-    ])  # fmt: skip
+    @pytest.mark.parametrize(
+        "pattern, prefix",
+        [
+            (r'\{"name": "[^"\\]{0,12}", "age": (?:0|[1-9][0-9]{0,2})\}', '{"name": "Ad'),
+            (r"(?:yes|no|maybe)", "ma"),
+            (r"[α-ω]+ [0-9]+", "αβ"),
+        ],
+    )
     def test_every_token_walked_at_once_as_one_by_one(self, walk, pattern, prefix):
         """The mask of each state along a prefix is exactly the tokens whose bytes, stepped
         through the automaton one token at a time, leave it live (248k tokens checked)."""
@@ -147,7 +194,9 @@ class TestVocabularyWalk:
         state = START
         for step in range(len(prefix) + 1):
             allowed = guide.allowed_tokens(state)
-            expected = [guide.automaton.step(state, b) != DEAD if b else False for b in walk.token_bytes]
+            expected = [
+                guide.automaton.step(state, b) != DEAD if b else False for b in walk.token_bytes
+            ]
             assert allowed.tolist() == expected, (pattern, step)
             assert allowed.any()
             if step < len(prefix):
@@ -160,13 +209,19 @@ class TestVocabularyWalk:
         rng = random.Random(2)
         pieces = [b"a", b"b", b"x", b".", b"1", "é".encode(), "中".encode(), b"\xc3", b"\xa9"]
         for _ in range(40):
-            words = {b"".join(rng.choice(pieces) for _ in range(rng.randint(1, 6))) for _ in range(80)}
+            words = {
+                b"".join(rng.choice(pieces) for _ in range(rng.randint(1, 6))) for _ in range(80)
+            }
             vocab = [None, *sorted(words), None]
-            guide = Guide("".join(_random_pattern(rng) for _ in range(rng.randint(1, 3))), TokenTrie(vocab))
+            guide = Guide(
+                "".join(_random_pattern(rng) for _ in range(rng.randint(1, 3))), TokenTrie(vocab)
+            )
             state = START
             for _ in range(6):
                 allowed = guide.allowed_tokens(state).tolist()
-                assert allowed == [bool(b) and guide.automaton.step(state, b) != DEAD for b in vocab]
+                assert allowed == [
+                    bool(b) and guide.automaton.step(state, b) != DEAD for b in vocab
+                ]
                 if not any(allowed):
                     break
                 state = guide.advance(state, rng.choice([i for i, ok in enumerate(allowed) if ok]))
@@ -214,7 +269,9 @@ def _walk(spec: SamplingSpec, rows: list[torch.Tensor], device: str = "cpu") -> 
         logits = torch.cat([row, row]).to(device)
         other, sample = sampler.sample([2, 1], logits)
         assert other.token_id == int(row.argmax())
-        assert sample.logprob == pytest.approx(float(logits[1].log_softmax(-1)[sample.token_id]), abs=1e-5)
+        assert sample.logprob == pytest.approx(
+            float(logits[1].log_softmax(-1)[sample.token_id]), abs=1e-5
+        )
         tokens.append(sample.token_id)
     return tokens
 
@@ -228,13 +285,26 @@ class TestSampler:
         # "ab" as one token or two; at a match the EOS competes with going on
         rows = [_logits({3: 2.0, 1: 1.0}), _logits({EOS: 1.0, 4: 2.0}), _logits({EOS: 3.0})]
         assert _walk(spec, rows, device) == [3, 4, EOS]
-        assert _walk(spec, [_logits({1: 2.0}), _logits({2: 0.5, 4: 3.0}), _logits({})], device) == [1, 2, EOS]
+        assert _walk(spec, [_logits({1: 2.0}), _logits({2: 0.5, 4: 3.0}), _logits({})], device) == [
+            1,
+            2,
+            EOS,
+        ]
 
     def test_logit_bias_chooses_among_the_allowed_only(self):
         """A bias moves the choice between the pattern's tokens ("c" over "ab" here) and can
         never lift one the pattern does not allow (token 10, "x", biased far ahead)."""
-        spec = SamplingSpec(seed=0, guide_regex="(?:ab|c)+", guide_end_ids=(EOS,), logit_bias=((4, 5.0), (10, 100.0)))
-        assert _walk(spec, [_logits({3: 2.0}), _logits({3: 2.0}), _logits({EOS: 9.0})]) == [4, 4, EOS]
+        spec = SamplingSpec(
+            seed=0,
+            guide_regex="(?:ab|c)+",
+            guide_end_ids=(EOS,),
+            logit_bias=((4, 5.0), (10, 100.0)),
+        )
+        assert _walk(spec, [_logits({3: 2.0}), _logits({3: 2.0}), _logits({EOS: 9.0})]) == [
+            4,
+            4,
+            EOS,
+        ]
 
     @pytest.mark.parametrize("device", ["cpu", "cuda"])
     def test_thinking_budget_forces_the_end_of_thinking(self, device):
@@ -244,7 +314,13 @@ class TestSampler:
             pytest.skip("no GPU")
         spec = SamplingSpec(seed=0, think_budget=2, think_end_id=4)
         assert _walk(spec, [_logits({}) for _ in range(5)], device) == [10, 10, 4, 10, 10]
-        assert _walk(spec, [_logits({4: 30.0}), *(_logits({}) for _ in range(4))], device) == [4, 10, 10, 10, 10]
+        assert _walk(spec, [_logits({4: 30.0}), *(_logits({}) for _ in range(4))], device) == [
+            4,
+            10,
+            10,
+            10,
+            10,
+        ]
         random = SamplingSpec(seed=3, temperature=1.0, think_budget=0, think_end_id=7)
         g = torch.Generator().manual_seed(0)
         assert _walk(random, [torch.randn(1, 16, generator=g) for _ in range(3)])[0] == 7
@@ -258,7 +334,9 @@ class TestSampler:
         pattern = r'\{"(?:a|b)*"\}'
         seen = set()
         for seed in range(30):
-            spec = SamplingSpec(seed=seed, temperature=1.5, top_p=0.95, guide_regex=pattern, guide_end_ids=(EOS,))
+            spec = SamplingSpec(
+                seed=seed, temperature=1.5, top_p=0.95, guide_regex=pattern, guide_end_ids=(EOS,)
+            )
             g = torch.Generator().manual_seed(seed)
             out = _walk(spec, [torch.randn(1, 16, generator=g) for _ in range(12)])
             text = b"".join(VOCAB[t] for t in out[: out.index(EOS)] if t) if EOS in out else None
@@ -284,26 +362,31 @@ class TestParams:
         spec = SamplingParams(guided_regex="x").to_spec(1, eos_token_ids={5, 3})
         assert spec.guide_regex == "x" and spec.guide_end_ids == (3, 5)
         assert SamplingParams().to_spec(1, eos_token_ids={5}).guide_end_ids == ()
-        biased = SamplingParams(guided_regex="a", logit_bias={7: 1.0}).to_spec(1, eos_token_ids={5})  # as vLLM's
+        biased = SamplingParams(guided_regex="a", logit_bias={7: 1.0}).to_spec(
+            1, eos_token_ids={5}
+        )  # as vLLM's
         assert biased.guide_regex == "a" and biased.logit_bias == ((7, 1.0),)
 
-    @pytest.mark.parametrize("extra, words", [
-        (dict(guided_choice="yes"), "list of non-empty strings"),
-        (dict(guided_choice=["yes", ""]), "list of non-empty strings"),
-        (dict(guided_choice=[str(i) for i in range(257)]), "at most 256"),
-        (dict(guided_choice=["yes"], guided_regex="y"), "not guided_choice and guided_regex"),
-        (dict(guided_regex="a$"), "guided_regex: regex 'a$'"),
-        (dict(guided_regex="[^\x00-\U0010ffff]"), "guided_regex: no output can match it"),
-        (dict(guided_regex=5), "guided_regex must be a string"),
-        (dict(guided_regex="a", guided_whitespace=" "), "guided_whitespace applies"),
-        (dict(guided_json_object=True, guided_whitespace="(?= )"), "guided_whitespace: regex"),
-        (dict(guided_json="{not json"), "guided_json: not a JSON schema"),
-        (dict(guided_choice=["yes"], allowed_token_ids=[7]), "combined with allowed_token_ids"),
-        (dict(guided_choice=["yes"], bad_words=["no"]), "combined with bad_words"),
-        (dict(guided_regex="a", min_tokens=1), "combined with min_tokens"),
-        (dict(guided_regex="a", thinking_budget=3), "combined with thinking_budget"),
-        (dict(thinking_budget=-1), "thinking_budget must be an integer >= 0"),
-    ])  # fmt: skip
+    @pytest.mark.parametrize(
+        "extra, words",
+        [
+            (dict(guided_choice="yes"), "list of non-empty strings"),
+            (dict(guided_choice=["yes", ""]), "list of non-empty strings"),
+            (dict(guided_choice=[str(i) for i in range(257)]), "at most 256"),
+            (dict(guided_choice=["yes"], guided_regex="y"), "not guided_choice and guided_regex"),
+            (dict(guided_regex="a$"), "guided_regex: regex 'a$'"),
+            (dict(guided_regex="[^\x00-\U0010ffff]"), "guided_regex: no output can match it"),
+            (dict(guided_regex=5), "guided_regex must be a string"),
+            (dict(guided_regex="a", guided_whitespace=" "), "guided_whitespace applies"),
+            (dict(guided_json_object=True, guided_whitespace="(?= )"), "guided_whitespace: regex"),
+            (dict(guided_json="{not json"), "guided_json: not a JSON schema"),
+            (dict(guided_choice=["yes"], allowed_token_ids=[7]), "combined with allowed_token_ids"),
+            (dict(guided_choice=["yes"], bad_words=["no"]), "combined with bad_words"),
+            (dict(guided_regex="a", min_tokens=1), "combined with min_tokens"),
+            (dict(guided_regex="a", thinking_budget=3), "combined with thinking_budget"),
+            (dict(thinking_budget=-1), "thinking_budget must be an integer >= 0"),
+        ],
+    )
     def test_refused(self, extra, words):
         with pytest.raises(ValueError, match=re.escape(words)):
             SamplingParams(**extra)

@@ -51,15 +51,26 @@ class Served:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tiny_model_dir):
-    config = EngineConfig(model=str(tiny_model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-                          max_queued_requests=MAX_QUEUED)  # fmt: skip
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_queued_requests=MAX_QUEUED,
+    )
     engine = await AsyncEngine.start(config)
     app = build_app(engine, ServerConfig(MODEL, api_key=API_KEY, max_request_bytes=MAX_BODY))
     runner, _ = await start_server(app, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     try:
-        yield Served(engine, url, client, engine.tokenizer, TokenStrings(engine.tokenizer), str(tiny_model_dir))
+        yield Served(
+            engine,
+            url,
+            client,
+            engine.tokenizer,
+            TokenStrings(engine.tokenizer),
+            str(tiny_model_dir),
+        )
     finally:
         await client.close()
         await runner.cleanup()
@@ -116,9 +127,13 @@ async def test_completion_greedy_matches_engine_and_generate(served: Served):
     assert [e.token_id for e in events if isinstance(e, TokenEvent)] == [s.token_id for s in ref]
 
     r = await served.client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=n_tokens, temperature=0, logprobs=k,
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=n_tokens,
+        temperature=0,
+        logprobs=k,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     (choice,) = r.choices
     assert choice.finish_reason == "length" and choice.index == 0
     assert choice.text == served.tokenizer.decode(
@@ -138,9 +153,15 @@ async def test_completion_greedy_matches_engine_and_generate(served: Served):
 
     # Streamed: the same text and logprobs in pieces, then the usage chunk.
     stream = await served.client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=n_tokens, temperature=0, logprobs=k, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=n_tokens,
+        temperature=0,
+        logprobs=k,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     text, tokens, offsets, finish, usage = "", [], [], None, None
     async for chunk in stream:
         if chunk.usage is not None:
@@ -201,20 +222,32 @@ async def test_seed_reproducible(served: Served):
 
 
 async def test_stop_strings_and_stop_token_ids(served: Served):
-    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0,
-                  extra_body={"ignore_eos": True})  # fmt: skip
+    kwargs = dict(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
     base = (await served.client.completions.create(**kwargs)).choices[0]
     text, offsets = base.text, base.logprobs.text_offset
     # A stop string spanning the boundary between tokens 4 and 5.
     start = offsets[5] - 1
     stop = text[start : start + 3]
     cut = await served.client.completions.create(stop=[stop, "never-seen"], **kwargs)
-    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].stop_reason == stop  # vLLM's field
+    assert (
+        cut.choices[0].finish_reason == "stop" and cut.choices[0].stop_reason == stop
+    )  # vLLM's field
     assert cut.choices[0].text == text[: text.index(stop)]
-    streamed = [c async for c in await served.client.completions.create(stream=True, stop=[stop], **kwargs)]
+    streamed = [
+        c async for c in await served.client.completions.create(stream=True, stop=[stop], **kwargs)
+    ]
     assert streamed[-1].choices[0].stop_reason == stop and base.stop_reason is None
     # text held back for a stop string that never comes does not move the offsets (it did)
-    held = (await served.client.completions.create(stop=["a stop string never seen"], **kwargs)).choices[0]
+    held = (
+        await served.client.completions.create(stop=["a stop string never seen"], **kwargs)
+    ).choices[0]
     assert (held.text, held.logprobs.text_offset) == (text, offsets)
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -225,7 +258,9 @@ async def test_stop_strings_and_stop_token_ids(served: Served):
     by_id = await served.client.completions.create(**body)
     first = tokens.index(tokens[3])
     assert by_id.choices[0].finish_reason == "stop" and by_id.choices[0].stop_reason == tokens[3]
-    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0)
+    chat = dict(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0
+    )
     said = (await served.client.chat.completions.create(**chat)).choices[0].message.content
     cut_chat = (await served.client.chat.completions.create(stop=[said[3:6]], **chat)).choices[0]
     assert len(said) >= 6 and (cut_chat.finish_reason, cut_chat.stop_reason) == ("stop", said[3:6])
@@ -243,13 +278,23 @@ async def test_chat_matches_engine_streamed_and_not(served: Served):
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Name three colours."},
     ]
-    text = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = served.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
     ids = served.tokenizer.encode(text, add_special_tokens=False)
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)
-    ref = [e for e in (await engine_run(served.engine, ids, params))[0] if isinstance(e, TokenEvent)]
+    ref = [
+        e for e in (await engine_run(served.engine, ids, params))[0] if isinstance(e, TokenEvent)
+    ]
 
-    kwargs = dict(model=MODEL, max_completion_tokens=10, temperature=0, logprobs=True,
-                  top_logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    kwargs = dict(
+        model=MODEL,
+        max_completion_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     r = await served.client.chat.completions.create(messages=messages, **kwargs)
     (choice,) = r.choices
     assert choice.message.role == "assistant" and choice.finish_reason == "length"
@@ -259,12 +304,19 @@ async def test_chat_matches_engine_streamed_and_not(served: Served):
     assert [c.bytes for c in content] == [served.strings.bytes(e.token_id) for e in ref]
     assert [c.logprob for c in content] == pytest.approx([e.logprob for e in ref], abs=1e-3)
     for c, e in zip(content, ref, strict=True):
-        assert [t.token for t in c.top_logprobs] == [served.strings.text(t) for t, _ in e.top_logprobs]
-        assert [t.logprob for t in c.top_logprobs] == pytest.approx([v for _, v in e.top_logprobs], abs=1e-3)
+        assert [t.token for t in c.top_logprobs] == [
+            served.strings.text(t) for t, _ in e.top_logprobs
+        ]
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(
+            [v for _, v in e.top_logprobs], abs=1e-3
+        )
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 10)
 
     # Content parts are joined as text; the same conversation, streamed.
-    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Name three colours."}]}]
+    parts = [
+        messages[0],
+        {"role": "user", "content": [{"type": "text", "text": "Name three colours."}]},
+    ]
     stream = await served.client.chat.completions.create(
         messages=parts, stream=True, stream_options={"include_usage": True}, **kwargs
     )
@@ -289,14 +341,20 @@ async def test_chat_n2_and_default_max_tokens(served: Served):
     assert r.choices[0].message.content != r.choices[1].message.content
     assert r.usage.completion_tokens == 12
 
-    text = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = served.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
     ids = served.tokenizer.encode(text, add_special_tokens=False)
     ref = (await engine_run(served.engine, ids, SamplingParams(max_tokens=4, temperature=0)))[0]
     tokens = [e.token_id for e in ref if isinstance(e, TokenEvent)]
     stream = await served.client.chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"stop_token_ids": [tokens[2]]},
-    )  # fmt: skip
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"stop_token_ids": [tokens[2]]},
+    )
     chunks = [c async for c in stream]
     assert chunks[-2].choices[0].finish_reason == "stop"
     assert chunks[-1].usage.completion_tokens == tokens.index(tokens[2]) + 1
@@ -333,8 +391,14 @@ async def test_models_version_and_metrics(served: Served):
         assert delta["vllm:inter_token_latency_seconds_count"] == 6
         assert delta["vllm:e2e_request_latency_seconds_count"] == 1
         assert delta["deltaserve:steps_total"] == 7
-        assert 0 < delta["deltaserve:step_seconds_total"] < delta["vllm:e2e_request_latency_seconds_sum"]
-        pipelined.append((delta["deltaserve:pipelined_steps_total"], delta["deltaserve:scheduler_seconds_total"]))
+        assert (
+            0
+            < delta["deltaserve:step_seconds_total"]
+            < delta["vllm:e2e_request_latency_seconds_sum"]
+        )
+        pipelined.append(
+            (delta["deltaserve:pipelined_steps_total"], delta["deltaserve:scheduler_seconds_total"])
+        )
         if pipelined[-1] == (6, 0):
             break
     assert pipelined[-1] == (6, 0), f"(pipelined steps, scheduler seconds) of each run: {pipelined}"
@@ -390,15 +454,29 @@ async def test_400_completions(served: Served, call, param, words):
 @pytest.mark.parametrize(
     "call, param, words",
     [
-        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tool_choice",
-         "--enable-auto-tool-choice"),
+        (
+            dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+            "tool_choice",
+            "--enable-auto-tool-choice",
+        ),
         (dict(tool_choice="required"), "tool_choice", "tool"),
-        (dict(response_format={"type": "structural_tag"}), "response_format", "triggers must be a non-empty list"),
-        (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-         "messages[0].content[0].type", "text"),
+        (
+            dict(response_format={"type": "structural_tag"}),
+            "response_format",
+            "triggers must be a non-empty list",
+        ),
+        (
+            dict(
+                messages=[
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ]
+            ),
+            "messages[0].content[0].type",
+            "text",
+        ),
         (dict(top_logprobs=2), "top_logprobs", "logprobs=true"),
     ],
-)  # fmt: skip
+)
 async def test_400_chat(served: Served, call, param, words):
     body = {"messages": [{"role": "user", "content": "hi"}], **call}
     with pytest.raises(openai.BadRequestError) as info:
@@ -423,14 +501,21 @@ async def test_400_bad_json_404_413(served: Served):
 async def test_401_only_under_v1(served: Served):
     """As vLLM, the key guards the /v1 routes only: a Prometheus scrape of /metrics, /version
     and /health need none (/metrics and /version answered 401)."""
-    async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0) as bad:
+    async with openai.AsyncOpenAI(
+        base_url=served.url + "/v1", api_key="wrong", max_retries=0
+    ) as bad:
         with pytest.raises(openai.AuthenticationError):
             await bad.completions.create(model=MODEL, prompt="x")
         with pytest.raises(openai.AuthenticationError):
             await bad.models.list()
     async with aiohttp.ClientSession() as s:
-        for path, status in (("/v1/models", 401), ("/v1/nothing", 401), ("/metrics", 200), ("/version", 200),
-                             ("/health", 200)):  # fmt: skip
+        for path, status in (
+            ("/v1/models", 401),
+            ("/v1/nothing", 401),
+            ("/metrics", 200),
+            ("/version", 200),
+            ("/health", 200),
+        ):
             async with s.get(served.url + path) as r:
                 assert r.status == status, (path, await r.text())
                 if status == 401:
@@ -442,15 +527,22 @@ async def test_several_served_model_names(served: Served):
     a response carries the name its request used (the first when it named none), metrics
     label the first. A second app on the module's engine: no new engine."""
     names = (MODEL, "tiny-alias")
-    runner, _ = await start_server(build_app(served.engine, ServerConfig(names, api_key=API_KEY)), "127.0.0.1", 0)
+    runner, _ = await start_server(
+        build_app(served.engine, ServerConfig(names, api_key=API_KEY)), "127.0.0.1", 0
+    )
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     try:
-        assert [(m.id, m.max_model_len) for m in (await client.models.list()).data] == [(n, MAX_MODEL_LEN) for n in names]
+        assert [(m.id, m.max_model_len) for m in (await client.models.list()).data] == [
+            (n, MAX_MODEL_LEN) for n in names
+        ]
         for name in names:
-            assert (await client.completions.create(model=name, prompt="x", max_tokens=2)).model == name
-            stream = await client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
-                                                          max_tokens=2, stream=True)  # fmt: skip
+            assert (
+                await client.completions.create(model=name, prompt="x", max_tokens=2)
+            ).model == name
+            stream = await client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
+            )
             assert {c.model async for c in stream} == {name}
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as s:
             async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as r:
@@ -468,9 +560,14 @@ async def test_several_served_model_names(served: Served):
 async def open_stream(served: Served, max_tokens: int = LONG, **kw):
     """A streaming completion whose first token has arrived."""
     stream = await served.client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0, stream=True,
-        extra_body={"ignore_eos": True}, **kw,
-    )  # fmt: skip
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        **kw,
+    )
     it = stream.__aiter__()
     await it.__anext__()
     return stream, it
@@ -511,7 +608,10 @@ async def test_disconnect_under_load_cancels_at_once(served: Served):
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 
     async def given_up() -> None:
-        async with aiohttp.ClientSession() as s, s.post(served.url + "/v1/completions", data=body, headers=headers) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(served.url + "/v1/completions", data=body, headers=headers) as r,
+        ):
             await r.read()
 
     waiting = asyncio.ensure_future(given_up())
@@ -555,9 +655,13 @@ async def test_disconnect_of_a_multi_prompt_stream(served: Served):
     """A stream over several prompts (one engine stream each, merged) cancels all of them."""
     before = await metrics(served)
     stream = await served.client.completions.create(
-        model=MODEL, prompt=[PROMPT, "Sphinx of black quartz"], max_tokens=LONG, temperature=0,
-        stream=True, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model=MODEL,
+        prompt=[PROMPT, "Sphinx of black quartz"],
+        max_tokens=LONG,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     seen = set()
     async for chunk in stream:
         seen.update(c.index for c in chunk.choices)
@@ -576,14 +680,22 @@ async def test_chat_default_max_tokens_fits_a_cache_smaller_than_the_context(tin
     a 400 for needing more blocks than the cache has, whatever its prompt."""
     from serve_helpers import in_process_server
 
-    config = EngineConfig(model=str(tiny_model_dir), max_model_len=256, num_kv_blocks=4, block_size=16,
-                          max_num_seqs=1)  # fmt: skip
+    config = EngineConfig(
+        model=str(tiny_model_dir), max_model_len=256, num_kv_blocks=4, block_size=16, max_num_seqs=1
+    )
     async with in_process_server(config, ServerConfig(MODEL)) as s:
-        client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                 extra_body={"ignore_eos": True})  # fmt: skip
+        client = openai.AsyncOpenAI(
+            base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60
+        )
+        r = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"ignore_eos": True},
+        )
         assert r.choices[0].finish_reason == "length"
-        assert r.usage.prompt_tokens + r.usage.completion_tokens == 4 * 16  # every position the cache has
+        assert (
+            r.usage.prompt_tokens + r.usage.completion_tokens == 4 * 16
+        )  # every position the cache has
         # /v1/models reports what a request can use, not the configured 256
         assert [m.max_model_len for m in (await client.models.list()).data] == [4 * 16]
         await client.close()

@@ -27,7 +27,9 @@ PROMPT = [9707, 11, 1879, 0, 358, 1079, 264, 1273]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(tiny_model_dir):
-    config = EngineConfig(model=str(tiny_model_dir), max_model_len=256, max_num_seqs=8, enable_prefix_caching=True)
+    config = EngineConfig(
+        model=str(tiny_model_dir), max_model_len=256, max_num_seqs=8, enable_prefix_caching=True
+    )
     async with in_process_server(config, ServerConfig(MODEL)) as s:
         yield s
 
@@ -46,11 +48,18 @@ async def leaves_the_engine_idle(server):
 
 @aio
 async def test_one_beam_is_greedy(client):
-    greedy = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
-                                             extra_body={"ignore_eos": True})  # fmt: skip
-    beam = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
-                                           extra_body={"use_beam_search": True, "ignore_eos": True})  # fmt: skip
-    assert [c.text for c in beam.choices] == [greedy.choices[0].text] and beam.choices[0].finish_reason == "length"
+    greedy = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    beam = await client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=6,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+    )
+    assert [c.text for c in beam.choices] == [greedy.choices[0].text] and beam.choices[
+        0
+    ].finish_reason == "length"
     assert beam.usage.prompt_tokens == len(PROMPT) and beam.usage.completion_tokens == 6
 
 
@@ -60,17 +69,32 @@ async def test_beams_carry_the_models_logprobs_best_first(server, client):
     of its tokens given as a prompt, the beams are distinct and best first, and the route
     answers the same beams."""
     engine = server.engine
-    beams = await beam_search(engine, PROMPT, 3, 5, engine.eos_token_ids, length_penalty=0.0, ignore_eos=True)
+    beams = await beam_search(
+        engine, PROMPT, 3, 5, engine.eos_token_ids, length_penalty=0.0, ignore_eos=True
+    )
     assert len({b.tokens for b in beams}) == 3 and all(len(b.tokens) == 5 for b in beams)
     assert [b.cum_logprob for b in beams] == sorted((b.cum_logprob for b in beams), reverse=True)
     for beam in beams:
-        stream = engine.generate(PROMPT + list(beam.tokens), SamplingParams(max_tokens=1, prompt_logprobs=0))
-        scored = [ev async for ev in stream if isinstance(ev, PromptLogprobsEvent)][0].token_logprobs
+        stream = engine.generate(
+            PROMPT + list(beam.tokens), SamplingParams(max_tokens=1, prompt_logprobs=0)
+        )
+        scored = [ev async for ev in stream if isinstance(ev, PromptLogprobsEvent)][
+            0
+        ].token_logprobs
         assert math.isclose(sum(scored[-5:]), beam.cum_logprob, abs_tol=1e-3), (scored[-5:], beam)
-    answer = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, n=3, extra_body={
-        "use_beam_search": True, "ignore_eos": True, "length_penalty": 0.0})  # fmt: skip
+    answer = await client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=5,
+        n=3,
+        extra_body={"use_beam_search": True, "ignore_eos": True, "length_penalty": 0.0},
+    )
     texts = await engine.run_tokenizer(lambda tok: [tok.decode(list(b.tokens)) for b in beams], 1)
-    assert [c.text for c in answer.choices] == texts and [c.index for c in answer.choices] == [0, 1, 2]
+    assert [c.text for c in answer.choices] == texts and [c.index for c in answer.choices] == [
+        0,
+        1,
+        2,
+    ]
 
 
 @aio
@@ -83,34 +107,44 @@ async def test_a_beam_an_eos_ends_is_set_aside(server):
     ended = await beam_search(engine, PROMPT, 2, 3, {eos}, length_penalty=0.0)
     stopped = [b for b in ended if b.finish_reason == "stop"]
     assert [(b.tokens, b.stop_reason) for b in stopped] == [((), eos)], ended
-    assert math.isclose(stopped[0].cum_logprob, best.cum_logprob, abs_tol=1e-6) and stopped[0] == ended[0]
+    assert (
+        math.isclose(stopped[0].cum_logprob, best.cum_logprob, abs_tol=1e-6)
+        and stopped[0] == ended[0]
+    )
     assert all(eos not in b.tokens for b in ended)
     kept = await beam_search(engine, PROMPT, 2, 3, {eos}, length_penalty=0.0, include_stop=True)
     assert [b.tokens for b in kept if b.finish_reason == "stop"] == [(eos,)]
 
 
 @aio
-@pytest.mark.parametrize("extra, param", [
-    ({"stream": True}, "stream"),
-    ({"logprobs": 1}, "logprobs"),
-    ({"top_p": 0.5}, "top_p"),
-    ({"stop": ["x"]}, "stop"),
-    ({"n": 11}, "n"),
-    ({"echo": True}, "echo"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 250}, "max_tokens"),  # + the prompt: past max_model_len
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"stream": True}, "stream"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"top_p": 0.5}, "top_p"),
+        ({"stop": ["x"]}, "stop"),
+        ({"n": 11}, "n"),
+        ({"echo": True}, "echo"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 250}, "max_tokens"),  # + the prompt: past max_model_len
+    ],
+)
 async def test_what_a_search_would_not_honour_is_refused(client, extra, param):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "use_beam_search": True, **extra}
     with pytest.raises(openai.BadRequestError) as info:
-        await client.completions.create(**{k: body.pop(k) for k in ("model", "prompt")}, extra_body=body)
+        await client.completions.create(
+            **{k: body.pop(k) for k in ("model", "prompt")}, extra_body=body
+        )
     assert info.value.body["param"] == param, info.value.body
 
 
 @aio
 async def test_length_penalty_without_beams_is_refused(client):
     with pytest.raises(openai.BadRequestError) as info:
-        await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"length_penalty": 2.0})
+        await client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"length_penalty": 2.0}
+        )
     assert info.value.body["param"] == "length_penalty"
 
 
@@ -122,33 +156,63 @@ async def test_chat_beams_are_the_rendered_prompts_beams(server, client):
     """On chat the beams of the rendered prompt (vLLM's /tokenize of the messages) come back as
     the choices' messages, best first, as the completion route answers that prompt; one beam
     is greedy decoding."""
-    async with aiohttp.ClientSession() as session, session.post(server.url + "/tokenize",
-                                                                json={"messages": MESSAGES}) as r:  # fmt: skip
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(server.url + "/tokenize", json={"messages": MESSAGES}) as r,
+    ):
         prompt = (await r.json())["tokens"]
     beams = {"use_beam_search": True, "ignore_eos": True, "length_penalty": 0.0}
-    chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, n=3, extra_body=beams)
-    plain = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, n=3, extra_body=beams)
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, n=3, extra_body=beams
+    )
+    plain = await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, n=3, extra_body=beams
+    )
     assert [c.message.content for c in chat.choices] == [c.text for c in plain.choices]
-    assert len({c.text for c in plain.choices}) == 3 and [c.index for c in chat.choices] == [0, 1, 2]
-    assert {c.finish_reason for c in chat.choices} == {"length"} and all(c.message.role == "assistant" for c in chat.choices)
+    assert len({c.text for c in plain.choices}) == 3 and [c.index for c in chat.choices] == [
+        0,
+        1,
+        2,
+    ]
+    assert {c.finish_reason for c in chat.choices} == {"length"} and all(
+        c.message.role == "assistant" for c in chat.choices
+    )
     assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(prompt), 15)
-    greedy = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0,
-                                                  extra_body={"ignore_eos": True})  # fmt: skip
-    one = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
-                                               extra_body={"use_beam_search": True, "ignore_eos": True})  # fmt: skip
+    greedy = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    one = await client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=5,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+    )
     assert [c.message.content for c in one.choices] == [greedy.choices[0].message.content]
 
 
 @aio
-@pytest.mark.parametrize("extra, param", [
-    ({"stream": True}, "stream"),
-    ({"logprobs": True}, "logprobs"),
-    ({"top_p": 0.5}, "top_p"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-      "tool_choice": "required"}, "tool_choice"),
-    ({"max_completion_tokens": 250}, "max_tokens"),  # + the prompt: past max_model_len
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"stream": True}, "stream"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_p": 0.5}, "top_p"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object"}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tool_choice",
+        ),
+        ({"max_completion_tokens": 250}, "max_tokens"),  # + the prompt: past max_model_len
+    ],
+)
 async def test_what_a_chat_search_would_not_honour_is_refused(client, extra, param):
     body = {"use_beam_search": True, "max_tokens": 4, **extra}
     if "max_completion_tokens" in extra:
@@ -156,6 +220,11 @@ async def test_what_a_chat_search_would_not_honour_is_refused(client, extra, par
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=body)
     assert info.value.body["param"] == param, info.value.body
-    ok = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logprobs=False,
-                                              extra_body={"use_beam_search": True})  # fmt: skip
+    ok = await client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=2,
+        logprobs=False,
+        extra_body={"use_beam_search": True},
+    )
     assert len(ok.choices) == 1, "logprobs false asks for none: a search takes it"

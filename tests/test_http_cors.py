@@ -72,8 +72,16 @@ async def default_url(engine, tiny_model_dir) -> AsyncIterator[str]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def restricted_url(engine, tiny_model_dir) -> AsyncIterator[str]:
-    async with served(engine, tiny_model_dir, "--allowed-origins", f'["{UI}"]',
-                      "--allowed-methods", '["POST"]', "--allowed-headers", '["Authorization"]') as url:  # fmt: skip
+    async with served(
+        engine,
+        tiny_model_dir,
+        "--allowed-origins",
+        f'["{UI}"]',
+        "--allowed-methods",
+        '["POST"]',
+        "--allowed-headers",
+        '["Authorization"]',
+    ) as url:
         yield url
 
 
@@ -109,8 +117,11 @@ async def chat(url: str, headers: dict[str, str], stream: bool = False) -> Reply
 async def test_defaults_preflight_needs_no_key(default_url):
     """vLLM's defaults (every origin, method and header; no credentials): a chat UI's
     preflight is answered without the API key, the requested headers echoed back."""
-    r = await call("OPTIONS", default_url + "/v1/chat/completions",
-                   preflight(UI, headers="authorization, content-type"))  # fmt: skip
+    r = await call(
+        "OPTIONS",
+        default_url + "/v1/chat/completions",
+        preflight(UI, headers="authorization, content-type"),
+    )
     assert (r.status, r.text) == (200, "OK")
     assert r.headers["Access-Control-Allow-Origin"] == "*"
     assert r.headers["Access-Control-Allow-Methods"] == ALL_METHODS
@@ -120,8 +131,11 @@ async def test_defaults_preflight_needs_no_key(default_url):
     bare = await call("OPTIONS", default_url + "/v1/completions", preflight(UI))
     assert bare.status == 200 and "Access-Control-Allow-Headers" not in bare.headers
     # Chrome's Private Network Access: refused, as vLLM's Starlette refuses it
-    pna = await call("OPTIONS", default_url + "/v1/models",
-                     {**preflight(UI, "GET"), "Access-Control-Request-Private-Network": "true"})  # fmt: skip
+    pna = await call(
+        "OPTIONS",
+        default_url + "/v1/models",
+        {**preflight(UI, "GET"), "Access-Control-Request-Private-Network": "true"},
+    )
     assert (pna.status, pna.text) == (400, "Disallowed CORS private-network")
 
 
@@ -198,8 +212,10 @@ def test_config_holds_the_lists():
     bare "*" would otherwise be read letter by letter)."""
     config = serve._server_config(serve.parse_args(["m", "--allowed-methods", '["GET", "POST"]']))
     assert (config.allowed_origins, config.allowed_methods, config.allowed_headers) == (
-        ("*",), ("GET", "POST"), ("*",)
-    )  # fmt: skip
+        ("*",),
+        ("GET", "POST"),
+        ("*",),
+    )
     assert config.allow_credentials is False
     with pytest.raises(ValueError, match="allowed_origins must be a list of strings"):
         ServerConfig(MODEL, allowed_origins="*")

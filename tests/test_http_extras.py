@@ -30,30 +30,51 @@ def refused(parse, body: dict, param: str, words: str) -> None:
 
 class TestParse:
     def test_fields_reach_the_request_and_params(self):
-        body = {"prompt": "x", "allowed_token_ids": [7, 3, 7], "bad_words": ["no", " way"],
-                "truncate_prompt_tokens": 5, "echo": True, "stream": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+        body = {
+            "prompt": "x",
+            "allowed_token_ids": [7, 3, 7],
+            "bad_words": ["no", " way"],
+            "truncate_prompt_tokens": 5,
+            "echo": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
         r = parse_completion_request(body)
-        assert (r.echo, r.truncate_prompt_tokens, r.include_usage, r.continuous_usage) == (True, 5, True, True)
+        assert (r.echo, r.truncate_prompt_tokens, r.include_usage, r.continuous_usage) == (
+            True,
+            5,
+            True,
+            True,
+        )
         p = r.sampling.to_sampling_params(4)
         assert (p.allowed_token_ids, p.bad_words) == ((3, 7), ("no", " way"))
-        c = parse_chat_request({**CHAT, "truncate_prompt_tokens": -1, "allowed_token_ids": [1],
-                                "stream": True, "stream_options": {"continuous_usage_stats": True}})  # fmt: skip
+        c = parse_chat_request(
+            {
+                **CHAT,
+                "truncate_prompt_tokens": -1,
+                "allowed_token_ids": [1],
+                "stream": True,
+                "stream_options": {"continuous_usage_stats": True},
+            }
+        )
         assert (c.truncate_prompt_tokens, c.sampling.allowed_token_ids) == (-1, (1,))
         # as vLLM's should_include_usage: continuous stats only with include_usage
         assert (c.include_usage, c.continuous_usage) == (False, False)
 
-    @pytest.mark.parametrize("extra, param, words", [
-        ({"allowed_token_ids": []}, "allowed_token_ids", "empty"),
-        ({"allowed_token_ids": [1, "2"]}, "allowed_token_ids", "allowed_token_ids[1]"),
-        ({"allowed_token_ids": 5}, "allowed_token_ids", "list"),
-        ({"bad_words": "no"}, "bad_words", "list of strings"),
-        ({"bad_words": ["ok", 3]}, "bad_words", "bad_words[1]"),
-        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1 or -1"),
-        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", ">= 1 or -1"),
-        ({"truncate_prompt_tokens": "5"}, "truncate_prompt_tokens", "integer"),
-        ({"echo": 1}, "echo", "boolean"),
-    ])  # fmt: skip
+    @pytest.mark.parametrize(
+        "extra, param, words",
+        [
+            ({"allowed_token_ids": []}, "allowed_token_ids", "empty"),
+            ({"allowed_token_ids": [1, "2"]}, "allowed_token_ids", "allowed_token_ids[1]"),
+            ({"allowed_token_ids": 5}, "allowed_token_ids", "list"),
+            ({"bad_words": "no"}, "bad_words", "list of strings"),
+            ({"bad_words": ["ok", 3]}, "bad_words", "bad_words[1]"),
+            ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1 or -1"),
+            ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", ">= 1 or -1"),
+            ({"truncate_prompt_tokens": "5"}, "truncate_prompt_tokens", "integer"),
+            ({"echo": 1}, "echo", "boolean"),
+        ],
+    )
     def test_refused_naming_the_field(self, extra, param, words):
         refused(parse_completion_request, {"prompt": "x", **extra}, param, words)
 
@@ -62,11 +83,21 @@ class TestParse:
         count (vLLM's to_sampling_params); a stream takes 0 and echo's."""
 
         def asked(**body):
-            return parse_completion_request({"prompt": "x", **body}).sampling.to_sampling_params(4).prompt_logprobs
+            return (
+                parse_completion_request({"prompt": "x", **body})
+                .sampling.to_sampling_params(4)
+                .prompt_logprobs
+            )
 
-        assert (asked(echo=True, logprobs=3), asked(echo=True, logprobs=3, prompt_logprobs=0)) == (3, 0)
+        assert (asked(echo=True, logprobs=3), asked(echo=True, logprobs=3, prompt_logprobs=0)) == (
+            3,
+            0,
+        )
         assert (asked(logprobs=3), asked(echo=True), asked(prompt_logprobs=2.0)) == (None, None, 2)
-        assert (asked(stream=True, prompt_logprobs=0), asked(stream=True, echo=True, logprobs=1)) == (0, 1)
+        assert (
+            asked(stream=True, prompt_logprobs=0),
+            asked(stream=True, echo=True, logprobs=1),
+        ) == (0, 1)
         assert parse_chat_request({**CHAT, "prompt_logprobs": 20}).sampling.prompt_logprobs == 20
 
     def test_chat_has_no_echo(self):
@@ -77,11 +108,16 @@ class TestParse:
         assert truncate_prompt(ids, None, 4, 64) == ids
         assert truncate_prompt(ids, 3, 4, 64) == [7, 8, 9]
         assert truncate_prompt(ids, 30, 4, 64) == ids
-        assert truncate_prompt(ids, -1, 56, 64) == list(range(2, 10))  # newer vLLM: max_model_len - max_tokens
+        assert truncate_prompt(ids, -1, 56, 64) == list(
+            range(2, 10)
+        )  # newer vLLM: max_model_len - max_tokens
         assert truncate_prompt(ids, -1, None, 64) == ids
         with pytest.raises(ApiError) as info:
             truncate_prompt(ids, 61, 4, 64)
-        assert info.value.param == "truncate_prompt_tokens" and "max_model_len - max_tokens = 60" in info.value.message
+        assert (
+            info.value.param == "truncate_prompt_tokens"
+            and "max_model_len - max_tokens = 60" in info.value.message
+        )
         with pytest.raises(ApiError, match="max_model_len - max_tokens = 0"):
             truncate_prompt(ids, -1, 64, 64)
 
@@ -111,7 +147,9 @@ class TestSamplingParams:
         assert p.bad_words_token_ids == ((97,), (1097,), (99, 1101), (1099, 1101), (120,))
         spec = p.to_spec(seed=1)
         assert spec.bad_words == p.bad_words_token_ids and spec.allowed_token_ids == ()
-        with pytest.raises(ValueError, match="^bad_words entry ' ' must tokenize to at least one token"):
+        with pytest.raises(
+            ValueError, match="^bad_words entry ' ' must tokenize to at least one token"
+        ):
             SamplingParams(bad_words=[" "]).tokenize_bad_words(fake_encode)
         with pytest.raises(ValueError, match="^bad_words must be tokenized"):
             SamplingParams(bad_words=["ab"]).to_spec(seed=1)
@@ -142,7 +180,10 @@ class TestFormatters:
         states = [ChoiceState() for _ in range(4)]
         assert f.token(3, _Token(5, ""), states[3])["choices"][0]["text"] == "P1"
         assert f.token(3, _Token(6, "b"), states[3])["choices"][0]["text"] == "b"
-        assert f.finish(0, FinishedEvent(0, "stop", 0, 0, "z"), states[0])["choices"][0]["text"] == "P0z"
+        assert (
+            f.finish(0, FinishedEvent(0, "stop", 0, 0, "z"), states[0])["choices"][0]["text"]
+            == "P0z"
+        )
         assert "".join(states[3].text) == "P1b"
 
     def test_continuous_usage_on_every_chunk(self):
@@ -155,7 +196,9 @@ class TestFormatters:
         assert chunk["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
         chat = ChatFormatter("id", "m", _Strings(), logprobs=False, continuous_usage=True)
         assert chat.start(0, ChoiceState(prompt_tokens=3))["usage"]["completion_tokens"] == 0
-        assert "usage" not in CompletionFormatter("id", "m", _Strings(), False).token(0, _Token(6, "a"), ChoiceState())
+        assert "usage" not in CompletionFormatter("id", "m", _Strings(), False).token(
+            0, _Token(6, "a"), ChoiceState()
+        )
 
 
 class TestMasksOnTheRank:
@@ -170,8 +213,15 @@ class TestMasksOnTheRank:
         best = max(allowed, key=lambda t: float(logits[0, t]))
         sampler = Sampler()
         sampler.add(1, SamplingSpec(seed=0, allowed_token_ids=tuple(sorted(allowed))))
-        sampler.add(2, SamplingSpec(seed=5, temperature=1.5, allowed_token_ids=tuple(sorted(allowed)),
-                                    logit_bias=((top, 100.0),)))  # fmt: skip
+        sampler.add(
+            2,
+            SamplingSpec(
+                seed=5,
+                temperature=1.5,
+                allowed_token_ids=tuple(sorted(allowed)),
+                logit_bias=((top, 100.0),),
+            ),
+        )
         drawn = set()
         for _ in range(30):
             greedy, random = sampler.sample([1, 2], logits.repeat(2, 1))
@@ -197,8 +247,18 @@ class TestMasksOnTheRank:
         assert tokens(SamplingSpec(seed=0)) == [5, 6, 7, 3]
         assert tokens(SamplingSpec(seed=0, bad_words=((7, 3),))) == [5, 6, 7, 9]
         assert tokens(SamplingSpec(seed=0, bad_words=((5, 6, 7, 3),))) == [5, 6, 7, 9]
-        assert tokens(SamplingSpec(seed=0, bad_words=((6, 3), (8, 7, 3), (5, 6, 6, 3)))) == [5, 6, 7, 3]
-        assert tokens(SamplingSpec(seed=0, bad_words=((3,),), logit_bias=((3, 100.0),))) == [5, 6, 7, 9]
+        assert tokens(SamplingSpec(seed=0, bad_words=((6, 3), (8, 7, 3), (5, 6, 6, 3)))) == [
+            5,
+            6,
+            7,
+            3,
+        ]
+        assert tokens(SamplingSpec(seed=0, bad_words=((3,),), logit_bias=((3, 100.0),))) == [
+            5,
+            6,
+            7,
+            9,
+        ]
         assert tokens(SamplingSpec(seed=0, bad_words=((4, 5),)), prompt=[4]) == [5, 6, 7, 3]
         wide = SamplingSpec(seed=0, temperature=1.0, bad_words=((5,), (5, 3)))
         assert [tokens(msgspec.structs.replace(wide, seed=s))[0] for s in range(20)].count(5) == 0

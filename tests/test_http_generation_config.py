@@ -54,8 +54,13 @@ async def test_generation_config_sampling_is_the_default(tiny_model_dir, tmp_pat
         assert await _text(s.url, nulls) == greedy
         # the request's own top_k wins: sampled at the file's temperature
         assert await _text(s.url, {**base, "top_k": 0}) != greedy
-        chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12,
-                "seed": 1, "ignore_eos": True}  # fmt: skip
+        chat = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 12,
+            "seed": 1,
+            "ignore_eos": True,
+        }
         chat_greedy = await _post(s.url, "/v1/chat/completions", {**chat, "temperature": 0})
         chat_default = await _post(s.url, "/v1/chat/completions", chat)
         assert chat_default["choices"][0]["message"] == chat_greedy["choices"][0]["message"]

@@ -24,9 +24,28 @@ def certificate(tmp_path_factory) -> tuple[str, str]:
         pytest.skip("no openssl to make a certificate with")
     folder = tmp_path_factory.mktemp("tls")
     key, cert = str(folder / "key.pem"), str(folder / "cert.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            key,
+            "-out",
+            cert,
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return key, cert
 
 
@@ -34,12 +53,21 @@ async def test_tls(tiny_model_dir, certificate):
     """The OpenAI client, trusting the certificate, gets its completion over https; a plain
     http request to the same port gets no answer."""
     key, cert = certificate
-    server = await ServeProcess.start(str(tiny_model_dir), "--ssl-keyfile", key, "--ssl-certfile", cert)
+    server = await ServeProcess.start(
+        str(tiny_model_dir), "--ssl-keyfile", key, "--ssl-certfile", cert
+    )
     try:
         assert server.url.startswith("https://127.0.0.1:")
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x",
-                                    http_client=openai.DefaultAsyncHttpxClient(verify=ssl.create_default_context(cafile=cert)))  # fmt: skip
-        out = await client.completions.create(model=str(tiny_model_dir), prompt="Hello", max_tokens=4)
+        client = openai.AsyncOpenAI(
+            base_url=server.url + "/v1",
+            api_key="x",
+            http_client=openai.DefaultAsyncHttpxClient(
+                verify=ssl.create_default_context(cafile=cert)
+            ),
+        )
+        out = await client.completions.create(
+            model=str(tiny_model_dir), prompt="Hello", max_tokens=4
+        )
         assert out.usage.completion_tokens == 4
         with pytest.raises(aiohttp.ClientError):
             async with aiohttp.ClientSession() as session:
@@ -56,7 +84,9 @@ async def test_unix_socket(tiny_model_dir, tmp_path, caplog):
     server = await ServeProcess.start(str(tiny_model_dir), "--uds", str(path))
     try:
         assert server.url == f"unix:{path}"
-        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path))) as session:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=str(path))
+        ) as session:
             async with session.get("http://localhost/health") as response:
                 assert response.status == 200
             body = {"model": str(tiny_model_dir), "prompt": "Hello", "max_tokens": 3}
@@ -71,14 +101,31 @@ async def test_unix_socket(tiny_model_dir, tmp_path, caplog):
     assert not path.exists()
 
 
-@pytest.mark.parametrize(("flags", "words"), [
-    (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
-    (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile and --ssl-keyfile"),
-    (["--ssl-keyfile", "KEY", "--ssl-certfile", "CERT", "--ssl-cert-reqs", "2"], "--ssl-cert-reqs 2 needs --ssl-ca-certs"),
-    (["--ssl-keyfile", "KEY", "--ssl-certfile", "/nonexistent.pem"], "--ssl-certfile /nonexistent.pem / --ssl-keyfile"),
-    (["--ssl-keyfile", "KEY", "--ssl-certfile", "CERT", "--ssl-ca-certs", "/none.pem"], "--ssl-ca-certs /none.pem:"),
-])  # fmt: skip
-def test_bad_tls_flags_are_refused_before_anything_loads(tiny_model_dir, certificate, capsys, flags, words):
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+        (
+            ["--ssl-cert-reqs", "2"],
+            "--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile and --ssl-keyfile",
+        ),
+        (
+            ["--ssl-keyfile", "KEY", "--ssl-certfile", "CERT", "--ssl-cert-reqs", "2"],
+            "--ssl-cert-reqs 2 needs --ssl-ca-certs",
+        ),
+        (
+            ["--ssl-keyfile", "KEY", "--ssl-certfile", "/nonexistent.pem"],
+            "--ssl-certfile /nonexistent.pem / --ssl-keyfile",
+        ),
+        (
+            ["--ssl-keyfile", "KEY", "--ssl-certfile", "CERT", "--ssl-ca-certs", "/none.pem"],
+            "--ssl-ca-certs /none.pem:",
+        ),
+    ],
+)
+def test_bad_tls_flags_are_refused_before_anything_loads(
+    tiny_model_dir, certificate, capsys, flags, words
+):
     key, cert = certificate
     flags = [{"KEY": key, "CERT": cert}.get(flag, flag) for flag in flags]
     assert serve.serve_main([str(tiny_model_dir), *flags]) == 2

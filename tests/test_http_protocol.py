@@ -62,14 +62,30 @@ class TestCompletionFields:
     def test_everything_honoured(self):
         r = parse_completion_request(
             {
-                "prompt": "x", "max_tokens": 5, "temperature": 0, "top_p": 0.5, "n": 2,
-                "seed": 7, "stop": "\n", "logprobs": 3, "presence_penalty": 0.1,
-                "frequency_penalty": -0.2, "top_k": 4, "min_p": 0.05, "repetition_penalty": 1.1,
-                "ignore_eos": True, "stop_token_ids": [9], "stream": True,
-                "stream_options": {"include_usage": True}, "user": "u", "echo": False,
-                "best_of": 1, "logit_bias": {}, "suffix": None,
+                "prompt": "x",
+                "max_tokens": 5,
+                "temperature": 0,
+                "top_p": 0.5,
+                "n": 2,
+                "seed": 7,
+                "stop": "\n",
+                "logprobs": 3,
+                "presence_penalty": 0.1,
+                "frequency_penalty": -0.2,
+                "top_k": 4,
+                "min_p": 0.05,
+                "repetition_penalty": 1.1,
+                "ignore_eos": True,
+                "stop_token_ids": [9],
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "user": "u",
+                "echo": False,
+                "best_of": 1,
+                "logit_bias": {},
+                "suffix": None,
             }
-        )  # fmt: skip
+        )
         s = r.sampling
         assert (r.stream, r.include_usage) == (True, True)
         assert (s.max_tokens, s.temperature, s.top_p, s.n, s.seed) == (5, 0.0, 0.5, 2, 7)
@@ -103,15 +119,22 @@ class TestCompletionFields:
             ({"temperature": "hot"}, "temperature", "number"),
             ({"stream": "yes"}, "stream", "boolean"),
             ({"stream_options": {"include_usage": True}}, "stream_options", "stream=true"),
-            ({"stream": True, "stream_options": {"continuous_usage_stats": "no"}},
-             "stream_options.continuous_usage_stats", "boolean"),
-            ({"stream": True, "stream_options": {"usage": True}}, "stream_options.usage", "include_usage"),
+            (
+                {"stream": True, "stream_options": {"continuous_usage_stats": "no"}},
+                "stream_options.continuous_usage_stats",
+                "boolean",
+            ),
+            (
+                {"stream": True, "stream_options": {"usage": True}},
+                "stream_options.usage",
+                "include_usage",
+            ),
             ({"stop": ["a", 3]}, "stop", "stop[1]"),
             ({"stop": [""]}, "stop", "empty"),
             ({"stop_token_ids": [1, "x"]}, "stop_token_ids", "stop_token_ids[1]"),
             ({"model": 3}, "model", "string"),
         ],
-    )  # fmt: skip
+    )
     def test_refusals_name_the_field(self, extra, param, words):
         refused(parse_completion_request, {"prompt": "x", **extra}, param, words)
 
@@ -120,9 +143,13 @@ class TestCompletionFields:
         clamps them), include_stop_str_in_output, skip_special_tokens and
         spaces_between_special_tokens (no effect with a fast tokenizer) reach SamplingParams;
         on both endpoints."""
-        extras = {"min_tokens": 3, "logit_bias": {"7": 2.5, "0012": -300, "5": 10**400},
-                  "include_stop_str_in_output": True, "skip_special_tokens": False,
-                  "spaces_between_special_tokens": False}  # fmt: skip
+        extras = {
+            "min_tokens": 3,
+            "logit_bias": {"7": 2.5, "0012": -300, "5": 10**400},
+            "include_stop_str_in_output": True,
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+        }
         bodies = ((parse_completion_request, {"prompt": "x"}), (parse_chat_request, CHAT_BODY))
         for parse, body in bodies:
             p = parse({**body, **extras}).sampling.to_sampling_params(5)
@@ -139,8 +166,14 @@ class TestCompletionFields:
     def test_no_op_values_vllm_accepts(self):
         """continuous_usage_stats=false is the default (usage only at the end); any int64
         seed is taken (its range is SamplingParams' check)."""
-        r = parse_completion_request({"prompt": "x", "stream": True, "seed": -(2**63),
-                                      "stream_options": {"continuous_usage_stats": False}})  # fmt: skip
+        r = parse_completion_request(
+            {
+                "prompt": "x",
+                "stream": True,
+                "seed": -(2**63),
+                "stream_options": {"continuous_usage_stats": False},
+            }
+        )
         assert (r.stream, r.include_usage) == (True, False)
         assert r.sampling.to_sampling_params(4).seed == -(2**63)
         s = parse_completion_request({"prompt": "x", "seed": -(2**63) - 1}).sampling
@@ -166,13 +199,17 @@ class TestChat:
             {
                 "messages": [
                     {"role": "system", "content": "be brief"},
-                    {"role": "user", "content": [{"type": "text", "text": "a"},
-                                                 {"type": "text", "text": "b"}]},
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    },
                     {"role": "assistant", "content": "ok", "tool_calls": None},
                 ],
-                "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 2,
+                "max_completion_tokens": 9,
+                "logprobs": True,
+                "top_logprobs": 2,
             }
-        )  # fmt: skip
+        )
         assert r.messages == (
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": "a\nb"},
@@ -180,8 +217,10 @@ class TestChat:
         )
         assert (r.sampling.max_tokens, r.logprobs, r.sampling.logprobs) == (9, True, 2)
 
-    @pytest.mark.parametrize("extra", [{"tool_choice": "none"}, {"tool_choice": "none", "tools": None},
-                                       {"tool_choice": None}])  # fmt: skip
+    @pytest.mark.parametrize(
+        "extra",
+        [{"tool_choice": "none"}, {"tool_choice": "none", "tools": None}, {"tool_choice": None}],
+    )
     def test_tool_choice_without_tools_is_a_no_op(self, extra):
         """No tools: "none" (or null) calls none, as vLLM takes them ("auto" without tools and
         `tools: []` are refused, as vLLM's: tests/test_http_tools.py)."""
@@ -190,9 +229,18 @@ class TestChat:
 
     def test_developer_is_system(self):
         """OpenAI's developer role is the system message for the template (as vLLM's)."""
-        dev = parse_chat_request({"messages": [{"role": "developer", "content": "be brief"},
-                                               {"role": "user", "content": "hi"}]})  # fmt: skip
-        assert dev.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"})
+        dev = parse_chat_request(
+            {
+                "messages": [
+                    {"role": "developer", "content": "be brief"},
+                    {"role": "user", "content": "hi"},
+                ]
+            }
+        )
+        assert dev.messages == (
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+        )
 
     def test_max_tokens_default_and_logprobs_off(self):
         r = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]})
@@ -206,11 +254,19 @@ class TestChat:
         [
             ({"tools": [{"type": "function"}]}, "tools", "tool"),
             ({"tool_choice": "required"}, "tool_choice", "tool"),
-            ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "tool"),
+            (
+                {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+                "tool_choice",
+                "tool",
+            ),
             ({"tool_choice": "auto", "tools": [{"type": "function"}]}, "tools", "tool"),
             ({"tool_choice": "none", "tools": [{"type": "function"}]}, "tools", "tool"),
             ({"tool_choice": 3}, "tool_choice", "tool"),
-            ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", "name"),
+            (
+                {"response_format": {"type": "json_schema", "json_schema": {}}},
+                "response_format",
+                "name",
+            ),
             ({"logit_bias": {"1": float("nan")}}, "logit_bias", "finite"),
             ({"top_logprobs": 3}, "top_logprobs", "logprobs=true"),
             ({"logprobs": True, "top_logprobs": 25}, "top_logprobs", "0..20"),
@@ -231,13 +287,24 @@ class TestChat:
             ("hi", "messages", "non-empty"),
             ([{"role": "function", "content": "x"}], "messages", "messages[0].role"),
             ([{"role": "user"}], "messages", "messages[0].content"),
-            ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
-             "messages[0].content[0].type", "text"),
-            ([{"role": "user", "content": "x", "name": 5}], "messages", "messages[0].name must be a string"),
-            ([{"role": "user", "content": "x", "audio": {"id": "a"}}], "messages[0].audio", "role, content and name"),
+            (
+                [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                "messages[0].content[0].type",
+                "text",
+            ),
+            (
+                [{"role": "user", "content": "x", "name": 5}],
+                "messages",
+                "messages[0].name must be a string",
+            ),
+            (
+                [{"role": "user", "content": "x", "audio": {"id": "a"}}],
+                "messages[0].audio",
+                "role, content and name",
+            ),
             ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages", "text must"),
         ],
-    )  # fmt: skip
+    )
     def test_bad_messages(self, messages, param, words):
         refused(parse_chat_request, {"messages": messages}, param, words)
 
@@ -255,20 +322,26 @@ class TestVllmExtras:
     """vLLM's extra fields, as clients send them: at their default (what we do anyway)
     accepted, at any other value refused naming the field (we would not honour it)."""
 
-    @pytest.mark.parametrize("parse, body, defaults", [
-        (parse_completion_request, {"prompt": "x"}, COMPLETION_DEFAULTS),
-        (parse_chat_request, CHAT_BODY, CHAT_DEFAULTS),
-    ])  # fmt: skip
+    @pytest.mark.parametrize(
+        "parse, body, defaults",
+        [
+            (parse_completion_request, {"prompt": "x"}, COMPLETION_DEFAULTS),
+            (parse_chat_request, CHAT_BODY, CHAT_DEFAULTS),
+        ],
+    )
     def test_defaults_accepted(self, parse, body, defaults):
         assert parse({**body, **defaults}) == parse(body)
         for name, value in defaults.items():
             assert parse({**body, name: value}) == parse(body), name
             assert parse({**body, name: None}) == parse(body), name
 
-    @pytest.mark.parametrize("parse, body, defaults", [
-        (parse_completion_request, {"prompt": "x"}, COMPLETION_DEFAULTS),
-        (parse_chat_request, CHAT_BODY, CHAT_DEFAULTS),
-    ])  # fmt: skip
+    @pytest.mark.parametrize(
+        "parse, body, defaults",
+        [
+            (parse_completion_request, {"prompt": "x"}, COMPLETION_DEFAULTS),
+            (parse_chat_request, CHAT_BODY, CHAT_DEFAULTS),
+        ],
+    )
     def test_other_values_refused(self, parse, body, defaults):
         for name in defaults:
             others = [v for v in OTHER[name] if v is not None] or [not defaults[name]]
@@ -277,18 +350,43 @@ class TestVllmExtras:
 
     def test_add_special_tokens_defaults_differ(self):
         """vLLM adds special tokens to a completion's prompt, not to a rendered chat."""
-        refused(parse_completion_request, {"prompt": "x", "add_special_tokens": False}, "add_special_tokens", "default")
-        refused(parse_chat_request, {**CHAT_BODY, "add_special_tokens": True}, "add_special_tokens", "default")
+        refused(
+            parse_completion_request,
+            {"prompt": "x", "add_special_tokens": False},
+            "add_special_tokens",
+            "default",
+        )
+        refused(
+            parse_chat_request,
+            {**CHAT_BODY, "add_special_tokens": True},
+            "add_special_tokens",
+            "default",
+        )
 
 
 def test_continue_final_message_fields():
     """vLLM's template flags on chat: taken (the route renders with them), checked as booleans,
     not both true."""
-    r = parse_chat_request({**CHAT_BODY, "add_generation_prompt": False, "continue_final_message": True})
+    r = parse_chat_request(
+        {**CHAT_BODY, "add_generation_prompt": False, "continue_final_message": True}
+    )
     assert (r.add_generation_prompt, r.continue_final_message) == (False, True)
-    assert (parse_chat_request(CHAT_BODY).add_generation_prompt, parse_chat_request(CHAT_BODY).continue_final_message) == (True, False)
-    refused(parse_chat_request, {**CHAT_BODY, "continue_final_message": True}, "continue_final_message", "Cannot set both")
-    refused(parse_chat_request, {**CHAT_BODY, "add_generation_prompt": 1}, "add_generation_prompt", "boolean")
+    assert (
+        parse_chat_request(CHAT_BODY).add_generation_prompt,
+        parse_chat_request(CHAT_BODY).continue_final_message,
+    ) == (True, False)
+    refused(
+        parse_chat_request,
+        {**CHAT_BODY, "continue_final_message": True},
+        "continue_final_message",
+        "Cannot set both",
+    )
+    refused(
+        parse_chat_request,
+        {**CHAT_BODY, "add_generation_prompt": 1},
+        "add_generation_prompt",
+        "boolean",
+    )
 
 
 def test_add_special_tokens_adds_none(tmp_path):
@@ -301,7 +399,9 @@ def test_add_special_tokens_adds_none(tmp_path):
     write_tokenizer_files(tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)
     for text in ("Hello", "<|im_start|>user\nhi", ""):
-        assert tok.encode(text, add_special_tokens=True) == tok.encode(text, add_special_tokens=False)
+        assert tok.encode(text, add_special_tokens=True) == tok.encode(
+            text, add_special_tokens=False
+        )
 
 
 def test_token_bytes_rebuild_the_text(tmp_path):
@@ -337,7 +437,9 @@ def test_replayed_messages_render_as_vllm_renders_them(tmp_path):
 
     write_tokenizer_files(tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)
-    replayed = ChatCompletionMessage(role="assistant", content="Hello! <think>x</think>").model_dump()
+    replayed = ChatCompletionMessage(
+        role="assistant", content="Hello! <think>x</think>"
+    ).model_dump()
     messages = [
         {"role": "system", "content": "Be brief.", "name": "rules"},
         {"role": "user", "content": "Hi <|im_end|>", "name": "alice"},
@@ -358,12 +460,14 @@ def test_replayed_messages_render_as_vllm_renders_them(tmp_path):
     ours = asyncio.run(_apply_chat_template(Engine, req.messages, req.chat_template_kwargs, size=0))
     # vLLM's conversation: null content is "", text parts joined by "\n", name kept, the
     # response-only fields dropped
-    conversation = [{"role": "system", "content": "Be brief.", "name": "rules"},
-                    {"role": "user", "content": "Hi <|im_end|>", "name": "alice"},
-                    {"role": "assistant", "content": "Hello! <think>x</think>"},
-                    {"role": "user", "content": "a\nb"},
-                    {"role": "assistant", "content": ""},
-                    {"role": "user", "content": "again"}]  # fmt: skip
+    conversation = [
+        {"role": "system", "content": "Be brief.", "name": "rules"},
+        {"role": "user", "content": "Hi <|im_end|>", "name": "alice"},
+        {"role": "assistant", "content": "Hello! <think>x</think>"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "again"},
+    ]
     text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     assert ours == tok.encode(text, add_special_tokens=False)
 

@@ -119,8 +119,9 @@ TOOL_CALL_CASES = [
 
 @pytest.mark.parametrize(
     "starts_in_reasoning, text, ends_at_tool_call",
-    [(*case, False) for case in CASES + TOOL_CALL_CASES] + [(*case, True) for case in CASES + TOOL_CALL_CASES],
-)  # fmt: skip
+    [(*case, False) for case in CASES + TOOL_CALL_CASES]
+    + [(*case, True) for case in CASES + TOOL_CALL_CASES],
+)
 def test_streamed_parts_add_up_to_the_whole_texts_parts(
     starts_in_reasoning, text, ends_at_tool_call
 ):
@@ -216,8 +217,12 @@ def test_an_assistants_reasoning_sent_back_reaches_the_template():
     for key in ("reasoning", "reasoning_content"):
         reply = {"role": "assistant", "content": None, key: "2+2 is 4", "refusal": None}
         req = parse_chat_request({"messages": [{"role": "user", "content": "2+2?"}, reply]})
-        assert req.messages[1] == {"role": "assistant", "content": "", "reasoning": "2+2 is 4",
-                                   "reasoning_content": "2+2 is 4"}  # fmt: skip
+        assert req.messages[1] == {
+            "role": "assistant",
+            "content": "",
+            "reasoning": "2+2 is 4",
+            "reasoning_content": "2+2 is 4",
+        }
     with pytest.raises(ApiError, match=r"messages\[0\]\.reasoning"):
         parse_chat_request({"messages": [{"role": "user", "content": "a", "reasoning": "b"}]})
     with pytest.raises(ApiError, match="reasoning must be a string"):
@@ -260,8 +265,16 @@ def test_reasoning_tokens_stop_at_the_call():
     decides it comes tokens later (a detokenizer holds text back); a <tool_call> that is not
     a call is thinking."""
     tool_call_id = 9003
-    tokens = [("plan", 5), (" <tool_call>", tool_call_id), (" x", 6), ("\n", 7),
-              ("<tool_call>", tool_call_id), ("\n", 8), ("<function=f>", 10), ("\n", 11)]  # fmt: skip
+    tokens = [
+        ("plan", 5),
+        (" <tool_call>", tool_call_id),
+        (" x", 6),
+        ("\n", 7),
+        ("<tool_call>", tool_call_id),
+        ("\n", 8),
+        ("<function=f>", 10),
+        ("\n", 11),
+    ]
     text = "".join(text for text, _ in tokens)
     cases = [("qwen3", 4, text.partition("\n")[0] + "\n"), ("deepseek_r1", 8, text)]
     for name, reasoning_tokens, reasoning in cases:
@@ -440,8 +453,13 @@ async def test_reasoning_end_to_end(tiny_model_dir, tmp_path):
             prompt = tok.encode(text, add_special_tokens=False)
             params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
             events = [ev async for ev in s.engine.generate(prompt, params)]
-            completion = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
-                                                         temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+            completion = await client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             out_text = "".join(ev.text for ev in events)
             assert out_text and completion.choices[0].text == out_text
             return prompt, out_text, [ev.token_id for ev in events if isinstance(ev, TokenEvent)]
@@ -456,11 +474,13 @@ async def test_reasoning_end_to_end(tiny_model_dir, tmp_path):
             message = r.choices[0].message
             assert (message.reasoning, message.content) == (reasoning or None, content or None)
             assert len(r.choices[0].logprobs.content) == MAX_TOKENS
-            reasoning_tokens = expected_reasoning_tokens(out_ids, starts_in_reasoning, parser.think_id,
-                                                         parser.end_think_id)  # fmt: skip
+            reasoning_tokens = expected_reasoning_tokens(
+                out_ids, starts_in_reasoning, parser.think_id, parser.end_think_id
+            )
             assert r.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
-            stream = await client.chat.completions.create(**body, logprobs=True, stream=True,
-                                                          stream_options={"include_usage": True})  # fmt: skip
+            stream = await client.chat.completions.create(
+                **body, logprobs=True, stream=True, stream_options={"include_usage": True}
+            )
             chunks = [c async for c in stream]
             deltas = [c.choices[0].delta for c in chunks if c.choices]
             assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == reasoning
@@ -496,10 +516,16 @@ async def test_reasoning_end_to_end(tiny_model_dir, tmp_path):
         choice = {"structured_outputs": {"choice": ["yes", "no"]}}
         with pytest.raises(openai.BadRequestError) as info:
             await client.chat.completions.create(**base, extra_body=choice)
-        assert info.value.body["param"] == "structured_outputs.choice" and "enable_thinking" in info.value.body["message"]
+        assert (
+            info.value.body["param"] == "structured_outputs.choice"
+            and "enable_thinking" in info.value.body["message"]
+        )
         off = {**choice, "chat_template_kwargs": {"enable_thinking": False}}
         r = await client.chat.completions.create(**base, extra_body=off)
-        assert (r.choices[0].message.content, r.choices[0].message.reasoning) in (("yes", None), ("no", None))
+        assert (r.choices[0].message.content, r.choices[0].message.reasoning) in (
+            ("yes", None),
+            ("no", None),
+        )
 
         # the reply sent back as history (the SDK's model_dump carries `reasoning`): rendered
         reply = (
@@ -511,8 +537,11 @@ async def test_reasoning_end_to_end(tiny_model_dir, tmp_path):
         assert (reply["reasoning"], reply["content"]) == (reasoning or None, content or None)
         history = [*MESSAGES, reply, {"role": "user", "content": "Sure?"}]
         r = await client.chat.completions.create(**{**base, "messages": history, "max_tokens": 1})
-        rendered = [*MESSAGES, {"role": "assistant", "content": content, "reasoning_content": reasoning},
-                    {"role": "user", "content": "Sure?"}]  # fmt: skip
+        rendered = [
+            *MESSAGES,
+            {"role": "assistant", "content": content, "reasoning_content": reasoning},
+            {"role": "user", "content": "Sure?"},
+        ]
         text = tok.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
         assert r.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
         await client.close()

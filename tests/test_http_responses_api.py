@@ -44,24 +44,40 @@ TEMPLATE = (
     "{%- else -%}{{- '<think>\\n' -}}{%- endif -%}"
     "{%- endif -%}"
 )
-LOOKUP = {"type": "function", "name": "lookup", "description": "A city's forecast.", "parameters": {
-    "type": "object", "required": ["city", "days"],
-    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}  # fmt: skip
+LOOKUP = {
+    "type": "function",
+    "name": "lookup",
+    "description": "A city's forecast.",
+    "parameters": {
+        "type": "object",
+        "required": ["city", "days"],
+        "properties": {
+            "city": {"enum": ["Paris", "Oslo"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+    },
+}
 THINKING = {"chat_template_kwargs": {"enable_thinking": True}}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(tiny_model_dir):
     config = EngineConfig(model=str(tiny_model_dir), max_model_len=1024, max_num_seqs=4)
-    server_config = ServerConfig(MODEL, chat_template=TEMPLATE, reasoning_parser="qwen3",
-                                 default_chat_template_kwargs={"enable_thinking": False})  # fmt: skip
+    server_config = ServerConfig(
+        MODEL,
+        chat_template=TEMPLATE,
+        reasoning_parser="qwen3",
+        default_chat_template_kwargs={"enable_thinking": False},
+    )
     async with in_process_server(config, server_config) as s:
         yield s
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(server):
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    client = openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60
+    )
     yield client
     await client.close()
 
@@ -77,9 +93,12 @@ async def respond(client: openai.AsyncOpenAI, **body: Any) -> Any:
     return await client.responses.create(model=MODEL, temperature=0, **body)
 
 
-async def chat(client: openai.AsyncOpenAI, messages: list[dict], max_tokens: int = 12, **extra: Any) -> Any:
-    return await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
-                                                temperature=0, **extra)  # fmt: skip
+async def chat(
+    client: openai.AsyncOpenAI, messages: list[dict], max_tokens: int = 12, **extra: Any
+) -> Any:
+    return await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, **extra
+    )
 
 
 @aio
@@ -87,14 +106,34 @@ async def test_text_as_the_chat_completion_of_the_same_messages(client):
     """Instructions and a text input are a system and a user message: greedy, the same text
     and token counts as chat; cut by max_output_tokens: "incomplete", as OpenAI's."""
     r = await respond(client, instructions="Answer briefly.", input="What is the weather?")
-    c = await chat(client, [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the weather?"}])
+    c = await chat(
+        client,
+        [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "What is the weather?"},
+        ],
+    )
     assert r.output_text == c.choices[0].message.content and r.output_text
-    assert (r.usage.input_tokens, r.usage.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (
+        c.usage.prompt_tokens,
+        c.usage.completion_tokens,
+    )
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
-    assert (r.status, r.incomplete_details.reason, r.model, r.object) == ("incomplete", "max_output_tokens", MODEL, "response")
+    assert (r.status, r.incomplete_details.reason, r.model, r.object) == (
+        "incomplete",
+        "max_output_tokens",
+        MODEL,
+        "response",
+    )
     [message] = r.output
-    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
-    assert r.id.startswith("resp_") and r.instructions == "Answer briefly." and r.max_output_tokens == 12
+    assert (
+        message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    )
+    assert (
+        r.id.startswith("resp_")
+        and r.instructions == "Answer briefly."
+        and r.max_output_tokens == 12
+    )
 
 
 @aio
@@ -104,13 +143,23 @@ async def test_stream_events_add_up_to_the_response(client):
     whole = await respond(client, input="Tell me a story.")
     events = [e async for e in await respond(client, input="Tell me a story.", stream=True)]
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert [e.type for e in events[:4]] == ["response.created", "response.in_progress", "response.output_item.added",
-                                            "response.content_part.added"]  # fmt: skip
-    assert [e.type for e in events[-4:]] == ["response.output_text.done", "response.content_part.done",
-                                             "response.output_item.done", "response.incomplete"]  # fmt: skip
+    assert [e.type for e in events[:4]] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert [e.type for e in events[-4:]] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     item_id = events[2].item.id
     deltas = [e for e in events if e.type == "response.output_text.delta"]
-    assert {e.item_id for e in deltas} == {item_id} and "".join(e.delta for e in deltas) == whole.output_text
+    assert {e.item_id for e in deltas} == {item_id} and "".join(
+        e.delta for e in deltas
+    ) == whole.output_text
     final = events[-1].response
     assert final.output_text == whole.output_text and final.id == events[0].response.id != whole.id
     assert final.usage.output_tokens == 12 and events[-2].item.status == "incomplete"
@@ -123,21 +172,41 @@ async def test_previous_response_continues_the_conversation(client):
     first response's output items as input; the stored response can be fetched, deleted."""
     first = await respond(client, instructions="Be terse.", input="Name a city.")
     second = await respond(client, input="Why that one?", previous_response_id=first.id)
-    history = [{"role": "user", "content": "Name a city."}, {"role": "assistant", "content": first.output_text},
-               {"role": "user", "content": "Why that one?"}]  # fmt: skip
+    history = [
+        {"role": "user", "content": "Name a city."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Why that one?"},
+    ]
     c = await chat(client, history)
-    assert second.output_text == c.choices[0].message.content and second.usage.input_tokens == c.usage.prompt_tokens
-    items = [{"role": "user", "content": "Name a city."}, *(i.model_dump(exclude_none=True) for i in first.output),
-             {"role": "user", "content": [{"type": "input_text", "text": "Why that one?"}]}]  # fmt: skip
+    assert (
+        second.output_text == c.choices[0].message.content
+        and second.usage.input_tokens == c.usage.prompt_tokens
+    )
+    items = [
+        {"role": "user", "content": "Name a city."},
+        *(i.model_dump(exclude_none=True) for i in first.output),
+        {"role": "user", "content": [{"type": "input_text", "text": "Why that one?"}]},
+    ]
     assert (await respond(client, input=items)).output_text == second.output_text
-    two = [{"type": "input_text", "text": "Why"}, {"type": "input_text", "text": "that one?"}]  # joined as chat joins parts
+    two = [
+        {"type": "input_text", "text": "Why"},
+        {"type": "input_text", "text": "that one?"},
+    ]  # joined as chat joins parts
     split = await respond(client, input=[*items[:-1], {"role": "user", "content": two}])
-    parts = await chat(client, [*history[:2], {"role": "user", "content": [{**p, "type": "text"} for p in two]}])
-    assert split.output_text == parts.choices[0].message.content and split.usage.input_tokens == parts.usage.prompt_tokens
+    parts = await chat(
+        client, [*history[:2], {"role": "user", "content": [{**p, "type": "text"} for p in two]}]
+    )
+    assert (
+        split.output_text == parts.choices[0].message.content
+        and split.usage.input_tokens == parts.usage.prompt_tokens
+    )
     fetched = await client.responses.retrieve(first.id)
     assert fetched.output_text == first.output_text and fetched.usage == first.usage
     await client.responses.delete(first.id)
-    for call in (client.responses.retrieve(first.id), respond(client, input="again", previous_response_id=first.id)):
+    for call in (
+        client.responses.retrieve(first.id),
+        respond(client, input="again", previous_response_id=first.id),
+    ):
         with pytest.raises(openai.NotFoundError, match=first.id):
             await call
     unstored = await respond(client, input="Hi", store=False)
@@ -153,19 +222,47 @@ async def test_reasoning_item_and_tool_history(client):
     r = await respond(client, input="Think first.", extra_body=THINKING)
     c = await chat(client, [{"role": "user", "content": "Think first."}], extra_body=THINKING)
     reasoning, message = r.output
-    assert reasoning.type == "reasoning" and reasoning.content[0].text == c.choices[0].message.reasoning
-    assert message.type == "message" and r.output_text == "" and r.usage.output_tokens_details.reasoning_tokens == 12
-    items = [{"role": "user", "content": "Weather in Paris?"},
-             {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": '{"city": "Paris", "days": 1}'},
-             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]  # fmt: skip
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"city": "Paris", "days": 1}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+    assert (
+        reasoning.type == "reasoning"
+        and reasoning.content[0].text == c.choices[0].message.reasoning
+    )
+    assert (
+        message.type == "message"
+        and r.output_text == ""
+        and r.usage.output_tokens_details.reasoning_tokens == 12
+    )
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "lookup",
+            "arguments": '{"city": "Paris", "days": 1}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "lookup", "arguments": '{"city": "Paris", "days": 1}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     r = await respond(client, input=items, tools=[LOOKUP], tool_choice="none")
     tools = [{"type": "function", "function": {k: v for k, v in LOOKUP.items() if k != "type"}}]
     c = await chat(client, messages, tools=tools, tool_choice="none")
-    assert r.output_text == c.choices[0].message.content and r.usage.input_tokens == c.usage.prompt_tokens
+    assert (
+        r.output_text == c.choices[0].message.content
+        and r.usage.input_tokens == c.usage.prompt_tokens
+    )
 
 
 @aio
@@ -176,27 +273,44 @@ async def test_structured_output_and_forced_tool_calls_through_the_sdk_stream(cl
     text = {"format": {"type": "json_schema", "name": "weather", "schema": SCHEMA, "strict": True}}
     r = await respond(client, input="Weather?", text=text, max_output_tokens=320)
     assert r.status == "completed" and valid(json.loads(r.output_text), SCHEMA), r.output_text
-    async with client.responses.stream(model=MODEL, input="Weather?", text=text, max_output_tokens=320,
-                                       temperature=0) as stream:  # fmt: skip
+    async with client.responses.stream(
+        model=MODEL, input="Weather?", text=text, max_output_tokens=320, temperature=0
+    ) as stream:
         final = await stream.get_final_response()
     assert final.output_text == r.output_text
-    calls = await respond(client, input="Forecast?", tools=[LOOKUP], tool_choice="required", max_output_tokens=320,
-                          parallel_tool_calls=False)  # fmt: skip
+    calls = await respond(
+        client,
+        input="Forecast?",
+        tools=[LOOKUP],
+        tool_choice="required",
+        max_output_tokens=320,
+        parallel_tool_calls=False,
+    )
     [call] = calls.output
     assert calls.status == "completed" and call.type == "function_call" and call.name == "lookup"
     arguments = json.loads(call.arguments)
     assert arguments["city"] in ("Paris", "Oslo") and 1 <= arguments["days"] <= 7 and call.call_id
-    async with client.responses.stream(model=MODEL, input="Forecast?", tools=[LOOKUP], temperature=0,
-                                       tool_choice={"type": "function", "name": "lookup"}, max_output_tokens=320) as stream:  # fmt: skip
+    async with client.responses.stream(
+        model=MODEL,
+        input="Forecast?",
+        tools=[LOOKUP],
+        temperature=0,
+        tool_choice={"type": "function", "name": "lookup"},
+        max_output_tokens=320,
+    ) as stream:
         named = await stream.get_final_response()
-    assert [i.type for i in named.output] == ["function_call"] and json.loads(named.output[0].arguments)["city"]
+    assert [i.type for i in named.output] == ["function_call"] and json.loads(
+        named.output[0].arguments
+    )["city"]
 
 
 @aio
 async def test_logprobs_of_the_output_text(client):
     """include message.output_text.logprobs: one entry per output token, its bytes adding up
     to the text, with top_logprobs alternatives, as chat's."""
-    r = await respond(client, input="Count.", include=["message.output_text.logprobs"], top_logprobs=2)
+    r = await respond(
+        client, input="Count.", include=["message.output_text.logprobs"], top_logprobs=2
+    )
     c = await chat(client, [{"role": "user", "content": "Count."}], logprobs=True, top_logprobs=2)
     part = r.output[0].content[0]
     assert len(part.logprobs) == 12 and all(len(e.top_logprobs) == 2 for e in part.logprobs)
@@ -205,30 +319,70 @@ async def test_logprobs_of_the_output_text(client):
 
 
 @aio
-@pytest.mark.parametrize("body, status, param, words", [
-    ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0].type", "only function tools"),
-    ({"input": "x", "reasoning": {"effort": "high"}}, 400, "reasoning", "chat_template_kwargs"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, 400, "input", "text parts"),
-    ({"input": [{"type": "web_search_call", "id": "w"}]}, 400, "input", "'web_search_call'"),
-    ({"input": "x", "top_logprobs": 2}, 400, "top_logprobs", "include"),
-    ({"input": "x", "include": ["reasoning.encrypted_content"]}, 400, "include", "only"),
-    ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text.format.type", "'xml'"),
-    ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens", ">= 1"),
-    ({"input": "x", "background": True}, 400, "background", "not supported"),
-    ({"input": "x", "frobnicate": 1}, 400, "frobnicate", "frobnicate"),
-    ({"input": "x", "previous_response_id": "resp_missing"}, 404, "previous_response_id", "resp_missing"),
-    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "integer", "multipleOf": 3}}}},
-     400, "text.format", "multipleOf"),
-    ({"input": "x", "tools": [LOOKUP], "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice", "does not match"),
-    ({"input": "x", "tools": [{"type": "function"}]}, 400, "tools", "tools[0].name"),
-    ({"input": "x", "max_output_tokens": 100000}, 400, "input", "max_output_tokens (100000)"),
-    ({"input": []}, 400, "input", "non-empty"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, status, param, words",
+    [
+        (
+            {"input": "x", "tools": [{"type": "web_search"}]},
+            400,
+            "tools[0].type",
+            "only function tools",
+        ),
+        ({"input": "x", "reasoning": {"effort": "high"}}, 400, "reasoning", "chat_template_kwargs"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+            400,
+            "input",
+            "text parts",
+        ),
+        ({"input": [{"type": "web_search_call", "id": "w"}]}, 400, "input", "'web_search_call'"),
+        ({"input": "x", "top_logprobs": 2}, 400, "top_logprobs", "include"),
+        ({"input": "x", "include": ["reasoning.encrypted_content"]}, 400, "include", "only"),
+        ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text.format.type", "'xml'"),
+        ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens", ">= 1"),
+        ({"input": "x", "background": True}, 400, "background", "not supported"),
+        ({"input": "x", "frobnicate": 1}, 400, "frobnicate", "frobnicate"),
+        (
+            {"input": "x", "previous_response_id": "resp_missing"},
+            404,
+            "previous_response_id",
+            "resp_missing",
+        ),
+        (
+            {
+                "input": "x",
+                "text": {
+                    "format": {
+                        "type": "json_schema",
+                        "name": "n",
+                        "schema": {"type": "integer", "multipleOf": 3},
+                    }
+                },
+            },
+            400,
+            "text.format",
+            "multipleOf",
+        ),
+        (
+            {"input": "x", "tools": [LOOKUP], "tool_choice": {"type": "function", "name": "nope"}},
+            400,
+            "tool_choice",
+            "does not match",
+        ),
+        ({"input": "x", "tools": [{"type": "function"}]}, 400, "tools", "tools[0].name"),
+        ({"input": "x", "max_output_tokens": 100000}, 400, "input", "max_output_tokens (100000)"),
+        ({"input": []}, 400, "input", "non-empty"),
+    ],
+)
 async def test_refused_naming_the_field(server, client, body, status, param, words):
     """Each a clear OpenAI-shaped error naming the Responses field; the engine stays healthy
     (the fixture waits for it idle, and the next test runs on it)."""
     async with aiohttp.ClientSession() as session:
-        async with session.post(server.url + "/v1/responses", json={"model": MODEL, **body}) as reply:
+        async with session.post(
+            server.url + "/v1/responses", json={"model": MODEL, **body}
+        ) as reply:
             error = (await reply.json())["error"]
-            assert (reply.status, error["param"]) == (status, param) and words in error["message"], error
+            assert (reply.status, error["param"]) == (status, param) and words in error[
+                "message"
+            ], error
     assert (await respond(client, input="still here", max_output_tokens=2)).usage.output_tokens == 2

@@ -35,9 +35,13 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 async def open_stream(client: openai.AsyncOpenAI, model: str, max_tokens: int):
     """A streaming completion whose first chunk has arrived."""
     stream = await client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0, stream=True,
+        model=model,
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     it = stream.__aiter__()
     first = await it.__anext__()
     return it, first.choices[0].text
@@ -82,9 +86,15 @@ async def test_rank_sigkill_in_process(tiny_model_dir):
         assert info.value.status_code == 503
         status, body = await get(url + "/health")
         assert status == 503 and "engine_dead" in body
-        for path in ("/resume", "/continue_generation", "/pause"):  # routes that call the engine as it is
+        for path in (
+            "/resume",
+            "/continue_generation",
+            "/pause",
+        ):  # routes that call the engine as it is
             async with aiohttp.ClientSession() as session, session.post(url + path) as reply:
-                assert reply.status == 503 and (await reply.json())["error"]["code"] == "engine_dead", path
+                assert (
+                    reply.status == 503 and (await reply.json())["error"]["code"] == "engine_dead"
+                ), path
         with pytest.raises(openai.APIStatusError) as info:
             await client.completions.create(model="tiny", prompt="x", max_tokens=2)
         assert info.value.status_code == 503
@@ -101,9 +111,18 @@ async def test_rank_sigkill_in_process(tiny_model_dir):
 
 async def test_serve_tp2_greedy_then_sigterm_drains(tiny_model_dir):
     server = await ServeProcess.start(
-        str(tiny_model_dir), "--tp", "2", "--served-model-name", "tiny2",  # MODEL positional, as vLLM's
-        "--max-model-len", "4096", "--max-num-seqs", "4", "--shutdown-timeout", "10",
-    )  # fmt: skip
+        str(tiny_model_dir),
+        "--tp",
+        "2",
+        "--served-model-name",
+        "tiny2",  # MODEL positional, as vLLM's
+        "--max-model-len",
+        "4096",
+        "--max-num-seqs",
+        "4",
+        "--shutdown-timeout",
+        "10",
+    )
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     try:
         pids = rank_pids(server.proc.pid)
@@ -116,9 +135,13 @@ async def test_serve_tp2_greedy_then_sigterm_drains(tiny_model_dir):
             generate_tokens, tiny_model_dir, prompt_ids, 8, ignore_eos=True
         )
         r = await client.completions.create(
-            model="tiny2", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1,
+            model="tiny2",
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            logprobs=1,
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
         assert r.usage.prompt_tokens == len(prompt_ids)
         assert r.choices[0].logprobs.token_logprobs == pytest.approx(
             [s.logprob for s in ref], abs=1e-3
@@ -128,7 +151,9 @@ async def test_serve_tp2_greedy_then_sigterm_drains(tiny_model_dir):
 
         short, _ = await open_stream(client, "tiny2", 12)
         long, _ = await open_stream(client, "tiny2", 4000)
-        os.killpg(server.proc.pid, signal.SIGTERM)  # the whole group, as systemd and `timeout` stop it
+        os.killpg(
+            server.proc.pid, signal.SIGTERM
+        )  # the whole group, as systemd and `timeout` stop it
         short_result = asyncio.ensure_future(drain(short))
         with pytest.raises(openai.APIError) as info:
             await asyncio.wait_for(drain(long), 30)
@@ -200,7 +225,12 @@ def test_model_positional_or_flag_and_twice_only_if_equal(capsys):
     --model together must name the same folder, else a usage error naming both."""
     from deltaserve.http.serve import parse_args
 
-    assert parse_args(["/m"]).model == parse_args(["--model", "/m"]).model == parse_args(["/m", "--model", "/m"]).model == "/m"
+    assert (
+        parse_args(["/m"]).model
+        == parse_args(["--model", "/m"]).model
+        == parse_args(["/m", "--model", "/m"]).model
+        == "/m"
+    )
     assert parse_args([]).model is None  # the demo checkpoint
     with pytest.raises(SystemExit):
         parse_args(["/a", "--model", "/b"])

@@ -58,8 +58,12 @@ async def engine(tiny_model_dir) -> AsyncIterator[AsyncEngine]:
 @contextlib.asynccontextmanager
 async def served(engine: AsyncEngine, config: ServerConfig) -> AsyncIterator[openai.AsyncOpenAI]:
     runner, _ = await start_server(build_app(engine, config), "127.0.0.1", 0)
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{runner.addresses[0][1]}/v1", api_key="x",
-                                max_retries=0, timeout=60)  # fmt: skip
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{runner.addresses[0][1]}/v1",
+        api_key="x",
+        max_retries=0,
+        timeout=60,
+    )
     try:
         yield client
     finally:
@@ -81,8 +85,14 @@ async def chat_and_reference(
     rendering) sent as token ids to /v1/completions: the chat's prompt was `rendered`."""
     ids = tokenizer.encode(rendered, add_special_tokens=False)
     greedy = dict(model=MODEL, max_tokens=6, temperature=0)
-    chat = await client.chat.completions.create(messages=MESSAGES, **greedy, extra_body={
-        "ignore_eos": True, **({"chat_template_kwargs": template_kwargs} if template_kwargs else {})})  # fmt: skip
+    chat = await client.chat.completions.create(
+        messages=MESSAGES,
+        **greedy,
+        extra_body={
+            "ignore_eos": True,
+            **({"chat_template_kwargs": template_kwargs} if template_kwargs else {}),
+        },
+    )
     ref = await client.completions.create(prompt=ids, **greedy, extra_body={"ignore_eos": True})
     assert chat.usage.prompt_tokens == len(ids), rendered
     assert chat.choices[0].message.content == ref.choices[0].text
@@ -98,8 +108,9 @@ async def test_chat_template_flag_and_default_kwargs(engine, tiny_model_dir, tmp
     defaults = {"greeting": "Sure.", "enable_thinking": False}
 
     def render(**kwargs) -> str:
-        return tok.apply_chat_template(MESSAGES, chat_template=TEMPLATE, add_generation_prompt=True,
-                                       tokenize=False, **kwargs)  # fmt: skip
+        return tok.apply_chat_template(
+            MESSAGES, chat_template=TEMPLATE, add_generation_prompt=True, tokenize=False, **kwargs
+        )
 
     assert render() != tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     assert "<think>" in render(**defaults) and "<think>" not in render(greeting="Sure.")
@@ -128,8 +139,13 @@ async def test_chat_template_flag_and_default_kwargs(engine, tiny_model_dir, tmp
 async def test_seed_flag_makes_unseeded_requests_repeat(engine, tiny_model_dir):
     """`--seed 7`: two servers started alike answer the same unseeded requests alike (the
     engine drew a random seed for each); a request's own seed still wins."""
-    sampled = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0,
-                   extra_body={"ignore_eos": True})  # fmt: skip
+    sampled = dict(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=6,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
     runs = []
     for _ in range(2):
         async with served(engine, config_from_flags(tiny_model_dir, "--seed", "7")) as client:

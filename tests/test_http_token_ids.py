@@ -40,14 +40,22 @@ class Served:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tiny_model_dir):
-    engine = await AsyncEngine.start(EngineConfig(model=str(tiny_model_dir), max_model_len=512, max_num_seqs=4))
+    engine = await AsyncEngine.start(
+        EngineConfig(model=str(tiny_model_dir), max_model_len=512, max_num_seqs=4)
+    )
     runners, clients = [], []
     try:
         for config in (ServerConfig(MODEL), ServerConfig(MODEL, return_tokens_as_token_ids=True)):
             runner, _ = await start_server(build_app(engine, config), "127.0.0.1", 0)
             runners.append(runner)
-            clients.append(openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{runner.addresses[0][1]}/v1",
-                                              api_key="x", max_retries=0, timeout=120))  # fmt: skip
+            clients.append(
+                openai.AsyncOpenAI(
+                    base_url=f"http://127.0.0.1:{runner.addresses[0][1]}/v1",
+                    api_key="x",
+                    max_retries=0,
+                    timeout=120,
+                )
+            )
         yield Served(engine, *clients)
     finally:
         for client in clients:
@@ -102,19 +110,27 @@ async def test_completions_as_vllm(served: Served):
     streamed, the same entries."""
     prompt = served.engine.tokenizer.encode(PROMPT, add_special_tokens=False)
     kwargs = dict(model=MODEL, prompt=PROMPT, echo=True, logprobs=3, max_tokens=6)
-    plain = (await served.plain.completions.create(**kwargs, **greedy(prompt_logprobs=3))).choices[0]
-    ids = (await served.plain.completions.create(**kwargs, **greedy(prompt_logprobs=3, **IDS))).choices[0]
+    plain = (await served.plain.completions.create(**kwargs, **greedy(prompt_logprobs=3))).choices[
+        0
+    ]
+    ids = (
+        await served.plain.completions.create(**kwargs, **greedy(prompt_logprobs=3, **IDS))
+    ).choices[0]
     assert ids.text == plain.text and ids.finish_reason == plain.finish_reason == "length"
     check_completion_logprobs(served, ids.logprobs, plain.logprobs)
     assert [token_id(t) for t in ids.logprobs.tokens[: len(prompt)]] == prompt
     assert ids.model_dump()["prompt_logprobs"] == plain.model_dump()["prompt_logprobs"]
-    assert ids.model_dump()["prompt_logprobs"][1][str(prompt[1])]["decoded_token"] == served.text(prompt[1])
+    assert ids.model_dump()["prompt_logprobs"][1][str(prompt[1])]["decoded_token"] == served.text(
+        prompt[1]
+    )
 
     stream = await served.plain.completions.create(**kwargs, stream=True, **greedy(**IDS))
     streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     async for chunk in stream:
         for key, values in streamed.items():
-            values.extend(getattr(chunk.choices[0].logprobs, key) if chunk.choices[0].logprobs else [])
+            values.extend(
+                getattr(chunk.choices[0].logprobs, key) if chunk.choices[0].logprobs else []
+            )
     assert streamed == ids.logprobs.model_dump()
 
 
@@ -127,9 +143,13 @@ def check_chat_logprobs(served: Served, content: list[Any], plain: list[Any]) ->
     assert len(content) == len(plain) > 0
     for entry, plain_entry in zip(content, plain, strict=True):
         assert served.text(token_id(entry.token)) == plain_entry.token
-        assert entry.bytes == plain_entry.bytes and entry.logprob == pytest.approx(plain_entry.logprob, abs=1e-5)
+        assert entry.bytes == plain_entry.bytes and entry.logprob == pytest.approx(
+            plain_entry.logprob, abs=1e-5
+        )
         alts = [(served.text(token_id(a.token)), a.logprob) for a in entry.top_logprobs]
-        assert alts == [(a.token, pytest.approx(a.logprob, abs=1e-5)) for a in plain_entry.top_logprobs]
+        assert alts == [
+            (a.token, pytest.approx(a.logprob, abs=1e-5)) for a in plain_entry.top_logprobs
+        ]
         assert all(a.bytes == list(a.token.encode()) for a in entry.top_logprobs)
     assert len(plain[0].top_logprobs) == 3
 
@@ -144,9 +164,15 @@ async def test_chat_as_vllm(served: Served):
     assert ids.model_dump()["prompt_logprobs"] == plain.model_dump()["prompt_logprobs"]
 
     stream = await served.plain.chat.completions.create(**kwargs, stream=True, **greedy(**IDS))
-    streamed = [e async for chunk in stream if chunk.choices and chunk.choices[0].logprobs
-                for e in chunk.choices[0].logprobs.content]  # fmt: skip
-    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in ids.choices[0].logprobs.content]
+    streamed = [
+        e
+        async for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for e in chunk.choices[0].logprobs.content
+    ]
+    assert [e.model_dump() for e in streamed] == [
+        e.model_dump() for e in ids.choices[0].logprobs.content
+    ]
 
 
 # ---- the server's flag -------------------------------------------------------------------
@@ -161,20 +187,34 @@ async def test_the_flag_is_the_default(served: Served):
     def flag(*argv: str) -> bool:
         return _server_config(parse_args(["m", *argv])).return_tokens_as_token_ids
 
-    assert (flag(), flag("--return-tokens-as-token-ids"), flag("--no-return-tokens-as-token-ids")) == (False, True, False)
+    assert (
+        flag(),
+        flag("--return-tokens-as-token-ids"),
+        flag("--no-return-tokens-as-token-ids"),
+    ) == (False, True, False)
     kwargs = dict(model=MODEL, prompt=PROMPT, logprobs=2, max_tokens=4)
     plain = (await served.plain.completions.create(**kwargs, **greedy())).choices[0].logprobs
     for extra in ({}, {"return_tokens_as_token_ids": None}):
-        out = (await served.flagged.completions.create(**kwargs, **greedy(**extra))).choices[0].logprobs
+        out = (
+            (await served.flagged.completions.create(**kwargs, **greedy(**extra)))
+            .choices[0]
+            .logprobs
+        )
         check_completion_logprobs(served, out, plain)
-    off = await served.flagged.completions.create(**kwargs, **greedy(return_tokens_as_token_ids=False))
+    off = await served.flagged.completions.create(
+        **kwargs, **greedy(return_tokens_as_token_ids=False)
+    )
     assert off.choices[0].logprobs.model_dump() == plain.model_dump()
 
     chat = dict(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=3, max_tokens=4)
     plain_chat = await served.plain.chat.completions.create(**chat, **greedy())
     stream = await served.flagged.chat.completions.create(**chat, stream=True, **greedy())
-    streamed = [e async for chunk in stream if chunk.choices and chunk.choices[0].logprobs
-                for e in chunk.choices[0].logprobs.content]  # fmt: skip
+    streamed = [
+        e
+        async for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for e in chunk.choices[0].logprobs.content
+    ]
     check_chat_logprobs(served, streamed, plain_chat.choices[0].logprobs.content)
 
 
@@ -187,9 +227,15 @@ async def test_refused_when_not_a_boolean(served: Served, chat, value):
     body = {"return_tokens_as_token_ids": value}
     with pytest.raises(openai.BadRequestError) as info:
         if chat:
-            await served.flagged.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, extra_body=body)
+            await served.flagged.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=2, extra_body=body
+            )
         else:
-            await served.flagged.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=body)
+            await served.flagged.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=body
+            )
     error = info.value.response.json()["error"]
     assert info.value.status_code == 400 and error["type"] == "invalid_request_error"
-    assert error["param"] == "return_tokens_as_token_ids" and "must be a boolean" in error["message"], error
+    assert (
+        error["param"] == "return_tokens_as_token_ids" and "must be a boolean" in error["message"]
+    ), error

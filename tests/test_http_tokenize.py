@@ -27,7 +27,19 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 MODEL = "tiny-tokenize"
 MAX_MODEL_LEN = 256
 HEALTH_LIMIT_S = 0.5
-WORDS = ["hello", "world", "quick", "brown", "fox", "jumps", "lazy", "dog", "Ünïcödé", "数据", "1234"]
+WORDS = [
+    "hello",
+    "world",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "lazy",
+    "dog",
+    "Ünïcödé",
+    "数据",
+    "1234",
+]
 
 
 def big_text(num_bytes: int, seed: int) -> str:
@@ -47,7 +59,9 @@ async def server(tiny_model_dir):
         yield s
 
 
-async def post_watching_health(url: str, path: str, body: dict) -> tuple[int, dict, list[float], float]:
+async def post_watching_health(
+    url: str, path: str, body: dict
+) -> tuple[int, dict, list[float], float]:
     """POST `body`; meanwhile time /health over and over. Returns the POST's status and JSON,
     every /health latency, and how long the POST took."""
     latencies = []
@@ -81,7 +95,9 @@ async def test_health_answers_while_a_large_prompt_is_tokenized(server):
     assert status == 400 and "max_model_len" in answer["error"]["message"], answer
     assert max(latencies) < HEALTH_LIMIT_S, (max(latencies), took)
     assert took > 0.5 and len(latencies) >= 5, (took, latencies)  # the window was watched
-    print(f"completion: {took:.2f} s, {len(latencies)} /health calls, slowest {max(latencies) * 1e3:.0f} ms")
+    print(
+        f"completion: {took:.2f} s, {len(latencies)} /health calls, slowest {max(latencies) * 1e3:.0f} ms"
+    )
 
     text = big_text(2**19, seed=2)
     messages = [{"role": "user", "content": text}]
@@ -90,7 +106,9 @@ async def test_health_answers_while_a_large_prompt_is_tokenized(server):
     )
     assert status == 400 and "max_model_len" in answer["error"]["message"], answer
     assert len(latencies) >= 2 and max(latencies) < HEALTH_LIMIT_S, (max(latencies), took)
-    print(f"chat: {took:.2f} s, {len(latencies)} /health calls, slowest {max(latencies) * 1e3:.0f} ms")
+    print(
+        f"chat: {took:.2f} s, {len(latencies)} /health calls, slowest {max(latencies) * 1e3:.0f} ms"
+    )
 
 
 async def test_encode_matches_the_tokenizer_inline_and_in_the_worker(server):

@@ -26,8 +26,16 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 MODEL = "tiny-tokenize-routes"
 TEXT = "The quick brown fox jumps over the lazy dog. Ünïcödé 数据 1234"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -53,8 +61,13 @@ async def test_text_ids_are_the_completion_prompt(server, client):
     status, body = await post(server.url + "/tokenize", {"prompt": TEXT, "model": MODEL})
     assert status == 200, body
     assert list(body) == ["count", "max_model_len", "tokens", "token_strs"]  # vLLM's order
-    assert body["tokens"] == await server.engine.encode(TEXT) and body["count"] == len(body["tokens"])
-    assert body["token_strs"] is None and body["max_model_len"] == server.engine.longest_sequence == 512
+    assert body["tokens"] == await server.engine.encode(TEXT) and body["count"] == len(
+        body["tokens"]
+    )
+    assert (
+        body["token_strs"] is None
+        and body["max_model_len"] == server.engine.longest_sequence == 512
+    )
     completion = await client.completions.create(model=MODEL, prompt=TEXT, max_tokens=1)
     assert completion.usage.prompt_tokens == body["count"]
 
@@ -71,20 +84,35 @@ async def test_chat_count_is_the_chat_prompt_tokens(server, client):
         extra = {"tools": tools} if tools else {}
         status, body = await post(server.url + "/tokenize", {"messages": MESSAGES, **extra})
         assert status == 200, body
-        chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
-                                                    **extra, **({"tool_choice": "none"} if tools else {}))  # fmt: skip
+        chat = await client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=1,
+            **extra,
+            **({"tool_choice": "none"} if tools else {}),
+        )
         assert body["count"] == chat.usage.prompt_tokens == len(body["tokens"]), tools
-        rendered = server.engine.tokenizer.apply_chat_template(MESSAGES, tools=tools, add_generation_prompt=True, tokenize=False)
+        rendered = server.engine.tokenizer.apply_chat_template(
+            MESSAGES, tools=tools, add_generation_prompt=True, tokenize=False
+        )
         assert body["tokens"] == server.engine.tokenizer.encode(rendered, add_special_tokens=False)
     with_tools = body["count"]
     status, plain = await post(server.url + "/tokenize", {"messages": MESSAGES})
     assert with_tools > plain["count"]
 
-    status, bare = await post(server.url + "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
-    assert status == 200 and plain["tokens"][: bare["count"]] == bare["tokens"] and bare["count"] < plain["count"]
+    status, bare = await post(
+        server.url + "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}
+    )
+    assert (
+        status == 200
+        and plain["tokens"][: bare["count"]] == bare["tokens"]
+        and bare["count"] < plain["count"]
+    )
     prefill = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
-    status, cont = await post(server.url + "/tokenize", {"messages": prefill, "add_generation_prompt": False,
-                                                         "continue_final_message": True})  # fmt: skip
+    status, cont = await post(
+        server.url + "/tokenize",
+        {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True},
+    )
     assert status == 200, cont
     status, text = await post(server.url + "/detokenize", {"tokens": cont["tokens"]})
     assert text["prompt"].endswith("<|im_start|>assistant\nThe answer is"), text  # left open
@@ -92,11 +120,15 @@ async def test_chat_count_is_the_chat_prompt_tokens(server, client):
 
 async def test_detokenize_round_trips(server):
     status, body = await post(server.url + "/tokenize", {"prompt": TEXT})
-    status, text = await post(server.url + "/detokenize", {"tokens": body["tokens"], "model": MODEL})
+    status, text = await post(
+        server.url + "/detokenize", {"tokens": body["tokens"], "model": MODEL}
+    )
     assert status == 200 and text == {"prompt": TEXT}
     status, chat = await post(server.url + "/tokenize", {"messages": MESSAGES})
     status, text = await post(server.url + "/detokenize", {"tokens": chat["tokens"]})
-    assert text["prompt"].startswith("<|im_start|>system\nBe brief.<|im_end|>")  # special tokens kept
+    assert text["prompt"].startswith(
+        "<|im_start|>system\nBe brief.<|im_end|>"
+    )  # special tokens kept
     assert (await post(server.url + "/detokenize", {"tokens": []})) == (200, {"prompt": ""})
 
 
@@ -124,7 +156,12 @@ async def test_a_large_text_leaves_the_loop_free(server):
     ("path", "body", "status", "param"),
     [
         ("/tokenize", {"prompt": TEXT, "temperature": 0}, 400, "temperature"),
-        ("/tokenize", {"prompt": TEXT, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+        (
+            "/tokenize",
+            {"prompt": TEXT, "add_generation_prompt": False},
+            400,
+            "add_generation_prompt",
+        ),
         ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ 1 }}"}, 400, "chat_template"),
         ("/tokenize", {"prompt": TEXT, "messages": MESSAGES}, 400, "messages"),
         ("/tokenize", {}, 400, "prompt"),
@@ -133,9 +170,18 @@ async def test_a_large_text_leaves_the_loop_free(server):
         ("/tokenize", {"prompt": TEXT, "model": "other"}, 404, "model"),
         ("/tokenize", {"messages": []}, 400, "messages"),
         ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
-        ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
-        ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}, 400,
-         "chat_template_kwargs.tokenize"),
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "continue_final_message": True},
+            400,
+            "continue_final_message",
+        ),
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}},
+            400,
+            "chat_template_kwargs.tokenize",
+        ),
         ("/tokenize", {"messages": MESSAGES, "tools": []}, 400, "tools"),
         ("/tokenize", [TEXT], 400, None),
         ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
@@ -145,7 +191,7 @@ async def test_a_large_text_leaves_the_loop_free(server):
         ("/detokenize", {"tokens": [1], "prompt": "x"}, 400, "prompt"),
         ("/detokenize", {"tokens": [1], "model": "other"}, 404, "model"),
     ],
-)  # fmt: skip
+)
 async def test_refusals_name_the_field(server, path, body, status, param):
     got, answer = await post(server.url + path, body)
     assert (got, answer["error"]["param"]) == (status, param), answer
@@ -163,17 +209,28 @@ async def test_chat_continues_the_final_message(server, client):
     assistant's start unclosed, exactly as /tokenize does with the same flags, and the output
     goes on from it (greedy: the completion of those ids); both flags true is refused in
     vLLM's words."""
-    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "My favourite is"},
+    ]
     flags = {"add_generation_prompt": False, "continue_final_message": True}
     status, body = await post(server.url + "/tokenize", {"messages": messages, **flags})
     assert status == 200, body
     assert server.engine.tokenizer.decode(body["tokens"]).endswith("My favourite is")
-    reference = await client.completions.create(model=MODEL, prompt=body["tokens"], max_tokens=6, temperature=0)
-    answer = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                                  extra_body=flags)  # fmt: skip
-    assert answer.choices[0].message.content == reference.choices[0].text and answer.usage.prompt_tokens == body["count"]
+    reference = await client.completions.create(
+        model=MODEL, prompt=body["tokens"], max_tokens=6, temperature=0
+    )
+    answer = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body=flags
+    )
+    assert (
+        answer.choices[0].message.content == reference.choices[0].text
+        and answer.usage.prompt_tokens == body["count"]
+    )
     with pytest.raises(openai.BadRequestError, match="Cannot set both") as info:
-        await client.chat.completions.create(model=MODEL, messages=messages, extra_body={"continue_final_message": True})
+        await client.chat.completions.create(
+            model=MODEL, messages=messages, extra_body={"continue_final_message": True}
+        )
     assert info.value.body["param"] == "continue_final_message"
 
 
@@ -185,7 +242,9 @@ async def test_invocations_is_a_chat_or_a_completion(server, client):
     direct = await client.chat.completions.create(**chat)
     assert status == 200 and body["object"] == "chat.completion", body
     assert body["choices"][0]["message"]["content"] == direct.choices[0].message.content
-    status, body = await post(server.url + "/invocations", {"prompt": TEXT, "max_tokens": 4, "temperature": 0})
+    status, body = await post(
+        server.url + "/invocations", {"prompt": TEXT, "max_tokens": 4, "temperature": 0}
+    )
     direct = await client.completions.create(model=MODEL, prompt=TEXT, max_tokens=4, temperature=0)
     assert status == 200 and body["choices"][0]["text"] == direct.choices[0].text, body
     status, body = await post(server.url + "/invocations", {"input": "x"})
@@ -199,7 +258,9 @@ async def test_ping_and_no_key_outside_v1(server):
         for method in ("GET", "POST"):
             async with s.request(method, server.url + "/ping") as r:
                 assert r.status == 200 and await r.read() == b"", method
-    runner, _ = await start_server(build_app(server.engine, ServerConfig(MODEL, api_key="secret")), "127.0.0.1", 0)
+    runner, _ = await start_server(
+        build_app(server.engine, ServerConfig(MODEL, api_key="secret")), "127.0.0.1", 0
+    )
     try:
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         assert (await post(url + "/tokenize", {"prompt": TEXT}))[0] == 200
@@ -207,6 +268,8 @@ async def test_ping_and_no_key_outside_v1(server):
         async with aiohttp.ClientSession() as s, s.post(url + "/ping") as r:
             assert r.status == 200
         assert (await post(url + "/v1/completions", {"prompt": TEXT}))[0] == 401
-        assert (await post(url + "/invocations", {"prompt": TEXT}))[0] == 401  # it generates: guarded
+        assert (await post(url + "/invocations", {"prompt": TEXT}))[
+            0
+        ] == 401  # it generates: guarded
     finally:
         await runner.cleanup()

@@ -24,15 +24,18 @@ WEATHER = {
         "parameters": {
             "type": "object",
             "properties": {
-                "city": {"type": "string"}, "days": {"type": "integer"},
-                "celsius": {"type": "boolean"}, "ratio": {"type": "number"},
-                "tags": {"type": "array"}, "opts": {"type": "object"},
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "celsius": {"type": "boolean"},
+                "ratio": {"type": "number"},
+                "tags": {"type": "array"},
+                "opts": {"type": "object"},
                 "note": {"anyOf": [{"type": "string"}, {"type": "null"}]},
                 "level": {"type": ["integer", "null"]},
             },
         },
     },
-}  # fmt: skip
+}
 SEARCH = {
     "type": "function",
     "function": {"name": "search", "description": None, "parameters": None},
@@ -53,89 +56,159 @@ def hermes_call(name: str, arguments: object) -> str:
 # (text, content, [(name, arguments)]): the whole-text parse of each
 QWEN3_CODER_CASES = {
     "two calls after text": (
-        "I'll check both.\n\n" + xml_call("get_weather", city="Paris", days="3") + "\n"
+        "I'll check both.\n\n"
+        + xml_call("get_weather", city="Paris", days="3")
+        + "\n"
         + xml_call("search", q="rain <b>now</b>"),
         "I'll check both.\n\n",
         [("get_weather", '{"city": "Paris", "days": 3}'), ("search", '{"q": "rain <b>now</b>"}')],
     ),
     "typed values": (
-        xml_call("get_weather", city="Zürich", days="-2", celsius="True", ratio="0.5",
-                 tags='["a", 1]', opts="{'k': [1, 2]}", note="null", level="None"),
+        xml_call(
+            "get_weather",
+            city="Zürich",
+            days="-2",
+            celsius="True",
+            ratio="0.5",
+            tags='["a", 1]',
+            opts="{'k': [1, 2]}",
+            note="null",
+            level="None",
+        ),
         "",
-        [("get_weather", '{"city": "Zürich", "days": -2, "celsius": true, "ratio": 0.5, '
-                         '"tags": ["a", 1], "opts": {"k": [1, 2]}, "note": null, "level": null}')],
+        [
+            (
+                "get_weather",
+                '{"city": "Zürich", "days": -2, "celsius": true, "ratio": 0.5, '
+                '"tags": ["a", 1], "opts": {"k": [1, 2]}, "note": null, "level": null}',
+            )
+        ],
     ),
     "values the type does not read": (
         xml_call("get_weather", days="three", ratio="1e999", celsius="yes", extra="7", city="null"),
         "",
-        [("get_weather", '{"days": "three", "ratio": "1e999", "celsius": false, "extra": "7", '
-                         '"city": "null"}')],
+        [
+            (
+                "get_weather",
+                '{"days": "three", "ratio": "1e999", "celsius": false, "extra": "7", '
+                '"city": "null"}',
+            )
+        ],
     ),
-    "a tool without a schema: strings": (xml_call("search", q="3", n="true"), "", [("search", '{"q": "3", "n": "true"}')]),
-    "multi-line value": (xml_call("search", q="line 1\n\nline 2"), "", [("search", '{"q": "line 1\\n\\nline 2"}')]),
+    "a tool without a schema: strings": (
+        xml_call("search", q="3", n="true"),
+        "",
+        [("search", '{"q": "3", "n": "true"}')],
+    ),
+    "multi-line value": (
+        xml_call("search", q="line 1\n\nline 2"),
+        "",
+        [("search", '{"q": "line 1\\n\\nline 2"}')],
+    ),
     "no parameters": (xml_call("search"), "", [("search", "{}")]),
     "no call": ("Just text, with a < and a <b>.", "Just text, with a < and a <b>.", []),
     "a block with no function stays content": (
         "Use <tool_call>not a call</tool_call> then " + xml_call("search", q="x"),
-        "Use <tool_call>not a call</tool_call> then ", [("search", '{"q": "x"}')],
+        "Use <tool_call>not a call</tool_call> then ",
+        [("search", '{"q": "x"}')],
     ),
     "an invalid name is no call": (
         "<tool_call>\n<function={{ name }}>\n</function>\n</tool_call>",
-        "<tool_call>\n<function={{ name }}>\n</function>\n</tool_call>", [],
+        "<tool_call>\n<function={{ name }}>\n</function>\n</tool_call>",
+        [],
     ),
     "cut off mid-value (max_tokens)": (
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", "",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+        "",
         [("get_weather", '{"city": "Par"}')],
     ),
-    "cut off in a parameter name": ("<tool_call>\n<function=search>\n<parameter=q", "", [("search", "{}")]),
-    "cut off in the function name": ("Hi <tool_call>\n<function=sea", "Hi <tool_call>\n<function=sea", []),
+    "cut off in a parameter name": (
+        "<tool_call>\n<function=search>\n<parameter=q",
+        "",
+        [("search", "{}")],
+    ),
+    "cut off in the function name": (
+        "Hi <tool_call>\n<function=sea",
+        "Hi <tool_call>\n<function=sea",
+        [],
+    ),
     "missing </parameter>": (
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n<parameter=days>\n2\n"
-        "</function>\n</tool_call>", "", [("get_weather", '{"city": "Oslo", "days": 2}')],
+        "</function>\n</tool_call>",
+        "",
+        [("get_weather", '{"city": "Oslo", "days": 2}')],
     ),
     "a repeated parameter keeps its first value": (
-        xml_call("search", q="a") .replace("</function>", "<parameter=q>\nb\n</parameter>\n</function>"),
-        "", [("search", '{"q": "a"}')],
+        xml_call("search", q="a").replace(
+            "</function>", "<parameter=q>\nb\n</parameter>\n</function>"
+        ),
+        "",
+        [("search", '{"q": "a"}')],
     ),
-    "text after the calls is dropped": (xml_call("search", q="x") + "\nDone!", "", [("search", '{"q": "x"}')]),
+    "text after the calls is dropped": (
+        xml_call("search", q="x") + "\nDone!",
+        "",
+        [("search", '{"q": "x"}')],
+    ),
     "an unclosed block without a function": ("Hi <tool_call> oops", "Hi <tool_call> oops", []),
     "tags cut at the end": ("Hi <tool_c", "Hi <tool_c", []),
     "a function without the wrapper": (
         "Calling.\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>",
-        "Calling.\n", [("get_weather", '{"city": "Oslo"}')],
+        "Calling.\n",
+        [("get_weather", '{"city": "Oslo"}')],
     ),
     "a bare function before a block is content": (
-        "<function=x> text " + xml_call("search"), "<function=x> text ", [("search", "{}")],
+        "<function=x> text " + xml_call("search"),
+        "<function=x> text ",
+        [("search", "{}")],
     ),
     "a bare function with a bad name": ("<function=a b> x", "<function=a b> x", []),
     "a partial bare function": ("see <functi", "see <functi", []),
-}  # fmt: skip
+}
 
 HERMES_CASES = {
     "two calls after text": (
-        "Sure.\n" + hermes_call("get_weather", {"city": "Zürich", "days": 2}) + "\n" + hermes_call("search", {}),
-        "Sure.\n", [("get_weather", '{"city": "Zürich", "days": 2}'), ("search", "{}")],
+        "Sure.\n"
+        + hermes_call("get_weather", {"city": "Zürich", "days": 2})
+        + "\n"
+        + hermes_call("search", {}),
+        "Sure.\n",
+        [("get_weather", '{"city": "Zürich", "days": 2}'), ("search", "{}")],
     ),
     "compact JSON is written as vLLM writes it": (
-        '<tool_call>{"name":"f","arguments":{"a":[1,2],"b":"\\u00e9"}}</tool_call>', "",
+        '<tool_call>{"name":"f","arguments":{"a":[1,2],"b":"\\u00e9"}}</tool_call>',
+        "",
         [("f", '{"a": [1, 2], "b": "é"}')],
     ),
     "no call": ("plain <b>text</b>", "plain <b>text</b>", []),
     "a malformed first call: all content": (
         '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call> after',
-        '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call> after', [],
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call> after',
+        [],
     ),
-    "cut off (max_tokens): all content": ('Hi <tool_call>\n{"name": "f", "argu', 'Hi <tool_call>\n{"name": "f", "argu', []),
-    "arguments not an object": ('<tool_call>{"name": "f", "arguments": "x"}</tool_call>',
-                                '<tool_call>{"name": "f", "arguments": "x"}</tool_call>', []),
-    "NaN is not JSON": ('<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>',
-                        '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>', []),
+    "cut off (max_tokens): all content": (
+        'Hi <tool_call>\n{"name": "f", "argu',
+        'Hi <tool_call>\n{"name": "f", "argu',
+        [],
+    ),
+    "arguments not an object": (
+        '<tool_call>{"name": "f", "arguments": "x"}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": "x"}</tool_call>',
+        [],
+    ),
+    "NaN is not JSON": (
+        '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>',
+        [],
+    ),
     "a malformed call after a valid one ends the calls": (
-        hermes_call("f", {"a": 1}) + "<tool_call>{oops}</tool_call>" + hermes_call("g", {}), "", [("f", '{"a": 1}')],
+        hermes_call("f", {"a": 1}) + "<tool_call>{oops}</tool_call>" + hermes_call("g", {}),
+        "",
+        [("f", '{"a": 1}')],
     ),
     "text after the calls is dropped": (hermes_call("f", {}) + " bye", "", [("f", "{}")]),
     "tags cut at the end": ("Hi <tool_ca", "Hi <tool_ca", []),
-}  # fmt: skip
+}
 
 ALL_CASES = [("qwen3_coder", name, *case) for name, case in QWEN3_CODER_CASES.items()] + [
     ("hermes", name, *case) for name, case in HERMES_CASES.items()
@@ -224,17 +297,29 @@ class TestConvert:
     @pytest.mark.parametrize(
         "value, schema, expected",
         [
-            ("5", {"type": "integer"}, 5), ("5.0", {"type": "number"}, 5), ("5.5", {"type": "float"}, 5.5),
-            ("nan", {"type": "number"}, "nan"), ("x", {"type": "int"}, "x"), ("TRUE", {"type": "boolean"}, True),
-            ("null", {"type": "string"}, "null"), ("None", {"type": "object"}, None),
+            ("5", {"type": "integer"}, 5),
+            ("5.0", {"type": "number"}, 5),
+            ("5.5", {"type": "float"}, 5.5),
+            ("nan", {"type": "number"}, "nan"),
+            ("x", {"type": "int"}, "x"),
+            ("TRUE", {"type": "boolean"}, True),
+            ("null", {"type": "string"}, "null"),
+            ("None", {"type": "object"}, None),
             ("null", {"anyOf": [{"type": "string"}, {"type": "null"}]}, None),
-            ("[1, 2]", {"type": "array"}, [1, 2]), ('"[1, 2]"', {"type": "list"}, [1, 2]),
-            ("(1, 2)", {"type": "array"}, [1, 2]), ("{1, 2}", {"type": "array"}, "{1, 2}"),
-            ("{'a': None}", {"type": "object"}, {"a": None}), ("not json", {"type": "object"}, "not json"),
-            ("7", {"type": "enum"}, "7"), ("7", {}, "7"), ("7", "integer", "7"), ("7", {"type": "date"}, 7),
-            ("3", {"type": ["null", "integer"]}, 3), ("1" * 5000, {"type": "integer"}, "1" * 5000),
+            ("[1, 2]", {"type": "array"}, [1, 2]),
+            ('"[1, 2]"', {"type": "list"}, [1, 2]),
+            ("(1, 2)", {"type": "array"}, [1, 2]),
+            ("{1, 2}", {"type": "array"}, "{1, 2}"),
+            ("{'a': None}", {"type": "object"}, {"a": None}),
+            ("not json", {"type": "object"}, "not json"),
+            ("7", {"type": "enum"}, "7"),
+            ("7", {}, "7"),
+            ("7", "integer", "7"),
+            ("7", {"type": "date"}, 7),
+            ("3", {"type": ["null", "integer"]}, 3),
+            ("1" * 5000, {"type": "integer"}, "1" * 5000),
         ],
-    )  # fmt: skip
+    )
     def test_as_vllm_converts(self, value, schema, expected):
         """As the arguments JSON holds it (a tuple is an array)."""
         assert dumps(convert_value(value, schema)) == dumps(expected)
@@ -242,9 +327,28 @@ class TestConvert:
 
 def test_stream_equals_the_whole_text_on_random_texts():
     """Texts strung from tag pieces at random, cut at random: no split tells otherwise."""
-    pieces = ["<tool_call>", "</tool_call>", "<function=get_weather>", "<function=", "</function>",
-              "<parameter=city>", "<parameter=days>", "<parameter=", "</parameter>", "\n", "x", "<", ">",
-              "3", " ", '{"name": "f", "arguments": {"a": 1}}', '"name"', "<tool_", "</para", "a b"]  # fmt: skip
+    pieces = [
+        "<tool_call>",
+        "</tool_call>",
+        "<function=get_weather>",
+        "<function=",
+        "</function>",
+        "<parameter=city>",
+        "<parameter=days>",
+        "<parameter=",
+        "</parameter>",
+        "\n",
+        "x",
+        "<",
+        ">",
+        "3",
+        " ",
+        '{"name": "f", "arguments": {"a": 1}}',
+        '"name"',
+        "<tool_",
+        "</para",
+        "a b",
+    ]
     rng = random.Random(1)
     for _ in range(400):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
@@ -294,17 +398,23 @@ def assert_linear(feeds: Callable[[], Callable[[str], object]], make: Callable[[
 
 LONG_STREAMS = {
     "qwen3_coder: a file written in one value": (
-        "qwen3_coder", lambda n: "Writing it.\n" + xml_call("write_file", path="a.py", content=code(n)),
+        "qwen3_coder",
+        lambda n: "Writing it.\n" + xml_call("write_file", path="a.py", content=code(n)),
     ),
     "qwen3_coder: many calls": (
-        "qwen3_coder", lambda n: "".join(xml_call("search", q=f"x{i}", r="<b>") for i in range(n // 2)),
+        "qwen3_coder",
+        lambda n: "".join(xml_call("search", q=f"x{i}", r="<b>") for i in range(n // 2)),
     ),
     "qwen3_coder: an answer with tags in it": ("qwen3_coder", code),
     "hermes: a file written in one call": (
-        "hermes", lambda n: hermes_call("write_file", {"path": "a.py", "content": code(n)}),
+        "hermes",
+        lambda n: hermes_call("write_file", {"path": "a.py", "content": code(n)}),
     ),
-    "hermes: many calls": ("hermes", lambda n: "".join(hermes_call("f", {"i": i}) for i in range(n))),
-}  # fmt: skip
+    "hermes: many calls": (
+        "hermes",
+        lambda n: "".join(hermes_call("f", {"i": i}) for i in range(n)),
+    ),
+}
 
 
 @pytest.mark.parametrize("parser, make", LONG_STREAMS.values(), ids=LONG_STREAMS.keys())

@@ -48,25 +48,51 @@ class TestToolFields:
     def test_tools_as_vllm_hands_them_to_the_template(self):
         """Each tool as vLLM's request model dumps it: description and parameters null when
         left out, `strict: false` kept; tool_choice "auto" by default when tools are given."""
-        r = parse_chat_request({"messages": USER, "tools": [
-            {"function": {"name": "f", "strict": False}},
-            {"type": "function", "function": {"parameters": {"type": "object"}, "name": "g", "description": "G"}}]})  # fmt: skip
+        r = parse_chat_request(
+            {
+                "messages": USER,
+                "tools": [
+                    {"function": {"name": "f", "strict": False}},
+                    {
+                        "type": "function",
+                        "function": {
+                            "parameters": {"type": "object"},
+                            "name": "g",
+                            "description": "G",
+                        },
+                    },
+                ],
+            }
+        )
         assert r.tools == (
-            {"type": "function", "function": {"name": "f", "description": None, "parameters": None, "strict": False}},
-            {"type": "function", "function": {"name": "g", "description": "G", "parameters": {"type": "object"}}},
-        )  # fmt: skip
+            {
+                "type": "function",
+                "function": {"name": "f", "description": None, "parameters": None, "strict": False},
+            },
+            {
+                "type": "function",
+                "function": {"name": "g", "description": "G", "parameters": {"type": "object"}},
+            },
+        )
         assert (r.tool_choice, r.parallel_tool_calls) == ("auto", True)
 
     @pytest.mark.parametrize(
         "extra, tools, choice, parallel",
         [
-            ({}, None, "none", True), ({"tool_choice": None}, None, "none", True),
-            ({"tool_choice": "none"}, None, "none", True), ({"tools": None, "parallel_tool_calls": False}, None, "none", False),
+            ({}, None, "none", True),
+            ({"tool_choice": None}, None, "none", True),
+            ({"tool_choice": "none"}, None, "none", True),
+            ({"tools": None, "parallel_tool_calls": False}, None, "none", False),
             ({"tools": [SEARCH], "tool_choice": None}, (SEARCH,), "auto", True),
             ({"tools": [SEARCH], "tool_choice": "none"}, (SEARCH,), "none", True),
-            ({"tools": [SEARCH], "tool_choice": "auto", "parallel_tool_calls": False}, (SEARCH,), "auto", False),
+            (
+                {"tools": [SEARCH], "tool_choice": "auto", "parallel_tool_calls": False},
+                (SEARCH,),
+                "auto",
+                False,
+            ),
         ],
-    )  # fmt: skip
+    )
     def test_choices(self, extra, tools, choice, parallel):
         r = parse_chat_request({"messages": USER, **extra})
         assert (r.tools, r.tool_choice, r.parallel_tool_calls) == (tools, choice, parallel)
@@ -77,25 +103,67 @@ class TestToolFields:
             ({"tools": []}, "tools", "must not be an empty array"),
             ({"tools": {"a": 1}}, "tools", "must be an array"),
             ({"tools": ["f"]}, "tools", "tools[0] must be an object"),
-            ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type", "only function tools"),
+            (
+                {"tools": [{"type": "retrieval", "function": {"name": "f"}}]},
+                "tools[0].type",
+                "only function tools",
+            ),
             ({"tools": [{"type": "function"}]}, "tools", "tools[0].function must be an object"),
-            ({"tools": [{"function": {"description": "d"}}]}, "tools", "name must be a non-empty string"),
+            (
+                {"tools": [{"function": {"description": "d"}}]},
+                "tools",
+                "name must be a non-empty string",
+            ),
             ({"tools": [{"function": {"name": ""}}]}, "tools", "name must be a non-empty string"),
-            ({"tools": [{"function": {"name": "f", "parameters": "{}"}}]}, "tools", "JSON Schema object"),
-            ({"tools": [{"function": {"name": "f", "description": 3}}]}, "tools", "description must be a string"),
-            ({"tools": [{"function": {"name": "f", "strict": True}}]}, "tools[0].function.strict", "not 'auto'"),
-            ({"tools": [{"function": {"name": "f", "strict": "no"}}]}, "tools", "strict must be a boolean"),
-            ({"tools": [{"function": {"name": "f", "examples": []}}]}, "tools[0].function.examples", "only name"),
-            ({"tools": [{"function": {"name": "f"}, "cache_control": {}}]}, "tools[0].cache_control", "only type"),
+            (
+                {"tools": [{"function": {"name": "f", "parameters": "{}"}}]},
+                "tools",
+                "JSON Schema object",
+            ),
+            (
+                {"tools": [{"function": {"name": "f", "description": 3}}]},
+                "tools",
+                "description must be a string",
+            ),
+            (
+                {"tools": [{"function": {"name": "f", "strict": True}}]},
+                "tools[0].function.strict",
+                "not 'auto'",
+            ),
+            (
+                {"tools": [{"function": {"name": "f", "strict": "no"}}]},
+                "tools",
+                "strict must be a boolean",
+            ),
+            (
+                {"tools": [{"function": {"name": "f", "examples": []}}]},
+                "tools[0].function.examples",
+                "only name",
+            ),
+            (
+                {"tools": [{"function": {"name": "f"}, "cache_control": {}}]},
+                "tools[0].cache_control",
+                "only type",
+            ),
             ({"tool_choice": "auto"}, "tool_choice", "`tools` must be set"),
-            ({"tools": [SEARCH], "tool_choice": {"type": "function", "function": {"name": "find"}}},
-             "tool_choice", "does not match any"),
-            ({"tools": [SEARCH], "tool_choice": {"type": "function", "function": {}}}, "tool_choice", "Expected field `name`"),
+            (
+                {
+                    "tools": [SEARCH],
+                    "tool_choice": {"type": "function", "function": {"name": "find"}},
+                },
+                "tool_choice",
+                "does not match any",
+            ),
+            (
+                {"tools": [SEARCH], "tool_choice": {"type": "function", "function": {}}},
+                "tool_choice",
+                "Expected field `name`",
+            ),
             ({"tool_choice": "any"}, "tool_choice", "Invalid value for `tool_choice`"),
             ({"tool_choice": 3}, "tool_choice", "Invalid value for `tool_choice`"),
             ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
         ],
-    )  # fmt: skip
+    )
     def test_refusals(self, extra, param, words):
         refused({"messages": USER, **extra}, param, words)
 
@@ -117,40 +185,97 @@ class TestToolHistory:
             "function": {"name": "search", "arguments": ""},
         }
         as_object = {"id": "call_3", "function": {"name": "search", "arguments": {"q": "x"}}}
-        r = parse_chat_request({"messages": [
-            *USER, {"role": "assistant", "content": None, "tool_calls": [CALL, empty, as_object]},
-            {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
-            {"role": "tool", "content": [{"type": "text", "text": "none"}]},
-            {"role": "assistant", "content": "ok", "tool_calls": []}]})  # fmt: skip
+        r = parse_chat_request(
+            {
+                "messages": [
+                    *USER,
+                    {"role": "assistant", "content": None, "tool_calls": [CALL, empty, as_object]},
+                    {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+                    {"role": "tool", "content": [{"type": "text", "text": "none"}]},
+                    {"role": "assistant", "content": "ok", "tool_calls": []},
+                ]
+            }
+        )
         assert r.messages[1:] == (
-            {"role": "assistant", "content": "", "tool_calls": [
-                {**CALL, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-                {**empty, "function": {"name": "search", "arguments": {}}},
-                {"id": "call_3", "function": {"name": "search", "arguments": {"q": "x"}}}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {**CALL, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                    {**empty, "function": {"name": "search", "arguments": {}}},
+                    {"id": "call_3", "function": {"name": "search", "arguments": {"q": "x"}}},
+                ],
+            },
             {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
             {"role": "tool", "content": "none"},
             {"role": "assistant", "content": "ok"},
-        )  # fmt: skip
+        )
 
     @pytest.mark.parametrize(
         "message, param, words",
         [
-            ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{x"}}]},
-             "messages", "arguments is not valid JSON"),
-            ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}]},
-             "messages", "must be a JSON object"),
-            ({"role": "assistant", "tool_calls": [{"type": "function", "function": CALL["function"]}]},
-             "messages", "tool_calls[0].id must be a string"),
-            ({"role": "assistant", "tool_calls": [{**CALL, "index": 0}]}, "messages[1].tool_calls[0].index", "only id"),
-            ({"role": "assistant", "tool_calls": [{**CALL, "type": "custom"}]}, "messages[1].tool_calls[0].type", "only function"),
-            ({"role": "assistant", "tool_calls": [{**CALL, "function": {"arguments": "{}"}}]}, "messages", "name must be"),
-            ({"role": "assistant", "tool_calls": {"id": "x"}}, "messages", "tool_calls must be an array"),
-            ({"role": "user", "content": "x", "tool_calls": [CALL]}, "messages[1].tool_calls", "role, content and name"),
-            ({"role": "user", "content": "x", "tool_call_id": "c"}, "messages[1].tool_call_id", "role, content and name"),
-            ({"role": "tool", "content": "x", "tool_call_id": 7}, "messages", "tool_call_id must be a string"),
+            (
+                {
+                    "role": "assistant",
+                    "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{x"}}],
+                },
+                "messages",
+                "arguments is not valid JSON",
+            ),
+            (
+                {
+                    "role": "assistant",
+                    "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}],
+                },
+                "messages",
+                "must be a JSON object",
+            ),
+            (
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"type": "function", "function": CALL["function"]}],
+                },
+                "messages",
+                "tool_calls[0].id must be a string",
+            ),
+            (
+                {"role": "assistant", "tool_calls": [{**CALL, "index": 0}]},
+                "messages[1].tool_calls[0].index",
+                "only id",
+            ),
+            (
+                {"role": "assistant", "tool_calls": [{**CALL, "type": "custom"}]},
+                "messages[1].tool_calls[0].type",
+                "only function",
+            ),
+            (
+                {"role": "assistant", "tool_calls": [{**CALL, "function": {"arguments": "{}"}}]},
+                "messages",
+                "name must be",
+            ),
+            (
+                {"role": "assistant", "tool_calls": {"id": "x"}},
+                "messages",
+                "tool_calls must be an array",
+            ),
+            (
+                {"role": "user", "content": "x", "tool_calls": [CALL]},
+                "messages[1].tool_calls",
+                "role, content and name",
+            ),
+            (
+                {"role": "user", "content": "x", "tool_call_id": "c"},
+                "messages[1].tool_call_id",
+                "role, content and name",
+            ),
+            (
+                {"role": "tool", "content": "x", "tool_call_id": 7},
+                "messages",
+                "tool_call_id must be a string",
+            ),
             ({"role": "tool", "tool_call_id": "c"}, "messages", "messages[1].content must be"),
         ],
-    )  # fmt: skip
+    )
     def test_refusals(self, message, param, words):
         refused({"messages": [*USER, message]}, param, words)
 
@@ -172,8 +297,16 @@ def formatted(text: str, reason: str, *, streaming: bool, parallel: bool = True,
     """`text` through a chat formatter in 5-character token events, as the server drives it:
     the body (OpenAI's type), or each chunk (OpenAI's type) and its JSON."""
     reader = ToolCallReader("qwen3_coder", TOOLS, parallel)
-    formatter = ChatFormatter("chatcmpl-1", MODEL, TokenStrings(None), False, tool_calls=reader,
-                              streaming=streaming, reasoning=reasoning, prompt_ids=[1])  # fmt: skip
+    formatter = ChatFormatter(
+        "chatcmpl-1",
+        MODEL,
+        TokenStrings(None),
+        False,
+        tool_calls=reader,
+        streaming=streaming,
+        reasoning=reasoning,
+        prompt_ids=[1],
+    )
     state, pieces = ChoiceState(), [text[i : i + 5] for i in range(0, len(text), 5)]
     chunks = [formatter.start(0)] + [
         formatter.token(0, TokenEvent(0, 0, p, 0.0, []), state) for p in pieces
@@ -232,9 +365,11 @@ class TestResponse:
     def test_content_null_length_and_no_call(self, streaming):
         """Nothing before the calls: content null (not streamed at all); a cut by max_tokens
         stays "length" (as vLLM's); text without calls is as it came, with no tool_calls."""
-        cases = [(xml_call("search", q="x"), "stop", None, "tool_calls"),
-                 (xml_call("search", q="x")[:-20], "length", None, "length"),
-                 ("Just <b>text</b>.", "stop", "Just <b>text</b>.", "stop")]  # fmt: skip
+        cases = [
+            (xml_call("search", q="x"), "stop", None, "tool_calls"),
+            (xml_call("search", q="x")[:-20], "length", None, "length"),
+            ("Just <b>text</b>.", "stop", "Just <b>text</b>.", "stop"),
+        ]
         for text, reason, content, finish in cases:
             if streaming:
                 got, calls, finishes = assembled(formatted(text, reason, streaming=True))
@@ -271,15 +406,24 @@ class TestResponse:
         "parser, text, expected",
         [
             # a <tool_call> the thinking mentions is thinking; the calls come from the answer
-            ("qwen3", "Maybe a <tool_call> with search?</think>" + SAY_AND_CALL,
-             ("Maybe a <tool_call> with search?", *SAY_AND_CALL_PARSED)),
+            (
+                "qwen3",
+                "Maybe a <tool_call> with search?</think>" + SAY_AND_CALL,
+                ("Maybe a <tool_call> with search?", *SAY_AND_CALL_PARSED),
+            ),
             # Qwen3.5 calling without closing its thinking: the call ends it (vLLM's qwen3)
-            ("qwen3", "I need the weather.\n" + xml_call("get_weather", city="Paris", days="3"),
-             ("I need the weather.\n", "", SAY_AND_CALL_PARSED[1][:1])),
-            ("deepseek_r1", "I need the weather.\n" + xml_call("get_weather", city="Paris"),
-             ("I need the weather.\n" + xml_call("get_weather", city="Paris"), "", [])),
+            (
+                "qwen3",
+                "I need the weather.\n" + xml_call("get_weather", city="Paris", days="3"),
+                ("I need the weather.\n", "", SAY_AND_CALL_PARSED[1][:1]),
+            ),
+            (
+                "deepseek_r1",
+                "I need the weather.\n" + xml_call("get_weather", city="Paris"),
+                ("I need the weather.\n" + xml_call("get_weather", city="Paris"), "", []),
+            ),
         ],
-    )  # fmt: skip
+    )
     @pytest.mark.parametrize("streaming", [False, True])
     def test_calls_are_read_from_the_content_after_the_reasoning(
         self, streaming, parser, text, expected
@@ -364,19 +508,35 @@ SENT_TOOLS = [WEATHER, {"type": "function", "function": {"name": "search"}}]
 SENT_MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'},
+            }
+        ],
+    },
     {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
     {"role": "user", "content": "And Rome?"},
-]  # fmt: skip
+]
 TEMPLATE_MESSAGES = [
     *SENT_MESSAGES[:2],
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
+            }
+        ],
+    },
     *SENT_MESSAGES[3:],
-]  # fmt: skip
+]
 TEMPLATE_TOOLS = [WEATHER, SEARCH]
 
 
@@ -411,8 +571,14 @@ async def served(tool_model_dir):
 
 
 async def chat(client, **extra):
-    body = {"model": MODEL, "messages": SENT_MESSAGES, "tools": SENT_TOOLS, "temperature": 0,
-            "max_tokens": 24, **extra}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": SENT_MESSAGES,
+        "tools": SENT_TOOLS,
+        "temperature": 0,
+        "max_tokens": 24,
+        **extra,
+    }
     return await client.chat.completions.create(**body)
 
 
@@ -486,8 +652,9 @@ async def test_refusals(served):
     try:
         with pytest.raises(openai.BadRequestError) as info:
             await chat(plain)
-        assert info.value.body["message"] == ('"auto" tool choice requires --enable-auto-tool-choice '
-                                              "and --tool-call-parser to be set")  # fmt: skip
+        assert info.value.body["message"] == (
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+        )
         assert (await chat(plain, tool_choice="none", max_tokens=2)).choices[0].message.content
     finally:
         await plain.close()

@@ -56,8 +56,12 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     return [(1000 + 37 * i + 101 * salt) % 150000 for i in range(n)]
 
 
-def first(rid: int, tokens: list[int], reserve: int, sample: bool = True, logprobs: int = 2) -> StepItem:
-    return StepItem(rid, 0, tokens, sample, NewRequest(reserve, SamplingSpec(seed=rid, num_logprobs=logprobs)))
+def first(
+    rid: int, tokens: list[int], reserve: int, sample: bool = True, logprobs: int = 2
+) -> StepItem:
+    return StepItem(
+        rid, 0, tokens, sample, NewRequest(reserve, SamplingSpec(seed=rid, num_logprobs=logprobs))
+    )
 
 
 def child_pids() -> set[int]:
@@ -106,7 +110,9 @@ async def tp1(tiny_model_dir: Path):
 async def tp2(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """Overlapped steps (the CUDA default) on gloo; tp1 runs each step to its end."""
     journals = tmp_path_factory.mktemp("tp2_journal")
-    config = ReplicaConfig(str(tiny_model_dir), tp_size=2, overlap_steps=True, journal_dir=str(journals))
+    config = ReplicaConfig(
+        str(tiny_model_dir), tp_size=2, overlap_steps=True, journal_dir=str(journals)
+    )
     controller = await ReplicaController.start(config)
     yield controller
     await controller.shutdown()
@@ -166,20 +172,31 @@ async def test_pipelined_steps_tp2(tp2: ReplicaController) -> None:
     res = await run(tp2, [StepItem(301, 0, pa, True, new(pa)), StepItem(302, 0, pb, True, new(pb))])
     explicit = [(res[301].token_id, res[302].token_id)]
     for step in range(5):
-        res = await run(tp2, [StepItem(301, len(pa) + step, [explicit[-1][0]], True),
-                              StepItem(302, len(pb) + step, [explicit[-1][1]], True)])  # fmt: skip
+        res = await run(
+            tp2,
+            [
+                StepItem(301, len(pa) + step, [explicit[-1][0]], True),
+                StepItem(302, len(pb) + step, [explicit[-1][1]], True),
+            ],
+        )
         explicit.append((res[301].token_id, res[302].token_id))
     await bounded(tp2.drop([301, 302], "must_exist"))
 
     # the same requests (same seeds) pipelined: each step follows the one before unseen
-    flight = await tp2.send_step([StepItem(311, 0, pa, True, new(pa)), StepItem(312, 0, pb, True, new(pb))])
+    flight = await tp2.send_step(
+        [StepItem(311, 0, pa, True, new(pa)), StepItem(312, 0, pb, True, new(pb))]
+    )
     assert tp2.follow_step([StepItem(311, len(pa), [], True)]) is None  # not yet released
     assert await bounded(flight.gate) is True
     flights = [flight]
     for step in range(5):
-        follower = tp2.follow_step([StepItem(311, len(pa) + step, [], True), StepItem(312, len(pb) + step, [], True)])
+        follower = tp2.follow_step(
+            [StepItem(311, len(pa) + step, [], True), StepItem(312, len(pb) + step, [], True)]
+        )
         assert follower is not None
-        assert tp2.follow_step([StepItem(311, len(pa) + step + 1, [], True)]) is None  # two in flight
+        assert (
+            tp2.follow_step([StepItem(311, len(pa) + step + 1, [], True)]) is None
+        )  # two in flight
         flights.append(follower)
         await bounded(tp2.step_result(flights[-2]))
         assert await bounded(follower.gate) is True
@@ -192,9 +209,16 @@ async def test_pipelined_steps_tp2(tp2: ReplicaController) -> None:
     # (on the CPU only when the follower came while the step ahead ran: timing, so any of them)
     overlapped = []
     for rank in (0, 1):
-        lines = [line.split()[:2] for line in (Path(tp2.config.journal_dir) / f"rank{rank}.log").read_text().splitlines()]
+        lines = [
+            line.split()[:2]
+            for line in (Path(tp2.config.journal_dir) / f"rank{rank}.log").read_text().splitlines()
+        ]
         order = {(event, int(seq)): i for i, (event, seq) in enumerate(lines)}
-        overlapped += [(rank, f.seq) for f in flights[1:] if order[("exec", f.seq)] < order[("reply", f.seq - 1)]]
+        overlapped += [
+            (rank, f.seq)
+            for f in flights[1:]
+            if order[("exec", f.seq)] < order[("reply", f.seq - 1)]
+        ]
     assert overlapped, "no rank ran a follower before replying to the step ahead"
 
     # a followed step's drops: 312 goes while 311 decodes once more
@@ -215,7 +239,9 @@ async def test_pipelined_steps_tp2(tp2: ReplicaController) -> None:
     assert tp2.poison_reason is None
 
 
-async def test_snapshot_reports_each_rank_shard(tp2: ReplicaController, tiny_model_dir: Path) -> None:
+async def test_snapshot_reports_each_rank_shard(
+    tp2: ReplicaController, tiny_model_dir: Path
+) -> None:
     """Each rank reports its own share of the heads and the same requests."""
     config = json.loads((tiny_model_dir / "config.json").read_text())
     config = config.get("text_config", config)
@@ -230,8 +256,9 @@ async def test_snapshot_reports_each_rank_shard(tp2: ReplicaController, tiny_mod
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-async def test_drop_refill_readmit_and_full_capacity(tp: int, tp1: ReplicaController,
-                                                     tp2: ReplicaController) -> None:
+async def test_drop_refill_readmit_and_full_capacity(
+    tp: int, tp1: ReplicaController, tp2: ReplicaController
+) -> None:
     """Fill every slot, drop them all: snapshots show nothing held and full capacity, a
     dropped request is absent, and re-admitting a prompt gives the clean first token."""
     controller = tp1 if tp == 1 else tp2
@@ -296,9 +323,13 @@ async def test_rank_local_mismatch_poisons(tiny_model_dir: Path) -> None:
     """A drop that no rank can honour (the scheduler and the ranks disagree) is fatal: the
     replica is poisoned, torn down, and every later call fails at once with the reason."""
     reasons: list[str] = []
-    controller = await ReplicaController.start(ReplicaConfig(str(tiny_model_dir)), on_poison=reasons.append)
+    controller = await ReplicaController.start(
+        ReplicaConfig(str(tiny_model_dir)), on_poison=reasons.append
+    )
     try:
-        with pytest.raises(ReplicaPoisoned, match="request 999 dropped with expect=must_exist, but no rank held it"):
+        with pytest.raises(
+            ReplicaPoisoned, match="request 999 dropped with expect=must_exist, but no rank held it"
+        ):
             await bounded(controller.drop([999], "must_exist"))
         await asyncio.sleep(0)
         assert reasons == [controller.poison_reason]
@@ -317,7 +348,10 @@ async def test_last_sample_without_a_sample_poisons(tiny_model_dir: Path) -> Non
     controller = await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), tp_size=2))
     try:
         await run(controller, [first(1, prompt(20), 40, sample=False)])
-        with pytest.raises(ReplicaPoisoned, match="request 1 item has no token_ids, but its previous item did not sample"):
+        with pytest.raises(
+            ReplicaPoisoned,
+            match="request 1 item has no token_ids, but its previous item did not sample",
+        ):
             await bounded(controller.run_step([StepItem(1, 20, [], True)]))
     finally:
         await controller.shutdown()
@@ -328,12 +362,16 @@ async def test_a_save_at_another_count_poisons(tiny_model_dir: Path) -> None:
     """A state kept as it is dropped must cover the positions the scheduler counts: a rank
     that holds another count refuses the save (a prefix of other positions would be reused
     silently wrong), on every rank alike."""
-    controller = await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), tp_size=2, prefix_states=2))
+    controller = await ReplicaController.start(
+        ReplicaConfig(str(tiny_model_dir), tp_size=2, prefix_states=2)
+    )
     try:
         await run(controller, [first(1, prompt(20), 40)])
         with pytest.raises(PlanRejected, match="not a drop that must exist"):
             await controller.drop([1], "must_be_absent", saves=[SaveOnDrop(1, 0, 20)])
-        with pytest.raises(ReplicaPoisoned, match="request 1 is saved at 21 positions; rank . holds 20"):
+        with pytest.raises(
+            ReplicaPoisoned, match="request 1 is saved at 21 positions; rank . holds 20"
+        ):
             await bounded(controller.drop([1], "must_exist", saves=[SaveOnDrop(1, 0, 21)]))
     finally:
         await controller.shutdown()
@@ -347,17 +385,24 @@ class TestPreload:
         ("kwargs", "message"),
         [
             ({"tp_size": 3}, "tensor-parallel size 3 does not divide"),
-            ({"device": "cuda", "device_ids": (7,)}, "CUDA device 7 does not exist: this machine has"),
+            (
+                {"device": "cuda", "device_ids": (7,)},
+                "CUDA device 7 does not exist: this machine has",
+            ),
         ],
     )
-    async def test_refused_before_spawn(self, tiny_model_dir: Path, kwargs: dict, message: str) -> None:
+    async def test_refused_before_spawn(
+        self, tiny_model_dir: Path, kwargs: dict, message: str
+    ) -> None:
         before = child_pids()
         with pytest.raises(ValueError, match=message):
             await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), **kwargs))
         assert child_pids() == before
 
 
-async def test_startup_failure_is_reported_and_cleaned_up(tmp_path: Path, tiny_model_dir: Path) -> None:
+async def test_startup_failure_is_reported_and_cleaned_up(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     """A rank that cannot load its weights reports StartupFailed; start() raises with the
     rank's reason and leaves no process behind."""
     broken = tmp_path / "no-weights"
@@ -370,7 +415,9 @@ async def test_startup_failure_is_reported_and_cleaned_up(tmp_path: Path, tiny_m
 
 
 @pytest.mark.parametrize("level", [logging.INFO, logging.WARNING])
-async def test_ranks_log_at_the_servers_level(tmp_path: Path, tiny_model_dir: Path, capfd, level) -> None:
+async def test_ranks_log_at_the_servers_level(
+    tmp_path: Path, tiny_model_dir: Path, capfd, level
+) -> None:
     """`serve --log-level WARNING` quietened the server only: its ranks logged their start-up
     at INFO whatever it was. They now take the level of the parent's deltaserve logger."""
     broken = tmp_path / "no-weights"  # fails right after the rank's first lines: no load
@@ -410,8 +457,9 @@ PARENT = textwrap.dedent("""
 
 async def test_ranks_die_with_their_parent(tiny_model_dir: Path) -> None:
     """SIGKILL the controller's process: its ranks go too (PR_SET_PDEATHSIG)."""
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_model_dir)],
-                              stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tiny_model_dir)], stdout=subprocess.PIPE, text=True
+    )
     line = ""
     try:
         line = await asyncio.wait_for(asyncio.to_thread(parent.stdout.readline), 60)
@@ -424,8 +472,12 @@ async def test_ranks_die_with_their_parent(tiny_model_dir: Path) -> None:
         while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         # orphans are reaped by init; a pid left would be a rank still running
-        assert not [p for p in pids if Path(f"/proc/{p}").exists()
-                    and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+        assert not [
+            p
+            for p in pids
+            if Path(f"/proc/{p}").exists()
+            and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        ]
     finally:
         if parent.poll() is None:
             parent.kill()
@@ -444,13 +496,28 @@ async def test_rank_answers_malformed_commands_and_keeps_serving() -> None:
     commands = PushChannel(ctx, ipc_endpoint(run_dir, "cmd0"), bind=True)
     replies = PullChannel(ctx, ipc_endpoint(run_dir, "reply"), bind=True)
     gate, receipt, release = StartGate.create(1), Doorbell(), Doorbell()
-    proc = spawn_rank(RankConfig(
-        rank=0, world_size=1, parent_pid=os.getpid(), command_endpoint=commands.endpoint,
-        reply_endpoint=replies.endpoint, gate_name=gate.name, receipt_fd=receipt.fd,
-        release_fd=release.fd, release_timeout_s=5.0, model_dir=run_dir,
-        device="cpu", dtype="auto", block_size=16, num_slots=2, num_blocks=16,
-        dist_init_method=f"file://{run_dir}/dist", dist_timeout_s=30.0, noop_executor=True,
-    ))
+    proc = spawn_rank(
+        RankConfig(
+            rank=0,
+            world_size=1,
+            parent_pid=os.getpid(),
+            command_endpoint=commands.endpoint,
+            reply_endpoint=replies.endpoint,
+            gate_name=gate.name,
+            receipt_fd=receipt.fd,
+            release_fd=release.fd,
+            release_timeout_s=5.0,
+            model_dir=run_dir,
+            device="cpu",
+            dtype="auto",
+            block_size=16,
+            num_slots=2,
+            num_blocks=16,
+            dist_init_method=f"file://{run_dir}/dist",
+            dist_timeout_s=30.0,
+            noop_executor=True,
+        )
+    )
 
     def reply(decoder: object = reply_decoder) -> object:
         frame = replies.recv(30_000)
@@ -473,7 +540,10 @@ async def test_rank_answers_malformed_commands_and_keeps_serving() -> None:
         assert await asyncio.to_thread(reply) == Ack(0, 2)
         send(command_encoder.encode(Ping(9)))
         failure = await asyncio.to_thread(reply)
-        assert isinstance(failure, Failure) and "Ping seq 9 out of order; expected seq 3" in failure.reason
+        assert (
+            isinstance(failure, Failure)
+            and "Ping seq 9 out of order; expected seq 3" in failure.reason
+        )
         send(command_encoder.encode(Shutdown(4)))
         assert await asyncio.to_thread(reply) == Ack(0, 4)
         assert await asyncio.to_thread(proc.wait, 10) == 0
@@ -521,8 +591,12 @@ UNCLEAN = textwrap.dedent("""
 def run_unclean(mode: str, model_dir: Path) -> tuple[list, str, str]:
     """Run UNCLEAN in a child (it may hang: bounded); its (run dir, gate, rank pids), stdout
     after that line, and stderr."""
-    child = subprocess.Popen([sys.executable, "-c", UNCLEAN, mode, str(model_dir)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", UNCLEAN, mode, str(model_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = child.communicate(timeout=30)
     except subprocess.TimeoutExpired:
@@ -543,13 +617,25 @@ async def test_a_replica_never_shut_down_is_freed_quietly(mode: str, tiny_model_
     """Dropped under a closed hand-made loop (a garbage cycle: pyzmq's Context.__del__ used to
     wait forever there on sockets of the same cycle), or still held, or mid-shutdown, when the
     program exits: no hang, no BufferError or resource-tracker warning, nothing left."""
-    (run_dir, gate_name, pids, dir_left), out, err = await asyncio.to_thread(run_unclean, mode, tiny_model_dir)
+    (run_dir, gate_name, pids, dir_left), out, err = await asyncio.to_thread(
+        run_unclean, mode, tiny_model_dir
+    )
     assert "timed out" not in err, err
     if mode == "dropped":
         assert out == "collected\n", (out, err)
-    for noise in ("Traceback", "BufferError", "leaked shared_memory", "resource_tracker", "Exception ignored"):
+    for noise in (
+        "Traceback",
+        "BufferError",
+        "leaked shared_memory",
+        "resource_tracker",
+        "Exception ignored",
+    ):
         assert noise not in err, err
     assert not dir_left, "run dir left behind"
     assert not Path(f"/dev/shm/{gate_name}").exists(), "gate segment left behind"
-    assert not [p for p in pids if Path(f"/proc/{p}").exists()
-                and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not [
+        p
+        for p in pids
+        if Path(f"/proc/{p}").exists()
+        and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    ]

@@ -31,19 +31,37 @@ DIED = rf"rank 1 \(pid \d+\) exited with code {FAULT_EXIT_CODE}"
 # kind -> (reason the replica must be poisoned with, bound on detecting it in seconds)
 MATRIX = {
     "die_before_receipt": (DIED, 2.0),
-    "stall_before_receipt": (rf"rank\(s\) \[1\] did not receive RunUnifiedStep seq {FAULT_SEQ} within gate_timeout_s", GATE_TIMEOUT_S + 2.0),
+    "stall_before_receipt": (
+        rf"rank\(s\) \[1\] did not receive RunUnifiedStep seq {FAULT_SEQ} within gate_timeout_s",
+        GATE_TIMEOUT_S + 2.0,
+    ),
     "die_after_release": (DIED, 2.0),
     "die_mid_step": (DIED, 2.0),
-    "stall": (rf"no reply from rank\(s\) \[0, 1\] to RunUnifiedStep seq {FAULT_SEQ} within step_timeout_s", STEP_TIMEOUT_S + 2.0),
+    "stall": (
+        rf"no reply from rank\(s\) \[0, 1\] to RunUnifiedStep seq {FAULT_SEQ} within step_timeout_s",
+        STEP_TIMEOUT_S + 2.0,
+    ),
     "malformed_reply": (r"malformed reply frame", 2.0),
     "duplicate_reply": (rf"rank 1 sent a second reply to RunUnifiedStep seq {FAULT_SEQ}", 2.0),
     "wrong_rank": (rf"Ack for RunUnifiedStep seq {FAULT_SEQ} claims rank 3, outside 0..1", 2.0),
-    "wrong_variant": (rf"rank 1 replied DropAck to RunUnifiedStep seq {FAULT_SEQ}; expected Ack", 2.0),
+    "wrong_variant": (
+        rf"rank 1 replied DropAck to RunUnifiedStep seq {FAULT_SEQ}; expected Ack",
+        2.0,
+    ),
     # rank 1 forgets request 1 after step 2: its next step with request 1 fails on rank 1...
-    "diverge": (rf"rank 1 failed RunUnifiedStep seq {FAULT_SEQ + 1}: StepError: request 1 is not held by rank 1", 2.0),
+    "diverge": (
+        rf"rank 1 failed RunUnifiedStep seq {FAULT_SEQ + 1}: StepError: request 1 is not held by rank 1",
+        2.0,
+    ),
     # ...and a drop of request 1 gets a mixed answer
-    "diverge_then_drop": (r"ranks disagree on request 1: rank\(s\) \[0\] held it, rank\(s\) \[1\] did not", 2.0),
-    "close_reply_socket": (rf"no reply from rank\(s\) \[1\] to RunUnifiedStep seq {FAULT_SEQ} within step_timeout_s", STEP_TIMEOUT_S + 2.0),
+    "diverge_then_drop": (
+        r"ranks disagree on request 1: rank\(s\) \[0\] held it, rank\(s\) \[1\] did not",
+        2.0,
+    ),
+    "close_reply_socket": (
+        rf"no reply from rank\(s\) \[1\] to RunUnifiedStep seq {FAULT_SEQ} within step_timeout_s",
+        STEP_TIMEOUT_S + 2.0,
+    ),
 }
 
 
@@ -51,7 +69,10 @@ def journal(folder: Path, rank: int) -> list[tuple[str, int]]:
     path = folder / f"rank{rank}.log"
     if not path.exists():
         return []
-    return [(event, int(seq)) for event, seq, _ in (line.split() for line in path.read_text().splitlines())]
+    return [
+        (event, int(seq))
+        for event, seq, _ in (line.split() for line in path.read_text().splitlines())
+    ]
 
 
 def first(rid: int, n: int) -> StepItem:
@@ -59,10 +80,22 @@ def first(rid: int, n: int) -> StepItem:
     return StepItem(rid, 0, tokens, True, NewRequest(n + 32, SamplingSpec(seed=rid)))
 
 
-async def start(model_dir: Path, journal_dir: Path, fault: FaultPlan | None,
-                reasons: list[str], overlap: bool = False) -> ReplicaController:
-    config = ReplicaConfig(str(model_dir), tp_size=2, step_timeout_s=STEP_TIMEOUT_S, gate_timeout_s=GATE_TIMEOUT_S,
-                           fault=fault, journal_dir=str(journal_dir), overlap_steps=overlap)
+async def start(
+    model_dir: Path,
+    journal_dir: Path,
+    fault: FaultPlan | None,
+    reasons: list[str],
+    overlap: bool = False,
+) -> ReplicaController:
+    config = ReplicaConfig(
+        str(model_dir),
+        tp_size=2,
+        step_timeout_s=STEP_TIMEOUT_S,
+        gate_timeout_s=GATE_TIMEOUT_S,
+        fault=fault,
+        journal_dir=str(journal_dir),
+        overlap_steps=overlap,
+    )
     return await asyncio.wait_for(ReplicaController.start(config, on_poison=reasons.append), 120)
 
 
@@ -172,14 +205,19 @@ async def step_with_a_follower(controller: ReplicaController) -> tuple:
     ("kind", "at_step", "reason"),
     [
         # the step behind: its gate timer runs from the end of the step ahead
-        ("stall_before_receipt", 3, r"rank\(s\) \[1\] did not receive RunUnifiedStep seq 4 within gate_timeout_s"),
+        (
+            "stall_before_receipt",
+            3,
+            r"rank\(s\) \[1\] did not receive RunUnifiedStep seq 4 within gate_timeout_s",
+        ),
         # the step ahead: the one behind it, sent but not released, is cancelled with it
         ("die_mid_step", 2, DIED),
     ],
 )
 @pytest.mark.parametrize("overlap", [False, True], ids=["finished_first", "overlapped"])
-async def test_fault_with_a_step_following(kind: str, at_step: int, reason: str, overlap: bool,
-                                           tiny_model_dir: Path, tmp_path: Path) -> None:
+async def test_fault_with_a_step_following(
+    kind: str, at_step: int, reason: str, overlap: bool, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """Two flights (a pipelined step behind a released one): a fault in either poisons the
     replica once, every flight it reaches fails with that reason, and the step behind runs on
     no rank. Overlapped, the healthy rank 0 holds the step ahead pending while it waits for
@@ -198,7 +236,9 @@ async def test_fault_with_a_step_following(kind: str, at_step: int, reason: str,
             except ReplicaPoisoned as exc:
                 assert exc.reason == controller.poison_reason
                 outcomes.append("poisoned")
-        assert outcomes == (["ok", "poisoned"] if kind == "stall_before_receipt" else ["poisoned", "poisoned"])
+        assert outcomes == (
+            ["ok", "poisoned"] if kind == "stall_before_receipt" else ["poisoned", "poisoned"]
+        )
         assert time.monotonic() - t0 < GATE_TIMEOUT_S + 2.0
         assert behind.gate.result() is False
         await assert_torn_down(controller, reasons, reason)
@@ -210,7 +250,9 @@ async def test_fault_with_a_step_following(kind: str, at_step: int, reason: str,
         assert ("recv", 4) in ranks[0] and ("cancel", 4) in ranks[0]
 
 
-async def test_overlapped_follower_refused_by_the_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
+async def test_overlapped_follower_refused_by_the_ranks(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """Overlapped, a follower that every rank refuses (its item starts past the positions the
     ranks hold) fails only after the step ahead: each rank replies to that step before it
     reports the follower's failure, so its samples arrive; then the replica is poisoned once
@@ -219,7 +261,9 @@ async def test_overlapped_follower_refused_by_the_ranks(tiny_model_dir: Path, tm
     controller = await start(tiny_model_dir, tmp_path, None, reasons, overlap=True)
     try:
         step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
-        ahead = await controller.send_step([StepItem(1, 24, [step1.by_id()[1].token_id], True)])  # seq 3
+        ahead = await controller.send_step(
+            [StepItem(1, 24, [step1.by_id()[1].token_id], True)]
+        )  # seq 3
         assert await asyncio.wait_for(ahead.gate, 10) is True
         behind = controller.follow_step([StepItem(1, 30, [], True)])  # seq 4: the ranks hold 25
         assert behind is not None
@@ -227,8 +271,12 @@ async def test_overlapped_follower_refused_by_the_ranks(tiny_model_dir: Path, tm
         assert list(result.by_id()) == [1]
         with pytest.raises(ReplicaPoisoned):
             await asyncio.wait_for(controller.step_result(behind), 30)
-        await assert_torn_down(controller, reasons, r"rank \d failed RunUnifiedStep seq 4: StepError: request 1 "
-                                                    r"item starts at 30, rank \d holds 25 positions")
+        await assert_torn_down(
+            controller,
+            reasons,
+            r"rank \d failed RunUnifiedStep seq 4: StepError: request 1 "
+            r"item starts at 30, rank \d holds 25 positions",
+        )
     finally:
         await controller.shutdown()
     for rank in (0, 1):  # the reply to the step ahead went out before the follower's
@@ -236,20 +284,28 @@ async def test_overlapped_follower_refused_by_the_ranks(tiny_model_dir: Path, tm
         assert entries.index(("reply", 3)) < entries.index(("reply", 4)), entries
 
 
-async def test_sampled_token_outside_the_vocabulary_poisons(tiny_model_dir: Path, tmp_path: Path) -> None:
+async def test_sampled_token_outside_the_vocabulary_poisons(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """Rank 0's samples are checked against the vocabulary like the plan's tokens: a step
     result with a token id no model has poisons the replica naming it, rather than reaching
     a client (and, pipelined, the ranks' next step) as a token."""
     reasons: list[str] = []
     fault = FaultPlan(rank=0, kind="bad_token", at_step=FAULT_STEP)
-    config = ReplicaConfig(str(tiny_model_dir), tp_size=1, step_timeout_s=STEP_TIMEOUT_S, fault=fault)
-    controller = await asyncio.wait_for(ReplicaController.start(config, on_poison=reasons.append), 120)
+    config = ReplicaConfig(
+        str(tiny_model_dir), tp_size=1, step_timeout_s=STEP_TIMEOUT_S, fault=fault
+    )
+    controller = await asyncio.wait_for(
+        ReplicaController.start(config, on_poison=reasons.append), 120
+    )
     try:
         step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
         decode = StepItem(1, 24, [step1.by_id()[1].token_id], True)
         with pytest.raises(ReplicaPoisoned):
             await asyncio.wait_for(controller.run_step([decode]), 10)
-        await assert_torn_down(controller, reasons, r"rank 0 sampled token -1 for request 1, outside the vocabulary")
+        await assert_torn_down(
+            controller, reasons, r"rank 0 sampled token -1 for request 1, outside the vocabulary"
+        )
     finally:
         await controller.shutdown()
 
@@ -259,8 +315,9 @@ async def test_sampled_token_outside_the_vocabulary_poisons(tiny_model_dir: Path
     [("failure_reply", False), ("failure_reply", True), ("late_failure", False)],
     ids=["finished_first", "overlapped", "receipt_before_the_failure_frame"],
 )
-async def test_no_release_after_a_reported_failure(kind: str, overlap: bool, tiny_model_dir: Path,
-                                                   tmp_path: Path) -> None:
+async def test_no_release_after_a_reported_failure(
+    kind: str, overlap: bool, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """A rank reports a Failure for the step ahead after running it (rank 1; rank 0 ends it
     well), while a pipelined step waits behind it. The controller holds the Failure back a
     moment (a peer's death, if there is one, names the poison), and the follower's receipts
@@ -277,7 +334,9 @@ async def test_no_release_after_a_reported_failure(kind: str, overlap: bool, tin
             with pytest.raises(ReplicaPoisoned):
                 await asyncio.wait_for(controller.step_result(flight), STEP_TIMEOUT_S + 5)
         assert behind.gate.result() is False
-        await assert_torn_down(controller, reasons, rf"rank 1 failed RunUnifiedStep seq {FAULT_SEQ}: injected failure")
+        await assert_torn_down(
+            controller, reasons, rf"rank 1 failed RunUnifiedStep seq {FAULT_SEQ}: injected failure"
+        )
     finally:
         await controller.shutdown()
     ranks = [journal(tmp_path, 0), journal(tmp_path, 1)]

@@ -84,7 +84,14 @@ class TestPlan:
     @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
     @pytest.mark.parametrize(
         "name",
-        ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"],
+        [
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ],
     )
     def test_non_finite_sampling_rejected(self, name: str, value: float) -> None:
         """NaN passes every range comparison and inf is no sampling value: both are refused
@@ -152,8 +159,14 @@ class TestStepReplies:
             ([sample(1), sample(3), sample(4), sample(3)], "two samples for request 3"),
             ([sample(1), sample(2), sample(3), sample(4)], "request 2, whose item asked for none"),
             ([sample(1), sample(4)], r"no sample for request\(s\) \[3\]"),
-            ([sample(1), Sample(3, VOCAB, -0.5, []), sample(4)], f"sampled token {VOCAB} for request 3, outside"),
-            ([sample(1), sample(3), Sample(4, 104, -0.5, [(-2, -1.0)])], "top logprob for request 4 outside"),
+            (
+                [sample(1), Sample(3, VOCAB, -0.5, []), sample(4)],
+                f"sampled token {VOCAB} for request 3, outside",
+            ),
+            (
+                [sample(1), sample(3), Sample(4, 104, -0.5, [(-2, -1.0)])],
+                "top logprob for request 4 outside",
+            ),
         ],
     )
     def test_bad_results_fatal(self, samples: list[Sample], message: str) -> None:
@@ -171,8 +184,10 @@ class TestStepReplies:
         """A chunk asking for prompt logprobs gets a row per position whose next token is a
         prompt token (one fewer on the chunk that samples), k alternatives each; nothing else
         gets any."""
-        items = [StepItem(2, 0, [1, 2, 3], False, new(), prompt_logprobs=2, next_token=4),
-                 StepItem(3, 0, [4, 5], True, new(), prompt_logprobs=0)]  # fmt: skip
+        items = [
+            StepItem(2, 0, [1, 2, 3], False, new(), prompt_logprobs=2, next_token=4),
+            StepItem(3, 0, [4, 5], True, new(), prompt_logprobs=0),
+        ]
         plan = check_plan(items, VOCAB)
         assert plan.prompt_logprobs == {2: (3, 2), 3: (1, 0)}
 
@@ -199,11 +214,20 @@ class TestStepReplies:
         ("item", "message"),
         [
             (StepItem(9, 0, [1, 2], False, new(), prompt_logprobs=1), "next_token -1 outside"),
-            (StepItem(9, 0, [1, 2], True, new(), prompt_logprobs=1, next_token=3), "samples has no next prompt"),
+            (
+                StepItem(9, 0, [1, 2], True, new(), prompt_logprobs=1, next_token=3),
+                "samples has no next prompt",
+            ),
             (StepItem(9, 0, [1, 2], True, new(), prompt_logprobs=21), "prompt_logprobs 21 outside"),
             (StepItem(9, 4, [], True, prompt_logprobs=1), "without prompt tokens"),
-            (StepItem(9, 0, [1, 2], False, new(), prompt_logprobs=-2), "prompt_logprobs -2 outside"),
-            (StepItem(9, 0, [1, 2], False, new(), next_token=3), "next_token 3 without prompt_logprobs"),
+            (
+                StepItem(9, 0, [1, 2], False, new(), prompt_logprobs=-2),
+                "prompt_logprobs -2 outside",
+            ),
+            (
+                StepItem(9, 0, [1, 2], False, new(), next_token=3),
+                "next_token 3 without prompt_logprobs",
+            ),
         ],
     )
     def test_prompt_logprob_items_rejected(self, item: StepItem, message: str) -> None:
@@ -227,7 +251,10 @@ class TestStepReplies:
                 StepResult(1, 7, SampleColumns([], [], [], {})),
                 "rank 1 replied StepResult to RunUnifiedStep seq 7; expected Ack",
             ),
-            (Failure(1, 7, "StepError: request 1 is not held"), "rank 1 failed RunUnifiedStep seq 7: StepError"),
+            (
+                Failure(1, 7, "StepError: request 1 is not held"),
+                "rank 1 failed RunUnifiedStep seq 7: StepError",
+            ),
         ],
     )
     def test_bad_reply_fatal(self, reply: object, message: str) -> None:
@@ -266,10 +293,22 @@ class TestDropAcks:
     @pytest.mark.parametrize(
         ("expect", "answers", "message"),
         [
-            ("must_exist", [[True, True], [True, False]], r"disagree on request 11: rank\(s\) \[0\] held it, rank\(s\) \[1\] did not"),
+            (
+                "must_exist",
+                [[True, True], [True, False]],
+                r"disagree on request 11: rank\(s\) \[0\] held it, rank\(s\) \[1\] did not",
+            ),
             ("must_be_absent", [[False, True], [False, False]], "disagree on request 11"),
-            ("must_exist", [[True, False], [True, False]], "request 11 dropped with expect=must_exist, but no rank held it"),
-            ("must_be_absent", [[True, False], [True, False]], "request 10 .* every rank still held it"),
+            (
+                "must_exist",
+                [[True, False], [True, False]],
+                "request 11 dropped with expect=must_exist, but no rank held it",
+            ),
+            (
+                "must_be_absent",
+                [[True, False], [True, False]],
+                "request 10 .* every rank still held it",
+            ),
             ("must_exist", [[True], [True, True]], "rank 0 answered 1 flags"),
         ],
     )
@@ -343,7 +382,10 @@ class TestReplicaConfig:
     @pytest.mark.parametrize(
         ("kwargs", "message"),
         [
-            ({"device": "cuda", "tp_size": 2, "device_ids": (0, 0)}, r"device_ids \(0, 0\) names a device twice"),
+            (
+                {"device": "cuda", "tp_size": 2, "device_ids": (0, 0)},
+                r"device_ids \(0, 0\) names a device twice",
+            ),
             ({"device": "cpu", "device_ids": (0,)}, "device_ids .* given with device 'cpu'"),
             ({"device": "cuda", "tp_size": 2, "device_ids": (0,)}, "has 1 entries for tp_size 2"),
             ({"device": "cuda:1"}, "device must be 'cpu' or 'cuda'"),
@@ -357,9 +399,20 @@ class TestReplicaConfig:
             ReplicaConfig("/nonexistent", **kwargs)
 
 
-@pytest.mark.parametrize("visible,count", [
-    (None, 4), ("", 0), ("0,1", 2), ("3", 1), ("0,5,1", 1), ("-1", 0), ("GPU-8f2c,1", 2), ("1,1,2", 1), (" 2, 0", 2),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "visible,count",
+    [
+        (None, 4),
+        ("", 0),
+        ("0,1", 2),
+        ("3", 1),
+        ("0,5,1", 1),
+        ("-1", 0),
+        ("GPU-8f2c,1", 2),
+        ("1,1,2", 1),
+        (" 2, 0", 2),
+    ],
+)
 def test_visible_devices_read_as_the_cuda_runtime_does(visible: str | None, count: int) -> None:
     """The server counts GPUs without torch; the count must match what a rank's CUDA sees,
     or a missing ordinal would pass the server's check and fail later, inside a rank."""

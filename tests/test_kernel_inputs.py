@@ -19,8 +19,12 @@ def test_strided_vectors_are_refused_by_name():
     ids = torch.arange(8, device=DEVICE)
     with pytest.raises(ValueError, match=r"ids: expected \[4\] int32/int64 with adjacent elements"):
         embedding.embedding_triton(ids[::2], weight, 0)
-    assert torch.equal(embedding.embedding_triton(ids[::2].contiguous(), weight, 0), weight[ids[::2]])
-    assert torch.equal(embedding.embedding_triton(ids[2:3], weight, 0), weight[2:3])  # one element: any stride
+    assert torch.equal(
+        embedding.embedding_triton(ids[::2].contiguous(), weight, 0), weight[ids[::2]]
+    )
+    assert torch.equal(
+        embedding.embedding_triton(ids[2:3], weight, 0), weight[2:3]
+    )  # one element: any stride
 
     logits = torch.randn(3, 64, device=DEVICE)
     slots = torch.tensor([5, 9, 0, 9, 2], device=DEVICE)[::2]  # 5, 0, 2
@@ -28,7 +32,9 @@ def test_strided_vectors_are_refused_by_name():
     with pytest.raises(ValueError, match="slots: .*adjacent"):
         logit_stats.logsumexp_argmax_triton(logits, 3, slots, last)
     with pytest.raises(ValueError, match="last_tokens: .*adjacent"):
-        logit_stats.logsumexp_argmax_triton(logits, 3, slots.contiguous(), torch.zeros(12, dtype=torch.int64)[::2])
+        logit_stats.logsumexp_argmax_triton(
+            logits, 3, slots.contiguous(), torch.zeros(12, dtype=torch.int64)[::2]
+        )
     logit_stats.logsumexp_argmax_triton(logits, 3, slots.contiguous(), last)
     assert torch.equal(last[[5, 0, 2]], logits.argmax(dim=1)) and last[[1, 3, 4]].eq(0).all()
 
@@ -40,4 +46,6 @@ def test_strided_vectors_are_refused_by_name():
     one = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     out = torch.empty(1, nv, d, device=DEVICE)
     with pytest.raises(ValueError, match="A_log: .*adjacent"):
-        gated_delta.gated_delta_decode(mixed, a, b, params[:, 0], params[:, 1].contiguous(), state, one, one, out, nk)
+        gated_delta.gated_delta_decode(
+            mixed, a, b, params[:, 0], params[:, 1].contiguous(), state, one, one, out, nk
+        )

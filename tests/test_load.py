@@ -57,8 +57,14 @@ class Outcome:
 
 
 def body(kind: int, max_tokens: int) -> tuple[str, dict]:
-    common = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-              "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    common = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if kind < len(TEXTS):
         return "/v1/completions", {"prompt": TEXTS[kind], **common}
     return "/v1/chat/completions", {"messages": CHATS[kind - len(TEXTS)], **common}
@@ -124,9 +130,12 @@ def size(request: pytest.FixtureRequest) -> dict:
 async def test_streaming_load_with_disconnects(tiny_model_dir, size):
     n, concurrency, max_tokens = size["requests"], size["concurrency"], size["max_tokens"]
     config = EngineConfig(
-        model=str(tiny_model_dir), max_model_len=256, max_num_seqs=concurrency,
-        max_num_batched_tokens=max(concurrency, 96), max_queued_requests=n,
-    )  # fmt: skip
+        model=str(tiny_model_dir),
+        max_model_len=256,
+        max_num_seqs=concurrency,
+        max_num_batched_tokens=max(concurrency, 96),
+        max_queued_requests=n,
+    )
     async with in_process_server(config, ServerConfig(MODEL)) as server:
         engine = server.engine
         kinds = range(len(TEXTS) + len(CHATS))
@@ -187,10 +196,16 @@ async def test_streaming_load_with_disconnects(tiny_model_dir, size):
         assert again.text == ref[2].text
         await wait_idle(engine)
     figures = {
-        "requests": n, "concurrency": concurrency, "max_tokens": max_tokens,
-        "completed_checked_against_solo": len(stayed), "disconnected_clients": len(left),
-        "aborted_by_engine": aborted, "duration_s": round(duration, 2),
-        "leaked_slots": 0, "leaked_blocks": 0, "mismatches": 0,
-    }  # fmt: skip
+        "requests": n,
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+        "completed_checked_against_solo": len(stayed),
+        "disconnected_clients": len(left),
+        "aborted_by_engine": aborted,
+        "duration_s": round(duration, 2),
+        "leaked_slots": 0,
+        "leaked_blocks": 0,
+        "mismatches": 0,
+    }
     print("load figures:", figures)
     record_long_figures(size is LONG, "streaming_load_with_disconnects", figures)

@@ -45,8 +45,14 @@ class Client:
 
 
 async def run_client(session: aiohttp.ClientSession, url: str, c: Client) -> None:
-    payload = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 2,
-               "max_tokens": c.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    payload = {
+        "model": MODEL,
+        "prompt": "The quick brown fox jumps over the lazy dog. " * 2,
+        "max_tokens": c.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     try:
         async with session.post(url + "/v1/completions", json=payload) as resp:
             if resp.status != 200:
@@ -107,9 +113,18 @@ def size(request: pytest.FixtureRequest) -> dict:
 async def start_loaded(model_dir, size: dict, *extra: str) -> tuple[ServeProcess, list, list]:
     """A server with `clients` long streams open: `slots` running, the rest queued."""
     server = await ServeProcess.start(
-        "--model", str(model_dir), "--served-model-name", MODEL, "--max-model-len", "2048",
-        "--max-num-seqs", str(size["slots"]), "--max-num-batched-tokens", "512", *extra,
-    )  # fmt: skip
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        MODEL,
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        str(size["slots"]),
+        "--max-num-batched-tokens",
+        "512",
+        *extra,
+    )
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     clients = [Client(LONG_TOKENS) for _ in range(size["clients"])]
     tasks = [asyncio.ensure_future(run_client(session, server.url, c)) for c in clients]
@@ -184,9 +199,14 @@ async def test_rank_fault_under_load(tiny_model_dir, size, fault):
             for pid in ranks:
                 if alive(pid):
                     os.kill(pid, signal.SIGKILL)
-    figures = {"clients": len(clients), "fault": fault, "tp": int(tp),
-               "terminal_answers": len(clients), "latest_terminal_s": round(latest, 2),
-               "processes_left": 0}  # fmt: skip
+    figures = {
+        "clients": len(clients),
+        "fault": fault,
+        "tp": int(tp),
+        "terminal_answers": len(clients),
+        "latest_terminal_s": round(latest, 2),
+        "processes_left": 0,
+    }
     print("fault figures:", figures)
     record_long_figures(size is LONG, f"rank_fault_under_load[{fault}]", figures)
 
@@ -196,9 +216,15 @@ async def test_rank_stopped_while_idle(tiny_model_dir):
     gate within --step-timeout too, not the gate's longer default (10 s): the requests that
     arrive get `engine_dead` errors in time, the server exits 1, nothing remains."""
     server = await ServeProcess.start(
-        "--model", str(tiny_model_dir), "--served-model-name", MODEL,
-        "--max-model-len", "512", "--step-timeout", str(STEP_TIMEOUT_S),
-    )  # fmt: skip
+        "--model",
+        str(tiny_model_dir),
+        "--served-model-name",
+        MODEL,
+        "--max-model-len",
+        "512",
+        "--step-timeout",
+        str(STEP_TIMEOUT_S),
+    )
     try:
         (rank,) = ranks = rank_pids(server.proc.pid)
         os.kill(rank, signal.SIGSTOP)
@@ -245,8 +271,12 @@ async def test_sigterm_under_load(tiny_model_dir, size):
     finally:
         await health.stop()
         await server.kill()
-    figures = {"clients": len(clients), "fault": "sigterm_server",
-               "terminal_answers": len(clients), "latest_terminal_s": round(latest, 2),
-               "processes_left": 0}  # fmt: skip
+    figures = {
+        "clients": len(clients),
+        "fault": "sigterm_server",
+        "terminal_answers": len(clients),
+        "latest_terminal_s": round(latest, 2),
+        "processes_left": 0,
+    }
     print("fault figures:", figures)
     record_long_figures(size is LONG, "sigterm_under_load", figures)

@@ -30,7 +30,9 @@ def logits_of(model_dir) -> torch.Tensor:
 def test_naming_schemes_and_shards_give_the_same_logits(tiny_model_dir, tmp_path):
     text = logits_of(tiny_model_dir)
     vlm = make_model(tmp_path / "vlm", preset="tiny", dtype="fp32", seed=0, vlm_names=True)
-    sharded = make_model(tmp_path / "sharded", preset="tiny", dtype="fp32", seed=0, shard_size="20MB")
+    sharded = make_model(
+        tmp_path / "sharded", preset="tiny", dtype="fp32", seed=0, shard_size="20MB"
+    )
     assert json.loads((vlm / "config.json").read_text())["model_type"] == "qwen3_5"
     assert len(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]) > 0
     assert len(list(sharded.glob("model-*.safetensors"))) > 1
@@ -69,24 +71,46 @@ def test_rope_theta_read_as_transformers_reads_it(tiny_model_dir, variant):
         text["rope_scaling"] = {"rope_type": "default", "rope_theta": 1e6}
     hf = AutoConfig.for_model(**json.loads(json.dumps(raw)))
     want = getattr(hf, "text_config", hf).rope_parameters["rope_theta"]
-    assert ModelConfig.from_dict(raw).rope_theta == want == (1e4 if variant == "no rope_theta" else 1e6)
+    assert (
+        ModelConfig.from_dict(raw).rope_theta
+        == want
+        == (1e4 if variant == "no rope_theta" else 1e6)
+    )
 
 
-SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
-              "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "rms_norm_eps",
-              "max_position_embeddings"]
+SHAPE_KEYS = [
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+]
 
 
-@pytest.mark.parametrize("dropped", ["head_dim", "vocab_size", "num_hidden_layers", "linear_num_value_heads", "all"])
+@pytest.mark.parametrize(
+    "dropped", ["head_dim", "vocab_size", "num_hidden_layers", "linear_num_value_heads", "all"]
+)
 @pytest.mark.parametrize("layout", ["text", "vlm"])
-def test_absent_config_keys_take_transformers_defaults(tiny_model_dir, tiny_vlm_model_dir, dropped, layout):
+def test_absent_config_keys_take_transformers_defaults(
+    tiny_model_dir, tiny_vlm_model_dir, dropped, layout
+):
     """A config.json that leaves keys out is read with Qwen3_5TextConfig's defaults, as HF
     reads it (head_dim 256, not hidden_size // heads), never a KeyError; the VLM ties by its
     top-level flag only, as Qwen3_5ForConditionalGeneration does."""
     from transformers import AutoConfig
 
-    raw = json.loads(((tiny_model_dir if layout == "text" else tiny_vlm_model_dir) / "config.json").read_text())
+    raw = json.loads(
+        ((tiny_model_dir if layout == "text" else tiny_vlm_model_dir) / "config.json").read_text()
+    )
     text = raw.get("text_config", raw)
     for key in SHAPE_KEYS if dropped == "all" else [dropped]:
         text.pop(key)
@@ -108,7 +132,9 @@ def test_checkpoint_without_head_dim_in_its_config_matches_hf(tmp_path):
     """head_dim 256 left out of config.json, as HF's default: loads and gives HF's logits."""
     from transformers import Qwen3_5ForCausalLM
 
-    model_dir = make_model(tmp_path / "hd", preset="tiny", dtype="fp32", seed=1, overrides={"head_dim": 256})
+    model_dir = make_model(
+        tmp_path / "hd", preset="tiny", dtype="fp32", seed=1, overrides={"head_dim": 256}
+    )
     path = model_dir / "config.json"
     config = json.loads(path.read_text())
     config.pop("head_dim")
@@ -158,34 +184,48 @@ def test_unexpected_text_tensor_is_named(broken_copy):
         tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
 
     rewrite_tensors(broken_copy, add)
-    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.mlp.extra_proj.weight'"):
+    with pytest.raises(
+        CheckpointError, match="unexpected tensor 'model.layers.0.mlp.extra_proj.weight'"
+    ):
         logits_of(broken_copy)
 
 
-@pytest.mark.parametrize("index", ['{"metadata": {"total_size": 1}, "weight_', '{"metadata": {}}', '{"weight_map": [1]}'])
+@pytest.mark.parametrize(
+    "index", ['{"metadata": {"total_size": 1}, "weight_', '{"metadata": {}}', '{"weight_map": [1]}']
+)
 def test_malformed_index_is_named(tiny_vlm_model_dir, tmp_path, index):
     """A truncated or malformed model.safetensors.index.json is refused naming the file, not a
     bare KeyError or JSON error from inside the loader."""
     target = tmp_path / "bad_index"
     shutil.copytree(tiny_vlm_model_dir, target)
     (target / "model.safetensors.index.json").write_text(index)
-    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json is not a safetensors index"):
+    with pytest.raises(
+        CheckpointError, match=r"model.safetensors.index.json is not a safetensors index"
+    ):
         logits_of(target)
 
 
 def test_truncated_file_is_named(broken_copy):
     path = broken_copy / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-1000])
-    with pytest.raises(CheckpointError, match="model.safetensors: tensor .* do not fit it or the file"):
+    with pytest.raises(
+        CheckpointError, match="model.safetensors: tensor .* do not fit it or the file"
+    ):
         logits_of(broken_copy)
 
 
-@pytest.mark.parametrize("edit,error", [
-    (lambda header: header["a"].pop("data_offsets"), "tensor 'a' has a malformed header entry"),
-    (lambda header: header["a"].update(shape=None), "tensor 'a' has a malformed header entry"),
-    (lambda header: header["a"].update(shape=[-1, -7]), "tensor 'a' has a malformed header entry"),
-    (lambda header: header["a"].update(dtype="Q8"), "tensor 'a' has unsupported dtype 'Q8'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "edit,error",
+    [
+        (lambda header: header["a"].pop("data_offsets"), "tensor 'a' has a malformed header entry"),
+        (lambda header: header["a"].update(shape=None), "tensor 'a' has a malformed header entry"),
+        (
+            lambda header: header["a"].update(shape=[-1, -7]),
+            "tensor 'a' has a malformed header entry",
+        ),
+        (lambda header: header["a"].update(dtype="Q8"), "tensor 'a' has unsupported dtype 'Q8'"),
+    ],
+)
 def test_malformed_header_is_named(tmp_path, edit, error):
     """A header entry that is not what the format says is refused naming the file and the
     tensor, never a KeyError or TypeError from inside the reader."""
@@ -201,8 +241,15 @@ def test_malformed_header_is_named(tmp_path, edit, error):
         list(CheckpointReader(torch.device("cpu")).tensors(path, lambda name: True))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])  # fmt: skip
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+        ),
+    ],
+)
 def test_reader_gives_every_tensor_as_safetensors_does(tmp_path, device):
     """Small chunks so that tensors span chunks and chunks hold several tensors, read by more
     threads than buffers; mixed dtypes, empty tensors, a scalar, skipped tensors between read
@@ -232,8 +279,11 @@ def test_reader_gives_every_tensor_as_safetensors_does(tmp_path, device):
         assert torch.equal(got[name].cpu(), tensor), name
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32, torch.bool, torch.float8_e4m3fn,
-                                   torch.float8_e5m2], ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.int8, torch.uint8, torch.int32, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2],
+    ids=str,
+)
 def test_non_float_tensor_is_refused_with_its_dtype(broken_copy, dtype):
     """A tensor of the right shape but an integer, bool or FP8 dtype (a quantized checkpoint
     without its quantization_config) is refused naming it, its dtype and its file, never
@@ -245,7 +295,9 @@ def test_non_float_tensor_is_refused_with_its_dtype(broken_copy, dtype):
 
     rewrite_tensors(broken_copy, cast)
     dtype_name = str(dtype).removeprefix("torch.")
-    with pytest.raises(CheckpointError, match=rf"tensor '{name}' in model.safetensors has dtype {dtype_name}"):
+    with pytest.raises(
+        CheckpointError, match=rf"tensor '{name}' in model.safetensors has dtype {dtype_name}"
+    ):
         logits_of(broken_copy)
 
 
@@ -299,24 +351,40 @@ CONFIG_FAULTS = {
     "text_config null": (lambda c: c.update(text_config=None), "text_config"),
     "text_config a list": (lambda c: c.update(text_config=[c["text_config"]]), "text_config"),
     "text_config a string": (lambda c: c.update(text_config="qwen3_5_text"), "text_config"),
-    "top level a list": ("[{\"model_type\": \"qwen3_5\"}]", "not a JSON object"),
+    "top level a list": ('[{"model_type": "qwen3_5"}]', "not a JSON object"),
     "top level null": ("null", "not a JSON object"),
-    "not JSON": ("{\"model_type\": \"qwen3_5\",", "not valid JSON"),
-    "rope_parameters a string": (lambda c: text_of(c).update(rope_parameters="default"), "rope_parameters"),
+    "not JSON": ('{"model_type": "qwen3_5",', "not valid JSON"),
+    "rope_parameters a string": (
+        lambda c: text_of(c).update(rope_parameters="default"),
+        "rope_parameters",
+    ),
     "rope_scaling a list": (lambda c: text_of(c).update(rope_scaling=["linear"]), "rope_scaling"),
-    "rope_theta a string": (lambda c: text_of(c)["rope_parameters"].update(rope_theta="1e7x"), "rope_theta"),
+    "rope_theta a string": (
+        lambda c: text_of(c)["rope_parameters"].update(rope_theta="1e7x"),
+        "rope_theta",
+    ),
     "layer_types a number": (lambda c: text_of(c).update(layer_types=4), "layer_types"),
-    "full_attention_interval 0": (lambda c: (text_of(c).pop("layer_types"),
-                                             text_of(c).update(full_attention_interval=0)),
-                                  "full_attention_interval"),
-    "num_key_value_heads 0": (lambda c: text_of(c).update(num_key_value_heads=0), "num_key_value_heads"),
-    "linear_num_key_heads 0": (lambda c: text_of(c).update(linear_num_key_heads=0), "linear_num_key_heads"),
+    "full_attention_interval 0": (
+        lambda c: (text_of(c).pop("layer_types"), text_of(c).update(full_attention_interval=0)),
+        "full_attention_interval",
+    ),
+    "num_key_value_heads 0": (
+        lambda c: text_of(c).update(num_key_value_heads=0),
+        "num_key_value_heads",
+    ),
+    "linear_num_key_heads 0": (
+        lambda c: text_of(c).update(linear_num_key_heads=0),
+        "linear_num_key_heads",
+    ),
     "vocab_size a list": (lambda c: text_of(c).update(vocab_size=[248320]), "vocab_size"),
     "hidden_size a word": (lambda c: text_of(c).update(hidden_size="sixty-four"), "hidden_size"),
     "rms_norm_eps a word": (lambda c: text_of(c).update(rms_norm_eps="tiny"), "rms_norm_eps"),
     "eos_token_id an object": (lambda c: text_of(c).update(eos_token_id={"id": 1}), "eos_token_id"),
-    "eos_token_id strings": (lambda c: text_of(c).update(eos_token_id=["<|im_end|>"]), "eos_token_id"),
-}  # fmt: skip
+    "eos_token_id strings": (
+        lambda c: text_of(c).update(eos_token_id=["<|im_end|>"]),
+        "eos_token_id",
+    ),
+}
 
 
 @pytest.mark.parametrize("fault", list(CONFIG_FAULTS))
@@ -335,8 +403,15 @@ def test_malformed_config_is_named(tiny_vlm_model_dir, tmp_path, fault):
         ModelConfig.from_model_dir(target)
 
 
-@pytest.mark.parametrize("text", ['{"eos_token_id": 1,', "[1, 2]", '{"eos_token_id": {"id": 1}}',
-                                  '{"eos_token_id": ["<|im_end|>"]}'])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"eos_token_id": 1,',
+        "[1, 2]",
+        '{"eos_token_id": {"id": 1}}',
+        '{"eos_token_id": ["<|im_end|>"]}',
+    ],
+)
 def test_malformed_generation_config_is_named(tiny_vlm_model_dir, tmp_path, text):
     """generation_config.json is read for its EOS ids at start: a broken one is refused naming
     the file and the key, not a bare JSONDecodeError, AttributeError or TypeError (strings
@@ -356,8 +431,12 @@ def test_auto_dtype_names_the_config_dtype_it_cannot_run(tiny_vlm_model_dir):
 
     from deltaserve.engine.rank.executor import resolve_dtype
 
-    config = dataclasses.replace(ModelConfig.from_model_dir(tiny_vlm_model_dir), torch_dtype="float8_e4m3fn")
-    with pytest.raises(ValueError, match=r"config.json's torch_dtype 'float8_e4m3fn'.*pass a dtype"):
+    config = dataclasses.replace(
+        ModelConfig.from_model_dir(tiny_vlm_model_dir), torch_dtype="float8_e4m3fn"
+    )
+    with pytest.raises(
+        ValueError, match=r"config.json's torch_dtype 'float8_e4m3fn'.*pass a dtype"
+    ):
         resolve_dtype("auto", torch.device("cuda"), config)
 
 
@@ -379,6 +458,8 @@ def test_chat_template_only_in_the_processors_file_is_used(tiny_vlm_model_dir, t
     assert tokenizer.chat_template == template
     text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert text == "<|im_start|>user\nhi<|im_end|>\n"
-    tok_config["chat_template"] = own  # both files: the tokenizer's wins (a fine-tune edits that one)
+    tok_config["chat_template"] = (
+        own  # both files: the tokenizer's wins (a fine-tune edits that one)
+    )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok_config))
     assert load_tokenizer(tmp_path).chat_template == own

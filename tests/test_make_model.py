@@ -25,18 +25,33 @@ from deltaserve.tools.make_model import (
 
 EXPECTED_PER_LAYER = {
     "linear_attention": {
-        "input_layernorm.weight", "post_attention_layernorm.weight",
-        "linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.conv1d.weight",
-        "linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
-        "linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight",
-        "linear_attn.norm.weight", "linear_attn.out_proj.weight",
-        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "linear_attn.A_log",
+        "linear_attn.dt_bias",
+        "linear_attn.conv1d.weight",
+        "linear_attn.in_proj_qkv.weight",
+        "linear_attn.in_proj_z.weight",
+        "linear_attn.in_proj_a.weight",
+        "linear_attn.in_proj_b.weight",
+        "linear_attn.norm.weight",
+        "linear_attn.out_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
     },
     "full_attention": {
-        "input_layernorm.weight", "post_attention_layernorm.weight",
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
     },
 }
 
@@ -106,7 +121,9 @@ def test_vlm_sharded_checkpoint_loads_with_identical_logits(
     assert any(n.startswith("model.visual.") for n in weight_map)
     assert any(n.startswith("mtp.") for n in weight_map)
     config = json.loads((tiny_vlm_model_dir / "config.json").read_text())
-    assert config["model_type"] == "qwen3_5" and config["text_config"]["model_type"] == "qwen3_5_text"
+    assert (
+        config["model_type"] == "qwen3_5" and config["text_config"]["model_type"] == "qwen3_5_text"
+    )
 
     text_model, _ = _hf_load(tiny_model_dir)
     vlm_model, info = _hf_load(tiny_vlm_model_dir)
@@ -122,8 +139,9 @@ def test_values_are_perturbed_off_hf_init(tiny_model_dir: Path) -> None:
     """Zero-centred norms random around 0, the gated norm around 1, dt_bias not 1, and
     some DeltaNet heads that keep >5% of their state across 64 tokens (a chunk)."""
     weights = load_file(tiny_model_dir / "model.safetensors")
-    zero_centred = [n for n in weights if n.endswith(("layernorm.weight", "q_norm.weight",
-                                                      "k_norm.weight"))]
+    zero_centred = [
+        n for n in weights if n.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight"))
+    ]
     assert len(zero_centred) == 4 * 2 + 2
     for name in zero_centred:
         w = weights[name]
@@ -142,8 +160,9 @@ def test_values_are_perturbed_off_hf_init(tiny_model_dir: Path) -> None:
         conv = weights[layer + "conv1d.weight"]
         assert conv.std() > 0.3
     assert long_memory_heads >= 2
-    assert not torch.equal(weights["model.layers.0.linear_attn.A_log"],
-                           weights["model.layers.1.linear_attn.A_log"])
+    assert not torch.equal(
+        weights["model.layers.0.linear_attn.A_log"], weights["model.layers.1.linear_attn.A_log"]
+    )
     embed = weights["model.embed_tokens.weight"]
     assert embed[248077:].abs().max() < 0.1 * embed[:248077].std()  # padding rows ~0
 
@@ -163,8 +182,9 @@ def test_next_token_distributions_are_peaked_and_use_context(tiny_model_dir: Pat
     assert (a.argmax(-1) != ids).float().mean() > 0.9  # not a copy-the-input model
 
 
-def test_cli_bf16_is_the_fp32_model_rounded(tiny_model_dir: Path, tmp_path: Path,
-                                            capsys: pytest.CaptureFixture) -> None:
+def test_cli_bf16_is_the_fp32_model_rounded(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """Same seed, same values in any dtype; another seed, other values."""
     assert main(["--preset", "tiny", "--out", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
     assert "mean top-1 probability" in capsys.readouterr().out
@@ -180,8 +200,9 @@ def test_cli_bf16_is_the_fp32_model_rounded(tiny_model_dir: Path, tmp_path: Path
     other = make_model(tmp_path / "seed1", seed=1, overrides={"num_hidden_layers": 2})
     seed1 = load_file(other / "model.safetensors")
     assert not any(n.startswith("model.layers.2.") for n in seed1)
-    assert not torch.equal(seed1["model.layers.0.mlp.up_proj.weight"],
-                           fp32["model.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(
+        seed1["model.layers.0.mlp.up_proj.weight"], fp32["model.layers.0.mlp.up_proj.weight"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -220,7 +241,10 @@ def test_tokenizer_is_the_real_qwen35_vocabulary(tiny_model_dir: Path) -> None:
     assert tok.is_fast and len(tok) == 248077
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 248046
     assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|audio_pad|>"]) == [
-        248044, 248045, 248076]
+        248044,
+        248045,
+        248076,
+    ]
     for text in TEXTS:
         ids = tok.encode(text, add_special_tokens=False)
         assert ids == reference.encode(text), text
@@ -228,8 +252,10 @@ def test_tokenizer_is_the_real_qwen35_vocabulary(tiny_model_dir: Path) -> None:
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert prompt == ("<|im_start|>system\nBe brief.<|im_end|>\n"
-                      "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = tok.encode(prompt, add_special_tokens=False)
     assert ids[0] == 248045 and ids.count(248046) == 2 and ids == reference.encode(prompt)
     # <think> is text the model writes (kept by skip_special_tokens); <|im_end|> is not
@@ -247,6 +273,7 @@ def test_checkout_root_hides_no_installed_package(first_import: str) -> None:
         f"import {first_import}, importlib.util as u; s = u.find_spec('kernels'); "
         "print(s.origin if s else None)"
     )
-    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True,
-                         check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == "None" or Path(out).resolve() != root / "kernels" / "__init__.py", out

@@ -46,19 +46,33 @@ def test_cache_sizes_are_what_state_cache_allocates(tiny_model_dir, dtype, tp):
 
 def test_qwen35_4b_figures():
     """The 4B shape (DESIGN.md): ~50 MB of state per request, bf16 KV of 8 full layers."""
-    config = ModelConfig.from_dict({
-        "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 2560,
-        "intermediate_size": 9216, "num_hidden_layers": 32, "num_attention_heads": 16,
-        "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "max_position_embeddings": 262144,
-    })  # fmt: skip
+    config = ModelConfig.from_dict(
+        {
+            "model_type": "qwen3_5_text",
+            "vocab_size": 248320,
+            "hidden_size": 2560,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 4,
+            "max_position_embeddings": 262144,
+        }
+    )
     sizes = cache_sizes(config, 1, torch.bfloat16, 16)
     # 24 DeltaNet layers: 32 heads x 128 x 128 fp32 + 8192 channels x 3 bf16 each
     assert sizes.slot_bytes == 24 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
     assert 50e6 < sizes.slot_bytes < 52e6
     assert sizes.block_bytes == 8 * 2 * 16 * 4 * 256 * 2  # 0.5 MiB per 16 positions
-    assert cache_sizes(config, 2, torch.bfloat16, 16) == CacheSizes(sizes.slot_bytes // 2, sizes.block_bytes // 2)
+    assert cache_sizes(config, 2, torch.bfloat16, 16) == CacheSizes(
+        sizes.slot_bytes // 2, sizes.block_bytes // 2
+    )
 
 
 def test_blocks_for_budget():
@@ -111,14 +125,24 @@ def graph_reserve(executor, peak: int) -> int:
     activations."""
     mc = executor.model_config
     hidden_rows = 2 * 4 + 16 + 32 + 64 + 100
-    return (GRAPH_POOL_RESERVE_BYTES + (2 * 4 + 4 * 4) * mc.vocab_size * 4
-            + hidden_rows * mc.hidden_size * executor.dtype.itemsize + peak)
+    return (
+        GRAPH_POOL_RESERVE_BYTES
+        + (2 * 4 + 4 * 4) * mc.vocab_size * 4
+        + hidden_rows * mc.hidden_size * executor.dtype.itemsize
+        + peak
+    )
 
 
 @pytest.fixture(scope="module")
 def executor(tiny_model_dir):
-    config = ExecutorConfig(str(tiny_model_dir), num_slots=4, num_blocks=8, max_model_len=64,
-                            max_num_batched_tokens=100, gpu_memory_utilization=0.5)  # fmt: skip
+    config = ExecutorConfig(
+        str(tiny_model_dir),
+        num_slots=4,
+        num_blocks=8,
+        max_model_len=64,
+        max_num_batched_tokens=100,
+        gpu_memory_utilization=0.5,
+    )
     return Executor(config)
 
 
@@ -131,7 +155,11 @@ def test_size_kv_cache_budget(executor):
     reserve = graph_reserve(executor, peak)
     left = 500 * MiB - in_use - peak - reserve
     assert budget.budget == left and budget.reserve == reserve
-    assert budget.num_blocks == budget.local_blocks == (left - 4 * sizes.slot_bytes) // sizes.block_bytes
+    assert (
+        budget.num_blocks
+        == budget.local_blocks
+        == (left - 4 * sizes.slot_bytes) // sizes.block_bytes
+    )
     assert budget.num_blocks > 0 and budget.num_slots == 4 and budget.activations == peak
     # the step ran through the executor: 4 requests (100 tokens) held while it was measured
     assert probe.held_during_step == 4 and budget.profile_tokens == 100
@@ -139,8 +167,13 @@ def test_size_kv_cache_budget(executor):
     assert executor.cache is cache and not executor.requests and not executor.sampler._requests
     assert cache.free_slots == cache.num_slots and cache.free_blocks == cache.num_blocks
     text = budget.describe()
-    for words in ("gpu_memory_utilization 0.5", "4 state slots", f"{budget.num_blocks} KV blocks of 16",
-                  f"{budget.num_blocks * 16} tokens of KV", "activations 0.03 GiB"):  # fmt: skip
+    for words in (
+        "gpu_memory_utilization 0.5",
+        "4 state slots",
+        f"{budget.num_blocks} KV blocks of 16",
+        f"{budget.num_blocks * 16} tokens of KV",
+        "activations 0.03 GiB",
+    ):
         assert words in text, text
 
 
@@ -152,8 +185,14 @@ def test_size_kv_cache_refuses_too_little_naming_the_numbers(executor):
     with pytest.raises(MemoryError) as info:
         size_kv_cache(executor, FakeProbe(executor, total, 10 * MiB, 0))
     message = str(info.value)
-    for words in ("not enough device memory", "4 state slots", "max_model_len 64",
-                  "needs 4 KV blocks", "but 3 fit", "--gpu-memory-utilization"):  # fmt: skip
+    for words in (
+        "not enough device memory",
+        "4 state slots",
+        "max_model_len 64",
+        "needs 4 KV blocks",
+        "but 3 fit",
+        "--gpu-memory-utilization",
+    ):
         assert words in message, message
     assert not executor.requests
 
@@ -178,8 +217,12 @@ def _agree(rank: int, init: str, values: list[int], out: str) -> None:
 def test_every_rank_takes_the_minimum(tmp_path):
     values = [1234, 987]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.start_processes(_agree, args=(f"file://{tmp_path}/store", values, str(tmp_path / "out")),
-                       nprocs=2, start_method="spawn")  # fmt: skip
+    mp.start_processes(
+        _agree,
+        args=(f"file://{tmp_path}/store", values, str(tmp_path / "out")),
+        nprocs=2,
+        start_method="spawn",
+    )
     assert [int((tmp_path / f"out.{r}").read_text()) for r in range(2)] == [987, 987]
 
 
@@ -195,11 +238,18 @@ def test_engine_config_and_limits(tiny_model_dir):
     assert resolve_limits(cpu, model_config).num_kv_blocks == 4 * 64 // 16  # today's sizing
     cuda = EngineConfig(model=str(tiny_model_dir), device="cuda", max_model_len=64)
     assert resolve_limits(cuda, model_config).num_kv_blocks is None  # the ranks size it
-    fixed = EngineConfig(model=str(tiny_model_dir), device="cuda", max_model_len=64, num_kv_blocks=9)
+    fixed = EngineConfig(
+        model=str(tiny_model_dir), device="cuda", max_model_len=64, num_kv_blocks=9
+    )
     assert resolve_limits(fixed, model_config).num_kv_blocks == 9
     # the step's token budget defaults by device; a given one is kept
     assert (cpu.max_num_batched_tokens, cuda.max_num_batched_tokens) == (2048, 8192)
-    assert EngineConfig(model=str(tiny_model_dir), device="cuda", max_num_batched_tokens=512).max_num_batched_tokens == 512
+    assert (
+        EngineConfig(
+            model=str(tiny_model_dir), device="cuda", max_num_batched_tokens=512
+        ).max_num_batched_tokens
+        == 512
+    )
 
 
 def test_replica_config_num_blocks_zero_is_cuda_only():
@@ -213,7 +263,9 @@ def test_replica_config_num_blocks_zero_is_cuda_only():
 def test_serve_flag():
     from deltaserve.http.serve import _engine_config, build_parser
 
-    args = build_parser().parse_args(["--model", "/m", "--device", "cpu", "--gpu-memory-utilization", "0.75"])
+    args = build_parser().parse_args(
+        ["--model", "/m", "--device", "cpu", "--gpu-memory-utilization", "0.75"]
+    )
     assert _engine_config(args).gpu_memory_utilization == 0.75
     args = build_parser().parse_args(["--model", "/m", "--device", "cpu"])
     assert _engine_config(args).gpu_memory_utilization == 0.9

@@ -32,21 +32,29 @@ from deltaserve.tools.make_model import hf_causal_lm
 # (0.11 / 0.053 off on an H100): there the bound is 0.25, and a near tie may pick another
 # argmax at a regret within it. CI's CPU run holds the 1e-3 gate.
 HF_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BOUNDS = {"prefill": 0.25, "decode": 0.25} if HF_DEVICE == "cuda" else {"prefill": 1e-3, "decode": 1e-3}
+BOUNDS = (
+    {"prefill": 0.25, "decode": 0.25} if HF_DEVICE == "cuda" else {"prefill": 1e-3, "decode": 1e-3}
+)
 
 
 def assert_golden(report, bound: float) -> None:
-    same_argmax = report.argmax_mismatches == 0 if HF_DEVICE == "cpu" else report.max_regret <= bound
+    same_argmax = (
+        report.argmax_mismatches == 0 if HF_DEVICE == "cpu" else report.max_regret <= bound
+    )
     assert same_argmax and report.max_abs_diff <= bound, report
 
 
 @pytest.fixture(scope="module")
 def hf_moe(tiny_moe_model_dir):
-    model = hf_causal_lm(tiny_moe_model_dir).from_pretrained(tiny_moe_model_dir, dtype=torch.float32)
+    model = hf_causal_lm(tiny_moe_model_dir).from_pretrained(
+        tiny_moe_model_dir, dtype=torch.float32
+    )
     return model.to(HF_DEVICE).eval()
 
 
-@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 8, 256, 16), (37, 2, 6, 16), (300, 4, 16, 64)])
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,block_m", [(1, 8, 256, 16), (37, 2, 6, 16), (300, 4, 16, 64)]
+)
 def test_group_pairs_places_every_pair_once_by_expert(tokens, top_k, experts, block_m):
     ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
     pairs, block_expert = group_pairs(ids, experts, block_m)
@@ -59,7 +67,9 @@ def test_group_pairs_places_every_pair_once_by_expert(tokens, top_k, experts, bl
         if expert < 0:
             assert members.numel() == 0, f"unused block {b} holds pairs"
             continue
-        assert members.numel() > 0 and (ids.view(-1)[members] == expert).all(), f"block {b} mixes experts"
+        assert members.numel() > 0 and (ids.view(-1)[members] == expert).all(), (
+            f"block {b} mixes experts"
+        )
         assert (members.diff() > 0).all(), "an expert's pairs out of token order"
 
 
@@ -76,7 +86,9 @@ EXPERT_SHAPES = [  # (tokens, experts, top_k, hidden, inter): <= GEMV_PAIRS pair
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,num_experts,top_k,hidden,inter", EXPERT_SHAPES)
-def test_experts_kernel_matches_reference(kernels, device, dtype, tokens, num_experts, top_k, hidden, inter):
+def test_experts_kernel_matches_reference(
+    kernels, device, dtype, tokens, num_experts, top_k, hidden, inter
+):
     from deltaserve.kernels.moe import experts_and_shared, experts_triton
 
     assert (tokens * top_k > GEMV_PAIRS) == (tokens >= 64), "a shape meant for the other kernel"
@@ -94,12 +106,16 @@ def test_experts_kernel_matches_reference(kernels, device, dtype, tokens, num_ex
         shared = torch.sigmoid(gate) * torch.nn.functional.linear(shared_h, shared_down)
         got = experts_and_shared(x, gate_up, down, weights, ids, dtype, shared_h, shared_down, gate)
         assert got.dtype == dtype
-        assert_close(got.float(), (want + shared.float()).to(dtype).float(), dtype, "experts + shared")
+        assert_close(
+            got.float(), (want + shared.float()).to(dtype).float(), dtype, "experts + shared"
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,num_experts,top_k", [(5, 6, 2), (3, 256, 8), (40, 256, 8)])
-def test_route_kernel_matches_reference(kernels, device, dtype, tokens, num_experts, top_k, monkeypatch):
+def test_route_kernel_matches_reference(
+    kernels, device, dtype, tokens, num_experts, top_k, monkeypatch
+):
     """The router's top k, best first, and their renormalised weights rounded to the model dtype.
     bf16 logits tie often: where they do, either expert is a right pick (as torch.topk's)."""
     from deltaserve.kernels import triton_compat
@@ -111,11 +127,17 @@ def test_route_kernel_matches_reference(kernels, device, dtype, tokens, num_expe
     probs = torch.softmax(logits.float(), dim=-1)
     chosen = probs.gather(1, ids)
     assert ids.unique(dim=1).shape == ids.shape, "an expert chosen twice"
-    assert torch.allclose(chosen, probs.gather(1, want_ids), rtol=1e-6, atol=0), "not the top k, best first"
+    assert torch.allclose(chosen, probs.gather(1, want_ids), rtol=1e-6, atol=0), (
+        "not the top k, best first"
+    )
     # bf16: one unit in the last place (the interpreter truncates where the GPU rounds)
     rtol = 1e-6 if dtype == torch.float32 else 8e-3
-    assert torch.allclose(weights, (chosen / chosen.sum(1, keepdim=True)).to(dtype).float(), rtol=rtol, atol=0)
-    logits[0] = float("nan")  # a graph's padding row may hold anything: its experts must still exist
+    assert torch.allclose(
+        weights, (chosen / chosen.sum(1, keepdim=True)).to(dtype).float(), rtol=rtol, atol=0
+    )
+    logits[0] = float(
+        "nan"
+    )  # a graph's padding row may hold anything: its experts must still exist
     assert (route(logits, top_k, dtype)[1][0] < num_experts).all()
 
 
@@ -126,11 +148,18 @@ def test_tp_matches_hf_and_tp1(tiny_moe_model_dir, tmp_path, hf_moe):
     runs = {world: run_tp(world, tiny_moe_model_dir, tmp_path, prompt) for world in (1, 2)}
     assert runs[2]["tokens"] == runs[1]["tokens"], "greedy tokens differ between TP=1 and TP=2"
     with torch.inference_mode():
-        reference = hf_moe(torch.tensor([prompt + runs[1]["tokens"]], device=HF_DEVICE)).logits[0].float().cpu()
+        reference = (
+            hf_moe(torch.tensor([prompt + runs[1]["tokens"]], device=HF_DEVICE))
+            .logits[0]
+            .float()
+            .cpu()
+        )
     n = len(prompt)
     for world, result in runs.items():
-        for what, ours, ref in (("prefill", result["prefill"], reference[:n]),
-                                ("decode", result["decode"], reference[n : n + DECODE_STEPS])):  # fmt: skip
+        for what, ours, ref in (
+            ("prefill", result["prefill"], reference[:n]),
+            ("decode", result["decode"], reference[n : n + DECODE_STEPS]),
+        ):
             report = compare_logprobs(ours, ref)
             print(f"TP={world} {what}: {json.dumps(report.as_dict())}")
             assert_golden(report, BOUNDS[what])
@@ -144,7 +173,9 @@ def _stacked_copy(model_dir, out_dir):
     num = json.loads((out_dir / "config.json").read_text())["num_experts"]
     for prefix in sorted({name.split(".experts.")[0] for name in tensors if ".experts." in name}):
         pick = lambda e, m, prefix=prefix: tensors.pop(f"{prefix}.experts.{e}.{m}_proj.weight")  # noqa: E731
-        tensors[f"{prefix}.experts.gate_up_proj"] = torch.stack([torch.cat([pick(e, "gate"), pick(e, "up")]) for e in range(num)])
+        tensors[f"{prefix}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([pick(e, "gate"), pick(e, "up")]) for e in range(num)]
+        )
         tensors[f"{prefix}.experts.down_proj"] = torch.stack([pick(e, "down") for e in range(num)])
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     return out_dir
@@ -160,7 +191,9 @@ def test_stacked_experts_load_as_released_ones(tiny_moe_model_dir, tmp_path):
 
     def logits(model_dir):
         ex = Executor(ExecutorConfig(str(model_dir), num_slots=2, num_blocks=16))
-        return ex.forward([StepItem(1, 0, ids, True, NewRequest(30, SamplingSpec(seed=0)))], every_position=True)
+        return ex.forward(
+            [StepItem(1, 0, ids, True, NewRequest(30, SamplingSpec(seed=0)))], every_position=True
+        )
 
     stacked = _stacked_copy(tiny_moe_model_dir, tmp_path / "stacked")
     assert torch.equal(logits(stacked), logits(tiny_moe_model_dir))
@@ -169,7 +202,9 @@ def test_stacked_experts_load_as_released_ones(tiny_moe_model_dir, tmp_path):
     tensors = load_file(broken / "model.safetensors")
     del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"lacks tensors: model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
+    with pytest.raises(
+        CheckpointError, match=r"lacks tensors: model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"
+    ):
         logits(broken)
 
 
@@ -179,12 +214,15 @@ async def test_engine_serves_hf_greedy_tokens(tiny_moe_model_dir, hf_moe):
     from deltaserve.engine.sampling_params import SamplingParams
 
     prompt = [random.Random(8).randrange(248044) for _ in range(70)]
-    expected = hf_moe.generate(torch.tensor([prompt], device=HF_DEVICE), max_new_tokens=12, do_sample=False)
+    expected = hf_moe.generate(
+        torch.tensor([prompt], device=HF_DEVICE), max_new_tokens=12, do_sample=False
+    )
     expected = expected[0, 70:].tolist()
     engine = await AsyncEngine.start(engine_config(tiny_moe_model_dir))
     try:
-        tokens, finished = await collect(engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0,
-                                                                                ignore_eos=True)))  # fmt: skip
+        tokens, finished = await collect(
+            engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        )
     finally:
         await engine.shutdown()
     assert ids_of(tokens) == expected and finished.reason == "length"
@@ -208,7 +246,6 @@ def test_cuda_graphs_match_cpu(tiny_moe_model_dir, monkeypatch):
     _assert_steps_match(graphs, eager, 1e-4, "graphs vs eager (moe)")
 
 
-
 def _short_steps(vocab: int = 240000):
     """A prompt (12 tokens: 24 pairs, per-pair GEMVs), one beside a decode past GEMV_PAIRS
     (140 tokens: grouped products), then two decode steps of both."""
@@ -216,9 +253,21 @@ def _short_steps(vocab: int = 240000):
 
     gen = torch.Generator().manual_seed(2)
     spec = SamplingSpec(seed=0)
-    yield [StepItem(1, 0, torch.randint(0, vocab, (12,), generator=gen).tolist(), True, NewRequest(60, spec))]
-    yield [StepItem(2, 0, torch.randint(0, vocab, (140,), generator=gen).tolist(), True, NewRequest(160, spec)),
-           StepItem(1, 12, [5], True, None)]  # fmt: skip
+    yield [
+        StepItem(
+            1, 0, torch.randint(0, vocab, (12,), generator=gen).tolist(), True, NewRequest(60, spec)
+        )
+    ]
+    yield [
+        StepItem(
+            2,
+            0,
+            torch.randint(0, vocab, (140,), generator=gen).tolist(),
+            True,
+            NewRequest(160, spec),
+        ),
+        StepItem(1, 12, [5], True, None),
+    ]
     yield [StepItem(1, 13, [6], True, None), StepItem(2, 140, [7], True, None)]
 
 
@@ -248,9 +297,13 @@ def test_released_layouts_load(tiny_moe_model_dir, tmp_path):
 
     def logits(model_dir):
         ex = Executor(ExecutorConfig(str(model_dir), num_slots=2, num_blocks=16))
-        return ex.forward([StepItem(1, 0, ids, True, NewRequest(40, SamplingSpec(seed=0)))], every_position=True)
+        return ex.forward(
+            [StepItem(1, 0, ids, True, NewRequest(40, SamplingSpec(seed=0)))], every_position=True
+        )
 
-    vlm = make_model(tmp_path / "vlm", preset="tiny-moe", dtype="fp32", seed=0, vlm_names=True, shard_size="2MB")
+    vlm = make_model(
+        tmp_path / "vlm", preset="tiny-moe", dtype="fp32", seed=0, vlm_names=True, shard_size="2MB"
+    )
     assert json.loads((vlm / "config.json").read_text())["model_type"] == "qwen3_5_moe"
     assert torch.equal(logits(vlm), logits(tiny_moe_model_dir))
     fp8 = make_model(tmp_path / "fp8", preset="tiny-moe", dtype="fp8", seed=0, fp8_block=16)
@@ -268,10 +321,21 @@ def test_moe_config_is_read_and_checked(tiny_moe_model_dir):
 
     raw = json.loads((tiny_moe_model_dir / "config.json").read_text())
     config = ModelConfig.from_dict(raw)
-    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 32)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (
+        8,
+        2,
+        32,
+    )
     bare = ModelConfig.from_dict({"model_type": "qwen3_5_moe_text"})  # Qwen3.5-35B-A3B's shape
-    assert (bare.num_experts, bare.num_experts_per_tok, bare.hidden_size, bare.num_hidden_layers) == (256, 8, 2048, 40)
+    assert (
+        bare.num_experts,
+        bare.num_experts_per_tok,
+        bare.hidden_size,
+        bare.num_hidden_layers,
+    ) == (256, 8, 2048, 40)
     with pytest.raises(ConfigError, match="num_experts_per_tok 9 is more than num_experts 8"):
         ModelConfig.from_dict({**raw, "num_experts_per_tok": 9})
-    with pytest.raises(ValueError, match="size 4 does not divide shared_expert_intermediate_size=50"):
+    with pytest.raises(
+        ValueError, match="size 4 does not divide shared_expert_intermediate_size=50"
+    ):
         ModelConfig.from_dict({**raw, "shared_expert_intermediate_size": 50}).check_tp_size(4)

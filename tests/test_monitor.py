@@ -66,7 +66,9 @@ class Subscriber:
         while not self._stop.is_set():
             if self._sock.poll(50):
                 topic, body = self._sock.recv_multipart()
-                self.messages.append((topic, msgspec.msgpack.decode(body), schema.decode(topic, body)))
+                self.messages.append(
+                    (topic, msgspec.msgpack.decode(body), schema.decode(topic, body))
+                )
 
     def typed(self, cls=object) -> list:
         return [m for _, _, m in list(self.messages) if isinstance(m, cls)]
@@ -94,10 +96,15 @@ def step_free(load) -> tuple:
 async def engine(tiny_model_dir, tmp_path_factory):
     endpoint = f"ipc://{tmp_path_factory.mktemp('mon')}/monitor"
     config = EngineConfig(
-        model=str(tiny_model_dir), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
-        num_kv_blocks=64, startup_timeout_s=90.0, monitor_endpoint=endpoint,
+        model=str(tiny_model_dir),
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=256,
+        num_kv_blocks=64,
+        startup_timeout_s=90.0,
+        monitor_endpoint=endpoint,
         fault=FaultPlan(rank=0, kind="die_mid_step", at_step=FATAL_STEP),
-    )  # fmt: skip
+    )
     engine = await AsyncEngine.start(config)
     yield engine
     await engine.shutdown()
@@ -130,8 +137,13 @@ async def test_lifecycle_in_order_and_loads_are_the_engines(engine, subscriber):
         events = await asyncio.wait_for(drain(stream), 60)
         assert isinstance(events[-1], FinishedEvent)
         finals.append((stream.request_ids[0], events[-1]))
-    await subscriber.wait_for(lambda m: isinstance(m, schema.Load) and m.running == 0
-                              and m.steps_total == engine.scheduler.metrics.steps_total)  # fmt: skip
+    await subscriber.wait_for(
+        lambda m: (
+            isinstance(m, schema.Load)
+            and m.running == 0
+            and m.steps_total == engine.scheduler.metrics.steps_total
+        )
+    )
 
     # Plain msgpack maps carry exactly the documented keys, `kind` first.
     for topic, raw, typed in subscriber.messages:
@@ -143,18 +155,40 @@ async def test_lifecycle_in_order_and_loads_are_the_engines(engine, subscriber):
         seqs = [d["seq"] for t, d, _ in subscriber.messages if t == topic]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), topic
 
-    events = subscriber.typed(schema.Queued | schema.Admitted | schema.FirstToken |
-                              schema.Finished | schema.Rejected | schema.Dropped)  # fmt: skip
+    events = subscriber.typed(
+        schema.Queued
+        | schema.Admitted
+        | schema.FirstToken
+        | schema.Finished
+        | schema.Rejected
+        | schema.Dropped
+    )
     for i, ((rid, fin), prompt) in enumerate(zip(finals, prompts, strict=True)):
         mine = [e for e in events if getattr(e, "request_id", None) == rid]
-        assert [e.__struct_config__.tag for e in mine] == ["queued", "admitted", "first_token", "finished"]
+        assert [e.__struct_config__.tag for e in mine] == [
+            "queued",
+            "admitted",
+            "first_token",
+            "finished",
+        ]
         queued, admitted, first, finished = mine
-        assert (queued.client_id, queued.prompt_tokens, queued.max_tokens) == (f"client-{i}", len(prompt), 8)
+        assert (queued.client_id, queued.prompt_tokens, queued.max_tokens) == (
+            f"client-{i}",
+            len(prompt),
+            8,
+        )
         assert (finished.reason, finished.prompt_tokens, finished.output_tokens) == (
-            fin.reason, fin.prompt_tokens, fin.output_tokens)  # fmt: skip
+            fin.reason,
+            fin.prompt_tokens,
+            fin.output_tokens,
+        )
         assert 0 <= admitted.queue_s <= first.ttft_s == finished.ttft_s <= finished.e2e_s
     (rejected,) = [e for e in events if isinstance(e, schema.Rejected)]
-    assert (rejected.request_id, rejected.client_id, rejected.reason) == (None, "too-long", "invalid")
+    assert (rejected.request_id, rejected.client_id, rejected.reason) == (
+        None,
+        "too-long",
+        "invalid",
+    )
     assert "max_model_len" in rejected.message
 
     # Loads: each is one of the engine's snapshots (a heartbeat: with step_* zero), every
@@ -164,8 +198,11 @@ async def test_lifecycle_in_order_and_loads_are_the_engines(engine, subscriber):
         matches = [s for s in engine_loads if step_free(s) == step_free(m)]
         assert matches, m
         if m.step_decode_tokens or m.step_prefill_tokens:
-            assert any((s.step_prefill_tokens, s.step_decode_tokens, s.step_duration_s) ==
-                       (m.step_prefill_tokens, m.step_decode_tokens, m.step_duration_s) for s in matches)  # fmt: skip
+            assert any(
+                (s.step_prefill_tokens, s.step_decode_tokens, s.step_duration_s)
+                == (m.step_prefill_tokens, m.step_decode_tokens, m.step_duration_s)
+                for s in matches
+            )
     stepped = [s for s in engine_loads if s.step_prefill_tokens or s.step_decode_tokens]
     wire_stepped = [m for m in wire if m.step_prefill_tokens or m.step_decode_tokens]
     assert [m.steps_total for m in wire_stepped] == [s.steps_total for s in stepped]
@@ -176,8 +213,15 @@ async def test_lifecycle_in_order_and_loads_are_the_engines(engine, subscriber):
     last = wire[-1]
     assert step_free(last) == step_free(engine.load())
     assert (last.state, last.running, last.waiting, last.free_slots, last.free_blocks) == (
-        "serving", 0, 0, last.num_slots, last.num_blocks)  # fmt: skip
-    assert last.generation_tokens_total - engine_loads[0].generation_tokens_total == 8 * len(prompts)
+        "serving",
+        0,
+        0,
+        last.num_slots,
+        last.num_blocks,
+    )
+    assert last.generation_tokens_total - engine_loads[0].generation_tokens_total == 8 * len(
+        prompts
+    )
     engine.scheduler.load_listeners.remove(engine_loads.append)
 
 
@@ -185,9 +229,13 @@ async def test_lifecycle_in_order_and_loads_are_the_engines(engine, subscriber):
 async def test_fatal_fault_poisoned_then_dead_load_then_terminal(engine, subscriber):
     """Rank 0 dies inside step FATAL_STEP with a request running."""
     assert engine.scheduler.metrics.steps_total < FATAL_STEP - 1
-    stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    stream = engine.generate(
+        [5, 6, 7], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    )
     events = await asyncio.wait_for(drain(stream), 60)
-    assert isinstance(events[-1], ErrorEvent) and all(isinstance(e, TokenEvent) for e in events[:-1])
+    assert isinstance(events[-1], ErrorEvent) and all(
+        isinstance(e, TokenEvent) for e in events[:-1]
+    )
     await subscriber.wait_for(lambda m: isinstance(m, schema.Terminal))
     msgs = subscriber.typed()
     kinds = [m.__struct_config__.tag for m in msgs]
@@ -201,7 +249,12 @@ async def test_fatal_fault_poisoned_then_dead_load_then_terminal(engine, subscri
     assert (d.running, d.waiting, d.free_slots, d.free_blocks) == (0, 0, d.num_slots, d.num_blocks)
     rid = stream.request_ids[0]
     mine = [m for m in msgs if getattr(m, "request_id", None) == rid]
-    assert [m.__struct_config__.tag for m in mine] == ["queued", "admitted", "first_token", "dropped"]
+    assert [m.__struct_config__.tag for m in mine] == [
+        "queued",
+        "admitted",
+        "first_token",
+        "dropped",
+    ]
     assert mine[-1].output_tokens == len(events) - 1 and "rank 0" in mine[-1].message
     assert poisoned < msgs.index(mine[-1]) < dead
     await engine.shutdown()
@@ -222,8 +275,16 @@ async def test_a_subscriber_that_never_reads_does_not_slow_publishing(tmp_path):
     stalled.connect(publisher.endpoint)
     try:
         await asyncio.sleep(0.3)  # the subscription reaches the publisher
-        base = LoadSnapshot(running=3, waiting=1, free_slots=1, free_blocks=10, num_slots=4,
-                            num_blocks=64, steps_total=0, step_decode_tokens=3)  # fmt: skip
+        base = LoadSnapshot(
+            running=3,
+            waiting=1,
+            free_slots=1,
+            free_blocks=10,
+            num_slots=4,
+            num_blocks=64,
+            steps_total=0,
+            step_decode_tokens=3,
+        )
         n = 200_000
         snaps = [msgspec.structs.replace(base, steps_total=i + 1) for i in range(n)]
         t0 = time.perf_counter()
@@ -246,10 +307,24 @@ async def test_a_subscriber_that_never_reads_does_not_slow_publishing(tmp_path):
 @module_loop
 async def test_deltaserve_monitor_json_against_a_live_server(tiny_model_dir):
     serve = await asyncio.create_subprocess_exec(
-        DELTASERVE, "serve", "--model", str(tiny_model_dir), "--device", "cpu", "--port", "0",
-        "--served-model-name", "tiny", "--max-model-len", "256", "--num-kv-blocks", "64",
-        "--max-num-seqs", "4", stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        DELTASERVE,
+        "serve",
+        "--model",
+        str(tiny_model_dir),
+        "--device",
+        "cpu",
+        "--port",
+        "0",
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "256",
+        "--num-kv-blocks",
+        "64",
+        "--max-num-seqs",
+        "4",
+        stderr=asyncio.subprocess.PIPE,
+    )
     monitor = None
     log: list[str] = []
     ready = asyncio.get_running_loop().create_future()
@@ -257,7 +332,9 @@ async def test_deltaserve_monitor_json_against_a_live_server(tiny_model_dir):
     async def read_log() -> None:  # all of it, so that the pipe never fills
         async for raw in serve.stderr:
             log.append(raw.decode())
-            m = re.search(r"ready: serving .* at (http://[\d.]+:\d+)/v1 .*monitor: (ipc://\S+)\)", log[-1])
+            m = re.search(
+                r"ready: serving .* at (http://[\d.]+:\d+)/v1 .*monitor: (ipc://\S+)\)", log[-1]
+            )
             if m and not ready.done():
                 ready.set_result(m.groups())
         if not ready.done():
@@ -267,9 +344,12 @@ async def test_deltaserve_monitor_json_against_a_live_server(tiny_model_dir):
     try:
         url, endpoint = await asyncio.wait_for(ready, 120)
         folder = os.path.dirname(endpoint.removeprefix("ipc://"))
-        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700 and os.stat(folder).st_uid == os.getuid()
+        assert (
+            stat.S_IMODE(os.stat(folder).st_mode) == 0o700 and os.stat(folder).st_uid == os.getuid()
+        )
         monitor = await asyncio.create_subprocess_exec(
-            DELTASERVE, "monitor", endpoint, "--json", stdout=asyncio.subprocess.PIPE)
+            DELTASERVE, "monitor", endpoint, "--json", stdout=asyncio.subprocess.PIPE
+        )
         messages = []
 
         async def read_until(predicate) -> None:
@@ -289,7 +369,10 @@ async def test_deltaserve_monitor_json_against_a_live_server(tiny_model_dir):
         assert queued.client_id == completion["id"]
         finished = messages[-1]
         assert (finished.request_id, finished.reason, finished.output_tokens) == (
-            queued.request_id, "length", completion["usage"]["completion_tokens"])  # fmt: skip
+            queued.request_id,
+            "length",
+            completion["usage"]["completion_tokens"],
+        )
         serve.send_signal(signal.SIGTERM)
         await read_until(lambda m: isinstance(m, schema.ShutDown))
         states = [m.state for m in messages if isinstance(m, schema.Load)]
@@ -317,7 +400,7 @@ def test_doc_tables_match_the_schema():
     assert set(keys) == {cls.__struct_config__.tag for cls in messages}
     for cls in messages:
         assert cls.__struct_fields__[: len(COMMON)] == COMMON
-        assert keys[cls.__struct_config__.tag] == list(cls.__struct_fields__[len(COMMON):]), cls
+        assert keys[cls.__struct_config__.tag] == list(cls.__struct_fields__[len(COMMON) :]), cls
     common = re.search(r"Every body carries these keys:\n\n(.*?)\n\n", text, flags=re.S).group(1)
     assert re.findall(r"^\| `(\w+)` \|", common, flags=re.M) == ["kind", *COMMON]
 
@@ -330,24 +413,79 @@ def test_monitor_view_renders_a_session():
 
     view = MonitorView("ipc:///x")
     t = 1_800_000_000.0
-    load = dict(running=1, waiting=0, free_slots=3, free_blocks=60, num_slots=4, num_blocks=64,
-                step_prefill_tokens=0, step_decode_tokens=1, step_duration_s=0.004,
-                prompt_tokens_total=5)  # fmt: skip
-    view.update(b"replica", schema.Ready(seq=0, time_s=t, model="/m/tiny", tp_size=2, device="cpu",
-                num_slots=4, num_blocks=64, block_size=16, max_model_len=256, startup_s=3.5))  # fmt: skip
-    view.update(b"load", schema.Load(seq=0, time_s=t, state="serving", steps_total=1,
-                                     generation_tokens_total=0, **load))  # fmt: skip
-    view.update(b"load", schema.Load(seq=3, time_s=t + 2, state="serving", steps_total=50,
-                                     generation_tokens_total=100, **load))  # fmt: skip
-    view.update(b"request", schema.Finished(seq=0, time_s=t + 2, request_id=7, reason="stop",
-                prompt_tokens=5, output_tokens=9, ttft_s=0.02, e2e_s=0.3))  # fmt: skip
+    load = dict(
+        running=1,
+        waiting=0,
+        free_slots=3,
+        free_blocks=60,
+        num_slots=4,
+        num_blocks=64,
+        step_prefill_tokens=0,
+        step_decode_tokens=1,
+        step_duration_s=0.004,
+        prompt_tokens_total=5,
+    )
+    view.update(
+        b"replica",
+        schema.Ready(
+            seq=0,
+            time_s=t,
+            model="/m/tiny",
+            tp_size=2,
+            device="cpu",
+            num_slots=4,
+            num_blocks=64,
+            block_size=16,
+            max_model_len=256,
+            startup_s=3.5,
+        ),
+    )
+    view.update(
+        b"load",
+        schema.Load(
+            seq=0, time_s=t, state="serving", steps_total=1, generation_tokens_total=0, **load
+        ),
+    )
+    view.update(
+        b"load",
+        schema.Load(
+            seq=3,
+            time_s=t + 2,
+            state="serving",
+            steps_total=50,
+            generation_tokens_total=100,
+            **load,
+        ),
+    )
+    view.update(
+        b"request",
+        schema.Finished(
+            seq=0,
+            time_s=t + 2,
+            request_id=7,
+            reason="stop",
+            prompt_tokens=5,
+            output_tokens=9,
+            ttft_s=0.02,
+            e2e_s=0.3,
+        ),
+    )
     view.update(b"replica", schema.Poisoned(seq=1, time_s=t + 3, reason="rank 1 died"))
     assert view.num_lost == 2 and view.rates() == (50.0, 0.0)
     console = Console(record=True, width=150)
     console.print(view.render())
     text = console.export_text()
-    for expected in ("serving", "/m/tiny", "lost 2", "1/4", "0p+1d 4.0 ms", "50.0",
-                     "#7 stop: 5+9 tokens", "poisoned  rank 1 died", "stop 1"):  # fmt: skip
+    for expected in (
+        "serving",
+        "/m/tiny",
+        "lost 2",
+        "1/4",
+        "0p+1d 4.0 ms",
+        "50.0",
+        "#7 stop: 5+9 tokens",
+        "poisoned  rank 1 died",
+        "stop 1",
+    ):
         assert expected in text, (expected, text)
     # A time no clock shows is listed, not a crash; heartbeats missing: the view says so.
     view.update(b"replica", schema.Terminal(seq=2, time_s=float("nan"), reason="x"))
@@ -362,8 +500,11 @@ def test_monitor_says_when_nothing_is_at_its_ipc_path(tmp_path):
     exist yet and waits); it now says what it waits for, and still waits (an engine may bind
     the path later)."""
     endpoint = f"ipc://{tmp_path}/nowhere"
-    with subprocess.Popen([sys.executable, "-m", "deltaserve.tools.cli", "monitor", endpoint, "--json"],
-                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, "-m", "deltaserve.tools.cli", "monitor", endpoint, "--json"],
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
         try:
             line = proc.stderr.readline()
             assert f"nothing at {tmp_path}/nowhere yet: waiting for an engine" in line, line

@@ -62,7 +62,9 @@ class TestPlanStep:
         if len(decoding) <= budget.max_num_seqs:
             assert planned_decodes == decoding
         assert [c.request_id for c in planned_prefills] == prefilling[: len(planned_prefills)]
-        assert all(c.sample for c in planned_prefills[:-1]), "a later prompt went ahead of an earlier one"
+        assert all(c.sample for c in planned_prefills[:-1]), (
+            "a later prompt went ahead of an earlier one"
+        )
         if admitted:
             assert chunks
         if force_mixed:
@@ -73,7 +75,12 @@ class TestPlanStep:
             assert plan.num_tokens == budget.max_num_batched_tokens
 
     def test_long_prompt_is_chunked_beside_decodes(self):
-        admitted = [PlanInput(1, 5, 7), PlanInput(2, 3, 3), PlanInput(3, 100, 40), PlanInput(4, 10, 0)]
+        admitted = [
+            PlanInput(1, 5, 7),
+            PlanInput(2, 3, 3),
+            PlanInput(3, 100, 40),
+            PlanInput(4, 10, 0),
+        ]
         plan = plan_step(admitted, StepBudget(32, 8))
         assert [(c.request_id, c.start, c.num_tokens, c.sample) for c in plan.chunks] == [
             (1, 7, 1, True),
@@ -84,7 +91,11 @@ class TestPlanStep:
 
     @settings(max_examples=150, deadline=None)
     @given(
-        st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12), st.integers(0, 6)), min_size=1, max_size=10),
+        st.lists(
+            st.tuples(st.integers(1, 60), st.integers(1, 12), st.integers(0, 6)),
+            min_size=1,
+            max_size=10,
+        ),
         st.integers(1, 6),
         st.integers(8, 64),
         st.booleans(),
@@ -111,7 +122,9 @@ class TestPlanStep:
                 order.append(i)
             if not order and not waiting and step > max(a for a, *_ in pending):
                 break
-            plan = plan_step([PlanInput(i, state[i][0], state[i][2]) for i in order], budget, force_mixed)
+            plan = plan_step(
+                [PlanInput(i, state[i][0], state[i][2]) for i in order], budget, force_mixed
+            )
             assert plan.chunks or not order
             for c in plan.chunks:
                 s = state[c.request_id]
@@ -119,7 +132,9 @@ class TestPlanStep:
                 s[2] += c.num_tokens
                 if c.sample:
                     s[3] += 1
-                    assert s[2] == s[0] + s[3] - 1  # computed through the prompt and all but the newest
+                    assert (
+                        s[2] == s[0] + s[3] - 1
+                    )  # computed through the prompt and all but the newest
                     if s[3] == s[1]:
                         order.remove(c.request_id)
                         ledger.release(c.request_id)
@@ -137,7 +152,9 @@ class TestPlanStep:
         state = {1: [20, 0], 2: [20, 0]}  # prompt_len, computed
         mixed = []
         for _ in range(12):
-            plan = plan_step([PlanInput(i, p, c) for i, (p, c) in state.items()], StepBudget(64, 4), force_mixed)
+            plan = plan_step(
+                [PlanInput(i, p, c) for i, (p, c) in state.items()], StepBudget(64, 4), force_mixed
+            )
             mixed.append(plan.is_mixed)
             for c in plan.chunks:
                 state[c.request_id][1] += c.num_tokens
@@ -147,7 +164,9 @@ class TestPlanStep:
 class TestCapacityLedger:
     def test_ask_then_reserve_then_release(self):
         ledger = CapacityLedger(num_slots=2, num_blocks=10, block_size=16)
-        assert ledger.blocks_for(1) == 1 and ledger.blocks_for(16) == 1 and ledger.blocks_for(17) == 2
+        assert (
+            ledger.blocks_for(1) == 1 and ledger.blocks_for(16) == 1 and ledger.blocks_for(17) == 2
+        )
         assert ledger.can_admit(100)  # 7 blocks
         ledger.admit(1, 100)
         assert (ledger.free_slots, ledger.free_blocks) == (1, 3)
@@ -189,8 +208,14 @@ class TestCapacityLedger:
 
 class TestRequestLifecycle:
     def _request(self, **params):
-        return Request(request_id=9, index=0, prompt_ids=(5, 6, 7), params=SamplingParams(max_tokens=3, **params),
-                       seed=0, arrival_time_s=0.0)
+        return Request(
+            request_id=9,
+            index=0,
+            prompt_ids=(5, 6, 7),
+            params=SamplingParams(max_tokens=3, **params),
+            seed=0,
+            arrival_time_s=0.0,
+        )
 
     def test_counters_move_only_through_transitions(self):
         r = self._request()

@@ -36,24 +36,38 @@ BASE = list(range(5, 45))  # 40 tokens: 2.5 blocks of 16
 async def engine(request, tiny_model_dir):
     # on CUDA the tiny fp32 model runs its prompts eagerly (flash takes half precision): prompt
     # graphs that start from saved prefixes are checked in tests/test_gpu_path.py
-    engine = await start_placed(request.param, tiny_model_dir, num_kv_blocks=BLOCKS, max_num_batched_tokens=256,
-                                enable_prefix_caching=True, prefix_cache_states=3)  # fmt: skip
+    engine = await start_placed(
+        request.param,
+        tiny_model_dir,
+        num_kv_blocks=BLOCKS,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=True,
+        prefix_cache_states=3,
+    )
     yield engine
     await engine.shutdown()
 
 
-async def run(engine: AsyncEngine, prompt: list[int], params: SamplingParams = PARAMS) -> tuple[list[TokenEvent], FinishedEvent]:
+async def run(
+    engine: AsyncEngine, prompt: list[int], params: SamplingParams = PARAMS
+) -> tuple[list[TokenEvent], FinishedEvent]:
     events = [e async for e in engine.generate(prompt, params)]
     assert isinstance(events[-1], FinishedEvent), events[-1]
     return events[:-1], events[-1]
 
 
-def assert_as_whole_prefill(engine: AsyncEngine, model_dir, prompt: list[int], tokens: list[TokenEvent]) -> None:
+def assert_as_whole_prefill(
+    engine: AsyncEngine, model_dir, prompt: list[int], tokens: list[TokenEvent]
+) -> None:
     """The CPU's one forward over the whole prompt (CUDA: its kernels' rounding, fla's tf32)."""
-    reference = generate_tokens(model_dir, prompt, PARAMS.max_tokens, num_logprobs=1, ignore_eos=True)
+    reference = generate_tokens(
+        model_dir, prompt, PARAMS.max_tokens, num_logprobs=1, ignore_eos=True
+    )
     assert [t.token_id for t in tokens] == [s.token_id for s in reference]
     for got, want in zip(tokens, reference, strict=True):
-        assert got.logprob == pytest.approx(want.logprob, abs=5e-2 if engine.config.device == "cuda" else 1e-4)
+        assert got.logprob == pytest.approx(
+            want.logprob, abs=5e-2 if engine.config.device == "cuda" else 1e-4
+        )
 
 
 async def assert_ledger_is_every_ranks(engine: AsyncEngine) -> int:
@@ -108,7 +122,9 @@ async def test_the_choices_of_one_call_share_its_prefill(engine, tiny_model_dir)
     """n choices: choice 0 prefills and saves one position short of the prompt's end, the
     others wait for it and start there; every answer is a whole prefill's (greedy: alike)."""
     prompt = [300 + i for i in range(37)]
-    params = SamplingParams(max_tokens=PARAMS.max_tokens, temperature=0.0, logprobs=1, ignore_eos=True, n=3)
+    params = SamplingParams(
+        max_tokens=PARAMS.max_tokens, temperature=0.0, logprobs=1, ignore_eos=True, n=3
+    )
     events = [e async for e in engine.generate(prompt, params)]
     finished = sorted((e for e in events if isinstance(e, FinishedEvent)), key=lambda e: e.index)
     assert [f.cached_tokens for f in finished] == [0, 36, 36]
@@ -141,6 +157,7 @@ async def test_the_next_turn_starts_where_a_generation_ended(engine, tiny_model_
     the last token (its step fed the one before): alone, dropped by a command of its own; beside
     a longer one, by that one's pipelined step. Ended by a stop token, the pipelined step
     behind fed that token too."""
+
     def conversation(salt: int, n: int = 37) -> list[int]:
         return [salt + i for i in range(n)]
 
@@ -158,14 +175,18 @@ async def test_the_next_turn_starts_where_a_generation_ended(engine, tiny_model_
     stopped = conversation(600)
     greedy = [s.token_id for s in generate_tokens(tiny_model_dir, stopped, 6, ignore_eos=True)]
     k = next(k for k in range(2, 6) if greedy[k] not in greedy[:k])
-    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True, stop_token_ids=[greedy[k]])
+    params = SamplingParams(
+        max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True, stop_token_ids=[greedy[k]]
+    )
     tokens, finished = await run(engine, stopped, params)
     assert (finished.reason, [t.token_id for t in tokens]) == ("stop", greedy[: k + 1])
     await next_turn(stopped, tokens, len(stopped) + k + 1)
 
     short, longer = conversation(700), conversation(800, 20)
-    (tokens, _), _ = await asyncio.gather(run(engine, short, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)),
-                                          run(engine, longer, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))  # fmt: skip
+    (tokens, _), _ = await asyncio.gather(
+        run(engine, short, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)),
+        run(engine, longer, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
+    )
     await next_turn(short, tokens, len(short) + 2)
     await assert_ledger_is_every_ranks(engine)
 
@@ -185,8 +206,12 @@ def test_a_prefix_an_admitted_request_waits_for_is_never_evicted():
     plan = cache.plan(second)
     assert plan.start is not None and plan.start.num_tokens == 8
     cache.admit(second, plan)  # pins prefix 0; shares its 2 blocks
-    third = Request(3, 0, (99,) * 12, SamplingParams(max_tokens=9), 0, 0.0)  # 21 positions: 6 blocks
-    assert not cache.make_room(third, cache.plan(third))  # 8 - 2 - 1 free: only the pinned prefix to evict
+    third = Request(
+        3, 0, (99,) * 12, SamplingParams(max_tokens=9), 0, 0.0
+    )  # 21 positions: 6 blocks
+    assert not cache.make_room(
+        third, cache.plan(third)
+    )  # 8 - 2 - 1 free: only the pinned prefix to evict
     assert cache.save(second, 10) == -1  # the one state slot is pinned too
     assert cache.start_of(2) == 0  # its first chunk is sent: unpinned
     assert cache.save(second, 10) == 0 and cache.take_evicted() == [0]  # evicted and reused at once
@@ -204,10 +229,18 @@ async def test_served_usage_and_metrics_count_the_cached_tokens(tiny_model_dir):
     from deltaserve.http.server_config import ServerConfig
 
     config = engine_config(tiny_model_dir, enable_prefix_caching=True, prefix_cache_states=2)
-    async with in_process_server(config, ServerConfig("tiny", enable_prompt_tokens_details=True)) as server:
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        first = await client.completions.create(model="tiny", prompt=BASE, max_tokens=2, temperature=0)
-        second = await client.completions.create(model="tiny", prompt=[*BASE, 9, 9], max_tokens=2, temperature=0)
+    async with in_process_server(
+        config, ServerConfig("tiny", enable_prompt_tokens_details=True)
+    ) as server:
+        client = openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60
+        )
+        first = await client.completions.create(
+            model="tiny", prompt=BASE, max_tokens=2, temperature=0
+        )
+        second = await client.completions.create(
+            model="tiny", prompt=[*BASE, 9, 9], max_tokens=2, temperature=0
+        )
         assert first.usage.prompt_tokens_details is None
         assert second.usage.prompt_tokens_details.cached_tokens == len(BASE)
         status, text = await get(server.url + "/metrics")
@@ -217,10 +250,20 @@ async def test_served_usage_and_metrics_count_the_cached_tokens(tiny_model_dir):
         # a chat's next turn: its answer, re-tokenized from its text, is cached too (all but
         # its last token, which no step fed)
         messages = [{"role": "user", "content": "Tell me a story about a cat."}]
-        turn = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
-        messages += [{"role": "assistant", "content": turn.choices[0].message.content}, {"role": "user", "content": "Go on."}]
-        after = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
-        assert after.usage.prompt_tokens_details.cached_tokens == turn.usage.prompt_tokens + turn.usage.completion_tokens - 1
+        turn = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=6, temperature=0
+        )
+        messages += [
+            {"role": "assistant", "content": turn.choices[0].message.content},
+            {"role": "user", "content": "Go on."},
+        ]
+        after = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=2, temperature=0
+        )
+        assert (
+            after.usage.prompt_tokens_details.cached_tokens
+            == turn.usage.prompt_tokens + turn.usage.completion_tokens - 1
+        )
         await client.close()
 
 
@@ -244,8 +287,13 @@ def test_shared_prefixes_are_split_once_and_outlive_whole_prompts():
     assert splits == [8, 0]  # the second one admitted with it does not split too
     # request 1's split and request 2's whole prompt in one step: the split takes the free id,
     # request 2 evicts request 0's whole prompt
-    assert cache.saves([(requests[1], 8), (requests[2], 10)]) == {1: 1, 2: 0} and cache.take_evicted() == [0]
-    assert cache.saves([(requests[1], 10)]) == {1: 0}  # evicts request 2's whole prompt, not the split
+    assert cache.saves([(requests[1], 8), (requests[2], 10)]) == {
+        1: 1,
+        2: 0,
+    } and cache.take_evicted() == [0]
+    assert cache.saves([(requests[1], 10)]) == {
+        1: 0
+    }  # evicts request 2's whole prompt, not the split
     assert cache.take_evicted() == [0]
     assert cache.plan(requests[3]).start.num_tokens == 8
 
@@ -288,7 +336,9 @@ def test_a_generation_is_saved_where_it_ends_and_the_same_positions_once():
     again = generate(3, prompt, [20, 21, 22, 23, 24])
     assert end(again) == [] and len(cache) == 2  # its prompt's save and its end's are held already
     assert end(generate(4, prompt, [20, 21, 22, 30]), "abort") == [] and len(cache) == 2
-    assert [s.num_tokens for s in end(generate(5, prompt, [20, 21, 22, 30]))] == [13]  # other positions
+    assert [s.num_tokens for s in end(generate(5, prompt, [20, 21, 22, 30]))] == [
+        13
+    ]  # other positions
     assert len(cache) == 3
 
 

@@ -29,15 +29,22 @@ K = 5
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", **PLACEMENTS)
 async def engine(request, tiny_model_dir):
-    engine = await start_placed(request.param, tiny_model_dir, max_num_batched_tokens=24, enable_prefix_caching=True,
-                                prefix_cache_states=4)  # fmt: skip
+    engine = await start_placed(
+        request.param,
+        tiny_model_dir,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=True,
+        prefix_cache_states=4,
+    )
     yield engine
     await engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir):
-    return Qwen3_5ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to(HF_DEVICE).eval()
+    return (
+        Qwen3_5ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to(HF_DEVICE).eval()
+    )
 
 
 # HF runs where the GPU is when there is one: with fla installed its DeltaNet takes fla's
@@ -74,29 +81,40 @@ def prompt_events(events: list, n: int) -> list[PromptLogprobsEvent]:
             assert event.index not in found, f"choice {event.index} got two PromptLogprobsEvents"
             found[event.index] = event
         elif isinstance(event, TokenEvent):
-            assert event.index in found, f"choice {event.index}'s first token came before its prompt logprobs"
+            assert event.index in found, (
+                f"choice {event.index}'s first token came before its prompt logprobs"
+            )
     assert sorted(found) == list(range(n))
     return [found[i] for i in range(n)]
 
 
-def assert_as_hf(engine: AsyncEngine, hf_model, prompt: list[int], event: PromptLogprobsEvent) -> None:
+def assert_as_hf(
+    engine: AsyncEngine, hf_model, prompt: list[int], event: PromptLogprobsEvent
+) -> None:
     """Each logprob HF's; each rank between the counts of tokens HF finds surely likelier and
     maybe likelier (a random model's tokens are close: rounding may swap neighbours); the
     alternatives HF's best, best first, with HF's logprobs."""
     reference, tol = hf_logprobs(hf_model, prompt), tolerance(engine)
     target = reference.gather(1, torch.tensor(prompt[1:])[:, None])
-    assert len(event.token_logprobs) == len(event.ranks) == len(event.top_logprobs) == len(prompt) - 1
+    assert (
+        len(event.token_logprobs) == len(event.ranks) == len(event.top_logprobs) == len(prompt) - 1
+    )
     assert event.token_logprobs == pytest.approx(target[:, 0].tolist(), abs=tol)
     surely = (reference > target + tol).sum(dim=-1) + 1
     maybe = (reference > target - tol).sum(dim=-1) + 1
-    assert all(lo <= rank <= hi for lo, rank, hi in zip(surely.tolist(), event.ranks, maybe.tolist(), strict=True))
+    assert all(
+        lo <= rank <= hi
+        for lo, rank, hi in zip(surely.tolist(), event.ranks, maybe.tolist(), strict=True)
+    )
     kth_best = reference.topk(K).values[:, -1]
     for row, top in enumerate(event.top_logprobs):
         assert len(top) == K and len({t for t, _ in top}) == K
         assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
         for token, logprob in top:
             assert logprob == pytest.approx(reference[row, token].item(), abs=tol)
-            assert logprob >= kth_best[row].item() - tol, f"position {row}: token {token} is not among HF's best {K}"
+            assert logprob >= kth_best[row].item() - tol, (
+                f"position {row}: token {token} is not among HF's best {K}"
+            )
 
 
 @module_loop
@@ -104,7 +122,9 @@ async def test_prompt_logprobs_match_hf_across_chunks_beside_a_decode(engine, hf
     gen = random.Random(5)
     prompt = [gen.randrange(1000, 240000) for _ in range(61)]  # three chunks of at most 24 tokens
     other = [gen.randrange(1000, 240000) for _ in range(10)]
-    decoding = asyncio.create_task(run(engine, other, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+    decoding = asyncio.create_task(
+        run(engine, other, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    )
     await asyncio.sleep(0.05)  # its decode steps carry the chunks below
     params = SamplingParams(max_tokens=3, temperature=0.0, n=2, prompt_logprobs=K, ignore_eos=True)
     events = await run(engine, prompt, params)
@@ -119,7 +139,9 @@ async def test_prompt_logprobs_start_from_no_saved_prefix(engine, hf_model):
     prompt = [gen.randrange(1000, 240000) for _ in range(40)]
     plain = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     await run(engine, prompt[:33], plain)  # saved: the next prompt begins with it
-    events = await run(engine, prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=K))
+    events = await run(
+        engine, prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=K)
+    )
     finished = [e for e in events if isinstance(e, FinishedEvent)]
     assert finished[0].cached_tokens == 0
     assert_as_hf(engine, hf_model, prompt, prompt_events(events, 1)[0])

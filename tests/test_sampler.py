@@ -55,8 +55,11 @@ class TestSampler:
         """With slots, every row's token lands in its slot's last_tokens (the next pipelined
         step's input): greedy rows' argmax, and rows that are drawn or penalised away from it."""
         sampler = Sampler()
-        specs = [SamplingSpec(seed=0, temperature=0.0), SamplingSpec(seed=1, temperature=1.5),
-                 SamplingSpec(seed=2, temperature=0.0, repetition_penalty=50.0)]  # fmt: skip
+        specs = [
+            SamplingSpec(seed=0, temperature=0.0),
+            SamplingSpec(seed=1, temperature=1.5),
+            SamplingSpec(seed=2, temperature=0.0, repetition_penalty=50.0),
+        ]
         for r, spec in enumerate(specs):
             sampler.add(r, spec)
         logits = _logits(3, rows=3)
@@ -106,7 +109,14 @@ class TestSampler:
         for i in range(40):
             row = _logits(700 + i)[0]
             order = row.argsort(descending=True)
-            for a, b in ((0, 1), (2, 5), (6, 7), (7, 8), (10, 14), (15, 17)):  # all above the 19th place
+            for a, b in (
+                (0, 1),
+                (2, 5),
+                (6, 7),
+                (7, 8),
+                (10, 14),
+                (15, 17),
+            ):  # all above the 19th place
                 row[order[b]] = row[order[a]]
             rows.append(row)
         alone = _draw(spec, rows)
@@ -166,7 +176,9 @@ class TestSampler:
         """A flat distribution whose nucleus holds thousands of tokens (past the 1024 first
         looked at) matches vLLM's sort-based rule exactly."""
         vocab, p = 5000, 0.5
-        logits = torch.linspace(1.0, 0.0, vocab)[torch.randperm(vocab, generator=torch.Generator().manual_seed(0))]
+        logits = torch.linspace(1.0, 0.0, vocab)[
+            torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
+        ]
         ascending, order = logits.sort()
         drop = ascending.softmax(0).cumsum(0) <= 1 - p
         nucleus = set(order[~drop].tolist())
@@ -241,9 +253,11 @@ class TestSampler:
         from deltaserve.engine.rank.sampler import _draw, token_seed
 
         stops = (4, 9)
-        specs = [SamplingSpec(seed=0, temperature=0.0, min_tokens=3, stop_token_ids=stops),
-                 SamplingSpec(seed=5, temperature=0.8, top_k=6, min_tokens=3, stop_token_ids=stops),
-                 SamplingSpec(seed=6, temperature=1.0, logit_bias=((2, 5.0),))]  # fmt: skip
+        specs = [
+            SamplingSpec(seed=0, temperature=0.0, min_tokens=3, stop_token_ids=stops),
+            SamplingSpec(seed=5, temperature=0.8, top_k=6, min_tokens=3, stop_token_ids=stops),
+            SamplingSpec(seed=6, temperature=1.0, logit_bias=((2, 5.0),)),
+        ]
         sampler = Sampler()
         for r, spec in enumerate(specs):
             sampler.add(r, spec)
@@ -264,8 +278,12 @@ class TestSampler:
         the penalties, which leaves it -inf as vLLM's order does) it is not sampled until
         min_tokens tokens were."""
         sampler = Sampler()
-        sampler.add(0, SamplingSpec(seed=1, temperature=0.0, repetition_penalty=1e-30,
-                                    min_tokens=2, stop_token_ids=(3,)))  # fmt: skip
+        sampler.add(
+            0,
+            SamplingSpec(
+                seed=1, temperature=0.0, repetition_penalty=1e-30, min_tokens=2, stop_token_ids=(3,)
+            ),
+        )
         sampler.observe(0, [3], is_prompt=True)
         logits = torch.tensor([[1.0, 0.5, 0.0, 2.0, -1.0]])
         assert [sampler.sample([0], logits)[0].token_id for _ in range(3)] == [0, 0, 3]
@@ -278,8 +296,9 @@ class TestSampler:
         logits = torch.tensor([[3.0, 2.5, 0.0, -1.0]])
         sampler = Sampler()
         sampler.add(0, SamplingSpec(seed=0, temperature=0.0, logit_bias=((2, 4.0),)))
-        sampler.add(1, SamplingSpec(seed=0, temperature=0.0, logit_bias=((2, 4.0),),
-                                    repetition_penalty=2.0))  # fmt: skip
+        sampler.add(
+            1, SamplingSpec(seed=0, temperature=0.0, logit_bias=((2, 4.0),), repetition_penalty=2.0)
+        )
         sampler.observe(1, [2], is_prompt=True)
         first, second = sampler.sample([0, 1], logits.expand(2, -1))
         assert (first.token_id, second.token_id) == (2, 0)  # 4 > 3; (0 + 4) / 2 = 2 < 3
@@ -301,9 +320,11 @@ class TestSampler:
     def test_biased_rows_follow_their_requests_through_a_changing_batch(self):
         """The bias index is kept while the batch keeps its layout and rebuilt when it changes
         (rows reordered, one request gone): each request's tokens stay its own."""
-        specs = {3: SamplingSpec(seed=0, temperature=0.0, logit_bias=((11, 30.0),)),
-                 4: SamplingSpec(seed=0, temperature=0.0, logit_bias=((12, 30.0), (13, 31.0))),
-                 5: SamplingSpec(seed=0, temperature=0.0)}  # fmt: skip
+        specs = {
+            3: SamplingSpec(seed=0, temperature=0.0, logit_bias=((11, 30.0),)),
+            4: SamplingSpec(seed=0, temperature=0.0, logit_bias=((12, 30.0), (13, 31.0))),
+            5: SamplingSpec(seed=0, temperature=0.0),
+        }
         sampler = Sampler()
         for r, spec in specs.items():
             sampler.add(r, spec)
@@ -389,8 +410,9 @@ class TestSamplingParams:
     def test_min_tokens_and_logit_bias_reach_the_spec(self):
         """The rank masks the EOS ids and the stop ids while min_tokens lasts (sent only with
         min_tokens); the bias goes as (id, bias) pairs in id order."""
-        p = SamplingParams(max_tokens=8, min_tokens=8, stop_token_ids=[7, 2],
-                           logit_bias={9: -1, 3: 2.5})  # fmt: skip
+        p = SamplingParams(
+            max_tokens=8, min_tokens=8, stop_token_ids=[7, 2], logit_bias={9: -1, 3: 2.5}
+        )
         assert p.logit_bias == ((3, 2.5), (9, -1.0))
         spec = p.to_spec(seed=1, eos_token_ids=frozenset({5, 2}))
         assert (spec.min_tokens, spec.stop_token_ids) == (8, (2, 5, 7))
@@ -401,16 +423,28 @@ class TestSamplingParams:
 
 
 CUDA = torch.cuda.is_available()
-KERNELS = CUDA or os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter: set for the whole session
+KERNELS = (
+    CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+)  # the interpreter: set for the whole session
 
 
-@pytest.mark.skipif(not KERNELS or importlib.util.find_spec("triton") is None,
-                    reason="Triton kernels need triton and a GPU, or TRITON_INTERPRET=1")  # fmt: skip
-@pytest.mark.parametrize("rows,vocab,programs", [
-    (3, 5001, 3), (3, 5001, 1024),
-    pytest.param(1, 248320, 1024, marks=pytest.mark.skipif(not CUDA, reason="real shapes: CUDA")),
-    pytest.param(64, 248320, 1024, marks=pytest.mark.skipif(not CUDA, reason="real shapes: CUDA")),
-])  # fmt: skip
+@pytest.mark.skipif(
+    not KERNELS or importlib.util.find_spec("triton") is None,
+    reason="Triton kernels need triton and a GPU, or TRITON_INTERPRET=1",
+)
+@pytest.mark.parametrize(
+    "rows,vocab,programs",
+    [
+        (3, 5001, 3),
+        (3, 5001, 1024),
+        pytest.param(
+            1, 248320, 1024, marks=pytest.mark.skipif(not CUDA, reason="real shapes: CUDA")
+        ),
+        pytest.param(
+            64, 248320, 1024, marks=pytest.mark.skipif(not CUDA, reason="real shapes: CUDA")
+        ),
+    ],
+)
 def test_logsumexp_argmax_kernel(rows, vocab, programs):
     """The sampler's one read of the logits (kernels/logit_stats.py): logsumexp as torch's,
     the argmax exactly, the first of tied maxima included: ties planted in one block, in two
@@ -426,24 +460,38 @@ def test_logsumexp_argmax_kernel(rows, vocab, programs):
         logits[2, 2100] = logits[2, 100] = logits[2].max() + 1.0  # blocks 0 and 2
     slots = torch.randperm(rows + 2, device=logits.device)[:rows]  # the rows' slots, out of order
     last_tokens = torch.full((rows + 2,), -5, dtype=torch.int64, device=logits.device)
-    lse, arg, greedy = logit_stats.logsumexp_argmax_triton(logits, programs, slots, last_tokens, block=1024)
+    lse, arg, greedy = logit_stats.logsumexp_argmax_triton(
+        logits, programs, slots, last_tokens, block=1024
+    )
     want_lse, want_arg, _ = logit_stats.logsumexp_argmax_reference(logits)
     assert torch.equal(arg, want_arg), f"argmax {arg.tolist()[:8]} != {want_arg.tolist()[:8]}"
     assert arg[0].item() == 3
     assert torch.allclose(lse, want_lse, rtol=1e-6, atol=1e-5), (lse - want_lse).abs().max()
     # the greedy samples as the sampler packs them: the argmax, its logit less this lse
-    want_greedy = torch.stack((arg.double(), (logits.gather(1, arg[:, None])[:, 0] - lse).double()), dim=1)
+    want_greedy = torch.stack(
+        (arg.double(), (logits.gather(1, arg[:, None])[:, 0] - lse).double()), dim=1
+    )
     assert torch.equal(greedy, want_greedy), (greedy - want_greedy).abs().max()
-    assert torch.equal(last_tokens[slots], arg) and (last_tokens == -5).sum() == 2, "argmax not in its slot alone"
+    assert torch.equal(last_tokens[slots], arg) and (last_tokens == -5).sum() == 2, (
+        "argmax not in its slot alone"
+    )
     # prompt logprobs' read: the same, and each target's logit and rank (1 + the larger logits)
     targets = torch.randint(0, vocab, (rows,), device=logits.device)
     targets[0] = 3  # the row's best: rank 1
     t_lse, t_arg, t_logit, t_rank = logit_stats.target_stats(logits, targets, block=1024)
     want_logit = logits.gather(1, targets[:, None])[:, 0]
-    assert torch.allclose(t_lse, want_lse, rtol=1e-6, atol=1e-5), (t_lse - want_lse).abs().max()  # its own parts
+    assert torch.allclose(t_lse, want_lse, rtol=1e-6, atol=1e-5), (
+        (t_lse - want_lse).abs().max()
+    )  # its own parts
     assert torch.equal(t_arg, arg) and torch.equal(t_logit, want_logit)
-    assert torch.equal(t_rank, (logits > want_logit[:, None]).sum(dim=-1) + 1) and t_rank[0] == 1, t_rank
+    assert torch.equal(t_rank, (logits > want_logit[:, None]).sum(dim=-1) + 1) and t_rank[0] == 1, (
+        t_rank
+    )
     spiked = logits.clone()
     spiked[-1, 7] = float("inf")  # logsumexp +inf, as torch's (it was NaN)
     spiked_lse, spiked_arg, _ = logit_stats.logsumexp_argmax_triton(spiked, programs, block=1024)
-    assert spiked_lse[-1] == float("inf") and spiked_arg[-1] == 7 and torch.equal(spiked_lse[:-1], lse[:-1])
+    assert (
+        spiked_lse[-1] == float("inf")
+        and spiked_arg[-1] == 7
+        and torch.equal(spiked_lse[:-1], lse[:-1])
+    )

@@ -22,7 +22,11 @@ def test_vllm_and_sglang_spellings():
     """`-tp 2` as vLLM's short flag, `-dp 2` and SGLang's `--dp-size 2`; `--log-level debug`
     in SGLang's lower case."""
     assert serve.parse_args(["-tp", "2"]).tp_size == 2
-    assert serve.parse_args(["-dp", "2"]).data_parallel_size == serve.parse_args(["--dp-size", "2"]).data_parallel_size == 2
+    assert (
+        serve.parse_args(["-dp", "2"]).data_parallel_size
+        == serve.parse_args(["--dp-size", "2"]).data_parallel_size
+        == 2
+    )
     assert serve.parse_args(["--log-level", "debug"]).log_level == "DEBUG"
     assert serve.parse_args(["--log-level", "Warning"]).log_level == "WARNING"
 
@@ -31,8 +35,11 @@ def test_several_served_model_names(tmp_path, capsys):
     """`--served-model-name a b`, as vLLM's: every name is served, the first reported. The
     second name became MODEL ("unrecognized arguments" or a wrong checkpoint)."""
     model = str(tmp_path)
-    for argv in ([model, "--served-model-name", "a", "b"], ["--served-model-name", "a", "b", "--model", model],
-                 ["--served-model-name", "a", "b", "--", model]):  # fmt: skip
+    for argv in (
+        [model, "--served-model-name", "a", "b"],
+        ["--served-model-name", "a", "b", "--model", model],
+        ["--served-model-name", "a", "b", "--", model],
+    ):
         args = serve.parse_args(argv)
         assert args.model == model, argv
         assert serve._server_config(args).served_model_name == ("a", "b"), argv
@@ -85,7 +92,9 @@ def engine_starts(monkeypatch) -> list:
     return calls
 
 
-def test_port_in_use_fails_before_the_engine_starts(tiny_model_dir, taken_port, engine_starts, caplog):
+def test_port_in_use_fails_before_the_engine_starts(
+    tiny_model_dir, taken_port, engine_starts, caplog
+):
     """A port in use used to be found only after the weights had loaded (minutes on a GPU)."""
     code = serve.serve_main([str(tiny_model_dir), "--port", str(taken_port)])
     assert engine_starts == [], caplog.text
@@ -135,9 +144,18 @@ async def test_ready_line_url_on_ipv6(tiny_model_dir):
     """`--host ::1`: the ready line's URL brackets the address (it said http://::1:PORT/v1,
     which no client can open)."""
     proc = await asyncio.create_subprocess_exec(
-        DELTASERVE, "serve", str(tiny_model_dir), "--host", "::1", "--port", "0",
-        "--monitor-endpoint", "off", stderr=asyncio.subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+        DELTASERVE,
+        "serve",
+        str(tiny_model_dir),
+        "--host",
+        "::1",
+        "--port",
+        "0",
+        "--monitor-endpoint",
+        "off",
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
     lines = []
     try:
         async with asyncio.timeout(120):
@@ -176,7 +194,9 @@ async def test_ready_line_says_what_a_request_can_use_and_why(tiny_model_dir, ca
     assert len(ready) == 1, caplog.text
     line = ready[0].getMessage()
     assert "max_model_len=64 " in line, line
-    assert "8192" in line and "max_position_embeddings 32768" in line and "--max-model-len" in line, line
+    assert (
+        "8192" in line and "max_position_embeddings 32768" in line and "--max-model-len" in line
+    ), line
     assert "--num-kv-blocks" in line, line
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("64" in w and "8192" in w for w in warned), caplog.text
@@ -184,15 +204,29 @@ async def test_ready_line_says_what_a_request_can_use_and_why(tiny_model_dir, ca
 
 @pytest.mark.parametrize(
     ("flags", "words"),
-    [(["--chat-template", "templates/chatml.jinja"], "--chat-template 'templates/chatml.jinja' looks like a file path, but it cannot be opened (No such file"),
-     (["--chat-template", "{{ messages }"], "--chat-template (given inline): the chat template is not valid Jinja on line 1: unexpected '}'"),
-     (["--chat-template", "FILE"], "--chat-template 'FILE': the chat template is not valid Jinja on line 2: No filter named 'nosuch'"),
-     (["--chat-template", "EMPTY"], "--chat-template 'EMPTY': the chat template is empty"),
-     (["--default-chat-template-kwargs", '{"enable_thinking": false, "tools": []}'],
-      "default_chat_template_kwargs: tools reserved by the server")],
-)  # fmt: skip
-def test_bad_chat_template_flags_fail_before_the_engine_starts(tiny_model_dir, tmp_path, monkeypatch, engine_starts,
-                                                               capsys, flags, words):  # fmt: skip
+    [
+        (
+            ["--chat-template", "templates/chatml.jinja"],
+            "--chat-template 'templates/chatml.jinja' looks like a file path, but it cannot be opened (No such file",
+        ),
+        (
+            ["--chat-template", "{{ messages }"],
+            "--chat-template (given inline): the chat template is not valid Jinja on line 1: unexpected '}'",
+        ),
+        (
+            ["--chat-template", "FILE"],
+            "--chat-template 'FILE': the chat template is not valid Jinja on line 2: No filter named 'nosuch'",
+        ),
+        (["--chat-template", "EMPTY"], "--chat-template 'EMPTY': the chat template is empty"),
+        (
+            ["--default-chat-template-kwargs", '{"enable_thinking": false, "tools": []}'],
+            "default_chat_template_kwargs: tools reserved by the server",
+        ),
+    ],
+)
+def test_bad_chat_template_flags_fail_before_the_engine_starts(
+    tiny_model_dir, tmp_path, monkeypatch, engine_starts, capsys, flags, words
+):
     """A template path that opens nothing (vLLM refuses it too: it is no template), a Jinja
     error (found by compiling as transformers does; it was a 400 on every chat), an empty
     template, default kwargs the request path refuses: one line and exit 2, no weight loaded."""
@@ -239,12 +273,30 @@ ACCEPTED = [
 ]
 # flags deltaserve cannot honour: the start refused, saying why (they were "unrecognized arguments")
 REFUSED = [
-    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: not supported: deltaserve always prefills"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported: the KV cache is kept in the model's dtype"),
-    (["-q", "awq"], "--quantization awq: not supported: deltaserve loads unquantized (bf16/fp32) checkpoints and FP8 ones"),
-    (["--enable-log-requests"], "--enable-log-requests: not supported: deltaserve logs no requests"),
-    (["--max-model-len", "auto"], "argument --max-model-len: 'auto' (vLLM: as long as memory allows) is not supported"),
-    (["--max-model-len", "-1"], "argument --max-model-len: '-1' (vLLM: as long as memory allows) is not supported"),
+    (
+        ["--no-enable-chunked-prefill"],
+        "--no-enable-chunked-prefill: not supported: deltaserve always prefills",
+    ),
+    (
+        ["--kv-cache-dtype", "fp8"],
+        "--kv-cache-dtype fp8: not supported: the KV cache is kept in the model's dtype",
+    ),
+    (
+        ["-q", "awq"],
+        "--quantization awq: not supported: deltaserve loads unquantized (bf16/fp32) checkpoints and FP8 ones",
+    ),
+    (
+        ["--enable-log-requests"],
+        "--enable-log-requests: not supported: deltaserve logs no requests",
+    ),
+    (
+        ["--max-model-len", "auto"],
+        "argument --max-model-len: 'auto' (vLLM: as long as memory allows) is not supported",
+    ),
+    (
+        ["--max-model-len", "-1"],
+        "argument --max-model-len: '-1' (vLLM: as long as memory allows) is not supported",
+    ),
     (["--max-model-len", "1.5K"], "argument --max-model-len: a decimal needs a lower case"),
     (["--swap-space", "-1"], "--swap-space must be a number of GiB >= 0"),
 ]
@@ -277,11 +329,17 @@ def aiohttp_log_level():
     logger.setLevel(level)
 
 
-def test_uvicorn_log_level_sets_the_http_servers(tiny_model_dir, taken_port, engine_starts, aiohttp_log_level):
+def test_uvicorn_log_level_sets_the_http_servers(
+    tiny_model_dir, taken_port, engine_starts, aiohttp_log_level
+):
     """vLLM's --uvicorn-log-level is the HTTP server's log level: here aiohttp's loggers'."""
     import logging
 
-    serve.serve_main([str(tiny_model_dir), "--port", str(taken_port), "--uvicorn-log-level", "error"])
+    serve.serve_main(
+        [str(tiny_model_dir), "--port", str(taken_port), "--uvicorn-log-level", "error"]
+    )
     assert aiohttp_log_level.level == logging.ERROR
-    serve.serve_main([str(tiny_model_dir), "--port", str(taken_port), "--uvicorn-log-level", "TRACE"])
+    serve.serve_main(
+        [str(tiny_model_dir), "--port", str(taken_port), "--uvicorn-log-level", "TRACE"]
+    )
     assert aiohttp_log_level.level == logging.DEBUG

@@ -21,12 +21,18 @@ LINEAR_SHAPES = [  # (rows, N, K): the GEMV (narrow, wide), split K in 3 and 2, 
     pytest.param(5, 2560, 9216, marks=needs_cuda),  # 4B down
     pytest.param(32, 12352, 2560, marks=needs_cuda),  # 4B DeltaNet in_proj
     pytest.param(1, 12352, 2560, marks=needs_cuda),  # the TUNED tiles: in_proj's GEMV
-    pytest.param(1, 2560, 9216, marks=needs_cuda),  # ... down's and out/o_proj's, first block before the wait
+    pytest.param(
+        1, 2560, 9216, marks=needs_cuda
+    ),  # ... down's and out/o_proj's, first block before the wait
     pytest.param(1, 2560, 4096, marks=needs_cuda),
-    pytest.param(1, 1024, 3584, marks=needs_cuda),  # the rule's one-row GEMV (0.8B down), first block so
+    pytest.param(
+        1, 1024, 3584, marks=needs_cuda
+    ),  # the rule's one-row GEMV (0.8B down), first block so
     pytest.param(40, 12352, 2560, marks=needs_cuda),  # ... in_proj at 33-64 rows
     pytest.param(64, 2560, 9216, marks=needs_cuda),  # ... down at 33-64 rows, K split in 3
-    pytest.param(16, 2560, 4096, marks=needs_cuda),  # ... out/o_proj, K in 3 uneven parts: at 9-32 rows
+    pytest.param(
+        16, 2560, 4096, marks=needs_cuda
+    ),  # ... out/o_proj, K in 3 uneven parts: at 9-32 rows
     pytest.param(48, 2560, 4096, marks=needs_cuda),  # ... and at 33-64
     pytest.param(1, 4096, 12288, marks=needs_cuda),  # 9B down's GEMV: rows of 12288 read whole
     pytest.param(1, 24576, 4096, marks=needs_cuda),  # ... gate_up's: 4 whole rows a program
@@ -51,16 +57,30 @@ def test_skinny_linear(kernels, device, rows, n, k):
     err = ((got.double() - want.double()).norm() / want.double().norm()).item()
     bound = 4e-3 if CUDA else 8e-3  # one bf16 rounding is ~1e-3; the interpreter truncates instead
     assert err < bound, f"skinny_linear {cfg}: relative error {err:.1e}"
-    assert torch.equal(mod.skinny_linear(x, w, cfg, gemv), got), "skinny_linear is not deterministic"
+    assert torch.equal(mod.skinny_linear(x, w, cfg, gemv), got), (
+        "skinny_linear is not deterministic"
+    )
 
 
 FP8_BLOCK = (128, 128)
 FP8_CASES = [  # (rows, N, K, silu_mul, tile): None for `decode_config`'s
-    (1, 300, 512, False, None),  # the rule's K-looping GEMV (first block before the wait), a partial row block
+    (
+        1,
+        300,
+        512,
+        False,
+        None,
+    ),  # the rule's K-looping GEMV (first block before the wait), a partial row block
     (1, 4100, 512, False, None),  # the wide rule: 8 rows a program
     (1, 300, 640, False, "whole"),  # whole rows of 512 + 128
     (3, 260, 384, False, None),  # the tensor-core kernel, K split in 3
-    (1, 512, 256, True, None),  # gate_up's silu epilogue on the GEMV: the tile's halves in two row blocks
+    (
+        1,
+        512,
+        256,
+        True,
+        None,
+    ),  # gate_up's silu epilogue on the GEMV: the tile's halves in two row blocks
     (5, 512, 256, True, None),  # ... and on the tensor-core kernel
     pytest.param(1, 18432, 2560, True, None, marks=needs_cuda),  # the 4B's TUNED tiles: gate_up
     pytest.param(1, 2560, 9216, False, None, marks=needs_cuda),  # ... down
@@ -84,18 +104,34 @@ def test_fp8_weights(kernels, device, rows, n, k, silu_mul, tile):
         cfg, gemv = mod.SkinnyConfig(2, k, 1, 4, 1, whole_rows=True), True
     else:
         cfg, gemv = mod.decode_config(rows, n, k)
-    if silu_mul:  # the epilogue's tile: K unsplit (`linear` runs silu_and_mul after a split product)
+    if (
+        silu_mul
+    ):  # the epilogue's tile: K unsplit (`linear` runs silu_and_mul after a split product)
         cfg = dataclasses.replace(cfg, split_k=1)
-    assert mod.fp8_fits(cfg, gemv, FP8_BLOCK, silu_mul, n), "the kernels take FP8 tiles as the step picks them"
+    assert mod.fp8_fits(cfg, gemv, FP8_BLOCK, silu_mul, n), (
+        "the kernels take FP8 tiles as the step picks them"
+    )
     fp8 = {"scale": scale, "block": FP8_BLOCK}
     out_n = n // 2 if silu_mul else n
-    got = mod.skinny_linear(x, q, cfg, gemv, out=poisoned((rows, out_n), torch.bfloat16, device), silu_mul=silu_mul, **fp8)
+    got = mod.skinny_linear(
+        x,
+        q,
+        cfg,
+        gemv,
+        out=poisoned((rows, out_n), torch.bfloat16, device),
+        silu_mul=silu_mul,
+        **fp8,
+    )
     want = x.float() @ dequantize(q, scale, FP8_BLOCK).t()
     if silu_mul:
         want = torch.nn.functional.silu(want[:, : n // 2]) * want[:, n // 2 :]
     assert_close(got, want, torch.bfloat16, f"FP8 {cfg}")
-    assert torch.equal(mod.skinny_linear(x, q, cfg, gemv, silu_mul=silu_mul, **fp8), got), "not deterministic"
-    widened = mod.linear(x.cpu(), q.cpu(), silu_mul=silu_mul, scale=scale.cpu(), block=FP8_BLOCK)  # CPU: widened first
+    assert torch.equal(mod.skinny_linear(x, q, cfg, gemv, silu_mul=silu_mul, **fp8), got), (
+        "not deterministic"
+    )
+    widened = mod.linear(
+        x.cpu(), q.cpu(), silu_mul=silu_mul, scale=scale.cpu(), block=FP8_BLOCK
+    )  # CPU: widened first
     assert_close(widened, want.cpu(), torch.bfloat16, "the widened path")
     with pytest.raises(ValueError, match="an FP8 weight needs its block scales"):
         mod.skinny_linear(x, q, cfg, gemv, silu_mul=silu_mul)
@@ -110,11 +146,19 @@ def published_projection_shapes(tp: int = 1) -> set[tuple[int, int]]:
     for name, p in PRESETS.items():
         if name.startswith("tiny"):
             continue
-        inter = p.get("intermediate_size") or p["shared_expert_intermediate_size"]  # an MoE: its shared expert
+        inter = (
+            p.get("intermediate_size") or p["shared_expert_intermediate_size"]
+        )  # an MoE: its shared expert
         h, hd = p["hidden_size"], p["head_dim"]
-        keys, values = p["linear_num_key_heads"] * p["linear_key_head_dim"], p["linear_num_value_heads"] * p["linear_value_head_dim"]
-        columns = [2 * keys + 2 * values + 2 * p["linear_num_value_heads"],  # in_proj
-                   2 * p["num_attention_heads"] * hd + 2 * p["num_key_value_heads"] * hd, 2 * inter]  # qkv (+ gate), gate_up
+        keys, values = (
+            p["linear_num_key_heads"] * p["linear_key_head_dim"],
+            p["linear_num_value_heads"] * p["linear_value_head_dim"],
+        )
+        columns = [
+            2 * keys + 2 * values + 2 * p["linear_num_value_heads"],  # in_proj
+            2 * p["num_attention_heads"] * hd + 2 * p["num_key_value_heads"] * hd,
+            2 * inter,
+        ]  # qkv (+ gate), gate_up
         rows = [values, p["num_attention_heads"] * hd, inter]  # out_proj, o_proj, down
         shapes |= {(n // tp, h) for n in columns} | {(h, k // tp) for k in rows}
     return shapes
@@ -127,20 +171,34 @@ def test_every_decode_tile_fits_its_shape(kernels):
     that is not would fail a model's graph capture at start-up. And the rule's K splits make
     one wave: no more programs than the GPU has SMs."""
     mod = kernels["skinny_linear"]
-    assert {(n, k) for _, n, k in mod.TUNED} <= published_projection_shapes(), "a TUNED tile for no published shape"
-    shapes = published_projection_shapes(1) | published_projection_shapes(2) | published_projection_shapes(4)
+    assert {(n, k) for _, n, k in mod.TUNED} <= published_projection_shapes(), (
+        "a TUNED tile for no published shape"
+    )
+    shapes = (
+        published_projection_shapes(1)
+        | published_projection_shapes(2)
+        | published_projection_shapes(4)
+    )
     for (n, k), rows, sms in itertools.product(shapes, (1, 2, 8, 32, 33, 64), (108, 132, 142)):
         choice = mod.decode_config(rows, n, k, sms)
-        if choice is None:  # cuBLAS: above 32 rows, or a K our kernels' blocks do not divide (the 0.8B's down at TP 4)
-            assert rows > 32 or k % (256 if rows == 1 else 128), f"{rows} x [{n}, {k}] left to cuBLAS"
+        if (
+            choice is None
+        ):  # cuBLAS: above 32 rows, or a K our kernels' blocks do not divide (the 0.8B's down at TP 4)
+            assert rows > 32 or k % (256 if rows == 1 else 128), (
+                f"{rows} x [{n}, {k}] left to cuBLAS"
+            )
             continue
         cfg, gemv = choice
         assert gemv == (rows == 1)
         assert mod.splits_fit(k, cfg.block_k, cfg.split_k, gemv), f"{rows} x [{n}, {k}]: {cfg}"
         if cfg.whole_rows:
-            assert gemv and cfg.block_k == k and mod.whole_row_parts(k), f"{rows} x [{n}, {k}]: {cfg}"
+            assert gemv and cfg.block_k == k and mod.whole_row_parts(k), (
+                f"{rows} x [{n}, {k}]: {cfg}"
+            )
         if cfg.split_k > 1 and (mod.tuned_class(rows), n, k) not in mod.TUNED:
-            assert -(-n // cfg.block_n) * cfg.split_k <= sms, f"{rows} x [{n}, {k}] on {sms} SMs: {cfg}"
+            assert -(-n // cfg.block_n) * cfg.split_k <= sms, (
+                f"{rows} x [{n}, {k}] on {sms} SMs: {cfg}"
+            )
 
 
 @pytest.mark.parametrize("rows,k,split", [(5, 512, 3), (17, 1280, 3), (2, 640, 4)])
@@ -165,9 +223,23 @@ def test_uneven_k_split(kernels, device, rows, k, split):
         mod.skinny_linear(x, w, dataclasses.replace(cfg, split_k=blocks + 1))
 
 
-@pytest.mark.parametrize("n,k,silu_mul", [(42, 1024, False), (300, 768, True), (300, 768, None), *(
-    pytest.param(*case, marks=needs_cuda) for case in [(12352, 2560, False), (2560, 9216, False), (9216, 2560, True),
-                                                       (248320, 2560, None)])])  # 4B: in_proj, down, gate_up, lm_head
+@pytest.mark.parametrize(
+    "n,k,silu_mul",
+    [
+        (42, 1024, False),
+        (300, 768, True),
+        (300, 768, None),
+        *(
+            pytest.param(*case, marks=needs_cuda)
+            for case in [
+                (12352, 2560, False),
+                (2560, 9216, False),
+                (9216, 2560, True),
+                (248320, 2560, None),
+            ]
+        ),
+    ],
+)  # 4B: in_proj, down, gate_up, lm_head
 def test_gemv_whole_rows(kernels, device, monkeypatch, n, k, silu_mul):
     """A GEMV tile as wide as K reads its rows whole before waiting (K past a power of two in
     a second part): the product of the K-looping tile within rounding, the same bits twice.
@@ -175,22 +247,32 @@ def test_gemv_whole_rows(kernels, device, monkeypatch, n, k, silu_mul):
     mod = kernels["skinny_linear"]
     x = torch.randn(1, k, device=device).to(torch.bfloat16)
     w = (torch.randn(2 * n if silu_mul else n, k, device=device) / k**0.5).to(torch.bfloat16)
-    want = mod.skinny_linear(x, w, mod.SkinnyConfig(4, 256, 1, 4, 2), True, silu_mul=bool(silu_mul)).float()
+    want = mod.skinny_linear(
+        x, w, mod.SkinnyConfig(4, 256, 1, 4, 2), True, silu_mul=bool(silu_mul)
+    ).float()
     cfg = mod.SkinnyConfig(2 if silu_mul is None else 4, k, 1, 4, 1, whole_rows=True)
     dtype = torch.float32 if silu_mul is None else torch.bfloat16
-    got = mod.skinny_linear(x, w, cfg, True, out=poisoned(want.shape, dtype, device), silu_mul=bool(silu_mul))
+    got = mod.skinny_linear(
+        x, w, cfg, True, out=poisoned(want.shape, dtype, device), silu_mul=bool(silu_mul)
+    )
     assert not torch.isnan(got).any(), "the whole-row GEMV left an output unwritten"
     if silu_mul is None:
         want = x.double() @ w.double().T
-        monkeypatch.setattr("deltaserve.kernels.triton_compat.GPU_PATH_ON_CPU", True)  # on CPU tensors too
+        monkeypatch.setattr(
+            "deltaserve.kernels.triton_compat.GPU_PATH_ON_CPU", True
+        )  # on CPU tensors too
         assert torch.equal(mod.logits(x, w), got), "logits did not come from the whole-row GEMV"
     err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-    assert err < (1e-6 if silu_mul is None else 1e-2), f"whole-row GEMV {cfg}: relative error {err:.1e}"
+    assert err < (1e-6 if silu_mul is None else 1e-2), (
+        f"whole-row GEMV {cfg}: relative error {err:.1e}"
+    )
     again = mod.skinny_linear(x, w, cfg, True, out=torch.empty_like(got), silu_mul=bool(silu_mul))
     assert torch.equal(again, got), "not deterministic"
 
 
-@pytest.mark.parametrize("n,k", [(42, 1024), pytest.param(2560, 4096, marks=needs_cuda)])  # 4B out/o_proj
+@pytest.mark.parametrize(
+    "n,k", [(42, 1024), pytest.param(2560, 4096, marks=needs_cuda)]
+)  # 4B out/o_proj
 def test_gemv_first_block_ahead(kernels, device, n, k):
     """The K-looping GEMV reading its first block before the wait: the same bits as reading it
     after, with K whole or split in two (a program that skipped its first block, or read it
@@ -204,8 +286,10 @@ def test_gemv_first_block_ahead(kernels, device, n, k):
         cfg = dataclasses.replace(base, first_ahead=True)
         got = mod.skinny_linear(x, w, cfg, True, out=poisoned(want.shape, want.dtype, device))
         assert torch.equal(got, want), f"{cfg}: not the bits of {base}"
-    for kernel_has_none in (mod.SkinnyConfig(4, k, 1, 4, 1, whole_rows=True, first_ahead=True),
-                            mod.SkinnyConfig(64, 128, 1, 4, 3, first_ahead=True)):  # the tensor-core kernel
+    for kernel_has_none in (
+        mod.SkinnyConfig(4, k, 1, 4, 1, whole_rows=True, first_ahead=True),
+        mod.SkinnyConfig(64, 128, 1, 4, 3, first_ahead=True),
+    ):  # the tensor-core kernel
         with pytest.raises(ValueError, match="first block"):
             mod.skinny_linear(x, w, kernel_has_none, kernel_has_none.whole_rows)
 
@@ -235,17 +319,27 @@ def test_skinny_linear_silu_mul_epilogue(kernels, device, rows, inter, k, monkey
     x = torch.randint(-3, 4, (rows, k), device=device).to(dtype)
     w = (torch.randint(-8, 9, (2 * inter, k), device=device) / 64).to(dtype)
     rule, gemv = mod.decode_config(rows, 2 * inter, k)
-    cfg = dataclasses.replace(rule, split_k=1)  # the epilogue needs whole sums (the 4B gate_up never splits)
-    got = mod.skinny_linear(x, w, cfg, gemv, out=poisoned((rows, inter), dtype, device), silu_mul=True)
+    cfg = dataclasses.replace(
+        rule, split_k=1
+    )  # the epilogue needs whole sums (the 4B gate_up never splits)
+    got = mod.skinny_linear(
+        x, w, cfg, gemv, out=poisoned((rows, inter), dtype, device), silu_mul=True
+    )
     assert not torch.isnan(got).any(), "skinny_linear(silu_mul) left an output unwritten"
     unfused = act.silu_and_mul_triton(mod.skinny_linear(x, w, cfg, gemv))
-    two_kernels = act.silu_and_mul_triton(mod.skinny_linear(x, w, rule, gemv))  # `linear` without the epilogue
-    assert torch.equal(got, unfused), f"silu_mul epilogue {cfg}: max diff {(got.float() - unfused.float()).abs().max()}"
+    two_kernels = act.silu_and_mul_triton(
+        mod.skinny_linear(x, w, rule, gemv)
+    )  # `linear` without the epilogue
+    assert torch.equal(got, unfused), (
+        f"silu_mul epilogue {cfg}: max diff {(got.float() - unfused.float()).abs().max()}"
+    )
     with pytest.raises(ValueError, match="even"):
         mod.skinny_linear(x, w[:-1], cfg, gemv, silu_mul=True)
     from deltaserve.kernels import triton_compat
 
-    monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)  # `linear`'s GPU routing, on CPU too
+    monkeypatch.setattr(
+        triton_compat, "GPU_PATH_ON_CPU", True
+    )  # `linear`'s GPU routing, on CPU too
     # the epilogue needs whole sums: a product the rule splits is summed, then silu_and_mul'd
     assert torch.equal(mod.linear(x, w, silu_mul=True), got if rule.split_k == 1 else two_kernels)
     monkeypatch.setattr(mod, "SILU_EPILOGUE", False)
@@ -258,7 +352,9 @@ CONV_SHAPES = [  # (rows, conv channels, N, K): a partial last program; the 4B i
     (3, 64, 96, 128),
     pytest.param(1, 8192, 12352, 2560, marks=needs_cuda),
     pytest.param(64, 8192, 12352, 2560, marks=needs_cuda),
-    pytest.param(1, 8192, 12352, 4096, marks=needs_cuda),  # the 9B in_proj (its TUNED GEMV evicts the weights)
+    pytest.param(
+        1, 8192, 12352, 4096, marks=needs_cuda
+    ),  # the 9B in_proj (its TUNED GEMV evicts the weights)
 ]
 
 
@@ -281,32 +377,44 @@ def test_conv_epilogue(kernels, device, rows, channels, n, k, monkeypatch):
     cfg, gemv = mod.decode_config(rows, n, k)
     product = mod.skinny_linear(x, w, cfg, gemv)
     want, want_state = product.clone(), state.clone()
-    conv1d.causal_conv1d_update(product[:, :channels], taps, want_state, step_rows, slots, want[:, :channels])
+    conv1d.causal_conv1d_update(
+        product[:, :channels], taps, want_state, step_rows, slots, want[:, :channels]
+    )
     got_state = state.clone()
     epilogue = mod.ConvEpilogue(taps, got_state, step_rows, slots)
     whole = mod.SkinnyConfig(2, k, 1, 4, 1, whole_rows=True)  # the 4B in_proj's (TUNED)
     got = want
     if rows == 1:
-        got = mod.skinny_linear(x, w, whole, True, out=poisoned((rows, n), dtype, device), conv=epilogue)
+        got = mod.skinny_linear(
+            x, w, whole, True, out=poisoned((rows, n), dtype, device), conv=epilogue
+        )
         assert not torch.isnan(got).any(), "the conv epilogue left an output unwritten"
         assert torch.equal(got_state, want_state), "the windows differ from causal_conv1d_update's"
-        assert torch.equal(got[:, channels:], product[:, channels:]), "columns past the conv channels changed"
+        assert torch.equal(got[:, channels:], product[:, channels:]), (
+            "columns past the conv channels changed"
+        )
         assert_close(got[:, :channels].float(), want[:, :channels].float(), dtype, "conv epilogue")
     else:  # the whole-row GEMV's alone
         with pytest.raises(ValueError, match="whole-row GEMV"):
             mod.skinny_linear(x, w, cfg, gemv, conv=epilogue)
     from deltaserve.kernels import triton_compat
 
-    monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)  # `linear`'s GPU routing, on CPU too
+    monkeypatch.setattr(
+        triton_compat, "GPU_PATH_ON_CPU", True
+    )  # `linear`'s GPU routing, on CPU too
     monkeypatch.setitem(mod.TUNED, (1, n, k), whole)  # one row on whole rows, as the 4B in_proj
     conv_launches = []  # the conv kernel's launches by `linear` (the same results either way)
     conv_kernel = mod.causal_conv1d_update
-    monkeypatch.setattr(mod, "causal_conv1d_update", lambda *args: conv_launches.append(1) or conv_kernel(*args))
+    monkeypatch.setattr(
+        mod, "causal_conv1d_update", lambda *args: conv_launches.append(1) or conv_kernel(*args)
+    )
     routed_state = state.clone()
     routed = mod.linear(x, w, conv=mod.ConvEpilogue(taps, routed_state, step_rows, slots))
     assert torch.equal(routed_state, want_state)
     assert torch.equal(routed, got) if rows == 1 else torch.equal(routed[real], want[real])
-    assert len(conv_launches) == (rows > 1), "one row's conv is the GEMV's, more rows' the conv kernel's"
+    assert len(conv_launches) == (rows > 1), (
+        "one row's conv is the GEMV's, more rows' the conv kernel's"
+    )
     monkeypatch.setattr(mod, "CONV_EPILOGUE", False)
     two_kernels_state = state.clone()
     two_kernels = mod.linear(x, w, conv=mod.ConvEpilogue(taps, two_kernels_state, step_rows, slots))

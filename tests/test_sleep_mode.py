@@ -26,7 +26,9 @@ from deltaserve.http.server import ServerConfig
 @pytest.mark.asyncio
 @pytest.mark.parametrize("placement", [("cpu", 1), ("cpu", 2)], ids=["tp1", "tp2"])
 async def test_sleep_and_wake_up(placement, tiny_model_dir, model_b, refs):  # noqa: F811
-    engine = await start_placed(placement, tiny_model_dir, enable_prefix_caching=True, prefix_cache_states=2)
+    engine = await start_placed(
+        placement, tiny_model_dir, enable_prefix_caching=True, prefix_cache_states=2
+    )
     try:
         for _ in range(3):  # the third starts from the state the second saved
             ids, end = await greedy(engine)
@@ -40,10 +42,14 @@ async def test_sleep_and_wake_up(placement, tiny_model_dir, model_b, refs):  # n
         with pytest.raises(ValueError, match="weights are asleep"):
             await engine.update_weights(model_b)
         await engine.wake_up(["weights"])
-        assert await still_waiting(engine, waiting) and engine.is_sleeping  # the cache is not back yet
+        assert (
+            await still_waiting(engine, waiting) and engine.is_sleeping
+        )  # the cache is not back yet
         await engine.wake_up(["kv_cache"])
         ids, end = await waiting
-        assert ids == refs["a"][:8] and end.cached_tokens == 0 and not engine.is_sleeping  # saved states: gone
+        assert (
+            ids == refs["a"][:8] and end.cached_tokens == 0 and not engine.is_sleeping
+        )  # saved states: gone
         # level 2: the weights are dropped; the next ones loaded (B's) are served
         await engine.sleep(2)
         await engine.wake_up(["weights"])
@@ -51,10 +57,16 @@ async def test_sleep_and_wake_up(placement, tiny_model_dir, model_b, refs):  # n
         await engine.wake_up()
         assert (await greedy(engine))[0] == refs["b"][:8]
         await engine.wake_up()  # awake: nothing to do
-        for bad in (lambda: engine.sleep(3), lambda: engine.wake_up(["kv"]), lambda: engine.wake_up([])):
+        for bad in (
+            lambda: engine.sleep(3),
+            lambda: engine.wake_up(["kv"]),
+            lambda: engine.wake_up([]),
+        ):
             with pytest.raises(ValueError):
                 await bad()
-        await wait_idle(engine, prefixes=True)  # what the ranks hold is the saved prefixes, as the ledger says
+        await wait_idle(
+            engine, prefixes=True
+        )  # what the ranks hold is the saved prefixes, as the ledger says
     finally:
         await engine.shutdown()
 
@@ -62,10 +74,16 @@ async def test_sleep_and_wake_up(placement, tiny_model_dir, model_b, refs):  # n
 @pytest.mark.asyncio
 async def test_sleep_routes(tiny_model_dir, refs):  # noqa: F811
     config = EngineConfig(model=str(tiny_model_dir), max_model_len=256, max_num_seqs=2)
-    async with in_process_server(config, ServerConfig("tiny")) as server, aiohttp.ClientSession() as session:
+    async with (
+        in_process_server(config, ServerConfig("tiny")) as server,
+        aiohttp.ClientSession() as session,
+    ):
+
         async def call(method: str, path: str, body: dict | None = None) -> tuple[int, object]:
             async with session.request(method, server.url + path, json=body) as reply:
-                return reply.status, (await reply.json() if reply.content_type == "application/json" else None)
+                return reply.status, (
+                    await reply.json() if reply.content_type == "application/json" else None
+                )
 
         generate = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, **GREEDY}}
         assert await call("POST", "/sleep?level=1") == (200, None)
@@ -81,14 +99,21 @@ async def test_sleep_routes(tiny_model_dir, refs):  # noqa: F811
         ok = {"success": True}
         status, body = await call("POST", "/release_memory_occupation", {})
         assert status == 200 and body.items() >= ok.items() and server.engine.is_sleeping, body
-        status, body = await call("POST", "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})
+        status, body = await call(
+            "POST", "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]}
+        )
         assert status == 200 and body.items() >= ok.items() and not server.engine.is_sleeping, body
-        for path, body, param in (("/sleep?level=3", None, "level"), ("/wake_up?tags=kv", None, "tags"),
-                                  ("/release_memory_occupation", {"tags": ["kv_cache"]}, "tags")):  # fmt: skip
+        for path, body, param in (
+            ("/sleep?level=3", None, "level"),
+            ("/wake_up?tags=kv", None, "tags"),
+            ("/release_memory_occupation", {"tags": ["kv_cache"]}, "tags"),
+        ):
             status, answer = await call("POST", path, body)
             assert status == 400 and answer["error"]["param"] == param, (path, answer)
         status, out = await call("POST", "/generate", generate)
-        assert status == 200 and out["output_ids"] == refs["a"][:8] and not server.engine.is_sleeping
+        assert (
+            status == 200 and out["output_ids"] == refs["a"][:8] and not server.engine.is_sleeping
+        )
 
 
 @pytest.mark.asyncio
@@ -100,14 +125,23 @@ async def test_sleep_gives_the_gpu_memory_back(tiny_model_dir, refs):  # noqa: F
 
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
-    engine = await start_placed(("cuda", 1), tiny_model_dir, num_kv_blocks=None, gpu_memory_utilization=0.3,
-                                enable_prefix_caching=True)  # fmt: skip
+    engine = await start_placed(
+        ("cuda", 1),
+        tiny_model_dir,
+        num_kv_blocks=None,
+        gpu_memory_utilization=0.3,
+        enable_prefix_caching=True,
+    )
     try:
         before = (await greedy(engine))[0]
         free_awake, total = torch.cuda.mem_get_info()
         await engine.sleep(1)
         free_asleep, _ = torch.cuda.mem_get_info()
-        assert free_asleep - free_awake > 0.2 * total, (free_awake, free_asleep, total)  # the cache: ~0.3 of it
+        assert free_asleep - free_awake > 0.2 * total, (
+            free_awake,
+            free_asleep,
+            total,
+        )  # the cache: ~0.3 of it
         await engine.wake_up()
         assert torch.cuda.mem_get_info()[0] < free_asleep - 0.2 * total
         assert (await greedy(engine))[0] == before

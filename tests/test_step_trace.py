@@ -24,7 +24,11 @@ async def test_every_step_is_traced_in_causal_order(tiny_model_dir, tmp_path, mo
     monkeypatch.setenv("DELTASERVE_STEP_TRACE", str(tmp_path))  # rank processes read it
     monkeypatch.setattr(step_trace, "TRACE_DIR", str(tmp_path))  # this process read it at import
     row = await run_streams(str(tiny_model_dir), streams=3, step_s=0.001, new_tokens=6)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["controller.tsv", "rank0.tsv", "scheduler.tsv"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "controller.tsv",
+        "rank0.tsv",
+        "scheduler.tsv",
+    ]
     marks = load(Path(tmp_path))
     steps = {seq: m for seq, m in marks.items() if ("scheduler", "results") in m}
     # two runs (warm-up and measured) of a prompt step and 5 decode steps each, at the least
@@ -35,13 +39,22 @@ async def test_every_step_is_traced_in_causal_order(tiny_model_dir, tmp_path, mo
             assert m[first] <= m[then], f"step {seq}: {first} after {then}"
         assert m[("size", "")] in (1, 2, 3), f"step {seq} has {m[('size', '')]} items"
     # pipelined: a decode step is sent before the results of the step ahead are in
-    pipelined = [seq for seq, m in steps.items()
-                 if seq - 1 in steps and m[("controller", "call")] < steps[seq - 1][("scheduler", "results")]]  # fmt: skip
+    pipelined = [
+        seq
+        for seq, m in steps.items()
+        if seq - 1 in steps and m[("controller", "call")] < steps[seq - 1][("scheduler", "results")]
+    ]
     assert len(pipelined) >= 2 * 3  # 5 of each run's 6 steps, as measured here
     # the follower's receipt is in the gate before the reply to the step ahead goes out
     # (rank_main.receive_ahead): the controller can release it before reacting to the results
-    early = [seq for seq in pipelined if steps[seq][("rank0", "recv")] < steps[seq - 1][("rank0", "replied")]]
-    assert len(early) >= 2 * 3, f"{len(early)} of {len(pipelined)} followers received before the reply ahead"
+    early = [
+        seq
+        for seq in pipelined
+        if steps[seq][("rank0", "recv")] < steps[seq - 1][("rank0", "replied")]
+    ]
+    assert len(early) >= 2 * 3, (
+        f"{len(early)} of {len(pipelined)} followers received before the reply ahead"
+    )
     table = hop_table(marks)
     assert sum(hops["steps"] for hops in table.values()) == len(steps)
     assert "rank 0 idle since the last step" in table[3]

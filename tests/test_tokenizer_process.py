@@ -34,8 +34,15 @@ def test_tokenizers_load_side_by_side_in_a_fresh_process(tiny_model_dir):
             t.join()
         print(errors)
     """)
-    runs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for _ in range(3)]  # fmt: skip
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     for run in runs:  # a race: several fresh processes, each about one in four before the fix
         out, err = run.communicate(timeout=120)
         assert run.returncode == 0, err[-2000:]
@@ -60,7 +67,9 @@ def test_serving_process_does_not_import_torch(tiny_model_dir):
         print(type(tok).__name__, len(tok.encode(text)) > 3, tok.decode(tok.encode("hello world")))
         print(sorted(m for m in ("torch", "triton") if m in sys.modules))
     """)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.strip().splitlines()
     if lines[-1].endswith("imports torch itself"):

@@ -20,11 +20,17 @@ from deltaserve.tools.golden import compare_logprobs
 DECODE_STEPS = 8
 
 
-def run_rank(rank: int, world: int, model_dir: str, init_file: str, ids: list[int], out: str, extra: dict) -> None:
+def run_rank(
+    rank: int, world: int, model_dir: str, init_file: str, ids: list[int], out: str, extra: dict
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        ex = Executor(ExecutorConfig(model_dir, rank=rank, world_size=world, num_slots=2, num_blocks=64, **extra))
+        ex = Executor(
+            ExecutorConfig(
+                model_dir, rank=rank, world_size=world, num_slots=2, num_blocks=64, **extra
+            )
+        )
         spec = SamplingSpec(seed=0, num_logprobs=8)
         first = StepItem(1, 0, ids, False, NewRequest(len(ids) + DECODE_STEPS + 1, spec))
         prefill = ex.forward([first], every_position=True)
@@ -43,7 +49,9 @@ def run_rank(rank: int, world: int, model_dir: str, init_file: str, ids: list[in
             dist.broadcast(next_token, src=0)
         snap = ex.snapshot()
         if rank == 0:
-            torch.save({"prefill": prefill, "decode": torch.stack(step_logprobs), "tokens": tokens}, out)
+            torch.save(
+                {"prefill": prefill, "decode": torch.stack(step_logprobs), "tokens": tokens}, out
+            )
         with open(f"{out}.rank{rank}.json", "w") as f:
             json.dump({"state_heads": snap.state_heads, "kv_heads": snap.kv_heads}, f)
     finally:
@@ -54,7 +62,12 @@ def run_tp(world: int, model_dir, tmp_path, ids: list[int], **extra) -> dict:
     """`extra`: more ExecutorConfig fields for every rank."""
     out = str(tmp_path / f"tp{world}.pt")
     init = str(tmp_path / f"init{world}")
-    mp.start_processes(run_rank, args=(world, str(model_dir), init, ids, out, extra), nprocs=world, start_method="spawn")
+    mp.start_processes(
+        run_rank,
+        args=(world, str(model_dir), init, ids, out, extra),
+        nprocs=world,
+        start_method="spawn",
+    )
     result = torch.load(out)
     result["ranks"] = []
     for r in range(world):

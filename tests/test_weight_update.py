@@ -28,34 +28,67 @@ from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http.server import ServerConfig
 from deltaserve.tools.make_model import make_model
 
-PROMPT = [9707, 11, 1879, 0, 358, 1079, 264, 1273, 2701, 3331, 17, 88, 1024, 45, 77, 5, 300, 12]  # > one block
+PROMPT = [
+    9707,
+    11,
+    1879,
+    0,
+    358,
+    1079,
+    264,
+    1273,
+    2701,
+    3331,
+    17,
+    88,
+    1024,
+    45,
+    77,
+    5,
+    300,
+    12,
+]  # > one block
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def model_b(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("tiny_b"), preset="tiny", dtype="fp32", seed=1,
-                      vlm_names=True, shard_size="20MB")  # fmt: skip
+    return make_model(
+        tmp_path_factory.mktemp("tiny_b"),
+        preset="tiny",
+        dtype="fp32",
+        seed=1,
+        vlm_names=True,
+        shard_size="20MB",
+    )
 
 
 @pytest.fixture(scope="module")
 def refs(tiny_model_dir, model_b):
     """Each checkpoint's greedy tokens after PROMPT, on the plain path."""
-    out = {name: [s.token_id for s in generate_tokens(path, PROMPT, 40, ignore_eos=True)]
-           for name, path in (("a", tiny_model_dir), ("b", model_b))}  # fmt: skip
+    out = {
+        name: [s.token_id for s in generate_tokens(path, PROMPT, 40, ignore_eos=True)]
+        for name, path in (("a", tiny_model_dir), ("b", model_b))
+    }
     assert out["a"][:8] != out["b"][:8]  # else the test could not tell them apart
     return out
 
 
-async def greedy(engine, max_tokens: int = 8, prompt: list[int] = PROMPT) -> tuple[list[int], object]:
-    tokens, end = await collect(engine.generate(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY)))
+async def greedy(
+    engine, max_tokens: int = 8, prompt: list[int] = PROMPT
+) -> tuple[list[int], object]:
+    tokens, end = await collect(
+        engine.generate(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
+    )
     return ids_of(tokens), end
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("placement", PLACEMENTS["params"][:2], ids=PLACEMENTS["ids"][:2])
 async def test_update_between_requests(placement, tiny_model_dir, model_b, refs):
-    engine = await start_placed(placement, tiny_model_dir, enable_prefix_caching=True, prefix_cache_states=2)
+    engine = await start_placed(
+        placement, tiny_model_dir, enable_prefix_caching=True, prefix_cache_states=2
+    )
     try:
         for _ in range(2):  # seen, then its state saved (a prompt seen twice): reused by the third
             assert (await greedy(engine))[0] == refs["a"][:8]
@@ -106,8 +139,12 @@ async def test_refused_folders_change_nothing(tiny_model_dir, refs, tmp_path):
     save_file(tensors, short / "model.safetensors")
     engine = await start_placed(("cpu", 1), tiny_model_dir)
     try:
-        for folder, words in ((other, "differs in rms_norm_eps"), (short, f"{names[0]} missing"),
-                              (short, f"{names[1]} of shape"), (tmp_path / "absent", "config.json")):  # fmt: skip
+        for folder, words in (
+            (other, "differs in rms_norm_eps"),
+            (short, f"{names[0]} missing"),
+            (short, f"{names[1]} of shape"),
+            (tmp_path / "absent", "config.json"),
+        ):
             with pytest.raises(ValueError, match=words):
                 await engine.update_weights(folder)
         assert (await greedy(engine))[0] == refs["a"][:8] and not engine.is_dead
@@ -118,17 +155,33 @@ async def test_refused_folders_change_nothing(tiny_model_dir, refs, tmp_path):
 
 @pytest.mark.asyncio
 async def test_sglang_routes(tiny_model_dir, model_b, refs, tmp_path):
-    config = EngineConfig(model=str(tiny_model_dir), max_model_len=256, max_num_seqs=2,
-                          enable_prefix_caching=True, prefix_cache_states=2)  # fmt: skip
-    async with in_process_server(config, ServerConfig("tiny")) as server, aiohttp.ClientSession() as session:
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        max_model_len=256,
+        max_num_seqs=2,
+        enable_prefix_caching=True,
+        prefix_cache_states=2,
+    )
+    async with (
+        in_process_server(config, ServerConfig("tiny")) as server,
+        aiohttp.ClientSession() as session,
+    ):
+
         async def post(path: str, body: dict | None = None) -> tuple[int, object]:
             async with session.post(server.url + path, json=body) as reply:
-                return reply.status, await (reply.json() if reply.content_type == "application/json" else reply.text())
+                return reply.status, await (
+                    reply.json() if reply.content_type == "application/json" else reply.text()
+                )
 
         generate = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, **GREEDY}}
         status, out = await post("/generate", generate)
-        assert out["output_ids"] == refs["a"][:8] and out["meta_info"]["weight_version"] == "default"
-        status, answer = await post("/update_weights_from_disk", {"model_path": str(model_b), "weight_version": "step-1", "load_format": "auto"})
+        assert (
+            out["output_ids"] == refs["a"][:8] and out["meta_info"]["weight_version"] == "default"
+        )
+        status, answer = await post(
+            "/update_weights_from_disk",
+            {"model_path": str(model_b), "weight_version": "step-1", "load_format": "auto"},
+        )
         assert (status, answer["success"]) == (200, True), answer
         status, out = await post("/generate", generate)
         assert out["output_ids"] == refs["b"][:8] and out["meta_info"]["weight_version"] == "step-1"
@@ -136,8 +189,12 @@ async def test_sglang_routes(tiny_model_dir, model_b, refs, tmp_path):
             info = await reply.json()
         assert (info["model_path"], info["weight_version"]) == (str(model_b), "step-1")
         status, answer = await post("/update_weights_from_disk", {"model_path": str(tmp_path)})
-        assert status == 400 and answer["success"] is False and "config.json" in answer["message"], answer
-        status, answer = await post("/update_weights_from_disk", {"model_path": str(model_b), "flush_cache": False})
+        assert (
+            status == 400 and answer["success"] is False and "config.json" in answer["message"]
+        ), answer
+        status, answer = await post(
+            "/update_weights_from_disk", {"model_path": str(model_b), "flush_cache": False}
+        )
         assert status == 400 and answer["error"]["param"] == "flush_cache", answer
         assert await post("/flush_cache") == (200, "Cache flushed.\n")
         status, out = await post("/generate", generate)
@@ -200,22 +257,30 @@ async def test_pause_modes_and_an_update_beside_frozen_requests(tiny_model_dir, 
             async for event in stream:
                 events.append(event)
 
-        consumer = asyncio.ensure_future(consume(engine.generate(PROMPT, SamplingParams(max_tokens=40, **GREEDY))))
+        consumer = asyncio.ensure_future(
+            consume(engine.generate(PROMPT, SamplingParams(max_tokens=40, **GREEDY)))
+        )
         while len(events) < 5:
             await asyncio.sleep(0.005)
         at_pause = len(events)  # more than 5 on a busy machine: the loop noticed late
         await engine.pause("keep")
-        await asyncio.sleep(0.1)  # the tokens of the steps in flight (two, pipelined), if any, have come
+        await asyncio.sleep(
+            0.1
+        )  # the tokens of the steps in flight (two, pipelined), if any, have come
         frozen_at = len(events)
         await asyncio.sleep(0.4)
-        assert len(events) == frozen_at <= at_pause + 2 and not consumer.done()  # nothing while paused
+        assert (
+            len(events) == frozen_at <= at_pause + 2 and not consumer.done()
+        )  # nothing while paused
         assert ids_of(events) == refs["a"][:frozen_at]
         await engine.update_weights(model_b)  # beside the frozen request
         assert len(events) == frozen_at
         engine.resume()
         await consumer
         assert events[-1].reason == "length" and len(events) == 41
-        assert ids_of(events[:-1])[frozen_at:] != refs["a"][frozen_at:40]  # it went on with B's weights
+        assert (
+            ids_of(events[:-1])[frozen_at:] != refs["a"][frozen_at:40]
+        )  # it went on with B's weights
         assert (await greedy(engine))[0] == refs["b"][:8]
         with pytest.raises(ValueError, match="pause mode"):
             await engine.pause("retract")
@@ -229,7 +294,11 @@ async def test_pause_routes(tiny_model_dir):
     """vLLM's /pause, /resume, /is_paused and SGLang's /pause_generation, /continue_generation:
     a request sent while paused waits for the resume; bad modes are refused, naming them."""
     config = EngineConfig(model=str(tiny_model_dir), max_model_len=256, max_num_seqs=2)
-    async with in_process_server(config, ServerConfig("tiny")) as server, aiohttp.ClientSession() as session:
+    async with (
+        in_process_server(config, ServerConfig("tiny")) as server,
+        aiohttp.ClientSession() as session,
+    ):
+
         async def call(method: str, path: str, body: dict | None = None) -> tuple[int, object]:
             async with session.request(method, server.url + path, json=body) as reply:
                 return reply.status, await reply.json()
@@ -237,10 +306,19 @@ async def test_pause_routes(tiny_model_dir):
         generate = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, **GREEDY}}
         for pause, resume, answers in (
             ("/pause?mode=wait", "/resume", ({"status": "paused"}, {"status": "resumed"})),
-            ("/pause_generation", "/continue_generation", ({"message": "Generation paused successfully.", "status": "ok"},
-                                                           {"message": "Generation continued successfully.", "status": "ok"})),
-        ):  # fmt: skip
-            assert await call("POST", pause, {} if "generation" in pause else None) == (200, answers[0])
+            (
+                "/pause_generation",
+                "/continue_generation",
+                (
+                    {"message": "Generation paused successfully.", "status": "ok"},
+                    {"message": "Generation continued successfully.", "status": "ok"},
+                ),
+            ),
+        ):
+            assert await call("POST", pause, {} if "generation" in pause else None) == (
+                200,
+                answers[0],
+            )
             assert await call("GET", "/is_paused") == (200, {"is_paused": True})
             waiting = asyncio.ensure_future(call("POST", "/generate", generate))
             assert await still_waiting(server.engine, waiting)
@@ -251,4 +329,6 @@ async def test_pause_routes(tiny_model_dir):
         status, answer = await call("POST", "/pause?mode=later")
         assert status == 400 and answer["error"]["param"] == "mode", answer
         status, answer = await call("POST", "/pause_generation", {"mode": "retract"})
-        assert status == 400 and answer["error"]["param"] == "mode" and not server.engine.is_paused, answer
+        assert (
+            status == 400 and answer["error"]["param"] == "mode" and not server.engine.is_paused
+        ), answer

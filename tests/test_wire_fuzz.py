@@ -46,13 +46,16 @@ encode = msgspec.msgpack.encode
 # ---- generic msgpack values --------------------------------------------------------------
 
 _ints = st.integers(-(2**63), 2**64 - 1) | st.integers(-3, 3)
-_scalars = (st.none() | st.booleans() | _ints | st.floats() | st.text(max_size=10)
-            | st.binary(max_size=10))  # fmt: skip
+_scalars = (
+    st.none() | st.booleans() | _ints | st.floats() | st.text(max_size=10) | st.binary(max_size=10)
+)
 TREE = st.recursive(
     _scalars,
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=20,
-)  # fmt: skip
+)
 
 
 def tagged(tags: list[str]) -> st.SearchStrategy[bytes]:
@@ -71,8 +74,9 @@ def mutations(frames: list[bytes]) -> st.SearchStrategy[bytes]:
         at %= len(frame) + 1
         return frame[:at] + insert + frame[at + cut :]
 
-    return st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 3),
-                     st.binary(max_size=3)).map(mutate)  # fmt: skip
+    return st.tuples(
+        st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 3), st.binary(max_size=3)
+    ).map(mutate)
 
 
 # ---- well-formed messages (small ids so that replies can match a command) -----------------
@@ -80,33 +84,60 @@ def mutations(frames: list[bytes]) -> st.SearchStrategy[bytes]:
 _rid = st.integers(0, 5)
 _rank = st.integers(-1, 2)
 _seq = st.integers(0, 2)
-_spec = st.builds(SamplingSpec, seed=st.integers(0, 2**63 - 1), temperature=st.floats(-1, 2),
-                  top_k=st.integers(-1, 2**40), top_p=st.floats(-1, 2), min_p=st.floats(-1, 2),
-                  num_logprobs=st.integers(-1, 30))  # fmt: skip
-_item = st.builds(StepItem, request_id=_rid, start=st.integers(-1, 40),
-                  token_ids=st.lists(st.integers(-1, VOCAB), max_size=4), sample=st.booleans(),
-                  new=st.none() | st.builds(NewRequest, st.integers(-1, 64), _spec))  # fmt: skip
-_sample = st.builds(Sample, request_id=_rid, token_id=st.integers(0, VOCAB), logprob=st.floats(),
-                    top_logprobs=st.lists(st.tuples(st.integers(0, VOCAB), st.floats()), max_size=2))  # fmt: skip
+_spec = st.builds(
+    SamplingSpec,
+    seed=st.integers(0, 2**63 - 1),
+    temperature=st.floats(-1, 2),
+    top_k=st.integers(-1, 2**40),
+    top_p=st.floats(-1, 2),
+    min_p=st.floats(-1, 2),
+    num_logprobs=st.integers(-1, 30),
+)
+_item = st.builds(
+    StepItem,
+    request_id=_rid,
+    start=st.integers(-1, 40),
+    token_ids=st.lists(st.integers(-1, VOCAB), max_size=4),
+    sample=st.booleans(),
+    new=st.none() | st.builds(NewRequest, st.integers(-1, 64), _spec),
+)
+_sample = st.builds(
+    Sample,
+    request_id=_rid,
+    token_id=st.integers(0, VOCAB),
+    logprob=st.floats(),
+    top_logprobs=st.lists(st.tuples(st.integers(0, VOCAB), st.floats()), max_size=2),
+)
 _samples = st.lists(_sample, max_size=4).map(SampleColumns.from_samples)
 COMMANDS = st.one_of(
     st.builds(RunUnifiedStep, _seq, st.lists(_item, max_size=4)),
-    st.builds(DropRequests, _seq, st.lists(_rid, max_size=4),
-              st.sampled_from(["must_exist", "must_be_absent"])),
-    st.builds(Ping, _seq), st.builds(Snapshot, _seq), st.builds(Shutdown, _seq),
-)  # fmt: skip
+    st.builds(
+        DropRequests,
+        _seq,
+        st.lists(_rid, max_size=4),
+        st.sampled_from(["must_exist", "must_be_absent"]),
+    ),
+    st.builds(Ping, _seq),
+    st.builds(Snapshot, _seq),
+    st.builds(Shutdown, _seq),
+)
 REPLIES = st.one_of(
     st.builds(Ack, _rank, _seq),
     st.builds(DropAck, _rank, _seq, st.lists(st.booleans(), max_size=4)),
     st.builds(StepResult, _rank, _seq, _samples),
     st.builds(SnapshotReply, _rank, _seq, st.lists(_rid, max_size=3), *[st.integers(0, 9)] * 6),
     st.builds(Failure, _rank, _seq, st.text(max_size=10)),
-)  # fmt: skip
+)
 STARTUP = st.builds(Ready, _rank, *[st.integers(0, 9)] * 3) | st.builds(
     StartupFailed, _rank, st.text()
 )
-FAULT_PLANS = st.builds(faults.FaultPlan, rank=st.integers(0, 3), kind=st.sampled_from(faults.FAULT_KINDS),
-                        at_seq=st.just(1), at_step=st.none())  # fmt: skip
+FAULT_PLANS = st.builds(
+    faults.FaultPlan,
+    rank=st.integers(0, 3),
+    kind=st.sampled_from(faults.FAULT_KINDS),
+    at_seq=st.just(1),
+    at_step=st.none(),
+)
 _RANK_FIELDS = {f.name for f in msgspec.structs.fields(launch.RankConfig)}
 
 
@@ -115,17 +146,29 @@ def rank_config_kwargs(**values: object) -> dict:
     return {k: v for k, v in values.items() if k in _RANK_FIELDS}
 
 
-RANK_CONFIGS = st.fixed_dictionaries(rank_config_kwargs(
-    rank=st.integers(0, 3), world_size=st.integers(1, 4),
-    parent_pid=st.integers(1, 2**22), command_endpoint=st.text(max_size=20),
-    reply_endpoint=st.text(max_size=20), gate_name=st.text(max_size=20),
-    receipt_fd=st.integers(0, 1000), release_fd=st.integers(0, 1000),
-    release_timeout_s=st.floats(0.1, 100), model_dir=st.text(max_size=20),
-    device=st.sampled_from(["cpu", "cuda:0"]), dtype=st.sampled_from(["auto", "bfloat16"]),
-    block_size=st.integers(1, 64), num_slots=st.integers(1, 64), num_blocks=st.integers(1, 4096),
-    max_model_len=st.integers(0, 8192), dist_init_method=st.text(max_size=20),
-    dist_timeout_s=st.floats(1, 100), fault=st.none() | FAULT_PLANS,
-)).map(lambda kw: launch.RankConfig(**kw))  # fmt: skip
+RANK_CONFIGS = st.fixed_dictionaries(
+    rank_config_kwargs(
+        rank=st.integers(0, 3),
+        world_size=st.integers(1, 4),
+        parent_pid=st.integers(1, 2**22),
+        command_endpoint=st.text(max_size=20),
+        reply_endpoint=st.text(max_size=20),
+        gate_name=st.text(max_size=20),
+        receipt_fd=st.integers(0, 1000),
+        release_fd=st.integers(0, 1000),
+        release_timeout_s=st.floats(0.1, 100),
+        model_dir=st.text(max_size=20),
+        device=st.sampled_from(["cpu", "cuda:0"]),
+        dtype=st.sampled_from(["auto", "bfloat16"]),
+        block_size=st.integers(1, 64),
+        num_slots=st.integers(1, 64),
+        num_blocks=st.integers(1, 4096),
+        max_model_len=st.integers(0, 8192),
+        dist_init_method=st.text(max_size=20),
+        dist_timeout_s=st.floats(1, 100),
+        fault=st.none() | FAULT_PLANS,
+    )
+).map(lambda kw: launch.RankConfig(**kw))
 
 
 def _tags(union: object) -> list[str]:
@@ -133,36 +176,76 @@ def _tags(union: object) -> list[str]:
 
 
 _SPEC = SamplingSpec(seed=3, temperature=0.7, top_k=5, num_logprobs=2)
-_CONFIG = launch.RankConfig(**rank_config_kwargs(
-    rank=0, world_size=2, parent_pid=77, command_endpoint="ipc:///tmp/x/cmd0",
-    reply_endpoint="ipc:///tmp/x/reply", gate_name="gate", receipt_fd=3, release_fd=4,
-    release_timeout_s=15.0, model_dir="/m", device="cpu", dtype="auto", block_size=16,
-    num_slots=8, num_blocks=256, max_model_len=2048, dist_init_method="file:///tmp/x/s",
-    dist_timeout_s=60.0, fault=faults.FaultPlan(1, "stall", at_step=2),
-))  # fmt: skip
+_CONFIG = launch.RankConfig(
+    **rank_config_kwargs(
+        rank=0,
+        world_size=2,
+        parent_pid=77,
+        command_endpoint="ipc:///tmp/x/cmd0",
+        reply_endpoint="ipc:///tmp/x/reply",
+        gate_name="gate",
+        receipt_fd=3,
+        release_fd=4,
+        release_timeout_s=15.0,
+        model_dir="/m",
+        device="cpu",
+        dtype="auto",
+        block_size=16,
+        num_slots=8,
+        num_blocks=256,
+        max_model_len=2048,
+        dist_init_method="file:///tmp/x/s",
+        dist_timeout_s=60.0,
+        fault=faults.FaultPlan(1, "stall", at_step=2),
+    )
+)
 # Valid frames of each kind, mutated by the fuzzer.
 VALID = {
-    "command": [RunUnifiedStep(4, [StepItem(1, 0, [5, 6, 7], True, NewRequest(9, _SPEC)),
-                                   StepItem(2, 8, [9], True)]),
-                DropRequests(5, [1, 2], "must_exist"), Ping(1), Snapshot(2), Shutdown(3)],
-    "reply": [Ack(1, 4), DropAck(0, 5, [True, False]), Failure(1, 2, "boom"),
-              StepResult(0, 4, SampleColumns.from_samples(
-                  [Sample(1, 5, -0.5, [(5, -0.5), (6, -1.5)]), Sample(2, 7, -0.1, [])])),
-              SnapshotReply(0, 2, [1], 1, 2, 8, 256, 8, 4)],
+    "command": [
+        RunUnifiedStep(
+            4, [StepItem(1, 0, [5, 6, 7], True, NewRequest(9, _SPEC)), StepItem(2, 8, [9], True)]
+        ),
+        DropRequests(5, [1, 2], "must_exist"),
+        Ping(1),
+        Snapshot(2),
+        Shutdown(3),
+    ],
+    "reply": [
+        Ack(1, 4),
+        DropAck(0, 5, [True, False]),
+        Failure(1, 2, "boom"),
+        StepResult(
+            0,
+            4,
+            SampleColumns.from_samples(
+                [Sample(1, 5, -0.5, [(5, -0.5), (6, -1.5)]), Sample(2, 7, -0.1, [])]
+            ),
+        ),
+        SnapshotReply(0, 2, [1], 1, 2, 8, 256, 8, 4),
+    ],
     "startup": [Ready(0, 8, 256, 16), StartupFailed(1, "no such file")],
     "rank_config": [_CONFIG, msgspec.structs.replace(_CONFIG, fault=None)],
-}  # fmt: skip
+}
 VALID["fault_header"] = VALID["command"]
 
 # decoder name -> (decoder, expected types, tags, well-formed values)
 DECODERS: dict[str, tuple] = {
     "command": (messages.command_decoder, messages.Command, _tags(messages.Command), COMMANDS),
     "reply": (messages.reply_decoder, messages.Reply, _tags(messages.Reply), REPLIES),
-    "startup": (messages.startup_decoder, messages.StartupReply, _tags(messages.StartupReply), STARTUP),
+    "startup": (
+        messages.startup_decoder,
+        messages.StartupReply,
+        _tags(messages.StartupReply),
+        STARTUP,
+    ),
     "rank_config": (launch.rank_config_decoder, launch.RankConfig, [], RANK_CONFIGS),
-    "fault_header": (faults.header_decoder, faults.StepHeader | faults.DropHeader,
-                     ["RunUnifiedStep", "DropRequests"], COMMANDS),
-}  # fmt: skip
+    "fault_header": (
+        faults.header_decoder,
+        faults.StepHeader | faults.DropHeader,
+        ["RunUnifiedStep", "DropRequests"],
+        COMMANDS,
+    ),
+}
 
 
 @pytest.fixture
@@ -171,8 +254,9 @@ def examples(request: pytest.FixtureRequest) -> int:
 
 
 def fuzz(strategy, examples: int):
-    return lambda f: settings(max_examples=examples, deadline=None, database=None,
-                              suppress_health_check=list(HealthCheck))(given(strategy)(f))  # fmt: skip
+    return lambda f: settings(
+        max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )(given(strategy)(f))
 
 
 def decoded_or_error(decoder, expected, frame: bytes) -> object | None:
@@ -214,9 +298,22 @@ def test_monitor_schema_decoder(examples):
         kind, fields = t
         return encode({"kind": kind, "schema_version": 1, "seq": 0, "time_s": 0.0, **fields})
 
-    fields = st.dictionaries(st.sampled_from(["state", "running", "request_id", "reason",
-                                              "client_id", "message", "schema_version", "x"]),
-                             TREE, max_size=4)  # fmt: skip
+    fields = st.dictionaries(
+        st.sampled_from(
+            [
+                "state",
+                "running",
+                "request_id",
+                "reason",
+                "client_id",
+                "message",
+                "schema_version",
+                "x",
+            ]
+        ),
+        TREE,
+        max_size=4,
+    )
     bodies = (
         st.tuples(st.sampled_from(kinds), fields).map(body)
         | TREE.map(encode)
@@ -243,9 +340,12 @@ def test_wellformed_messages_round_trip(examples):
     @fuzz(st.tuples(COMMANDS, REPLIES, STARTUP, RANK_CONFIGS), examples)
     def one(values: tuple) -> None:
         command, reply, startup, rank_config = values
-        for decoder, value in ((messages.command_decoder, command), (messages.reply_decoder, reply),
-                               (messages.startup_decoder, startup),
-                               (launch.rank_config_decoder, rank_config)):  # fmt: skip
+        for decoder, value in (
+            (messages.command_decoder, command),
+            (messages.reply_decoder, reply),
+            (messages.startup_decoder, startup),
+            (launch.rank_config_decoder, rank_config),
+        ):
             assert encode(decoder.decode(encode(value))) == encode(value)
 
     one()

@@ -82,7 +82,9 @@ async def send_request(
                 if usage:
                     out.prompt_len = usage["prompt_tokens"]
                     out.output_len = usage["completion_tokens"]
-                    out.cached_len = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    out.cached_len = (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens"
+                    ) or 0
                     got_usage = True
                 for choice in data.get("choices") or ():
                     text = (
@@ -106,8 +108,10 @@ async def send_request(
     if not pieces:  # no text at all (e.g. only an EOS token): first token = the end
         out.ttft = out.latency
     if not (done and got_usage and out.finish_reason):
-        out.error = (f"stream ended early (done={done}, usage={got_usage}, "
-                     f"finish_reason={out.finish_reason})")  # fmt: skip
+        out.error = (
+            f"stream ended early (done={done}, usage={got_usage}, "
+            f"finish_reason={out.finish_reason})"
+        )
         return out
     out.success = True
     return out
@@ -138,8 +142,9 @@ def _tpot(o: RequestOutput) -> float | None:
 
 
 def _peak_concurrency(outputs: list[RequestOutput]) -> int:
-    events = sorted([(o.start_time, 1) for o in outputs] +
-                    [(o.start_time + o.latency, -1) for o in outputs])  # fmt: skip
+    events = sorted(
+        [(o.start_time, 1) for o in outputs] + [(o.start_time + o.latency, -1) for o in outputs]
+    )
     peak = now = 0
     for _, delta in events:
         now += delta
@@ -176,7 +181,9 @@ def compute_metrics(
         "failed": len(outputs) - len(ok),
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
-        "total_cached_input_tokens": sum(o.cached_len for o in ok),  # 0 unless the usage has details
+        "total_cached_input_tokens": sum(
+            o.cached_len for o in ok
+        ),  # 0 unless the usage has details
         "request_throughput": len(ok) / duration_s,
         "request_goodput": good / duration_s if goodput else None,
         "output_throughput": total_out / duration_s,

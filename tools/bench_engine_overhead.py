@@ -24,7 +24,9 @@ from pathlib import Path
 from deltaserve.tools.hardware import host_info
 
 
-async def run_streams(model: str, streams: int, step_s: float, new_tokens: int, pipeline: bool = True) -> dict:
+async def run_streams(
+    model: str, streams: int, step_s: float, new_tokens: int, pipeline: bool = True
+) -> dict:
     import deltaserve.engine.async_engine as async_engine
     from deltaserve.engine import AsyncEngine, EngineConfig, SamplingParams
 
@@ -32,8 +34,13 @@ async def run_streams(model: str, streams: int, step_s: float, new_tokens: int, 
     real = async_engine.ReplicaConfig
     async_engine.ReplicaConfig = functools.partial(real, noop_executor=True, noop_step_s=step_s)
     try:
-        config = EngineConfig(model=model, device="cpu", max_num_seqs=streams, max_model_len=64 + new_tokens,
-                              pipeline_steps=pipeline)
+        config = EngineConfig(
+            model=model,
+            device="cpu",
+            max_num_seqs=streams,
+            max_model_len=64 + new_tokens,
+            pipeline_steps=pipeline,
+        )
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         async with await AsyncEngine.start(config) as engine:
 
@@ -46,9 +53,14 @@ async def run_streams(model: str, streams: int, step_s: float, new_tokens: int, 
             steps0, sched0, t0 = m.steps_total, m.scheduler_seconds_total, time.perf_counter()
             await asyncio.gather(*(one(i) for i in range(streams)))
             elapsed, steps = time.perf_counter() - t0, m.steps_total - steps0
-            return {"streams": streams, "pipelined": pipeline, "step_ms": elapsed / steps * 1e3, "steps": steps,
-                    "engine_overhead_ms": elapsed / steps * 1e3 - step_s * 1e3,
-                    "scheduler_ms": (m.scheduler_seconds_total - sched0) / steps * 1e3}  # fmt: skip
+            return {
+                "streams": streams,
+                "pipelined": pipeline,
+                "step_ms": elapsed / steps * 1e3,
+                "steps": steps,
+                "engine_overhead_ms": elapsed / steps * 1e3 - step_s * 1e3,
+                "scheduler_ms": (m.scheduler_seconds_total - sched0) / steps * 1e3,
+            }
     finally:
         async_engine.ReplicaConfig = real
 
@@ -57,10 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--step-ms", type=float, default=2.0, help="the no-op executor's sleep per step")
+    parser.add_argument(
+        "--step-ms", type=float, default=2.0, help="the no-op executor's sleep per step"
+    )
     parser.add_argument("--new-tokens", type=int, default=200)
-    parser.add_argument("--pipelining", nargs="+", choices=["on", "off"], default=["on", "off"],
-                        help="engine runs with pipelined steps, without, or both")
+    parser.add_argument(
+        "--pipelining",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on", "off"],
+        help="engine runs with pipelined steps, without, or both",
+    )
     parser.add_argument("--out", type=Path, default=None, help="folder for the JSON report")
     args = parser.parse_args(argv)
     from deltaserve.ipc import step_trace
@@ -70,21 +89,32 @@ def main(argv: list[str] | None = None) -> int:
     for streams in args.streams:
         for mode in args.pipelining:
             with tempfile.TemporaryDirectory() as trace_dir:
-                step_trace.TRACE_DIR = os.environ["DELTASERVE_STEP_TRACE"] = trace_dir  # ranks read the variable
-                row = asyncio.run(run_streams(args.model, streams, args.step_ms / 1e3, args.new_tokens, mode == "on"))
+                step_trace.TRACE_DIR = os.environ["DELTASERVE_STEP_TRACE"] = (
+                    trace_dir  # ranks read the variable
+                )
+                row = asyncio.run(
+                    run_streams(
+                        args.model, streams, args.step_ms / 1e3, args.new_tokens, mode == "on"
+                    )
+                )
                 row["hops_us"] = hop_table(load(Path(trace_dir))).get(streams, {})
             rows.append(row)
-            print(f"streams {streams:3d}, pipelining {mode:3s}: {row['step_ms']:.3f} ms per step with {args.step_ms} ms "
-                  f"of (slept) model work: the engine adds {row['engine_overhead_ms']:.3f} ms "
-                  f"({row['scheduler_ms']:.3f} ms scheduler)")
+            print(
+                f"streams {streams:3d}, pipelining {mode:3s}: {row['step_ms']:.3f} ms per step with {args.step_ms} ms "
+                f"of (slept) model work: the engine adds {row['engine_overhead_ms']:.3f} ms "
+                f"({row['scheduler_ms']:.3f} ms scheduler)"
+            )
             for hop, us in row["hops_us"].items():
                 if hop != "steps":
                     print(f"    {hop:32s} {us:9.1f} us")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"engine_overhead-{time.strftime('%Y-%m-%dT%H%M%S')}.json"
-        report = {"command": " ".join(["python -m tools.bench_engine_overhead", *sys.argv[1:]]),
-                  "hardware": host_info(), "rows": rows}  # fmt: skip
+        report = {
+            "command": " ".join(["python -m tools.bench_engine_overhead", *sys.argv[1:]]),
+            "hardware": host_info(),
+            "rows": rows,
+        }
         path.write_text(json.dumps(report, indent=1))
         print(f"wrote {path}")
     return 0

@@ -29,10 +29,16 @@ from deltaserve.tools.bench_guided import SCHEMA
 from deltaserve.tools.hardware import host_info
 
 DOCUMENTS = {  # pattern, and a document it matches whose every prefix's state is walked
-    "schema": (schema_regex(SCHEMA), '{"name": "Bob Smith", "age": 42, "email": "bob@x.com", '
-                                     '"tags": ["a", "bc"], "kind": "person", "active": true}'),
-    "json_object": (json_object_regex(), '{"a": [1, {"b": null}], "c": "hello world", "d": -2.5e3}'),
-}  # fmt: skip
+    "schema": (
+        schema_regex(SCHEMA),
+        '{"name": "Bob Smith", "age": 42, "email": "bob@x.com", '
+        '"tags": ["a", "bc"], "kind": "person", "active": true}',
+    ),
+    "json_object": (
+        json_object_regex(),
+        '{"a": [1, {"b": null}], "c": "hello world", "d": -2.5e3}',
+    ),
+}
 
 
 def _cpu_ms(work: Any) -> tuple[Any, float]:
@@ -53,15 +59,21 @@ def walk_document(trie: TokenTrie, pattern: str, text: str) -> dict[str, Any]:
         if state == DEAD:
             raise RuntimeError(f"the document leaves the pattern at {ch!r}")
     return {
-        "states_walked": len(cold), "dfa_states_made": guide.automaton.num_states,
-        "cold_ms_total": sum(cold), "cold_ms_mean": statistics.mean(cold), "cold_ms_max": max(cold),
-        "warm_walk_ms_mean": statistics.mean(warm), "warm_walk_ms_max": max(warm),
+        "states_walked": len(cold),
+        "dfa_states_made": guide.automaton.num_states,
+        "cold_ms_total": sum(cold),
+        "cold_ms_mean": statistics.mean(cold),
+        "cold_ms_max": max(cold),
+        "warm_walk_ms_mean": statistics.mean(warm),
+        "warm_walk_ms_max": max(warm),
         "allowed_tokens_mean": statistics.mean(allowed),
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="a folder with tokenizer.json")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args(argv)
@@ -69,17 +81,30 @@ def main(argv: list[str] | None = None) -> int:
     token_bytes, read_ms = _cpu_ms(lambda: read_token_bytes(args.model))
     trie, trie_ms = _cpu_ms(lambda: TokenTrie(token_bytes))
     result: dict[str, Any] = {
-        "command": "python -m tools.bench_guide_masks " + " ".join(sys.argv[1:] if argv is None else argv),
-        "hardware": host_info(), "torch": torch.__version__, "threads": 1,
-        "vocabulary": {"tokens": sum(1 for b in token_bytes if b), "trie_nodes": trie.num_nodes,
-                       "read_ms": read_ms, "trie_ms": trie_ms},
+        "command": "python -m tools.bench_guide_masks "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "hardware": host_info(),
+        "torch": torch.__version__,
+        "threads": 1,
+        "vocabulary": {
+            "tokens": sum(1 for b in token_bytes if b),
+            "trie_nodes": trie.num_nodes,
+            "read_ms": read_ms,
+            "trie_ms": trie_ms,
+        },
         "documents": {name: walk_document(trie, *doc) for name, doc in DOCUMENTS.items()},
-    }  # fmt: skip
-    print(f"vocabulary: {result['vocabulary']['tokens']} tokens read in {read_ms:.0f} ms, trie of {trie.num_nodes} nodes in {trie_ms:.0f} ms")
-    print(f"{'document':<12} {'states':>6} {'cold total':>10} {'cold mean':>9} {'cold max':>8} {'warm walk':>9}")
+    }
+    print(
+        f"vocabulary: {result['vocabulary']['tokens']} tokens read in {read_ms:.0f} ms, trie of {trie.num_nodes} nodes in {trie_ms:.0f} ms"
+    )
+    print(
+        f"{'document':<12} {'states':>6} {'cold total':>10} {'cold mean':>9} {'cold max':>8} {'warm walk':>9}"
+    )
     for name, d in result["documents"].items():
-        print(f"{name:<12} {d['states_walked']:>6} {d['cold_ms_total']:>8.0f}ms {d['cold_ms_mean']:>7.1f}ms "
-              f"{d['cold_ms_max']:>6.1f}ms {d['warm_walk_ms_mean']:>7.1f}ms")  # fmt: skip
+        print(
+            f"{name:<12} {d['states_walked']:>6} {d['cold_ms_total']:>8.0f}ms {d['cold_ms_mean']:>7.1f}ms "
+            f"{d['cold_ms_max']:>6.1f}ms {d['warm_walk_ms_mean']:>7.1f}ms"
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

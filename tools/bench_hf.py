@@ -11,13 +11,24 @@ import torch
 from deltaserve.tools.bench_decode import sync
 
 
-def bench_hf(model_dir: str, dtype_name: str, device: torch.device, batches: list[int], context: int,
-             steps: int, prefill_lengths: list[int]) -> tuple[list[dict], list[dict]]:
+def bench_hf(
+    model_dir: str,
+    dtype_name: str,
+    device: torch.device,
+    batches: list[int],
+    context: int,
+    steps: int,
+    prefill_lengths: list[int],
+) -> tuple[list[dict], list[dict]]:
     """HF transformers' generate on the same checkpoint: decode time per token from two runs
     that differ only in the number of new tokens; then prefill times."""
     from deltaserve.tools.make_model import hf_causal_lm
 
-    dtype = torch.bfloat16 if dtype_name in ("bfloat16", "auto") and device.type == "cuda" else torch.float32
+    dtype = (
+        torch.bfloat16
+        if dtype_name in ("bfloat16", "auto") and device.type == "cuda"
+        else torch.float32
+    )
     model = hf_causal_lm(model_dir).from_pretrained(model_dir, dtype=dtype).to(device).eval()
     rows = []
     gen = torch.Generator().manual_seed(1)
@@ -28,7 +39,14 @@ def bench_hf(model_dir: str, dtype_name: str, device: torch.device, batches: lis
         short = generate(model, ids, 1, device)
         long = generate(model, ids, 1 + steps, device)
         step_s = (long - short) / steps
-        rows.append({"batch": batch, "context": context, "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s})
+        rows.append(
+            {
+                "batch": batch,
+                "context": context,
+                "step_ms": step_s * 1e3,
+                "tokens_per_s": batch / step_s,
+            }
+        )
         print(json.dumps({"hf": rows[-1]}), flush=True)
     return rows, bench_hf_prefill(model, device, prefill_lengths)
 
@@ -38,8 +56,14 @@ def generate(model, ids: torch.Tensor, new_tokens: int, device: torch.device) ->
     sync(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     sync(device)
     return time.perf_counter() - t0
 

@@ -44,7 +44,9 @@ QUIT = b"QUIT"
 
 
 def decode_items(n: int) -> list[StepItem]:
-    return [StepItem(request_id=i, start=100 + i, token_ids=[1000 + i], sample=True) for i in range(n)]
+    return [
+        StepItem(request_id=i, start=100 + i, token_ids=[1000 + i], sample=True) for i in range(n)
+    ]
 
 
 def noop_result(n: int) -> StepResult:
@@ -61,8 +63,12 @@ def figures(samples_s: list[float]) -> dict[str, float]:
     }
 
 
-async def time_controller(model_dir: str, tp: int, sizes: list[int], iters: int, warmup: int) -> dict[int, dict]:
-    controller = await ReplicaController.start(ReplicaConfig(model_dir, tp_size=tp, noop_executor=True))
+async def time_controller(
+    model_dir: str, tp: int, sizes: list[int], iters: int, warmup: int
+) -> dict[int, dict]:
+    controller = await ReplicaController.start(
+        ReplicaConfig(model_dir, tp_size=tp, noop_executor=True)
+    )
     out = {}
     try:
         for n in sizes:
@@ -81,8 +87,9 @@ async def time_controller(model_dir: str, tp: int, sizes: list[int], iters: int,
     return out
 
 
-async def time_raw(tp: int, sizes: list[int], iters: int, warmup: int,
-                   zmq_asyncio: bool = False) -> dict[int, dict]:
+async def time_raw(
+    tp: int, sizes: list[int], iters: int, warmup: int, zmq_asyncio: bool = False
+) -> dict[int, dict]:
     """Raw round trips; replies are read as the controller reads them (one loop callback
     drains the socket), or with zmq.asyncio's awaited recv for comparison."""
     loop = asyncio.get_running_loop()
@@ -102,7 +109,9 @@ async def time_raw(tp: int, sizes: list[int], iters: int, warmup: int,
     else:
         pull.watch(loop, on_frame)
     procs = [
-        subprocess.Popen([sys.executable, "-m", "deltaserve.tools.bench_ipc", "--echo", run_dir, str(r)])
+        subprocess.Popen(
+            [sys.executable, "-m", "deltaserve.tools.bench_ipc", "--echo", run_dir, str(r)]
+        )
         for r in range(tp)
     ]
 
@@ -157,7 +166,7 @@ def echo(run_dir: str, rank: int) -> None:
         if frame == QUIT:
             break
         if frame.startswith(SETUP):
-            reply = frame[len(SETUP):]
+            reply = frame[len(SETUP) :]
         push.send(reply)
     pull.close()
     push.close()
@@ -183,24 +192,42 @@ async def run(args: argparse.Namespace) -> dict:
         for n in args.sizes:
             ratio = ctl[n]["median_us"] / raw[n]["median_us"]
             frames = frame_bytes(n)
-            results.append({"tp": tp, "requests": n, "command_bytes": frames[0],
-                            "rank0_reply_bytes": frames[1], "controller": ctl[n], "raw_zmq": raw[n],
-                            "raw_zmq_asyncio_recv": raw_aio[n], "median_ratio": round(ratio, 2)})
-            print(f"tp={tp} requests={n:4d}  controller median {ctl[n]['median_us']:7.1f} us "
-                  f"p90 {ctl[n]['p90_us']:7.1f} | raw zmq median {raw[n]['median_us']:7.1f} us "
-                  f"p90 {raw[n]['p90_us']:7.1f} | x{ratio:.2f} | raw zmq.asyncio median "
-                  f"{raw_aio[n]['median_us']:7.1f} us", flush=True)
+            results.append(
+                {
+                    "tp": tp,
+                    "requests": n,
+                    "command_bytes": frames[0],
+                    "rank0_reply_bytes": frames[1],
+                    "controller": ctl[n],
+                    "raw_zmq": raw[n],
+                    "raw_zmq_asyncio_recv": raw_aio[n],
+                    "median_ratio": round(ratio, 2),
+                }
+            )
+            print(
+                f"tp={tp} requests={n:4d}  controller median {ctl[n]['median_us']:7.1f} us "
+                f"p90 {ctl[n]['p90_us']:7.1f} | raw zmq median {raw[n]['median_us']:7.1f} us "
+                f"p90 {raw[n]['p90_us']:7.1f} | x{ratio:.2f} | raw zmq.asyncio median "
+                f"{raw_aio[n]['median_us']:7.1f} us",
+                flush=True,
+            )
     return {"results": results}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
-    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 256])
+    parser.add_argument(
+        "--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 256]
+    )
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=200)
-    parser.add_argument("--model", default=None, help="model dir (only its config.json is read); "
-                        "default: a tiny checkpoint made in a temp dir")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model dir (only its config.json is read); "
+        "default: a tiny checkpoint made in a temp dir",
+    )
     parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--echo", nargs=2, metavar=("RUN_DIR", "RANK"), help=argparse.SUPPRESS)
@@ -246,11 +273,20 @@ def main() -> None:
 
 # Only the shape the controller checks before spawning (vocab for plan checks, heads for TP).
 TINY_CONFIG = {
-    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 8,
-    "num_key_value_heads": 4, "head_dim": 32, "linear_num_key_heads": 4,
-    "linear_num_value_heads": 8, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4, "tie_word_embeddings": True,
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "tie_word_embeddings": True,
     "layer_types": ["linear_attention"] * 3 + ["full_attention"],
 }
 

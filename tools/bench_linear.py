@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="4b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--budget-s", type=float, default=400.0, help="stop sweeping after this long")
+    parser.add_argument(
+        "--budget-s", type=float, default=400.0, help="stop sweeping after this long"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -75,14 +77,24 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name, n, k, count in model_shapes(args.preset):
         copies = max(4, (4 * L2_BYTES) // (n * k * 2) + 1)
-        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        weights = [
+            torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5 for _ in range(copies)
+        ]
         for rows in args.rows:
             x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
             ref = torch.nn.functional.linear(x, weights[0])
             nbytes = n * k * 2
             cublas_s = time_graph([partial(torch.nn.functional.linear, x, w) for w in weights])
-            row = {"shape": name, "N": n, "K": k, "rows": rows, "count": count,
-                   "cublas_us": cublas_s * 1e6, "cublas_GBps": nbytes / cublas_s / 1e9, "tried": []}
+            row = {
+                "shape": name,
+                "N": n,
+                "K": k,
+                "rows": rows,
+                "count": count,
+                "cublas_us": cublas_s * 1e6,
+                "cublas_GBps": nbytes / cublas_s / 1e9,
+                "tried": [],
+            }
             for cfg, gemv in configs(n, k, rows):
                 if time.perf_counter() - started > args.budget_s:
                     break
@@ -91,37 +103,59 @@ def main(argv: list[str] | None = None) -> int:
                     err = (got.float() - ref.float()).abs().max().item()
                     s = time_graph([partial(skinny_linear, x, w, cfg, gemv) for w in weights])
                 except Exception as exc:  # a config Triton cannot build: record and go on
-                    row["tried"].append({"cfg": cfg.__dict__, "gemv": gemv, "error": str(exc)[:200]})
+                    row["tried"].append(
+                        {"cfg": cfg.__dict__, "gemv": gemv, "error": str(exc)[:200]}
+                    )
                     continue
-                row["tried"].append({"cfg": cfg.__dict__, "gemv": gemv, "us": s * 1e6,
-                                     "GBps": nbytes / s / 1e9, "max_err": err})
+                row["tried"].append(
+                    {
+                        "cfg": cfg.__dict__,
+                        "gemv": gemv,
+                        "us": s * 1e6,
+                        "GBps": nbytes / s / 1e9,
+                        "max_err": err,
+                    }
+                )
             ok = sorted((t for t in row["tried"] if "us" in t), key=lambda t: t["us"])
             for top in ok[:3]:  # the best three again: weights evicted first, and twice the warps
                 for change in ({"evict_first": True}, {"num_warps": 2 * top["cfg"]["num_warps"]}):
                     cfg, gemv = SkinnyConfig(**{**top["cfg"], **change}), top["gemv"]
                     s = time_graph([partial(skinny_linear, x, w, cfg, gemv) for w in weights])
-                    row["tried"].append({"cfg": cfg.__dict__, "gemv": gemv, "us": s * 1e6, "GBps": nbytes / s / 1e9})
+                    row["tried"].append(
+                        {"cfg": cfg.__dict__, "gemv": gemv, "us": s * 1e6, "GBps": nbytes / s / 1e9}
+                    )
             ok = [t for t in row["tried"] if "us" in t]
             ok.sort(key=lambda t: t["us"])
             row["tried"] = ok[:5] + [t for t in row["tried"] if "error" in t][:3]
             row["best"] = ok[0] if ok else None
             results.append(row)
             best = row["best"]
-            print(f"{name:13s} N={n:6d} K={k:5d} rows={rows:3d}  cublas {row['cublas_us']:7.1f} us "
-                  f"{row['cublas_GBps']:6.0f} GB/s | best {best['us'] if best else 0:7.1f} us "
-                  f"{best['GBps'] if best else 0:6.0f} GB/s {best['cfg'] if best else ''} gemv={best and best['gemv']}",
-                  flush=True)
+            print(
+                f"{name:13s} N={n:6d} K={k:5d} rows={rows:3d}  cublas {row['cublas_us']:7.1f} us "
+                f"{row['cublas_GBps']:6.0f} GB/s | best {best['us'] if best else 0:7.1f} us "
+                f"{best['GBps'] if best else 0:6.0f} GB/s {best['cfg'] if best else ''} gemv={best and best['gemv']}",
+                flush=True,
+            )
         del weights
         torch.cuda.empty_cache()
     per_step = {}
     for rows in args.rows:
         mine = [r for r in results if r["rows"] == rows]
         cub = sum(r["cublas_us"] * r["count"] for r in mine)
-        tri = sum(min(r["cublas_us"], r["best"]["us"] if r["best"] else 1e9) * r["count"] for r in mine)
+        tri = sum(
+            min(r["cublas_us"], r["best"]["us"] if r["best"] else 1e9) * r["count"] for r in mine
+        )
         per_step[rows] = {"cublas_us": cub, "best_of_both_us": tri}
-        print(f"rows={rows:3d}: per-layer GEMMs per step: cuBLAS {cub:8.1f} us, best of both {tri:8.1f} us")
-    report = {"command": " ".join(sys.argv), "hardware": hardware(dev), "copy_GBps": copy_gbps,
-              "per_step": per_step, "shapes": results}
+        print(
+            f"rows={rows:3d}: per-layer GEMMs per step: cuBLAS {cub:8.1f} us, best of both {tri:8.1f} us"
+        )
+    report = {
+        "command": " ".join(sys.argv),
+        "hardware": hardware(dev),
+        "copy_GBps": copy_gbps,
+        "per_step": per_step,
+        "shapes": results,
+    }
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

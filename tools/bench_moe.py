@@ -27,10 +27,17 @@ SHAPE = {"experts": 256, "top_k": 8, "hidden": 2048, "inter": 512}  # Qwen3.5-35
 def run(tokens: int, mode: str, layers: int = 8) -> dict:
     e, k, h, i = SHAPE["experts"], SHAPE["top_k"], SHAPE["hidden"], SHAPE["inter"]
     gen = torch.Generator(device="cuda").manual_seed(tokens)
-    weights = [((torch.randn(e, 2 * i, h, device="cuda", generator=gen) / h**0.5).bfloat16(),
-                (torch.randn(e, h, i, device="cuda", generator=gen) / i**0.5).bfloat16()) for _ in range(layers)]  # fmt: skip
+    weights = [
+        (
+            (torch.randn(e, 2 * i, h, device="cuda", generator=gen) / h**0.5).bfloat16(),
+            (torch.randn(e, h, i, device="cuda", generator=gen) / i**0.5).bfloat16(),
+        )
+        for _ in range(layers)
+    ]
     x = torch.randn(tokens, h, device="cuda", generator=gen).bfloat16()
-    router = [torch.randn(tokens, e, device="cuda", generator=gen).bfloat16() for _ in range(layers)]
+    router = [
+        torch.randn(tokens, e, device="cuda", generator=gen).bfloat16() for _ in range(layers)
+    ]
     threshold = {"gemv": 1 << 30, "grouped": 0, "rule": moe.GEMV_PAIRS}[mode]
 
     def layer(n: int):
@@ -45,15 +52,26 @@ def run(tokens: int, mode: str, layers: int = 8) -> dict:
         return call
 
     seconds = time_graph([layer(n) for n in range(layers)])
-    distinct = sum(torch.topk(r.float(), k, dim=-1).indices.unique().numel() for r in router) / layers
+    distinct = (
+        sum(torch.topk(r.float(), k, dim=-1).indices.unique().numel() for r in router) / layers
+    )
     nbytes = distinct * 3 * i * h * 2
-    return {"tokens": tokens, "mode": mode, "us_per_layer": seconds * 1e6, "distinct_experts": distinct,
-            "bytes_per_layer": nbytes, "GBps": nbytes / seconds / 1e9}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "mode": mode,
+        "us_per_layer": seconds * 1e6,
+        "distinct_experts": distinct,
+        "bytes_per_layer": nbytes,
+        "GBps": nbytes / seconds / 1e9,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench_moe", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench_moe",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", default=None, help="JSON result path")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--modes", nargs="+", default=["gemv", "grouped", "rule"])
@@ -66,11 +84,15 @@ def main(argv: list[str] | None = None) -> int:
             row["fraction_of_copy"] = row["GBps"] / copy
             rows.append(row)
             print(json.dumps(row), flush=True)
-    write_report(args.out, "bench_moe", shape=SHAPE, copy_GBps=copy, gemv_pairs=moe.GEMV_PAIRS, rows=rows)
+    write_report(
+        args.out, "bench_moe", shape=SHAPE, copy_GBps=copy, gemv_pairs=moe.GEMV_PAIRS, rows=rows
+    )
     print(f"{'tokens':>6} {'mode':>8} {'us/layer':>9} {'experts':>8} {'GB/s':>7} {'of copy':>8}")
     for r in rows:
-        print(f"{r['tokens']:6d} {r['mode']:>8} {r['us_per_layer']:9.1f} {r['distinct_experts']:8.1f} "
-              f"{r['GBps']:7.0f} {r['fraction_of_copy']:8.1%}")  # fmt: skip
+        print(
+            f"{r['tokens']:6d} {r['mode']:>8} {r['us_per_layer']:9.1f} {r['distinct_experts']:8.1f} "
+            f"{r['GBps']:7.0f} {r['fraction_of_copy']:8.1%}"
+        )
     return 0
 
 

@@ -49,8 +49,13 @@ PROMPT_TOKENS = 32
 def hardware() -> dict:
     import torch
 
-    return {**host_info(), "torch": torch.__version__, "pyzmq": zmq.__version__,
-            "libzmq": zmq.zmq_version(), "msgspec": msgspec.__version__}  # fmt: skip
+    return {
+        **host_info(),
+        "torch": torch.__version__,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "msgspec": msgspec.__version__,
+    }
 
 
 async def workload(engine: AsyncEngine, requests: int, max_tokens: int, vocab: int) -> dict:
@@ -77,10 +82,15 @@ async def workload(engine: AsyncEngine, requests: int, max_tokens: int, vocab: i
     steps = engine.scheduler.steps_total - steps0
     if tokens != requests * max_tokens:
         raise RuntimeError(f"expected {requests * max_tokens} tokens, got {tokens}")
-    return {"wall_s": round(wall, 4), "steps": steps, "steps_per_s": round(steps / wall, 2),
-            "tokens_per_s": round(tokens / wall, 1), "mean_step_ms": round(wall / steps * 1e3, 3),
-            "engine_cpu_ms_per_step": round(cpu / steps * 1e3, 4),
-            "tick_overhead_ms_per_step": round((wall / steps - statistics.mean(step_s)) * 1e3, 4)}  # fmt: skip
+    return {
+        "wall_s": round(wall, 4),
+        "steps": steps,
+        "steps_per_s": round(steps / wall, 2),
+        "tokens_per_s": round(tokens / wall, 1),
+        "mean_step_ms": round(wall / steps * 1e3, 3),
+        "engine_cpu_ms_per_step": round(cpu / steps * 1e3, 4),
+        "tick_overhead_ms_per_step": round((wall / steps - statistics.mean(step_s)) * 1e3, 4),
+    }
 
 
 async def fill(engine: AsyncEngine, requests: int, vocab: int) -> None:
@@ -112,9 +122,14 @@ def count_readable(sock: zmq.Socket) -> int:
 
 
 async def engine_rounds(args: argparse.Namespace, model: str, vocab: int) -> dict:
-    base = dict(model=model, device=args.device, max_num_seqs=args.requests,
-                max_num_batched_tokens=max(512, args.requests),
-                max_model_len=PROMPT_TOKENS + args.max_tokens + 16, startup_timeout_s=180.0)  # fmt: skip
+    base = dict(
+        model=model,
+        device=args.device,
+        max_num_seqs=args.requests,
+        max_num_batched_tokens=max(512, args.requests),
+        max_model_len=PROMPT_TOKENS + args.max_tokens + 16,
+        startup_timeout_s=180.0,
+    )
     plain = await AsyncEngine.start(EngineConfig(**base))
     monitored = await AsyncEngine.start(EngineConfig(**base, monitor_endpoint="auto"))
     ctx = zmq.Context()
@@ -132,10 +147,13 @@ async def engine_rounds(args: argparse.Namespace, model: str, vocab: int) -> dic
             for name in order:
                 fig = await workload(engines[name], args.requests, args.max_tokens, vocab)
                 rounds[name].append(fig)
-                print(f"round {r} {name:28s} {fig['steps_per_s']:8.1f} steps/s "
-                      f"{fig['tokens_per_s']:9.1f} tok/s  step {fig['mean_step_ms']:.3f} ms  engine "
-                      f"cpu {fig['engine_cpu_ms_per_step']:.3f} ms/step, tick overhead "
-                      f"{fig['tick_overhead_ms_per_step']:.3f} ms/step", flush=True)
+                print(
+                    f"round {r} {name:28s} {fig['steps_per_s']:8.1f} steps/s "
+                    f"{fig['tokens_per_s']:9.1f} tok/s  step {fig['mean_step_ms']:.3f} ms  engine "
+                    f"cpu {fig['engine_cpu_ms_per_step']:.3f} ms/step, tick overhead "
+                    f"{fig['tick_overhead_ms_per_step']:.3f} ms/step",
+                    flush=True,
+                )
         published = monitored._monitor.num_published  # the publisher's own count
         readable = count_readable(sub)
         sub.close()
@@ -164,13 +182,20 @@ async def engine_rounds(args: argparse.Namespace, model: str, vocab: int) -> dic
     }
 
 
-async def same_engine_rounds(engine: AsyncEngine, ctx: zmq.Context, args: argparse.Namespace,
-                             vocab: int) -> dict:  # fmt: skip
+async def same_engine_rounds(
+    engine: AsyncEngine, ctx: zmq.Context, args: argparse.Namespace, vocab: int
+) -> dict:
     """The monitored engine alone, rounds alternating: no subscriber, and a fresh subscriber
     that never reads, its queues filled first by 30,000 messages through the engine's own
     publisher. Same engine, same history: only the stalled subscriber differs."""
-    req = Request(request_id=0, index=0, prompt_ids=(1,), params=SamplingParams(), seed=0,
-                  arrival_time_s=time.monotonic())  # fmt: skip
+    req = Request(
+        request_id=0,
+        index=0,
+        prompt_ids=(1,),
+        params=SamplingParams(),
+        seed=0,
+        arrival_time_s=time.monotonic(),
+    )
     filler = Lifecycle("admitted", time.monotonic(), req)
     rounds: dict[str, list[dict]] = {"no_subscriber": [], "stalled_full_subscriber": []}
     for r in range(args.rounds):
@@ -188,9 +213,12 @@ async def same_engine_rounds(engine: AsyncEngine, ctx: zmq.Context, args: argpar
                 fig["readable_after_round"] = count_readable(sub)
                 sub.close()
             rounds[name].append(fig)
-            print(f"same engine, round {r} {name:24s} step {fig['mean_step_ms']:.3f} ms  engine cpu "
-                  f"{fig['engine_cpu_ms_per_step']:.3f} ms/step, tick overhead "
-                  f"{fig['tick_overhead_ms_per_step']:.3f} ms/step", flush=True)
+            print(
+                f"same engine, round {r} {name:24s} step {fig['mean_step_ms']:.3f} ms  engine cpu "
+                f"{fig['engine_cpu_ms_per_step']:.3f} ms/step, tick overhead "
+                f"{fig['tick_overhead_ms_per_step']:.3f} ms/step",
+                flush=True,
+            )
     return {"rounds": rounds, "summary": summarize(rounds)}
 
 
@@ -201,8 +229,12 @@ def summarize(rounds: dict[str, list[dict]]) -> dict:
             "median_steps_per_s": statistics.median(f["steps_per_s"] for f in figs),
             "median_tokens_per_s": statistics.median(f["tokens_per_s"] for f in figs),
             "median_step_ms": statistics.median(f["mean_step_ms"] for f in figs),
-            "median_engine_cpu_ms_per_step": statistics.median(f["engine_cpu_ms_per_step"] for f in figs),
-            "median_tick_overhead_ms_per_step": statistics.median(f["tick_overhead_ms_per_step"] for f in figs),
+            "median_engine_cpu_ms_per_step": statistics.median(
+                f["engine_cpu_ms_per_step"] for f in figs
+            ),
+            "median_tick_overhead_ms_per_step": statistics.median(
+                f["tick_overhead_ms_per_step"] for f in figs
+            ),
         }
     return summary
 
@@ -215,15 +247,29 @@ async def publish_costs(n: int) -> dict:
     sub = stalled_subscriber(ctx, publisher.endpoint)
     await asyncio.sleep(0.3)
     try:
-        snap = LoadSnapshot(running=16, waiting=3, free_slots=0, free_blocks=100, num_slots=16,
-                            num_blocks=400, steps_total=0, step_decode_tokens=16)  # fmt: skip
+        snap = LoadSnapshot(
+            running=16,
+            waiting=3,
+            free_slots=0,
+            free_blocks=100,
+            num_slots=16,
+            num_blocks=400,
+            steps_total=0,
+            step_decode_tokens=16,
+        )
         snaps = [msgspec.structs.replace(snap, steps_total=i + 1) for i in range(n)]
         t0 = time.perf_counter()
         for s in snaps:
             publisher.on_load(s)
         load_us = (time.perf_counter() - t0) / n * 1e6
-        req = Request(request_id=1, index=0, prompt_ids=tuple(range(32)), params=SamplingParams(),
-                      seed=0, arrival_time_s=time.monotonic())  # fmt: skip
+        req = Request(
+            request_id=1,
+            index=0,
+            prompt_ids=tuple(range(32)),
+            params=SamplingParams(),
+            seed=0,
+            arrival_time_s=time.monotonic(),
+        )
         req.first_token_time_s = req.arrival_time_s + 0.01
         event = Lifecycle("finished", time.monotonic(), req, "client", "length")
         t0 = time.perf_counter()
@@ -235,10 +281,13 @@ async def publish_costs(n: int) -> dict:
         sub.close()
         ctx.term()
         await publisher.aclose()
-    return {"messages": n, "load_us_per_message": round(load_us, 2),
-            "finished_us_per_message": round(finished_us, 2),
-            "readable_by_stalled_subscriber": readable,
-            "no_listener_notify_ns": round(await notify_cost_ns(n), 1)}  # fmt: skip
+    return {
+        "messages": n,
+        "load_us_per_message": round(load_us, 2),
+        "finished_us_per_message": round(finished_us, 2),
+        "readable_by_stalled_subscriber": readable,
+        "no_listener_notify_ns": round(await notify_cost_ns(n), 1),
+    }
 
 
 async def notify_cost_ns(n: int) -> float:
@@ -270,17 +319,26 @@ async def run(args: argparse.Namespace) -> dict:
     vocab = vocab.get("text_config", vocab)["vocab_size"]
     engine = await engine_rounds(args, model, vocab)
     micro = await publish_costs(args.micro_messages)
-    print(f"monitored / plain steps/s (medians): {engine['monitored_over_plain_steps_per_s']:.4f}; "
-          f"per step, monitored - plain: engine cpu {engine['monitor_engine_cpu_ms_per_step']:.4f} ms, "
-          f"tick overhead {engine['monitor_tick_overhead_ms_per_step']:.4f} ms")
+    print(
+        f"monitored / plain steps/s (medians): {engine['monitored_over_plain_steps_per_s']:.4f}; "
+        f"per step, monitored - plain: engine cpu {engine['monitor_engine_cpu_ms_per_step']:.4f} ms, "
+        f"tick overhead {engine['monitor_tick_overhead_ms_per_step']:.4f} ms"
+    )
     same = engine["same_engine"]["summary"]
-    print("same engine, tick overhead ms/step (medians): no subscriber "
-          f"{same['no_subscriber']['median_tick_overhead_ms_per_step']:.4f}, stalled full subscriber "
-          f"{same['stalled_full_subscriber']['median_tick_overhead_ms_per_step']:.4f}")
-    print(f"publish: load {micro['load_us_per_message']} us/msg, finished "
-          f"{micro['finished_us_per_message']} us/msg; no-listener hook {micro['no_listener_notify_ns']} ns")
-    return {"model": model if args.model else "tiny preset, fp32 (made for this run)",
-            "engine": engine, "publisher": micro}
+    print(
+        "same engine, tick overhead ms/step (medians): no subscriber "
+        f"{same['no_subscriber']['median_tick_overhead_ms_per_step']:.4f}, stalled full subscriber "
+        f"{same['stalled_full_subscriber']['median_tick_overhead_ms_per_step']:.4f}"
+    )
+    print(
+        f"publish: load {micro['load_us_per_message']} us/msg, finished "
+        f"{micro['finished_us_per_message']} us/msg; no-listener hook {micro['no_listener_notify_ns']} ns"
+    )
+    return {
+        "model": model if args.model else "tiny preset, fp32 (made for this run)",
+        "engine": engine,
+        "publisher": micro,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,8 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--fill-requests", type=int, default=4000,
-                   help="one-token requests each engine serves first (fills B's stalled queues)")  # fmt: skip
+    p.add_argument(
+        "--fill-requests",
+        type=int,
+        default=4000,
+        help="one-token requests each engine serves first (fills B's stalled queues)",
+    )
     p.add_argument("--micro-messages", type=int, default=100_000)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -299,13 +361,25 @@ def main(argv: list[str] | None = None) -> int:
     hw = hardware()
     figures = asyncio.run(run(args))
     result = {
-        "command": " ".join([Path(sys.executable).name, "-m", "deltaserve.tools.bench_monitor",
-                             *(argv if argv is not None else sys.argv[1:])]),  # fmt: skip
+        "command": " ".join(
+            [
+                Path(sys.executable).name,
+                "-m",
+                "deltaserve.tools.bench_monitor",
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
+        ),
         "date_utc": started,
         "hardware": hw,
-        "conditions": {"requests": args.requests, "max_tokens": args.max_tokens,
-                       "prompt_tokens": PROMPT_TOKENS, "rounds": args.rounds, "device": args.device, "fill_requests": args.fill_requests,
-                       "stalled_subscriber": "SUB to every topic, RCVHWM 10, never reads"},  # fmt: skip
+        "conditions": {
+            "requests": args.requests,
+            "max_tokens": args.max_tokens,
+            "prompt_tokens": PROMPT_TOKENS,
+            "rounds": args.rounds,
+            "device": args.device,
+            "fill_requests": args.fill_requests,
+            "stalled_subscriber": "SUB to every topic, RCVHWM 10, never reads",
+        },
         **figures,
     }
     out = Path(args.out or f"bench/results/monitor_{args.device}.json")

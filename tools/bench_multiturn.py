@@ -68,8 +68,11 @@ def _prompt(endpoint: str, users: list[str], answers: list[str]) -> Any:
 
 
 def _body(args: argparse.Namespace, model: str, prompt: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": args.random_output_len,
-                            "temperature": args.temperature}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": args.random_output_len,
+        "temperature": args.temperature,
+    }
     if args.ignore_eos:
         body["ignore_eos"] = True
     body["messages" if args.endpoint == "chat" else "prompt"] = prompt
@@ -95,8 +98,11 @@ async def run_multi_turn(
     convs = []
     for turns in rng.integers(args.min_turns, args.max_turns + 1, size=n):
         convs.append(Conversation([user_text() for _ in range(int(turns) + 1)]))
-    print(f"multi-turn: {n} conversations, {sum(c.turns for c in convs)} turns, "
-          f"max concurrency {args.max_concurrency}", flush=True)  # fmt: skip
+    print(
+        f"multi-turn: {n} conversations, {sum(c.turns for c in convs)} turns, "
+        f"max concurrency {args.max_concurrency}",
+        flush=True,
+    )
 
     async def converse(c: Conversation) -> None:
         for t in range(c.turns):
@@ -116,9 +122,11 @@ async def run_multi_turn(
 
     probe = await readmission_probe(session, args, model, url, headers, convs)
     done = sum(c.completed for c in convs)
-    print(f"conversations completed {done}/{n}; turns completed {metrics['completed']} of "
-          f"{sum(c.turns for c in convs)} planned; readmission probe "
-          f"{'ok' if probe['ok'] else 'FAILED'} ({probe['completed']}/{probe['requests']})")  # fmt: skip
+    print(
+        f"conversations completed {done}/{n}; turns completed {metrics['completed']} of "
+        f"{sum(c.turns for c in convs)} planned; readmission probe "
+        f"{'ok' if probe['ok'] else 'FAILED'} ({probe['completed']}/{probe['requests']})"
+    )
     return {
         "num_conversations": n,
         "min_turns": args.min_turns,
@@ -148,11 +156,17 @@ async def readmission_probe(
     health_before = await health_status(session, args.base_url)
     t0 = time.perf_counter()
     outputs = await gather_limited(
-        [send_request(session, url, _body(args, model, _prompt(args.endpoint, c.user_messages,
-                                                               c.answers)), headers)
-         for c in back],
+        [
+            send_request(
+                session,
+                url,
+                _body(args, model, _prompt(args.endpoint, c.user_messages, c.answers)),
+                headers,
+            )
+            for c in back
+        ],
         args.max_concurrency,
-    )  # fmt: skip
+    )
     duration = time.perf_counter() - t0
     health_after = await health_status(session, args.base_url)
     ok_count = sum(o.success for o in outputs)

@@ -23,13 +23,35 @@ from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from tools.bench_decode import write_report
 from tools.golden import compare_logprobs
 
-SHAPES = [(1, 17), (1, 100), (1, 500), (1, 1000), (1, 1024), (1, 2000), (1, 4096), (4, 100), (8, 64), (8, 250)]
+SHAPES = [
+    (1, 17),
+    (1, 100),
+    (1, 500),
+    (1, 1000),
+    (1, 1024),
+    (1, 2000),
+    (1, 4096),
+    (4, 100),
+    (8, 64),
+    (8, 250),
+]
 
 
 def executor(model: str, graph_tokens: int) -> Executor:
-    return Executor(ExecutorConfig(model, device="cuda", dtype="bfloat16", block_size=16, num_slots=8,
-                                   num_blocks=8 * 300, max_model_len=4200, max_num_batched_tokens=8192,
-                                   cuda_graphs=True, prompt_graph_tokens=graph_tokens))  # fmt: skip
+    return Executor(
+        ExecutorConfig(
+            model,
+            device="cuda",
+            dtype="bfloat16",
+            block_size=16,
+            num_slots=8,
+            num_blocks=8 * 300,
+            max_model_len=4200,
+            max_num_batched_tokens=8192,
+            cuda_graphs=True,
+            prompt_graph_tokens=graph_tokens,
+        )
+    )
 
 
 def timed_step(ex: Executor, items: list[StepItem]) -> tuple[float, float, torch.Tensor]:
@@ -61,17 +83,28 @@ def main(argv: list[str] | None = None) -> int:
     next_id = iter(range(1, 10**9))
     rows = []
     for count, tokens in SHAPES:
-        prompts = [torch.randint(0, 240000, (tokens,), generator=gen).tolist() for _ in range(count)]
+        prompts = [
+            torch.randint(0, 240000, (tokens,), generator=gen).tolist() for _ in range(count)
+        ]
         times = {"graphs": [], "eager": []}
         logits = {}
         replays = graphs.prompt_graphs.replays
         for _ in range(args.reps):
             for name, ex in (("graphs", graphs), ("eager", eager)):
-                items = [StepItem(next(next_id), 0, p, True, NewRequest(tokens + 1, SamplingSpec(seed=0))) for p in prompts]
+                items = [
+                    StepItem(
+                        next(next_id), 0, p, True, NewRequest(tokens + 1, SamplingSpec(seed=0))
+                    )
+                    for p in prompts
+                ]
                 host, wall, logits[name] = timed_step(ex, items)
                 times[name].append((host, wall))
         report = compare_logprobs(logits["graphs"], logits["eager"])
-        row = {"prompts": count, "tokens": tokens, "graph_replays": graphs.prompt_graphs.replays - replays}
+        row = {
+            "prompts": count,
+            "tokens": tokens,
+            "graph_replays": graphs.prompt_graphs.replays - replays,
+        }
         for name, pairs in times.items():
             row[f"{name}_host_ms"] = min(h for h, _ in pairs[1:]) * 1e3  # the first run compiles
             row[f"{name}_wall_ms"] = min(w for _, w in pairs[1:]) * 1e3
@@ -80,15 +113,23 @@ def main(argv: list[str] | None = None) -> int:
         row["argmax_mismatches"] = report.argmax_mismatches
         rows.append(row)
         print(json.dumps(row), flush=True)
-    write_report(args.out, "bench_prompt_graphs", executor_start_s={"graphs": graph_start_s, "eager": eager_start_s},
-                 rows=rows)
+    write_report(
+        args.out,
+        "bench_prompt_graphs",
+        executor_start_s={"graphs": graph_start_s, "eager": eager_start_s},
+        rows=rows,
+    )
     print(f"executor start: graphs {graph_start_s:.1f} s, eager {eager_start_s:.1f} s")
-    print(f"{'prompts':>7} {'tokens':>6} {'graph ms':>9} {'eager ms':>9} {'speedup':>7} "
-          f"{'graph host':>10} {'eager host':>10} {'max dlogp':>9} {'argmax!=':>8} {'replays':>7}")  # fmt: skip
+    print(
+        f"{'prompts':>7} {'tokens':>6} {'graph ms':>9} {'eager ms':>9} {'speedup':>7} "
+        f"{'graph host':>10} {'eager host':>10} {'max dlogp':>9} {'argmax!=':>8} {'replays':>7}"
+    )
     for r in rows:
-        print(f"{r['prompts']:7d} {r['tokens']:6d} {r['graphs_wall_ms']:9.2f} {r['eager_wall_ms']:9.2f} "
-              f"{r['speedup']:7.2f} {r['graphs_host_ms']:10.2f} {r['eager_host_ms']:10.2f} "
-              f"{r['max_abs_logprob_diff']:9.4f} {r['argmax_mismatches']:8d} {r['graph_replays']:7d}")  # fmt: skip
+        print(
+            f"{r['prompts']:7d} {r['tokens']:6d} {r['graphs_wall_ms']:9.2f} {r['eager_wall_ms']:9.2f} "
+            f"{r['speedup']:7.2f} {r['graphs_host_ms']:10.2f} {r['eager_host_ms']:10.2f} "
+            f"{r['max_abs_logprob_diff']:9.4f} {r['argmax_mismatches']:8d} {r['graph_replays']:7d}"
+        )
     return 0
 
 

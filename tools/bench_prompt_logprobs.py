@@ -33,7 +33,9 @@ from deltaserve.tools.hardware import host_info
 async def score(engine: AsyncEngine, prompt: list[int], k: int | None) -> tuple[float, list[float]]:
     """Seconds to the first token, and the prompt tokens' logprobs (k not None)."""
     start, first, logprobs = time.perf_counter(), None, []
-    async for event in engine.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k)):
+    async for event in engine.generate(
+        prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k)
+    ):
         if isinstance(event, PromptLogprobsEvent):
             logprobs = event.token_logprobs
         elif isinstance(event, TokenEvent):
@@ -44,8 +46,14 @@ async def score(engine: AsyncEngine, prompt: list[int], k: int | None) -> tuple[
 
 
 async def engine_runs(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str, Any]]:
-    engine = await AsyncEngine.start(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                                  max_model_len=max(args.lengths) + 16))  # fmt: skip
+    engine = await AsyncEngine.start(
+        EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_model_len=max(args.lengths) + 16,
+        )
+    )
     try:
         await score(engine, prompts[0][:64], 5)  # compile, warm
         rows = []
@@ -65,7 +73,9 @@ async def engine_runs(args: argparse.Namespace, prompts: list[list[int]]) -> lis
         await engine.shutdown()
 
 
-def hf_runs(args: argparse.Namespace, prompts: list[list[int]], dtype: torch.dtype) -> list[dict[str, Any]]:
+def hf_runs(
+    args: argparse.Namespace, prompts: list[list[int]], dtype: torch.dtype
+) -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
@@ -79,8 +89,14 @@ def hf_runs(args: argparse.Namespace, prompts: list[list[int]], dtype: torch.dty
             start = time.perf_counter()
             with torch.inference_mode():
                 logits = model(ids).logits[0, :-1]
-                logprobs = torch.cat([part.float().log_softmax(-1).gather(1, target[:, None])[:, 0]
-                                      for part, target in zip(logits.split(1024), ids[0, 1:].split(1024), strict=True)])  # fmt: skip
+                logprobs = torch.cat(
+                    [
+                        part.float().log_softmax(-1).gather(1, target[:, None])[:, 0]
+                        for part, target in zip(
+                            logits.split(1024), ids[0, 1:].split(1024), strict=True
+                        )
+                    ]
+                )
             logprobs = logprobs.tolist()
             times.append(time.perf_counter() - start)
             del logits
@@ -114,25 +130,38 @@ def main() -> None:
     # the reference: HF in fp32; on random weights bf16 alone moves logprobs far (its floor:
     # HF's own bf16 against it), so ours is judged beside that floor
     exact = hf_runs(args, scored, torch.float32) if half else hf
-    for row, ref, fp32 in zip([r for r in rows if r["prompt_len"] in args.hf_lengths], hf, exact, strict=True):
-        row.update(hf_ms=ref["hf_ms"], vs_hf=ref["hf_ms"] / row["ttft_k1_ms"],
-                   **gaps("ours_vs_hf_fp32", row["logprobs"], fp32["logprobs"]),
-                   **gaps("hf_vs_hf_fp32", ref["logprobs"], fp32["logprobs"]))  # fmt: skip
+    for row, ref, fp32 in zip(
+        [r for r in rows if r["prompt_len"] in args.hf_lengths], hf, exact, strict=True
+    ):
+        row.update(
+            hf_ms=ref["hf_ms"],
+            vs_hf=ref["hf_ms"] / row["ttft_k1_ms"],
+            **gaps("ours_vs_hf_fp32", row["logprobs"], fp32["logprobs"]),
+            **gaps("hf_vs_hf_fp32", ref["logprobs"], fp32["logprobs"]),
+        )
     for row in rows:
         del row["logprobs"]
-    record = {"command": " ".join(["python -m tools.bench_prompt_logprobs", *sys.argv[1:]]), "hardware": host_info(),
-              "args": vars(args), "rows": rows}  # fmt: skip
+    record = {
+        "command": " ".join(["python -m tools.bench_prompt_logprobs", *sys.argv[1:]]),
+        "hardware": host_info(),
+        "args": vars(args),
+        "rows": rows,
+    }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1))
-    print(f"{'prompt':>7} {'off ms':>8} {'k=1 ms':>8} {'k=20 ms':>8} {'HF ms':>8} {'HF/k=1':>7} "
-          f"{'ours-fp32 mean/max':>19} {'HF-fp32 mean/max':>17}")  # fmt: skip
+    print(
+        f"{'prompt':>7} {'off ms':>8} {'k=1 ms':>8} {'k=20 ms':>8} {'HF ms':>8} {'HF/k=1':>7} "
+        f"{'ours-fp32 mean/max':>19} {'HF-fp32 mean/max':>17}"
+    )
     nan = float("nan")
     for r in rows:
-        print(f"{r['prompt_len']:>7} {r['ttft_off_ms']:>8.1f} {r['ttft_k1_ms']:>8.1f} {r['ttft_k20_ms']:>8.1f} "
-              f"{r.get('hf_ms', nan):>8.1f} {r.get('vs_hf', nan):>7.2f} "
-              f"{r.get('ours_vs_hf_fp32_mean', nan):>9.4f}/{r.get('ours_vs_hf_fp32_max', nan):<9.4f} "
-              f"{r.get('hf_vs_hf_fp32_mean', nan):>8.4f}/{r.get('hf_vs_hf_fp32_max', nan):<8.4f}")  # fmt: skip
+        print(
+            f"{r['prompt_len']:>7} {r['ttft_off_ms']:>8.1f} {r['ttft_k1_ms']:>8.1f} {r['ttft_k20_ms']:>8.1f} "
+            f"{r.get('hf_ms', nan):>8.1f} {r.get('vs_hf', nan):>7.2f} "
+            f"{r.get('ours_vs_hf_fp32_mean', nan):>9.4f}/{r.get('ours_vs_hf_fp32_max', nan):<9.4f} "
+            f"{r.get('hf_vs_hf_fp32_mean', nan):>8.4f}/{r.get('hf_vs_hf_fp32_max', nan):<8.4f}"
+        )
 
 
 if __name__ == "__main__":

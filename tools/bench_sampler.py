@@ -63,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    specs = {"greedy": SamplingSpec(seed=0, temperature=0.0),
-             "top_p": SamplingSpec(seed=1, temperature=0.8, top_p=0.95)}  # fmt: skip
+    specs = {
+        "greedy": SamplingSpec(seed=0, temperature=0.0),
+        "top_p": SamplingSpec(seed=1, temperature=0.8, top_p=0.95),
+    }
     rows_out = []
     for rows in (1, 64):
         for name, spec in specs.items():
@@ -77,8 +79,11 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{mode}_span_ms"] = statistics.median(span for span, _ in runs)
                 row[f"{mode}_device_ms"] = statistics.median(dev for _, dev in runs)
             rows_out.append(row)
-            print(f"rows {rows:3d} {name:7s}: span fused {row['fused_span_ms']:.3f} / torch {row['torch_span_ms']:.3f} ms;"
-                  f" device fused {row['fused_device_ms']:.3f} / torch {row['torch_device_ms']:.3f} ms", flush=True)
+            print(
+                f"rows {rows:3d} {name:7s}: span fused {row['fused_span_ms']:.3f} / torch {row['torch_span_ms']:.3f} ms;"
+                f" device fused {row['fused_device_ms']:.3f} / torch {row['torch_device_ms']:.3f} ms",
+                flush=True,
+            )
     sampler_module.logsumexp_argmax = logsumexp_argmax
     write_report(args.out, "bench_sampler", results=rows_out)
     return 0

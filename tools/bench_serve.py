@@ -77,19 +77,30 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m tools.bench_serve",
         description="Serving benchmark against a running OpenAI-compatible server.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, no /v1")
     p.add_argument("--model", default=None, help="served model name; default: the server's first")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer folder; default: the model card's `root` if it is a folder here")  # fmt: skip
-    p.add_argument("--endpoint", type=_endpoint, default="completions",
-                   help="completions or chat (or their /v1/... paths)")  # fmt: skip
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder; default: the model card's `root` if it is a folder here",
+    )
+    p.add_argument(
+        "--endpoint",
+        type=_endpoint,
+        default="completions",
+        help="completions or chat (or their /v1/... paths)",
+    )
     p.add_argument("--api-key", default=None, help="bearer key; default: $OPENAI_API_KEY")
     p.add_argument("--dataset-name", choices=("random",), default="random")
     p.add_argument("--random-input-len", type=_positive_int, default=1024)
     p.add_argument("--random-output-len", type=_positive_int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths drawn uniformly from [len*(1-r), len*(1+r)]")  # fmt: skip
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths drawn uniformly from [len*(1-r), len*(1+r)]",
+    )
     p.add_argument("--num-prompts", type=_positive_int, default=1000)
     p.add_argument(
         "--request-rate", type=float, default=math.inf, help="requests/s; inf: all at once"
@@ -101,23 +112,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="ask the server to run to max_tokens")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
-    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                   help="SLOs in ms, KEY one of ttft, tpot, e2el; e.g. --goodput ttft:500 tpot:50")  # fmt: skip
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="SLOs in ms, KEY one of ttft, tpot, e2el; e.g. --goodput ttft:500 tpot:50",
+    )
     p.add_argument("--metric-percentiles", type=_percentiles, default=(99.0,))
     p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
     p.add_argument("--result-dir", default="bench/results")
     p.add_argument("--result-filename", default=None)
     p.add_argument("--label", default=None, help="a name for the run, stored in the JSON")
-    p.add_argument("--metadata", nargs="+", default=None, metavar="KEY=VALUE",
-                   help="stored in the JSON, e.g. server_command='deltaserve serve ...' gpu=H200")  # fmt: skip
+    p.add_argument(
+        "--metadata",
+        nargs="+",
+        default=None,
+        metavar="KEY=VALUE",
+        help="stored in the JSON, e.g. server_command='deltaserve serve ...' gpu=H200",
+    )
     p.add_argument("--no-save", action="store_true", help="print only")
-    p.add_argument("--save-detailed", action="store_true",
-                   help="also store each request's inter-token latencies and generated text (large)")  # fmt: skip
+    p.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="also store each request's inter-token latencies and generated text (large)",
+    )
     mt = p.add_argument_group("multi-turn (tools/bench_multiturn.py)")
-    mt.add_argument("--multi-turn", action="store_true",
-                    help="conversations: each turn sends the history plus the previous answer")  # fmt: skip
-    mt.add_argument("--num-conversations", type=_positive_int, default=None,
-                    help="default: --num-prompts")  # fmt: skip
+    mt.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="conversations: each turn sends the history plus the previous answer",
+    )
+    mt.add_argument(
+        "--num-conversations", type=_positive_int, default=None, help="default: --num-prompts"
+    )
     mt.add_argument("--min-turns", type=_positive_int, default=2)
     mt.add_argument("--max-turns", type=_positive_int, default=5)
     return p
@@ -138,8 +166,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if args.num_conversations is None:
             args.num_conversations = args.num_prompts
         if not math.isinf(args.request_rate) or args.burstiness != 1.0:
-            p.error("--request-rate/--burstiness do not apply to --multi-turn (conversations "
-                    "start as --max-concurrency allows)")  # fmt: skip
+            p.error(
+                "--request-rate/--burstiness do not apply to --multi-turn (conversations "
+                "start as --max-concurrency allows)"
+            )
         if args.random_range_ratio != 0.0:
             p.error("--random-range-ratio does not apply to --multi-turn")
     if args.api_key is None:
@@ -187,8 +217,11 @@ async def arrivals(n: int, rate: float, burstiness: float, rng: np.random.Genera
 def request_body(
     args: argparse.Namespace, model: str, prompt: str | list[int], max_tokens: int
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens,
-                            "temperature": args.temperature}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": args.temperature,
+    }
     if args.ignore_eos:
         body["ignore_eos"] = True
     if args.endpoint == "chat":
@@ -201,16 +234,18 @@ def request_body(
 # ---- the run -----------------------------------------------------------------------------
 
 
-async def resolve_model(session: aiohttp.ClientSession, args: argparse.Namespace,
-                        headers: dict[str, str]) -> tuple[str, str | None]:  # fmt: skip
+async def resolve_model(
+    session: aiohttp.ClientSession, args: argparse.Namespace, headers: dict[str, str]
+) -> tuple[str, str | None]:
     """(served model name, tokenizer folder)."""
     cards = (await fetch_json(session, args.base_url + "/v1/models", headers))["data"]
     if not cards:
         raise RuntimeError(f"{args.base_url}/v1/models lists no model")
     card = next((c for c in cards if c["id"] == args.model), None) if args.model else cards[0]
     if card is None:
-        raise RuntimeError(f"model {args.model!r} not served; the server has "
-                           f"{[c['id'] for c in cards]}")  # fmt: skip
+        raise RuntimeError(
+            f"model {args.model!r} not served; the server has {[c['id'] for c in cards]}"
+        )
     tokenizer = args.tokenizer
     root = card.get("root")
     if tokenizer is None and isinstance(root, str) and Path(root).is_dir():
@@ -229,16 +264,21 @@ async def run_random(session, args, model: str, tokenizer, headers) -> tuple[dic
     prompts = ids if args.endpoint == "completions" else [tokenizer.decode(x) for x in ids]
     url = args.base_url + ENDPOINTS[args.endpoint]
 
-    first = await send_request(session, url, request_body(args, model, prompts[0], out_lens[0]),
-                               headers)  # fmt: skip
+    first = await send_request(
+        session, url, request_body(args, model, prompts[0], out_lens[0]), headers
+    )
     if not first.success:
         raise RuntimeError(f"the initial test request failed: {first.error}")
-    print(f"initial test request ok; starting {n} requests at rate {args.request_rate}, "
-          f"max concurrency {args.max_concurrency}", flush=True)  # fmt: skip
+    print(
+        f"initial test request ok; starting {n} requests at rate {args.request_rate}, "
+        f"max concurrency {args.max_concurrency}",
+        flush=True,
+    )
 
     async def one(i: int) -> RequestOutput:
-        out = await send_request(session, url, request_body(args, model, prompts[i], out_lens[i]),
-                                 headers)  # fmt: skip
+        out = await send_request(
+            session, url, request_body(args, model, prompts[i], out_lens[i]), headers
+        )
         if out.success and args.endpoint == "completions" and out.prompt_len != in_lens[i]:
             out.success = False
             out.error = f"server counted {out.prompt_len} prompt tokens; {in_lens[i]} were sent"
@@ -254,8 +294,10 @@ async def run_random(session, args, model: str, tokenizer, headers) -> tuple[dic
 
     before = await engine_counters(session, args.base_url, headers)
     t0 = time.perf_counter()
-    tasks = [asyncio.ensure_future(limited(i))
-             async for i in arrivals(n, args.request_rate, args.burstiness, rng)]  # fmt: skip
+    tasks = [
+        asyncio.ensure_future(limited(i))
+        async for i in arrivals(n, args.request_rate, args.burstiness, rng)
+    ]
     outputs = await asyncio.gather(*tasks)
     duration = time.perf_counter() - t0
     engine = engine_overhead(before, await engine_counters(session, args.base_url, headers))
@@ -271,8 +313,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model, tok_path = await resolve_model(session, args, headers)
         if tok_path is None:
-            raise RuntimeError("no tokenizer: pass --tokenizer DIR (the model card's root is "
-                               "not a folder on this machine)")  # fmt: skip
+            raise RuntimeError(
+                "no tokenizer: pass --tokenizer DIR (the model card's root is "
+                "not a folder on this machine)"
+            )
         tokenizer = await asyncio.to_thread(load_tokenizer, tok_path)
         base = {"model_id": model, "tokenizer_id": tok_path, "endpoint_type": args.endpoint}
         if args.multi_turn:
@@ -286,11 +330,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         return {**base, **metrics, **engine, **per_request_fields(outputs)}
 
 
-ENGINE_COUNTERS = ("deltaserve:steps_total", "deltaserve:step_seconds_total", "deltaserve:scheduler_seconds_total",
-                   "deltaserve:pipelined_steps_total")
+ENGINE_COUNTERS = (
+    "deltaserve:steps_total",
+    "deltaserve:step_seconds_total",
+    "deltaserve:scheduler_seconds_total",
+    "deltaserve:pipelined_steps_total",
+)
 
 
-async def engine_counters(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]) -> dict[str, float]:
+async def engine_counters(
+    session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]
+) -> dict[str, float]:
     """Our server's step counters from /metrics, and when they were read (empty for a server
     without them, e.g. vLLM)."""
     read_at = time.perf_counter()
@@ -317,9 +367,13 @@ def engine_overhead(before: dict[str, float], after: dict[str, float]) -> dict[s
     steps, step_s, sched_s, pipelined = (after[k] - before[k] for k in ENGINE_COUNTERS)
     if steps <= 0:
         return {}
-    return {"engine_steps": steps, "engine_mean_step_ms": step_s / steps * 1e3,
-            "engine_mean_scheduler_ms": sched_s / steps * 1e3, "engine_busy_fraction": step_s / duration,
-            "engine_pipelined_fraction": pipelined / steps}  # fmt: skip
+    return {
+        "engine_steps": steps,
+        "engine_mean_step_ms": step_s / steps * 1e3,
+        "engine_mean_scheduler_ms": sched_s / steps * 1e3,
+        "engine_busy_fraction": step_s / duration,
+        "engine_pipelined_fraction": pipelined / steps,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

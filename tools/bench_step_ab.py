@@ -93,71 +93,127 @@ class Mode:
     sum_in_norm: bool = True  # split-K partial sums added by the next norm
     parts_per_sm: int = paged_attention.PARTS_PER_SM  # decode attention's split target
     tuned: bool = True  # the TUNED tiles
-    one_wave: bool = True  # K splits filling one wave of one program per SM (else dividing K's blocks)
+    one_wave: bool = (
+        True  # K splits filling one wave of one program per SM (else dividing K's blocks)
+    )
     tiles: tuple = ()  # ((rows class, N, K), SkinnyConfig or None) TUNED entries set (None: removed)
     conv_tile: tuple[int, int] = conv.UPDATE_TILE  # the conv update's (channels, warps) per program
     norm_warps: int = rmsnorm.WIDE_ROW_WARPS  # per RMSNorm row of the hidden size
-    decode_tile: tuple[int, int] | None = gated_delta.DECODE_TILE  # the DeltaNet decode's (block_v, warps)
-    attention_launch: tuple[int, int, int] | None = paged_attention.DECODE_LAUNCH  # (block_n, warps, stages)
-    read_ahead: frozenset[str] = triton_compat.READ_AHEAD  # kernels loading slots, positions before the wait
+    decode_tile: tuple[int, int] | None = (
+        gated_delta.DECODE_TILE
+    )  # the DeltaNet decode's (block_v, warps)
+    attention_launch: tuple[int, int, int] | None = (
+        paged_attention.DECODE_LAUNCH
+    )  # (block_n, warps, stages)
+    read_ahead: frozenset[str] = (
+        triton_compat.READ_AHEAD
+    )  # kernels loading slots, positions before the wait
     lm_head_gemv: bool = True  # one row's logits by our GEMV
     conv_epilogue: bool = True  # one row's DeltaNet conv in in_proj's GEMV
-    early_trigger: frozenset[str] = triton_compat.EARLY_TRIGGER  # kernel kinds letting the next launch before their wait
-    rule_first_ahead: bool = skinny.RULE_FIRST_AHEAD  # the rule's one-row GEMVs read their first block before the wait
-    fp8_weights: str = "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8 ("keep")
+    early_trigger: frozenset[str] = (
+        triton_compat.EARLY_TRIGGER
+    )  # kernel kinds letting the next launch before their wait
+    rule_first_ahead: bool = (
+        skinny.RULE_FIRST_AHEAD
+    )  # the rule's one-row GEMVs read their first block before the wait
+    fp8_weights: str = (
+        "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8 ("keep")
+    )
     fp8_gemv_rows: int = skinny.FP8_GEMV_ROWS  # an FP8 GEMV tile's rows over the bf16 tile's
 
 
 MODES = {
-    "pdl": Mode(), "untuned": Mode(tuned=False), "noepi": Mode(silu_epilogue=False), "nopdl": Mode(pdl=False),
+    "pdl": Mode(),
+    "untuned": Mode(tuned=False),
+    "noepi": Mode(silu_epilogue=False),
+    "nopdl": Mode(pdl=False),
     "even_splits": Mode(one_wave=False),
     "cublas": Mode(max_rows=0),
-    "nosum": Mode(sum_in_norm=False), "parts1": Mode(parts_per_sm=1),
+    "nosum": Mode(sum_in_norm=False),
+    "parts1": Mode(parts_per_sm=1),
     "o64": Mode(tiles=(((64, 2560, 4096), skinny.SkinnyConfig(64, 128, 4, 4, 4)),)),
     "o64s8": Mode(tiles=(((64, 2560, 4096), skinny.SkinnyConfig(64, 64, 8, 4, 4)),)),
     "o_cublas": Mode(tiles=(((64, 2560, 4096), None),)),
     "gu_cublas": Mode(tiles=(((64, 18432, 2560), None),)),
-    "loop1": Mode(tiles=(((1, 12352, 2560), skinny.SkinnyConfig(2, 512, 1, 4, 3)), ((1, 18432, 2560), None))),
+    "loop1": Mode(
+        tiles=(((1, 12352, 2560), skinny.SkinnyConfig(2, 512, 1, 4, 3)), ((1, 18432, 2560), None))
+    ),
     "gu_64x128": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(64, 128, 1, 4, 3)),)),
     "gu_32x128": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(32, 128, 1, 4, 3)),)),
     "gu_128x64": Mode(tiles=(((64, 18432, 2560), skinny.SkinnyConfig(128, 64, 1, 8, 4)),)),
-    "conv64": Mode(conv_tile=(64, 1)), "conv256": Mode(conv_tile=(256, 2)), "conv1024": Mode(conv_tile=(1024, 4)),
-    "conv256w1": Mode(conv_tile=(256, 1)), "conv512": Mode(conv_tile=(512, 2)), "conv128": Mode(conv_tile=(128, 1)),
-    "dv32": Mode(decode_tile=(32, 2)), "dv64w2": Mode(decode_tile=(64, 2)), "dv64w8": Mode(decode_tile=(64, 8)),
+    "conv64": Mode(conv_tile=(64, 1)),
+    "conv256": Mode(conv_tile=(256, 2)),
+    "conv1024": Mode(conv_tile=(1024, 4)),
+    "conv256w1": Mode(conv_tile=(256, 1)),
+    "conv512": Mode(conv_tile=(512, 2)),
+    "conv128": Mode(conv_tile=(128, 1)),
+    "dv32": Mode(decode_tile=(32, 2)),
+    "dv64w2": Mode(decode_tile=(64, 2)),
+    "dv64w8": Mode(decode_tile=(64, 8)),
     "dv128w8": Mode(decode_tile=(128, 8)),
-    "att16s5": Mode(attention_launch=(16, 4, 5)), "att16s7": Mode(attention_launch=(16, 4, 7)),
-    "att32s5": Mode(attention_launch=(32, 4, 5)), "att32s5w8": Mode(attention_launch=(32, 8, 5)),
+    "att16s5": Mode(attention_launch=(16, 4, 5)),
+    "att16s7": Mode(attention_launch=(16, 4, 7)),
+    "att32s5": Mode(attention_launch=(32, 4, 5)),
+    "att32s5w8": Mode(attention_launch=(32, 8, 5)),
     "att32s3": Mode(attention_launch=(32, 4, 3)),
-    "norm4": Mode(norm_warps=4), "norm16": Mode(norm_warps=16), "late": Mode(read_ahead=frozenset()),
-    "lm_cublas": Mode(lm_head_gemv=False), "conv_apart": Mode(conv_epilogue=False),
-    "late_conv": Mode(read_ahead=frozenset({"attention"})), "late_attn": Mode(read_ahead=frozenset({"conv"})),
-    "o_whole": Mode(tiles=(((1, 2560, 4096), skinny.SkinnyConfig(2, 4096, 1, 4, 1, whole_rows=True)),)),
-    "o_whole4": Mode(tiles=(((1, 2560, 4096), skinny.SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True)),)),
-    "d_whole": Mode(tiles=(((1, 2560, 9216), skinny.SkinnyConfig(2, 9216, 1, 4, 1, whole_rows=True)),)),
-    "qkv_whole": Mode(tiles=(((1, 10240, 2560), skinny.SkinnyConfig(2, 2560, 1, 4, 1, whole_rows=True)),)),
-    "all_whole": Mode(tiles=(((1, 2560, 9216), skinny.SkinnyConfig(2, 9216, 1, 4, 1, whole_rows=True)),
-                             ((1, 10240, 2560), skinny.SkinnyConfig(2, 2560, 1, 4, 1, whole_rows=True)),
-                             ((1, 2560, 4096), skinny.SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True)))),
+    "norm4": Mode(norm_warps=4),
+    "norm16": Mode(norm_warps=16),
+    "late": Mode(read_ahead=frozenset()),
+    "lm_cublas": Mode(lm_head_gemv=False),
+    "conv_apart": Mode(conv_epilogue=False),
+    "late_conv": Mode(read_ahead=frozenset({"attention"})),
+    "late_attn": Mode(read_ahead=frozenset({"conv"})),
+    "o_whole": Mode(
+        tiles=(((1, 2560, 4096), skinny.SkinnyConfig(2, 4096, 1, 4, 1, whole_rows=True)),)
+    ),
+    "o_whole4": Mode(
+        tiles=(((1, 2560, 4096), skinny.SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True)),)
+    ),
+    "d_whole": Mode(
+        tiles=(((1, 2560, 9216), skinny.SkinnyConfig(2, 9216, 1, 4, 1, whole_rows=True)),)
+    ),
+    "qkv_whole": Mode(
+        tiles=(((1, 10240, 2560), skinny.SkinnyConfig(2, 2560, 1, 4, 1, whole_rows=True)),)
+    ),
+    "all_whole": Mode(
+        tiles=(
+            ((1, 2560, 9216), skinny.SkinnyConfig(2, 9216, 1, 4, 1, whole_rows=True)),
+            ((1, 10240, 2560), skinny.SkinnyConfig(2, 2560, 1, 4, 1, whole_rows=True)),
+            ((1, 2560, 4096), skinny.SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True)),
+        )
+    ),
     "d9_rule32": Mode(tiles=(((32, 4096, 12288), None),)),
-    "fp8_keep": Mode(fp8_weights="keep"), "fp8_rows1": Mode(fp8_weights="keep", fp8_gemv_rows=1),
-    "fp8_rows4": Mode(fp8_weights="keep", fp8_gemv_rows=4), "fp8_rows8": Mode(fp8_weights="keep", fp8_gemv_rows=8),
+    "fp8_keep": Mode(fp8_weights="keep"),
+    "fp8_rows1": Mode(fp8_weights="keep", fp8_gemv_rows=1),
+    "fp8_rows4": Mode(fp8_weights="keep", fp8_gemv_rows=4),
+    "fp8_rows8": Mode(fp8_weights="keep", fp8_gemv_rows=8),
 }
 ALL_KINDS = frozenset({"gemv", "dot", "other"})
 MODES |= {
     "trigger_after": Mode(early_trigger=frozenset()),
-    "early": Mode(early_trigger=ALL_KINDS), "early_other": Mode(early_trigger=frozenset({"other"})),
-    "early_proj": Mode(early_trigger=frozenset({"gemv", "dot"})), "early_nodot": Mode(early_trigger=frozenset({"gemv", "other"})),
-} | {f"early_{name}": dataclasses.replace(MODES[name], early_trigger=ALL_KINDS) for name in ("o_whole4", "d_whole", "all_whole")}
+    "early": Mode(early_trigger=ALL_KINDS),
+    "early_other": Mode(early_trigger=frozenset({"other"})),
+    "early_proj": Mode(early_trigger=frozenset({"gemv", "dot"})),
+    "early_nodot": Mode(early_trigger=frozenset({"gemv", "other"})),
+} | {
+    f"early_{name}": dataclasses.replace(MODES[name], early_trigger=ALL_KINDS)
+    for name in ("o_whole4", "d_whole", "all_whole")
+}
 MODES |= {
-    "rule_ahead": Mode(rule_first_ahead=True), "rule_plain": Mode(rule_first_ahead=False),
-    "before_ahead": Mode(rule_first_ahead=False,  # rule_plain with the 4B's down and out/o_proj on their tiles before
-                         tiles=(((1, 2560, 9216), skinny.SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True)),
-                                ((1, 2560, 4096), None))),
+    "rule_ahead": Mode(rule_first_ahead=True),
+    "rule_plain": Mode(rule_first_ahead=False),
+    "before_ahead": Mode(
+        rule_first_ahead=False,  # rule_plain with the 4B's down and out/o_proj on their tiles before
+        tiles=(
+            ((1, 2560, 9216), skinny.SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True)),
+            ((1, 2560, 4096), None),
+        ),
+    ),
 }
 
 
 def parse_tile_mode(text: str) -> tuple[str, Mode]:
-    """"o2x512=1,2560,4096:2,512,1,4,2,ea" -> ("o2x512", the default with that TUNED entry): rows
+    """ "o2x512=1,2560,4096:2,512,1,4,2,ea" -> ("o2x512", the default with that TUNED entry): rows
     class, N, K, then block_n, block_k, split_k, warps, stages and flags (e: evict_first, w:
     whole rows, a: first block read ahead); several entries joined by '+'."""
     name, _, spec = text.partition("=")
@@ -166,12 +222,17 @@ def parse_tile_mode(text: str) -> tuple[str, Mode]:
         for entry in spec.split("+"):
             key, _, tile = entry.partition(":")
             *sizes, flags = tile.split(",")
-            config = skinny.SkinnyConfig(*(int(f) for f in sizes), evict_first="e" in flags,
-                                         whole_rows="w" in flags, first_ahead="a" in flags)
+            config = skinny.SkinnyConfig(
+                *(int(f) for f in sizes),
+                evict_first="e" in flags,
+                whole_rows="w" in flags,
+                first_ahead="a" in flags,
+            )
             tiles.append((tuple(int(f) for f in key.split(",")), config))
     except (TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(f"a tile mode is NAME=ROWS,N,K:BN,BK,SPLIT,WARPS,STAGES,FLAGS[+...]; "
-                                         f"got {text!r} ({e})") from e
+        raise argparse.ArgumentTypeError(
+            f"a tile mode is NAME=ROWS,N,K:BN,BK,SPLIT,WARPS,STAGES,FLAGS[+...]; got {text!r} ({e})"
+        ) from e
     if not name or name in MODES:
         raise argparse.ArgumentTypeError(f"a tile mode needs a new name; got {name!r}")
     return name, Mode(tiles=tuple(tiles))
@@ -183,8 +244,16 @@ DEFAULT_TUNED = dict(skinny.TUNED)
 def use_mode(name: str) -> None:
     """Set the module switches that choose a decode step's kernels."""
     mode = MODES[name]
-    skinny.MAX_ROWS, triton_compat.PDL, triton_compat.READ_AHEAD = mode.max_rows, mode.pdl, mode.read_ahead
-    skinny.SILU_EPILOGUE, skinny.USE_TUNED, skinny.SUM_IN_NORM = mode.silu_epilogue, mode.tuned, mode.sum_in_norm
+    skinny.MAX_ROWS, triton_compat.PDL, triton_compat.READ_AHEAD = (
+        mode.max_rows,
+        mode.pdl,
+        mode.read_ahead,
+    )
+    skinny.SILU_EPILOGUE, skinny.USE_TUNED, skinny.SUM_IN_NORM = (
+        mode.silu_epilogue,
+        mode.tuned,
+        mode.sum_in_norm,
+    )
     skinny.ONE_WAVE, triton_compat.EARLY_TRIGGER = mode.one_wave, mode.early_trigger
     skinny.LM_HEAD_GEMV, skinny.CONV_EPILOGUE = mode.lm_head_gemv, mode.conv_epilogue
     skinny.RULE_FIRST_AHEAD, skinny.FP8_GEMV_ROWS = mode.rule_first_ahead, mode.fp8_gemv_rows
@@ -206,8 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--modes", nargs="+", default=["pdl", "untuned", "nopdl", "cublas"])
-    parser.add_argument("--tile-modes", nargs="+", type=parse_tile_mode, default=[],
-                        metavar="NAME=ROWS,N,K:BN,BK,SPLIT,WARPS,STAGES,FLAGS", help="more modes, named in --modes")
+    parser.add_argument(
+        "--tile-modes",
+        nargs="+",
+        type=parse_tile_mode,
+        default=[],
+        metavar="NAME=ROWS,N,K:BN,BK,SPLIT,WARPS,STAGES,FLAGS",
+        help="more modes, named in --modes",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -229,11 +304,26 @@ def main(argv: list[str] | None = None) -> int:
         for mode, ex in executors.items():
             gen = torch.Generator().manual_seed(0)  # the same prompts for every mode
             for i in range(0, batch, 8):
-                ex.forward([StepItem(r, 0, torch.randint(0, 240000, (CONTEXT,), generator=gen).tolist(), True,
-                                     NewRequest(CONTEXT + 260, SamplingSpec(seed=0))) for r in ids[i:i + 8]])  # fmt: skip
+                ex.forward(
+                    [
+                        StepItem(
+                            r,
+                            0,
+                            torch.randint(0, 240000, (CONTEXT,), generator=gen).tolist(),
+                            True,
+                            NewRequest(CONTEXT + 260, SamplingSpec(seed=0)),
+                        )
+                        for r in ids[i : i + 8]
+                    ]
+                )
             position[mode] = CONTEXT + 1
-            first_logits[mode] = ex.forward([StepItem(r, CONTEXT, [7], True, None) for r in ids]).float()
-        numerics = {m: compare_logprobs(first_logits[m], first_logits[modes[0]]).as_dict() for m in modes[1:]}
+            first_logits[mode] = ex.forward(
+                [StepItem(r, CONTEXT, [7], True, None) for r in ids]
+            ).float()
+        numerics = {
+            m: compare_logprobs(first_logits[m], first_logits[modes[0]]).as_dict()
+            for m in modes[1:]
+        }
         step_ms: dict[str, list[float]] = {m: [] for m in modes}
         replay_ms: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(args.rounds):
@@ -248,17 +338,26 @@ def main(argv: list[str] | None = None) -> int:
                     position[mode] += 1
                 step_ms[mode].append(statistics.median(times) * 1e3)
                 graph = ex.graphs.graphs[min(b for b in ex.graphs.graphs if b >= batch)][0]
-                replay_ms[mode].append(time_events(graph.replay, reps=20) * 1e3)  # the last step's inputs again
+                replay_ms[mode].append(
+                    time_events(graph.replay, reps=20) * 1e3
+                )  # the last step's inputs again
         for mode, ex in executors.items():
             ex.drop(ids)
-            row = {"mode": mode, "batch": batch, "step_ms": round(statistics.median(step_ms[mode]), 4),
-                   "replay_ms": round(statistics.median(replay_ms[mode]), 4),
-                   "replay_ms_rounds": [round(t, 4) for t in replay_ms[mode]],
-                   f"first_step_vs_{modes[0]}": numerics.get(mode)}
+            row = {
+                "mode": mode,
+                "batch": batch,
+                "step_ms": round(statistics.median(step_ms[mode]), 4),
+                "replay_ms": round(statistics.median(replay_ms[mode]), 4),
+                "replay_ms_rounds": [round(t, 4) for t in replay_ms[mode]],
+                f"first_step_vs_{modes[0]}": numerics.get(mode),
+            }
             results.append(row)
             gap = numerics[mode]["max_abs_diff"] if mode in numerics else 0.0
-            print(f"{mode:7s} b={batch:3d} step {row['step_ms']:6.3f} ms  replay {row['replay_ms']:6.3f} ms  "
-                  f"rounds {row['replay_ms_rounds']}  top-8 logprob gap {gap:.4f}", flush=True)
+            print(
+                f"{mode:7s} b={batch:3d} step {row['step_ms']:6.3f} ms  replay {row['replay_ms']:6.3f} ms  "
+                f"rounds {row['replay_ms_rounds']}  top-8 logprob gap {gap:.4f}",
+                flush=True,
+            )
     write_report(args.out, "bench_step_ab", results=results)
     return 0
 

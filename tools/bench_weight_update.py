@@ -34,7 +34,9 @@ async def greedy(engine: AsyncEngine, tokens: int) -> list[int]:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     def config(model: str) -> EngineConfig:
-        return EngineConfig(model=model, device=args.device, tp_size=args.tp, max_model_len=2048, max_num_seqs=8)
+        return EngineConfig(
+            model=model, device=args.device, tp_size=args.tp, max_model_len=2048, max_num_seqs=8
+        )
 
     async with await AsyncEngine.start(config(args.model)) as engine:
         first = await greedy(engine, args.tokens)
@@ -50,10 +52,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         reference = await greedy(fresh, args.tokens)
     nbytes = sum(f.stat().st_size for f in Path(args.other).glob("*.safetensors"))
     return {
-        "answers_as_a_fresh_engine": updated == reference, "answers_as_before_once_back": again == first,
-        "weights_differ": first != reference, "update_s": round(to_other_s, 3), "update_back_s": round(back_s, 3),
-        "checkpoint_gb": round(nbytes / 1e9, 3), "gb_per_s": round(nbytes / 1e9 / to_other_s, 2),
-    }  # fmt: skip
+        "answers_as_a_fresh_engine": updated == reference,
+        "answers_as_before_once_back": again == first,
+        "weights_differ": first != reference,
+        "update_s": round(to_other_s, 3),
+        "update_back_s": round(back_s, 3),
+        "checkpoint_gb": round(nbytes / 1e9, 3),
+        "gb_per_s": round(nbytes / 1e9 / to_other_s, 2),
+    }
 
 
 def main() -> None:
@@ -66,13 +72,20 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     figures = asyncio.run(run(args))
-    record = {"command": " ".join(["python -m tools.bench_weight_update", *sys.argv[1:]]), "hardware": host_info(),
-              "figures": figures}  # fmt: skip
+    record = {
+        "command": " ".join(["python -m tools.bench_weight_update", *sys.argv[1:]]),
+        "hardware": host_info(),
+        "figures": figures,
+    }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(figures))
-    if not (figures["answers_as_a_fresh_engine"] and figures["answers_as_before_once_back"] and figures["weights_differ"]):
+    if not (
+        figures["answers_as_a_fresh_engine"]
+        and figures["answers_as_before_once_back"]
+        and figures["weights_differ"]
+    ):
         sys.exit(1)
 
 

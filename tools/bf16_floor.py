@@ -50,8 +50,10 @@ def build(preset: str, layers: int | None, device: str) -> torch.nn.Module:
     with torch.device(device):
         model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text)).eval()
     _, entries = checkpoint_layout(text, vlm_names=False)
-    state = {name: _bf16(init_tensor(text_name, shape, text, seed=0, device=device))
-             for name, text_name, shape in entries}  # fmt: skip
+    state = {
+        name: _bf16(init_tensor(text_name, shape, text, seed=0, device=device))
+        for name, text_name, shape in entries
+    }
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise RuntimeError(f"state mismatch: missing {missing}, unexpected {unexpected}")
@@ -59,7 +61,9 @@ def build(preset: str, layers: int | None, device: str) -> torch.nn.Module:
     return model
 
 
-def logits(model: torch.nn.Module, ids: torch.Tensor, positions: int, mode: tuple | None) -> torch.Tensor:
+def logits(
+    model: torch.nn.Module, ids: torch.Tensor, positions: int, mode: tuple | None
+) -> torch.Tensor:
     """The last `positions` rows of logits, with the rounding of `mode` (None: none)."""
     plain = torch.nn.Linear.forward
 
@@ -78,8 +82,11 @@ def logits(model: torch.nn.Module, ids: torch.Tensor, positions: int, mode: tupl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bf16_floor", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m tools.bf16_floor",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--preset", default="0.8b")
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--prompt-len", type=int, default=100)
@@ -96,11 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, mode in MODES.items():
         report = compare_logprobs(logits(model, ids, args.positions, mode), reference).as_dict()
         results[name] = report
-        print(f"{name:20s} mean {report['mean_abs_diff']:.4f}  p99 {report['p99_abs_diff']:.4f}  "
-              f"regret {report['max_regret']:.3f}  argmax mismatches {report['argmax_mismatches']}")  # fmt: skip
+        print(
+            f"{name:20s} mean {report['mean_abs_diff']:.4f}  p99 {report['p99_abs_diff']:.4f}  "
+            f"regret {report['max_regret']:.3f}  argmax mismatches {report['argmax_mismatches']}"
+        )
     if args.out:
         record = {
-            "command": " ".join([sys.executable, "-m", "tools.bf16_floor", *(argv or sys.argv[1:])]),
+            "command": " ".join(
+                [sys.executable, "-m", "tools.bf16_floor", *(argv or sys.argv[1:])]
+            ),
             "hardware": host_info(),
             "preset": args.preset,
             "layers": model.config.num_hidden_layers,

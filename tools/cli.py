@@ -49,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         if exc.name != module_name:
             raise  # a real missing dependency inside the module
-        print(f"deltaserve: error: '{name}' is not available yet in this build "
-              f"({module_name} is missing)", file=sys.stderr)  # fmt: skip
+        print(
+            f"deltaserve: error: '{name}' is not available yet in this build "
+            f"({module_name} is missing)",
+            file=sys.stderr,
+        )
         return 2
     code = getattr(module, func_name)(rest)
     return int(code or 0)

@@ -55,7 +55,15 @@ def first_answer(port: int, deadline: float) -> float | None:
 
 def one_run(serve_args: list[str], timeout_s: float) -> dict:
     port = free_port()
-    command = [sys.executable, "-m", "deltaserve.tools.cli", "serve", *serve_args, "--port", str(port)]
+    command = [
+        sys.executable,
+        "-m",
+        "deltaserve.tools.cli",
+        "serve",
+        *serve_args,
+        "--port",
+        str(port),
+    ]
     started = time.monotonic()
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
@@ -77,14 +85,24 @@ def one_run(serve_args: list[str], timeout_s: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    ours, serve_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(prog="python -m tools.coldstart", description=__doc__.splitlines()[0])
+    ours, serve_args = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    )
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.coldstart", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for an answer")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds to wait for an answer"
+    )
     parser.add_argument("--out", default=None, help="JSON result path")
     args = parser.parse_args(ours)
-    report = {"tool": " ".join(["python -m tools.coldstart", *argv]), "hardware": host_info(),
-              "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}  # fmt: skip
+    report = {
+        "tool": " ".join(["python -m tools.coldstart", *argv]),
+        "hardware": host_info(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "runs": [],
+    }
     for i in range(args.runs):
         run = one_run(serve_args, args.timeout)
         report["runs"].append(run)
@@ -95,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {line}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    ok = all(r["seconds_to_first_answer"] is not None and r["exit_code"] == 0 for r in report["runs"])
+    ok = all(
+        r["seconds_to_first_answer"] is not None and r["exit_code"] == 0 for r in report["runs"]
+    )
     return 0 if ok else 1
 
 

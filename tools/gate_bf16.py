@@ -63,16 +63,22 @@ def our_logits(
     for step in range(DECODE_STEPS):
         logits = ex.forward([StepItem(rid, n + step, [tokens[-1]], True)])
         rows.append(logits)
-        tokens.append(int(logits[0].argmax()) if forced is None else forced[min(step + 1, len(forced) - 1)])
+        tokens.append(
+            int(logits[0].argmax()) if forced is None else forced[min(step + 1, len(forced) - 1)]
+        )
     ex.drop([rid])
     return torch.cat(rows).float(), tokens[:DECODE_STEPS]
 
 
-def golden(model_dir: str, ex: Executor, device: str, lengths: tuple[int, ...]) -> tuple[dict, list]:
+def golden(
+    model_dir: str, ex: Executor, device: str, lengths: tuple[int, ...]
+) -> tuple[dict, list]:
     """The gate, the HF bf16 floor; and the cases [(ids, our tokens, HF fp32 logits)]."""
     from deltaserve.tools.make_model import hf_causal_lm
 
-    hf = hf_causal_lm(model_dir).from_pretrained(model_dir, dtype=torch.float32, **hf_quantization(model_dir))
+    hf = hf_causal_lm(model_dir).from_pretrained(
+        model_dir, dtype=torch.float32, **hf_quantization(model_dir)
+    )
     hf = hf.to(device).eval()
     reports, ours_all, cases = {}, [], []
     for i, n in enumerate(lengths):
@@ -90,8 +96,13 @@ def golden(model_dir: str, ex: Executor, device: str, lengths: tuple[int, ...]) 
     if device == "cuda":
         torch.cuda.empty_cache()
     passed = all(pooled[k] <= bound for k, bound in GATE.items())
-    report = {"per_prompt": reports, "pooled": pooled, "gate": GATE, "passed": passed,
-              "hf_bf16_vs_hf_fp32": compare_logprobs(floor, refs).as_dict()}  # fmt: skip
+    report = {
+        "per_prompt": reports,
+        "pooled": pooled,
+        "gate": GATE,
+        "passed": passed,
+        "hf_bf16_vs_hf_fp32": compare_logprobs(floor, refs).as_dict(),
+    }
     return report, cases
 
 
@@ -105,22 +116,39 @@ def hf_quantization(model_dir: str) -> dict:
 
     if quant.get("quant_method") == "compressed-tensors":
         return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
-    return {"quantization_config": FineGrainedFP8Config(weight_block_size=tuple(quant["weight_block_size"]),
-                                                        dequantize=True)}  # fmt: skip
+    return {
+        "quantization_config": FineGrainedFP8Config(
+            weight_block_size=tuple(quant["weight_block_size"]), dequantize=True
+        )
+    }
 
 
 def hf_logits(hf, ids: list[int], tokens: list[int], device: str) -> torch.Tensor:
     """HF's fp32 logits of the positions `our_logits` returns, on the CPU."""
     with torch.inference_mode():
-        out = hf(torch.tensor([ids + tokens], device=device), logits_to_keep=min(len(ids), 64) + DECODE_STEPS)
+        out = hf(
+            torch.tensor([ids + tokens], device=device),
+            logits_to_keep=min(len(ids), 64) + DECODE_STEPS,
+        )
     return out.logits[0].float().cpu()
 
 
 def fp32_check(model_dir: str, device: str, cases: list) -> dict:
     """Our executor in fp32 (eager) against HF fp32 on the gate's cases, fed the same tokens."""
-    ex = Executor(ExecutorConfig(model_dir, device=device, dtype="float32", num_slots=2, num_blocks=1024,
-                                 max_model_len=4096 + DECODE_STEPS + 64, cuda_graphs=False))  # fmt: skip
-    ours = torch.cat([our_logits(ex, 400 + i, ids, tokens)[0].cpu() for i, (ids, tokens, _) in enumerate(cases)])
+    ex = Executor(
+        ExecutorConfig(
+            model_dir,
+            device=device,
+            dtype="float32",
+            num_slots=2,
+            num_blocks=1024,
+            max_model_len=4096 + DECODE_STEPS + 64,
+            cuda_graphs=False,
+        )
+    )
+    ours = torch.cat(
+        [our_logits(ex, 400 + i, ids, tokens)[0].cpu() for i, (ids, tokens, _) in enumerate(cases)]
+    )
     del ex
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -130,10 +158,14 @@ def fp32_check(model_dir: str, device: str, cases: list) -> dict:
 def engine_reference(ex: Executor, rid: int, ids: list[int], steps: int) -> list[int]:
     """Greedy tokens of the engine's own schedule for one request: the whole prompt in one
     step, then one token a step (bf16 sums depend on how the prompt is cut)."""
-    logits = ex.forward([StepItem(rid, 0, ids, True, NewRequest(len(ids) + steps, SamplingSpec(seed=0)))])
+    logits = ex.forward(
+        [StepItem(rid, 0, ids, True, NewRequest(len(ids) + steps, SamplingSpec(seed=0)))]
+    )
     tokens = [int(logits[-1].argmax())]
     for step in range(steps - 1):
-        tokens.append(int(ex.forward([StepItem(rid, len(ids) + step, [tokens[-1]], True)])[0].argmax()))
+        tokens.append(
+            int(ex.forward([StepItem(rid, len(ids) + step, [tokens[-1]], True)])[0].argmax())
+        )
     ex.drop([rid])
     return tokens
 
@@ -147,19 +179,29 @@ def graphs_vs_eager(ex: Executor) -> dict:
     return {"tokens_equal": with_graphs == eager, "graphs_captured": graphs is not None}
 
 
-async def engine_run(model_dir: str, device: str, dtype: str, reference_tokens: list[int], ids: list[int]) -> dict:
+async def engine_run(
+    model_dir: str, device: str, dtype: str, reference_tokens: list[int], ids: list[int]
+) -> dict:
     from deltaserve.engine import AsyncEngine, EngineConfig, SamplingParams
 
     t0 = time.perf_counter()
-    config = EngineConfig(model=model_dir, device=device, dtype=dtype, max_model_len=4096,
-                          max_num_seqs=8, max_num_batched_tokens=4096)  # fmt: skip
+    config = EngineConfig(
+        model=model_dir,
+        device=device,
+        dtype=dtype,
+        max_model_len=4096,
+        max_num_seqs=8,
+        max_num_batched_tokens=4096,
+    )
     async with await AsyncEngine.start(config) as engine:
         startup_s = time.perf_counter() - t0
         params = SamplingParams(max_tokens=len(reference_tokens), temperature=0.0, ignore_eos=True)
         tokens = [e.token_id async for e in engine.generate(ids, params) if hasattr(e, "token_id")]
         long = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
         t1 = time.perf_counter()
-        stamps = [time.perf_counter() async for e in engine.generate(ids, long) if hasattr(e, "token_id")]
+        stamps = [
+            time.perf_counter() async for e in engine.generate(ids, long) if hasattr(e, "token_id")
+        ]
         per_token_ms = 1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1)
         ttft_ms = 1e3 * (stamps[0] - t1)
     return {
@@ -173,26 +215,52 @@ async def engine_run(model_dir: str, device: str, dtype: str, reference_tokens: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--make-preset", default=None, help="make a random checkpoint of this preset first")
-    p.add_argument("--make-dtype", default="bf16", choices=("bf16", "fp8"), help="its dtype (fp8: an FP8 release)")
+    p.add_argument(
+        "--make-preset", default=None, help="make a random checkpoint of this preset first"
+    )
+    p.add_argument(
+        "--make-dtype",
+        default="bf16",
+        choices=("bf16", "fp8"),
+        help="its dtype (fp8: an FP8 release)",
+    )
     p.add_argument("--out", default=None, help="JSON result path")
-    p.add_argument("--device", default="cuda", help="cuda; cpu only to try the script on a tiny model")
+    p.add_argument(
+        "--device", default="cuda", help="cuda; cpu only to try the script on a tiny model"
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompt-lengths", default=",".join(map(str, PROMPT_LENGTHS)))
-    p.add_argument("--fp32-check", action="store_true", help="also run our executor in fp32 against HF fp32")
+    p.add_argument(
+        "--fp32-check", action="store_true", help="also run our executor in fp32 against HF fp32"
+    )
     args = p.parse_args(argv)
-    result: dict = {"command": " ".join([sys.executable, "-m", "tools.gate_bf16", *sys.argv[1:]]),
-                    "hardware": {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none", "host": platform.node(),
-                                 "torch": torch.__version__}}  # fmt: skip
+    result: dict = {
+        "command": " ".join([sys.executable, "-m", "tools.gate_bf16", *sys.argv[1:]]),
+        "hardware": {
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "none",
+            "host": platform.node(),
+            "torch": torch.__version__,
+        },
+    }
     if args.make_preset:
         from deltaserve.tools.make_model import make_model
 
         t0 = time.perf_counter()
-        make_model(args.model, preset=args.make_preset, dtype=args.make_dtype, seed=0, device=args.device)
+        make_model(
+            args.model, preset=args.make_preset, dtype=args.make_dtype, seed=0, device=args.device
+        )
         result["make_model_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ex = Executor(ExecutorConfig(args.model, device=args.device, dtype=args.dtype, num_slots=4,
-                                 num_blocks=2048, max_model_len=4096 + DECODE_STEPS + 64))  # fmt: skip
+    ex = Executor(
+        ExecutorConfig(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            num_slots=4,
+            num_blocks=2048,
+            max_model_len=4096 + DECODE_STEPS + 64,
+        )
+    )
     result["executor_start_s"] = time.perf_counter() - t0
     lengths = tuple(int(n) for n in args.prompt_lengths.split(","))
     result["golden"], cases = golden(args.model, ex, args.device, lengths)
@@ -211,15 +279,19 @@ def main(argv: list[str] | None = None) -> int:
     pooled = result["golden"]["pooled"]
     print(text)
     floor = result["golden"]["hf_bf16_vs_hf_fp32"]
-    print(f"HF bf16 vs HF fp32 (the floor): mean {floor['mean_abs_diff']:.4f} p99 {floor['p99_abs_diff']:.4f} "
-          f"regret {floor['max_regret']:.4f}")
+    print(
+        f"HF bf16 vs HF fp32 (the floor): mean {floor['mean_abs_diff']:.4f} p99 {floor['p99_abs_diff']:.4f} "
+        f"regret {floor['max_regret']:.4f}"
+    )
     if "ours_fp32_vs_hf_fp32" in result:
         print(f"ours fp32 vs HF fp32: {result['ours_fp32_vs_hf_fp32']}")
-    print(f"gate {'PASS' if result['golden']['passed'] else 'FAIL'}: mean {pooled['mean_abs_diff']:.4f} "
-          f"p99 {pooled['p99_abs_diff']:.4f} regret {pooled['max_regret']:.4f} | graphs==eager "
-          f"{result['graphs_vs_eager']['tokens_equal']} | engine==executor "
-          f"{result['engine']['tokens_equal_executor']} startup {result['engine']['startup_s']:.1f}s "
-          f"{result['engine']['ms_per_output_token_bs1']:.2f} ms/token")  # fmt: skip
+    print(
+        f"gate {'PASS' if result['golden']['passed'] else 'FAIL'}: mean {pooled['mean_abs_diff']:.4f} "
+        f"p99 {pooled['p99_abs_diff']:.4f} regret {pooled['max_regret']:.4f} | graphs==eager "
+        f"{result['graphs_vs_eager']['tokens_equal']} | engine==executor "
+        f"{result['engine']['tokens_equal_executor']} startup {result['engine']['startup_s']:.1f}s "
+        f"{result['engine']['ms_per_output_token_bs1']:.2f} ms/token"
+    )
     return 0 if result["golden"]["passed"] else 1
 
 

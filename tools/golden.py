@@ -31,7 +31,9 @@ class GoldenReport:
 def compare_logprobs(ours: torch.Tensor, reference: torch.Tensor) -> GoldenReport:
     """ours, reference: [positions, vocab] logits or logprobs (normalised here)."""
     if ours.shape != reference.shape:
-        raise ValueError(f"shapes differ: ours {tuple(ours.shape)}, reference {tuple(reference.shape)}")
+        raise ValueError(
+            f"shapes differ: ours {tuple(ours.shape)}, reference {tuple(reference.shape)}"
+        )
     ours = ours.float().log_softmax(-1)
     reference = reference.float().log_softmax(-1)
     top = ours.topk(TOP, dim=-1).indices

@@ -31,8 +31,11 @@ def host_info() -> dict[str, Any]:
     try:
         smi = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
         info["gpus"] = [line.strip() for line in smi.stdout.splitlines() if line.strip()]
     except (OSError, subprocess.SubprocessError):
         info["gpus"] = []

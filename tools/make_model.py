@@ -101,8 +101,11 @@ def _moe(dense: dict, experts: int, top_k: int, inter: int, shared_inter: int) -
     """A mixture-of-experts model (model_type qwen3_5_moe) of `dense`'s shape: experts in place
     of its MLP, so no intermediate_size."""
     return {k: v for k, v in dense.items() if k != "intermediate_size"} | dict(
-        num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
-        shared_expert_intermediate_size=shared_inter)  # fmt: skip
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        shared_expert_intermediate_size=shared_inter,
+    )
 
 
 PRESETS["tiny-moe"] = _moe(PRESETS["tiny"], 8, 2, 32, 48)
@@ -118,8 +121,10 @@ def hf_classes(moe: bool) -> tuple[type, type, type, type]:
     import transformers as hf
 
     prefix = "Qwen3_5Moe" if moe else "Qwen3_5"
-    return tuple(getattr(hf, prefix + name) for name in ("TextConfig", "ForCausalLM", "Config",
-                                                         "ForConditionalGeneration"))  # fmt: skip
+    return tuple(
+        getattr(hf, prefix + name)
+        for name in ("TextConfig", "ForCausalLM", "Config", "ForConditionalGeneration")
+    )
 
 
 def hf_causal_lm(model_dir: str | Path) -> type:
@@ -127,14 +132,28 @@ def hf_causal_lm(model_dir: str | Path) -> type:
     with open(Path(model_dir) / "config.json") as f:
         return hf_classes(json.load(f).get("model_type", "").startswith("qwen3_5_moe"))[1]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: the unquantized tensors'
+
+DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp8": torch.bfloat16,
+}  # fp8: the unquantized tensors'
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 FP8_QUANTIZED = re.compile(
     r"layers\.\d+\.(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)"
-    r"|mlp\.((experts\.\d+|shared_expert)\.)?(gate|up|down)_proj)\.weight$")
-FP8_NOT_CONVERTED = ["lm_head", "embed_tokens", "in_proj_a", "in_proj_b", "visual", "mtp", "mlp.gate",
-                     "shared_expert_gate"]  # fmt: skip
+    r"|mlp\.((experts\.\d+|shared_expert)\.)?(gate|up|down)_proj)\.weight$"
+)
+FP8_NOT_CONVERTED = [
+    "lm_head",
+    "embed_tokens",
+    "in_proj_a",
+    "in_proj_b",
+    "visual",
+    "mtp",
+    "mlp.gate",
+    "shared_expert_gate",
+]
 
 # Scales (see the module docstring). Logit std = EMBED_NORM * FINAL_NORM_GAIN.
 EMBED_NORM = 2.0  # expected L2 norm of an embedding row
@@ -149,8 +168,16 @@ def parse_size(value: str | int) -> int:
     if isinstance(value, int):
         size = value
     else:
-        units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-                 "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+        units = {
+            "": 1,
+            "B": 1,
+            "KB": 10**3,
+            "MB": 10**6,
+            "GB": 10**9,
+            "KIB": 2**10,
+            "MIB": 2**20,
+            "GIB": 2**30,
+        }
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
         if match is None or match.group(2).upper() not in units:
             raise ValueError(f"shard_size {value!r} is not a size like 50MB, 2GB or 1048576")
@@ -166,7 +193,10 @@ def text_config_dict(preset: str, overrides: dict | None = None) -> dict:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     params = dict(PRESETS[preset])
-    known = set(hf_classes(is_moe(params))[0].__annotations__) | {"rope_theta", "partial_rotary_factor"}
+    known = set(hf_classes(is_moe(params))[0].__annotations__) | {
+        "rope_theta",
+        "partial_rotary_factor",
+    }
     for key in overrides or {}:
         if key not in known:
             raise ValueError(f"overrides: unknown text config field {key!r}")
@@ -227,9 +257,15 @@ def _weight_std(name: str, shape: tuple[int, ...], text: dict) -> float:
     return 1 / math.sqrt(math.prod(shape[1:]))  # fan-in; conv1d: the kernel width
 
 
-def init_tensor(name: str, shape: tuple[int, ...], text: dict, seed: int,
-                dtype: torch.dtype = torch.float32, device: str = "cpu",
-                pool: ThreadPoolExecutor | None = None) -> torch.Tensor:
+def init_tensor(
+    name: str,
+    shape: tuple[int, ...],
+    text: dict,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    pool: ThreadPoolExecutor | None = None,
+) -> torch.Tensor:
     """The value of tensor `name` (its text-model HF name, or a visual/mtp dummy's).
 
     Matrices are drawn in fp32 blocks of rows, each from its own generator, then rounded
@@ -245,12 +281,12 @@ def init_tensor(name: str, shape: tuple[int, ...], text: dict, seed: int,
 
     def fill(block: int) -> None:
         start = block * rows_per_block
-        rows = out[start:start + rows_per_block]
+        rows = out[start : start + rows_per_block]
         gen = torch.Generator(device=device).manual_seed(_tensor_seed(seed, name, block))
         values = torch.randn(rows.shape, generator=gen, device=device, dtype=torch.float32)
         values.mul_(std)
         if is_embedding and start + rows.shape[0] > first_padding_row:
-            values[max(0, first_padding_row - start):] *= PADDING_ROW_SCALE
+            values[max(0, first_padding_row - start) :] *= PADDING_ROW_SCALE
         rows.copy_(values)
 
     blocks = range(math.ceil(shape[0] / rows_per_block))
@@ -267,7 +303,9 @@ def quantize_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.
     releases are made: each block's largest magnitude maps to FP8_MAX."""
     rows, cols = weight.shape
     padded = torch.nn.functional.pad(weight.float(), (0, -cols % block, 0, -rows % block))
-    blocks = padded.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [row blocks, b, col blocks, b]
+    blocks = padded.unflatten(0, (-1, block)).unflatten(
+        2, (-1, block)
+    )  # [row blocks, b, col blocks, b]
     scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
     values = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     return values.flatten(2, 3).flatten(0, 1)[:rows, :cols].to(torch.float8_e4m3fn), scale_inv
@@ -280,8 +318,14 @@ def _meta_state_shapes(model_cls, config) -> dict[str, tuple[int, ...]]:
 
 
 def _vision_config(text: dict) -> dict:
-    return dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                out_hidden_size=text["hidden_size"], num_position_embeddings=16)
+    return dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=text["hidden_size"],
+        num_position_embeddings=16,
+    )
 
 
 def _mtp_shapes(text: dict) -> dict[str, tuple[int, ...]]:
@@ -304,7 +348,13 @@ def _experts_apart(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, .
     for name, shape in shapes.items():
         if name.endswith("mlp.experts.gate_up_proj"):
             prefix, (experts, rows, cols) = name.removesuffix("gate_up_proj"), shape
-            out.update({f"{prefix}{e}.{m}.weight": (rows // 2, cols) for e in range(experts) for m in ("gate_proj", "up_proj")})
+            out.update(
+                {
+                    f"{prefix}{e}.{m}.weight": (rows // 2, cols)
+                    for e in range(experts)
+                    for m in ("gate_proj", "up_proj")
+                }
+            )
         elif name.endswith("mlp.experts.down_proj"):
             prefix, (experts, rows, cols) = name.removesuffix("down_proj"), shape
             out.update({f"{prefix}{e}.down_proj.weight": (rows, cols) for e in range(experts)})
@@ -327,8 +377,11 @@ def checkpoint_layout(text: dict, vlm_names: bool) -> tuple[dict, list[tuple[str
         config["architectures"] = [causal_lm.__name__]
         return config, [(n, n, s) for n, s in shapes.items()]
 
-    full = vlm_config(text_config=text_config.to_dict(), vision_config=_vision_config(text),
-                      tie_word_embeddings=tied)
+    full = vlm_config(
+        text_config=text_config.to_dict(),
+        vision_config=_vision_config(text),
+        tie_word_embeddings=tied,
+    )
     full_shapes = _experts_apart(_meta_state_shapes(vlm, full))
     entries = []
     for name, shape in shapes.items():
@@ -343,14 +396,16 @@ def checkpoint_layout(text: dict, vlm_names: bool) -> tuple[dict, list[tuple[str
     rotary_half = int(text["head_dim"] * text["rope_parameters"]["partial_rotary_factor"]) // 2
     side = round(rotary_half * 11 / 32)
     config["text_config"]["rope_parameters"].update(
-        mrope_section=[side, side, rotary_half - 2 * side], mrope_interleaved=True)
+        mrope_section=[side, side, rotary_half - 2 * side], mrope_interleaved=True
+    )
     config["text_config"]["mtp_num_hidden_layers"] = 1
     config["text_config"]["mtp_use_dedicated_embeddings"] = False
     return config, entries
 
 
-def _plan_shards(entries: list[tuple[str, str, tuple]], itemsize: int,
-                 shard_bytes: int | None) -> list[list[tuple[str, str, tuple]]]:
+def _plan_shards(
+    entries: list[tuple[str, str, tuple]], itemsize: int, shard_bytes: int | None
+) -> list[list[tuple[str, str, tuple]]]:
     """Split in order, as HF does: a new shard when the next tensor would pass the limit."""
     if shard_bytes is None:
         return [entries]
@@ -372,9 +427,17 @@ def _write_json(path: Path, data: dict) -> None:
         f.write("\n")
 
 
-def make_model(out_dir: str | Path, preset: str = "tiny", dtype: str = "fp32", seed: int = 0,
-               vlm_names: bool = False, shard_size: str | int | None = None,
-               overrides: dict | None = None, device: str = "cpu", fp8_block: int = 128) -> Path:
+def make_model(
+    out_dir: str | Path,
+    preset: str = "tiny",
+    dtype: str = "fp32",
+    seed: int = 0,
+    vlm_names: bool = False,
+    shard_size: str | int | None = None,
+    overrides: dict | None = None,
+    device: str = "cpu",
+    fp8_block: int = 128,
+) -> Path:
     """Write a random checkpoint of `preset` into `out_dir` (created) and return its path.
 
     Same seed, same values, whatever the naming, sharding or dtype (bf16 = fp32 rounded, fp8
@@ -391,14 +454,21 @@ def make_model(out_dir: str | Path, preset: str = "tiny", dtype: str = "fp32", s
     config["dtype"] = config["torch_dtype"] = _DTYPE_NAMES[dtype]
     config["eos_token_id"] = list(EOS_TOKEN_IDS)
     if dtype == "fp8":  # as Qwen's FP8 releases say it (transformers' FineGrainedFP8Config)
-        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                         "weight_block_size": [fp8_block, fp8_block],
-                                         "modules_to_not_convert": FP8_NOT_CONVERTED}  # fmt: skip
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [fp8_block, fp8_block],
+            "modules_to_not_convert": FP8_NOT_CONVERTED,
+        }
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stale = [*out.glob("model.safetensors"), *out.glob("model-*-of-*.safetensors"),
-             *out.glob("model.safetensors.index.json")]
+    stale = [
+        *out.glob("model.safetensors"),
+        *out.glob("model-*-of-*.safetensors"),
+        *out.glob("model.safetensors.index.json"),
+    ]
     for path in stale:  # never leave a mix of an old and a new checkpoint
         path.unlink()
 
@@ -408,13 +478,18 @@ def make_model(out_dir: str | Path, preset: str = "tiny", dtype: str = "fp32", s
     total_bytes = total_params = 0
     pool = ThreadPoolExecutor(torch.get_num_threads()) if device == "cpu" else None
     for i, shard in enumerate(shards):
-        file_name = ("model.safetensors" if shard_bytes is None
-                     else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+        file_name = (
+            "model.safetensors"
+            if shard_bytes is None
+            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
         tensors = {}
         for name, text_name, shape in shard:
             if dtype == "fp8" and FP8_QUANTIZED.search(text_name):
                 value = init_tensor(text_name, shape, text, seed, torch.float32, device, pool)
-                value, tensors[name + "_scale_inv"] = (t.cpu() for t in quantize_fp8(value, fp8_block))
+                value, tensors[name + "_scale_inv"] = (
+                    t.cpu() for t in quantize_fp8(value, fp8_block)
+                )
                 weight_map[name + "_scale_inv"] = file_name
             else:
                 value = init_tensor(text_name, shape, text, seed, torch_dtype, device, pool)
@@ -428,24 +503,31 @@ def make_model(out_dir: str | Path, preset: str = "tiny", dtype: str = "fp32", s
     if pool is not None:
         pool.shutdown()
     if shard_bytes is not None:
-        index = {"metadata": {"total_size": total_bytes, "total_parameters": total_params},
-                 "weight_map": dict(sorted(weight_map.items()))}
+        index = {
+            "metadata": {"total_size": total_bytes, "total_parameters": total_params},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         _write_json(out / "model.safetensors.index.json", index)
 
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json",
-                {"eos_token_id": list(EOS_TOKEN_IDS), "pad_token_id": PAD_TOKEN_ID})
+    _write_json(
+        out / "generation_config.json",
+        {"eos_token_id": list(EOS_TOKEN_IDS), "pad_token_id": PAD_TOKEN_ID},
+    )
     write_tokenizer_files(out, model_max_length=text["max_position_embeddings"])
     return out
 
 
-def mean_top1_probability(model_dir: str | Path, num_prompts: int = 4, prompt_len: int = 80,
-                          seed: int = 0) -> float:
+def mean_top1_probability(
+    model_dir: str | Path, num_prompts: int = 4, prompt_len: int = 80, seed: int = 0
+) -> float:
     """Mean top-1 next-token probability of HF's model (fp32) over random-token prompts; on
     the GPU when there is one (with fla installed, HF's DeltaNet runs fla's Triton kernels,
     which need CUDA tensors)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = hf_causal_lm(model_dir).from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = (
+        hf_causal_lm(model_dir).from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    )
     gen = torch.Generator().manual_seed(seed)
     first_special = qwen_special_tokens()[0][0]
     ids = torch.randint(0, first_special, (num_prompts, prompt_len), generator=gen).to(device)
@@ -457,32 +539,58 @@ def mean_top1_probability(model_dir: str | Path, num_prompts: int = 4, prompt_le
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.make_model", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.make_model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--preset", required=True, choices=list(PRESETS))
     parser.add_argument("--out", required=True, help="output folder (created)")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    parser.add_argument("--fp8-block", type=int, default=128, help="with --dtype fp8: the scales' block side")
+    parser.add_argument(
+        "--fp8-block", type=int, default=128, help="with --dtype fp8: the scales' block side"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vlm-names", action="store_true",
-                        help="released VLM layout: model.language_model.* + visual/mtp tensors")
+    parser.add_argument(
+        "--vlm-names",
+        action="store_true",
+        help="released VLM layout: model.language_model.* + visual/mtp tensors",
+    )
     parser.add_argument("--shard-size", default=None, help="e.g. 50MB, 5GB: write shards + index")
     parser.add_argument("--device", default="cpu", help="where to draw values (cpu, cuda)")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="fewer (or more) layers than the preset's, every other shape kept")
-    parser.add_argument("--measure", action="store_true",
-                        help="report HF's mean top-1 probability (default for tiny)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="fewer (or more) layers than the preset's, every other shape kept",
+    )
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="report HF's mean top-1 probability (default for tiny)",
+    )
     args = parser.parse_args(argv)
     start_s = time.monotonic()
-    out = make_model(args.out, preset=args.preset, dtype=args.dtype, seed=args.seed,
-                     vlm_names=args.vlm_names, shard_size=args.shard_size, device=args.device,
-                     fp8_block=args.fp8_block,
-                     overrides=None if args.layers is None else {"num_hidden_layers": args.layers})
+    out = make_model(
+        args.out,
+        preset=args.preset,
+        dtype=args.dtype,
+        seed=args.seed,
+        vlm_names=args.vlm_names,
+        shard_size=args.shard_size,
+        device=args.device,
+        fp8_block=args.fp8_block,
+        overrides=None if args.layers is None else {"num_hidden_layers": args.layers},
+    )
     size_gb = sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e9
-    print(f"wrote {args.preset} ({args.dtype}) to {out}: {size_gb:.2f} GB of safetensors "
-          f"in {time.monotonic() - start_s:.1f} s")
+    print(
+        f"wrote {args.preset} ({args.dtype}) to {out}: {size_gb:.2f} GB of safetensors "
+        f"in {time.monotonic() - start_s:.1f} s"
+    )
     if args.measure or args.preset in ("tiny", "tiny-moe"):
-        print(f"mean top-1 probability (HF, fp32, random prompts): {mean_top1_probability(out):.3f}")
+        print(
+            f"mean top-1 probability (HF, fp32, random prompts): {mean_top1_probability(out):.3f}"
+        )
     return 0
 
 

@@ -115,7 +115,9 @@ class MonitorView:
         state = load.state if load else "unknown"
         style = STATE_STYLE.get(state, "white")
         silent_s = time.monotonic() - self.last_message_s
-        if silent_s > SILENT_S and state != "dead" and not self.shut_down:  # no heartbeat: killed, or unreachable
+        if (
+            silent_s > SILENT_S and state != "dead" and not self.shut_down
+        ):  # no heartbeat: killed, or unreachable
             state, style = f"silent for {silent_s:.0f} s (was {state})", "bold red"
         head = Table.grid(padding=(0, 2))
         head.add_row(
@@ -125,30 +127,47 @@ class MonitorView:
         )
         if self.ready:
             r = self.ready
-            head.add_row(f"model {r.model}", f"tp {r.tp_size} on {r.device}",
-                         f"max_model_len {r.max_model_len}, started in {r.startup_s:.1f} s")  # fmt: skip
+            head.add_row(
+                f"model {r.model}",
+                f"tp {r.tp_size} on {r.device}",
+                f"max_model_len {r.max_model_len}, started in {r.startup_s:.1f} s",
+            )
         if self.replica_note:
             head.add_row(f"[bold red]{self.replica_note}[/]", "", "")
         stats = Table(show_header=True, header_style="bold", expand=True)
-        for name in ("running", "waiting", "state slots", "KV blocks", "last step",
-                     "gen tok/s", "prompt tok/s"):  # fmt: skip
+        for name in (
+            "running",
+            "waiting",
+            "state slots",
+            "KV blocks",
+            "last step",
+            "gen tok/s",
+            "prompt tok/s",
+        ):
             stats.add_column(name, justify="right")
         if load:
             gen_rate, prompt_rate = self.rates()
             stats.add_row(
-                str(load.running), str(load.waiting),
+                str(load.running),
+                str(load.waiting),
                 f"{load.num_slots - load.free_slots}/{load.num_slots}",
                 f"{load.num_blocks - load.free_blocks}/{load.num_blocks}",
                 f"{load.step_prefill_tokens}p+{load.step_decode_tokens}d "
                 f"{load.step_duration_s * 1e3:.1f} ms",
-                f"{gen_rate:.1f}", f"{prompt_rate:.1f}",
-            )  # fmt: skip
+                f"{gen_rate:.1f}",
+                f"{prompt_rate:.1f}",
+            )
         lat = Table(show_header=True, header_style="bold", expand=True)
         for name in ("ms", "p50", "p90", "p99", "n"):
             lat.add_column(name, justify="right")
-        for name, values in (("TTFT", self._ttft_s), ("end to end", self._e2e_s),
-                             ("queue", self._queue_s)):  # fmt: skip
-            lat.add_row(name, _pct(values, 0.5), _pct(values, 0.9), _pct(values, 0.99), str(len(values)))
+        for name, values in (
+            ("TTFT", self._ttft_s),
+            ("end to end", self._e2e_s),
+            ("queue", self._queue_s),
+        ):
+            lat.add_row(
+                name, _pct(values, 0.5), _pct(values, 0.9), _pct(values, 0.99), str(len(values))
+            )
         ended = "  ".join(f"{k} {v}" for k, v in sorted(self.finished_by_reason.items())) or "-"
         return Group(
             Panel(head, title="deltaserve monitor"),
@@ -170,8 +189,10 @@ def describe(m: schema.MonitorMessage) -> str:
     """One line for the recent-events list."""
     if isinstance(m, schema.Finished):
         ttft = "-" if m.ttft_s is None else f"{m.ttft_s * 1e3:.0f} ms"
-        return (f"finished  #{m.request_id} {m.reason}: {m.prompt_tokens}+{m.output_tokens} tokens, "
-                f"ttft {ttft}, e2e {m.e2e_s * 1e3:.0f} ms")  # fmt: skip
+        return (
+            f"finished  #{m.request_id} {m.reason}: {m.prompt_tokens}+{m.output_tokens} tokens, "
+            f"ttft {ttft}, e2e {m.e2e_s * 1e3:.0f} ms"
+        )
     if isinstance(m, schema.Rejected):
         rid = "" if m.request_id is None else f"#{m.request_id} "
         return f"rejected  {rid}{m.client_id} ({m.reason}): {m.message}"
@@ -191,11 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="deltaserve monitor",
         description="Watch a running engine's monitor endpoint (docs/MONITOR.md).",
     )
-    p.add_argument("endpoint", help="the engine's endpoint, e.g. ipc:///run/user/1000/"
-                   "deltaserve-1000/monitor-4242 or tcp://127.0.0.1:5557")  # fmt: skip
+    p.add_argument(
+        "endpoint",
+        help="the engine's endpoint, e.g. ipc:///run/user/1000/"
+        "deltaserve-1000/monitor-4242 or tcp://127.0.0.1:5557",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per message")
-    p.add_argument("--topics", default="load,request,replica",
-                   help="comma-separated topics to subscribe to")  # fmt: skip
+    p.add_argument(
+        "--topics", default="load,request,replica", help="comma-separated topics to subscribe to"
+    )
     p.add_argument("--count", type=int, default=None, help="exit after this many messages")
     return p
 
@@ -205,8 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     topics = [t.strip().encode() for t in args.topics.split(",") if t.strip()]
     unknown = sorted({t.decode() for t in topics} - {t.decode() for t in schema.TOPICS.values()})
     if unknown or not topics:
-        print(f"deltaserve monitor: error: unknown topic(s) {unknown or args.topics!r}; "
-              "topics are load, request, replica", file=sys.stderr)  # fmt: skip
+        print(
+            f"deltaserve monitor: error: unknown topic(s) {unknown or args.topics!r}; "
+            "topics are load, request, replica",
+            file=sys.stderr,
+        )
         return 2
     if args.count is not None and args.count < 1:
         print(f"deltaserve monitor: error: --count must be >= 1, got {args.count}", file=sys.stderr)
@@ -219,12 +247,18 @@ def main(argv: list[str] | None = None) -> int:
             sock.setsockopt(zmq.SUBSCRIBE, topic)
         sock.connect(args.endpoint)
     except zmq.ZMQError as exc:
-        print(f"deltaserve monitor: error: cannot connect to {args.endpoint!r}: {exc}", file=sys.stderr)
+        print(
+            f"deltaserve monitor: error: cannot connect to {args.endpoint!r}: {exc}",
+            file=sys.stderr,
+        )
         return 2
     path = args.endpoint.removeprefix("ipc://")
     if path != args.endpoint and not os.path.exists(path):  # zmq waits silently for it
-        print(f"deltaserve monitor: nothing at {path} yet: waiting for an engine to bind it "
-              "(serve's ready line names its monitor endpoint)", file=sys.stderr)  # fmt: skip
+        print(
+            f"deltaserve monitor: nothing at {path} yet: waiting for an engine to bind it "
+            "(serve's ready line names its monitor endpoint)",
+            file=sys.stderr,
+        )
     try:
         if args.json:
             _print_json(sock, args.count)

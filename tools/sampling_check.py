@@ -19,9 +19,15 @@ from deltaserve.engine.sampling_params import SamplingParams
 X, Y = 1234, 5678  # two ordinary token ids
 CHOICES = ("red apple", "green pear", "blue")  # guided_choice
 REGEX = r"[a-z]{2,8}@[a-z]{2,6}\.(?:com|org)"
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
-          "required": ["name", "kind", "ok"]}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "kind": {"enum": ["cat", "dog"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "kind", "ok"],
+}
 
 
 async def _run(engine: AsyncEngine, prompt: str, params: SamplingParams) -> tuple[list[int], str]:
@@ -35,8 +41,14 @@ async def _run(engine: AsyncEngine, prompt: str, params: SamplingParams) -> tupl
 
 
 def _valid(doc: object) -> bool:
-    return (isinstance(doc, dict) and set(doc) == {"name", "kind", "ok"} and isinstance(doc["name"], str)
-            and len(doc["name"]) <= 12 and doc["kind"] in ("cat", "dog") and isinstance(doc["ok"], bool))  # fmt: skip
+    return (
+        isinstance(doc, dict)
+        and set(doc) == {"name", "kind", "ok"}
+        and isinstance(doc["name"], str)
+        and len(doc["name"]) <= 12
+        and doc["kind"] in ("cat", "dog")
+        and isinstance(doc["ok"], bool)
+    )
 
 
 async def main(model: str, out: str) -> bool:
@@ -44,23 +56,36 @@ async def main(model: str, out: str) -> bool:
     eos = sorted(engine.eos_token_ids)[0]
     cases = {
         "bias_X": SamplingParams(max_tokens=6, temperature=0.0, logit_bias={X: 100.0}),
-        "stop_Y_min4": SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[Y],
-                                      logit_bias={Y: 100.0}, min_tokens=4),
-        "eos_min3_random": SamplingParams(max_tokens=10, temperature=1.0, seed=7,
-                                          logit_bias={eos: 100.0}, min_tokens=3),
+        "stop_Y_min4": SamplingParams(
+            max_tokens=10, temperature=0.0, stop_token_ids=[Y], logit_bias={Y: 100.0}, min_tokens=4
+        ),
+        "eos_min3_random": SamplingParams(
+            max_tokens=10, temperature=1.0, seed=7, logit_bias={eos: 100.0}, min_tokens=3
+        ),
         "eos_nomin": SamplingParams(max_tokens=10, temperature=0.0, logit_bias={eos: 100.0}),
         "plain1": SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
         "plain2": SamplingParams(max_tokens=24, temperature=0.8, seed=1, ignore_eos=True),
-        "allowed_XY": SamplingParams(max_tokens=8, temperature=0.0, allowed_token_ids=[X, Y], ignore_eos=True),
-        "allowed_random": SamplingParams(max_tokens=8, temperature=1.0, seed=3, allowed_token_ids=[X, Y],
-                                         ignore_eos=True),
-        "bad_XX": SamplingParams(max_tokens=8, temperature=0.0, logit_bias={X: 100.0}, allowed_token_ids=[X, Y],
-                                 bad_words_token_ids=[[X, X]], ignore_eos=True),  # X, then Y where X is barred
+        "allowed_XY": SamplingParams(
+            max_tokens=8, temperature=0.0, allowed_token_ids=[X, Y], ignore_eos=True
+        ),
+        "allowed_random": SamplingParams(
+            max_tokens=8, temperature=1.0, seed=3, allowed_token_ids=[X, Y], ignore_eos=True
+        ),
+        "bad_XX": SamplingParams(
+            max_tokens=8,
+            temperature=0.0,
+            logit_bias={X: 100.0},
+            allowed_token_ids=[X, Y],
+            bad_words_token_ids=[[X, X]],
+            ignore_eos=True,
+        ),  # X, then Y where X is barred
         "choice_greedy": SamplingParams(max_tokens=24, temperature=0.0, guided_choice=CHOICES),
-        "choice_random": SamplingParams(max_tokens=24, temperature=1.0, seed=5, guided_choice=CHOICES),
+        "choice_random": SamplingParams(
+            max_tokens=24, temperature=1.0, seed=5, guided_choice=CHOICES
+        ),
         "regex_random": SamplingParams(max_tokens=32, temperature=1.0, seed=6, guided_regex=REGEX),
         "json_random": SamplingParams(max_tokens=96, temperature=1.0, seed=8, guided_json=SCHEMA),
-    }  # fmt: skip
+    }
     start = time.perf_counter()
     runs = [_run(engine, f"Prompt {i}: tell me a story", p) for i, p in enumerate(cases.values())]
     got = dict(zip(cases, await asyncio.gather(*runs), strict=True))
@@ -72,21 +97,34 @@ async def main(model: str, out: str) -> bool:
 
     checks = {
         "bias_X": got["bias_X"] == ([X] * 6, "length"),
-        "stop_Y_min4": len(stop_y) == 5 and Y not in stop_y[:4] and stop_y[4] == Y
+        "stop_Y_min4": len(stop_y) == 5
+        and Y not in stop_y[:4]
+        and stop_y[4] == Y
         and got["stop_Y_min4"][1] == "stop",
-        "eos_min3_random": len(eos_min) == 4 and eos_min[3] == eos and got["eos_min3_random"][1] == "stop",
+        "eos_min3_random": len(eos_min) == 4
+        and eos_min[3] == eos
+        and got["eos_min3_random"][1] == "stop",
         "eos_nomin": got["eos_nomin"] == ([eos], "stop"),
         "plain1": len(got["plain1"][0]) == 24,
         "plain2": len(got["plain2"][0]) == 24,
         "allowed_XY": len(got["allowed_XY"][0]) == 8 and set(got["allowed_XY"][0]) <= {X, Y},
-        "allowed_random": len(got["allowed_random"][0]) == 8 and set(got["allowed_random"][0]) <= {X, Y},
+        "allowed_random": len(got["allowed_random"][0]) == 8
+        and set(got["allowed_random"][0]) <= {X, Y},
         "bad_XX": got["bad_XX"][0] == [X, Y] * 4,
-        **{name: got[name][1] == "stop" and text(name) in CHOICES for name in ("choice_greedy", "choice_random")},
-        "regex_random": got["regex_random"][1] == "stop" and re.fullmatch(REGEX, text("regex_random")) is not None,
+        **{
+            name: got[name][1] == "stop" and text(name) in CHOICES
+            for name in ("choice_greedy", "choice_random")
+        },
+        "regex_random": got["regex_random"][1] == "stop"
+        and re.fullmatch(REGEX, text("regex_random")) is not None,
         "json_random": got["json_random"][1] == "stop" and _valid(json.loads(text("json_random"))),
-    }  # fmt: skip
-    record = {"eos": eos, "checks": checks, "seconds": time.perf_counter() - start,
-              "results": {k: {"tokens": v[0], "reason": v[1]} for k, v in got.items()}}  # fmt: skip
+    }
+    record = {
+        "eos": eos,
+        "checks": checks,
+        "seconds": time.perf_counter() - start,
+        "results": {k: {"tokens": v[0], "reason": v[1]} for k, v in got.items()},
+    }
     with open(out, "w") as f:
         json.dump(record, f, indent=1)
     for name, ok in checks.items():

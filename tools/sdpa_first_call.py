@@ -26,11 +26,15 @@ LENGTHS = (1000, 1001, 1013, 2048, 3001, 4096)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=HEAD_DIM**-0.5, enable_gqa=True)
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=HEAD_DIM**-0.5, enable_gqa=True
+    )
 
 
 def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=HEAD_DIM**-0.5)[0]
+    return torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=HEAD_DIM**-0.5
+    )[0]
 
 
 def timed_ms(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> float:
@@ -51,7 +55,9 @@ def measure(fn: Callable[..., torch.Tensor]) -> dict:
     calls = []
     for length in LENGTHS:
         qkv = inputs(length)
-        calls.append({"length": length, "first_ms": timed_ms(fn, *qkv), "second_ms": timed_ms(fn, *qkv)})
+        calls.append(
+            {"length": length, "first_ms": timed_ms(fn, *qkv), "second_ms": timed_ms(fn, *qkv)}
+        )
     qkv = inputs(4096)
     for _ in range(3):
         fn(*qkv)
@@ -61,15 +67,25 @@ def measure(fn: Callable[..., torch.Tensor]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="python -m tools.sdpa_first_call", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.sdpa_first_call", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", default=None, help="JSON result path")
     args = parser.parse_args(argv)
-    report = {"tool": " ".join(["python -m tools.sdpa_first_call", *argv]), "hardware": host_info(),
-              "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
-              "sdpa_default": measure(sdpa), "flash_direct": measure(flash)}  # fmt: skip
+    report = {
+        "tool": " ".join(["python -m tools.sdpa_first_call", *argv]),
+        "hardware": host_info(),
+        "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
+        "sdpa_default": measure(sdpa),
+        "flash_direct": measure(flash),
+    }
     for name in ("sdpa_default", "flash_direct"):
-        cells = " ".join(f"{c['length']}:{c['first_ms']:.1f}/{c['second_ms']:.2f}" for c in report[name]["calls"])
-        print(f"{name:13s} first/second ms {cells}  steady 4096: {report[name]['steady_ms_at_4096']:.3f} ms")
+        cells = " ".join(
+            f"{c['length']}:{c['first_ms']:.1f}/{c['second_ms']:.2f}" for c in report[name]["calls"]
+        )
+        print(
+            f"{name:13s} first/second ms {cells}  steady 4096: {report[name]['steady_ms_at_4096']:.3f} ms"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0

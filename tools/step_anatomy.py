@@ -39,9 +39,19 @@ BUSY_CYCLES = 4_000_000  # ~2 ms at the H200's 1.98 GHz: the launch finishes beh
 def step_executor(model: str, max_batch: int, fp8_weights: str = "widen") -> Executor:
     """The 4B executor of the step tools: bf16 on CUDA, graphs up to `max_batch`, room for
     CONTEXT positions and a few hundred steps per request."""
-    return Executor(ExecutorConfig(model, device="cuda", dtype="bfloat16", block_size=16, num_slots=max_batch,
-                                   num_blocks=max_batch * 80, max_model_len=CONTEXT + 270, cuda_graphs=True,
-                                   fp8_weights=fp8_weights))  # fmt: skip
+    return Executor(
+        ExecutorConfig(
+            model,
+            device="cuda",
+            dtype="bfloat16",
+            block_size=16,
+            num_slots=max_batch,
+            num_blocks=max_batch * 80,
+            max_model_len=CONTEXT + 270,
+            cuda_graphs=True,
+            fp8_weights=fp8_weights,
+        )
+    )
 
 
 class StampedGraph:
@@ -77,8 +87,12 @@ def replay_times(graph: torch.cuda.CUDAGraph, reps: int) -> dict:
         end.record()
         end.synchronize()
         gpu[busy].append(start.elapsed_time(end) / 1e3)
-    return {"replay_idle_ms": median_ms(gpu[False]), "replay_queued_ms": median_ms(gpu[True]),
-            "replay_call_host_ms": median_ms(host[True]), "replay_call_host_idle_ms": median_ms(host[False])}  # fmt: skip
+    return {
+        "replay_idle_ms": median_ms(gpu[False]),
+        "replay_queued_ms": median_ms(gpu[True]),
+        "replay_call_host_ms": median_ms(host[True]),
+        "replay_call_host_idle_ms": median_ms(host[False]),
+    }
 
 
 def critical_path(graph: torch.cuda.CUDAGraph, shapes: list[tuple[int, int, int]]) -> dict:
@@ -93,7 +107,11 @@ def critical_path(graph: torch.cuda.CUDAGraph, shapes: list[tuple[int, int, int]
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
-    kernels = [e for e in trace["traceEvents"] if e.get("cat") == "kernel" and "sleep" not in e["name"].lower()]
+    kernels = [
+        e
+        for e in trace["traceEvents"]
+        if e.get("cat") == "kernel" and "sleep" not in e["name"].lower()
+    ]
     return critical_path_shares(kernels, shapes)
 
 
@@ -121,16 +139,26 @@ def critical_path_shares(kernels: list[dict], shapes: list[tuple[int, int, int]]
         if name.startswith(PROJECTION_KERNELS):  # the next projection (cuBLAS's lm_head: none left)
             n_out, k_in, nbytes = next(projections, (0, 0, 0))
             if nbytes:
-                row.update(shape=[n_out, k_in], bytes=nbytes, GBps=round(nbytes / max(share, 1e-3) / 1e3, 1))
+                row.update(
+                    shape=[n_out, k_in],
+                    bytes=nbytes,
+                    GBps=round(nbytes / max(share, 1e-3) / 1e3, 1),
+                )
                 current = row
         elif name.startswith(SPLIT_SUMS) and current is not None:  # the projection's split-K sum
             row["shape"] = current["shape"]
         launches.append(row)
     span = frontier - kernels[0]["ts"]
     names = sorted(by_name.items(), key=lambda kv: -kv[1][1])
-    return {"span_us": round(span, 1), "kernels": len(kernels),
-            "by_name": [{"name": n, "count": c, "share_us": round(s, 1), "dur_us": round(d, 1)} for n, (c, s, d) in names],
-            "launches": launches}  # fmt: skip
+    return {
+        "span_us": round(span, 1),
+        "kernels": len(kernels),
+        "by_name": [
+            {"name": n, "count": c, "share_us": round(s, 1), "dur_us": round(d, 1)}
+            for n, (c, s, d) in names
+        ],
+        "launches": launches,
+    }
 
 
 def projection_shapes(ex: Executor, items: list[StepItem]) -> list[tuple[int, int, int]]:
@@ -158,7 +186,14 @@ def host_ops(ex: Executor, ids: list[int], steps: int = 10) -> list[dict]:
         for _ in range(steps):
             ex.run_step([StepItem(r, ex.requests[r].num_tokens, [], True, None) for r in ids])
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
-    return [{"name": e.key[:60], "calls": e.count // steps, "us": round(e.self_cpu_time_total / steps, 1)} for e in ops]
+    return [
+        {
+            "name": e.key[:60],
+            "calls": e.count // steps,
+            "us": round(e.self_cpu_time_total / steps, 1),
+        }
+        for e in ops
+    ]
 
 
 def launch_costs(ex: Executor, reps: int = 20) -> dict[int, tuple[float, float]]:
@@ -174,8 +209,18 @@ def anatomy(ex: Executor, batch: int, first_id: int, steps: int) -> dict:
     ids = list(range(first_id, first_id + batch))
     gen = torch.Generator().manual_seed(0)
     for i in range(0, batch, 8):
-        ex.run_step([StepItem(r, 0, torch.randint(0, 240000, (CONTEXT,), generator=gen).tolist(), True,
-                              NewRequest(CONTEXT + 4 * steps + 64, SamplingSpec(seed=0))) for r in ids[i:i + 8]])  # fmt: skip
+        ex.run_step(
+            [
+                StepItem(
+                    r,
+                    0,
+                    torch.randint(0, 240000, (CONTEXT,), generator=gen).tolist(),
+                    True,
+                    NewRequest(CONTEXT + 4 * steps + 64, SamplingSpec(seed=0)),
+                )
+                for r in ids[i : i + 8]
+            ]
+        )
     size = min(b for b in ex.graphs.graphs if b >= batch)
     graph, *outputs = ex.graphs.graphs[size]
     stamps: dict[str, float] = {}
@@ -210,8 +255,13 @@ def anatomy(ex: Executor, batch: int, first_id: int, steps: int) -> dict:
     del ex.sampler.launch
     del ex.graphs.run
     ex.graphs.graphs[size] = (graph, *outputs)
-    row = {"batch": batch, "bucket": size, "run_step_ms": median_ms(walls),
-           **{k: median_ms(v) for k, v in segments.items()}, **replay_times(graph, reps=20)}  # fmt: skip
+    row = {
+        "batch": batch,
+        "bucket": size,
+        "run_step_ms": median_ms(walls),
+        **{k: median_ms(v) for k, v in segments.items()},
+        **replay_times(graph, reps=20),
+    }
     items = [StepItem(r, ex.requests[r].num_tokens, [], True, None) for r in ids]
     row["host_ops_per_step"] = host_ops(ex, ids)
     row["critical_path"] = critical_path(graph, projection_shapes(ex, items))
@@ -238,12 +288,20 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         flat = {k: v for k, v in row.items() if k not in ("critical_path", "host_ops_per_step")}
         print(json.dumps(flat), flush=True)
-        print("  host per step:", ", ".join(f"{o['name']} {o['us']}" for o in row["host_ops_per_step"][:8]))
+        print(
+            "  host per step:",
+            ", ".join(f"{o['name']} {o['us']}" for o in row["host_ops_per_step"][:8]),
+        )
         path = row["critical_path"]
-        print(f"b={batch}: {path['kernels']} kernels, critical path {path['span_us']} us", flush=True)
+        print(
+            f"b={batch}: {path['kernels']} kernels, critical path {path['span_us']} us", flush=True
+        )
         for entry in path["by_name"][:12]:
-            print(f"  {entry['name']:40s} x{entry['count']:4d}  share {entry['share_us']:8.1f} us  "
-                  f"dur {entry['dur_us']:8.1f} us", flush=True)
+            print(
+                f"  {entry['name']:40s} x{entry['count']:4d}  share {entry['share_us']:8.1f} us  "
+                f"dur {entry['dur_us']:8.1f} us",
+                flush=True,
+            )
     write_report(args.out, "step_anatomy", launch_host_ms=launches, results=rows)
     return 0
 

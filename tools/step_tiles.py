@@ -37,17 +37,46 @@ from deltaserve.tools.step_anatomy import (
 CUBLAS = "cublas"
 # (block_n, block_k, split_k, num_warps, num_stages, evict_first) per kernel; split_k 0: the
 # rule's own split for the shape
-GEMV = [(8, 256, 1, 4, 2, True), (8, 256, 1, 4, 3, True), (16, 256, 1, 8, 2, True), (4, 512, 1, 4, 2, True),
-        (8, 512, 1, 8, 2, True), (8, 128, 1, 4, 4, True), (8, 256, 1, 4, 2, False), (4, 256, 1, 2, 2, True),
-        (4, 1024, 1, 8, 2, False), (4, 1024, 1, 8, 3, False), (2, 1024, 1, 4, 2, False), (4, 512, 1, 4, 2, False),
-        (8, 512, 1, 8, 2, False), (4, 1024, 1, 8, 2, True), (4, 512, 2, 4, 2, False), (2, 512, 1, 4, 3, False)]  # fmt: skip
-DOT = [(64, 128, 0, 4, 3, False), (64, 128, 0, 4, 4, False), (64, 256, 0, 4, 3, False), (128, 128, 0, 8, 3, False),
-       (64, 64, 0, 4, 5, False), (64, 128, 0, 4, 3, True), (128, 64, 0, 4, 4, False), (64, 128, 1, 4, 3, False),
-       # finer K splits for the narrow (2560-wide) outputs: 40 tiles of 64 fill few of 132 SMs
-       (64, 128, 8, 4, 3, False), (64, 128, 8, 4, 4, False), (64, 128, 16, 4, 3, False), (64, 64, 8, 4, 4, False),
-       (32, 128, 4, 4, 3, False), (32, 128, 8, 4, 3, False), (128, 128, 8, 8, 3, False), (64, 128, 2, 4, 4, False),
-       # K in 3 parts even where they differ by a block: 120 programs, one per SM (out/o_proj's TUNED tile)
-       (64, 128, 3, 4, 4, False), (64, 64, 3, 4, 4, False)]  # fmt: skip
+GEMV = [
+    (8, 256, 1, 4, 2, True),
+    (8, 256, 1, 4, 3, True),
+    (16, 256, 1, 8, 2, True),
+    (4, 512, 1, 4, 2, True),
+    (8, 512, 1, 8, 2, True),
+    (8, 128, 1, 4, 4, True),
+    (8, 256, 1, 4, 2, False),
+    (4, 256, 1, 2, 2, True),
+    (4, 1024, 1, 8, 2, False),
+    (4, 1024, 1, 8, 3, False),
+    (2, 1024, 1, 4, 2, False),
+    (4, 512, 1, 4, 2, False),
+    (8, 512, 1, 8, 2, False),
+    (4, 1024, 1, 8, 2, True),
+    (4, 512, 2, 4, 2, False),
+    (2, 512, 1, 4, 3, False),
+]
+DOT = [
+    (64, 128, 0, 4, 3, False),
+    (64, 128, 0, 4, 4, False),
+    (64, 256, 0, 4, 3, False),
+    (128, 128, 0, 8, 3, False),
+    (64, 64, 0, 4, 5, False),
+    (64, 128, 0, 4, 3, True),
+    (128, 64, 0, 4, 4, False),
+    (64, 128, 1, 4, 3, False),
+    # finer K splits for the narrow (2560-wide) outputs: 40 tiles of 64 fill few of 132 SMs
+    (64, 128, 8, 4, 3, False),
+    (64, 128, 8, 4, 4, False),
+    (64, 128, 16, 4, 3, False),
+    (64, 64, 8, 4, 4, False),
+    (32, 128, 4, 4, 3, False),
+    (32, 128, 8, 4, 3, False),
+    (128, 128, 8, 8, 3, False),
+    (64, 128, 2, 4, 4, False),
+    # K in 3 parts even where they differ by a block: 120 programs, one per SM (out/o_proj's TUNED tile)
+    (64, 128, 3, 4, 4, False),
+    (64, 64, 3, 4, 4, False),
+]
 
 
 def candidate(tile: tuple, n: int, k: int, gemv: bool, sms: int) -> SkinnyConfig | None:
@@ -57,11 +86,17 @@ def candidate(tile: tuple, n: int, k: int, gemv: bool, sms: int) -> SkinnyConfig
     sum of two powers of two; a K-looping GEMV reads its first block ahead, as the rule's do."""
     block_n, block_k, split, warps, stages, evict = tile
     if block_k == 0:
-        return SkinnyConfig(block_n, k, 1, warps, stages, evict, whole_rows=True) if skinny.whole_row_parts(k) else None
+        return (
+            SkinnyConfig(block_n, k, 1, warps, stages, evict, whole_rows=True)
+            if skinny.whole_row_parts(k)
+            else None
+        )
     if split == 0:
         rule = skinny.decode_config(2, n, k, sms)
         split = rule[0].split_k if rule else 1
-    config = SkinnyConfig(block_n, block_k, split, warps, stages, evict, first_ahead=gemv and skinny.RULE_FIRST_AHEAD)
+    config = SkinnyConfig(
+        block_n, block_k, split, warps, stages, evict, first_ahead=gemv and skinny.RULE_FIRST_AHEAD
+    )
     return config if skinny.splits_fit(k, block_k, split, gemv) else None
 
 
@@ -109,8 +144,18 @@ def sweep(ex: Executor, batch: int, first_id: int, rounds: int, dot: list, gemv:
     ids = list(range(first_id, first_id + batch))
     gen = torch.Generator().manual_seed(0)
     for i in range(0, batch, 8):
-        ex.run_step([StepItem(r, 0, torch.randint(0, 240000, (CONTEXT,), generator=gen).tolist(), True,
-                              NewRequest(CONTEXT + 64, SamplingSpec(seed=0))) for r in ids[i:i + 8]])  # fmt: skip
+        ex.run_step(
+            [
+                StepItem(
+                    r,
+                    0,
+                    torch.randint(0, 240000, (CONTEXT,), generator=gen).tolist(),
+                    True,
+                    NewRequest(CONTEXT + 64, SamplingSpec(seed=0)),
+                )
+                for r in ids[i : i + 8]
+            ]
+        )
     ex.run_step([StepItem(r, CONTEXT, [], True, None) for r in ids])  # inputs for the replays
     size = min(b for b in ex.graphs.graphs if b >= batch)
     default = ex.graphs.graphs[size]
@@ -124,7 +169,11 @@ def sweep(ex: Executor, batch: int, first_id: int, rounds: int, dot: list, gemv:
     for shape, share in shares_by_shape(ex, size, shapes).items():  # the rule's own graph
         measured[shape]["rule"] = share
     for name, option in options.items():
-        choice = {s: option for s in distinct if option == CUBLAS or candidate(option, *s, batch == 1, sms)}
+        choice = {
+            s: option
+            for s in distinct
+            if option == CUBLAS or candidate(option, *s, batch == 1, sms)
+        }
         try:
             capture_with(ex, size, batch, choice)
         except Exception as exc:  # a tile that does not compile or launch: skipped
@@ -144,19 +193,23 @@ def sweep(ex: Executor, batch: int, first_id: int, rounds: int, dot: list, gemv:
         pairs["picks"].append(replay_times(tuned[0], 10)["replay_queued_ms"])
     ex.graphs.graphs[size] = default
     ex.drop(ids)
-    return {"batch": batch,
-            "shares_us": {f"{n}x{k}": m for (n, k), m in measured.items()},
-            "picks": {f"{n}x{k}": [best[(n, k)][0], round(best[(n, k)][1], 1)] for (n, k) in best},
-            "picks_vs_rule_first_step": gap,
-            "replay_ms": {name: round(statistics.median(v), 4) for name, v in pairs.items()},
-            "replay_ms_rounds": {name: [round(t, 4) for t in v] for name, v in pairs.items()}}  # fmt: skip
+    return {
+        "batch": batch,
+        "shares_us": {f"{n}x{k}": m for (n, k), m in measured.items()},
+        "picks": {f"{n}x{k}": [best[(n, k)][0], round(best[(n, k)][1], 1)] for (n, k) in best},
+        "picks_vs_rule_first_step": gap,
+        "replay_ms": {name: round(statistics.median(v), 4) for name, v in pairs.items()},
+        "replay_ms_rounds": {name: [round(t, 4) for t in v] for name, v in pairs.items()},
+    }
 
 
 def parse_tile(text: str) -> tuple:
-    """"128,64,0,8,4,0" -> (128, 64, 0, 8, 4, False): a tile as DOT's entries are written."""
+    """ "128,64,0,8,4,0" -> (128, 64, 0, 8, 4, False): a tile as DOT's entries are written."""
     fields = text.split(",")
     if len(fields) != 6 or not all(f.strip().isdigit() for f in fields):
-        raise argparse.ArgumentTypeError(f"a tile is six integers N,K,SPLIT,WARPS,STAGES,EVICT; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"a tile is six integers N,K,SPLIT,WARPS,STAGES,EVICT; got {text!r}"
+        )
     *sizes, evict = (int(f) for f in fields)
     return (*sizes, evict == 1)
 
@@ -166,24 +219,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--tiles", nargs="+", type=parse_tile, default=None, metavar="N,K,SPLIT,WARPS,STAGES,EVICT",
-                        help="tensor-core tiles to try instead of the built-in list, e.g. 128,64,0,8,4,0")
-    parser.add_argument("--gemv-tiles", nargs="+", type=parse_tile, default=None, metavar="N,K,SPLIT,WARPS,STAGES,EVICT",
-                        help="GEMV tiles (batch 1) to try instead of the built-in list; K 0: whole rows")
+    parser.add_argument(
+        "--tiles",
+        nargs="+",
+        type=parse_tile,
+        default=None,
+        metavar="N,K,SPLIT,WARPS,STAGES,EVICT",
+        help="tensor-core tiles to try instead of the built-in list, e.g. 128,64,0,8,4,0",
+    )
+    parser.add_argument(
+        "--gemv-tiles",
+        nargs="+",
+        type=parse_tile,
+        default=None,
+        metavar="N,K,SPLIT,WARPS,STAGES,EVICT",
+        help="GEMV tiles (batch 1) to try instead of the built-in list; K 0: whole rows",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     dot = args.tiles or DOT
     ex = step_executor(args.model, max(args.batches))
     rows = []
     for i, batch in enumerate(args.batches):
-        row = sweep(ex, batch, first_id=i * 1000, rounds=args.rounds, dot=dot, gemv=args.gemv_tiles or GEMV)
+        row = sweep(
+            ex, batch, first_id=i * 1000, rounds=args.rounds, dot=dot, gemv=args.gemv_tiles or GEMV
+        )
         rows.append(row)
         for shape, (name, share) in row["picks"].items():
             rule = row["shares_us"][shape].get("rule", float("nan"))
-            print(f"b={batch:3d} {shape:11s} best {name:34s} {share:8.1f} us  (the rule {rule:.1f} us)", flush=True)
-        print(f"b={batch:3d} replay: rule {row['replay_ms']['rule']:.4f} ms, picks {row['replay_ms']['picks']:.4f} ms; "
-              f"top-8 logprob gap {row['picks_vs_rule_first_step']['max_abs_diff']:.3f}", flush=True)  # fmt: skip
-        write_report(args.out, "step_tiles", results=rows)  # after every batch: a run cut short keeps it
+            print(
+                f"b={batch:3d} {shape:11s} best {name:34s} {share:8.1f} us  (the rule {rule:.1f} us)",
+                flush=True,
+            )
+        print(
+            f"b={batch:3d} replay: rule {row['replay_ms']['rule']:.4f} ms, picks {row['replay_ms']['picks']:.4f} ms; "
+            f"top-8 logprob gap {row['picks_vs_rule_first_step']['max_abs_diff']:.3f}",
+            flush=True,
+        )
+        write_report(
+            args.out, "step_tiles", results=rows
+        )  # after every batch: a run cut short keeps it
     return 0
 
 

@@ -64,10 +64,17 @@ def hop_table(marks: dict[int, dict[tuple[str, str], int]]) -> dict[int, dict[st
             else:
                 hops[OVERLAPPED].append(-gap)
         if ("controller", "call") in m and ("scheduler", "results") in m:
-            hops["whole step (call to results)"].append((m[("scheduler", "results")] - m[("controller", "call")]) / 1e3)
-    return {size: {name: statistics.median(v) for name, v in hops.items()}
-            | {"steps": len(hops.get(HOPS[0][0], [])), "overlapped steps": len(hops.get(OVERLAPPED, []))}
-            for size, hops in sorted(by_size.items())}
+            hops["whole step (call to results)"].append(
+                (m[("scheduler", "results")] - m[("controller", "call")]) / 1e3
+            )
+    return {
+        size: {name: statistics.median(v) for name, v in hops.items()}
+        | {
+            "steps": len(hops.get(HOPS[0][0], [])),
+            "overlapped steps": len(hops.get(OVERLAPPED, [])),
+        }
+        for size, hops in sorted(by_size.items())
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     table = hop_table(load(args.trace_dir))
     for size, hops in table.items():
-        print(f"steps of {size} items ({hops['steps']} steps, {hops['overlapped steps']} overlapped), median us:")
+        print(
+            f"steps of {size} items ({hops['steps']} steps, {hops['overlapped steps']} overlapped), median us:"
+        )
         for name, us in hops.items():
             if name not in ("steps", "overlapped steps"):
                 print(f"  {name:32s} {us:9.1f}")

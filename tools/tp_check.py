@@ -35,36 +35,55 @@ import sys
 import time
 
 PROMPTS = ([5, 6, 7, 8, 9] * 8, list(range(100, 190)))
-PREFIXES = [PROMPTS[0][:n] for n in (10, 25, 40)] + [PROMPTS[1][:n] for n in (10, 25, 40, 55, 70, 90)]
+PREFIXES = [PROMPTS[0][:n] for n in (10, 25, 40)] + [
+    PROMPTS[1][:n] for n in (10, 25, 40, 55, 70, 90)
+]
 TOP = 8
 
 Distribution = list[tuple[int, float]]  # the top tokens and their logprobs, best first
 
 
-async def engine_run(model: str, tp: int, device: str, dtype: str, prompt_graph_tokens: int) -> dict:
+async def engine_run(
+    model: str, tp: int, device: str, dtype: str, prompt_graph_tokens: int
+) -> dict:
     """Each prompt's greedy tokens, each prefix's next-token distribution, and how many steps
     were pipelined (their decode inputs, rank 0's samples, broadcast to the other ranks)."""
     from deltaserve.engine import AsyncEngine, EngineConfig, SamplingParams
 
-    config = EngineConfig(model=model, device=device, dtype=dtype, tp_size=tp, max_num_seqs=4, max_model_len=256,
-                          prompt_graph_tokens=prompt_graph_tokens)  # fmt: skip
+    config = EngineConfig(
+        model=model,
+        device=device,
+        dtype=dtype,
+        tp_size=tp,
+        max_num_seqs=4,
+        max_model_len=256,
+        prompt_graph_tokens=prompt_graph_tokens,
+    )
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=TOP)
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=TOP)
     async with await AsyncEngine.start(config) as engine:
-        greedy = [[e async for e in engine.generate(p, params) if hasattr(e, "token_id")] for p in PROMPTS]
-        dists = [[e.top_logprobs async for e in engine.generate(p, first) if hasattr(e, "token_id")][0]
-                 for p in PREFIXES]  # fmt: skip
-        return {"tokens": [[e.token_id for e in run] for run in greedy],
-                "token_top": [[e.top_logprobs for e in run] for run in greedy],
-                "next_token_top": dists, "pipelined_steps": engine.metrics.pipelined_steps_total}
+        greedy = [
+            [e async for e in engine.generate(p, params) if hasattr(e, "token_id")] for p in PROMPTS
+        ]
+        dists = [
+            [e.top_logprobs async for e in engine.generate(p, first) if hasattr(e, "token_id")][0]
+            for p in PREFIXES
+        ]
+        return {
+            "tokens": [[e.token_id for e in run] for run in greedy],
+            "token_top": [[e.top_logprobs for e in run] for run in greedy],
+            "next_token_top": dists,
+            "pipelined_steps": engine.metrics.pipelined_steps_total,
+        }
 
 
 def decode_steps_alike(run: dict, reference: dict) -> tuple[list[Distribution], list[Distribution]]:
     """The two runs' top lists of the decode steps that had the same inputs: the tokens after
     the first of each prompt, up to and including the first position where the tokens part."""
     ours, theirs = [], []
-    for a, b, top_a, top_b in zip(run["tokens"], reference["tokens"], run["token_top"], reference["token_top"],
-                                  strict=True):  # fmt: skip
+    for a, b, top_a, top_b in zip(
+        run["tokens"], reference["tokens"], run["token_top"], reference["token_top"], strict=True
+    ):
         parted = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a) - 1)
         ours += top_a[1 : parted + 1]
         theirs += top_b[1 : parted + 1]
@@ -77,11 +96,20 @@ def distribution_gap(run: list[Distribution], reference: list[Distribution]) -> 
     gaps = []
     for ours, ref in zip(run, reference, strict=True):
         theirs = dict(ref)
-        gaps.append(statistics.fmean([abs(lp - theirs[t]) for t, lp in ours if t in theirs] or [float("inf")]))
+        gaps.append(
+            statistics.fmean(
+                [abs(lp - theirs[t]) for t, lp in ours if t in theirs] or [float("inf")]
+            )
+        )
     if not gaps:  # no steps to compare (decode steps: the runs parted at their first tokens)
         return {"mean_gap": float("nan"), "max_gap": float("nan"), "argmax_agree": 0, "prefixes": 0}
     agree = sum(ours[0][0] == ref[0][0] for ours, ref in zip(run, reference, strict=True))
-    return {"mean_gap": statistics.fmean(gaps), "max_gap": max(gaps), "argmax_agree": agree, "prefixes": len(gaps)}
+    return {
+        "mean_gap": statistics.fmean(gaps),
+        "max_gap": max(gaps),
+        "argmax_agree": agree,
+        "prefixes": len(gaps),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,22 +133,45 @@ def main(argv: list[str] | None = None) -> int:
     for label, tp, dtype, graph_tokens in plan:
         started = time.monotonic()
         runs[label] = asyncio.run(engine_run(args.model, tp, args.device, dtype, graph_tokens))
-        print(f"{label} in {time.monotonic() - started:.1f} s ({runs[label]['pipelined_steps']} steps pipelined): "
-              f"{runs[label]['tokens']}", flush=True)  # fmt: skip
+        print(
+            f"{label} in {time.monotonic() - started:.1f} s ({runs[label]['pipelined_steps']} steps pipelined): "
+            f"{runs[label]['tokens']}",
+            flush=True,
+        )
     reference = plan[-1][0]
-    gaps = {f"{label} vs {reference}": distribution_gap(runs[label]["next_token_top"], runs[reference]["next_token_top"])
-            for label, *_ in plan[:-1]}  # fmt: skip
-    gaps.update({f"{label} vs {reference}, decode steps": distribution_gap(*decode_steps_alike(runs[label], runs[reference]))
-                 for label, *_ in plan[:-1]})  # fmt: skip
+    gaps = {
+        f"{label} vs {reference}": distribution_gap(
+            runs[label]["next_token_top"], runs[reference]["next_token_top"]
+        )
+        for label, *_ in plan[:-1]
+    }
+    gaps.update(
+        {
+            f"{label} vs {reference}, decode steps": distribution_gap(
+                *decode_steps_alike(runs[label], runs[reference])
+            )
+            for label, *_ in plan[:-1]
+        }
+    )
     for pair, gap in gaps.items():
-        print(f"{pair}: next-token top-{TOP} logprob gap mean {gap['mean_gap']:.4f}, max {gap['max_gap']:.4f} nat; "
-              f"best token agrees on {gap['argmax_agree']} of {gap['prefixes']}", flush=True)  # fmt: skip
+        print(
+            f"{pair}: next-token top-{TOP} logprob gap mean {gap['mean_gap']:.4f}, max {gap['max_gap']:.4f} nat; "
+            f"best token agrees on {gap['argmax_agree']} of {gap['prefixes']}",
+            flush=True,
+        )
     same = runs[main_run]["tokens"] == runs[plan[1][0]]["tokens"]
     print(f"{main_run} == {plan[1][0]}: {same}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": " ".join(["python -m tools.tp_check", *sys.argv[1:]]), "runs": runs, "gaps": gaps,
-                       "same": same}, f)  # fmt: skip
+            json.dump(
+                {
+                    "command": " ".join(["python -m tools.tp_check", *sys.argv[1:]]),
+                    "runs": runs,
+                    "gaps": gaps,
+                    "same": same,
+                },
+                f,
+            )
     return 0 if same or args.against == "fp32" else 1
 
 

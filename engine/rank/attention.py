@@ -54,7 +54,9 @@ class Rope:
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, config: ModelConfig, cache_layer: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, cache_layer: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         tp = tp_size()
         hd = config.head_dim
@@ -72,7 +74,9 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype, device)
         self.rope = Rope(config.rotary_dim, config.rope_theta, device)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor | SplitSum:
+    def forward(
+        self, x: torch.Tensor, batch: StepBatch, cache: StateCache
+    ) -> torch.Tensor | SplitSum:
         tokens = x.shape[0]
         hd = self.head_dim
         q_and_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
@@ -106,7 +110,13 @@ class GatedAttention(nn.Module):
         for span in batch.spans:
             piece = slice(span.offset, span.offset + span.length)
             out[piece] = paged_attention(
-                q[piece], k_cache, v_cache, span.block_table, cache.block_size, span.start, self.head_dim**-0.5
+                q[piece],
+                k_cache,
+                v_cache,
+                span.block_table,
+                cache.block_size,
+                span.start,
+                self.head_dim**-0.5,
             )
         return sigmoid_gate(out, gate)
 
@@ -126,21 +136,52 @@ class GatedAttention(nn.Module):
         launch, else each prefill span through `prefill_attention` (flash on the GPU), each
         then gated by `sigmoid_gate`."""
         meta = step_meta_of(batch, q.device)
-        q, k = norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, batch.positions,
-                         self.rope.inv_freq, self.q_norm.eps, KVStore(v, k_cache, v_cache, batch.kv_index))
+        q, k = norm_rope(
+            q,
+            k,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            batch.positions,
+            self.rope.inv_freq,
+            self.q_norm.eps,
+            KVStore(v, k_cache, v_cache, batch.kv_index),
+        )
         scale = self.head_dim**-0.5
         packed = meta.packed
-        if packed is not None and packed.keys is not None:  # a prompt graph's chunks, maybe after cached positions
-            attended = gathered_prefill_attention(q, k_cache, v_cache, packed.bounds, packed.keys, packed.max_len,
-                                                  cache.block_size, scale)  # fmt: skip
+        if (
+            packed is not None and packed.keys is not None
+        ):  # a prompt graph's chunks, maybe after cached positions
+            attended = gathered_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                packed.bounds,
+                packed.keys,
+                packed.max_len,
+                cache.block_size,
+                scale,
+            )
             return sigmoid_gate(attended, gate)
-        if packed is not None and packed.fresh and not meta.num_decodes:  # every row a prompt's, from its start
-            return sigmoid_gate(varlen_prefill_attention(q, k, v, packed.bounds, packed.max_len, scale), gate)
+        if (
+            packed is not None and packed.fresh and not meta.num_decodes
+        ):  # every row a prompt's, from its start
+            return sigmoid_gate(
+                varlen_prefill_attention(q, k, v, packed.bounds, packed.max_len, scale), gate
+            )
         out = torch.empty_like(q)
         if meta.num_decodes:  # gated in the kernel
             paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.rows,
-                cache.block_size, scale, out, meta.max_seq_len, gate=gate,
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.rows,
+                cache.block_size,
+                scale,
+                out,
+                meta.max_seq_len,
+                gate=gate,
             )
         for span in meta.prefill:
             piece = slice(span.offset, span.offset + span.length)
@@ -148,7 +189,13 @@ class GatedAttention(nn.Module):
                 attended = prefill_attention(q[piece], k[piece], v[piece], 0, scale)
             else:
                 attended = paged_prefill_attention(
-                    q[piece], k_cache, v_cache, span.block_table, cache.block_size, span.start, scale
+                    q[piece],
+                    k_cache,
+                    v_cache,
+                    span.block_table,
+                    cache.block_size,
+                    span.start,
+                    scale,
                 )
             out[piece] = sigmoid_gate(attended.contiguous(), gate[piece])
         return out

@@ -24,12 +24,26 @@ def cache_shapes(
     recurrent [layer, slot, value head, dk, dv] (fp32)."""
     n_full = len(config.full_attention_layers)
     n_linear = len(config.linear_attention_layers)
-    kv = (n_full, 2, num_blocks * block_size, config.num_key_value_heads // tp_size, config.head_dim)
-    conv = (n_linear, num_slots, config.linear_conv_dim // tp_size, config.linear_conv_kernel_dim - 1)
+    kv = (
+        n_full,
+        2,
+        num_blocks * block_size,
+        config.num_key_value_heads // tp_size,
+        config.head_dim,
+    )
+    conv = (
+        n_linear,
+        num_slots,
+        config.linear_conv_dim // tp_size,
+        config.linear_conv_kernel_dim - 1,
+    )
     recurrent = (
-        n_linear, num_slots, config.linear_num_value_heads // tp_size,
-        config.linear_key_head_dim, config.linear_value_head_dim,
-    )  # fmt: skip
+        n_linear,
+        num_slots,
+        config.linear_num_value_heads // tp_size,
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+    )
     return kv, conv, recurrent
 
 
@@ -56,10 +70,14 @@ class StateCache:
         self.block_size = block_size
         self.kv_heads = config.num_key_value_heads // tp_size
         self.state_heads = config.linear_num_value_heads // tp_size
-        kv, conv, recurrent = cache_shapes(config, num_slots + num_prefix_states, num_blocks, block_size, tp_size)
+        kv, conv, recurrent = cache_shapes(
+            config, num_slots + num_prefix_states, num_blocks, block_size, tp_size
+        )
         self.kv = torch.zeros(kv, dtype=dtype, device=device)
         self.conv = torch.zeros(conv, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(recurrent, dtype=torch.float32, device=device)  # whatever the model dtype
+        self.recurrent = torch.zeros(
+            recurrent, dtype=torch.float32, device=device
+        )  # whatever the model dtype
         # each slot's last sample, the input of a decode item sent without its token (a
         # pipelined step): rank 0's sampler writes it on the device, so the next step need not
         # wait for the host to read it; other ranks get it by broadcast when a step needs it
@@ -91,7 +109,9 @@ class StateCache:
                 f"{self.free_blocks} free blocks of {self.block_size}"
             )
         slot = self._free_slots.pop()
-        blocks = list(shared) + [self._free_blocks.pop() for _ in range(self.blocks_for(num_tokens) - len(shared))]
+        blocks = list(shared) + [
+            self._free_blocks.pop() for _ in range(self.blocks_for(num_tokens) - len(shared))
+        ]
         self.hold(blocks)
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()

@@ -69,7 +69,9 @@ def read_header(path: Path) -> list[TensorEntry]:
             raise SafetensorsError(f"{path.name}: too short for a safetensors header")
         (length,) = struct.unpack("<Q", head)
         if length > size - 8:
-            raise SafetensorsError(f"{path.name}: header length {length} runs past the end of the file")
+            raise SafetensorsError(
+                f"{path.name}: header length {length} runs past the end of the file"
+            )
         try:
             header = json.loads(f.read(length))
         except ValueError as e:
@@ -87,9 +89,13 @@ def read_header(path: Path) -> list[TensorEntry]:
             if any(dim < 0 for dim in shape):
                 raise ValueError("a negative dimension")
         except (KeyError, TypeError, ValueError):
-            raise SafetensorsError(f"{path.name}: tensor {name!r} has a malformed header entry {info!r}") from None
+            raise SafetensorsError(
+                f"{path.name}: tensor {name!r} has a malformed header entry {info!r}"
+            ) from None
         if dtype is None:
-            raise SafetensorsError(f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']!r}")
+            raise SafetensorsError(
+                f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']!r}"
+            )
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes or begin < 0 or base + end > size:
             raise SafetensorsError(
@@ -100,7 +106,9 @@ def read_header(path: Path) -> list[TensorEntry]:
     entries.sort(key=lambda e: (e.begin, e.end))
     for before, after in zip(entries, entries[1:], strict=False):
         if after.begin < before.end:
-            raise SafetensorsError(f"{path.name}: tensors {before.name!r} and {after.name!r} overlap")
+            raise SafetensorsError(
+                f"{path.name}: tensors {before.name!r} and {after.name!r} overlap"
+            )
     return entries
 
 
@@ -125,12 +133,21 @@ def chunks(entries: list[TensorEntry], chunk_bytes: int) -> list[Chunk]:
             spans[-1][1] = entry.end
         elif entry.end > entry.begin:
             spans.append([entry.begin, entry.end])
-    pieces = [(at, min(end, at + chunk_bytes)) for begin, end in spans for at in range(begin, end, chunk_bytes)]
+    pieces = [
+        (at, min(end, at + chunk_bytes))
+        for begin, end in spans
+        for at in range(begin, end, chunk_bytes)
+    ]
     return [Chunk(index, begin, end - begin, -1) for index, (begin, end) in enumerate(pieces)]
 
 
-def read_chunks(fd: int, name: str, buffers: list[torch.Tensor], work: queue.SimpleQueue,
-                filled: queue.SimpleQueue) -> None:
+def read_chunks(
+    fd: int,
+    name: str,
+    buffers: list[torch.Tensor],
+    work: queue.SimpleQueue,
+    filled: queue.SimpleQueue,
+) -> None:
     """A reader thread: reads each chunk handed to it into its buffer, once the device copies
     from that buffer's previous chunk are done, and hands it back (or the exception). A None
     ends the thread."""
@@ -155,14 +172,23 @@ class CheckpointReader:
     threads that fill them: several, since one thread copies from the page cache at only
     ~5 GB/s."""
 
-    def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES, buffers: int = BUFFERS,
-                 readers: int = READERS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        device: torch.device,
+        chunk_bytes: int = CHUNK_BYTES,
+        buffers: int = BUFFERS,
+        readers: int = READERS,
+    ) -> None:
         self.device = device
         self.readers = readers
         pinned = device.type == "cuda"
-        self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(buffers)]
+        self.buffers = [
+            torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(buffers)
+        ]
 
-    def tensors(self, path: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(
+        self, path: Path, wanted: Callable[[str], bool]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor on the device) for each wanted tensor of a safetensors file, in file
         order. Each is a fresh tensor for the caller to copy where it belongs and drop;
         unwanted tensors are not read."""
@@ -171,14 +197,20 @@ class CheckpointReader:
         filled: queue.SimpleQueue = queue.SimpleQueue()
         fd = os.open(path, os.O_RDONLY)
         threads = [
-            threading.Thread(target=read_chunks, args=(fd, path.name, self.buffers, work, filled),
-                             name=f"checkpoint-reader-{i}", daemon=True)  # fmt: skip
+            threading.Thread(
+                target=read_chunks,
+                args=(fd, path.name, self.buffers, work, filled),
+                name=f"checkpoint-reader-{i}",
+                daemon=True,
+            )
             for i in range(self.readers)
         ]
         for thread in threads:
             thread.start()
         try:
-            yield from self.assemble(entries, chunks(entries, self.buffers[0].numel()), work, filled)
+            yield from self.assemble(
+                entries, chunks(entries, self.buffers[0].numel()), work, filled
+            )
         finally:
             for _ in threads:
                 work.put(None)
@@ -186,8 +218,13 @@ class CheckpointReader:
                 thread.join()
             os.close(fd)
 
-    def assemble(self, entries: list[TensorEntry], pieces: list[Chunk], work: queue.SimpleQueue,
-                 filled: queue.SimpleQueue) -> Iterator[tuple[str, torch.Tensor]]:
+    def assemble(
+        self,
+        entries: list[TensorEntry],
+        pieces: list[Chunk],
+        work: queue.SimpleQueue,
+        filled: queue.SimpleQueue,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Hands out chunks to the readers, a buffer each, the next in file order whenever a
         buffer is free (so the chunk awaited always has one); copies each chunk, in file
         order, into the device tensors it holds bytes of, and hands out a tensor once its

@@ -43,15 +43,21 @@ class BucketGraphs:
         self.cache = cache
         self.device = cache.kv.device
         self.is_cuda = self.device.type == "cuda"
-        self.copied = torch.cuda.Event() if self.is_cuda else None  # the pinned host buffer is free again
+        self.copied = (
+            torch.cuda.Event() if self.is_cuda else None
+        )  # the pinned host buffer is free again
         # per bucket: the graph, its final hidden states (every row, normed) and fp32 logits
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None, torch.Tensor | None]] = {}
+        self.graphs: dict[
+            int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None, torch.Tensor | None]
+        ] = {}
         self.pool = None
 
     def _batch(self, size: int) -> GpuStepBatch:
         raise NotImplementedError
 
-    def _capture(self, sizes: list[int], prepare: Callable[[int], None] = lambda size: None) -> None:
+    def _capture(
+        self, sizes: list[int], prepare: Callable[[int], None] = lambda size: None
+    ) -> None:
         """Capture each bucket of `sizes` after `prepare(size)` has set its inputs: a warm-up
         run (compiles kernels, settles allocations), then the captured one. Each builds its
         batch afresh: fla caches helpers by tensor identity, and a capture that hit the
@@ -122,25 +128,35 @@ class DecodeGraphs(BucketGraphs):
         self, model: nn.Module, cache: StateCache, max_batch: int, max_blocks: int
     ) -> None:
         if max_batch < 1 or max_blocks < 1:
-            raise ValueError(f"max_batch and max_blocks must be >= 1, got {max_batch}, {max_blocks}")
+            raise ValueError(
+                f"max_batch and max_blocks must be >= 1, got {max_batch}, {max_blocks}"
+            )
         super().__init__(model, cache)
         self.max_batch = max_batch
         self.max_blocks = max_blocks
         self.width = -(-max_batch // 4) * 4  # items per row: every row starts 16-byte aligned
         # [token | position | KV row] int64, then [slot | length | table row] int32, padding's
-        self.inputs = torch.zeros(INPUT_BYTES_PER_ITEM * self.width, dtype=torch.uint8, device=self.device)
+        self.inputs = torch.zeros(
+            INPUT_BYTES_PER_ITEM * self.width, dtype=torch.uint8, device=self.device
+        )
         self.host = torch.zeros(self.inputs.shape, dtype=torch.uint8, pin_memory=self.is_cuda)
         for buffer in (self.inputs, self.host):
             wide, narrow = self._input_rows(buffer)
             wide[2].fill_(-1)
             narrow[0].fill_(-1)
-        self.slot_tables = torch.zeros((cache.num_slots, max_blocks), dtype=torch.int64, device=self.device)
-        self.rows = torch.arange(max_batch, dtype=torch.int32, device=self.device)  # token rows, as the kernels take them
+        self.slot_tables = torch.zeros(
+            (cache.num_slots, max_blocks), dtype=torch.int64, device=self.device
+        )
+        self.rows = torch.arange(
+            max_batch, dtype=torch.int32, device=self.device
+        )  # token rows, as the kernels take them
 
     def _input_rows(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The int64 [3, width] and int32 [3, width] rows of an input buffer (views)."""
         split = 3 * 8 * self.width
-        return buffer[:split].view(torch.int64).view(3, -1), buffer[split:].view(torch.int32).view(3, -1)
+        return buffer[:split].view(torch.int64).view(3, -1), buffer[split:].view(torch.int32).view(
+            3, -1
+        )
 
     def set_table(self, slot: int, table: torch.Tensor) -> None:
         """The block table of the request now in `slot` (at most `max_blocks` blocks)."""
@@ -181,7 +197,9 @@ class DecodeGraphs(BucketGraphs):
     def can_run(self, num_items: int, num_blocks: int) -> bool:
         """Whether `num_items` single-token items whose tables hold at most `num_blocks`
         blocks fit a captured bucket."""
-        return bool(self.graphs) and 0 < num_items <= self.max_batch and num_blocks <= self.max_blocks
+        return (
+            bool(self.graphs) and 0 < num_items <= self.max_batch and num_blocks <= self.max_blocks
+        )
 
     @torch.inference_mode()
     def run(
@@ -202,7 +220,9 @@ class DecodeGraphs(BucketGraphs):
         pad = [0] * (self.width - n)
         no_slot = [-1] * (self.width - n)
         wide = torch.tensor([tokens + pad, positions + pad, kv_rows + no_slot], dtype=torch.int64)
-        narrow = torch.tensor([slots + no_slot, [p + 1 for p in positions] + pad, slots + pad], dtype=torch.int32)
+        narrow = torch.tensor(
+            [slots + no_slot, [p + 1 for p in positions] + pad, slots + pad], dtype=torch.int32
+        )
         values = torch.cat((wide.view(-1).view(torch.uint8), narrow.view(-1).view(torch.uint8)))
         self._upload(values, self.host, self.inputs)
         _, logits = self._replay(size)

@@ -43,7 +43,9 @@ from deltaserve.kernels.triton_compat import gpu_path
 class Conv1dWeight(nn.Module):
     """Holds `conv1d.weight` [channels, 1, width] under its checkpoint name."""
 
-    def __init__(self, sections: tuple[int, ...], width: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, sections: tuple[int, ...], width: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         channels = sum(sections)
         loader = sharded_loader(sections, 0, (channels, 1, width))
@@ -51,7 +53,9 @@ class Conv1dWeight(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: ModelConfig, cache_layer: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, cache_layer: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         tp = tp_size()
         hidden = config.hidden_size
@@ -60,8 +64,10 @@ class GatedDeltaNet(nn.Module):
         self.num_k_heads, self.num_v_heads = nk // tp, nv // tp
         self.cache_layer = cache_layer
         sections = (config.linear_key_dim, config.linear_key_dim, config.linear_value_dim)
-        self.in_proj = ColumnParallelLinear(  # checkpoint in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
-            hidden, (sections, (config.linear_value_dim,), (nv,), (nv,)), dtype, device
+        self.in_proj = (
+            ColumnParallelLinear(  # checkpoint in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+                hidden, (sections, (config.linear_value_dim,), (nv,), (nv,)), dtype, device
+            )
         )
         self.conv1d = Conv1dWeight(sections, config.linear_conv_kernel_dim, dtype, device)
         self.A_log = new_param((nv // tp,), sharded_loader(None, 0, (nv,)), dtype, device)
@@ -69,7 +75,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps, dtype, device)
         self.out_proj = RowParallelLinear(config.linear_value_dim, hidden, dtype, device)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor | SplitSum:
+    def forward(
+        self, x: torch.Tensor, batch: StepBatch, cache: StateCache
+    ) -> torch.Tensor | SplitSum:
         if gpu_path(x):
             return self._forward_cuda(x, batch, cache)
         tokens = x.shape[0]
@@ -92,7 +100,9 @@ class GatedDeltaNet(nn.Module):
             rows = torch.tensor([s.offset for s in decodes], device=x.device)
             slots = torch.tensor([s.slot for s in decodes], device=x.device)
             state = recurrent[slots]
-            core[rows] = recurrent_gated_delta(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
+            core[rows] = recurrent_gated_delta(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], state
+            )
             recurrent[slots] = state
         for span in batch.spans:
             if span.length > 1:
@@ -103,7 +113,9 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(core.to(x.dtype), z)
         return self.out_proj(out.reshape(tokens, nv * dv))
 
-    def _forward_cuda(self, x: torch.Tensor, batch: StepBatch, cache: StateCache) -> torch.Tensor | SplitSum:
+    def _forward_cuda(
+        self, x: torch.Tensor, batch: StepBatch, cache: StateCache
+    ) -> torch.Tensor | SplitSum:
         """Decode items: the conv made by in_proj's kernel (a decode-only step) or one conv
         kernel, and one fused recurrent kernel for all of them, state updated in place in its
         slot. Prefill spans: the conv, then fla's chunked kernel over all of them packed (the
@@ -118,7 +130,9 @@ class GatedDeltaNet(nn.Module):
             conv = ConvEpilogue(weight, conv_state, meta.rows, meta.slots)
             mixed, z, b, a = self.in_proj(x, conv=conv).split(self.in_proj.local_sizes, dim=-1)
         else:
-            qkv, z, b, a = self.in_proj(x).split(self.in_proj.local_sizes, dim=-1)  # b, a raw: in the kernel
+            qkv, z, b, a = self.in_proj(x).split(
+                self.in_proj.local_sizes, dim=-1
+            )  # b, a raw: in the kernel
             mixed = torch.empty_like(qkv)
             if meta.num_decodes:
                 causal_conv1d_update(qkv, weight, conv_state, meta.rows, meta.slots, mixed)
@@ -131,7 +145,9 @@ class GatedDeltaNet(nn.Module):
         if meta.packed is not None:
             packed = meta.packed
             offsets, lengths, slots = packed.index
-            causal_conv1d_prefill(qkv, weight, conv_state, offsets, lengths, slots, packed.blocks, CHUNK_SIZE, mixed)
+            causal_conv1d_prefill(
+                qkv, weight, conv_state, offsets, lengths, slots, packed.blocks, CHUNK_SIZE, mixed
+            )
             prefill = (self.A_log, self.dt_bias, recurrent, slots, packed.bounds, packed.blocks, nk)
             if meta.num_decodes:  # prompt rows packed apart from the decode rows
                 rows = meta.prefill_rows

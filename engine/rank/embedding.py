@@ -12,7 +12,9 @@ from deltaserve.kernels.skinny_linear import logits
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, vocab_size: int, hidden: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         if vocab_size % tp_size():
             raise ValueError(f"vocab_size {vocab_size} does not split over {tp_size()} ranks")
@@ -22,7 +24,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = new_param((self.rows, hidden), loader, dtype, device)
 
     def forward(
-        self, ids: torch.Tensor, token_slots: torch.Tensor | None = None, last_tokens: torch.Tensor | None = None
+        self,
+        ids: torch.Tensor,
+        token_slots: torch.Tensor | None = None,
+        last_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rows of the ids; with `token_slots`, an id of -1 is its slot's `last_tokens` entry.
         A rank's rows of ids outside its shard are zeros, filled in by the all-reduce."""

@@ -42,7 +42,12 @@ from deltaserve.kernels.triton_compat import gpu_path
 
 log = logging.getLogger("deltaserve.rank")
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 class StepError(ValueError):
@@ -60,8 +65,10 @@ def resolve_dtype(name: str, device: torch.device, config: ModelConfig) -> torch
             return torch.float32
         name = config.torch_dtype
         if name not in DTYPES:
-            raise ValueError(f"config.json's torch_dtype {name!r} is not one we run; pass a dtype, "
-                             f"one of {', '.join(DTYPES)}")
+            raise ValueError(
+                f"config.json's torch_dtype {name!r} is not one we run; pass a dtype, "
+                f"one of {', '.join(DTYPES)}"
+            )
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; use one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -80,9 +87,15 @@ class ExecutorConfig:
     max_model_len: int = 0  # longest request in positions; 0: the whole cache
     gpu_memory_utilization: float = 0.9  # share of the device's memory, when num_blocks is 0
     max_num_batched_tokens: int = 2048  # tokens of the profiling step, when num_blocks is 0
-    cuda_graphs: bool = True  # single-token items and short prompts replay CUDA graphs (CUDA, any TP size)
-    prompt_graph_tokens: int = 2048  # largest prompt-graph bucket (capped by max_num_batched_tokens); 0: none
-    prefix_states: int = 0  # saved prefix states of the prefix cache (engine/prefix_cache.py); 0: off
+    cuda_graphs: bool = (
+        True  # single-token items and short prompts replay CUDA graphs (CUDA, any TP size)
+    )
+    prompt_graph_tokens: int = (
+        2048  # largest prompt-graph bucket (capped by max_num_batched_tokens); 0: none
+    )
+    prefix_states: int = (
+        0  # saved prefix states of the prefix cache (engine/prefix_cache.py); 0: off
+    )
     # an FP8 checkpoint's projections: "widen" them to the model's dtype as they load, or "keep"
     # them FP8 (half the memory), read so by the skinny kernels (loader.py; not yet faster past
     # one row on the H200, docs/GPU.md)
@@ -91,7 +104,9 @@ class ExecutorConfig:
     @property
     def keep_fp8(self) -> bool:
         if self.fp8_weights not in FP8_WEIGHTS:
-            raise ValueError(f"fp8_weights {self.fp8_weights!r} is not one of {', '.join(FP8_WEIGHTS)}")
+            raise ValueError(
+                f"fp8_weights {self.fp8_weights!r} is not one of {', '.join(FP8_WEIGHTS)}"
+            )
         return self.fp8_weights == "keep"
 
 
@@ -169,8 +184,12 @@ class Executor:
         started = time.monotonic()
         self.model = Qwen3_5ForCausalLM(self.model_config, self.dtype, self.device)
         kept = load_weights(self.model, config.model_dir, self.model_config, config.keep_fp8)
-        log.info("rank %d: weights loaded in %.1f s%s", config.rank, time.monotonic() - started,
-                 f"; {kept} projections kept FP8" if kept else "")  # fmt: skip
+        log.info(
+            "rank %d: weights loaded in %.1f s%s",
+            config.rank,
+            time.monotonic() - started,
+            f"; {kept} projections kept FP8" if kept else "",
+        )
         self.sampler = Sampler(partial(load_trie, config.model_dir)) if config.rank == 0 else None
         self.requests: dict[int, LiveRequest] = {}
         self.prefixes: dict[int, SavedPrefix] = {}  # saved prefix id -> its state and blocks
@@ -202,25 +221,43 @@ class Executor:
             started = time.monotonic()
             reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
             if (size := self.prompt_graph_size()) is not None:
-                keys = prefix_graph_keys(config.prefix_states, config.max_model_len or self.cache.num_blocks * config.block_size)
+                keys = prefix_graph_keys(
+                    config.prefix_states,
+                    config.max_model_len or self.cache.num_blocks * config.block_size,
+                )
                 self.prompt_graphs = PromptGraphs(self.model, self.cache, *size, prefix_keys=keys)
                 self.prompt_graphs.capture()
             max_len = config.max_model_len or self.cache.num_blocks * config.block_size
-            self.graphs = DecodeGraphs(self.model, self.cache, config.num_slots, self.cache.blocks_for(max_len))
+            self.graphs = DecodeGraphs(
+                self.model, self.cache, config.num_slots, self.cache.blocks_for(max_len)
+            )
             if self.prompt_graphs is not None:  # one memory pool: no two graphs ever replay at once
                 self.graphs.pool = self.prompt_graphs.pool
             self.graphs.capture()
-            held = torch.cuda.memory_reserved(self.device) - reserved if self.device.type == "cuda" else 0
-            log.info("rank %d: %d prompt and %d decode CUDA graphs captured in %.1f s, holding %.2f GiB", config.rank,
-                     len(self.prompt_graphs.graphs) if self.prompt_graphs else 0, len(self.graphs.graphs),
-                     time.monotonic() - started, held / 2**30)  # fmt: skip
+            held = (
+                torch.cuda.memory_reserved(self.device) - reserved
+                if self.device.type == "cuda"
+                else 0
+            )
+            log.info(
+                "rank %d: %d prompt and %d decode CUDA graphs captured in %.1f s, holding %.2f GiB",
+                config.rank,
+                len(self.prompt_graphs.graphs) if self.prompt_graphs else 0,
+                len(self.graphs.graphs),
+                time.monotonic() - started,
+                held / 2**30,
+            )
 
     def prompt_graph_size(self) -> tuple[int, int] | None:
         """(tokens of the largest bucket, prompts per step) of the prompt graphs this executor
         captures, or None; the memory budget reserves for the same."""
         config = self.config
         tokens = min(config.prompt_graph_tokens, config.max_num_batched_tokens)
-        if not config.cuda_graphs or tokens < MIN_BUCKET or not capturable(self.model_config.head_dim, self.dtype, self.device):
+        if (
+            not config.cuda_graphs
+            or tokens < MIN_BUCKET
+            or not capturable(self.model_config.head_dim, self.dtype, self.device)
+        ):
             return None
         return tokens, min(PROMPT_GRAPH_SEQS, config.num_slots)
 
@@ -236,22 +273,35 @@ class Executor:
     def block_size(self) -> int:
         return self.cache.block_size
 
-    def run_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()) -> list[Sample]:
+    def run_step(
+        self, items: list[StepItem], drops: list[int] = (), evict: list[int] = ()
+    ) -> list[Sample]:
         """Evict `evict`, drop `drops`, run the step, then sample on rank 0: one Sample per
         item with `sample`, in order."""
         step = self.launch_step(items, drops, evict)
         self.launch_sampling(step)
         return self.finish_step(step)
 
-    def launch_step(self, items: list[StepItem], drops: list[int] = (), evict: list[int] = (),
-                    saves: list[SaveOnDrop] = ()) -> LaunchedStep:
+    def launch_step(
+        self,
+        items: list[StepItem],
+        drops: list[int] = (),
+        evict: list[int] = (),
+        saves: list[SaveOnDrop] = (),
+    ) -> LaunchedStep:
         """Evict `evict`, save and drop `drops` (`drop`) and queue the step's forward. The rank's serve loop queues step N+1
         this way before it finishes N (`finish_step`), so the device never waits for the host
         between pipelined steps; N+1's items without tokens read N's samples on the device."""
         # the sampling, queued before the next step's replay, reads the graph's output in place
         step = LaunchedStep(items)
-        step.logits = self.forward(items, drops=drops, graph_output=True, evict=evict, prompt_logprobs=step.prompt_logprobs,
-                                   saves=saves)
+        step.logits = self.forward(
+            items,
+            drops=drops,
+            graph_output=True,
+            evict=evict,
+            prompt_logprobs=step.prompt_logprobs,
+            saves=saves,
+        )
         if self.sampler is None and self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
@@ -277,8 +327,14 @@ class Executor:
         return [] if step.sampling is None else self.sampler.finish(step.sampling)
 
     def forward(
-        self, items: list[StepItem], every_position: bool = False, drops: list[int] = (), graph_output: bool = False,
-        evict: list[int] = (), prompt_logprobs: dict[int, PromptLogprobs] | None = None, saves: list[SaveOnDrop] = (),
+        self,
+        items: list[StepItem],
+        every_position: bool = False,
+        drops: list[int] = (),
+        graph_output: bool = False,
+        evict: list[int] = (),
+        prompt_logprobs: dict[int, PromptLogprobs] | None = None,
+        saves: list[SaveOnDrop] = (),
     ) -> torch.Tensor | None:
         """Evict `evict`, save and drop `drops` (`drop`), advance every item's request through the model, save
         the prefixes items ask for; return fp32 logits on rank 0 of the positions that sample
@@ -289,7 +345,9 @@ class Executor:
         self._share_last_samples(items)
         # a prompt chunk's logprobs come from its forward's hidden states, a prompt graph's
         # included; an item of one token asking for them runs with the step eagerly
-        one_token_asks = any(item.prompt_logprobs >= 0 and len(item.token_ids) <= 1 for item in items)
+        one_token_asks = any(
+            item.prompt_logprobs >= 0 and len(item.token_ids) <= 1 for item in items
+        )
         if self.graphs is None or every_position or one_token_asks:
             logits = self._run_plan(items, every_position, prompt_logprobs)
         else:
@@ -329,7 +387,10 @@ class Executor:
         return with_step_meta(batch, self.device) if gpu_path(batch.input_ids) else batch
 
     def _run_with_graphs(
-        self, items: list[StepItem], graph_output: bool, prompt_logprobs: dict[int, PromptLogprobs] | None
+        self,
+        items: list[StepItem],
+        graph_output: bool,
+        prompt_logprobs: dict[int, PromptLogprobs] | None,
     ) -> torch.Tensor | None:
         """Single-token items replay a decode CUDA graph; prompt chunks run in a forward of
         their own, a prompt graph's replay where they fit one (`_run_plan`). A mixed step
@@ -347,7 +408,10 @@ class Executor:
             [item.token_ids[0] if item.token_ids else -1 for item in singles],  # -1: last sample
             [item.start for item in singles],
             [r.slot for r in held],
-            [r.kv_row(item.start, self.cache.block_size) for item, r in zip(singles, held, strict=True)],
+            [
+                r.kv_row(item.start, self.cache.block_size)
+                for item, r in zip(singles, held, strict=True)
+            ],
             [i for i, item in enumerate(singles) if item.sample],
             copy=not (graph_output or chunks),  # with chunks: copied into the merged rows below
         )
@@ -365,7 +429,10 @@ class Executor:
         return merged[torch.tensor(order, device=merged.device)]
 
     def _run_plan(
-        self, items: list[StepItem], every_position: bool, prompt_logprobs: dict[int, PromptLogprobs] | None
+        self,
+        items: list[StepItem],
+        every_position: bool,
+        prompt_logprobs: dict[int, PromptLogprobs] | None,
     ) -> torch.Tensor | None:
         """`items` in one forward: a prompt graph's replay where they fit one (prompt chunks
         alone), else eagerly; then the lm_head over the rows whose prompt logprobs items ask
@@ -373,7 +440,11 @@ class Executor:
         `prompt_logprobs` on rank 0."""
         plan = self._plan(items, every_position)
         wanted = prompt_rows(items, [span.offset for span in plan.spans])
-        if self.prompt_graphs is not None and not every_position and self.prompt_graphs.can_run(plan):
+        if (
+            self.prompt_graphs is not None
+            and not every_position
+            and self.prompt_graphs.can_run(plan)
+        ):
             hidden, logits = self.prompt_graphs.run(plan)
         else:
             batch = self._eager_batch(self._plan_batch(plan))
@@ -385,7 +456,9 @@ class Executor:
                 prompt_logprobs.update(found)
         return logits
 
-    def _admit_new(self, items: list[StepItem], drops: list[int], evict: list[int], saves: list[SaveOnDrop]) -> None:
+    def _admit_new(
+        self, items: list[StepItem], drops: list[int], evict: list[int], saves: list[SaveOnDrop]
+    ) -> None:
         """Check every item, drop, save and eviction against this rank's state, then evict,
         save, drop and take slots for new requests; on any mismatch nothing is changed. Every
         rank holds the same state, so all of them reach the same verdict (none waits in a
@@ -410,7 +483,9 @@ class Executor:
             if self.sampler is not None:
                 self.sampler.add(item.request_id, item.new.sampling)
 
-    def _check_step(self, items: list[StepItem], drops: list[int], evict: list[int], saves: list[SaveOnDrop]) -> None:
+    def _check_step(
+        self, items: list[StepItem], drops: list[int], evict: list[int], saves: list[SaveOnDrop]
+    ) -> None:
         new_blocks = 0
         new_count = 0
         rank = self.config.rank
@@ -427,14 +502,20 @@ class Executor:
                 if item.new.prefix >= 0:
                     saved = self.prefixes.get(item.new.prefix)
                     if saved is None or item.new.prefix in evict:
-                        raise StepError(f"request {item.request_id} starts from saved prefix "
-                                        f"{item.new.prefix}, which rank {rank} does not hold")
+                        raise StepError(
+                            f"request {item.request_id} starts from saved prefix "
+                            f"{item.new.prefix}, which rank {rank} does not hold"
+                        )
                     start = saved.num_tokens
                     new_blocks -= saved.num_tokens // self.cache.block_size
                 if item.start != start:
-                    raise StepError(f"new request {item.request_id} starts at {item.start}, not {start}")
+                    raise StepError(
+                        f"new request {item.request_id} starts at {item.start}, not {start}"
+                    )
                 if item.new.reserve_tokens < item.start + len(item.token_ids):
-                    raise StepError(f"request {item.request_id} reserves fewer tokens than its chunk")
+                    raise StepError(
+                        f"request {item.request_id} reserves fewer tokens than its chunk"
+                    )
                 new_blocks += self.cache.blocks_for(item.new.reserve_tokens)
                 new_count += 1
             elif held is None:
@@ -445,7 +526,9 @@ class Executor:
                     f"holds {held.num_tokens} positions"
                 )
             elif item.start + item_length(item) > held.capacity:
-                raise StepError(f"request {item.request_id} runs past its {held.capacity} reserved positions")
+                raise StepError(
+                    f"request {item.request_id} runs past its {held.capacity} reserved positions"
+                )
             elif not item.token_ids and held.sampled_through != item.start:
                 raise StepError(
                     f"request {item.request_id} item has no token_ids, but its previous item "
@@ -473,7 +556,9 @@ class Executor:
         for item in items:
             req = self.requests[item.request_id]
             length = item_length(item)
-            plan.spans.append(SeqSpan(offset, length, item.start, req.slot, req.block_table, req.blocks))
+            plan.spans.append(
+                SeqSpan(offset, length, item.start, req.slot, req.block_table, req.blocks)
+            )
             plan.ids.extend(item.token_ids or [-1])
             if not item.token_ids:
                 plan.last_sample_rows.append(offset)
@@ -498,7 +583,9 @@ class Executor:
         )
         if plan.last_sample_rows:  # the slots' last samples, read on the device
             slots = to_device(plan.last_sample_slots, torch.int64, self.device)
-            ids[to_device(plan.last_sample_rows, torch.int64, self.device)] = self.cache.last_tokens[slots]
+            ids[to_device(plan.last_sample_rows, torch.int64, self.device)] = (
+                self.cache.last_tokens[slots]
+            )
         return StepBatch(ids, positions, kv_index, tuple(plan.spans), logits_index)
 
     def _check_saves(self, prefixes: list[int], evict: list[int], saves: list[SaveOnDrop]) -> None:
@@ -511,23 +598,31 @@ class Executor:
                 raise StepError(f"saved prefix {prefix} to evict is not held by rank {rank}")
         prefixes = [*prefixes, *(save.prefix for save in saves)]
         for prefix in prefixes:
-            if not prefix < self.cache.num_prefix_states or (prefix in self.prefixes and prefix not in evict):
+            if not prefix < self.cache.num_prefix_states or (
+                prefix in self.prefixes and prefix not in evict
+            ):
                 raise StepError(f"saved prefix {prefix} is not free on rank {rank}")
         if len(set(prefixes)) != len(prefixes):
             raise StepError("two states are saved as the same prefix")
         for save in saves:
             held = self.requests.get(save.request_id)
             if held is None or held.num_tokens != save.num_tokens:
-                raise StepError(f"request {save.request_id} is saved at {save.num_tokens} positions; rank {rank} "
-                                f"holds {held.num_tokens if held else 'none'}")  # fmt: skip
+                raise StepError(
+                    f"request {save.request_id} is saved at {save.num_tokens} positions; rank {rank} "
+                    f"holds {held.num_tokens if held else 'none'}"
+                )
 
-    def drop(self, request_ids: list[int], evict: list[int] = (), saves: list[SaveOnDrop] = ()) -> list[bool]:
+    def drop(
+        self, request_ids: list[int], evict: list[int] = (), saves: list[SaveOnDrop] = ()
+    ) -> list[bool]:
         """Evict `evict`, keep the states `saves` names as saved prefixes, then free the
         states of `request_ids`; one flag per id: whether this rank held it."""
         self._check_saves([], evict, saves)
         return self._drop(request_ids, evict, saves)
 
-    def _drop(self, request_ids: list[int], evict: list[int], saves: list[SaveOnDrop]) -> list[bool]:
+    def _drop(
+        self, request_ids: list[int], evict: list[int], saves: list[SaveOnDrop]
+    ) -> list[bool]:
         for prefix in evict:
             self.cache.release(self.prefixes.pop(prefix).blocks)
         for save in saves:
@@ -546,17 +641,26 @@ class Executor:
         """The same model's new weights (an RL trainer's checkpoint), copied into the
         parameters in place: CUDA graphs replay them as captured."""
         if differences := self.model_config.differences(ModelConfig.from_model_dir(model_dir)):
-            raise CheckpointError(f"{model_dir}: not the served model's config.json ({', '.join(differences)})")
+            raise CheckpointError(
+                f"{model_dir}: not the served model's config.json ({', '.join(differences)})"
+            )
         started = time.monotonic()
         load_weights(self.model, model_dir, self.model_config, self.config.keep_fp8)
-        log.info("rank %d: weights loaded from %s in %.1f s", self.config.rank, model_dir, time.monotonic() - started)
+        log.info(
+            "rank %d: weights loaded from %s in %.1f s",
+            self.config.rank,
+            model_dir,
+            time.monotonic() - started,
+        )
 
     def sleep(self, level: int) -> None:
         """Sleep mode: give the device memory of the weights and the cache back, between
         requests (engine/rank/sleep_mode.py)."""
         if self.requests or self.prefixes or self.asleep is not None:
-            raise RuntimeError(f"sleep with {len(self.requests)} requests and {len(self.prefixes)} saved prefixes "
-                               f"held{', already asleep' if self.asleep is not None else ''}")  # fmt: skip
+            raise RuntimeError(
+                f"sleep with {len(self.requests)} requests and {len(self.prefixes)} saved prefixes "
+                f"held{', already asleep' if self.asleep is not None else ''}"
+            )
         self.graphs = self.prompt_graphs = None  # their memory pool and the cache's pointers
         self.asleep = release_memory(self.model, self.cache, level)
         log.info("rank %d: asleep (level %d)", self.config.rank, level)

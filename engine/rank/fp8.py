@@ -28,16 +28,23 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int
     """The fp32 weight: block (i, j) (rows i*bm.., columns j*bn..; the last ones may be
     partial) times `scales[i, j]`. ValueError when the scales do not tile the weight."""
     if weight.dim() != 2:
-        raise ValueError(f"an FP8 weight of shape {list(weight.shape)}: only matrices are quantized in blocks")
+        raise ValueError(
+            f"an FP8 weight of shape {list(weight.shape)}: only matrices are quantized in blocks"
+        )
     rows, cols = weight.shape
     bm, bn = block[0] or rows, block[1] or cols
     grid = (math.ceil(rows / bm), math.ceil(cols / bn))
     if scales.numel() == 1 == math.prod(grid):  # one scale per tensor: [1] or []
         scales = scales.reshape(grid)
     if tuple(scales.shape) != grid:
-        raise ValueError(f"its scales have shape {list(scales.shape)}, not {list(grid)} "
-                         f"(weight {[rows, cols]} in blocks of {[bm, bn]})")  # fmt: skip
-    return weight.float() * scales.float().repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
+        raise ValueError(
+            f"its scales have shape {list(scales.shape)}, not {list(grid)} "
+            f"(weight {[rows, cols]} in blocks of {[bm, bn]})"
+        )
+    return (
+        weight.float()
+        * scales.float().repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
+    )
 
 
 class Fp8Pairs:
@@ -55,7 +62,9 @@ class Fp8Pairs:
         if name.endswith(self.suffix):
             weight_name = name.removesuffix(self.suffix)
             if not tensor.dtype.is_floating_point or tensor.dtype in FP8_DTYPES:
-                raise ValueError(f"{name} has dtype {str(tensor.dtype).removeprefix('torch.')}, not fp32 scales")
+                raise ValueError(
+                    f"{name} has dtype {str(tensor.dtype).removeprefix('torch.')}, not fp32 scales"
+                )
             self.scales[weight_name] = tensor
         elif tensor.dtype in FP8_DTYPES:
             weight_name = name
@@ -73,5 +82,6 @@ class Fp8Pairs:
     def unpaired(self) -> list[str]:
         """What is left once every file is read: FP8 weights without scales, scales without
         an FP8 weight (a plain weight's, or none)."""
-        return ([f"{name} (FP8, no {self.suffix})" for name in sorted(self.weights)]
-                + [f"{name}{self.suffix} (no FP8 weight)" for name in sorted(self.scales)])  # fmt: skip
+        return [f"{name} (FP8, no {self.suffix})" for name in sorted(self.weights)] + [
+            f"{name}{self.suffix} (no FP8 weight)" for name in sorted(self.scales)
+        ]

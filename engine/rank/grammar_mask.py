@@ -49,7 +49,9 @@ class Guide:
         data = vocabulary[token] if 0 <= token < len(vocabulary) else None
         return self.automaton.step(state, data) if data else DEAD
 
-    def mask(self, state: int, end_ids: tuple[int, ...], width: int, device: torch.device) -> torch.Tensor:
+    def mask(
+        self, state: int, end_ids: tuple[int, ...], width: int, device: torch.device
+    ) -> torch.Tensor:
         """Bool [width] on `device`: the tokens allowed in `state`, and `end_ids` where the
         output may end there. Where nothing else may follow (the output complete, or DEAD
         after a token the mask did not offer), the end ids alone."""

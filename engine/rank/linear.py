@@ -26,11 +26,15 @@ WeightLoader = Callable[[nn.Parameter, torch.Tensor], None]
 
 def check_and_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if tuple(loaded.shape) != tuple(param.shape):
-        raise ValueError(f"shape {tuple(loaded.shape)} does not fit parameter of shape {tuple(param.shape)}")
+        raise ValueError(
+            f"shape {tuple(loaded.shape)} does not fit parameter of shape {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
-def sharded_loader(sections: tuple[int, ...] | None, dim: int, full_shape: tuple[int, ...]) -> WeightLoader:
+def sharded_loader(
+    sections: tuple[int, ...] | None, dim: int, full_shape: tuple[int, ...]
+) -> WeightLoader:
     """A loader that checks the full checkpoint shape, then copies this rank's shard."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -41,13 +45,17 @@ def sharded_loader(sections: tuple[int, ...] | None, dim: int, full_shape: tuple
     return load
 
 
-def new_param(shape: tuple[int, ...], loader: WeightLoader, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+def new_param(
+    shape: tuple[int, ...], loader: WeightLoader, dtype: torch.dtype, device: torch.device
+) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
     param.weight_loader = loader
     return param
 
 
-def replicated_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+def replicated_param(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> nn.Parameter:
     """A parameter every rank holds whole."""
     return new_param(shape, check_and_copy, dtype, device)
 
@@ -65,7 +73,9 @@ class Fp8Weight(nn.Module):
     def hold_fp8(self, block: tuple[int, int], scale_shape: tuple[int, int], scale_loader) -> None:
         """The weight becomes FP8 (same shape and loader), with fp32 scales of `scale_shape`."""
         old = self.weight
-        self.weight = new_param(tuple(old.shape), old.weight_loader, torch.float8_e4m3fn, old.device)
+        self.weight = new_param(
+            tuple(old.shape), old.weight_loader, torch.float8_e4m3fn, old.device
+        )
         self.weight_scale_inv = new_param(scale_shape, scale_loader, torch.float32, old.device)
         if hasattr(old, "num_parts"):
             self.weight.num_parts = self.weight_scale_inv.num_parts = old.num_parts
@@ -95,7 +105,9 @@ class ColumnParallelLinear(Fp8Weight):
         super().__init__()
         self.parts, self.in_features = parts, in_features
         self.local_sizes = tuple(sum(sections) // tp_size() for sections in parts)
-        self.weight = new_param((sum(self.local_sizes), in_features), self.parts_loader(1, 1), dtype, device)
+        self.weight = new_param(
+            (sum(self.local_sizes), in_features), self.parts_loader(1, 1), dtype, device
+        )
         self.weight.num_parts = len(parts)
 
     def parts_loader(self, bm: int, bn: int) -> Callable[..., None]:
@@ -104,8 +116,10 @@ class ColumnParallelLinear(Fp8Weight):
         local = [size // bm for size in self.local_sizes]
         offsets = [sum(local[:i]) for i in range(len(local))]
         columns = math.ceil(self.in_features / bn)
-        part_loaders = [sharded_loader(tuple(s // bm for s in sections), 0, (sum(sections) // bm, columns))
-                        for sections in self.parts]  # fmt: skip
+        part_loaders = [
+            sharded_loader(tuple(s // bm for s in sections), 0, (sum(sections) // bm, columns))
+            for sections in self.parts
+        ]
 
         def load(param: nn.Parameter, loaded: torch.Tensor, part: int = 0) -> None:
             part_loaders[part](param.data.narrow(0, offsets[part], local[part]), loaded)
@@ -121,7 +135,9 @@ class ColumnParallelLinear(Fp8Weight):
         self.hold_fp8(block, shape, self.parts_loader(bm, bn))
         return True
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False, conv: ConvEpilogue | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, silu_mul: bool = False, conv: ConvEpilogue | None = None
+    ) -> torch.Tensor:
         """silu_mul: the parts are the MLP's (gate, up); returns silu(gate) * up. conv: the
         DeltaNet's conv over the first columns (skinny_linear.linear)."""
         return self.product(x, silu_mul=silu_mul, conv=conv)
@@ -130,7 +146,9 @@ class ColumnParallelLinear(Fp8Weight):
 class RowParallelLinear(Fp8Weight):
     """y = sum over ranks of x_r W_r^T: W's columns split, output all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         local = in_features // tp_size()

@@ -31,7 +31,11 @@ SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 VLM_TEXT_PREFIX = "model.language_model."
 # one expert's projection as released checkpoints store it -> (our stacked parameter, part)
 EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+EXPERT_PARTS = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
 # dtypes we convert to the model's; any other (integers, bool, FP8) is a quantized or foreign
 # tensor whose values a plain conversion would turn into garbage weights
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -51,11 +55,15 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
             if not all(isinstance(name, str) for name in files):
                 raise TypeError("a weight_map value is not a file name")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index} is not a safetensors index with a weight_map of tensor -> "
-                                  f"file name ({type(e).__name__}: {e})") from None
+            raise CheckpointError(
+                f"{index} is not a safetensors index with a weight_map of tensor -> "
+                f"file name ({type(e).__name__}: {e})"
+            ) from None
         missing = [name for name in files if not (model_dir / name).is_file()]
         if missing:
-            raise CheckpointError(f"{index} names shard files that are missing: {', '.join(missing)}")
+            raise CheckpointError(
+                f"{index} names shard files that are missing: {', '.join(missing)}"
+            )
         return [model_dir / name for name in files]
     single = model_dir / "model.safetensors"
     if single.is_file():
@@ -97,7 +105,9 @@ def expert_names(param_name: str, num_experts: int) -> set[str]:
     """The released per-expert names a stacked expert parameter (`...mlp.experts.down_proj`) holds."""
     prefix, stacked = param_name.rsplit(".", 1)
     modules = [module for module, (target, _) in EXPERT_PARTS.items() if target == stacked]
-    return {f"{prefix}.{expert}.{module}.weight" for expert in range(num_experts) for module in modules}
+    return {
+        f"{prefix}.{expert}.{module}.weight" for expert in range(num_experts) for module in modules
+    }
 
 
 def expected_names(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, int]]) -> set[str]:
@@ -121,14 +131,21 @@ def expected_names(params: dict[str, nn.Parameter], packed: dict[str, tuple[str,
     return names
 
 
-def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig, keep_fp8: bool = False) -> int:
+def load_weights(
+    model: nn.Module, model_dir: str | Path, config: ModelConfig, keep_fp8: bool = False
+) -> int:
     """keep_fp8: an FP8 checkpoint's projections stay FP8 where they can (`keep_fp8_modules`);
     else every FP8 weight is widened. Returns how many projections hold FP8."""
     model_dir = Path(model_dir)
     tie_word_embeddings = config.tie_word_embeddings
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
     # the kernels' tiles need row blocks, and the kept scales are Qwen's `weight_scale_inv`
-    if keep_fp8 and config.fp8_block and min(config.fp8_block) > 1 and config.fp8_scale_suffix == FP8_SCALE_SUFFIXES["fp8"]:
+    if (
+        keep_fp8
+        and config.fp8_block
+        and min(config.fp8_block) > 1
+        and config.fp8_scale_suffix == FP8_SCALE_SUFFIXES["fp8"]
+    ):
         keep_fp8_modules(model, model_dir, packed, config.fp8_block)
     params = dict(model.named_parameters())
     kept = sum(param.dtype in FP8_DTYPES for param in params.values())
@@ -140,8 +157,9 @@ def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig, k
         nonlocal vlm_layout
         vlm_layout = vlm_layout or name.startswith(VLM_TEXT_PREFIX)
         target = text_name(name)
-        return target is not None and not (target.removesuffix(config.fp8_scale_suffix) == "lm_head.weight"
-                                           and tie_word_embeddings)
+        return target is not None and not (
+            target.removesuffix(config.fp8_scale_suffix) == "lm_head.weight" and tie_word_embeddings
+        )
 
     reader = CheckpointReader(device)
     fp8 = Fp8Pairs(config.fp8_block, config.fp8_scale_suffix) if config.fp8_block else None
@@ -157,18 +175,25 @@ def load_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig, k
         except SafetensorsError as e:
             raise CheckpointError(f"{model_dir}: {e}") from None
     if fp8 is not None and (unpaired := fp8.unpaired()):
-        raise CheckpointError(f"checkpoint {model_dir} has unpaired FP8 tensors: {', '.join(unpaired[:5])}")
+        raise CheckpointError(
+            f"checkpoint {model_dir} has unpaired FP8 tensors: {', '.join(unpaired[:5])}"
+        )
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the staging copies' blocks, which later allocations would pin
-    missing = sorted(checkpoint_name(name, vlm_layout) for name in expected_names(params, packed) - loaded)
+    missing = sorted(
+        checkpoint_name(name, vlm_layout) for name in expected_names(params, packed) - loaded
+    )
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
         raise CheckpointError(f"checkpoint {model_dir} lacks tensors: {shown}")
     return kept
 
 
-def keep_fp8_modules(model: nn.Module, model_dir: Path, packed: dict[str, tuple[str, int]],
-                     block: tuple[int, int]) -> None:  # fmt: skip
+def keep_fp8_modules(
+    model: nn.Module, model_dir: Path, packed: dict[str, tuple[str, int]], block: tuple[int, int]
+) -> None:
     """Before any tensor loads: each projection whose checkpoint tensors (every part of a packed
     one) are all float8_e4m3fn holds its weight as FP8, where its shards allow (`keep_fp8`)."""
     dtypes = {}
@@ -178,28 +203,40 @@ def keep_fp8_modules(model: nn.Module, model_dir: Path, packed: dict[str, tuple[
     except SafetensorsError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
     for name, module in model.named_modules():
-        if not hasattr(module, "keep_fp8") or module.weight.dtype in FP8_DTYPES:  # kept already (an update)
+        if (
+            not hasattr(module, "keep_fp8") or module.weight.dtype in FP8_DTYPES
+        ):  # kept already (an update)
             continue
         sources = expected_names({f"{name}.weight": module.weight}, packed)
         if all(dtypes.get(source) == torch.float8_e4m3fn for source in sources):
             module.keep_fp8(block)
 
 
-def holds_fp8(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, int]], weight: str) -> bool:
+def holds_fp8(
+    params: dict[str, nn.Parameter], packed: dict[str, tuple[str, int]], weight: str
+) -> bool:
     """Whether a checkpoint weight (and so its scales) goes as it is into a kept FP8 projection."""
     param = params.get(packed_target(text_name(weight) or "", packed)[0])
     return param is not None and param.dtype in FP8_DTYPES
 
 
-def fp8_take(fp8: Fp8Pairs, name: str, path: Path, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+def fp8_take(
+    fp8: Fp8Pairs, name: str, path: Path, tensor: torch.Tensor
+) -> tuple[str, torch.Tensor] | None:
     try:
         return fp8.take(name, tensor)
     except ValueError as e:
         raise CheckpointError(f"{e} (in {path.name})") from None
 
 
-def load_tensor(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, int]], name: str, path: Path,
-                tensor: torch.Tensor, loaded: set[str]) -> None:
+def load_tensor(
+    params: dict[str, nn.Parameter],
+    packed: dict[str, tuple[str, int]],
+    name: str,
+    path: Path,
+    tensor: torch.Tensor,
+    loaded: set[str],
+) -> None:
     """Copy one checkpoint tensor into its parameter (or its part of a packed one)."""
     target = text_name(name)
     assert target is not None  # the reader hands out wanted names only
@@ -222,11 +259,19 @@ def load_tensor(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, in
     if covers & loaded:
         raise CheckpointError(f"tensor {name!r} in {path.name} appears twice in the checkpoint")
     if param.dtype in FP8_DTYPES and tensor.dtype != param.dtype:  # a copy would quantize it anew
-        raise CheckpointError(f"tensor {name!r} in {path.name} has dtype {str(tensor.dtype).removeprefix('torch.')}, "
-                              f"not the served FP8 weight's {str(param.dtype).removeprefix('torch.')}")
-    if tensor.dtype not in FLOAT_DTYPES and param.dtype not in FP8_DTYPES:  # checked before the copy, which would convert it
+        raise CheckpointError(
+            f"tensor {name!r} in {path.name} has dtype {str(tensor.dtype).removeprefix('torch.')}, "
+            f"not the served FP8 weight's {str(param.dtype).removeprefix('torch.')}"
+        )
+    if (
+        tensor.dtype not in FLOAT_DTYPES and param.dtype not in FP8_DTYPES
+    ):  # checked before the copy, which would convert it
         dtype = str(tensor.dtype).removeprefix("torch.")
-        what = "FP8-quantized weights" if tensor.dtype.is_floating_point else f"{dtype} values, not weights"
+        what = (
+            "FP8-quantized weights"
+            if tensor.dtype.is_floating_point
+            else f"{dtype} values, not weights"
+        )
         raise CheckpointError(
             f"tensor {name!r} in {path.name} has dtype {dtype} ({what}; a quantized checkpoint "
             f"without its quantization_config?): only floating-point tensors (fp32, bf16, fp16, fp64) load"
@@ -260,15 +305,25 @@ def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, config: Mod
     old, new = tensors(Path(serving_dir)), tensors(Path(new_dir))
     problems = [f"{name} missing" for name in sorted(old.keys() - new.keys())]
     problems += [f"{name} unexpected" for name in sorted(new.keys() - old.keys())]
-    problems += [f"{name} of shape {list(new[name][0])}, not {list(old[name][0])}"
-                 for name in sorted(old.keys() & new.keys()) if new[name][0] != old[name][0]]  # fmt: skip
+    problems += [
+        f"{name} of shape {list(new[name][0])}, not {list(old[name][0])}"
+        for name in sorted(old.keys() & new.keys())
+        if new[name][0] != old[name][0]
+    ]
 
-    def foreign(name: str, dtype: torch.dtype) -> bool:  # FP8 exactly where the served tensor is FP8
+    def foreign(
+        name: str, dtype: torch.dtype
+    ) -> bool:  # FP8 exactly where the served tensor is FP8
         served = old.get(name, ((), None))[1]
         return dtype != served and (dtype not in FLOAT_DTYPES or served in FP8_DTYPES)
 
-    problems += [f"{name} of dtype {str(dtype).removeprefix('torch.')}"
-                 for name, (_, dtype) in sorted(new.items()) if foreign(name, dtype)]  # fmt: skip
+    problems += [
+        f"{name} of dtype {str(dtype).removeprefix('torch.')}"
+        for name, (_, dtype) in sorted(new.items())
+        if foreign(name, dtype)
+    ]
     if problems:
-        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        shown = "; ".join(problems[:3]) + (
+            f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        )
         raise CheckpointError(f"{new_dir} does not hold the served model's tensors: {shown}")

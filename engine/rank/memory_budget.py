@@ -50,7 +50,9 @@ GRAPH_POOL_RESERVE_BYTES = 256 * 2**20
 WARM_PROMPT_TOKENS = 17
 # The profiling step samples with penalties, top-p and 20 logprobs: the sampler's largest
 # temporaries (a penalised copy, a temperature-scaled copy, a top-k of every row).
-PROFILE_SAMPLING = SamplingSpec(seed=0, temperature=1.0, top_p=0.95, repetition_penalty=1.1, num_logprobs=20)
+PROFILE_SAMPLING = SamplingSpec(
+    seed=0, temperature=1.0, top_p=0.95, repetition_penalty=1.1, num_logprobs=20
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,11 +63,16 @@ class CacheSizes:
     block_bytes: int  # every full-attention layer's K and V for block_size positions
 
 
-def cache_sizes(config: ModelConfig, tp_size: int, dtype: torch.dtype, block_size: int) -> CacheSizes:
+def cache_sizes(
+    config: ModelConfig, tp_size: int, dtype: torch.dtype, block_size: int
+) -> CacheSizes:
     """What StateCache allocates per slot and per block."""
     kv, conv, recurrent = cache_shapes(config, 1, 1, block_size, tp_size)
     item = torch.empty((), dtype=dtype).element_size()
-    return CacheSizes(slot_bytes=math.prod(conv) * item + math.prod(recurrent) * 4, block_bytes=math.prod(kv) * item)
+    return CacheSizes(
+        slot_bytes=math.prod(conv) * item + math.prod(recurrent) * 4,
+        block_bytes=math.prod(kv) * item,
+    )
 
 
 def blocks_for_budget(budget_bytes: int, num_slots: int, sizes: CacheSizes) -> int:
@@ -78,7 +85,9 @@ def profile_lengths(num_tokens: int, num_seqs: int, max_len: int) -> list[int]:
     rows as a full decode batch), `num_tokens` in all (at most num_seqs * max_len), none
     longer than `max_len`; like a real step, long prefill chunks beside one-token items."""
     if min(num_tokens, num_seqs, max_len) < 1:
-        raise ValueError(f"profile needs tokens, sequences and length >= 1, got {num_tokens}, {num_seqs}, {max_len}")
+        raise ValueError(
+            f"profile needs tokens, sequences and length >= 1, got {num_tokens}, {num_seqs}, {max_len}"
+        )
     num_seqs = min(num_seqs, num_tokens)
     lengths = [1] * num_seqs
     rest = min(num_tokens, num_seqs * max_len) - num_seqs
@@ -158,7 +167,11 @@ class MemoryBudget:
         )
 
     def shortfall(self, rank: int, max_model_len: int, need_blocks: int) -> str:
-        agreed = "" if self.local_blocks == self.num_blocks else f" (this rank fits {self.local_blocks}; another fewer)"
+        agreed = (
+            ""
+            if self.local_blocks == self.num_blocks
+            else f" (this rank fits {self.local_blocks}; another fewer)"
+        )
         return (
             f"not enough device memory for the request state on rank {rank}: {self._accounts()} "
             f"leave {self.budget / GiB:.2f} GiB; {self.num_slots} state slots (max_num_seqs and prefix states) take "
@@ -177,10 +190,14 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
     config = executor.config
     if probe is None:
         if executor.device.type != "cuda":
-            raise ValueError("num_blocks=0 sizes the KV cache from device memory: CUDA only; give num_blocks")
+            raise ValueError(
+                "num_blocks=0 sizes the KV cache from device memory: CUDA only; give num_blocks"
+            )
         probe = CudaMemory(executor.device)
     if not 0 < config.gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
+        raise ValueError(
+            f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}"
+        )
     if config.max_model_len < 1:
         raise ValueError("num_blocks=0 (size the KV cache from memory) needs max_model_len")
     sizes = cache_sizes(executor.model_config, config.world_size, executor.dtype, config.block_size)
@@ -205,8 +222,18 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
             if keys:
                 rows = prompt_tokens + keys + seqs * config.block_size
                 mc = executor.model_config
-                reserve += 2 * rows * mc.num_key_value_heads // config.world_size * mc.head_dim * executor.dtype.itemsize
-    weights = sum(t.numel() * t.element_size() for t in (*executor.model.parameters(), *executor.model.buffers()))
+                reserve += (
+                    2
+                    * rows
+                    * mc.num_key_value_heads
+                    // config.world_size
+                    * mc.head_dim
+                    * executor.dtype.itemsize
+                )
+    weights = sum(
+        t.numel() * t.element_size()
+        for t in (*executor.model.parameters(), *executor.model.buffers())
+    )
     budget = int(total * config.gpu_memory_utilization) - in_use - activations - reserve
     state_slots = config.num_slots + config.prefix_states  # requests' and saved prefixes'
     local = blocks_for_budget(budget, state_slots, sizes)
@@ -271,11 +298,20 @@ def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
     )
     base = 1 << 62  # request ids no real request has (the executor is fresh anyway)
     items = [
-        StepItem(base + i, 0, [0] * n, True, NewRequest(n, PROFILE_SAMPLING)) for i, n in enumerate(lengths)
+        StepItem(base + i, 0, [0] * n, True, NewRequest(n, PROFILE_SAMPLING))
+        for i, n in enumerate(lengths)
     ]
     # it asks for prompt logprobs too: their kernels, compiled here, not for a request
-    warm = [StepItem(base + len(items), 0, [0] * warm_len, True, NewRequest(warm_len, PROFILE_SAMPLING),
-                     prompt_logprobs=2)]  # fmt: skip
+    warm = [
+        StepItem(
+            base + len(items),
+            0,
+            [0] * warm_len,
+            True,
+            NewRequest(warm_len, PROFILE_SAMPLING),
+            prompt_logprobs=2,
+        )
+    ]
     try:
         probe.start_peak()
         executor.run_step(items)
@@ -288,7 +324,9 @@ def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
             f"memory: lower --max-num-batched-tokens or --max-num-seqs ({exc})"
         ) from None
     finally:
-        executor.drop([item.request_id for item in items + warm])  # those still held; the rest are no-ops
+        executor.drop(
+            [item.request_id for item in items + warm]
+        )  # those still held; the rest are no-ops
         executor.cache = saved
         if saved is None:
             del executor.cache

@@ -12,9 +12,13 @@ from deltaserve.kernels.skinny_linear import SplitSum
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden, ((intermediate,), (intermediate,)), dtype, device)
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden, ((intermediate,), (intermediate,)), dtype, device
+        )
         self.down_proj = RowParallelLinear(intermediate, hidden, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | SplitSum:

@@ -44,12 +44,35 @@ MOE_TEXT_DEFAULTS = {
     "moe_intermediate_size": 512,
     "shared_expert_intermediate_size": 512,
 }
-POSITIVE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
-                 "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings")
-MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
-JSON_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
-              list: "an array", dict: "an object"}
+POSITIVE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "max_position_embeddings",
+)
+MOE_KEYS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+JSON_KINDS = {
+    type(None): "null",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    str: "a string",
+    list: "an array",
+    dict: "an object",
+}
 
 
 class ConfigError(ValueError):
@@ -111,15 +134,21 @@ def read_fp8(quant: object) -> tuple[tuple[int, int], str] | None:
     if isinstance(quant, dict) and method == "compressed-tensors":
         return read_compressed_tensors(quant), FP8_SCALE_SUFFIXES[method]
     if not isinstance(quant, dict) or method != "fp8":
-        raise ConfigError(f"quantized checkpoints other than FP8 are not supported (quantization_config: "
-                          f"{method!r:.40}); serve the bf16 or FP8 release of the model")  # fmt: skip
+        raise ConfigError(
+            f"quantized checkpoints other than FP8 are not supported (quantization_config: "
+            f"{method!r:.40}); serve the bf16 or FP8 release of the model"
+        )
     if quant.get("activation_scheme", "dynamic") != "dynamic":
-        raise ConfigError(f"quantization_config: activation_scheme {quant['activation_scheme']!r:.40} is not "
-                          f"supported (only 'dynamic': no input scales)")  # fmt: skip
+        raise ConfigError(
+            f"quantization_config: activation_scheme {quant['activation_scheme']!r:.40} is not "
+            f"supported (only 'dynamic': no input scales)"
+        )
     block = quant.get("weight_block_size")
     if block is None:
-        raise ConfigError("quantization_config: FP8 with one scale per tensor (no weight_block_size) is not "
-                          "supported, only block scales such as Qwen's [128, 128]")  # fmt: skip
+        raise ConfigError(
+            "quantization_config: FP8 with one scale per tensor (no weight_block_size) is not "
+            "supported, only block scales such as Qwen's [128, 128]"
+        )
     return block_sizes(block, "weight_block_size"), FP8_SCALE_SUFFIXES[method]
 
 
@@ -144,7 +173,9 @@ def read_compressed_tensors(quant: dict) -> tuple[int, int]:
         raise ConfigError(f"{where}: kv_cache_scheme (a quantized KV cache) is not supported")
     groups = quant.get("config_groups")
     if not isinstance(groups, dict) or not groups:
-        raise ConfigError(f"{where}: config_groups is {groups!r:.40}, not an object of quantization groups")
+        raise ConfigError(
+            f"{where}: config_groups is {groups!r:.40}, not an object of quantization groups"
+        )
     blocks = set()
     for name, group in groups.items():
         at = f"{where}.config_groups.{name}"
@@ -153,23 +184,35 @@ def read_compressed_tensors(quant: dict) -> tuple[int, int]:
             raise ConfigError(f"{at}: no weights scheme")
         fmt = group.get("format") or quant.get("format")
         if (weights.get("type"), weights.get("num_bits"), fmt) != ("float", 8, "float-quantized"):
-            raise ConfigError(f"{at}: {weights.get('num_bits')}-bit {weights.get('type')} weights ({fmt}) are not "
-                              f"supported, only FP8 (8-bit float, float-quantized)")  # fmt: skip
+            raise ConfigError(
+                f"{at}: {weights.get('num_bits')}-bit {weights.get('type')} weights ({fmt}) are not "
+                f"supported, only FP8 (8-bit float, float-quantized)"
+            )
         if not weights.get("symmetric", True) or weights.get("dynamic"):
             raise ConfigError(f"{at}: only symmetric FP8 weights with stored scales are supported")
         inputs = group.get("input_activations")
         if (inputs and not inputs.get("dynamic")) or group.get("output_activations"):
-            raise ConfigError(f"{at}: static activation scales are not supported (only dynamic ones)")
+            raise ConfigError(
+                f"{at}: static activation scales are not supported (only dynamic ones)"
+            )
         strategy = weights.get("strategy")
         if strategy == "block":
-            blocks.add(block_sizes(weights.get("block_structure"), f"config_groups.{name}.weights.block_structure"))
+            blocks.add(
+                block_sizes(
+                    weights.get("block_structure"), f"config_groups.{name}.weights.block_structure"
+                )
+            )
         elif strategy in COMPRESSED_TENSORS_BLOCKS:
             blocks.add(COMPRESSED_TENSORS_BLOCKS[strategy])
         else:
-            raise ConfigError(f"{at}: weight strategy {strategy!r:.40} is not supported "
-                              f"(tensor, channel and block are)")  # fmt: skip
+            raise ConfigError(
+                f"{at}: weight strategy {strategy!r:.40} is not supported "
+                f"(tensor, channel and block are)"
+            )
     if len(blocks) > 1:
-        raise ConfigError(f"{where}: config groups of different weight strategies are not supported")
+        raise ConfigError(
+            f"{where}: config groups of different weight strategies are not supported"
+        )
     return blocks.pop()
 
 
@@ -195,8 +238,12 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
-    fp8_block: tuple[int, int] | None = None  # an FP8 checkpoint's scale blocks (engine/rank/fp8.py)
-    fp8_scale_suffix: str = FP8_SCALE_SUFFIXES["fp8"]  # its scale tensors' names: weight name + this
+    fp8_block: tuple[int, int] | None = (
+        None  # an FP8 checkpoint's scale blocks (engine/rank/fp8.py)
+    )
+    fp8_scale_suffix: str = FP8_SCALE_SUFFIXES[
+        "fp8"
+    ]  # its scale tensors' names: weight name + this
     # mixture of experts (the qwen3_5_moe models): every layer's MLP is num_experts_per_tok of
     # num_experts routed experts plus a gated shared expert (engine/rank/moe.py); 0: dense
     num_experts: int = 0
@@ -207,17 +254,25 @@ class ModelConfig:
     def differences(self, other: ModelConfig) -> list[str]:
         """The fields in which `other` is another model (the weights' dtype may differ: they
         are converted as they load)."""
-        return [f.name for f in fields(self) if f.name != "torch_dtype" and getattr(self, f.name) != getattr(other, f.name)]
+        return [
+            f.name
+            for f in fields(self)
+            if f.name != "torch_dtype" and getattr(self, f.name) != getattr(other, f.name)
+        ]
 
     def __post_init__(self) -> None:
         for key in POSITIVE_KEYS:  # a 0 would otherwise end in a ZeroDivisionError, here or later
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}, not a positive integer")
-        for key in MOE_KEYS if self.num_experts or self.num_experts_per_tok else ("intermediate_size",):
+        for key in (
+            MOE_KEYS if self.num_experts or self.num_experts_per_tok else ("intermediate_size",)
+        ):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}, not a positive integer")
         if self.num_experts_per_tok > self.num_experts:
-            raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} is more than num_experts {self.num_experts}")
+            raise ConfigError(
+                f"num_experts_per_tok {self.num_experts_per_tok} is more than num_experts {self.num_experts}"
+            )
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries, "
@@ -277,9 +332,7 @@ class ModelConfig:
             counts["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         for name, count in counts.items():
             if count % tp_size:
-                raise ValueError(
-                    f"tensor-parallel size {tp_size} does not divide {name}={count}"
-                )
+                raise ValueError(f"tensor-parallel size {tp_size} does not divide {name}={count}")
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
@@ -294,8 +347,12 @@ class ModelConfig:
             )
         text_config = raw.get("text_config")
         if "text_config" in raw and not isinstance(text_config, dict):
-            raise ConfigError(f"text_config is {json_kind(text_config)}, not an object of the text model's settings")
-        fp8 = read_fp8(raw.get("quantization_config") or (text_config or {}).get("quantization_config"))
+            raise ConfigError(
+                f"text_config is {json_kind(text_config)}, not an object of the text model's settings"
+            )
+        fp8 = read_fp8(
+            raw.get("quantization_config") or (text_config or {}).get("quantization_config")
+        )
         top_eos = raw.get("eos_token_id")
         if model_type in VLM_MODEL_TYPES:
             if text_config is None:
@@ -309,7 +366,9 @@ class ModelConfig:
             tie = raw.get("tie_word_embeddings", False)
             dtype = raw.get("torch_dtype") or raw.get("dtype")
         if dtype is not None and not isinstance(dtype, str):
-            raise ConfigError(f"torch_dtype is {json_kind(dtype)}, not a dtype name such as 'bfloat16'")
+            raise ConfigError(
+                f"torch_dtype is {json_kind(dtype)}, not a dtype name such as 'bfloat16'"
+            )
         moe = model_type.startswith("qwen3_5_moe")
         defaults = {**TEXT_DEFAULTS, **MOE_TEXT_DEFAULTS} if moe else TEXT_DEFAULTS
         text = {**defaults, **{key: value for key, value in text.items() if value is not None}}
@@ -320,7 +379,9 @@ class ModelConfig:
         n_layers = integer("num_hidden_layers")
         layer_types = text.get("layer_types")
         if layer_types is None:
-            interval = to_number(text.get("full_attention_interval", 4), "full_attention_interval", int)
+            interval = to_number(
+                text.get("full_attention_interval", 4), "full_attention_interval", int
+            )
             if interval < 1:
                 raise ConfigError(f"full_attention_interval is {interval}, not a positive integer")
             layer_types = [
@@ -328,16 +389,23 @@ class ModelConfig:
                 for i in range(n_layers)
             ]
         elif not isinstance(layer_types, list):
-            raise ConfigError(f"layer_types is {json_kind(layer_types)}, not an array of layer type names")
+            raise ConfigError(
+                f"layer_types is {json_kind(layer_types)}, not an array of layer type names"
+            )
         # as transformers reads them: rope_scaling (the older key) wins, and theta defaults to 10k
         rope_key = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
         rope = text.get(rope_key) or {}
         if not isinstance(rope, dict):
             raise ConfigError(f"{rope_key} is {json_kind(rope)}, not an object")
         rope = {key: value for key, value in rope.items() if value is not None}
-        rope_theta = to_number(rope.get("rope_theta", text.get("rope_theta", 10_000.0)), "rope_theta", float)
-        partial = to_number(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)),
-                            "partial_rotary_factor", float)  # fmt: skip
+        rope_theta = to_number(
+            rope.get("rope_theta", text.get("rope_theta", 10_000.0)), "rope_theta", float
+        )
+        partial = to_number(
+            rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)),
+            "partial_rotary_factor",
+            float,
+        )
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
             raise ConfigError(f"unsupported rope_type {rope_type!r} in {rope_key}")

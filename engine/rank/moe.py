@@ -28,7 +28,9 @@ from deltaserve.kernels.moe import experts, experts_and_shared, gemv_path, route
 class ReplicatedLinear(nn.Module):
     """y = x W^T with W whole on every rank (the router, the shared expert's gate)."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.weight = replicated_param((out_features, in_features), dtype, device)
 
@@ -41,9 +43,14 @@ def expert_loader(stacked: tuple[int, ...], sections: tuple[int, ...], dim: int)
     ([E, ...]): this rank's shard of `sections` along `dim` of it. Called with the stacked
     tensor, or with one expert's tensor of one part (`expert`, `part`: gate 0, up 1)."""
     whole = sharded_loader(sections, dim, stacked)
-    parts = [sharded_loader(None, dim - 1, (*stacked[1:dim], size, *stacked[dim + 1 :])) for size in sections]
+    parts = [
+        sharded_loader(None, dim - 1, (*stacked[1:dim], size, *stacked[dim + 1 :]))
+        for size in sections
+    ]
 
-    def load(param: nn.Parameter, loaded: torch.Tensor, expert: int | None = None, part: int = 0) -> None:
+    def load(
+        param: nn.Parameter, loaded: torch.Tensor, expert: int | None = None, part: int = 0
+    ) -> None:
         if expert is None:
             whole(param, loaded)
             return
@@ -87,9 +94,20 @@ class SparseMoeBlock(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, x.dtype)
         shared_h = self.shared_expert.gate_up_proj(x, silu_mul=True)
         shared_down = self.shared_expert.down_proj
-        if gemv_path(x, ids) and shared_down.weight.dtype == x.dtype:  # (not an FP8 weight kept as it is)
-            out = experts_and_shared(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, x.dtype,
-                                     shared_h, shared_down.weight, self.shared_expert_gate(x))  # fmt: skip
+        if (
+            gemv_path(x, ids) and shared_down.weight.dtype == x.dtype
+        ):  # (not an FP8 weight kept as it is)
+            out = experts_and_shared(
+                x,
+                self.experts.gate_up_proj,
+                self.experts.down_proj,
+                weights,
+                ids,
+                x.dtype,
+                shared_h,
+                shared_down.weight,
+                self.shared_expert_gate(x),
+            )
             return all_reduce(out)
         out = self.experts(x, weights, ids)
         out += torch.sigmoid(self.shared_expert_gate(x)) * shared_down.product(shared_h)

@@ -21,7 +21,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor | SplitSum, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add(
+        self, x: torch.Tensor | SplitSum, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add fused into the norm; x may be a
         row-parallel projection's partial sums (kernels/skinny_linear.py), added first."""
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -87,11 +87,18 @@ class PromptGraphs(BucketGraphs):
     """
 
     def __init__(
-        self, model: nn.Module, cache: StateCache, max_tokens: int, max_seqs: int, prefix_keys: int = 0
+        self,
+        model: nn.Module,
+        cache: StateCache,
+        max_tokens: int,
+        max_seqs: int,
+        prefix_keys: int = 0,
     ) -> None:
         if max_tokens < MIN_BUCKET or max_seqs < 1:
-            raise ValueError(f"prompt graphs need max_tokens >= {MIN_BUCKET} and max_seqs >= 1, "
-                             f"got {max_tokens}, {max_seqs}")  # fmt: skip
+            raise ValueError(
+                f"prompt graphs need max_tokens >= {MIN_BUCKET} and max_seqs >= 1, "
+                f"got {max_tokens}, {max_seqs}"
+            )
         super().__init__(model, cache)
         self.max_tokens = max_tokens
         self.max_seqs = max_seqs
@@ -128,8 +135,14 @@ class PromptGraphs(BucketGraphs):
         tokens, positions, kv_index, index, bounds, blocks, sampled = parts[:7]
         i32 = torch.int32
         keys = KeyBlocks(parts[7], parts[8].to(i32), parts[9].to(i32)) if self.prefix_keys else None
-        packed = PackedSpans(index.view(3, s).to(i32), bounds.to(i32), blocks.view(e, 2).to(i32), size,
-                             not self.prefix_keys, keys)  # fmt: skip
+        packed = PackedSpans(
+            index.view(3, s).to(i32),
+            bounds.to(i32),
+            blocks.view(e, 2).to(i32),
+            size,
+            not self.prefix_keys,
+            keys,
+        )
         device = self.device
         no_decodes = torch.zeros(0, dtype=i32, device=device)
         meta = StepMeta(
@@ -150,19 +163,28 @@ class PromptGraphs(BucketGraphs):
         spans = [*plan.spans, *[None] * (self.spans - len(plan.spans))]
         lengths = [s.length if s else 0 for s in spans]
         values = [
-            *plan.ids, *[0] * pad,
-            *plan.positions, *[0] * pad,
-            *plan.kv_rows, *[-1] * pad,  # padding rows write no KV
+            *plan.ids,
+            *[0] * pad,
+            *plan.positions,
+            *[0] * pad,
+            *plan.kv_rows,
+            *[-1] * pad,  # padding rows write no KV
             *[s.offset if s else tokens for s in spans],
             *lengths,
             *[s.slot if s else -1 for s in spans],
-            0, *itertools.accumulate(lengths),  # cu_seqlens
+            0,
+            *itertools.accumulate(lengths),  # cu_seqlens
             *[v for entry in span_blocks(lengths, CHUNK_SIZE, self._entries(size)) for v in entry],
-            *plan.sampled, *[0] * (self.max_seqs - len(plan.sampled)),
-        ]  # fmt: skip
+            *plan.sampled,
+            *[0] * (self.max_seqs - len(plan.sampled)),
+        ]
         if self.prefix_keys:
             values += self._key_values(size, spans)
-        self._upload(torch.tensor(values, dtype=torch.int64), self.host[: len(values)], self.inputs[: len(values)])
+        self._upload(
+            torch.tensor(values, dtype=torch.int64),
+            self.host[: len(values)],
+            self.inputs[: len(values)],
+        )
 
     def _key_values(self, size: int, spans: list) -> list[int]:
         """Each span's KV blocks from position 0 through its chunk, padded with block 0; where
@@ -171,11 +193,18 @@ class PromptGraphs(BucketGraphs):
         blocks = [[*s.blocks[: -(-s.end // bs)]] if s else [] for s in spans]
         flat = [b for span_blocks in blocks for b in span_blocks]
         starts = itertools.accumulate((len(b) * bs for b in blocks), initial=0)
-        return [*flat, *[0] * (self._key_entries(size) - len(flat)), *starts, *[s.end if s else 0 for s in spans]]
+        return [
+            *flat,
+            *[0] * (self._key_entries(size) - len(flat)),
+            *starts,
+            *[s.end if s else 0 for s in spans],
+        ]
 
     def _keys_fit(self, plan: StepPlan) -> bool:
         bucket = min(b for b in token_buckets(self.max_tokens) if b >= len(plan.ids))
-        return sum(-(-s.end // self.cache.block_size) for s in plan.spans) <= self._key_entries(bucket)
+        return sum(-(-s.end // self.cache.block_size) for s in plan.spans) <= self._key_entries(
+            bucket
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -193,7 +222,9 @@ class PromptGraphs(BucketGraphs):
             and len(plan.spans) <= self.max_seqs
             and not plan.last_sample_rows
             and all(s.length > 1 for s in plan.spans)
-            and (self._keys_fit(plan) if self.prefix_keys else all(s.start == 0 for s in plan.spans))
+            and (
+                self._keys_fit(plan) if self.prefix_keys else all(s.start == 0 for s in plan.spans)
+            )
         )
 
     @torch.inference_mode()

@@ -43,7 +43,11 @@ def prompt_rows(items: list[StepItem], offsets: list[int]) -> list[PromptRows]:
             continue
         count = item.num_prompt_logprobs
         targets = [*item.token_ids[1:], item.next_token][:count]
-        wanted.append(PromptRows(item.request_id, list(range(offset, offset + count)), targets, item.prompt_logprobs))
+        wanted.append(
+            PromptRows(
+                item.request_id, list(range(offset, offset + count)), targets, item.prompt_logprobs
+            )
+        )
     return wanted
 
 
@@ -63,7 +67,9 @@ def prompt_logprobs(
         if logits is None:  # not rank 0
             continue
         target_ids = to_device(targets[first : first + ROWS_PER_PASS], torch.int64, hidden.device)
-        normaliser, best, target, rank = (t[:, None] for t in target_stats(logits, target_ids))  # one read
+        normaliser, best, target, rank = (
+            t[:, None] for t in target_stats(logits, target_ids)
+        )  # one read
         if k == 1:  # lm-evaluation-harness's question: the argmax is the best alternative
             ids = best
             values = logits.gather(1, ids)
@@ -73,7 +79,9 @@ def prompt_logprobs(
         packed.append(torch.cat([p.double() for p in parts], dim=1))
     if tp_rank() != 0:
         return {}
-    table = torch.cat(packed).cpu().tolist() if packed else []  # one wait for the host, not one a slice
+    table = (
+        torch.cat(packed).cpu().tolist() if packed else []
+    )  # one wait for the host, not one a slice
     out, at = {}, 0
     for w in wanted:
         mine, at = table[at : at + len(w.rows)], at + len(w.rows)
@@ -81,6 +89,9 @@ def prompt_logprobs(
         out[w.request_id] = PromptLogprobs(
             [row[0] for row in mine],
             [int(row[1]) for row in mine],
-            [[(int(t), v) for t, v in zip(row[2 : 2 + n], row[2 + k : 2 + k + n], strict=True)] for row in mine],
+            [
+                [(int(t), v) for t, v in zip(row[2 : 2 + n], row[2 + k : 2 + k + n], strict=True)]
+                for row in mine
+            ],
         )
     return out

@@ -38,7 +38,9 @@ PACKED_MODULES: dict[str, tuple[str, int]] = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.is_linear = config.layer_types[index] == "linear_attention"
@@ -56,7 +58,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
 
     def forward(
-        self, x: torch.Tensor | SplitSum, residual: torch.Tensor | None, batch: StepBatch, cache: StateCache
+        self,
+        x: torch.Tensor | SplitSum,
+        residual: torch.Tensor | None,
+        batch: StepBatch,
+        cache: StateCache,
     ) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:
         """(this block's MLP output, the residual stream before it): the caller's next norm
         adds the two (HF: x = x + mixer(norm(x)); x = x + mlp(norm(x))). A projection's output
@@ -73,7 +79,9 @@ class DecoderLayer(nn.Module):
 class Qwen3_5TextModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, dtype, device
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers)
         )
@@ -88,7 +96,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.config = config
         self.model = Qwen3_5TextModel(config, dtype, device)
         if not config.tie_word_embeddings:
-            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, device)
+            self.lm_head = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, dtype, device
+            )
 
     @property
     def output_embedding(self) -> VocabParallelEmbedding:
@@ -102,12 +112,16 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
         """The fp32 logits of `hidden`'s rows at `batch.logits_index` (all where None), rank 0."""
-        return self.output_embedding.logits(hidden if batch.logits_index is None else hidden[batch.logits_index])
+        return self.output_embedding.logits(
+            hidden if batch.logits_index is None else hidden[batch.logits_index]
+        )
 
     @torch.inference_mode()
     def hidden_states(self, batch: StepBatch, cache: StateCache) -> torch.Tensor:
         """Run every layer over the step; every token's final hidden state [T, hidden], normed."""
-        x = self.model.embed_tokens(batch.input_ids, batch.token_slots, cache.last_tokens)  # [T, hidden]
+        x = self.model.embed_tokens(
+            batch.input_ids, batch.token_slots, cache.last_tokens
+        )  # [T, hidden]
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, batch, cache)

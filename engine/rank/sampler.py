@@ -80,7 +80,9 @@ class _RequestState:
     seen: set[int] = field(default_factory=set)  # prompt and output tokens (repetition)
     output_counts: dict[int, int] = field(default_factory=dict)  # output occurrences
     generator: torch.Generator | None = None
-    recent: list[int] = field(default_factory=list)  # the last output tokens a bad word's prefix spans
+    recent: list[int] = field(
+        default_factory=list
+    )  # the last output tokens a bad word's prefix spans
     allowed: torch.Tensor | None = None  # allowed_token_ids on the device, sent up once
     guide: Guide | None = None  # its pattern's automaton (guided decoding)
     guide_state: int = START  # where its output so far has taken the automaton
@@ -151,16 +153,34 @@ class Sampler:
     def add(self, request_id: int, spec: SamplingSpec) -> None:
         if request_id in self._requests:
             raise ValueError(f"sampler already holds request {request_id}")
-        ids = [*spec.stop_token_ids, *(t for t, _ in spec.logit_bias), *spec.allowed_token_ids,
-               *(t for word in spec.bad_words for t in word), *spec.guide_end_ids,
-               *([spec.think_end_id] if spec.think_budget >= 0 else [])]  # fmt: skip
+        ids = [
+            *spec.stop_token_ids,
+            *(t for t, _ in spec.logit_bias),
+            *spec.allowed_token_ids,
+            *(t for word in spec.bad_words for t in word),
+            *spec.guide_end_ids,
+            *([spec.think_end_id] if spec.think_budget >= 0 else []),
+        ]
         if any(t < 0 for t in ids) or not all(spec.bad_words):
-            raise ValueError(f"request {request_id}: negative token id in {ids}, or an empty bad word")
+            raise ValueError(
+                f"request {request_id}: negative token id in {ids}, or an empty bad word"
+            )
         penalties = _has_penalties(spec)
-        adjusts = penalties or bool(spec.logit_bias) or bool(spec.allowed_token_ids) or bool(spec.guide_regex)
+        adjusts = (
+            penalties
+            or bool(spec.logit_bias)
+            or bool(spec.allowed_token_ids)
+            or bool(spec.guide_regex)
+        )
         guide = self._guide(spec.guide_regex) if spec.guide_regex else None
-        self._requests[request_id] = _RequestState(spec, penalties, adjusts, max(ids, default=-1), guide=guide,
-                                                   thinking=spec.think_budget >= 0)  # fmt: skip
+        self._requests[request_id] = _RequestState(
+            spec,
+            penalties,
+            adjusts,
+            max(ids, default=-1),
+            guide=guide,
+            thinking=spec.think_budget >= 0,
+        )
 
     def _guide(self, pattern: str) -> Guide:
         """The pattern's guide, shared by every request with it (and kept a while after)."""
@@ -172,7 +192,9 @@ class Sampler:
                 self._trie = self._vocabulary()
             guide = self._guides[pattern] = Guide(pattern, self._trie)
             in_use = {s.spec.guide_regex for s in self._requests.values()}
-            idle = [p for p in self._guides if p not in in_use and p != pattern]  # least recent first
+            idle = [
+                p for p in self._guides if p not in in_use and p != pattern
+            ]  # least recent first
             for old in idle[: len(self._guides) - GUIDES_KEPT]:
                 del self._guides[old]
         self._guides.move_to_end(pattern)
@@ -219,7 +241,9 @@ class Sampler:
         states = [self._state(r) for r in request_ids]
         num_alternatives = max((s.spec.num_logprobs for s in states), default=0)
         if not request_ids:
-            return SampleLaunch([], [], torch.empty(0, dtype=torch.int64), torch.empty((0, 2)), None)
+            return SampleLaunch(
+                [], [], torch.empty(0, dtype=torch.int64), torch.empty((0, 2)), None
+            )
         logits = logits.float()
         slot_rows = None if slots is None else to_device(slots, torch.int64, logits.device)
         # Raw logprobs without materialising log_softmax: logit - logsumexp(row); one read of
@@ -228,10 +252,15 @@ class Sampler:
         log_normaliser, tokens, greedy = logsumexp_argmax(logits, slot_rows, last_tokens)
 
         work = logits
-        barred = {i: b for i, s in enumerate(states) if (s.spec.bad_words or s.num_sampled < s.spec.min_tokens)
-                  and (b := s.barred())}  # fmt: skip
+        barred = {
+            i: b
+            for i, s in enumerate(states)
+            if (s.spec.bad_words or s.num_sampled < s.spec.min_tokens) and (b := s.barred())
+        }
         forced = {i: s.spec.think_end_id for i, s in enumerate(states) if s.thinking_spent()}
-        adjusted = [i for i, s in enumerate(states) if s.always_adjusts or i in barred or i in forced]
+        adjusted = [
+            i for i, s in enumerate(states) if s.always_adjusts or i in barred or i in forced
+        ]
         if adjusted:
             work = logits.clone(memory_format=torch.contiguous_format)  # `_adjust` indexes it flat
             self._adjust(work, adjusted, request_ids, states, barred)
@@ -273,9 +302,14 @@ class Sampler:
             launch.done.synchronize()
         k_max = (launch.host.shape[1] - 2) // 2
         samples = []
-        for row, request_id, state in zip(launch.host.tolist(), launch.request_ids, launch.states, strict=True):
+        for row, request_id, state in zip(
+            launch.host.tolist(), launch.request_ids, launch.states, strict=True
+        ):
             token, k = int(row[0]), state.spec.num_logprobs
-            alternatives = [(int(t), v) for t, v in zip(row[2 : 2 + k], row[2 + k_max : 2 + k_max + k], strict=True)]
+            alternatives = [
+                (int(t), v)
+                for t, v in zip(row[2 : 2 + k], row[2 + k_max : 2 + k_max + k], strict=True)
+            ]
             samples.append(Sample(request_id, token, row[1], alternatives))
             if state.guide is not None:
                 state.guide_state = state.guide.advance(state.guide_state, token)
@@ -284,7 +318,9 @@ class Sampler:
             state.num_sampled += 1
             if state.spec.bad_words:  # as many last tokens as the longest prefix needs
                 state.recent.append(token)
-                del state.recent[: max(0, len(state.recent) - max(map(len, state.spec.bad_words)) + 1)]
+                del state.recent[
+                    : max(0, len(state.recent) - max(map(len, state.spec.bad_words)) + 1)
+                ]
             if state.has_penalties:
                 state.seen.add(token)
                 state.output_counts[token] = state.output_counts.get(token, 0) + 1
@@ -335,8 +371,14 @@ class Sampler:
                 work[i].fill_(float("-inf")).index_copy_(0, allowed, kept)
         guided = [i for i in rows if states[i].guide is not None]
         if guided:  # the guided rows together: each its state's mask
-            masks = torch.stack([states[i].guide.mask(states[i].guide_state, states[i].spec.guide_end_ids, vocab, device)
-                                 for i in guided])  # fmt: skip
+            masks = torch.stack(
+                [
+                    states[i].guide.mask(
+                        states[i].guide_state, states[i].spec.guide_end_ids, vocab, device
+                    )
+                    for i in guided
+                ]
+            )
             index = to_device(guided, torch.int64, device)
             work[index] = work[index].masked_fill(~masks, float("-inf"))
 
@@ -362,12 +404,25 @@ class Sampler:
         # each row's candidates: its top-k, the _TOP_P_CANDIDATES best for top-p alone, or the
         # whole vocabulary (in vocabulary order); the noise is drawn over exactly that many, in
         # that order, as `_draw` does
-        widths = [s.top_k if 0 < s.top_k < vocab else min(_TOP_P_CANDIDATES, vocab) if s.top_p < 1.0 else vocab
-                  for s in specs]  # fmt: skip
+        widths = [
+            s.top_k
+            if 0 < s.top_k < vocab
+            else min(_TOP_P_CANDIDATES, vocab)
+            if s.top_p < 1.0
+            else vocab
+            for s in specs
+        ]
         # the rows' knobs in one copy to the device: temperature, log(min_p), top_p, width
-        knobs = to_device([[s.temperature for s in specs],
-                           [math.log(s.min_p) if s.min_p > 0.0 else -math.inf for s in specs],
-                           [s.top_p for s in specs], widths], torch.float32, device)  # fmt: skip
+        knobs = to_device(
+            [
+                [s.temperature for s in specs],
+                [math.log(s.min_p) if s.min_p > 0.0 else -math.inf for s in specs],
+                [s.top_p for s in specs],
+                widths,
+            ],
+            torch.float32,
+            device,
+        )
         index = {}  # row lists as device tensors, each sent up once (list indexing would sync)
 
         def at(rows_list: list[int]) -> torch.Tensor:
@@ -380,7 +435,9 @@ class Sampler:
         x = scaled
         if any(s.min_p > 0.0 for s in specs):
             # vLLM MinPLogitsProcessor: prob < min_p * max prob, i.e. x < max x + log(min_p)
-            x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + knobs[1][:, None], float("-inf"))
+            x = x.masked_fill(
+                x < x.max(dim=-1, keepdim=True).values + knobs[1][:, None], float("-inf")
+            )
         drawn = torch.empty(len(rows), dtype=torch.long, device=device)
         filtered = [0 < s.top_k < vocab or s.top_p < 1.0 for s in specs]
         whole = [j for j, f in enumerate(filtered) if not f]
@@ -418,8 +475,9 @@ class Sampler:
         return drawn
 
 
-def _race(values: torch.Tensor, ids: torch.Tensor | None, widths: list[int],
-          states: list[_RequestState]) -> torch.Tensor:  # fmt: skip
+def _race(
+    values: torch.Tensor, ids: torch.Tensor | None, widths: list[int], states: list[_RequestState]
+) -> torch.Tensor:
     """The exponential race over each row's candidates (`values`, -inf where excluded; token
     ids `ids`, or None when the columns are the vocabulary): argmax(probs / q), q ~ Exp(1)
     drawn from the row's own generator over its first `widths[j]` columns, as `_draw` draws
@@ -469,7 +527,9 @@ def _draw(x: torch.Tensor, spec: SamplingSpec, generator: torch.Generator) -> to
         kept = _top_p_sorted(candidates, log_normaliser, spec.top_p)
         if candidates.shape[0] < vocab and not bool(torch.isinf(kept[-1])):
             # The last candidate is inside the nucleus, which may reach further: sort all.
-            candidates, ids = x.sort(descending=True, stable=True)  # ties in id order, as best_first
+            candidates, ids = x.sort(
+                descending=True, stable=True
+            )  # ties in id order, as best_first
             kept = _top_p_sorted(candidates, log_normaliser, spec.top_p)
         x = kept
     probs = torch.softmax(x, dim=-1)

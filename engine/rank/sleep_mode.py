@@ -60,11 +60,17 @@ def release_memory(model: nn.Module, cache: StateCache, level: int) -> Asleep:
 def restore_memory(model: nn.Module, cache: StateCache, asleep: Asleep, tags: list[str]) -> bool:
     """Take back the parts `tags` name (those already back are skipped); True once all are."""
     if unknown := set(tags) - set(SLEEP_TAGS):
-        raise ValueError(f"wake_up tags must be among {', '.join(SLEEP_TAGS)}, got {sorted(unknown)}")
+        raise ValueError(
+            f"wake_up tags must be among {', '.join(SLEEP_TAGS)}, got {sorted(unknown)}"
+        )
     device = cache.kv.device
     if "weights" in tags and asleep.weights is not None:
         for tensor, shape, host in asleep.weights:
-            tensor.data = torch.empty(shape, dtype=tensor.dtype, device=device) if host is None else host.to(device)
+            tensor.data = (
+                torch.empty(shape, dtype=tensor.dtype, device=device)
+                if host is None
+                else host.to(device)
+            )
         asleep.weights = None
     if "kv_cache" in tags and asleep.cache is not None:
         for name, (shape, dtype) in asleep.cache.items():

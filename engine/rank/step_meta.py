@@ -32,7 +32,9 @@ class PackedSpans:
     # starts 4n bytes on, 16-byte aligned or not by n: kernels reading them must not
     # specialize on alignment (`do_not_specialize_on_alignment`), or each n % 4 compiles anew
     index: torch.Tensor
-    bounds: torch.Tensor  # [n + 1] int32: cumulative lengths over the packed prompt rows (cu_seqlens)
+    bounds: (
+        torch.Tensor
+    )  # [n + 1] int32: cumulative lengths over the packed prompt rows (cu_seqlens)
     blocks: torch.Tensor  # [entries, 2] int32: (chunk, CHUNK_SIZE-token block), `span_blocks`
     max_len: int  # host-side bound on the lengths: sizes flash's grid
     fresh: bool  # every chunk is its prompt's first: attention reads no cached keys
@@ -43,7 +45,9 @@ class PackedSpans:
     @classmethod
     def build(cls, spans: tuple[SeqSpan, ...], device: torch.device) -> PackedSpans:
         lengths = [s.length for s in spans]
-        host = torch.tensor([[s.offset for s in spans], lengths, [s.slot for s in spans]], dtype=torch.int32)
+        host = torch.tensor(
+            [[s.offset for s in spans], lengths, [s.slot for s in spans]], dtype=torch.int32
+        )
         bounds = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         blocks = torch.tensor(span_blocks(lengths, CHUNK_SIZE), dtype=torch.int32).reshape(-1, 2)
         return cls(
@@ -65,7 +69,9 @@ class StepMeta:
     block_tables: torch.Tensor  # [D, max_blocks] int64, its KV blocks (padded with block 0)
     max_seq_len: int  # host-side bound on seq_lens: sizes the attention grid
     prefill: tuple[SeqSpan, ...]  # the step's spans of more than one token
-    prefill_rows: torch.Tensor | None = None  # [P] int64, their token rows, packed (only beside decodes)
+    prefill_rows: torch.Tensor | None = (
+        None  # [P] int64, their token rows, packed (only beside decodes)
+    )
     packed: PackedSpans | None = None  # them, for the kernels that take them all at once
 
     @property

@@ -33,7 +33,9 @@ def _byte_level_decoder() -> dict[int, int]:
 def _uses_byte_level(spec: object) -> bool:
     if not isinstance(spec, dict):
         return False
-    return spec.get("type") == "ByteLevel" or any(_uses_byte_level(d) for d in spec.get("decoders") or ())
+    return spec.get("type") == "ByteLevel" or any(
+        _uses_byte_level(d) for d in spec.get("decoders") or ()
+    )
 
 
 def _sentencepiece_bytes(token: str) -> bytes:

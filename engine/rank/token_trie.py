@@ -27,7 +27,9 @@ class TokenTrie:
 
     ARRAYS = ("byte", "token", "parent", "child_lo", "child_hi")
 
-    def __init__(self, token_bytes: Sequence[bytes | None], arrays: dict[str, np.ndarray] | None = None) -> None:
+    def __init__(
+        self, token_bytes: Sequence[bytes | None], arrays: dict[str, np.ndarray] | None = None
+    ) -> None:
         """Built from the tokens' bytes, or taken from `arrays` (`to_arrays`' of a trie built
         from these same bytes: engine/rank/vocab_cache.py keeps them on disk)."""
         self.token_bytes = list(token_bytes)
@@ -37,7 +39,9 @@ class TokenTrie:
             self.level_start = arrays["level_start"].tolist()
             self._index_levels()
             return
-        in_order = sorted((i for i, b in enumerate(self.token_bytes) if b), key=self.token_bytes.__getitem__)
+        in_order = sorted(
+            (i for i, b in enumerate(self.token_bytes) if b), key=self.token_bytes.__getitem__
+        )
         spelled = [self.token_bytes[i] for i in in_order]
         ids = np.array(in_order, dtype=np.int64)
         lengths = np.fromiter(map(len, spelled), dtype=np.int64, count=len(spelled))
@@ -73,7 +77,10 @@ class TokenTrie:
         self._index_levels()
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        return {**{name: getattr(self, name) for name in self.ARRAYS}, "level_start": np.array(self.level_start)}
+        return {
+            **{name: getattr(self, name) for name in self.ARRAYS},
+            "level_start": np.array(self.level_start),
+        }
 
     def _index_levels(self) -> None:
         """Each level's nodes that end a token (their index in the level) and the token ids."""

@@ -39,7 +39,13 @@ def load_trie(model_dir: str | Path) -> TokenTrie:
         return _read(path)
     except FileNotFoundError:
         pass
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # damaged: built again, replaced
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        EOFError,
+        zipfile.BadZipFile,
+    ) as exc:  # damaged: built again, replaced
         log.warning("vocabulary cache %s unreadable (%s): building it again", path, exc)
     trie = TokenTrie(read_token_bytes(model_dir))
     try:
@@ -52,9 +58,16 @@ def load_trie(model_dir: str | Path) -> TokenTrie:
 def _read(path: Path) -> TokenTrie:
     with np.load(path, allow_pickle=False) as data:
         arrays = {name: data[name] for name in data.files}
-    blob, ends, present = arrays.pop("token_blob").tobytes(), arrays.pop("token_ends"), arrays.pop("token_present")
+    blob, ends, present = (
+        arrays.pop("token_blob").tobytes(),
+        arrays.pop("token_ends"),
+        arrays.pop("token_present"),
+    )
     starts = np.concatenate([[0], ends[:-1]]).tolist() if ends.size else []
-    token_bytes = [blob[a:b] if ok else None for a, b, ok in zip(starts, ends.tolist(), present.tolist(), strict=True)]
+    token_bytes = [
+        blob[a:b] if ok else None
+        for a, b, ok in zip(starts, ends.tolist(), present.tolist(), strict=True)
+    ]
     trie = TokenTrie(token_bytes, arrays)
     if trie.byte.shape != trie.token.shape or trie.level_start[-1] != trie.byte.shape[0]:
         raise ValueError("arrays of different lengths")
@@ -69,7 +82,9 @@ def _write(path: Path, trie: TokenTrie) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
         try:
-            small = {name: a.astype(np.int32) for name, a in trie.to_arrays().items()}  # ids < 2**31: half the file
+            small = {
+                name: a.astype(np.int32) for name, a in trie.to_arrays().items()
+            }  # ids < 2**31: half the file
             np.savez(tmp, token_blob=blob, token_ends=ends, token_present=present, **small)
         except BaseException:
             os.unlink(tmp.name)
