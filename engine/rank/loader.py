@@ -45,33 +45,70 @@ class CheckpointError(ValueError):
     pass
 
 
+def weight_roots(model_dir: Path) -> tuple[Path, ...]:
+    """Where a checkpoint's files may resolve to: its folder, and for a Hugging Face hub
+    snapshot (`models--org--name/snapshots/REV`, whose files link to `../../blobs/SHA`) its
+    repository's blobs folder."""
+    folder = model_dir.resolve()
+    if folder.parent.name == "snapshots":
+        return folder, folder.parent.parent / "blobs"
+    return (folder,)
+
+
+def _inside(path: Path, model_dir: Path) -> Path:
+    """`path`, once it resolves (symbolic links followed) inside the checkpoint (weight_roots);
+    else a CheckpointError naming the file and the rule, before any byte of it is read."""
+    resolved = path.resolve()
+    if not any(resolved.is_relative_to(root) for root in weight_roots(model_dir)):
+        raise CheckpointError(
+            f"{path.name} in {model_dir} resolves outside the checkpoint folder (symbolic "
+            "links followed): a checkpoint's files must be inside it"
+        )
+    return path
+
+
+def _shard_name(index: Path, name: str) -> str:
+    """An index's shard file name, refused unless a plain file name: no folder, no `..`."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise CheckpointError(
+            f"{index} names a shard {name!r} that is not a plain file name: shards are files "
+            "of the checkpoint's own folder"
+        )
+    return name
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names (each a plain file name),
+    else model.safetensors, else every *.safetensors; each must resolve inside the checkpoint
+    (`_inside`)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
+        _inside(index, model_dir)
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-            if not all(isinstance(name, str) for name in files):
+            names = sorted(set(weight_map.values()))
+            if not all(isinstance(name, str) for name in names):
                 raise TypeError("a weight_map value is not a file name")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(
                 f"{index} is not a safetensors index with a weight_map of tensor -> "
                 f"file name ({type(e).__name__}: {e})"
             ) from None
-        missing = [name for name in files if not (model_dir / name).is_file()]
+        files = [_inside(model_dir / _shard_name(index, name), model_dir) for name in names]
+        missing = [path.name for path in files if not path.is_file()]
         if missing:
             raise CheckpointError(
                 f"{index} names shard files that are missing: {', '.join(missing)}"
             )
-        return [model_dir / name for name in files]
+        return files
     single = model_dir / "model.safetensors"
     if single.is_file():
-        return [single]
+        return [_inside(single, model_dir)]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no safetensors files in {model_dir}")
-    return files
+    return [_inside(path, model_dir) for path in files]
 
 
 def text_name(name: str) -> str | None:
