@@ -6,7 +6,7 @@ spelling of a guarded path reaches its handler without the key):
   leave these open too);
 - admin: the routes that change the engine (rl_routes.py, routed only when enabled): the
   admin key when one is set, else the API key, else none (SGLang's ADMIN_OPTIONAL);
-- every other route, and any path that resolves to none: the API key when one is set.
+- every other route, and any other path: the API key when one is set.
 
 A key is taken as `Authorization: Bearer KEY` or as Anthropic's clients send it,
 `x-api-key: KEY`, and compared as SHA-256 digests with `hmac.compare_digest` (as vLLM's
@@ -52,9 +52,10 @@ class ApiKeys:
         self._admin_paths = frozenset(admin_paths)
 
     def required(self, request: web.Request) -> bytes | None:
-        """The digest of the key the request must carry, or None where it needs none."""
+        """The digest of the key the request must carry, or None where it needs none. A
+        request no route takes (a 404, a 405) by its path: no handler runs for it."""
         resource = request.match_info.route.resource
-        path = resource.canonical if resource is not None else None
+        path = resource.canonical if resource is not None else request.path
         if path in OPEN_PATHS:
             return None
         return self._admin if path in self._admin_paths else self._api

@@ -12,7 +12,9 @@ carry. What a web page in a browser could otherwise make the server do for it:
   or the browser's `Sec-Fetch-Site: cross-site | same-site`) is refused (403) unless CORS
   allows its origin (`--allowed-origins`, none by default); the open probes excepted.
 - **Bodies**: a POST, PUT or PATCH body must be JSON, `Content-Type: application/json`
-  (415 otherwise, naming the route), as vLLM's FastAPI and SGLang require.
+  (415 otherwise, naming the route), as vLLM's FastAPI and SGLang require. A POST without a
+  body may say anything (aiohttp's client sends `application/octet-stream`): from another
+  site the check above refuses it.
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ CROSS_SITE = frozenset({"cross-site", "same-site"})  # Sec-Fetch-Site values fro
 
 def _hostname(host: str) -> str:
     """The name in a Host header, its port and an IPv6 literal's brackets taken off."""
-    host = host.strip().lower().rstrip(".")
+    host = host.strip().lower()
     if host.startswith("["):
         return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    return (host.rsplit(":", 1)[0] if host.count(":") == 1 else host).rstrip(".")
 
 
 def _is_ip(name: str) -> bool:
@@ -138,14 +140,12 @@ class RequestGuard:
 
     @web.middleware
     async def check_body(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.method in BODY_METHODS:
+        if request.method in BODY_METHODS and request.body_exists:
             content_type = request.headers.get("Content-Type")
             media_type = (
                 None if content_type is None else content_type.split(";", 1)[0].strip().lower()
             )
-            if media_type != "application/json" and (
-                content_type is not None or request.body_exists
-            ):
+            if media_type != "application/json":
                 raise ApiError(
                     415,
                     f"{request.method} {request.path} takes a JSON body: Content-Type must be "

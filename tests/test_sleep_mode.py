@@ -75,7 +75,7 @@ async def test_sleep_and_wake_up(placement, tiny_model_dir, model_b, refs):  # n
 async def test_sleep_routes(tiny_model_dir, refs):  # noqa: F811
     config = EngineConfig(model=str(tiny_model_dir), max_model_len=256, max_num_seqs=2)
     async with (
-        in_process_server(config, ServerConfig("tiny")) as server,
+        in_process_server(config, ServerConfig("tiny", enable_sleep_mode=True)) as server,
         aiohttp.ClientSession() as session,
     ):
 
