@@ -16,7 +16,7 @@ from deltaserve.engine.rank.checkpoint_reader import (
     read_header,
 )
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
-from deltaserve.engine.rank.loader import CheckpointError
+from deltaserve.engine.rank.loader import CheckpointError, checkpoint_files
 from deltaserve.engine.rank.model_config import ConfigError, ModelConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.golden import compare_logprobs
@@ -207,6 +207,74 @@ def test_malformed_index_is_named(tiny_vlm_model_dir, tmp_path, index):
         CheckpointError, match=r"model.safetensors.index.json is not a safetensors index"
     ):
         logits_of(target)
+
+
+@pytest.mark.parametrize(
+    "shard,rule",
+    [
+        ("../secret.safetensors", "not a plain file name"),
+        ("/tmp/secret.safetensors", "not a plain file name"),
+        ("sub/model.safetensors", "not a plain file name"),
+        ("..", "not a plain file name"),
+        ("", "not a plain file name"),
+        ("out.safetensors", "resolves outside the checkpoint folder"),  # a link out
+    ],
+)
+def test_shards_only_from_inside_the_folder(tiny_vlm_model_dir, tmp_path, shard, rule):
+    """An index names plain file names of the folder; a file that resolves (links followed)
+    outside it is refused before a byte of it is read."""
+    target = tmp_path / "ckpt"
+    shutil.copytree(tiny_vlm_model_dir, target)
+    outside = tmp_path / "secret.safetensors"
+    shutil.copy(target / "model-00001-of-00002.safetensors", outside)
+    (target / "out.safetensors").symlink_to(outside)
+    index = target / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = sorted(data["weight_map"])[0]
+    data["weight_map"][first] = shard
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=rule):
+        checkpoint_files(target)
+
+
+def test_links_out_of_a_single_file_checkpoint_are_refused(broken_copy, tmp_path):
+    outside = tmp_path / "elsewhere.safetensors"
+    (broken_copy / "model.safetensors").rename(outside)
+    (broken_copy / "model.safetensors").symlink_to(outside)
+    with pytest.raises(CheckpointError, match="model.safetensors in .* resolves outside"):
+        checkpoint_files(broken_copy)
+    (broken_copy / "model.safetensors").unlink()
+    (broken_copy / "a.safetensors").symlink_to(outside)  # found by the *.safetensors glob
+    with pytest.raises(CheckpointError, match="a.safetensors in .* resolves outside"):
+        checkpoint_files(broken_copy)
+
+
+def test_a_hub_snapshot_links_into_its_blobs(tiny_vlm_model_dir, tmp_path):
+    """Hugging Face's cache: snapshots/REV/<file> links to ../../blobs/<sha>, outside the
+    snapshot folder but inside its repository's blobs: served, and its logits are the
+    checkpoint's; a link past the blobs is still refused."""
+    repo = tmp_path / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, path in enumerate(sorted(tiny_vlm_model_dir.iterdir())):
+        shutil.copy(path, blobs / f"blob{i}")
+        (snapshot / path.name).symlink_to(f"../../blobs/blob{i}")
+    files = checkpoint_files(snapshot)
+    assert [f.name for f in files] == sorted(
+        set(
+            json.loads((tiny_vlm_model_dir / "model.safetensors.index.json").read_text())[
+                "weight_map"
+            ].values()
+        )
+    )
+    assert torch.equal(logits_of(snapshot), logits_of(tiny_vlm_model_dir))
+    shard = snapshot / files[0].name
+    shard.unlink()
+    shard.symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="resolves outside"):
+        checkpoint_files(snapshot)
 
 
 def test_truncated_file_is_named(broken_copy):
