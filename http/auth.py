@@ -27,6 +27,13 @@ from deltaserve.http import errors
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 
+def route_path(request: web.Request) -> str:
+    """The path of the route the request resolved to; for one no route takes (a 404, a 405),
+    its own path: no handler runs for it."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else request.path
+
+
 def _digest(key: str) -> bytes:
     # surrogateescape: a header's undecodable bytes arrive as surrogates; never a 500
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
@@ -52,10 +59,8 @@ class ApiKeys:
         self._admin_paths = frozenset(admin_paths)
 
     def required(self, request: web.Request) -> bytes | None:
-        """The digest of the key the request must carry, or None where it needs none. A
-        request no route takes (a 404, a 405) by its path: no handler runs for it."""
-        resource = request.match_info.route.resource
-        path = resource.canonical if resource is not None else request.path
+        """The digest of the key the request must carry, or None where it needs none."""
+        path = route_path(request)
         if path in OPEN_PATHS:
             return None
         return self._admin if path in self._admin_paths else self._api

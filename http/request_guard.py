@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from deltaserve.http.auth import OPEN_PATHS
+from deltaserve.http.auth import OPEN_PATHS, route_path
 from deltaserve.http.cors import Cors
 from deltaserve.http.errors import ApiError
 
@@ -124,9 +124,8 @@ class RequestGuard:
 
     @web.middleware
     async def check_site(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        resource = request.match_info.route.resource
         if (
-            (resource is None or resource.canonical not in OPEN_PATHS)
+            route_path(request) not in OPEN_PATHS
             and self.from_another_site(request)
             and not self.cors.allows(request.headers.get("Origin", "null"))
         ):

@@ -721,6 +721,13 @@ async def _serve(args: argparse.Namespace, listen: Listen, server_config, engine
         except OSError as exc:
             log.error("cannot listen on %s: %s", args.uds or f"{args.host}:{args.port}", exc)
             return 1
+        if (server_config.enable_admin_routes or server_config.enable_sleep_mode) and (
+            server_config.admin_api_key is None and server_config.api_key is None
+        ):
+            log.warning(
+                "admin routes are on and need no key: any client that reaches the server can "
+                "load weights, pause or put it to sleep (--admin-api-key or --api-key)"
+            )
         log.info(
             "ready: serving '%s' at %s/v1 (health: /health, metrics: /metrics, monitor: %s)",
             "', '".join(server_config.served_model_name),

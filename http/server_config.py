@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from deltaserve.engine.sampling_params import SEED_MAX, SEED_MIN
@@ -106,6 +107,9 @@ class ServerConfig:
             object.__setattr__(
                 self, "allowed_hosts", cors_list("allowed_hosts", self.allowed_hosts)
             )
+        root = self.allowed_weights_root
+        if root is not None and not Path(root).is_dir():
+            raise ValueError(f"allowed_weights_root {root!r} is not a directory")
         if self.max_pending_stream_events < 1:
             raise ValueError(
                 f"max_pending_stream_events must be >= 1, got {self.max_pending_stream_events}"
