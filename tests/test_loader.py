@@ -234,19 +234,22 @@ def test_shards_only_from_inside_the_folder(tiny_vlm_model_dir, tmp_path, shard,
     data["weight_map"][first] = shard
     index.write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match=rule):
-        checkpoint_files(target)
+        checkpoint_files(target, confined=True)
 
 
-def test_links_out_of_a_single_file_checkpoint_are_refused(broken_copy, tmp_path):
+def test_links_out_of_a_single_file_checkpoint_are_refused_for_new_weights(broken_copy, tmp_path):
+    """For new weights (confined); the folder served from start may link anywhere (its
+    operator's: a custom config beside linked weights)."""
     outside = tmp_path / "elsewhere.safetensors"
     (broken_copy / "model.safetensors").rename(outside)
     (broken_copy / "model.safetensors").symlink_to(outside)
     with pytest.raises(CheckpointError, match="model.safetensors in .* resolves outside"):
-        checkpoint_files(broken_copy)
+        checkpoint_files(broken_copy, confined=True)
+    assert checkpoint_files(broken_copy) == [broken_copy / "model.safetensors"]
     (broken_copy / "model.safetensors").unlink()
     (broken_copy / "a.safetensors").symlink_to(outside)  # found by the *.safetensors glob
     with pytest.raises(CheckpointError, match="a.safetensors in .* resolves outside"):
-        checkpoint_files(broken_copy)
+        checkpoint_files(broken_copy, confined=True)
 
 
 def test_a_hub_snapshot_links_into_its_blobs(tiny_vlm_model_dir, tmp_path):
@@ -260,7 +263,7 @@ def test_a_hub_snapshot_links_into_its_blobs(tiny_vlm_model_dir, tmp_path):
     for i, path in enumerate(sorted(tiny_vlm_model_dir.iterdir())):
         shutil.copy(path, blobs / f"blob{i}")
         (snapshot / path.name).symlink_to(f"../../blobs/blob{i}")
-    files = checkpoint_files(snapshot)
+    files = checkpoint_files(snapshot, confined=True)
     assert [f.name for f in files] == sorted(
         set(
             json.loads((tiny_vlm_model_dir / "model.safetensors.index.json").read_text())[
@@ -274,7 +277,7 @@ def test_a_hub_snapshot_links_into_its_blobs(tiny_vlm_model_dir, tmp_path):
     shard.symlink_to(tmp_path / "elsewhere")
     (tmp_path / "elsewhere").write_bytes(b"x")
     with pytest.raises(CheckpointError, match="resolves outside"):
-        checkpoint_files(snapshot)
+        checkpoint_files(snapshot, confined=True)
 
 
 def test_truncated_file_is_named(broken_copy):

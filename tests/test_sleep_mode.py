@@ -20,6 +20,8 @@ from serve_helpers import in_process_server, wait_idle
 from test_weight_update import GREEDY, PROMPT, greedy, model_b, refs, still_waiting  # noqa: F401 (fixtures)
 
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.events import NoWeightsError
+from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http.server import ServerConfig
 
 
@@ -50,9 +52,12 @@ async def test_sleep_and_wake_up(placement, tiny_model_dir, model_b, refs):  # n
         assert (
             ids == refs["a"][:8] and end.cached_tokens == 0 and not engine.is_sleeping
         )  # saved states: gone
-        # level 2: the weights are dropped; the next ones loaded (B's) are served
+        # level 2: the weights are dropped; nothing is served from the memory they were in
+        # (awake or not) until the next ones loaded (B's), which are served
         await engine.sleep(2)
         await engine.wake_up(["weights"])
+        with pytest.raises(NoWeightsError, match="level-2 sleep"):
+            engine.generate(PROMPT, SamplingParams(max_tokens=2))
         await engine.update_weights(model_b)
         await engine.wake_up()
         assert (await greedy(engine))[0] == refs["b"][:8]

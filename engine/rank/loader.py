@@ -77,13 +77,18 @@ def _shard_name(index: Path, name: str) -> str:
     return name
 
 
-def checkpoint_files(model_dir: Path) -> list[Path]:
+def checkpoint_files(model_dir: Path, confined: bool = False) -> list[Path]:
     """The checkpoint's safetensors files: those its index names (each a plain file name),
-    else model.safetensors, else every *.safetensors; each must resolve inside the checkpoint
-    (`_inside`)."""
+    else model.safetensors, else every *.safetensors. `confined` (new weights, from a folder
+    a client named): the index and each file must resolve inside the checkpoint (`_inside`);
+    the folder served from start is its operator's, whose links may point anywhere."""
+
+    def inside(path: Path) -> Path:
+        return _inside(path, model_dir) if confined else path
+
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        _inside(index, model_dir)
+        inside(index)
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
@@ -95,7 +100,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
                 f"{index} is not a safetensors index with a weight_map of tensor -> "
                 f"file name ({type(e).__name__}: {e})"
             ) from None
-        files = [_inside(model_dir / _shard_name(index, name), model_dir) for name in names]
+        files = [inside(model_dir / _shard_name(index, name)) for name in names]
         missing = [path.name for path in files if not path.is_file()]
         if missing:
             raise CheckpointError(
@@ -104,11 +109,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         return files
     single = model_dir / "model.safetensors"
     if single.is_file():
-        return [_inside(single, model_dir)]
+        return [inside(single)]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no safetensors files in {model_dir}")
-    return [_inside(path, model_dir) for path in files]
+    return [inside(path) for path in files]
 
 
 def text_name(name: str) -> str | None:
@@ -169,10 +174,15 @@ def expected_names(params: dict[str, nn.Parameter], packed: dict[str, tuple[str,
 
 
 def load_weights(
-    model: nn.Module, model_dir: str | Path, config: ModelConfig, keep_fp8: bool = False
+    model: nn.Module,
+    model_dir: str | Path,
+    config: ModelConfig,
+    keep_fp8: bool = False,
+    confined: bool = False,
 ) -> int:
     """keep_fp8: an FP8 checkpoint's projections stay FP8 where they can (`keep_fp8_modules`);
-    else every FP8 weight is widened. Returns how many projections hold FP8."""
+    else every FP8 weight is widened. `confined`: new weights (checkpoint_files). Returns how
+    many projections hold FP8."""
     model_dir = Path(model_dir)
     tie_word_embeddings = config.tie_word_embeddings
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
@@ -183,7 +193,7 @@ def load_weights(
         and min(config.fp8_block) > 1
         and config.fp8_scale_suffix == FP8_SCALE_SUFFIXES["fp8"]
     ):
-        keep_fp8_modules(model, model_dir, packed, config.fp8_block)
+        keep_fp8_modules(model, model_dir, packed, config.fp8_block, confined)
     params = dict(model.named_parameters())
     kept = sum(param.dtype in FP8_DTYPES for param in params.values())
     device = next(iter(params.values())).device
@@ -201,7 +211,7 @@ def load_weights(
     reader = CheckpointReader(device)
     fp8 = Fp8Pairs(config.fp8_block, config.fp8_scale_suffix) if config.fp8_block else None
     loaded: set[str] = set()
-    for path in checkpoint_files(model_dir):
+    for path in checkpoint_files(model_dir, confined):
         try:
             for name, tensor in reader.tensors(path, wanted):
                 if fp8 is not None and not holds_fp8(params, packed, name.removesuffix(fp8.suffix)):
@@ -229,13 +239,17 @@ def load_weights(
 
 
 def keep_fp8_modules(
-    model: nn.Module, model_dir: Path, packed: dict[str, tuple[str, int]], block: tuple[int, int]
+    model: nn.Module,
+    model_dir: Path,
+    packed: dict[str, tuple[str, int]],
+    block: tuple[int, int],
+    confined: bool = False,
 ) -> None:
     """Before any tensor loads: each projection whose checkpoint tensors (every part of a packed
     one) are all float8_e4m3fn holds its weight as FP8, where its shards allow (`keep_fp8`)."""
     dtypes = {}
     try:
-        for path in checkpoint_files(model_dir):
+        for path in checkpoint_files(model_dir, confined):
             dtypes.update((text_name(entry.name), entry.dtype) for entry in read_header(path))
     except SafetensorsError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
@@ -321,16 +335,17 @@ def load_tensor(
 
 
 def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, config: ModelConfig) -> None:
-    """Raise CheckpointError unless `new_dir` holds the serving checkpoint's text tensors, each
+    """Raise CheckpointError unless `new_dir` (confined: checkpoint_files) holds the serving
+    checkpoint's text tensors, each
     of the same shape and floating point (FP8 where the served one is), read from the files'
     headers alone: a weight update checks this before any rank copies a tensor (a rank failing
     half-way poisons the replica)."""
     tie_word_embeddings = config.tie_word_embeddings
 
-    def tensors(model_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def tensors(model_dir: Path, confined: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         out = {}
         try:
-            for path in checkpoint_files(model_dir):
+            for path in checkpoint_files(model_dir, confined):
                 for entry in read_header(path):
                     name = text_name(entry.name)
                     if name is not None and not (name == "lm_head.weight" and tie_word_embeddings):
@@ -339,7 +354,7 @@ def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, config: Mod
             raise CheckpointError(f"{model_dir}: {e}") from None
         return out
 
-    old, new = tensors(Path(serving_dir)), tensors(Path(new_dir))
+    old, new = tensors(Path(serving_dir), False), tensors(Path(new_dir), True)
     problems = [f"{name} missing" for name in sorted(old.keys() - new.keys())]
     problems += [f"{name} unexpected" for name in sorted(new.keys() - old.keys())]
     problems += [
