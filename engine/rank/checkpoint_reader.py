@@ -90,19 +90,23 @@ def read_header(path: Path) -> list[TensorEntry]:
     except SafetensorError as e:
         fault = next((phrase for phrase in _LIBRARY_FAULTS if phrase in str(e)), "unreadable")
         raise SafetensorsError(f"{path.name}: not a safetensors file ({fault})") from None
-    entries = []
-    at = 0  # offsets into the data
-    for name, dtype_name, shape in specs:
-        dtype = DTYPES.get(dtype_name)
-        if dtype is None:
+    dtypes = []
+    for name, dtype_name, _ in specs:
+        if dtype_name not in DTYPES:
             raise SafetensorsError(
                 f"{path.name}: tensor {name!r} has unsupported dtype {dtype_name!r}"
             )
-        nbytes = math.prod(shape) * dtype.itemsize
+        dtypes.append(DTYPES[dtype_name])
+    sizes = [
+        math.prod(shape) * dtype.itemsize
+        for (_, _, shape), dtype in zip(specs, dtypes, strict=True)
+    ]
+    at = path.stat().st_size - sum(sizes)  # the data's first byte
+    entries = []
+    for (name, _, shape), dtype, nbytes in zip(specs, dtypes, sizes, strict=True):
         entries.append(TensorEntry(name, dtype, shape, at, at + nbytes))
         at += nbytes
-    base = path.stat().st_size - at
-    return [TensorEntry(e.name, e.dtype, e.shape, base + e.begin, base + e.end) for e in entries]
+    return entries
 
 
 @dataclass(slots=True)
