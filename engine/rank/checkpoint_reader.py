@@ -7,8 +7,8 @@ threads read the file's data in chunks with `preadv` (no page faults, the GIL le
 reused host buffers, pinned on CUDA, while the main thread copies finished chunks to the
 device without waiting. A tensor is handed out once all its bytes are on the device. Into
 host memory that path costs a copy more than the library's, which is faster there
-(tools/bench_checkpoint_read.py on the 2-core CI host, 512 MiB from the page cache: median
-0.37 GB/s ours, 0.93 the library's, bench/results/checkpoint_read_cpu.json).
+(tools/bench_checkpoint_read.py, 512 MiB from the page cache on a shared 2-core host: median
+0.16 GB/s ours, 0.36 the library's, best 0.33 and 1.09; bench/results/checkpoint_read_cpu.json).
 
 The format (github.com/huggingface/safetensors, README): 8 bytes of little-endian header
 length, a JSON header mapping each name to dtype, shape and [begin, end) offsets into the
