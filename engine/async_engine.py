@@ -25,7 +25,12 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from deltaserve.engine.config import EngineConfig, resolve_limits
-from deltaserve.engine.events import EngineDeadError, LoadSnapshot, QueueFullError
+from deltaserve.engine.events import (
+    EngineDeadError,
+    LoadSnapshot,
+    NoWeightsError,
+    QueueFullError,
+)
 from deltaserve.engine.maintenance import PAUSE_MODES, Kind, PauseMode
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.monitor import MonitorPublisher
@@ -238,6 +243,13 @@ class AsyncEngine:
         if self._shutting_down:
             raise EngineDeadError("engine is shut down")
 
+    def _check_weights(self) -> None:
+        if self.weights_dropped:
+            raise NoWeightsError(
+                "no weights loaded: a level-2 sleep discarded them; load new ones "
+                "(update_weights) before generating"
+            )
+
     # ---- tokenization -----------------------------------------------------------------------
 
     async def run_tokenizer(self, fn: Callable[[Any], T], size: int) -> T:
@@ -267,9 +279,11 @@ class AsyncEngine:
         priority: int = 0,
     ) -> RequestStream:
         """Submit a prompt; returns the stream of its events. Raises ValueError (bad input),
-        QueueFullError (waiting queue at its bound) or EngineDeadError, synchronously.
+        QueueFullError (waiting queue at its bound), NoWeightsError (a level-2 sleep dropped
+        the weights, none loaded since) or EngineDeadError, synchronously.
         `priority` (vLLM's): under the priority policy, lower values are admitted first."""
         self._check_alive()
+        self._check_weights()
         with self._refusals_told(request_id):
             if type(priority) is not int:
                 raise ValueError(f"priority must be an integer, got {priority!r}")
@@ -392,9 +406,13 @@ class AsyncEngine:
             from deltaserve.engine.rank.loader import check_same_tensors
 
             try:
-                differences = self.model_config.differences(ModelConfig.from_model_dir(model_dir))
-            except OSError as exc:
-                raise ValueError(f"{model_dir}: {exc}") from None
+                config = ModelConfig.from_model_dir(model_dir)
+            except (OSError, ValueError):  # its message could quote a file that is no config
+                raise ValueError(
+                    f"{model_dir} is not a checkpoint of the served model: it has no config.json "
+                    "that reads as a model's config"
+                ) from None
+            differences = self.model_config.differences(config)
             if differences:
                 raise ValueError(
                     f"{model_dir} is not the served model: its config.json differs in "
@@ -460,6 +478,11 @@ class AsyncEngine:
     @property
     def is_sleeping(self) -> bool:
         return bool(self._scheduler.maintenance.asleep)
+
+    @property
+    def weights_dropped(self) -> bool:
+        """A level-2 sleep discarded the weights and none loaded since: nothing is admitted."""
+        return self._scheduler.maintenance.weights_dropped
 
     def _maintain(
         self, kind: Kind, model_dir: str | None = None, **options: Any

@@ -316,6 +316,10 @@ class DataParallelEngine:
     def is_sleeping(self) -> bool:
         return any(r.is_sleeping for r in self.replicas)
 
+    @property
+    def weights_dropped(self) -> bool:
+        return any(r.weights_dropped for r in self.replicas)
+
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """As AsyncEngine.shutdown, every replica at once."""
         await self._each(lambda r: r.shutdown(drain_timeout_s))

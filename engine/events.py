@@ -127,5 +127,10 @@ class EngineDeadError(RuntimeError):
     """The engine is dead (its replica failed) or shut down: it takes no more requests."""
 
 
+class NoWeightsError(RuntimeError):
+    """A level-2 sleep discarded the weights and none loaded since: generating now would
+    answer from garbage memory, so nothing is admitted (HTTP 503) until new ones load."""
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound; try again later (HTTP 429)."""

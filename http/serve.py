@@ -26,6 +26,7 @@ from pathlib import Path
 
 import deltaserve
 from deltaserve.engine.config import FP8_WEIGHTS
+from deltaserve.http.access_flags import access_config, add_access_flags
 from deltaserve.http.listen import (
     Listen,
     add_listen_flags,
@@ -84,20 +85,6 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         example = '{"enable_thinking": false}'
         raise argparse.ArgumentTypeError(f"must be a JSON object such as '{example}', got {text!r}")
-    return value
-
-
-def _json_list(text: str) -> list[str]:
-    """--allowed-origins, --allowed-methods, --allowed-headers: a JSON list, as vLLM reads them."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        example = '["http://localhost:3000"]'
-        raise argparse.ArgumentTypeError(
-            f"must be a JSON list of strings such as '{example}', got {text!r}"
-        )
     return value
 
 
@@ -364,41 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free)")
     add_listen_flags(srv)
-    srv.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on the /v1 routes (as vLLM: "
-        "/health, /metrics and /version stay open)",
-    )
-    # CORS, as vLLM's flags (JSON lists; a str default goes through `type` too)
-    srv.add_argument(
-        "--allowed-origins",
-        type=_json_list,
-        default='["*"]',
-        metavar="JSON",
-        help='CORS: the origins browser pages may call from; "*": any',
-    )
-    srv.add_argument(
-        "--allowed-methods",
-        type=_json_list,
-        default='["*"]',
-        metavar="JSON",
-        help='CORS: the methods they may use; "*": any',
-    )
-    srv.add_argument(
-        "--allowed-headers",
-        type=_json_list,
-        default='["*"]',
-        metavar="JSON",
-        help='CORS: the request headers they may send; "*": any',
-    )
-    srv.add_argument(
-        "--allow-credentials",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="CORS: browsers may send cookies and credentials (the Origin is then "
-        'echoed, never "*"), as vLLM\'s flag',
-    )
+    add_access_flags(p.add_argument_group("access (keys, admin routes, hosts, CORS)"))
     srv.add_argument(
         "--shutdown-timeout",
         type=_seconds,
@@ -410,6 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=8 * 2**20,
         help="largest accepted request body (HTTP 413 beyond)",
+    )
+    srv.add_argument(
+        "--max-pending-stream-events",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a streamed request is aborted once over N events per choice wait for a client "
+        "that does not read them (counted in /metrics); default: 1024",
     )
     srv.add_argument(
         "--log-level",
@@ -577,9 +538,13 @@ def _server_config(args: argparse.Namespace):  # -> ServerConfig
     from deltaserve.engine.tokenizer import load_chat_template
     from deltaserve.http.server import ServerConfig
 
+    stream_bound = (
+        {}
+        if args.max_pending_stream_events is None
+        else {"max_pending_stream_events": args.max_pending_stream_events}
+    )
     return ServerConfig(
         served_model_name=args.served_model_name or [args.model],
-        api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
         generation_config=args.generation_config,
         chat_template=args.chat_template and load_chat_template(args.chat_template),
@@ -590,10 +555,8 @@ def _server_config(args: argparse.Namespace):  # -> ServerConfig
         tool_call_parser=args.tool_call_parser,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        allowed_origins=args.allowed_origins,
-        allowed_methods=args.allowed_methods,
-        allowed_headers=args.allowed_headers,
-        allow_credentials=args.allow_credentials,
+        **access_config(args),
+        **stream_bound,
     )
 
 
@@ -758,6 +721,13 @@ async def _serve(args: argparse.Namespace, listen: Listen, server_config, engine
         except OSError as exc:
             log.error("cannot listen on %s: %s", args.uds or f"{args.host}:{args.port}", exc)
             return 1
+        if (server_config.enable_admin_routes or server_config.enable_sleep_mode) and (
+            server_config.admin_api_key is None and server_config.api_key is None
+        ):
+            log.warning(
+                "admin routes are on and need no key: any client that reaches the server can "
+                "load weights, pause or put it to sleep (--admin-api-key or --api-key)"
+            )
         log.info(
             "ready: serving '%s' at %s/v1 (health: /health, metrics: /metrics, monitor: %s)",
             "', '".join(server_config.served_model_name),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import logging
 import random
 import time
@@ -30,6 +29,7 @@ from deltaserve.engine.events import (
     EngineDeadError,
     ErrorEvent,
     FinishedEvent,
+    NoWeightsError,
     PromptLogprobsEvent,
     QueueFullError,
     TokenEvent,
@@ -37,10 +37,11 @@ from deltaserve.engine.events import (
 from deltaserve.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from deltaserve.engine.tokenizer import generation_sampling_defaults
 from deltaserve.http import errors
+from deltaserve.http.auth import ApiKeys
 from deltaserve.http.beam_completions import beam_chat_choices, beam_completions
 from deltaserve.http.cors import Cors
 from deltaserve.http.errors import ApiError
-from deltaserve.http.metrics import render_metrics
+from deltaserve.http.metrics import PromText, render_metrics
 from deltaserve.http.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatRequest,
@@ -51,6 +52,7 @@ from deltaserve.http.protocol import (
 )
 from deltaserve.http.reasoning import ReasoningParser, check_include_reasoning
 from deltaserve.http.request_body import read_json
+from deltaserve.http.request_guard import RequestGuard
 from deltaserve.http.responses import (
     ChatFormatter,
     ChoiceState,
@@ -82,6 +84,8 @@ class ServerState:
         self.strings = TokenStrings(engine.tokenizer, config.return_tokens_as_token_ids)
         self.created = int(time.time())
         self.draining = False  # set by the serve command on SIGTERM
+        # streamed requests aborted for a client that stopped reading (`_respond`)
+        self.stream_overflows = 0
         self.weight_version = (
             "default"  # SGLang's name for the weights served (/update_weights_from_disk)
         )
@@ -110,11 +114,19 @@ class ServerState:
             raise errors.model_not_found(requested, "', '".join(names))
         return requested
 
-    def check_admitting(self) -> None:
+    def check_alive(self) -> None:
+        """503 when the engine is dead or the server drains (what an admin route asks)."""
         if self.engine.is_dead:
             raise errors.engine_dead(self.engine.dead_reason)
         if self.draining:
             raise errors.shutting_down()
+
+    def check_admitting(self) -> None:
+        """`check_alive`, and 503 while the weights are gone (a level-2 sleep discards
+        them until new ones load): what a route that generates, and /health, ask."""
+        self.check_alive()
+        if self.engine.weights_dropped:
+            raise errors.no_weights()
 
 
 STATE = web.AppKey("deltaserve_state", ServerState)
@@ -122,17 +134,30 @@ STATE = web.AppKey("deltaserve_state", ServerState)
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     """Serve it with `start_server` (or an AppRunner with handler_cancellation=True), so
-    that a client's disconnect cancels its requests. CORS first: preflights need no key (as
-    in vLLM); its signal gives every response its headers (errors, 401s, SSE streams)."""
+    that a client's disconnect cancels its requests. The checks, in order: the Host
+    (request_guard.py), CORS preflights (no key: a browser sends none, as in vLLM), the
+    site a request comes from, the key (auth.py), the body's type; the CORS signal gives
+    every response its headers (errors, 401s, SSE streams)."""
+    from deltaserve.http import rl_routes
+
     cors = Cors(
         config.allowed_origins,
         config.allowed_methods,
         config.allowed_headers,
         config.allow_credentials,
     )
+    guard = RequestGuard(config.allowed_hosts, cors)
+    keys = ApiKeys(config.api_key, config.admin_api_key, rl_routes.admin_paths(config))
     app = web.Application(
         client_max_size=config.max_request_bytes,
-        middlewares=[cors.middleware, _error_middleware, _auth_middleware],
+        middlewares=[
+            _error_middleware,
+            guard.check_host,
+            cors.middleware,
+            guard.check_site,
+            keys.middleware,
+            guard.check_body,
+        ],
     )
     app.on_response_prepare.append(cors.on_response_prepare)
     app[STATE] = ServerState(engine, config)
@@ -146,7 +171,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     from deltaserve.http import (
         anthropic_routes,
         responses_routes,
-        rl_routes,
         sglang_routes,
         tokenize_routes,
     )
@@ -155,7 +179,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     responses_routes.add_routes(app)  # /v1/responses
     anthropic_routes.add_routes(app)  # /v1/messages
     sglang_routes.add_routes(app)  # SGLang's /generate, /abort_request, /get_model_info, ...
-    rl_routes.add_routes(app)  # new weights, pauses, a cache flush (vLLM's and SGLang's)
+    rl_routes.add_routes(app, config)  # new weights, pauses, a cache flush, sleep: opt-in
     return app
 
 
@@ -179,6 +203,8 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
         return _error_response(
             errors.engine_dead(request.app[STATE].engine.dead_reason or str(exc))
         )
+    except NoWeightsError:  # a level-2 sleep came between the route's check and its submission
+        return _error_response(errors.no_weights())
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -188,6 +214,10 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
         message = exc.text or exc.reason
         if exc.status == 404:
             message = f"no route {request.method} {request.path}"
+            from deltaserve.http.rl_routes import why_not_routed  # it imports this module
+
+            if (why := why_not_routed(request.path, request.app[STATE].config)) is not None:
+                message += f": {why}"
         elif exc.status == 413:
             limit = request.app[STATE].config.max_request_bytes
             message = f"request body too large: the limit is {limit} bytes"
@@ -197,47 +227,6 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return _error_response(_internal_error())
-
-
-# path prefixes that need the key
-_GUARDED = (
-    "/v1",
-    "/invocations",
-    "/generate",
-    "/abort_request",
-    "/update_weights_from_disk",
-    "/flush_cache",
-    "/reset_prefix_cache",
-    "/pause",
-    "/resume",
-    "/continue_generation",
-    "/sleep",
-    "/wake_up",
-    "/release_memory_occupation",
-    "/resume_memory_occupation",
-)
-
-
-@web.middleware
-async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """As vLLM: the key guards the paths under /v1 (/health, /metrics, /version stay open to
-    probes and scrapers); unlike vLLM's, /invocations too, which generates, and SGLang's
-    routes that generate or change the engine (_GUARDED). By the path and
-    by the route it resolved to, so no spelling of a /v1 path reaches its handler without
-    the key. Given as `Authorization: Bearer KEY`, or as Anthropic's clients send it,
-    `x-api-key: KEY`."""
-    key = request.app[STATE].config.api_key
-    resource = request.match_info.route.resource
-    paths = (request.path, resource.canonical if resource is not None else "")
-    if key is not None and any(p.startswith(_GUARDED) for p in paths):
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
-        # as bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500)
-        if given is None or not hmac.compare_digest(
-            given.encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape")
-        ):
-            raise errors.unauthorized()
-    return await handler(request)
 
 
 # ---- simple routes -----------------------------------------------------------------------
@@ -276,10 +265,23 @@ async def models(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    text = render_metrics(state.engine, state.config.served_model_name[0])  # as vLLM: the first
+    name = state.config.served_model_name[0]  # as vLLM: the first
+    text = render_metrics(state.engine, name) + _server_metrics(state, name)
     return web.Response(
         body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
+
+
+def _server_metrics(state: ServerState, model_name: str) -> str:
+    """The HTTP front's own counters, after the engine's (render_metrics)."""
+    out = PromText({"model_name": model_name})
+    out.counter(
+        "deltaserve:stream_overflow_aborts_total",
+        "Streamed requests aborted because their client stopped reading "
+        "(--max-pending-stream-events).",
+        [({}, state.stream_overflows)],
+    )
+    return out.text()
 
 
 # ---- generation routes -------------------------------------------------------------------
@@ -567,16 +569,18 @@ async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
         async for ev in streams[0]:
             yield 0, ev
         return
-    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    # bounded: a consumer that stops reading leaves the events waiting in the streams, whose
+    # own bound (limit_pending) then ends them
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue(len(streams))
 
     async def pump(i: int, stream: Any) -> None:
         try:
             async for ev in stream:
-                queue.put_nowait((i, ev, None))
+                await queue.put((i, ev, None))
         except Exception as exc:
-            queue.put_nowait((i, None, exc))
+            await queue.put((i, None, exc))
             return
-        queue.put_nowait((i, None, None))
+        await queue.put((i, None, None))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -634,8 +638,28 @@ async def _respond(
         for ids in (streams[i // n].prompt_token_ids for i in range(len(streams) * n))
     ]
     response: web.StreamResponse | None = None
+    overflowed = False
+
+    def overflow() -> None:
+        """A stream's client read none of its last events: the request is aborted, its
+        connection closed (which ends a write waiting on it), counted once."""
+        nonlocal overflowed
+        if overflowed:
+            return
+        overflowed = True
+        state.stream_overflows += 1
+        log.warning(
+            "%s: aborted: over %d events per choice waited for a client that does not read",
+            formatter.id,
+            state.config.max_pending_stream_events,
+        )
+        if request.transport is not None:
+            request.transport.abort()
+
     try:
         if stream:
+            for s in streams:
+                s.limit_pending(state.config.max_pending_stream_events * n, overflow)
             response = web.StreamResponse(
                 # the charset, as OpenAI and vLLM send it: clients that decode by the header
                 # (requests) read text/* without one as Latin-1
@@ -658,6 +682,8 @@ async def _respond(
                     await response.write(formatter.encode(chunk))
         finally:
             await events.aclose()
+        if overflowed:  # its streams ended early: not a complete answer
+            raise ConnectionResetError("aborted: the client stopped reading")
         prompt_tokens = sum(states[p * n].prompt_tokens for p in range(len(streams)))
         cached = sum(states[p * n].cached_tokens for p in range(len(streams)))
         usage_json = usage(

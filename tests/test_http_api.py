@@ -498,9 +498,9 @@ async def test_400_bad_json_404_413(served: Served):
     check_error(info.value.response.json(), "model", "gpt-4")
 
 
-async def test_401_only_under_v1(served: Served):
-    """As vLLM, the key guards the /v1 routes only: a Prometheus scrape of /metrics, /version
-    and /health need none (/metrics and /version answered 401)."""
+async def test_401_everywhere_but_the_probes(served: Served):
+    """The key guards every route but the probes: a Prometheus scrape of /metrics, /version,
+    /health and /ping need none (/metrics and /version once answered 401)."""
     async with openai.AsyncOpenAI(
         base_url=served.url + "/v1", api_key="wrong", max_retries=0
     ) as bad:
@@ -512,9 +512,12 @@ async def test_401_only_under_v1(served: Served):
         for path, status in (
             ("/v1/models", 401),
             ("/v1/nothing", 401),
+            ("/get_model_info", 401),
+            ("/nothing", 401),
             ("/metrics", 200),
             ("/version", 200),
             ("/health", 200),
+            ("/ping", 200),
         ):
             async with s.get(served.url + path) as r:
                 assert r.status == status, (path, await r.text())

@@ -61,7 +61,7 @@ async def test_rank_sigkill_in_process(tiny_model_dir):
     engine = await AsyncEngine.start(
         EngineConfig(model=str(tiny_model_dir), max_num_seqs=2, max_model_len=4096)
     )
-    app = build_app(engine, ServerConfig("tiny"))
+    app = build_app(engine, ServerConfig("tiny", enable_admin_routes=True))
     runner, _ = await start_server(app, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)

@@ -1,29 +1,34 @@
-"""Read a safetensors file onto the device in large reads, a thread ahead of the copies.
+"""Read a safetensors file onto the device: on CUDA in large reads, a thread ahead of the
+copies; on the CPU through the safetensors library.
 
 Why: safetensors' own path maps the file, faults each page in and copies pageable memory to
 the GPU, one tensor at a time (~5 GB/s for the 4B checkpoint on the H200's host). Here a few
 threads read the file's data in chunks with `preadv` (no page faults, the GIL let go) into
 reused host buffers, pinned on CUDA, while the main thread copies finished chunks to the
-device without waiting. A tensor is handed out once all its bytes are on the device.
+device without waiting. A tensor is handed out once all its bytes are on the device. Into
+host memory that path costs a copy more than the library's, which is faster there
+(tools/bench_checkpoint_read.py, 512 MiB from the page cache on a shared 2-core host: median
+0.16 GB/s ours, 0.36 the library's, best 0.33 and 1.09; bench/results/checkpoint_read_cpu.json).
 
 The format (github.com/huggingface/safetensors, README): 8 bytes of little-endian header
 length, a JSON header mapping each name to dtype, shape and [begin, end) offsets into the
-data that follows, and an optional `__metadata__` entry.
+data that follows, and an optional `__metadata__` entry. The header is the safetensors
+library's to read and check (`read_header`); the reads here only take the byte ranges of
+tensors it accepted.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import queue
-import struct
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 CHUNK_BYTES = 32 << 20
 BUFFERS = 8
@@ -60,55 +65,47 @@ class TensorEntry:
     end: int
 
 
+# what a safetensors error may say of a file: its messages can quote the file's bytes (a bad
+# dtype's or shape's JSON value), so only these fixed phrases of theirs are repeated
+_LIBRARY_FAULTS = (
+    "header too large",
+    "header too small",
+    "invalid JSON in header",
+    "invalid offset",
+    "incomplete metadata",
+    "invalid shape, data type, or offset",
+)
+
+
 def read_header(path: Path) -> list[TensorEntry]:
-    """The file's tensors in file order; an error names the file and what is wrong."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise SafetensorsError(f"{path.name}: too short for a safetensors header")
-        (length,) = struct.unpack("<Q", head)
-        if length > size - 8:
+    """The file's tensors in file order, as the safetensors library reads and validates its
+    header (a JSON object of dtype, shape and data offsets; the offsets contiguous from the
+    data's start and covering the file to its end, else it refuses the file). The data
+    starts where the tensors' sizes, counted back from the file's end, say. An error names
+    the file and what is wrong, never a byte of the file."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            specs = [(name, f.get_slice(name)) for name in f.offset_keys()]
+            specs = [(name, spec.get_dtype(), tuple(spec.get_shape())) for name, spec in specs]
+    except SafetensorError as e:
+        fault = next((phrase for phrase in _LIBRARY_FAULTS if phrase in str(e)), "unreadable")
+        raise SafetensorsError(f"{path.name}: not a safetensors file ({fault})") from None
+    dtypes = []
+    for name, dtype_name, _ in specs:
+        if dtype_name not in DTYPES:
             raise SafetensorsError(
-                f"{path.name}: header length {length} runs past the end of the file"
+                f"{path.name}: tensor {name!r} has unsupported dtype {dtype_name!r}"
             )
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as e:
-            raise SafetensorsError(f"{path.name}: header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise SafetensorsError(f"{path.name}: header is not a JSON object")
-    header.pop("__metadata__", None)
-    base = 8 + length
+        dtypes.append(DTYPES[dtype_name])
+    sizes = [
+        math.prod(shape) * dtype.itemsize
+        for (_, _, shape), dtype in zip(specs, dtypes, strict=True)
+    ]
+    at = path.stat().st_size - sum(sizes)  # the data's first byte
     entries = []
-    for name, info in header.items():
-        try:
-            dtype = DTYPES.get(info["dtype"])
-            shape = tuple(int(dim) for dim in info["shape"])
-            begin, end = (int(offset) for offset in info["data_offsets"])
-            if any(dim < 0 for dim in shape):
-                raise ValueError("a negative dimension")
-        except (KeyError, TypeError, ValueError):
-            raise SafetensorsError(
-                f"{path.name}: tensor {name!r} has a malformed header entry {info!r}"
-            ) from None
-        if dtype is None:
-            raise SafetensorsError(
-                f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']!r}"
-            )
-        nbytes = math.prod(shape) * dtype.itemsize
-        if end - begin != nbytes or begin < 0 or base + end > size:
-            raise SafetensorsError(
-                f"{path.name}: tensor {name!r} of shape {shape} ({nbytes} bytes) has data offsets "
-                f"[{begin}, {end}) that do not fit it or the file"
-            )
-        entries.append(TensorEntry(name, dtype, shape, base + begin, base + end))
-    entries.sort(key=lambda e: (e.begin, e.end))
-    for before, after in zip(entries, entries[1:], strict=False):
-        if after.begin < before.end:
-            raise SafetensorsError(
-                f"{path.name}: tensors {before.name!r} and {after.name!r} overlap"
-            )
+    for (name, _, shape), dtype, nbytes in zip(specs, dtypes, sizes, strict=True):
+        entries.append(TensorEntry(name, dtype, shape, at, at + nbytes))
+        at += nbytes
     return entries
 
 
@@ -170,7 +167,7 @@ def read_chunks(
 class CheckpointReader:
     """Host buffers (pinned on CUDA) kept across the files of one checkpoint, and the
     threads that fill them: several, since one thread copies from the page cache at only
-    ~5 GB/s."""
+    ~5 GB/s. `parallel` (default: on CUDA only) picks that path over the library's."""
 
     def __init__(
         self,
@@ -178,13 +175,17 @@ class CheckpointReader:
         chunk_bytes: int = CHUNK_BYTES,
         buffers: int = BUFFERS,
         readers: int = READERS,
+        parallel: bool | None = None,
     ) -> None:
         self.device = device
         self.readers = readers
+        self.parallel = device.type == "cuda" if parallel is None else parallel
         pinned = device.type == "cuda"
-        self.buffers = [
-            torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(buffers)
-        ]
+        self.buffers = (
+            [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(buffers)]
+            if self.parallel
+            else []
+        )
 
     def tensors(
         self, path: Path, wanted: Callable[[str], bool]
@@ -193,6 +194,11 @@ class CheckpointReader:
         order. Each is a fresh tensor for the caller to copy where it belongs and drop;
         unwanted tensors are not read."""
         entries = [entry for entry in read_header(path) if wanted(entry.name)]
+        if not self.parallel:
+            with safe_open(path, framework="pt", device=str(self.device)) as f:
+                for entry in entries:
+                    yield entry.name, f.get_tensor(entry.name)
+            return
         work: queue.SimpleQueue = queue.SimpleQueue()
         filled: queue.SimpleQueue = queue.SimpleQueue()
         fd = os.open(path, os.O_RDONLY)

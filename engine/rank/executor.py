@@ -645,7 +645,7 @@ class Executor:
                 f"{model_dir}: not the served model's config.json ({', '.join(differences)})"
             )
         started = time.monotonic()
-        load_weights(self.model, model_dir, self.model_config, self.config.keep_fp8)
+        load_weights(self.model, model_dir, self.model_config, self.config.keep_fp8, confined=True)
         log.info(
             "rank %d: weights loaded from %s in %.1f s",
             self.config.rank,

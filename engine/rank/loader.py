@@ -45,33 +45,75 @@ class CheckpointError(ValueError):
     pass
 
 
-def checkpoint_files(model_dir: Path) -> list[Path]:
+def weight_roots(model_dir: Path) -> tuple[Path, ...]:
+    """Where a checkpoint's files may resolve to: its folder, and for a Hugging Face hub
+    snapshot (`models--org--name/snapshots/REV`, whose files link to `../../blobs/SHA`) its
+    repository's blobs folder."""
+    folder = model_dir.resolve()
+    if folder.parent.name == "snapshots":
+        return folder, folder.parent.parent / "blobs"
+    return (folder,)
+
+
+def _inside(path: Path, model_dir: Path) -> Path:
+    """`path`, once it resolves (symbolic links followed) inside the checkpoint (weight_roots);
+    else a CheckpointError naming the file and the rule, before any byte of it is read."""
+    resolved = path.resolve()
+    if not any(resolved.is_relative_to(root) for root in weight_roots(model_dir)):
+        raise CheckpointError(
+            f"{path.name} in {model_dir} resolves outside the checkpoint folder (symbolic "
+            "links followed): a checkpoint's files must be inside it"
+        )
+    return path
+
+
+def _shard_name(index: Path, name: str) -> str:
+    """An index's shard file name, refused unless a plain file name: no folder, no `..`."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise CheckpointError(
+            f"{index} names a shard {name!r} that is not a plain file name: shards are files "
+            "of the checkpoint's own folder"
+        )
+    return name
+
+
+def checkpoint_files(model_dir: Path, confined: bool = False) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names (each a plain file name),
+    else model.safetensors, else every *.safetensors. `confined` (new weights, from a folder
+    a client named): the index and each file must resolve inside the checkpoint (`_inside`);
+    the folder served from start is its operator's, whose links may point anywhere."""
+
+    def inside(path: Path) -> Path:
+        return _inside(path, model_dir) if confined else path
+
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
+        inside(index)
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-            if not all(isinstance(name, str) for name in files):
+            names = sorted(set(weight_map.values()))
+            if not all(isinstance(name, str) for name in names):
                 raise TypeError("a weight_map value is not a file name")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(
                 f"{index} is not a safetensors index with a weight_map of tensor -> "
                 f"file name ({type(e).__name__}: {e})"
             ) from None
-        missing = [name for name in files if not (model_dir / name).is_file()]
+        files = [inside(model_dir / _shard_name(index, name)) for name in names]
+        missing = [path.name for path in files if not path.is_file()]
         if missing:
             raise CheckpointError(
                 f"{index} names shard files that are missing: {', '.join(missing)}"
             )
-        return [model_dir / name for name in files]
+        return files
     single = model_dir / "model.safetensors"
     if single.is_file():
-        return [single]
+        return [inside(single)]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no safetensors files in {model_dir}")
-    return files
+    return [inside(path) for path in files]
 
 
 def text_name(name: str) -> str | None:
@@ -132,10 +174,15 @@ def expected_names(params: dict[str, nn.Parameter], packed: dict[str, tuple[str,
 
 
 def load_weights(
-    model: nn.Module, model_dir: str | Path, config: ModelConfig, keep_fp8: bool = False
+    model: nn.Module,
+    model_dir: str | Path,
+    config: ModelConfig,
+    keep_fp8: bool = False,
+    confined: bool = False,
 ) -> int:
     """keep_fp8: an FP8 checkpoint's projections stay FP8 where they can (`keep_fp8_modules`);
-    else every FP8 weight is widened. Returns how many projections hold FP8."""
+    else every FP8 weight is widened. `confined`: new weights (checkpoint_files). Returns how
+    many projections hold FP8."""
     model_dir = Path(model_dir)
     tie_word_embeddings = config.tie_word_embeddings
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
@@ -146,7 +193,7 @@ def load_weights(
         and min(config.fp8_block) > 1
         and config.fp8_scale_suffix == FP8_SCALE_SUFFIXES["fp8"]
     ):
-        keep_fp8_modules(model, model_dir, packed, config.fp8_block)
+        keep_fp8_modules(model, model_dir, packed, config.fp8_block, confined)
     params = dict(model.named_parameters())
     kept = sum(param.dtype in FP8_DTYPES for param in params.values())
     device = next(iter(params.values())).device
@@ -164,7 +211,7 @@ def load_weights(
     reader = CheckpointReader(device)
     fp8 = Fp8Pairs(config.fp8_block, config.fp8_scale_suffix) if config.fp8_block else None
     loaded: set[str] = set()
-    for path in checkpoint_files(model_dir):
+    for path in checkpoint_files(model_dir, confined):
         try:
             for name, tensor in reader.tensors(path, wanted):
                 if fp8 is not None and not holds_fp8(params, packed, name.removesuffix(fp8.suffix)):
@@ -192,13 +239,17 @@ def load_weights(
 
 
 def keep_fp8_modules(
-    model: nn.Module, model_dir: Path, packed: dict[str, tuple[str, int]], block: tuple[int, int]
+    model: nn.Module,
+    model_dir: Path,
+    packed: dict[str, tuple[str, int]],
+    block: tuple[int, int],
+    confined: bool = False,
 ) -> None:
     """Before any tensor loads: each projection whose checkpoint tensors (every part of a packed
     one) are all float8_e4m3fn holds its weight as FP8, where its shards allow (`keep_fp8`)."""
     dtypes = {}
     try:
-        for path in checkpoint_files(model_dir):
+        for path in checkpoint_files(model_dir, confined):
             dtypes.update((text_name(entry.name), entry.dtype) for entry in read_header(path))
     except SafetensorsError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
@@ -284,16 +335,17 @@ def load_tensor(
 
 
 def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, config: ModelConfig) -> None:
-    """Raise CheckpointError unless `new_dir` holds the serving checkpoint's text tensors, each
+    """Raise CheckpointError unless `new_dir` (confined: checkpoint_files) holds the serving
+    checkpoint's text tensors, each
     of the same shape and floating point (FP8 where the served one is), read from the files'
     headers alone: a weight update checks this before any rank copies a tensor (a rank failing
     half-way poisons the replica)."""
     tie_word_embeddings = config.tie_word_embeddings
 
-    def tensors(model_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def tensors(model_dir: Path, confined: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         out = {}
         try:
-            for path in checkpoint_files(model_dir):
+            for path in checkpoint_files(model_dir, confined):
                 for entry in read_header(path):
                     name = text_name(entry.name)
                     if name is not None and not (name == "lm_head.weight" and tie_word_embeddings):
@@ -302,7 +354,7 @@ def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, config: Mod
             raise CheckpointError(f"{model_dir}: {e}") from None
         return out
 
-    old, new = tensors(Path(serving_dir)), tensors(Path(new_dir))
+    old, new = tensors(Path(serving_dir), False), tensors(Path(new_dir), True)
     problems = [f"{name} missing" for name in sorted(old.keys() - new.keys())]
     problems += [f"{name} unexpected" for name in sorted(new.keys() - old.keys())]
     problems += [
