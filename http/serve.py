@@ -302,6 +302,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds for every rank to load",
     )
     eng.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        help="vLLM's: structured outputs' engine and bounds, as JSON or key=value pairs "
+        "(backend=auto,max_grammar_bytes=65536,max_nesting_depth=64,compile_timeout_s=5,"
+        "max_grammar_memory_mb=512,max_lexer_states=50000,max_mask_ms=250,"
+        "max_stop_regexes=16,max_stop_regex_bytes=4096; engine/structured_config.py); "
+        "backend auto and guidance: llguidance",
+    )
+    eng.add_argument(
         "--monitor-endpoint",
         default="auto",
         help="ZeroMQ PUB endpoint for monitors (deltaserve monitor ENDPOINT; "
@@ -599,6 +608,9 @@ def _server_config(args: argparse.Namespace):  # -> ServerConfig
 
 def _engine_config(args: argparse.Namespace):  # -> EngineConfig
     from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.structured_config import StructuredOutputsConfig
+
+    structured = args.structured_outputs_config
 
     return EngineConfig(
         model=args.model,
@@ -626,6 +638,9 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         step_timeout_s=args.step_timeout_s,
         startup_timeout_s=args.startup_timeout_s,
         monitor_endpoint=None if args.monitor_endpoint == "off" else args.monitor_endpoint,
+        structured_outputs=StructuredOutputsConfig.parse(structured)
+        if structured
+        else StructuredOutputsConfig(),
     )
 
 

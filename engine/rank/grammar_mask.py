@@ -1,157 +1,201 @@
-"""Which tokens a guided request may sample next: the whole vocabulary walked through the
-guide's byte automaton at once.
+"""Rank 0's guided decoding: each guided request's llguidance matcher, the token masks the
+library fills for them, and the bounds that end a request alone.
 
-A token is allowed in DFA state s when its bytes lead from s to a live state (one from which
-the pattern can still be completed). Walking 248k tokens one by one in Python would take
-seconds, so the walk is array work over the vocabulary's trie (engine/rank/token_trie.py), a
-level at a time: one gather moves every node of a level through the DFA's transition table
-(rows the lazy DFA had not made yet are made when a walk reaches them), and a node that dies
-takes every token under it along. The arrays are numpy's: a walk is many small operations,
-and numpy's cost per operation is a fraction of torch's. The mask of a state is cached per guide (packed eight
-tokens to a byte, on the device), and a guide per pattern, so the requests of one schema
-share the work: the string states of a JSON document, where most of the vocabulary is
-allowed, are walked once. (xgrammar precomputes such context-independent token sets per
-grammar position; this is the same saving, found lazily.)
+The engine compiled each grammar once (engine/guided.py) and sends it with the request; here
+one matcher per grammar is built the first time it comes (a template: the engine's worker
+proved it builds within the bounds) and each request copies it (the copies share its lexer,
+whose states the next requests reuse). Templates of grammars no request uses are kept a
+while (TEMPLATES_KEPT), never one that went past a bound.
+
+A step's masks are filled in threads (llguidance lets go of the GIL), each timed: a mask
+that takes longer than its request's `max_mask_ms` fails that request, and the step waits no
+longer than that for it (the late fill finishes in its thread, into an array of its own).
+A matcher in llguidance's error state (its lexer past max_lexer_states, its parser past the
+library's items or fuel) fails its request too. A failure is reported once, with the
+request's next sample (`SampleColumns.failed`); the engine ends the request with an error
+and drops it, every other request carries on.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
+import time
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from deltaserve.engine.rank.token_trie import TokenTrie
-from deltaserve.engine.regex_automaton import DEAD, START, ByteAutomaton
+from deltaserve.engine.guide_grammar import error_summary, parser_limits
+from deltaserve.ipc.messages import GuideLimits
 
-MASKS_PER_GUIDE = 2048  # each vocab / 8 bytes on the device: 64 MB for Qwen's 248k tokens
-
-
-class Guide:
-    """One pattern on rank 0: its automaton, the transition table the walks have filled in,
-    and the token masks of the states reached (least recently used dropped past
-    MASKS_PER_GUIDE)."""
-
-    def __init__(self, pattern: str, trie: TokenTrie) -> None:
-        self.automaton = ByteAutomaton(pattern)
-        self._trie = trie
-        # flat transition table: [state * 256 + byte] = next state * 256 (the offset of its
-        # row, so a walk adds the byte and gathers); a row not made yet holds -(state + 1)
-        self._table = np.zeros(0, dtype=np.int64)
-        self._rows = 0  # states the table has a row (made or marked) for
-        self._mark_new_states()
-        self._masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-
-    def advance(self, state: int, token: int) -> int:
-        """The state after `token` (DEAD for a token the pattern cannot take, or one that
-        writes no bytes)."""
-        vocabulary = self._trie.token_bytes
-        data = vocabulary[token] if 0 <= token < len(vocabulary) else None
-        return self.automaton.step(state, data) if data else DEAD
-
-    def mask(
-        self, state: int, end_ids: tuple[int, ...], width: int, device: torch.device
-    ) -> torch.Tensor:
-        """Bool [width] on `device`: the tokens allowed in `state`, and `end_ids` where the
-        output may end there. Where nothing else may follow (the output complete, or DEAD
-        after a token the mask did not offer), the end ids alone."""
-        key = (state, end_ids, width, device)
-        packed = self._masks.get(key)
-        if packed is None:
-            allowed = self.allowed_tokens(state)
-            mask = np.zeros(width, dtype=bool)
-            n = min(width, allowed.shape[0])
-            mask[:n] = allowed[:n]
-            if self.automaton.accepting[state] or not mask.any():
-                mask[[t for t in end_ids if t < width]] = True
-            packed = torch.from_numpy(np.packbits(mask, bitorder="little")).to(device)
-            self._masks[key] = packed
-            while len(self._masks) > MASKS_PER_GUIDE:
-                self._masks.popitem(last=False)
-        else:
-            self._masks.move_to_end(key)
-        return unpack(packed, width)
-
-    def allowed_tokens(self, state: int) -> np.ndarray:
-        """Bool [len(vocabulary)] (numpy): the tokens whose bytes lead from `state` to a live
-        state.
-
-        The trie is walked a level at a time. While few nodes live (outside strings nearly
-        all die at their first byte) the walk carries only those, each expanded to its
-        children. Once their children fill a third of the next level (inside a string most
-        nodes live), it carries whole levels, each node in the state its parent left, dead
-        ones in DEAD (whose row leads only to DEAD): a third of the array operations per node."""
-        trie = self._trie
-        allowed = np.zeros(len(trie.token_bytes), dtype=bool)
-        if state == DEAD or trie.roots == 0:
-            return allowed
-        self._mark_new_states()  # `advance` may have made states the table lacks
-        # the live nodes of level d, and the row offset of the state their parents left
-        node, here, d = np.arange(trie.roots), np.full(trie.roots, state * 256), 1
-        while True:
-            went = self._step(here + trie.byte[node])
-            token = trie.token[node]
-            allowed[token[(went != DEAD) & (token >= 0)]] = True
-            lo, hi = trie.child_lo[node], trie.child_hi[node]
-            on = np.flatnonzero((went != DEAD) & (hi > lo))
-            lo, count = lo[on], (hi - lo)[on]
-            children = int(count.sum())
-            if children == 0:
-                return allowed
-            below = trie.level(d + 1)
-            if 3 * children >= below.stop - below.start:
-                break
-            parent = np.repeat(np.arange(on.shape[0]), count)
-            node = np.arange(children) + (lo - (np.cumsum(count) - count))[parent]
-            here, d = went[on][parent], d + 1
-        level = trie.level(d)
-        went_whole = np.zeros(level.stop - level.start, dtype=np.int64)  # DEAD
-        went_whole[node[on] - level.start] = went[on]
-        for deeper in range(d + 1, trie.depth + 1):
-            level = trie.level(deeper)
-            went_whole = self._step(went_whole[trie.parent[level]] + trie.byte[level])
-            ending, token = trie.level_tokens[deeper]
-            allowed[token] = went_whole[ending] != DEAD
-            if not went_whole.any():
-                break
-        return allowed
-
-    def _step(self, index: np.ndarray) -> np.ndarray:
-        """The table at `index` (state row offset + byte), making the rows it reaches that
-        were not made yet."""
-        went = self._table[index]
-        if went.min() < 0:
-            for unmade in np.unique(-went[went < 0] - 1).tolist():
-                self._make_row(unmade)
-            went = self._table[index]
-        return went
-
-    def _make_row(self, state: int) -> None:
-        row = self.automaton.row(state)  # may make new states
-        self._mark_new_states()
-        self._table[state * 256 : (state + 1) * 256] = np.array(row, dtype=np.int64) * 256
-
-    def _mark_new_states(self) -> None:
-        """Rows for the states the automaton made since the last call, marked not made yet
-        (DEAD's row is all DEAD from the start)."""
-        states = self.automaton.num_states
-        if states <= self._rows:
-            return
-        if states * 256 > self._table.shape[0]:
-            grown = np.empty(max(states, 2 * self._rows, 64) * 256, dtype=np.int64)
-            grown[: self._table.shape[0]] = self._table
-            self._table = grown
-        marks = -np.arange(self._rows, states, dtype=np.int64) - 1
-        self._table[self._rows * 256 : states * 256] = np.repeat(marks, 256)
-        if self._rows == 0:
-            self._table[:256] = DEAD
-        self._rows = states
+log = logging.getLogger("deltaserve.rank")
+TEMPLATES_KEPT = 8  # grammars whose matcher stays after their requests end
+MASK_THREADS = 16  # a late fill holds one until it ends; the others go on meanwhile
 
 
-def unpack(packed: torch.Tensor, width: int) -> torch.Tensor:
-    """Bool [width] from a mask packed eight tokens to a byte, lowest bit first."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)  # made there: no host copy
-    return ((packed[:, None] >> shifts) & 1).bool().view(-1)[:width]
+@dataclass(eq=False, slots=True)
+class _Guided:
+    """One request's matcher; `failure` once it went past a bound (`reported`: sent)."""
+
+    matcher: object | None
+    template_key: tuple
+    limits: GuideLimits
+    failure: str | None = None
+    reported: bool = False
 
 
-__all__ = ["DEAD", "START", "Guide", "unpack"]
+class GuideMatchers:
+    """`tokenizer(end_ids)` makes llguidance's tokenizer of the model's vocabulary, whose end
+    tokens are `end_ids`; made the first time a guided request comes."""
+
+    def __init__(self, tokenizer: Callable[[tuple[int, ...]], object]) -> None:
+        self._tokenizer = tokenizer
+        self._tokenizers: dict[tuple[int, ...], object] = {}
+        self._templates: OrderedDict[tuple, object] = OrderedDict()
+        self._requests: dict[int, _Guided] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._requests
+
+    def add(
+        self, request_id: int, grammar: str, end_ids: tuple[int, ...], limits: GuideLimits
+    ) -> None:
+        """Its matcher, a copy of its grammar's template; a grammar that does not build is the
+        request's failure, reported with its first sample."""
+        key = (grammar, end_ids, limits)
+        template = self._templates.get(key)
+        failure = None
+        if template is None:
+            from llguidance import LLMatcher
+
+            tokenizer = self._tokenizers.get(end_ids)
+            if tokenizer is None:
+                tokenizer = self._tokenizers[end_ids] = self._tokenizer(end_ids)
+            template = LLMatcher(
+                tokenizer, grammar, log_level=0, limits=parser_limits(limits.max_lexer_states)
+            )
+            if template.is_error():
+                failure = f"its grammar does not build: {error_summary(template.get_error())}"
+            else:
+                self._templates[key] = template
+        if key in self._templates:
+            self._templates.move_to_end(key)
+        matcher = None if failure else template.deep_copy()
+        self._requests[request_id] = _Guided(matcher, key, limits, failure)
+        self._trim()
+
+    def remove(self, request_id: int) -> None:
+        """Forget a request; idempotent."""
+        if self._requests.pop(request_id, None) is not None:
+            self._trim()
+
+    def masks(self, request_ids: list[int], width: int) -> np.ndarray:
+        """Int32 [len(request_ids), ceil(width / 32)]: bit t of each row (word t // 32, bit
+        t % 32) set where its request may sample token t next. A request that failed (now, or
+        before) gets a row of every token; `take_failures` says which."""
+        rows = np.full((len(request_ids), (width + 31) // 32), -1, dtype=np.int32)
+        live = [
+            (i, g)
+            for i, rid in enumerate(request_ids)
+            if (g := self._requests[rid]).failure is None
+        ]
+        if not live:
+            return rows
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                MASK_THREADS, thread_name_prefix="guide-mask"
+            )
+        filled = np.zeros((len(live), rows.shape[1]), dtype=np.int32)  # a late fill's own
+        futures = {
+            self._pool.submit(_fill, g.matcher, filled, j): (i, g, j)
+            for j, (i, g) in enumerate(live)
+        }
+        bound_s = max(g.limits.max_mask_ms for _, g in live) / 1e3
+        done, late = concurrent.futures.wait(futures, timeout=bound_s)
+        for future in late:
+            _, g, _ = futures[future]
+            self._fail(
+                g, f"a token mask took longer than max_mask_ms ({g.limits.max_mask_ms:g} ms)"
+            )
+        for future in done:
+            i, g, j = futures[future]
+            took_ms = future.result()
+            if took_ms > g.limits.max_mask_ms:
+                self._fail(
+                    g,
+                    f"a token mask took {took_ms:.0f} ms; max_mask_ms is {g.limits.max_mask_ms:g} ms",
+                )
+            elif g.matcher.is_error():
+                self._fail(g, error_summary(g.matcher.get_error()))
+            else:
+                rows[i] = filled[j]
+        return rows
+
+    def consume(self, request_id: int, token: int) -> None:
+        """The request's sampled token; one its matcher cannot take (only past a bound: the
+        mask offered it) fails the request."""
+        g = self._requests.get(request_id)
+        if g is not None and g.failure is None and not g.matcher.consume_token(token):
+            self._fail(g, error_summary(g.matcher.get_error()))
+
+    def take_failures(self, request_ids: list[int]) -> dict[int, str]:
+        """The failures of these requests not reported yet, now reported."""
+        out = {}
+        for rid in request_ids:
+            g = self._requests.get(rid)
+            if g is not None and g.failure is not None and not g.reported:
+                g.reported = True
+                out[rid] = g.failure
+        return out
+
+    def _fail(self, g: _Guided, reason: str) -> None:
+        """A request past a bound: its template goes too (its lexer's states are shared)."""
+        g.failure, g.matcher = f"structured outputs: {reason}", None
+        self._templates.pop(g.template_key, None)
+
+    def _trim(self) -> None:
+        """Templates no request uses: the most recent TEMPLATES_KEPT stay."""
+        in_use = {g.template_key for g in self._requests.values()}
+        idle = [k for k in self._templates if k not in in_use]
+        for key in idle[: max(0, len(idle) - TEMPLATES_KEPT)]:
+            del self._templates[key]
+
+
+def load_tokenizer(model_dir: str, vocab_size: int, end_ids: tuple[int, ...]) -> object:
+    """llguidance's tokenizer of the model's tokenizer.json, masks `vocab_size` wide (the
+    model's rows, padding included), ending with `end_ids`."""
+    from llguidance import LLTokenizer
+
+    started = time.monotonic()
+    text = (Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8")
+    tokenizer = LLTokenizer(text, n_vocab=vocab_size, eos_token=list(end_ids))
+    log.info("guided decoding's vocabulary read in %.1f s", time.monotonic() - started)
+    return tokenizer
+
+
+def _fill(matcher: object, rows: np.ndarray, row: int) -> float:
+    """Fill `rows[row]` with the matcher's next mask; the milliseconds it took."""
+    started = time.perf_counter()
+    matcher.unsafe_compute_mask_ptr(rows[row].ctypes.data, rows[row].nbytes)
+    return 1e3 * (time.perf_counter() - started)
+
+
+def apply_masks(work: torch.Tensor, rows: torch.Tensor, masks: np.ndarray) -> None:
+    """`work[rows]` at -inf wherever `masks` (GuideMatchers.masks' rows, in the order of
+    `rows`) has no bit set: the packed words go up, are unpacked on the device."""
+    host, pinned = torch.from_numpy(masks), work.device.type == "cuda"
+    if pinned:  # queued on the stream, not waited for (engine/rank/transfer.py)
+        host = host.pin_memory()
+    packed = host.to(work.device, non_blocking=pinned).view(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=work.device)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().view(masks.shape[0], -1)
+    vocab = work.shape[1]
+    work[rows] = work[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
+
+
+__all__ = ["GuideMatchers", "TEMPLATES_KEPT", "apply_masks", "load_tokenizer"]
