@@ -109,6 +109,7 @@ def _unicode_escape(m: re.Match) -> str:
 def error_summary(message: str) -> str:
     """llguidance's error without its echo of the grammar and parser state: one line."""
     message = message.split("\n<state>", 1)[0].split("\n<grammar>", 1)[0]
+    message = message.replace("<non-verbose/>", "")
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     kept = [line for line in lines if not _ECHO.match(line)]
     return " ".join(kept)[:800]

@@ -36,7 +36,7 @@ class StructuredOutputsConfig:
     backend: str = "auto"
     max_grammar_bytes: int = 65536
     max_nesting_depth: int = 64
-    compile_timeout_s: float = 5.0
+    compile_timeout_s: float = 2.0
     max_grammar_memory_mb: int = 512
     max_lexer_states: int = 50_000
     max_mask_ms: float = 250.0

@@ -304,11 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument(
         "--structured-outputs-config",
         default=None,
-        help="vLLM's: structured outputs' engine and bounds, as JSON or key=value pairs "
-        "(backend=auto,max_grammar_bytes=65536,max_nesting_depth=64,compile_timeout_s=5,"
-        "max_grammar_memory_mb=512,max_lexer_states=50000,max_mask_ms=250,"
-        "max_stop_regexes=16,max_stop_regex_bytes=4096; engine/structured_config.py); "
-        "backend auto and guidance: llguidance",
+        help="vLLM's: structured outputs' engine and bounds, as JSON or comma-separated "
+        f"key=value pairs; the fields and their defaults: {_structured_defaults()} "
+        "(engine/structured_config.py). backend auto and guidance: llguidance",
     )
     eng.add_argument(
         "--monitor-endpoint",
@@ -604,6 +602,14 @@ def _server_config(args: argparse.Namespace):  # -> ServerConfig
         allowed_headers=args.allowed_headers,
         allow_credentials=args.allow_credentials,
     )
+
+
+def _structured_defaults() -> str:
+    from dataclasses import fields
+
+    from deltaserve.engine.structured_config import StructuredOutputsConfig
+
+    return ",".join(f"{f.name}={f.default}" for f in fields(StructuredOutputsConfig))
 
 
 def _engine_config(args: argparse.Namespace):  # -> EngineConfig

@@ -80,7 +80,10 @@ class GuideMatchers:
                 tokenizer, grammar, log_level=0, limits=parser_limits(limits.max_lexer_states)
             )
             if template.is_error():
-                failure = f"its grammar does not build: {error_summary(template.get_error())}"
+                failure = (
+                    "structured outputs: its grammar does not build: "
+                    f"{error_summary(template.get_error())}"
+                )
             else:
                 self._templates[key] = template
         if key in self._templates:
@@ -119,19 +122,15 @@ class GuideMatchers:
         done, late = concurrent.futures.wait(futures, timeout=bound_s)
         for future in late:
             _, g, _ = futures[future]
-            self._fail(
-                g, f"a token mask took longer than max_mask_ms ({g.limits.max_mask_ms:g} ms)"
-            )
+            self._fail(g, f"max_mask_ms ({g.limits.max_mask_ms:g} ms): a token mask took longer")
         for future in done:
             i, g, j = futures[future]
             took_ms = future.result()
             if took_ms > g.limits.max_mask_ms:
-                self._fail(
-                    g,
-                    f"a token mask took {took_ms:.0f} ms; max_mask_ms is {g.limits.max_mask_ms:g} ms",
-                )
+                bound = g.limits.max_mask_ms
+                self._fail(g, f"max_mask_ms ({bound:g} ms): a token mask took {took_ms:.0f} ms")
             elif g.matcher.is_error():
-                self._fail(g, error_summary(g.matcher.get_error()))
+                self._fail_on_error(g)
             else:
                 rows[i] = filled[j]
         return rows
@@ -141,7 +140,7 @@ class GuideMatchers:
         mask offered it) fails the request."""
         g = self._requests.get(request_id)
         if g is not None and g.failure is None and not g.matcher.consume_token(token):
-            self._fail(g, error_summary(g.matcher.get_error()))
+            self._fail_on_error(g)
 
     def take_failures(self, request_ids: list[int]) -> dict[int, str]:
         """The failures of these requests not reported yet, now reported."""
@@ -153,9 +152,22 @@ class GuideMatchers:
                 out[rid] = g.failure
         return out
 
+    def _fail_on_error(self, g: _Guided) -> None:
+        """The matcher's error state: which of llguidance's limits it went past."""
+        error = error_summary(g.matcher.get_error())
+        if "too many states" in error:
+            bound = f"max_lexer_states ({g.limits.max_lexer_states})"
+        elif "too many expressions" in error:
+            bound = "the lexer's work per token (llguidance's fuel)"
+        elif "items" in error:
+            bound = "llguidance's Earley items per step (max_items_in_row, step_max_items)"
+        else:
+            bound = "llguidance's parser limits"
+        self._fail(g, f"{bound}: {error}")
+
     def _fail(self, g: _Guided, reason: str) -> None:
         """A request past a bound: its template goes too (its lexer's states are shared)."""
-        g.failure, g.matcher = f"structured outputs: {reason}", None
+        g.failure, g.matcher = f"structured outputs went past {reason}", None
         self._templates.pop(g.template_key, None)
 
     def _trim(self) -> None:
