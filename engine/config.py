@@ -156,6 +156,11 @@ class EngineConfig:
             raise ValueError(
                 f"monitor_endpoint must be 'auto', ipc://PATH or tcp://HOST:PORT, got {endpoint!r}"
             )
+        if not isinstance(self.structured_outputs, StructuredOutputsConfig):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsConfig, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
         if self.device_ids is not None:
             if self.device != "cuda":
                 raise ValueError("device_ids is only meaningful with device='cuda'")

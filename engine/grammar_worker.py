@@ -77,7 +77,8 @@ class GrammarWorker:
         self._proc: asyncio.subprocess.Process | None = None
         self._idle_rss = 0  # the worker's resident bytes once started: its baseline
         self._lock = asyncio.Lock()
-        self.restarts = 0  # workers killed for a bound (tests read it)
+        self.restarts = 0  # workers killed for a bound, or lost (tests read it)
+        self.jobs = 0  # jobs sent
 
     async def run(self, job: Job) -> Outcome:
         """The job's outcome; an Outcome with the bound named where the worker had to be
@@ -85,6 +86,7 @@ class GrammarWorker:
         async with self._lock:
             proc = await self._started()
             before = _rss(proc.pid)
+            self.jobs += 1
             proc.stdin.write(_frame(msgspec.msgpack.encode(job)))
             read = asyncio.ensure_future(_read_frame(proc.stdout))
             try:
@@ -106,18 +108,25 @@ class GrammarWorker:
         config = self._config
         deadline = time.monotonic() + config.compile_timeout_s
         limit = config.max_grammar_memory_mb * 2**20
+        late = Outcome(
+            error=f"compiling took longer than compile_timeout_s ({config.compile_timeout_s:g} s)"
+        )
         while True:
-            done, _ = await asyncio.wait({read}, timeout=RSS_POLL_S)
+            wait_s = min(RSS_POLL_S, deadline - time.monotonic())
+            done, _ = await asyncio.wait({read}, timeout=max(0.0, wait_s))
             if done:
                 frame = read.result() if not read.exception() else None
-                return None if frame is None else msgspec.msgpack.decode(frame, type=Outcome)
-            if time.monotonic() > deadline:
+                if frame is None:
+                    return None
+                return (
+                    late
+                    if time.monotonic() > deadline
+                    else msgspec.msgpack.decode(frame, type=Outcome)
+                )
+            if time.monotonic() >= deadline:
                 self.restarts += 1
                 await self._kill()
-                return Outcome(
-                    error=f"compiling took longer than compile_timeout_s "
-                    f"({config.compile_timeout_s:g} s)"
-                )
+                return late
             if _rss(proc.pid) - before > limit:
                 self.restarts += 1
                 await self._kill()
