@@ -22,6 +22,14 @@ def accepts(grammar: str, text: str) -> bool:
     return all(matcher.consume_token(b) for b in text.encode()) and matcher.is_accepting()
 
 
+def assert_language(grammar: str, yes: list[str], no: list[str]) -> None:
+    """`yes` are whole outputs of the grammar, `no` are not."""
+    for text in yes:
+        assert accepts(grammar, text), text
+    for text in no:
+        assert not accepts(grammar, text), text
+
+
 def prefix_ok(grammar: str, text: str) -> bool:
     """Whether `text` can still become an output the grammar allows."""
     matcher = LLMatcher(byte_tokenizer(), grammar, log_level=0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from guide_helpers import accepts
+from guide_helpers import accepts, assert_language
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,11 +86,7 @@ def grammar(text: str) -> str:
     ],
 )
 def test_derived_strings_and_only_those(text, yes, no):
-    g = grammar(text)
-    for output in yes:
-        assert accepts(g, output), output
-    for output in no:
-        assert not accepts(g, output), output
+    assert_language(grammar(text), yes, no)
 
 
 def derive(
@@ -179,11 +175,7 @@ factor: /[0-9]+/ | "(" expr ")"
     ],
 )
 def test_lark_derived_strings_and_only_those(text, yes, no):
-    g = grammar(text)
-    for output in yes:
-        assert accepts(g, output), output
-    for output in no:
-        assert not accepts(g, output), output
+    assert_language(grammar(text), yes, no)
 
 
 def test_lark_and_gbnf_of_one_language_agree():

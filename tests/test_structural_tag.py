@@ -10,7 +10,7 @@ import random
 import re
 
 import pytest
-from guide_helpers import accepts, prefix_ok
+from guide_helpers import accepts, assert_language, prefix_ok
 
 from deltaserve.engine.guide_grammar import WHITESPACE
 from deltaserve.engine.structural_tag import StructuralTagError, structural_tag_grammar
@@ -86,14 +86,6 @@ def test_free_text_holds_no_excluded_word():
 )
 def test_structures_and_free_text(spec, yes, no):
     assert_language(structural_tag_regex(spec), yes, no)
-
-
-def assert_language(grammar: str, yes: list[str], no: list[str]) -> None:
-    """`yes` are whole outputs of the grammar, `no` are not."""
-    for text in yes:
-        assert accepts(grammar, text), text
-    for text in no:
-        assert not accepts(grammar, text), text
 
 
 def test_a_trigger_commits_to_a_structure():
