@@ -37,6 +37,7 @@ class Guides:
         self.config = config
         self.worker = GrammarWorker(setup, config)
         self._outcomes: OrderedDict[bytes, Outcome] = OrderedDict()
+        self._compiling: dict[bytes, asyncio.Future[Outcome]] = {}  # one job per text at a time
         self._cached_bytes = 0
         self._stop_templates: OrderedDict[str, StopTemplate] = OrderedDict()
 
@@ -110,11 +111,27 @@ class Guides:
         return template
 
     async def _compile(self, job: Job) -> Outcome:
-        """The job's outcome, from the cache or the worker."""
+        """The job's outcome, from the cache, from the same text's compile under way, or from
+        the worker."""
         key = hashlib.sha256(f"{job.kind}\0{job.whitespace!r}\0{job.text}".encode()).digest()
         outcome = self._outcomes.get(key)
         if outcome is None:
-            outcome = await self.worker.run(job)
+            pending = self._compiling.get(key)
+            if pending is not None:
+                return await asyncio.shield(pending)
+            pending = self._compiling[key] = asyncio.get_running_loop().create_future()
+            try:
+                outcome = await self.worker.run(job)
+            except asyncio.CancelledError:
+                pending.cancel()
+                raise
+            except Exception as exc:
+                pending.set_exception(exc)
+                pending.exception()  # retrieved: no "never retrieved" warning without waiters
+                raise
+            finally:
+                del self._compiling[key]
+            pending.set_result(outcome)
             self._remember(key, outcome)
         self._outcomes.move_to_end(key)
         return outcome

@@ -289,3 +289,14 @@ def _check_alone(name: str, events: list[dict[str, Any]]) -> None:
 
 def _mib(memory: dict[str, int]) -> dict[str, int]:
     return {part: size // MB for part, size in memory.items()}
+
+
+@aio
+async def test_not_streamed_a_request_past_its_bound_is_a_400(server, warm):
+    """Without a stream, the lazy regex's end is the 400 naming the bound (nothing was sent)."""
+    async with aiohttp.ClientSession() as session:
+        extra = {"guided_regex": r"[\s\S]*[aeiou][\s\S]{300}", "stream": False}
+        status, answer = await _post(session, server.url, "/v1/completions", extra)
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["code"] == "bound_exceeded" and "max_lexer_states (2000)" in error["message"]

@@ -170,3 +170,20 @@ class TestConfig:
     def test_refused(self, text, words):
         with pytest.raises(ValueError, match=re.escape(words)):
             StructuredOutputsConfig.parse(text)
+
+
+async def test_one_text_compiled_at_once_is_compiled_once(tiny_model_dir):
+    """Requests of the same new text at once wait for one compile (failures alike)."""
+    guides = _guides(tiny_model_dir)
+    try:
+        await guides.prepare(SamplingParams(guided_choice=["a"]))
+        same = SamplingParams(guided_regex="(sunny|rainy) [0-9]")
+        prepared = await asyncio.gather(*(guides.prepare(same) for _ in range(4)))
+        assert len({p.guide_grammar for p in prepared}) == 1 and guides.worker.jobs == 2
+        bad = SamplingParams(guided_regex="(a")
+        failed = await asyncio.gather(
+            *(guides.prepare(bad) for _ in range(3)), return_exceptions=True
+        )
+        assert all(isinstance(e, ValueError) for e in failed) and guides.worker.jobs == 3
+    finally:
+        await guides.close()
