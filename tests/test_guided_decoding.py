@@ -208,6 +208,24 @@ class TestBounds:
         _, failed = self._step(sampler, {})
         assert "does not build" in failed[1]
 
+    def test_a_vocabulary_that_cannot_be_read_fails_each_request_alone(self):
+        """Read once: each guided request then fails at its first sample, none raises."""
+        reads = []
+
+        def unreadable(end_ids):
+            reads.append(end_ids)
+            raise OSError("no tokenizer.json")
+
+        sampler = Sampler(unreadable)
+        sampler.add(1, _regex("a+"))
+        sampler.add(3, _regex("b+"))
+        sampler.add(2, SamplingSpec(seed=0))
+        row = _logits({})
+        launch = sampler.launch([2, 1, 3], torch.cat([row, row, row]))
+        sampler.finish(launch)
+        assert set(launch.failed) == {1, 3} and "no tokenizer.json" in launch.failed[1]
+        assert reads == [(EOS,)]
+
 
 def test_masks_on_the_real_vocabulary(tiny_model_dir):
     """Qwen3.5's 248k tokens read from tokenizer.json: along a JSON document tokenized as the

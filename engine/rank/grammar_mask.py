@@ -71,26 +71,40 @@ class GuideMatchers:
         template = self._templates.get(key)
         failure = None
         if template is None:
-            from llguidance import LLMatcher
-
-            tokenizer = self._tokenizers.get(end_ids)
-            if tokenizer is None:
-                tokenizer = self._tokenizers[end_ids] = self._tokenizer(end_ids)
-            template = LLMatcher(
-                tokenizer, grammar, log_level=0, limits=parser_limits(limits.max_lexer_states)
-            )
-            if template.is_error():
-                failure = (
-                    "structured outputs: its grammar does not build: "
-                    f"{error_summary(template.get_error())}"
-                )
+            try:
+                template = self._build(grammar, end_ids, limits)
+            except Exception as exc:  # no vocabulary, or llguidance refusing: this request's
+                failure = f"structured outputs: its matcher could not be built: {exc!r}"
             else:
-                self._templates[key] = template
+                if template.is_error():
+                    failure = (
+                        "structured outputs: its grammar does not build: "
+                        f"{error_summary(template.get_error())}"
+                    )
+                else:
+                    self._templates[key] = template
         if key in self._templates:
             self._templates.move_to_end(key)
         matcher = None if failure else template.deep_copy()
         self._requests[request_id] = _Guided(matcher, key, limits, failure)
         self._trim()
+
+    def _build(self, grammar: str, end_ids: tuple[int, ...], limits: GuideLimits) -> object:
+        """A grammar's template on the vocabulary (read the first time: its failure is kept,
+        each later request fails at once rather than reading it again)."""
+        from llguidance import LLMatcher
+
+        tokenizer = self._tokenizers.get(end_ids)
+        if tokenizer is None:
+            try:
+                tokenizer = self._tokenizer(end_ids)
+            except Exception as exc:
+                tokenizer = exc
+            self._tokenizers[end_ids] = tokenizer
+        if isinstance(tokenizer, Exception):
+            raise tokenizer
+        bounds = parser_limits(limits.max_lexer_states)
+        return LLMatcher(tokenizer, grammar, log_level=0, limits=bounds)
 
     def remove(self, request_id: int) -> None:
         """Forget a request; idempotent."""
