@@ -14,7 +14,7 @@ import torch
 from llguidance import LLTokenizer, TokenizerWrapper
 
 from deltaserve.engine.guide_grammar import constraint_grammar
-from deltaserve.engine.rank.grammar_mask import GuideMatchers, load_tokenizer
+from deltaserve.engine.rank.grammar_mask import LANE_REQUESTS, GuideMatchers, load_tokenizer
 from deltaserve.engine.rank.sampler import Sampler
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.tokenizer import load_tokenizer as load_hf_tokenizer
@@ -146,8 +146,9 @@ class TestSampler:
                 seen.add(text)
         assert len(seen) > 3
 
-    def test_a_grammar_is_built_once_and_refused_without_a_vocabulary(self):
-        """Requests of one grammar copy one template: the second builds nothing."""
+    def test_a_grammar_is_built_once_per_lane_and_refused_without_a_vocabulary(self):
+        """Requests of one grammar copy one template: the second builds nothing. Past
+        LANE_REQUESTS on each, the grammar gets another lane (a template of its own)."""
         built = []
 
         def counting(end_ids):
@@ -158,7 +159,13 @@ class TestSampler:
         grammar = constraint_grammar("regex", "a+", None)
         guides.add(1, grammar, (EOS,), LIMITS)
         guides.add(2, grammar, (EOS,), LIMITS)
-        assert built == [(EOS,)] and len(guides._templates) == 1
+        assert built == [(EOS,)] and len(guides._grammars) == 1
+        for rid in range(3, 3 + LANE_REQUESTS):
+            guides.add(rid, grammar, (EOS,), LIMITS)
+        lanes = next(iter(guides._grammars.values())).lanes
+        assert [lane.live for lane in lanes] == [LANE_REQUESTS, 2]
+        masks = guides.masks(list(range(1, 3 + LANE_REQUESTS)), WIDTH)  # both lanes filled
+        assert (masks == masks[0]).all() and guides.take_failures(list(range(1, 7))) == {}
         with pytest.raises(ValueError, match="tokenizer"):
             Sampler().add(1, _regex("a+"))
 
@@ -186,7 +193,7 @@ class TestBounds:
                 break
         assert list(failed) == [1] and "too many states" in failed[1], failed
         assert self._step(sampler, {1: 2.0})[1] == {}  # reported once
-        assert sampler._guides._templates == {}
+        assert all(not known.lanes for known in sampler._guides._grammars.values())
 
     def test_mask_time(self):
         """A mask that takes longer than max_mask_ms ends its request (a bound of 1 us: any)."""

@@ -2,18 +2,23 @@
 library fills for them, and the bounds that end a request alone.
 
 The engine compiled each grammar once (engine/guided.py) and sends it with the request; here
-one matcher per grammar is built the first time it comes (a template: the engine's worker
-proved it builds within the bounds) and each request copies it (the copies share its lexer,
-whose states the next requests reuse). Templates of grammars no request uses are kept a
-while (TEMPLATES_KEPT), never one that went past a bound.
+a matcher is built for it the first time it comes (a template: the engine's worker proved it
+builds within the bounds) and each request copies it. The copies share the template's lexer,
+whose states the next requests reuse, under one lock: measured, eight copies filled at once
+in threads took five times as long as eight matchers of their own (and than filling the eight
+copies one after another). So a grammar's requests are spread over lanes, each a template of its own whose requests are filled one after another in one
+thread, the lanes in parallel (llguidance lets go of the GIL). A grammar gets another lane
+while its lanes hold LANE_REQUESTS requests each, up to MAX_LANES, where its template took no
+more than LANE_BUILD_MS to build (each lane is one more build). Grammars no request uses keep
+their lanes a while (GRAMMARS_KEPT), never a lane that went past a bound.
 
-A step's masks are filled in threads (llguidance lets go of the GIL), each timed: a mask
-that takes longer than its request's `max_mask_ms` fails that request, and the step waits no
-longer than that for it (the late fill finishes in its thread, into an array of its own).
-A matcher in llguidance's error state (its lexer past max_lexer_states, its parser past the
-library's items or fuel) fails its request too. A failure is reported once, with the
-request's next sample (`SampleColumns.failed`); the engine ends the request with an error
-and drops it, every other request carries on.
+Each mask is timed: one longer than its request's `max_mask_ms` fails that request, and the
+step waits no longer than that per request of a lane (a late fill finishes in its thread, into
+an array of its own; the lane's requests not filled by then fail too: theirs is the same
+grammar). A matcher in llguidance's error state (its lexer past max_lexer_states, its parser
+past the library's items or fuel) fails its request. A failure is reported once, with the
+request's next sample (`SampleColumns.failed`); the engine ends the request with an error and
+drops it, every other request carries on.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +38,25 @@ from deltaserve.engine.guide_grammar import error_summary, parser_limits
 from deltaserve.ipc.messages import GuideLimits
 
 log = logging.getLogger("deltaserve.rank")
-TEMPLATES_KEPT = 8  # grammars whose matcher stays after their requests end
-MASK_THREADS = 16  # a late fill holds one until it ends; the others go on meanwhile
+GRAMMARS_KEPT = 8  # grammars whose lanes stay after their requests end
+MAX_LANES = 4  # lanes of one grammar at most
+LANE_REQUESTS = 16  # requests a lane takes before its grammar gets another
+LANE_BUILD_MS = 50.0  # a grammar slower to build keeps one lane
+MASK_THREADS = 8  # lanes filled at once (a late fill holds one until it ends)
+
+
+@dataclass(eq=False, slots=True)
+class _Lane:
+    """A template of one grammar and the requests that copy it (filled in one thread)."""
+
+    template: object
+    live: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class _Grammar:
+    lanes: list[_Lane] = field(default_factory=list)
+    build_ms: float = 0.0  # its first template's
 
 
 @dataclass(eq=False, slots=True)
@@ -42,7 +64,8 @@ class _Guided:
     """One request's matcher; `failure` once it went past a bound (`reported`: sent)."""
 
     matcher: object | None
-    template_key: tuple
+    key: tuple
+    lane: _Lane | None
     limits: GuideLimits
     failure: str | None = None
     reported: bool = False
@@ -55,7 +78,7 @@ class GuideMatchers:
     def __init__(self, tokenizer: Callable[[tuple[int, ...]], object]) -> None:
         self._tokenizer = tokenizer
         self._tokenizers: dict[tuple[int, ...], object] = {}
-        self._templates: OrderedDict[tuple, object] = OrderedDict()
+        self._grammars: OrderedDict[tuple, _Grammar] = OrderedDict()
         self._requests: dict[int, _Guided] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -65,12 +88,20 @@ class GuideMatchers:
     def add(
         self, request_id: int, grammar: str, end_ids: tuple[int, ...], limits: GuideLimits
     ) -> None:
-        """Its matcher, a copy of its grammar's template; a grammar that does not build is the
-        request's failure, reported with its first sample."""
+        """Its matcher, a copy of a lane's template of its grammar; a grammar that does not
+        build is the request's failure, reported with its first sample."""
         key = (grammar, end_ids, limits)
-        template = self._templates.get(key)
+        known = self._grammars.setdefault(key, _Grammar())
+        self._grammars.move_to_end(key)
+        lane = min(known.lanes, key=lambda lane: lane.live, default=None)
+        wants_lane = lane is None or (
+            lane.live >= LANE_REQUESTS
+            and len(known.lanes) < MAX_LANES
+            and known.build_ms <= LANE_BUILD_MS
+        )
         failure = None
-        if template is None:
+        if wants_lane:
+            started = time.perf_counter()
             try:
                 template = self._build(grammar, end_ids, limits)
             except Exception as exc:  # no vocabulary, or llguidance refusing: this request's
@@ -82,11 +113,15 @@ class GuideMatchers:
                         f"{error_summary(template.get_error())}"
                     )
                 else:
-                    self._templates[key] = template
-        if key in self._templates:
-            self._templates.move_to_end(key)
-        matcher = None if failure else template.deep_copy()
-        self._requests[request_id] = _Guided(matcher, key, limits, failure)
+                    lane = _Lane(template)
+                    known.lanes.append(lane)
+                    if len(known.lanes) == 1:
+                        known.build_ms = 1e3 * (time.perf_counter() - started)
+        if failure is not None:
+            self._requests[request_id] = _Guided(None, key, None, limits, failure)
+        else:
+            lane.live += 1
+            self._requests[request_id] = _Guided(lane.template.deep_copy(), key, lane, limits)
         self._trim()
 
     def _build(self, grammar: str, end_ids: tuple[int, ...], limits: GuideLimits) -> object:
@@ -108,7 +143,10 @@ class GuideMatchers:
 
     def remove(self, request_id: int) -> None:
         """Forget a request; idempotent."""
-        if self._requests.pop(request_id, None) is not None:
+        g = self._requests.pop(request_id, None)
+        if g is not None:
+            if g.lane is not None:
+                g.lane.live -= 1
             self._trim()
 
     def masks(self, request_ids: list[int], width: int) -> np.ndarray:
@@ -116,33 +154,35 @@ class GuideMatchers:
         t % 32) set where its request may sample token t next. A request that failed (now, or
         before) gets a row of every token; `take_failures` says which."""
         rows = np.full((len(request_ids), (width + 31) // 32), -1, dtype=np.int32)
-        live = [
-            (i, g)
-            for i, rid in enumerate(request_ids)
-            if (g := self._requests[rid]).failure is None
-        ]
-        if not live:
+        lanes: dict[int, list[tuple[int, _Guided]]] = {}  # id(lane) -> its (row, request)
+        for i, rid in enumerate(request_ids):
+            g = self._requests[rid]
+            if g.failure is None:
+                lanes.setdefault(id(g.lane), []).append((i, g))
+        if not lanes:
             return rows
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 MASK_THREADS, thread_name_prefix="guide-mask"
             )
+        live = [entry for entries in lanes.values() for entry in entries]
         filled = np.zeros((len(live), rows.shape[1]), dtype=np.int32)  # a late fill's own
-        futures = {
-            self._pool.submit(_fill, g.matcher, filled, j): (i, g, j)
-            for j, (i, g) in enumerate(live)
-        }
-        bound_s = max(g.limits.max_mask_ms for _, g in live) / 1e3
-        done, late = concurrent.futures.wait(futures, timeout=bound_s)
-        for future in late:
-            _, g, _ = futures[future]
-            self._fail(g, f"max_mask_ms ({g.limits.max_mask_ms:g} ms): a token mask took longer")
-        for future in done:
-            i, g, j = futures[future]
-            took_ms = future.result()
-            if took_ms > g.limits.max_mask_ms:
-                bound = g.limits.max_mask_ms
-                self._fail(g, f"max_mask_ms ({bound:g} ms): a token mask took {took_ms:.0f} ms")
+        took = np.full(len(live), np.nan)  # ms each fill took; nan: not done
+        futures, first = [], 0
+        for entries in lanes.values():
+            order = list(range(first, first + len(entries)))
+            matchers = [g.matcher for _, g in entries]
+            futures.append(self._pool.submit(_fill_lane, matchers, order, filled, took))
+            first += len(entries)
+        longest = max(len(entries) for entries in lanes.values())
+        bound_s = longest * max(g.limits.max_mask_ms for _, g in live) / 1e3
+        concurrent.futures.wait(futures, timeout=bound_s)  # a late lane's rows stay nan
+        for j, (i, g) in enumerate(live):
+            bound = g.limits.max_mask_ms
+            if np.isnan(took[j]):
+                self._fail(g, f"max_mask_ms ({bound:g} ms): a token mask took longer")
+            elif took[j] > bound:
+                self._fail(g, f"max_mask_ms ({bound:g} ms): a token mask took {took[j]:.0f} ms")
             elif g.matcher.is_error():
                 self._fail_on_error(g)
             else:
@@ -180,16 +220,21 @@ class GuideMatchers:
         self._fail(g, f"{bound}: {error}")
 
     def _fail(self, g: _Guided, reason: str) -> None:
-        """A request past a bound: its template goes too (its lexer's states are shared)."""
+        """A request past a bound: its lane goes too (its lexer's states are shared); the
+        requests still on it keep their copies."""
         g.failure, g.matcher = f"structured outputs went past {reason}", None
-        self._templates.pop(g.template_key, None)
+        known = self._grammars.get(g.key)
+        if known is not None and g.lane in known.lanes:
+            known.lanes.remove(g.lane)
+        if g.lane is not None:
+            g.lane.live -= 1
+            g.lane = None
 
     def _trim(self) -> None:
-        """Templates no request uses: the most recent TEMPLATES_KEPT stay."""
-        in_use = {g.template_key for g in self._requests.values()}
-        idle = [k for k in self._templates if k not in in_use]
-        for key in idle[: max(0, len(idle) - TEMPLATES_KEPT)]:
-            del self._templates[key]
+        """Grammars no request uses: the most recent GRAMMARS_KEPT keep their lanes."""
+        idle = [k for k, known in self._grammars.items() if not any(x.live for x in known.lanes)]
+        for key in idle[: max(0, len(idle) - GRAMMARS_KEPT)]:
+            del self._grammars[key]
 
 
 def load_tokenizer(model_dir: str, vocab_size: int, end_ids: tuple[int, ...]) -> object:
@@ -204,11 +249,15 @@ def load_tokenizer(model_dir: str, vocab_size: int, end_ids: tuple[int, ...]) ->
     return tokenizer
 
 
-def _fill(matcher: object, rows: np.ndarray, row: int) -> float:
-    """Fill `rows[row]` with the matcher's next mask; the milliseconds it took."""
-    started = time.perf_counter()
-    matcher.unsafe_compute_mask_ptr(rows[row].ctypes.data, rows[row].nbytes)
-    return 1e3 * (time.perf_counter() - started)
+def _fill_lane(
+    matchers: list[object], order: list[int], rows: np.ndarray, took: np.ndarray
+) -> None:
+    """One lane's masks, one after another: `rows[order[k]]` from `matchers[k]`, and the
+    milliseconds each took in `took`."""
+    for matcher, j in zip(matchers, order, strict=True):
+        started = time.perf_counter()
+        matcher.unsafe_compute_mask_ptr(rows[j].ctypes.data, rows[j].nbytes)
+        took[j] = 1e3 * (time.perf_counter() - started)
 
 
 def apply_masks(work: torch.Tensor, rows: torch.Tensor, masks: np.ndarray) -> None:
@@ -227,4 +276,4 @@ def apply_masks(work: torch.Tensor, rows: torch.Tensor, masks: np.ndarray) -> No
     work[rows] = work[rows].masked_fill(~allowed, float("-inf"))
 
 
-__all__ = ["GuideMatchers", "TEMPLATES_KEPT", "apply_masks", "load_tokenizer"]
+__all__ = ["GRAMMARS_KEPT", "GuideMatchers", "apply_masks", "load_tokenizer"]
