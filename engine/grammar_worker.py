@@ -45,7 +45,7 @@ class Setup(msgspec.Struct, frozen=True):
 
 
 class Job(msgspec.Struct, frozen=True, array_like=True):
-    """`kind`: one of guide_grammar.KINDS, or "stop_regex"."""
+    """`kind`: a constraint's (sampling_params.GUIDED_FIELDS), or "stop_regex"."""
 
     kind: str
     text: str

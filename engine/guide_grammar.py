@@ -22,7 +22,6 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer, TokenizerWrapper
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 WHITESPACE = r"[ \t\n]{0,20}"  # blanks between JSON tokens: a newline and a 4-deep indent fit
-KINDS = ("choice", "regex", "json", "json_object", "grammar", "structural_tag")
 _ECHO = re.compile(r"^\s*(\d+ \||\^)")  # llguidance's echo of the grammar around an error
 _ESCAPE = re.compile(r"\\(?:u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.)", re.DOTALL)
 
@@ -154,7 +153,6 @@ def _json(text: str, what: str) -> object:
 
 
 __all__ = [
-    "KINDS",
     "WHITESPACE",
     "byte_tokenizer",
     "closed_objects",
