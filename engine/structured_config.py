@@ -17,11 +17,11 @@ Why llguidance and not xgrammar (both measured on the Qwen3.5 vocabulary, CPU,
 bench/results/grammar_engines_cpu.json): xgrammar masks JSON faster (a few hundredths of a
 millisecond a token against a few tenths), but it has no limits to set: it took seconds to
 compile the issue's lazy regex, a schema 400 levels deep and 1,000 left-recursive rules
-(about 15, 10 and 4 s there), and nothing would stop one of its masks. llguidance compiled
+(about 5, 9 and 2 s there), and nothing would stop one of its masks. llguidance compiled
 those in milliseconds (refusing the deep schema) and ends a request at its limits while it
 generates (lexer states, Earley items, lexer fuel), which is the per-request bound this
-server needs; where it is slow (a counted regex's masks, a schema of 10,000 properties,
-which both took ~30 s to compile) the bounds above refuse the request first. Both could only
+server needs; where it is slow (a counted regex's masks, 0.2-0.9 s each; a schema of 10,000
+properties, which both took ~19 s to compile) the bounds above refuse the request first. Both could only
 be bounded in compile time from outside, hence the worker.
 """
 
