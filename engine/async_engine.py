@@ -2,7 +2,9 @@
 
 `generate` validates and tokenizes synchronously (bad input raises at once, naming the
 problem), assigns engine RequestIds (never reused) and seeds, and hands the choices to the
-scheduler tick, which owns all request state from then on (engine/scheduler.py).
+scheduler tick, which owns all request state from then on (engine/scheduler.py). Params with
+a structured-output constraint or stop regexes are compiled first, off the event loop:
+`params = await engine.prepare(params)` (engine/guided.py); `generate` refuses them otherwise.
 Tokenizing a large text takes seconds (~1 s per MiB): `await engine.encode(text)` (or
 `run_tokenizer`, e.g. for a chat template) does it in a worker thread, off the event loop,
 and `generate` then takes the ids. The HTTP server always goes that way.
@@ -18,10 +20,12 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import os
 import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from deltaserve.engine.config import EngineConfig, resolve_limits
@@ -31,6 +35,8 @@ from deltaserve.engine.events import (
     NoWeightsError,
     QueueFullError,
 )
+from deltaserve.engine.grammar_worker import Setup
+from deltaserve.engine.guided import Guides
 from deltaserve.engine.maintenance import PAUSE_MODES, Kind, PauseMode
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.monitor import MonitorPublisher
@@ -80,6 +86,7 @@ class AsyncEngine:
         # loads the tokenizer (`start`) and tokenizes large inputs; the loop uses the same instance
         self._tokenizer_worker = TokenizerWorker(functools.partial(load_tokenizer, config.model))
         self._think_end_id: int | None = None  # the tokenizer's </think> (a thinking budget's end)
+        self._guides: Guides | None = None  # structured outputs' compiles: made when first needed
         self.weights_dir = config.model  # where the weights served came from (update_weights)
 
     @classmethod
@@ -271,6 +278,33 @@ class AsyncEngine:
 
     # ---- requests ---------------------------------------------------------------------------
 
+    async def prepare(self, params: SamplingParams) -> SamplingParams:
+        """`params` ready for `generate`: their structured-output constraint and stop regexes
+        compiled in the compile worker, off the event loop, each text once (failures too;
+        engine/guided.py). Raises ValueError naming the field and the bound or the error,
+        and EngineDeadError; params with nothing to compile come back as they are."""
+        self._check_alive()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.is_prepared:
+            return params
+        if self._guides is None:
+            setup = Setup(
+                tokenizer_json=str(Path(self.config.model) / "tokenizer.json"),
+                vocab_size=self.model_config.vocab_size,
+                eos_ids=sorted(self.eos_token_ids),
+                max_lexer_states=self.config.structured_outputs.max_lexer_states,
+                max_mask_ms=self.config.structured_outputs.max_mask_ms,
+                parent_pid=os.getpid(),
+            )
+            self._guides = Guides(setup, self.config.structured_outputs)
+        return await self._guides.prepare(params)
+
+    @property
+    def guides(self) -> Guides | None:
+        """The structured outputs' compile cache and worker, once a request needed them."""
+        return self._guides
+
     def generate(
         self,
         prompt: str | list[int],
@@ -332,6 +366,11 @@ class AsyncEngine:
         processor)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not params.is_prepared:
+            raise ValueError(
+                "structured outputs and stop_regex are compiled before generate, off the "
+                "event loop: params = await engine.prepare(params)"
+            )
         encode = functools.partial(_encode_text, self.tokenizer)
         params = params.tokenize_bad_words(encode).resolve_thinking_end(self._think_end_id)
         prompt_ids = self._prompt_ids(prompt)
@@ -612,6 +651,8 @@ class AsyncEngine:
             await self._controller.shutdown()
         finally:
             self._tokenizer_worker.close()  # after the drain: its requests were tokenized
+            if self._guides is not None:
+                await self._guides.close()
             if self._monitor is not None:
                 await self._monitor.aclose()  # its last message: shut_down
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.structured_config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
     from deltaserve.ipc.faults import FaultPlan
@@ -76,6 +77,8 @@ class EngineConfig:
     step_timeout_s: float = 60.0
     startup_timeout_s: float = 120.0
     monitor_endpoint: str | None = None  # None: no monitor; "auto", ipc://PATH, tcp://HOST:PORT
+    # guided decoding's and stop regexes' engine and bounds (engine/structured_config.py)
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     force_mixed_steps: bool = False  # tests: the planner staggers prefills beside decodes
     fault: FaultPlan | None = None  # tests only
 
@@ -152,6 +155,11 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"monitor_endpoint must be 'auto', ipc://PATH or tcp://HOST:PORT, got {endpoint!r}"
+            )
+        if not isinstance(self.structured_outputs, StructuredOutputsConfig):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsConfig, got "
+                f"{type(self.structured_outputs).__name__}"
             )
         if self.device_ids is not None:
             if self.device != "cuda":

@@ -226,6 +226,11 @@ class DataParallelEngine:
 
     # ---- requests ---------------------------------------------------------------------------
 
+    async def prepare(self, params: SamplingParams) -> SamplingParams:
+        """As AsyncEngine.prepare: one replica compiles for all (the grammar and the stop
+        regexes' matchers serve any replica in this process)."""
+        return await self.replicas[0].prepare(params)
+
     def generate(
         self,
         prompt: str | list[int],

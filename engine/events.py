@@ -60,10 +60,13 @@ class FinishedEvent(msgspec.Struct, frozen=True):
 
 
 class ErrorEvent(msgspec.Struct, frozen=True):
-    """Choice `index` ended by a failure (engine death, an impossible request)."""
+    """Choice `index` ended by a failure (engine death, an impossible request). `bound`: the
+    request went past one of its own bounds while generating (structured outputs, a stop
+    regex), which `message` names: it alone ended, the engine serves on."""
 
     index: int
     message: str
+    bound: bool = False
 
 
 Event = PromptLogprobsEvent | TokenEvent | FinishedEvent | ErrorEvent

@@ -25,7 +25,9 @@ Monitors hook in through `load_listeners` and `lifecycle_listeners` (engine/moni
 every request transition and the engine's failure pass through `_notify`, once each.
 
 Completion commit boundary: a request's last token and its FinishedEvent are delivered only
-after the all-rank drop of its state succeeded. Fail closed: a poisoned replica (or any
+after the all-rank drop of its state succeeded. A request that went past one of its own
+bounds (rank 0 reports it in `SampleColumns.failed`; a stop regex's matcher here) ends the
+same way with an ErrorEvent, alone: that is no replica error. Fail closed: a poisoned replica (or any
 error in the tick) ends every unresolved choice with exactly one ErrorEvent, publishes an idle
 terminal snapshot, and tears the replica down.
 """
@@ -60,6 +62,7 @@ from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.planner import PlanInput, PlannedChunk, StepBudget, StepPlan, plan_step
 from deltaserve.engine.prefix_cache import PrefixCache
 from deltaserve.engine.stop_check import check_stop, matched_stop
+from deltaserve.engine.stop_regex import StopRegexError
 from deltaserve.engine.tick_records import Cancellation, Entry, Step, Submission
 from deltaserve.engine.waiting_queue import WaitingQueue
 from deltaserve.ipc.controller import ReplicaPoisoned
@@ -546,7 +549,10 @@ class Scheduler:
             if chunk.sample:
                 if not chunk.is_decode:
                     self.metrics.prompt_tokens_total += entry.request.prompt_len
-                self._commit_sample(entry, samples.sample(row), now)
+                if (failure := samples.failed.get(chunk.request_id)) is not None:
+                    self._end_failed(entry, failure)
+                else:
+                    self._commit_sample(entry, samples.sample(row), now)
 
     def _commit_sample(self, entry: Entry, sample: Sample, now: float) -> None:
         request = entry.request
@@ -563,7 +569,11 @@ class Scheduler:
         else:
             self.metrics.inter_token_latency_s.observe(now - previous)
         token = sample.token_id
-        reason, text = check_stop(request, token, self._eos_token_ids, entry.detokenizer)
+        try:
+            reason, text = check_stop(request, token, self._eos_token_ids, entry.detokenizer)
+        except StopRegexError as exc:
+            self._end_failed(entry, str(exc))
+            return
         if reason is None:
             self._outbox.append((entry, sample, text))  # text None: made in _flush_outbox
             return
@@ -581,6 +591,15 @@ class Scheduler:
             matched_stop(request, token, entry.detokenizer),
         )
         self._hold_until_dropped(request.request_id, [event, finished])
+
+    def _end_failed(self, entry: Entry, message: str) -> None:
+        """A running request went past one of its own bounds: it alone ends, with an
+        ErrorEvent once its state is dropped (as a finished request's)."""
+        request = entry.request
+        request.finish("error")
+        del self._running[request.request_id]
+        event = ErrorEvent(request.index, message, bound=True)
+        self._hold_until_dropped(request.request_id, [event])
 
     def _hold_until_dropped(self, request_id: int, events: list[Event]) -> None:
         """Hold an ended request's events until every rank has dropped its state: by the step
@@ -633,6 +652,8 @@ class Scheduler:
             )
             if isinstance(event, FinishedEvent):
                 self._notify("finished", entry, reason=event.reason)
+            elif event.bound:  # past its own bound while generating
+                self._notify("dropped", entry, message=event.message)
             elif self.dead_reason is None:  # refused at admission: it can never fit
                 self._notify("rejected", entry, reason="invalid", message=event.message)
             else:

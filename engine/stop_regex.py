@@ -2,55 +2,86 @@
 any of them, the text kept through the token that completed it (SGLang trims a stop string,
 not a regex match).
 
-Each pattern runs as the automaton of `[\\s\\S]*(?:pattern)` over the text's UTF-8 bytes as
-they come (engine/regex_automaton.py's dialect, a lazy DFA): linear in the text, where
-searching it again with Python's `re` after every token is quadratic, and a pattern that
-backtracks badly could stall the engine's loop.
+Each pattern runs as llguidance's matcher of `(?s:.*)(?:pattern)` over the text's UTF-8
+bytes as they come (engine/guide_grammar.py's byte tokenizer): the same regex dialect as
+guided_regex, in linear time (a lazily built DFA, its states bounded by max_lexer_states),
+where searching the text again after every token is quadratic. The compile worker checks
+each pattern first (engine/grammar_worker.py); engine/guided.py keeps one matcher per
+pattern, which each request's watch copies (the copies share its DFA).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from deltaserve.engine.regex_automaton import START, ByteAutomaton, RegexError
+from llguidance import LLMatcher
 
-MAX_STOP_REGEXES = 16
+from deltaserve.engine.guide_grammar import error_summary
 
 
-@functools.lru_cache(maxsize=256)
-def stop_automaton(pattern: str) -> ByteAutomaton:
-    """The automaton that accepts wherever the text so far ends a match of `pattern`;
-    ValueError naming it where it is not one of the dialect's or matches the empty text."""
-    try:
-        ByteAutomaton(pattern)  # its errors point into the pattern as given
-    except RegexError as e:
-        raise ValueError(f"stop_regex {pattern!r}: {e}") from None
-    automaton = ByteAutomaton(f"[\\s\\S]*(?:{pattern})")
-    if automaton.accepting[START]:
-        raise ValueError(f"stop_regex {pattern!r} matches the empty text: it would stop at once")
-    return automaton
+class StopRegexError(ValueError):
+    """A stop regex's matcher hit a bound while reading the output (its lexer's states)."""
+
+
+@dataclass(eq=False, slots=True)
+class StopTemplate:
+    """A stop regex's matcher, which requests copy (engine/guided.py keeps one per pattern).
+    `spent`: a copy hit the lexer's bound in the states they share; the next request gets a
+    fresh one."""
+
+    pattern: str
+    matcher: LLMatcher
+    spent: bool = False
+
+
+def stop_regex_grammar(pattern: str) -> str:
+    """The grammar whose matcher accepts wherever the text so far ends a match of `pattern`;
+    ValueError pointing into the pattern as given where it is not a regex."""
+    if error := LLMatcher.validate_grammar(LLMatcher.grammar_from_regex(pattern)):
+        raise ValueError(error_summary(error))
+    return LLMatcher.grammar_from_regex(f"(?s:.*)(?:{pattern})")
+
+
+def stop_template(pattern: str, max_lexer_states: int) -> StopTemplate:
+    """A pattern's matcher for requests to copy (its grammar checked by the worker first: here
+    a ValueError only for a pattern that is no regex)."""
+    from deltaserve.engine.guide_grammar import byte_tokenizer, parser_limits
+
+    limits = parser_limits(max_lexer_states)
+    return StopTemplate(
+        pattern, LLMatcher(byte_tokenizer(), stop_regex_grammar(pattern), limits=limits)
+    )
 
 
 class StopRegexWatch:
     """Where each stop regex stands on one output's text; `feed` says which first matched."""
 
-    def __init__(self, patterns: Sequence[str]) -> None:
-        self._automata = [(p, stop_automaton(p)) for p in patterns]
-        self._states = [START] * len(self._automata)
+    def __init__(self, templates: Sequence[StopTemplate]) -> None:
+        self._matchers = [(t, t.matcher.deep_copy()) for t in templates]
 
     def feed(self, text: str, counts: bool) -> str | None:
         """Take the next text; the pattern of a match ending in it, where `counts` (past
-        min_tokens: as stop strings, a match must end in a later token's text)."""
+        min_tokens: as stop strings, a match must end in a later token's text). Raises
+        StopRegexError where a matcher went past a bound."""
         data = text.encode()
-        for i, (pattern, automaton) in enumerate(self._automata):
-            state = self._states[i]
+        for template, matcher in self._matchers:
             for b in data:
-                state = automaton.row(state)[b]
-                if counts and automaton.accepting[state]:
-                    return pattern
-            self._states[i] = state  # never DEAD: the `[\s\S]*` before the pattern takes any text
+                if not matcher.consume_token(b):  # `(?s:.*)` takes any text: only a bound
+                    template.spent = True
+                    raise StopRegexError(
+                        f"stop_regex {template.pattern!r} went past its bound: "
+                        f"{error_summary(matcher.get_error())}"
+                    )
+                if counts and matcher.is_accepting():
+                    return template.pattern
         return None
 
 
-__all__ = ["MAX_STOP_REGEXES", "StopRegexWatch", "stop_automaton"]
+__all__ = [
+    "StopRegexError",
+    "StopRegexWatch",
+    "StopTemplate",
+    "stop_regex_grammar",
+    "stop_template",
+]

@@ -289,6 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds for every rank to load",
     )
     eng.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        help="vLLM's: structured outputs' engine and bounds, as JSON or comma-separated "
+        f"key=value pairs; the fields and their defaults: {_structured_defaults()} "
+        "(engine/structured_config.py). backend auto and guidance: llguidance",
+    )
+    eng.add_argument(
         "--monitor-endpoint",
         default="auto",
         help="ZeroMQ PUB endpoint for monitors (deltaserve monitor ENDPOINT; "
@@ -560,8 +567,19 @@ def _server_config(args: argparse.Namespace):  # -> ServerConfig
     )
 
 
+def _structured_defaults() -> str:
+    from dataclasses import fields
+
+    from deltaserve.engine.structured_config import StructuredOutputsConfig
+
+    return ",".join(f"{f.name}={f.default}" for f in fields(StructuredOutputsConfig))
+
+
 def _engine_config(args: argparse.Namespace):  # -> EngineConfig
     from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.structured_config import StructuredOutputsConfig
+
+    structured = args.structured_outputs_config
 
     return EngineConfig(
         model=args.model,
@@ -589,6 +607,9 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         step_timeout_s=args.step_timeout_s,
         startup_timeout_s=args.startup_timeout_s,
         monitor_endpoint=None if args.monitor_endpoint == "off" else args.monitor_endpoint,
+        structured_outputs=StructuredOutputsConfig.parse(structured)
+        if structured
+        else StructuredOutputsConfig(),
     )
 
 

@@ -536,6 +536,8 @@ async def _open_streams(
     id, where the client named them (else `request_id`, numbered when there are several)."""
     streams: list[Any] = []
     try:
+        # structured outputs and stop regexes compiled (off the loop; each text once)
+        params = [await state.engine.prepare(p) for p in params]
         prompts = [fit(await state.engine.encode(p) if isinstance(p, str) else p) for p in prompts]
         if len(prompts) > 1:  # all or none: no stream opened to be closed (counted an abort)
             state.engine.check(prompts, params, request_id)
@@ -600,8 +602,11 @@ async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
 
 
 class _RequestFailed(Exception):
-    def __init__(self, err: ApiError) -> None:
+    """`last_chunk`: what a stream sends before the error (its choice's finish)."""
+
+    def __init__(self, err: ApiError, last_chunk: Any = None) -> None:
         self.err = err
+        self.last_chunk = last_chunk
 
 
 def _terminal_error(state: ServerState, ev: Any) -> ApiError:
@@ -619,6 +624,8 @@ def _terminal_error(state: ServerState, ev: Any) -> ApiError:
         return ApiError(
             503, f"the request was aborted: {why}", type="service_unavailable", code="aborted"
         )
+    if ev.bound:  # it went past one of its own bounds while generating: a client error
+        return ApiError(400, ev.message, type="invalid_request_error", code="bound_exceeded")
     return ApiError(
         500, f"the request failed: {ev.message}", type="internal_error", code="request_failed"
     )
@@ -699,6 +706,8 @@ async def _respond(
     except _RequestFailed as failed:
         if response is None:
             raise failed.err from None
+        if failed.last_chunk is not None:
+            await response.write(formatter.encode(failed.last_chunk))
         await _end_with_error(response, formatter.stream_error(failed.err))
         return response
     except ConnectionResetError:  # the client went away mid-write: cancelled in `finally`
@@ -754,5 +763,11 @@ def _apply(
         choice.output_tokens = ev.output_tokens
         return formatter.finish(idx, ev, choice)
     if isinstance(ev, ErrorEvent):
-        raise _RequestFailed(_terminal_error(state, ev))
+        last = None
+        if ev.bound and isinstance(formatter, CompletionFormatter | ChatFormatter):
+            # the choice ends with finish_reason "error", then the error names the bound
+            choice.finish_reason = "error"
+            ended = FinishedEvent(ev.index, "error", choice.prompt_tokens, choice.output_tokens, "")
+            last = formatter.finish(idx, ended, choice)
+        raise _RequestFailed(_terminal_error(state, ev), last)
     raise TypeError(f"unexpected engine event {type(ev).__name__}")

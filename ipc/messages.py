@@ -19,6 +19,14 @@ import msgspec
 RequestId = int
 
 
+class GuideLimits(msgspec.Struct, frozen=True, array_like=True):
+    """The bounds rank 0 holds a guided request's matcher to (engine/structured_config.py):
+    its lexer's states (llguidance's limit) and the time of one token mask."""
+
+    max_lexer_states: int
+    max_mask_ms: float
+
+
 class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """What a rank needs to sample one request's tokens; sent once, with its first chunk.
 
@@ -28,9 +36,10 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     min_tokens only) cannot be; `logit_bias` holds (token id, bias) pairs, ids ascending.
     `allowed_token_ids` (empty: all) are the only ones that can be; `bad_words` are token-id
     sequences whose last token cannot be where the output so far ends with the rest.
-    `guide_regex` (non-empty: guided decoding, engine/regex_automaton.py's dialect, checked by
-    the engine) is the pattern the whole output must match: only the tokens that keep the
-    output a prefix of a match can be, and `guide_end_ids` (the EOS ids) where it is a match.
+    `guide_grammar` (non-empty: guided decoding) is the llguidance grammar the whole output
+    must match, compiled once by the engine (engine/guided.py): only the tokens that keep the
+    output a prefix of a match can be, and `guide_end_ids` (the EOS ids) where it is a match;
+    past `guide_limits` the request fails alone (`SampleColumns.failed`).
     `think_budget` >= 0: the output starts inside a think block, and once that many tokens
     were sampled without `think_end_id` (`</think>`), that token is the only one that can be.
     """
@@ -49,8 +58,9 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
-    guide_regex: str = ""
+    guide_grammar: str = ""
     guide_end_ids: tuple[int, ...] = ()
+    guide_limits: GuideLimits | None = None
     think_budget: int = -1  # -1: none
     think_end_id: int = -1
 
@@ -133,13 +143,19 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
     and logprob; `top_logprobs` holds alternatives only for requests that asked for some
     (num_logprobs > 0), keyed by request id. The event-loop process decodes three lists in C
     instead of a struct and a list per sample, and one list comparison matches them to the
-    step (ipc/validate.py). Decoding checks that the columns line up."""
+    step (ipc/validate.py). Decoding checks that the columns line up.
+
+    `failed`: requests that rank 0 could not sample within their own bounds (a guided one
+    whose matcher went past its limits), with the reason. Not a replica error: the engine
+    ends each with an error and drops its state, as for a finished request; their row's
+    token is meaningless. Reported once, with a sample of the request's."""
 
     request_ids: list[RequestId]
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: dict[RequestId, list[tuple[int, float]]]
     prompt_logprobs: dict[RequestId, PromptLogprobs] = {}  # of the chunks that asked
+    failed: dict[RequestId, str] = {}
 
     def __post_init__(self) -> None:
         if not len(self.token_ids) == len(self.logprobs) == len(self.request_ids):
@@ -150,7 +166,10 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
     @classmethod
     def from_samples(
-        cls, samples: list[Sample], prompt_logprobs: dict[RequestId, PromptLogprobs] | None = None
+        cls,
+        samples: list[Sample],
+        prompt_logprobs: dict[RequestId, PromptLogprobs] | None = None,
+        failed: dict[RequestId, str] | None = None,
     ) -> SampleColumns:
         return cls(
             [s.request_id for s in samples],
@@ -158,6 +177,7 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
             [s.logprob for s in samples],
             {s.request_id: s.top_logprobs for s in samples if s.top_logprobs},
             prompt_logprobs or {},
+            failed or {},
         )
 
     def __len__(self) -> int:

@@ -357,7 +357,8 @@ class RankServer:
         samples = self.executor.finish_step(step)
         if self.rank != 0:
             return Ack(self.rank, seq)
-        return StepResult(self.rank, seq, SampleColumns.from_samples(samples, step.prompt_logprobs))
+        columns = SampleColumns.from_samples(samples, step.prompt_logprobs, step.failed)
+        return StepResult(self.rank, seq, columns)
 
     def handle(self, frame: bytes, receipted: bool = False) -> bool:
         """Carry out one command frame (its receipt in the gate if `receipted`); True when

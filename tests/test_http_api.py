@@ -442,7 +442,11 @@ def check_error(body: dict, param: str | None, words: str) -> None:
         (dict(prompt="x", max_tokens=MAX_MODEL_LEN), "prompt", "max_model_len"),
         (dict(prompt=[248320]), "prompt", "[0, 248320)"),
         (dict(prompt="x", extra_body={"stop_token_ids": [10**6]}), "stop_token_ids", "vocabulary"),
-        (dict(prompt="x", extra_body={"guided_grammar": "x"}), "guided_grammar", "expected a rule"),
+        (
+            dict(prompt="x", extra_body={"guided_grammar": "x"}),
+            "guided_grammar",
+            "Expected token ':'",
+        ),
     ],
 )
 async def test_400_completions(served: Served, call, param, words):

@@ -440,7 +440,7 @@ async def test_abort_request_by_rid_and_all(server, gpt):
         ),
         (
             {"input_ids": PROMPT, "sampling_params": {"ebnf": "root ::= 'a'"}},
-            "sampling_params.ebnf: line 1",
+            "sampling_params.ebnf: not a GBNF grammar: Expected name at line 1",
         ),
         (
             {"input_ids": PROMPT, "sampling_params": {"structural_tag": "{}"}},

@@ -18,6 +18,7 @@ from deltaserve.engine.config import FP8_WEIGHTS
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs
+from deltaserve.engine.rank.grammar_mask import load_tokenizer
 from deltaserve.engine.rank.loader import CheckpointError, load_weights
 from deltaserve.engine.rank.memory_budget import size_kv_cache, warm_up
 from deltaserve.engine.rank.model_config import ModelConfig
@@ -36,7 +37,6 @@ from deltaserve.engine.rank.sampler import SampleLaunch, Sampler
 from deltaserve.engine.rank.sleep_mode import Asleep, release_memory, restore_memory
 from deltaserve.engine.rank.step_meta import with_step_meta
 from deltaserve.engine.rank.transfer import to_device
-from deltaserve.engine.rank.vocab_cache import load_trie
 from deltaserve.ipc.messages import PromptLogprobs, Sample, SaveOnDrop, StepItem
 from deltaserve.kernels.triton_compat import gpu_path
 
@@ -162,6 +162,11 @@ class LaunchedStep:
     # rank 0: the prompt logprobs its chunks asked for (already on the host)
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
 
+    @property
+    def failed(self) -> dict[int, str]:
+        """Rank 0: the requests its sampling found past their own bounds (SampleColumns')."""
+        return {} if self.sampling is None else self.sampling.failed
+
     def ready(self) -> bool:
         """Whether the device has finished it (a poll; never waits)."""
         if self.sampling is not None:
@@ -190,7 +195,11 @@ class Executor:
             time.monotonic() - started,
             f"; {kept} projections kept FP8" if kept else "",
         )
-        self.sampler = Sampler(partial(load_trie, config.model_dir)) if config.rank == 0 else None
+        self.sampler = (
+            Sampler(partial(load_tokenizer, config.model_dir, self.model_config.vocab_size))
+            if config.rank == 0
+            else None
+        )
         self.requests: dict[int, LiveRequest] = {}
         self.prefixes: dict[int, SavedPrefix] = {}  # saved prefix id -> its state and blocks
         self.graphs: DecodeGraphs | None = None
