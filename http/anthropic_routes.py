@@ -41,9 +41,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_messages_request(await read_json(request))
     with renamed_fields(RENAMED):
-        chat = parse_chat_request(
-            req.chat, state.sampling_defaults, max_logprobs=state.engine.max_logprobs
-        )
+        chat = parse_chat_request(req.chat, state.sampling_defaults)
         formatter, streams = await open_chat(request, chat, req.message_id)
     messages = MessagesFormatter(formatter, req.message_id, req.stop_sequences)
     return await _respond(request, messages, streams, 1, req.stream, include_usage=False)
@@ -54,9 +52,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse_messages_request(await read_json(request), count_only=True)
     with renamed_fields(RENAMED):
-        chat = parse_chat_request(
-            req.chat, state.sampling_defaults, max_logprobs=state.engine.max_logprobs
-        )
+        chat = parse_chat_request(req.chat, state.sampling_defaults)
     state.model_name(chat.model)
     kwargs = {**state.config.default_chat_template_kwargs, **chat.chat_template_kwargs}
     ids = await _apply_chat_template(

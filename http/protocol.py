@@ -3,8 +3,10 @@
 Pure (no aiohttp, no engine): a JSON value in, a frozen request description out, or an
 `ApiError` (400) that names the offending field. Every field is on an explicit list: fields we
 honour are parsed, fields we cannot honour are refused unless they carry their no-op value,
-and unknown fields are refused. Value ranges that the engine's `SamplingParams` checks are left
-to it (its ValueError names the field); the OpenAI-only limits are checked here.
+and unknown fields are refused. The sampling fields become the engine's `SamplingParams`, which
+checks their ranges (its `ParamError`, answered naming the field the request sent); the
+engine's limits (max_logprobs, the context) are its own, at submission; the OpenAI-only ones
+are checked here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from deltaserve.http.errors import ApiError, bad_request, unsupported
+from deltaserve.engine.sampling_params import DEFAULT_MAX_TOKENS, ParamError, SamplingParams
+from deltaserve.http.errors import ApiError, bad_request, refused_param, unsupported
 from deltaserve.http.json_fields import (
     is_int,
     json_object,
@@ -29,12 +32,11 @@ from deltaserve.http.structured_output import STRUCTURED_OUTPUT_KEYS, Guided, pa
 from deltaserve.http.tool_protocol import TOOL_MESSAGE_KEYS, parse_tool_fields, tool_message_fields
 
 if TYPE_CHECKING:
-    from deltaserve.engine.sampling_params import SamplingParams
-    from deltaserve.http.tool_protocol import ToolChoice, ToolFields
+    from deltaserve.http.tool_protocol import ToolChoice
 
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs (the engine's `max_logprobs` is passed in)
 TEXT_PART_SEPARATOR = "\n"  # between a message's text parts, as vLLM joins them
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# the engine's names of a chat's fields -> the chat's (its errors name those)
+_CHAT_NAMES = {"logprobs": "top_logprobs", "prompt": "messages"}
 
 # Sampling fields shared by both endpoints (OpenAI names plus the vLLM extras).
 _SAMPLING_KEYS = frozenset(
@@ -149,62 +151,16 @@ _ROLE_ALIASES = {"developer": "system"}
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingFields:
-    """The sampling knobs of one request, type-checked, in `SamplingParams` terms.
-
-    `max_tokens` None means "whatever context is left after the prompt" (resolved by the
-    server once the prompt is tokenized)."""
-
-    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = ()
-    stop_regex: tuple[str, ...] = ()  # SGLang's (engine/stop_regex.py)
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    n: int = 1
-    min_tokens: int = 0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    allowed_token_ids: tuple[int, ...] | None = None
-    bad_words: tuple[str, ...] = ()
-    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
-    thinking_budget: int | None = (
-        None  # the most tokens the output thinks for (then </think> is forced)
-    )
-    guided: Guided = (
-        Guided()
-    )  # vLLM's structured outputs, forced tool calls (http/structured_output.py)
-
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Build the engine's params (which check ranges and raise ValueError naming the
-        field)."""
-        from deltaserve.engine.sampling_params import SamplingParams
-
-        knobs = {
-            name: getattr(self, name)
-            for name in self.__dataclass_fields__
-            if name not in ("max_tokens", "guided")
-        }
-        return SamplingParams(max_tokens=max_tokens, **knobs, **self.guided.params())
-
-
-@dataclass(frozen=True, slots=True)
 class CompletionRequest:
     """`prompts` holds each prompt as text or token ids; choices are indexed prompt-major:
     choice `p * n + i` is the i-th sample of prompt p."""
 
     model: str | None
     prompts: tuple[str | tuple[int, ...], ...]
-    sampling: SamplingFields
+    sampling: SamplingParams
+    guided: Guided = Guided()  # where sampling's constraint came from
+    # the engine's names of fields -> this request's (`errors.refused_param`)
+    param_names: dict[str, str] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
@@ -222,12 +178,15 @@ class CompletionRequest:
 class ChatRequest:
     """`messages` are normalised to `{"role", "content": str}` (and `"name"` when given, and
     the tool fields of tool_protocol.py's `tool_message_fields`); `logprobs` asks for the chat
-    logprobs shape (then `sampling.logprobs` is the number of alternatives, 0..max_logprobs). `tools`
+    logprobs shape (then `sampling.logprobs` is the number of alternatives, 0..max_logprobs).
+    `sampling.max_tokens` None: what the context leaves after the rendered prompt. `tools`
     (for the template) and `tool_choice`: tool_protocol.py's `ToolFields`."""
 
     model: str | None
     messages: tuple[dict[str, Any], ...]
-    sampling: SamplingFields
+    sampling: SamplingParams
+    guided: Guided = Guided()  # as CompletionRequest's
+    param_names: dict[str, str] = field(default_factory=dict)  # as CompletionRequest's
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -254,11 +213,15 @@ class ChatRequest:
 
 
 def parse_completion_request(
-    body: object, defaults: Mapping[str, float] | None = None, *, max_logprobs: int = MAX_LOGPROBS
+    body: object,
+    defaults: Mapping[str, float] | None = None,
+    *,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
 ) -> CompletionRequest:
     """`defaults`: sampling settings (temperature, top_p, top_k, min_p, repetition_penalty)
     taken where the body leaves them out or null: the model's generation_config.json, as
-    vLLM takes it. `max_logprobs`: the engine's bound on logprobs and prompt_logprobs."""
+    vLLM takes it. `default_max_tokens`: where the body gives none (OpenAI's 16; None: what the
+    context leaves, SGLang's /generate)."""
     obj = json_object(body)
     _refuse_unknown(obj, _COMPLETION_KEYS)
     _refuse_non_defaults(obj, _COMPLETION_DEFAULTS)
@@ -269,24 +232,27 @@ def parse_completion_request(
     if obj.get("suffix") not in (None, ""):
         raise unsupported("suffix", "insertion (suffix) is not supported")
     logprobs = opt_int(obj, "logprobs")
-    if logprobs is not None and not 0 <= logprobs <= max_logprobs:
-        raise bad_request(f"logprobs must be in 0..{max_logprobs}, got {logprobs}", "logprobs")
-    max_tokens = opt_int(obj, "max_tokens", default=DEFAULT_COMPLETION_MAX_TOKENS)
     stream, include_usage, continuous = _stream(obj)
-    prompt_logprobs = _prompt_logprobs(obj, stream, max_logprobs)
+    prompt_logprobs = _prompt_logprobs(obj, stream)
     if prompt_logprobs is None and echo:  # as vLLM: echoed logprobs cover the prompt's tokens too
         prompt_logprobs = logprobs
-    beam_search, length_penalty = _beam_search(obj, max_logprobs)
+    beam_search, length_penalty = _beam_search(obj)
+    guided = parse_guided(obj)
+    names = guided.param_names()
     return CompletionRequest(
         model=opt_str(obj, "model"),
         prompts=_prompts(obj),
         sampling=_sampling(
             obj,
-            max_tokens=max_tokens,
+            max_tokens=opt_int(obj, "max_tokens", default=default_max_tokens),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             defaults=defaults,
+            guided=guided,
+            names=names,
         ),
+        guided=guided,
+        param_names=names,
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous,
@@ -299,11 +265,11 @@ def parse_completion_request(
     )
 
 
-def _beam_search(obj: dict[str, Any], max_logprobs: int) -> tuple[bool, float]:
+def _beam_search(obj: dict[str, Any]) -> tuple[bool, float]:
     """vLLM's use_beam_search and length_penalty. A search takes n, max_tokens, temperature (no
     effect: candidates come from raw logprobs, as vLLM's), ignore_eos, include_stop_str_in_output,
     skip_special_tokens and length_penalty; its answer comes whole, without logprobs (chat's
-    `logprobs: false` is none)."""
+    `logprobs: false` is none). Its width's bound is the engine's (engine/beam_search.py)."""
     length_penalty = opt_float(obj, "length_penalty", 1.0)
     if not opt_bool(obj, "use_beam_search", default=False):
         if length_penalty != 1.0:
@@ -328,22 +294,11 @@ def _beam_search(obj: dict[str, Any], max_logprobs: int) -> tuple[bool, float]:
                 "beam search answers whole, at priority 0 and without echo: "
                 f"{key} must be {str(value).lower()}",
             )
-    if obj.get("max_tokens") is not None and opt_int(obj, "max_tokens") < 1:
-        raise bad_request("max_tokens must be at least 1 for a beam search", "max_tokens")
-    width = opt_int(obj, "n", default=1)
-    if width is None or not 1 <= 2 * width <= max_logprobs:
-        raise bad_request(
-            f"n (the beam width) must be in 1..{max_logprobs // 2}: each step asks for 2 x n "
-            f"logprobs, at most --max-logprobs ({max_logprobs})",
-            "n",
-        )
     return True, length_penalty
 
 
-def parse_chat_request(
-    body: object, defaults: Mapping[str, float] | None = None, *, max_logprobs: int = MAX_LOGPROBS
-) -> ChatRequest:
-    """`defaults`, `max_logprobs`: as parse_completion_request's."""
+def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None) -> ChatRequest:
+    """`defaults`: as parse_completion_request's."""
     obj = json_object(body)
     _refuse_unknown(obj, _CHAT_KEYS)
     _refuse_non_defaults(obj, _CHAT_DEFAULTS)
@@ -351,22 +306,10 @@ def parse_chat_request(
     tool_fields = parse_tool_fields(obj)
     logprobs = opt_bool(obj, "logprobs", default=False)
     top_logprobs = opt_int(obj, "top_logprobs")
-    if top_logprobs is not None:
-        if not logprobs:
-            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        if not 0 <= top_logprobs <= max_logprobs:
-            raise bad_request(
-                f"top_logprobs must be in 0..{max_logprobs}, got {top_logprobs}", "top_logprobs"
-            )
+    if top_logprobs is not None and not logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     max_tokens = opt_int(obj, "max_tokens")
     max_completion_tokens = opt_int(obj, "max_completion_tokens")
-    if (
-        max_completion_tokens is not None and max_completion_tokens < 1
-    ):  # else refused naming max_tokens
-        raise bad_request(
-            f"max_completion_tokens must be >= 1, got {max_completion_tokens}",
-            "max_completion_tokens",
-        )
     if (
         max_tokens is not None
         and max_completion_tokens is not None
@@ -390,25 +333,32 @@ def parse_chat_request(
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
             "continue_final_message",
         )
-    beam_search, length_penalty = _beam_search(obj, max_logprobs)
-    sampling = _sampling(
-        obj,
-        max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
-        logprobs=(top_logprobs or 0) if logprobs else None,
-        defaults=defaults,
-        tools=tool_fields,
-        prompt_logprobs=_prompt_logprobs(obj, stream, max_logprobs),
-    )
-    if beam_search and sampling.guided.param is not None:  # a forced tool call
+    beam_search, length_penalty = _beam_search(obj)
+    guided = parse_guided(obj, tool_fields)
+    if beam_search and guided.param is not None:  # a forced tool call
         raise unsupported(
-            sampling.guided.param,
+            guided.param,
             "beam search does not constrain its output; "
             "a forced tool call needs sampling (use_beam_search false)",
         )
+    names = {**_CHAT_NAMES, **guided.param_names()}
+    if max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    sampling = _sampling(
+        obj,
+        max_tokens=max_tokens if max_completion_tokens is None else max_completion_tokens,
+        logprobs=(top_logprobs or 0) if logprobs else None,
+        prompt_logprobs=_prompt_logprobs(obj, stream),
+        defaults=defaults,
+        guided=guided,
+        names=names,
+    )
     return ChatRequest(
         model=opt_str(obj, "model"),
         messages=_messages(obj),
         sampling=sampling,
+        guided=guided,
+        param_names=names,
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous,
@@ -497,17 +447,13 @@ def _stream(obj: dict[str, Any]) -> tuple[bool, bool, bool]:
     return stream, include_usage, include_usage and bool(options.get("continuous_usage_stats"))
 
 
-def _prompt_logprobs(obj: dict[str, Any], stream: bool, max_logprobs: int) -> int | None:
-    """vLLM's check (and words) for a stream, which has no field for them; its -1 (the whole
-    vocabulary) is past the engine's bound."""
+def _prompt_logprobs(obj: dict[str, Any], stream: bool) -> int | None:
+    """vLLM's check (and words) for a stream, which has no field for them (their range is the
+    engine's: its max_logprobs)."""
     k = opt_int(obj, "prompt_logprobs")
     if k is not None and stream and (k > 0 or k == -1):
         raise bad_request(
             "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
-        )
-    if k is not None and not 0 <= k <= max_logprobs:
-        raise bad_request(
-            f"prompt_logprobs must be in 0..{max_logprobs}, got {k}", "prompt_logprobs"
         )
     return k
 
@@ -545,41 +491,51 @@ def _sampling(
     *,
     max_tokens: int | None,
     logprobs: int | None,
-    prompt_logprobs: int | None = None,
-    defaults: Mapping[str, float] | None = None,
-    tools: ToolFields | None = None,
-) -> SamplingFields:
-    d = SamplingFields(**(defaults or {}))
+    prompt_logprobs: int | None,
+    defaults: Mapping[str, float] | None,
+    guided: Guided,
+    names: Mapping[str, str],
+) -> SamplingParams:
+    """The engine's params of the request (which check the ranges: a refusal names the
+    request's field, through `names`)."""
     # vLLM's spaces_between_special_tokens acts in slow (Python) tokenizers only; Qwen's fast
     # one puts no space between special tokens either way (engine/detokenizer.py): type only
     opt_bool(obj, "spaces_between_special_tokens", default=True)
     allowed = obj.get("allowed_token_ids")  # ids past the vocabulary: the engine's check
-    return SamplingFields(
-        max_tokens=max_tokens,
-        temperature=opt_float(obj, "temperature", d.temperature),
-        top_p=opt_float(obj, "top_p", d.top_p),
-        top_k=opt_int(obj, "top_k", default=d.top_k),
-        min_p=opt_float(obj, "min_p", d.min_p),
-        seed=opt_int(obj, "seed"),
-        presence_penalty=opt_float(obj, "presence_penalty", d.presence_penalty),
-        frequency_penalty=opt_float(obj, "frequency_penalty", d.frequency_penalty),
-        repetition_penalty=opt_float(obj, "repetition_penalty", d.repetition_penalty),
-        stop=_stop(obj),
-        stop_regex=_stop(obj, "stop_regex"),
-        stop_token_ids=_token_ids(obj.get("stop_token_ids") or [], "stop_token_ids", empty_ok=True),
-        ignore_eos=opt_bool(obj, "ignore_eos", default=False),
-        logprobs=logprobs,
-        n=opt_int(obj, "n", default=d.n),
-        min_tokens=opt_int(obj, "min_tokens", default=0),
-        logit_bias=_logit_bias(obj),
-        include_stop_str_in_output=opt_bool(obj, "include_stop_str_in_output", default=False),
-        skip_special_tokens=opt_bool(obj, "skip_special_tokens", default=True),
-        allowed_token_ids=None if allowed is None else _token_ids(allowed, "allowed_token_ids"),
-        bad_words=_strings(obj, "bad_words"),
-        prompt_logprobs=prompt_logprobs,
-        thinking_budget=opt_int(obj, "thinking_budget"),
-        guided=parse_guided(obj, tools),
-    )
+    given = {
+        "temperature": opt_float(obj, "temperature", None),
+        "top_p": opt_float(obj, "top_p", None),
+        "top_k": opt_int(obj, "top_k"),
+        "min_p": opt_float(obj, "min_p", None),
+        "repetition_penalty": opt_float(obj, "repetition_penalty", None),
+        "presence_penalty": opt_float(obj, "presence_penalty", None),
+        "frequency_penalty": opt_float(obj, "frequency_penalty", None),
+        "n": opt_int(obj, "n"),
+        "min_tokens": opt_int(obj, "min_tokens"),
+        "ignore_eos": opt_bool(obj, "ignore_eos", default=None),
+        "include_stop_str_in_output": opt_bool(obj, "include_stop_str_in_output", default=None),
+        "skip_special_tokens": opt_bool(obj, "skip_special_tokens", default=None),
+    }
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            seed=opt_int(obj, "seed"),
+            stop=_stop(obj),
+            stop_regex=_stop(obj, "stop_regex"),
+            stop_token_ids=_token_ids(
+                obj.get("stop_token_ids") or [], "stop_token_ids", empty_ok=True
+            ),
+            logprobs=logprobs,
+            logit_bias=_logit_bias(obj),
+            allowed_token_ids=None if allowed is None else _token_ids(allowed, "allowed_token_ids"),
+            bad_words=_strings(obj, "bad_words"),
+            prompt_logprobs=prompt_logprobs,
+            thinking_budget=opt_int(obj, "thinking_budget"),
+            **{**(defaults or {}), **{k: v for k, v in given.items() if v is not None}},
+            **guided.params(),
+        )
+    except ParamError as exc:
+        raise refused_param(exc, names) from None
 
 
 def _stop(obj: dict[str, Any], name: str = "stop") -> tuple[str, ...]:
@@ -739,7 +695,6 @@ __all__ = [
     "ApiError",
     "ChatRequest",
     "CompletionRequest",
-    "SamplingFields",
     "parse_chat_request",
     "parse_completion_request",
     "truncate_prompt",

@@ -32,9 +32,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     state, store = request.app[STATE], request.app[STORE]
     req = parse_responses_request(await read_json(request), store)
     with renamed_errors():
-        chat = parse_chat_request(
-            req.chat, state.sampling_defaults, max_logprobs=state.engine.max_logprobs
-        )
+        chat = parse_chat_request(req.chat, state.sampling_defaults)
         formatter, streams = await open_chat(request, chat, req.skeleton["id"])
 
     def keep(response: dict) -> None:

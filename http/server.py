@@ -17,7 +17,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,7 @@ from deltaserve.engine.events import (
     QueueFullError,
     TokenEvent,
 )
-from deltaserve.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from deltaserve.engine.sampling_params import SEED_MAX, SEED_MIN, ParamError, SamplingParams
 from deltaserve.engine.tokenizer import generation_sampling_defaults
 from deltaserve.http import errors
 from deltaserve.http.auth import ApiKeys
@@ -43,9 +43,7 @@ from deltaserve.http.cors import Cors
 from deltaserve.http.errors import ApiError
 from deltaserve.http.metrics import PromText, render_metrics
 from deltaserve.http.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS,
     ChatRequest,
-    SamplingFields,
     parse_chat_request,
     parse_completion_request,
     truncate_prompt,
@@ -61,7 +59,7 @@ from deltaserve.http.responses import (
     usage,
 )
 from deltaserve.http.server_config import RESERVED_TEMPLATE_KWARGS, ServerConfig
-from deltaserve.http.structured_output import Guided, guided_error, refuse_in_reasoning
+from deltaserve.http.structured_output import refuse_in_reasoning
 from deltaserve.http.tool_protocol import tool_call_reader
 
 if TYPE_CHECKING:
@@ -70,8 +68,6 @@ if TYPE_CHECKING:
     from deltaserve.http.sglang_output import GenerateFormatter
 
 log = logging.getLogger("deltaserve.http")
-
-_SAMPLING_FIELD_NAMES = frozenset(SamplingFields.__dataclass_fields__)
 
 
 class ServerState:
@@ -289,20 +285,12 @@ def _server_metrics(state: ServerState, model_name: str) -> str:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = parse_completion_request(
-        await read_json(request), state.sampling_defaults, max_logprobs=state.engine.max_logprobs
-    )
+    req = parse_completion_request(await read_json(request), state.sampling_defaults)
     model = state.model_name(req.model)
     state.check_admitting()
     if req.beam_search:
         return _json(await beam_completions(state.engine, req, model))
-    max_tokens = req.sampling.max_tokens
-    params = _params(
-        req.sampling,
-        DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
-        logprobs_param="logprobs",
-        seeds=state.seeds,
-    )
+    params = seeded(req.sampling, state.seeds)
     choices, bound = len(req.prompts) * params.n, state.engine.config.max_queued_requests
     if (
         choices > bound
@@ -347,7 +335,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         [params] * len(prompts),
         request_id,
         fit=fit,
-        guided=req.sampling.guided,
+        names=req.param_names,
         priority=req.priority,
     )
     return await _respond(request, formatter, streams, params.n, req.stream, req.include_usage)
@@ -355,9 +343,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = parse_chat_request(
-        await read_json(request), state.sampling_defaults, max_logprobs=state.engine.max_logprobs
-    )
+    req = parse_chat_request(await read_json(request), state.sampling_defaults)
     formatter, streams = await open_chat(request, req, f"chatcmpl-{uuid.uuid4().hex}")
     return await _respond(
         request, formatter, streams, req.sampling.n, req.stream, req.include_usage
@@ -390,16 +376,13 @@ async def open_chat(
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
     )
-    max_tokens = req.sampling.max_tokens
     prompt_ids = truncate_prompt(
-        prompt_ids, req.truncate_prompt_tokens, max_tokens, state.engine.max_model_len
+        prompt_ids, req.truncate_prompt_tokens, req.sampling.max_tokens, state.engine.max_model_len
     )
-    if max_tokens is None:  # as vLLM: whatever context (or, if smaller, KV cache) the prompt leaves
-        max_tokens = max(1, state.engine.longest_sequence - len(prompt_ids))
-    params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs", seeds=state.seeds)
+    params = seeded(req.sampling, state.seeds)
     thinks = state.reasoning is not None and state.reasoning.starts_in_reasoning(prompt_ids)
-    if req.sampling.guided.param and thinks:
-        raise refuse_in_reasoning(req.sampling.guided)
+    if req.guided.param and thinks:
+        raise refuse_in_reasoning(req.guided)
     if params.thinking_budget is not None and not thinks:
         raise errors.bad_request(
             "thinking_budget needs a prompt that opens a think block (--reasoning-parser, "
@@ -422,7 +405,7 @@ async def open_chat(
     if req.beam_search:  # its beams, read as a finished stream's choices
         return formatter, [
             await beam_chat_choices(
-                state.engine, prompt_ids, params, req.length_penalty, request_id
+                state.engine, prompt_ids, params, req.length_penalty, request_id, req.param_names
             )
         ]
     streams = await _open_streams(
@@ -430,43 +413,17 @@ async def open_chat(
         [prompt_ids],
         [params],
         request_id,
-        prompt_param="messages",
-        guided=req.sampling.guided,
+        names=req.param_names,
         priority=req.priority,
     )
     return formatter, streams
 
 
-def _params(
-    fields: SamplingFields,
-    max_tokens: int,
-    *,
-    logprobs_param: str,
-    seeds: random.Random | None = None,
-) -> SamplingParams:
-    """`seeds`: where a request that gives no seed takes one (--seed)."""
-    if fields.seed is None and seeds is not None:
-        fields = replace(fields, seed=seeds.randrange(SEED_MIN, SEED_MAX + 1))
-    try:
-        return fields.to_sampling_params(max_tokens)
-    except ValueError as exc:
-        raise guided_error(str(exc), fields.guided) or errors.bad_request(
-            str(exc), _param_of(str(exc), logprobs_param)
-        ) from None
-
-
-def _param_of(
-    message: str, logprobs_param: str = "logprobs", *, prompt_param: str = "prompt"
-) -> str | None:
-    """The field a SamplingParams/engine ValueError names (its messages start with it)."""
-    first = message.split(" ", 1)[0].rstrip(":,")
-    if first == "logprobs":
-        return logprobs_param
-    if first in _SAMPLING_FIELD_NAMES or first == "priority":
-        return first
-    if first.startswith("prompt"):
-        return prompt_param
-    return None
+def seeded(params: SamplingParams, seeds: random.Random | None) -> SamplingParams:
+    """`params` with the server's next seed (`seeds`: --seed) where the request gives none."""
+    if params.seed is not None or seeds is None:
+        return params
+    return replace(params, seed=seeds.randrange(SEED_MIN, SEED_MAX + 1))
 
 
 async def _apply_chat_template(
@@ -522,18 +479,17 @@ async def _open_streams(
     params: list[SamplingParams],
     request_id: str,
     *,
-    prompt_param: str = "prompt",
+    names: Mapping[str, str] = {},
     fit: Callable[[list[int]], list[int]] = list,
-    guided: Guided = Guided(),
     priority: int = 0,
     request_ids: Sequence[str] = (),
 ) -> list[Any]:
     """Submit every prompt, or none: all are tokenized (a large text off the event loop), then
     checked together, before any is submitted, so a refusal opens no stream that would count
-    as an abort. An error about the prompt names `prompt_param` (a chat's prompt is its
-    messages). `fit`: each prompt's ids as submitted (truncate_prompt_tokens). An error about
-    the `guided` constraint names the field it came from. `request_ids`: each prompt's engine
-    id, where the client named them (else `request_id`, numbered when there are several)."""
+    as an abort. A refused parameter is a 400 naming the request's field (`names`: the
+    engine's names -> the request's; a chat's prompt is its messages). `fit`: each prompt's
+    ids as submitted (truncate_prompt_tokens). `request_ids`: each prompt's engine id, where
+    the client named them (else `request_id`, numbered when there are several)."""
     streams: list[Any] = []
     try:
         # structured outputs and stop regexes compiled (off the loop; each text once)
@@ -557,10 +513,10 @@ async def _open_streams(
             raise errors.queue_full(str(exc)) from None
         if isinstance(exc, EngineDeadError):
             raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
-        if isinstance(exc, ValueError):
-            raise guided_error(str(exc), guided) or errors.bad_request(
-                str(exc), _param_of(str(exc), prompt_param=prompt_param)
-            ) from None
+        if isinstance(exc, ParamError):
+            raise errors.refused_param(exc, names) from None
+        if isinstance(exc, ValueError):  # no field of its own to name
+            raise errors.bad_request(str(exc)) from None
         raise
     return streams
 

@@ -101,9 +101,9 @@ RENAMED = (
 
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
-    """`bodies`: one completion request per prompt (max_tokens left to the route: it needs
-    the prompt's length). `max_new_tokens` per prompt: None up to the context, 0 the prompt
-    alone (scoring its logprobs)."""
+    """`bodies`: one completion request per prompt (no max_tokens: what the context leaves).
+    `max_new_tokens` per prompt: None up to the context, 0 the prompt alone (scoring its
+    logprobs: one token sampled, not returned)."""
 
     bodies: tuple[dict[str, Any], ...]
     max_new_tokens: tuple[int | None, ...]
@@ -248,6 +248,8 @@ def _completion(
             "sampling_params.min_new_tokens must be 0 when max_new_tokens is 0",
             "sampling_params.min_new_tokens",
         )
+    # 0: the prompt alone (its logprobs), one token sampled and not returned; None: what fits
+    completion["max_tokens"] = 1 if limit == 0 else limit
     return {k: v for k, v in completion.items() if v is not None}, limit
 
 

@@ -24,7 +24,7 @@ from deltaserve.http.errors import renamed_fields
 from deltaserve.http.json_fields import opt_bool, opt_str
 from deltaserve.http.protocol import parse_completion_request
 from deltaserve.http.request_body import read_json
-from deltaserve.http.server import STATE, _json, _open_streams, _params, _respond
+from deltaserve.http.server import STATE, _json, _open_streams, _respond, seeded
 from deltaserve.http.sglang_output import GenerateFormatter
 from deltaserve.http.sglang_request import RENAMED, parse_generate_request
 
@@ -47,9 +47,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     req = parse_generate_request(await read_json(request))
     with renamed_fields(RENAMED):
         parsed = [
-            parse_completion_request(
-                body, state.sampling_defaults, max_logprobs=state.engine.max_logprobs
-            )
+            parse_completion_request(body, state.sampling_defaults, default_max_tokens=None)
             for body in req.bodies
         ]
         state.check_admitting()
@@ -57,33 +55,21 @@ async def generate(request: web.Request) -> web.StreamResponse:
             await state.engine.encode(p) if isinstance(p, str) else list(p)
             for p in (c.prompts[0] for c in parsed)
         ]
-        params = []
-        for prompt, completion, limit in zip(prompts, parsed, req.max_new_tokens, strict=True):
+        for prompt in prompts:
             if req.return_logprob and req.logprob_start_len >= len(prompt):
                 raise errors.bad_request(
                     f"logprob_start_len ({req.logprob_start_len}) must be less than the "
                     f"prompt's length ({len(prompt)} tokens)",
                     "logprob_start_len",
                 )
-            # 0: the prompt alone (its logprobs), one token sampled and not returned; None: what fits
-            max_tokens = (
-                1 if limit == 0 else limit or max(1, state.engine.longest_sequence - len(prompt))
-            )
-            params.append(
-                _params(
-                    completion.sampling,
-                    max_tokens,
-                    logprobs_param="top_logprobs_num",
-                    seeds=state.seeds,
-                )
-            )
+        params = [seeded(completion.sampling, state.seeds) for completion in parsed]
         streams = await _open_streams(
             state,
             prompts,
             params,
             req.rids[0],
             request_ids=req.rids,
-            guided=parsed[0].sampling.guided,
+            names=parsed[0].param_names,
             priority=parsed[0].priority,
         )
     formatter = GenerateFormatter(req, params[0].n, state.strings, lambda: state.weight_version)

@@ -431,7 +431,8 @@ def check_error(body: dict, param: str | None, words: str) -> None:
 @pytest.mark.parametrize(
     "call, param, words",
     [
-        (dict(prompt="x", extra_body={"prompt_logprobs": -1}), "prompt_logprobs", "0..20"),
+        (dict(prompt="x", extra_body={"prompt_logprobs": -1}), "prompt_logprobs", ">= 0"),
+        (dict(prompt="x", extra_body={"prompt_logprobs": 21}), "prompt_logprobs", "0..20"),
         (dict(prompt="x", best_of=2), "best_of", "best_of"),
         (dict(prompt="x", logit_bias={"248320": 3}), "logit_bias", "[248320]"),
         (dict(prompt="x", suffix="y"), "suffix", "suffix"),

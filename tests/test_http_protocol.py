@@ -3,6 +3,7 @@ refused with a 400 naming the field. Pure: no server, no engine."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,8 +93,7 @@ class TestCompletionFields:
         assert (s.stop, s.logprobs, s.top_k, s.min_p) == (("\n",), 3, 4, 0.05)
         assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.1, -0.2, 1.1)
         assert (s.ignore_eos, s.stop_token_ids) == (True, (9,))
-        p = s.to_sampling_params(5)
-        assert p.stop == ("\n",) and p.n == 2 and p.logprobs == 3 and p.temperature == 0.0
+        assert s.stop == ("\n",) and s.n == 2 and s.logprobs == 3 and s.temperature == 0.0
 
     @pytest.mark.parametrize(
         "extra, param, words",
@@ -112,7 +112,6 @@ class TestCompletionFields:
             ({"suffix": "tail"}, "suffix", "suffix"),
             ({"frobnicate": 1}, "frobnicate", "unknown"),
             ({"messages": []}, "messages", "unknown"),
-            ({"logprobs": 21}, "logprobs", "0..20"),
             ({"logprobs": True}, "logprobs", "integer"),
             ({"max_tokens": "5"}, "max_tokens", "integer"),
             ({"max_tokens": 2.5}, "max_tokens", "integer"),
@@ -142,7 +141,7 @@ class TestCompletionFields:
         """min_tokens, logit_bias (ids as strings, biases clamped to [-100, 100] as vLLM
         clamps them), include_stop_str_in_output, skip_special_tokens and
         spaces_between_special_tokens (no effect with a fast tokenizer) reach SamplingParams;
-        on both endpoints."""
+        on both endpoints. Their ranges are SamplingParams' checks, refused naming the field."""
         extras = {
             "min_tokens": 3,
             "logit_bias": {"7": 2.5, "0012": -300, "5": 10**400},
@@ -152,16 +151,22 @@ class TestCompletionFields:
         }
         bodies = ((parse_completion_request, {"prompt": "x"}), (parse_chat_request, CHAT_BODY))
         for parse, body in bodies:
-            p = parse({**body, **extras}).sampling.to_sampling_params(5)
+            p = parse({**body, **extras, "max_tokens": 5}).sampling
             assert (p.min_tokens, p.logit_bias) == (3, ((5, 100.0), (7, 2.5), (12, -100.0)))
             assert (p.include_stop_str_in_output, p.skip_special_tokens) == (True, False)
             assert parse({**body, "spaces_between_special_tokens": True}) == parse(body)
-        s = parse_completion_request({"prompt": "x", "min_tokens": 6}).sampling
-        with pytest.raises(ValueError, match=r"^min_tokens must be .* \[0, max_tokens=5\]"):
-            s.to_sampling_params(5)  # as vLLM: min_tokens past max_tokens is refused
-        s = parse_completion_request({"prompt": "x", "logit_bias": {"12": 1, "012": 2}}).sampling
-        with pytest.raises(ValueError, match="^logit_bias has token id 12 twice"):
-            s.to_sampling_params(5)
+        err = refused(  # as vLLM: min_tokens past max_tokens is refused
+            parse_completion_request,
+            {"prompt": "x", "min_tokens": 6, "max_tokens": 5},
+            "min_tokens",
+        )
+        assert re.match(r"^min_tokens must be .* \[0, max_tokens=5\]", err.message), err.message
+        err = refused(
+            parse_completion_request,
+            {"prompt": "x", "logit_bias": {"12": 1, "012": 2}},
+            "logit_bias",
+        )
+        assert err.message.startswith("logit_bias has token id 12 twice"), err.message
 
     def test_no_op_values_vllm_accepts(self):
         """continuous_usage_stats=false is the default (usage only at the end); any int64
@@ -175,22 +180,24 @@ class TestCompletionFields:
             }
         )
         assert (r.stream, r.include_usage) == (True, False)
-        assert r.sampling.to_sampling_params(4).seed == -(2**63)
-        s = parse_completion_request({"prompt": "x", "seed": -(2**63) - 1}).sampling
-        with pytest.raises(ValueError, match="^seed must"):
-            s.to_sampling_params(4)
+        assert r.sampling.seed == -(2**63)
+        err = refused(parse_completion_request, {"prompt": "x", "seed": -(2**63) - 1}, "seed")
+        assert err.message.startswith("seed must"), err.message
 
     def test_body_must_be_object(self):
         refused(parse_completion_request, ["prompt"], None, "JSON object")
 
     def test_engine_ranges_name_the_field(self):
-        """Ranges are the engine's SamplingParams' job; its error names the field."""
-        s = parse_completion_request({"prompt": "x", "temperature": -1}).sampling
-        with pytest.raises(ValueError, match="^temperature"):
-            s.to_sampling_params(16)
-        s = parse_completion_request({"prompt": "x", "n": 0}).sampling
-        with pytest.raises(ValueError, match="^n must"):
-            s.to_sampling_params(16)
+        """Ranges are the engine's SamplingParams' job; its ParamError names the field, and
+        so does the 400 (in a chat, the field the chat sent: top_logprobs for logprobs). The
+        engine's own limits (max_logprobs) are checked at submission: tests/test_bad_input.py."""
+        err = refused(parse_completion_request, {"prompt": "x", "temperature": -1}, "temperature")
+        assert err.message.startswith("temperature"), err.message
+        err = refused(parse_completion_request, {"prompt": "x", "n": 0}, "n")
+        assert err.message.startswith("n must"), err.message
+        err = refused(parse_chat_request, {**CHAT_BODY, "max_completion_tokens": 0})
+        assert err.param == "max_completion_tokens", err.message
+        assert err.message.startswith("max_completion_tokens must be an integer >= 1"), err
 
 
 class TestChat:
@@ -269,7 +276,6 @@ class TestChat:
             ),
             ({"logit_bias": {"1": float("nan")}}, "logit_bias", "finite"),
             ({"top_logprobs": 3}, "top_logprobs", "logprobs=true"),
-            ({"logprobs": True, "top_logprobs": 25}, "top_logprobs", "0..20"),
             ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "disagree"),
             ({"prompt": "x"}, "prompt", "unknown"),
             ({"echo": True}, "echo", "unknown"),
