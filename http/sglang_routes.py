@@ -14,6 +14,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import msgspec
 from aiohttp import web
 
 import deltaserve
@@ -21,14 +22,18 @@ from deltaserve.engine.events import ErrorEvent, FinishedEvent, QueueFullError
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http import errors
 from deltaserve.http.errors import renamed_fields
-from deltaserve.http.json_fields import opt_bool, opt_str
 from deltaserve.http.protocol import parse_completion_request
-from deltaserve.http.request_body import read_json
+from deltaserve.http.request_body import decode, read_json
 from deltaserve.http.server import STATE, _json, _open_streams, _respond, seeded
 from deltaserve.http.sglang_output import GenerateFormatter
 from deltaserve.http.sglang_request import RENAMED, parse_generate_request
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
+
+
+class AbortBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    rid: str | None = None
+    abort_all: bool | None = None
 
 
 def add_routes(app: web.Application) -> None:
@@ -80,10 +85,8 @@ async def abort_request(request: web.Request) -> web.Response:
     """SGLang's: `{"rid"}` cancels that request (and a batch's `{rid}_{i}`), `{"abort_all":
     true}` every request of this server; each answers with its abort. Unknown ids: nothing."""
     engine = request.app[STATE].engine
-    body = await read_json(request)
-    if not isinstance(body, dict) or set(body) - {"rid", "abort_all"}:
-        raise errors.bad_request("the body must be {'rid': str} or {'abort_all': true}")
-    rid, every = opt_str(body, "rid"), opt_bool(body, "abort_all", default=False)
+    body = decode(await read_json(request), AbortBody)
+    rid, every = body.rid, bool(body.abort_all)
     for active in engine.request_ids():
         if every or (rid and (active == rid or active.startswith(f"{rid}_"))):
             await engine.abort(active)

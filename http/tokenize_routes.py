@@ -12,17 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import msgspec
 from aiohttp import web
 
 from deltaserve.engine.events import EngineDeadError
 from deltaserve.http import errors
-from deltaserve.http.json_fields import json_object, json_type, opt_bool, opt_str
-from deltaserve.http.protocol import (
-    _refuse_unknown,
-    _token_ids,
-    parse_chat_request,
-)
-from deltaserve.http.request_body import read_json
+from deltaserve.http.protocol import parse_chat_request, token_ids
+from deltaserve.http.request_body import decode, read_json
 from deltaserve.http.server import (
     STATE,
     ServerState,
@@ -35,20 +31,40 @@ from deltaserve.http.server import (
 
 T = TypeVar("T")
 
-# vLLM's TokenizeCompletionRequest and TokenizeChatRequest (its chat_template, media_io_kwargs
-# and mm_processor_kwargs are refused as unknown, as the chat route refuses them); the other
-# form's prompt or messages may be there as null (both given are refused first)
-_PROMPT_KEYS = frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs"})
-# parsed as the chat route does
-_CHAT_ROUTE_KEYS = (
+
+class TokenizePromptBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's TokenizeCompletionRequest (its chat_template, media_io_kwargs and
+    mm_processor_kwargs are refused as unknown, as the chat route refuses them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool | None = None  # default: true, as a completion's prompt
+    return_token_strs: bool | None = None
+
+
+class TokenizeChatBody(TokenizePromptBody):
+    """vLLM's TokenizeChatRequest: the messages and what renders them, parsed as the chat
+    route parses them (`_CHAT_ROUTE_FIELDS`); add_special_tokens' default: false."""
+
+    messages: Any = None
+    tools: Any = None
+    chat_template_kwargs: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+
+
+_CHAT_ROUTE_FIELDS = (
     "messages",
     "tools",
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
 )
-_CHAT_KEYS = _PROMPT_KEYS | set(_CHAT_ROUTE_KEYS)
-_DETOKENIZE_KEYS = frozenset({"model", "tokens"})
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    tokens: list[Any]  # token ids, checked by protocol.py's token_ids
 
 
 def add_routes(app: web.Application) -> None:
@@ -74,21 +90,21 @@ async def invocations(request: web.Request) -> web.StreamResponse:
 async def tokenize(request: web.Request) -> web.Response:
     """`{"count", "max_model_len", "tokens", "token_strs"}`; token_strs null unless asked."""
     state = request.app[STATE]
-    obj = json_object(await read_json(request))
-    is_chat = obj.get("messages") is not None
+    obj = await read_json(request)
+    is_chat = isinstance(obj, dict) and obj.get("messages") is not None
     if is_chat and obj.get("prompt") is not None:
         raise errors.bad_request(
             "give either prompt (a text) or messages (a chat), not both", "messages"
         )
-    _refuse_unknown(obj, _CHAT_KEYS if is_chat else _PROMPT_KEYS)
-    return_strs = opt_bool(obj, "return_token_strs", default=False)
     if is_chat:
-        ids = await _chat_ids(state, obj, size=len(await request.read()))
+        body = decode(obj, TokenizeChatBody)
+        ids = await _chat_ids(state, body, size=len(await request.read()))
     else:
-        ids = await _prompt_ids(state, obj)
+        body = decode(obj, TokenizePromptBody)
+        ids = await _prompt_ids(state, body)
     strs = (
         await _run(state, lambda tok: tok.convert_ids_to_tokens(ids), len(ids))
-        if return_strs
+        if body.return_token_strs
         else None
     )
     # max_model_len: as /v1/models gives it, what one request can use
@@ -105,40 +121,35 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     """`{"prompt": text}`: the ids decoded with their special tokens, as vLLM's."""
     state = request.app[STATE]
-    obj = json_object(await read_json(request))
-    _refuse_unknown(obj, _DETOKENIZE_KEYS)
-    if obj.get("tokens") is None:
-        raise errors.bad_request("tokens is required", "tokens")
-    ids = _token_ids(obj["tokens"], "tokens", empty_ok=True)
+    body = decode(await read_json(request), DetokenizeBody)
+    ids = token_ids(body.tokens, "tokens", empty_ok=True)
     vocab = state.engine.model_config.vocab_size  # the bound the engine holds prompt ids to
     for i, t in enumerate(ids):
         if t >= vocab:
             raise errors.bad_request(
                 f"tokens[{i}] is {t}, outside the vocabulary [0, {vocab})", "tokens"
             )
-    state.model_name(opt_str(obj, "model"))
+    state.model_name(body.model)
     return _json({"prompt": await _run(state, lambda tok: tok.decode(list(ids)), len(ids))})
 
 
-async def _prompt_ids(state: ServerState, obj: dict[str, Any]) -> list[int]:
-    prompt = obj.get("prompt")
+async def _prompt_ids(state: ServerState, body: TokenizePromptBody) -> list[int]:
+    prompt = body.prompt
     if prompt is None:
         raise errors.bad_request(
             "either prompt (a text) or messages (a chat) is required", "prompt"
         )
-    if not isinstance(prompt, str):
-        raise errors.bad_request(f"prompt must be a string, got {json_type(prompt)}", "prompt")
-    special = opt_bool(obj, "add_special_tokens", default=True)
-    state.model_name(opt_str(obj, "model"))
+    special = body.add_special_tokens is not False
+    state.model_name(body.model)
     return await _run(
         state, lambda tok: tok.encode(prompt, add_special_tokens=special), len(prompt)
     )
 
 
-async def _chat_ids(state: ServerState, obj: dict[str, Any], size: int) -> list[int]:
-    chat = parse_chat_request({key: obj[key] for key in _CHAT_ROUTE_KEYS if key in obj})
-    special = opt_bool(obj, "add_special_tokens", default=False)
-    state.model_name(opt_str(obj, "model"))
+async def _chat_ids(state: ServerState, body: TokenizeChatBody, size: int) -> list[int]:
+    chat = parse_chat_request({key: getattr(body, key) for key in _CHAT_ROUTE_FIELDS})
+    special = bool(body.add_special_tokens)
+    state.model_name(body.model)
     kwargs = {**state.config.default_chat_template_kwargs, **chat.chat_template_kwargs}
     return await _apply_chat_template(
         state.engine,

@@ -483,3 +483,88 @@ def test_aiohttp_imports_from_repo_root():
     assert not (REPO / "http" / "__init__.py").exists()
     code = "import http, aiohttp, deltaserve.http.protocol; assert hasattr(http, 'HTTPStatus')"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+# The bodies the routers forward for a client's plain request (their request structs
+# serialized with every non-optional field at its default): sglang-router 0.3.2's chat and
+# completion structs, and vllm-router 0.1.17's (the same, plus include_reasoning).
+SGLANG_ROUTER_CHAT = {
+    "messages": [{"role": "user", "content": "hi"}],
+    "model": "m",
+    "logprobs": False,
+    "max_completion_tokens": 8,
+    "stream": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+}
+SGLANG_ROUTER_COMPLETION = {
+    "model": "m",
+    "prompt": "x",
+    "max_tokens": 8,
+    "stream": False,
+    "echo": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "return_hidden_states": False,
+}
+VLLM_ROUTER_CHAT = {**SGLANG_ROUTER_CHAT, "include_reasoning": True}
+VLLM_ROUTER_COMPLETION = {**SGLANG_ROUTER_COMPLETION, "include_reasoning": True}
+# what each field we do not honour asks for, away from its default
+ROUTER_REQUESTS = {
+    "no_stop_trim": True,
+    "separate_reasoning": False,
+    "stream_reasoning": False,
+    "return_hidden_states": True,
+}
+
+
+class TestRouterDefaults:
+    """A field at its default asks for nothing: the routers' full structs parse as the plain
+    request; a value that asks for what we would not do is refused, naming the field."""
+
+    @pytest.mark.parametrize(
+        "parse, routed, plain",
+        [
+            (
+                parse_chat_request,
+                SGLANG_ROUTER_CHAT,
+                {"model": "m", "messages": CHAT_BODY["messages"], "max_completion_tokens": 8},
+            ),
+            (
+                parse_chat_request,
+                VLLM_ROUTER_CHAT,
+                {"model": "m", "messages": CHAT_BODY["messages"], "max_completion_tokens": 8},
+            ),
+            (parse_completion_request, SGLANG_ROUTER_COMPLETION, {"model": "m", "prompt": "x"}),
+            (parse_completion_request, VLLM_ROUTER_COMPLETION, {"model": "m", "prompt": "x"}),
+        ],
+    )
+    def test_forwarded_defaults_are_the_plain_request(self, parse, routed, plain):
+        assert parse(routed) == parse({**plain, "max_tokens": 8} if "prompt" in plain else plain)
+
+    @pytest.mark.parametrize("routed", [VLLM_ROUTER_CHAT, VLLM_ROUTER_COMPLETION])
+    def test_other_values_refused(self, routed):
+        parse = parse_chat_request if "messages" in routed else parse_completion_request
+        for name, value in ROUTER_REQUESTS.items():
+            if name in routed:
+                refused(parse, {**routed, name: value}, name, name)
+        if "prompt" in routed:  # a completion has no reasoning to leave out
+            refused(parse, {**routed, "include_reasoning": False}, "include_reasoning")
+
+    def test_unknown_fields_null_only(self):
+        assert parse_chat_request({**VLLM_ROUTER_CHAT, "lora_path": None}) == parse_chat_request(
+            VLLM_ROUTER_CHAT
+        )
+        refused(parse_chat_request, {**VLLM_ROUTER_CHAT, "lora_path": "a"}, "lora_path")
+        refused(
+            parse_chat_request,
+            {**VLLM_ROUTER_CHAT, "messages": [{"role": "user", "content": "x", "extra": 1}]},
+            "messages[0].extra",
+            "carries only role, content and name",
+        )
