@@ -276,10 +276,10 @@ async def models(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    text = render_metrics(state.engine, state.config.served_model_name[0])  # as vLLM: the first
-    return web.Response(
-        body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    body, content_type = render_metrics(  # as vLLM: the first served name
+        state.engine, state.config.served_model_name[0], request.headers.get("Accept")
     )
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 # ---- generation routes -------------------------------------------------------------------

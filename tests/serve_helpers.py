@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
@@ -32,6 +33,23 @@ from deltaserve.http.server import ServerConfig, build_app
 DELTASERVE = str(Path(sys.executable).with_name("deltaserve"))
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LONG_FIGURES = REPO_ROOT / "bench" / "results" / "load_suite_long.json"
+
+
+# ---- /metrics ----------------------------------------------------------------------------
+
+
+def metric_samples(text: str, model: str) -> dict[str, float]:
+    """A /metrics exposition read by prometheus_client's parser (a reference independent of
+    our writer): `name{label="value",...}` (labels sorted, `model_name` left out) -> value.
+    Every series must carry `model_name="<model>"`."""
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name", None) == model, sample
+            inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            values[sample.name + (f"{{{inner}}}" if inner else "")] = sample.value
+    return values
 
 
 # ---- processes ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from engine_helpers import engine_config
-from serve_helpers import openai_client, serving
+from serve_helpers import metric_samples, openai_client, serving
 from test_engine_faults import assert_gone
 
 from deltaserve.engine.data_parallel import DataParallelEngine, replica_configs
@@ -154,8 +154,8 @@ async def test_served_by_the_official_client_with_summed_metrics(engine):
         assert info["dp_size"] == len(info["internal_states"]) == 2, (
             info
         )  # SGLang's: a state per replica
-        line = next(x for x in text.splitlines() if x.startswith("vllm:generation_tokens_total"))
-        assert float(line.split()[-1]) == engine.metrics.generation_tokens_total == before + 16
+        generated = metric_samples(text, "tiny")["vllm:generation_tokens_total"]
+        assert generated == engine.metrics.generation_tokens_total == before + 16
 
 
 async def test_a_conversations_next_turn_goes_where_its_prefix_is_saved(tiny_model_dir):
