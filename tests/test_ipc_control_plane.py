@@ -158,6 +158,46 @@ async def test_unified_steps_tp2_match_tp1(tp1: ReplicaController, tp2: ReplicaC
     assert max(abs(x[2] - y[2]) for x, y in zip(one, two, strict=True)) < 1e-3
 
 
+async def seeded_run(controller: ReplicaController, base: int) -> list[tuple[int, int]]:
+    """Three requests sampled at random from fixed seeds (temperature; top-k with top-p;
+    min-p), prefilled together then decoded 8 steps. Returns (request, token) in order."""
+    specs = [
+        SamplingSpec(seed=11, temperature=1.0),
+        SamplingSpec(seed=12, temperature=0.8, top_k=20, top_p=0.9),
+        SamplingSpec(seed=13, temperature=1.2, min_p=0.05),
+    ]
+    prompts = [prompt(20 + 9 * i, salt=5 + i) for i in range(len(specs))]
+    ids = [base + i for i in range(len(specs))]
+    res = await run(
+        controller,
+        [
+            StepItem(rid, 0, p, True, NewRequest(len(p) + 10, spec))
+            for rid, p, spec in zip(ids, prompts, specs, strict=True)
+        ],
+    )
+    out = [(rid, res[rid].token_id) for rid in ids]
+    for step in range(8):
+        items = [
+            StepItem(rid, len(p) + step, [res[rid].token_id], True)
+            for rid, p in zip(ids, prompts, strict=True)
+        ]
+        res = await run(controller, items)
+        out += [(rid, res[rid].token_id) for rid in ids]
+    await bounded(controller.drop(ids, "must_exist"))
+    return out
+
+
+async def test_seeded_sampling_tp2_matches_tp1(
+    tp1: ReplicaController, tp2: ReplicaController
+) -> None:
+    """Seeded random sampling (temperature, top-k, top-p, min-p) gives the same tokens at
+    TP=2 as at TP=1: rank 0 samples from the whole vocabulary's logits either way."""
+    one = await seeded_run(tp1, base=200)
+    two = await seeded_run(tp2, base=200)
+    assert one == two
+    assert len({token for _, token in one}) > 9  # sampled, not one token again and again
+
+
 async def test_pipelined_steps_tp2(tp2: ReplicaController) -> None:
     """A step sent behind a released step (`follow_step`) decodes from the ranks' own last
     samples (rank 0's, broadcast to rank 1) and gives the tokens that explicit token ids give;
