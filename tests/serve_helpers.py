@@ -64,8 +64,8 @@ def _stat_fields(pid: int | str) -> list[str] | None:
 
 
 def rank_pids(parent_pid: int) -> list[int]:
-    """Live rank processes (`python -m deltaserve.ipc.rank_main`) whose parent is
-    `parent_pid`, from /proc."""
+    """Live rank processes (`python -m deltaserve.ipc.rank_main`, or the test harness
+    `deltaserve.ipc.rank_harness`) whose parent is `parent_pid`, from /proc."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -78,7 +78,7 @@ def rank_pids(parent_pid: int) -> list[int]:
         if fields is None:
             continue
         state, ppid = fields[0], int(fields[1])
-        if ppid == parent_pid and state != "Z" and b"deltaserve.ipc.rank_main" in cmdline:
+        if ppid == parent_pid and state != "Z" and b"deltaserve.ipc.rank_" in cmdline:
             pids.append(int(entry))
     return sorted(pids)
 
