@@ -12,6 +12,9 @@ while it runs the rank waits for a pipelined follower, and if one comes it recor
 follower's receipt, queues the follower's forward once released, and only then finishes the
 pending step (reads its samples) and replies. So the device runs N+1 right behind N while
 the host reads N's samples (vLLM's async scheduling and SGLang's overlap do the same).
+
+Nothing here is for tests: a test's journal and fault plan attach from outside, in
+ipc/rank_harness.py, which runs this loop in a subclass (`main(HarnessedRankServer)`).
 """
 
 from __future__ import annotations
