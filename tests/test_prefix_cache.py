@@ -87,6 +87,7 @@ async def assert_ledger_is_every_ranks(engine: AsyncEngine) -> int:
 
 @module_loop
 async def test_a_conversation_and_a_shared_prefix_start_from_saved_states(engine, tiny_model_dir):
+    await engine.flush_cache()  # from no saved state, whatever the module's tests before saved
     metrics = engine.metrics
     queries, hits = metrics.prefix_cache_queries_total, metrics.prefix_cache_hits_total
     turn2 = [*BASE, 50, 51, 52, 53, 54]
