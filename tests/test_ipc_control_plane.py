@@ -17,6 +17,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import pytest_asyncio
 import zmq
@@ -65,18 +66,28 @@ def first(
 
 
 def child_pids() -> set[int]:
-    """Live (non-zombie) children of this process, from /proc."""
-    me, found = os.getpid(), set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[1]) == me and fields[0] != "Z":
-                found.add(int(entry))
+    """Live (non-zombie) children of this process but multiprocessing's resource tracker,
+    which the first SharedMemory of this process (a gate's) starts for the process's life:
+    whether it is new depends on the tests that ran before."""
+    found = set()
+    for child in psutil.Process().children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and not any(
+                "resource_tracker" in arg for arg in child.cmdline()
+            ):
+                found.add(child.pid)
+        except psutil.NoSuchProcess:
+            continue
     return found
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a zombie has exited; only its
+    parent's reaping is left)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def assert_gone(controller: ReplicaController) -> None:
@@ -505,19 +516,14 @@ async def test_ranks_die_with_their_parent(tiny_model_dir: Path) -> None:
         line = await asyncio.wait_for(asyncio.to_thread(parent.stdout.readline), 60)
         run_dir, *pids = line.split()
         pids = [int(p) for p in pids]
-        assert len(pids) == 2 and all(Path(f"/proc/{p}").exists() for p in pids)
+        assert len(pids) == 2 and all(running(p) for p in pids)
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         deadline = time.monotonic() + 5
-        while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
+        while any(running(p) for p in pids) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         # orphans are reaped by init; a pid left would be a rank still running
-        assert not [
-            p
-            for p in pids
-            if Path(f"/proc/{p}").exists()
-            and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        ]
+        assert not [p for p in pids if running(p)]
     finally:
         if parent.poll() is None:
             parent.kill()
@@ -673,9 +679,4 @@ async def test_a_replica_never_shut_down_is_freed_quietly(mode: str, tiny_model_
         assert noise not in err, err
     assert not dir_left, "run dir left behind"
     assert not Path(f"/dev/shm/{gate_name}").exists(), "gate segment left behind"
-    assert not [
-        p
-        for p in pids
-        if Path(f"/proc/{p}").exists()
-        and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    ]
+    assert not [p for p in pids if running(p)]
