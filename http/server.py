@@ -41,7 +41,7 @@ from deltaserve.http.auth import ApiKeys
 from deltaserve.http.beam_completions import beam_chat_choices, beam_completions
 from deltaserve.http.cors import Cors
 from deltaserve.http.errors import ApiError
-from deltaserve.http.metrics import PromText, render_metrics
+from deltaserve.http.metrics import render_metrics
 from deltaserve.http.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatRequest,
@@ -265,23 +265,18 @@ async def models(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    name = state.config.served_model_name[0]  # as vLLM: the first
-    text = render_metrics(state.engine, name) + _server_metrics(state, name)
-    return web.Response(
-        body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    front = (
+        (
+            "deltaserve:stream_overflow_aborts_total",
+            "Streamed requests aborted because their client stopped reading "
+            "(--max-pending-stream-events).",
+            state.stream_overflows,
+        ),
     )
-
-
-def _server_metrics(state: ServerState, model_name: str) -> str:
-    """The HTTP front's own counters, after the engine's (render_metrics)."""
-    out = PromText({"model_name": model_name})
-    out.counter(
-        "deltaserve:stream_overflow_aborts_total",
-        "Streamed requests aborted because their client stopped reading "
-        "(--max-pending-stream-events).",
-        [({}, state.stream_overflows)],
+    body, content_type = render_metrics(  # as vLLM: the first served name
+        state.engine, state.config.served_model_name[0], request.headers.get("Accept"), front
     )
-    return out.text()
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 # ---- generation routes -------------------------------------------------------------------

@@ -352,15 +352,11 @@ class Executor:
         copied out). Rank 0 puts the prompt logprobs items ask for into `prompt_logprobs`."""
         self._admit_new(items, drops, evict, saves)
         self._share_last_samples(items)
-        # a prompt chunk's logprobs come from its forward's hidden states, a prompt graph's
-        # included; an item of one token asking for them runs with the step eagerly
-        one_token_asks = any(
-            item.prompt_logprobs >= 0 and len(item.token_ids) <= 1 for item in items
-        )
-        if self.graphs is None or every_position or one_token_asks:
+        singles = [item for item in items if len(item.token_ids) <= 1]
+        if not every_position and self._decode_graph_fits(singles):
+            logits = self._run_with_graphs(items, singles, graph_output, prompt_logprobs)
+        else:  # one forward of every item: a prompt graph's replay where they fit one
             logits = self._run_plan(items, every_position, prompt_logprobs)
-        else:
-            logits = self._run_with_graphs(items, graph_output, prompt_logprobs)
         for item in items:
             req = self.requests[item.request_id]
             req.num_tokens = item.start + item_length(item)
@@ -395,23 +391,29 @@ class Executor:
         """On the GPU path, the batch with its index tensors made once for all layers."""
         return with_step_meta(batch, self.device) if gpu_path(batch.input_ids) else batch
 
+    def _decode_graph_fits(self, singles: list[StepItem]) -> bool:
+        """Whether a captured decode graph takes the step's single-token items: some, few
+        enough, none asking for prompt logprobs (those come from a forward's hidden states,
+        which a decode graph does not keep)."""
+        if self.graphs is None or any(item.prompt_logprobs >= 0 for item in singles):
+            return False
+        num_blocks = max((len(self.requests[i.request_id].blocks) for i in singles), default=0)
+        return self.graphs.can_run(len(singles), num_blocks)
+
     def _run_with_graphs(
         self,
         items: list[StepItem],
+        singles: list[StepItem],
         graph_output: bool,
         prompt_logprobs: dict[int, PromptLogprobs] | None,
     ) -> torch.Tensor | None:
-        """Single-token items replay a decode CUDA graph; prompt chunks run in a forward of
-        their own, a prompt graph's replay where they fit one (`_run_plan`). A mixed step
-        so never makes its decodes pay Python's per-kernel launch cost (SGLang likewise keeps
-        prefill and decode batches apart). The requests are disjoint, so order is free."""
-        singles = [item for item in items if len(item.token_ids) <= 1]
+        """The single-token items (`singles`, which `_decode_graph_fits`) replay a decode CUDA
+        graph; prompt chunks run in a forward of their own, a prompt graph's replay where they
+        fit one (`_run_plan`). A mixed step so never makes its decodes pay Python's per-kernel
+        launch cost (SGLang likewise keeps prefill and decode batches apart). The requests are
+        disjoint, so order is free."""
         held = [self.requests[item.request_id] for item in singles]
         chunks = [item for item in items if len(item.token_ids) > 1]
-        if not singles and chunks:
-            return self._run_plan(chunks, False, prompt_logprobs)
-        if not self.graphs.can_run(len(singles), max((len(r.blocks) for r in held), default=0)):
-            return self._run_plan(items, False, prompt_logprobs)
         chunk_logits = self._run_plan(chunks, False, prompt_logprobs) if chunks else None
         decode_logits = self.graphs.run(
             [item.token_ids[0] if item.token_ids else -1 for item in singles],  # -1: last sample
