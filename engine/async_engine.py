@@ -38,6 +38,7 @@ from deltaserve.engine.events import (
 from deltaserve.engine.grammar_worker import Setup
 from deltaserve.engine.guided import Guides
 from deltaserve.engine.maintenance import PAUSE_MODES, Kind, PauseMode
+from deltaserve.engine.media_prompt import MultimodalPrompt
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
@@ -420,6 +421,7 @@ class AsyncEngine:
                     seed=self._seed(params, index),
                     arrival_time_s=now,
                     priority=priority,
+                    multimodal=prompt if isinstance(prompt, MultimodalPrompt) else None,
                 )
             )
         ids = tuple(r.request_id for r in requests)
@@ -554,7 +556,16 @@ class AsyncEngine:
         if self._streams.get(sink.client_id) is sink:
             del self._streams[sink.client_id]
 
-    def _prompt_ids(self, prompt: str | list[int]) -> tuple[int, ...]:
+    def _prompt_ids(self, prompt: str | list[int] | MultimodalPrompt) -> tuple[int, ...]:
+        if isinstance(prompt, MultimodalPrompt):
+            budget = self.config.max_num_batched_tokens
+            for i, item in enumerate(prompt.media):
+                if item.num_patches > budget:
+                    raise ValueError(
+                        f"media {i}: {item.num_patches} patches, more than a step encodes "
+                        f"(max_num_batched_tokens {budget}); send it smaller or lower max_pixels"
+                    )
+            prompt = list(prompt.ids)
         if isinstance(prompt, str):
             ids = _encode_text(self.tokenizer, prompt)
         elif isinstance(prompt, list | tuple):
