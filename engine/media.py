@@ -65,6 +65,15 @@ class MediaConfig:
                 )
 
 
+@dataclass(frozen=True, slots=True)
+class MediaSource:
+    """One image or video of a request, as the client named it; `part` names it in errors."""
+
+    kind: str  # "image" or "video"
+    url: str
+    part: str
+
+
 @dataclass(slots=True)
 class Video:
     frames: Any  # numpy [frames, height, width, 3] uint8
@@ -79,7 +88,12 @@ def _private(host: str) -> bool:
         return True
     for info in infos:
         address = ipaddress.ip_address(info[4][0])
-        if address.is_private or address.is_loopback or address.is_link_local or address.is_reserved:
+        if (
+            address.is_private
+            or address.is_loopback
+            or address.is_link_local
+            or address.is_reserved
+        ):
             return True
     return False
 
@@ -129,13 +143,20 @@ class MediaFetcher:
                         if response.status in (301, 302, 303, 307, 308):
                             url = urllib.parse.urljoin(url, response.headers.get("Location", ""))
                             host = urllib.parse.urlsplit(url).hostname or ""
-                            if urllib.parse.urlsplit(url).scheme not in ("http", "https") or _private(host):
-                                raise MediaError(f"{part}: redirected to a private or non-http address")
+                            if urllib.parse.urlsplit(url).scheme not in (
+                                "http",
+                                "https",
+                            ) or _private(host):
+                                raise MediaError(
+                                    f"{part}: redirected to a private or non-http address"
+                                )
                             continue
                         if response.status != 200:
                             raise MediaError(f"{part}: fetching the url answered {response.status}")
                         if (response.content_length or 0) > self.config.max_media_bytes:
-                            raise MediaError(f"{part}: more than {self.config.max_media_bytes} bytes")
+                            raise MediaError(
+                                f"{part}: more than {self.config.max_media_bytes} bytes"
+                            )
                         data = bytearray()
                         async for piece in response.content.iter_chunked(1 << 16):
                             data += piece
@@ -143,7 +164,9 @@ class MediaFetcher:
                         return bytes(data)
                 raise MediaError(f"{part}: more than {MAX_REDIRECTS} redirects")
         except TimeoutError:
-            raise MediaError(f"{part}: fetching the url took over {self.config.fetch_timeout_s} s") from None
+            raise MediaError(
+                f"{part}: fetching the url took over {self.config.fetch_timeout_s} s"
+            ) from None
         except aiohttp.ClientError as e:
             raise MediaError(f"{part}: the url could not be fetched ({type(e).__name__})") from None
 
@@ -216,7 +239,9 @@ def pil_video_processor_class() -> type:
                 out.append(torch.from_numpy(np.asarray(resized)).permute(2, 0, 1))
             return torch.stack(out).reshape(*lead, c, size.height, size.width).to(image.dtype)
 
-        def normalize(self, image: torch.Tensor, mean: Any, std: Any, inplace: bool = False, **kwargs: Any):
+        def normalize(
+            self, image: torch.Tensor, mean: Any, std: Any, inplace: bool = False, **kwargs: Any
+        ):
             mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
             std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
             return (image - mean) / std
@@ -250,15 +275,32 @@ class MediaProcessor:
         video = pil_video_processor_class().from_pretrained(model_dir, **video_kwargs)
         if size:
             image = Qwen2VLImageProcessorPil.from_pretrained(
-                model_dir, size={"shortest_edge": image.size.shortest_edge, "longest_edge": image.size.longest_edge, **size}
+                model_dir,
+                size={
+                    "shortest_edge": image.size.shortest_edge,
+                    "longest_edge": image.size.longest_edge,
+                    **size,
+                },
             )
             video = pil_video_processor_class().from_pretrained(
-                model_dir, size={"shortest_edge": video.size.shortest_edge, "longest_edge": video.size.longest_edge, **size}, **video_kwargs
+                model_dir,
+                size={
+                    "shortest_edge": video.size.shortest_edge,
+                    "longest_edge": video.size.longest_edge,
+                    **size,
+                },
+                **video_kwargs,
             )
         self.processor = _processor_class(Qwen3VLProcessor)(image, tokenizer, video)
         self.vision = vision
         self.config = config
         self.dtype = dtype
+
+    def prompt(self, text: str, loaded: list[tuple[MediaSource, bytes]]) -> MultimodalPrompt:
+        """Decode the fetched media and run the processor (off the event loop)."""
+        images = [decode_image(data, s.part) for s, data in loaded if s.kind == "image"]
+        videos = [decode_video(data, s.part) for s, data in loaded if s.kind == "video"]
+        return self.process(text, images, videos)
 
     def check_counts(self, num_images: int, num_videos: int) -> None:
         for kind, count in (("image", num_images), ("video", num_videos)):
@@ -275,7 +317,9 @@ class MediaProcessor:
         import torch
 
         self.check_counts(len(images), len(videos))
-        if text.count(IMAGE_PLACEHOLDER) != len(images) or text.count(VIDEO_PLACEHOLDER) != len(videos):
+        if text.count(IMAGE_PLACEHOLDER) != len(images) or text.count(VIDEO_PLACEHOLDER) != len(
+            videos
+        ):
             raise MediaError("messages: the chat template placed a different number of media")
         kwargs: dict[str, Any] = {}
         if videos:
@@ -291,9 +335,7 @@ class MediaProcessor:
                 "cap_pixels_per_frame": True,
             }
         try:
-            out = self.processor(
-                text=[text], images=images or None, return_tensors="np", **kwargs
-            )
+            out = self.processor(text=[text], images=images or None, return_tensors="np", **kwargs)
         except ValueError as e:  # the aspect ratio over 200, too few frames
             raise MediaError(f"messages: a medium the processor refused ({e})") from None
         ids = [int(t) for t in out["input_ids"][0]]
@@ -315,7 +357,9 @@ class MediaProcessor:
                 offsets, starts = tuple(starts[:t]), starts[t:]  # a video: a run per frame group
                 raw = _to_dtype(patch, self.dtype)
                 media.append(
-                    MediaItem(hashlib.sha256(raw).digest(), (t, h, w), offsets, merge, raw, self.dtype)
+                    MediaItem(
+                        hashlib.sha256(raw).digest(), (t, h, w), offsets, merge, raw, self.dtype
+                    )
                 )
         media.sort(key=lambda item: item.first)
         return MultimodalPrompt(tuple(ids), tuple(media))
