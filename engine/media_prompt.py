@@ -9,9 +9,13 @@ Torch-free: the tick never imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from deltaserve.engine.encoder_cache import EncoderCacheIndex
 from deltaserve.ipc.messages import MediaInput
+
+if TYPE_CHECKING:
+    from deltaserve.engine.planner import PlannedChunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +93,10 @@ class MultimodalPrompt:
 
 
 def chunk_media(
-    prompt: MultimodalPrompt | None, chunk: object, first_chunk: bool, index: EncoderCacheIndex
+    prompt: MultimodalPrompt | None,
+    chunk: PlannedChunk,
+    first_chunk: bool,
+    index: EncoderCacheIndex,
 ) -> list[MediaInput]:
     """The media a planned prompt chunk (start, num_tokens, is_decode) sends: those whose first
     token it holds, and for a request's first chunk (after a saved prefix) any it holds part
