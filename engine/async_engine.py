@@ -38,6 +38,8 @@ from deltaserve.engine.events import (
 from deltaserve.engine.grammar_worker import Setup
 from deltaserve.engine.guided import Guides
 from deltaserve.engine.maintenance import PAUSE_MODES, Kind, PauseMode
+from deltaserve.engine.media import MediaError, MediaFetcher, MediaProcessor, MediaSource
+from deltaserve.engine.media_prompt import MultimodalPrompt
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
@@ -53,6 +55,7 @@ from deltaserve.engine.tokenizer import (
     eos_token_ids,
     load_tokenizer,
 )
+from deltaserve.engine.vision_config import VisionConfig
 from deltaserve.ipc.controller import ReplicaConfig, ReplicaController
 from deltaserve.ipc.messages import SLEEP_TAGS, SnapshotReply
 
@@ -70,6 +73,7 @@ class AsyncEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self._media: MediaProcessor | None = None  # the checkpoint's processor, on first use
         # a request's logprobs and prompt_logprobs at most (EngineConfig.max_logprobs; -1: the vocabulary)
         self.max_logprobs = (
             model_config.vocab_size if config.max_logprobs == -1 else config.max_logprobs
@@ -269,6 +273,37 @@ class AsyncEngine:
             return fn(self.tokenizer)
         return await self._tokenizer_worker.run(fn)
 
+    async def media_prompt(self, text: str, sources: list[MediaSource]) -> MultimodalPrompt:
+        """A rendered chat prompt whose template placed `sources` (images and videos, in
+        order) as token ids and media: fetched here, decoded and preprocessed off the event
+        loop by the checkpoint's processor (engine/media.py); MediaError (a ValueError)
+        names the part it refuses."""
+        vision = VisionConfig.from_model_dir(self.config.model)
+        if vision is None:
+            raise MediaError(
+                f"{sources[0].part}: the model {self.config.model} has no vision tower"
+            )
+        if self._media is None:
+            self._media = MediaProcessor(
+                self.config.model, self.tokenizer, vision, self.config.media, self._media_dtype()
+            )
+        processor = self._media
+        processor.check_counts(
+            sum(s.kind == "image" for s in sources), sum(s.kind == "video" for s in sources)
+        )
+        fetcher = MediaFetcher(self.config.media)
+        loaded = [(source, await fetcher.fetch(source.url, source.part)) for source in sources]
+        return await self.run_tokenizer(
+            lambda _: processor.prompt(text, loaded), INLINE_TOKENIZE_CHARS + 1
+        )
+
+    def _media_dtype(self) -> str:
+        """The dtype pixels travel in: the model's (the tower casts them to it anyway)."""
+        if self.config.device == "cpu" and self.config.dtype == "auto":
+            return "float32"
+        name = self.config.dtype if self.config.dtype != "auto" else self.model_config.torch_dtype
+        return {"fp32": "float32", "bf16": "bfloat16"}.get(name, name)
+
     async def encode(self, text: str) -> list[int]:
         """The token ids `generate(text, ...)` would use, without blocking the event loop on
         a large text; pass them to `generate`."""
@@ -420,6 +455,7 @@ class AsyncEngine:
                     seed=self._seed(params, index),
                     arrival_time_s=now,
                     priority=priority,
+                    multimodal=prompt if isinstance(prompt, MultimodalPrompt) else None,
                 )
             )
         ids = tuple(r.request_id for r in requests)
@@ -554,7 +590,16 @@ class AsyncEngine:
         if self._streams.get(sink.client_id) is sink:
             del self._streams[sink.client_id]
 
-    def _prompt_ids(self, prompt: str | list[int]) -> tuple[int, ...]:
+    def _prompt_ids(self, prompt: str | list[int] | MultimodalPrompt) -> tuple[int, ...]:
+        if isinstance(prompt, MultimodalPrompt):
+            budget = self.config.max_num_batched_tokens
+            for i, item in enumerate(prompt.media):
+                if item.num_patches > budget:
+                    raise ValueError(
+                        f"media {i}: {item.num_patches} patches, more than a step encodes "
+                        f"(max_num_batched_tokens {budget}); send it smaller or lower max_pixels"
+                    )
+            prompt = list(prompt.ids)
         if isinstance(prompt, str):
             ids = _encode_text(self.tokenizer, prompt)
         elif isinstance(prompt, list | tuple):

@@ -10,9 +10,10 @@ their `Ready`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from deltaserve.engine.media import MediaConfig
 from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 
@@ -81,6 +82,10 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     force_mixed_steps: bool = False  # tests: the planner staggers prefills beside decodes
     fault: FaultPlan | None = None  # tests only
+
+    # images and video (engine/media.py): vLLM's --limit-mm-per-prompt, --mm-processor-kwargs,
+    # --allowed-local-media-path
+    media: MediaConfig = field(default_factory=MediaConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

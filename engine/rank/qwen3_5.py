@@ -122,6 +122,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         x = self.model.embed_tokens(
             batch.input_ids, batch.token_slots, cache.last_tokens
         )  # [T, hidden]
+        if batch.vision is not None:  # images' tokens: the vision tower's embeddings
+            x[batch.vision.rows] = batch.vision.embeds.to(x.dtype)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, batch, cache)
