@@ -39,9 +39,9 @@ from deltaserve.engine.grammar_worker import Setup
 from deltaserve.engine.guided import Guides
 from deltaserve.engine.maintenance import PAUSE_MODES, Kind, PauseMode
 from deltaserve.engine.metrics import EngineMetrics
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams, wire_seed
 from deltaserve.engine.scheduler import Scheduler

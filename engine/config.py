@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 
 if TYPE_CHECKING:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from deltaserve.engine.model_config import ConfigError, ModelConfig
 from deltaserve.engine.rank.checkpoint_reader import (
     CheckpointReader,
     SafetensorsError,
@@ -17,7 +18,6 @@ from deltaserve.engine.rank.checkpoint_reader import (
 )
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.engine.rank.loader import CheckpointError, checkpoint_files
-from deltaserve.engine.rank.model_config import ConfigError, ModelConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.golden import compare_logprobs
 from deltaserve.tools.make_model import make_model

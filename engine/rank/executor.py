@@ -15,13 +15,13 @@ from functools import partial
 import torch
 
 from deltaserve.engine.config import FP8_WEIGHTS
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs
 from deltaserve.engine.rank.grammar_mask import load_tokenizer
 from deltaserve.engine.rank.loader import CheckpointError, load_weights
 from deltaserve.engine.rank.memory_budget import size_kv_cache, warm_up
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.parallel import broadcast, tp_rank, tp_size
 from deltaserve.engine.rank.prompt_graphs import (
     MIN_BUCKET,
