@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from deltaserve.engine.model_config import ModelConfig
+from deltaserve.engine.model_config import FP8_WEIGHTS, ModelConfig
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
@@ -23,10 +23,6 @@ DEFAULT_MAX_MODEL_LEN = 8192
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
 DEVICES = ("cpu", "cuda")
 DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
-FP8_WEIGHTS = (
-    "widen",
-    "keep",
-)  # an FP8 checkpoint's projections: widened as they load, or kept FP8
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,7 @@ from functools import partial
 
 import torch
 
-from deltaserve.engine.config import FP8_WEIGHTS
-from deltaserve.engine.model_config import ModelConfig
+from deltaserve.engine.model_config import FP8_WEIGHTS, ModelConfig
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs
