@@ -21,11 +21,11 @@ from transformers import Qwen3_5ForCausalLM
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.model_config import ConfigError, ModelConfig
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
-from deltaserve.engine.rank.fp8 import dequantize
 from deltaserve.engine.rank.loader import CheckpointError, check_same_tensors
 from deltaserve.http import serve
 from deltaserve.http.server import ServerConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+from deltaserve.kernels.fp8_scales import dequantize
 from deltaserve.tools.golden import compare_logprobs
 from deltaserve.tools.make_model import FP8_MAX, FP8_QUANTIZED, make_model, quantize_fp8
 

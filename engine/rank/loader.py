@@ -25,7 +25,8 @@ from torch import nn
 
 from deltaserve.engine.model_config import FP8_SCALE_SUFFIXES, ModelConfig
 from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, SafetensorsError, read_header
-from deltaserve.engine.rank.fp8 import FP8_DTYPES, Fp8Pairs
+from deltaserve.engine.rank.fp8 import Fp8Pairs
+from deltaserve.kernels.fp8_scales import FP8_DTYPES
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 VLM_TEXT_PREFIX = "model.language_model."
