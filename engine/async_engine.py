@@ -442,22 +442,9 @@ class AsyncEngine:
         model_dir = str(model_dir)
 
         def check() -> None:  # in a worker thread: it imports torch, which serving never needs else
-            from deltaserve.engine.rank.loader import check_same_tensors
+            from deltaserve.engine.checkpoint_files import check_new_weights
 
-            try:
-                config = ModelConfig.from_model_dir(model_dir)
-            except (OSError, ValueError):  # its message could quote a file that is no config
-                raise ValueError(
-                    f"{model_dir} is not a checkpoint of the served model: it has no config.json "
-                    "that reads as a model's config"
-                ) from None
-            differences = self.model_config.differences(config)
-            if differences:
-                raise ValueError(
-                    f"{model_dir} is not the served model: its config.json differs in "
-                    f"{', '.join(differences)}"
-                )
-            check_same_tensors(self.weights_dir, model_dir, self.model_config)
+            check_new_weights(self.weights_dir, model_dir, self.model_config)
 
         await asyncio.to_thread(check)
         done = self._maintain("load_weights", model_dir)  # admission held from here

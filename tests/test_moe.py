@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from test_gpu_path import _assert_steps_match, _run_steps, interpreter_only
 from test_tp_golden import DECODE_STEPS, run_tp
 
-from deltaserve.engine.rank.loader import CheckpointError
+from deltaserve.engine.checkpoint_files import CheckpointError
 from deltaserve.kernels.moe import (
     GEMV_PAIRS,
     experts_reference,

@@ -14,12 +14,13 @@ from functools import partial
 
 import torch
 
+from deltaserve.engine.checkpoint_files import CheckpointError
 from deltaserve.engine.model_config import FP8_WEIGHTS, ModelConfig
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs
 from deltaserve.engine.rank.grammar_mask import load_tokenizer
-from deltaserve.engine.rank.loader import CheckpointError, load_weights
+from deltaserve.engine.rank.loader import load_weights
 from deltaserve.engine.rank.memory_budget import size_kv_cache, warm_up
 from deltaserve.engine.rank.parallel import broadcast, tp_rank, tp_size
 from deltaserve.engine.rank.prompt_graphs import (
