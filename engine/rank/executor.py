@@ -38,7 +38,7 @@ from deltaserve.engine.rank.sleep_mode import Asleep, release_memory, restore_me
 from deltaserve.engine.rank.step_meta import with_step_meta
 from deltaserve.engine.rank.transfer import to_device
 from deltaserve.ipc.messages import PromptLogprobs, Sample, SaveOnDrop, StepItem
-from deltaserve.kernels.triton_compat import gpu_path
+from deltaserve.kernels.triton_compat import gpu_path, report_late_compiles
 
 log = logging.getLogger("deltaserve.rank")
 
@@ -683,6 +683,12 @@ class Executor:
             self.asleep = None
             self._capture_graphs()
             log.info("rank %d: awake", self.config.rank)
+
+    def watch_late_compiles(self) -> None:
+        """Once start-up is done: log each Triton kernel first compiled from now on, a shape the
+        warm-up missed (CUDA; kernels/triton_compat.py)."""
+        if self.device.type == "cuda":
+            report_late_compiles(log, self.config.rank)
 
     def snapshot(self) -> RankSnapshot:
         return RankSnapshot(
