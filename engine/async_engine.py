@@ -4,7 +4,7 @@
 problem), assigns engine RequestIds (never reused) and seeds, and hands the choices to the
 scheduler tick, which owns all request state from then on (engine/scheduler.py). Params with
 a structured-output constraint or stop regexes are compiled first, off the event loop:
-`params = await engine.prepare(params)` (engine/guided.py); `generate` refuses them otherwise.
+`params = await engine.prepare(params)` (engine/guides.py); `generate` refuses them otherwise.
 Tokenizing a large text takes seconds (~1 s per MiB): `await engine.encode(text)` (or
 `run_tokenizer`, e.g. for a chat template) does it in a worker thread, off the event loop,
 and `generate` then takes the ids. The HTTP server always goes that way.
@@ -36,7 +36,7 @@ from deltaserve.engine.events import (
     QueueFullError,
 )
 from deltaserve.engine.grammar_worker import Setup
-from deltaserve.engine.guided import Guides
+from deltaserve.engine.guides import Guides
 from deltaserve.engine.maintenance import PAUSE_MODES, Kind, PauseMode
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.model_config import ModelConfig
@@ -281,7 +281,7 @@ class AsyncEngine:
     async def prepare(self, params: SamplingParams) -> SamplingParams:
         """`params` ready for `generate`: their structured-output constraint and stop regexes
         compiled in the compile worker, off the event loop, each text once (failures too;
-        engine/guided.py). Raises ValueError naming the field and the bound or the error,
+        engine/guides.py). Raises ValueError naming the field and the bound or the error,
         and EngineDeadError; params with nothing to compile come back as they are."""
         self._check_alive()
         if not isinstance(params, SamplingParams):
