@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from deltaserve.engine.checkpoint_files import checkpoint_files, read_header
 from deltaserve.engine.rank.checkpoint_reader import READERS, CheckpointReader
-from tools.hardware import host_info
+from deltaserve.tools.hardware import host_info
 
 
 def synthetic_checkpoint(folder: Path, size_mib: int) -> Path:
