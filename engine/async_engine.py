@@ -4,7 +4,7 @@
 problem), assigns engine RequestIds (never reused) and seeds, and hands the choices to the
 scheduler tick, which owns all request state from then on (engine/scheduler.py). Params with
 a structured-output constraint or stop regexes are compiled first, off the event loop:
-`params = await engine.prepare(params)` (engine/guided.py); `generate` refuses them otherwise.
+`params = await engine.prepare(params)` (engine/guides.py); `generate` refuses them otherwise.
 Tokenizing a large text takes seconds (~1 s per MiB): `await engine.encode(text)` (or
 `run_tokenizer`, e.g. for a chat template) does it in a worker thread, off the event loop,
 and `generate` then takes the ids. The HTTP server always goes that way.
@@ -36,14 +36,14 @@ from deltaserve.engine.events import (
     QueueFullError,
 )
 from deltaserve.engine.grammar_worker import Setup
-from deltaserve.engine.guided import Guides
+from deltaserve.engine.guides import Guides
 from deltaserve.engine.maintenance import PAUSE_MODES, Kind, PauseMode
 from deltaserve.engine.media import MediaError, MediaFetcher, MediaProcessor, MediaSource
 from deltaserve.engine.media_prompt import MultimodalPrompt
 from deltaserve.engine.metrics import EngineMetrics
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams, wire_seed
 from deltaserve.engine.scheduler import Scheduler
@@ -316,7 +316,7 @@ class AsyncEngine:
     async def prepare(self, params: SamplingParams) -> SamplingParams:
         """`params` ready for `generate`: their structured-output constraint and stop regexes
         compiled in the compile worker, off the event loop, each text once (failures too;
-        engine/guided.py). Raises ValueError naming the field and the bound or the error,
+        engine/guides.py). Raises ValueError naming the field and the bound or the error,
         and EngineDeadError; params with nothing to compile come back as they are."""
         self._check_alive()
         if not isinstance(params, SamplingParams):
@@ -478,22 +478,9 @@ class AsyncEngine:
         model_dir = str(model_dir)
 
         def check() -> None:  # in a worker thread: it imports torch, which serving never needs else
-            from deltaserve.engine.rank.loader import check_same_tensors
+            from deltaserve.engine.checkpoint_files import check_new_weights
 
-            try:
-                config = ModelConfig.from_model_dir(model_dir)
-            except (OSError, ValueError):  # its message could quote a file that is no config
-                raise ValueError(
-                    f"{model_dir} is not a checkpoint of the served model: it has no config.json "
-                    "that reads as a model's config"
-                ) from None
-            differences = self.model_config.differences(config)
-            if differences:
-                raise ValueError(
-                    f"{model_dir} is not the served model: its config.json differs in "
-                    f"{', '.join(differences)}"
-                )
-            check_same_tensors(self.weights_dir, model_dir, self.model_config)
+            check_new_weights(self.weights_dir, model_dir, self.model_config)
 
         await asyncio.to_thread(check)
         done = self._maintain("load_weights", model_dir)  # admission held from here

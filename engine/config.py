@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deltaserve.engine.media import MediaConfig
-from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.model_config import FP8_WEIGHTS, ModelConfig
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
@@ -24,10 +24,6 @@ DEFAULT_MAX_MODEL_LEN = 8192
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
 DEVICES = ("cpu", "cuda")
 DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
-FP8_WEIGHTS = (
-    "widen",
-    "keep",
-)  # an FP8 checkpoint's projections: widened as they load, or kept FP8
 
 
 @dataclass(frozen=True, slots=True)

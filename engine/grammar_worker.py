@@ -4,7 +4,7 @@ off the event loop, under a time and a memory limit it cannot get past.
 A constraint compiles when llguidance builds its matcher on the model's vocabulary and its
 first token mask, within the lexer-state limit and the mask-time bound; a stop regex when its
 matcher on the 256 bytes does not match the empty text. The worker answers with the grammar
-(engine/guide_grammar.py) or the error; engine/guided.py caches either. A compile that runs
+(engine/guided/grammar.py) or the error; engine/guides.py caches either. A compile that runs
 past `compile_timeout_s`, or grows the worker past `max_grammar_memory_mb`, gets the worker
 killed (SIGKILL: llguidance cannot be interrupted) and a fresh one started for the next job.
 Memory is polled during a job and the job's peak (VmHWM, reset before each job) read after
@@ -242,13 +242,9 @@ def compile_job(job: Job, tokenizer: object, setup: Setup) -> Outcome:
     from llguidance import LLMatcher
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-    from deltaserve.engine.guide_grammar import (
-        byte_tokenizer,
-        constraint_grammar,
-        error_summary,
-        parser_limits,
-    )
-    from deltaserve.engine.stop_regex import stop_regex_grammar
+    from deltaserve.engine.guided.grammar import constraint_grammar
+    from deltaserve.engine.guided.runtime import byte_tokenizer, error_summary, parser_limits
+    from deltaserve.engine.guided.stop_regex import stop_regex_grammar
 
     limits = parser_limits(setup.max_lexer_states)
     started = time.perf_counter()

@@ -58,13 +58,13 @@ from deltaserve.engine.events import (
     TokenEvent,
     Transition,
 )
+from deltaserve.engine.guided.stop_regex import StopRegexError
 from deltaserve.engine.maintenance import Maintenance
 from deltaserve.engine.media_prompt import chunk_media
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.planner import PlanInput, PlannedChunk, StepBudget, StepPlan, plan_step
 from deltaserve.engine.prefix_cache import PrefixCache
 from deltaserve.engine.stop_check import check_stop, matched_stop
-from deltaserve.engine.stop_regex import StopRegexError
 from deltaserve.engine.tick_records import Cancellation, Entry, Step, Submission
 from deltaserve.engine.waiting_queue import WaitingQueue
 from deltaserve.ipc.controller import ReplicaPoisoned

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from deltaserve.engine.rank.model_config import (
+from deltaserve.engine.model_config import (
     VLM_MODEL_TYPES,
     ConfigError,
     json_kind,

@@ -37,7 +37,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     `allowed_token_ids` (empty: all) are the only ones that can be; `bad_words` are token-id
     sequences whose last token cannot be where the output so far ends with the rest.
     `guide_grammar` (non-empty: guided decoding) is the llguidance grammar the whole output
-    must match, compiled once by the engine (engine/guided.py): only the tokens that keep the
+    must match, compiled once by the engine (engine/guides.py): only the tokens that keep the
     output a prefix of a match can be, and `guide_end_ids` (the EOS ids) where it is a match;
     past `guide_limits` the request fails alone (`SampleColumns.failed`).
     `think_budget` >= 0: the output starts inside a think block, and once that many tokens

@@ -16,7 +16,7 @@ from engine_helpers import assert_idle_and_empty, collect, engine_config
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.events import ErrorEvent, FinishedEvent
 from deltaserve.engine.grammar_worker import Setup
-from deltaserve.engine.guided import Guides
+from deltaserve.engine.guides import Guides
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 

@@ -37,7 +37,7 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.events import TokenEvent
 from deltaserve.engine.media import IMAGE_PLACEHOLDER, MediaConfig, MediaProcessor
 from deltaserve.engine.media_prompt import MultimodalPrompt
-from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.vision import build_tower
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.tokenizer import load_tokenizer

@@ -14,14 +14,14 @@ from functools import partial
 
 import torch
 
-from deltaserve.engine.config import FP8_WEIGHTS
+from deltaserve.engine.checkpoint_files import CheckpointError
+from deltaserve.engine.model_config import FP8_WEIGHTS, ModelConfig
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs
 from deltaserve.engine.rank.grammar_mask import load_tokenizer
-from deltaserve.engine.rank.loader import CheckpointError, load_weights
+from deltaserve.engine.rank.loader import load_weights
 from deltaserve.engine.rank.memory_budget import size_kv_cache, warm_up
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.parallel import broadcast, tp_rank, tp_size
 from deltaserve.engine.rank.prompt_graphs import (
     MIN_BUCKET,
@@ -40,7 +40,7 @@ from deltaserve.engine.rank.transfer import to_device
 from deltaserve.engine.rank.vision_inputs import MediaError, RankVision, RequestVision
 from deltaserve.engine.vision_config import VisionConfig
 from deltaserve.ipc.messages import PromptLogprobs, Sample, SaveOnDrop, StepItem
-from deltaserve.kernels.triton_compat import gpu_path
+from deltaserve.kernels.triton_compat import gpu_path, report_late_compiles
 
 log = logging.getLogger("deltaserve.rank")
 
@@ -752,6 +752,12 @@ class Executor:
             self.asleep = None
             self._capture_graphs()
             log.info("rank %d: awake", self.config.rank)
+
+    def watch_late_compiles(self) -> None:
+        """Once start-up is done: log each Triton kernel first compiled from now on, a shape the
+        warm-up missed (CUDA; kernels/triton_compat.py)."""
+        if self.device.type == "cuda":
+            report_late_compiles(log, self.config.rank)
 
     def snapshot(self) -> RankSnapshot:
         return RankSnapshot(

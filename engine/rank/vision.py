@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, SafetensorsError
 from deltaserve.engine.rank.fp8 import Fp8Pairs
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.vision_config import VisionConfig
 from deltaserve.kernels.paged_attention import flash_takes
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.engine.encoder_cache import EncoderCacheIndex
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.batch import StepPlan, StepVision
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.mrope import (
     RequestPositions,
     VisionSpan,
