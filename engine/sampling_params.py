@@ -64,7 +64,7 @@ from deltaserve.ipc.messages import (
 )
 
 if TYPE_CHECKING:
-    from deltaserve.engine.stop_regex import StopTemplate
+    from deltaserve.engine.guided.stop_regex import StopTemplate
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 16

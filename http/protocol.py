@@ -20,6 +20,7 @@ import msgspec
 
 from deltaserve.engine.sampling_params import DEFAULT_MAX_TOKENS, ParamError, SamplingParams
 from deltaserve.http.errors import bad_request, refused_param, unsupported
+from deltaserve.http.media_parts import OPENAI_MEDIA_PARTS, template_part
 from deltaserve.http.request_body import decode, expect, only
 from deltaserve.http.structured_output import Guided, parse_guided
 from deltaserve.http.tool_protocol import history_tool_calls, parse_tool_fields
@@ -42,12 +43,35 @@ class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
-    """A message's content part: text only (the model reads text)."""
-
     text: str
 
 
-Content = str | list[TextPart]
+Url = Annotated[str, expect("a non-empty string", min_length=1)]
+
+
+class MediaUrl(msgspec.Struct, forbid_unknown_fields=True):
+    url: Url
+    detail: Annotated[
+        str | None,
+        only(
+            "auto",
+            why="only 'auto': images are resized to the model's pixel budget "
+            "(--mm-processor-kwargs)",
+        ),
+    ] = None
+
+
+class ImagePart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknown_fields=True):
+    """An image (media_parts.py fetches it): `{"url": ...}` or the URL as a string."""
+
+    image_url: Url | MediaUrl
+
+
+class VideoPart(msgspec.Struct, tag_field="type", tag="video_url", forbid_unknown_fields=True):
+    video_url: Url | MediaUrl
+
+
+Content = str | list[TextPart | ImagePart | VideoPart]
 
 
 class _Message(msgspec.Struct, tag_field="role", kw_only=True, forbid_unknown_fields=True):
@@ -593,7 +617,8 @@ def token_ids(value: list[Any], name: str, *, empty_ok: bool = False) -> tuple[i
 def _message(m: _Message, where: str) -> dict[str, Any]:
     """A message as the template takes it: text parts joined, developer as system."""
     role = m.__struct_config__.tag
-    message: dict[str, Any] = {"role": _ROLE_ALIASES.get(role, role), "content": _text(m.content)}
+    content = _content(m.content, where)
+    message: dict[str, Any] = {"role": _ROLE_ALIASES.get(role, role), "content": content}
     if isinstance(m, ToolMessage) and m.tool_call_id is not None:
         message["tool_call_id"] = m.tool_call_id
     if isinstance(m, AssistantMessage):
@@ -608,12 +633,25 @@ def _message(m: _Message, where: str) -> dict[str, Any]:
     return message
 
 
-def _text(content: Content | None) -> str:
+def _content(content: Content | None, where: str) -> str | list[dict[str, Any]]:
+    """A message's text parts joined; with images or video, its parts in order as the
+    template takes them (each carrying its source, named for errors)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return TEXT_PART_SEPARATOR.join(part.text for part in content)
+    if all(isinstance(part, TextPart) for part in content):
+        return TEXT_PART_SEPARATOR.join(part.text for part in content)
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, TextPart):
+            parts.append({"type": "text", "text": part.text})
+            continue
+        tag = part.__struct_config__.tag
+        media = part.image_url if isinstance(part, ImagePart) else part.video_url
+        url = media if isinstance(media, str) else media.url
+        parts.append(template_part(OPENAI_MEDIA_PARTS[tag], url, f"{where}.content[{j}].{tag}"))
+    return parts
 
 
 def _kind(value: object) -> str:

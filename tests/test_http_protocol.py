@@ -295,8 +295,18 @@ class TestChat:
             ([{"role": "user"}], "messages", "messages[0].content"),
             (
                 [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                "messages",
+                "messages[0].content[0].image_url.url is required",
+            ),
+            (
+                [{"role": "user", "content": [{"type": "video_url", "video_url": ""}]}],
+                "messages",
+                "messages[0].content[0].video_url must be a string of length >= 1",
+            ),
+            (
+                [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
                 "messages[0].content[0].type",
-                "text",
+                "image_url",
             ),
             (
                 [{"role": "user", "content": "x", "name": 5}],
