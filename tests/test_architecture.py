@@ -49,19 +49,7 @@ IN_FLIGHT_ARROWS = {  # (module, import): the 49-config branch (generate on Asyn
     ("deltaserve.http.serve", "deltaserve.tools.make_model"),
     ("deltaserve.http.serve", "deltaserve.tools.tokenizer_files"),
 }
-IN_FLIGHT_CYCLES = {  # the 49-http branch: the route modules take http/server.py's private names
-    frozenset(
-        f"deltaserve.http.{name}"
-        for name in (
-            "server",
-            "anthropic_routes",
-            "responses_routes",
-            "rl_routes",
-            "sglang_routes",
-            "tokenize_routes",
-        )
-    )
-}
+IN_FLIGHT_CYCLES: set[frozenset[str]] = set()  # the lead empties both lists as branches land
 
 
 # ---- reading the imports -------------------------------------------------------------------

@@ -448,7 +448,7 @@ def test_replayed_messages_render_as_vllm_renders_them(tmp_path):
     from openai.types.chat import ChatCompletionMessage
     from transformers import AutoTokenizer
 
-    from deltaserve.http.server import _apply_chat_template
+    from deltaserve.http.generation import apply_chat_template
     from deltaserve.tools.tokenizer_files import write_tokenizer_files
 
     write_tokenizer_files(tmp_path)
@@ -466,14 +466,14 @@ def test_replayed_messages_render_as_vllm_renders_them(tmp_path):
     ]
     req = parse_chat_request({"messages": messages})
 
-    class Engine:  # what _apply_chat_template uses of the engine
+    class Engine:  # what apply_chat_template uses of the engine
         tokenizer = tok
 
         @staticmethod
         async def run_tokenizer(fn, size):
             return fn(tok)
 
-    ours = asyncio.run(_apply_chat_template(Engine, req.messages, req.chat_template_kwargs, size=0))
+    ours = asyncio.run(apply_chat_template(Engine, req.messages, req.chat_template_kwargs, size=0))
     # vLLM's conversation: null content is "", text parts joined by "\n", name kept, the
     # response-only fields dropped
     conversation = [

@@ -21,12 +21,13 @@ import deltaserve
 from deltaserve.engine.events import ErrorEvent, FinishedEvent, QueueFullError
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http import errors
+from deltaserve.http.dialects.sglang_output import GenerateFormatter
+from deltaserve.http.dialects.sglang_request import RENAMED, parse_generate_request
 from deltaserve.http.errors import renamed_fields
+from deltaserve.http.generation import open_streams, respond, seeded
 from deltaserve.http.protocol import parse_completion_request
 from deltaserve.http.request_body import decode, read_json
-from deltaserve.http.server import STATE, _json, _open_streams, _respond, seeded
-from deltaserve.http.sglang_output import GenerateFormatter
-from deltaserve.http.sglang_request import RENAMED, parse_generate_request
+from deltaserve.http.state import STATE, json_response
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
 
@@ -68,7 +69,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                     "logprob_start_len",
                 )
         params = [seeded(completion.sampling, state.seeds) for completion in parsed]
-        streams = await _open_streams(
+        streams = await open_streams(
             state,
             prompts,
             params,
@@ -78,7 +79,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             priority=parsed[0].priority,
         )
     formatter = GenerateFormatter(req, params[0].n, state.strings, lambda: state.weight_version)
-    return await _respond(request, formatter, streams, params[0].n, req.stream, include_usage=False)
+    return await respond(request, formatter, streams, params[0].n, req.stream, include_usage=False)
 
 
 async def abort_request(request: web.Request) -> web.Response:
@@ -124,7 +125,7 @@ async def model_info(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.engine
     config = _checkpoint_config(engine.config.model)
-    return _json(
+    return json_response(
         {
             "model_path": engine.weights_dir,
             "tokenizer_path": engine.config.model,
@@ -144,7 +145,7 @@ async def server_info(request: web.Request) -> web.Response:
     SGLang's names, and each data-parallel replica's load as `internal_states`."""
     state = request.app[STATE]
     engine, load = state.engine, state.engine.load()
-    return _json(
+    return json_response(
         {
             "model_path": engine.weights_dir,
             "tokenizer_path": engine.config.model,

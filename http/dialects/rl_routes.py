@@ -22,8 +22,8 @@ from aiohttp import web
 from deltaserve.engine.maintenance import PAUSE_MODES
 from deltaserve.http import errors
 from deltaserve.http.request_body import decode, only, read_json
-from deltaserve.http.server import STATE, _json
 from deltaserve.http.server_config import ServerConfig
+from deltaserve.http.state import STATE, json_response
 
 
 class UpdateWeightsBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -100,9 +100,9 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     try:
         await state.engine.update_weights(model_path, abort_running=bool(body.abort_all_requests))
     except ValueError as exc:
-        return _json({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
+        return json_response({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
     state.weight_version = version or state.weight_version
-    return _json(
+    return json_response(
         {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
     )
 
@@ -141,16 +141,16 @@ async def pause(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.check_alive()
     await state.engine.pause(mode, clear_cache=clear == "true")
-    return _json({"status": "paused"})
+    return json_response({"status": "paused"})
 
 
 async def resume(request: web.Request) -> web.Response:
     request.app[STATE].engine.resume()
-    return _json({"status": "resumed"})
+    return json_response({"status": "resumed"})
 
 
 async def is_paused(request: web.Request) -> web.Response:
-    return _json({"is_paused": request.app[STATE].engine.is_paused})
+    return json_response({"is_paused": request.app[STATE].engine.is_paused})
 
 
 async def pause_generation(request: web.Request) -> web.Response:
@@ -164,12 +164,12 @@ async def pause_generation(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.check_alive()
     await state.engine.pause(_SGLANG_PAUSE_MODES[mode], clear_cache=False)
-    return _json({"message": "Generation paused successfully.", "status": "ok"})
+    return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     request.app[STATE].engine.resume()
-    return _json({"message": "Generation continued successfully.", "status": "ok"})
+    return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
 async def sleep(request: web.Request) -> web.Response:
@@ -192,7 +192,7 @@ async def wake_up(request: web.Request) -> web.Response:
 
 
 async def is_sleeping(request: web.Request) -> web.Response:
-    return _json({"is_sleeping": request.app[STATE].engine.is_sleeping})
+    return json_response({"is_sleeping": request.app[STATE].engine.is_sleeping})
 
 
 async def release_memory_occupation(request: web.Request) -> web.Response:
@@ -203,14 +203,14 @@ async def release_memory_occupation(request: web.Request) -> web.Response:
             "tags", "weights and the KV cache are released together (omit tags)"
         )
     await _maintain_or_400(request, lambda engine: engine.sleep(1), None)
-    return _json({"success": True, "message": "Succeeded to release memory occupation."})
+    return json_response({"success": True, "message": "Succeeded to release memory occupation."})
 
 
 async def resume_memory_occupation(request: web.Request) -> web.Response:
     """SGLang's: `{"tags": ["weights"]}`, then `["kv_cache"]`, or both at once (the default)."""
     tags = await _sglang_tags(request)
     await _maintain_or_400(request, lambda engine: engine.wake_up(tags), "tags")
-    return _json({"success": True, "message": "Succeeded to resume memory occupation."})
+    return json_response({"success": True, "message": "Succeeded to resume memory occupation."})
 
 
 async def _sglang_tags(request: web.Request) -> list[str] | None:

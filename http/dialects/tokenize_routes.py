@@ -1,6 +1,5 @@
 """vLLM's `/tokenize` and `/detokenize`: token counts and exact ids for clients (chat UIs,
-evals, RL frameworks), without generating; and SageMaker's `/ping` (health) and
-`/invocations` (a chat or a completion, told apart by its body, as vLLM's).
+evals, RL frameworks), without generating.
 
 A `prompt` is tokenized as /v1/completions tokenizes one; `messages` are checked and rendered
 as /v1/chat/completions renders them (the same parsing, template, tools and template kwargs);
@@ -17,17 +16,10 @@ from aiohttp import web
 
 from deltaserve.engine.events import EngineDeadError
 from deltaserve.http import errors
+from deltaserve.http.generation import apply_chat_template
 from deltaserve.http.protocol import parse_chat_request, token_ids
 from deltaserve.http.request_body import decode, read_json
-from deltaserve.http.server import (
-    STATE,
-    ServerState,
-    _apply_chat_template,
-    _json,
-    chat_completions,
-    completions,
-    health,
-)
+from deltaserve.http.state import STATE, ServerState, json_response
 
 T = TypeVar("T")
 
@@ -70,21 +62,6 @@ class DetokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
-    app.router.add_get("/ping", health)  # as vLLM's: /health's answer, to GET and POST
-    app.router.add_post("/ping", health)
-    app.router.add_post("/invocations", invocations)
-
-
-async def invocations(request: web.Request) -> web.StreamResponse:
-    """A body with `messages` is a chat completion, one with `prompt` a completion."""
-    body = await read_json(request)  # the handler reads it again: aiohttp keeps the bytes
-    if isinstance(body, dict) and body.get("messages") is not None:
-        return await chat_completions(request)
-    if isinstance(body, dict) and body.get("prompt") is not None:
-        return await completions(request)
-    raise errors.bad_request(
-        "/invocations takes a chat completion (messages) or a completion (prompt) body"
-    )
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -108,7 +85,7 @@ async def tokenize(request: web.Request) -> web.Response:
         else None
     )
     # max_model_len: as /v1/models gives it, what one request can use
-    return _json(
+    return json_response(
         {
             "count": len(ids),
             "max_model_len": state.engine.longest_sequence,
@@ -130,7 +107,7 @@ async def detokenize(request: web.Request) -> web.Response:
                 f"tokens[{i}] is {t}, outside the vocabulary [0, {vocab})", "tokens"
             )
     state.model_name(body.model)
-    return _json({"prompt": await _run(state, lambda tok: tok.decode(list(ids)), len(ids))})
+    return json_response({"prompt": await _run(state, lambda tok: tok.decode(list(ids)), len(ids))})
 
 
 async def _prompt_ids(state: ServerState, body: TokenizePromptBody) -> list[int]:
@@ -151,7 +128,7 @@ async def _chat_ids(state: ServerState, body: TokenizeChatBody, size: int) -> li
     special = bool(body.add_special_tokens)
     state.model_name(body.model)
     kwargs = {**state.config.default_chat_template_kwargs, **chat.chat_template_kwargs}
-    return await _apply_chat_template(
+    return await apply_chat_template(
         state.engine,
         chat.messages,
         kwargs,
