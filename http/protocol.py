@@ -22,7 +22,7 @@ from deltaserve.engine.sampling_params import DEFAULT_MAX_TOKENS, ParamError, Sa
 from deltaserve.http.errors import bad_request, refused_param, unsupported
 from deltaserve.http.media_parts import OPENAI_MEDIA_PARTS, template_part
 from deltaserve.http.request_body import decode, expect, only
-from deltaserve.http.structured_output import Guided, parse_guided
+from deltaserve.http.structured_output import STRUCTURED_OUTPUT_KEYS, Guided, parse_guided
 from deltaserve.http.tool_protocol import history_tool_calls, parse_tool_fields
 
 if TYPE_CHECKING:
@@ -178,19 +178,9 @@ class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def structured(self) -> dict[str, Any]:
         """The structured-output fields given, as structured_output.py reads them."""
-        return {name: getattr(self, name) for name in _STRUCTURED_FIELDS}
+        return {name: getattr(self, name) for name in STRUCTURED_OUTPUT_KEYS}
 
 
-_STRUCTURED_FIELDS = (
-    "structured_outputs",
-    "response_format",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_whitespace_pattern",
-    "guided_decoding_backend",
-)
 # With use_beam_search (vLLM's BeamSearchParams), the sampling fields a search does not use:
 # given, they are refused (it takes n, max_tokens, temperature, ignore_eos,
 # include_stop_str_in_output and skip_special_tokens).
@@ -216,7 +206,7 @@ _UNUSED_BY_BEAMS = frozenset(
         "thinking_budget",
         "logprobs",
         "top_logprobs",
-        *_STRUCTURED_FIELDS,
+        *STRUCTURED_OUTPUT_KEYS,
     }
 )
 

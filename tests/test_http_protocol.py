@@ -9,6 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from router_structs import (
+    SGLANG_ROUTER_CHAT,
+    SGLANG_ROUTER_COMPLETION,
+    VLLM_ROUTER_CHAT,
+    VLLM_ROUTER_COMPLETION,
+)
 
 from deltaserve.http.errors import ApiError
 from deltaserve.http.protocol import parse_chat_request, parse_completion_request
@@ -495,36 +501,6 @@ def test_aiohttp_imports_from_repo_root():
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
 
-# The bodies the routers forward for a client's plain request (their request structs
-# serialized with every non-optional field at its default): sglang-router 0.3.2's chat and
-# completion structs, and vllm-router 0.1.17's (the same, plus include_reasoning).
-SGLANG_ROUTER_CHAT = {
-    "messages": [{"role": "user", "content": "hi"}],
-    "model": "m",
-    "logprobs": False,
-    "max_completion_tokens": 8,
-    "stream": False,
-    "no_stop_trim": False,
-    "ignore_eos": False,
-    "continue_final_message": False,
-    "skip_special_tokens": True,
-    "separate_reasoning": True,
-    "stream_reasoning": True,
-    "return_hidden_states": False,
-}
-SGLANG_ROUTER_COMPLETION = {
-    "model": "m",
-    "prompt": "x",
-    "max_tokens": 8,
-    "stream": False,
-    "echo": False,
-    "no_stop_trim": False,
-    "ignore_eos": False,
-    "skip_special_tokens": True,
-    "return_hidden_states": False,
-}
-VLLM_ROUTER_CHAT = {**SGLANG_ROUTER_CHAT, "include_reasoning": True}
-VLLM_ROUTER_COMPLETION = {**SGLANG_ROUTER_COMPLETION, "include_reasoning": True}
 # what each field we do not honour asks for, away from its default
 ROUTER_REQUESTS = {
     "no_stop_trim": True,
