@@ -81,10 +81,8 @@ def parse_messages_request(body: object, *, count_only: bool = False) -> Message
     chat["top_k"] = b.top_k
     chat["messages"] = _system(b.system) + chat_messages(b.messages)
     if not count_only:
-        if b.max_tokens is None or b.max_tokens < 1:
-            raise bad_request(
-                f"max_tokens is required, an integer >= 1; got {b.max_tokens!r}", "max_tokens"
-            )
+        if b.max_tokens is None:  # its range: the chat route's check
+            raise bad_request("max_tokens is required", "max_tokens")
         chat["max_tokens"] = b.max_tokens
     stops = b.stop_sequences or []
     if stops:

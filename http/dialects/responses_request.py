@@ -64,7 +64,7 @@ class ResponsesBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # translated
     input: Any = None  # `input_messages`
     instructions: str | None = None
-    max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_output_tokens: int | None = None  # the chat route checks it, as max_tokens
     stream: bool | None = None
     tools: Any = None
     tool_choice: Any = None
