@@ -81,9 +81,10 @@ class _Message(msgspec.Struct, tag_field="role", kw_only=True, forbid_unknown_fi
 
     content: Content
     name: str | None = None
-    tool_calls: Annotated[list[Any] | None, only([], "only an assistant's message calls tools")] = (
-        None
-    )
+    tool_calls: Annotated[
+        list[Any] | None,
+        only([], why="messages carry only role, content and name: an assistant's calls tools"),
+    ] = None
 
 
 class SystemMessage(_Message, tag="system"):
@@ -218,9 +219,9 @@ class CompletionBody(_Body):
     echo: bool | None = None
     logprobs: int | None = None
     best_of: Annotated[
-        int | None, only(1, "only best_of=1 is supported; use n for several samples")
+        int | None, only(1, why="only best_of=1 is supported; use n for several samples")
     ] = None
-    suffix: Annotated[str | None, only("", "insertion (suffix) is not supported")] = None
+    suffix: Annotated[str | None, only("", why="insertion (suffix) is not supported")] = None
     # vLLM adds special tokens to a completion's prompt (not to a rendered chat): the Qwen
     # tokenizer adds none when encoding, so the prompt is the same either way
     add_special_tokens: Annotated[bool | None, only(True)] = None

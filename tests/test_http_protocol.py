@@ -554,3 +554,36 @@ class TestRouterDefaults:
             "messages[0].extra",
             "carries only role, content and name",
         )
+
+
+def test_each_default_only_field_allows_values_of_its_type():
+    """`only(default, why=...)`: a reason passed where a value goes would be allowed as a
+    value (a suffix of that text taken); every allowed value must be of the field's type."""
+    import msgspec
+    import msgspec.inspect as mi
+
+    from deltaserve.http import protocol
+    from deltaserve.http.dialects import (
+        anthropic_request,
+        responses_request,
+        rl_routes,
+        sglang_request,
+        tokenize_routes,
+    )
+
+    modules = (protocol, anthropic_request, responses_request, rl_routes, sglang_request)
+    structs = {
+        value
+        for module in (*modules, tokenize_routes)
+        for value in vars(module).values()
+        if isinstance(value, type) and issubclass(value, msgspec.Struct)
+    }
+    checked = 0
+    for struct in structs:
+        for field in msgspec.structs.fields(struct):
+            info = mi.type_info(field.type)
+            if isinstance(info, mi.Metadata) and "only" in (info.extra or {}):
+                for allowed in info.extra["only"]:
+                    msgspec.convert(allowed, field.type)  # raises if not of the field's type
+                    checked += 1
+    assert checked >= 20
