@@ -60,8 +60,8 @@ def generate_tokens(
             device=device,
             dtype=dtype,
             block_size=block_size,
-            num_slots=1,
-            num_blocks=-(-total // block_size),
+            max_num_seqs=1,
+            num_kv_blocks=-(-total // block_size),
         )
     )
     vocab = executor.model_config.vocab_size

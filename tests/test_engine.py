@@ -256,7 +256,7 @@ class TestPipelining:
         before = engine.metrics.pipelined_steps_total
         pipelined = await run(engine)
         assert engine.metrics.pipelined_steps_total - before >= 5
-        sync = await AsyncEngine.start(engine_config(tiny_model_dir, pipeline_steps=False))
+        sync = await AsyncEngine.start(engine_config(tiny_model_dir, async_scheduling=False))
         try:
             unpipelined = await run(sync)
             assert strip_logprobs(unpipelined) == strip_logprobs(pipelined)
