@@ -20,11 +20,11 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from engine_helpers import reference_tokens
 from serve_helpers import ServeProcess, get, rank_pids, wait_gone
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.generate import generate_tokens
 from deltaserve.http.listen import start_server
 from deltaserve.http.server import ServerConfig, build_app
 from deltaserve.tools import demo_model
@@ -131,9 +131,7 @@ async def test_serve_tp2_greedy_then_sigterm_drains(tiny_model_dir):
 
         # TP=2 greedy through HTTP == the single-process path.
         prompt_ids = await asyncio.to_thread(_tokenize, tiny_model_dir, PROMPT)
-        ref = await asyncio.to_thread(
-            generate_tokens, tiny_model_dir, prompt_ids, 8, ignore_eos=True
-        )
+        ref = await asyncio.to_thread(reference_tokens, tiny_model_dir, prompt_ids, 8)
         r = await client.completions.create(
             model="tiny2",
             prompt=PROMPT,
