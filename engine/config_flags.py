@@ -176,8 +176,8 @@ def add_engine_flags(group: argparse._ActionsContainer) -> None:
     )
     add("--block-size", type=int, default=d("block_size"), help="KV cache positions per block")
     add(
-        "--num-gpu-blocks-override",
         "--num-kv-blocks",
+        "--num-gpu-blocks-override",  # vLLM's
         dest="num_kv_blocks",
         type=int,
         default=d("num_kv_blocks"),
