@@ -22,10 +22,11 @@ A setting that only the engine reads needs 1 and 2.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.media import DEFAULT_LIMITS, MediaConfig
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 from deltaserve.ipc.messages import ExecutorConfig
 from deltaserve.ipc.replica_config import (
@@ -89,6 +90,12 @@ class EngineConfig:
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     monitor_endpoint: str | None = None  # None: no monitor; "auto", ipc://PATH, tcp://HOST:PORT
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    # images and video (engine/media.py, whose view is `media`): images and videos a prompt
+    # may hold (the kinds not named: DEFAULT_LIMITS'), the processors' settings, the folder
+    # file:// urls may name ("": none)
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    mm_processor_kwargs: dict[str, object] = field(default_factory=dict)
+    allowed_local_media_path: str = ""
     force_mixed_steps: bool = False  # tests: the planner staggers prefills beside decodes
     fault: FaultPlan | None = None  # tests only
 
@@ -138,6 +145,20 @@ class EngineConfig:
                 f"{type(self.structured_outputs_config).__name__}"
             )
         self._check_device_ids()
+        for name in ("limit_mm_per_prompt", "mm_processor_kwargs"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a JSON object, got {getattr(self, name)!r}")
+        _ = self.media  # checked by MediaConfig, naming the flag's field
+
+    @property
+    def media(self) -> MediaConfig:
+        """The media settings' view (engine/media.py): the limits not named take their
+        defaults."""
+        return MediaConfig(
+            limits={**DEFAULT_LIMITS, **self.limit_mm_per_prompt},
+            processor_kwargs=self.mm_processor_kwargs,
+            allowed_local_media_path=self.allowed_local_media_path,
+        )
 
     def _check_monitor_endpoint(self) -> None:
         endpoint = self.monitor_endpoint

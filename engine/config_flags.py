@@ -6,10 +6,13 @@ flags. `deltaserve serve --help` lists them."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from collections.abc import Callable
 from dataclasses import MISSING, fields
 
 from deltaserve.engine.config import DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, EngineConfig
+from deltaserve.engine.media import DEFAULT_LIMITS, PROCESSOR_KWARGS
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 from deltaserve.ipc.messages import DTYPES, FP8_WEIGHTS
 
@@ -75,6 +78,21 @@ def _structured_outputs(text: str) -> StructuredOutputsConfig:
         return StructuredOutputsConfig.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _json_object(flag: str) -> Callable[[str], dict]:
+    """An argparse type: a JSON object, else an error naming the flag."""
+
+    def parse(value: str) -> dict:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON object, got {value!r:.60}")
+        return parsed
+
+    return parse
 
 
 def default_of(name: str) -> object:
@@ -225,6 +243,29 @@ def add_engine_flags(group: argparse._ActionsContainer) -> None:
         default=d("enable_prefix_caching"),
         help="a prompt that begins with a saved prompt (the last turn of its conversation, a "
         "shared system prompt) skips that part's prefill (engine/prefix_cache.py)",
+    )
+    add(
+        "--limit-mm-per-prompt",
+        type=_json_object("--limit-mm-per-prompt"),
+        default=None,
+        metavar="JSON",
+        help='images and videos a prompt may hold, as vLLM\'s: \'{"image": 4, "video": 1}\' '
+        f"(default: {', '.join(f'{n} {kind}' for kind, n in DEFAULT_LIMITS.items())})",
+    )
+    add(
+        "--mm-processor-kwargs",
+        type=_json_object("--mm-processor-kwargs"),
+        default=None,
+        metavar="JSON",
+        help="the checkpoint's image and video processors' settings, as vLLM's: "
+        f"{', '.join(PROCESSOR_KWARGS)} (min_pixels, max_pixels: each image and frame resized "
+        "into them)",
+    )
+    add(
+        "--allowed-local-media-path",
+        default=d("allowed_local_media_path"),
+        metavar="DIR",
+        help="file:// image and video urls may name files under DIR (default: none may)",
     )
     add(
         "--prefix-cache-states",

@@ -192,6 +192,7 @@ class DataParallelEngine:
     # tokenization and compiles: replica 0's
     run_tokenizer = _on_first("run_tokenizer")
     encode = _on_first("encode")
+    media_prompt = _on_first("media_prompt")  # its processor too
     prepare = _on_first("prepare")
 
     @property

@@ -18,7 +18,7 @@ import sys
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig, default_device
 from deltaserve.engine.events import ErrorEvent, FinishedEvent, TokenEvent
-from deltaserve.engine.rank.model_config import ConfigError
+from deltaserve.engine.model_config import ConfigError
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.tokenizer import generation_sampling_defaults, load_tokenizer
 from deltaserve.ipc.messages import DTYPES

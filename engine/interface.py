@@ -11,8 +11,10 @@ if TYPE_CHECKING:
     from deltaserve.engine.config import EngineConfig
     from deltaserve.engine.events import LoadSnapshot
     from deltaserve.engine.maintenance import PauseMode
+    from deltaserve.engine.media import MediaSource
+    from deltaserve.engine.media_prompt import MultimodalPrompt
     from deltaserve.engine.metrics import EngineMetrics
-    from deltaserve.engine.rank.model_config import ModelConfig
+    from deltaserve.engine.model_config import ModelConfig
     from deltaserve.engine.sampling_params import SamplingParams
     from deltaserve.engine.stream import RequestStream
     from deltaserve.ipc.messages import SnapshotReply
@@ -63,6 +65,7 @@ class Engine(Protocol):
     # ---- tokenization ----
     async def run_tokenizer(self, fn: Callable[[Any], T], size: int) -> T: ...
     async def encode(self, text: str) -> list[int]: ...
+    async def media_prompt(self, text: str, sources: list[MediaSource]) -> MultimodalPrompt: ...
 
     # ---- requests ----
     async def prepare(self, params: SamplingParams) -> SamplingParams: ...

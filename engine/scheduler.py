@@ -47,6 +47,7 @@ import msgspec
 
 from deltaserve.engine.capacity import CapacityLedger
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.encoder_cache import EncoderCacheIndex
 from deltaserve.engine.events import (
     EngineState,
     ErrorEvent,
@@ -57,12 +58,13 @@ from deltaserve.engine.events import (
     TokenEvent,
     Transition,
 )
+from deltaserve.engine.guided.stop_regex import StopRegexError
 from deltaserve.engine.maintenance import Maintenance
+from deltaserve.engine.media_prompt import chunk_media
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.planner import PlanInput, PlannedChunk, StepBudget, StepPlan, plan_step
 from deltaserve.engine.prefix_cache import PrefixCache
 from deltaserve.engine.stop_check import check_stop, matched_stop
-from deltaserve.engine.stop_regex import StopRegexError
 from deltaserve.engine.tick_records import Cancellation, Entry, Step, Submission
 from deltaserve.engine.waiting_queue import WaitingQueue
 from deltaserve.ipc.controller import ReplicaPoisoned
@@ -96,6 +98,7 @@ class Scheduler:
             controller.num_slots, controller.num_blocks, controller.block_size
         )
         self.prefix = PrefixCache(prefix_states, self.ledger)  # prefix caching: off with no states
+        self.encoder_index = EncoderCacheIndex()  # the images each rank keeps encoded, alike
         self.maintenance = Maintenance()  # new weights, a cache flush, pauses: between steps
         self.metrics = EngineMetrics()
         self.dead_reason: str | None = None
@@ -224,6 +227,7 @@ class Scheduler:
                                 e.request.prompt_len,
                                 e.request.num_computed,
                                 self.prefix.split_at(r),
+                                e.request.media_costs,
                             )
                             for r, e in (() if self.maintenance.frozen else self._running.items())
                         ],  # frozen: no step
@@ -438,7 +442,13 @@ class Scheduler:
             new = None
             if not request.on_ranks:
                 spec = request.params.to_spec(request.seed, self._eos_token_ids)
-                new = NewRequest(request.reserve_tokens, spec, prefix.start_of(chunk.request_id))
+                new = NewRequest(
+                    request.reserve_tokens,
+                    spec,
+                    prefix.start_of(chunk.request_id),
+                    request.multimodal.vision_spans() if request.multimodal else [],
+                )
+            media = chunk_media(request.multimodal, chunk, new is not None, self.encoder_index)
             request.mark_sent(chunk.start + chunk.num_tokens)
             items.append(
                 StepItem(
@@ -449,6 +459,7 @@ class Scheduler:
                     new,
                     saves.get(chunk.request_id, -1),
                     *request.prompt_logprobs_fields(chunk.start, chunk.num_tokens, chunk.is_decode),
+                    media,
                 )
             )
         self._notify_plan(plan)

@@ -1,9 +1,9 @@
 """Fault injection for tests: a `FaultPlan` handed to the ranks at spawn.
 
 One rank (`rank`) misbehaves in one way (`kind`) at one command: the command with sequence
-number `at_seq`, or the `at_step`-th RunUnifiedStep (1-based). The rank's serve loop makes one
-check per command (`fires`) and calls the helpers below only when it fires, so fault code
-stays out of the hot path.
+number `at_seq`, or the `at_step`-th RunUnifiedStep (1-based). A rank with a plan runs the
+test harness (ipc/rank_harness.py: the serve loop with the faults attached from outside); it
+checks each command (`fires`) and calls the helpers below when the plan fires.
 
 Kinds:
 - die_before_receipt: exit after the command arrives, before recording receipt in the gate.

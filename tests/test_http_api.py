@@ -17,7 +17,7 @@ import openai
 import pytest
 import pytest_asyncio
 from engine_helpers import reference_tokens
-from serve_helpers import wait_idle
+from serve_helpers import metric_samples, wait_idle
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
@@ -103,14 +103,7 @@ async def metrics(served: Served) -> dict[str, float]:
         assert r.status == 200
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = await r.text()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            values[
-                key.replace(f'model_name="{MODEL}",', "").replace(f'{{model_name="{MODEL}"}}', "")
-            ] = float(value)
-    return values
+    return metric_samples(text, MODEL)
 
 
 # ---- completions -------------------------------------------------------------------------
@@ -475,8 +468,8 @@ async def test_400_completions(served: Served, call, param, words):
                     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
                 ]
             ),
-            "messages[0].content[0].type",
-            "text",
+            "messages",
+            "messages[0].content[0].image_url: the model",  # a text-only checkpoint: no tower
         ),
         (dict(top_logprobs=2), "top_logprobs", "logprobs=true"),
     ],

@@ -25,7 +25,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
-from serve_helpers import ServeProcess, wait_idle
+from serve_helpers import ServeProcess, metric_samples, wait_idle
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
@@ -455,8 +455,7 @@ async def test_a_client_that_stops_reading_is_aborted(engine, tmp_path):
             async def aborts() -> int:
                 async with others.get(url + "/metrics") as reply:
                     text = await reply.text()
-                line = next(x for x in text.splitlines() if x.startswith(OVERFLOW_METRIC))
-                return int(line.rsplit(" ", 1)[1])
+                return int(metric_samples(text, MODEL)[OVERFLOW_METRIC])
 
             assert await aborts() == 0
             await loop.sock_connect(sock, path)

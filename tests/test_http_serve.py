@@ -21,7 +21,7 @@ import aiohttp
 import openai
 import pytest
 from engine_helpers import reference_tokens
-from serve_helpers import ServeProcess, get, rank_pids, wait_gone
+from serve_helpers import ServeProcess, get, metric_samples, rank_pids, wait_gone
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
@@ -99,8 +99,9 @@ async def test_rank_sigkill_in_process(tiny_model_dir):
             await client.completions.create(model="tiny", prompt="x", max_tokens=2)
         assert info.value.status_code == 503
         _, text = await get(url + "/metrics")
-        assert 'deltaserve:engine_dead{model_name="tiny"} 1' in text
-        assert 'vllm:request_success_total{model_name="tiny",finished_reason="error"} 3' in text
+        samples = metric_samples(text, "tiny")
+        assert samples["deltaserve:engine_dead"] == 1
+        assert samples['vllm:request_success_total{finished_reason="error"}'] == 3
         await wait_gone(pids)
     finally:
         await client.close()

@@ -1,7 +1,7 @@
 """The Qwen3.5 text model's shape, read from an HF `config.json`.
 
 Torch-free so that the controller can check a tensor-parallel size against the head counts
-before any rank starts.
+before any rank starts. A leaf: it imports nothing of ours, and every layer may import it.
 """
 
 from __future__ import annotations
