@@ -18,6 +18,7 @@ from deltaserve.engine.config import (
     replica_config,
 )
 from deltaserve.engine.config_flags import UNFLAGGED, add_engine_flags, engine_config
+from deltaserve.engine.media import DEFAULT_LIMITS
 from deltaserve.http import serve
 from deltaserve.ipc.launch import rank_config_decoder
 from deltaserve.ipc.messages import ExecutorConfig
@@ -57,6 +58,10 @@ def test_every_field_has_one_flag_and_every_flag_one_field():
         (["--tp-size", "2"], "tp_size", 2),
         (["--tp", "2"], "tp_size", 2),
         (["--data-parallel-size", "2"], "data_parallel_size", 2),
+        (["--limit-mm-per-prompt", '{"image": 4}'], "limit_mm_per_prompt", {"image": 4}),
+        (["--mm-processor-kwargs", '{"fps": 2}'], "mm_processor_kwargs", {"fps": 2}),
+        ([], "limit_mm_per_prompt", {}),
+        (["--allowed-local-media-path", "/srv"], "allowed_local_media_path", "/srv"),
         (["--monitor-endpoint", "off"], "monitor_endpoint", None),
         ([], "monitor_endpoint", "auto"),
     ],
@@ -126,6 +131,18 @@ def test_the_engines_defaults_are_the_ranks():
         assert getattr(config, name) == getattr(rank, name), name
 
 
+def test_the_media_view_takes_the_limits_not_named_from_their_defaults():
+    """--limit-mm-per-prompt '{"image": 4}' leaves video at its default, as vLLM's does."""
+    media = EngineConfig(model="/m", limit_mm_per_prompt={"image": 4}).media
+    assert media.limits == {**DEFAULT_LIMITS, "image": 4} and media.limits["video"] > 0
+
+
+def test_a_flag_that_takes_json_names_itself(capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args(["/m", "--limit-mm-per-prompt", "4"])
+    assert "--limit-mm-per-prompt takes a JSON object, got '4'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("fields_", "words"),
     [
@@ -137,6 +154,9 @@ def test_the_engines_defaults_are_the_ranks():
         ({"tp_size": True}, "tp_size must be an integer >= 1, got True"),
         ({"data_parallel_size": 0}, "data_parallel_size must be an integer >= 1, got 0"),
         ({"prefix_cache_states": -1}, "prefix_cache_states must be an integer >= 0"),
+        ({"limit_mm_per_prompt": {"audio": 1}}, "limit_mm_per_prompt: 'audio': 1"),
+        ({"mm_processor_kwargs": {"size": 2}}, "mm_processor_kwargs: 'size' is not one of"),
+        ({"mm_processor_kwargs": [1]}, "mm_processor_kwargs must be a JSON object"),
     ],
 )
 def test_a_bad_setting_is_refused_at_construction_naming_its_field(fields_, words):
