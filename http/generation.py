@@ -41,7 +41,7 @@ from deltaserve.http.structured_output import refuse_in_reasoning
 from deltaserve.http.tool_protocol import tool_call_reader
 
 if TYPE_CHECKING:
-    from deltaserve.engine.async_engine import AsyncEngine
+    from deltaserve.engine.interface import Engine
 
 log = logging.getLogger("deltaserve.http")
 
@@ -158,7 +158,7 @@ def seeded(params: SamplingParams, seeds: random.Random | None) -> SamplingParam
 
 
 async def apply_chat_template(
-    engine: AsyncEngine,
+    engine: Engine,
     messages: Sequence[dict[str, Any]],
     kwargs: dict[str, Any],
     size: int,

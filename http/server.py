@@ -1,5 +1,5 @@
 """The aiohttp application: the OpenAI core's routes (completions, chat, models, health,
-metrics, version) over one `AsyncEngine`, the middleware, and the route modules beside the
+metrics, version) over one engine (engine/interface.py), the middleware, and the route modules beside the
 core (dialects/: Anthropic, Responses, SGLang, tokenize, RL/admin) added to it.
 
 Requests flow: read JSON -> parse (protocol.py) -> tokenize (`engine.encode` /
@@ -41,12 +41,12 @@ from deltaserve.http.server_config import ServerConfig
 from deltaserve.http.state import STATE, ServerState, error_response, json_response
 
 if TYPE_CHECKING:
-    from deltaserve.engine.async_engine import AsyncEngine
+    from deltaserve.engine.interface import Engine
 
 log = logging.getLogger("deltaserve.http")
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
+def build_app(engine: Engine, config: ServerConfig) -> web.Application:
     """Serve it with `start_server` (or an AppRunner with handler_cancellation=True), so
     that a client's disconnect cancels its requests. The checks, in order: the Host
     (request_guard.py), CORS preflights (no key: a browser sends none, as in vLLM), the
@@ -188,7 +188,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if req.beam_search:
         return json_response(await beam_completions(state.engine, req, model))
     params = seeded(req.sampling, state.seeds)
-    choices, bound = len(req.prompts) * params.n, state.engine.config.max_queued_requests
+    choices, bound = len(req.prompts) * params.n, state.engine.max_queued_requests
     if (
         choices > bound
     ):  # the queue could never take them all: not a 429 to retry (n alone: the engine's check)

@@ -19,7 +19,7 @@ from deltaserve.http.responses import TokenStrings
 from deltaserve.http.server_config import ServerConfig
 
 if TYPE_CHECKING:
-    from deltaserve.engine.async_engine import AsyncEngine
+    from deltaserve.engine.interface import Engine
 
 _json_bytes = msgspec.json.Encoder().encode
 
@@ -27,7 +27,7 @@ _json_bytes = msgspec.json.Encoder().encode
 class ServerState:
     """What the handlers share: the engine, the config, and whether we still admit."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         # logprobs' token strings; a request's return_tokens_as_token_ids: `.rendering`
