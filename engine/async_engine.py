@@ -74,7 +74,8 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self._media: MediaProcessor | None = None  # the checkpoint's processor, on first use
-        # a request's logprobs and prompt_logprobs at most (EngineConfig.max_logprobs; -1: the vocabulary)
+        # a request's logprobs and prompt_logprobs at most
+        # (EngineConfig.max_logprobs; -1: the vocabulary)
         self.max_logprobs = (
             model_config.vocab_size if config.max_logprobs == -1 else config.max_logprobs
         )
@@ -105,7 +106,8 @@ class AsyncEngine:
         self = None
         try:
             self = cls(config, model_config, None, limits.max_model_len)
-            self._tokenizer_worker.start()  # the tokenizer loads in its thread while the ranks start
+            # the tokenizer loads in its thread while the ranks start
+            self._tokenizer_worker.start()
             self._monitor = monitor
             await self._launch(limits.num_kv_blocks)
         except BaseException as exc:
@@ -646,8 +648,8 @@ class AsyncEngine:
         if not ledger.fits_ever(need):
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need} "
-                f"positions need {ledger.blocks_for(need)} KV blocks; the cache has {ledger.num_blocks} "
-                f"blocks of {ledger.block_size}"
+                f"positions need {ledger.blocks_for(need)} KV blocks; the cache has "
+                f"{ledger.num_blocks} blocks of {ledger.block_size}"
             )
 
     @staticmethod

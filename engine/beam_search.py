@@ -25,9 +25,8 @@ from deltaserve.engine.sampling_params import SamplingParams
 @dataclass(frozen=True, slots=True)
 class Beam:
     tokens: tuple[int, ...]  # the output's tokens (an ending EOS only where include_stop)
-    logprobs: tuple[
-        float, ...
-    ]  # each token's (an ending EOS's where it is not kept: only in cum_logprob)
+    # each token's (an ending EOS's where it is not kept: only in cum_logprob)
+    logprobs: tuple[float, ...]
     cum_logprob: float
     finish_reason: Literal["stop", "length"]
     score: float
@@ -53,9 +52,8 @@ async def beam_search(
     """The `width` best beams of `prompt`, best first. `engine`: an AsyncEngine (its
     `generate`); ValueError from it (a prompt too long, ...) propagates."""
     step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * width)
-    live: list[tuple[tuple[int, ...], tuple[float, ...], float]] = [
-        ((), (), 0.0)
-    ]  # tokens, their logprobs, sum
+    # tokens, their logprobs, sum
+    live: list[tuple[tuple[int, ...], tuple[float, ...], float]] = [((), (), 0.0)]
     done: list[Beam] = []
 
     def scored(

@@ -120,7 +120,8 @@ class EngineConfig:
             or self.max_logprobs < -1
         ):
             raise ValueError(
-                f"max_logprobs must be an integer >= -1 (-1: the vocabulary), got {self.max_logprobs!r}"
+                "max_logprobs must be an integer >= -1 (-1: the vocabulary), "
+                f"got {self.max_logprobs!r}"
             )
         if self.fp8_weights not in FP8_WEIGHTS:
             raise ValueError(

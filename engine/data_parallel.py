@@ -53,7 +53,8 @@ def replica_configs(
         raise ValueError(f"data_parallel_size must be at least 1, got {size}")
     if config.device_ids is not None:
         raise ValueError(
-            "give a data-parallel engine's devices as device_ids (tp_size x data_parallel_size of them)"
+            "give a data-parallel engine's devices as device_ids "
+            "(tp_size x data_parallel_size of them)"
         )
     if size > 1 and config.monitor_endpoint not in (None, "auto"):
         raise ValueError(
@@ -64,13 +65,15 @@ def replica_configs(
     if config.device != "cuda":
         if device_ids is not None:
             raise ValueError(
-                f"device_ids {device_ids} given with device {config.device!r}; they name CUDA devices"
+                f"device_ids {device_ids} given with device "
+                f"{config.device!r}; they name CUDA devices"
             )
         return [config] * size
     ids = tuple(range(tp * size)) if device_ids is None else tuple(device_ids)
     if len(ids) != tp * size or len(set(ids)) != len(ids):
         raise ValueError(
-            f"device_ids {ids}: need {tp * size} distinct devices (tp_size {tp} x data_parallel_size {size})"
+            f"device_ids {ids}: need {tp * size} distinct devices "
+            f"(tp_size {tp} x data_parallel_size {size})"
         )
     return [dataclasses.replace(config, device_ids=ids[i * tp : (i + 1) * tp]) for i in range(size)]
 
@@ -102,7 +105,8 @@ class DataParallelEngine:
     async def start(
         cls, config: EngineConfig, size: int, device_ids: tuple[int, ...] | None = None
     ) -> DataParallelEngine:
-        """Every replica started at once; if one fails, the others are shut down and its error raised."""
+        """Every replica started at once; if one fails,
+        the others are shut down and its error raised."""
         configs = replica_configs(config, size, device_ids)
         started = await asyncio.gather(
             *(AsyncEngine.start(c) for c in configs), return_exceptions=True
@@ -250,7 +254,8 @@ class DataParallelEngine:
         holder = next(
             (i for i, r in enumerate(self.replicas) if request_id in r.request_ids()), None
         )
-        # an id a replica still holds goes to it, which refuses it while its request runs, as one engine does
+        # an id a replica still holds goes to it, which refuses
+        # it while its request runs, as one engine does
         i = self._route([prompt])[0] if request_id is None or holder is None else holder
         self._picked[i] = next(self._picks)
         return self.replicas[i].generate(prompt, params, request_id=request_id, priority=priority)

@@ -68,9 +68,8 @@ def generate_tokens(
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"prompt token ids out of the vocabulary (size {vocab}): {bad[:5]}")
-    eos = (
-        frozenset() if ignore_eos else eos_token_ids(model_dir, executor.model_config)
-    )  # the engine's set
+    # the engine's set
+    eos = frozenset() if ignore_eos else eos_token_ids(model_dir, executor.model_config)
     spec = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -150,7 +149,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, fallback in _SAMPLING_FALLBACKS.items():
         if getattr(args, name) is None:
             setattr(args, name, args.file_defaults.get(name, fallback))
-    try:  # the engine's checks and messages: NaN or inf temperatures, seeds outside int64 were taken
+    # the engine's checks and messages: NaN or inf temperatures, seeds outside int64 were taken
+    try:
         SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -188,9 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
-    seed = (
-        wire_seed(args.seed) if args.seed is not None else random.randrange(2**63)
-    )  # as the engine's
+    # as the engine's
+    seed = wire_seed(args.seed) if args.seed is not None else random.randrange(2**63)
     if args.file_defaults:  # said, as serve says it: the output is no longer greedy by default
         print(
             "sampling defaults from the model's generation_config.json: "

@@ -27,8 +27,8 @@ every request transition and the engine's failure pass through `_notify`, once e
 Completion commit boundary: a request's last token and its FinishedEvent are delivered only
 after the all-rank drop of its state succeeded. A request that went past one of its own
 bounds (rank 0 reports it in `SampleColumns.failed`; a stop regex's matcher here) ends the
-same way with an ErrorEvent, alone: that is no replica error. Fail closed: a poisoned replica (or any
-error in the tick) ends every unresolved choice with exactly one ErrorEvent, publishes an idle
+same way with an ErrorEvent, alone: that is no replica error. Fail closed: a poisoned replica (or
+any error in the tick) ends every unresolved choice with exactly one ErrorEvent, publishes an idle
 terminal snapshot, and tears the replica down.
 """
 
@@ -214,9 +214,8 @@ class Scheduler:
                     and self._inflight is None
                     and not self._pending_drop
                 ):
-                    await self.maintenance.run(
-                        self._controller, self.prefix
-                    )  # no step in flight: `ready` says when
+                    # no step in flight: `ready` says when
+                    await self.maintenance.run(self._controller, self.prefix)
                     continue  # the load it changed is published first
                 self._admit()
                 if self._inflight is None:
@@ -388,7 +387,8 @@ class Scheduler:
                 logger.exception("load listener failed")
 
     def _admit(self) -> None:
-        """In the waiting queue's order; stop at the first that does not fit now (none while maintenance holds)."""
+        """In the waiting queue's order; stop at the first that
+        does not fit now (none while maintenance holds)."""
         while self._waiting and self.maintenance.admits:
             entry = self._waiting.head()
             request = entry.request
@@ -402,9 +402,10 @@ class Scheduler:
                     ErrorEvent(
                         request.index,
                         (
-                            f"request needs {reserve} positions (prompt {request.prompt_len} + max_tokens "
-                            f"{request.params.max_tokens}); max_model_len is {self.max_model_len} and the "
-                            f"KV cache holds {self.ledger.num_blocks * self.ledger.block_size}"
+                            f"request needs {reserve} positions (prompt {request.prompt_len} + "
+                            f"max_tokens {request.params.max_tokens}); max_model_len is "
+                            f"{self.max_model_len} and the KV cache holds "
+                            f"{self.ledger.num_blocks * self.ledger.block_size}"
                         ),
                     ),
                 )
@@ -428,7 +429,8 @@ class Scheduler:
         """Dispatch a planned step once the ranks are free."""
         items = []
         prefix = self.prefix
-        # saves first: they may evict, and the prefixes its requests start from are pinned until `start_of`
+        # saves first: they may evict, and the prefixes its
+        # requests start from are pinned until `start_of`
         saves = prefix.saves(
             [
                 (self._running[c.request_id].request, c.start + c.num_tokens)
@@ -508,9 +510,8 @@ class Scheduler:
         # their events come when `step` commits (_hold_until_dropped)
         drops = {**self._pending_drop, **{rid: [] for rid in last}}
         saves = self.prefix.saves_at_end(self._entries[rid].request for rid in drops)
-        flight = self._controller.follow_step(
-            items, list(drops), self.prefix.take_evicted(), saves
-        )  # can_follow: sent
+        # can_follow: sent
+        flight = self._controller.follow_step(items, list(drops), self.prefix.take_evicted(), saves)
         for chunk in chunks:
             self._running[chunk.request_id].request.mark_sent(chunk.start + 1)
         plan = StepPlan(tuple(chunks))

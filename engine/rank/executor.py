@@ -89,15 +89,12 @@ class ExecutorConfig:
     max_model_len: int = 0  # longest request in positions; 0: the whole cache
     gpu_memory_utilization: float = 0.9  # share of the device's memory, when num_blocks is 0
     max_num_batched_tokens: int = 2048  # tokens of the profiling step, when num_blocks is 0
-    cuda_graphs: bool = (
-        True  # single-token items and short prompts replay CUDA graphs (CUDA, any TP size)
-    )
-    prompt_graph_tokens: int = (
-        2048  # largest prompt-graph bucket (capped by max_num_batched_tokens); 0: none
-    )
-    prefix_states: int = (
-        0  # saved prefix states of the prefix cache (engine/prefix_cache.py); 0: off
-    )
+    # single-token items and short prompts replay CUDA graphs (CUDA, any TP size)
+    cuda_graphs: bool = True
+    # largest prompt-graph bucket (capped by max_num_batched_tokens); 0: none
+    prompt_graph_tokens: int = 2048
+    # saved prefix states of the prefix cache (engine/prefix_cache.py); 0: off
+    prefix_states: int = 0
     # an FP8 checkpoint's projections: "widen" them to the model's dtype as they load, or "keep"
     # them FP8 (half the memory), read so by the skinny kernels (loader.py; not yet faster past
     # one row on the H200, docs/GPU.md)
@@ -309,9 +306,10 @@ class Executor:
         evict: list[int] = (),
         saves: list[SaveOnDrop] = (),
     ) -> LaunchedStep:
-        """Evict `evict`, save and drop `drops` (`drop`) and queue the step's forward. The rank's serve loop queues step N+1
-        this way before it finishes N (`finish_step`), so the device never waits for the host
-        between pipelined steps; N+1's items without tokens read N's samples on the device."""
+        """Evict `evict`, save and drop `drops` (`drop`) and queue the step's forward. The rank's
+        serve loop queues step N+1 this way before it finishes N (`finish_step`), so the device
+        never waits for the host between pipelined steps; N+1's items without tokens read N's
+        samples on the device."""
         # the sampling, queued before the next step's replay, reads the graph's output in place
         step = LaunchedStep(items)
         step.logits = self.forward(
@@ -356,10 +354,10 @@ class Executor:
         prompt_logprobs: dict[int, PromptLogprobs] | None = None,
         saves: list[SaveOnDrop] = (),
     ) -> torch.Tensor | None:
-        """Evict `evict`, save and drop `drops` (`drop`), advance every item's request through the model, save
-        the prefixes items ask for; return fp32 logits on rank 0 of the positions that sample
-        (or of every position: golden tests), None elsewhere. `graph_output`: a decode graph's
-        logits may be its output buffer, which the next replay overwrites (else they are
+        """Evict `evict`, save and drop `drops` (`drop`), advance every item's request through the
+        model, save the prefixes items ask for; return fp32 logits on rank 0 of the positions that
+        sample (or of every position: golden tests), None elsewhere. `graph_output`: a decode
+        graph's logits may be its output buffer, which the next replay overwrites (else they are
         copied out). Rank 0 puts the prompt logprobs items ask for into `prompt_logprobs`."""
         self._admit_new(items, drops, evict, saves)
         self._share_last_samples(items)
@@ -686,8 +684,8 @@ class Executor:
             held = self.requests.get(save.request_id)
             if held is None or held.num_tokens != save.num_tokens:
                 raise StepError(
-                    f"request {save.request_id} is saved at {save.num_tokens} positions; rank {rank} "
-                    f"holds {held.num_tokens if held else 'none'}"
+                    f"request {save.request_id} is saved at {save.num_tokens} positions; rank "
+                    f"{rank} holds {held.num_tokens if held else 'none'}"
                 )
 
     def drop(
