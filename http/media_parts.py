@@ -2,9 +2,10 @@
 `image_url` and `video_url` content parts (`{"url": ...}` or the URL as a string) and
 Anthropic `image` blocks (`source`: base64 with a media type, or a url).
 
-Each (an Anthropic block by way of the chat's `image_url`) becomes the chat template's part (`{"type": "image"}` or `{"type": "video"}`, as
-Qwen3.5's template takes them) carrying its source (`MediaSource`: the URL and the part's
-name for errors); the engine fetches and preprocesses them (AsyncEngine.media_prompt).
+Each (an Anthropic block by way of the chat's `image_url`) becomes the chat template's part
+(`{"type": "image"}` or `{"type": "video"}`, as Qwen3.5's template takes them) carrying its source
+(`MediaSource`: the URL and the part's name for errors); the engine fetches and preprocesses them
+(AsyncEngine.media_prompt).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def openai_part(part: dict[str, Any], at: str) -> dict[str, Any]:
         if value.get("detail", "auto") != "auto":
             raise unsupported(
                 f"{at}.{kind}.detail",
-                "only 'auto': images are resized to the model's pixel budget (--mm-processor-kwargs)",
+                "only 'auto': images are resized to the model's pixel budget "
+                "(--mm-processor-kwargs)",
             )
         value = value.get("url")
     if not isinstance(value, str) or not value:

@@ -74,9 +74,8 @@ _METADATA_KEYS = frozenset({"user"})
 # when encoding, so the prompt is the same either way.
 _COMPLETION_DEFAULTS = {"add_special_tokens": True}
 _CHAT_DEFAULTS = {"add_special_tokens": False}
-_BEAM_SEARCH_KEYS = frozenset(
-    {"use_beam_search", "length_penalty"}
-)  # vLLM's: http/beam_completions.py
+# vLLM's: http/beam_completions.py
+_BEAM_SEARCH_KEYS = frozenset({"use_beam_search", "length_penalty"})
 _COMPLETION_KEYS = (
     _SAMPLING_KEYS
     | _METADATA_KEYS
@@ -178,12 +177,10 @@ class SamplingFields:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
-    thinking_budget: int | None = (
-        None  # the most tokens the output thinks for (then </think> is forced)
-    )
-    guided: Guided = (
-        Guided()
-    )  # vLLM's structured outputs, forced tool calls (http/structured_output.py)
+    # the most tokens the output thinks for (then </think> is forced)
+    thinking_budget: int | None = None
+    # vLLM's structured outputs, forced tool calls (http/structured_output.py)
+    guided: Guided = Guided()
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """Build the engine's params (which check ranges and raise ValueError naming the
@@ -211,9 +208,8 @@ class CompletionRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
     truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens; -1: what fits
     echo: bool = False  # each choice's text (and logprobs) starts with its prompt's
-    return_tokens_as_token_ids: bool | None = (
-        None  # logprobs say "token_id:{id}"; None: the server's flag
-    )
+    # logprobs say "token_id:{id}"; None: the server's flag
+    return_tokens_as_token_ids: bool | None = None
     priority: int = 0  # vLLM's: lower is admitted first (--scheduling-policy priority)
     beam_search: bool = False  # vLLM's use_beam_search: n beams, engine/beam_search.py
     length_penalty: float = 1.0  # a beam's score: cumulative logprob / length ** length_penalty
@@ -223,8 +219,8 @@ class CompletionRequest:
 class ChatRequest:
     """`messages` are normalised to `{"role", "content": str}` (and `"name"` when given, and
     the tool fields of tool_protocol.py's `tool_message_fields`); `logprobs` asks for the chat
-    logprobs shape (then `sampling.logprobs` is the number of alternatives, 0..max_logprobs). `tools`
-    (for the template) and `tool_choice`: tool_protocol.py's `ToolFields`."""
+    logprobs shape (then `sampling.logprobs` is the number of alternatives, 0..max_logprobs).
+    `tools` (for the template) and `tool_choice`: tool_protocol.py's `ToolFields`."""
 
     model: str | None
     messages: tuple[dict[str, Any], ...]
@@ -237,9 +233,8 @@ class ChatRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     include_reasoning: bool = True  # vLLM's: False leaves a reasoning parser's reasoning out
     tools: tuple[dict[str, Any], ...] | None = None
-    tool_choice: ToolChoice = (
-        "none"  # "auto": the output read by the parser; "required", named: forced
-    )
+    # "auto": the output read by the parser; "required", named: forced
+    tool_choice: ToolChoice = "none"
     parallel_tool_calls: bool = True  # False: only the first call is returned (as vLLM)
     return_tokens_as_token_ids: bool | None = None  # as CompletionRequest's
     # vLLM's: the template's generation prompt, or the last message continued (an answer's

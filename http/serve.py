@@ -154,7 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-ids",
         type=_device_ids,
         default=d("device_ids"),
-        help="cuda ordinals, comma separated; default: 0..tp x dp - 1 (replica i: the i-th tp of them)",
+        help=(
+            "cuda ordinals, comma separated; default: 0..tp x dp - 1 "
+            "(replica i: the i-th tp of them)"
+        ),
     )
     eng.add_argument(
         "--dtype",
@@ -437,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def demo_name() -> str:
     """The demo checkpoint's folder name. It changes with the package version and with the demo's
-    chat template: a demo made earlier would otherwise keep serving the template it was made with."""
+    chat template: a demo made earlier would otherwise keep serving the template it was made
+    with."""
     from deltaserve.tools.tokenizer_files import CHATML_TEMPLATE
 
     digest = hashlib.sha256(CHATML_TEMPLATE.encode()).hexdigest()[:8]
@@ -528,9 +532,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         if args.data_parallel_size != 1:
             from deltaserve.engine.data_parallel import replica_configs
 
-            replica_configs(
-                engine_config, args.data_parallel_size, args.device_ids
-            )  # refused now, not at start
+            # refused now, not at start
+            replica_configs(engine_config, args.data_parallel_size, args.device_ids)
         check_quantization(args.quantization, None if demo else args.model)
         if server_config.generation_config == "auto":  # read again at start: refused now, not then
             from deltaserve.engine.tokenizer import generation_sampling_defaults
@@ -736,11 +739,12 @@ def _sizes(engine) -> tuple[str, str | None]:
             f"completion), as /v1/models says; raise --num-kv-blocks or lower --max-model-len"
         )
     ready = (
-        f"max_model_len={longest} ({why}), {load.num_slots} state slots (--max-num-seqs), {load.num_blocks} KV blocks "
-        f"of {config.block_size} = {kv_tokens} tokens of KV ({kv_why})"
+        f"max_model_len={longest} ({why}), {load.num_slots} state slots (--max-num-seqs), "
+        f"{load.num_blocks} KV blocks of {config.block_size} = {kv_tokens} tokens of KV ({kv_why})"
     )
     if config.enable_prefix_caching:
-        ready += f"; prefix caching: {config.prefix_cache_states} saved prompt states (--prefix-cache-states)"
+        states = config.prefix_cache_states
+        ready += f"; prefix caching: {states} saved prompt states (--prefix-cache-states)"
     return ready, short
 
 

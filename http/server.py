@@ -88,9 +88,8 @@ class ServerState:
         self.draining = False  # set by the serve command on SIGTERM
         # streamed requests aborted for a client that stopped reading (`_respond`)
         self.stream_overflows = 0
-        self.weight_version = (
-            "default"  # SGLang's name for the weights served (/update_weights_from_disk)
-        )
+        # SGLang's name for the weights served (/update_weights_from_disk)
+        self.weight_version = "default"
         # what a request leaves out of temperature, top_p, top_k, min_p, repetition_penalty
         self.sampling_defaults = (
             generation_sampling_defaults(engine.config.model)

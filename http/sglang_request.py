@@ -119,9 +119,8 @@ class GenerateRequest:
 def parse_generate_request(body: object) -> GenerateRequest:
     body = json_object(body)
     _refuse_non_defaults(body, _DEFAULTS)
-    _refuse_unknown(
-        {k: v for k, v in body.items() if v is not None}, _KEYS | frozenset(_DEFAULTS)
-    )  # null: unsent
+    # null: unsent
+    _refuse_unknown({k: v for k, v in body.items() if v is not None}, _KEYS | frozenset(_DEFAULTS))
     prompts, batch = _prompts(body)
     sampling = body.get("sampling_params")
     if isinstance(sampling, list):

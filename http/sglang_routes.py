@@ -65,7 +65,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
                     f"prompt's length ({len(prompt)} tokens)",
                     "logprob_start_len",
                 )
-            # 0: the prompt alone (its logprobs), one token sampled and not returned; None: what fits
+            # 0: the prompt alone (its logprobs), one token
+            # sampled and not returned; None: what fits
             max_tokens = (
                 1 if limit == 0 else limit or max(1, state.engine.longest_sequence - len(prompt))
             )
