@@ -52,9 +52,8 @@ class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix_states: int = 0  # saved prefix states (prefix caching); 0: off
     overlap_steps: bool = False  # queue a pipelined follower before finishing the step ahead
     noop_executor: bool = False  # benchmarks only
-    noop_step_s: float = (
-        0.0  # the no-op executor sleeps this long per step (a stand-in for the GPU)
-    )
+    # the no-op executor sleeps this long per step (a stand-in for the GPU)
+    noop_step_s: float = 0.0
     # tests only: either one starts the rank in the harness (ipc/rank_harness.py)
     journal_path: str | None = None  # append-only log of gated commands
     fault: FaultPlan | None = None

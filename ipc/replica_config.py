@@ -31,9 +31,8 @@ class ReplicaConfig:
     fp8_weights: str = "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8
     max_logprobs: int = 20  # a step item's logprobs and prompt logprobs at most (ipc/validate.py)
     prefix_states: int = 0  # saved prefix states each rank keeps (prefix caching); 0: off
-    overlap_steps: bool | None = (
-        None  # ranks queue a follower before finishing the step; None: on cuda
-    )
+    # ranks queue a follower before finishing the step; None: on cuda
+    overlap_steps: bool | None = None
     startup_timeout_s: float = 120.0
     step_timeout_s: float = 60.0
     gate_timeout_s: float = 10.0  # every rank must record receipt of a gated command by then
@@ -94,7 +93,8 @@ class ReplicaConfig:
                 )
             if len(self.device_ids) != self.tp_size:
                 raise ValueError(
-                    f"device_ids {self.device_ids} has {len(self.device_ids)} entries for tp_size {self.tp_size}"
+                    f"device_ids {self.device_ids} has {len(self.device_ids)} "
+                    f"entries for tp_size {self.tp_size}"
                 )
             if len(set(self.device_ids)) != len(self.device_ids):
                 raise ValueError(f"device_ids {self.device_ids} names a device twice")
