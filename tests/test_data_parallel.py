@@ -35,9 +35,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_model_dir):
-    engine = await serve._start_engine(
-        engine_config(tiny_model_dir), asyncio.Event(), dp_size=2
-    )  # `serve -dp 2`
+    # `serve -dp 2`
+    engine = await serve._start_engine(engine_config(tiny_model_dir), asyncio.Event(), dp_size=2)
     yield engine
     await engine.shutdown()
 
@@ -151,9 +150,8 @@ async def test_served_by_the_official_client_with_summed_metrics(engine):
             session.get(server.url + "/get_server_info") as r,
         ):
             info = await r.json()
-        assert info["dp_size"] == len(info["internal_states"]) == 2, (
-            info
-        )  # SGLang's: a state per replica
+        # SGLang's: a state per replica
+        assert info["dp_size"] == len(info["internal_states"]) == 2, info
         generated = metric_samples(text, "tiny")["vllm:generation_tokens_total"]
         assert generated == engine.metrics.generation_tokens_total == before + 16
 
@@ -170,9 +168,8 @@ async def test_a_conversations_next_turn_goes_where_its_prefix_is_saved(tiny_mod
         first = await events_of(engine.generate(turn, GREEDY))
         assert [len(r.request_ids()) for r in engine.replicas] == [0, 0]
         held = [r.cached_tokens(turn + tokens_of(first) + [5, 6, 7]) for r in engine.replicas]
-        assert held.count(0) == 1 and max(held) > len(turn), (
-            held
-        )  # one replica saved the turn and its answer
+        # one replica saved the turn and its answer
+        assert held.count(0) == 1 and max(held) > len(turn), held
         home = held.index(max(held))
         before = [r.metrics.prompt_tokens_total for r in engine.replicas]
         second = await events_of(engine.generate(turn + tokens_of(first) + [5, 6, 7], GREEDY))
