@@ -116,7 +116,8 @@ class AsyncEngine:
         self = None
         try:
             self = cls(config, model_config, limits, replica)
-            self._tokenizer_worker.start()  # the tokenizer loads in its thread while the ranks start
+            # the tokenizer loads in its thread while the ranks start
+            self._tokenizer_worker.start()
             self._monitor = monitor
             await self._launch()
         except BaseException as exc:

@@ -127,7 +127,8 @@ FP8_SCALE_SUFFIXES = {"fp8": "_scale_inv", "compressed-tensors": "_scale"}
 def read_fp8(quant: object) -> tuple[tuple[int, int], str] | None:
     """An FP8 checkpoint's scale blocks (a side of 0: the whole dimension) and the suffix of its
     scale tensors' names (engine/rank/fp8.py); None: no quantization_config. Anything else that
-    is quantized is refused by name: its tensors would otherwise fail obscurely or load as garbage."""
+    is quantized is refused by name: its tensors would otherwise fail obscurely or load as
+    garbage."""
     if not quant:
         return None
     method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
@@ -185,8 +186,8 @@ def read_compressed_tensors(quant: dict) -> tuple[int, int]:
         fmt = group.get("format") or quant.get("format")
         if (weights.get("type"), weights.get("num_bits"), fmt) != ("float", 8, "float-quantized"):
             raise ConfigError(
-                f"{at}: {weights.get('num_bits')}-bit {weights.get('type')} weights ({fmt}) are not "
-                f"supported, only FP8 (8-bit float, float-quantized)"
+                f"{at}: {weights.get('num_bits')}-bit {weights.get('type')} weights ({fmt}) are "
+                "not supported, only FP8 (8-bit float, float-quantized)"
             )
         if not weights.get("symmetric", True) or weights.get("dynamic"):
             raise ConfigError(f"{at}: only symmetric FP8 weights with stored scales are supported")
@@ -238,12 +239,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
-    fp8_block: tuple[int, int] | None = (
-        None  # an FP8 checkpoint's scale blocks (engine/rank/fp8.py)
-    )
-    fp8_scale_suffix: str = FP8_SCALE_SUFFIXES[
-        "fp8"
-    ]  # its scale tensors' names: weight name + this
+    # an FP8 checkpoint's scale blocks (engine/rank/fp8.py)
+    fp8_block: tuple[int, int] | None = None
+    # its scale tensors' names: weight name + this
+    fp8_scale_suffix: str = FP8_SCALE_SUFFIXES["fp8"]
     # mixture of experts (the qwen3_5_moe models): every layer's MLP is num_experts_per_tok of
     # num_experts routed experts plus a gated shared expert (engine/rank/moe.py); 0: dense
     num_experts: int = 0
@@ -271,7 +270,8 @@ class ModelConfig:
                 raise ConfigError(f"{key} is {getattr(self, key)}, not a positive integer")
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(
-                f"num_experts_per_tok {self.num_experts_per_tok} is more than num_experts {self.num_experts}"
+                f"num_experts_per_tok {self.num_experts_per_tok} "
+                f"is more than num_experts {self.num_experts}"
             )
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
@@ -348,7 +348,8 @@ class ModelConfig:
         text_config = raw.get("text_config")
         if "text_config" in raw and not isinstance(text_config, dict):
             raise ConfigError(
-                f"text_config is {json_kind(text_config)}, not an object of the text model's settings"
+                f"text_config is {json_kind(text_config)}, "
+                "not an object of the text model's settings"
             )
         fp8 = read_fp8(
             raw.get("quantization_config") or (text_config or {}).get("quantization_config")

@@ -22,8 +22,9 @@ blocks (the ledger counts their holders), the ranks copy the partly filled one, 
 first chunk starts where the prefix ends (`NewRequest.prefix`).
 
 Not reused by requests with a repetition penalty (the ranks count the prompt's tokens for it,
-and would miss the prefix's) or with prompt logprobs (every prompt position's logits are needed). On CUDA a chunk that starts from a prefix replays a prompt graph
-as a first chunk does (engine/rank/prompt_graphs.py, `prefix_keys`).
+and would miss the prefix's) or with prompt logprobs (every prompt position's logits are needed). On
+CUDA a chunk that starts from a prefix replays a prompt graph as a first chunk does
+(engine/rank/prompt_graphs.py, `prefix_keys`).
 
 The same positions are saved once: a save of positions held already refreshes that prefix.
 
@@ -51,17 +52,15 @@ SEEN_BLOCKS = 1 << 16  # block hashes of recent prompts kept to find shared pref
 @dataclass(eq=False, slots=True)
 class SavedPrefix:
     prefix_id: int  # the ranks' prefix state slot
-    prompt: tuple[
-        int, ...
-    ]  # the ids it was saved from (a prompt, maybe an output): the first num_tokens count
+    # the ids it was saved from (a prompt, maybe an output): the first num_tokens count
+    prompt: tuple[int, ...]
     num_tokens: int
     blocks: list[int]  # the ledger's blocks of those positions, held for it
     key: int  # the chain hash of its full blocks
     shared: bool  # saved where prompts part (else where one ends): evicted last
     pins: int = 0  # admitted requests that start from it and are not yet sent
-    stale: bool = (
-        False  # pinned through a flush: the old weights' state, found by no one, evicted first
-    )
+    # pinned through a flush: the old weights' state, found by no one, evicted first
+    stale: bool = False
 
     def full_blocks(self, block_size: int) -> list[int]:
         return self.blocks[: self.num_tokens // block_size]
@@ -87,9 +86,8 @@ class PrefixCache:
         self.ledger = ledger
         self.block_size = ledger.block_size
         self._free_ids = list(range(num_prefixes - 1, -1, -1))
-        self._saved: OrderedDict[int, SavedPrefix] = (
-            OrderedDict()
-        )  # by prefix id, least recently used first
+        # by prefix id, least recently used first
+        self._saved: OrderedDict[int, SavedPrefix] = OrderedDict()
         self._by_hash: dict[
             int, list[SavedPrefix]
         ] = {}  # chain hash of its full blocks -> prefixes

@@ -27,9 +27,9 @@ every request transition and the engine's failure pass through `_notify`, once e
 Completion commit boundary: a request's last token and its FinishedEvent are delivered only
 after the all-rank drop of its state succeeded. A request that went past one of its own
 bounds (rank 0 reports it in `SampleColumns.failed`; a stop regex's matcher here) ends the
-same way with an ErrorEvent, alone: that is no replica error. Fail closed: a poisoned replica (or any
-error in the tick) ends every unresolved choice with exactly one ErrorEvent, publishes an idle
-terminal snapshot, and tears the replica down.
+same way with an ErrorEvent, alone: that is no replica error. Fail closed: a poisoned replica
+(or any error in the tick) ends every unresolved choice with exactly one ErrorEvent, publishes
+an idle terminal snapshot, and tears the replica down.
 """
 
 from __future__ import annotations
@@ -412,7 +412,8 @@ class Scheduler:
         """Dispatch a planned step once the ranks are free."""
         items = []
         prefix = self.prefix
-        # saves first: they may evict, and the prefixes its requests start from are pinned until `start_of`
+        # saves first: they may evict, and the prefixes its requests start from are pinned until
+        # `start_of`
         saves = prefix.saves(
             [
                 (self._running[c.request_id].request, c.start + c.num_tokens)

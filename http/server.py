@@ -1,6 +1,6 @@
 """The aiohttp application: the OpenAI core's routes (completions, chat, models, health,
-metrics, version) over one engine (engine/interface.py), the middleware, and the route modules beside the
-core (dialects/: Anthropic, Responses, SGLang, tokenize, RL/admin) added to it.
+metrics, version) over one engine (engine/interface.py), the middleware, and the route modules
+beside the core (dialects/: Anthropic, Responses, SGLang, tokenize, RL/admin) added to it.
 
 Requests flow: read JSON -> parse (protocol.py) -> tokenize (`engine.encode` /
 `engine.run_tokenizer`: a large input in the engine's tokenizer thread, so the event loop

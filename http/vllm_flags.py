@@ -120,8 +120,8 @@ def refused_vllm_flag(args: argparse.Namespace) -> str | None:
         )
     if args.quantization not in (None, *FP8_SCALE_SUFFIXES):
         return (
-            f"--quantization {args.quantization}: not supported: deltaserve loads unquantized (bf16/fp32) "
-            "checkpoints and FP8 ones (--quantization fp8 or compressed-tensors)"
+            f"--quantization {args.quantization}: not supported: deltaserve loads unquantized "
+            "(bf16/fp32) checkpoints and FP8 ones (--quantization fp8 or compressed-tensors)"
         )
     if args.swap_space is not None and not args.swap_space >= 0:
         return f"--swap-space must be a number of GiB >= 0, got {args.swap_space}"
@@ -141,9 +141,9 @@ def check_quantization(method: str | None, model_dir: str | None) -> None:
         raise ValueError(str(e)) from None
     if config is None or config.fp8_block is None:
         raise ValueError(
-            f"--quantization {method}: {model_dir or 'the demo checkpoint'} is not an FP8 checkpoint "
-            "(no FP8 quantization_config in its config.json), and quantizing a checkpoint as it "
-            "loads is not supported"
+            f"--quantization {method}: {model_dir or 'the demo checkpoint'} is not an FP8 "
+            "checkpoint (no FP8 quantization_config in its config.json), and quantizing a "
+            "checkpoint as it loads is not supported"
         )
     if config.fp8_scale_suffix != FP8_SCALE_SUFFIXES[method]:
         actual = next(

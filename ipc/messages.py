@@ -276,8 +276,8 @@ class SaveOnDrop(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 class RunUnifiedStep(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
     """First forget the saved prefixes `evict`, keep the states `saves` names, and free the
-    state of `drops` (every rank must hold each; none is in `items`), then run one forward over `items` (ordered, each request
-    at most once) and sample on rank 0.
+    state of `drops` (every rank must hold each; none is in `items`), then run one forward over
+    `items` (ordered, each request at most once) and sample on rank 0.
     Reply: rank 0 `StepResult` with one sample per item with `sample` set (in any order);
     others `Ack`. A pipelined step carries the drops of requests that ended while it was
     planned, so that they cost no command of their own.

@@ -38,7 +38,8 @@ from deltaserve.kernels.triton_compat import (
 )
 
 CHUNK_SIZE = 64
-# (block_v, warps) of every decode launch instead of the tuned rule (tools/bench_step_ab.py's dv modes)
+# (block_v, warps) of every decode launch instead of
+# the tuned rule (tools/bench_step_ab.py's dv modes)
 DECODE_TILE: tuple[int, int] | None = None
 
 
@@ -283,7 +284,8 @@ def gated_delta_decode(
     check_vector("dt_bias", dt_bias, nv)
     if out.dim() != 3 or out.shape[1:] != (nv, dv) or out.stride()[1:] != (dv, 1):
         raise ValueError(
-            f"out: expected [T, {nv}, {dv}] with contiguous heads, got {tuple(out.shape)} {out.stride()}"
+            f"out: expected [T, {nv}, {dv}] with contiguous heads, "
+            f"got {tuple(out.shape)} {out.stride()}"
         )
     num = rows.shape[0]
     check_index("rows", rows, num)
@@ -398,14 +400,16 @@ def compiler_disable_as_is() -> Iterator[None]:
 
 
 def gated_delta_prefill_reference(
-    mixed: torch.Tensor,  # [L, 2 * nk * dk + nv * dv] post-conv [q | k | v], sequences packed end to end
+    # [L, 2 * nk * dk + nv * dv] post-conv [q | k | v], sequences packed end to end
+    mixed: torch.Tensor,
     a: torch.Tensor,  # [L, nv] in_proj_a output (raw)
     b: torch.Tensor,  # [L, nv] in_proj_b output (raw)
     a_log: torch.Tensor,  # [nv]
     dt_bias: torch.Tensor,  # [nv]
     state: torch.Tensor,  # [slots, nv, dk, dv] fp32; each sequence's slot updated in place
     slots: torch.Tensor,  # [n] each sequence's slot (-1: an empty padding sequence)
-    bounds: torch.Tensor,  # [n + 1] cumulative lengths over mixed's rows (rows past the last: padding)
+    # [n + 1] cumulative lengths over mixed's rows (rows past the last: padding)
+    bounds: torch.Tensor,
     num_k_heads: int,
     eps: float = 1e-6,
 ) -> torch.Tensor:  # [L, nv, dv] in mixed's dtype
@@ -445,7 +449,8 @@ def store_states(state: torch.Tensor, slots: torch.Tensor, final: torch.Tensor) 
     check_index("slots", slots, final.shape[0])
     if final.shape[1:] != state.shape[1:] or final.dtype != state.dtype:
         raise ValueError(
-            f"final {tuple(final.shape)} {final.dtype} does not fit state {tuple(state.shape)} {state.dtype}"
+            f"final {tuple(final.shape)} {final.dtype} "
+            f"does not fit state {tuple(state.shape)} {state.dtype}"
         )
     if not (state[0].is_contiguous() and final[0].is_contiguous()):
         raise ValueError("store_states needs each slot's state contiguous")
@@ -525,7 +530,8 @@ def fla_inputs(
     check_rows("b", b, nv)
     if nv % nk or b.shape[0] != length or mixed.shape[0] != length:
         raise ValueError(
-            f"fla_inputs: {nv} value heads over {nk} key heads, rows {mixed.shape[0]}/{length}/{b.shape[0]}"
+            f"fla_inputs: {nv} value heads over {nk} key heads, rows "
+            f"{mixed.shape[0]}/{length}/{b.shape[0]}"
         )
     new = functools.partial(torch.empty, dtype=mixed.dtype, device=mixed.device)
     q, k, v = new((length, nk, dk)), new((length, nk, dk)), new((length, nv, dv))
@@ -566,7 +572,8 @@ def gated_delta_prefill(
     state: torch.Tensor,
     slots: torch.Tensor,
     bounds: torch.Tensor,  # int32 on CUDA
-    chunks: torch.Tensor,  # [entries, 2] int32: (sequence, CHUNK_SIZE-token chunk), fla's chunk_indices
+    # [entries, 2] int32: (sequence, CHUNK_SIZE-token chunk), fla's chunk_indices
+    chunks: torch.Tensor,
     num_k_heads: int,
     eps: float = 1e-6,
 ) -> torch.Tensor:

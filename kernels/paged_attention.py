@@ -104,7 +104,8 @@ def prefill_attention(
 
 
 def varlen_prefill_attention(
-    q: torch.Tensor,  # [T, nh, hd]: the first chunks of prompts, packed end to end (rows past bounds[-1]: padding)
+    # [T, nh, hd]: the first chunks of prompts, packed end to end (rows past bounds[-1]: padding)
+    q: torch.Tensor,
     k: torch.Tensor,  # [T, nkv, hd]
     v: torch.Tensor,
     bounds: torch.Tensor,  # [n + 1] int32: cumulative lengths (cu_seqlens); empty spans allowed

@@ -336,9 +336,8 @@ def test_add_rms_norm_of_split_sum(kernels, device, rows, n, k, monkeypatch):
     )
     from deltaserve.kernels import triton_compat
 
-    monkeypatch.setattr(
-        triton_compat, "GPU_PATH_ON_CPU", True
-    )  # `linear`'s GPU routing, on CPU too
+    # `linear`'s GPU routing, on CPU too
+    monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
     assert isinstance(mod.linear(x, w, unsummed=True), mod.SplitSum)
     assert torch.equal(mod.linear(x, w), mod.skinny_linear(x, w, cfg, gemv)), "summed unless asked"
 
@@ -450,9 +449,8 @@ def test_norm_rope(kernels, device, dtype, nh, nkv, hd, rotary, rows, monkeypatc
     keep = index >= 0
     want_k[index[keep]], want_v[index[keep]] = got_k[keep], v[keep]
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
-    assert torch.equal(
-        mod.norm_rope(q, k, qw, kw, positions, inv_freq, 1e-6)[1], got_k
-    )  # without the store
+    # without the store
+    assert torch.equal(mod.norm_rope(q, k, qw, kw, positions, inv_freq, 1e-6)[1], got_k)
 
 
 def skip_without_fla(gated_delta) -> None:
@@ -505,9 +503,8 @@ def test_fla_inputs(kernels, device, nk, nv, dk, dv, tokens):
     mod = kernels["gated_delta"]
     bf16 = torch.bfloat16
     width = 2 * nk * dk + nv * dv
-    packed = (3 * torch.randn(tokens, width + 2 * nv + 7, device=device)).to(
-        bf16
-    )  # [qkv | b | a | rest]
+    # [qkv | b | a | rest]
+    packed = (3 * torch.randn(tokens, width + 2 * nv + 7, device=device)).to(bf16)
     mixed, b, a = (
         packed[:, :width],
         packed[:, width : width + nv],
@@ -655,7 +652,8 @@ def test_every_pdl_kernel_waits_before_touching_memory():
             for n in ast.walk(tree)
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript)
         ):
-            # kernel[grid](..., **pdl_options(x)) or kernel[grid](..., **pdl) with pdl = pdl_options(x)
+            # kernel[grid](..., **pdl_options(x)), or
+            # kernel[grid](..., **pdl) with pdl = pdl_options(x)
             spread = [k.value for k in call.keywords if k.arg is None]
             if any(
                 ast.unparse(v) in ("pdl", "pdl_options")
@@ -687,7 +685,8 @@ from triton.compiler import ASTSource
 from deltaserve.kernels.skinny_linear import {kernel} as kernel
 constants = {constants!r}
 signature = {signature!r} | {{name: "constexpr" for name in constants}}
-source = ASTSource(kernel, signature, constexprs={{(kernel.arg_names.index(k),): v for k, v in constants.items()}})
+constexprs = {{(kernel.arg_names.index(k),): v for k, v in constants.items()}}
+source = ASTSource(kernel, signature, constexprs=constexprs)
 print(triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

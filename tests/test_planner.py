@@ -132,9 +132,8 @@ class TestPlanStep:
                 s[2] += c.num_tokens
                 if c.sample:
                     s[3] += 1
-                    assert (
-                        s[2] == s[0] + s[3] - 1
-                    )  # computed through the prompt and all but the newest
+                    # computed through the prompt and all but the newest
+                    assert s[2] == s[0] + s[3] - 1
                     if s[3] == s[1]:
                         order.remove(c.request_id)
                         ledger.release(c.request_id)

@@ -204,12 +204,10 @@ def test_a_prefix_an_admitted_request_waits_for_is_never_evicted():
     plan = cache.plan(second)
     assert plan.start is not None and plan.start.num_tokens == 8
     cache.admit(second, plan)  # pins prefix 0; shares its 2 blocks
-    third = Request(
-        3, 0, (99,) * 12, SamplingParams(max_tokens=9), 0, 0.0
-    )  # 21 positions: 6 blocks
-    assert not cache.make_room(
-        third, cache.plan(third)
-    )  # 8 - 2 - 1 free: only the pinned prefix to evict
+    # 21 positions: 6 blocks
+    third = Request(3, 0, (99,) * 12, SamplingParams(max_tokens=9), 0, 0.0)
+    # 8 - 2 - 1 free: only the pinned prefix to evict
+    assert not cache.make_room(third, cache.plan(third))
     assert cache.save(second, 10) == -1  # the one state slot is pinned too
     assert cache.start_of(2) == 0  # its first chunk is sent: unpinned
     assert cache.save(second, 10) == 0 and cache.take_evicted() == [0]  # evicted and reused at once
@@ -290,9 +288,8 @@ def test_shared_prefixes_are_split_once_and_outlive_whole_prompts():
         1: 1,
         2: 0,
     } and cache.take_evicted() == [0]
-    assert cache.saves([(requests[1], 10)]) == {
-        1: 0
-    }  # evicts request 2's whole prompt, not the split
+    # evicts request 2's whole prompt, not the split
+    assert cache.saves([(requests[1], 10)]) == {1: 0}
     assert cache.take_evicted() == [0]
     assert cache.plan(requests[3]).start.num_tokens == 8
 
@@ -335,9 +332,8 @@ def test_a_generation_is_saved_where_it_ends_and_the_same_positions_once():
     again = generate(3, prompt, [20, 21, 22, 23, 24])
     assert end(again) == [] and len(cache) == 2  # its prompt's save and its end's are held already
     assert end(generate(4, prompt, [20, 21, 22, 30]), "abort") == [] and len(cache) == 2
-    assert [s.num_tokens for s in end(generate(5, prompt, [20, 21, 22, 30]))] == [
-        13
-    ]  # other positions
+    # other positions
+    assert [s.num_tokens for s in end(generate(5, prompt, [20, 21, 22, 30]))] == [13]
     assert len(cache) == 3
 
 

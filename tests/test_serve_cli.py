@@ -210,15 +210,18 @@ async def test_ready_line_says_what_a_request_can_use_and_why(tiny_model_dir, ca
     [
         (
             ["--chat-template", "templates/chatml.jinja"],
-            "--chat-template 'templates/chatml.jinja' looks like a file path, but it cannot be opened (No such file",
+            "--chat-template 'templates/chatml.jinja' looks like a file path, "
+            "but it cannot be opened (No such file",
         ),
         (
             ["--chat-template", "{{ messages }"],
-            "--chat-template (given inline): the chat template is not valid Jinja on line 1: unexpected '}'",
+            "--chat-template (given inline): "
+            "the chat template is not valid Jinja on line 1: unexpected '}'",
         ),
         (
             ["--chat-template", "FILE"],
-            "--chat-template 'FILE': the chat template is not valid Jinja on line 2: No filter named 'nosuch'",
+            "--chat-template 'FILE': the chat template is not "
+            "valid Jinja on line 2: No filter named 'nosuch'",
         ),
         (["--chat-template", "EMPTY"], "--chat-template 'EMPTY': the chat template is empty"),
         (
@@ -286,7 +289,8 @@ REFUSED = [
     ),
     (
         ["-q", "awq"],
-        "--quantization awq: not supported: deltaserve loads unquantized (bf16/fp32) checkpoints and FP8 ones",
+        "--quantization awq: not supported: "
+        "deltaserve loads unquantized (bf16/fp32) checkpoints and FP8 ones",
     ),
     (
         ["--enable-log-requests"],

@@ -850,8 +850,8 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(report: dict) -> None:
     for row in report.get("kernels", []):
         print(
-            f"kernel {row['kernel']:24s} b={row['batch']:3d} {row['config']:18s} {row['us']:9.1f} us "
-            f"{row['GBps']:8.0f} GB/s {row['fraction_of_copy']:6.1%}"
+            f"kernel {row['kernel']:24s} b={row['batch']:3d} {row['config']:18s} {row['us']:9.1f} "
+            f"us {row['GBps']:8.0f} GB/s {row['fraction_of_copy']:6.1%}"
         )
     for row in report["model"]["decode"]:
         frac = row.get("fraction_of_roofline", math.nan)
@@ -859,7 +859,8 @@ def print_table(report: dict) -> None:
             f" (replay alone {row['graph_replay_ms']:.2f} ms)" if "graph_replay_ms" in row else ""
         )
         print(
-            f"model {row['mode']:17s} b={row['batch']:3d} ctx={row['context']:5d} {row['step_ms']:8.2f} ms "
+            f"model {row['mode']:17s} b={row['batch']:3d} ctx={row['context']:5d} "
+            f"{row['step_ms']:8.2f} ms "
             f"{row['tokens_per_s']:9.1f} tok/s {row['GBps']:7.0f} GB/s roofline {frac:6.1%}{replay}"
         )
     for name, prof in report["model"].get("profiles", {}).items():
@@ -867,8 +868,8 @@ def print_table(report: dict) -> None:
             print(f"profile {name}: {prof['error']}")
             continue
         print(
-            f"profile {name}: {prof['kernel_launches']} kernels, {prof['kernel_ms_total']:.2f} ms of kernel time "
-            f"in a {prof['wall_ms_profiled']:.2f} ms step; top: "
+            f"profile {name}: {prof['kernel_launches']} kernels, {prof['kernel_ms_total']:.2f} ms "
+            f"of kernel time in a {prof['wall_ms_profiled']:.2f} ms step; top: "
             + "; ".join(
                 f"{k['name'][:40]} x{k['count']} {k['us'] / 1e3:.2f} ms" for k in prof["top"][:6]
             )
@@ -876,7 +877,8 @@ def print_table(report: dict) -> None:
     for row in report["model"].get("prefill", []):
         frac = row.get("fraction_of_matmul", math.nan)
         print(
-            f"prefill {row.get('prompts', 1)} x {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s "
+            f"prefill {row.get('prompts', 1)} x {row['tokens']:6d} tokens "
+            f"{row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s "
             f"{row['model_TFLOPs']:6.1f} TFLOP/s = {frac:6.1%} of matmul"
         )
     for row in report.get("engine", []):
@@ -887,13 +889,15 @@ def print_table(report: dict) -> None:
             else "(batch not in --batches)"
         )
         print(
-            f"engine tp={row['tp']} {mode:9s} b={row['batch']:3d} {row['ms_per_output_token']:8.2f} ms/step {row['tokens_per_s']:9.1f} tok/s "
+            f"engine tp={row['tp']} {mode:9s} b={row['batch']:3d} "
+            f"{row['ms_per_output_token']:8.2f} ms/step {row['tokens_per_s']:9.1f} tok/s "
             f"{ratio}; steps {row['mean_step_ms']:.2f} ms on the ranks "
             f"+ {row['mean_scheduler_ms']:.2f} ms scheduler"
         )
     for row in report.get("hf_prefill", []):
         print(
-            f"hf prefill {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s"
+            f"hf prefill {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms "
+            f"{row['tokens_per_s']:9.0f} tok/s"
         )
     for row in report.get("hf_transformers", []):
         print(f"hf b={row['batch']:3d} {row['step_ms']:8.2f} ms {row['tokens_per_s']:8.1f} tok/s")

@@ -123,7 +123,8 @@ class MonitorView:
         head.add_row(
             f"[b]{self.endpoint}[/b]",
             f"state [{style}]{state}[/]",
-            f"messages {self.num_messages}  lost {self.num_lost}  undecodable {self.num_undecodable}",
+            f"messages {self.num_messages}  lost {self.num_lost}  undecodable "
+            f"{self.num_undecodable}",
         )
         if self.ready:
             r = self.ready

@@ -61,8 +61,8 @@ class StateCache:
     ) -> None:
         if num_slots < 1 or num_blocks < 1 or block_size < 1 or num_prefix_states < 0:
             raise ValueError(
-                f"cache needs num_slots, num_blocks, block_size >= 1 and num_prefix_states >= 0, got "
-                f"{num_slots}, {num_blocks}, {block_size}, {num_prefix_states}"
+                "cache needs num_slots, num_blocks, block_size >= 1 and num_prefix_states >= 0, "
+                f"got {num_slots}, {num_blocks}, {block_size}, {num_prefix_states}"
             )
         self.num_slots = num_slots  # request slots; prefix state e is slot num_slots + e
         self.num_prefix_states = num_prefix_states
@@ -75,9 +75,8 @@ class StateCache:
         )
         self.kv = torch.zeros(kv, dtype=dtype, device=device)
         self.conv = torch.zeros(conv, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(
-            recurrent, dtype=torch.float32, device=device
-        )  # whatever the model dtype
+        # whatever the model dtype
+        self.recurrent = torch.zeros(recurrent, dtype=torch.float32, device=device)
         # each slot's last sample, the input of a decode item sent without its token (a
         # pipelined step): rank 0's sampler writes it on the device, so the next step need not
         # wait for the host to read it; other ranks get it by broadcast when a step needs it

@@ -64,10 +64,9 @@ class GatedDeltaNet(nn.Module):
         self.num_k_heads, self.num_v_heads = nk // tp, nv // tp
         self.cache_layer = cache_layer
         sections = (config.linear_key_dim, config.linear_key_dim, config.linear_value_dim)
-        self.in_proj = (
-            ColumnParallelLinear(  # checkpoint in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
-                hidden, (sections, (config.linear_value_dim,), (nv,), (nv,)), dtype, device
-            )
+        # checkpoint in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+        self.in_proj = ColumnParallelLinear(
+            hidden, (sections, (config.linear_value_dim,), (nv,), (nv,)), dtype, device
         )
         self.conv1d = Conv1dWeight(sections, config.linear_conv_kernel_dim, dtype, device)
         self.A_log = new_param((nv // tp,), sharded_loader(None, 0, (nv,)), dtype, device)
@@ -130,9 +129,8 @@ class GatedDeltaNet(nn.Module):
             conv = ConvEpilogue(weight, conv_state, meta.rows, meta.slots)
             mixed, z, b, a = self.in_proj(x, conv=conv).split(self.in_proj.local_sizes, dim=-1)
         else:
-            qkv, z, b, a = self.in_proj(x).split(
-                self.in_proj.local_sizes, dim=-1
-            )  # b, a raw: in the kernel
+            # b, a raw: in the kernel
+            qkv, z, b, a = self.in_proj(x).split(self.in_proj.local_sizes, dim=-1)
             mixed = torch.empty_like(qkv)
             if meta.num_decodes:
                 causal_conv1d_update(qkv, weight, conv_state, meta.rows, meta.slots, mixed)

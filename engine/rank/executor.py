@@ -272,9 +272,10 @@ class Executor:
         evict: list[int] = (),
         saves: list[SaveOnDrop] = (),
     ) -> LaunchedStep:
-        """Evict `evict`, save and drop `drops` (`drop`) and queue the step's forward. The rank's serve loop queues step N+1
-        this way before it finishes N (`finish_step`), so the device never waits for the host
-        between pipelined steps; N+1's items without tokens read N's samples on the device."""
+        """Evict `evict`, save and drop `drops` (`drop`) and queue the step's forward. The rank's
+        serve loop queues step N+1 this way before it finishes N (`finish_step`), so the device
+        never waits for the host between pipelined steps; N+1's items without tokens read N's
+        samples on the device."""
         # the sampling, queued before the next step's replay, reads the graph's output in place
         step = LaunchedStep(items)
         step.logits = self.forward(
@@ -319,11 +320,12 @@ class Executor:
         prompt_logprobs: dict[int, PromptLogprobs] | None = None,
         saves: list[SaveOnDrop] = (),
     ) -> torch.Tensor | None:
-        """Evict `evict`, save and drop `drops` (`drop`), advance every item's request through the model, save
-        the prefixes items ask for; return fp32 logits on rank 0 of the positions that sample
-        (or of every position: golden tests), None elsewhere. `graph_output`: a decode graph's
-        logits may be its output buffer, which the next replay overwrites (else they are
-        copied out). Rank 0 puts the prompt logprobs items ask for into `prompt_logprobs`."""
+        """Evict `evict`, save and drop `drops` (`drop`), advance every item's request through the
+        model, save the prefixes items ask for; return fp32 logits on rank 0 of the positions
+        that sample (or of every position: golden tests), None elsewhere. `graph_output`: a
+        decode graph's logits may be its output buffer, which the next replay overwrites (else
+        they are copied out). Rank 0 puts the prompt logprobs items ask for into
+        `prompt_logprobs`."""
         self._admit_new(items, drops, evict, saves)
         self._share_last_samples(items)
         if self.vision is not None and any(item.media for item in items):
@@ -649,8 +651,8 @@ class Executor:
             held = self.requests.get(save.request_id)
             if held is None or held.num_tokens != save.num_tokens:
                 raise StepError(
-                    f"request {save.request_id} is saved at {save.num_tokens} positions; rank {rank} "
-                    f"holds {held.num_tokens if held else 'none'}"
+                    f"request {save.request_id} is saved at {save.num_tokens} positions; "
+                    f"rank {rank} holds {held.num_tokens if held else 'none'}"
                 )
 
     def drop(

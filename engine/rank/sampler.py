@@ -76,9 +76,8 @@ class _RequestState:
     seen: set[int] = field(default_factory=set)  # prompt and output tokens (repetition)
     output_counts: dict[int, int] = field(default_factory=dict)  # output occurrences
     generator: torch.Generator | None = None
-    recent: list[int] = field(
-        default_factory=list
-    )  # the last output tokens a bad word's prefix spans
+    # the last output tokens a bad word's prefix spans
+    recent: list[int] = field(default_factory=list)
     allowed: torch.Tensor | None = None  # allowed_token_ids on the device, sent up once
     guided: bool = False  # its matcher is in the sampler's GuideMatchers
     thinking: bool = False  # inside the think block its budget counts (till think_end_id)
@@ -330,8 +329,9 @@ class Sampler:
         for i in rows:
             if states[i].max_token_id >= vocab:
                 raise ValueError(
-                    f"request {request_ids[i]}: token id {states[i].max_token_id} in its stop_token_ids, "
-                    f"logit_bias, allowed_token_ids, bad_words or guide_end_ids is outside the vocabulary [0, {vocab})"
+                    f"request {request_ids[i]}: token id {states[i].max_token_id} in its "
+                    "stop_token_ids, logit_bias, allowed_token_ids, bad_words or guide_end_ids is "
+                    f"outside the vocabulary [0, {vocab})"
                 )
         flat = work.view(-1)
         biased = tuple((i, request_ids[i]) for i in rows if states[i].spec.logit_bias)
@@ -502,9 +502,8 @@ def _draw(x: torch.Tensor, spec: SamplingSpec, generator: torch.Generator) -> to
         kept = _top_p_sorted(candidates, log_normaliser, spec.top_p)
         if candidates.shape[0] < vocab and not bool(torch.isinf(kept[-1])):
             # The last candidate is inside the nucleus, which may reach further: sort all.
-            candidates, ids = x.sort(
-                descending=True, stable=True
-            )  # ties in id order, as best_first
+            # ties in id order, as best_first
+            candidates, ids = x.sort(descending=True, stable=True)
             kept = _top_p_sorted(candidates, log_normaliser, spec.top_p)
         x = kept
     probs = torch.softmax(x, dim=-1)
