@@ -156,6 +156,8 @@ class AsyncEngine:
                 pipeline=config.pipeline_steps,
                 prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
                 by_priority=config.scheduling_policy == "priority",
+                kv_watermark=config.kv_watermark,
+                reserve_lifetime=config.reserve_lifetime,
             )
         except BaseException:
             await self._controller.shutdown()

@@ -47,6 +47,14 @@ class EngineConfig:
     # vLLM's: "fcfs" admits in arrival order; "priority" by each request's priority (lower
     # first), then arrival. Nothing running is preempted for a waiting request.
     scheduling_policy: str = "fcfs"
+    # a request is admitted with the KV blocks of its prompt and grows them as it decodes;
+    # when the running ones run out, the youngest are preempted and recomputed (vLLM's policy;
+    # engine/scheduler.py). While others run, admission leaves this share of the blocks free
+    # for their growth (vLLM's block manager watermark, 0.01)
+    kv_watermark: float = 0.01
+    # admit each request with its whole lifetime's blocks (prompt + max_tokens) instead: none
+    # is ever preempted, fewer run at once (what deltaserve did before preemption)
+    reserve_lifetime: bool = False
     block_size: int = 16
     # default: on cuda what gpu_memory_utilization leaves, on cpu max_num_seqs * max_model_len
     # / block_size
@@ -134,6 +142,13 @@ class EngineConfig:
                 not isinstance(value, int) or isinstance(value, bool) or value < low
             ):
                 raise ValueError(f"{name} must be an integer >= {low} or None, got {value!r}")
+        watermark = self.kv_watermark
+        if (
+            not isinstance(watermark, int | float)
+            or isinstance(watermark, bool)
+            or not 0 <= watermark < 1
+        ):
+            raise ValueError(f"kv_watermark must be a number in [0, 1), got {watermark!r}")
         util = self.gpu_memory_utilization
         if (
             not isinstance(util, int | float)

@@ -6,6 +6,7 @@ Names follow vLLM's (`vllm:` prefix) so that existing dashboards work unchanged:
   vllm:prompt_tokens_total, vllm:generation_tokens_total        counters
   vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total counters (tokens; prefix caching)
   vllm:request_success_total{finished_reason=stop|length|abort|error} counter (aborts and errors included)
+  vllm:num_preemptions_total                                    counter
   deltaserve:steps_total, deltaserve:pipelined_steps_total, deltaserve:step_seconds_total,
   deltaserve:scheduler_seconds_total                            counters (engine overhead)
   vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
@@ -120,6 +121,11 @@ def render_metrics(engine: Any, model_name: str) -> str:
         "vllm:prefix_cache_hits_total",
         "Prompt tokens found in the prefix cache.",
         [({}, m.prefix_cache_hits_total)],
+    )
+    out.counter(
+        "vllm:num_preemptions_total",
+        "Running requests preempted (to be recomputed) for lack of KV blocks.",
+        [({}, m.num_preemptions_total)],
     )
     out.counter("deltaserve:steps_total", "Steps run on the ranks.", [({}, m.steps_total)])
     out.counter(

@@ -212,7 +212,22 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("fcfs", "priority"),
         default=d("scheduling_policy"),
         help="admission order: arrival (fcfs), or each request's priority (lower first), then "
-        "arrival; nothing running is preempted",
+        "arrival; when KV blocks run out, the running request preempted is the one with the "
+        "highest priority value (fcfs: the latest arrival)",
+    )
+    eng.add_argument(
+        "--kv-watermark",
+        type=float,
+        default=d("kv_watermark"),
+        help="share of the KV blocks that admission leaves free for running requests' "
+        "growth while any run (vLLM's block manager watermark); when they still run out, "
+        "the youngest are preempted and recomputed",
+    )
+    eng.add_argument(
+        "--reserve-lifetime",
+        action="store_true",
+        help="admit each request with the KV blocks of its whole lifetime (prompt + "
+        "max_tokens): none is ever preempted, but fewer run at once",
     )
     eng.add_argument(
         "--block-size", type=int, default=d("block_size"), help="KV cache positions per block"
@@ -612,6 +627,8 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         scheduling_policy=args.scheduling_policy,
+        kv_watermark=args.kv_watermark,
+        reserve_lifetime=args.reserve_lifetime,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,

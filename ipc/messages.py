@@ -57,15 +57,22 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
 
 class NewRequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """Carried by a request's first chunk: the rank takes a state slot and KV blocks for
-    `reserve_tokens` positions (prompt + max_tokens) and keeps the sampling spec.
+    `reserve_tokens` positions (what it computes before it samples; its whole lifetime when
+    the engine reserves lifetimes; later items add blocks: `StepItem.grow`) and keeps the
+    sampling spec.
 
     `prefix` >= 0: its first positions are saved prefix `prefix` (a StepItem's `save`): the
     rank starts the slot from that state, shares its full KV blocks and copies its partial
-    one, and the first chunk starts where the prefix ends."""
+    one, and the first chunk starts where the prefix ends.
+    `output_ids`: a request preempted and admitted again (engine/scheduler.py) prefills its
+    prompt and these, the tokens it sampled before; the rank counts them as sampled (the next
+    sample's seed index, penalties, bad words, guided state, thinking budget), so the stream
+    goes on as if it had never stopped."""
 
     reserve_tokens: int
     sampling: SamplingSpec
     prefix: int = -1
+    output_ids: tuple[int, ...] = ()
 
 
 class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
@@ -81,6 +88,9 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     `prompt_logprobs` >= 0 (prompt chunks): rank 0 returns the logprob of each prompt token
     that follows a position of the chunk, with that many alternatives (`PromptLogprobs`):
     token_ids[1:], then `next_token` (the next chunk's first) unless the chunk samples.
+    `grow` > 0 (not on a first chunk): the rank adds that many free KV blocks to the request's
+    before the step runs, which then hold exactly its positions through this item's last; the
+    scheduler counted them free (engine/capacity.py), so a rank never runs out.
     """
 
     request_id: RequestId
@@ -91,6 +101,7 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     save: int = -1
     prompt_logprobs: int = -1
     next_token: int = -1
+    grow: int = 0
 
     @property
     def num_prompt_logprobs(self) -> int:

@@ -203,6 +203,7 @@ class RankServer:
         self.pending: PendingStep | None = None  # at most one: see launch_step
         self.failed = False  # a Failure was sent: no more receipts (see receive)
         self.num_steps = 0
+        self.num_drops = 0  # DropRequests received (a fault plan's at_drop)
         self.trace = StepTrace(f"rank{config.rank}")
 
     def parent_alive(self) -> bool:
@@ -387,9 +388,12 @@ class RankServer:
             )
             return False
         is_step = type(command) is RunUnifiedStep
-        if is_step:
-            self.num_steps += 1
-        armed = fault is not None and fault.fires(seq, self.num_steps if is_step else 0)
+        is_drop = type(command) is DropRequests
+        self.num_steps += is_step
+        self.num_drops += is_drop
+        armed = fault is not None and fault.fires(
+            seq, self.num_steps if is_step else 0, self.num_drops if is_drop else 0
+        )
         gated = isinstance(command, GATED_COMMANDS)
         if gated:
             self.journal("recv", seq, name)
@@ -478,7 +482,9 @@ class RankServer:
         except DECODE_ERRORS:
             return
         is_step = type(header) is faults.StepHeader
-        if not fault.fires(header.seq, self.num_steps + 1 if is_step else 0):
+        if not fault.fires(
+            header.seq, self.num_steps + 1 if is_step else 0, 0 if is_step else self.num_drops + 1
+        ):
             return
         if fault.kind == "die_before_receipt":
             self.journal("die", header.seq, type(header).__name__)

@@ -109,13 +109,19 @@ class StateCache:
                 f"{self.free_blocks} free blocks of {self.block_size}"
             )
         slot = self._free_slots.pop()
-        blocks = list(shared) + [
-            self._free_blocks.pop() for _ in range(self.blocks_for(num_tokens) - len(shared))
-        ]
-        self.hold(blocks)
+        self.hold(shared)
+        blocks = list(shared) + self.take_blocks(self.blocks_for(num_tokens) - len(shared))
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
         return slot, blocks
+
+    def take_blocks(self, num_blocks: int) -> list[int]:
+        """Hold `num_blocks` free blocks (a request's growth, or its first ones)."""
+        if num_blocks > self.free_blocks:
+            raise MemoryError(f"{num_blocks} blocks asked, {self.free_blocks} free")
+        blocks = [self._free_blocks.pop() for _ in range(num_blocks)]
+        self.hold(blocks)
+        return blocks
 
     def free(self, slot: int, blocks: list[int]) -> None:
         self._free_slots.append(slot)

@@ -118,7 +118,6 @@ class LiveRequest:
     slot: int
     blocks: list[int]
     block_table: torch.Tensor
-    capacity: int  # positions the blocks can hold (reserve_tokens)
     num_tokens: int = 0
     prompt_done: bool = False  # its last prompt chunk has run; later items are decode inputs
     sampled_through: int = 0  # num_tokens after its last item that sampled (every rank)
@@ -475,13 +474,23 @@ class Executor:
                 self.cache.copy_state(saved.slot, slot)
                 if len(saved.blocks) > len(shared):  # its partly filled block: a copy of our own
                     self.cache.copy_block(saved.blocks[-1], blocks[len(shared)])
-            table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-            if self.graphs is not None and len(blocks) <= self.graphs.max_blocks:
-                self.graphs.set_table(slot, table)
-            live = LiveRequest(slot, blocks, table, item.new.reserve_tokens, item.start)
+            live = LiveRequest(slot, blocks, self._block_table(slot, blocks), item.start)
             self.requests[item.request_id] = live
             if self.sampler is not None:
-                self.sampler.add(item.request_id, item.new.sampling)
+                self.sampler.add(item.request_id, item.new.sampling, item.new.output_ids)
+        for item in items:
+            if item.grow:
+                live = self.requests[item.request_id]
+                live.blocks += self.cache.take_blocks(item.grow)
+                live.block_table = self._block_table(live.slot, live.blocks)
+
+    def _block_table(self, slot: int, blocks: list[int]) -> torch.Tensor:
+        """The blocks as a device tensor, and the decode graphs' table of the slot, both
+        queued behind the steps ahead (an overlapped step may still read the old ones)."""
+        table = to_device(blocks, torch.int64, self.device)
+        if self.graphs is not None and len(blocks) <= self.graphs.max_blocks:
+            self.graphs.set_table(slot, table)
+        return table
 
     def _check_step(
         self, items: list[StepItem], drops: list[int], evict: list[int], saves: list[SaveOnDrop]
@@ -493,11 +502,13 @@ class Executor:
             if request_id not in self.requests:
                 raise StepError(f"request {request_id} to drop is not held by rank {rank}")
         self._check_saves([item.save for item in items if item.save >= 0], evict, saves)
+        bs = self.cache.block_size
         for item in items:
             held = self.requests.get(item.request_id)
+            end = item.start + item_length(item)
             if item.new is not None:
-                if held is not None:
-                    raise StepError(f"request {item.request_id} is new but already held")
+                if held is not None or item.grow:
+                    raise StepError(f"request {item.request_id} is new but already held, or grows")
                 start = 0
                 if item.new.prefix >= 0:
                     saved = self.prefixes.get(item.new.prefix)
@@ -525,15 +536,21 @@ class Executor:
                     f"request {item.request_id} item starts at {item.start}, rank {rank} "
                     f"holds {held.num_tokens} positions"
                 )
-            elif item.start + item_length(item) > held.capacity:
+            elif not (
+                # its blocks, with those it adds, hold its positions; an addition is all needed
+                end <= (len(held.blocks) + item.grow) * bs
+                and (not item.grow or end > (len(held.blocks) + item.grow - 1) * bs)
+            ):
                 raise StepError(
-                    f"request {item.request_id} runs past its {held.capacity} reserved positions"
+                    f"request {item.request_id} runs through position {end - 1} with "
+                    f"{len(held.blocks)} blocks of {bs} and {item.grow} more"
                 )
             elif not item.token_ids and held.sampled_through != item.start:
                 raise StepError(
                     f"request {item.request_id} item has no token_ids, but its previous item "
                     f"did not sample"
                 )
+            new_blocks += item.grow
         freed = self._blocks_freed(evict)
         if new_count > self.cache.free_slots or new_blocks > self.cache.free_blocks + freed:
             raise StepError(

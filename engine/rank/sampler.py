@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +87,21 @@ class _RequestState:
     guide: Guide | None = None  # its pattern's automaton (guided decoding)
     guide_state: int = START  # where its output so far has taken the automaton
     thinking: bool = False  # inside the think block its budget counts (till think_end_id)
+
+    def count(self, token: int) -> None:
+        """A token sampled for it: its next seed index, guided state, thinking budget, bad
+        words' recent tokens and penalties' history move on."""
+        if self.guide is not None:
+            self.guide_state = self.guide.advance(self.guide_state, token)
+        if self.thinking and token == self.spec.think_end_id:
+            self.thinking = False
+        self.num_sampled += 1
+        if self.spec.bad_words:  # as many last tokens as the longest prefix needs
+            self.recent.append(token)
+            del self.recent[: max(0, len(self.recent) - max(map(len, self.spec.bad_words)) + 1)]
+        if self.has_penalties:
+            self.seen.add(token)
+            self.output_counts[token] = self.output_counts.get(token, 0) + 1
 
     def thinking_spent(self) -> bool:
         """Its thinking budget is used up: </think> must come next."""
@@ -150,7 +165,9 @@ class Sampler:
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._requests
 
-    def add(self, request_id: int, spec: SamplingSpec) -> None:
+    def add(self, request_id: int, spec: SamplingSpec, output_ids: Sequence[int] = ()) -> None:
+        """Hold a request; `output_ids` it sampled before a preemption count as sampled here
+        (its next seed index, penalties, bad words, guided state, thinking budget)."""
         if request_id in self._requests:
             raise ValueError(f"sampler already holds request {request_id}")
         ids = [
@@ -173,7 +190,7 @@ class Sampler:
             or bool(spec.guide_regex)
         )
         guide = self._guide(spec.guide_regex) if spec.guide_regex else None
-        self._requests[request_id] = _RequestState(
+        state = _RequestState(
             spec,
             penalties,
             adjusts,
@@ -181,6 +198,9 @@ class Sampler:
             guide=guide,
             thinking=spec.think_budget >= 0,
         )
+        for token in output_ids:
+            state.count(token)
+        self._requests[request_id] = state
 
     def _guide(self, pattern: str) -> Guide:
         """The pattern's guide, shared by every request with it (and kept a while after)."""
@@ -311,19 +331,7 @@ class Sampler:
                 for t, v in zip(row[2 : 2 + k], row[2 + k_max : 2 + k_max + k], strict=True)
             ]
             samples.append(Sample(request_id, token, row[1], alternatives))
-            if state.guide is not None:
-                state.guide_state = state.guide.advance(state.guide_state, token)
-            if state.thinking and token == state.spec.think_end_id:
-                state.thinking = False
-            state.num_sampled += 1
-            if state.spec.bad_words:  # as many last tokens as the longest prefix needs
-                state.recent.append(token)
-                del state.recent[
-                    : max(0, len(state.recent) - max(map(len, state.spec.bad_words)) + 1)
-                ]
-            if state.has_penalties:
-                state.seen.add(token)
-                state.output_counts[token] = state.output_counts.get(token, 0) + 1
+            state.count(token)
         return samples
 
     def _adjust(
