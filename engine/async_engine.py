@@ -132,6 +132,7 @@ class AsyncEngine:
             cuda_graphs=not config.enforce_eager,
             prompt_graph_tokens=config.prompt_graph_tokens,
             fp8_weights=config.fp8_weights,
+            mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype,
             max_logprobs=self.max_logprobs,
             prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
             overlap_steps=config.overlap_steps,

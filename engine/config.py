@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_MODEL_LEN = 8192
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
+# the DeltaNet recurrent states' dtype (vLLM's --mamba-ssm-cache-dtype): auto is the
+# checkpoint's mamba_ssm_dtype (float32 for the released Qwen3.5)
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
 DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 FP8_WEIGHTS = (
@@ -69,6 +72,9 @@ class EngineConfig:
     # an FP8 checkpoint's projections: "widen"ed to the model's dtype as they load, or "keep"
     # FP8 (half their memory; engine/rank/loader.py)
     fp8_weights: str = "widen"
+    # the DeltaNet recurrent states' dtype: bfloat16 halves their memory (more requests fit)
+    # and the bytes a decode step reads and writes for them, at some accuracy (docs/GPU.md)
+    mamba_ssm_cache_dtype: str = "auto"
     # reuse a saved prompt's state and KV for later prompts that begin with it
     # (engine/prefix_cache.py; vLLM's flag); each rank keeps `prefix_cache_states` saved
     # states (default max_num_seqs), each the size of one request's DeltaNet state
@@ -125,6 +131,11 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"max_logprobs must be an integer >= -1 (-1: the vocabulary), got {self.max_logprobs!r}"
+            )
+        if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
+            raise ValueError(
+                f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}, "
+                f"got {self.mamba_ssm_cache_dtype!r}"
             )
         if self.fp8_weights not in FP8_WEIGHTS:
             raise ValueError(

@@ -25,7 +25,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import deltaserve
-from deltaserve.engine.config import FP8_WEIGHTS
+from deltaserve.engine.config import FP8_WEIGHTS, MAMBA_SSM_CACHE_DTYPES
 from deltaserve.http.listen import (
     Listen,
     add_listen_flags,
@@ -280,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="widen",
         help="an FP8 checkpoint's projections: widened to --dtype as they load, or kept FP8 "
         "(half their memory; faster at one row, slower at more on the H200: docs/GPU.md)",
+    )
+    eng.add_argument(
+        "--mamba-ssm-cache-dtype",
+        choices=MAMBA_SSM_CACHE_DTYPES,
+        default=d("mamba_ssm_cache_dtype"),
+        help="the DeltaNet recurrent states' dtype (vLLM's flag): auto is the checkpoint's "
+        "mamba_ssm_dtype (float32 for Qwen3.5); bfloat16 halves their memory and the bytes "
+        "a decode step moves for them",
     )
     eng.add_argument(
         "--no-pipelining",
@@ -635,6 +643,7 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         enforce_eager=args.enforce_eager,
         prompt_graph_tokens=args.prompt_graph_tokens,
         fp8_weights=args.fp8_weights,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         max_logprobs=args.max_logprobs,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_states=args.prefix_cache_states,

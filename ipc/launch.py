@@ -48,6 +48,7 @@ class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cuda_graphs: bool = True  # cuda: single-token items replay CUDA graphs
     prompt_graph_tokens: int = 2048  # ... and prompt steps of up to this many tokens
     fp8_weights: str = "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8
+    mamba_ssm_cache_dtype: str = "auto"  # the DeltaNet states'
     prefix_states: int = 0  # saved prefix states (prefix caching); 0: off
     overlap_steps: bool = False  # queue a pipelined follower before finishing the step ahead
     noop_executor: bool = False  # benchmarks only

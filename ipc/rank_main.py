@@ -160,6 +160,7 @@ def build_executor(config: RankConfig) -> object:
             prompt_graph_tokens=config.prompt_graph_tokens,
             prefix_states=config.prefix_states,
             fp8_weights=config.fp8_weights,
+            mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype,
         )
     )
 

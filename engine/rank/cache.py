@@ -1,6 +1,7 @@
 """A rank's request state: paged KV for the full-attention layers and one DeltaNet state slot
-per live request (conv window + fp32 recurrent state for every DeltaNet layer), and the saved
-prefix states of the prefix cache (engine/prefix_cache.py) after them.
+per live request (conv window + recurrent state for every DeltaNet layer; the recurrent state
+fp32, or bf16 with --mamba-ssm-cache-dtype bfloat16: half the bytes a decode step moves), and
+the saved prefix states of the prefix cache (engine/prefix_cache.py) after them.
 
 Holds only this rank's heads. Who owns which slot and blocks is the executor's business; this
 class owns the memory, the free lists and the blocks' reference counts (a saved prefix shares
@@ -21,7 +22,7 @@ def cache_shapes(
     memory budget alike (`num_slots` counting the prefix states):
     KV [layer, k|v, block * block_size + offset, head, head_dim] (model dtype);
     conv [layer, slot, channel, width - 1], the last pre-conv inputs (model dtype);
-    recurrent [layer, slot, value head, dk, dv] (fp32)."""
+    recurrent [layer, slot, value head, dk, dv] (the state dtype)."""
     n_full = len(config.full_attention_layers)
     n_linear = len(config.linear_attention_layers)
     kv = (
@@ -58,6 +59,7 @@ class StateCache:
         dtype: torch.dtype,
         device: torch.device,
         num_prefix_states: int = 0,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
         if num_slots < 1 or num_blocks < 1 or block_size < 1 or num_prefix_states < 0:
             raise ValueError(
@@ -75,9 +77,7 @@ class StateCache:
         )
         self.kv = torch.zeros(kv, dtype=dtype, device=device)
         self.conv = torch.zeros(conv, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(
-            recurrent, dtype=torch.float32, device=device
-        )  # whatever the model dtype
+        self.recurrent = torch.zeros(recurrent, dtype=state_dtype, device=device)
         # each slot's last sample, the input of a decode item sent without its token (a
         # pipelined step): rank 0's sampler writes it on the device, so the next step need not
         # wait for the host to read it; other ranks get it by broadcast when a step needs it

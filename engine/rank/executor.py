@@ -48,6 +48,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+STATE_DTYPES = ("float32", "bfloat16")  # --mamba-ssm-cache-dtype's, beside auto (vLLM's)
 
 
 class StepError(ValueError):
@@ -71,6 +72,18 @@ def resolve_dtype(name: str, device: torch.device, config: ModelConfig) -> torch
             )
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_state_dtype(name: str, config: ModelConfig) -> torch.dtype:
+    """The DeltaNet recurrent state's dtype: --mamba-ssm-cache-dtype, auto being the
+    checkpoint's `mamba_ssm_dtype` (float32 when it names none), on every device."""
+    if name == "auto":
+        name = config.mamba_ssm_dtype
+    if name not in STATE_DTYPES:
+        raise ValueError(
+            f"mamba_ssm_cache_dtype {name!r} is not one of auto, {', '.join(STATE_DTYPES)}"
+        )
     return DTYPES[name]
 
 
@@ -100,6 +113,7 @@ class ExecutorConfig:
     # them FP8 (half the memory), read so by the skinny kernels (loader.py; not yet faster past
     # one row on the H200, docs/GPU.md)
     fp8_weights: str = "widen"
+    mamba_ssm_cache_dtype: str = "auto"  # the DeltaNet states': auto (the checkpoint's), or one
 
     @property
     def keep_fp8(self) -> bool:
@@ -180,6 +194,7 @@ class Executor:
         self.model_config = ModelConfig.from_model_dir(config.model_dir)
         self.model_config.check_tp_size(config.world_size)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
+        self.state_dtype = resolve_state_dtype(config.mamba_ssm_cache_dtype, self.model_config)
         started = time.monotonic()
         self.model = Qwen3_5ForCausalLM(self.model_config, self.dtype, self.device)
         kept = load_weights(self.model, config.model_dir, self.model_config, config.keep_fp8)
@@ -208,6 +223,7 @@ class Executor:
             self.dtype,
             self.device,
             config.prefix_states,
+            self.state_dtype,
         )
         self.asleep: Asleep | None = None  # sleep mode: what this rank gave back
         self._capture_graphs()
