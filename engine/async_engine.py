@@ -133,6 +133,8 @@ class AsyncEngine:
             prompt_graph_tokens=config.prompt_graph_tokens,
             fp8_weights=config.fp8_weights,
             mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype,
+            kv_cache_dtype=config.kv_cache_dtype,
+            calculate_kv_scales=config.calculate_kv_scales,
             max_logprobs=self.max_logprobs,
             prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
             overlap_steps=config.overlap_steps,

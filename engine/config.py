@@ -23,6 +23,9 @@ DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
 # the DeltaNet recurrent states' dtype (vLLM's --mamba-ssm-cache-dtype): auto is the
 # checkpoint's mamba_ssm_dtype (float32 for the released Qwen3.5)
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# the full-attention layers' KV cache (vLLM's --kv-cache-dtype): auto is the model's dtype;
+# fp8 (= fp8_e4m3) halves a bf16 cache (kernels/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEVICES = ("cpu", "cuda")
 DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 FP8_WEIGHTS = (
@@ -75,6 +78,10 @@ class EngineConfig:
     # the DeltaNet recurrent states' dtype: bfloat16 halves their memory (more requests fit)
     # and the bytes a decode step reads and writes for them, at some accuracy (docs/GPU.md)
     mamba_ssm_cache_dtype: str = "auto"
+    # the KV cache's dtype: fp8 stores keys and values as e4m3 with a scale per layer and KV
+    # head: 1.0, or with calculate_kv_scales set from the first prompt step's (vLLM's flags)
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     # reuse a saved prompt's state and KV for later prompts that begin with it
     # (engine/prefix_cache.py; vLLM's flag); each rank keeps `prefix_cache_states` saved
     # states (default max_num_seqs), each the size of one request's DeltaNet state
@@ -136,6 +143,15 @@ class EngineConfig:
             raise ValueError(
                 f"mamba_ssm_cache_dtype must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}, "
                 f"got {self.mamba_ssm_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError(
+                "calculate_kv_scales sets the scales of an FP8 KV cache: give kv_cache_dtype fp8"
             )
         if self.fp8_weights not in FP8_WEIGHTS:
             raise ValueError(

@@ -25,7 +25,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import deltaserve
-from deltaserve.engine.config import FP8_WEIGHTS, MAMBA_SSM_CACHE_DTYPES
+from deltaserve.engine.config import FP8_WEIGHTS, KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES
 from deltaserve.http.listen import (
     Listen,
     add_listen_flags,
@@ -288,6 +288,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="the DeltaNet recurrent states' dtype (vLLM's flag): auto is the checkpoint's "
         "mamba_ssm_dtype (float32 for Qwen3.5); bfloat16 halves their memory and the bytes "
         "a decode step moves for them",
+    )
+    eng.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=d("kv_cache_dtype"),
+        help="the full-attention KV cache's dtype (vLLM's flag): auto is --dtype; fp8 (e4m3) "
+        "halves a bf16 cache, each layer's keys and values scaled per KV head",
+    )
+    eng.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        help="with --kv-cache-dtype fp8: the scales from the first prompt step's keys and "
+        "values (vLLM's flag); else 1.0",
     )
     eng.add_argument(
         "--no-pipelining",
@@ -644,6 +657,8 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         prompt_graph_tokens=args.prompt_graph_tokens,
         fp8_weights=args.fp8_weights,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
         max_logprobs=args.max_logprobs,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_states=args.prefix_cache_states,

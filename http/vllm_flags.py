@@ -117,11 +117,6 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         "prefilled in chunks of --max-num-batched-tokens); --no-... is refused",
     )
     g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        help="auto only: the KV cache is kept in the model's dtype (--dtype)",
-    )
-    g.add_argument(
         "--quantization",
         "-q",
         default=None,
@@ -151,11 +146,6 @@ def refused_vllm_flag(args: argparse.Namespace) -> str | None:
         return (
             "--no-enable-chunked-prefill: not supported: deltaserve always prefills a prompt "
             "in chunks of at most --max-num-batched-tokens tokens"
-        )
-    if args.kv_cache_dtype != "auto":
-        return (
-            f"--kv-cache-dtype {args.kv_cache_dtype}: not supported: the KV cache is kept in "
-            "the model's dtype (--dtype); only auto"
         )
     if args.quantization not in (None, *FP8_SCALE_SUFFIXES):
         return (

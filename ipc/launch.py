@@ -49,6 +49,8 @@ class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt_graph_tokens: int = 2048  # ... and prompt steps of up to this many tokens
     fp8_weights: str = "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8
     mamba_ssm_cache_dtype: str = "auto"  # the DeltaNet states'
+    kv_cache_dtype: str = "auto"  # auto (the model's) or fp8
+    calculate_kv_scales: bool = False  # an FP8 cache's scales from the first prompt step
     prefix_states: int = 0  # saved prefix states (prefix caching); 0: off
     overlap_steps: bool = False  # queue a pipelined follower before finishing the step ahead
     noop_executor: bool = False  # benchmarks only

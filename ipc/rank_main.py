@@ -161,6 +161,8 @@ def build_executor(config: RankConfig) -> object:
             prefix_states=config.prefix_states,
             fp8_weights=config.fp8_weights,
             mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype,
+            kv_cache_dtype=config.kv_cache_dtype,
+            calculate_kv_scales=config.calculate_kv_scales,
         )
     )
 

@@ -30,6 +30,8 @@ class ReplicaConfig:
     prompt_graph_tokens: int = 2048  # cuda, with cuda_graphs: prompt steps up to this size too
     fp8_weights: str = "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8
     mamba_ssm_cache_dtype: str = "auto"  # the DeltaNet states': auto (the checkpoint's), or one
+    kv_cache_dtype: str = "auto"  # auto (the model's) or fp8
+    calculate_kv_scales: bool = False  # an FP8 cache's scales from the first prompt step
     max_logprobs: int = 20  # a step item's logprobs and prompt logprobs at most (ipc/validate.py)
     prefix_states: int = 0  # saved prefix states each rank keeps (prefix caching); 0: off
     overlap_steps: bool | None = (
@@ -65,6 +67,8 @@ class ReplicaConfig:
             prompt_graph_tokens=self.prompt_graph_tokens,
             fp8_weights=self.fp8_weights,
             mamba_ssm_cache_dtype=self.mamba_ssm_cache_dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
             prefix_states=self.prefix_states,
             overlap_steps=(
                 self.device == "cuda" if self.overlap_steps is None else self.overlap_steps

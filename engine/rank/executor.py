@@ -38,6 +38,7 @@ from deltaserve.engine.rank.step_meta import with_step_meta
 from deltaserve.engine.rank.transfer import to_device
 from deltaserve.engine.rank.vocab_cache import load_trie
 from deltaserve.ipc.messages import PromptLogprobs, Sample, SaveOnDrop, StepItem
+from deltaserve.kernels.kv_quant import FP8
 from deltaserve.kernels.triton_compat import gpu_path
 
 log = logging.getLogger("deltaserve.rank")
@@ -49,6 +50,7 @@ DTYPES = {
     "bf16": torch.bfloat16,
 }
 STATE_DTYPES = ("float32", "bfloat16")  # --mamba-ssm-cache-dtype's, beside auto (vLLM's)
+KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}  # --kv-cache-dtype: None, the model's
 
 
 class StepError(ValueError):
@@ -114,6 +116,8 @@ class ExecutorConfig:
     # one row on the H200, docs/GPU.md)
     fp8_weights: str = "widen"
     mamba_ssm_cache_dtype: str = "auto"  # the DeltaNet states': auto (the checkpoint's), or one
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 (e4m3, kernels/kv_quant.py)
+    calculate_kv_scales: bool = False  # an FP8 cache's scales from the first prompt step
 
     @property
     def keep_fp8(self) -> bool:
@@ -195,6 +199,12 @@ class Executor:
         self.model_config.check_tp_size(config.world_size)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         self.state_dtype = resolve_state_dtype(config.mamba_ssm_cache_dtype, self.model_config)
+        if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {config.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
+            )
+        self.kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype
+        self.kv_scales_pending = False  # not while profiling: set once the cache is made
         started = time.monotonic()
         self.model = Qwen3_5ForCausalLM(self.model_config, self.dtype, self.device)
         kept = load_weights(self.model, config.model_dir, self.model_config, config.keep_fp8)
@@ -224,7 +234,10 @@ class Executor:
             self.device,
             config.prefix_states,
             self.state_dtype,
+            self.kv_dtype,
         )
+        # --calculate-kv-scales: the first step with a new request's prompt sets them
+        self.kv_scales_pending = config.calculate_kv_scales and self.kv_dtype == FP8
         self.asleep: Asleep | None = None  # sleep mode: what this rank gave back
         self._capture_graphs()
 
@@ -363,10 +376,14 @@ class Executor:
         one_token_asks = any(
             item.prompt_logprobs >= 0 and len(item.token_ids) <= 1 for item in items
         )
-        if self.graphs is None or every_position or one_token_asks:
+        calibrates = self.kv_scales_pending and any(item.new is not None for item in items)
+        self.cache.calibrating = calibrates  # eagerly: no graph holds the calibration
+        if self.graphs is None or every_position or one_token_asks or calibrates:
             logits = self._run_plan(items, every_position, prompt_logprobs)
         else:
             logits = self._run_with_graphs(items, graph_output, prompt_logprobs)
+        if calibrates:
+            self.cache.calibrating = self.kv_scales_pending = False
         for item in items:
             req = self.requests[item.request_id]
             req.num_tokens = item.start + item_length(item)
@@ -458,6 +475,7 @@ class Executor:
         if (
             self.prompt_graphs is not None
             and not every_position
+            and not self.cache.calibrating
             and self.prompt_graphs.can_run(plan)
         ):
             hidden, logits = self.prompt_graphs.run(plan)

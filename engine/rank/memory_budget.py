@@ -69,12 +69,13 @@ def cache_sizes(
     dtype: torch.dtype,
     block_size: int,
     state_dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,  # None: the model's
 ) -> CacheSizes:
     """What StateCache allocates per slot and per block."""
     kv, conv, recurrent = cache_shapes(config, 1, 1, block_size, tp_size)
     return CacheSizes(
         slot_bytes=math.prod(conv) * dtype.itemsize + math.prod(recurrent) * state_dtype.itemsize,
-        block_bytes=math.prod(kv) * dtype.itemsize,
+        block_bytes=math.prod(kv) * (kv_dtype or dtype).itemsize,
     )
 
 
@@ -209,6 +210,7 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
         executor.dtype,
         config.block_size,
         executor.state_dtype,
+        executor.kv_dtype,
     )
     lengths = profile_lengths(config.max_num_batched_tokens, config.num_slots, config.max_model_len)
     activations = _timed_profile(executor, lengths, probe)
@@ -305,6 +307,7 @@ def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
         executor.dtype,
         executor.device,
         state_dtype=executor.state_dtype,
+        kv_dtype=executor.kv_dtype,
     )
     base = 1 << 62  # request ids no real request has (the executor is fresh anyway)
     items = [
