@@ -61,13 +61,16 @@ def config(model: Path, **overrides) -> EngineConfig:
 
 def chat(i: int) -> dict:
     """Chat i of the workload: no max_tokens; even ones greedy, odd ones seeded (two of them
-    with n = 2: seeded children), every token's logprob and best alternative asked for."""
+    with n = 2: seeded children), every token's logprob and best alternative asked for, and
+    two the prompt's logprobs (vLLM's extra)."""
     body = dict(
         model=MODEL,
         messages=[{"role": "user", "content": f"Note {i}: say something about {i * 7 % 13}."}],
         logprobs=True,
         top_logprobs=1,
     )
+    if i in (2, 7):
+        body["extra_body"] = {"prompt_logprobs": 1}
     if i % 2:
         body.update(temperature=0.8, seed=1000 + i, n=2 if i in (5, 11) else 1)
     else:
@@ -101,6 +104,13 @@ def assert_same_as_alone(got, alone) -> list[float]:
         assert mine[0] == theirs[0] and mine[1] == theirs[1] and mine[3] == theirs[3]
         assert mine[2] == pytest.approx(theirs[2], abs=LOGPROB_TOLERANCE)
         gaps += [abs(a - b) for a, b in zip(mine[2], theirs[2], strict=True)]
+    mine, theirs = (r.model_dump().get("prompt_logprobs") for r in (got, alone))
+    assert (mine is None) == (theirs is None)
+    for position, (a, b) in enumerate(zip(mine or (), theirs or (), strict=True)):
+        assert (a is None) == (b is None) and (a is None or a.keys() == b.keys()), position
+        for token in a or ():
+            assert a[token]["rank"] == b[token]["rank"]
+            assert a[token]["logprob"] == pytest.approx(b[token]["logprob"], abs=1e-4)
     return gaps
 
 
@@ -159,6 +169,7 @@ async def alone(tiny_model_dir):
             for i in (0, 5):
                 assert_same_as_alone(out[i], await client.chat.completions.create(**chat(i)))
         assert engine.metrics.num_preemptions_total == 0
+        assert all(out[i].model_dump().get("prompt_logprobs") for i in (2, 7))
         # each choice's lifetime is the whole cache
         assert {
             r.usage.prompt_tokens + r.usage.completion_tokens // len(r.choices) for r in out
@@ -315,3 +326,20 @@ def test_a_recomputed_request_samples_on_as_it_would_have(executor):
     for got, want in zip(again, samples[3:], strict=True):
         assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
         assert [t for t, _ in got.top_logprobs] == [t for t, _ in want.top_logprobs]
+
+
+def test_the_admission_benchmark_runs_both_policies(tiny_model_dir, tmp_path):
+    """tools/bench_admission.py's CPU form: whole-lifetime reservation runs as many chats at
+    once as lifetimes fit the cache (2 here), admission by present need as many as slots."""
+    import json
+
+    from deltaserve.tools import bench_admission
+
+    out = tmp_path / "admission.json"
+    argv = ["--model", str(tiny_model_dir), "--device", "cpu", "--max-model-len", "512"]
+    argv += ["--num-kv-blocks", "64", "--max-num-seqs", "6", "--num-requests", "6"]
+    argv += ["--input-len", "20", "--output-len", "6", "--out", str(out)]
+    assert bench_admission.main(argv) == 0
+    modes = json.loads(out.read_text())["modes"]
+    assert modes["lifetime"]["max_concurrency"] == 2 and modes["present"]["max_concurrency"] == 6
+    assert modes["lifetime"]["output_tokens"] == modes["present"]["output_tokens"] > 0
