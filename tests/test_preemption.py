@@ -42,6 +42,8 @@ LIFETIME = NUM_BLOCKS * BLOCK_SIZE
 LOGPROB_TOLERANCE = 2e-3
 LOGPROB_MEAN_GAP = 5e-5
 WORKLOAD_TIMEOUT_S = 900  # a workload on 2 shared cores
+# ~1,300 steps of the tiny model each: well within pytest's 300 s on 2 idle cores, not on busy ones
+heavy = pytest.mark.timeout(WORKLOAD_TIMEOUT_S)
 
 
 def config(model: Path, **overrides) -> EngineConfig:
@@ -179,6 +181,7 @@ async def alone(tiny_model_dir):
         await engine.shutdown()
 
 
+@heavy
 @module_loop
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["recompute", "prefix_cached"])
 async def test_lifetimes_that_do_not_fit_run_together_and_come_out_as_alone(
@@ -213,6 +216,7 @@ async def test_lifetimes_that_do_not_fit_run_together_and_come_out_as_alone(
         await engine.shutdown()
 
 
+@heavy
 @module_loop
 async def test_an_abort_of_a_preempted_request_ends_it_at_once(tiny_model_dir):
     """A request cancelled while it waits preempted ends at once with an abort and the tokens
