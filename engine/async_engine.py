@@ -2,7 +2,9 @@
 
 `generate` validates and tokenizes synchronously (bad input raises at once, naming the
 problem), assigns engine RequestIds (never reused) and seeds, and hands the choices to the
-scheduler tick, which owns all request state from then on (engine/scheduler.py).
+scheduler tick, which owns all request state from then on (engine/scheduler.py). Params with
+a structured-output constraint or stop regexes are compiled first, off the event loop:
+`params = await engine.prepare(params)` (engine/guides.py); `generate` refuses them otherwise.
 Tokenizing a large text takes seconds (~1 s per MiB): `await engine.encode(text)` (or
 `run_tokenizer`, e.g. for a chat template) does it in a worker thread, off the event loop,
 and `generate` then takes the ids. The HTTP server always goes that way.
@@ -18,19 +20,30 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import os
 import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from deltaserve.engine.config import EngineConfig, resolve_limits
-from deltaserve.engine.events import EngineDeadError, LoadSnapshot, QueueFullError
+from deltaserve.engine.events import (
+    EngineDeadError,
+    LoadSnapshot,
+    NoWeightsError,
+    QueueFullError,
+)
+from deltaserve.engine.grammar_worker import Setup
+from deltaserve.engine.guides import Guides
 from deltaserve.engine.maintenance import PAUSE_MODES, Kind, PauseMode
+from deltaserve.engine.media import MediaError, MediaFetcher, MediaProcessor, MediaSource
+from deltaserve.engine.media_prompt import MultimodalPrompt
 from deltaserve.engine.metrics import EngineMetrics
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams, wire_seed
 from deltaserve.engine.scheduler import Scheduler
@@ -42,6 +55,7 @@ from deltaserve.engine.tokenizer import (
     eos_token_ids,
     load_tokenizer,
 )
+from deltaserve.engine.vision_config import VisionConfig
 from deltaserve.ipc.controller import ReplicaConfig, ReplicaController
 from deltaserve.ipc.messages import SLEEP_TAGS, SnapshotReply
 
@@ -59,6 +73,7 @@ class AsyncEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self._media: MediaProcessor | None = None  # the checkpoint's processor, on first use
         # a request's logprobs and prompt_logprobs at most (EngineConfig.max_logprobs; -1: the vocabulary)
         self.max_logprobs = (
             model_config.vocab_size if config.max_logprobs == -1 else config.max_logprobs
@@ -75,6 +90,7 @@ class AsyncEngine:
         # loads the tokenizer (`start`) and tokenizes large inputs; the loop uses the same instance
         self._tokenizer_worker = TokenizerWorker(functools.partial(load_tokenizer, config.model))
         self._think_end_id: int | None = None  # the tokenizer's </think> (a thinking budget's end)
+        self._guides: Guides | None = None  # structured outputs' compiles: made when first needed
         self.weights_dir = config.model  # where the weights served came from (update_weights)
 
     @classmethod
@@ -243,6 +259,13 @@ class AsyncEngine:
         if self._shutting_down:
             raise EngineDeadError("engine is shut down")
 
+    def _check_weights(self) -> None:
+        if self.weights_dropped:
+            raise NoWeightsError(
+                "no weights loaded: a level-2 sleep discarded them; load new ones "
+                "(update_weights) before generating"
+            )
+
     # ---- tokenization -----------------------------------------------------------------------
 
     async def run_tokenizer(self, fn: Callable[[Any], T], size: int) -> T:
@@ -255,6 +278,37 @@ class AsyncEngine:
             return fn(self.tokenizer)
         return await self._tokenizer_worker.run(fn)
 
+    async def media_prompt(self, text: str, sources: list[MediaSource]) -> MultimodalPrompt:
+        """A rendered chat prompt whose template placed `sources` (images and videos, in
+        order) as token ids and media: fetched here, decoded and preprocessed off the event
+        loop by the checkpoint's processor (engine/media.py); MediaError (a ValueError)
+        names the part it refuses."""
+        vision = VisionConfig.from_model_dir(self.config.model)
+        if vision is None:
+            raise MediaError(
+                f"{sources[0].part}: the model {self.config.model} has no vision tower"
+            )
+        if self._media is None:
+            self._media = MediaProcessor(
+                self.config.model, self.tokenizer, vision, self.config.media, self._media_dtype()
+            )
+        processor = self._media
+        processor.check_counts(
+            sum(s.kind == "image" for s in sources), sum(s.kind == "video" for s in sources)
+        )
+        fetcher = MediaFetcher(self.config.media)
+        loaded = [(source, await fetcher.fetch(source.url, source.part)) for source in sources]
+        return await self.run_tokenizer(
+            lambda _: processor.prompt(text, loaded), INLINE_TOKENIZE_CHARS + 1
+        )
+
+    def _media_dtype(self) -> str:
+        """The dtype pixels travel in: the model's (the tower casts them to it anyway)."""
+        if self.config.device == "cpu" and self.config.dtype == "auto":
+            return "float32"
+        name = self.config.dtype if self.config.dtype != "auto" else self.model_config.torch_dtype
+        return {"fp32": "float32", "bf16": "bfloat16"}.get(name, name)
+
     async def encode(self, text: str) -> list[int]:
         """The token ids `generate(text, ...)` would use, without blocking the event loop on
         a large text; pass them to `generate`."""
@@ -264,6 +318,33 @@ class AsyncEngine:
 
     # ---- requests ---------------------------------------------------------------------------
 
+    async def prepare(self, params: SamplingParams) -> SamplingParams:
+        """`params` ready for `generate`: their structured-output constraint and stop regexes
+        compiled in the compile worker, off the event loop, each text once (failures too;
+        engine/guides.py). Raises ValueError naming the field and the bound or the error,
+        and EngineDeadError; params with nothing to compile come back as they are."""
+        self._check_alive()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.is_prepared:
+            return params
+        if self._guides is None:
+            setup = Setup(
+                tokenizer_json=str(Path(self.config.model) / "tokenizer.json"),
+                vocab_size=self.model_config.vocab_size,
+                eos_ids=sorted(self.eos_token_ids),
+                max_lexer_states=self.config.structured_outputs.max_lexer_states,
+                max_mask_ms=self.config.structured_outputs.max_mask_ms,
+                parent_pid=os.getpid(),
+            )
+            self._guides = Guides(setup, self.config.structured_outputs)
+        return await self._guides.prepare(params)
+
+    @property
+    def guides(self) -> Guides | None:
+        """The structured outputs' compile cache and worker, once a request needed them."""
+        return self._guides
+
     def generate(
         self,
         prompt: str | list[int],
@@ -272,9 +353,11 @@ class AsyncEngine:
         priority: int = 0,
     ) -> RequestStream:
         """Submit a prompt; returns the stream of its events. Raises ValueError (bad input),
-        QueueFullError (waiting queue at its bound) or EngineDeadError, synchronously.
+        QueueFullError (waiting queue at its bound), NoWeightsError (a level-2 sleep dropped
+        the weights, none loaded since) or EngineDeadError, synchronously.
         `priority` (vLLM's): under the priority policy, lower values are admitted first."""
         self._check_alive()
+        self._check_weights()
         with self._refusals_told(request_id):
             if type(priority) is not int:
                 raise ValueError(f"priority must be an integer, got {priority!r}")
@@ -323,6 +406,11 @@ class AsyncEngine:
         processor)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not params.is_prepared:
+            raise ValueError(
+                "structured outputs and stop_regex are compiled before generate, off the "
+                "event loop: params = await engine.prepare(params)"
+            )
         encode = functools.partial(_encode_text, self.tokenizer)
         params = params.tokenize_bad_words(encode).resolve_thinking_end(self._think_end_id)
         prompt_ids = self._prompt_ids(prompt)
@@ -372,6 +460,7 @@ class AsyncEngine:
                     seed=self._seed(params, index),
                     arrival_time_s=now,
                     priority=priority,
+                    multimodal=prompt if isinstance(prompt, MultimodalPrompt) else None,
                 )
             )
         ids = tuple(r.request_id for r in requests)
@@ -394,18 +483,9 @@ class AsyncEngine:
         model_dir = str(model_dir)
 
         def check() -> None:  # in a worker thread: it imports torch, which serving never needs else
-            from deltaserve.engine.rank.loader import check_same_tensors
+            from deltaserve.engine.checkpoint_files import check_new_weights
 
-            try:
-                differences = self.model_config.differences(ModelConfig.from_model_dir(model_dir))
-            except OSError as exc:
-                raise ValueError(f"{model_dir}: {exc}") from None
-            if differences:
-                raise ValueError(
-                    f"{model_dir} is not the served model: its config.json differs in "
-                    f"{', '.join(differences)}"
-                )
-            check_same_tensors(self.weights_dir, model_dir, self.model_config)
+            check_new_weights(self.weights_dir, model_dir, self.model_config)
 
         await asyncio.to_thread(check)
         done = self._maintain("load_weights", model_dir)  # admission held from here
@@ -466,6 +546,11 @@ class AsyncEngine:
     def is_sleeping(self) -> bool:
         return bool(self._scheduler.maintenance.asleep)
 
+    @property
+    def weights_dropped(self) -> bool:
+        """A level-2 sleep discarded the weights and none loaded since: nothing is admitted."""
+        return self._scheduler.maintenance.weights_dropped
+
     def _maintain(
         self, kind: Kind, model_dir: str | None = None, **options: Any
     ) -> asyncio.Future[None]:
@@ -497,7 +582,16 @@ class AsyncEngine:
         if self._streams.get(sink.client_id) is sink:
             del self._streams[sink.client_id]
 
-    def _prompt_ids(self, prompt: str | list[int]) -> tuple[int, ...]:
+    def _prompt_ids(self, prompt: str | list[int] | MultimodalPrompt) -> tuple[int, ...]:
+        if isinstance(prompt, MultimodalPrompt):
+            budget = self.config.max_num_batched_tokens
+            for i, item in enumerate(prompt.media):
+                if item.num_patches > budget:
+                    raise ValueError(
+                        f"media {i}: {item.num_patches} patches, more than a step encodes "
+                        f"(max_num_batched_tokens {budget}); send it smaller or lower max_pixels"
+                    )
+            prompt = list(prompt.ids)
         if isinstance(prompt, str):
             ids = _encode_text(self.tokenizer, prompt)
         elif isinstance(prompt, list | tuple):
@@ -594,6 +688,8 @@ class AsyncEngine:
             await self._controller.shutdown()
         finally:
             self._tokenizer_worker.close()  # after the drain: its requests were tokenized
+            if self._guides is not None:
+                await self._guides.close()
             if self._monitor is not None:
                 await self._monitor.aclose()  # its last message: shut_down
 

@@ -10,10 +10,12 @@ their `Ready`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.media import MediaConfig
+from deltaserve.engine.model_config import FP8_WEIGHTS, ModelConfig
+from deltaserve.engine.structured_config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
     from deltaserve.ipc.faults import FaultPlan
@@ -28,10 +30,6 @@ MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEVICES = ("cpu", "cuda")
 DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
-FP8_WEIGHTS = (
-    "widen",
-    "keep",
-)  # an FP8 checkpoint's projections: widened as they load, or kept FP8
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +95,14 @@ class EngineConfig:
     step_timeout_s: float = 60.0
     startup_timeout_s: float = 120.0
     monitor_endpoint: str | None = None  # None: no monitor; "auto", ipc://PATH, tcp://HOST:PORT
+    # guided decoding's and stop regexes' engine and bounds (engine/structured_config.py)
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     force_mixed_steps: bool = False  # tests: the planner staggers prefills beside decodes
     fault: FaultPlan | None = None  # tests only
+
+    # images and video (engine/media.py): vLLM's --limit-mm-per-prompt, --mm-processor-kwargs,
+    # --allowed-local-media-path
+    media: MediaConfig = field(default_factory=MediaConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -194,6 +198,11 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"monitor_endpoint must be 'auto', ipc://PATH or tcp://HOST:PORT, got {endpoint!r}"
+            )
+        if not isinstance(self.structured_outputs, StructuredOutputsConfig):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsConfig, got "
+                f"{type(self.structured_outputs).__name__}"
             )
         if self.device_ids is not None:
             if self.device != "cuda":

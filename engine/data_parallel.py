@@ -30,6 +30,8 @@ from typing import Any, TypeVar
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.events import EngineDeadError, LoadSnapshot
+from deltaserve.engine.media import MediaSource
+from deltaserve.engine.media_prompt import MultimodalPrompt
 from deltaserve.engine.metrics import EngineMetrics, summed_metrics
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.stream import RequestStream
@@ -220,11 +222,21 @@ class DataParallelEngine:
         self._check_alive()
         return await self.replicas[0].encode(text)
 
+    async def media_prompt(self, text: str, sources: list[MediaSource]) -> MultimodalPrompt:
+        """As AsyncEngine.media_prompt: one replica's processor serves all."""
+        self._check_alive()
+        return await self.replicas[0].media_prompt(text, sources)
+
     def _check_alive(self) -> None:
         if (reason := self.dead_reason) is not None:
             raise EngineDeadError(f"engine is dead: {reason}")
 
     # ---- requests ---------------------------------------------------------------------------
+
+    async def prepare(self, params: SamplingParams) -> SamplingParams:
+        """As AsyncEngine.prepare: one replica compiles for all (the grammar and the stop
+        regexes' matchers serve any replica in this process)."""
+        return await self.replicas[0].prepare(params)
 
     def generate(
         self,
@@ -315,6 +327,10 @@ class DataParallelEngine:
     @property
     def is_sleeping(self) -> bool:
         return any(r.is_sleeping for r in self.replicas)
+
+    @property
+    def weights_dropped(self) -> bool:
+        return any(r.weights_dropped for r in self.replicas)
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """As AsyncEngine.shutdown, every replica at once."""

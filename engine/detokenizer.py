@@ -14,7 +14,8 @@ With `include_stop_str` the text ends after the stop string instead, and nothing
 As vLLM's detokenizer, stop strings are looked for only once more than `min_tokens` tokens
 were added, and only where they end in the text of those later tokens (a stop string that
 began earlier still counts). Stop regexes (SGLang's) are watched on the same text by
-engine/stop_regex.py; their match is kept.
+engine/guided/stop_regex.py (their matchers, compiled by the engine: `stop_regex_templates`); their
+match is kept, and one past its bound raises StopRegexError from `add`.
 
 `skip_special_tokens=False` keeps special tokens' text. vLLM's `spaces_between_special_tokens`
 needs no counterpart: a fast (Rust) tokenizer's decode puts no space between special tokens,
@@ -30,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from deltaserve.engine.stop_regex import StopRegexWatch
+from deltaserve.engine.guided.stop_regex import StopRegexWatch, StopTemplate
 
 if TYPE_CHECKING:
     from deltaserve.engine.sampling_params import SamplingParams
@@ -50,7 +51,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         include_stop_str: bool = False,
         min_tokens: int = 0,
-        stop_regex: Sequence[str] = (),
+        stop_regex: Sequence[StopTemplate] = (),
     ) -> None:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._decode_fn = backend.decode if backend is not None else tokenizer.decode
@@ -78,7 +79,7 @@ class IncrementalDetokenizer:
             params.skip_special_tokens,
             params.include_stop_str_in_output,
             params.min_tokens,
-            params.stop_regex,
+            params.stop_regex_templates,
         )
 
     def _decode(self, ids: list[int]) -> str:

@@ -60,10 +60,13 @@ class FinishedEvent(msgspec.Struct, frozen=True):
 
 
 class ErrorEvent(msgspec.Struct, frozen=True):
-    """Choice `index` ended by a failure (engine death, an impossible request)."""
+    """Choice `index` ended by a failure (engine death, an impossible request). `bound`: the
+    request went past one of its own bounds while generating (structured outputs, a stop
+    regex), which `message` names: it alone ended, the engine serves on."""
 
     index: int
     message: str
+    bound: bool = False
 
 
 Event = PromptLogprobsEvent | TokenEvent | FinishedEvent | ErrorEvent
@@ -126,6 +129,11 @@ class Lifecycle:
 
 class EngineDeadError(RuntimeError):
     """The engine is dead (its replica failed) or shut down: it takes no more requests."""
+
+
+class NoWeightsError(RuntimeError):
+    """A level-2 sleep discarded the weights and none loaded since: generating now would
+    answer from garbage memory, so nothing is admitted (HTTP 503) until new ones load."""
 
 
 class QueueFullError(RuntimeError):

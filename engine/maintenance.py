@@ -8,6 +8,9 @@ ranks, and admits nothing while one waits: running requests finish on the weight
 started with, waiting ones start on the new ones. Saved prompt states (prefix caching) are
 forgotten with new weights: they are the old weights' (SGLang flushes its radix cache so).
 
+A level-2 sleep discards the weights: from then until new ones load, nothing is admitted,
+awake or not (the ranks would answer from garbage memory), and AsyncEngine.generate refuses.
+
 A pause holds admission until `resume` (vLLM's pause modes): "abort" and "wait" take effect
 once the running requests are aborted or have ended; "keep" freezes them where they are (no
 step runs), and an update then runs beside them: they go on with the new weights on resume,
@@ -46,6 +49,7 @@ class Maintenance:
         self._queue: deque[Operation] = deque()
         self.paused: PauseMode | None = None
         self.asleep: set[str] = set()  # the sleep tags not yet woken
+        self.weights_dropped = False  # by a level-2 sleep, until new weights load
 
     @property
     def pending(self) -> bool:
@@ -54,9 +58,14 @@ class Maintenance:
 
     @property
     def admits(self) -> bool:
-        """Whether the tick may admit requests: no operation waits, generation is not paused
-        and the ranks are awake."""
-        return not self.pending and self.paused is None and not self.asleep
+        """Whether the tick may admit requests: no operation waits, generation is not paused,
+        the ranks are awake and hold weights."""
+        return (
+            not self.pending
+            and self.paused is None
+            and not self.asleep
+            and not self.weights_dropped
+        )
 
     @property
     def frozen(self) -> bool:
@@ -95,9 +104,11 @@ class Maintenance:
             try:
                 if op.kind == "load_weights":
                     await controller.maintain(LoadWeights(0, op.model_dir))
+                    self.weights_dropped = False
                 if op.kind == "sleep":  # the saved prefixes' states and blocks go with the cache
                     prefix.flush()
                     await controller.drop([], "must_be_absent", evict=prefix.take_evicted())
+                    self.weights_dropped = self.weights_dropped or op.level == 2
                     await controller.maintain(Sleep(0, op.level))
                     self.asleep = set(SLEEP_TAGS)
                 if op.kind == "wake_up" and self.asleep & set(op.tags):

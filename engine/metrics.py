@@ -1,7 +1,10 @@
 """Engine counters and latency histograms, updated by the scheduler tick only.
 
-Every terminal reason is counted, aborts and errors included (vLLM PR 30587). Plain numbers
-so that the HTTP layer can render them in the Prometheus text format.
+Every terminal reason is counted, aborts and errors included (vLLM PR 30587). Plain numbers,
+which http/metrics.py hands to prometheus_client at each scrape: the tick updates them per
+token, where prometheus_client's own metric objects take a lock per update (measured on the
+dev host: an int += 81 ns, Counter.inc 572 ns; our Histogram.observe 209 ns, theirs 1,587),
+and DataParallelEngine adds its replicas' together (`summed_metrics`).
 """
 
 from __future__ import annotations

@@ -113,7 +113,8 @@ class Rejected(_Message, frozen=True, kw_only=True, tag="rejected"):
 
 
 class Dropped(_Message, frozen=True, kw_only=True, tag="dropped"):
-    """Ended by an engine failure: the caller got an error."""
+    """Ended by an engine failure, or by a bound of its own it went past while generating
+    (structured outputs, a stop regex): the caller got an error."""
 
     request_id: int
     output_tokens: int

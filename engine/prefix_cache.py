@@ -111,7 +111,7 @@ class PrefixCache:
     def plan(self, request: Request) -> PromptPlan:
         """Hash the request's prefill (its prompt; after a preemption, with its output) and
         find the prefix it could start from (not yet taken)."""
-        prompt, bs = request.prefill_ids, self.block_size
+        prompt, bs = request.prefill_cache_ids, self.block_size
         if not self.enabled:
             return PromptPlan([], None, 0)
         hashes = self._hashes(prompt)
@@ -262,7 +262,12 @@ class PrefixCache:
             self._end_split(plan)
         shared = end != request.prefill_len and not plan.for_siblings
         return self._record(
-            request, request.prefill_ids, end, plan.hashes[end // self.block_size - 1], shared, keep
+            request,
+            request.prefill_cache_ids,
+            end,
+            plan.hashes[end // self.block_size - 1],
+            shared,
+            keep,
         )
 
     def saves_at_end(self, requests: Iterable[Request]) -> list[SaveOnDrop]:
@@ -286,7 +291,7 @@ class PrefixCache:
         None (not cached, too short, not all its ids known, no id to take, or saved already);
         eviction for its id passes over `keep`."""
         plan, end, bs = self._plans.get(request.request_id), request.num_sent, self.block_size
-        if plan is None or plan.stale or end < bs or (ids := request.sent_ids) is None:
+        if plan is None or plan.stale or end < bs or (ids := request.sent_cache_ids) is None:
             return None
         full = end // bs
         if full <= len(plan.hashes):
@@ -332,7 +337,9 @@ class PrefixCache:
         """A preempted request waits: the prefix its recompute would start from now (where it
         stopped, or its prompt's) is evicted after every other, until it is admitted again."""
         if self.enabled:
-            found = self._longest(request.prefill_ids, self._hashes(request.prefill_ids))
+            found = self._longest(
+                request.prefill_cache_ids, self._hashes(request.prefill_cache_ids)
+            )
             if found is not None:
                 self._awaited[request.request_id] = found.prefix_id
 

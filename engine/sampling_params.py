@@ -20,19 +20,19 @@ penalty > 0; logprobs and prompt_logprobs up to the engine's max_logprobs, 20 by
 - Structured outputs (vLLM's StructuredOutputsParams), at most one of: `guided_choice` (the
   output is one of these strings; at most MAX_GUIDED_CHOICES), `guided_regex` (the whole output
   matches it), `guided_json` (a JSON schema, as JSON text or a dict: the output is a JSON text
-  valid for it), `guided_json_object` (some JSON object), `guided_grammar` (a GBNF or Lark grammar, its
-  recursion bounded: engine/grammar.py), `guided_structural_tag` (JSON text or a dict of
-  structures and triggers: engine/structural_tag.py); `guided_whitespace` is the pattern of
-  the whitespace allowed between JSON tokens (vLLM's whitespace_pattern). engine/guided.py
-  turns the constraint into one pattern (`guide_regex`), and the rank masks every token that
-  cannot continue the output towards a match; where the output is a match the EOS ids stay
-  allowed, and where nothing may follow they alone are (vLLM's grammar too ends with EOS).
-  Any tokenization that spells a match is allowed, as vLLM's. The request ends at that EOS
-  even with ignore_eos (the constraint's end); stop strings, stop_token_ids and max_tokens
-  ("length", the output cut) may end it earlier. Refused with allowed_token_ids, bad_words
-  and min_tokens (masks of their own, whose intersection with the constraint's could leave
-  nothing to sample); logit_bias (finite: the mask still wins), penalties, temperature and
-  the filters act on the allowed tokens, as vLLM's. Logprobs stay raw.
+  valid for it), `guided_json_object` (some JSON object), `guided_grammar` (a GBNF or Lark
+  grammar), `guided_structural_tag` (JSON text or a dict of structures and triggers, or a
+  format: engine/structural_tag.py); `guided_whitespace` is the pattern of the whitespace
+  allowed between JSON tokens (vLLM's whitespace_pattern). They are checked here for their
+  shape only: the engine compiles them (`AsyncEngine.prepare`, engine/guided.py, on
+  llguidance) into `guide_grammar`, and the rank masks every token that cannot continue the
+  output towards a match; where the output is a match the EOS ids stay allowed, and where
+  nothing may follow they alone are (vLLM's grammar too ends with EOS). The request ends at
+  that EOS even with ignore_eos (the constraint's end); stop strings, stop_token_ids and
+  max_tokens ("length", the output cut) may end it earlier. Refused with allowed_token_ids,
+  bad_words and min_tokens (masks of their own, whose intersection with the constraint's could
+  leave nothing to sample); logit_bias (finite: the mask still wins), penalties, temperature
+  and the filters act on the allowed tokens, as vLLM's. Logprobs stay raw.
 - `prompt_logprobs` (vLLM's): the logprob and rank of every prompt token after the first,
   with that many alternatives, of the model's raw distribution (`PromptLogprobsEvent`); such a
   request reuses no saved prefix (its positions' logits are needed).
@@ -48,10 +48,12 @@ import json
 import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, NamedTuple
 
-from deltaserve.engine.guided import guide_pattern
-from deltaserve.engine.stop_regex import MAX_STOP_REGEXES, stop_automaton
-from deltaserve.ipc.messages import SamplingSpec
+from deltaserve.ipc.messages import GuideLimits, SamplingSpec
+
+if TYPE_CHECKING:
+    from deltaserve.engine.guided.stop_regex import StopTemplate
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -73,6 +75,24 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_BAD_WORD_SEQUENCES = 128
 # guided_choice: an alternation of this many strings at most
 MAX_GUIDED_CHOICES = 256
+GUIDED_FIELDS = (  # SamplingParams' field of each constraint kind (engine/guide_grammar.py)
+    ("guided_choice", "choice"),
+    ("guided_regex", "regex"),
+    ("guided_json", "json"),
+    ("guided_json_object", "json_object"),
+    ("guided_grammar", "grammar"),
+    ("guided_structural_tag", "structural_tag"),
+)
+
+
+class Constraint(NamedTuple):
+    """A request's structured-output constraint as the compile worker takes it: `text` is the
+    choices as a JSON list, the regex, the schema's or tag's JSON text, the grammar."""
+
+    field: str
+    kind: str
+    text: str
+    whitespace: str | None
 
 
 def _is_int(value: object) -> bool:
@@ -96,9 +116,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    stop_regex: tuple[
-        str, ...
-    ] = ()  # SGLang's: a match in the output ends it, kept (engine/stop_regex.py)
+    # SGLang's: a match in the output ends it, kept (engine/stop_regex.py)
+    stop_regex: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
@@ -134,8 +153,12 @@ class SamplingParams:
     thinking_end_id: int | None = (
         None  # the </think> token id: set by `resolve_thinking_end` (the engine calls it)
     )
-    # the constraint as one pattern (engine/guided.py), "" for none
-    guide_regex: str = field(init=False, default="")
+    # set by the engine's compile (`AsyncEngine.prepare`, engine/guided.py): the constraint's
+    # llguidance grammar ("" for none; None: not compiled yet), the bounds rank 0 holds it to,
+    # and each stop regex's matcher
+    guide_grammar: str | None = None
+    guide_limits: GuideLimits | None = None
+    stop_regex_templates: tuple[StopTemplate, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -167,14 +190,11 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         if isinstance(self.stop_regex, str):
             object.__setattr__(self, "stop_regex", (self.stop_regex,))
-        if not isinstance(self.stop_regex, tuple | list) or len(self.stop_regex) > MAX_STOP_REGEXES:
-            raise ValueError(
-                f"stop_regex must be at most {MAX_STOP_REGEXES} regexes, got {self.stop_regex!r}"
-            )
-        for pattern in self.stop_regex:
+        if not isinstance(self.stop_regex, tuple | list):
+            raise ValueError(f"stop_regex must be a list of regexes, got {self.stop_regex!r}")
+        for pattern in self.stop_regex:  # their number and size: the engine's bounds
             if not isinstance(pattern, str) or not pattern:
                 raise ValueError(f"stop_regex must hold non-empty strings, got {pattern!r}")
-            stop_automaton(pattern)  # its ValueError names the pattern
         object.__setattr__(self, "stop_regex", tuple(self.stop_regex))
         if isinstance(self.stop_token_ids, str) or not isinstance(
             self.stop_token_ids, tuple | list
@@ -231,12 +251,9 @@ class SamplingParams:
                 _sequences(self.bad_words_token_ids, "bad_words_token_ids"),
             )
         object.__setattr__(self, "guided_choice", _choices(self.guided_choice))
-        if isinstance(self.guided_json, Mapping | bool):
-            object.__setattr__(self, "guided_json", json.dumps(self.guided_json))
-        if isinstance(self.guided_structural_tag, Mapping):
-            object.__setattr__(
-                self, "guided_structural_tag", json.dumps(self.guided_structural_tag)
-            )
+        for name in ("guided_json", "guided_structural_tag"):
+            if isinstance(value := getattr(self, name), Mapping | bool):
+                object.__setattr__(self, name, _json_text(value, name))
         for name in (
             "guided_regex",
             "guided_json",
@@ -248,17 +265,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a string or None, got {getattr(self, name)!r}")
         if not isinstance(self.guided_json_object, bool):
             raise ValueError(f"guided_json_object must be a bool, got {self.guided_json_object!r}")
-        pattern = guide_pattern(
-            self.guided_choice,
-            self.guided_regex,
-            self.guided_json,
-            self.guided_json_object,
-            self.guided_whitespace,
-            self.guided_grammar,
-            self.guided_structural_tag,
-        )
-        object.__setattr__(self, "guide_regex", pattern)
-        if pattern:
+        given = [name for name, _ in GUIDED_FIELDS if getattr(self, name)]
+        if len(given) > 1:
+            raise ValueError(f"give one structured-output constraint, not {' and '.join(given)}")
+        if self.guided_whitespace is not None and not (self.guided_json or self.guided_json_object):
+            raise ValueError("guided_whitespace applies to guided_json and guided_json_object only")
+        if given:
             for name, used in (
                 ("allowed_token_ids", self.allowed_token_ids is not None),
                 ("bad_words", bool(self.bad_words)),
@@ -269,6 +281,32 @@ class SamplingParams:
                     raise ValueError(
                         f"structured outputs (guided_*) cannot be combined with {name}"
                     )
+
+    def constraint(self) -> Constraint | None:
+        """The structured-output constraint given, if any, as the compile worker takes it."""
+        for name, kind in GUIDED_FIELDS:
+            if value := getattr(self, name):
+                text = (
+                    json.dumps(list(value))
+                    if kind == "choice"
+                    else ""
+                    if kind == "json_object"
+                    else value
+                )
+                return Constraint(name, kind, text, self.guided_whitespace)
+        return None
+
+    @property
+    def is_guided(self) -> bool:
+        """A constraint guides the output: its EOS ends it (even with ignore_eos)."""
+        return bool(self.guide_grammar) or self.constraint() is not None
+
+    @property
+    def is_prepared(self) -> bool:
+        """Compiled by the engine (`AsyncEngine.prepare`) where there is anything to compile."""
+        return (self.guide_grammar is not None or self.constraint() is None) and len(
+            self.stop_regex_templates
+        ) == len(self.stop_regex)
 
     def resolve_thinking_end(self, end_id: int | None) -> SamplingParams:
         """These params with the tokenizer's </think> id (`end_id`, None: it has none) where a
@@ -312,6 +350,11 @@ class SamplingParams:
             raise ValueError("bad_words must be tokenized first (tokenize_bad_words)")
         if self.thinking_budget is not None and self.thinking_end_id is None:
             raise ValueError("thinking_budget needs its end token first (resolve_thinking_end)")
+        if not self.is_prepared:
+            raise ValueError(
+                "structured outputs and stop_regex are compiled first: "
+                "params = await engine.prepare(params)"
+            )
         return SamplingSpec(
             seed=seed,
             temperature=float(self.temperature),
@@ -327,8 +370,9 @@ class SamplingParams:
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids or (),
             bad_words=self.bad_words_token_ids or (),
-            guide_regex=self.guide_regex,
-            guide_end_ids=tuple(sorted(eos_token_ids)) if self.guide_regex else (),
+            guide_grammar=self.guide_grammar or "",
+            guide_end_ids=tuple(sorted(eos_token_ids)) if self.guide_grammar else (),
+            guide_limits=self.guide_limits if self.guide_grammar else None,
             think_budget=-1 if self.thinking_budget is None else self.thinking_budget,
             think_end_id=-1 if self.thinking_end_id is None else self.thinking_end_id,
         )
@@ -367,6 +411,18 @@ def _choices(value: object) -> tuple[str, ...]:
             f"guided_choice has {len(choices)} choices; at most {MAX_GUIDED_CHOICES} allowed"
         )
     return choices
+
+
+def _json_text(value: object, name: str) -> str:
+    """A dict (or true/false) given for a JSON field, as JSON text; a value nested past the
+    encoder's recursion is refused here, naming the field (the engine bounds nesting far
+    lower)."""
+    try:
+        return json.dumps(value)
+    except RecursionError:
+        raise ValueError(f"{name} is nested too deep") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} is not JSON: {exc}") from None
 
 
 def _sequences(value: object, name: str) -> tuple[tuple[int, ...], ...]:

@@ -38,7 +38,9 @@ Monitors hook in through `load_listeners` and `lifecycle_listeners` (engine/moni
 every request transition and the engine's failure pass through `_notify`, once each.
 
 Completion commit boundary: a request's last token and its FinishedEvent are delivered only
-after the all-rank drop of its state succeeded. Fail closed: a poisoned replica (or any
+after the all-rank drop of its state succeeded. A request that went past one of its own
+bounds (rank 0 reports it in `SampleColumns.failed`; a stop regex's matcher here) ends the
+same way with an ErrorEvent, alone: that is no replica error. Fail closed: a poisoned replica (or any
 error in the tick) ends every unresolved choice with exactly one ErrorEvent, publishes an idle
 terminal snapshot, and tears the replica down.
 """
@@ -58,6 +60,7 @@ import msgspec
 
 from deltaserve.engine.capacity import CapacityLedger
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.encoder_cache import EncoderCacheIndex
 from deltaserve.engine.events import (
     EngineState,
     ErrorEvent,
@@ -68,7 +71,9 @@ from deltaserve.engine.events import (
     TokenEvent,
     Transition,
 )
+from deltaserve.engine.guided.stop_regex import StopRegexError
 from deltaserve.engine.maintenance import Maintenance
+from deltaserve.engine.media_prompt import chunk_media
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.planner import (
     KvRoom,
@@ -118,6 +123,7 @@ class Scheduler:
         self.prefix = PrefixCache(prefix_states, self.ledger)  # prefix caching: off with no states
         self._reserve_lifetime = reserve_lifetime
         self._watermark_blocks = int(kv_watermark * self.ledger.num_blocks)  # vLLM's rounding
+        self.encoder_index = EncoderCacheIndex()  # the images each rank keeps encoded, alike
         self.maintenance = Maintenance()  # new weights, a cache flush, pauses: between steps
         self.metrics = EngineMetrics()
         self.dead_reason: str | None = None
@@ -248,7 +254,8 @@ class Scheduler:
                                 e.request.prefill_len,
                                 e.request.num_computed,
                                 self.prefix.split_at(r),
-                                len(self.ledger.blocks(r)),
+                                num_blocks=len(self.ledger.blocks(r)),
+                                media=e.request.media_costs,
                             )
                             for r, e in (() if self.maintenance.frozen else self._running.items())
                         ],  # frozen: no step
@@ -538,10 +545,12 @@ class Scheduler:
                     self._admit_tokens(request),
                     spec,
                     prefix.start_of(chunk.request_id),
+                    request.multimodal.vision_spans() if request.multimodal else [],
                     request.output_ids,  # sampled before a preemption: the rank counts them
                 )
             if chunk.grow:
                 self.ledger.grow(chunk.request_id, chunk.grow)
+            media = chunk_media(request.multimodal, chunk, new is not None, self.encoder_index)
             request.mark_sent(chunk.start + chunk.num_tokens)
             items.append(
                 StepItem(
@@ -552,6 +561,7 @@ class Scheduler:
                     new,
                     saves.get(chunk.request_id, -1),
                     *request.prompt_logprobs_fields(chunk.start, chunk.num_tokens, chunk.is_decode),
+                    media,
                     chunk.grow,
                 )
             )
@@ -663,7 +673,10 @@ class Scheduler:
             if chunk.sample:
                 if not chunk.is_decode and not entry.request.output_ids:  # once, resumed or not
                     self.metrics.prompt_tokens_total += entry.request.prompt_len
-                self._commit_sample(entry, samples.sample(row), now)
+                if (failure := samples.failed.get(chunk.request_id)) is not None:
+                    self._end_failed(entry, failure)
+                else:
+                    self._commit_sample(entry, samples.sample(row), now)
 
     def _commit_sample(self, entry: Entry, sample: Sample, now: float) -> None:
         request = entry.request
@@ -680,7 +693,11 @@ class Scheduler:
         else:
             self.metrics.inter_token_latency_s.observe(now - previous)
         token = sample.token_id
-        reason, text = check_stop(request, token, self._eos_token_ids, entry.detokenizer)
+        try:
+            reason, text = check_stop(request, token, self._eos_token_ids, entry.detokenizer)
+        except StopRegexError as exc:
+            self._end_failed(entry, str(exc))
+            return
         if reason is None:
             self._outbox.append((entry, sample, text))  # text None: made in _flush_outbox
             return
@@ -698,6 +715,15 @@ class Scheduler:
             matched_stop(request, token, entry.detokenizer),
         )
         self._hold_until_dropped(request.request_id, [event, finished])
+
+    def _end_failed(self, entry: Entry, message: str) -> None:
+        """A running request went past one of its own bounds: it alone ends, with an
+        ErrorEvent once its state is dropped (as a finished request's)."""
+        request = entry.request
+        request.finish("error")
+        del self._running[request.request_id]
+        event = ErrorEvent(request.index, message, bound=True)
+        self._hold_until_dropped(request.request_id, [event])
 
     def _hold_until_dropped(self, request_id: int, events: list[Event]) -> None:
         """Hold an ended request's events until every rank has dropped its state: by the step
@@ -750,6 +776,8 @@ class Scheduler:
             )
             if isinstance(event, FinishedEvent):
                 self._notify("finished", entry, reason=event.reason)
+            elif event.bound:  # past its own bound while generating
+                self._notify("dropped", entry, message=event.message)
             elif self.dead_reason is None:  # refused at admission: it can never fit
                 self._notify("rejected", entry, reason="invalid", message=event.message)
             else:

@@ -30,7 +30,7 @@ def check_stop(
     params = request.params
     # a guided request's EOS is its constraint's end: it ends even with ignore_eos
     if (
-        (not params.ignore_eos or params.guide_regex) and token in eos_token_ids
+        (not params.ignore_eos or params.guide_grammar) and token in eos_token_ids
     ) or token in params.stop_token_ids:
         return "stop", detokenizer.add(token) if params.include_stop_str_in_output else ""
     at_length = request.num_output_tokens >= params.max_tokens

@@ -7,6 +7,10 @@ stream itself, so a consumer that walks away is noticed however it leaves:
 - `break` out of `async for` and dropping the stream: a weakref finalizer closes the sink.
 A closed sink wakes the tick, whose prune step cancels the requests behind it; its client
 id is free for a new request at once, as after `AsyncEngine.abort`.
+
+A consumer that may fall behind (an HTTP stream whose client stops reading) bounds what waits
+for it (`RequestStream.limit_pending`): past the bound the sink closes itself, so the events
+waiting stay few however long the request would have run.
 """
 
 from __future__ import annotations
@@ -22,7 +26,17 @@ class EventSink:
     """Where the tick puts one generate call's events. `num_open` counts choices that have
     not had their terminal event yet; the sink is resolved when it reaches 0."""
 
-    __slots__ = ("client_id", "request_ids", "queue", "num_open", "closed", "_wake", "_on_resolved")
+    __slots__ = (
+        "client_id",
+        "request_ids",
+        "queue",
+        "num_open",
+        "closed",
+        "max_pending",
+        "_wake",
+        "_on_resolved",
+        "_on_overflow",
+    )
 
     def __init__(
         self,
@@ -36,20 +50,33 @@ class EventSink:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.num_open = len(request_ids)
         self.closed = False
+        self.max_pending: int | None = None  # events that may wait unread (limit_pending)
         self._wake = wake
         self._on_resolved = on_resolved
+        self._on_overflow: Callable[[], None] | None = None
 
     @property
     def resolved(self) -> bool:
         return self.num_open == 0
 
     def put(self, event: Event) -> None:
-        """Deliver an event (tick only). Terminal events count down the open choices."""
+        """Deliver an event (tick only). Terminal events count down the open choices; past
+        `max_pending` unread events the sink closes (its requests are cancelled) and the
+        consumer's overflow callback runs soon after, on the loop, never inside the tick."""
         self.queue.put_nowait(event)
         if isinstance(event, FinishedEvent | ErrorEvent):
             self.num_open -= 1
             if self.num_open == 0:
                 self._on_resolved(self)
+        elif self.max_pending is not None and self.queue.qsize() > self.max_pending:
+            self.max_pending = None
+            self.close()
+            if self._on_overflow is not None:
+                asyncio.get_running_loop().call_soon(self._on_overflow)
+
+    def limit_pending(self, max_events: int, on_overflow: Callable[[], None]) -> None:
+        self.max_pending = max_events
+        self._on_overflow = on_overflow
 
     def close(self) -> None:
         """The consumer left; idempotent, callable from a finalizer."""
@@ -90,6 +117,12 @@ class RequestStream:
         if isinstance(event, FinishedEvent | ErrorEvent):
             self._num_open -= 1
         return event
+
+    def limit_pending(self, max_events: int, on_overflow: Callable[[], None]) -> None:
+        """Bound the events that may wait unread: once more than `max_events` wait (the
+        consumer stopped reading), the stream ends as `aclose` ends it and `on_overflow()`
+        runs on the loop."""
+        self._sink.limit_pending(max_events, on_overflow)
 
     async def aclose(self) -> None:
         """Stop listening; choices still running are cancelled. Idempotent."""

@@ -102,6 +102,16 @@ def engine_dead(reason: str | None) -> ApiError:
     )
 
 
+def no_weights() -> ApiError:
+    return ApiError(
+        503,
+        "no weights loaded: a level-2 sleep discarded them; load new ones "
+        "(POST /update_weights_from_disk) before generating",
+        type="service_unavailable",
+        code="no_weights",
+    )
+
+
 def shutting_down() -> ApiError:
     return ApiError(
         503,

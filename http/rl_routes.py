@@ -2,13 +2,18 @@
 from a checkpoint folder, pausing and resuming generation around them, forgetting the saved
 prompt states, and sleep mode (the GPU memory given to a trainer between rollouts).
 AsyncEngine.update_weights, pause, resume, flush_cache, sleep and wake_up do the work
-(engine/maintenance.py); every route here but /is_paused and /is_sleeping needs the API key.
-An engine that died meanwhile is the server's 503 (its error middleware).
+(engine/maintenance.py). An engine that died meanwhile is the server's 503 (its error
+middleware).
+
+The admin routes: routed only when the server was started with the flag that enables them
+(`--enable-admin-routes`, as vLLM's VLLM_SERVER_DEV_MODE; `--enable-sleep-mode` for sleep
+mode's, as vLLM's), and then behind the admin key, else the API key (http/auth.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -19,6 +24,7 @@ from deltaserve.http.json_fields import json_object, opt_bool, opt_str
 from deltaserve.http.protocol import _refuse_non_defaults, _refuse_unknown
 from deltaserve.http.request_body import read_json
 from deltaserve.http.server import STATE, _json
+from deltaserve.http.server_config import ServerConfig
 
 # update_weights_from_disk's fields taken only at the value that is how deltaserve works
 _UPDATE_DEFAULTS = {
@@ -28,23 +34,34 @@ _UPDATE_DEFAULTS = {
     "torch_empty_cache": False,
 }
 _SGLANG_PAUSE_MODES = {"abort": "abort", "in_place": "keep"}  # SGLang's "retract" has no equal here
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
-def add_routes(app: web.Application) -> None:
-    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)  # SGLang's
-    for path in ("/flush_cache", "/reset_prefix_cache"):  # SGLang's, vLLM's
-        app.router.add_route("GET", path, flush_cache)
-        app.router.add_route("POST", path, flush_cache)
-    app.router.add_post("/pause", pause)  # vLLM's
-    app.router.add_post("/resume", resume)
-    app.router.add_get("/is_paused", is_paused)
-    app.router.add_post("/pause_generation", pause_generation)  # SGLang's
-    app.router.add_post("/continue_generation", continue_generation)
-    app.router.add_post("/sleep", sleep)  # vLLM's
-    app.router.add_post("/wake_up", wake_up)
-    app.router.add_get("/is_sleeping", is_sleeping)
-    app.router.add_post("/release_memory_occupation", release_memory_occupation)  # SGLang's
-    app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
+def _routed(config: ServerConfig) -> dict[str, tuple[tuple[str, ...], Handler]]:
+    return {
+        **(_ADMIN_ROUTES if config.enable_admin_routes else {}),
+        **(_SLEEP_ROUTES if config.enable_sleep_mode else {}),
+    }
+
+
+def admin_paths(config: ServerConfig) -> frozenset[str]:
+    """The paths routed here under `config`: each needs the admin key (http/auth.py)."""
+    return frozenset(_routed(config))
+
+
+def why_not_routed(path: str, config: ServerConfig) -> str | None:
+    """For a 404: the flag that would route `path`, when it is one of ours."""
+    if path in _ADMIN_ROUTES and not config.enable_admin_routes:
+        return "admin routes are off (--enable-admin-routes)"
+    if path in _SLEEP_ROUTES and not config.enable_sleep_mode:
+        return "sleep mode is off (--enable-sleep-mode)"
+    return None
+
+
+def add_routes(app: web.Application, config: ServerConfig) -> None:
+    for path, (methods, handler) in _routed(config).items():
+        for method in methods:
+            app.router.add_route(method, path, handler)
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -62,7 +79,14 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         raise errors.bad_request(
             "model_path is required: a checkpoint folder of the served model", "model_path"
         )
-    state.check_admitting()
+    root = state.config.allowed_weights_root
+    if root is not None and not Path(model_path).resolve().is_relative_to(Path(root).resolve()):
+        raise errors.bad_request(
+            f"model_path {model_path!r} is outside --allowed-weights-root {root!r} (after "
+            "symbolic links are followed): new weights load only from under it",
+            "model_path",
+        )
+    state.check_alive()
     try:
         await state.engine.update_weights(
             model_path, abort_running=opt_bool(body, "abort_all_requests", default=False)
@@ -79,7 +103,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     """SGLang's /flush_cache and vLLM's /reset_prefix_cache: forget the saved prompt states,
     only while no request runs or waits (else 400)."""
     state = request.app[STATE]
-    state.check_admitting()
+    state.check_alive()
     load = state.engine.load()
     if load.running or load.waiting:
         return web.Response(
@@ -107,7 +131,7 @@ async def pause(request: web.Request) -> web.Response:
     if clear not in ("true", "false"):
         raise errors.bad_request(f"clear_cache must be true or false, got {clear!r}", "clear_cache")
     state = request.app[STATE]
-    state.check_admitting()
+    state.check_alive()
     await state.engine.pause(mode, clear_cache=clear == "true")
     return _json({"status": "paused"})
 
@@ -132,7 +156,7 @@ async def pause_generation(request: web.Request) -> web.Response:
             "mode", f"'abort' or 'in_place' (running requests kept where they are), got {mode!r}"
         )
     state = request.app[STATE]
-    state.check_admitting()
+    state.check_alive()
     await state.engine.pause(_SGLANG_PAUSE_MODES[mode], clear_cache=False)
     return _json({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -199,11 +223,30 @@ async def _maintain_or_400(
 ) -> None:
     """`call(engine)`; its ValueError (a tag unknown, asleep already, ...) is a 400 naming `param`."""
     state = request.app[STATE]
-    state.check_admitting()
+    state.check_alive()
     try:
         await call(state.engine)
     except ValueError as exc:
         raise errors.bad_request(str(exc), param) from None
 
 
-__all__ = ["add_routes"]
+# path -> its methods and handler, each group behind the flag that routes it (add_routes)
+_ADMIN_ROUTES = {
+    "/update_weights_from_disk": (("POST",), update_weights_from_disk),  # SGLang's
+    "/flush_cache": (("GET", "POST"), flush_cache),  # SGLang's
+    "/reset_prefix_cache": (("GET", "POST"), flush_cache),  # vLLM's
+    "/pause": (("POST",), pause),  # vLLM's
+    "/resume": (("POST",), resume),
+    "/is_paused": (("GET",), is_paused),
+    "/pause_generation": (("POST",), pause_generation),  # SGLang's
+    "/continue_generation": (("POST",), continue_generation),
+}
+_SLEEP_ROUTES = {
+    "/sleep": (("POST",), sleep),  # vLLM's
+    "/wake_up": (("POST",), wake_up),
+    "/is_sleeping": (("GET",), is_sleeping),
+    "/release_memory_occupation": (("POST",), release_memory_occupation),  # SGLang's
+    "/resume_memory_occupation": (("POST",), resume_memory_occupation),
+}
+
+__all__ = ["add_routes", "admin_paths", "why_not_routed"]

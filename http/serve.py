@@ -26,6 +26,7 @@ from pathlib import Path
 
 import deltaserve
 from deltaserve.engine.config import FP8_WEIGHTS, KV_CACHE_DTYPES, MAMBA_SSM_CACHE_DTYPES
+from deltaserve.http.access_flags import access_config, add_access_flags
 from deltaserve.http.listen import (
     Listen,
     add_listen_flags,
@@ -84,20 +85,6 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         example = '{"enable_thinking": false}'
         raise argparse.ArgumentTypeError(f"must be a JSON object such as '{example}', got {text!r}")
-    return value
-
-
-def _json_list(text: str) -> list[str]:
-    """--allowed-origins, --allowed-methods, --allowed-headers: a JSON list, as vLLM reads them."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        example = '["http://localhost:3000"]'
-        raise argparse.ArgumentTypeError(
-            f"must be a JSON list of strings such as '{example}', got {text!r}"
-        )
     return value
 
 
@@ -253,6 +240,28 @@ def build_parser() -> argparse.ArgumentParser:
         "(engine/prefix_cache.py); off by default",
     )
     eng.add_argument(
+        "--limit-mm-per-prompt",
+        type=_json_object("--limit-mm-per-prompt"),
+        default=None,
+        metavar="JSON",
+        help='images and videos a prompt may hold, as vLLM\'s: \'{"image": 4, "video": 1}\' '
+        "(default: 16 images, 2 videos)",
+    )
+    eng.add_argument(
+        "--mm-processor-kwargs",
+        type=_json_object("--mm-processor-kwargs"),
+        default=None,
+        metavar="JSON",
+        help="the checkpoint's image and video processors' settings, as vLLM's: min_pixels, "
+        "max_pixels (each image and frame resized into them), fps, num_frames",
+    )
+    eng.add_argument(
+        "--allowed-local-media-path",
+        default="",
+        metavar="DIR",
+        help="file:// image and video urls may name files under DIR (default: none may)",
+    )
+    eng.add_argument(
         "--prefix-cache-states",
         type=int,
         default=None,
@@ -338,6 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds for every rank to load",
     )
     eng.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        help="vLLM's: structured outputs' engine and bounds, as JSON or comma-separated "
+        f"key=value pairs; the fields and their defaults: {_structured_defaults()} "
+        "(engine/structured_config.py). backend auto and guidance: llguidance",
+    )
+    eng.add_argument(
         "--monitor-endpoint",
         default="auto",
         help="ZeroMQ PUB endpoint for monitors (deltaserve monitor ENDPOINT; "
@@ -400,41 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free)")
     add_listen_flags(srv)
-    srv.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on the /v1 routes (as vLLM: "
-        "/health, /metrics and /version stay open)",
-    )
-    # CORS, as vLLM's flags (JSON lists; a str default goes through `type` too)
-    srv.add_argument(
-        "--allowed-origins",
-        type=_json_list,
-        default='["*"]',
-        metavar="JSON",
-        help='CORS: the origins browser pages may call from; "*": any',
-    )
-    srv.add_argument(
-        "--allowed-methods",
-        type=_json_list,
-        default='["*"]',
-        metavar="JSON",
-        help='CORS: the methods they may use; "*": any',
-    )
-    srv.add_argument(
-        "--allowed-headers",
-        type=_json_list,
-        default='["*"]',
-        metavar="JSON",
-        help='CORS: the request headers they may send; "*": any',
-    )
-    srv.add_argument(
-        "--allow-credentials",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="CORS: browsers may send cookies and credentials (the Origin is then "
-        'echoed, never "*"), as vLLM\'s flag',
-    )
+    add_access_flags(p.add_argument_group("access (keys, admin routes, hosts, CORS)"))
     srv.add_argument(
         "--shutdown-timeout",
         type=_seconds,
@@ -446,6 +428,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=8 * 2**20,
         help="largest accepted request body (HTTP 413 beyond)",
+    )
+    srv.add_argument(
+        "--max-pending-stream-events",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a streamed request is aborted once over N events per choice wait for a client "
+        "that does not read them (counted in /metrics); default: 1024",
     )
     srv.add_argument(
         "--log-level",
@@ -613,9 +603,13 @@ def _server_config(args: argparse.Namespace):  # -> ServerConfig
     from deltaserve.engine.tokenizer import load_chat_template
     from deltaserve.http.server import ServerConfig
 
+    stream_bound = (
+        {}
+        if args.max_pending_stream_events is None
+        else {"max_pending_stream_events": args.max_pending_stream_events}
+    )
     return ServerConfig(
         served_model_name=args.served_model_name or [args.model],
-        api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
         generation_config=args.generation_config,
         chat_template=args.chat_template and load_chat_template(args.chat_template),
@@ -626,15 +620,24 @@ def _server_config(args: argparse.Namespace):  # -> ServerConfig
         tool_call_parser=args.tool_call_parser,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        allowed_origins=args.allowed_origins,
-        allowed_methods=args.allowed_methods,
-        allowed_headers=args.allowed_headers,
-        allow_credentials=args.allow_credentials,
+        **access_config(args),
+        **stream_bound,
     )
+
+
+def _structured_defaults() -> str:
+    from dataclasses import fields
+
+    from deltaserve.engine.structured_config import StructuredOutputsConfig
+
+    return ",".join(f"{f.name}={f.default}" for f in fields(StructuredOutputsConfig))
 
 
 def _engine_config(args: argparse.Namespace):  # -> EngineConfig
     from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.structured_config import StructuredOutputsConfig
+
+    structured = args.structured_outputs_config
 
     return EngineConfig(
         model=args.model,
@@ -667,7 +670,36 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         step_timeout_s=args.step_timeout_s,
         startup_timeout_s=args.startup_timeout_s,
         monitor_endpoint=None if args.monitor_endpoint == "off" else args.monitor_endpoint,
+        structured_outputs=StructuredOutputsConfig.parse(structured)
+        if structured
+        else StructuredOutputsConfig(),
+        media=_media_config(args),
     )
+
+
+def _media_config(args: argparse.Namespace):  # -> MediaConfig
+    from deltaserve.engine.media import DEFAULT_LIMITS, MediaConfig
+
+    return MediaConfig(
+        limits={**DEFAULT_LIMITS, **(args.limit_mm_per_prompt or {})},
+        processor_kwargs=args.mm_processor_kwargs or {},
+        allowed_local_media_path=args.allowed_local_media_path,
+    )
+
+
+def _json_object(flag: str):
+    """An argparse type: a JSON object, else an error naming the flag."""
+
+    def parse(value: str) -> dict:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON object, got {value!r:.60}")
+        return parsed
+
+    return parse
 
 
 async def _start_engine(
@@ -799,6 +831,13 @@ async def _serve(args: argparse.Namespace, listen: Listen, server_config, engine
         except OSError as exc:
             log.error("cannot listen on %s: %s", args.uds or f"{args.host}:{args.port}", exc)
             return 1
+        if (server_config.enable_admin_routes or server_config.enable_sleep_mode) and (
+            server_config.admin_api_key is None and server_config.api_key is None
+        ):
+            log.warning(
+                "admin routes are on and need no key: any client that reaches the server can "
+                "load weights, pause or put it to sleep (--admin-api-key or --api-key)"
+            )
         log.info(
             "ready: serving '%s' at %s/v1 (health: /health, metrics: /metrics, monitor: %s)",
             "', '".join(server_config.served_model_name),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import logging
 import random
 import time
@@ -30,16 +29,20 @@ from deltaserve.engine.events import (
     EngineDeadError,
     ErrorEvent,
     FinishedEvent,
+    NoWeightsError,
     PromptLogprobsEvent,
     QueueFullError,
     TokenEvent,
 )
+from deltaserve.engine.media_prompt import MultimodalPrompt
 from deltaserve.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from deltaserve.engine.tokenizer import generation_sampling_defaults
 from deltaserve.http import errors
+from deltaserve.http.auth import ApiKeys
 from deltaserve.http.beam_completions import beam_chat_choices, beam_completions
 from deltaserve.http.cors import Cors
 from deltaserve.http.errors import ApiError
+from deltaserve.http.media_parts import media_sources
 from deltaserve.http.metrics import render_metrics
 from deltaserve.http.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -51,6 +54,7 @@ from deltaserve.http.protocol import (
 )
 from deltaserve.http.reasoning import ReasoningParser, check_include_reasoning
 from deltaserve.http.request_body import read_json
+from deltaserve.http.request_guard import RequestGuard
 from deltaserve.http.responses import (
     ChatFormatter,
     ChoiceState,
@@ -82,6 +86,8 @@ class ServerState:
         self.strings = TokenStrings(engine.tokenizer, config.return_tokens_as_token_ids)
         self.created = int(time.time())
         self.draining = False  # set by the serve command on SIGTERM
+        # streamed requests aborted for a client that stopped reading (`_respond`)
+        self.stream_overflows = 0
         self.weight_version = (
             "default"  # SGLang's name for the weights served (/update_weights_from_disk)
         )
@@ -110,11 +116,19 @@ class ServerState:
             raise errors.model_not_found(requested, "', '".join(names))
         return requested
 
-    def check_admitting(self) -> None:
+    def check_alive(self) -> None:
+        """503 when the engine is dead or the server drains (what an admin route asks)."""
         if self.engine.is_dead:
             raise errors.engine_dead(self.engine.dead_reason)
         if self.draining:
             raise errors.shutting_down()
+
+    def check_admitting(self) -> None:
+        """`check_alive`, and 503 while the weights are gone (a level-2 sleep discards
+        them until new ones load): what a route that generates, and /health, ask."""
+        self.check_alive()
+        if self.engine.weights_dropped:
+            raise errors.no_weights()
 
 
 STATE = web.AppKey("deltaserve_state", ServerState)
@@ -122,17 +136,30 @@ STATE = web.AppKey("deltaserve_state", ServerState)
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     """Serve it with `start_server` (or an AppRunner with handler_cancellation=True), so
-    that a client's disconnect cancels its requests. CORS first: preflights need no key (as
-    in vLLM); its signal gives every response its headers (errors, 401s, SSE streams)."""
+    that a client's disconnect cancels its requests. The checks, in order: the Host
+    (request_guard.py), CORS preflights (no key: a browser sends none, as in vLLM), the
+    site a request comes from, the key (auth.py), the body's type; the CORS signal gives
+    every response its headers (errors, 401s, SSE streams)."""
+    from deltaserve.http import rl_routes
+
     cors = Cors(
         config.allowed_origins,
         config.allowed_methods,
         config.allowed_headers,
         config.allow_credentials,
     )
+    guard = RequestGuard(config.allowed_hosts, cors)
+    keys = ApiKeys(config.api_key, config.admin_api_key, rl_routes.admin_paths(config))
     app = web.Application(
         client_max_size=config.max_request_bytes,
-        middlewares=[cors.middleware, _error_middleware, _auth_middleware],
+        middlewares=[
+            _error_middleware,
+            guard.check_host,
+            cors.middleware,
+            guard.check_site,
+            keys.middleware,
+            guard.check_body,
+        ],
     )
     app.on_response_prepare.append(cors.on_response_prepare)
     app[STATE] = ServerState(engine, config)
@@ -146,7 +173,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     from deltaserve.http import (
         anthropic_routes,
         responses_routes,
-        rl_routes,
         sglang_routes,
         tokenize_routes,
     )
@@ -155,7 +181,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     responses_routes.add_routes(app)  # /v1/responses
     anthropic_routes.add_routes(app)  # /v1/messages
     sglang_routes.add_routes(app)  # SGLang's /generate, /abort_request, /get_model_info, ...
-    rl_routes.add_routes(app)  # new weights, pauses, a cache flush (vLLM's and SGLang's)
+    rl_routes.add_routes(app, config)  # new weights, pauses, a cache flush, sleep: opt-in
     return app
 
 
@@ -179,6 +205,8 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
         return _error_response(
             errors.engine_dead(request.app[STATE].engine.dead_reason or str(exc))
         )
+    except NoWeightsError:  # a level-2 sleep came between the route's check and its submission
+        return _error_response(errors.no_weights())
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -188,6 +216,10 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
         message = exc.text or exc.reason
         if exc.status == 404:
             message = f"no route {request.method} {request.path}"
+            from deltaserve.http.rl_routes import why_not_routed  # it imports this module
+
+            if (why := why_not_routed(request.path, request.app[STATE].config)) is not None:
+                message += f": {why}"
         elif exc.status == 413:
             limit = request.app[STATE].config.max_request_bytes
             message = f"request body too large: the limit is {limit} bytes"
@@ -197,47 +229,6 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return _error_response(_internal_error())
-
-
-# path prefixes that need the key
-_GUARDED = (
-    "/v1",
-    "/invocations",
-    "/generate",
-    "/abort_request",
-    "/update_weights_from_disk",
-    "/flush_cache",
-    "/reset_prefix_cache",
-    "/pause",
-    "/resume",
-    "/continue_generation",
-    "/sleep",
-    "/wake_up",
-    "/release_memory_occupation",
-    "/resume_memory_occupation",
-)
-
-
-@web.middleware
-async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """As vLLM: the key guards the paths under /v1 (/health, /metrics, /version stay open to
-    probes and scrapers); unlike vLLM's, /invocations too, which generates, and SGLang's
-    routes that generate or change the engine (_GUARDED). By the path and
-    by the route it resolved to, so no spelling of a /v1 path reaches its handler without
-    the key. Given as `Authorization: Bearer KEY`, or as Anthropic's clients send it,
-    `x-api-key: KEY`."""
-    key = request.app[STATE].config.api_key
-    resource = request.match_info.route.resource
-    paths = (request.path, resource.canonical if resource is not None else "")
-    if key is not None and any(p.startswith(_GUARDED) for p in paths):
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key")
-        # as bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500)
-        if given is None or not hmac.compare_digest(
-            given.encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape")
-        ):
-            raise errors.unauthorized()
-    return await handler(request)
 
 
 # ---- simple routes -----------------------------------------------------------------------
@@ -276,10 +267,18 @@ async def models(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    text = render_metrics(state.engine, state.config.served_model_name[0])  # as vLLM: the first
-    return web.Response(
-        body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    front = (
+        (
+            "deltaserve:stream_overflow_aborts_total",
+            "Streamed requests aborted because their client stopped reading "
+            "(--max-pending-stream-events).",
+            state.stream_overflows,
+        ),
     )
+    body, content_type = render_metrics(  # as vLLM: the first served name
+        state.engine, state.config.served_model_name[0], request.headers.get("Accept"), front
+    )
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 # ---- generation routes -------------------------------------------------------------------
@@ -378,7 +377,8 @@ async def open_chat(
     )
     state.check_admitting()
     template_kwargs = {**state.config.default_chat_template_kwargs, **req.chat_template_kwargs}
-    prompt_ids = await _apply_chat_template(
+    sources = media_sources(req.messages)
+    rendered = await _apply_chat_template(
         state.engine,
         req.messages,
         template_kwargs,
@@ -387,11 +387,27 @@ async def open_chat(
         tools=req.tools,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
+        text_only=bool(sources),
     )
     max_tokens = req.sampling.max_tokens
-    prompt_ids = truncate_prompt(
-        prompt_ids, req.truncate_prompt_tokens, max_tokens, state.engine.max_model_len
-    )
+    prompt: list[int] | MultimodalPrompt
+    if sources:  # images or video: fetched, preprocessed and placed (engine/media.py)
+        if req.truncate_prompt_tokens is not None or req.beam_search:
+            raise errors.unsupported(
+                "use_beam_search" if req.beam_search else "truncate_prompt_tokens",
+                "not with images or video in the messages",
+            )
+        try:
+            prompt = await state.engine.media_prompt(rendered, sources)
+        except EngineDeadError as exc:
+            raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
+        except ValueError as exc:  # MediaError: names the part
+            raise errors.bad_request(str(exc), "messages") from None
+        prompt_ids = list(prompt.ids)
+    else:
+        prompt_ids = prompt = truncate_prompt(
+            rendered, req.truncate_prompt_tokens, max_tokens, state.engine.max_model_len
+        )
     if max_tokens is None:  # as vLLM: whatever context (or, if smaller, KV cache) the prompt leaves
         max_tokens = max(1, state.engine.longest_sequence - len(prompt_ids))
     params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs", seeds=state.seeds)
@@ -425,7 +441,7 @@ async def open_chat(
         ]
     streams = await _open_streams(
         state,
-        [prompt_ids],
+        [prompt],
         [params],
         request_id,
         prompt_param="messages",
@@ -477,10 +493,12 @@ async def _apply_chat_template(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
-) -> list[int]:
+    text_only: bool = False,
+) -> Any:
     """The prompt's token ids: the template (`chat_template`, else the tokenizer's) rendered
     with the request's `tools` and tokenized, off the event loop when the request (`size`
-    bytes, which bounds what the template sees) is large. The flags: /tokenize's (vLLM's)."""
+    bytes, which bounds what the template sees) is large. The flags: /tokenize's (vLLM's).
+    `text_only`: the rendered text, untokenized (images' placeholders are expanded later)."""
     for key in kwargs:
         if key in RESERVED_TEMPLATE_KWARGS:
             raise errors.unsupported(f"chat_template_kwargs.{key}", "reserved by the server")
@@ -506,7 +524,7 @@ async def _apply_chat_template(
             raise errors.bad_request(
                 f"the chat template rejected the messages: {exc}", "messages"
             ) from None
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return text if text_only else tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     try:
         return await engine.run_tokenizer(render, size)
@@ -534,7 +552,14 @@ async def _open_streams(
     id, where the client named them (else `request_id`, numbered when there are several)."""
     streams: list[Any] = []
     try:
-        prompts = [fit(await state.engine.encode(p) if isinstance(p, str) else p) for p in prompts]
+        # structured outputs and stop regexes compiled (off the loop; each text once)
+        params = [await state.engine.prepare(p) for p in params]
+        prompts = [
+            p
+            if isinstance(p, MultimodalPrompt)
+            else fit(await state.engine.encode(p) if isinstance(p, str) else p)
+            for p in prompts
+        ]
         if len(prompts) > 1:  # all or none: no stream opened to be closed (counted an abort)
             state.engine.check(prompts, params, request_id)
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -567,16 +592,18 @@ async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
         async for ev in streams[0]:
             yield 0, ev
         return
-    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    # bounded: a consumer that stops reading leaves the events waiting in the streams, whose
+    # own bound (limit_pending) then ends them
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue(len(streams))
 
     async def pump(i: int, stream: Any) -> None:
         try:
             async for ev in stream:
-                queue.put_nowait((i, ev, None))
+                await queue.put((i, ev, None))
         except Exception as exc:
-            queue.put_nowait((i, None, exc))
+            await queue.put((i, None, exc))
             return
-        queue.put_nowait((i, None, None))
+        await queue.put((i, None, None))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -596,8 +623,11 @@ async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Any]]:
 
 
 class _RequestFailed(Exception):
-    def __init__(self, err: ApiError) -> None:
+    """`last_chunk`: what a stream sends before the error (its choice's finish)."""
+
+    def __init__(self, err: ApiError, last_chunk: Any = None) -> None:
         self.err = err
+        self.last_chunk = last_chunk
 
 
 def _terminal_error(state: ServerState, ev: Any) -> ApiError:
@@ -615,6 +645,8 @@ def _terminal_error(state: ServerState, ev: Any) -> ApiError:
         return ApiError(
             503, f"the request was aborted: {why}", type="service_unavailable", code="aborted"
         )
+    if ev.bound:  # it went past one of its own bounds while generating: a client error
+        return ApiError(400, ev.message, type="invalid_request_error", code="bound_exceeded")
     return ApiError(
         500, f"the request failed: {ev.message}", type="internal_error", code="request_failed"
     )
@@ -634,8 +666,28 @@ async def _respond(
         for ids in (streams[i // n].prompt_token_ids for i in range(len(streams) * n))
     ]
     response: web.StreamResponse | None = None
+    overflowed = False
+
+    def overflow() -> None:
+        """A stream's client read none of its last events: the request is aborted, its
+        connection closed (which ends a write waiting on it), counted once."""
+        nonlocal overflowed
+        if overflowed:
+            return
+        overflowed = True
+        state.stream_overflows += 1
+        log.warning(
+            "%s: aborted: over %d events per choice waited for a client that does not read",
+            formatter.id,
+            state.config.max_pending_stream_events,
+        )
+        if request.transport is not None:
+            request.transport.abort()
+
     try:
         if stream:
+            for s in streams:
+                s.limit_pending(state.config.max_pending_stream_events * n, overflow)
             response = web.StreamResponse(
                 # the charset, as OpenAI and vLLM send it: clients that decode by the header
                 # (requests) read text/* without one as Latin-1
@@ -658,6 +710,8 @@ async def _respond(
                     await response.write(formatter.encode(chunk))
         finally:
             await events.aclose()
+        if overflowed:  # its streams ended early: not a complete answer
+            raise ConnectionResetError("aborted: the client stopped reading")
         prompt_tokens = sum(states[p * n].prompt_tokens for p in range(len(streams)))
         cached = sum(states[p * n].cached_tokens for p in range(len(streams)))
         usage_json = usage(
@@ -673,6 +727,8 @@ async def _respond(
     except _RequestFailed as failed:
         if response is None:
             raise failed.err from None
+        if failed.last_chunk is not None:
+            await response.write(formatter.encode(failed.last_chunk))
         await _end_with_error(response, formatter.stream_error(failed.err))
         return response
     except ConnectionResetError:  # the client went away mid-write: cancelled in `finally`
@@ -728,5 +784,11 @@ def _apply(
         choice.output_tokens = ev.output_tokens
         return formatter.finish(idx, ev, choice)
     if isinstance(ev, ErrorEvent):
-        raise _RequestFailed(_terminal_error(state, ev))
+        last = None
+        if ev.bound and isinstance(formatter, CompletionFormatter | ChatFormatter):
+            # the choice ends with finish_reason "error", then the error names the bound
+            choice.finish_reason = "error"
+            ended = FinishedEvent(ev.index, "error", choice.prompt_tokens, choice.output_tokens, "")
+            last = formatter.finish(idx, ended, choice)
+        raise _RequestFailed(_terminal_error(state, ev), last)
     raise TypeError(f"unexpected engine event {type(ev).__name__}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from deltaserve.engine.sampling_params import SEED_MAX, SEED_MIN
@@ -14,6 +15,9 @@ from deltaserve.http.reasoning import REASONING_PARSERS
 from deltaserve.http.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+# events a streamed request may have waiting for a client that does not read, per choice;
+# past it the request is aborted (http/server.py, `_respond`)
+DEFAULT_MAX_PENDING_STREAM_EVENTS = 1024
 # Keys a client may not pass through chat_template_kwargs: they would change what the call
 # returns or replace the template itself, or are apply_chat_template's tokenizer options
 # (truncation, max_length, ...), which it ignores with tokenize=False: refused, not dropped.
@@ -45,6 +49,18 @@ class ServerConfig:
 
     served_model_name: str | Sequence[str]
     api_key: str | None = None
+    # the admin routes' key (SGLang's --admin-api-key); None: they take api_key
+    admin_api_key: str | None = None
+    # routed only when enabled (http/rl_routes.py): new weights, pauses, the cache flush
+    # (vLLM's VLLM_SERVER_DEV_MODE), and sleep mode (vLLM's --enable-sleep-mode)
+    enable_admin_routes: bool = False
+    enable_sleep_mode: bool = False
+    # the Host names served (http/request_guard.py); None: on loopback connections only IP
+    # addresses, localhost and this machine's name (DNS rebinding)
+    allowed_hosts: Sequence[str] | None = None
+    # /update_weights_from_disk reads only checkpoint folders under this one; None: any
+    allowed_weights_root: str | None = None
+    max_pending_stream_events: int = DEFAULT_MAX_PENDING_STREAM_EVENTS
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     # "auto": generation_config.json's sampling settings are the requests' defaults, as in
     # `vllm serve`; "vllm": ignored (vLLM's flag and values)
@@ -69,9 +85,9 @@ class ServerConfig:
     # logprobs name tokens "token_id:{id}" in requests that leave return_tokens_as_token_ids
     # out (vLLM's flag: a request's own value wins)
     return_tokens_as_token_ids: bool = False
-    # CORS for browser front-ends (http/cors.py), vLLM's flags and defaults: lists of strings,
-    # "*" for any; held as tuples
-    allowed_origins: Sequence[str] = ("*",)
+    # CORS for browser front-ends (http/cors.py), vLLM's flags: lists of strings, "*" for
+    # any; held as tuples. No origin by default (vLLM's is "*"): cross-site calls are refused
+    allowed_origins: Sequence[str] = ()
     allowed_methods: Sequence[str] = ("*",)
     allowed_headers: Sequence[str] = ("*",)
     allow_credentials: bool = False
@@ -84,8 +100,20 @@ class ServerConfig:
                 f"served_model_name must be non-empty strings, got {self.served_model_name!r}"
             )
         object.__setattr__(self, "served_model_name", names)
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must be non-empty when given")
+        for name in ("api_key", "admin_api_key"):
+            if getattr(self, name) is not None and not getattr(self, name):
+                raise ValueError(f"{name} must be non-empty when given")
+        if self.allowed_hosts is not None:
+            object.__setattr__(
+                self, "allowed_hosts", cors_list("allowed_hosts", self.allowed_hosts)
+            )
+        root = self.allowed_weights_root
+        if root is not None and not Path(root).is_dir():
+            raise ValueError(f"allowed_weights_root {root!r} is not a directory")
+        if self.max_pending_stream_events < 1:
+            raise ValueError(
+                f"max_pending_stream_events must be >= 1, got {self.max_pending_stream_events}"
+            )
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.generation_config not in ("auto", "vllm"):

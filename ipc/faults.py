@@ -2,9 +2,9 @@
 
 One rank (`rank`) misbehaves in one way (`kind`) at one command: the command with sequence
 number `at_seq`, the `at_step`-th RunUnifiedStep or the `at_drop`-th DropRequests (1-based;
-a preemption's drop, where nothing ended before it). The rank's serve loop makes one
-check per command (`fires`) and calls the helpers below only when it fires, so fault code
-stays out of the hot path.
+a preemption's drop, where nothing ended before it). A rank with a plan runs the
+test harness (ipc/rank_harness.py: the serve loop with the faults attached from outside); it
+checks each command (`fires`) and calls the helpers below when the plan fires.
 
 Kinds:
 - die_before_receipt: exit after the command arrives, before recording receipt in the gate.

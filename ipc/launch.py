@@ -1,6 +1,7 @@
 """Rank processes: the rank's whole configuration, the spawn, the kill; freeing a replica.
 
-A rank is `python -m deltaserve.ipc.rank_main`, its `RankConfig` msgspec-encoded on stdin
+A rank is `python -m deltaserve.ipc.rank_main` (ipc/rank_harness.py under a test's fault plan
+or journal), its `RankConfig` msgspec-encoded on stdin
 (no pickle, no fork of the event-loop process's state). The controller keeps a pidfd per rank
 to notice its death from the event loop.
 """
@@ -57,7 +58,8 @@ class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     noop_step_s: float = (
         0.0  # the no-op executor sleeps this long per step (a stand-in for the GPU)
     )
-    journal_path: str | None = None  # tests: append-only log of gated commands
+    # tests only: either one starts the rank in the harness (ipc/rank_harness.py)
+    journal_path: str | None = None  # append-only log of gated commands
     fault: FaultPlan | None = None
     log_level: int = 20  # the server's deltaserve logger level (logging.INFO by default)
 
@@ -72,8 +74,11 @@ def spawn_rank(config: RankConfig) -> subprocess.Popen:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
     else:  # keep Triton autotuning results (fla's prefill kernels) on disk: a restart skips them
         env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    # a fault plan or a journal: the test harness around the serve loop (ipc/rank_harness.py)
+    tested = config.fault is not None or config.journal_path is not None
+    module = "deltaserve.ipc.rank_harness" if tested else "deltaserve.ipc.rank_main"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltaserve.ipc.rank_main", f"--rank={config.rank}"],
+        [sys.executable, "-m", module, f"--rank={config.rank}"],
         stdin=subprocess.PIPE,
         pass_fds=(config.receipt_fd, config.release_fd),
         env=env,

@@ -19,6 +19,14 @@ import msgspec
 RequestId = int
 
 
+class GuideLimits(msgspec.Struct, frozen=True, array_like=True):
+    """The bounds rank 0 holds a guided request's matcher to (engine/structured_config.py):
+    its lexer's states (llguidance's limit) and the time of one token mask."""
+
+    max_lexer_states: int
+    max_mask_ms: float
+
+
 class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """What a rank needs to sample one request's tokens; sent once, with its first chunk.
 
@@ -28,9 +36,10 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     min_tokens only) cannot be; `logit_bias` holds (token id, bias) pairs, ids ascending.
     `allowed_token_ids` (empty: all) are the only ones that can be; `bad_words` are token-id
     sequences whose last token cannot be where the output so far ends with the rest.
-    `guide_regex` (non-empty: guided decoding, engine/regex_automaton.py's dialect, checked by
-    the engine) is the pattern the whole output must match: only the tokens that keep the
-    output a prefix of a match can be, and `guide_end_ids` (the EOS ids) where it is a match.
+    `guide_grammar` (non-empty: guided decoding) is the llguidance grammar the whole output
+    must match, compiled once by the engine (engine/guides.py): only the tokens that keep the
+    output a prefix of a match can be, and `guide_end_ids` (the EOS ids) where it is a match;
+    past `guide_limits` the request fails alone (`SampleColumns.failed`).
     `think_budget` >= 0: the output starts inside a think block, and once that many tokens
     were sampled without `think_end_id` (`</think>`), that token is the only one that can be.
     """
@@ -49,8 +58,9 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
-    guide_regex: str = ""
+    guide_grammar: str = ""
     guide_end_ids: tuple[int, ...] = ()
+    guide_limits: GuideLimits | None = None
     think_budget: int = -1  # -1: none
     think_end_id: int = -1
 
@@ -64,6 +74,9 @@ class NewRequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tru
     `prefix` >= 0: its first positions are saved prefix `prefix` (a StepItem's `save`): the
     rank starts the slot from that state, shares its full KV blocks and copies its partial
     one, and the first chunk starts where the prefix ends.
+    `vision_spans`: the prompt's image and video-frame placeholder runs, (first token index,
+    height, width) in tokens, in order: the rotary positions of the request's tokens follow
+    from them (engine/rank/mrope.py); their embeddings come as `MediaInput`s.
     `output_ids`: a request preempted and admitted again (engine/scheduler.py) prefills its
     prompt and these, the tokens it sampled before; the rank counts them as sampled (the next
     sample's seed index, penalties, bad words, guided state, thinking budget), so the stream
@@ -72,7 +85,25 @@ class NewRequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tru
     reserve_tokens: int
     sampling: SamplingSpec
     prefix: int = -1
+    vision_spans: list[tuple[int, int, int]] = []
     output_ids: tuple[int, ...] = ()
+
+
+class MediaInput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    """An image's or a video's pixels for the vision tower, sent with the first chunk that
+    holds one of its tokens (engine -> every rank, inside a StepItem).
+
+    `key` is the SHA-256 of its pixels; `grid` its patch grid (frames, height, width) as the
+    processor made it; `offsets` where each of its frame groups' placeholder runs starts in the
+    request (one for an image). `pixels`: the processor's patches, [t*h*w, patch_dim]
+    row-major in `dtype` (the model's: the tower casts to it anyway); empty when the ranks hold
+    its encoding already (engine/encoder_cache.py, kept alike by the scheduler and each rank)."""
+
+    key: bytes
+    grid: tuple[int, int, int]
+    offsets: list[int]
+    pixels: bytes = b""
+    dtype: str = ""
 
 
 class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
@@ -88,6 +119,8 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     `prompt_logprobs` >= 0 (prompt chunks): rank 0 returns the logprob of each prompt token
     that follows a position of the chunk, with that many alternatives (`PromptLogprobs`):
     token_ids[1:], then `next_token` (the next chunk's first) unless the chunk samples.
+    `media` (prompt chunks): the images and videos whose first token the chunk holds (or,
+    for a first chunk, any it holds part of); the tower encodes them in this step.
     `grow` > 0 (not on a first chunk): the rank adds that many free KV blocks to the request's
     before the step runs, which then hold exactly its positions through this item's last; the
     scheduler counted them free (engine/capacity.py), so a rank never runs out.
@@ -101,6 +134,7 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     save: int = -1
     prompt_logprobs: int = -1
     next_token: int = -1
+    media: list[MediaInput] = []
     grow: int = 0
 
     @property
@@ -144,13 +178,19 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
     and logprob; `top_logprobs` holds alternatives only for requests that asked for some
     (num_logprobs > 0), keyed by request id. The event-loop process decodes three lists in C
     instead of a struct and a list per sample, and one list comparison matches them to the
-    step (ipc/validate.py). Decoding checks that the columns line up."""
+    step (ipc/validate.py). Decoding checks that the columns line up.
+
+    `failed`: requests that rank 0 could not sample within their own bounds (a guided one
+    whose matcher went past its limits), with the reason. Not a replica error: the engine
+    ends each with an error and drops its state, as for a finished request; their row's
+    token is meaningless. Reported once, with a sample of the request's."""
 
     request_ids: list[RequestId]
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: dict[RequestId, list[tuple[int, float]]]
     prompt_logprobs: dict[RequestId, PromptLogprobs] = {}  # of the chunks that asked
+    failed: dict[RequestId, str] = {}
 
     def __post_init__(self) -> None:
         if not len(self.token_ids) == len(self.logprobs) == len(self.request_ids):
@@ -161,7 +201,10 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
     @classmethod
     def from_samples(
-        cls, samples: list[Sample], prompt_logprobs: dict[RequestId, PromptLogprobs] | None = None
+        cls,
+        samples: list[Sample],
+        prompt_logprobs: dict[RequestId, PromptLogprobs] | None = None,
+        failed: dict[RequestId, str] | None = None,
     ) -> SampleColumns:
         return cls(
             [s.request_id for s in samples],
@@ -169,6 +212,7 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
             [s.logprob for s in samples],
             {s.request_id: s.top_logprobs for s in samples if s.top_logprobs},
             prompt_logprobs or {},
+            failed or {},
         )
 
     def __len__(self) -> int:

@@ -12,6 +12,9 @@ while it runs the rank waits for a pipelined follower, and if one comes it recor
 follower's receipt, queues the follower's forward once released, and only then finishes the
 pending step (reads its samples) and replies. So the device runs N+1 right behind N while
 the host reads N's samples (vLLM's async scheduling and SGLang's overlap do the same).
+
+Nothing here is for tests: a test's journal and fault plan attach from outside, in
+ipc/rank_harness.py, which runs this loop in a subclass (`main(HarnessedRankServer)`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from deltaserve.ipc import faults
 from deltaserve.ipc.channels import PullChannel, PushChannel
 from deltaserve.ipc.gate import CANCEL, EXECUTE, Doorbell, StartGate
 from deltaserve.ipc.launch import RankConfig, rank_config_decoder
@@ -39,6 +41,7 @@ from deltaserve.ipc.messages import (
     DECODE_ERRORS,
     GATED_COMMANDS,
     Ack,
+    Command,
     DropAck,
     DropRequests,
     Failure,
@@ -176,7 +179,8 @@ class PendingStep:
 
 
 class RankServer:
-    """The serve loop of one rank; owns its executor, channels and gate view."""
+    """The serve loop of one rank; owns its executor, channels and gate view. Tests run a
+    subclass (ipc/rank_harness.py) that journals gated commands and injects faults."""
 
     def __init__(
         self,
@@ -194,19 +198,11 @@ class RankServer:
         self.gate = gate
         self.receipt_bell = Doorbell(config.receipt_fd)
         self.release_bell = Doorbell(config.release_fd)
-        self.fault = config.fault if config.fault and config.fault.rank == config.rank else None
-        self.journal_fd = -1
-        if config.journal_path:
-            self.journal_fd = os.open(
-                config.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
-            )
         self.expected_seq = 1
         self.ahead: bytes | None = None  # the next frame, its receipt already in the gate
         self.overlap = config.overlap_steps
         self.pending: PendingStep | None = None  # at most one: see launch_step
         self.failed = False  # a Failure was sent: no more receipts (see receive)
-        self.num_steps = 0
-        self.num_drops = 0  # DropRequests received (a fault plan's at_drop)
         self.trace = StepTrace(f"rank{config.rank}")
 
     def parent_alive(self) -> bool:
@@ -215,10 +211,6 @@ class RankServer:
     def check_parent(self) -> None:
         if not self.parent_alive():
             os._exit(1)
-
-    def journal(self, event: str, seq: int, name: str) -> None:
-        if self.journal_fd >= 0:
-            os.write(self.journal_fd, f"{event} {seq} {name}\n".encode())
 
     def send(self, reply: object) -> None:
         if type(reply) is Failure:
@@ -255,9 +247,6 @@ class RankServer:
             return
         seq = self.expected_seq
         self.trace.mark(seq, "recv")
-        fault = self.fault
-        if fault is not None and fault.kind in faults.RECEIPT_FAULTS:
-            self.fault_before_receipt(fault, frame)
         self.gate.record_receipt(self.rank, seq, zlib.crc32(frame))
         self.receipt_bell.ring()
 
@@ -266,19 +255,11 @@ class RankServer:
         here (a pipelined follower): the controller then meets it with the reply, and
         releases the follower before it reacts to the step's results, not after. This rank
         has marked the step done, so a receipt still implies the step ahead ended here. Not
-        after a failed step (its reply goes first, as the controller must see it to cancel),
-        nor under a fault plan that strikes at the reply or before a receipt."""
-        if not self.takes_receipts_ahead():
-            return
+        after a failed step: its reply goes first, as the controller must see it to cancel."""
         frame = self.commands.recv_nowait()
         if frame is not None:
             self.receive(frame)
             self.ahead = frame
-
-    def takes_receipts_ahead(self) -> bool:
-        """Not under a fault plan that strikes before a receipt: it must meet the frame as
-        it would one at a time."""
-        return self.fault is None or self.fault.kind not in faults.RECEIPT_FAULTS
 
     def pending_ready(self) -> bool:
         """Whether the device is done with the pending step. A device error counts as done:
@@ -293,8 +274,6 @@ class RankServer:
         """While the pending step runs on the device, the next frame if it comes by then (a
         pipelined follower, sent once the controller saw the step released); None once the
         step is done without one. Polls: a sleep would let the device run dry."""
-        if not self.takes_receipts_ahead():
-            return None
         while True:
             frame = self.commands.recv_nowait()
             if frame is not None:
@@ -318,7 +297,7 @@ class RankServer:
                 self.release_bell.wait(left)
             self.check_parent()
 
-    def launch_step(self, command: RunUnifiedStep, seq: int) -> None:
+    def launch_step(self, command: RunUnifiedStep) -> None:
         """Queue a released step on the device and leave it pending. The step pending before
         it is finished and replied to in between: after this one's forward is queued (so the
         device has work while the host reads samples) and before its sampling (whose seeds
@@ -331,9 +310,9 @@ class RankServer:
             self.executor.launch_sampling(step)
         except Exception as exc:  # a rank-local mismatch (nothing queued) or a device error
             self.complete_pending()  # if it was not yet: the step ahead's reply goes first
-            self.reply_step(seq, self.failure(seq, exc), len(command.items))
+            self.reply_step(command.seq, self.failure(command.seq, exc), len(command.items))
             return
-        self.pending = PendingStep(seq, step)
+        self.pending = PendingStep(command.seq, step)
 
     def complete_pending(self) -> None:
         """Finish the pending step, if any: wait for its samples and send its reply."""
@@ -352,7 +331,6 @@ class RankServer:
     def reply_step(self, seq: int, reply: object, num_items: int) -> None:
         self.gate.mark_done(self.rank, seq)
         self.trace.mark(seq, "executed", num_items)
-        self.journal("reply", seq, "RunUnifiedStep")
         self.send(reply)
         self.trace.mark(seq, "replied")
 
@@ -361,7 +339,8 @@ class RankServer:
         samples = self.executor.finish_step(step)
         if self.rank != 0:
             return Ack(self.rank, seq)
-        return StepResult(self.rank, seq, SampleColumns.from_samples(samples, step.prompt_logprobs))
+        columns = SampleColumns.from_samples(samples, step.prompt_logprobs, step.failed)
+        return StepResult(self.rank, seq, columns)
 
     def handle(self, frame: bytes, receipted: bool = False) -> bool:
         """Carry out one command frame (its receipt in the gate if `receipted`); True when
@@ -370,7 +349,33 @@ class RankServer:
             self.receive(frame)
         seq = self.expected_seq
         self.expected_seq = seq + 1
-        fault = self.fault
+        command = self.decode(frame, seq)
+        if command is None:
+            return False
+        gated = isinstance(command, GATED_COMMANDS)
+        if gated and not self.released(command):
+            return False
+        if self.overlaps(command):
+            self.launch_step(command)
+            return False
+        self.complete_pending()
+        try:
+            reply = self.execute(command)
+        except Exception as exc:  # a rank-local mismatch or a device/collective error
+            reply = self.failure(seq, exc)
+        is_step = type(command) is RunUnifiedStep
+        if gated:
+            self.gate.mark_done(self.rank, seq)
+        self.trace.mark(seq, "executed", len(command.items) if is_step else 0)
+        if is_step and type(reply) is not Failure:
+            self.receive_ahead()
+        self.send(reply)
+        self.trace.mark(seq, "replied")
+        return type(command) is Shutdown
+
+    def decode(self, frame: bytes, seq: int) -> Command | None:
+        """The command in `frame`, which must carry `seq`; else None, the Failure sent (the
+        step pending ahead replied to first)."""
         try:
             command = command_decoder.decode(frame)
         except DECODE_ERRORS as exc:
@@ -378,67 +383,50 @@ class RankServer:
             self.send(
                 Failure(self.rank, seq, f"malformed command frame ({len(frame)} bytes): {exc}")
             )
-            return False
-        name = type(command).__name__
+            return None
         if command.seq != seq:
             self.complete_pending()
+            name = type(command).__name__
+            expected = f"expected seq {seq}"
             self.send(
                 Failure(
-                    self.rank,
-                    command.seq,
-                    f"{name} seq {command.seq} out of order; expected seq {seq}",
+                    self.rank, command.seq, f"{name} seq {command.seq} out of order; {expected}"
                 )
             )
-            return False
-        is_step = type(command) is RunUnifiedStep
-        is_drop = type(command) is DropRequests
-        self.num_steps += is_step
-        self.num_drops += is_drop
-        armed = fault is not None and fault.fires(
-            seq, self.num_steps if is_step else 0, self.num_drops if is_drop else 0
-        )
-        gated = isinstance(command, GATED_COMMANDS)
-        if gated:
-            self.journal("recv", seq, name)
-            if self.pending is not None:
-                self.await_release_while_pending(seq)
-            decision = self.gate.wait_decision(
-                seq, self.release_bell, self.config.release_timeout_s, self.check_parent
-            )
-            if decision != EXECUTE:
-                self.complete_pending()
-                self.journal("cancel" if decision == CANCEL else "timeout", seq, name)
-                self.gate.mark_done(self.rank, seq)
-                if decision != CANCEL:
-                    self.send(Failure(self.rank, seq, f"gate never decided {name} seq {seq}"))
-                return False
-            self.trace.mark(seq, "released")
-            if armed:
-                self.fault_after_release(fault)
-            self.journal("exec", seq, name)
-        if is_step and self.overlap and not armed:
-            self.launch_step(command, seq)
-            return False
-        self.complete_pending()
-        try:
-            reply = self.execute(command)
-        except Exception as exc:  # a rank-local mismatch or a device/collective error
-            reply = self.failure(seq, exc)
-        if gated:
-            self.gate.mark_done(self.rank, seq)
-        self.trace.mark(seq, "executed", len(command.items) if is_step else 0)
-        if is_step and not armed and type(reply) is not Failure:
-            self.receive_ahead()
-        if armed:
-            self.fault_reply(fault, command, reply)
-        else:
-            if gated:
-                self.journal("reply", seq, name)
-            self.send(reply)
-        self.trace.mark(seq, "replied")
-        return type(command) is Shutdown
+            return None
+        return command
 
-    def execute(self, command: object) -> object:
+    def released(self, command: Command) -> bool:
+        """Wait for the gate's decision on a gated command; True to run it. Otherwise the
+        step pending ahead is replied to and the command withdrawn."""
+        seq = command.seq
+        if self.pending is not None:
+            self.await_release_while_pending(seq)
+        decision = self.gate.wait_decision(
+            seq, self.release_bell, self.config.release_timeout_s, self.check_parent
+        )
+        if decision == EXECUTE:
+            self.trace.mark(seq, "released")
+            return True
+        self.complete_pending()
+        self.withdraw(command, decision)
+        return False
+
+    def withdraw(self, command: Command, decision: int) -> None:
+        """A gated command the gate did not release: done here; a Failure too when the gate
+        never decided it (CANCEL is the controller's own word)."""
+        self.gate.mark_done(self.rank, command.seq)
+        if decision != CANCEL:
+            name = type(command).__name__
+            self.send(
+                Failure(self.rank, command.seq, f"gate never decided {name} seq {command.seq}")
+            )
+
+    def overlaps(self, command: Command) -> bool:
+        """Whether `command` is a step to leave pending on the device (`overlap_steps`)."""
+        return self.overlap and type(command) is RunUnifiedStep
+
+    def execute(self, command: Command) -> object:
         rank, seq = self.rank, command.seq
         kind = type(command)
         if kind is RunUnifiedStep:
@@ -470,71 +458,13 @@ class RankServer:
             self.executor.sleep(command.level)
         elif kind is WakeUp:
             self.executor.wake_up(command.tags)
-        if kind in (LoadWeights, Sleep, WakeUp):
-            return Ack(rank, seq)
-        if kind is Ping or kind is Shutdown:
+        if kind in (LoadWeights, Sleep, WakeUp, Ping, Shutdown):
             return Ack(rank, seq)
         raise TypeError(f"no handler for {kind.__name__}")
 
-    # ---- fault injection (tests only; reached only when the plan fires) ----------------
 
-    def fault_before_receipt(self, fault: faults.FaultPlan, frame: bytes) -> None:
-        """Faults that strike before the receipt need the command's kind first."""
-        try:
-            header = faults.header_decoder.decode(frame)
-        except DECODE_ERRORS:
-            return
-        is_step = type(header) is faults.StepHeader
-        if not fault.fires(
-            header.seq, self.num_steps + 1 if is_step else 0, 0 if is_step else self.num_drops + 1
-        ):
-            return
-        if fault.kind == "die_before_receipt":
-            self.journal("die", header.seq, type(header).__name__)
-            faults.die()
-        if fault.kind == "stall_before_receipt":
-            faults.stall(fault.stall_s, self.parent_alive)
-
-    def fault_after_release(self, fault: faults.FaultPlan) -> None:
-        if fault.kind == "die_after_release":
-            faults.die()
-        elif fault.kind == "stall":
-            faults.stall(fault.stall_s, self.parent_alive)
-        elif fault.kind == "die_mid_step":
-            faults.arm_die_mid_step()
-
-    def fault_reply(self, fault: faults.FaultPlan, command: object, reply: object) -> None:
-        if fault.kind in faults.REPLY_FAULTS:
-            for frame in faults.mangled_frames(fault.kind, reply, self.config.world_size):
-                self.replies.send(frame)
-            return
-        if fault.kind == "close_reply_socket":
-            self.replies.close()
-            faults.stall(fault.stall_s, self.parent_alive)
-            os._exit(1)
-        if fault.kind == "die_mid_step":
-            faults.die()  # the executor ran no module (no-op executor): die now
-        if fault.kind == "failure_reply":  # sent raw: this rank is not marked failed
-            self.replies.send(
-                command_encoder.encode(Failure(self.rank, command.seq, "injected failure"))
-            )
-            faults.stall(fault.stall_s, self.parent_alive)
-            return
-        if fault.kind == "late_failure":
-            failure = Failure(self.rank, command.seq, "injected failure, delivered late")
-            self.failed = True  # decided: the frame is what comes late
-            frame = self.commands.recv(IDLE_POLL_MS)
-            if frame is not None:
-                self.receive(frame)
-                self.ahead = frame
-            self.send(failure)
-            return
-        if fault.kind == "diverge" and type(command) is RunUnifiedStep:
-            self.executor.drop([command.items[0].request_id])
-        self.send(reply)
-
-
-def main() -> int:
+def main(server: type[RankServer] = RankServer) -> int:
+    """Run a rank: start up, then `server`'s loop until Shutdown (tests pass a harness)."""
     config = rank_config_decoder.decode(sys.stdin.buffer.read())
     die_with_parent(config.parent_pid)
     # The controller decides when ranks stop (a shutdown command, else SIGKILL by pidfd). A ^C,
@@ -571,16 +501,13 @@ def main() -> int:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
-    if config.device.startswith("cuda"):
-        from deltaserve.kernels.triton_compat import report_late_compiles
-
-        report_late_compiles(log, config.rank)
+    executor.watch_late_compiles()
     replies.send(
         command_encoder.encode(
             Ready(config.rank, executor.num_slots, executor.num_blocks, executor.block_size)
         )
     )
-    code = RankServer(config, executor, commands, replies, gate).serve()
+    code = server(config, executor, commands, replies, gate).serve()
     commands.close()
     replies.close()  # lingers until the Shutdown ack is out
     ctx.term()

@@ -302,6 +302,9 @@ def align_samples(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
         )
     if samples.prompt_logprobs or plan.prompt_logprobs:
         _check_prompt_logprob_rows(samples, plan)
+    if samples.failed and not samples.failed.keys() <= set(want):
+        rid = min(samples.failed.keys() - set(want))
+        raise ReplyError(f"rank 0 reported request {rid} failed, which has no sample in the step")
     top = samples.top_logprobs
     if top:
         if not top.keys() <= set(want):
@@ -364,6 +367,7 @@ def _reorder(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
         [logprobs[r] for r in rows],
         samples.top_logprobs,
         samples.prompt_logprobs,
+        samples.failed,
     )
 
 

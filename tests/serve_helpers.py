@@ -23,6 +23,8 @@ from typing import Any
 
 import aiohttp
 import openai
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
@@ -34,40 +36,51 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LONG_FIGURES = REPO_ROOT / "bench" / "results" / "load_suite_long.json"
 
 
+# ---- /metrics ----------------------------------------------------------------------------
+
+
+def metric_samples(text: str, model: str) -> dict[str, float]:
+    """A /metrics exposition read by prometheus_client's parser (a reference independent of
+    our writer): `name{label="value",...}` (labels sorted, `model_name` left out) -> value.
+    Every series must carry `model_name="<model>"`."""
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name", None) == model, sample
+            inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            values[sample.name + (f"{{{inner}}}" if inner else "")] = sample.value
+    return values
+
+
 # ---- processes ---------------------------------------------------------------------------
 
 
-def _stat_fields(pid: int | str) -> list[str] | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2 :].split()
-
-
 def rank_pids(parent_pid: int) -> list[int]:
-    """Live rank processes (`python -m deltaserve.ipc.rank_main`) whose parent is
-    `parent_pid`, from /proc."""
+    """Live rank processes (`python -m deltaserve.ipc.rank_main`, or the test harness
+    `deltaserve.ipc.rank_harness`) whose parent is `parent_pid`."""
+    try:
+        children = psutil.Process(parent_pid).children()
+    except psutil.NoSuchProcess:  # the parent is gone: no process is its child any more
+        return []
     pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        fields = _stat_fields(entry)
+    for child in children:
         try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
+            if child.status() != psutil.STATUS_ZOMBIE and any(
+                arg.startswith("deltaserve.ipc.rank_") for arg in child.cmdline()
+            ):
+                pids.append(child.pid)
+        except psutil.NoSuchProcess:
             continue
-        if fields is None:
-            continue
-        state, ppid = fields[0], int(fields[1])
-        if ppid == parent_pid and state != "Z" and b"deltaserve.ipc.rank_main" in cmdline:
-            pids.append(int(entry))
     return sorted(pids)
 
 
 def alive(pid: int) -> bool:
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] != "Z"
+    """Whether process `pid` exists and has not exited (a zombie waits only to be reaped)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 async def wait_gone(pids: list[int], timeout_s: float = 15.0) -> None:

@@ -44,6 +44,15 @@ HUGE = 10**30
 QUICK_EXAMPLES, LONG_EXAMPLES = 40, 400
 
 
+SERVER_CONFIG = ServerConfig(
+    MODEL,
+    api_key=API_KEY,
+    max_request_bytes=MAX_BODY,
+    enable_admin_routes=True,
+    enable_sleep_mode=True,
+)
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(tiny_model_dir):
     config = EngineConfig(
@@ -52,8 +61,7 @@ async def server(tiny_model_dir):
         max_num_seqs=4,
         max_queued_requests=64,
     )
-    server_config = ServerConfig(MODEL, api_key=API_KEY, max_request_bytes=MAX_BODY)
-    async with in_process_server(config, server_config) as s:
+    async with in_process_server(config, SERVER_CONFIG) as s:
         yield s
 
 
@@ -823,32 +831,16 @@ def test_fuzz_parsers_accept_only_encodable_params(request, parse, required):
 # ---- API key -----------------------------------------------------------------------------
 
 
-GUARDED = (
-    "/v1",
-    "/invocations",
-    "/generate",
-    "/abort_request",
-    "/update_weights_from_disk",
-    "/flush_cache",
-    "/reset_prefix_cache",
-    "/pause",
-    "/resume",
-    "/continue_generation",
-    "/sleep",
-    "/wake_up",
-    "/release_memory_occupation",
-    "/resume_memory_occupation",
-)
+OPEN = ("/health", "/ping", "/version", "/metrics")
 
 
 @aio
-async def test_api_key_on_v1_routes_only(server):
-    """As vLLM: every path under /v1 needs the key, whatever the method, and /invocations
-    (it generates; vLLM leaves it open) and SGLang's routes that generate or change the
-    engine (GUARDED); every other path (/health, /metrics, /version, an
-    unknown one) answers as it does with the key, never 401 (a Prometheus scrape of /metrics
-    got 401). The key is taken as a bearer token or as Anthropic's x-api-key."""
-    app = build_app(server.engine, ServerConfig(MODEL, api_key=API_KEY))  # the route table
+async def test_api_key_on_every_route_but_the_probes(server):
+    """Every route needs the key, whatever the method, and so does a path no route serves;
+    /health, /ping, /version and /metrics answer as they do with the key, never 401 (a
+    Prometheus scrape of /metrics got 401). The admin routes (routed here) take it too. The
+    key is taken as a bearer token or as Anthropic's x-api-key."""
+    app = build_app(server.engine, SERVER_CONFIG)  # the route table
     routes = {(r.method, r.resource.canonical) for r in app.router.routes()}
     routes |= {
         ("GET", "/nope"),
@@ -859,7 +851,7 @@ async def test_api_key_on_v1_routes_only(server):
         ("PUT", "/health/x"),
         ("POST", "/metrics"),
     }
-    assert ("POST", "/v1/completions") in routes and ("GET", "/metrics") in routes
+    assert {("POST", "/v1/completions"), ("GET", "/metrics"), ("POST", "/sleep")} <= routes
     wrong = [
         None,
         "Bearer wrong",
@@ -871,18 +863,17 @@ async def test_api_key_on_v1_routes_only(server):
         f"Bearer {API_KEY}\u00e9",
     ]  # non-ASCII: was a 500
     ok = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"Content-Type": "application/json"}
     async with aiohttp.ClientSession() as s:
         for method, path in sorted(routes):
-            async with s.request(method, server.url + path, headers=ok, data=b"{") as r:
+            async with s.request(method, server.url + path, headers={**ok, **body}, data=b"{") as r:
                 with_key = r.status
-            if server.engine.is_sleeping:  # POST /sleep with the key: awake again for the next
-                await server.engine.wake_up()
+            await awake_and_going(server.engine)  # POST /sleep or /pause with the key
             async with s.request(
-                method, server.url + path, headers={"x-api-key": API_KEY}, data=b"{"
+                method, server.url + path, headers={"x-api-key": API_KEY, **body}, data=b"{"
             ) as r:
                 assert r.status == with_key, (method, path, "x-api-key")
-            if server.engine.is_sleeping:
-                await server.engine.wake_up()
+            await awake_and_going(server.engine)
             for auth in [
                 *wrong,
                 {"x-api-key": "wrong"},
@@ -895,16 +886,16 @@ async def test_api_key_on_v1_routes_only(server):
                     if auth is None
                     else {"Authorization": auth}
                 )
-                async with s.request(method, server.url + path, headers=headers, data=b"{") as r:
-                    body = await r.read()
-                if not path.startswith(GUARDED):
+                async with s.request(
+                    method, server.url + path, headers={**headers, **body}, data=b"{"
+                ) as r:
+                    answer = await r.read()
+                if path in OPEN:
                     assert r.status == with_key != 401, (method, path, auth, r.status)
                     continue
                 assert r.status == 401, (method, path, auth, r.status)
                 if method != "HEAD":
-                    assert check_error_body(body)["code"] == "invalid_api_key"
-        if server.engine.is_paused:  # POST /pause with the key paused it (if no /resume came after)
-            server.engine.resume()
+                    assert check_error_body(answer)["code"] == "invalid_api_key"
         for path, status in (
             ("/v1/models", 200),
             ("/metrics", 200),
@@ -913,8 +904,16 @@ async def test_api_key_on_v1_routes_only(server):
         ):
             async with s.get(server.url + path, headers=ok) as r:
                 assert r.status == status, path
-        async with s.post(server.url + C, headers=ok, data=b"{") as r:
+        async with s.post(server.url + C, headers={**ok, **body}, data=b"{") as r:
             assert r.status == 400  # past the key check, the body is looked at
+
+
+async def awake_and_going(engine) -> None:
+    """Undo what an admin route called with the key did: a sleep, a pause."""
+    if engine.is_sleeping:
+        await engine.wake_up()
+    if engine.is_paused:
+        engine.resume()
 
 
 @aio

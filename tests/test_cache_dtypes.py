@@ -12,8 +12,8 @@ import torch
 from engine_helpers import collect, engine_config, ids_of
 
 from deltaserve.engine.async_engine import AsyncEngine
+from deltaserve.engine.model_config import ConfigError, ModelConfig
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig, resolve_state_dtype
-from deltaserve.engine.rank.model_config import ConfigError, ModelConfig
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.kernels.kv_quant import FP8
 from deltaserve.tools.gate_bf16 import engine_reference, our_logits, prompt_ids

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from engine_helpers import engine_config
-from serve_helpers import openai_client, serving
+from serve_helpers import metric_samples, openai_client, serving
 from test_engine_faults import assert_gone
 
 from deltaserve.engine.data_parallel import DataParallelEngine, replica_configs
@@ -154,8 +154,8 @@ async def test_served_by_the_official_client_with_summed_metrics(engine):
         assert info["dp_size"] == len(info["internal_states"]) == 2, (
             info
         )  # SGLang's: a state per replica
-        line = next(x for x in text.splitlines() if x.startswith("vllm:generation_tokens_total"))
-        assert float(line.split()[-1]) == engine.metrics.generation_tokens_total == before + 16
+        generated = metric_samples(text, "tiny")["vllm:generation_tokens_total"]
+        assert generated == engine.metrics.generation_tokens_total == before + 16
 
 
 async def test_a_conversations_next_turn_goes_where_its_prefix_is_saved(tiny_model_dir):
@@ -205,22 +205,49 @@ def test_replica_configs_split_the_devices():
 
 
 async def test_a_dying_replica_takes_the_engine_down_every_request_ending_once(tiny_model_dir):
-    """Two replicas of tp 2 (four rank processes, a gloo group each): one rank of replica 0 killed."""
+    """Two replicas of tp 2 (four rank processes, a gloo group each): one rank of replica 0
+    killed. Each choice ends once, with the event the contract names for where it ran: on the
+    dead replica an ErrorEvent naming the death (fail closed), on the other, shut down at
+    once, a FinishedEvent "abort" (its requests cannot have reached max_tokens by then)."""
+    max_tokens = 1000
     engine = await DataParallelEngine.start(
-        engine_config(tiny_model_dir, tp_size=2, step_timeout_s=30.0), 2
+        engine_config(
+            tiny_model_dir,
+            tp_size=2,
+            step_timeout_s=30.0,
+            max_model_len=max_tokens + 8,
+            num_kv_blocks=4 * (max_tokens + 8) // 16 + 8,  # 4 choices of a replica at the end
+        ),
+        2,
     )
     pids = engine.rank_pids
     assert len(pids) == 4
     try:
-        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, n=2)
+        long = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=2)
         streams = [engine.generate([40 + i, 50, 60], long) for i in range(4)]
         await asyncio.sleep(0.5)
-        assert all(r.request_ids() for r in engine.replicas), "both replicas hold requests"
+        held = [set(r.request_ids()) for r in engine.replicas]
+        assert all(held), "both replicas hold requests"
+        assert sorted(len(h) for h in held) == [2, 2] and not held[0] & held[1], held
         os.kill(engine.replicas[0].rank_pids[0], signal.SIGKILL)
-        for events in await asyncio.gather(*(events_of(s) for s in streams)):
+        results = await asyncio.gather(*(events_of(s) for s in streams))
+        for stream, events in zip(streams, results, strict=True):
             terminal = [e for e in events if not isinstance(e, TokenEvent)]
             assert sorted(e.index for e in terminal) == [0, 1], terminal  # once per choice
-            assert all(isinstance(e, ErrorEvent | FinishedEvent) for e in terminal)
+            assert events[-1] in terminal  # nothing after a choice's end but the other's end
+            if stream.request_id in held[0]:
+                assert all(
+                    isinstance(e, ErrorEvent) and "rank 0" in e.message and "SIGKILL" in e.message
+                    for e in terminal
+                ), terminal
+            else:
+                assert stream.request_id in held[1]
+                assert all(
+                    isinstance(e, FinishedEvent)
+                    and e.reason == "abort"
+                    and e.output_tokens < max_tokens
+                    for e in terminal
+                ), terminal
         assert engine.is_dead and engine.dead_reason.startswith("replica 0:"), engine.dead_reason
         assert engine.load().state == "dead"
         with pytest.raises(EngineDeadError):

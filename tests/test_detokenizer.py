@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import random
 import re
-import time
 
 import pytest
 from transformers import AutoTokenizer
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.guided.stop_regex import StopRegexError, stop_template
 
 TEXTS = [
     "Hello, world! Plain ASCII text with numbers 12345.",
@@ -196,9 +196,15 @@ class TestStopOptions:
         assert self._feed(tokenizer, text, ())[0] == "ok<think>x</think>"
 
 
+def _watching(*patterns: str) -> list:
+    """The stop regexes' matchers, as the engine's prepare makes them."""
+    return [stop_template(p, 50_000) for p in patterns]
+
+
 class TestStopRegex:
-    """SGLang's stop_regex (engine/stop_regex.py): the first token whose text completes a match
-    ends the output, the match kept; matches may span tokens and characters of several bytes."""
+    """SGLang's stop_regex (engine/guided/stop_regex.py, on llguidance): the first token whose text
+    completes a match ends the output, the match kept; matches may span tokens and characters
+    of several bytes."""
 
     @pytest.mark.parametrize(
         "text, pattern",
@@ -211,7 +217,7 @@ class TestStopRegex:
     )
     def test_ends_at_the_token_completing_the_first_match(self, tokenizer, text, pattern):
         ids = tokenizer.encode(text, add_special_tokens=False)
-        detok = IncrementalDetokenizer(tokenizer, stop_regex=[pattern])
+        detok = IncrementalDetokenizer(tokenizer, stop_regex=_watching(pattern))
         out, used = "", 0
         while detok.stop_matched is None and used < len(ids):
             out += detok.add(ids[used])
@@ -225,35 +231,61 @@ class TestStopRegex:
 
     def test_min_tokens_and_no_match(self, tokenizer):
         ids = tokenizer.encode("12. and then 34. again", add_special_tokens=False)
-        detok = IncrementalDetokenizer(tokenizer, stop_regex=[r"\d\d\."], min_tokens=len(ids) - 1)
+        detok = IncrementalDetokenizer(
+            tokenizer, stop_regex=_watching(r"\d\d\."), min_tokens=len(ids) - 1
+        )
         assert (
             "".join(detok.add(t) for t in ids[:-1]) + detok.flush() and detok.stop_matched is None
         )
-        detok = IncrementalDetokenizer(tokenizer, stop_regex=[r"\d\d\.", "xyz"], min_tokens=2)
+        detok = IncrementalDetokenizer(
+            tokenizer, stop_regex=_watching(r"\d\d\.", "xyz"), min_tokens=2
+        )
         for t in ids:
             detok.add(t)
         assert detok.stop_matched == r"\d\d\."  # the second number, past min_tokens
 
-    def test_linear_where_backtracking_is_exponential(self, tokenizer):
-        """`(a+)+b` against a run of a's: Python's re backtracks 2^n ways; the automaton reads
-        each byte once."""
-        detok = IncrementalDetokenizer(tokenizer, stop_regex=["(a+)+b"])
-        started = time.perf_counter()
-        for t in tokenizer.encode("a" * 4000 + "c", add_special_tokens=False):
-            detok.add(t)
-        assert detok.stop_matched is None and time.perf_counter() - started < 2.0
+    def test_a_backtracking_pattern_reads_each_byte_once(self, tokenizer):
+        """`(a+)+b` against a run of a's (Python's re backtracks 2^n ways): no match, and one
+        matcher of a few states, that a second request copies and reads alike."""
+        template = stop_template("(a+)+b", 50_000)
+        for _ in range(2):
+            detok = IncrementalDetokenizer(tokenizer, stop_regex=[template])
+            for t in tokenizer.encode("a" * 4000 + "c", add_special_tokens=False):
+                detok.add(t)
+            assert detok.stop_matched is None and not template.spent
+
+    def test_past_its_bound_it_raises_and_is_spent(self, tokenizer):
+        """The issue's `[aeiou][\\s\\S]{300}\\x00` over random words: its DFA grows by a state
+        most bytes, until the lexer's work bound (llguidance's fuel) ends it, a few thousand
+        bytes in. The watch raises (the scheduler ends that request alone) and the shared
+        matcher is marked spent."""
+        template = stop_template(r"[aeiou][\s\S]{300}\x00", 50_000)
+        detok = IncrementalDetokenizer(tokenizer, stop_regex=[template])
+        text = "".join(random.Random(0).choices("abcdefghijklmnopqrstuvwxyz ", k=12_000))
+        with pytest.raises(StopRegexError, match="went past its bound"):
+            for t in tokenizer.encode(text, add_special_tokens=False):
+                detok.add(t)
+        assert template.spent
 
     @pytest.mark.parametrize(
         "pattern, words",
         [
             ("a*", "matches the empty text"),
-            ("(?=x)", "groups"),
-            ("(a", "missing ')'"),
-            ("", "non-empty"),
+            ("(?=x)", "look-around"),
+            ("(a", "unclosed group"),
         ],
     )
     def test_bad_patterns_are_refused(self, pattern, words):
+        """As the compile worker answers (engine/grammar_worker.py)."""
+        from deltaserve.engine.grammar_worker import Job, Setup, compile_job
+
+        outcome = compile_job(
+            Job("stop_regex", pattern), None, Setup("", 257, [256], 50_000, 1e3, 0)
+        )
+        assert words in outcome.error
+
+    def test_an_empty_pattern_is_refused_by_name(self):
         from deltaserve.engine.sampling_params import SamplingParams
 
-        with pytest.raises(ValueError, match=re.escape(words)):
-            SamplingParams(max_tokens=4, stop_regex=[pattern])
+        with pytest.raises(ValueError, match="stop_regex must hold non-empty strings"):
+            SamplingParams(max_tokens=4, stop_regex=[""])

@@ -713,27 +713,33 @@ class TestTensorParallel:
             tp2_engine.generate(prompts[0], SamplingParams(max_tokens=400 - len(prompts[0])))
         await assert_idle_and_empty(tp2_engine)
 
-    async def test_shutdown_drains_then_refuses(self, tp2_engine, prompts):
-        """Last in the module: shutdown lets a running request finish within the drain
-        timeout, then every call fails with EngineDeadError. A caller that stops waiting
-        (its call cancelled) stops only its wait: the drain and the teardown go on, and
-        `wait_closed` returns once no rank is left (the replica was never torn down, and
-        `wait_closed` returned while the ranks ran)."""
-        stream = tp2_engine.generate(prompts[0], GREEDY)
-        pids = tp2_engine.rank_pids
-        call = asyncio.create_task(tp2_engine.shutdown(drain_timeout_s=30))
-        await asyncio.sleep(0)  # the call has begun the drain
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
-        tokens, fin = await collect(stream)
-        assert fin.reason == "length" and len(tokens) == MAX_TOKENS
-        await asyncio.wait_for(tp2_engine.wait_closed(), 30)
-        for pid in pids:
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
-        await tp2_engine.shutdown()  # idempotent
-        with pytest.raises(EngineDeadError):
-            tp2_engine.generate(prompts[0], GREEDY)
-        with pytest.raises(EngineDeadError):
-            await tp2_engine.rank_snapshots()
+    async def test_shutdown_drains_then_refuses(self, tiny_model_dir, prompts):
+        """Shutdown lets a running request finish within the drain timeout, then every call
+        fails with EngineDeadError. A caller that stops waiting (its call cancelled) stops
+        only its wait: the drain and the teardown go on, and `wait_closed` returns once no
+        rank is left (the replica was never torn down, and `wait_closed` returned while the
+        ranks ran). Its own engine: the module's stays up whatever runs after this."""
+        engine = await AsyncEngine.start(
+            engine_config(tiny_model_dir, tp_size=2, overlap_steps=True)
+        )
+        try:
+            stream = engine.generate(prompts[0], GREEDY)
+            pids = engine.rank_pids
+            call = asyncio.create_task(engine.shutdown(drain_timeout_s=30))
+            await asyncio.sleep(0)  # the call has begun the drain
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            tokens, fin = await collect(stream)
+            assert fin.reason == "length" and len(tokens) == MAX_TOKENS
+            await asyncio.wait_for(engine.wait_closed(), 30)
+            for pid in pids:
+                with pytest.raises(ProcessLookupError):
+                    os.kill(pid, 0)
+            await engine.shutdown()  # idempotent
+            with pytest.raises(EngineDeadError):
+                engine.generate(prompts[0], GREEDY)
+            with pytest.raises(EngineDeadError):
+                await engine.rank_snapshots()
+        finally:
+            await engine.shutdown()

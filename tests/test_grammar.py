@@ -1,19 +1,21 @@
-"""GBNF grammars as regexes (engine/grammar.py): the strings a grammar derives, and only those,
-match its regex (Python's `re` is the judge here, and the engine's automaton agrees), a
-recursive rule nests at most MAX_DEPTH deep, and a grammar it cannot take is an error naming
-the line and column."""
+"""GBNF and Lark grammars as llguidance compiles them (engine/guided/gbnf.py: GBNF through
+llguidance's converter, Lark as it is): the strings a grammar derives, and only those, are
+whole outputs of it (llguidance's matcher is the judge, tests/guide_helpers.py); recursion
+has no depth bound (an Earley parser, not a regex); and whatever the text, compiling it (as
+the worker does) gives a grammar or an error, never an exception (which was a 500)."""
 
 from __future__ import annotations
 
 import random
-import re
 
 import pytest
+from guide_helpers import accepts, assert_language
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltaserve.engine.grammar import MAX_DEPTH, GrammarError, grammar_regex
-from deltaserve.engine.regex_automaton import START, ByteAutomaton
+from deltaserve.engine.grammar_worker import Job, Setup, compile_job
+from deltaserve.engine.guided.grammar import constraint_grammar
+from deltaserve.engine.guided.runtime import byte_tokenizer
 
 SQL = r"""
 root ::= select_statement
@@ -41,13 +43,16 @@ number ::= "-"? [0-9]+ ("." [0-9]+)?
 ws ::= [ \t\n]*
 """
 
+# a rule that begins with itself, 200 times over: Earley parses it as it comes
+LEFT = 'root ::= list\nlist ::= list "," item | item\nitem ::= [a-z]+\n'
 
-def matches(grammar: str, text: str) -> bool:
-    return re.fullmatch(grammar_regex(grammar), text) is not None
+
+def grammar(text: str) -> str:
+    return constraint_grammar("grammar", text, None)
 
 
 @pytest.mark.parametrize(
-    "grammar, yes, no",
+    "text, yes, no",
     [
         (
             SQL,
@@ -59,166 +64,66 @@ def matches(grammar: str, text: str) -> bool:
         ),
         (
             ARITHMETIC,
-            ["1", "12+3*4", "(1+2)*3", "((((7))))", "1-(2*(3+4))"],
-            ["", "1+", "(1", "1)", "a", "(((((7)))))"],
+            ["1", "12+3*4", "(1+2)*3", "((((7))))", "(((((((((7)))))))))", "1-(2*(3+4))"],
+            ["", "1+", "(1", "1)", "a"],
         ),
         (
             JSON,
-            ['{"a": [1, 2.5, {"b": null}], "c": "x\\"y"}', "[]", "-3", '"\\u"'[:0] + '"t"', "true"],
-            ['{"a" 1}', "[1,]", "tru", '"\x01"', "[[[[[[1]]]]]]"],
+            ['{"a": [1, 2.5, {"b": null}], "c": "x\\"y"}', "[]", "-3", '"t"', "[[[[[[1]]]]]]"],
+            ['{"a" 1}', "[1,]", "tru", '"\x01"'],
         ),
         (
-            r'root ::= "a"{2,3} "b"? [x-z\-]* .',
-            ["aab!", "aaa-zx\n", "aabzz-é", "aab"],
+            r'root ::= "a"{2,3} "b"? [x-z]* .',
+            ["aab!", "aaazx!", "aabzzé", "aab"],
             ["ab!", "aaaa!", "aa"],
         ),
-        (r'root ::= [^a-c] "\x41\u00e9\U0001F600\n\t\"\\"', ['dAé😀\n\t"\\'], ['aAé😀\n\t"\\']),
         (
-            'root ::= ("x" | "y" root)',
-            ["x", "yx", "yyyyx"],
-            ["yyyyyx", "y"],
-        ),  # root opens itself 5 times at most
+            r'root ::= [^a-c\u005d] "\x41\u00e9\U0001F600\n\t\"\\"',
+            ['dAé😀\n\t"\\'],
+            ['aAé😀\n\t"\\', ']Aé😀\n\t"\\'],
+        ),
+        ('root ::= ("x" | "y" root)', ["x", "yx", "y" * 30 + "x"], ["y", "xy"]),
+        (LEFT, ["a", "a,bc," * 200 + "d"], ["", "a,", ",a"]),
     ],
 )
-def test_derived_strings_and_only_those(grammar, yes, no):
-    pattern = grammar_regex(grammar)
-    automaton = ByteAutomaton(pattern)  # what the rank compiles: it takes the pattern too
-    assert not automaton.matches_nothing()
-    for text in yes:
-        assert re.fullmatch(pattern, text), text
-    for text in no:
-        assert not re.fullmatch(pattern, text), text
+def test_derived_strings_and_only_those(text, yes, no):
+    assert_language(grammar(text), yes, no)
 
 
 def derive(
-    node_rules: dict[str, list[list[str]]], name: str, rng: random.Random, open_: dict[str, int]
-) -> str | None:
+    rules: dict[str, list[list[str]]], name: str, rng: random.Random, budget: list[int]
+) -> str:
     """A random string of a small grammar (rules: lists of alternatives of symbols, a quoted
-    symbol a literal), within the same bound as the engine's; None where the bound stops it."""
-    if open_.get(name, 0) >= MAX_DEPTH:
-        return None
-    open_[name] = open_.get(name, 0) + 1
-    try:
-        for option in rng.sample(node_rules[name], len(node_rules[name])):
-            parts = [
-                s[1:-1] if s.startswith('"') else derive(node_rules, s, rng, open_) for s in option
-            ]
-            if None not in parts:
-                return "".join(parts)
-        return None
-    finally:
-        open_[name] -= 1
+    symbol a literal); past `budget` expansions, the all-literal alternative each rule has."""
+    budget[0] -= 1
+    options = rules[name] if budget[0] > 0 else [rules[name][-1]]
+    option = rng.choice(options)
+    return "".join(s[1:-1] if s.startswith('"') else derive(rules, s, rng, budget) for s in option)
 
 
 def test_random_derivations_match():
-    """Random recursive grammars: every string derived within the bound matches. (Their
-    regexes grow fast with references per rule: past two, most are refused as too large.)"""
+    """Random recursive grammars: every string they derive is an output of their grammar."""
     rng = random.Random(0)
-    compiled = 0
-    for _ in range(60):
+    for _ in range(30):
         names = ["root", "a", "b"]
         rules = {
             name: [
-                [rng.choice([f'"{rng.choice("xyz()")}"', *names]) for _ in range(rng.randint(1, 2))]
+                [rng.choice([f'"{rng.choice("xyz()")}"', *names]) for _ in range(rng.randint(1, 3))]
                 for _ in range(rng.randint(1, 2))
             ]
             for name in names
         }
-        for name in names:  # every rule can end: one all-literal alternative
+        for name in names:  # every rule can end: one all-literal alternative, last
             rules[name].append([f'"{name}"'])
         text = "\n".join(
             f"{n} ::= " + " | ".join(" ".join(option) for option in options)
             for n, options in rules.items()
         )
-        try:
-            pattern = grammar_regex(text)
-        except GrammarError as e:
-            assert "grows past" in str(e)
-            continue
-        compiled += 1
-        for _ in range(20):
-            derived = derive(rules, "root", rng, {})
-            assert derived is not None and re.fullmatch(pattern, derived), (text, derived)
-    assert compiled >= 40
+        g = grammar(text)
+        for _ in range(10):
+            derived = derive(rules, "root", rng, [40])
+            assert accepts(g, derived), (text, derived)
 
-
-@pytest.mark.parametrize(
-    "grammar, words",
-    [
-        ("", "empty"),
-        (
-            'root ::= "a"\nitem: "b"',
-            "line 2, column 5: unexpected ':' (GBNF's rules",
-        ),  # Lark's ':' in GBNF
-        ("root ::= 'a'", 'line 1, column 10: unexpected "\'"'),
-        ('root ::= "a"\nroot ::= "b"', "line 2, column 1: rule 'root' is defined twice"),
-        ("root ::= x", "'x', which is not defined"),
-        ('item ::= "a"', "no 'root' rule"),
-        ('root ::= ("a"', "never closed"),
-        ("root ::= [z-a]", "out of order"),
-        ('root ::= "\\q"', "escape \\q"),
-        ('root ::= "a"{3,2}', "below the least"),
-        ('root ::= "(" root ")"', "derives no string"),
-        (
-            'root ::= a\na ::= "(" a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a a ")"\n  | "x"',
-            "grows past",
-        ),
-    ],
-)
-def test_errors_name_where(grammar, words):
-    with pytest.raises(GrammarError, match=re.escape(words)):
-        grammar_regex(grammar)
-
-
-@settings(max_examples=300, deadline=None, database=None)
-@given(
-    st.lists(
-        st.sampled_from(
-            [
-                "root",
-                " ::= ",
-                "a",
-                " ::= ",
-                '"x"',
-                '"\\\\"',
-                '"\\u00e9"',
-                "[a-c]",
-                "[^\\n]",
-                "[-]",
-                ".",
-                "|",
-                "(",
-                ")",
-                "*",
-                "+",
-                "?",
-                "{2}",
-                "{1,3}",
-                "{2,}",
-                "\n",
-                " ",
-                "#c\n",
-                ":",
-                "'",
-                "\\",
-            ]
-        ),
-        max_size=14,
-    ).map("".join)
-)
-def test_any_text_is_a_regex_or_a_grammar_error(text):
-    """Whatever the text, a GrammarError naming the problem or a pattern both Python's `re`
-    and the engine's automaton compile: never another exception (a 500 for a request)."""
-    try:
-        pattern = grammar_regex(text)
-    except GrammarError as e:
-        assert str(e)
-        return
-    re.compile(pattern)
-    ByteAutomaton(pattern)
-
-
-# -- Lark grammars (engine/lark_grammar.py) ------------------------------------------------------
 
 LARK_JSON = r"""
 ?start: value
@@ -250,136 +155,106 @@ factor: /[0-9]+/ | "(" expr ")"
 
 
 @pytest.mark.parametrize(
-    "grammar, yes, no",
+    "text, yes, no",
     [
         (
             LARK_JSON,
-            ['{"a":[1,2.5e3,{"b":null}],"c":"x\\"y"}', "[]", "-3", "true", '"\\u"'],
-            ['{"a" 1}', "[1,]", "tru", '"a\nb"', "[[[[[[1]]]]]]", '{"a": 1}'],
-        ),  # %ignore WS: no blanks
+            ['{"a":[1,2.5e3,{"b":null}],"c":"x\\"y"}', "[]", "-3", "true", '{"a": 1}'],
+            ['{"a" 1}', "[1,]", "tru"],
+        ),  # %ignore WS: llguidance allows the blanks between tokens
         (
             LARK_ARITHMETIC,
-            ["1", "12+3*4", "(1+2)*3", "((((7))))"],
-            ["", "1+", "(1", "a", "(((((7)))))"],
-        ),
-        (
-            'start: "select"i " " NAME ~ 1..2\nNAME: ("a".."c")+ "_"?\n',
-            ["SeLeCt ab_c", "select a", "SELECT cc_"],
-            ["select ", "select d", "selec a", "select a__"],
+            ["1", "12+3*4", "(1+2)*3", "((((7))))", "(((((7)))))"],
+            ["", "1+", "(1", "a"],
         ),
         (
             'start: [sign] INT\nsign: "+" | "-"\n%import common (INT, WS)',
             ["+12", "7", "-0"],
             ["+", "1.5", "--1"],
         ),
-        ("start: ID\n%import common.CNAME -> ID", ["_x1", "abc"], ["1x", ""]),
-        (
-            "greeting: 'hi' | 'yo' ' ' name\nname: 'al' 'x'?",
-            ["hi", "yo alx", "yo al"],
-            ["hi al", "yo"],
-        ),  # vLLM's quotes, root
         ('start: /\\/\\/[a-z]*/ "!"', ["//ab!", "//!"], ["/a!", "//A!"]),
     ],
 )
-def test_lark_derived_strings_and_only_those(grammar, yes, no):
-    pattern = grammar_regex(grammar)
-    automaton = ByteAutomaton(pattern)
-    for text in yes:
-        assert re.fullmatch(pattern, text), (text, pattern[:200])
-        assert automaton.accepting[automaton.step(START, text.encode())], text
-    for text in no:
-        assert not re.fullmatch(pattern, text), text
+def test_lark_derived_strings_and_only_those(text, yes, no):
+    assert_language(grammar(text), yes, no)
 
 
 def test_lark_and_gbnf_of_one_language_agree():
-    """ARITHMETIC in either syntax: the same verdict on 3,000 random strings of its alphabet."""
-    lark, gbnf = re.compile(grammar_regex(LARK_ARITHMETIC)), re.compile(grammar_regex(ARITHMETIC))
+    """ARITHMETIC in either syntax: the same verdict on 1,000 random strings of its alphabet."""
+    lark, gbnf = grammar(LARK_ARITHMETIC), grammar(ARITHMETIC)
     rng = random.Random(0)
-    texts = ["".join(rng.choices("12+-*()", k=rng.randint(0, 9))) for _ in range(3000)]
-    verdicts = [(bool(lark.fullmatch(t)), bool(gbnf.fullmatch(t))) for t in texts]
-    assert all(a == b for a, b in verdicts) and sum(a for a, _ in verdicts) > 100
+    texts = ["".join(rng.choices("12+-*()", k=rng.randint(0, 9))) for _ in range(1000)]
+    verdicts = [(accepts(lark, t), accepts(gbnf, t)) for t in texts]
+    assert all(a == b for a, b in verdicts) and sum(a for a, _ in verdicts) > 30
+
+
+SETUP = Setup("", 257, [256], 50_000, 1000.0, 0)
+
+
+def compiled(kind: str, text: str) -> tuple[str, str]:
+    """(grammar, error) as the compile worker answers, on a byte vocabulary."""
+    outcome = compile_job(Job(kind, text), byte_tokenizer(), SETUP)
+    return outcome.grammar, outcome.error
 
 
 @pytest.mark.parametrize(
-    "grammar, words",
+    "text, words",
     [
-        ("%ignore WS\n// nothing else", "defines nothing"),
-        ("start: INT", "'INT', which is not defined (import it: %import common.INT)"),
-        ("start: item\n%declare item", "line 2, column 1: the directive %declare"),
-        (
-            '%import lark.X\nstart: "a"',
-            "line 1, column 1: %import lark.X: only Lark's common terminals",
-        ),
-        ('%import common.FOO\nstart: "a"', "common.FOO is not one of"),
-        ('start: x{1}\nx: "a"', "line 1, column 8: templates"),
-        ("start: /a/i", "regex flags"),
-        ("start: /a(?=b)/", "line 1, column 8: the regex /a(?=b)/"),
-        ('start: "a" ~', "'~' needs a count"),
-        ('start: "a" ~ 3..2', "below the least"),
-        ('start: "ab".."c"', "one-character strings"),
-        ('start: "z".."a"', "out of order"),
-        ('start: ["a"', "never closed"),
-        ('start: "a" ->', "alias name"),
-        ('start: "a"\nstart: "b"', "line 2, column 1: 'start' is defined twice"),
-        ('start: "(" start ")"', "derives no string"),
+        ("", "Empty grammar"),
+        ("root ::= 'a'", "not a GBNF grammar: Expected name"),
+        ("root ::= x", "not a GBNF grammar: Rule 'x' not found"),
+        ('root ::= ("a"', "not a GBNF grammar"),
+        ("start: INT", "INT"),
+        ("start: item\n%declare item", "declare statement not supported"),
+        ("start: /a(?=b)/", "look-around"),
     ],
 )
-def test_lark_errors_name_where(grammar, words):
-    with pytest.raises(GrammarError, match=re.escape(words)):
-        grammar_regex(grammar)
+def test_errors_say_what(text, words):
+    grammar_text, error = compiled("grammar", text)
+    assert not grammar_text and words in error, error
 
 
-@settings(max_examples=300, deadline=None, database=None)
-@given(
-    st.lists(
-        st.sampled_from(
-            [
-                "start",
-                "x",
-                "X",
-                ": ",
-                "?",
-                "!",
-                '"a"',
-                '"b"i',
-                "..",
-                "/[a-c]+/",
-                "/a/i",
-                "[",
-                "]",
-                "(",
-                ")",
-                "|",
-                "*",
-                "+",
-                "~",
-                " 2",
-                "..3",
-                "->",
-                " al",
-                "{",
-                "}",
-                ",",
-                "\n",
-                "%import common.INT\n",
-                "%ignore WS\n",
-                "%import common (WS, DIGIT)\n",
-                "// c\n",
-                "INT",
-                ".2",
-                "\\",
-                "'",
-            ]
-        ),
-        max_size=14,
-    ).map("".join)
-)
-def test_any_lark_text_is_a_regex_or_a_grammar_error(text):
-    """As for GBNF: a GrammarError or a pattern that compiles, never another exception."""
-    try:
-        pattern = grammar_regex("start: " + text)
-    except GrammarError as e:
-        assert str(e)
-        return
-    re.compile(pattern)
-    ByteAutomaton(pattern)
+TEXTS = st.lists(
+    st.sampled_from(
+        [
+            "root",
+            " ::= ",
+            "start",
+            ": ",
+            "a",
+            '"x"',
+            '"\\\\"',
+            '"\\u00e9"',
+            "[a-c]",
+            "[^\\n]",
+            "[-]",
+            ".",
+            "|",
+            "(",
+            ")",
+            "*",
+            "+",
+            "?",
+            "{2}",
+            "{1,3}",
+            "/[a-c]+/",
+            "%ignore WS\n",
+            "%import common.INT\n",
+            "~",
+            "\n",
+            " ",
+            "#c\n",
+            "'",
+            "\\",
+        ]
+    ),
+    max_size=14,
+).map("".join)
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(TEXTS)
+def test_any_text_is_a_grammar_or_an_error(text):
+    """Whatever the text: the worker answers a grammar or an error, never raises."""
+    grammar_text, error = compiled("grammar", text)
+    assert bool(grammar_text) != bool(error)

@@ -16,7 +16,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
-from serve_helpers import wait_idle
+from serve_helpers import metric_samples, wait_idle
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
@@ -103,14 +103,7 @@ async def metrics(served: Served) -> dict[str, float]:
         assert r.status == 200
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = await r.text()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            values[
-                key.replace(f'model_name="{MODEL}",', "").replace(f'{{model_name="{MODEL}"}}', "")
-            ] = float(value)
-    return values
+    return metric_samples(text, MODEL)
 
 
 # ---- completions -------------------------------------------------------------------------
@@ -442,7 +435,11 @@ def check_error(body: dict, param: str | None, words: str) -> None:
         (dict(prompt="x", max_tokens=MAX_MODEL_LEN), "prompt", "max_model_len"),
         (dict(prompt=[248320]), "prompt", "[0, 248320)"),
         (dict(prompt="x", extra_body={"stop_token_ids": [10**6]}), "stop_token_ids", "vocabulary"),
-        (dict(prompt="x", extra_body={"guided_grammar": "x"}), "guided_grammar", "expected a rule"),
+        (
+            dict(prompt="x", extra_body={"guided_grammar": "x"}),
+            "guided_grammar",
+            "Expected token ':'",
+        ),
     ],
 )
 async def test_400_completions(served: Served, call, param, words):
@@ -471,8 +468,8 @@ async def test_400_completions(served: Served, call, param, words):
                     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
                 ]
             ),
-            "messages[0].content[0].type",
-            "text",
+            "messages",
+            "messages[0].content[0].image_url: the model",  # a text-only checkpoint: no tower
         ),
         (dict(top_logprobs=2), "top_logprobs", "logprobs=true"),
     ],
@@ -498,9 +495,9 @@ async def test_400_bad_json_404_413(served: Served):
     check_error(info.value.response.json(), "model", "gpt-4")
 
 
-async def test_401_only_under_v1(served: Served):
-    """As vLLM, the key guards the /v1 routes only: a Prometheus scrape of /metrics, /version
-    and /health need none (/metrics and /version answered 401)."""
+async def test_401_everywhere_but_the_probes(served: Served):
+    """The key guards every route but the probes: a Prometheus scrape of /metrics, /version,
+    /health and /ping need none (/metrics and /version once answered 401)."""
     async with openai.AsyncOpenAI(
         base_url=served.url + "/v1", api_key="wrong", max_retries=0
     ) as bad:
@@ -512,9 +509,12 @@ async def test_401_only_under_v1(served: Served):
         for path, status in (
             ("/v1/models", 401),
             ("/v1/nothing", 401),
+            ("/get_model_info", 401),
+            ("/nothing", 401),
             ("/metrics", 200),
             ("/version", 200),
             ("/health", 200),
+            ("/ping", 200),
         ):
             async with s.get(served.url + path) as r:
                 assert r.status == status, (path, await r.text())

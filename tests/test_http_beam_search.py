@@ -97,6 +97,63 @@ async def test_beams_carry_the_models_logprobs_best_first(server, client):
     ]
 
 
+def reference_beams(
+    tiny_model_dir, prompt: list[int], width: int, length: int
+) -> list[tuple[tuple[int, ...], float]]:
+    """Beam search written from its definition over HF transformers' model (fp32, no cache:
+    every step scores each beam's whole sequence): at each step the `width` best of all
+    (beam, token) extensions of the whole vocabulary by cumulative logprob; no EOS, no length
+    penalty. (HF's own `generate(num_beams=...)` is no reference here: on this hybrid model its
+    beams' scores are not what its forward gives their tokens.)"""
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    hf = Qwen3_5ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    beams = [((), 0.0)]
+    with torch.inference_mode():
+        for _ in range(length):
+            rows = torch.stack(
+                [
+                    cum + hf(torch.tensor([prompt + list(tokens)])).logits[0, -1].log_softmax(-1)
+                    for tokens, cum in beams
+                ]
+            )  # [beams, vocab]: each extension's cumulative logprob
+            best = rows.flatten().topk(width)
+            vocab = rows.shape[1]
+            beams = [
+                (beams[i // vocab][0] + (i % vocab,), value)
+                for i, value in zip(best.indices.tolist(), best.values.tolist(), strict=True)
+            ]
+    return beams
+
+
+@aio
+async def test_beams_are_a_reference_search_over_hf(server, client, tiny_model_dir):
+    """Against an independent search (`reference_beams`: HF's model, the definition of beam
+    search over the whole vocabulary), width 3 and 4 over 5 tokens: the same beams, best
+    first, with the same cumulative logprobs; the route answers them too."""
+    engine = server.engine
+    for width in (3, 4):
+        expected = reference_beams(tiny_model_dir, PROMPT, width, 5)
+        beams = await beam_search(
+            engine, PROMPT, width, 5, engine.eos_token_ids, length_penalty=0.0, ignore_eos=True
+        )
+        assert [b.tokens for b in beams] == [tokens for tokens, _ in expected]
+        for beam, (_, cum) in zip(beams, expected, strict=True):
+            assert math.isclose(beam.cum_logprob, cum, abs_tol=1e-3), (beam, cum)
+    answer = await client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=5,
+        n=width,
+        extra_body={"use_beam_search": True, "ignore_eos": True, "length_penalty": 0.0},
+    )
+    texts = await engine.run_tokenizer(
+        lambda tok: [tok.decode(list(tokens)) for tokens, _ in expected], 1
+    )
+    assert [c.text for c in answer.choices] == texts
+
+
 @aio
 async def test_a_beam_an_eos_ends_is_set_aside(server):
     """The best first token made an EOS (the search's `eos_ids`): its beam ends there, "stop",

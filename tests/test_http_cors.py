@@ -1,8 +1,9 @@
 """CORS as `vllm serve` answers it (http/cors.py): its flags --allowed-origins,
---allowed-methods, --allowed-headers (JSON lists, ["*"] by default) and --allow-credentials,
-Starlette's CORSMiddleware's rules. Each configuration is made from the command line as
-`deltaserve serve` makes it and served by an app on the module's one engine; plain aiohttp
-requests send what a browser sends (Origin, preflight OPTIONS).
+--allowed-methods, --allowed-headers (JSON lists) and --allow-credentials, Starlette's
+CORSMiddleware's rules; no origin allowed by default (vLLM's default, `["*"]`, is given
+here explicitly). Each configuration is made from the command line as `deltaserve serve`
+makes it and served by an app on the module's one engine; plain aiohttp requests send what a
+browser sends (Origin, preflight OPTIONS).
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ async def default_url(engine, tiny_model_dir) -> AsyncIterator[str]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def any_origin_url(engine, tiny_model_dir) -> AsyncIterator[str]:
+    async with served(engine, tiny_model_dir, "--allowed-origins", '["*"]') as url:
+        yield url
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def restricted_url(engine, tiny_model_dir) -> AsyncIterator[str]:
     async with served(
         engine,
@@ -87,7 +94,9 @@ async def restricted_url(engine, tiny_model_dir) -> AsyncIterator[str]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def credentials_url(engine, tiny_model_dir) -> AsyncIterator[str]:
-    async with served(engine, tiny_model_dir, "--allow-credentials") as url:
+    async with served(
+        engine, tiny_model_dir, "--allowed-origins", '["*"]', "--allow-credentials"
+    ) as url:
         yield url
 
 
@@ -114,9 +123,30 @@ async def chat(url: str, headers: dict[str, str], stream: bool = False) -> Reply
 
 
 @module_loop
-async def test_defaults_preflight_needs_no_key(default_url):
-    """vLLM's defaults (every origin, method and header; no credentials): a chat UI's
-    preflight is answered without the API key, the requested headers echoed back."""
+async def test_default_allows_no_other_site(default_url):
+    """No --allowed-origins: a preflight from any origin is refused, and a request from
+    another site (its Origin, or the browser's Sec-Fetch-Site) is refused before the key is
+    looked at, with no CORS header; the server's own origin, and no Origin, are served."""
+    port = default_url.rsplit(":", 1)[1]
+    pre = await call("OPTIONS", default_url + "/v1/chat/completions", preflight(UI))
+    assert (pre.status, pre.text) == (400, "Disallowed CORS origin")
+    for headers in ({"Origin": UI}, {"Sec-Fetch-Site": "cross-site"}, {"Origin": "null"}):
+        r = await chat(default_url, {**AUTH, **headers})
+        assert r.status == 403 and "cross_site_request" in r.text, (headers, r.text)
+        assert "Access-Control-Allow-Origin" not in r.headers
+    own = {"Origin": f"http://127.0.0.1:{port}", "Sec-Fetch-Site": "same-origin"}
+    for headers in (own, {}):
+        r = await chat(default_url, {**AUTH, **headers}, stream=True)
+        assert r.status == 200, (headers, r.text)
+    probe = await call("GET", default_url + "/health", {"Origin": UI})  # probes stay open
+    assert probe.status == 200
+
+
+@module_loop
+async def test_any_origin_preflight_needs_no_key(any_origin_url):
+    """vLLM's defaults given as flags (every origin, method and header; no credentials): a
+    chat UI's preflight is answered without the API key, the requested headers echoed back."""
+    default_url = any_origin_url
     r = await call(
         "OPTIONS",
         default_url + "/v1/chat/completions",
@@ -140,9 +170,10 @@ async def test_defaults_preflight_needs_no_key(default_url):
 
 
 @module_loop
-async def test_defaults_every_response_allows_any_origin(default_url):
+async def test_any_origin_every_response_allows_it(any_origin_url):
     """A request with Origin gets `access-control-allow-origin: *`: answers, SSE streams,
     401s and 404s alike; one without Origin gets no CORS header."""
+    default_url = any_origin_url
     origin = {"Origin": UI}
     for stream in (False, True):
         r = await chat(default_url, {**AUTH, **origin}, stream)
@@ -151,7 +182,7 @@ async def test_defaults_every_response_allows_any_origin(default_url):
         assert "Vary" not in r.headers and "Access-Control-Allow-Credentials" not in r.headers
     unauthorized = await chat(default_url, origin)
     assert unauthorized.status == 401 and unauthorized.headers["Access-Control-Allow-Origin"] == "*"
-    missing = await call("GET", default_url + "/nowhere", origin)
+    missing = await call("GET", default_url + "/nowhere", {**AUTH, **origin})
     assert missing.status == 404 and missing.headers["Access-Control-Allow-Origin"] == "*"
     plain = await chat(default_url, AUTH, stream=True)
     assert plain.status == 200
@@ -161,7 +192,7 @@ async def test_defaults_every_response_allows_any_origin(default_url):
 @module_loop
 async def test_restricted_origins_methods_headers(restricted_url):
     """--allowed-origins/-methods/-headers lists: an allowed origin is echoed with Vary: Origin;
-    another origin's preflight is refused (400) and its answers carry no allow-origin."""
+    another origin's preflight is refused (400), and its requests (403)."""
     url = restricted_url + "/v1/chat/completions"
     ok = await call("OPTIONS", url, preflight(UI, headers="Authorization, Content-Type"))
     assert (ok.status, ok.text) == (200, "OK")
@@ -180,7 +211,7 @@ async def test_restricted_origins_methods_headers(restricted_url):
         assert r.status == 200, r.text
         assert r.headers["Access-Control-Allow-Origin"] == UI and r.headers["Vary"] == "Origin"
     refused = await chat(restricted_url, {**AUTH, "Origin": OTHER})
-    assert refused.status == 200 and "Access-Control-Allow-Origin" not in refused.headers
+    assert refused.status == 403 and "Access-Control-Allow-Origin" not in refused.headers
 
 
 @module_loop
@@ -208,11 +239,11 @@ def test_bad_list_flag_refused_naming_it(flag, value, capsys):
 
 
 def test_config_holds_the_lists():
-    """The flags' defaults are vLLM's; the config refuses what is not a list of strings (a
-    bare "*" would otherwise be read letter by letter)."""
+    """The flags' defaults are vLLM's but for the origins (none); the config refuses what is
+    not a list of strings (a bare "*" would otherwise be read letter by letter)."""
     config = serve._server_config(serve.parse_args(["m", "--allowed-methods", '["GET", "POST"]']))
     assert (config.allowed_origins, config.allowed_methods, config.allowed_headers) == (
-        ("*",),
+        (),
         ("GET", "POST"),
         ("*",),
     )

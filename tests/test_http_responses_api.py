@@ -355,13 +355,13 @@ async def test_logprobs_of_the_output_text(client):
                     "format": {
                         "type": "json_schema",
                         "name": "n",
-                        "schema": {"type": "integer", "multipleOf": 3},
+                        "schema": {"type": "string", "format": "color"},
                     }
                 },
             },
             400,
             "text.format",
-            "multipleOf",
+            "Unknown format: color",
         ),
         (
             {"input": "x", "tools": [LOOKUP], "tool_choice": {"type": "function", "name": "nope"}},

@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from serve_helpers import ServeProcess, get, rank_pids, wait_gone
+from serve_helpers import ServeProcess, get, metric_samples, rank_pids, wait_gone
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
@@ -61,7 +61,7 @@ async def test_rank_sigkill_in_process(tiny_model_dir):
     engine = await AsyncEngine.start(
         EngineConfig(model=str(tiny_model_dir), max_num_seqs=2, max_model_len=4096)
     )
-    app = build_app(engine, ServerConfig("tiny"))
+    app = build_app(engine, ServerConfig("tiny", enable_admin_routes=True))
     runner, _ = await start_server(app, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
@@ -99,8 +99,9 @@ async def test_rank_sigkill_in_process(tiny_model_dir):
             await client.completions.create(model="tiny", prompt="x", max_tokens=2)
         assert info.value.status_code == 503
         _, text = await get(url + "/metrics")
-        assert 'deltaserve:engine_dead{model_name="tiny"} 1' in text
-        assert 'vllm:request_success_total{model_name="tiny",finished_reason="error"} 3' in text
+        samples = metric_samples(text, "tiny")
+        assert samples["deltaserve:engine_dead"] == 1
+        assert samples['vllm:request_success_total{finished_reason="error"}'] == 3
         await wait_gone(pids)
     finally:
         await client.close()

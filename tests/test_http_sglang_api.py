@@ -440,7 +440,7 @@ async def test_abort_request_by_rid_and_all(server, gpt):
         ),
         (
             {"input_ids": PROMPT, "sampling_params": {"ebnf": "root ::= 'a'"}},
-            "sampling_params.ebnf: line 1",
+            "sampling_params.ebnf: not a GBNF grammar: Expected name at line 1",
         ),
         (
             {"input_ids": PROMPT, "sampling_params": {"structural_tag": "{}"}},
@@ -496,12 +496,17 @@ async def test_refusals_name_sglang_fields(server, body, words):
 
 @aio
 async def test_info_health_and_the_key(server, tiny_model_dir):
+    """Every route here needs the key (as SGLang's middleware asks it of all but /health and
+    /metrics): /health_generate submits a request, the info routes name the model's path."""
     async with aiohttp.ClientSession() as session:
-        async with session.get(server.url + "/health_generate") as reply:  # open, as /health
+        for path in ("/health_generate", "/get_model_info", "/server_info", "/get_server_info"):
+            async with session.get(server.url + path) as reply:
+                assert reply.status == 401, path
+        async with session.get(server.url + "/health_generate", headers=AUTH) as reply:
             assert reply.status == 200
-        async with session.get(server.url + "/get_model_info") as reply:
+        async with session.get(server.url + "/get_model_info", headers=AUTH) as reply:
             info = await reply.json()
-        async with session.get(server.url + "/server_info") as reply:
+        async with session.get(server.url + "/server_info", headers=AUTH) as reply:
             server_info = await reply.json()
     assert info["model_path"] == str(tiny_model_dir) and info["is_generation"] is True
     assert (

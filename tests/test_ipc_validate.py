@@ -179,6 +179,20 @@ class TestStepReplies:
         with pytest.raises(ReplyError, match=message):  # as soon as rank 0's reply arrives
             step_replies(samples)
 
+    def test_failed_requests_travel_with_their_samples(self) -> None:
+        """A request past its own bounds (SampleColumns.failed) is the step's data, kept in
+        step order; one reported without a sample in the step is a protocol error."""
+        samples = [sample(1), sample(3), sample(4)]
+        failed = SampleColumns.from_samples(samples[::-1], failed={3: "past max_mask_ms"})
+        replies = ReplySet(RunUnifiedStep(7, step_items()), 1, check_plan(step_items(), VOCAB))
+        replies.add(StepResult(0, 7, failed))
+        assert replies.result().failed == {3: "past max_mask_ms"}
+        assert replies.result().request_ids == [1, 3, 4]
+        stray = SampleColumns.from_samples(samples, failed={2: "past max_mask_ms"})
+        replies = ReplySet(RunUnifiedStep(7, step_items()), 1, check_plan(step_items(), VOCAB))
+        with pytest.raises(ReplyError, match="request 2 failed, which has no sample"):
+            replies.add(StepResult(0, 7, stray))
+
     def test_alternatives_without_a_sample_fatal(self) -> None:
         result = SampleColumns.from_samples([sample(1), sample(3), sample(4)])
         result = msgspec.structs.replace(result, top_logprobs={2: [(5, -1.0)]})

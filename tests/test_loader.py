@@ -10,10 +10,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, SafetensorsError
+from deltaserve.engine.checkpoint_files import (
+    CheckpointError,
+    SafetensorsError,
+    checkpoint_files,
+    read_header,
+)
+from deltaserve.engine.model_config import ConfigError, ModelConfig
+from deltaserve.engine.rank.checkpoint_reader import CheckpointReader
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
-from deltaserve.engine.rank.loader import CheckpointError
-from deltaserve.engine.rank.model_config import ConfigError, ModelConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.golden import compare_logprobs
 from deltaserve.tools.make_model import make_model
@@ -205,30 +210,107 @@ def test_malformed_index_is_named(tiny_vlm_model_dir, tmp_path, index):
         logits_of(target)
 
 
+@pytest.mark.parametrize(
+    "shard,rule",
+    [
+        ("../secret.safetensors", "not a plain file name"),
+        ("/tmp/secret.safetensors", "not a plain file name"),
+        ("sub/model.safetensors", "not a plain file name"),
+        ("..", "not a plain file name"),
+        ("", "not a plain file name"),
+        ("out.safetensors", "resolves outside the checkpoint folder"),  # a link out
+    ],
+)
+def test_shards_only_from_inside_the_folder(tiny_vlm_model_dir, tmp_path, shard, rule):
+    """An index names plain file names of the folder; a file that resolves (links followed)
+    outside it is refused before a byte of it is read."""
+    target = tmp_path / "ckpt"
+    shutil.copytree(tiny_vlm_model_dir, target)
+    outside = tmp_path / "secret.safetensors"
+    shutil.copy(target / "model-00001-of-00002.safetensors", outside)
+    (target / "out.safetensors").symlink_to(outside)
+    index = target / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = sorted(data["weight_map"])[0]
+    data["weight_map"][first] = shard
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=rule):
+        checkpoint_files(target, confined=True)
+
+
+def test_links_out_of_a_single_file_checkpoint_are_refused_for_new_weights(broken_copy, tmp_path):
+    """For new weights (confined); the folder served from start may link anywhere (its
+    operator's: a custom config beside linked weights)."""
+    outside = tmp_path / "elsewhere.safetensors"
+    (broken_copy / "model.safetensors").rename(outside)
+    (broken_copy / "model.safetensors").symlink_to(outside)
+    with pytest.raises(CheckpointError, match="model.safetensors in .* resolves outside"):
+        checkpoint_files(broken_copy, confined=True)
+    assert checkpoint_files(broken_copy) == [broken_copy / "model.safetensors"]
+    (broken_copy / "model.safetensors").unlink()
+    (broken_copy / "a.safetensors").symlink_to(outside)  # found by the *.safetensors glob
+    with pytest.raises(CheckpointError, match="a.safetensors in .* resolves outside"):
+        checkpoint_files(broken_copy, confined=True)
+
+
+def test_a_hub_snapshot_links_into_its_blobs(tiny_vlm_model_dir, tmp_path):
+    """Hugging Face's cache: snapshots/REV/<file> links to ../../blobs/<sha>, outside the
+    snapshot folder but inside its repository's blobs: served, and its logits are the
+    checkpoint's; a link past the blobs is still refused."""
+    repo = tmp_path / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, path in enumerate(sorted(tiny_vlm_model_dir.iterdir())):
+        shutil.copy(path, blobs / f"blob{i}")
+        (snapshot / path.name).symlink_to(f"../../blobs/blob{i}")
+    files = checkpoint_files(snapshot, confined=True)
+    assert [f.name for f in files] == sorted(
+        set(
+            json.loads((tiny_vlm_model_dir / "model.safetensors.index.json").read_text())[
+                "weight_map"
+            ].values()
+        )
+    )
+    assert torch.equal(logits_of(snapshot), logits_of(tiny_vlm_model_dir))
+    shard = snapshot / files[0].name
+    shard.unlink()
+    shard.symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="resolves outside"):
+        checkpoint_files(snapshot, confined=True)
+
+
 def test_truncated_file_is_named(broken_copy):
     path = broken_copy / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-1000])
     with pytest.raises(
-        CheckpointError, match="model.safetensors: tensor .* do not fit it or the file"
+        CheckpointError, match=r"model.safetensors: not a safetensors file \(incomplete metadata\)"
     ):
         logits_of(broken_copy)
+
+
+SECRET = "TOPSECRET"
 
 
 @pytest.mark.parametrize(
     "edit,error",
     [
-        (lambda header: header["a"].pop("data_offsets"), "tensor 'a' has a malformed header entry"),
-        (lambda header: header["a"].update(shape=None), "tensor 'a' has a malformed header entry"),
+        (lambda header: header["a"].pop("data_offsets"), r"\(invalid JSON in header\)"),
+        (lambda header: header["a"].update(shape=SECRET), r"\(invalid JSON in header\)"),
+        (lambda header: header["a"].update(shape=[-1, -7]), r"\(invalid JSON in header\)"),
+        (lambda header: header["a"].update(dtype=SECRET), r"\(invalid JSON in header\)"),
+        (lambda header: header["a"].update(data_offsets=[4, 32]), r"\(invalid offset\)"),
         (
-            lambda header: header["a"].update(shape=[-1, -7]),
-            "tensor 'a' has a malformed header entry",
+            lambda header: header["a"].update(dtype="U16", shape=[14]),
+            "tensor 'a' has unsupported dtype 'U16'",
         ),
-        (lambda header: header["a"].update(dtype="Q8"), "tensor 'a' has unsupported dtype 'Q8'"),
     ],
 )
 def test_malformed_header_is_named(tmp_path, edit, error):
-    """A header entry that is not what the format says is refused naming the file and the
-    tensor, never a KeyError or TypeError from inside the reader."""
+    """A header the safetensors library refuses is refused naming the file and the fault, and
+    never repeating the library's message, which can quote the file's bytes (here SECRET); a
+    dtype it knows and the loader does not is named."""
     path = tmp_path / "bad.safetensors"
     save_file({"a": torch.zeros(7), "b": torch.ones(3)}, str(path))
     raw = path.read_bytes()
@@ -237,8 +319,24 @@ def test_malformed_header_is_named(tmp_path, edit, error):
     edit(header)
     text = json.dumps(header, separators=(",", ":")).encode()  # offsets count from the data's start
     path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
-    with pytest.raises(SafetensorsError, match=f"bad.safetensors: {error}"):
+    with pytest.raises(SafetensorsError, match=f"bad.safetensors: .*{error}") as info:
         list(CheckpointReader(torch.device("cpu")).tensors(path, lambda name: True))
+    assert SECRET not in str(info.value)
+
+
+def test_a_file_that_is_not_safetensors_is_never_quoted(tmp_path):
+    """Its first 8 bytes were read as a header length and echoed in the error."""
+    path = tmp_path / "secret.safetensors"
+    path.write_bytes(f"{SECRET} {SECRET} and more of it".encode())
+    with pytest.raises(
+        SafetensorsError, match=r"secret.safetensors: not a safetensors file"
+    ) as info:
+        read_header(path)
+    message = str(info.value)
+    assert (
+        SECRET not in message
+        and str(int.from_bytes(path.read_bytes()[:8], "little")) not in message
+    )
 
 
 @pytest.mark.parametrize(
@@ -250,10 +348,11 @@ def test_malformed_header_is_named(tmp_path, edit, error):
         ),
     ],
 )
-def test_reader_gives_every_tensor_as_safetensors_does(tmp_path, device):
-    """Small chunks so that tensors span chunks and chunks hold several tensors, read by more
-    threads than buffers; mixed dtypes, empty tensors, a scalar, skipped tensors between read
-    ones."""
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "library"])
+def test_reader_gives_every_tensor_as_safetensors_does(tmp_path, device, parallel):
+    """Both paths (the parallel one on the CPU too). The parallel one with small chunks, so
+    that tensors span chunks and chunks hold several tensors, read by more threads than
+    buffers; mixed dtypes, empty tensors, a scalar, skipped tensors between read ones."""
     g = torch.Generator().manual_seed(0)
     tensors = {
         "a.bf16": torch.randn(37, 19, generator=g).bfloat16(),
@@ -269,7 +368,9 @@ def test_reader_gives_every_tensor_as_safetensors_does(tmp_path, device):
     }
     path = tmp_path / "mixed.safetensors"
     save_file(tensors, str(path))
-    reader = CheckpointReader(torch.device(device), chunk_bytes=256, buffers=2, readers=3)
+    reader = CheckpointReader(
+        torch.device(device), chunk_bytes=256, buffers=2, readers=3, parallel=parallel
+    )
     got = dict(reader.tensors(path, lambda name: not name.endswith("skip")))
     expected = {name: t for name, t in load_file(str(path)).items() if not name.endswith("skip")}
     assert sorted(got) == sorted(expected)

@@ -14,6 +14,8 @@ from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.ipc.messages import SamplingSpec
 
 VOCAB = 50
+# the chi-square distribution's 0.999 quantile by degrees of freedom (1..7)
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
 
 
 def _logits(seed: int, rows: int = 1, vocab: int = VOCAB) -> torch.Tensor:
@@ -153,6 +155,51 @@ class TestSampler:
             counts[sampler.sample([0], logits)[0].token_id] += 1
         chi2 = float((((counts - n * expected) ** 2) / (n * expected)).sum())
         assert chi2 < 24.3, (chi2, counts.tolist(), (n * expected).tolist())
+
+    @pytest.mark.parametrize(
+        "spec",
+        [
+            SamplingSpec(seed=21, temperature=1.0, top_k=3),
+            SamplingSpec(seed=22, temperature=0.7, top_p=0.8),
+            SamplingSpec(seed=23, temperature=1.2, min_p=0.2),
+            SamplingSpec(seed=24, temperature=1.0, top_k=5, top_p=0.6),
+            SamplingSpec(seed=25, temperature=0.9, min_p=0.05, top_k=6, top_p=0.9),
+        ],
+        ids=["top_k", "top_p", "min_p", "top_k_top_p", "all_three"],
+    )
+    def test_filtered_sampling_matches_the_filtered_softmax(self, spec):
+        """Chi-square of 4000 seeded draws against the distribution vLLM's rules define,
+        computed here from their definitions: softmax(logits / T); min-p keeps p >= min_p x
+        max p; top-k the k most probable; top-p, on what is left renormalised, each token
+        while the mass of the better ones is < top_p; then renormalised. Nothing outside
+        that support is drawn; the bound is the 0.999 quantile for its degrees of freedom."""
+        logits = [1.0, 0.5, 0.0, -0.5, 2.0, 1.5, -1.0, 0.2]
+        weights = [math.exp(v / spec.temperature) for v in logits]
+        best_first = sorted(range(len(logits)), key=lambda t: -weights[t])
+        keep = set(best_first)
+        if spec.min_p > 0:
+            keep = {t for t in keep if weights[t] >= spec.min_p * max(weights)}
+        if spec.top_k > 0:
+            keep &= set(best_first[: spec.top_k])
+        if spec.top_p < 1:
+            total, mass, nucleus = sum(weights[t] for t in keep), 0.0, set()
+            for t in (t for t in best_first if t in keep):
+                if mass / total < spec.top_p:
+                    nucleus.add(t)
+                mass += weights[t]
+            keep = nucleus
+        total = sum(weights[t] for t in keep)
+        expected = [weights[t] / total if t in keep else 0.0 for t in range(len(logits))]
+        sampler = Sampler()
+        sampler.add(0, spec)
+        n = 4000
+        counts = [0] * len(logits)
+        for _ in range(n):
+            counts[sampler.sample([0], torch.tensor([logits]))[0].token_id] += 1
+        assert {t for t, c in enumerate(counts) if c} == keep, (counts, expected)
+        chi2 = sum((counts[t] - n * expected[t]) ** 2 / (n * expected[t]) for t in keep)
+        assert 2 <= len(keep) <= 7, keep  # every case keeps a real choice, and cuts something
+        assert chi2 < CHI2_999[len(keep) - 1], (chi2, counts, [n * e for e in expected])
 
     def test_filters_restrict_support(self):
         """top_k, top_p and min_p never let a token outside their set through."""

@@ -20,6 +20,8 @@ from serve_helpers import in_process_server, wait_idle
 from test_weight_update import GREEDY, PROMPT, greedy, model_b, refs, still_waiting  # noqa: F401 (fixtures)
 
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.events import NoWeightsError
+from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http.server import ServerConfig
 
 
@@ -50,9 +52,12 @@ async def test_sleep_and_wake_up(placement, tiny_model_dir, model_b, refs):  # n
         assert (
             ids == refs["a"][:8] and end.cached_tokens == 0 and not engine.is_sleeping
         )  # saved states: gone
-        # level 2: the weights are dropped; the next ones loaded (B's) are served
+        # level 2: the weights are dropped; nothing is served from the memory they were in
+        # (awake or not) until the next ones loaded (B's), which are served
         await engine.sleep(2)
         await engine.wake_up(["weights"])
+        with pytest.raises(NoWeightsError, match="level-2 sleep"):
+            engine.generate(PROMPT, SamplingParams(max_tokens=2))
         await engine.update_weights(model_b)
         await engine.wake_up()
         assert (await greedy(engine))[0] == refs["b"][:8]
@@ -75,7 +80,7 @@ async def test_sleep_and_wake_up(placement, tiny_model_dir, model_b, refs):  # n
 async def test_sleep_routes(tiny_model_dir, refs):  # noqa: F811
     config = EngineConfig(model=str(tiny_model_dir), max_model_len=256, max_num_seqs=2)
     async with (
-        in_process_server(config, ServerConfig("tiny")) as server,
+        in_process_server(config, ServerConfig("tiny", enable_sleep_mode=True)) as server,
         aiohttp.ClientSession() as session,
     ):
 

@@ -1,7 +1,7 @@
-"""Structural tags as regexes (engine/structural_tag.py): the free text between structures holds
-no trigger (checked against a brute-force search on random words and texts), each trigger
-opens a structure whose JSON follows its schema, the engine's automaton agrees with Python's
-`re`, and a bad spec is an error naming the field."""
+"""Structural tags as llguidance grammars (engine/guided/structural_tag.py): free text holds no
+excluded string and no trigger (checked against a brute-force search on random words and
+texts), each trigger opens a structure whose JSON follows its schema, llguidance's matcher
+is the judge (tests/guide_helpers.py), and a bad spec is an error naming the field."""
 
 from __future__ import annotations
 
@@ -10,10 +10,16 @@ import random
 import re
 
 import pytest
+from guide_helpers import accepts, assert_language, prefix_ok
 
-from deltaserve.engine.free_text import text_without
-from deltaserve.engine.regex_automaton import DEAD, START, ByteAutomaton
-from deltaserve.engine.structural_tag import StructuralTagError, structural_tag_regex
+from deltaserve.engine.guided.grammar import WHITESPACE
+from deltaserve.engine.guided.structural_tag import StructuralTagError, structural_tag_grammar
+
+
+def structural_tag_regex(spec: object) -> str:
+    """The grammar of a structural tag with the default blanks between JSON tokens."""
+    return structural_tag_grammar(spec, WHITESPACE)
+
 
 WEATHER = {
     "type": "object",
@@ -34,21 +40,20 @@ TOOLS = {
 }
 
 
-def test_text_without_holds_no_word():
-    """Random words over a small alphabet, overlapping ones too: a text matches exactly when no
-    word occurs in it."""
+def test_free_text_holds_no_excluded_word():
+    """Random words over a small alphabet, overlapping ones too: any_text takes a text exactly
+    when no word occurs in it."""
     rng = random.Random(0)
-    for _ in range(200):
+    for _ in range(60):
         words = sorted(
             {"".join(rng.choices("ab<", k=rng.randint(1, 4))) for _ in range(rng.randint(1, 3))}
         )
-        pattern = re.compile(text_without(words))
-        automaton = ByteAutomaton(pattern.pattern)
-        for _ in range(100):
+        grammar = structural_tag_regex(
+            {"type": "structural_tag", "format": {"type": "any_text", "excludes": words}}
+        )
+        for _ in range(40):
             text = "".join(rng.choices("ab<\nx", k=rng.randint(0, 10)))
-            free = not any(w in text for w in words)
-            assert bool(pattern.fullmatch(text)) == free, (words, text)
-            assert automaton.accepting[automaton.step(START, text.encode())] == free, (words, text)
+            assert accepts(grammar, text) == (not any(w in text for w in words)), (words, text)
 
 
 @pytest.mark.parametrize(
@@ -83,23 +88,13 @@ def test_structures_and_free_text(spec, yes, no):
     assert_language(structural_tag_regex(spec), yes, no)
 
 
-def assert_language(pattern: str, yes: list[str], no: list[str]) -> None:
-    """`yes` match (Python's re and the engine's automaton alike), `no` do not."""
-    automaton = ByteAutomaton(pattern)
-    for text in yes:
-        assert re.fullmatch(pattern, text), text
-        assert automaton.accepting[automaton.step(START, text.encode())], text
-    for text in no:
-        assert not re.fullmatch(pattern, text), text
-
-
 def test_a_trigger_commits_to_a_structure():
     """What the rank's mask sees: after a trigger only a structure's way on stays open."""
-    automaton = ByteAutomaton(structural_tag_regex(TOOLS))
-    assert automaton.step(START, b'ok <function=get_weather>{"city": "Pa') != DEAD
-    assert automaton.step(START, b"ok <function=get_") != DEAD
-    assert automaton.step(START, b"ok <function=x") == DEAD
-    assert automaton.step(START, b"ok <tool_call>{") != DEAD
+    grammar = structural_tag_regex(TOOLS)
+    assert prefix_ok(grammar, 'ok <function=get_weather>{"city": "Pa')
+    assert prefix_ok(grammar, "ok <function=get_")
+    assert not prefix_ok(grammar, "ok <function=x")
+    assert prefix_ok(grammar, "ok <tool_call>{")
 
 
 @pytest.mark.parametrize(
@@ -133,10 +128,6 @@ def test_a_trigger_commits_to_a_structure():
             },
             "structures[0].schema:",
         ),
-        (
-            {"structures": [{"begin": "<" * 300, "end": ""}], "triggers": ["<" * 300]},
-            "256 characters together",
-        ),
     ],
 )
 def test_errors_name_the_field(spec, words):
@@ -149,9 +140,8 @@ def test_sampling_params_take_json_text_or_a_dict():
 
     as_text = SamplingParams(max_tokens=8, guided_structural_tag=json.dumps(TOOLS))
     as_dict = SamplingParams(max_tokens=8, guided_structural_tag=TOOLS)
-    assert as_text.guide_regex == as_dict.guide_regex == structural_tag_regex(TOOLS)
-    with pytest.raises(ValueError, match="guided_structural_tag: not a structural tag"):
-        SamplingParams(max_tokens=8, guided_structural_tag="{oops")
+    assert as_text.constraint() == as_dict.constraint()
+    assert as_text.constraint().kind == "structural_tag"
     with pytest.raises(ValueError, match="one structured-output constraint"):
         SamplingParams(max_tokens=8, guided_structural_tag=TOOLS, guided_regex="a")
 

@@ -163,7 +163,7 @@ async def test_sglang_routes(tiny_model_dir, model_b, refs, tmp_path):
         prefix_cache_states=2,
     )
     async with (
-        in_process_server(config, ServerConfig("tiny")) as server,
+        in_process_server(config, ServerConfig("tiny", enable_admin_routes=True)) as server,
         aiohttp.ClientSession() as session,
     ):
 
@@ -295,7 +295,7 @@ async def test_pause_routes(tiny_model_dir):
     a request sent while paused waits for the resume; bad modes are refused, naming them."""
     config = EngineConfig(model=str(tiny_model_dir), max_model_len=256, max_num_seqs=2)
     async with (
-        in_process_server(config, ServerConfig("tiny")) as server,
+        in_process_server(config, ServerConfig("tiny", enable_admin_routes=True)) as server,
         aiohttp.ClientSession() as session,
     ):
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from deltaserve.tools.bench_client import (
     RequestOutput,
@@ -349,11 +350,15 @@ async def engine_counters(
             text = await resp.text() if resp.status == 200 else ""
     except aiohttp.ClientError:
         return {}
-    values = {}
-    for line in text.splitlines():
-        name, _, rest = line.partition("{")
-        if name in ENGINE_COUNTERS:
-            values[name] = float(rest.rsplit(" ", 1)[1])
+    try:
+        values = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name in ENGINE_COUNTERS
+        }
+    except ValueError:  # not a Prometheus exposition
+        return {}
     return {**values, "read_at": read_at} if values else {}
 
 

@@ -32,6 +32,7 @@ SCHEMA = {
 
 async def _run(engine: AsyncEngine, prompt: str, params: SamplingParams) -> tuple[list[int], str]:
     tokens, reason = [], ""
+    params = await engine.prepare(params)  # guided ones: compiled first
     async for ev in engine.generate(prompt, params):
         if isinstance(ev, TokenEvent):
             tokens.append(ev.token_id)

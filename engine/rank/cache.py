@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.kernels.kv_quant import FP8, K_SCALE_RANGE, V_SCALE_RANGE, calibrated_scale
 
 

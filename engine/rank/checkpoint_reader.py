@@ -1,115 +1,41 @@
-"""Read a safetensors file onto the device in large reads, a thread ahead of the copies.
+"""Read a safetensors file onto the device: on CUDA in large reads, a thread ahead of the
+copies; on the CPU through the safetensors library.
 
 Why: safetensors' own path maps the file, faults each page in and copies pageable memory to
 the GPU, one tensor at a time (~5 GB/s for the 4B checkpoint on the H200's host). Here a few
 threads read the file's data in chunks with `preadv` (no page faults, the GIL let go) into
 reused host buffers, pinned on CUDA, while the main thread copies finished chunks to the
-device without waiting. A tensor is handed out once all its bytes are on the device.
+device without waiting. A tensor is handed out once all its bytes are on the device. Into
+host memory that path costs a copy more than the library's, which is faster there
+(tools/bench_checkpoint_read.py, 512 MiB from the page cache on a shared 2-core host: median
+0.16 GB/s ours, 0.36 the library's, best 0.33 and 1.09; bench/results/checkpoint_read_cpu.json).
 
 The format (github.com/huggingface/safetensors, README): 8 bytes of little-endian header
 length, a JSON header mapping each name to dtype, shape and [begin, end) offsets into the
-data that follows, and an optional `__metadata__` entry.
+data that follows, and an optional `__metadata__` entry. The header is the safetensors
+library's to read and check (`read_header`, engine/checkpoint_files.py); the reads here only
+take the byte ranges of tensors it accepted.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import queue
-import struct
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
+from deltaserve.engine.checkpoint_files import SafetensorsError, TensorEntry, read_header
 
 CHUNK_BYTES = 32 << 20
 BUFFERS = 8
 # The 4B checkpoint from the page cache to an H200 (16-core host): 1 reader 5.0 GB/s, 4
 # readers 14-15, 8 readers 18-21; safetensors' mmap path 7.1-7.3.
 READERS = min(8, os.cpu_count() or 1)
-
-DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-
-
-class SafetensorsError(ValueError):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int  # offsets into the file, header included
-    end: int
-
-
-def read_header(path: Path) -> list[TensorEntry]:
-    """The file's tensors in file order; an error names the file and what is wrong."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise SafetensorsError(f"{path.name}: too short for a safetensors header")
-        (length,) = struct.unpack("<Q", head)
-        if length > size - 8:
-            raise SafetensorsError(
-                f"{path.name}: header length {length} runs past the end of the file"
-            )
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as e:
-            raise SafetensorsError(f"{path.name}: header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise SafetensorsError(f"{path.name}: header is not a JSON object")
-    header.pop("__metadata__", None)
-    base = 8 + length
-    entries = []
-    for name, info in header.items():
-        try:
-            dtype = DTYPES.get(info["dtype"])
-            shape = tuple(int(dim) for dim in info["shape"])
-            begin, end = (int(offset) for offset in info["data_offsets"])
-            if any(dim < 0 for dim in shape):
-                raise ValueError("a negative dimension")
-        except (KeyError, TypeError, ValueError):
-            raise SafetensorsError(
-                f"{path.name}: tensor {name!r} has a malformed header entry {info!r}"
-            ) from None
-        if dtype is None:
-            raise SafetensorsError(
-                f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']!r}"
-            )
-        nbytes = math.prod(shape) * dtype.itemsize
-        if end - begin != nbytes or begin < 0 or base + end > size:
-            raise SafetensorsError(
-                f"{path.name}: tensor {name!r} of shape {shape} ({nbytes} bytes) has data offsets "
-                f"[{begin}, {end}) that do not fit it or the file"
-            )
-        entries.append(TensorEntry(name, dtype, shape, base + begin, base + end))
-    entries.sort(key=lambda e: (e.begin, e.end))
-    for before, after in zip(entries, entries[1:], strict=False):
-        if after.begin < before.end:
-            raise SafetensorsError(
-                f"{path.name}: tensors {before.name!r} and {after.name!r} overlap"
-            )
-    return entries
 
 
 @dataclass(slots=True)
@@ -170,7 +96,7 @@ def read_chunks(
 class CheckpointReader:
     """Host buffers (pinned on CUDA) kept across the files of one checkpoint, and the
     threads that fill them: several, since one thread copies from the page cache at only
-    ~5 GB/s."""
+    ~5 GB/s. `parallel` (default: on CUDA only) picks that path over the library's."""
 
     def __init__(
         self,
@@ -178,13 +104,17 @@ class CheckpointReader:
         chunk_bytes: int = CHUNK_BYTES,
         buffers: int = BUFFERS,
         readers: int = READERS,
+        parallel: bool | None = None,
     ) -> None:
         self.device = device
         self.readers = readers
+        self.parallel = device.type == "cuda" if parallel is None else parallel
         pinned = device.type == "cuda"
-        self.buffers = [
-            torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(buffers)
-        ]
+        self.buffers = (
+            [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(buffers)]
+            if self.parallel
+            else []
+        )
 
     def tensors(
         self, path: Path, wanted: Callable[[str], bool]
@@ -193,6 +123,11 @@ class CheckpointReader:
         order. Each is a fresh tensor for the caller to copy where it belongs and drop;
         unwanted tensors are not read."""
         entries = [entry for entry in read_header(path) if wanted(entry.name)]
+        if not self.parallel:
+            with safe_open(path, framework="pt", device=str(self.device)) as f:
+                for entry in entries:
+                    yield entry.name, f.get_tensor(entry.name)
+            return
         work: queue.SimpleQueue = queue.SimpleQueue()
         filled: queue.SimpleQueue = queue.SimpleQueue()
         fd = os.open(path, os.O_RDONLY)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.batch import StepBatch
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.linear import (
@@ -20,7 +21,6 @@ from deltaserve.engine.rank.linear import (
     new_param,
     sharded_loader,
 )
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import GatedRMSNorm
 from deltaserve.engine.rank.parallel import tp_size
 from deltaserve.engine.rank.step_meta import step_meta_of

@@ -14,13 +14,14 @@ from functools import partial
 
 import torch
 
-from deltaserve.engine.config import FP8_WEIGHTS
+from deltaserve.engine.checkpoint_files import CheckpointError
+from deltaserve.engine.model_config import FP8_WEIGHTS, ModelConfig
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs
-from deltaserve.engine.rank.loader import CheckpointError, load_weights
+from deltaserve.engine.rank.grammar_mask import load_tokenizer
+from deltaserve.engine.rank.loader import load_weights
 from deltaserve.engine.rank.memory_budget import size_kv_cache, warm_up
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.parallel import broadcast, tp_rank, tp_size
 from deltaserve.engine.rank.prompt_graphs import (
     MIN_BUCKET,
@@ -36,10 +37,11 @@ from deltaserve.engine.rank.sampler import SampleLaunch, Sampler
 from deltaserve.engine.rank.sleep_mode import Asleep, release_memory, restore_memory
 from deltaserve.engine.rank.step_meta import with_step_meta
 from deltaserve.engine.rank.transfer import to_device
-from deltaserve.engine.rank.vocab_cache import load_trie
+from deltaserve.engine.rank.vision_inputs import MediaError, RankVision, RequestVision
+from deltaserve.engine.vision_config import VisionConfig
 from deltaserve.ipc.messages import PromptLogprobs, Sample, SaveOnDrop, StepItem
 from deltaserve.kernels.kv_quant import FP8
-from deltaserve.kernels.triton_compat import gpu_path
+from deltaserve.kernels.triton_compat import gpu_path, report_late_compiles
 
 log = logging.getLogger("deltaserve.rank")
 
@@ -139,6 +141,7 @@ class LiveRequest:
     num_tokens: int = 0
     prompt_done: bool = False  # its last prompt chunk has run; later items are decode inputs
     sampled_through: int = 0  # num_tokens after its last item that sampled (every rank)
+    vision: RequestVision | None = None  # a prompt with images: spans, pending embeddings
 
     def kv_row(self, position: int, block_size: int) -> int:
         """The paged-cache row of the request's `position`."""
@@ -179,6 +182,11 @@ class LaunchedStep:
     # rank 0: the prompt logprobs its chunks asked for (already on the host)
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
 
+    @property
+    def failed(self) -> dict[int, str]:
+        """Rank 0: the requests its sampling found past their own bounds (SampleColumns')."""
+        return {} if self.sampling is None else self.sampling.failed
+
     def ready(self) -> bool:
         """Whether the device has finished it (a poll; never waits)."""
         if self.sampling is not None:
@@ -214,7 +222,19 @@ class Executor:
             time.monotonic() - started,
             f"; {kept} projections kept FP8" if kept else "",
         )
-        self.sampler = Sampler(partial(load_trie, config.model_dir)) if config.rank == 0 else None
+        vision_config = VisionConfig.from_model_dir(config.model_dir)
+        self.vision = (
+            None
+            if vision_config is None
+            else RankVision(
+                config.model_dir, vision_config, self.model_config, self.dtype, self.device
+            )
+        )
+        self.sampler = (
+            Sampler(partial(load_tokenizer, config.model_dir, self.model_config.vocab_size))
+            if config.rank == 0
+            else None
+        )
         self.requests: dict[int, LiveRequest] = {}
         self.prefixes: dict[int, SavedPrefix] = {}  # saved prefix id -> its state and blocks
         self.graphs: DecodeGraphs | None = None
@@ -371,17 +391,22 @@ class Executor:
         copied out). Rank 0 puts the prompt logprobs items ask for into `prompt_logprobs`."""
         self._admit_new(items, drops, evict, saves)
         self._share_last_samples(items)
-        # a prompt chunk's logprobs come from its forward's hidden states, a prompt graph's
-        # included; an item of one token asking for them runs with the step eagerly
-        one_token_asks = any(
-            item.prompt_logprobs >= 0 and len(item.token_ids) <= 1 for item in items
-        )
+        if self.vision is not None and any(item.media for item in items):
+            self.vision.encode(
+                items, {i.request_id: self.requests[i.request_id].vision for i in items}
+            )
         calibrates = self.kv_scales_pending and any(item.new is not None for item in items)
         self.cache.calibrating = calibrates  # eagerly: no graph holds the calibration
-        if self.graphs is None or every_position or one_token_asks or calibrates:
+        singles = [item for item in items if len(item.token_ids) <= 1]
+        if (
+            not every_position
+            and not calibrates
+            and self._decode_graph_fits(singles)
+            and not any(self._holds_vision(item) for item in items)
+        ):
+            logits = self._run_with_graphs(items, singles, graph_output, prompt_logprobs)
+        else:  # one forward of every item: a prompt graph's replay where they fit one
             logits = self._run_plan(items, every_position, prompt_logprobs)
-        else:
-            logits = self._run_with_graphs(items, graph_output, prompt_logprobs)
         if calibrates:
             self.cache.calibrating = self.kv_scales_pending = False
         for item in items:
@@ -389,9 +414,24 @@ class Executor:
             req.num_tokens = item.start + item_length(item)
             if item.sample:
                 req.sampled_through = req.num_tokens
+            if req.vision is not None:
+                req.vision.release_through(req.num_tokens)
             if item.save >= 0:  # queued after the forward: the state of its positions so far
                 self._save_prefix(item.save, req)
         return logits
+
+    def _holds_vision(self, item: StepItem) -> bool:
+        """Whether the item runs any of its request's image or video tokens."""
+        vision = self.requests[item.request_id].vision
+        end = item.start + item_length(item)
+        return vision is not None and any(
+            span.offset < end and item.start < span.end for span in vision.positions.spans
+        )
+
+    def _rope_position(self, item: StepItem) -> int:
+        """A single-token item's rotary position: its index, shifted after images (mrope.py)."""
+        vision = self.requests[item.request_id].vision
+        return item.start if vision is None else vision.positions.text_position(item.start)
 
     def _save_prefix(self, prefix: int, req: LiveRequest) -> None:
         blocks = req.blocks[: self.cache.blocks_for(req.num_tokens)]
@@ -418,23 +458,29 @@ class Executor:
         """On the GPU path, the batch with its index tensors made once for all layers."""
         return with_step_meta(batch, self.device) if gpu_path(batch.input_ids) else batch
 
+    def _decode_graph_fits(self, singles: list[StepItem]) -> bool:
+        """Whether a captured decode graph takes the step's single-token items: some, few
+        enough, none asking for prompt logprobs (those come from a forward's hidden states,
+        which a decode graph does not keep)."""
+        if self.graphs is None or any(item.prompt_logprobs >= 0 for item in singles):
+            return False
+        num_blocks = max((len(self.requests[i.request_id].blocks) for i in singles), default=0)
+        return self.graphs.can_run(len(singles), num_blocks)
+
     def _run_with_graphs(
         self,
         items: list[StepItem],
+        singles: list[StepItem],
         graph_output: bool,
         prompt_logprobs: dict[int, PromptLogprobs] | None,
     ) -> torch.Tensor | None:
-        """Single-token items replay a decode CUDA graph; prompt chunks run in a forward of
-        their own, a prompt graph's replay where they fit one (`_run_plan`). A mixed step
-        so never makes its decodes pay Python's per-kernel launch cost (SGLang likewise keeps
-        prefill and decode batches apart). The requests are disjoint, so order is free."""
-        singles = [item for item in items if len(item.token_ids) <= 1]
+        """The single-token items (`singles`, which `_decode_graph_fits`) replay a decode CUDA
+        graph; prompt chunks run in a forward of their own, a prompt graph's replay where they
+        fit one (`_run_plan`). A mixed step so never makes its decodes pay Python's per-kernel
+        launch cost (SGLang likewise keeps prefill and decode batches apart). The requests are
+        disjoint, so order is free."""
         held = [self.requests[item.request_id] for item in singles]
         chunks = [item for item in items if len(item.token_ids) > 1]
-        if not singles and chunks:
-            return self._run_plan(chunks, False, prompt_logprobs)
-        if not self.graphs.can_run(len(singles), max((len(r.blocks) for r in held), default=0)):
-            return self._run_plan(items, False, prompt_logprobs)
         chunk_logits = self._run_plan(chunks, False, prompt_logprobs) if chunks else None
         decode_logits = self.graphs.run(
             [item.token_ids[0] if item.token_ids else -1 for item in singles],  # -1: last sample
@@ -446,6 +492,7 @@ class Executor:
             ],
             [i for i, item in enumerate(singles) if item.sample],
             copy=not (graph_output or chunks),  # with chunks: copied into the merged rows below
+            rope_positions=[self._rope_position(item) for item in singles],
         )
         if not chunks or decode_logits is None:  # decode-only, or not rank 0
             return decode_logits
@@ -476,6 +523,7 @@ class Executor:
             self.prompt_graphs is not None
             and not every_position
             and not self.cache.calibrating
+            and not plan.vision_rows
             and self.prompt_graphs.can_run(plan)
         ):
             hidden, logits = self.prompt_graphs.run(plan)
@@ -509,6 +557,8 @@ class Executor:
                 if len(saved.blocks) > len(shared):  # its partly filled block: a copy of our own
                     self.cache.copy_block(saved.blocks[-1], blocks[len(shared)])
             live = LiveRequest(slot, blocks, self._block_table(slot, blocks), item.start)
+            if self.vision is not None:
+                live.vision = self.vision.new_request(item.new.vision_spans)
             self.requests[item.request_id] = live
             if self.sampler is not None:
                 self.sampler.add(item.request_id, item.new.sampling, item.new.output_ids)
@@ -536,6 +586,7 @@ class Executor:
             if request_id not in self.requests:
                 raise StepError(f"request {request_id} to drop is not held by rank {rank}")
         self._check_saves([item.save for item in items if item.save >= 0], evict, saves)
+        self._check_media(items)
         bs = self.cache.block_size
         for item in items:
             held = self.requests.get(item.request_id)
@@ -592,6 +643,27 @@ class Executor:
                 f"{self.cache.free_slots} slots and {self.cache.free_blocks} blocks free"
             )
 
+    def _check_media(self, items: list[StepItem]) -> None:
+        """Every item's vision spans and media fit the request and this rank's tower."""
+        fresh: set[bytes] = set()
+        for item in items:
+            spans = item.new.vision_spans if item.new is not None else []
+            if not spans and not item.media:
+                continue
+            if self.vision is None:
+                raise StepError(
+                    f"request {item.request_id} has images; the model has no vision tower"
+                )
+            try:
+                held = self.requests.get(item.request_id)
+                vision = (
+                    self.vision.new_request(spans) if item.new is not None else held and held.vision
+                )
+                for media in item.media:
+                    self.vision.check(media, vision, fresh)
+            except MediaError as e:
+                raise StepError(f"request {item.request_id}: {e}") from None
+
     def _blocks_freed(self, evict: list[int]) -> int:
         """Blocks that evicting `evict` frees: those nothing else holds."""
         refs: dict[int, int] = {}
@@ -615,7 +687,13 @@ class Executor:
                 plan.last_sample_rows.append(offset)
                 plan.last_sample_slots.append(req.slot)
             positions = range(item.start, item.start + length)
-            plan.positions.extend(positions)
+            if self.vision is None:
+                plan.positions.extend(positions)
+            else:  # rotary positions shifted after images; vision rows and their embeddings
+                try:
+                    self.vision.add_rows(plan, req.vision, item.start, length, offset)
+                except MediaError as e:
+                    raise StepError(f"request {item.request_id}: {e}") from None
             plan.kv_rows.extend(req.kv_row(p, bs) for p in positions)
             if every_position:
                 plan.sampled.extend(range(offset, offset + length))
@@ -637,7 +715,8 @@ class Executor:
             ids[to_device(plan.last_sample_rows, torch.int64, self.device)] = (
                 self.cache.last_tokens[slots]
             )
-        return StepBatch(ids, positions, kv_index, tuple(plan.spans), logits_index)
+        vision = None if self.vision is None else self.vision.step_vision(plan)
+        return StepBatch(ids, positions, kv_index, tuple(plan.spans), logits_index, vision=vision)
 
     def _check_saves(self, prefixes: list[int], evict: list[int], saves: list[SaveOnDrop]) -> None:
         """`evict` are held; the prefixes saved (`prefixes` by items, `saves` as requests are
@@ -696,7 +775,7 @@ class Executor:
                 f"{model_dir}: not the served model's config.json ({', '.join(differences)})"
             )
         started = time.monotonic()
-        load_weights(self.model, model_dir, self.model_config, self.config.keep_fp8)
+        load_weights(self.model, model_dir, self.model_config, self.config.keep_fp8, confined=True)
         log.info(
             "rank %d: weights loaded from %s in %.1f s",
             self.config.rank,
@@ -725,6 +804,12 @@ class Executor:
             self.asleep = None
             self._capture_graphs()
             log.info("rank %d: awake", self.config.rank)
+
+    def watch_late_compiles(self) -> None:
+        """Once start-up is done: log each Triton kernel first compiled from now on, a shape the
+        warm-up missed (CUDA; kernels/triton_compat.py)."""
+        if self.device.type == "cuda":
+            report_late_compiles(log, self.config.rank)
 
     def snapshot(self) -> RankSnapshot:
         return RankSnapshot(

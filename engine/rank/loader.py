@@ -16,19 +16,26 @@ Projections the model runs as one GEMM (`model.packed_modules`: checkpoint modul
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, SafetensorsError, read_header
-from deltaserve.engine.rank.fp8 import FP8_DTYPES, Fp8Pairs
-from deltaserve.engine.rank.model_config import FP8_SCALE_SUFFIXES, ModelConfig
+from deltaserve.engine.checkpoint_files import (
+    FLOAT_DTYPES,
+    VLM_TEXT_PREFIX,
+    CheckpointError,
+    SafetensorsError,
+    checkpoint_files,
+    read_header,
+    text_name,
+)
+from deltaserve.engine.model_config import FP8_SCALE_SUFFIXES, ModelConfig
+from deltaserve.engine.rank.checkpoint_reader import CheckpointReader
+from deltaserve.engine.rank.fp8 import Fp8Pairs
+from deltaserve.kernels.fp8_scales import FP8_DTYPES
 
-SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
-VLM_TEXT_PREFIX = "model.language_model."
 # one expert's projection as released checkpoints store it -> (our stacked parameter, part)
 EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 EXPERT_PARTS = {
@@ -36,51 +43,6 @@ EXPERT_PARTS = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
-# dtypes we convert to the model's; any other (integers, bool, FP8) is a quantized or foreign
-# tensor whose values a plain conversion would turn into garbage weights
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-class CheckpointError(ValueError):
-    pass
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-            if not all(isinstance(name, str) for name in files):
-                raise TypeError("a weight_map value is not a file name")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(
-                f"{index} is not a safetensors index with a weight_map of tensor -> "
-                f"file name ({type(e).__name__}: {e})"
-            ) from None
-        missing = [name for name in files if not (model_dir / name).is_file()]
-        if missing:
-            raise CheckpointError(
-                f"{index} names shard files that are missing: {', '.join(missing)}"
-            )
-        return [model_dir / name for name in files]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no safetensors files in {model_dir}")
-    return files
-
-
-def text_name(name: str) -> str | None:
-    """Our parameter name for a checkpoint tensor name; None for tensors we skip."""
-    if name.startswith(SKIPPED_PREFIXES):
-        return None
-    if name.startswith(VLM_TEXT_PREFIX):
-        return "model." + name[len(VLM_TEXT_PREFIX) :]
-    return name
 
 
 def checkpoint_name(target: str, vlm_layout: bool) -> str:
@@ -132,10 +94,15 @@ def expected_names(params: dict[str, nn.Parameter], packed: dict[str, tuple[str,
 
 
 def load_weights(
-    model: nn.Module, model_dir: str | Path, config: ModelConfig, keep_fp8: bool = False
+    model: nn.Module,
+    model_dir: str | Path,
+    config: ModelConfig,
+    keep_fp8: bool = False,
+    confined: bool = False,
 ) -> int:
     """keep_fp8: an FP8 checkpoint's projections stay FP8 where they can (`keep_fp8_modules`);
-    else every FP8 weight is widened. Returns how many projections hold FP8."""
+    else every FP8 weight is widened. `confined`: new weights (checkpoint_files). Returns how
+    many projections hold FP8."""
     model_dir = Path(model_dir)
     tie_word_embeddings = config.tie_word_embeddings
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
@@ -146,7 +113,7 @@ def load_weights(
         and min(config.fp8_block) > 1
         and config.fp8_scale_suffix == FP8_SCALE_SUFFIXES["fp8"]
     ):
-        keep_fp8_modules(model, model_dir, packed, config.fp8_block)
+        keep_fp8_modules(model, model_dir, packed, config.fp8_block, confined)
     params = dict(model.named_parameters())
     kept = sum(param.dtype in FP8_DTYPES for param in params.values())
     device = next(iter(params.values())).device
@@ -164,7 +131,7 @@ def load_weights(
     reader = CheckpointReader(device)
     fp8 = Fp8Pairs(config.fp8_block, config.fp8_scale_suffix) if config.fp8_block else None
     loaded: set[str] = set()
-    for path in checkpoint_files(model_dir):
+    for path in checkpoint_files(model_dir, confined):
         try:
             for name, tensor in reader.tensors(path, wanted):
                 if fp8 is not None and not holds_fp8(params, packed, name.removesuffix(fp8.suffix)):
@@ -192,13 +159,17 @@ def load_weights(
 
 
 def keep_fp8_modules(
-    model: nn.Module, model_dir: Path, packed: dict[str, tuple[str, int]], block: tuple[int, int]
+    model: nn.Module,
+    model_dir: Path,
+    packed: dict[str, tuple[str, int]],
+    block: tuple[int, int],
+    confined: bool = False,
 ) -> None:
     """Before any tensor loads: each projection whose checkpoint tensors (every part of a packed
     one) are all float8_e4m3fn holds its weight as FP8, where its shards allow (`keep_fp8`)."""
     dtypes = {}
     try:
-        for path in checkpoint_files(model_dir):
+        for path in checkpoint_files(model_dir, confined):
             dtypes.update((text_name(entry.name), entry.dtype) for entry in read_header(path))
     except SafetensorsError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
@@ -281,49 +252,3 @@ def load_tensor(
     except (ValueError, IndexError) as e:
         raise CheckpointError(f"tensor {name!r} in {path.name}: {e}") from None
     loaded |= covers
-
-
-def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, config: ModelConfig) -> None:
-    """Raise CheckpointError unless `new_dir` holds the serving checkpoint's text tensors, each
-    of the same shape and floating point (FP8 where the served one is), read from the files'
-    headers alone: a weight update checks this before any rank copies a tensor (a rank failing
-    half-way poisons the replica)."""
-    tie_word_embeddings = config.tie_word_embeddings
-
-    def tensors(model_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        out = {}
-        try:
-            for path in checkpoint_files(model_dir):
-                for entry in read_header(path):
-                    name = text_name(entry.name)
-                    if name is not None and not (name == "lm_head.weight" and tie_word_embeddings):
-                        out[name] = (entry.shape, entry.dtype)
-        except (SafetensorsError, OSError) as e:
-            raise CheckpointError(f"{model_dir}: {e}") from None
-        return out
-
-    old, new = tensors(Path(serving_dir)), tensors(Path(new_dir))
-    problems = [f"{name} missing" for name in sorted(old.keys() - new.keys())]
-    problems += [f"{name} unexpected" for name in sorted(new.keys() - old.keys())]
-    problems += [
-        f"{name} of shape {list(new[name][0])}, not {list(old[name][0])}"
-        for name in sorted(old.keys() & new.keys())
-        if new[name][0] != old[name][0]
-    ]
-
-    def foreign(
-        name: str, dtype: torch.dtype
-    ) -> bool:  # FP8 exactly where the served tensor is FP8
-        served = old.get(name, ((), None))[1]
-        return dtype != served and (dtype not in FLOAT_DTYPES or served in FP8_DTYPES)
-
-    problems += [
-        f"{name} of dtype {str(dtype).removeprefix('torch.')}"
-        for name, (_, dtype) in sorted(new.items())
-        if foreign(name, dtype)
-    ]
-    if problems:
-        shown = "; ".join(problems[:3]) + (
-            f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-        )
-        raise CheckpointError(f"{new_dir} does not hold the served model's tensors: {shown}")

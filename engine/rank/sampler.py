@@ -7,8 +7,8 @@ The order of operations follows vLLM v1 (`vllm/v1/sample/sampler.py`, `ops/penal
      where the output so far ends with the rest (`barred`; vLLM's apply_bad_words)
   -> min_tokens: EOS and stop ids at -inf until min_tokens tokens were sampled
   -> guided decoding: every token that cannot continue the output towards a match of the
-     request's pattern at -inf (engine/rank/grammar_mask.py; its EOS ids stay where the output
-     is a match)
+     request's grammar at -inf (llguidance's mask, engine/rank/grammar_mask.py; its EOS ids
+     stay where the output is a match); a request past its bounds fails alone
   -> logit_bias added
   -> a thinking budget spent: </think> the only token (`SamplingSpec.think_budget`)
   -> penalties (repetition on prompt+output tokens, then frequency and presence on output tokens)
@@ -27,21 +27,19 @@ that true; a batch where no request uses them or penalties reads the logits once
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from deltaserve.engine.rank.grammar_mask import START, Guide
-from deltaserve.engine.rank.token_trie import TokenTrie
+from deltaserve.engine.guided.masks import apply_masks
+from deltaserve.engine.rank.grammar_mask import GuideMatchers
 from deltaserve.engine.rank.transfer import to_device
 from deltaserve.ipc.messages import Sample, SamplingSpec
 from deltaserve.kernels.logit_stats import logsumexp_argmax
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing by them overflows.
 SAMPLING_EPS = 1e-5
-GUIDES_KEPT = 8  # patterns whose automaton and masks stay after their requests end
 _MASK64 = (1 << 64) - 1
 
 
@@ -84,15 +82,12 @@ class _RequestState:
         default_factory=list
     )  # the last output tokens a bad word's prefix spans
     allowed: torch.Tensor | None = None  # allowed_token_ids on the device, sent up once
-    guide: Guide | None = None  # its pattern's automaton (guided decoding)
-    guide_state: int = START  # where its output so far has taken the automaton
+    guided: bool = False  # its matcher is in the sampler's GuideMatchers
     thinking: bool = False  # inside the think block its budget counts (till think_end_id)
 
     def count(self, token: int) -> None:
-        """A token sampled for it: its next seed index, guided state, thinking budget, bad
-        words' recent tokens and penalties' history move on."""
-        if self.guide is not None:
-            self.guide_state = self.guide.advance(self.guide_state, token)
+        """A token sampled for it: its next seed index, thinking budget, bad words' recent
+        tokens and penalties' history move on (its matcher is the sampler's: `Sampler._count`)."""
         if self.thinking and token == self.spec.think_end_id:
             self.thinking = False
         self.num_sampled += 1
@@ -134,6 +129,7 @@ class SampleLaunch:
     tokens: torch.Tensor
     host: torch.Tensor
     done: torch.cuda.Event | None  # None: the host tensor is already filled (CPU)
+    failed: dict[int, str] = field(default_factory=dict)  # requests past their own bounds
 
     def ready(self) -> bool:
         return self.done is None or self.done.query()
@@ -151,16 +147,15 @@ class _BiasRows:
 
 
 class Sampler:
-    """`vocabulary` gives the vocabulary's trie (engine/rank/vocab_cache.py), made the first
-    time a guided request comes; without it guided requests are refused."""
+    """`guide_tokenizer(end_ids)` makes llguidance's tokenizer of the vocabulary
+    (GuideMatchers), the first time a guided request comes; without it guided requests are
+    refused."""
 
-    def __init__(self, vocabulary: Callable[[], TokenTrie] | None = None) -> None:
+    def __init__(self, guide_tokenizer: Callable[[tuple[int, ...]], object] | None = None) -> None:
         self._requests: dict[int, _RequestState] = {}
         self._in_flight = False  # a launch not yet finished
         self._bias_rows: _BiasRows | None = None
-        self._vocabulary = vocabulary
-        self._trie: TokenTrie | None = None
-        self._guides: OrderedDict[str, Guide] = OrderedDict()
+        self._guides = None if guide_tokenizer is None else GuideMatchers(guide_tokenizer)
 
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._requests
@@ -183,46 +178,37 @@ class Sampler:
                 f"request {request_id}: negative token id in {ids}, or an empty bad word"
             )
         penalties = _has_penalties(spec)
-        adjusts = (
-            penalties
-            or bool(spec.logit_bias)
-            or bool(spec.allowed_token_ids)
-            or bool(spec.guide_regex)
-        )
-        guide = self._guide(spec.guide_regex) if spec.guide_regex else None
+        guided = bool(spec.guide_grammar)
+        if guided:
+            if self._guides is None or spec.guide_limits is None:
+                raise ValueError(
+                    f"request {request_id}: guided decoding needs the vocabulary's tokenizer "
+                    "and the grammar's limits"
+                )
+            self._guides.add(request_id, spec.guide_grammar, spec.guide_end_ids, spec.guide_limits)
+        adjusts = penalties or bool(spec.logit_bias) or bool(spec.allowed_token_ids) or guided
         state = _RequestState(
             spec,
             penalties,
             adjusts,
             max(ids, default=-1),
-            guide=guide,
+            guided=guided,
             thinking=spec.think_budget >= 0,
         )
         for token in output_ids:
-            state.count(token)
+            self._count(request_id, state, token)
         self._requests[request_id] = state
 
-    def _guide(self, pattern: str) -> Guide:
-        """The pattern's guide, shared by every request with it (and kept a while after)."""
-        guide = self._guides.get(pattern)
-        if guide is None:
-            if self._trie is None:
-                if self._vocabulary is None:
-                    raise ValueError("guided decoding needs the vocabulary's token bytes")
-                self._trie = self._vocabulary()
-            guide = self._guides[pattern] = Guide(pattern, self._trie)
-            in_use = {s.spec.guide_regex for s in self._requests.values()}
-            idle = [
-                p for p in self._guides if p not in in_use and p != pattern
-            ]  # least recent first
-            for old in idle[: len(self._guides) - GUIDES_KEPT]:
-                del self._guides[old]
-        self._guides.move_to_end(pattern)
-        return guide
+    def _count(self, request_id: int, state: _RequestState, token: int) -> None:
+        """A token sampled for the request: its matcher takes it (guided), its state counts it."""
+        if state.guided:
+            self._guides.consume(request_id, token)
+        state.count(token)
 
     def remove(self, request_id: int) -> None:
         """Forget a request; idempotent."""
-        self._requests.pop(request_id, None)
+        if self._requests.pop(request_id, None) is not None and self._guides is not None:
+            self._guides.remove(request_id)
 
     def observe(self, request_id: int, token_ids: list[int], is_prompt: bool) -> None:
         """Record history for penalties: repetition counts prompt+output tokens (as vLLM),
@@ -281,9 +267,16 @@ class Sampler:
         adjusted = [
             i for i, s in enumerate(states) if s.always_adjusts or i in barred or i in forced
         ]
+        failed: dict[int, str] = {}
         if adjusted:
             work = logits.clone(memory_format=torch.contiguous_format)  # `_adjust` indexes it flat
             self._adjust(work, adjusted, request_ids, states, barred)
+            guided = [i for i in adjusted if states[i].guided]
+            if guided:  # last: llguidance's masks (filled on the host while the device works)
+                ids = [request_ids[i] for i in guided]
+                masks = self._guides.masks(ids, work.shape[1])
+                apply_masks(work, to_device(guided, torch.int64, work.device), masks)
+                failed = self._guides.take_failures(ids)
             for i, token in forced.items():  # the only token left
                 work[i].fill_(float("-inf"))[token] = 0.0
             tokens = work.argmax(dim=-1)  # greedy rows keep these
@@ -312,7 +305,7 @@ class Sampler:
             packed, done = host, torch.cuda.Event()
             done.record()
         self._in_flight = True
-        return SampleLaunch(list(request_ids), states, tokens, packed, done)
+        return SampleLaunch(list(request_ids), states, tokens, packed, done, failed)
 
     def finish(self, launch: SampleLaunch) -> list[Sample]:
         """Wait for a launch's results on the host; count the tokens in each request's state
@@ -331,7 +324,7 @@ class Sampler:
                 for t, v in zip(row[2 : 2 + k], row[2 + k_max : 2 + k_max + k], strict=True)
             ]
             samples.append(Sample(request_id, token, row[1], alternatives))
-            state.count(token)
+            self._count(request_id, state, token)
         return samples
 
     def _adjust(
@@ -343,7 +336,7 @@ class Sampler:
         barred: dict[int, list[int]],
     ) -> None:
         """In place on `work` [n, vocab], for `rows`: the bias, the penalties, then the masks
-        (`barred` tokens by row, allowed_token_ids, and each guided row's grammar mask).
+        (`barred` tokens by row, allowed_token_ids; each guided row's grammar mask follows).
         vLLM (`Sampler.apply_logits_processors`) masks first, and a masked logit stays -inf
         through its bias and penalties, so masking last gives the same logits (and no penalty's
         clamp to the float range can lift a masked logit off -inf)."""
@@ -377,18 +370,6 @@ class Sampler:
                 allowed = states[i].allowed_index(device)
                 kept = work[i].index_select(0, allowed)
                 work[i].fill_(float("-inf")).index_copy_(0, allowed, kept)
-        guided = [i for i in rows if states[i].guide is not None]
-        if guided:  # the guided rows together: each its state's mask
-            masks = torch.stack(
-                [
-                    states[i].guide.mask(
-                        states[i].guide_state, states[i].spec.guide_end_ids, vocab, device
-                    )
-                    for i in guided
-                ]
-            )
-            index = to_device(guided, torch.int64, device)
-            work[index] = work[index].masked_fill(~masks, float("-inf"))
 
     def _state(self, request_id: int) -> _RequestState:
         state = self._requests.get(request_id)
