@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from deltaserve.http.vllm_flags import human_readable_int
-from deltaserve.tools.hardware import host_info
+from deltaserve.tools.hardware import host_info, source_commit
 
 
 async def run_mode(args: argparse.Namespace, reserve_lifetime: bool) -> dict:
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": " ".join([sys.executable, "-m", "tools.bench_admission", *sys.argv[1:]]),
         "hardware": host_info(),
-        "git_commit": os.environ.get("DELTASERVE_COMMIT"),
+        "git_commit": source_commit(),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "modes": {},
     }

@@ -17,6 +17,7 @@ import argparse
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.tools.gate_bf16 import DECODE_STEPS, PROMPT_LENGTHS, our_logits, prompt_ids
 from deltaserve.tools.golden import compare_logprobs
-from deltaserve.tools.hardware import host_info
+from deltaserve.tools.hardware import host_info, source_commit
 
 # name -> ExecutorConfig fields of the variant (the baseline is the first)
 VARIANTS = {
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": " ".join([sys.executable, "-m", "tools.cache_accuracy", *sys.argv[1:]]),
         "hardware": {**host_info(), "torch": torch.__version__, "platform": platform.platform()},
+        "git_commit": source_commit(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "prompt_lengths": lengths,
         "decode_steps": DECODE_STEPS,
         "report": report,

@@ -40,3 +40,20 @@ def host_info() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         info["gpus"] = []
     return info
+
+
+def source_commit() -> str:
+    """The commit measured: $DELTASERVE_COMMIT (a copy without .git, as on the GPU machine),
+    else git's short HEAD here, "+changes" where the checkout differs; "unknown" without both."""
+    if named := os.environ.get("DELTASERVE_COMMIT"):
+        return named
+
+    def git(*args: str) -> str:
+        here = Path(__file__).resolve().parent.parent
+        run = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True)
+        return run.stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
