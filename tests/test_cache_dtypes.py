@@ -22,7 +22,7 @@ from deltaserve.tools.golden import compare_logprobs
 
 def executor(model_dir, **fields) -> Executor:
     return Executor(
-        ExecutorConfig(str(model_dir), num_slots=2, num_blocks=64, block_size=16, **fields)
+        ExecutorConfig(str(model_dir), max_num_seqs=2, num_kv_blocks=64, block_size=16, **fields)
     )
 
 

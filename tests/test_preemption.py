@@ -278,7 +278,9 @@ async def test_a_rank_death_in_a_preemption_fails_closed_once_per_owner(tiny_mod
 @pytest.fixture(scope="module")
 def executor(tiny_model_dir):
     """One rank's executor in this process: blocks of 4 positions."""
-    return Executor(ExecutorConfig(str(tiny_model_dir), num_slots=4, num_blocks=16, block_size=4))
+    return Executor(
+        ExecutorConfig(str(tiny_model_dir), max_num_seqs=4, num_kv_blocks=16, block_size=4)
+    )
 
 
 def test_a_rank_adds_exactly_the_blocks_an_item_says(executor):

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from deltaserve.http.vllm_flags import human_readable_int
-from deltaserve.tools.hardware import host_info, source_commit
+from deltaserve.engine.config_flags import human_readable_int
+from deltaserve.tools.hardware import git_commit, host_info
 
 
 async def run_mode(args: argparse.Namespace, reserve_lifetime: bool) -> dict:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": " ".join([sys.executable, "-m", "tools.bench_admission", *sys.argv[1:]]),
         "hardware": host_info(),
-        "git_commit": source_commit(),
+        "git_commit": git_commit(),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "modes": {},
     }

@@ -25,7 +25,7 @@ import torch
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.tools.gate_bf16 import DECODE_STEPS, PROMPT_LENGTHS, our_logits, prompt_ids
 from deltaserve.tools.golden import compare_logprobs
-from deltaserve.tools.hardware import host_info, source_commit
+from deltaserve.tools.hardware import git_commit, host_info
 
 # name -> ExecutorConfig fields of the variant (the baseline is the first)
 VARIANTS = {
@@ -52,8 +52,8 @@ def variant_logits(
             model,
             device=device,
             dtype=dtype,
-            num_slots=2,
-            num_blocks=-(-longest // 16) * 2,
+            max_num_seqs=2,
+            num_kv_blocks=-(-longest // 16) * 2,
             max_model_len=longest,
             **fields,
         )
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": " ".join([sys.executable, "-m", "tools.cache_accuracy", *sys.argv[1:]]),
         "hardware": {**host_info(), "torch": torch.__version__, "platform": platform.platform()},
-        "git_commit": source_commit(),
+        "git_commit": git_commit(),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "prompt_lengths": lengths,
         "decode_steps": DECODE_STEPS,

@@ -42,18 +42,16 @@ def host_info() -> dict[str, Any]:
     return info
 
 
-def source_commit() -> str:
-    """The commit measured: $DELTASERVE_COMMIT (a copy without .git, as on the GPU machine),
-    else git's short HEAD here, "+changes" where the checkout differs; "unknown" without both."""
-    if named := os.environ.get("DELTASERVE_COMMIT"):
-        return named
+def git_commit() -> str:
+    """The commit measured: $DELTASERVE_COMMIT where set (a copied tree's .git can be another
+    commit's, as on the GPU machine), else HEAD, "+changes" when tracked files differ."""
+    if os.environ.get("DELTASERVE_COMMIT"):
+        return os.environ["DELTASERVE_COMMIT"]
+    here = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
-        here = Path(__file__).resolve().parent.parent
-        run = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True)
-        return run.stdout.strip()
+        out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True)
+        return out.stdout.strip()
 
-    head = git("rev-parse", "--short", "HEAD")
-    if not head:
-        return "unknown"
-    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+changes" if dirty else "")
