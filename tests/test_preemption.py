@@ -111,7 +111,9 @@ def assert_same_as_alone(got, alone) -> list[float]:
     for position, (a, b) in enumerate(zip(mine or (), theirs or (), strict=True)):
         assert (a is None) == (b is None) and (a is None or a.keys() == b.keys()), position
         for token in a or ():
-            assert a[token]["rank"] == b[token]["rank"]
+            # a rank deep in the vocabulary's tail counts near-tied logits that a 1e-5 change
+            # reorders (prompt chunks ran in other batches: 152,626 against 152,624 seen)
+            assert a[token]["rank"] == pytest.approx(b[token]["rank"], rel=1e-4)
             assert a[token]["logprob"] == pytest.approx(b[token]["logprob"], abs=1e-4)
     return gaps
 
