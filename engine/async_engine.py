@@ -163,6 +163,8 @@ class AsyncEngine:
                 pipeline=config.async_scheduling,
                 prefix_states=replica.executor.prefix_cache_states,
                 by_priority=config.scheduling_policy == "priority",
+                kv_watermark=config.kv_watermark,
+                reserve_lifetime=config.reserve_lifetime,
             )
         except BaseException:
             await self._controller.shutdown()

@@ -71,8 +71,17 @@ class EngineConfig:
     # taken past it while nothing else waits
     max_queued_tokens: int = 4 * 1024 * 1024
     # vLLM's: "fcfs" admits in arrival order; "priority" by each request's priority (lower
-    # first), then arrival. Nothing running is preempted for a waiting request.
+    # first), then arrival. When KV blocks run out, the running request preempted is the one
+    # with the highest priority value (fcfs: the latest arrival)
     scheduling_policy: str = "fcfs"
+    # a request is admitted with the KV blocks of its prompt and grows them as it decodes;
+    # when the running ones run out, the youngest are preempted and recomputed (vLLM's policy;
+    # engine/scheduler.py). While others run, admission leaves this share of the blocks free
+    # for their growth (vLLM's block manager watermark, 0.01)
+    kv_watermark: float = 0.01
+    # admit each request with its whole lifetime's blocks (prompt + max_tokens) instead: none
+    # is ever preempted, fewer run at once (what deltaserve did before preemption)
+    reserve_lifetime: bool = False
     block_size: int = RANK.block_size
     # None: on cuda what gpu_memory_utilization leaves, on cpu max_num_seqs * max_model_len
     # / block_size
@@ -82,6 +91,9 @@ class EngineConfig:
     prompt_graph_tokens: int = RANK.prompt_graph_tokens
     max_logprobs: int = MAX_LOGPROBS  # -1: the vocabulary
     fp8_weights: str = RANK.fp8_weights
+    mamba_ssm_cache_dtype: str = RANK.mamba_ssm_cache_dtype
+    kv_cache_dtype: str = RANK.kv_cache_dtype
+    calculate_kv_scales: bool = RANK.calculate_kv_scales
     enable_prefix_caching: bool = False
     prefix_cache_states: int | None = None  # None: max_num_seqs
     async_scheduling: bool = True
@@ -134,6 +146,9 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so that every decode fits in a step"
             )
+        watermark = self.kv_watermark
+        if type(watermark) not in (int, float) or not 0 <= watermark < 1:
+            raise ValueError(f"kv_watermark must be a number in [0, 1), got {watermark!r}")
         for name in ("step_timeout_s", "startup_timeout_s"):
             value = getattr(self, name)
             if type(value) not in (int, float) or not value > 0 or not math.isfinite(value):

@@ -14,7 +14,12 @@ from dataclasses import MISSING, fields
 from deltaserve.engine.config import DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, EngineConfig
 from deltaserve.engine.media import DEFAULT_LIMITS, PROCESSOR_KWARGS
 from deltaserve.engine.structured_config import StructuredOutputsConfig
-from deltaserve.ipc.messages import DTYPES, FP8_WEIGHTS
+from deltaserve.ipc.messages import (
+    DTYPES,
+    FP8_WEIGHTS,
+    KV_CACHE_DTYPES,
+    MAMBA_SSM_CACHE_DTYPES,
+)
 
 # EngineConfig fields that no flag sets: tests' only
 UNFLAGGED = frozenset({"fault", "force_mixed_steps"})
@@ -190,7 +195,23 @@ def add_engine_flags(group: argparse._ActionsContainer) -> None:
         choices=("fcfs", "priority"),
         default=d("scheduling_policy"),
         help="admission order: arrival (fcfs), or each request's priority (lower first), then "
-        "arrival; nothing running is preempted",
+        "arrival; when KV blocks run out, the running request preempted is the one with the "
+        "highest priority value (fcfs: the latest arrival)",
+    )
+    add(
+        "--kv-watermark",
+        type=float,
+        default=d("kv_watermark"),
+        help="share of the KV blocks that admission leaves free for running requests' "
+        "growth while any run (vLLM's block manager watermark); when they still run out, "
+        "the youngest are preempted and recomputed",
+    )
+    add(
+        "--reserve-lifetime",
+        action="store_true",
+        default=d("reserve_lifetime"),
+        help="admit each request with the KV blocks of its whole lifetime (prompt + "
+        "max_tokens): none is ever preempted, but fewer run at once",
     )
     add("--block-size", type=int, default=d("block_size"), help="KV cache positions per block")
     add(
@@ -236,6 +257,28 @@ def add_engine_flags(group: argparse._ActionsContainer) -> None:
         default=d("fp8_weights"),
         help="an FP8 checkpoint's projections: widened to --dtype as they load, or kept FP8 "
         "(half their memory; faster at one row, slower at more on the H200: docs/GPU.md)",
+    )
+    add(
+        "--mamba-ssm-cache-dtype",
+        choices=MAMBA_SSM_CACHE_DTYPES,
+        default=d("mamba_ssm_cache_dtype"),
+        help="the DeltaNet recurrent states' dtype (vLLM's flag): auto is the checkpoint's "
+        "mamba_ssm_dtype (float32 for Qwen3.5); bfloat16 halves their memory and the bytes "
+        "a decode step moves for them",
+    )
+    add(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=d("kv_cache_dtype"),
+        help="the full-attention KV cache's dtype (vLLM's flag): auto is --dtype; fp8 (e4m3) "
+        "halves a bf16 cache, each layer's keys and values scaled per KV head",
+    )
+    add(
+        "--calculate-kv-scales",
+        action="store_true",
+        default=d("calculate_kv_scales"),
+        help="with --kv-cache-dtype fp8: the scales from the first prompt step's keys and "
+        "values (vLLM's flag); else 1.0",
     )
     add(
         "--enable-prefix-caching",

@@ -120,6 +120,9 @@ def token_ids(value: object, key: str) -> tuple[int, ...]:
     return tuple(to_number(token, key, int) for token in listed)
 
 
+# the DeltaNet state dtypes a checkpoint's mamba_ssm_dtype may name
+MAMBA_SSM_DTYPES = ("float32", "bfloat16")
+
 # an FP8 checkpoint's quant_method -> the suffix of its scale tensors' names (weight name + it)
 FP8_SCALE_SUFFIXES = {"fp8": "_scale_inv", "compressed-tensors": "_scale"}
 
@@ -239,6 +242,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    # the DeltaNet recurrent state's dtype the checkpoint asks for (vLLM's `mamba_ssm_dtype`,
+    # what --mamba-ssm-cache-dtype auto takes; float32 in the released Qwen3.5 configs)
+    mamba_ssm_dtype: str = "float32"
     # an FP8 checkpoint's scale blocks (engine/rank/fp8.py)
     fp8_block: tuple[int, int] | None = None
     # its scale tensors' names: weight name + this
@@ -252,11 +258,12 @@ class ModelConfig:
 
     def differences(self, other: ModelConfig) -> list[str]:
         """The fields in which `other` is another model (the weights' dtype may differ: they
-        are converted as they load)."""
+        are converted as they load; so may the state dtype asked for, chosen at start)."""
         return [
             f.name
             for f in fields(self)
-            if f.name != "torch_dtype" and getattr(self, f.name) != getattr(other, f.name)
+            if f.name not in ("torch_dtype", "mamba_ssm_dtype")
+            and getattr(self, f.name) != getattr(other, f.name)
         ]
 
     def __post_init__(self) -> None:
@@ -412,6 +419,11 @@ class ModelConfig:
             raise ConfigError(f"unsupported rope_type {rope_type!r} in {rope_key}")
         eos = text.get("eos_token_id", top_eos)
         eos_ids = token_ids(eos, "eos_token_id")
+        state_dtype = text.get("mamba_ssm_dtype", raw.get("mamba_ssm_dtype")) or "float32"
+        if state_dtype not in MAMBA_SSM_DTYPES:
+            raise ConfigError(
+                f"mamba_ssm_dtype is {state_dtype!r:.40}, not one of {', '.join(MAMBA_SSM_DTYPES)}"
+            )
         return cls(
             vocab_size=integer("vocab_size"),
             hidden_size=integer("hidden_size"),
@@ -433,6 +445,7 @@ class ModelConfig:
             tie_word_embeddings=bool(tie),
             eos_token_ids=eos_ids,
             torch_dtype=dtype or "bfloat16",
+            mamba_ssm_dtype=state_dtype,
             fp8_block=fp8 and fp8[0],
             fp8_scale_suffix=fp8[1] if fp8 else FP8_SCALE_SUFFIXES["fp8"],
             **({key: integer(key) for key in MOE_KEYS} if moe else {}),

@@ -78,26 +78,21 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         "prefilled in chunks of --max-num-batched-tokens); --no-... is refused",
     )
     g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        help="auto only: the KV cache is kept in the model's dtype (--dtype)",
-    )
-    g.add_argument(
         "--quantization",
         "-q",
         default=None,
         help="fp8 (Qwen's -FP8 releases) or compressed-tensors (llm-compressor's FP8), what the "
         "checkpoint is; it loads as such without it. Quantizing at load is refused",
     )
-    # vLLM swaps a preempted request's KV blocks to this much CPU memory; here a request is
-    # never preempted (its whole lifetime's blocks are reserved when it is admitted), so no
-    # swap space is ever needed: any size is honoured by using none of it.
+    # vLLM (v0) could swap a preempted request's KV blocks to this much CPU memory; here, as
+    # in vLLM v1, a preempted request is recomputed, so no swap space is ever needed: any size
+    # is honoured by using none of it.
     g.add_argument(
         "--swap-space",
         type=float,
         default=None,
         metavar="GiB",
-        help="accepted, no effect: no request is ever preempted, so nothing is swapped",
+        help="accepted, no effect: a preempted request is recomputed, nothing is swapped",
     )
 
 
@@ -112,11 +107,6 @@ def refused_vllm_flag(args: argparse.Namespace) -> str | None:
         return (
             "--no-enable-chunked-prefill: not supported: deltaserve always prefills a prompt "
             "in chunks of at most --max-num-batched-tokens tokens"
-        )
-    if args.kv_cache_dtype != "auto":
-        return (
-            f"--kv-cache-dtype {args.kv_cache_dtype}: not supported: the KV cache is kept in "
-            "the model's dtype (--dtype); only auto"
         )
     if args.quantization not in (None, *FP8_SCALE_SUFFIXES):
         return (

@@ -102,8 +102,18 @@ def check_plan(
             )
         else:
             _check_new(rid, start + len(tokens), item.new, max_logprobs)
+            outputs = item.new.output_ids
+            if outputs and (min(outputs) < 0 or max(outputs) >= vocab_size):
+                raise PlanRejected(
+                    f"request {rid}: an output id outside the vocabulary 0..{vocab_size - 1}"
+                )
         if item.save < -1:
             raise PlanRejected(f"request {rid}: save {item.save} names no saved prefix")
+        if item.grow < 0 or (item.grow and item.new is not None):
+            raise PlanRejected(
+                f"request {rid}: grow {item.grow}; a later item may add blocks (>= 0), a first "
+                f"chunk takes them with `new`"
+            )
         if item.prompt_logprobs != -1 or item.next_token != -1:
             _check_prompt_logprobs(item, vocab_size, max_logprobs)
             prompt_logprobs[rid] = (item.num_prompt_logprobs, item.prompt_logprobs)

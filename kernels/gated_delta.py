@@ -1,7 +1,8 @@
 """Gated delta rule: the DeltaNet recurrence, in a chunked form for prefill and a per-token
 form for decode. Plain torch references; the GPU kernels are checked against these.
 
-Per value head, with state S [dk, dv] (fp32), for each token t:
+Per value head, with state S [dk, dv] (kept fp32 or bf16; every update computed in fp32 and
+rounded to the state's dtype where it is stored), for each token t:
 
     S <- exp(g_t) S
     u_t = beta_t (v_t - S^T k_t)
@@ -38,6 +39,7 @@ from deltaserve.kernels.triton_compat import (
 )
 
 CHUNK_SIZE = 64
+STATE_DTYPES = (torch.float32, torch.bfloat16)  # what the recurrent state may be kept in
 # (block_v, warps) of every decode launch instead of
 # the tuned rule (tools/bench_step_ab.py's dv modes)
 DECODE_TILE: tuple[int, int] | None = None
@@ -55,13 +57,13 @@ def recurrent_gated_delta(
     v: torch.Tensor,  # [B, nv, dv]
     g: torch.Tensor,  # [B, nv] log decay (<= 0)
     beta: torch.Tensor,  # [B, nv]
-    state: torch.Tensor,  # [B, nv, dk, dv] fp32, updated in place
+    state: torch.Tensor,  # [B, nv, dk, dv] fp32 or bf16, updated in place
 ) -> torch.Tensor:  # [B, nv, dv] fp32
     """One token for each of B sequences (the decode step)."""
     nv = v.shape[1]
     q = _expand_key_heads(q, nv).float()
     k = _expand_key_heads(k, nv).float()
-    s = state * g.float().exp()[..., None, None]
+    s = state.float() * g.float().exp()[..., None, None]
     predicted = torch.einsum("bhkv,bhk->bhv", s, k)
     u = beta.float()[..., None] * (v.float() - predicted)
     s = s + k[..., :, None] * u[..., None, :]
@@ -75,7 +77,7 @@ def chunk_gated_delta(
     v: torch.Tensor,  # [L, nv, dv]
     g: torch.Tensor,  # [L, nv]
     beta: torch.Tensor,  # [L, nv]
-    state: torch.Tensor,  # [nv, dk, dv] fp32, the state before token 0; updated in place
+    state: torch.Tensor,  # [nv, dk, dv] fp32 or bf16, the state before token 0; updated in place
     chunk_size: int = CHUNK_SIZE,
 ) -> torch.Tensor:  # [L, nv, dv] fp32
     """L tokens of one sequence, `chunk_size` at a time.
@@ -152,7 +154,7 @@ def gated_delta_decode_reference(
     b: torch.Tensor,  # [T, nv] in_proj_b output (raw)
     a_log: torch.Tensor,  # [nv]
     dt_bias: torch.Tensor,  # [nv]
-    state: torch.Tensor,  # [slots, nv, dk, dv] fp32, updated in place at `slots`
+    state: torch.Tensor,  # [slots, nv, dk, dv] fp32 or bf16, updated in place at `slots`
     rows: torch.Tensor,  # [D] token of each decode request
     slots: torch.Tensor,  # [D] its state slot
     out: torch.Tensor,  # [T, nv, dv]; rows `rows` are written
@@ -217,7 +219,7 @@ def _gated_delta_decode_kernel(
     smask = mk[:, None] & mv[None, :]
     # state first: the one big read, in flight while the small vectors arrive
     s_ptrs = state_ptr + slot * stride_slot + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-    s = tl.load(s_ptrs, mask=smask, other=0.0, eviction_policy=EVICT)
+    s = tl.load(s_ptrs, mask=smask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     kh = h // (NV // NK)
     base = mixed_ptr + row * stride_mixed
     q = tl.load(base + kh * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
@@ -239,7 +241,7 @@ def _gated_delta_decode_kernel(
     u = beta * (v - tl.sum(s * k[:, None], 0))  # [BV]
     s = s + k[:, None] * u[None, :]
     o = tl.sum(s * q[:, None], 0)
-    tl.store(s_ptrs, s, mask=smask, eviction_policy=EVICT)
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=smask, eviction_policy=EVICT)
     tl.store(out_ptr + row * stride_out + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
 
 
@@ -259,17 +261,18 @@ def gated_delta_decode(
     num_warps: int | None = None,
     evict_first: bool = False,
 ) -> None:
-    """Triton launch of `gated_delta_decode_reference` (same arguments): each request's fp32
-    state is read and written once, in place in its slot. Rows with slot < 0 are skipped.
+    """Triton launch of `gated_delta_decode_reference` (same arguments): each request's state
+    (fp32 or bf16, computed in fp32) is read and written once, in place in its slot. Rows with
+    slot < 0 are skipped.
     `block_v`, `num_warps`, `evict_first` override the tuned launch (tools/bench_decode.py)."""
     check_launchable(mixed, state)
     num_slots, nv, dk, dv = state.shape
     nk = num_k_heads
     if nk < 1 or nv % nk:
         raise ValueError(f"value heads {nv} are not a multiple of key heads {nk}")
-    if state.dtype != torch.float32 or state.stride()[1:] != (dk * dv, dv, 1):
+    if state.dtype not in STATE_DTYPES or state.stride()[1:] != (dk * dv, dv, 1):
         raise ValueError(
-            f"state: expected fp32 [slots, nv, dk, dv] with contiguous heads, got "
+            f"state: expected fp32 or bf16 [slots, nv, dk, dv] with contiguous heads, got "
             f"{state.dtype} strides {state.stride()}"
         )
     tokens = mixed.shape[0]
@@ -406,7 +409,7 @@ def gated_delta_prefill_reference(
     b: torch.Tensor,  # [L, nv] in_proj_b output (raw)
     a_log: torch.Tensor,  # [nv]
     dt_bias: torch.Tensor,  # [nv]
-    state: torch.Tensor,  # [slots, nv, dk, dv] fp32; each sequence's slot updated in place
+    state: torch.Tensor,  # [slots, nv, dk, dv] fp32 or bf16; each sequence's slot updated in place
     slots: torch.Tensor,  # [n] each sequence's slot (-1: an empty padding sequence)
     # [n + 1] cumulative lengths over mixed's rows (rows past the last: padding)
     bounds: torch.Tensor,
@@ -579,7 +582,8 @@ def gated_delta_prefill(
 ) -> torch.Tensor:
     """`gated_delta_prefill_reference` (same arguments, plus the chunk table) in one call of
     fla's varlen chunk kernel on CUDA when fla is installed: q, k, v go in as the model dtype
-    (as HF's fla path does; the state stays fp32), and the L2 norms and the decay are computed
+    (as HF's fla path does; fla takes and gives fp32 states, rounded to a bf16 cache's dtype
+    as they are stored), and the L2 norms and the decay are computed
     inside fla's kernels instead of by a dozen elementwise passes here. Every grid is fixed
     by the sizes of `bounds` and `chunks`, so a CUDA graph can hold the call: padding entries
     of `chunks` name an empty sequence, whose programs return at once."""
@@ -597,7 +601,7 @@ def gated_delta_prefill(
         g=g[None],
         beta=beta[None],
         scale=dk**-0.5,
-        initial_state=state[slots.clamp(min=0)],
+        initial_state=state[slots.clamp(min=0)].float(),
         output_final_state=True,
         cu_seqlens=bounds,
         chunk_indices=chunks,
@@ -605,5 +609,5 @@ def gated_delta_prefill(
         A_log=a_log,
         dt_bias=dt_bias,  # made fp32 inside fla's gate kernel
     )
-    store_states(state, slots, final.float())
+    store_states(state, slots, final.to(state.dtype))
     return out[0].to(mixed.dtype)

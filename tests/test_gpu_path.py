@@ -81,6 +81,7 @@ def _run_steps(
     prompt_graph_tokens: int = 2048,
     steps=_steps,
     prefix_states: int = 0,
+    **cache_fields: object,  # ExecutorConfig's cache dtypes
 ) -> tuple[list[torch.Tensor], int]:
     """Logits of every step of `_steps` through one executor, each with the step's prompt
     logprobs as an attribute, and how many of its steps ran prompts through a prompt graph:
@@ -99,6 +100,7 @@ def _run_steps(
         enforce_eager=not graphs,
         prompt_graph_tokens=prompt_graph_tokens,
         prefix_cache_states=prefix_states,
+        **cache_fields,
     )
     ex = Executor(config)
     assert (ex.graphs is not None) == (graphs and gpu_path(ex.cache.kv))

@@ -152,7 +152,10 @@ async def test_lifecycle_in_order_and_loads_are_the_engines(engine, subscriber):
     # Plain msgpack maps carry exactly the documented keys, `kind` first.
     for topic, raw, typed in subscriber.messages:
         assert list(raw) == ["kind", *COMMON, *type(typed).__struct_fields__[3:]]
-        assert raw["kind"] == type(typed).__struct_config__.tag and raw["schema_version"] == 1
+        assert (
+            raw["kind"] == type(typed).__struct_config__.tag
+            and raw["schema_version"] == schema.SCHEMA_VERSION
+        )
         assert topic == schema.TOPICS[type(typed)]
     # No message lost: seq has no gap on any topic.
     for topic in (b"load", b"request"):

@@ -1,9 +1,10 @@
 """Decode benchmark on one GPU: ceilings, kernels, the Executor's forward step, HF transformers.
 
 Reported gpt-fast style (STYLE.md): tokens/s beside achieved GB/s and the fraction of the
-memory roofline, i.e. the bytes a decode step must move (every weight read once, the fp32
-DeltaNet state and conv windows read and written once, the KV of every context position read
-once) over the copy bandwidth measured in the same run. HF transformers decodes the same
+memory roofline, i.e. the bytes a decode step must move (every weight read once, the DeltaNet
+state (fp32, or bf16 with --mamba-ssm-cache-dtype bfloat16) and conv windows read and written
+once, the KV of every context position read once, FP8 with --kv-cache-dtype fp8) over the copy
+bandwidth measured in the same run. HF transformers decodes the same
 random checkpoint in the same run.
 
     python -m tools.bench_decode --out /tmp/bench.json        # on the GPU machine
@@ -305,7 +306,15 @@ def idle_expert_params(config, experts_used: float) -> float:
     return config.num_hidden_layers * (config.num_experts - experts_used) * per_expert
 
 
-def step_bytes(config, params_bytes: int, batch: int, context: int, dtype: torch.dtype) -> int:
+def step_bytes(
+    config,
+    params_bytes: int,
+    batch: int,
+    context: int,
+    dtype: torch.dtype,
+    state_dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,
+) -> int:
     """Bytes one decode step must move: weights once (of an input embedding apart from the
     lm_head, the 9B's, only its rows of the step; of an MoE model's routed experts, those its
     tokens choose: E (1 - (1 - k/E)^batch) a layer, expected under even routing), each
@@ -313,7 +322,8 @@ def step_bytes(config, params_bytes: int, batch: int, context: int, dtype: torch
     position's K and V read (its own K and V written)."""
     from deltaserve.engine.rank.memory_budget import cache_sizes
 
-    per = cache_sizes(config, 1, dtype, block_size=1)  # block_bytes: K and V of one position
+    # block_bytes: K and V of one position
+    per = cache_sizes(config, 1, dtype, 1, state_dtype, kv_dtype)
     embedding = (
         0
         if config.tie_word_embeddings
@@ -351,6 +361,9 @@ def bench_model(
         num_kv_blocks=max_batch * blocks_per,
         max_model_len=reserve,
         enforce_eager=args.no_graphs,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.kv_cache_dtype != "auto",
     )
     started = time.monotonic()
     ex = Executor(config)  # loads the weights, captures the decode graphs
@@ -416,7 +429,9 @@ def bench_model(
                 times.append(time.perf_counter() - t0)
             step_s = statistics.median(times)
             context = ex.requests[0].num_tokens
-            nbytes = step_bytes(ex.model_config, params_bytes, batch, context, ex.dtype)
+            nbytes = step_bytes(
+                ex.model_config, params_bytes, batch, context, ex.dtype, ex.state_dtype, ex.kv_dtype
+            )
             row = {
                 "mode": mode,
                 "batch": batch,
@@ -735,6 +750,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--hf-steps", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        help="the DeltaNet states' dtype in the model runs (auto: the checkpoint's, fp32)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="the KV cache's in the model runs: auto (the model's) or fp8 (scales calculated)",
+    )
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument(

@@ -2,8 +2,9 @@
 
 in_proj_qkv rows are [Q all key heads | K all key heads | V all value heads]; each section is
 split by heads, so a rank holds matching Q, K, V (and conv channels, z, a, b, A_log, dt_bias)
-of its heads. Per request the layer keeps a conv window and an fp32 recurrent state in the
-request's slot of the StateCache.
+of its heads. Per request the layer keeps a conv window and a recurrent state (fp32, or bf16
+with --mamba-ssm-cache-dtype bfloat16; updated in fp32 either way) in the request's slot of the
+StateCache.
 """
 
 from __future__ import annotations

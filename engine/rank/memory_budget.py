@@ -59,19 +59,23 @@ PROFILE_SAMPLING = SamplingSpec(
 class CacheSizes:
     """Bytes on one rank (its share of the heads) of one state slot and one KV block."""
 
-    slot_bytes: int  # every DeltaNet layer's conv window (model dtype) + recurrent state (fp32)
+    slot_bytes: int  # every DeltaNet layer's conv window (model dtype) + recurrent state
     block_bytes: int  # every full-attention layer's K and V for block_size positions
 
 
 def cache_sizes(
-    config: ModelConfig, tp_size: int, dtype: torch.dtype, block_size: int
+    config: ModelConfig,
+    tp_size: int,
+    dtype: torch.dtype,
+    block_size: int,
+    state_dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,  # None: the model's
 ) -> CacheSizes:
     """What StateCache allocates per slot and per block."""
     kv, conv, recurrent = cache_shapes(config, 1, 1, block_size, tp_size)
-    item = torch.empty((), dtype=dtype).element_size()
     return CacheSizes(
-        slot_bytes=math.prod(conv) * item + math.prod(recurrent) * 4,
-        block_bytes=math.prod(kv) * item,
+        slot_bytes=math.prod(conv) * dtype.itemsize + math.prod(recurrent) * state_dtype.itemsize,
+        block_bytes=math.prod(kv) * (kv_dtype or dtype).itemsize,
     )
 
 
@@ -200,7 +204,14 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
         probe = CudaMemory(executor.device)
     if config.max_model_len < 1:
         raise ValueError("num_kv_blocks None (size the KV cache from memory) needs max_model_len")
-    sizes = cache_sizes(executor.model_config, config.tp_size, executor.dtype, config.block_size)
+    sizes = cache_sizes(
+        executor.model_config,
+        config.tp_size,
+        executor.dtype,
+        config.block_size,
+        executor.state_dtype,
+        executor.kv_dtype,
+    )
     lengths = profile_lengths(
         config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
     )
@@ -298,6 +309,8 @@ def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
         config.tp_size,
         executor.dtype,
         executor.device,
+        state_dtype=executor.state_dtype,
+        kv_dtype=executor.kv_dtype,
     )
     base = 1 << 62  # request ids no real request has (the executor is fresh anyway)
     items = [

@@ -27,7 +27,7 @@ that true; a batch where no request uses them or penalties reads the logits once
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +81,19 @@ class _RequestState:
     allowed: torch.Tensor | None = None  # allowed_token_ids on the device, sent up once
     guided: bool = False  # its matcher is in the sampler's GuideMatchers
     thinking: bool = False  # inside the think block its budget counts (till think_end_id)
+
+    def count(self, token: int) -> None:
+        """A token sampled for it: its next seed index, thinking budget, bad words' recent
+        tokens and penalties' history move on (its matcher is the sampler's: `Sampler._count`)."""
+        if self.thinking and token == self.spec.think_end_id:
+            self.thinking = False
+        self.num_sampled += 1
+        if self.spec.bad_words:  # as many last tokens as the longest prefix needs
+            self.recent.append(token)
+            del self.recent[: max(0, len(self.recent) - max(map(len, self.spec.bad_words)) + 1)]
+        if self.has_penalties:
+            self.seen.add(token)
+            self.output_counts[token] = self.output_counts.get(token, 0) + 1
 
     def thinking_spent(self) -> bool:
         """Its thinking budget is used up: </think> must come next."""
@@ -144,7 +157,9 @@ class Sampler:
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._requests
 
-    def add(self, request_id: int, spec: SamplingSpec) -> None:
+    def add(self, request_id: int, spec: SamplingSpec, output_ids: Sequence[int] = ()) -> None:
+        """Hold a request; `output_ids` it sampled before a preemption count as sampled here
+        (its next seed index, penalties, bad words, guided state, thinking budget)."""
         if request_id in self._requests:
             raise ValueError(f"sampler already holds request {request_id}")
         ids = [
@@ -169,7 +184,7 @@ class Sampler:
                 )
             self._guides.add(request_id, spec.guide_grammar, spec.guide_end_ids, spec.guide_limits)
         adjusts = penalties or bool(spec.logit_bias) or bool(spec.allowed_token_ids) or guided
-        self._requests[request_id] = _RequestState(
+        state = _RequestState(
             spec,
             penalties,
             adjusts,
@@ -177,6 +192,15 @@ class Sampler:
             guided=guided,
             thinking=spec.think_budget >= 0,
         )
+        for token in output_ids:
+            self._count(request_id, state, token)
+        self._requests[request_id] = state
+
+    def _count(self, request_id: int, state: _RequestState, token: int) -> None:
+        """A token sampled for the request: its matcher takes it (guided), its state counts it."""
+        if state.guided:
+            self._guides.consume(request_id, token)
+        state.count(token)
 
     def remove(self, request_id: int) -> None:
         """Forget a request; idempotent."""
@@ -297,19 +321,7 @@ class Sampler:
                 for t, v in zip(row[2 : 2 + k], row[2 + k_max : 2 + k_max + k], strict=True)
             ]
             samples.append(Sample(request_id, token, row[1], alternatives))
-            if state.guided:
-                self._guides.consume(request_id, token)
-            if state.thinking and token == state.spec.think_end_id:
-                state.thinking = False
-            state.num_sampled += 1
-            if state.spec.bad_words:  # as many last tokens as the longest prefix needs
-                state.recent.append(token)
-                del state.recent[
-                    : max(0, len(state.recent) - max(map(len, state.spec.bad_words)) + 1)
-                ]
-            if state.has_penalties:
-                state.seen.add(token)
-                state.output_counts[token] = state.output_counts.get(token, 0) + 1
+            self._count(request_id, state, token)
         return samples
 
     def _adjust(
