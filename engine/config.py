@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from deltaserve.engine.kv_events import KVEventsConfig
 from deltaserve.engine.media import MediaConfig
 from deltaserve.engine.model_config import FP8_WEIGHTS, ModelConfig
 from deltaserve.engine.structured_config import StructuredOutputsConfig
@@ -74,6 +75,10 @@ class EngineConfig:
     step_timeout_s: float = 60.0
     startup_timeout_s: float = 120.0
     monitor_endpoint: str | None = None  # None: no monitor; "auto", ipc://PATH, tcp://HOST:PORT
+    # vLLM's --kv-events-config: the prefix cache's blocks published for routers
+    # (engine/kv_events.py); needs enable_prefix_caching
+    kv_events: KVEventsConfig | None = None
+    data_parallel_rank: int = 0  # which replica of a data-parallel engine (its KV events say)
     # guided decoding's and stop regexes' engine and bounds (engine/structured_config.py)
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     force_mixed_steps: bool = False  # tests: the planner staggers prefills beside decodes
@@ -156,6 +161,15 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"monitor_endpoint must be 'auto', ipc://PATH or tcp://HOST:PORT, got {endpoint!r}"
+            )
+        if (
+            self.kv_events is not None
+            and self.kv_events.publishes
+            and not self.enable_prefix_caching
+        ):
+            raise ValueError(
+                "kv_events_config: KV-cache events come from the prefix cache; "
+                "enable it too (--enable-prefix-caching)"
             )
         if not isinstance(self.structured_outputs, StructuredOutputsConfig):
             raise ValueError(

@@ -61,18 +61,29 @@ def replica_configs(
             "publishes on its own endpoint; use 'auto'"
         )
     tp = config.tp_size
+    # each replica publishes its KV events on its own endpoints, as vLLM's DP ranks do
+    ranked = [
+        dataclasses.replace(
+            config,
+            data_parallel_rank=i,
+            kv_events=None if config.kv_events is None else config.kv_events.for_replica(i),
+        )
+        for i in range(size)
+    ]
     if config.device != "cuda":
         if device_ids is not None:
             raise ValueError(
                 f"device_ids {device_ids} given with device {config.device!r}; they name CUDA devices"
             )
-        return [config] * size
+        return ranked
     ids = tuple(range(tp * size)) if device_ids is None else tuple(device_ids)
     if len(ids) != tp * size or len(set(ids)) != len(ids):
         raise ValueError(
             f"device_ids {ids}: need {tp * size} distinct devices (tp_size {tp} x data_parallel_size {size})"
         )
-    return [dataclasses.replace(config, device_ids=ids[i * tp : (i + 1) * tp]) for i in range(size)]
+    return [
+        dataclasses.replace(c, device_ids=ids[i * tp : (i + 1) * tp]) for i, c in enumerate(ranked)
+    ]
 
 
 class DataParallelEngine:
