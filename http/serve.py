@@ -318,6 +318,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(engine/structured_config.py). backend auto and guidance: llguidance",
     )
     eng.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        metavar="JSON",
+        help="vLLM's: publish the prefix cache's blocks for routers (docs/ROUTING.md), e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv"}\'; needs --enable-prefix-caching',
+    )
+    eng.add_argument(
         "--monitor-endpoint",
         default="auto",
         help="ZeroMQ PUB endpoint for monitors (deltaserve monitor ENDPOINT; "
@@ -629,6 +638,7 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         step_timeout_s=args.step_timeout_s,
         startup_timeout_s=args.startup_timeout_s,
         monitor_endpoint=None if args.monitor_endpoint == "off" else args.monitor_endpoint,
+        kv_events=args.kv_events_config,
         structured_outputs=StructuredOutputsConfig.parse(structured)
         if structured
         else StructuredOutputsConfig(),
@@ -644,6 +654,15 @@ def _media_config(args: argparse.Namespace):  # -> MediaConfig
         processor_kwargs=args.mm_processor_kwargs or {},
         allowed_local_media_path=args.allowed_local_media_path,
     )
+
+
+def _kv_events_config(value: str):  # -> KVEventsConfig
+    from deltaserve.engine.kv_events import KVEventsConfig
+
+    try:
+        return KVEventsConfig.parse(value)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"--kv-events-config: {exc}") from None
 
 
 def _json_object(flag: str):
