@@ -172,6 +172,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     # route modules that import this one: not at its top
     from deltaserve.http import (
         anthropic_routes,
+        load_routes,
         render_routes,
         responses_routes,
         sglang_routes,
@@ -183,6 +184,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
     anthropic_routes.add_routes(app)  # /v1/messages
     sglang_routes.add_routes(app)  # SGLang's /generate, /abort_request, /get_model_info, ...
     render_routes.add_routes(app)  # vLLM's /v1/chat/completions/render, /v1/completions/render
+    load_routes.add_routes(app)  # SGLang's /get_load, which routers poll
     rl_routes.add_routes(app, config)  # new weights, pauses, a cache flush, sleep: opt-in
     return app
 

@@ -1,7 +1,8 @@
-"""vLLM's render routes through a real server (the tiny model), asked by the official openai
-client's raw POST: a chat's token_ids are the ones the chat completion runs (its usage counts
-them), a completion's are each prompt's, the sampling parameters are the ones the generating
-route would use, nothing is submitted, and refusals name their field as the generating routes'.
+"""What routers ask a worker, through a real server (the tiny model) and the official openai
+client's raw calls. vLLM's render routes: a chat's token_ids are the ones the chat completion
+runs (its usage counts them), a completion's are each prompt's, the sampling parameters are
+the ones the generating route would use, nothing is submitted, and refusals name their field
+as the generating routes'. SGLang's /get_load: the requests held and the KV in use.
 """
 
 from __future__ import annotations
@@ -116,3 +117,20 @@ async def test_refusals_name_the_field(client, path, body, status, param):
         await render(client, path, body)
     assert raised.value.status_code == status
     assert raised.value.body["param"] == param
+
+
+async def test_get_load_counts_what_the_engine_holds(server, client):
+    idle = await client.get("/../get_load", cast_to=object)
+    assert [(e["dp_rank"], e["num_reqs"], e["num_waiting_reqs"]) for e in idle] == [(0, 0, 0)]
+    stream = await client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    async for _ in stream:  # its first token: it runs
+        break
+    (busy,) = await client.get("/../get_load", cast_to=object)
+    assert busy["num_reqs"] == 1 and busy["num_tokens"] > 0
+    await stream.close()
