@@ -14,6 +14,7 @@ may be asleep. Images and video are refused: their placeholders and hashes (vLLM
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -62,15 +63,9 @@ def add_routes(app: web.Application) -> None:
 
 
 async def render_chat(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    req = parse_chat_request(
-        await read_json(request), state.sampling_defaults, max_logprobs=state.engine.max_logprobs
-    )
-    state.model_name(req.model)
-    _refuse_beam_search(req.beam_search)
+    state, req = await _parsed(request, parse_chat_request)
     if media_sources(req.messages):
         raise errors.unsupported("messages", "images and video are not rendered by this route")
-    state.check_alive()
     ids = await _apply_chat_template(
         state.engine,
         req.messages,
@@ -90,13 +85,7 @@ async def render_chat(request: web.Request) -> web.Response:
 
 
 async def render_completion(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    req = parse_completion_request(
-        await read_json(request), state.sampling_defaults, max_logprobs=state.engine.max_logprobs
-    )
-    state.model_name(req.model)
-    _refuse_beam_search(req.beam_search)
-    state.check_alive()
+    state, req = await _parsed(request, parse_completion_request)
     max_tokens = req.sampling.max_tokens
     params = _params(
         req.sampling,
@@ -118,9 +107,17 @@ async def render_completion(request: web.Request) -> web.Response:
     return _json(rendered)
 
 
-def _refuse_beam_search(beam_search: bool) -> None:
-    if beam_search:
+async def _parsed(request: web.Request, parse: Callable[..., Any]) -> tuple[ServerState, Any]:
+    """The body parsed by the generating route's parser, its model served, the engine alive."""
+    state = request.app[STATE]
+    req = parse(
+        await read_json(request), state.sampling_defaults, max_logprobs=state.engine.max_logprobs
+    )
+    state.model_name(req.model)
+    if req.beam_search:
         raise errors.unsupported("use_beam_search", "the render routes render no beam search")
+    state.check_alive()
+    return state, req
 
 
 def _generate_request(
