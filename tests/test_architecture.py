@@ -55,6 +55,8 @@ IN_FLIGHT_CYCLES = {  # the 49-http branch: the route modules take http/server.p
         for name in (
             "server",
             "anthropic_routes",
+            "load_routes",  # issue 54's, written as the others
+            "render_routes",
             "responses_routes",
             "rl_routes",
             "sglang_routes",
