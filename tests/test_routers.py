@@ -272,3 +272,13 @@ async def test_a_replica_that_fails_closed_leaves_the_router_the_other(workers, 
         results = await asyncio.gather(*(openai_completion(url, f"Hi {i}") for i in range(6)))
         assert results == [0] * 6
         assert await health(survivor.url) == 200
+
+
+async def test_bench_routed_names_the_route_it_cannot_run(capsys):
+    """tools/bench_routed.py (its runs: docs/ROUTING.md) refuses a route before it starts
+    anything."""
+    from deltaserve.tools.bench_routed import main
+
+    with pytest.raises(SystemExit):
+        main(["--model", "m", "--route", "nginx:round_robin"])
+    assert "--route 'nginx:round_robin'" in capsys.readouterr().err

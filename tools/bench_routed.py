@@ -147,7 +147,8 @@ def run_route(args: argparse.Namespace, route: str, bench_args: list[str]) -> di
         before = [counters(w) for w, _, _ in workers]
         with tempfile.TemporaryDirectory() as out:
             cmd = [sys.executable, "-m", "tools.bench_serve", "--base-url", url, "--multi-turn"]
-            cmd += ["--model", args.served_model_name, "--result-dir", out]
+            cmd += ["--model", args.served_model_name, "--tokenizer", args.model]
+            cmd += ["--result-dir", out]
             cmd += ["--result-filename", "run.json", *bench_args]
             done = subprocess.run(cmd, capture_output=True, text=True)
             path = Path(out) / "run.json"
