@@ -108,7 +108,9 @@ async def router(name: str, *args: str) -> AsyncIterator[str]:
         str(port),
         "--prometheus-port",
         str(free_port()),
-        "--health-check-interval-secs",
+        "--health-check-interval-secs",  # a replica that fails closed is seen within a second
+        "1",
+        "--health-failure-threshold",
         "1",
         *args,
         stdout=log,
