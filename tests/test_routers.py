@@ -261,10 +261,23 @@ async def test_sglang_router_openai_routes(workers):
 
 
 async def test_a_replica_that_fails_closed_leaves_the_router_the_other(workers, tiny_model_dir):
-    """Last: it kills one of the module's workers."""
+    """Last: it kills one of the module's workers. A request running there when its rank dies
+    gets its end (an error), not silence."""
     survivor, victim = workers
     async with router("vllm-router", *vllm_router_args(workers, tiny_model_dir)) as url:
-        os.kill(rank_pids(victim.serve.proc.pid)[0], signal.SIGKILL)
+        async with client(victim.url) as c:
+            running = await c.completions.create(
+                model=MODEL,
+                prompt="Hello",
+                max_tokens=480,
+                stream=True,
+                extra_body={"ignore_eos": True, "min_tokens": 480},
+            )
+            async for _ in running:  # its first token: it runs
+                break
+            os.kill(rank_pids(victim.serve.proc.pid)[0], signal.SIGKILL)
+            with pytest.raises(openai.APIError):
+                await asyncio.wait_for(_drain(running), 30)
         statuses = set()
         while (status := await health(victim.url)) is not None:
             statuses.add(status)
@@ -274,6 +287,11 @@ async def test_a_replica_that_fails_closed_leaves_the_router_the_other(workers, 
         results = await asyncio.gather(*(openai_completion(url, f"Hi {i}") for i in range(6)))
         assert results == [0] * 6
         assert await health(survivor.url) == 200
+
+
+async def _drain(stream) -> None:
+    async for chunk in stream:
+        assert chunk.choices[0].finish_reason is None, "it ran to its end before the kill"
 
 
 async def test_bench_routed_names_the_route_it_cannot_run(capsys):
