@@ -73,7 +73,9 @@ class KVEventPublisher:
         return self._seq
 
     def publish(self, ts: float, events: list[KVEvent]) -> None:
-        """Send one batch (BlockEvents' sink) and keep it for replay."""
+        """Send one batch (BlockEvents' sink) and keep it for replay; nothing once closed."""
+        if self._pub.closed:
+            return
         payload = encoder.encode(KVEventBatch(ts, events, self._rank))
         seq, self._seq = self._seq, self._seq + 1
         self._buffer.append((seq, payload))
