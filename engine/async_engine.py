@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from deltaserve.engine.config import EngineConfig, resolve_limits
+from deltaserve.engine.config import EngineConfig, EngineLimits, replica_config, resolve_limits
 from deltaserve.engine.events import (
     EngineDeadError,
     LoadSnapshot,
@@ -47,7 +47,7 @@ from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
 from deltaserve.engine.request import Request
-from deltaserve.engine.sampling_params import SamplingParams, wire_seed
+from deltaserve.engine.sampling_params import ParamError, SamplingParams, wire_seed
 from deltaserve.engine.scheduler import Scheduler
 from deltaserve.engine.stream import EventSink, RequestStream
 from deltaserve.engine.tick_records import Submission
@@ -58,28 +58,30 @@ from deltaserve.engine.tokenizer import (
     load_tokenizer,
 )
 from deltaserve.engine.vision_config import VisionConfig
-from deltaserve.ipc.controller import ReplicaConfig, ReplicaController
+from deltaserve.ipc.controller import ReplicaController
 from deltaserve.ipc.messages import SLEEP_TAGS, SnapshotReply
 
 T = TypeVar("T")
 
 
 class AsyncEngine:
-    """Start with `await AsyncEngine.start(config)` (or `async with`), stop with `shutdown`."""
+    """Start with `await AsyncEngine.start(config)` (or `async with`), stop with `shutdown`.
+    One replica of the model; `config.data_parallel_size` replicas are a DataParallelEngine
+    (engine/interface.py `start_engine` starts either)."""
 
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any, max_model_len: int
+        self, config: EngineConfig, model_config: ModelConfig, limits: EngineLimits, replica: int
     ) -> None:
         """Holds the parts; `start` is the way in (it also launches the replica)."""
         self.config = config
+        self.replica = replica  # which of the config's data-parallel replicas this is
         self.model_config = model_config
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.tokenizer: Any = None  # loaded while the ranks start (`_launch`)
+        self._limits = limits
+        self.max_model_len = limits.max_model_len
+        # a request's logprobs and prompt_logprobs at most (--max-logprobs, -1 resolved)
+        self.max_logprobs = limits.max_logprobs
         self._media: MediaProcessor | None = None  # the checkpoint's processor, on first use
-        # a request's logprobs and prompt_logprobs at most (EngineConfig.max_logprobs; -1: the vocabulary)
-        self.max_logprobs = (
-            model_config.vocab_size if config.max_logprobs == -1 else config.max_logprobs
-        )
         self.eos_token_ids = eos_token_ids(config.model, model_config)
         self._next_request_id = itertools.count(1)
         self._streams: dict[str, EventSink] = {}  # client request id -> unresolved sink
@@ -97,7 +99,16 @@ class AsyncEngine:
         self.weights_dir = config.model  # where the weights served came from (update_weights)
 
     @classmethod
-    async def start(cls, config: EngineConfig) -> AsyncEngine:
+    async def start(cls, config: EngineConfig, replica: int | None = None) -> AsyncEngine:
+        """The engine of `config`, started; or of its replica `replica` (DataParallelEngine
+        starts each), which `config.data_parallel_size` > 1 needs."""
+        if replica is None:
+            if config.data_parallel_size > 1:
+                raise ValueError(
+                    f"data_parallel_size {config.data_parallel_size}: start a "
+                    "DataParallelEngine (engine/interface.py start_engine starts either)"
+                )
+            replica = 0
         t0 = time.monotonic()
         model_config = ModelConfig.from_model_dir(config.model)
         model_config.check_tp_size(config.tp_size)
@@ -107,12 +118,13 @@ class AsyncEngine:
             monitor = MonitorPublisher(config.monitor_endpoint)  # "starting" from now on
         self = None
         try:
-            self = cls(config, model_config, None, limits.max_model_len)
+            self = cls(config, model_config, limits, replica)
             self._tokenizer_worker.start()  # the tokenizer loads in its thread while the ranks start
             self._monitor = monitor
-            if config.kv_events is not None and config.kv_events.publishes:
-                self._kv_events = KVEventPublisher(config.kv_events, config.data_parallel_rank)
-            await self._launch(limits.num_kv_blocks)
+            events = config.kv_events_config
+            if events is not None and events.publishes:
+                self._kv_events = KVEventPublisher(events.for_replica(replica), replica)
+            await self._launch()
         except BaseException as exc:
             if self is not None:
                 self._tokenizer_worker.close()
@@ -136,33 +148,12 @@ class AsyncEngine:
             )
         return self
 
-    async def _launch(self, num_kv_blocks: int | None) -> None:
-        """Start the replica, then take the tokenizer loaded meanwhile; `num_kv_blocks` None:
-        each rank sizes its KV cache from gpu_memory_utilization and the ranks agree on the
-        smallest (their Ready says)."""
+    async def _launch(self) -> None:
+        """Start the replica, then take the tokenizer loaded meanwhile. Without num_kv_blocks
+        on CUDA each rank sizes its KV cache from gpu_memory_utilization and the ranks agree
+        on the smallest (their Ready says)."""
         config = self.config
-        replica = ReplicaConfig(
-            model_dir=config.model,
-            tp_size=config.tp_size,
-            device=config.device,
-            device_ids=config.device_ids,
-            dtype=config.dtype,
-            block_size=config.block_size,
-            num_slots=config.max_num_seqs,
-            num_blocks=0 if num_kv_blocks is None else num_kv_blocks,
-            max_model_len=self.max_model_len,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            cuda_graphs=not config.enforce_eager,
-            prompt_graph_tokens=config.prompt_graph_tokens,
-            fp8_weights=config.fp8_weights,
-            max_logprobs=self.max_logprobs,
-            prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
-            overlap_steps=config.overlap_steps,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            startup_timeout_s=config.startup_timeout_s,
-            step_timeout_s=config.step_timeout_s,
-            fault=config.fault,
-        )
+        replica = replica_config(config, self._limits, self.replica)
         # The controller's poison callback is routed through the engine: the scheduler that
         # handles it needs the started controller.
         self._controller = await ReplicaController.start(replica, on_poison=self._on_poison)
@@ -176,8 +167,8 @@ class AsyncEngine:
                 StepBudget(config.max_num_batched_tokens, config.max_num_seqs),
                 self.max_model_len,
                 force_mixed=config.force_mixed_steps,
-                pipeline=config.pipeline_steps,
-                prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
+                pipeline=config.async_scheduling,
+                prefix_states=replica.executor.prefix_cache_states,
                 by_priority=config.scheduling_policy == "priority",
             )
         except BaseException:
@@ -226,6 +217,11 @@ class AsyncEngine:
         is what this leaves after its prompt."""
         ledger = self._scheduler.ledger
         return min(self.max_model_len, ledger.num_blocks * ledger.block_size)
+
+    @property
+    def max_queued_requests(self) -> int:
+        """The most choices that may wait at once (--max-queued-requests)."""
+        return self.config.max_queued_requests
 
     @property
     def scheduler(self) -> Scheduler:
@@ -347,11 +343,11 @@ class AsyncEngine:
                 tokenizer_json=str(Path(self.config.model) / "tokenizer.json"),
                 vocab_size=self.model_config.vocab_size,
                 eos_ids=sorted(self.eos_token_ids),
-                max_lexer_states=self.config.structured_outputs.max_lexer_states,
-                max_mask_ms=self.config.structured_outputs.max_mask_ms,
+                max_lexer_states=self.config.structured_outputs_config.max_lexer_states,
+                max_mask_ms=self.config.structured_outputs_config.max_mask_ms,
                 parent_pid=os.getpid(),
             )
-            self._guides = Guides(setup, self.config.structured_outputs)
+            self._guides = Guides(setup, self.config.structured_outputs_config)
         return await self._guides.prepare(params)
 
     @property
@@ -374,11 +370,12 @@ class AsyncEngine:
         self._check_weights()
         with self._refusals_told(request_id):
             if type(priority) is not int:
-                raise ValueError(f"priority must be an integer, got {priority!r}")
+                raise ParamError("priority", f"priority must be an integer, got {priority!r}")
             if priority and self.config.scheduling_policy != "priority":
-                raise ValueError(
+                raise ParamError(
+                    "priority",
                     f"priority {priority} needs the priority scheduling policy "
-                    "(--scheduling-policy priority); this engine admits first come first served"
+                    "(--scheduling-policy priority); this engine admits first come first served",
                 )
             return self._submit(prompt, params, request_id, priority)
 
@@ -428,6 +425,7 @@ class AsyncEngine:
         encode = functools.partial(_encode_text, self.tokenizer)
         params = params.tokenize_bad_words(encode).resolve_thinking_end(self._think_end_id)
         prompt_ids = self._prompt_ids(prompt)
+        params = params.resolve_max_tokens(len(prompt_ids), self.longest_sequence)
         self._check_fits(prompt_ids, params)
         return prompt_ids, params
 
@@ -455,8 +453,9 @@ class AsyncEngine:
             request_id = f"req-{uuid.uuid4().hex}"
         elif (old := self._streams.get(request_id)) is not None:
             if not old.closed:
-                raise ValueError(
-                    f"request_id {request_id!r} is already in use by a running request"
+                raise ParamError(
+                    "request_id",
+                    f"request_id {request_id!r} is already in use by a running request",
                 )
             # its owner left (aclose, a cancelled consumer, the stream dropped): the id is free
             # at once, as after `abort`; the tick cancels the old choices
@@ -617,56 +616,58 @@ class AsyncEngine:
             ):
                 for i, t in enumerate(ids):
                     if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                        raise ValueError(
-                            f"prompt token {i} is {t!r}: ids must be integers in [0, {vocab})"
+                        raise ParamError(
+                            "prompt",
+                            f"prompt token {i} is {t!r}: ids must be integers in [0, {vocab})",
                         )
         else:
-            raise ValueError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            raise ParamError(
+                "prompt",
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
             )
         if not ids:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise ParamError("prompt", "prompt is empty: at least one token is needed")
         return tuple(ids)
 
     def _check_fits(self, prompt_ids: tuple[int, ...], params: SamplingParams) -> None:
+        """The limits of this engine's configuration (ParamError naming the field): logprobs,
+        token ids inside the vocabulary, and the one check that the prompt and max_tokens fit
+        a sequence (max_model_len and the KV cache)."""
         vocab = self.model_config.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):  # the words of the HTTP layer's check
+        for name in ("logprobs", "prompt_logprobs"):
             if (k := getattr(params, name)) is not None and k > self.max_logprobs:
-                raise ValueError(
-                    f"{name} must be in 0..{self.max_logprobs}, got {k} (--max-logprobs)"
+                raise ParamError(
+                    name, f"{name} must be in 0..{self.max_logprobs}, got {k} (--max-logprobs)"
                 )
         for t in params.stop_token_ids:
             if t >= vocab:
-                raise ValueError(f"stop_token_ids has {t}, outside the vocabulary [0, {vocab})")
-        outside = [t for t, _ in params.logit_bias if t >= vocab]  # as vLLM, every such id named
-        if outside:
-            raise ValueError(
-                f"logit_bias has token ids {outside}, outside the vocabulary [0, {vocab})"
-            )
+                raise ParamError(
+                    "stop_token_ids", f"stop_token_ids has {t}, outside the vocabulary [0, {vocab})"
+                )
         for name, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),  # as vLLM, every such id named
             ("allowed_token_ids", params.allowed_token_ids or ()),
             ("bad_words", {t for word in params.bad_words_token_ids or () for t in word}),
         ):
             if outside := sorted(t for t in ids if t >= vocab):
-                raise ValueError(
-                    f"{name} has token ids {outside}, outside the vocabulary [0, {vocab})"
+                raise ParamError(
+                    name, f"{name} has token ids {outside}, outside the vocabulary [0, {vocab})"
                 )
-        need = len(prompt_ids) + params.max_tokens
-        if need > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need} "
-                f"exceeds max_model_len {self.max_model_len}"
-            )
         if params.n > self.config.max_queued_requests:  # refused now, it would be refused forever
-            raise ValueError(
-                f"n ({params.n}) exceeds max_queued_requests ({self.config.max_queued_requests})"
+            raise ParamError(
+                "n",
+                f"n ({params.n}) exceeds max_queued_requests ({self.config.max_queued_requests})",
             )
+        need = len(prompt_ids) + params.max_tokens
+        sum_up = f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need}"
+        if need > self.max_model_len:
+            raise ParamError("prompt", f"{sum_up} exceeds max_model_len {self.max_model_len}")
         ledger = self._scheduler.ledger
         if not ledger.fits_ever(need):
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need} "
-                f"positions need {ledger.blocks_for(need)} KV blocks; the cache has {ledger.num_blocks} "
-                f"blocks of {ledger.block_size}"
+            raise ParamError(
+                "prompt",
+                f"{sum_up} positions need {ledger.blocks_for(need)} KV blocks; the cache has "
+                f"{ledger.num_blocks} blocks of {ledger.block_size}",
             )
 
     @staticmethod

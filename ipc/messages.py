@@ -12,11 +12,50 @@ msgspec msgpack only, decoded strictly against these types; no pickle on any soc
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Literal, NamedTuple
 
 import msgspec
 
 RequestId = int
+
+
+class SamplingRange(NamedTuple):
+    """The values a sampling knob takes: finite, above `low` (or at it, unless `low_open`), at
+    most `high`."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def admits(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        return math.isfinite(value) and above and value <= self.high
+
+    def __str__(self) -> str:
+        left = "(" if self.low_open else "["
+        right = ")" if self.high == math.inf else "]"
+        return f"{left}{self.low}, {self.high}{right}"
+
+
+# Each float knob's range, as vLLM's SamplingParams checks it: the engine refuses a request
+# outside it naming the field (engine/sampling_params.py), the controller a plan outside it
+# (ipc/validate.py).
+SAMPLING_RANGES = {
+    "temperature": SamplingRange(0.0, math.inf),
+    "top_p": SamplingRange(0.0, 1.0, low_open=True),
+    "min_p": SamplingRange(0.0, 1.0),
+    "presence_penalty": SamplingRange(-2.0, 2.0),
+    "frequency_penalty": SamplingRange(-2.0, 2.0),
+    "repetition_penalty": SamplingRange(0.0, math.inf, low_open=True),
+}
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing by them overflows.
+GREEDY_BELOW = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether a request samples greedily (argmax), on the engine and on the rank alike."""
+    return temperature < GREEDY_BELOW
 
 
 class GuideLimits(msgspec.Struct, frozen=True, array_like=True):
@@ -45,7 +84,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     """
 
     seed: int
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # greedy (`is_greedy`); the engine sends the request's
     top_k: int = 0  # 0 means off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -63,6 +102,10 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     guide_limits: GuideLimits | None = None
     think_budget: int = -1  # -1: none
     think_end_id: int = -1
+
+    @property
+    def is_greedy(self) -> bool:
+        return is_greedy(self.temperature)
 
 
 class NewRequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
@@ -361,6 +404,64 @@ Reply = Ack | DropAck | StepResult | SnapshotReply | Failure
 
 
 # ---- rank start-up --------------------------------------------------------------------------
+
+
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")  # auto: the checkpoint's (fp32 on cpu)
+FP8_WEIGHTS = ("widen", "keep")  # an FP8 checkpoint's projections: widened as they load, or kept
+
+
+class ExecutorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one rank's executor runs (engine/rank/executor.py); sent inside the rank's
+    RankConfig at spawn (ipc/launch.py). A field named as an EngineConfig field is that
+    setting, named as its flag, passed on unchanged (engine/config.py `executor_config`); the
+    others are the rank's place and the limits resolved at start. The engine takes its
+    defaults for these settings from here: each is defined once."""
+
+    model: str  # the checkpoint folder
+    rank: int = 0
+    tp_size: int = 1
+    device: str = "cpu"  # "cpu", or "cuda:N" (a replica's every-rank view: "cuda")
+    dtype: str = "auto"  # one of DTYPES
+    block_size: int = 16  # KV cache positions per block
+    max_num_seqs: int = 16  # state slots: requests running at once
+    num_kv_blocks: int | None = None  # None: what gpu_memory_utilization leaves (CUDA only)
+    max_model_len: int = 0  # longest request in positions (sizes CUDA graphs); 0: the cache
+    gpu_memory_utilization: float = 0.9  # the device's share to use, when num_kv_blocks is None
+    max_num_batched_tokens: int = 2048  # a step's tokens: the profiling step, prompt graphs
+    enforce_eager: bool = False  # CUDA: never replay CUDA graphs
+    prompt_graph_tokens: int = 2048  # CUDA: prompt steps of up to this many replay graphs
+    fp8_weights: str = "widen"  # one of FP8_WEIGHTS (engine/rank/loader.py)
+    prefix_cache_states: int = 0  # saved prefix states (prefix caching); 0: off
+
+    @property
+    def keep_fp8(self) -> bool:
+        return self.fp8_weights == "keep"
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("rank", "max_model_len", "prompt_graph_tokens", "prefix_cache_states"):
+            _check_int(name, getattr(self, name), 0)
+        if self.rank >= self.tp_size:
+            raise ValueError(f"rank {self.rank} is outside tp_size {self.tp_size}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.num_kv_blocks is not None:  # None: CUDA only (engine/rank/memory_budget.py)
+            _check_int("num_kv_blocks", self.num_kv_blocks, 1)
+        util = self.gpu_memory_utilization
+        if type(util) not in (int, float) or not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
+        for name, allowed in (("dtype", DTYPES), ("fp8_weights", FP8_WEIGHTS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    """`value` is an int (not a bool) >= `low`; else ValueError naming `name`."""
+    if type(value) is not int or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 class Ready(msgspec.Struct, frozen=True, tag=True, array_like=True):

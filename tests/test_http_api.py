@@ -8,6 +8,7 @@ rank holding nothing (checked by an autouse fixture), so a leak is caught where 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +17,13 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from engine_helpers import reference_tokens
+from router_structs import VLLM_ROUTER_CHAT, VLLM_ROUTER_COMPLETION
 from serve_helpers import metric_samples, wait_idle
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.events import FinishedEvent, TokenEvent
-from deltaserve.engine.generate import generate_tokens
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http.listen import start_server
 from deltaserve.http.responses import TokenStrings
@@ -111,10 +113,10 @@ async def metrics(served: Served) -> dict[str, float]:
 
 async def test_completion_greedy_matches_engine_and_generate(served: Served):
     """Greedy tokens, logprobs (shape and values), text and usage equal the engine's own
-    generate and the plain single-process path (`deltaserve generate`)."""
+    generate and the plain single-process path (`reference_tokens`)."""
     n_tokens, k = 12, 3
     ids = prompt_ids(served, PROMPT)
-    ref = generate_tokens(served.model_dir, ids, n_tokens, num_logprobs=k, ignore_eos=True)
+    ref = reference_tokens(served.model_dir, ids, n_tokens, num_logprobs=k)
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, logprobs=k, ignore_eos=True)
     events = (await engine_run(served.engine, PROMPT, params))[0]
     assert [e.token_id for e in events if isinstance(e, TokenEvent)] == [s.token_id for s in ref]
@@ -424,7 +426,8 @@ def check_error(body: dict, param: str | None, words: str) -> None:
 @pytest.mark.parametrize(
     "call, param, words",
     [
-        (dict(prompt="x", extra_body={"prompt_logprobs": -1}), "prompt_logprobs", "0..20"),
+        (dict(prompt="x", extra_body={"prompt_logprobs": -1}), "prompt_logprobs", ">= 0"),
+        (dict(prompt="x", extra_body={"prompt_logprobs": 21}), "prompt_logprobs", "0..20"),
         (dict(prompt="x", best_of=2), "best_of", "best_of"),
         (dict(prompt="x", logit_bias={"248320": 3}), "logit_bias", "[248320]"),
         (dict(prompt="x", suffix="y"), "suffix", "suffix"),
@@ -479,6 +482,38 @@ async def test_400_chat(served: Served, call, param, words):
     with pytest.raises(openai.BadRequestError) as info:
         await served.client.chat.completions.create(model=MODEL, **body)
     check_error(info.value.response.json(), param, words)
+
+
+@pytest.mark.parametrize(
+    "path, routed, plain",
+    [
+        (
+            "/v1/chat/completions",
+            VLLM_ROUTER_CHAT,
+            {"messages": VLLM_ROUTER_CHAT["messages"], "max_completion_tokens": 8},
+        ),
+        ("/v1/completions", VLLM_ROUTER_COMPLETION, {"prompt": "x", "max_tokens": 8}),
+    ],
+)
+async def test_a_routers_forwarded_defaults_answer_as_the_plain_request(
+    served: Served, path, routed, plain
+):
+    """What sglang-router and vllm-router forward (their structs, every default filled in)
+    is answered as the client's plain request; a non-default value is a 400 naming it."""
+    greedy = {"model": MODEL, "temperature": 0}
+    status, answer = await post(served, path, json.dumps({**routed, **greedy}).encode())
+    _, expected = await post(served, path, json.dumps({**plain, **greedy}).encode())
+    assert status == 200, answer
+
+    def texts(body: dict) -> list[str]:
+        return [c["text"] if "text" in c else c["message"]["content"] for c in body["choices"]]
+
+    assert texts(answer) == texts(expected)
+    status, body = await post(
+        served, path, json.dumps({**routed, **greedy, "no_stop_trim": True}).encode()
+    )
+    assert status == 400
+    check_error(body, "no_stop_trim", "no_stop_trim")
 
 
 async def test_400_bad_json_404_413(served: Served):

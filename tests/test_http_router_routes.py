@@ -12,6 +12,7 @@ from typing import Any
 import openai
 import pytest
 import pytest_asyncio
+from router_structs import VLLM_ROUTER_CHAT, VLLM_ROUTER_COMPLETION
 from serve_helpers import in_process_server
 
 from deltaserve.engine.config import EngineConfig
@@ -117,6 +118,25 @@ async def test_refusals_name_the_field(client, path, body, status, param):
         await render(client, path, body)
     assert raised.value.status_code == status
     assert raised.value.body["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/chat/completions/render", VLLM_ROUTER_CHAT),
+        ("/completions/render", VLLM_ROUTER_COMPLETION),
+    ],
+)
+async def test_the_routers_default_fields_render_as_the_plain_request(client, path, body):
+    """vllm-router's render call carries SGLang's defaults (no_stop_trim false, ...): they ask
+    for nothing, so it renders; a non-default value is refused by name."""
+    rendered = await render(client, path, {**body, "model": MODEL})
+    first = rendered if isinstance(rendered, dict) else rendered[0]
+    assert first["token_ids"] and first["sampling_params"]["max_tokens"] == 8
+    with pytest.raises(openai.APIStatusError) as raised:
+        await render(client, path, {**body, "model": MODEL, "no_stop_trim": True})
+    assert raised.value.status_code == 400
+    assert raised.value.body["param"] == "no_stop_trim"
 
 
 async def test_get_load_counts_what_the_engine_holds(server, client):

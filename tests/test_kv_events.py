@@ -22,10 +22,11 @@ from engine_helpers import PLACEMENTS, start_placed
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.data_parallel import replica_configs
+from deltaserve.engine.config_flags import engine_config
 from deltaserve.engine.kv_events import BlockEvents, KVEventsConfig
 from deltaserve.engine.prefix_cache import SavedPrefix
 from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.http import serve
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 TOPIC = "kv@deltaserve"
@@ -176,7 +177,7 @@ async def engine(request, tiny_model_dir, tmp_path_factory):
         max_num_batched_tokens=256,
         enable_prefix_caching=True,
         prefix_cache_states=3,
-        kv_events=config,
+        kv_events_config=config,
     )
     yield engine
     await engine.shutdown()
@@ -259,10 +260,15 @@ async def test_shared_blocks_are_announced_once_and_removed_with_their_last_pref
 
 
 def test_the_flag_is_vllms_and_each_replica_gets_its_own_endpoints():
-    config = KVEventsConfig.parse(
+    flag = (
         '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5657", "topic": "kv", "buffer_steps": 100, "hwm": 10}'
     )
+    args = serve.parse_args(
+        ["/m", "--device", "cpu", "--enable-prefix-caching", "--kv-events-config", flag]
+    )
+    config = engine_config(args).kv_events_config
+    assert config == KVEventsConfig.parse(flag)
     assert config.publishes and config.buffer_steps == 100
     with pytest.raises(ValueError, match="unknown key.*block_size"):
         KVEventsConfig.parse('{"enable_kv_cache_events": true, "block_size": 16}')
@@ -272,14 +278,10 @@ def test_the_flag_is_vllms_and_each_replica_gets_its_own_endpoints():
         '{"enable_kv_cache_events": true, "publisher": "null"}'
     ).publishes
     with pytest.raises(ValueError, match="--enable-prefix-caching"):
-        EngineConfig(model="m", kv_events=config)
-    engine = EngineConfig(model="m", kv_events=config, enable_prefix_caching=True)
-    replicas = replica_configs(engine, 2)
-    assert [
-        (c.data_parallel_rank, c.kv_events.endpoint, c.kv_events.replay_endpoint) for c in replicas
-    ] == [
-        (0, "tcp://*:5557", "tcp://*:5657"),
-        (1, "tcp://*:5558", "tcp://*:5658"),
+        EngineConfig(model="m", kv_events_config=config)
+    assert [(c.endpoint, c.replay_endpoint) for c in (config.for_replica(i) for i in range(2))] == [
+        ("tcp://*:5557", "tcp://*:5657"),
+        ("tcp://*:5558", "tcp://*:5658"),
     ]
     ipc = KVEventsConfig(enable_kv_cache_events=True, endpoint="ipc:///run/kv")
     assert ipc.for_replica(1).endpoint == "ipc:///run/kv_dp1"

@@ -5,16 +5,15 @@
 route does), the sampling parameters the route would use, the model, stream and priority;
 `POST /v1/completions/render` takes a completion body and answers a list of them, one per
 prompt. vllm-router calls them to place a request by the tokens it will run (its cache-aware
-policies), and disaggregated setups to tokenize once. The body is parsed and refused exactly as
-the generating route parses it (a 400 names the field); nothing is submitted, and the weights
-may be asleep. Images and video are refused: their placeholders and hashes (vLLM's
-`features`) are not rendered here.
+policies), and disaggregated setups to tokenize once. The body is decoded and refused as the
+generating route's (request_body.py's policy: a 400 names the field); nothing is submitted,
+and the weights may be asleep. Images and video are refused: their placeholders and hashes
+(vLLM's `features`) are not rendered here.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -22,15 +21,17 @@ from aiohttp import web
 from deltaserve.engine.events import EngineDeadError
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http import errors
+from deltaserve.http.generation import apply_chat_template
 from deltaserve.http.media_parts import media_sources
 from deltaserve.http.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS,
+    ChatRequest,
+    CompletionRequest,
     parse_chat_request,
     parse_completion_request,
     truncate_prompt,
 )
 from deltaserve.http.request_body import read_json
-from deltaserve.http.server import STATE, ServerState, _apply_chat_template, _json, _params
+from deltaserve.http.state import STATE, ServerState, json_response
 
 # SamplingParams' fields that vLLM's SamplingParams names alike (its render answers them all)
 _VLLM_SAMPLING_FIELDS = (
@@ -63,10 +64,12 @@ def add_routes(app: web.Application) -> None:
 
 
 async def render_chat(request: web.Request) -> web.Response:
-    state, req = await _parsed(request, parse_chat_request)
+    state = request.app[STATE]
+    req = parse_chat_request(await read_json(request), state.sampling_defaults)
+    _check(state, req)
     if media_sources(req.messages):
         raise errors.unsupported("messages", "images and video are not rendered by this route")
-    ids = await _apply_chat_template(
+    ids = await apply_chat_template(
         state.engine,
         req.messages,
         {**state.config.default_chat_template_kwargs, **req.chat_template_kwargs},
@@ -76,22 +79,19 @@ async def render_chat(request: web.Request) -> web.Response:
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
     )
-    max_tokens = req.sampling.max_tokens
-    ids = truncate_prompt(ids, req.truncate_prompt_tokens, max_tokens, state.engine.max_model_len)
-    if max_tokens is None:  # as the chat route: what the context leaves
-        max_tokens = max(1, state.engine.longest_sequence - len(ids))
-    params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs")
-    return _json(_generate_request("chatcmpl", ids, params, req, state))
+    params = req.sampling
+    ids = truncate_prompt(
+        ids, req.truncate_prompt_tokens, params.max_tokens, state.engine.max_model_len
+    )
+    # max_tokens None: what the context leaves, as the chat route resolves it
+    params = params.resolve_max_tokens(len(ids), state.engine.longest_sequence)
+    return json_response(_generate_request("chatcmpl", ids, params, req))
 
 
 async def render_completion(request: web.Request) -> web.Response:
-    state, req = await _parsed(request, parse_completion_request)
-    max_tokens = req.sampling.max_tokens
-    params = _params(
-        req.sampling,
-        DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
-        logprobs_param="logprobs",
-    )
+    state = request.app[STATE]
+    req = parse_completion_request(await read_json(request), state.sampling_defaults)
+    _check(state, req)
     rendered = []
     for prompt in req.prompts:
         try:
@@ -101,27 +101,22 @@ async def render_completion(request: web.Request) -> web.Response:
         except ValueError as exc:  # a lone surrogate: names where it is
             raise errors.bad_request(str(exc), "prompt") from None
         ids = truncate_prompt(
-            ids, req.truncate_prompt_tokens, params.max_tokens, state.engine.max_model_len
+            ids, req.truncate_prompt_tokens, req.sampling.max_tokens, state.engine.max_model_len
         )
-        rendered.append(_generate_request("cmpl", ids, params, req, state))
-    return _json(rendered)
+        rendered.append(_generate_request("cmpl", ids, req.sampling, req))
+    return json_response(rendered)
 
 
-async def _parsed(request: web.Request, parse: Callable[..., Any]) -> tuple[ServerState, Any]:
-    """The body parsed by the generating route's parser, its model served, the engine alive."""
-    state = request.app[STATE]
-    req = parse(
-        await read_json(request), state.sampling_defaults, max_logprobs=state.engine.max_logprobs
-    )
+def _check(state: ServerState, req: ChatRequest | CompletionRequest) -> None:
+    """Its model served, no beam search (a render is one request's), the engine alive."""
     state.model_name(req.model)
     if req.beam_search:
         raise errors.unsupported("use_beam_search", "the render routes render no beam search")
     state.check_alive()
-    return state, req
 
 
 def _generate_request(
-    kind: str, ids: list[int], params: SamplingParams, req: Any, state: ServerState
+    kind: str, ids: list[int], params: SamplingParams, req: ChatRequest | CompletionRequest
 ) -> dict[str, Any]:
     """vLLM's GenerateRequest (vllm/entrypoints/serve/disagg/protocol.py) as JSON."""
     sampling: dict[str, Any] = {name: getattr(params, name) for name in _VLLM_SAMPLING_FIELDS}
