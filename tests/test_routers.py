@@ -2,17 +2,14 @@
 (their PyPI wheels, the `test` extra) on loopback in front of two `deltaserve serve` processes
 (the tiny model, prefix caching, KV-cache events).
 
-What must hold: through vllm-router (kv_aware, fed by our KV events in vLLM's format) the
-official openai client gets completions and streams, and a conversation's later turn reaches
-the replica holding its earlier turn (its prompt tokens come from a saved prefix); through
-sglang-router's cache_aware policy, SGLang's /generate does the same; and when one replica's
-rank is killed that replica fails closed (/health 503, then it exits non-zero) and the
-router's following requests all succeed on the other.
-
-Waiting for the policy that a parameter at its default value is accepted (issue 49's http
-work; strict xfails mark them until it lands): chat through either router, the OpenAI routes
-through sglang-router, and kv_aware's placement, as the routers forward SGLang's request
-defaults (`no_stop_trim: false`, ...) to the routes and to vllm-router's render call.
+What must hold: through either router the official openai client gets completions, chats and
+streams (the routers add SGLang's request defaults, `no_stop_trim: false`, ..., which ask for
+nothing and are accepted); through vllm-router (kv_aware, fed by our KV events in vLLM's format,
+its render call answered) a conversation's later turn reaches the replica holding its earlier
+turn (its prompt tokens come from a saved prefix); through sglang-router's cache_aware policy,
+SGLang's /generate does the same; and when one replica's rank is killed that replica fails
+closed (/health 503, then it exits non-zero) and the router's following requests all succeed
+on the other.
 """
 
 from __future__ import annotations
@@ -38,11 +35,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 BIN = Path(sys.executable).parent
 ROUTERS = {name: BIN / name for name in ("vllm-router", "sglang-router")}
 MODEL = "tiny-routed"
-UNTIL_49 = pytest.mark.xfail(
-    strict=True,
-    reason="the routers forward SGLang's request defaults (no_stop_trim: false, ...): accepted "
-    "once issue 49's default-value policy lands",
-)
 
 
 def free_port() -> int:
@@ -196,8 +188,9 @@ def vllm_router_args(workers: list[Worker], model_dir: Path) -> list[str]:
     return [*args, "--kv-event-block-size", "16", "--kv-event-model", str(model_dir)]
 
 
-async def test_vllm_router_gives_completions_and_streams(workers, tiny_model_dir):
+async def test_vllm_router_gives_completions_chats_and_streams(workers, tiny_model_dir):
     async with router("vllm-router", *vllm_router_args(workers, tiny_model_dir)) as url:
+        await chat_and_stream(url)
         async with client(url) as c:
             text = await c.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
             assert text.choices[0].finish_reason == "length"
@@ -210,26 +203,9 @@ async def test_vllm_router_gives_completions_and_streams(workers, tiny_model_dir
             assert chunks[-1].choices[0].finish_reason == "length"
 
 
-# what vllm-router 0.1.17 posts to /v1/completions/render before it routes a completion: the
-# body with SGLang's defaults added; refused (400), it falls back to least load
-RENDER_BODY = {
-    "model": MODEL,
-    "prompt": "Hello",
-    "max_tokens": 3,
-    "stream": False,
-    "echo": False,
-    "no_stop_trim": False,
-    "ignore_eos": False,
-    "skip_special_tokens": True,
-    "return_hidden_states": False,
-}
-
-
-@UNTIL_49
 async def test_vllm_router_kv_aware_follows_our_kv_events(workers, tiny_model_dir):
-    async with aiohttp.ClientSession() as s:
-        async with s.post(workers[0].url + "/v1/completions/render", json=RENDER_BODY) as r:
-            assert r.status == 200, await r.text()
+    """vllm-router renders each completion on a worker first (/v1/completions/render, with
+    SGLang's defaults added; a refusal would leave it placing by load alone)."""
     async with router("vllm-router", *vllm_router_args(workers, tiny_model_dir)) as url:
         # each first turn sent to a replica of our choosing, not the router's: only the KV
         # events tell the router where it is (with no saved prefix it picks by load)
@@ -237,12 +213,6 @@ async def test_vllm_router_kv_aware_follows_our_kv_events(workers, tiny_model_di
             lambda k, p: openai_completion(workers[(k + 1) % 2].url, p),
             lambda p: openai_completion(url, p),
         )
-
-
-@UNTIL_49
-async def test_vllm_router_chat(workers):
-    async with router("vllm-router", "--worker-urls", *(w.url for w in workers)) as url:
-        await chat_and_stream(url)
 
 
 async def test_sglang_router_cache_aware_generate(workers):
@@ -253,7 +223,6 @@ async def test_sglang_router_cache_aware_generate(workers):
         )
 
 
-@UNTIL_49
 async def test_sglang_router_openai_routes(workers):
     async with router("sglang-router", "--worker-urls", *(w.url for w in workers)) as url:
         assert await openai_completion(url, "Hello") == 0
