@@ -37,7 +37,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from deltaserve.tools.hardware import host_info
+from deltaserve.tools.hardware import git_commit, host_info
 
 BIN = Path(sys.executable).parent
 ROUTERS = ("sglang-router", "vllm-router")
@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": started.strftime("%Y%m%d-%H%M%S"),
         "command": "python -m tools.bench_routed "
         + shlex.join(sys.argv[1:] if argv is None else argv),
+        "commit": git_commit(),
         "hardware": host_info(),
         "replicas": args.replicas,
         "routes": [run_route(args, route, bench_args) for route in args.route],
