@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from deltaserve.engine.kv_events import KVEventsConfig
 from deltaserve.engine.media import DEFAULT_LIMITS, MediaConfig
 from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.structured_config import StructuredOutputsConfig
@@ -108,6 +109,9 @@ class EngineConfig:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     mm_processor_kwargs: dict[str, object] = field(default_factory=dict)
     allowed_local_media_path: str = ""
+    # the prefix cache's blocks published for routers (engine/kv_events.py); needs
+    # enable_prefix_caching; replica i publishes on the endpoints `for_replica(i)` names
+    kv_events_config: KVEventsConfig | None = None
     force_mixed_steps: bool = False  # tests: the planner staggers prefills beside decodes
     fault: FaultPlan | None = None  # tests only
 
@@ -160,6 +164,7 @@ class EngineConfig:
                 f"{type(self.structured_outputs_config).__name__}"
             )
         self._check_device_ids()
+        self._check_kv_events_config()
         for name in ("limit_mm_per_prompt", "mm_processor_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a JSON object, got {getattr(self, name)!r}")
@@ -188,6 +193,18 @@ class EngineConfig:
             raise ValueError(
                 f"monitor_endpoint {endpoint!r}: with data parallelism each replica publishes "
                 "on its own endpoint; use 'auto'"
+            )
+
+    def _check_kv_events_config(self) -> None:
+        events = self.kv_events_config
+        if events is not None and not isinstance(events, KVEventsConfig):
+            raise ValueError(
+                f"kv_events_config must be a KVEventsConfig, got {type(events).__name__}"
+            )
+        if events is not None and events.publishes and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_events_config: KV-cache events come from the prefix cache; "
+                "enable it too (--enable-prefix-caching)"
             )
 
     def _check_device_ids(self) -> None:

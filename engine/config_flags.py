@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 
 from deltaserve.engine.config import DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, EngineConfig
+from deltaserve.engine.kv_events import KVEventsConfig
 from deltaserve.engine.media import DEFAULT_LIMITS, PROCESSOR_KWARGS
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 from deltaserve.ipc.messages import (
@@ -83,6 +84,13 @@ def _structured_outputs(text: str) -> StructuredOutputsConfig:
         return StructuredOutputsConfig.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.parse(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"--kv-events-config: {exc}") from None
 
 
 def _json_object(flag: str) -> Callable[[str], dict]:
@@ -370,6 +378,15 @@ def add_engine_flags(group: argparse._ActionsContainer) -> None:
         help="vLLM's: structured outputs' engine and bounds, as JSON or comma-separated "
         f"key=value pairs; the fields and their defaults: {structured} "
         "(engine/structured_config.py). backend auto and guidance: llguidance",
+    )
+    add(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=d("kv_events_config"),
+        metavar="JSON",
+        help="vLLM's: publish the prefix cache's blocks for routers (docs/ROUTING.md), e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv"}\'; needs --enable-prefix-caching',
     )
     add(
         "--monitor-endpoint",

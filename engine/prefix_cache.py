@@ -44,10 +44,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from deltaserve.engine.capacity import CapacityLedger
 from deltaserve.engine.request import Request
 from deltaserve.ipc.messages import SaveOnDrop
+
+if TYPE_CHECKING:
+    from deltaserve.engine.kv_events import BlockEvents
 
 SEEN_BLOCKS = 1 << 16  # block hashes of recent prompts kept to find shared prefixes
 
@@ -100,9 +104,15 @@ class PrefixCache:
         self._splitting: set[int] = set()  # chain hashes where an admitted request will save
         # preempted request id -> the prefix its recompute would start from: evicted last
         self._awaited: dict[int, int] = {}
+        # KV-cache events (engine/kv_events.py): told of saves
+        self.events: BlockEvents | None = None
 
     def __len__(self) -> int:
         return len(self._saved)
+
+    def saved_prefixes(self) -> list[SavedPrefix]:
+        """The saved prefixes a prompt can start from (not those a flush left pinned)."""
+        return [p for p in self._saved.values() if not p.stale]
 
     # ---- admission ----------------------------------------------------------------------
 
@@ -324,6 +334,8 @@ class PrefixCache:
         prefix = SavedPrefix(self._free_ids.pop(), ids, end, blocks, key, shared)
         self._saved[prefix.prefix_id] = prefix
         self._by_hash.setdefault(key, []).append(prefix)
+        if self.events is not None:
+            self.events.saved(prefix)
         return prefix.prefix_id
 
     def take_evicted(self) -> list[int]:
@@ -366,6 +378,8 @@ class PrefixCache:
         pause), which no later request finds and which are evicted first once unpinned. The
         ranks free the rest with the next command. Requests admitted already save nothing:
         their states are partly the old weights'."""
+        if self.events is not None:
+            self.events.cleared()
         for prefix in self._victims():
             self._evict(prefix)
         for prefix in self._saved.values():
@@ -411,3 +425,5 @@ class PrefixCache:
         self.ledger.let_go(prefix.blocks)
         self._free_ids.append(prefix.prefix_id)
         self._evicted.append(prefix.prefix_id)
+        if self.events is not None:
+            self.events.evicted(prefix)

@@ -246,7 +246,7 @@ async def fetch_json(
     async with session.get(url, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"GET {url}: HTTP {resp.status} {_error_message(await resp.text())}")
-        return await resp.json()
+        return await resp.json(content_type=None)  # sglang-router's /v1/models says text/plain
 
 
 async def health_status(session: aiohttp.ClientSession, base_url: str) -> int | None:
