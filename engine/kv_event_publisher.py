@@ -43,8 +43,10 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._replay: zmq.Socket | None = None
-        self._replay_async: zmq.asyncio.Socket | None = None  # the same socket, awaited
+        # the replay socket is an asyncio one of its own (over the same context), never a shadow
+        # of a plain socket: a shadow's close frees the socket, and the plain object's
+        # garbage collection would later close whatever socket took its address since
+        self._replay: zmq.asyncio.Socket | None = None
         self._replays: asyncio.Task | None = None
         try:
             if binds(config.endpoint):
@@ -52,7 +54,7 @@ class KVEventPublisher:
             else:
                 self._pub.connect(config.endpoint)
             if config.replay_endpoint is not None:
-                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay = zmq.asyncio.Context.shadow(self._ctx.underlying).socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as exc:
@@ -63,9 +65,8 @@ class KVEventPublisher:
         self.replay_endpoint: str | None = None
         if self._replay is not None:
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._replay_async = zmq.asyncio.Socket.from_socket(self._replay)
             self._replays = asyncio.get_running_loop().create_task(
-                self._serve_replays(self._replay_async), name="deltaserve-kv-event-replay"
+                self._serve_replays(self._replay), name="deltaserve-kv-event-replay"
             )
 
     @property
@@ -115,7 +116,5 @@ class KVEventPublisher:
 
     def _close_sockets(self, linger_ms: int) -> None:
         self._pub.close(linger=linger_ms)
-        if self._replay_async is not None:  # drops its reader from the loop: a later socket
-            self._replay_async.close(linger=0)  # may get the same file descriptor
-        elif self._replay is not None:
+        if self._replay is not None:  # drops its reader from the loop too
             self._replay.close(linger=0)
