@@ -400,7 +400,7 @@ async def test_deltaserve_monitor_json_against_a_live_server(tiny_model_dir):
         assert await asyncio.wait_for(serve.wait(), 30) == 0, "".join(log)
         assert not os.path.exists(endpoint.removeprefix("ipc://"))  # the socket file is gone
         monitor.send_signal(signal.SIGINT)
-        assert await asyncio.wait_for(monitor.wait(), 10) == 0
+        assert await asyncio.wait_for(monitor.wait(), 30) == 0  # 10 s was missed once under load
     finally:
         for proc in (serve, monitor):
             if proc is not None and proc.returncode is None:
