@@ -16,11 +16,19 @@ Only steps whose chunks are all their prompts' first qualify (attention then rea
 keys), unless the engine caches prefixes (`prefix_keys`): then a chunk may follow cached
 positions (its prompt's saved prefix, or its own earlier chunk), and attention gathers each
 span's KV blocks from position 0 (`KeyBlocks`, up to `prefix_keys` positions before the
-step's tokens in all) for flash's varlen kernel; others run eagerly. On CUDA the graphs need fla
-(the chunked DeltaNet's torch reference loops over the spans on the host) and a dtype flash takes;
-without them prompts run eagerly (`capturable`). Off CUDA (the GPU path under Triton's interpreter,
-in tests) nothing is captured and `run` runs the model on the same padded buffers eagerly, so CI
-covers the padding.
+step's tokens in all) for flash's varlen kernel; others run eagerly. On CUDA the graphs need
+fla (the chunked DeltaNet's torch reference loops over the spans on the host) and a dtype flash
+takes; without them prompts run eagerly (`capturable`). Off CUDA (the GPU path under Triton's
+interpreter, in tests) nothing is captured and `run` runs the model on the same padded buffers
+eagerly, so CI covers the padding.
+
+Chunks holding image or video tokens replay too (a model with a vision tower: `vision_axis`):
+the tower runs eagerly before the step (vision_inputs.py), its embeddings are copied into a
+buffer of the graphs' that replaces the token embeddings at the rows flagged, and every row's
+three rotary positions (mrope.py; a text token's three are equal: plain RoPE) are static
+inputs. So an image's chunk costs the decodes beside it what a text chunk of its length does,
+plus the tower's eager forward (they replay their own graph). A text-only model's graphs
+have neither input.
 """
 
 from __future__ import annotations
