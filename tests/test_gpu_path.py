@@ -235,7 +235,7 @@ def test_graph_buffers_under_interpreter_match_cpu(kernels, tiny_model_dir, monk
     _assert_steps_match(graphs, cpu, 2e-3, "graph buffers vs cpu")
 
 
-def _image_steps(model_dir):
+def _image_steps(model_dir, dtype: str):
     """Steps with a 2 x 3-token image (the test processor's smallest budget): a text prompt
     beside the image prompt's first chunk, cut after the image's fourth token (mid-row); the
     rest of the image prompt beside the text request's decode; then both decode (the image
@@ -246,7 +246,7 @@ def _image_steps(model_dir):
     from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 
     text, images, _ = chat(["Hi ", image(64, 96, 4), " ok?"])
-    prompt = processor(model_dir).process(text, images, [])
+    prompt = processor(model_dir, dtype).process(text, images, [])
     (medium,) = prompt.media
     ids, cut = list(prompt.ids), medium.first + 4
     assert medium.end - medium.first == 6 and cut < medium.end
@@ -270,30 +270,38 @@ def _image_steps(model_dir):
     yield [StepItem(1, len(words) + 1, [], True), StepItem(2, len(ids), [], True)]
 
 
-@interpreter_only
-def test_prompt_graphs_take_images_under_interpreter(kernels, tiny_vlm_model_dir, monkeypatch):
+def test_prompt_graphs_take_images(kernels, tiny_vlm_model_dir, monkeypatch):
     """A model with a vision tower: prompt chunks holding image tokens replay a prompt graph
     (the tower's embeddings and three rotary position rows in its padded buffers; the second
-    chunk starts mid-image, after cached positions), the decodes beside them a decode graph;
-    the logprobs are the plain CPU path's, as are those of the GPU path run eagerly."""
-    from deltaserve.kernels import triton_compat
-
+    chunk starts mid-image, after cached positions), the decodes beside them a decode graph.
+    Under the interpreter the logprobs are the plain CPU path's, as are those of the GPU path
+    run eagerly; on CUDA (bf16, fla) those of the same steps with their prompts run eagerly."""
     model_dir = str(tiny_vlm_model_dir)
-    cpu = _step_logits(
-        _executor(model_dir, "cpu", False, "float32", 80, 1), _image_steps(model_dir)
-    )
-    monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
-    ex = _executor(model_dir, "cpu", True, "float32", 80, 1)
-    graphs = _step_logits(ex, _image_steps(model_dir))
+    if CUDA:
+        skip_without_fla(kernels["gated_delta"])
+        device, dtype, bound = "cuda", "bfloat16", 2e-2
+        want = _step_logits(
+            _executor(model_dir, device, True, dtype, 0, 1), _image_steps(model_dir, dtype)
+        )
+    else:
+        from deltaserve.kernels import triton_compat
+
+        device, dtype, bound = "cpu", "float32", 2e-3
+        want = _step_logits(
+            _executor(model_dir, device, False, dtype, 80, 1), _image_steps(model_dir, dtype)
+        )
+        monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
+        # the GPU path eagerly (the fallback where a step fits no bucket): the same kernels
+        eager = _step_logits(
+            _executor(model_dir, device, False, dtype, 80, 1), _image_steps(model_dir, dtype)
+        )
+        _assert_steps_match(eager, want, bound, "image steps on the GPU path, eager, vs cpu")
+    ex = _executor(model_dir, device, True, dtype, 80, 1)
+    graphs = _step_logits(ex, _image_steps(model_dir, dtype))
     assert (ex.prompt_graphs.replays, ex.graphs.replays) == (2, 2), (
         f"{ex.prompt_graphs.replays} prompt and {ex.graphs.replays} decode graph replays"
     )
-    _assert_steps_match(graphs, cpu, 2e-3, "image steps through graph buffers vs cpu")
-    # and eagerly (the fallback where a step fits no bucket): the same kernels, unpadded
-    eager = _step_logits(
-        _executor(model_dir, "cpu", False, "float32", 80, 1), _image_steps(model_dir)
-    )
-    _assert_steps_match(eager, cpu, 2e-3, "image steps on the GPU path, eager, vs cpu")
+    _assert_steps_match(graphs, want, bound, "image steps through prompt graphs")
 
 
 @needs_cuda
