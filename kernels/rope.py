@@ -33,13 +33,16 @@ from deltaserve.kernels.triton_compat import (
 def norm_rope_reference(
     x: torch.Tensor,  # [T, heads, hd]
     weight: torch.Tensor,  # [hd] zero-centred norm weight
-    positions: torch.Tensor,  # [T]
+    positions: torch.Tensor,  # [T], or [3, T] with `axis`
     inv_freq: torch.Tensor,  # [rotary_dim / 2] fp32
     eps: float,
+    axis: torch.Tensor
+    | None = None,  # [rotary_dim / 2]: the row of `positions` each frequency takes
 ) -> torch.Tensor:  # [T, heads, hd]
     x = rms_norm_reference(x, weight, eps)
     rotary_dim = 2 * inv_freq.shape[0]
-    freqs = positions[:, None].float() * inv_freq
+    per_frequency = positions[:, None] if axis is None else positions[axis].T  # [T, 1 or F]
+    freqs = per_frequency.float() * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
@@ -66,7 +69,8 @@ class KVStore:
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
 
-@triton.jit(do_not_specialize=["tokens"])  # one kernel for every token count (a prompt's are any)
+# one kernel for every token count (a prompt's are any; the position rows' stride is one)
+@triton.jit(do_not_specialize=["tokens", "stride_pos"])
 def _norm_rope_kernel(
     q_ptr,
     k_ptr,
@@ -75,6 +79,7 @@ def _norm_rope_kernel(
     kw_ptr,
     pos_ptr,
     inv_freq_ptr,
+    axis_ptr,
     index_ptr,
     q_out_ptr,
     k_out_ptr,
@@ -89,6 +94,7 @@ def _norm_rope_kernel(
     stride_v_head,
     stride_kc,
     stride_vc,
+    stride_pos,
     eps,
     tokens,
     QH: tl.constexpr,
@@ -98,6 +104,7 @@ def _norm_rope_kernel(
     HALF: tl.constexpr,
     STORE: tl.constexpr,
     FP8: tl.constexpr = False,
+    SECTIONS: tl.constexpr = False,
     ROWS: tl.constexpr = 1,
     GDC: tl.constexpr = False,
     GDC_LATE: tl.constexpr = False,
@@ -130,8 +137,13 @@ def _norm_rope_kernel(
     partner = tl.where(first, offs + HALF, offs - HALF)
     w = read_ahead(w_ptr + offs, m, 0.0).to(tl.float32)
     wp = read_ahead(w_ptr + partner, in_rot, 0.0).to(tl.float32)
-    pos = read_ahead(pos_ptr + t, live, 0).to(tl.float32)
-    freq = read_ahead(inv_freq_ptr + tl.where(first, offs, offs - HALF), in_rot, 0.0)
+    frequency = tl.where(first, offs, offs - HALF)
+    if SECTIONS:  # MRoPE: frequency j turns by the position of row axis[j] (of 3)
+        row = read_ahead(axis_ptr + frequency, in_rot, 0)
+        pos = read_ahead(pos_ptr + row * stride_pos + t, live & in_rot, 0).to(tl.float32)
+    else:
+        pos = read_ahead(pos_ptr + t, live, 0).to(tl.float32)
+    freq = read_ahead(inv_freq_ptr + frequency, in_rot, 0.0)
     angle = pos * freq
     cos = tl.cos(angle).to(dtype).to(tl.float32)
     sin = tl.sin(angle).to(dtype).to(tl.float32)
@@ -169,13 +181,16 @@ def norm_rope(
     k: torch.Tensor,  # [T, nkv, hd]
     q_weight: torch.Tensor,
     k_weight: torch.Tensor,
-    positions: torch.Tensor,  # [T]
+    positions: torch.Tensor,  # [T], or [3, T] with `axis` (rows of contiguous positions)
     inv_freq: torch.Tensor,  # [rotary_dim / 2] fp32
     eps: float,
     store: KVStore | None = None,
+    axis: torch.Tensor | None = None,  # [rotary_dim / 2] int: the row of `positions` per frequency
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`norm_rope_reference` of q and of k in one launch; new contiguous outputs. With `store`,
-    the same launch writes k (as returned) and v into the cache rows it names."""
+    the same launch writes k (as returned) and v into the cache rows it names. With `axis`,
+    each frequency turns by one of three positions a token (multimodal rotary positions:
+    engine/rank/mrope.py)."""
     check_launchable(q, k)
     tokens, num_q, hd = q.shape
     num_k = k.shape[1]
@@ -189,7 +204,16 @@ def norm_rope(
     check_vector("inv_freq", inv_freq, half, (torch.float32,))
     if 2 * half > hd:
         raise ValueError(f"inv_freq: expected at most {hd // 2} frequencies, got {half}")
-    check_index("positions", positions, tokens)
+    if axis is None:
+        check_index("positions", positions, tokens)
+    else:
+        check_index("axis", axis, half)
+        if positions.shape != (3, tokens) or positions.stride(1) != 1:
+            raise ValueError(
+                f"positions: expected [3, {tokens}] with contiguous rows, got "
+                f"{tuple(positions.shape)} strides {positions.stride()}"
+            )
+        check_index("positions", positions[0], tokens)
     if store is not None:
         check_kv_store(store, k)
     q_out = torch.empty((tokens, num_q, hd), dtype=q.dtype, device=q.device)
@@ -210,6 +234,7 @@ def norm_rope(
         k_weight,
         positions,
         inv_freq,
+        positions if axis is None else axis,  # (unread without axis)
         index,
         q_out,
         k_out,
@@ -224,6 +249,7 @@ def norm_rope(
         v.stride(1),
         k_cache.stride(0),
         v_cache.stride(0),
+        positions.stride(0) if axis is not None else 0,
         eps,
         tokens,
         QH=num_q,
@@ -233,6 +259,7 @@ def norm_rope(
         HALF=half,
         STORE=store is not None,
         FP8=fp8,
+        SECTIONS=axis is not None,
         ROWS=per_program,
         num_warps=1 if block <= 256 else 2,
         **pdl_options(q, reads_ahead="attention"),

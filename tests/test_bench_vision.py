@@ -9,7 +9,7 @@ import json
 from deltaserve.tools.bench_vision import run
 
 
-def test_measures_the_tower_ttft_and_decodes_under_images(tiny_vlm_model_dir, tmp_path):
+def test_measures_the_tower_ttft_and_decodes_under_images_and_text(tiny_vlm_model_dir, tmp_path):
     out = tmp_path / "vision.json"
     record = run(
         [
@@ -27,4 +27,5 @@ def test_measures_the_tower_ttft_and_decodes_under_images(tiny_vlm_model_dir, tm
     assert tower["max_abs_diff_vs_hf"] < 1e-4
     assert record["ttft_ms"]["ours_median"] > 0 and record["ttft_ms"]["hf_median"] > 0
     decode = record["decode_under_images"]
-    assert decode["alone"]["tokens"] > 0 and decode["while_images"]["tokens"] > 0
+    assert all(decode[phase]["tokens"] > 0 for phase in ("alone", "while_images", "while_text"))
+    assert decode["image_ttft_ms_median"] > 0 and decode["text_ttft_ms_median"] > 0

@@ -88,6 +88,23 @@ def _run_steps(
     eagerly, or with graphs, where single-token items replay a decode graph beside a forward
     of the chunks (a prompt graph's where they fit one). Each step samples (greedy), so that
     items without tokens have a last sample to read."""
+    ex = _executor(
+        model_dir, device, graphs, dtype, prompt_graph_tokens, prefix_states, **cache_fields
+    )
+    logits = _step_logits(ex, steps())
+    return logits, 0 if ex.prompt_graphs is None else ex.prompt_graphs.replays
+
+
+def _executor(
+    model_dir: str,
+    device: str,
+    graphs: bool,
+    dtype: str,
+    prompt_graph_tokens: int,
+    prefix_states: int,
+    **cache_fields: object,
+):
+    """The executor of `_run_steps`: 4 requests, 64 KV blocks, graphs on the GPU path only."""
     from deltaserve.engine.rank.executor import Executor, ExecutorConfig
     from deltaserve.kernels.triton_compat import gpu_path
 
@@ -104,14 +121,19 @@ def _run_steps(
     )
     ex = Executor(config)
     assert (ex.graphs is not None) == (graphs and gpu_path(ex.cache.kv))
+    return ex
+
+
+def _step_logits(ex, steps) -> list[torch.Tensor]:
+    """Each step's logits (greedy samples taken), its prompt logprobs as an attribute."""
     logits = []
-    for items in steps():
+    for items in steps:
         step = ex.launch_step(items)
         ex.launch_sampling(step)
         ex.finish_step(step)
         logits.append(step.logits.float().cpu())
         logits[-1].prompt_logprobs = step.prompt_logprobs
-    return logits, 0 if ex.prompt_graphs is None else ex.prompt_graphs.replays
+    return logits
 
 
 def _assert_steps_match(
@@ -211,6 +233,75 @@ def test_graph_buffers_under_interpreter_match_cpu(kernels, tiny_model_dir, monk
     graphs, prompt_replays = _run_steps(model_dir, "cpu", graphs=True, prompt_graph_tokens=80)
     assert prompt_replays == 2, f"{prompt_replays} steps ran their prompts through a prompt graph"
     _assert_steps_match(graphs, cpu, 2e-3, "graph buffers vs cpu")
+
+
+def _image_steps(model_dir, dtype: str):
+    """Steps with a 2 x 3-token image (the test processor's smallest budget): a text prompt
+    beside the image prompt's first chunk, cut after the image's fourth token (mid-row); the
+    rest of the image prompt beside the text request's decode; then both decode (the image
+    request at positions shifted after its image), from their last samples. The first chunk
+    asks for prompt logprobs: every row's, the image's included."""
+    from vision_helpers import chat, image, processor
+
+    from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+
+    text, images, _ = chat(["Hi ", image(64, 96, 4), " ok?"])
+    prompt = processor(model_dir, dtype).process(text, images, [])
+    (medium,) = prompt.media
+    ids, cut = list(prompt.ids), medium.first + 4
+    assert medium.end - medium.first == 6 and cut < medium.end
+    spec = SamplingSpec(seed=0)
+    new = NewRequest(len(ids) + 8, spec, vision_spans=prompt.vision_spans())
+    words = ids[: medium.first]  # text tokens the tokenizer knows
+    yield [
+        StepItem(1, 0, words, True, NewRequest(len(words) + 8, spec)),
+        StepItem(
+            2,
+            0,
+            ids[:cut],
+            False,
+            new,
+            media=[medium.wire(True)],
+            prompt_logprobs=1,
+            next_token=ids[cut],
+        ),
+    ]
+    yield [StepItem(1, len(words), [7], True), StepItem(2, cut, ids[cut:], True)]
+    yield [StepItem(1, len(words) + 1, [], True), StepItem(2, len(ids), [], True)]
+
+
+def test_prompt_graphs_take_images(kernels, tiny_vlm_model_dir, monkeypatch):
+    """A model with a vision tower: prompt chunks holding image tokens replay a prompt graph
+    (the tower's embeddings and three rotary position rows in its padded buffers; the second
+    chunk starts mid-image, after cached positions), the decodes beside them a decode graph.
+    Under the interpreter the logprobs are the plain CPU path's, as are those of the GPU path
+    run eagerly; on CUDA (bf16, fla) those of the same steps with their prompts run eagerly."""
+    model_dir = str(tiny_vlm_model_dir)
+    if CUDA:
+        skip_without_fla(kernels["gated_delta"])
+        device, dtype, bound = "cuda", "bfloat16", 2e-2
+        want = _step_logits(
+            _executor(model_dir, device, True, dtype, 0, 1), _image_steps(model_dir, dtype)
+        )
+    else:
+        from deltaserve.kernels import triton_compat
+
+        device, dtype, bound = "cpu", "float32", 2e-3
+        want = _step_logits(
+            _executor(model_dir, device, False, dtype, 80, 1), _image_steps(model_dir, dtype)
+        )
+        monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
+        # the GPU path eagerly (the fallback where a step fits no bucket): the same kernels
+        eager = _step_logits(
+            _executor(model_dir, device, False, dtype, 80, 1), _image_steps(model_dir, dtype)
+        )
+        _assert_steps_match(eager, want, bound, "image steps on the GPU path, eager, vs cpu")
+    ex = _executor(model_dir, device, True, dtype, 80, 1)
+    graphs = _step_logits(ex, _image_steps(model_dir, dtype))
+    assert (ex.prompt_graphs.replays, ex.graphs.replays) == (2, 2), (
+        f"{ex.prompt_graphs.replays} prompt and {ex.graphs.replays} decode graph replays"
+    )
+    _assert_steps_match(graphs, want, bound, "image steps through prompt graphs")
 
 
 @needs_cuda

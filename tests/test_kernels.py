@@ -460,6 +460,47 @@ def test_norm_rope(kernels, device, dtype, nh, nkv, hd, rotary, rows, monkeypatc
     assert torch.equal(mod.norm_rope(q, k, qw, kw, positions, inv_freq, 1e-6)[1], got_k)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nh,nkv,hd,rotary", ROPE_SHAPES)
+def test_norm_rope_sections(kernels, device, dtype, nh, nkv, hd, rotary):
+    """Multimodal rotary positions: each frequency turns by one of three position rows
+    (transformers' interleaved layout, the released models' 11/11/10 share of frequencies):
+    the reference's rotation, the cache store included; rows all equal (a text token) give
+    plain RoPE bit for bit, which lets a prompt graph take text and images alike."""
+    from deltaserve.engine.rank.mrope import axis_of_frequencies
+
+    mod = kernels["rope"]
+    tokens, half = 7, rotary // 2
+    side = round(half * 11 / 32)
+    axis = axis_of_frequencies(half, (side, side, half - 2 * side)).to(device)
+    assert set(axis.tolist()) == ({0, 1, 2} if half >= 3 else {0})
+    q = torch.randn(tokens, nh, 2 * hd, device=device).to(dtype)[..., :hd]
+    k = torch.randn(tokens, nkv, hd, device=device).to(dtype)
+    qw, kw = torch.randn(hd, device=device).to(dtype), torch.randn(hd, device=device).to(dtype)
+    inv_freq = 1.0 / (1e7 ** (torch.arange(0, rotary, 2, device=device) / rotary))
+    # a [3, T] view of a wider buffer (a prompt graph's rows lie in one)
+    rows = torch.randint(0, 300_000, (3, 2 * tokens), device=device)[:, :tokens]
+    k_cache, v_cache = (torch.zeros(30, nkv, hd, device=device).to(dtype) for _ in range(2))
+    index = torch.tensor([7, -1, 0, 29, 12, 3, -1], device=device)
+    store = mod.KVStore(k.clone(), k_cache, v_cache, index)
+    got_q, got_k = mod.norm_rope(q, k, qw, kw, rows, inv_freq, 1e-6, store, axis=axis)
+    for got, x, w, what in ((got_q, q, qw, "q"), (got_k, k, kw, "k")):
+        want = mod.norm_rope_reference(x, w, rows, inv_freq, 1e-6, axis)
+        assert_close(got.float(), want.float(), dtype, what)
+    assert torch.equal(k_cache[index[index >= 0]], got_k[index >= 0])
+    # the rows differ: not the rotation of any one of them
+    assert not torch.equal(got_q, mod.norm_rope(q, k, qw, kw, rows[0], inv_freq, 1e-6)[0])
+    text = rows[:1].expand(3, tokens).contiguous()
+    for a, b in zip(
+        mod.norm_rope(q, k, qw, kw, text, inv_freq, 1e-6, axis=axis),
+        mod.norm_rope(q, k, qw, kw, text[0], inv_freq, 1e-6),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="positions"):
+        mod.norm_rope(q, k, qw, kw, rows.T.contiguous(), inv_freq, 1e-6, axis=axis)
+
+
 def skip_without_fla(gated_delta) -> None:
     """Skip when fla-core is absent; fail when it is installed and still not found (a
     broken lazy import would otherwise fall back to the slow reference, silently)."""

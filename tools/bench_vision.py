@@ -10,7 +10,9 @@
   `--repeats`; the preprocessing (transformers' processor) timed apart;
 - decode latency of other requests while images are encoded: `--decoders` text requests
   decode; the gaps between their tokens are taken for `--window-s` alone, then while
-  `--image-requests` 1-image chats arrive, one at a time: median, p99 and max of each phase.
+  `--image-requests` 1-image chats arrive, one at a time, then while as many text prompts of
+  the chat's token count arrive (`while_text`: what a prompt chunk costs the decodes, which
+  an image should not exceed): median, p99 and max of each phase.
 
     python -m tools.make_model --preset 4b --vlm-names --dtype bf16 --device cuda --out /tmp/q4b-vl
     python -m tools.bench_vision --model /tmp/q4b-vl --device cuda \\
@@ -43,6 +45,8 @@ from deltaserve.engine.tokenizer import load_tokenizer
 from deltaserve.engine.vision_config import VisionConfig
 from deltaserve.tools.hardware import git_commit, host_info
 
+# plain BPE tokens of the Qwen vocabulary (its special ones, the vision tokens', are past 248,000)
+ORDINARY_TOKENS = (1000, 100_000)
 TEXT = "Describe the picture in detail, then list every object you can see in it. "
 
 
@@ -150,7 +154,9 @@ def hf_ttft(
     return statistics.median(times)
 
 
-async def engine_ttft(engine: AsyncEngine, prompts: list[MultimodalPrompt]) -> list[float]:
+async def engine_ttft(
+    engine: AsyncEngine, prompts: list[MultimodalPrompt] | list[list[int]]
+) -> list[float]:
     times = []
     for prompt in prompts:
         start = time.perf_counter()
@@ -160,9 +166,19 @@ async def engine_ttft(engine: AsyncEngine, prompts: list[MultimodalPrompt]) -> l
     return times
 
 
+def text_prompts(prompts: list[MultimodalPrompt]) -> list[list[int]]:
+    """Text prompts as long as `prompts`, of random tokens (none shares a cached prefix)."""
+    gen = np.random.default_rng(0)
+    low, high = ORDINARY_TOKENS
+    return [gen.integers(low, high, len(p.ids)).tolist() for p in prompts]
+
+
 async def decode_under_images(engine: AsyncEngine, args, prompts: list[MultimodalPrompt]) -> dict:
-    """Gaps between tokens of `--decoders` decoding requests, alone then while images arrive."""
-    gaps: dict[str, list[float]] = {"alone": [], "images": []}
+    """Gaps between tokens of `--decoders` decoding requests, alone, then while images
+    arrive, then while text prompts of the same length do."""
+    arrivals = {"images": prompts, "text": text_prompts(prompts)}
+    gaps: dict[str, list[float]] = {"alone": [], **{name: [] for name in arrivals}}
+    ttfts: dict[str, list[float]] = {}
     phase = {"now": "warm-up"}
     text = list(range(1000, 1000 + args.prompt_len))
     params = SamplingParams(
@@ -185,11 +201,14 @@ async def decode_under_images(engine: AsyncEngine, args, prompts: list[Multimoda
     await asyncio.sleep(args.window_s / 2)
     phase["now"] = "alone"
     await asyncio.sleep(args.window_s)
-    phase["now"] = "images"
-    ttfts = await engine_ttft(engine, prompts)
-    # The gap that spans the last image's encoding, at least; a decoder that failed says so.
-    while not gaps["images"] and not any(task.done() for task in tasks):
-        await asyncio.sleep(0.01)
+    for name, arriving in arrivals.items():
+        phase["now"] = name
+        ttfts[name] = await engine_ttft(engine, arriving)
+        # The gap that spans the last prompt's step, at least; a decoder that failed says so.
+        while not gaps[name] and not any(task.done() for task in tasks):
+            await asyncio.sleep(0.01)
+        phase["now"] = "settle"  # a gap across two phases counts in neither
+        await asyncio.sleep(0.1)
     phase["now"] = "done"
     await asyncio.gather(*tasks)
 
@@ -208,7 +227,9 @@ async def decode_under_images(engine: AsyncEngine, args, prompts: list[Multimoda
         "decoders": args.decoders,
         "alone": stats(gaps["alone"]),
         "while_images": stats(gaps["images"]),
-        "image_ttft_ms_median": statistics.median(ttfts) * 1e3,
+        "while_text": stats(gaps["text"]),
+        "image_ttft_ms_median": statistics.median(ttfts["images"]) * 1e3,
+        "text_ttft_ms_median": statistics.median(ttfts["text"]) * 1e3,
     }
 
 

@@ -167,18 +167,18 @@ class GatedAttention(nn.Module):
         then gated by `sigmoid_gate`."""
         meta = step_meta_of(batch, q.device)
         kv_scale = cache.layer_kv_scale(self.cache_layer)
-        if batch.vision is not None:  # three positions per token (MRoPE): the reference's ops
-            q = self.rope(self.q_norm(q), batch.vision.rope_positions)
-            k = self.rope(self.k_norm(k), batch.vision.rope_positions)
+        # with images, three positions a token (MRoPE), each frequency turning by one of them
+        vision = batch.vision
+        positions, axis = (
+            (batch.positions, None) if vision is None else (vision.rope_rows, vision.axis)
+        )
+        norms = (self.q_norm.weight, self.k_norm.weight, positions, self.rope.inv_freq)
+        if cache.calibrating:  # one eager step: the scales from its keys, then the store
+            q, k = norm_rope(q, k, *norms, self.q_norm.eps, axis=axis)
             self._store(k, v, k_cache, v_cache, batch.kv_index, cache)
         else:
-            norms = (self.q_norm.weight, self.k_norm.weight, batch.positions, self.rope.inv_freq)
-            if cache.calibrating:  # one eager step: the scales from its keys, then the store
-                q, k = norm_rope(q, k, *norms, self.q_norm.eps)
-                self._store(k, v, k_cache, v_cache, batch.kv_index, cache)
-            else:
-                store = KVStore(v, k_cache, v_cache, batch.kv_index, kv_scale)
-                q, k = norm_rope(q, k, *norms, self.q_norm.eps, store)
+            store = KVStore(v, k_cache, v_cache, batch.kv_index, kv_scale)
+            q, k = norm_rope(q, k, *norms, self.q_norm.eps, store, axis)
         if kv_scale is not None:  # fresh keys as the cache gives them back
             k, v = round_trip(k, kv_scale[0]), round_trip(v, kv_scale[1])
         scale = self.head_dim**-0.5

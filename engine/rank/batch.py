@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deltaserve.engine.rank.mrope import frequency_positions
+
 
 @dataclass(frozen=True, slots=True)
 class SeqSpan:
@@ -28,11 +30,26 @@ class SeqSpan:
 @dataclass(frozen=True, slots=True)
 class StepVision:
     """A step's vision tokens: their rows take the tower's embeddings instead of the token
-    embeddings, and every row turns by its three multimodal positions (engine/rank/mrope.py)."""
+    embeddings, and every row turns by its three multimodal positions (engine/rank/mrope.py).
+    A prompt graph's (static shapes) flags every row instead of listing the vision ones."""
 
-    rows: torch.Tensor  # [V] int64, flat rows of the step's vision tokens
-    embeds: torch.Tensor  # [V, hidden]
-    rope_positions: torch.Tensor  # [T, rotary_dim / 2]: the position each frequency turns by
+    # [V] int64, flat rows of the step's vision tokens; or [T] bool, True at them
+    rows: torch.Tensor
+    embeds: torch.Tensor  # [V, hidden]; with flags [T, hidden], read at the flagged rows only
+    rope_rows: torch.Tensor  # [3, T]: each row's temporal, height and width positions
+    axis: torch.Tensor  # [rotary_dim / 2]: the one of the three each frequency turns by
+
+    @property
+    def rope_positions(self) -> torch.Tensor:
+        """[T, rotary_dim / 2]: the position each row's frequency turns by."""
+        return frequency_positions(self.rope_rows, self.axis)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` [T, hidden], the token embeddings, with the vision rows' replaced."""
+        if self.rows.dtype == torch.bool:  # one kernel of fixed shapes
+            return torch.where(self.rows[:, None], self.embeds.to(x.dtype), x)
+        x[self.rows] = self.embeds.to(x.dtype)
+        return x
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ class BucketGraphs:
             int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None, torch.Tensor | None]
         ] = {}
         self.pool = None
+        self.replays = 0  # steps run through a bucket (tests and benchmarks read it)
 
     def _batch(self, size: int) -> GpuStepBatch:
         raise NotImplementedError
@@ -98,6 +99,7 @@ class BucketGraphs:
         """Bucket `size` over the static inputs as they are now: its hidden states' and logits'
         buffers (logits None off rank 0), which the next replay overwrites."""
         graph, hidden, logits = self.graphs[size]
+        self.replays += 1
         if graph is None:  # not CUDA: the same buffers, run eagerly
             return self._forward(size)
         graph.replay()

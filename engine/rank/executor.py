@@ -237,7 +237,13 @@ class Executor:
                     config.prefix_cache_states,
                     config.max_model_len or self.cache.num_blocks * config.block_size,
                 )
-                self.prompt_graphs = PromptGraphs(self.model, self.cache, *size, prefix_keys=keys)
+                self.prompt_graphs = PromptGraphs(
+                    self.model,
+                    self.cache,
+                    *size,
+                    prefix_keys=keys,
+                    vision_axis=None if self.vision is None else self.vision.axis,
+                )
                 self.prompt_graphs.capture()
             max_len = config.max_model_len or self.cache.num_blocks * config.block_size
             self.graphs = DecodeGraphs(
@@ -368,7 +374,7 @@ class Executor:
             not every_position
             and not calibrates
             and self._decode_graph_fits(singles)
-            and not any(self._holds_vision(item) for item in items)
+            and not any(self._holds_vision(item) for item in singles)
         ):
             logits = self._run_with_graphs(items, singles, graph_output, prompt_logprobs)
         else:  # one forward of every item: a prompt graph's replay where they fit one
@@ -387,7 +393,9 @@ class Executor:
         return logits
 
     def _holds_vision(self, item: StepItem) -> bool:
-        """Whether the item runs any of its request's image or video tokens."""
+        """Whether the item runs any of its request's image or video tokens (a single-token
+        one then cannot replay a decode graph, which has no vision rows: a prompt chunk of one
+        token, cut inside an image)."""
         vision = self.requests[item.request_id].vision
         end = item.start + item_length(item)
         return vision is not None and any(
@@ -489,7 +497,6 @@ class Executor:
             self.prompt_graphs is not None
             and not every_position
             and not self.cache.calibrating
-            and not plan.vision_rows
             and self.prompt_graphs.can_run(plan)
         ):
             hidden, logits = self.prompt_graphs.run(plan)

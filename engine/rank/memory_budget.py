@@ -231,6 +231,8 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
             reserve += activations * min(prompt_tokens, sum(lengths)) // sum(lengths)
             buckets = token_buckets(prompt_tokens)
             reserve += len(buckets) * seqs * row_bytes + sum(buckets) * hidden_bytes
+            if executor.vision is not None:  # the tower's embeddings, a row each
+                reserve += prompt_tokens * hidden_bytes
             # with prefix caching, one layer's keys and values gathered for attention
             keys = prefix_graph_keys(config.prefix_cache_states, config.max_model_len)
             if keys:

@@ -10,7 +10,9 @@ too (their positions are index + the request's whole delta).
 
 The text model's rotary frequencies take the three positions interleaved
 (`axis_of_frequencies`); where all three are equal that is plain 1-D RoPE at the text
-position, so only steps that hold vision tokens need the three rows (`frequency_positions`).
+position, so only steps that hold vision tokens need the three rows (`frequency_positions`;
+kernels/rope.py's `norm_rope` takes them with the axis), and a prompt graph may give every
+row three (prompt_graphs.py): a text step's come out as plain RoPE's, bit for bit.
 """
 
 from __future__ import annotations

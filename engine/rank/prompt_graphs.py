@@ -16,11 +16,19 @@ Only steps whose chunks are all their prompts' first qualify (attention then rea
 keys), unless the engine caches prefixes (`prefix_keys`): then a chunk may follow cached
 positions (its prompt's saved prefix, or its own earlier chunk), and attention gathers each
 span's KV blocks from position 0 (`KeyBlocks`, up to `prefix_keys` positions before the
-step's tokens in all) for flash's varlen kernel; others run eagerly. On CUDA the graphs need fla
-(the chunked DeltaNet's torch reference loops over the spans on the host) and a dtype flash takes;
-without them prompts run eagerly (`capturable`). Off CUDA (the GPU path under Triton's interpreter,
-in tests) nothing is captured and `run` runs the model on the same padded buffers eagerly, so CI
-covers the padding.
+step's tokens in all) for flash's varlen kernel; others run eagerly. On CUDA the graphs need
+fla (the chunked DeltaNet's torch reference loops over the spans on the host) and a dtype flash
+takes; without them prompts run eagerly (`capturable`). Off CUDA (the GPU path under Triton's
+interpreter, in tests) nothing is captured and `run` runs the model on the same padded buffers
+eagerly, so CI covers the padding.
+
+Chunks holding image or video tokens replay too (a model with a vision tower: `vision_axis`):
+the tower runs eagerly before the step (vision_inputs.py), its embeddings are copied into a
+buffer of the graphs' that replaces the token embeddings at the rows flagged, and every row's
+three rotary positions (mrope.py; a text token's three are equal: plain RoPE) are static
+inputs. So an image's chunk costs the decodes beside it what a text chunk of its length does,
+plus the tower's eager forward (they replay their own graph). A text-only model's graphs
+have neither input.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import itertools
 import torch
 from torch import nn
 
-from deltaserve.engine.rank.batch import StepPlan
+from deltaserve.engine.rank.batch import StepPlan, StepVision
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import BucketGraphs
 from deltaserve.engine.rank.step_meta import GpuStepBatch, PackedSpans, StepMeta
@@ -81,9 +89,12 @@ class PromptGraphs(BucketGraphs):
     cumulative lengths (S + 1), the block table (entries(T) x 2) and the sampled rows
     (max_seqs), copied to the GPU in one transfer from a pinned buffer; with `prefix_keys`, then
     the spans' KV blocks (`_key_entries`), where each span's keys start (S + 1) and how many
-    it attends to (S). The graph keeps its fp32 logits of max_seqs rows, of which `run`
-    returns a copy of the sampled ones, and every row's final hidden state, from which the
-    executor takes prompt logprobs.
+    it attends to (S). With `vision_axis` (a model with a vision tower) the positions are three
+    rows (temporal, height, width: 3T; a text token's three equal, which is plain RoPE) and the
+    buffer ends with a flag a row (T), 1 where a vision token takes its embedding from
+    `vision_embeds` (the tower's output, copied there before the replay). The graph keeps its
+    fp32 logits of max_seqs rows, of which `run` returns a copy of the sampled ones, and every
+    row's final hidden state, from which the executor takes prompt logprobs.
     """
 
     def __init__(
@@ -93,6 +104,7 @@ class PromptGraphs(BucketGraphs):
         max_tokens: int,
         max_seqs: int,
         prefix_keys: int = 0,
+        vision_axis: torch.Tensor | None = None,
     ) -> None:
         if max_tokens < MIN_BUCKET or max_seqs < 1:
             raise ValueError(
@@ -104,10 +116,18 @@ class PromptGraphs(BucketGraphs):
         self.max_seqs = max_seqs
         self.spans = max_seqs + 1  # the last one always empty
         self.prefix_keys = prefix_keys
+        # a model with a vision tower: every row's three rotary positions, and the tower's
+        # embeddings at the vision rows (mrope.axis_of_frequencies: which one each frequency takes)
+        self.vision_axis = vision_axis
+        self.vision_embeds = None
+        if vision_axis is not None:
+            weight = model.model.embed_tokens.weight
+            self.vision_embeds = torch.zeros(
+                (max_tokens, model.config.hidden_size), dtype=weight.dtype, device=self.device
+            )
         size = self._layout_size(max_tokens)
         self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=self.is_cuda)
-        self.replays = 0  # steps run through a bucket (tests and benchmarks read it)
 
     def _entries(self, tokens: int) -> int:
         """Block-table entries of a bucket: every span's blocks, the partial ones included."""
@@ -121,8 +141,11 @@ class PromptGraphs(BucketGraphs):
     def _parts(self, tokens: int) -> list[int]:
         """The sizes of a bucket's pieces of the static inputs, in order (see the class)."""
         x, s = tokens, self.spans
-        parts = [x, x, x, 3 * s, s + 1, 2 * self._entries(tokens), self.max_seqs]
-        return parts + [self._key_entries(tokens), s + 1, s] if self.prefix_keys else parts
+        rotary = x if self.vision_axis is None else 3 * x
+        parts = [x, rotary, x, 3 * s, s + 1, 2 * self._entries(tokens), self.max_seqs]
+        if self.prefix_keys:
+            parts += [self._key_entries(tokens), s + 1, s]
+        return parts if self.vision_axis is None else [*parts, x]
 
     def _layout_size(self, tokens: int) -> int:
         return sum(self._parts(tokens))
@@ -132,7 +155,7 @@ class PromptGraphs(BucketGraphs):
         capture records them)."""
         s, e = self.spans, self._entries(size)
         parts = self.inputs[: self._layout_size(size)].split(self._parts(size))
-        tokens, positions, kv_index, index, bounds, blocks, sampled = parts[:7]
+        tokens, rotary, kv_index, index, bounds, blocks, sampled = parts[:7]
         i32 = torch.int32
         keys = KeyBlocks(parts[7], parts[8].to(i32), parts[9].to(i32)) if self.prefix_keys else None
         packed = PackedSpans(
@@ -154,7 +177,13 @@ class PromptGraphs(BucketGraphs):
             prefill=(),
             packed=packed,
         )
-        return GpuStepBatch(tokens, positions, kv_index, (), sampled, meta=meta)
+        positions, vision = rotary, None
+        if self.vision_axis is not None:  # rows [temporal | height | width], then the flags
+            rows = rotary.view(3, size)
+            positions = rows[0]
+            flags = parts[-1] != 0
+            vision = StepVision(flags, self.vision_embeds[:size], rows, self.vision_axis)
+        return GpuStepBatch(tokens, positions, kv_index, (), sampled, meta=meta, vision=vision)
 
     def _fill(self, size: int, plan: StepPlan) -> None:
         """Write `plan` padded to bucket `size` into the static inputs (one pinned copy)."""
@@ -167,6 +196,7 @@ class PromptGraphs(BucketGraphs):
             *[0] * pad,
             *plan.positions,
             *[0] * pad,
+            *self._vision_positions(plan, pad),
             *plan.kv_rows,
             *[-1] * pad,  # padding rows write no KV
             *[s.offset if s else tokens for s in spans],
@@ -180,11 +210,39 @@ class PromptGraphs(BucketGraphs):
         ]
         if self.prefix_keys:
             values += self._key_values(size, spans)
+        if self.vision_axis is not None:
+            flags = [0] * size
+            for row in plan.vision_rows:
+                flags[row] = 1
+            values += flags
+            self._fill_vision_embeds(plan)
         self._upload(
             torch.tensor(values, dtype=torch.int64),
             self.host[: len(values)],
             self.inputs[: len(values)],
         )
+
+    def _vision_positions(self, plan: StepPlan, pad: int) -> list[int]:
+        """With a vision tower: every row's height position, then its width one (a text
+        token's both are its only one, as padding's)."""
+        if self.vision_axis is None:
+            return []
+        heights, widths = list(plan.positions), list(plan.positions)
+        for row, height, width in zip(
+            plan.vision_rows, plan.vision_heights, plan.vision_widths, strict=True
+        ):
+            heights[row], widths[row] = height, width
+        return [*heights, *[0] * pad, *widths, *[0] * pad]
+
+    def _fill_vision_embeds(self, plan: StepPlan) -> None:
+        """The tower's embeddings into their rows of the buffer, one device copy a run (each
+        of `plan.vision_embeds` is a run of adjacent rows: an image's tokens in one chunk).
+        Queued on the stream after the replay before, which read the buffer."""
+        first = 0
+        for run in plan.vision_embeds:
+            row = plan.vision_rows[first]
+            self.vision_embeds[row : row + run.shape[0]].copy_(run)
+            first += run.shape[0]
 
     def _key_values(self, size: int, spans: list) -> list[int]:
         """Each span's KV blocks from position 0 through its chunk, padded with block 0; where
@@ -215,10 +273,11 @@ class PromptGraphs(BucketGraphs):
     def can_run(self, plan: StepPlan) -> bool:
         """Whether `plan` fits a captured bucket: at most `max_seqs` chunks, every token given,
         each its prompt's first (with `prefix_keys`: whose blocks, cached ones included, fit
-        the bucket's gather)."""
+        the bucket's gather); vision tokens only where the graphs take them."""
         return (
             bool(self.graphs)
             and 0 < len(plan.ids) <= self.max_tokens
+            and (self.vision_axis is not None or not plan.vision_rows)
             and len(plan.spans) <= self.max_seqs
             and not plan.last_sample_rows
             and all(s.length > 1 for s in plan.spans)
@@ -234,7 +293,6 @@ class PromptGraphs(BucketGraphs):
         its sampled rows on rank 0 (None on the others)."""
         size = min(b for b in self.graphs if b >= len(plan.ids))
         self._fill(size, plan)
-        self.replays += 1
         hidden, logits = self._replay(size)
         if logits is not None:  # the graph's buffer is overwritten by the next replay
             logits = logits[: len(plan.sampled)].clone()

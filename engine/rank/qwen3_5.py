@@ -122,7 +122,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         # [T, hidden]
         x = self.model.embed_tokens(batch.input_ids, batch.token_slots, cache.last_tokens)
         if batch.vision is not None:  # images' tokens: the vision tower's embeddings
-            x[batch.vision.rows] = batch.vision.embeds.to(x.dtype)
+            x = batch.vision.embed(x)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, batch, cache)

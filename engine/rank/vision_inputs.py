@@ -15,12 +15,7 @@ import torch
 from deltaserve.engine.encoder_cache import EncoderCacheIndex
 from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.batch import StepPlan, StepVision
-from deltaserve.engine.rank.mrope import (
-    RequestPositions,
-    VisionSpan,
-    axis_of_frequencies,
-    frequency_positions,
-)
+from deltaserve.engine.rank.mrope import RequestPositions, VisionSpan, axis_of_frequencies
 from deltaserve.engine.rank.vision import VisionTower, build_tower
 from deltaserve.engine.vision_config import VisionConfig
 from deltaserve.ipc.messages import MediaInput, StepItem
@@ -177,7 +172,5 @@ class RankVision:
         rows[1, index] = torch.tensor(plan.vision_heights)
         rows[2, index] = torch.tensor(plan.vision_widths)
         return StepVision(
-            index.to(self.device),
-            torch.cat(plan.vision_embeds),
-            frequency_positions(rows.to(self.device), self.axis),
+            index.to(self.device), torch.cat(plan.vision_embeds), rows.to(self.device), self.axis
         )
