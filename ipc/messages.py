@@ -91,6 +91,11 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     `prompt_logprobs` >= 0 (prompt chunks): rank 0 returns the logprob of each prompt token
     that follows a position of the chunk, with that many alternatives (`PromptLogprobs`):
     token_ids[1:], then `next_token` (the next chunk's first) unless the chunk samples.
+    Speculative decoding (engine/rank/speculative.py): `num_drafts` > 0 makes the last that
+    many token ids drafts to verify (a decode item of 1 + num_drafts tokens): the ranks keep
+    the positions up to the last accepted one and rank 0 reports the outcome
+    (`SpecOutcome`); `propose` > 0 (items that sample) asks for that many drafts after the
+    step's last accepted token, from the checkpoint's MTP head.
     """
 
     request_id: RequestId
@@ -101,6 +106,8 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     save: int = -1
     prompt_logprobs: int = -1
     next_token: int = -1
+    num_drafts: int = 0
+    propose: int = 0
 
     @property
     def num_prompt_logprobs(self) -> int:
@@ -138,6 +145,18 @@ class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
             )
 
 
+class SpecOutcome(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One item's speculative outcome (`StepItem.num_drafts`, `propose`): `accepted` of its
+    drafts were taken, each emitted before the row's token (the one sampled after the last
+    accepted position), with its logprob and, if the request asked, its alternatives (one
+    list per accepted draft); `drafts` the next step may verify."""
+
+    accepted: int
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    drafts: list[int]
+
+
 class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Rank 0's samples of one step as parallel columns: row i is request_ids[i]'s token
     and logprob; `top_logprobs` holds alternatives only for requests that asked for some
@@ -156,6 +175,7 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
     top_logprobs: dict[RequestId, list[tuple[int, float]]]
     prompt_logprobs: dict[RequestId, PromptLogprobs] = {}  # of the chunks that asked
     failed: dict[RequestId, str] = {}
+    speculative: dict[RequestId, SpecOutcome] = {}  # of the items with drafts or `propose`
 
     def __post_init__(self) -> None:
         if not len(self.token_ids) == len(self.logprobs) == len(self.request_ids):
@@ -170,6 +190,7 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
         samples: list[Sample],
         prompt_logprobs: dict[RequestId, PromptLogprobs] | None = None,
         failed: dict[RequestId, str] | None = None,
+        speculative: dict[RequestId, SpecOutcome] | None = None,
     ) -> SampleColumns:
         return cls(
             [s.request_id for s in samples],
@@ -178,6 +199,7 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
             {s.request_id: s.top_logprobs for s in samples if s.top_logprobs},
             prompt_logprobs or {},
             failed or {},
+            speculative or {},
         )
 
     def __len__(self) -> int:

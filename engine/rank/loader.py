@@ -1,8 +1,9 @@
 """Load an HF Qwen3.5 checkpoint folder into our model, one rank's shard at a time.
 
 Accepts both naming schemes: `model.language_model.*` of the released vision-language
-checkpoints (whose `model.visual.*` and `mtp.*` tensors are skipped) and `model.*` of text-only
-saves; single or sharded safetensors (`model.safetensors.index.json`); tied embeddings (no
+checkpoints (whose `model.visual.*` tensors are skipped, and `mtp.*` unless the model has an
+MTP head, engine/rank/mtp.py) and `model.*` of text-only saves; single or sharded safetensors
+(`model.safetensors.index.json`); tied embeddings (no
 `lm_head.weight`, or one we ignore); FP8 checkpoints (fp8.py), each FP8 weight widened with
 its scales as it loads, or, asked to (`keep_fp8`), loaded as it is into a projection that
 stays FP8 (linear.py). A missing tensor (named as the checkpoint's layout names it), a wrong
@@ -27,8 +28,10 @@ from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, Safetenso
 from deltaserve.engine.rank.fp8 import FP8_DTYPES, Fp8Pairs
 from deltaserve.engine.rank.model_config import FP8_SCALE_SUFFIXES, ModelConfig
 
-SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+SKIPPED_PREFIXES = ("model.visual.",)
 VLM_TEXT_PREFIX = "model.language_model."
+# the multi-token-prediction head (engine/rank/mtp.py): loaded only into a model that has one
+MTP_PREFIXES = ("mtp.", "model.mtp.")
 # one expert's projection as released checkpoints store it -> (our stacked parameter, part)
 EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 EXPERT_PARTS = {
@@ -117,12 +120,20 @@ def checkpoint_files(model_dir: Path, confined: bool = False) -> list[Path]:
 
 
 def text_name(name: str) -> str | None:
-    """Our parameter name for a checkpoint tensor name; None for tensors we skip."""
+    """Our parameter name for a checkpoint tensor name (the MTP head's as `mtp.*`); None for
+    tensors we skip."""
     if name.startswith(SKIPPED_PREFIXES):
         return None
     if name.startswith(VLM_TEXT_PREFIX):
         return "model." + name[len(VLM_TEXT_PREFIX) :]
+    if name.startswith(MTP_PREFIXES):
+        return "mtp." + name.split("mtp.", 1)[1]
     return name
+
+
+def is_mtp(name: str) -> bool:
+    """Whether a text name is the MTP head's."""
+    return name.startswith(MTP_PREFIXES[0])
 
 
 def checkpoint_name(target: str, vlm_layout: bool) -> str:
@@ -181,7 +192,9 @@ def load_weights(
     confined: bool = False,
 ) -> int:
     """keep_fp8: an FP8 checkpoint's projections stay FP8 where they can (`keep_fp8_modules`);
-    else every FP8 weight is widened. `confined`: new weights (checkpoint_files). Returns how
+    else every FP8 weight is widened. `confined`: new weights (checkpoint_files), in which
+    the MTP head's tensors are optional (a trainer's save drops them: the head keeps its
+    weights). The `mtp.*` tensors load only into a model with an MTP head. Returns how
     many projections hold FP8."""
     model_dir = Path(model_dir)
     tie_word_embeddings = config.tie_word_embeddings
@@ -197,6 +210,7 @@ def load_weights(
     params = dict(model.named_parameters())
     kept = sum(param.dtype in FP8_DTYPES for param in params.values())
     device = next(iter(params.values())).device
+    has_mtp = any(is_mtp(name) for name in params)
 
     vlm_layout = False  # any `model.language_model.*` name: missing tensors are named so too
 
@@ -204,8 +218,13 @@ def load_weights(
         nonlocal vlm_layout
         vlm_layout = vlm_layout or name.startswith(VLM_TEXT_PREFIX)
         target = text_name(name)
-        return target is not None and not (
-            target.removesuffix(config.fp8_scale_suffix) == "lm_head.weight" and tie_word_embeddings
+        return (
+            target is not None
+            and (has_mtp or not is_mtp(target))
+            and not (
+                target.removesuffix(config.fp8_scale_suffix) == "lm_head.weight"
+                and tie_word_embeddings
+            )
         )
 
     reader = CheckpointReader(device)
@@ -228,7 +247,9 @@ def load_weights(
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the staging copies' blocks, which later allocations would pin
     missing = sorted(
-        checkpoint_name(name, vlm_layout) for name in expected_names(params, packed) - loaded
+        checkpoint_name(name, vlm_layout)
+        for name in expected_names(params, packed) - loaded
+        if not (confined and is_mtp(name))
     )
     if missing:
         shown = ", ".join(missing[:5]) + (
@@ -348,7 +369,11 @@ def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, config: Mod
             for path in checkpoint_files(model_dir, confined):
                 for entry in read_header(path):
                     name = text_name(entry.name)
-                    if name is not None and not (name == "lm_head.weight" and tie_word_embeddings):
+                    if (
+                        name is not None
+                        and not is_mtp(name)  # optional in new weights (load_weights)
+                        and not (name == "lm_head.weight" and tie_word_embeddings)
+                    ):
                         out[name] = (entry.shape, entry.dtype)
         except (SafetensorsError, OSError) as e:
             raise CheckpointError(f"{model_dir}: {e}") from None

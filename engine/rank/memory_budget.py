@@ -64,10 +64,10 @@ class CacheSizes:
 
 
 def cache_sizes(
-    config: ModelConfig, tp_size: int, dtype: torch.dtype, block_size: int
+    config: ModelConfig, tp_size: int, dtype: torch.dtype, block_size: int, mtp: bool = False
 ) -> CacheSizes:
-    """What StateCache allocates per slot and per block."""
-    kv, conv, recurrent = cache_shapes(config, 1, 1, block_size, tp_size)
+    """What StateCache allocates per slot and per block (`mtp`: the MTP head's KV too)."""
+    kv, conv, recurrent = cache_shapes(config, 1, 1, block_size, tp_size, mtp)
     item = torch.empty((), dtype=dtype).element_size()
     return CacheSizes(
         slot_bytes=math.prod(conv) * item + math.prod(recurrent) * 4,
@@ -200,7 +200,9 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
         )
     if config.max_model_len < 1:
         raise ValueError("num_blocks=0 (size the KV cache from memory) needs max_model_len")
-    sizes = cache_sizes(executor.model_config, config.world_size, executor.dtype, config.block_size)
+    sizes = cache_sizes(
+        executor.model_config, config.world_size, executor.dtype, config.block_size, config.mtp
+    )
     lengths = profile_lengths(config.max_num_batched_tokens, config.num_slots, config.max_model_len)
     activations = _timed_profile(executor, lengths, probe)
     in_use, total = probe.in_use_and_total()
@@ -295,6 +297,7 @@ def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
         config.world_size,
         executor.dtype,
         executor.device,
+        mtp=config.mtp,
     )
     base = 1 << 62  # request ids no real request has (the executor is fresh anyway)
     items = [

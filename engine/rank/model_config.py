@@ -250,6 +250,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # decoder layers of the multi-token-prediction head (`mtp.*`, engine/rank/mtp.py) the
+    # checkpoint declares; 0: none (transformers' text configs leave the key out)
+    mtp_num_hidden_layers: int = 0
 
     def differences(self, other: ModelConfig) -> list[str]:
         """The fields in which `other` is another model (the weights' dtype may differ: they
@@ -269,6 +272,10 @@ class ModelConfig:
         ):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}, not a positive integer")
+        if self.mtp_num_hidden_layers < 0:
+            raise ConfigError(
+                f"mtp_num_hidden_layers is {self.mtp_num_hidden_layers}, not an integer >= 0"
+            )
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(
                 f"num_experts_per_tok {self.num_experts_per_tok} is more than num_experts {self.num_experts}"
@@ -434,6 +441,9 @@ class ModelConfig:
             torch_dtype=dtype or "bfloat16",
             fp8_block=fp8 and fp8[0],
             fp8_scale_suffix=fp8[1] if fp8 else FP8_SCALE_SUFFIXES["fp8"],
+            mtp_num_hidden_layers=to_number(
+                text.get("mtp_num_hidden_layers", 0), "mtp_num_hidden_layers", int
+            ),
             **({key: integer(key) for key in MOE_KEYS} if moe else {}),
         )
 
