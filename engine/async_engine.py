@@ -94,6 +94,8 @@ class AsyncEngine:
         t0 = time.monotonic()
         model_config = ModelConfig.from_model_dir(config.model)
         model_config.check_tp_size(config.tp_size)
+        if config.speculative is not None:
+            model_config.check_mtp_head()
         limits = resolve_limits(config, model_config)
         monitor = None
         if config.monitor_endpoint is not None:
@@ -146,6 +148,7 @@ class AsyncEngine:
             fp8_weights=config.fp8_weights,
             max_logprobs=self.max_logprobs,
             prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
+            max_drafts=config.speculative.num_speculative_tokens if config.speculative else 0,
             overlap_steps=config.overlap_steps,
             max_num_batched_tokens=config.max_num_batched_tokens,
             startup_timeout_s=config.startup_timeout_s,
@@ -168,6 +171,7 @@ class AsyncEngine:
                 pipeline=config.pipeline_steps,
                 prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
                 by_priority=config.scheduling_policy == "priority",
+                speculative=config.speculative,
             )
         except BaseException:
             await self._controller.shutdown()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.speculative_config import SpeculativeConfig
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
@@ -79,6 +80,8 @@ class EngineConfig:
     monitor_endpoint: str | None = None  # None: no monitor; "auto", ipc://PATH, tcp://HOST:PORT
     # guided decoding's and stop regexes' engine and bounds (engine/structured_config.py)
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    # speculative decoding with the checkpoint's MTP head (vLLM's --speculative-config); None: off
+    speculative: SpeculativeConfig | None = None
     force_mixed_steps: bool = False  # tests: the planner staggers prefills beside decodes
     fault: FaultPlan | None = None  # tests only
 
@@ -160,6 +163,11 @@ class EngineConfig:
             raise ValueError(
                 "structured_outputs must be a StructuredOutputsConfig, got "
                 f"{type(self.structured_outputs).__name__}"
+            )
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(
+                "speculative must be a SpeculativeConfig (engine/speculative_config.py), got "
+                f"{type(self.speculative).__name__}"
             )
         if self.device_ids is not None:
             if self.device != "cuda":

@@ -31,6 +31,7 @@ class PlanInput:
     prompt_len: int
     num_computed: int
     split_at: int = 0  # a position a prompt chunk must end at (engine/prefix_cache.py); 0: none
+    num_drafts: int = 0  # speculative drafts its decode verifies (engine/speculation.py)
 
     @property
     def is_decoding(self) -> bool:
@@ -54,7 +55,8 @@ class StepBudget:
 
 @dataclass(frozen=True, slots=True)
 class PlannedChunk:
-    """Positions start .. start+num_tokens-1 of one request; `sample` after the last."""
+    """Positions start .. start+num_tokens-1 of one request; `sample` after the last. A decode
+    chunk of more than one token verifies num_tokens - 1 drafts (speculative decoding)."""
 
     request_id: int
     start: int
@@ -87,16 +89,20 @@ class StepPlan:
 def plan_step(
     admitted: Sequence[PlanInput], budget: StepBudget, force_mixed: bool = False
 ) -> StepPlan:
-    """One ordered step: decode items (admission order), then prefill chunks (FCFS)."""
+    """One ordered step: decode items (admission order; each with the drafts it verifies,
+    as many as the budget leaves after one token for every decode), then prefill chunks
+    (FCFS)."""
     chunks: list[PlannedChunk] = []
     tokens_left = budget.max_num_batched_tokens
-    for req in admitted:
-        if not req.is_decoding:
-            continue
-        if len(chunks) == budget.max_num_seqs or tokens_left == 0:
+    decoding = [req for req in admitted if req.is_decoding][: budget.max_num_seqs]
+    spare = tokens_left - len(decoding)  # tokens for drafts, a decode's own token kept
+    for req in decoding:
+        if tokens_left == 0:
             break
-        chunks.append(PlannedChunk(req.request_id, req.num_computed, 1, True, True))
-        tokens_left -= 1
+        drafts = max(0, min(req.num_drafts, spare))
+        spare -= drafts
+        chunks.append(PlannedChunk(req.request_id, req.num_computed, 1 + drafts, True, True))
+        tokens_left -= 1 + drafts
     for req in admitted:
         if req.is_decoding:
             continue

@@ -61,6 +61,8 @@ from deltaserve.engine.maintenance import Maintenance
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.planner import PlanInput, PlannedChunk, StepBudget, StepPlan, plan_step
 from deltaserve.engine.prefix_cache import PrefixCache
+from deltaserve.engine.speculation import Speculation
+from deltaserve.engine.speculative_config import SpeculativeConfig
 from deltaserve.engine.stop_check import check_stop, matched_stop
 from deltaserve.engine.stop_regex import StopRegexError
 from deltaserve.engine.tick_records import Cancellation, Entry, Step, Submission
@@ -84,6 +86,7 @@ class Scheduler:
         pipeline: bool = True,
         prefix_states: int = 0,
         by_priority: bool = False,  # admission by request priority, then arrival (else arrival)
+        speculative: SpeculativeConfig | None = None,  # MTP drafts (engine/speculation.py)
     ) -> None:
         self._controller = controller
         self._tokenizer = tokenizer
@@ -95,7 +98,11 @@ class Scheduler:
         self.ledger = CapacityLedger(
             controller.num_slots, controller.num_blocks, controller.block_size
         )
-        self.prefix = PrefixCache(prefix_states, self.ledger)  # prefix caching: off with no states
+        self.spec = None if speculative is None else Speculation(speculative)
+        # with an MTP head a saved prefix's last position is its sharers' own (mtp.py)
+        self.prefix = PrefixCache(
+            prefix_states, self.ledger, private_positions=int(bool(self.spec))
+        )
         self.maintenance = Maintenance()  # new weights, a cache flush, pauses: between steps
         self.metrics = EngineMetrics()
         self.dead_reason: str | None = None
@@ -217,19 +224,7 @@ class Scheduler:
                     continue  # the load it changed is published first
                 self._admit()
                 if self._inflight is None:
-                    plan = plan_step(
-                        [
-                            PlanInput(
-                                r,
-                                e.request.prompt_len,
-                                e.request.num_computed,
-                                self.prefix.split_at(r),
-                            )
-                            for r, e in (() if self.maintenance.frozen else self._running.items())
-                        ],  # frozen: no step
-                        self._budget,
-                        self._force_mixed,
-                    )
+                    plan = plan_step(self._plan_inputs(), self._budget, self._force_mixed)
                     if not plan.chunks:
                         self._flush_outbox()
                         self._results_at = None  # idle from here: not the scheduler's overhead
@@ -247,6 +242,24 @@ class Scheduler:
             await self._fail_closed(f"internal error in the scheduler: {exc!r}")
         finally:
             self._trace.write()
+
+    def _plan_inputs(self) -> list[PlanInput]:
+        """What the planner needs of every running request (none while frozen), with the
+        drafts each decoding one verifies (speculative decoding)."""
+        running = [] if self.maintenance.frozen else [e.request for e in self._running.values()]
+        spec = self.spec
+        if spec is not None:
+            spec.choose(sum(not r.is_prefilling for r in running))
+        return [
+            PlanInput(
+                r.request_id,
+                r.prompt_len,
+                r.num_computed,
+                self.prefix.split_at(r.request_id),
+                spec.num_drafts(r) if spec is not None and not r.is_prefilling else 0,
+            )
+            for r in running
+        ]
 
     async def _wait_for_work(self) -> None:
         self._wake_event.clear()
@@ -341,6 +354,8 @@ class Scheduler:
         """What the ranks held for an admitted request is free: its slot, blocks, cache plan."""
         self.ledger.release(request_id)
         self.prefix.forget(request_id)
+        if self.spec is not None:
+            self.spec.forget(request_id)
 
     def _state(self) -> EngineState:
         return (
@@ -355,6 +370,8 @@ class Scheduler:
         """Counts as they stand; once failed closed, idle (every reservation is void)."""
         plan, failed = self._last_plan, self.dead_reason is not None
         num_decodes = plan.num_decodes if plan else 0
+        decode_tokens = sum(c.num_tokens for c in plan.chunks if c.is_decode) if plan else 0
+        m = self.metrics
         dropping = len(self._inflight.drops) if self._inflight is not None else 0
         return LoadSnapshot(
             state=self._state(),
@@ -365,11 +382,19 @@ class Scheduler:
             num_slots=self.ledger.num_slots,
             num_blocks=self.ledger.num_blocks,
             steps_total=self.metrics.steps_total,
-            step_prefill_tokens=plan.num_tokens - num_decodes if plan else 0,
+            step_prefill_tokens=plan.num_tokens - decode_tokens if plan else 0,
             step_decode_tokens=num_decodes,
+            step_draft_tokens=decode_tokens - num_decodes,
             step_duration_s=self._last_step_s if plan else 0.0,
-            prompt_tokens_total=self.metrics.prompt_tokens_total,
-            generation_tokens_total=self.metrics.generation_tokens_total,
+            prompt_tokens_total=m.prompt_tokens_total,
+            generation_tokens_total=m.generation_tokens_total,
+            spec_decode_num_drafts_total=m.spec_decode_num_drafts_total,
+            spec_decode_num_draft_tokens_total=m.spec_decode_num_draft_tokens_total,
+            spec_decode_num_accepted_tokens_total=m.spec_decode_num_accepted_tokens_total,
+            spec_decode_accepted_per_position=[
+                m.spec_decode_num_accepted_tokens_per_pos.get(position, 0)
+                for position in range(self.spec.max_drafts if self.spec else 0)
+            ],
         )
 
     def _publish_load(self) -> None:
@@ -432,9 +457,15 @@ class Scheduler:
                 if not c.is_decode
             ]
         )
+        if self.spec is not None:
+            self.spec.begin_step()
         for chunk in plan.chunks:
             request = self._running[chunk.request_id].request
-            tokens = request.input_tokens(chunk.start, chunk.num_tokens)
+            num_drafts = propose = 0
+            if self.spec is None:
+                tokens = request.input_tokens(chunk.start, chunk.num_tokens)
+            else:  # a verify item carries its drafts
+                tokens, num_drafts, propose = self.spec.item_fields(request, chunk)
             new = None
             if not request.on_ranks:
                 spec = request.params.to_spec(request.seed, self._eos_token_ids)
@@ -449,6 +480,8 @@ class Scheduler:
                     new,
                     saves.get(chunk.request_id, -1),
                     *request.prompt_logprobs_fields(chunk.start, chunk.num_tokens, chunk.is_decode),
+                    num_drafts=num_drafts,
+                    propose=propose,
                 )
             )
         self._notify_plan(plan)
@@ -468,6 +501,7 @@ class Scheduler:
             or self._inbox
             or self.maintenance.frozen
             or not self._controller.can_follow
+            or (self.spec is not None and self.spec.active)  # its drafts or positions come back
         ):
             return None
         if self._waiting and (
@@ -541,16 +575,29 @@ class Scheduler:
             entry = self._entries.get(chunk.request_id)
             if entry is None or entry.request.is_finished:
                 continue
-            entry.request.advance(chunk.num_tokens)
+            request = entry.request
+            verified = chunk.num_tokens - 1 if chunk.is_decode else 0  # its drafts
+            accepted: list[Sample] = []  # the drafts it kept, emitted before its sample
+            if (outcome := samples.speculative.get(chunk.request_id)) is not None:
+                accepted = self.spec.outcome(request, outcome, self.metrics)
+            if verified:  # the ranks hold the positions up to the last draft taken
+                request.mark_sent(chunk.start + 1 + len(accepted))
+            request.advance(chunk.num_tokens - verified)
             if (
                 part := samples.prompt_logprobs.get(chunk.request_id)
             ) is not None:  # the chunks that asked
-                entry.request.prompt_logprob_parts.append(part)
+                request.prompt_logprob_parts.append(part)
             if chunk.sample:
                 if not chunk.is_decode:
-                    self.metrics.prompt_tokens_total += entry.request.prompt_len
+                    self.metrics.prompt_tokens_total += request.prompt_len
                 if (failure := samples.failed.get(chunk.request_id)) is not None:
                     self._end_failed(entry, failure)
+                    continue
+                for sample in accepted:
+                    self._commit_sample(entry, sample, now)
+                    if request.is_finished:  # a stop or max_tokens inside the accepted run
+                        break
+                    request.advance(1)
                 else:
                     self._commit_sample(entry, samples.sample(row), now)
 
@@ -637,8 +684,8 @@ class Scheduler:
             listener(plan)
 
     def _deliver(self, entry: Entry, event: Event) -> None:
-        if self._outbox and not isinstance(event, TokenEvent):
-            self._flush_outbox()  # a request's tokens always reach its owner before its end
+        if self._outbox:  # a request's tokens, in order, before its last (held) one and its end
+            self._flush_outbox()
         if (
             isinstance(event, FinishedEvent) and event.reason == "abort"
         ):  # with its held-back text (vLLM too)

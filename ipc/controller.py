@@ -217,7 +217,12 @@ class ReplicaController:
         waiting for it: await `flight.gate` (released?) and `step_result(flight)`."""
         self._check_open()
         plan = check_plan(
-            items, self.model_config.vocab_size, drops, self.config.max_logprobs, saves
+            items,
+            self.model_config.vocab_size,
+            drops,
+            self.config.max_logprobs,
+            saves,
+            self.config.max_drafts,
         )
         await self._acquire()
         return self._begin(
@@ -244,7 +249,12 @@ class ReplicaController:
         the step in flight."""
         self._check_open()
         plan = check_plan(
-            items, self.model_config.vocab_size, drops, self.config.max_logprobs, saves
+            items,
+            self.model_config.vocab_size,
+            drops,
+            self.config.max_logprobs,
+            saves,
+            self.config.max_drafts,
         )
         if not self.can_follow:
             return None

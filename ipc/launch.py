@@ -50,6 +50,7 @@ class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt_graph_tokens: int = 2048  # ... and prompt steps of up to this many tokens
     fp8_weights: str = "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8
     prefix_states: int = 0  # saved prefix states (prefix caching); 0: off
+    mtp: bool = False  # speculative decoding: load the MTP head and keep its KV (mtp.py)
     overlap_steps: bool = False  # queue a pipelined follower before finishing the step ahead
     noop_executor: bool = False  # benchmarks only
     noop_step_s: float = (

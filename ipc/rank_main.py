@@ -163,6 +163,7 @@ def build_executor(config: RankConfig) -> object:
             prompt_graph_tokens=config.prompt_graph_tokens,
             prefix_states=config.prefix_states,
             fp8_weights=config.fp8_weights,
+            mtp=config.mtp,
         )
     )
 
@@ -336,7 +337,9 @@ class RankServer:
         samples = self.executor.finish_step(step)
         if self.rank != 0:
             return Ack(self.rank, seq)
-        columns = SampleColumns.from_samples(samples, step.prompt_logprobs, step.failed)
+        columns = SampleColumns.from_samples(
+            samples, step.prompt_logprobs, step.failed, step.speculative
+        )
         return StepResult(self.rank, seq, columns)
 
     def handle(self, frame: bytes, receipted: bool = False) -> bool:

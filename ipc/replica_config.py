@@ -31,6 +31,7 @@ class ReplicaConfig:
     fp8_weights: str = "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8
     max_logprobs: int = 20  # a step item's logprobs and prompt logprobs at most (ipc/validate.py)
     prefix_states: int = 0  # saved prefix states each rank keeps (prefix caching); 0: off
+    max_drafts: int = 0  # speculative decoding's drafts per step item at most; 0: off (no MTP)
     overlap_steps: bool | None = (
         None  # ranks queue a follower before finishing the step; None: on cuda
     )
@@ -64,6 +65,7 @@ class ReplicaConfig:
             prompt_graph_tokens=self.prompt_graph_tokens,
             fp8_weights=self.fp8_weights,
             prefix_states=self.prefix_states,
+            mtp=self.max_drafts > 0,
             overlap_steps=(
                 self.device == "cuda" if self.overlap_steps is None else self.overlap_steps
             )

@@ -64,6 +64,7 @@ MOE_KEYS = (
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
 )
+MTP_LAYERS = 1  # mtp_num_hidden_layers that speculative decoding runs
 JSON_KINDS = {
     type(None): "null",
     bool: "a boolean",
@@ -323,6 +324,17 @@ class ModelConfig:
     @property
     def linear_attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    def check_mtp_head(self) -> None:
+        """ValueError naming `mtp_num_hidden_layers` unless the checkpoint declares the one MTP
+        layer speculative decoding runs (engine/rank/mtp.py; every release declares 1)."""
+        if self.mtp_num_hidden_layers != MTP_LAYERS:
+            what = "no MTP head" if self.mtp_num_hidden_layers == 0 else "MTP layers"
+            raise ValueError(
+                f"speculative decoding (method mtp) needs the checkpoint's MTP head: its config "
+                f"declares mtp_num_hidden_layers={self.mtp_num_hidden_layers} ({what}); only "
+                f"{MTP_LAYERS} is supported"
+            )
 
     def check_tp_size(self, tp_size: int) -> None:
         """Raise ValueError unless `tp_size` splits every head group evenly."""

@@ -39,20 +39,6 @@ from deltaserve.engine.rank.transfer import to_device
 from deltaserve.kernels.rope import KVStore, norm_rope
 from deltaserve.kernels.triton_compat import gpu_path
 
-SUPPORTED_MTP_LAYERS = 1  # mtp_num_hidden_layers we run (every release declares 1)
-
-
-def check_mtp_layers(config: ModelConfig) -> None:
-    """ValueError naming `mtp_num_hidden_layers` unless the checkpoint has the one MTP layer
-    this head runs."""
-    if config.mtp_num_hidden_layers != SUPPORTED_MTP_LAYERS:
-        what = "no MTP head" if config.mtp_num_hidden_layers == 0 else "MTP layers"
-        raise ValueError(
-            f"speculative decoding (method mtp) needs the checkpoint's MTP head: its config "
-            f"declares mtp_num_hidden_layers={config.mtp_num_hidden_layers} ({what}); "
-            f"only {SUPPORTED_MTP_LAYERS} is supported"
-        )
-
 
 class MultiTokenPredictor(nn.Module):
     """`mtp.*` of a checkpoint, sharded under tensor parallelism as the model's layers are: fc
@@ -61,7 +47,7 @@ class MultiTokenPredictor(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        check_mtp_layers(config)
+        config.check_mtp_head()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps, dtype, device)
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps, dtype, device)
