@@ -4,7 +4,7 @@
 problem), assigns engine RequestIds (never reused) and seeds, and hands the choices to the
 scheduler tick, which owns all request state from then on (engine/scheduler.py). Params with
 a structured-output constraint or stop regexes are compiled first, off the event loop:
-`params = await engine.prepare(params)` (engine/guided.py); `generate` refuses them otherwise.
+`params = await engine.prepare(params)` (engine/guides.py); `generate` refuses them otherwise.
 Tokenizing a large text takes seconds (~1 s per MiB): `await engine.encode(text)` (or
 `run_tokenizer`, e.g. for a chat template) does it in a worker thread, off the event loop,
 and `generate` then takes the ids. The HTTP server always goes that way.
@@ -36,12 +36,14 @@ from deltaserve.engine.events import (
     QueueFullError,
 )
 from deltaserve.engine.grammar_worker import Setup
-from deltaserve.engine.guided import Guides
+from deltaserve.engine.guides import Guides
 from deltaserve.engine.maintenance import PAUSE_MODES, Kind, PauseMode
+from deltaserve.engine.media import MediaError, MediaFetcher, MediaProcessor, MediaSource
+from deltaserve.engine.media_prompt import MultimodalPrompt
 from deltaserve.engine.metrics import EngineMetrics
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams, wire_seed
 from deltaserve.engine.scheduler import Scheduler
@@ -53,6 +55,7 @@ from deltaserve.engine.tokenizer import (
     eos_token_ids,
     load_tokenizer,
 )
+from deltaserve.engine.vision_config import VisionConfig
 from deltaserve.ipc.controller import ReplicaConfig, ReplicaController
 from deltaserve.ipc.messages import SLEEP_TAGS, SnapshotReply
 
@@ -70,6 +73,7 @@ class AsyncEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self._media: MediaProcessor | None = None  # the checkpoint's processor, on first use
         # a request's logprobs and prompt_logprobs at most (EngineConfig.max_logprobs; -1: the vocabulary)
         self.max_logprobs = (
             model_config.vocab_size if config.max_logprobs == -1 else config.max_logprobs
@@ -273,6 +277,37 @@ class AsyncEngine:
             return fn(self.tokenizer)
         return await self._tokenizer_worker.run(fn)
 
+    async def media_prompt(self, text: str, sources: list[MediaSource]) -> MultimodalPrompt:
+        """A rendered chat prompt whose template placed `sources` (images and videos, in
+        order) as token ids and media: fetched here, decoded and preprocessed off the event
+        loop by the checkpoint's processor (engine/media.py); MediaError (a ValueError)
+        names the part it refuses."""
+        vision = VisionConfig.from_model_dir(self.config.model)
+        if vision is None:
+            raise MediaError(
+                f"{sources[0].part}: the model {self.config.model} has no vision tower"
+            )
+        if self._media is None:
+            self._media = MediaProcessor(
+                self.config.model, self.tokenizer, vision, self.config.media, self._media_dtype()
+            )
+        processor = self._media
+        processor.check_counts(
+            sum(s.kind == "image" for s in sources), sum(s.kind == "video" for s in sources)
+        )
+        fetcher = MediaFetcher(self.config.media)
+        loaded = [(source, await fetcher.fetch(source.url, source.part)) for source in sources]
+        return await self.run_tokenizer(
+            lambda _: processor.prompt(text, loaded), INLINE_TOKENIZE_CHARS + 1
+        )
+
+    def _media_dtype(self) -> str:
+        """The dtype pixels travel in: the model's (the tower casts them to it anyway)."""
+        if self.config.device == "cpu" and self.config.dtype == "auto":
+            return "float32"
+        name = self.config.dtype if self.config.dtype != "auto" else self.model_config.torch_dtype
+        return {"fp32": "float32", "bf16": "bfloat16"}.get(name, name)
+
     async def encode(self, text: str) -> list[int]:
         """The token ids `generate(text, ...)` would use, without blocking the event loop on
         a large text; pass them to `generate`."""
@@ -285,7 +320,7 @@ class AsyncEngine:
     async def prepare(self, params: SamplingParams) -> SamplingParams:
         """`params` ready for `generate`: their structured-output constraint and stop regexes
         compiled in the compile worker, off the event loop, each text once (failures too;
-        engine/guided.py). Raises ValueError naming the field and the bound or the error,
+        engine/guides.py). Raises ValueError naming the field and the bound or the error,
         and EngineDeadError; params with nothing to compile come back as they are."""
         self._check_alive()
         if not isinstance(params, SamplingParams):
@@ -424,6 +459,7 @@ class AsyncEngine:
                     seed=self._seed(params, index),
                     arrival_time_s=now,
                     priority=priority,
+                    multimodal=prompt if isinstance(prompt, MultimodalPrompt) else None,
                 )
             )
         ids = tuple(r.request_id for r in requests)
@@ -446,22 +482,9 @@ class AsyncEngine:
         model_dir = str(model_dir)
 
         def check() -> None:  # in a worker thread: it imports torch, which serving never needs else
-            from deltaserve.engine.rank.loader import check_same_tensors
+            from deltaserve.engine.checkpoint_files import check_new_weights
 
-            try:
-                config = ModelConfig.from_model_dir(model_dir)
-            except (OSError, ValueError):  # its message could quote a file that is no config
-                raise ValueError(
-                    f"{model_dir} is not a checkpoint of the served model: it has no config.json "
-                    "that reads as a model's config"
-                ) from None
-            differences = self.model_config.differences(config)
-            if differences:
-                raise ValueError(
-                    f"{model_dir} is not the served model: its config.json differs in "
-                    f"{', '.join(differences)}"
-                )
-            check_same_tensors(self.weights_dir, model_dir, self.model_config)
+            check_new_weights(self.weights_dir, model_dir, self.model_config)
 
         await asyncio.to_thread(check)
         done = self._maintain("load_weights", model_dir)  # admission held from here
@@ -558,7 +581,16 @@ class AsyncEngine:
         if self._streams.get(sink.client_id) is sink:
             del self._streams[sink.client_id]
 
-    def _prompt_ids(self, prompt: str | list[int]) -> tuple[int, ...]:
+    def _prompt_ids(self, prompt: str | list[int] | MultimodalPrompt) -> tuple[int, ...]:
+        if isinstance(prompt, MultimodalPrompt):
+            budget = self.config.max_num_batched_tokens
+            for i, item in enumerate(prompt.media):
+                if item.num_patches > budget:
+                    raise ValueError(
+                        f"media {i}: {item.num_patches} patches, more than a step encodes "
+                        f"(max_num_batched_tokens {budget}); send it smaller or lower max_pixels"
+                    )
+            prompt = list(prompt.ids)
         if isinstance(prompt, str):
             ids = _encode_text(self.tokenizer, prompt)
         elif isinstance(prompt, list | tuple):

@@ -10,10 +10,11 @@ their `Ready`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.media import MediaConfig
+from deltaserve.engine.model_config import FP8_WEIGHTS, ModelConfig
 from deltaserve.engine.speculative_config import SpeculativeConfig
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 
@@ -24,10 +25,6 @@ DEFAULT_MAX_MODEL_LEN = 8192
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
 DEVICES = ("cpu", "cuda")
 DEFAULT_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
-FP8_WEIGHTS = (
-    "widen",
-    "keep",
-)  # an FP8 checkpoint's projections: widened as they load, or kept FP8
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +81,10 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     force_mixed_steps: bool = False  # tests: the planner staggers prefills beside decodes
     fault: FaultPlan | None = None  # tests only
+
+    # images and video (engine/media.py): vLLM's --limit-mm-per-prompt, --mm-processor-kwargs,
+    # --allowed-local-media-path
+    media: MediaConfig = field(default_factory=MediaConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

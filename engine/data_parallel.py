@@ -30,6 +30,8 @@ from typing import Any, TypeVar
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.events import EngineDeadError, LoadSnapshot
+from deltaserve.engine.media import MediaSource
+from deltaserve.engine.media_prompt import MultimodalPrompt
 from deltaserve.engine.metrics import EngineMetrics, summed_metrics
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.stream import RequestStream
@@ -219,6 +221,11 @@ class DataParallelEngine:
     async def encode(self, text: str) -> list[int]:
         self._check_alive()
         return await self.replicas[0].encode(text)
+
+    async def media_prompt(self, text: str, sources: list[MediaSource]) -> MultimodalPrompt:
+        """As AsyncEngine.media_prompt: one replica's processor serves all."""
+        self._check_alive()
+        return await self.replicas[0].media_prompt(text, sources)
 
     def _check_alive(self) -> None:
         if (reason := self.dead_reason) is not None:

@@ -14,7 +14,7 @@ With `include_stop_str` the text ends after the stop string instead, and nothing
 As vLLM's detokenizer, stop strings are looked for only once more than `min_tokens` tokens
 were added, and only where they end in the text of those later tokens (a stop string that
 began earlier still counts). Stop regexes (SGLang's) are watched on the same text by
-engine/stop_regex.py (their matchers, compiled by the engine: `stop_regex_templates`); their
+engine/guided/stop_regex.py (their matchers, compiled by the engine: `stop_regex_templates`); their
 match is kept, and one past its bound raises StopRegexError from `add`.
 
 `skip_special_tokens=False` keeps special tokens' text. vLLM's `spaces_between_special_tokens`
@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from deltaserve.engine.stop_regex import StopRegexWatch, StopTemplate
+from deltaserve.engine.guided.stop_regex import StopRegexWatch, StopTemplate
 
 if TYPE_CHECKING:
     from deltaserve.engine.sampling_params import SamplingParams

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.model_config import ConfigError, ModelConfig
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
-from deltaserve.engine.rank.model_config import ConfigError, ModelConfig
 from deltaserve.engine.sampling_params import SamplingParams, wire_seed
 from deltaserve.engine.tokenizer import eos_token_ids, generation_sampling_defaults
 from deltaserve.ipc.messages import NewRequest, Sample, StepItem

@@ -4,10 +4,11 @@ off the event loop, under a time and a memory limit it cannot get past.
 A constraint compiles when llguidance builds its matcher on the model's vocabulary and its
 first token mask, within the lexer-state limit and the mask-time bound; a stop regex when its
 matcher on the 256 bytes does not match the empty text. The worker answers with the grammar
-(engine/guide_grammar.py) or the error; engine/guided.py caches either. A compile that runs
+(engine/guided/grammar.py) or the error; engine/guides.py caches either. A compile that runs
 past `compile_timeout_s`, or grows the worker past `max_grammar_memory_mb`, gets the worker
-killed (SIGKILL: llguidance cannot be interrupted) and a fresh one started for the next job;
-a worker grown that much by the compiles it finished is replaced too. One job at a time.
+killed (SIGKILL: llguidance cannot be interrupted) and a fresh one started for the next job.
+Memory is polled during a job and the job's peak (VmHWM, reset before each job) read after
+it, so a compile too quick for the poll is still held to the bound. One job at a time.
 
 Frames on the worker's stdin and stdout: a 4-byte big-endian length, then msgpack.
 
@@ -85,6 +86,7 @@ class GrammarWorker:
         killed. Raises WorkerFailed when no worker can be started."""
         async with self._lock:
             proc = await self._started()
+            _reset_peak_rss(proc.pid)
             before = _rss(proc.pid)
             self.jobs += 1
             proc.stdin.write(_frame(msgspec.msgpack.encode(job)))
@@ -93,10 +95,14 @@ class GrammarWorker:
                 outcome = await self._watch(proc, read, before)
             finally:
                 read.cancel()
+            if outcome is not None and _peak_rss(proc.pid) - before > self._limit_bytes:
+                self.restarts += 1
+                await self._kill()
+                return self._too_big
             if outcome is not None:
                 grown = _rss(proc.pid) - self._idle_rss
-                if grown > self._config.max_grammar_memory_mb * 2**20:
-                    log.info("compile worker grew %d MiB: replaced", grown >> 20)
+                if grown > self._limit_bytes:
+                    log.info("compile worker grew %d MiB over its jobs: replaced", grown >> 20)
                     await self._kill()
                 return outcome
             return await self._failed(read)
@@ -107,7 +113,6 @@ class GrammarWorker:
         """The reply, or None where a bound was crossed or the worker died (`read` says)."""
         config = self._config
         deadline = time.monotonic() + config.compile_timeout_s
-        limit = config.max_grammar_memory_mb * 2**20
         late = Outcome(
             error=f"compiling took longer than compile_timeout_s ({config.compile_timeout_s:g} s)"
         )
@@ -127,13 +132,19 @@ class GrammarWorker:
                 self.restarts += 1
                 await self._kill()
                 return late
-            if _rss(proc.pid) - before > limit:
+            if _rss(proc.pid) - before > self._limit_bytes:
                 self.restarts += 1
                 await self._kill()
-                return Outcome(
-                    error=f"compiling needed more than max_grammar_memory_mb "
-                    f"({config.max_grammar_memory_mb} MiB)"
-                )
+                return self._too_big
+
+    @property
+    def _limit_bytes(self) -> int:
+        return self._config.max_grammar_memory_mb * 2**20
+
+    @property
+    def _too_big(self) -> Outcome:
+        limit = self._config.max_grammar_memory_mb
+        return Outcome(error=f"compiling needed more than max_grammar_memory_mb ({limit} MiB)")
 
     async def _failed(self, read: asyncio.Future) -> Outcome:
         """The worker died mid-job (killed from outside, or a crash in the library)."""
@@ -206,6 +217,23 @@ def _rss(pid: int) -> int:
         return 0
 
 
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident bytes since its last _reset_peak_rss (0 once gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
+
+
+def _reset_peak_rss(pid: int) -> None:
+    """Start the peak over at the present resident size (Linux: clear_refs 5)."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
 # ---- the worker's side ------------------------------------------------------------------------
 
 
@@ -214,13 +242,9 @@ def compile_job(job: Job, tokenizer: object, setup: Setup) -> Outcome:
     from llguidance import LLMatcher
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-    from deltaserve.engine.guide_grammar import (
-        byte_tokenizer,
-        constraint_grammar,
-        error_summary,
-        parser_limits,
-    )
-    from deltaserve.engine.stop_regex import stop_regex_grammar
+    from deltaserve.engine.guided.grammar import constraint_grammar
+    from deltaserve.engine.guided.runtime import byte_tokenizer, error_summary, parser_limits
+    from deltaserve.engine.guided.stop_regex import stop_regex_grammar
 
     limits = parser_limits(setup.max_lexer_states)
     started = time.perf_counter()

@@ -10,6 +10,11 @@ tokens only when every earlier prompt has been scheduled to its end.
 
 A prompt's chunk never runs past its `split_at` (the prefix cache saves its state there).
 
+Images and video count in the budget as what the vision tower encodes in the step: a chunk
+that holds a medium's first token also spends its patches; one that cannot afford them ends
+before that token (or, at its start, waits for the next step), so the encoder never stretches
+a step past what a prompt chunk of the budget would cost.
+
 `force_mixed` (tests) staggers prefills so that prefill and decode share steps: at most one
 request prefills per step, in chunks of at most FORCED_CHUNK_TOKENS tokens.
 """
@@ -31,6 +36,7 @@ class PlanInput:
     prompt_len: int
     num_computed: int
     split_at: int = 0  # a position a prompt chunk must end at (engine/prefix_cache.py); 0: none
+    media: tuple[tuple[int, int], ...] = ()  # (first token, patches) of each image or video
     num_drafts: int = 0  # speculative drafts its decode verifies (engine/speculation.py)
 
     @property
@@ -114,10 +120,28 @@ def plan_step(
             size = min(size, req.split_at - req.num_computed)
         if force_mixed:
             size = min(size, FORCED_CHUNK_TOKENS)
+        size, encoded = fit_media(req, size, tokens_left)
+        if size == 0:
+            break  # its next image waits for a step with room for its patches
         chunks.append(
             PlannedChunk(req.request_id, req.num_computed, size, False, size == remaining)
         )
-        tokens_left -= size
+        tokens_left -= size + encoded
         if force_mixed or size < remaining:
             break  # FCFS: nothing later goes ahead of an unfinished prompt
     return StepPlan(tuple(chunks))
+
+
+def fit_media(req: PlanInput, size: int, tokens_left: int) -> tuple[int, int]:
+    """(chunk size, patches encoded): the chunk of `size` tokens from `req.num_computed`, cut
+    before the first image whose patches it cannot afford with the chunk's tokens."""
+    start = req.num_computed
+    encoded = 0
+    for first, patches in req.media:
+        if not start <= first < start + size:
+            continue
+        if first - start + 1 + encoded + patches > tokens_left:
+            return first - start, encoded
+        encoded += patches
+        size = min(size, tokens_left - encoded)
+    return size, encoded

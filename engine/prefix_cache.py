@@ -113,7 +113,7 @@ class PrefixCache:
 
     def plan(self, request: Request) -> PromptPlan:
         """Hash the request's prompt and find the prefix it could start from (not yet taken)."""
-        prompt, bs = request.prompt_ids, self.block_size
+        prompt, bs = request.cache_ids, self.block_size
         if not self.enabled:
             return PromptPlan([], None, 0)
         hashes = self._hashes(prompt)
@@ -255,7 +255,7 @@ class PrefixCache:
             self._end_split(plan)
         shared = end != request.prompt_len and not plan.for_siblings
         return self._record(
-            request, request.prompt_ids, end, plan.hashes[end // self.block_size - 1], shared, keep
+            request, request.cache_ids, end, plan.hashes[end // self.block_size - 1], shared, keep
         )
 
     def saves_at_end(self, requests: Iterable[Request]) -> list[SaveOnDrop]:
@@ -272,7 +272,7 @@ class PrefixCache:
                 or end <= request.prompt_len
                 or end < bs
                 or request.finish_reason in ("abort", "error")
-                or (ids := request.sent_ids) is None
+                or (ids := request.sent_cache_ids) is None
             ):
                 continue
             key = plan.hashes[-1] if plan.hashes else 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from deltaserve.engine.events import PromptLogprobsEvent
+from deltaserve.engine.media_prompt import MultimodalPrompt
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.ipc.messages import PromptLogprobs
 
@@ -57,6 +58,7 @@ class Request:
     seed: int  # resolved: the caller's seed (+ index) or one drawn at submit
     arrival_time_s: float
     priority: int = 0  # admitted before higher values under the priority policy
+    multimodal: MultimodalPrompt | None = None  # a prompt with images or video: their media
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0  # positions whose state the ranks hold
     num_cached: int = 0  # prompt positions taken from a saved prefix (engine/prefix_cache.py)
@@ -163,6 +165,25 @@ class Request:
         if self.num_sent > self.num_tokens:
             return None
         return (*self.prompt_ids, *self._output_ids)[: self.num_sent]
+
+    @property
+    def media_costs(self) -> tuple[tuple[int, int], ...]:
+        """(first token, patches) of each image or video: the planner's (engine/planner.py)."""
+        if self.multimodal is None:
+            return ()
+        return tuple((item.first, item.num_patches) for item in self.multimodal.media)
+
+    @property
+    def cache_ids(self) -> tuple[int, ...]:
+        """The prompt as the prefix cache keys it: placeholder tokens stand for their image."""
+        return self.prompt_ids if self.multimodal is None else self.multimodal.cache_ids()
+
+    @property
+    def sent_cache_ids(self) -> tuple[int, ...] | None:
+        """`sent_ids` as the prefix cache keys them (`cache_ids`, then the output)."""
+        if self.num_sent > self.num_tokens:
+            return None
+        return (*self.cache_ids, *self._output_ids)[: self.num_sent]
 
     def advance(self, num_tokens: int) -> None:
         """A step ran `num_tokens` more of its positions."""

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from deltaserve.ipc.messages import GuideLimits, SamplingSpec
 
 if TYPE_CHECKING:
-    from deltaserve.engine.stop_regex import StopTemplate
+    from deltaserve.engine.guided.stop_regex import StopTemplate
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16

@@ -47,6 +47,7 @@ import msgspec
 
 from deltaserve.engine.capacity import CapacityLedger
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.encoder_cache import EncoderCacheIndex
 from deltaserve.engine.events import (
     EngineState,
     ErrorEvent,
@@ -57,14 +58,15 @@ from deltaserve.engine.events import (
     TokenEvent,
     Transition,
 )
+from deltaserve.engine.guided.stop_regex import StopRegexError
 from deltaserve.engine.maintenance import Maintenance
+from deltaserve.engine.media_prompt import chunk_media
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.planner import PlanInput, PlannedChunk, StepBudget, StepPlan, plan_step
 from deltaserve.engine.prefix_cache import PrefixCache
 from deltaserve.engine.speculation import Speculation
 from deltaserve.engine.speculative_config import SpeculativeConfig
 from deltaserve.engine.stop_check import check_stop, matched_stop
-from deltaserve.engine.stop_regex import StopRegexError
 from deltaserve.engine.tick_records import Cancellation, Entry, Step, Submission
 from deltaserve.engine.waiting_queue import WaitingQueue
 from deltaserve.ipc.controller import ReplicaPoisoned
@@ -103,6 +105,7 @@ class Scheduler:
         self.prefix = PrefixCache(
             prefix_states, self.ledger, private_positions=int(bool(self.spec))
         )
+        self.encoder_index = EncoderCacheIndex()  # the images each rank keeps encoded, alike
         self.maintenance = Maintenance()  # new weights, a cache flush, pauses: between steps
         self.metrics = EngineMetrics()
         self.dead_reason: str | None = None
@@ -256,6 +259,7 @@ class Scheduler:
                 r.prompt_len,
                 r.num_computed,
                 self.prefix.split_at(r.request_id),
+                r.media_costs,
                 spec.num_drafts(r) if spec is not None and not r.is_prefilling else 0,
             )
             for r in running
@@ -469,7 +473,13 @@ class Scheduler:
             new = None
             if not request.on_ranks:
                 spec = request.params.to_spec(request.seed, self._eos_token_ids)
-                new = NewRequest(request.reserve_tokens, spec, prefix.start_of(chunk.request_id))
+                new = NewRequest(
+                    request.reserve_tokens,
+                    spec,
+                    prefix.start_of(chunk.request_id),
+                    request.multimodal.vision_spans() if request.multimodal else [],
+                )
+            media = chunk_media(request.multimodal, chunk, new is not None, self.encoder_index)
             request.mark_sent(chunk.start + chunk.num_tokens)
             items.append(
                 StepItem(
@@ -480,6 +490,7 @@ class Scheduler:
                     new,
                     saves.get(chunk.request_id, -1),
                     *request.prompt_logprobs_fields(chunk.start, chunk.num_tokens, chunk.is_decode),
+                    media,
                     num_drafts=num_drafts,
                     propose=propose,
                 )

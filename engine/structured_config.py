@@ -1,6 +1,6 @@
 """Structured outputs' engine and bounds (vLLM's `--structured-outputs-config`).
 
-Guided decoding and stop regexes run on llguidance (engine/guided.py): its Earley parser and
+Guided decoding and stop regexes run on llguidance (engine/guides.py): its Earley parser and
 lazy lexer come with limits of their own, and these bounds sit around it, each with a
 default that no request can get past:
 - a constraint's text (a schema, a regex, a grammar, a structural tag, the choices) is at

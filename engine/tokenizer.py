@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from deltaserve.engine.rank.model_config import (
+from deltaserve.engine.model_config import (
     ConfigError,
     ModelConfig,
     read_json_object,

@@ -18,6 +18,7 @@ from typing import Any
 
 from deltaserve.http.errors import bad_request, unsupported
 from deltaserve.http.json_fields import json_object
+from deltaserve.http.media_parts import anthropic_image
 from deltaserve.http.protocol import TEXT_PART_SEPARATOR
 
 _KEYS = frozenset(
@@ -157,11 +158,15 @@ def chat_messages(value: object) -> list[dict[str, Any]]:
 
 def _user(blocks: list[Any], at: str) -> list[dict[str, Any]]:
     """Tool results as tool messages, then the text as one user message."""
-    tools, texts = [], []
+    tools, texts, parts = [], [], []
     for j, block in enumerate(blocks):
-        kind = _kind(block, f"{at}.content[{j}]", ("text", "tool_result"))
+        kind = _kind(block, f"{at}.content[{j}]", ("text", "image", "tool_result"))
+        if kind == "image":
+            parts.append(anthropic_image(block, f"{at}.content[{j}]"))
+            continue
         if kind == "text":
             texts.append(_string(block, "text", f"{at}.content[{j}]"))
+            parts.append({"type": "text", "text": texts[-1]})
             continue
         tool_use_id = _string(block, "tool_use_id", f"{at}.content[{j}]")
         result = block.get("content") or ""
@@ -172,6 +177,8 @@ def _user(blocks: list[Any], at: str) -> list[dict[str, Any]]:
                 if _kind(part, f"{at}.content[{j}].content", ("text",))
             )
         tools.append({"role": "tool", "tool_call_id": tool_use_id, "content": result})
+    if len(parts) > len(texts):  # images: the parts, in order, for the template
+        return [*tools, {"role": "user", "content": parts}]
     return tools + (
         [{"role": "user", "content": TEXT_PART_SEPARATOR.join(texts)}] if texts or not tools else []
     )

@@ -25,6 +25,7 @@ from deltaserve.http.json_fields import (
     opt_int,
     opt_str,
 )
+from deltaserve.http.media_parts import OPENAI_MEDIA_PARTS, openai_part
 from deltaserve.http.structured_output import STRUCTURED_OUTPUT_KEYS, Guided, parse_guided
 from deltaserve.http.tool_protocol import TOOL_MESSAGE_KEYS, parse_tool_fields, tool_message_fields
 
@@ -707,7 +708,8 @@ def _messages(obj: dict[str, Any]) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
-def _content(content: object, where: str) -> str:
+def _content(content: object, where: str) -> str | list[dict[str, Any]]:
+    """A message's text; with images or video, its parts as the template takes them."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -716,14 +718,19 @@ def _content(content: object, where: str) -> str:
             f"{json_type(content)}",
             "messages",
         )
-    texts = []
+    texts, parts = [], []
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
         if not isinstance(part, dict):
             raise bad_request(f"{at} must be an object, got {json_type(part)}", "messages")
+        if part.get("type") in OPENAI_MEDIA_PARTS:
+            parts.append(openai_part(part, at))
+            continue
         if part.get("type") != "text":
             raise unsupported(
-                f"{at}.type", f"only text content parts are supported, got {part.get('type')!r}"
+                f"{at}.type",
+                f"only text, image_url and video_url content parts are supported, got "
+                f"{part.get('type')!r}",
             )
         for key in part:
             if key not in ("type", "text"):
@@ -732,6 +739,9 @@ def _content(content: object, where: str) -> str:
         if not isinstance(text, str):
             raise bad_request(f"{at}.text must be a string, got {json_type(text)}", "messages")
         texts.append(text)
+        parts.append({"type": "text", "text": text})
+    if len(parts) > len(texts):  # images or video: the parts, in order, for the template
+        return parts
     return TEXT_PART_SEPARATOR.join(texts)
 
 

@@ -225,6 +225,28 @@ def build_parser() -> argparse.ArgumentParser:
         "(engine/prefix_cache.py); off by default",
     )
     eng.add_argument(
+        "--limit-mm-per-prompt",
+        type=_json_object("--limit-mm-per-prompt"),
+        default=None,
+        metavar="JSON",
+        help='images and videos a prompt may hold, as vLLM\'s: \'{"image": 4, "video": 1}\' '
+        "(default: 16 images, 2 videos)",
+    )
+    eng.add_argument(
+        "--mm-processor-kwargs",
+        type=_json_object("--mm-processor-kwargs"),
+        default=None,
+        metavar="JSON",
+        help="the checkpoint's image and video processors' settings, as vLLM's: min_pixels, "
+        "max_pixels (each image and frame resized into them), fps, num_frames",
+    )
+    eng.add_argument(
+        "--allowed-local-media-path",
+        default="",
+        metavar="DIR",
+        help="file:// image and video urls may name files under DIR (default: none may)",
+    )
+    eng.add_argument(
         "--prefix-cache-states",
         type=int,
         default=None,
@@ -610,7 +632,33 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         structured_outputs=StructuredOutputsConfig.parse(structured)
         if structured
         else StructuredOutputsConfig(),
+        media=_media_config(args),
     )
+
+
+def _media_config(args: argparse.Namespace):  # -> MediaConfig
+    from deltaserve.engine.media import DEFAULT_LIMITS, MediaConfig
+
+    return MediaConfig(
+        limits={**DEFAULT_LIMITS, **(args.limit_mm_per_prompt or {})},
+        processor_kwargs=args.mm_processor_kwargs or {},
+        allowed_local_media_path=args.allowed_local_media_path,
+    )
+
+
+def _json_object(flag: str):
+    """An argparse type: a JSON object, else an error naming the flag."""
+
+    def parse(value: str) -> dict:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON object, got {value!r:.60}")
+        return parsed
+
+    return parse
 
 
 async def _start_engine(

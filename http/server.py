@@ -34,6 +34,7 @@ from deltaserve.engine.events import (
     QueueFullError,
     TokenEvent,
 )
+from deltaserve.engine.media_prompt import MultimodalPrompt
 from deltaserve.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from deltaserve.engine.tokenizer import generation_sampling_defaults
 from deltaserve.http import errors
@@ -41,6 +42,7 @@ from deltaserve.http.auth import ApiKeys
 from deltaserve.http.beam_completions import beam_chat_choices, beam_completions
 from deltaserve.http.cors import Cors
 from deltaserve.http.errors import ApiError
+from deltaserve.http.media_parts import media_sources
 from deltaserve.http.metrics import render_metrics
 from deltaserve.http.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -375,7 +377,8 @@ async def open_chat(
     )
     state.check_admitting()
     template_kwargs = {**state.config.default_chat_template_kwargs, **req.chat_template_kwargs}
-    prompt_ids = await _apply_chat_template(
+    sources = media_sources(req.messages)
+    rendered = await _apply_chat_template(
         state.engine,
         req.messages,
         template_kwargs,
@@ -384,11 +387,27 @@ async def open_chat(
         tools=req.tools,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
+        text_only=bool(sources),
     )
     max_tokens = req.sampling.max_tokens
-    prompt_ids = truncate_prompt(
-        prompt_ids, req.truncate_prompt_tokens, max_tokens, state.engine.max_model_len
-    )
+    prompt: list[int] | MultimodalPrompt
+    if sources:  # images or video: fetched, preprocessed and placed (engine/media.py)
+        if req.truncate_prompt_tokens is not None or req.beam_search:
+            raise errors.unsupported(
+                "use_beam_search" if req.beam_search else "truncate_prompt_tokens",
+                "not with images or video in the messages",
+            )
+        try:
+            prompt = await state.engine.media_prompt(rendered, sources)
+        except EngineDeadError as exc:
+            raise errors.engine_dead(state.engine.dead_reason or str(exc)) from None
+        except ValueError as exc:  # MediaError: names the part
+            raise errors.bad_request(str(exc), "messages") from None
+        prompt_ids = list(prompt.ids)
+    else:
+        prompt_ids = prompt = truncate_prompt(
+            rendered, req.truncate_prompt_tokens, max_tokens, state.engine.max_model_len
+        )
     if max_tokens is None:  # as vLLM: whatever context (or, if smaller, KV cache) the prompt leaves
         max_tokens = max(1, state.engine.longest_sequence - len(prompt_ids))
     params = _params(req.sampling, max_tokens, logprobs_param="top_logprobs", seeds=state.seeds)
@@ -422,7 +441,7 @@ async def open_chat(
         ]
     streams = await _open_streams(
         state,
-        [prompt_ids],
+        [prompt],
         [params],
         request_id,
         prompt_param="messages",
@@ -474,10 +493,12 @@ async def _apply_chat_template(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
-) -> list[int]:
+    text_only: bool = False,
+) -> Any:
     """The prompt's token ids: the template (`chat_template`, else the tokenizer's) rendered
     with the request's `tools` and tokenized, off the event loop when the request (`size`
-    bytes, which bounds what the template sees) is large. The flags: /tokenize's (vLLM's)."""
+    bytes, which bounds what the template sees) is large. The flags: /tokenize's (vLLM's).
+    `text_only`: the rendered text, untokenized (images' placeholders are expanded later)."""
     for key in kwargs:
         if key in RESERVED_TEMPLATE_KWARGS:
             raise errors.unsupported(f"chat_template_kwargs.{key}", "reserved by the server")
@@ -503,7 +524,7 @@ async def _apply_chat_template(
             raise errors.bad_request(
                 f"the chat template rejected the messages: {exc}", "messages"
             ) from None
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return text if text_only else tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     try:
         return await engine.run_tokenizer(render, size)
@@ -533,7 +554,12 @@ async def _open_streams(
     try:
         # structured outputs and stop regexes compiled (off the loop; each text once)
         params = [await state.engine.prepare(p) for p in params]
-        prompts = [fit(await state.engine.encode(p) if isinstance(p, str) else p) for p in prompts]
+        prompts = [
+            p
+            if isinstance(p, MultimodalPrompt)
+            else fit(await state.engine.encode(p) if isinstance(p, str) else p)
+            for p in prompts
+        ]
         if len(prompts) > 1:  # all or none: no stream opened to be closed (counted an abort)
             state.engine.check(prompts, params, request_id)
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):

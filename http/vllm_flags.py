@@ -13,7 +13,7 @@ import argparse
 import logging
 import re
 
-from deltaserve.engine.rank.model_config import FP8_SCALE_SUFFIXES
+from deltaserve.engine.model_config import FP8_SCALE_SUFFIXES
 
 # uvicorn's level names (vLLM's --uvicorn-log-level choices) as logging levels; trace is
 # uvicorn's level below debug
@@ -172,7 +172,7 @@ def check_quantization(method: str | None, model_dir: str | None) -> None:
     demo's, unquantized): vLLM would quantize an unquantized checkpoint as it loads."""
     if method is None:
         return
-    from deltaserve.engine.rank.model_config import ModelConfig
+    from deltaserve.engine.model_config import ModelConfig
 
     try:
         config = ModelConfig.from_model_dir(model_dir) if model_dir is not None else None

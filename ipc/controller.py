@@ -25,7 +25,7 @@ from typing import Literal
 import msgspec
 import zmq
 
-from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.ipc.channels import PullChannel, PushChannel, ipc_endpoint
 from deltaserve.ipc.flights import Flight, Flights
 from deltaserve.ipc.gate import CANCEL, EXECUTE, Doorbell, StartGate

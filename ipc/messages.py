@@ -37,7 +37,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     `allowed_token_ids` (empty: all) are the only ones that can be; `bad_words` are token-id
     sequences whose last token cannot be where the output so far ends with the rest.
     `guide_grammar` (non-empty: guided decoding) is the llguidance grammar the whole output
-    must match, compiled once by the engine (engine/guided.py): only the tokens that keep the
+    must match, compiled once by the engine (engine/guides.py): only the tokens that keep the
     output a prefix of a match can be, and `guide_end_ids` (the EOS ids) where it is a match;
     past `guide_limits` the request fails alone (`SampleColumns.failed`).
     `think_budget` >= 0: the output starts inside a think block, and once that many tokens
@@ -71,11 +71,32 @@ class NewRequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tru
 
     `prefix` >= 0: its first positions are saved prefix `prefix` (a StepItem's `save`): the
     rank starts the slot from that state, shares its full KV blocks and copies its partial
-    one, and the first chunk starts where the prefix ends."""
+    one, and the first chunk starts where the prefix ends.
+    `vision_spans`: the prompt's image and video-frame placeholder runs, (first token index,
+    height, width) in tokens, in order: the rotary positions of the request's tokens follow
+    from them (engine/rank/mrope.py); their embeddings come as `MediaInput`s."""
 
     reserve_tokens: int
     sampling: SamplingSpec
     prefix: int = -1
+    vision_spans: list[tuple[int, int, int]] = []
+
+
+class MediaInput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    """An image's or a video's pixels for the vision tower, sent with the first chunk that
+    holds one of its tokens (engine -> every rank, inside a StepItem).
+
+    `key` is the SHA-256 of its pixels; `grid` its patch grid (frames, height, width) as the
+    processor made it; `offsets` where each of its frame groups' placeholder runs starts in the
+    request (one for an image). `pixels`: the processor's patches, [t*h*w, patch_dim]
+    row-major in `dtype` (the model's: the tower casts to it anyway); empty when the ranks hold
+    its encoding already (engine/encoder_cache.py, kept alike by the scheduler and each rank)."""
+
+    key: bytes
+    grid: tuple[int, int, int]
+    offsets: list[int]
+    pixels: bytes = b""
+    dtype: str = ""
 
 
 class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
@@ -91,6 +112,8 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     `prompt_logprobs` >= 0 (prompt chunks): rank 0 returns the logprob of each prompt token
     that follows a position of the chunk, with that many alternatives (`PromptLogprobs`):
     token_ids[1:], then `next_token` (the next chunk's first) unless the chunk samples.
+    `media` (prompt chunks): the images and videos whose first token the chunk holds (or,
+    for a first chunk, any it holds part of); the tower encodes them in this step.
     Speculative decoding (engine/rank/speculative.py): `num_drafts` > 0 makes the last that
     many token ids drafts to verify (a decode item of 1 + num_drafts tokens): the ranks keep
     the positions up to the last accepted one and rank 0 reports the outcome
@@ -106,6 +129,7 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     save: int = -1
     prompt_logprobs: int = -1
     next_token: int = -1
+    media: list[MediaInput] = []
     num_drafts: int = 0
     propose: int = 0
 

@@ -46,5 +46,8 @@ class NoopExecutor:
         self.held.difference_update(request_ids)
         return existed
 
+    def watch_late_compiles(self) -> None:
+        pass
+
     def snapshot(self) -> RankSnapshot:
         return RankSnapshot(sorted(self.held), 0, 0, self.num_slots, self.num_blocks, 0, 0)

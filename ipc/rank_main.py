@@ -501,10 +501,7 @@ def main(server: type[RankServer] = RankServer) -> int:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
-    if config.device.startswith("cuda"):
-        from deltaserve.kernels.triton_compat import report_late_compiles
-
-        report_late_compiles(log, config.rank)
+    executor.watch_late_compiles()
     replies.send(
         command_encoder.encode(
             Ready(config.rank, executor.num_slots, executor.num_blocks, executor.block_size)

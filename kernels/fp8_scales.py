@@ -1,5 +1,6 @@
 """FP8 weights with block scales in the skinny kernels (kernels/skinny_linear.py): how a GEMV
-tile applies the scales, and the arguments every launch passes for them.
+tile applies the scales, and the arguments every launch passes for them; `dequantize`, the
+widened weight, is their reference (and what the loader widens a weight to).
 
 The weight W = values x scales, one scale per [BM, BN] block (engine/rank/fp8.py). A GEMV tile's
 rows lie in one row block (two for the MLP's [gate | up] tile), so scaling x once per row block
@@ -8,12 +9,37 @@ and column block costs one load per 128 columns, not one per weight.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from deltaserve.engine.rank.fp8 import FP8_DTYPES
 from deltaserve.kernels.triton_compat import tl, triton
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantize(weight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The fp32 weight: block (i, j) (rows i*bm.., columns j*bn..; the last ones may be
+    partial) times `scales[i, j]`. ValueError when the scales do not tile the weight."""
+    if weight.dim() != 2:
+        raise ValueError(
+            f"an FP8 weight of shape {list(weight.shape)}: only matrices are quantized in blocks"
+        )
+    rows, cols = weight.shape
+    bm, bn = block[0] or rows, block[1] or cols
+    grid = (math.ceil(rows / bm), math.ceil(cols / bn))
+    if scales.numel() == 1 == math.prod(grid):  # one scale per tensor: [1] or []
+        scales = scales.reshape(grid)
+    if tuple(scales.shape) != grid:
+        raise ValueError(
+            f"its scales have shape {list(scales.shape)}, not {list(grid)} "
+            f"(weight {[rows, cols]} in blocks of {[bm, bn]})"
+        )
+    return (
+        weight.float()
+        * scales.float().repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
+    )
 
 
 @triton.jit

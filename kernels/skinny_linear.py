@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deltaserve.engine.rank.fp8 import dequantize
 from deltaserve.kernels.activation import silu_and_mul, silu_times
 from deltaserve.kernels.causal_conv1d import causal_conv1d_update
-from deltaserve.kernels.fp8_scales import _x_tile, fp8_args
+from deltaserve.kernels.fp8_scales import _x_tile, dequantize, fp8_args
 from deltaserve.kernels.triton_compat import (
     H200_SMS,
     HAS_TRITON,

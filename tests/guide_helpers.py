@@ -1,5 +1,5 @@
 """What the structured-output tests share: a grammar's language judged by llguidance itself
-(its matcher fed a text's bytes, engine/guide_grammar.py's byte tokenizer), so a test says
+(its matcher fed a text's bytes, engine/guided/runtime.py's byte tokenizer), so a test says
 which texts a constraint allows without a model.
 
 Imported as `guide_helpers` (pytest puts tests/ on sys.path; tests/ has no __init__.py).
@@ -12,7 +12,8 @@ from typing import Any
 
 from llguidance import LLMatcher
 
-from deltaserve.engine.guide_grammar import byte_tokenizer, constraint_grammar, error_summary
+from deltaserve.engine.guided.grammar import constraint_grammar
+from deltaserve.engine.guided.runtime import byte_tokenizer, error_summary
 
 
 def accepts(grammar: str, text: str) -> bool:

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.stop_regex import StopRegexError, stop_template
+from deltaserve.engine.guided.stop_regex import StopRegexError, stop_template
 
 TEXTS = [
     "Hello, world! Plain ASCII text with numbers 12345.",
@@ -202,7 +202,7 @@ def _watching(*patterns: str) -> list:
 
 
 class TestStopRegex:
-    """SGLang's stop_regex (engine/stop_regex.py, on llguidance): the first token whose text
+    """SGLang's stop_regex (engine/guided/stop_regex.py, on llguidance): the first token whose text
     completes a match ends the output, the match kept; matches may span tokens and characters
     of several bytes."""
 

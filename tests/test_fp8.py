@@ -18,14 +18,14 @@ from serve_helpers import ServeProcess, in_process_server
 from test_tp_golden import run_tp
 from transformers import Qwen3_5ForCausalLM
 
+from deltaserve.engine.checkpoint_files import CheckpointError, check_same_tensors
 from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.model_config import ConfigError, ModelConfig
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
-from deltaserve.engine.rank.fp8 import dequantize
-from deltaserve.engine.rank.loader import CheckpointError, check_same_tensors
-from deltaserve.engine.rank.model_config import ConfigError, ModelConfig
 from deltaserve.http import serve
 from deltaserve.http.server import ServerConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+from deltaserve.kernels.fp8_scales import dequantize
 from deltaserve.tools.golden import compare_logprobs
 from deltaserve.tools.make_model import FP8_MAX, FP8_QUANTIZED, make_model, quantize_fp8
 

@@ -1,4 +1,4 @@
-"""GBNF and Lark grammars as llguidance compiles them (engine/guide_grammar.py: GBNF through
+"""GBNF and Lark grammars as llguidance compiles them (engine/guided/gbnf.py: GBNF through
 llguidance's converter, Lark as it is): the strings a grammar derives, and only those, are
 whole outputs of it (llguidance's matcher is the judge, tests/guide_helpers.py); recursion
 has no depth bound (an Earley parser, not a regex); and whatever the text, compiling it (as
@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltaserve.engine.grammar_worker import Job, Setup, compile_job
-from deltaserve.engine.guide_grammar import byte_tokenizer, constraint_grammar
+from deltaserve.engine.guided.grammar import constraint_grammar
+from deltaserve.engine.guided.runtime import byte_tokenizer
 
 SQL = r"""
 root ::= select_statement

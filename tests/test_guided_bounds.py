@@ -4,7 +4,7 @@ event naming the bound (or, within its bounds, completes), while a concurrent un
 completes and /health keeps answering; afterwards the server's, the rank's and the compile
 worker's memory are within 50 MB of what they were once guided decoding was warm.
 
-Before llguidance (engine/guided.py), one lazy regex grew rank 0 by 8 GB in 36 tokens and
+Before llguidance (engine/guides.py), one lazy regex grew rank 0 by 8 GB in 36 tokens and
 killed the engine, four stop regexes held the event loop (and /health) for 10 s, and nesting
 gave 500s. The server here runs with max_lexer_states lowered to 2000 (a bound of
 --structured-outputs-config), so that the lazy regex ends mid-stream on it: the per-request

@@ -13,7 +13,7 @@ import pytest
 import torch
 from llguidance import LLTokenizer, TokenizerWrapper
 
-from deltaserve.engine.guide_grammar import constraint_grammar
+from deltaserve.engine.guided.grammar import constraint_grammar
 from deltaserve.engine.rank.grammar_mask import LANE_REQUESTS, GuideMatchers, load_tokenizer
 from deltaserve.engine.rank.sampler import Sampler
 from deltaserve.engine.sampling_params import SamplingParams

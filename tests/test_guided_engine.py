@@ -16,7 +16,7 @@ from engine_helpers import assert_idle_and_empty, collect, engine_config
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.events import ErrorEvent, FinishedEvent
 from deltaserve.engine.grammar_worker import Setup
-from deltaserve.engine.guided import Guides
+from deltaserve.engine.guides import Guides
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 
@@ -67,15 +67,15 @@ class TestWorker:
             await guides.close()
 
     async def test_past_its_time_or_memory_the_worker_is_replaced(self, tiny_model_dir):
-        """A compile past compile_timeout_s (1 ms: any) or growing the worker past
-        max_grammar_memory_mb (1 MiB: a 2,000-property schema's) kills the worker; the
+        """A compile past compile_timeout_s (1 ms) or growing the worker past
+        max_grammar_memory_mb (1 MiB), both a 2,000-property schema's, kills the worker; the
         request gets the bound named; the next compile starts a fresh worker and succeeds."""
         schema = {
             "type": "object",
             "properties": {f"p{i}": {"type": "integer"} for i in range(2000)},
         }
         for bounds, extra, words in [
-            (dict(compile_timeout_s=0.001), dict(guided_regex="(yes|no)"), "compile_timeout_s"),
+            (dict(compile_timeout_s=0.001), dict(guided_json=schema), "compile_timeout_s"),
             (dict(max_grammar_memory_mb=1), dict(guided_json=schema), "max_grammar_memory_mb"),
         ]:
             guides = _guides(tiny_model_dir, max_grammar_bytes=2**20)

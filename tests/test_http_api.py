@@ -468,8 +468,8 @@ async def test_400_completions(served: Served, call, param, words):
                     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
                 ]
             ),
-            "messages[0].content[0].type",
-            "text",
+            "messages",
+            "messages[0].content[0].image_url: the model",  # a text-only checkpoint: no tower
         ),
         (dict(top_logprobs=2), "top_logprobs", "logprobs=true"),
     ],

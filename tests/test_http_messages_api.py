@@ -283,7 +283,7 @@ async def test_stop_sequence_tools_and_json(clients):
                     }
                 ]
             },
-            "'image'",
+            "has no vision tower",  # a text-only checkpoint
         ),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "client tools"),
         (

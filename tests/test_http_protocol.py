@@ -289,8 +289,13 @@ class TestChat:
             ([{"role": "user"}], "messages", "messages[0].content"),
             (
                 [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                "messages",
+                "messages[0].content[0].image_url.url must be a non-empty string",
+            ),
+            (
+                [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
                 "messages[0].content[0].type",
-                "text",
+                "image_url",
             ),
             (
                 [{"role": "user", "content": "x", "name": 5}],

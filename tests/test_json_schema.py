@@ -1,4 +1,4 @@
-"""JSON schemas as llguidance compiles them (engine/guide_grammar.py): the texts valid for a
+"""JSON schemas as llguidance compiles them (engine/guided/grammar.py): the texts valid for a
 schema, in json.dumps' spellings within the bounded blanks, are whole outputs of its grammar,
 and texts that break it are not, judged by llguidance's own matcher fed their bytes
 (tests/guide_helpers.py). What llguidance decides differently from the regexes the engine
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from guide_helpers import accepts, compile_error, schema_grammar
 
-from deltaserve.engine.guide_grammar import closed_objects, constraint_grammar
+from deltaserve.engine.guided.grammar import closed_objects, constraint_grammar
 
 # An OpenAI-style function's parameters: nested object, enum, optional fields, an array of
 # objects, integer bounds, anyOf with null.

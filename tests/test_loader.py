@@ -10,14 +10,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deltaserve.engine.rank.checkpoint_reader import (
-    CheckpointReader,
+from deltaserve.engine.checkpoint_files import (
+    CheckpointError,
     SafetensorsError,
+    checkpoint_files,
     read_header,
 )
+from deltaserve.engine.model_config import ConfigError, ModelConfig
+from deltaserve.engine.rank.checkpoint_reader import CheckpointReader
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
-from deltaserve.engine.rank.loader import CheckpointError, checkpoint_files
-from deltaserve.engine.rank.model_config import ConfigError, ModelConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.tools.golden import compare_logprobs
 from deltaserve.tools.make_model import make_model

@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from deltaserve.engine.config import EngineConfig, resolve_limits
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.engine.rank.memory_budget import (
@@ -26,7 +27,6 @@ from deltaserve.engine.rank.memory_budget import (
     profile_lengths,
     size_kv_cache,
 )
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.ipc.replica_config import ReplicaConfig
 
 MiB = 2**20

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from test_gpu_path import _assert_steps_match, _run_steps, interpreter_only
 from test_tp_golden import DECODE_STEPS, run_tp
 
-from deltaserve.engine.rank.loader import CheckpointError
+from deltaserve.engine.checkpoint_files import CheckpointError
 from deltaserve.kernels.moe import (
     GEMV_PAIRS,
     experts_reference,
@@ -317,7 +317,7 @@ def test_moe_config_is_read_and_checked(tiny_moe_model_dir):
     """An MoE config.json reads HF's MoE defaults for keys it leaves out, and one we cannot
     serve is refused naming the key: more experts a token than there are, a TP size that does
     not split the experts' rows."""
-    from deltaserve.engine.rank.model_config import ConfigError, ModelConfig
+    from deltaserve.engine.model_config import ConfigError, ModelConfig
 
     raw = json.loads((tiny_moe_model_dir / "config.json").read_text())
     config = ModelConfig.from_dict(raw)

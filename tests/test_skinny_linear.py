@@ -93,8 +93,8 @@ FP8_CASES = [  # (rows, N, K, silu_mul, tile): None for `decode_config`'s
 @pytest.mark.parametrize("rows,n,k,silu_mul,tile", FP8_CASES)
 def test_fp8_weights(kernels, device, rows, n, k, silu_mul, tile):
     """FP8 weights with block scales read as they are, against the fp32 product with the
-    widened weight (engine/rank/fp8.py's `dequantize`, which transformers matches)."""
-    from deltaserve.engine.rank.fp8 import dequantize
+    widened weight (kernels/fp8_scales.py's `dequantize`, which transformers matches)."""
+    from deltaserve.kernels.fp8_scales import dequantize
     from deltaserve.tools.make_model import quantize_fp8
 
     mod = kernels["skinny_linear"]

@@ -1,4 +1,4 @@
-"""Structural tags as llguidance grammars (engine/structural_tag.py): free text holds no
+"""Structural tags as llguidance grammars (engine/guided/structural_tag.py): free text holds no
 excluded string and no trigger (checked against a brute-force search on random words and
 texts), each trigger opens a structure whose JSON follows its schema, llguidance's matcher
 is the judge (tests/guide_helpers.py), and a bad spec is an error naming the field."""
@@ -12,8 +12,8 @@ import re
 import pytest
 from guide_helpers import accepts, assert_language, prefix_ok
 
-from deltaserve.engine.guide_grammar import WHITESPACE
-from deltaserve.engine.structural_tag import StructuralTagError, structural_tag_grammar
+from deltaserve.engine.guided.grammar import WHITESPACE
+from deltaserve.engine.guided.structural_tag import StructuralTagError, structural_tag_grammar
 
 
 def structural_tag_regex(spec: object) -> str:

@@ -33,9 +33,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deltaserve.engine.rank.checkpoint_reader import READERS, CheckpointReader, read_header
-from deltaserve.engine.rank.loader import checkpoint_files
-from tools.hardware import host_info
+from deltaserve.engine.checkpoint_files import checkpoint_files, read_header
+from deltaserve.engine.rank.checkpoint_reader import READERS, CheckpointReader
+from deltaserve.tools.hardware import host_info
 
 
 def synthetic_checkpoint(folder: Path, size_mib: int) -> Path:

@@ -72,7 +72,7 @@ def measure(library: str, case: str, model: str) -> dict[str, Any]:
     import numpy as np
     from transformers import PreTrainedTokenizerFast
 
-    from deltaserve.engine.rank.model_config import ModelConfig
+    from deltaserve.engine.model_config import ModelConfig
 
     kind, text, document = CASES[case]
     hf = PreTrainedTokenizerFast(tokenizer_file=str(Path(model) / "tokenizer.json"))

@@ -8,8 +8,6 @@ import time
 
 import torch
 
-from deltaserve.tools.bench_decode import sync
-
 
 def bench_hf(
     model_dir: str,
@@ -49,6 +47,12 @@ def bench_hf(
         )
         print(json.dumps({"hf": rows[-1]}), flush=True)
     return rows, bench_hf_prefill(model, device, prefill_lengths)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (the timings' edges)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def generate(model, ids: torch.Tensor, new_tokens: int, device: torch.device) -> float:

@@ -20,8 +20,8 @@ import torch
 
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
-from tools.bench_decode import write_report
-from tools.golden import compare_logprobs
+from deltaserve.tools.bench_decode import write_report
+from deltaserve.tools.golden import compare_logprobs
 
 SHAPES = [
     (1, 17),

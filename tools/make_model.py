@@ -240,6 +240,10 @@ def _small_tensor(name: str, shape: tuple[int, ...], seed: int, device: str) -> 
         return FINAL_NORM_GAIN * (1 + NORM_NOISE_STD * randn()) - 1
     if name.endswith("linear_attn.norm.weight"):
         return 1 + NORM_NOISE_STD * randn()
+    if name.startswith("model.visual.") and name.endswith(
+        ("norm.weight", "norm1.weight", "norm2.weight")
+    ):
+        return 1 + NORM_NOISE_STD * randn()  # the tower's LayerNorms: plain gains around 1
     if name.endswith(("norm.weight", "norm.bias", "norm1.weight", "norm2.weight")):
         return NORM_NOISE_STD * randn()
     if name.endswith("A_log"):
@@ -317,15 +321,64 @@ def _meta_state_shapes(model_cls, config) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def _vision_config(text: dict) -> dict:
+def _tower(depth: int, hidden: int, inter: int, heads: int, positions: int = 2304) -> dict:
     return dict(
-        depth=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=text["hidden_size"],
-        num_position_embeddings=16,
+        depth=depth,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_heads=heads,
+        num_position_embeddings=positions,
+        hidden_act="gelu_pytorch_tanh",
+        patch_size=16,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        deepstack_visual_indexes=[],
     )
+
+
+# The vision towers of the released checkpoints (vision_config; out_hidden_size is the text
+# model's hidden size). 0.8B, 4B, 9B and 35B-A3B as their config.json say; 2B as the 4B's (Qwen's
+# 2B-class towers, Qwen3-VL-2B's too, are the 24 x 1024 one). The tiny one for tests: 2 blocks.
+VISION_PRESETS: dict[str, dict] = {
+    "tiny": _tower(2, 32, 64, 2, positions=16),
+    "0.8b": _tower(12, 768, 3072, 12),
+    "2b": _tower(24, 1024, 4096, 16),
+    "4b": _tower(24, 1024, 4096, 16),
+    "9b": _tower(27, 1152, 4304, 16),
+    "35b-a3b": _tower(27, 1152, 4304, 16),
+}
+VISION_PRESETS["tiny-moe"] = VISION_PRESETS["tiny"]
+
+
+def _vision_config(text: dict, preset: str) -> dict:
+    return dict(VISION_PRESETS[preset], out_hidden_size=text["hidden_size"])
+
+
+# The processor settings of the released checkpoints (preprocessor_config.json and
+# video_preprocessor_config.json): transformers' Qwen processors read them.
+IMAGE_PROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen3VLProcessor",
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+}
+VIDEO_PROCESSOR = {
+    "video_processor_type": "Qwen3VLVideoProcessor",
+    "processor_class": "Qwen3VLProcessor",
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "size": {"shortest_edge": 4096, "longest_edge": 25165824},
+    "fps": 2,
+    "min_frames": 4,
+    "max_frames": 768,
+}
 
 
 MTP_HEADS = ("random", "agree")  # make_model's `mtp`: how the MTP head's values are drawn
@@ -416,7 +469,7 @@ def _experts_apart(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, .
 
 
 def checkpoint_layout(
-    text: dict, vlm_names: bool, mtp: str | None = None
+    text: dict, vlm_names: bool, mtp: str | None = None, vision_preset: str = "tiny"
 ) -> tuple[dict, list[tuple[str, str, tuple]]]:
     """(config.json contents, [(file name, value name, shape)]) in HF's state_dict order; an
     MoE model's experts one by one, as the releases store them (`_experts_apart`). The MTP
@@ -443,7 +496,7 @@ def checkpoint_layout(
 
     full = vlm_config(
         text_config=text_config.to_dict(),
-        vision_config=_vision_config(text),
+        vision_config=_vision_config(text, vision_preset),
         tie_word_embeddings=tied,
     )
     full_shapes = _experts_apart(_meta_state_shapes(vlm, full))
@@ -521,7 +574,7 @@ def make_model(
     text["dtype"] = _DTYPE_NAMES[dtype]
     if mtp == "agree":  # its lm_head is not its embedding (agree_value)
         text["tie_word_embeddings"] = False
-    config, entries = checkpoint_layout(text, vlm_names, mtp)
+    config, entries = checkpoint_layout(text, vlm_names, mtp, preset)
     config["dtype"] = config["torch_dtype"] = _DTYPE_NAMES[dtype]
     config["eos_token_id"] = list(EOS_TOKEN_IDS)
     if dtype == "fp8":  # as Qwen's FP8 releases say it (transformers' FineGrainedFP8Config)
@@ -589,6 +642,9 @@ def make_model(
         {"eos_token_id": list(EOS_TOKEN_IDS), "pad_token_id": PAD_TOKEN_ID},
     )
     write_tokenizer_files(out, model_max_length=text["max_position_embeddings"])
+    if vlm_names:
+        _write_json(out / "preprocessor_config.json", IMAGE_PROCESSOR)
+        _write_json(out / "video_preprocessor_config.json", VIDEO_PROCESSOR)
     return out
 
 

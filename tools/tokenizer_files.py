@@ -33,8 +33,18 @@ NON_SPECIAL_ADDED = frozenset(
 # first message's text when it is a system one), an assistant's calls after its content ("\n\n"
 # between when it has text, "\n" between calls), each string value as it is and any other as
 # JSON, and a run of `tool` messages as one user turn of `<tool_response>` blocks. A
-# conversation with no tools and no tool messages renders as plain ChatML, byte for byte.
+# conversation with no tools and no tool messages renders as plain ChatML, byte for byte. A
+# message's content may be a list of parts, as Qwen3.5's template takes them: text as it is, an
+# image or a video as its placeholder run (`<|vision_start|><|image_pad|><|vision_end|>`).
 CHATML_TEMPLATE = (
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'video' -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- else -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
     "{%- if tools -%}"
     "{{- '<|im_start|>system\\n' -}}"
     "{%- if messages and messages[0]['role'] == 'system' and messages[0]['content'] -%}"
@@ -54,7 +64,7 @@ CHATML_TEMPLATE = (
     "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' -}}"
     "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
     "{%- else -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] -}}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}{{- render(message['content']) -}}"
     "{%- if message['role'] == 'assistant' and message['tool_calls'] -%}"
     "{%- for call in message['tool_calls'] -%}"
     "{%- if not loop.first -%}{{- '\\n' -}}"

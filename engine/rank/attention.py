@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.batch import StepBatch
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.linear import ColumnParallelLinear, RowParallelLinear
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import RMSNorm
 from deltaserve.engine.rank.parallel import tp_size
 from deltaserve.engine.rank.step_meta import step_meta_of
@@ -45,8 +45,11 @@ class Rope:
         self.inv_freq = 1.0 / (theta**exponents)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x [T, heads, hd]; cos/sin computed in fp32 and cast, as HF does
-        freqs = positions[:, None].float() * self.inv_freq
+        # x [T, heads, hd]; positions [T], or [T, rotary_dim / 2] (one per frequency: MRoPE);
+        # cos/sin computed in fp32 and cast, as HF does
+        if positions.dim() == 1:
+            positions = positions[:, None]
+        freqs = positions.float() * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
@@ -102,8 +105,9 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         """The plain torch path (CPU): q/k norms and RoPE, K/V stored, each span attended, the
         output gated."""
-        q = self.rope(self.q_norm(q), batch.positions)
-        k = self.rope(self.k_norm(k), batch.positions)
+        positions = batch.positions if batch.vision is None else batch.vision.rope_positions
+        q = self.rope(self.q_norm(q), positions)
+        k = self.rope(self.k_norm(k), positions)
         k_cache[batch.kv_index] = k
         v_cache[batch.kv_index] = v
         out = torch.empty_like(q)
@@ -136,16 +140,22 @@ class GatedAttention(nn.Module):
         launch, else each prefill span through `prefill_attention` (flash on the GPU), each
         then gated by `sigmoid_gate`."""
         meta = step_meta_of(batch, q.device)
-        q, k = norm_rope(
-            q,
-            k,
-            self.q_norm.weight,
-            self.k_norm.weight,
-            batch.positions,
-            self.rope.inv_freq,
-            self.q_norm.eps,
-            KVStore(v, k_cache, v_cache, batch.kv_index),
-        )
+        if batch.vision is None:
+            q, k = norm_rope(
+                q,
+                k,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                batch.positions,
+                self.rope.inv_freq,
+                self.q_norm.eps,
+                KVStore(v, k_cache, v_cache, batch.kv_index),
+            )
+        else:  # three positions per token (MRoPE): the reference's ops, then the K/V store
+            q = self.rope(self.q_norm(q), batch.vision.rope_positions)
+            k = self.rope(self.k_norm(k), batch.vision.rope_positions)
+            k_cache[batch.kv_index] = k
+            v_cache[batch.kv_index] = v
         scale = self.head_dim**-0.5
         packed = meta.packed
         if (

@@ -29,6 +29,16 @@ class SeqSpan:
 
 
 @dataclass(frozen=True, slots=True)
+class StepVision:
+    """A step's vision tokens: their rows take the tower's embeddings instead of the token
+    embeddings, and every row turns by its three multimodal positions (engine/rank/mrope.py)."""
+
+    rows: torch.Tensor  # [V] int64, flat rows of the step's vision tokens
+    embeds: torch.Tensor  # [V, hidden]
+    rope_positions: torch.Tensor  # [T, rotary_dim / 2]: the position each frequency turns by
+
+
+@dataclass(frozen=True, slots=True)
 class StepBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -40,6 +50,7 @@ class StepBatch:
     # [T] int32 or None: a row of input_ids -1 is the last sample of this slot (a decode graph's
     # step, queued before the host knows the step before's samples: `cache.last_tokens`)
     token_slots: torch.Tensor | None = None
+    vision: StepVision | None = None  # steps that hold images' or video frames' tokens
     # with an MTP head (engine/rank/mtp.py): where each row's keys and values of the head go
     mtp: MtpRows | None = None
     # a step with verify spans: what their DeltaNet layers leave for the rollback
@@ -79,3 +90,9 @@ class StepPlan:
     sampled: list[int] = field(default_factory=list)  # rows whose logits are returned
     last_sample_rows: list[int] = field(default_factory=list)  # items without token_ids
     last_sample_slots: list[int] = field(default_factory=list)
+    # vision tokens: their flat rows, embeddings (runs of rows) and height and width positions
+    # (their temporal one is in `positions`, as is every text token's only one)
+    vision_rows: list[int] = field(default_factory=list)
+    vision_embeds: list[torch.Tensor] = field(default_factory=list)
+    vision_heights: list[int] = field(default_factory=list)
+    vision_widths: list[int] = field(default_factory=list)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.engine.rank.model_config import ModelConfig
+from deltaserve.engine.model_config import ModelConfig
 
 
 def cache_shapes(

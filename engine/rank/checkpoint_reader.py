@@ -13,13 +13,12 @@ host memory that path costs a copy more than the library's, which is faster ther
 The format (github.com/huggingface/safetensors, README): 8 bytes of little-endian header
 length, a JSON header mapping each name to dtype, shape and [begin, end) offsets into the
 data that follows, and an optional `__metadata__` entry. The header is the safetensors
-library's to read and check (`read_header`); the reads here only take the byte ranges of
-tensors it accepted.
+library's to read and check (`read_header`, engine/checkpoint_files.py); the reads here only
+take the byte ranges of tensors it accepted.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 import threading
@@ -28,85 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
+
+from deltaserve.engine.checkpoint_files import SafetensorsError, TensorEntry, read_header
 
 CHUNK_BYTES = 32 << 20
 BUFFERS = 8
 # The 4B checkpoint from the page cache to an H200 (16-core host): 1 reader 5.0 GB/s, 4
 # readers 14-15, 8 readers 18-21; safetensors' mmap path 7.1-7.3.
 READERS = min(8, os.cpu_count() or 1)
-
-DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-
-
-class SafetensorsError(ValueError):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int  # offsets into the file, header included
-    end: int
-
-
-# what a safetensors error may say of a file: its messages can quote the file's bytes (a bad
-# dtype's or shape's JSON value), so only these fixed phrases of theirs are repeated
-_LIBRARY_FAULTS = (
-    "header too large",
-    "header too small",
-    "invalid JSON in header",
-    "invalid offset",
-    "incomplete metadata",
-    "invalid shape, data type, or offset",
-)
-
-
-def read_header(path: Path) -> list[TensorEntry]:
-    """The file's tensors in file order, as the safetensors library reads and validates its
-    header (a JSON object of dtype, shape and data offsets; the offsets contiguous from the
-    data's start and covering the file to its end, else it refuses the file). The data
-    starts where the tensors' sizes, counted back from the file's end, say. An error names
-    the file and what is wrong, never a byte of the file."""
-    try:
-        with safe_open(path, framework="pt") as f:
-            specs = [(name, f.get_slice(name)) for name in f.offset_keys()]
-            specs = [(name, spec.get_dtype(), tuple(spec.get_shape())) for name, spec in specs]
-    except SafetensorError as e:
-        fault = next((phrase for phrase in _LIBRARY_FAULTS if phrase in str(e)), "unreadable")
-        raise SafetensorsError(f"{path.name}: not a safetensors file ({fault})") from None
-    dtypes = []
-    for name, dtype_name, _ in specs:
-        if dtype_name not in DTYPES:
-            raise SafetensorsError(
-                f"{path.name}: tensor {name!r} has unsupported dtype {dtype_name!r}"
-            )
-        dtypes.append(DTYPES[dtype_name])
-    sizes = [
-        math.prod(shape) * dtype.itemsize
-        for (_, _, shape), dtype in zip(specs, dtypes, strict=True)
-    ]
-    at = path.stat().st_size - sum(sizes)  # the data's first byte
-    entries = []
-    for (name, _, shape), dtype, nbytes in zip(specs, dtypes, sizes, strict=True):
-        entries.append(TensorEntry(name, dtype, shape, at, at + nbytes))
-        at += nbytes
-    return entries
 
 
 @dataclass(slots=True)

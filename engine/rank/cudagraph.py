@@ -210,16 +210,19 @@ class DecodeGraphs(BucketGraphs):
         kv_rows: list[int],
         sampled: list[int],
         copy: bool = True,
+        rope_positions: list[int] | None = None,
     ) -> torch.Tensor | None:
         """Replay the smallest bucket that holds the items (one `can_run`): each a token (-1:
-        its slot's last sample) at a position, its slot and the KV row it writes. Returns fp32
+        its slot's last sample) at a position, its slot and the KV row it writes; its rotary
+        position is `rope_positions`' where given (a request after images: engine/rank/mrope.py). Returns fp32
         logits of the rows `sampled` on rank 0, None on the others; without `copy`, where every
         row samples, rows of the graph's output buffer, which the next replay overwrites."""
         n = len(tokens)
         size = min(b for b in self.graphs if b >= n)
         pad = [0] * (self.width - n)
         no_slot = [-1] * (self.width - n)
-        wide = torch.tensor([tokens + pad, positions + pad, kv_rows + no_slot], dtype=torch.int64)
+        rotary = positions if rope_positions is None else rope_positions
+        wide = torch.tensor([tokens + pad, rotary + pad, kv_rows + no_slot], dtype=torch.int64)
         narrow = torch.tensor(
             [slots + no_slot, [p + 1 for p in positions] + pad, slots + pad], dtype=torch.int32
         )

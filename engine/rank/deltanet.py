@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.batch import StepBatch
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.linear import (
@@ -19,7 +20,6 @@ from deltaserve.engine.rank.linear import (
     new_param,
     sharded_loader,
 )
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import GatedRMSNorm
 from deltaserve.engine.rank.parallel import tp_size
 from deltaserve.engine.rank.step_meta import step_meta_of

@@ -14,14 +14,14 @@ from functools import partial
 
 import torch
 
-from deltaserve.engine.config import FP8_WEIGHTS
+from deltaserve.engine.checkpoint_files import CheckpointError
+from deltaserve.engine.model_config import FP8_WEIGHTS, ModelConfig
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs
 from deltaserve.engine.rank.grammar_mask import load_tokenizer
-from deltaserve.engine.rank.loader import CheckpointError, load_weights
+from deltaserve.engine.rank.loader import load_weights
 from deltaserve.engine.rank.memory_budget import size_kv_cache, warm_up
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.mtp import MultiTokenPredictor, mtp_rows
 from deltaserve.engine.rank.parallel import broadcast, tp_rank, tp_size
 from deltaserve.engine.rank.prompt_graphs import (
@@ -39,8 +39,10 @@ from deltaserve.engine.rank.sleep_mode import Asleep, release_memory, restore_me
 from deltaserve.engine.rank.speculative import SpecResult, Speculator, speculates
 from deltaserve.engine.rank.step_meta import with_step_meta
 from deltaserve.engine.rank.transfer import to_device
+from deltaserve.engine.rank.vision_inputs import MediaError, RankVision, RequestVision
+from deltaserve.engine.vision_config import VisionConfig
 from deltaserve.ipc.messages import PromptLogprobs, Sample, SaveOnDrop, SpecOutcome, StepItem
-from deltaserve.kernels.triton_compat import gpu_path
+from deltaserve.kernels.triton_compat import gpu_path, report_late_compiles
 
 log = logging.getLogger("deltaserve.rank")
 
@@ -127,6 +129,7 @@ class LiveRequest:
     num_tokens: int = 0
     prompt_done: bool = False  # its last prompt chunk has run; later items are decode inputs
     sampled_through: int = 0  # num_tokens after its last item that sampled (every rank)
+    vision: RequestVision | None = None  # a prompt with images: spans, pending embeddings
 
     def kv_row(self, position: int, block_size: int) -> int:
         """The paged-cache row of the request's `position`."""
@@ -211,6 +214,14 @@ class Executor:
             config.rank,
             time.monotonic() - started,
             f"; {kept} projections kept FP8" if kept else "",
+        )
+        vision_config = VisionConfig.from_model_dir(config.model_dir)
+        self.vision = (
+            None
+            if vision_config is None
+            else RankVision(
+                config.model_dir, vision_config, self.model_config, self.dtype, self.device
+            )
         )
         self.sampler = (
             Sampler(partial(load_tokenizer, config.model_dir, self.model_config.vocab_size))
@@ -379,8 +390,16 @@ class Executor:
         copied out). Rank 0 puts the prompt logprobs items ask for into `prompt_logprobs`."""
         self._admit_new(items, drops, evict, saves)
         self._share_last_samples(items)
+        if self.vision is not None and any(item.media for item in items):
+            self.vision.encode(
+                items, {i.request_id: self.requests[i.request_id].vision for i in items}
+            )
         singles = [item for item in items if len(item.token_ids) <= 1]
-        if not every_position and self._decode_graph_fits(singles):
+        if (
+            not every_position
+            and self._decode_graph_fits(singles)
+            and not any(self._holds_vision(item) for item in items)
+        ):
             logits = self._run_with_graphs(items, singles, graph_output, prompt_logprobs)
         else:  # one forward of every item: a prompt graph's replay where they fit one
             logits = self._run_plan(items, every_position, prompt_logprobs)
@@ -389,9 +408,24 @@ class Executor:
             req.num_tokens = item.start + item_length(item)
             if item.sample:
                 req.sampled_through = req.num_tokens
+            if req.vision is not None:
+                req.vision.release_through(req.num_tokens)
             if item.save >= 0:  # queued after the forward: the state of its positions so far
                 self._save_prefix(item.save, req)
         return logits
+
+    def _holds_vision(self, item: StepItem) -> bool:
+        """Whether the item runs any of its request's image or video tokens."""
+        vision = self.requests[item.request_id].vision
+        end = item.start + item_length(item)
+        return vision is not None and any(
+            span.offset < end and item.start < span.end for span in vision.positions.spans
+        )
+
+    def _rope_position(self, item: StepItem) -> int:
+        """A single-token item's rotary position: its index, shifted after images (mrope.py)."""
+        vision = self.requests[item.request_id].vision
+        return item.start if vision is None else vision.positions.text_position(item.start)
 
     def _save_prefix(self, prefix: int, req: LiveRequest) -> None:
         blocks = req.blocks[: self.cache.blocks_for(req.num_tokens)]
@@ -462,6 +496,7 @@ class Executor:
             ],
             [i for i, item in enumerate(singles) if item.sample],
             copy=not (graph_output or chunks),  # with chunks: copied into the merged rows below
+            rope_positions=[self._rope_position(item) for item in singles],
         )
         if not chunks or decode_logits is None:  # decode-only, or not rank 0
             return decode_logits
@@ -494,6 +529,7 @@ class Executor:
         if (
             self.prompt_graphs is not None
             and not every_position
+            and not plan.vision_rows
             and stash is None  # a verify span's state is not written (prompt graphs write it)
             and self.prompt_graphs.can_run(plan)
         ):
@@ -531,6 +567,8 @@ class Executor:
             if self.graphs is not None and len(blocks) <= self.graphs.max_blocks:
                 self.graphs.set_table(slot, table)
             live = LiveRequest(slot, blocks, table, item.new.reserve_tokens, item.start)
+            if self.vision is not None:
+                live.vision = self.vision.new_request(item.new.vision_spans)
             self.requests[item.request_id] = live
             if self.sampler is not None:
                 self.sampler.add(item.request_id, item.new.sampling)
@@ -545,6 +583,7 @@ class Executor:
             if request_id not in self.requests:
                 raise StepError(f"request {request_id} to drop is not held by rank {rank}")
         self._check_saves([item.save for item in items if item.save >= 0], evict, saves)
+        self._check_media(items)
         for item in items:
             held = self.requests.get(item.request_id)
             if item.new is not None:
@@ -593,6 +632,27 @@ class Executor:
                 f"{self.cache.free_slots} slots and {self.cache.free_blocks} blocks free"
             )
 
+    def _check_media(self, items: list[StepItem]) -> None:
+        """Every item's vision spans and media fit the request and this rank's tower."""
+        fresh: set[bytes] = set()
+        for item in items:
+            spans = item.new.vision_spans if item.new is not None else []
+            if not spans and not item.media:
+                continue
+            if self.vision is None:
+                raise StepError(
+                    f"request {item.request_id} has images; the model has no vision tower"
+                )
+            try:
+                held = self.requests.get(item.request_id)
+                vision = (
+                    self.vision.new_request(spans) if item.new is not None else held and held.vision
+                )
+                for media in item.media:
+                    self.vision.check(media, vision, fresh)
+            except MediaError as e:
+                raise StepError(f"request {item.request_id}: {e}") from None
+
     def _blocks_freed(self, evict: list[int]) -> int:
         """Blocks that evicting `evict` frees: those nothing else holds."""
         refs: dict[int, int] = {}
@@ -624,7 +684,13 @@ class Executor:
                 plan.last_sample_rows.append(offset)
                 plan.last_sample_slots.append(req.slot)
             positions = range(item.start, item.start + length)
-            plan.positions.extend(positions)
+            if self.vision is None:
+                plan.positions.extend(positions)
+            else:  # rotary positions shifted after images; vision rows and their embeddings
+                try:
+                    self.vision.add_rows(plan, req.vision, item.start, length, offset)
+                except MediaError as e:
+                    raise StepError(f"request {item.request_id}: {e}") from None
             plan.kv_rows.extend(req.kv_row(p, bs) for p in positions)
             if every_position:
                 plan.sampled.extend(range(offset, offset + length))
@@ -646,11 +712,19 @@ class Executor:
             ids[to_device(plan.last_sample_rows, torch.int64, self.device)] = (
                 self.cache.last_tokens[slots]
             )
+        vision = None if self.vision is None else self.vision.step_vision(plan)
         mtp = None
         if self.model.mtp is not None:  # the MTP head's keys and values of the step's rows
             mtp = mtp_rows(plan, self.cache.block_size, self.device)
         return StepBatch(
-            ids, positions, kv_index, tuple(plan.spans), logits_index, mtp=mtp, stash=stash
+            ids,
+            positions,
+            kv_index,
+            tuple(plan.spans),
+            logits_index,
+            vision=vision,
+            mtp=mtp,
+            stash=stash,
         )
 
     def _check_saves(self, prefixes: list[int], evict: list[int], saves: list[SaveOnDrop]) -> None:
@@ -739,6 +813,12 @@ class Executor:
             self.asleep = None
             self._capture_graphs()
             log.info("rank %d: awake", self.config.rank)
+
+    def watch_late_compiles(self) -> None:
+        """Once start-up is done: log each Triton kernel first compiled from now on, a shape the
+        warm-up missed (CUDA; kernels/triton_compat.py)."""
+        if self.device.type == "cuda":
+            report_late_compiles(log, self.config.rank)
 
     def snapshot(self) -> RankSnapshot:
         return RankSnapshot(

@@ -17,34 +17,9 @@ does on a machine without FP8 kernels: the model runs as a bf16 or fp32 checkpoi
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def dequantize(weight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """The fp32 weight: block (i, j) (rows i*bm.., columns j*bn..; the last ones may be
-    partial) times `scales[i, j]`. ValueError when the scales do not tile the weight."""
-    if weight.dim() != 2:
-        raise ValueError(
-            f"an FP8 weight of shape {list(weight.shape)}: only matrices are quantized in blocks"
-        )
-    rows, cols = weight.shape
-    bm, bn = block[0] or rows, block[1] or cols
-    grid = (math.ceil(rows / bm), math.ceil(cols / bn))
-    if scales.numel() == 1 == math.prod(grid):  # one scale per tensor: [1] or []
-        scales = scales.reshape(grid)
-    if tuple(scales.shape) != grid:
-        raise ValueError(
-            f"its scales have shape {list(scales.shape)}, not {list(grid)} "
-            f"(weight {[rows, cols]} in blocks of {[bm, bn]})"
-        )
-    return (
-        weight.float()
-        * scales.float().repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
-    )
+from deltaserve.kernels.fp8_scales import FP8_DTYPES, dequantize
 
 
 class Fp8Pairs:

@@ -1,7 +1,7 @@
 """Rank 0's guided decoding: each guided request's llguidance matcher, the token masks the
 library fills for them, and the bounds that end a request alone.
 
-The engine compiled each grammar once (engine/guided.py) and sends it with the request; here
+The engine compiled each grammar once (engine/guides.py) and sends it with the request; here
 a matcher is built for it the first time it comes (a template: the engine's worker proved it
 builds within the bounds) and each request copies it. The copies share the template's lexer,
 whose states the next requests reuse, under one lock: measured, eight copies filled at once
@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from deltaserve.engine.guide_grammar import error_summary, parser_limits
+from deltaserve.engine.guided.runtime import error_summary, parser_limits
 from deltaserve.ipc.messages import GuideLimits
 
 log = logging.getLogger("deltaserve.rank")
@@ -286,20 +285,4 @@ def _fill_lane(
         took[j] = 1e3 * (time.perf_counter() - started)
 
 
-def apply_masks(work: torch.Tensor, rows: torch.Tensor, masks: np.ndarray) -> None:
-    """`work[rows]` at -inf wherever `masks` (GuideMatchers.masks' rows, in the order of
-    `rows`) has no bit set. On CUDA the packed words go up (an eighth of the bytes) and are
-    unpacked there; on the CPU numpy unpacks them (a tenth of torch's time there)."""
-    vocab = work.shape[1]
-    if work.device.type == "cuda":  # pinned: queued on the stream (engine/rank/transfer.py)
-        packed = torch.from_numpy(masks).pin_memory().to(work.device, non_blocking=True)
-        shifts = torch.arange(8, dtype=torch.uint8, device=work.device)
-        bits = (packed.view(torch.uint8).unsqueeze(-1) >> shifts) & 1
-        allowed = bits.bool().view(masks.shape[0], -1)[:, :vocab]
-    else:
-        bits = np.unpackbits(masks.view(np.uint8), axis=1, count=vocab, bitorder="little")
-        allowed = torch.from_numpy(bits.view(np.bool_))
-    work[rows] = work[rows].masked_fill(~allowed, float("-inf"))
-
-
-__all__ = ["GRAMMARS_KEPT", "GuideMatchers", "apply_masks", "load_tokenizer"]
+__all__ = ["GRAMMARS_KEPT", "GuideMatchers", "load_tokenizer"]

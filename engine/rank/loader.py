@@ -17,21 +17,27 @@ Projections the model runs as one GEMM (`model.packed_modules`: checkpoint modul
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from deltaserve.engine.rank.checkpoint_reader import CheckpointReader, SafetensorsError, read_header
-from deltaserve.engine.rank.fp8 import FP8_DTYPES, Fp8Pairs
-from deltaserve.engine.rank.model_config import FP8_SCALE_SUFFIXES, ModelConfig
+from deltaserve.engine.checkpoint_files import (
+    FLOAT_DTYPES,
+    VLM_TEXT_PREFIX,
+    CheckpointError,
+    SafetensorsError,
+    checkpoint_files,
+    is_mtp,
+    read_header,
+    text_name,
+)
+from deltaserve.engine.model_config import FP8_SCALE_SUFFIXES, ModelConfig
+from deltaserve.engine.rank.checkpoint_reader import CheckpointReader
+from deltaserve.engine.rank.fp8 import Fp8Pairs
+from deltaserve.kernels.fp8_scales import FP8_DTYPES
 
-SKIPPED_PREFIXES = ("model.visual.",)
-VLM_TEXT_PREFIX = "model.language_model."
-# the multi-token-prediction head (engine/rank/mtp.py): loaded only into a model that has one
-MTP_PREFIXES = ("mtp.", "model.mtp.")
 # one expert's projection as released checkpoints store it -> (our stacked parameter, part)
 EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 EXPERT_PARTS = {
@@ -39,101 +45,6 @@ EXPERT_PARTS = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
-# dtypes we convert to the model's; any other (integers, bool, FP8) is a quantized or foreign
-# tensor whose values a plain conversion would turn into garbage weights
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-class CheckpointError(ValueError):
-    pass
-
-
-def weight_roots(model_dir: Path) -> tuple[Path, ...]:
-    """Where a checkpoint's files may resolve to: its folder, and for a Hugging Face hub
-    snapshot (`models--org--name/snapshots/REV`, whose files link to `../../blobs/SHA`) its
-    repository's blobs folder."""
-    folder = model_dir.resolve()
-    if folder.parent.name == "snapshots":
-        return folder, folder.parent.parent / "blobs"
-    return (folder,)
-
-
-def _inside(path: Path, model_dir: Path) -> Path:
-    """`path`, once it resolves (symbolic links followed) inside the checkpoint (weight_roots);
-    else a CheckpointError naming the file and the rule, before any byte of it is read."""
-    resolved = path.resolve()
-    if not any(resolved.is_relative_to(root) for root in weight_roots(model_dir)):
-        raise CheckpointError(
-            f"{path.name} in {model_dir} resolves outside the checkpoint folder (symbolic "
-            "links followed): a checkpoint's files must be inside it"
-        )
-    return path
-
-
-def _shard_name(index: Path, name: str) -> str:
-    """An index's shard file name, refused unless a plain file name: no folder, no `..`."""
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-        raise CheckpointError(
-            f"{index} names a shard {name!r} that is not a plain file name: shards are files "
-            "of the checkpoint's own folder"
-        )
-    return name
-
-
-def checkpoint_files(model_dir: Path, confined: bool = False) -> list[Path]:
-    """The checkpoint's safetensors files: those its index names (each a plain file name),
-    else model.safetensors, else every *.safetensors. `confined` (new weights, from a folder
-    a client named): the index and each file must resolve inside the checkpoint (`_inside`);
-    the folder served from start is its operator's, whose links may point anywhere."""
-
-    def inside(path: Path) -> Path:
-        return _inside(path, model_dir) if confined else path
-
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        inside(index)
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            names = sorted(set(weight_map.values()))
-            if not all(isinstance(name, str) for name in names):
-                raise TypeError("a weight_map value is not a file name")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(
-                f"{index} is not a safetensors index with a weight_map of tensor -> "
-                f"file name ({type(e).__name__}: {e})"
-            ) from None
-        files = [inside(model_dir / _shard_name(index, name)) for name in names]
-        missing = [path.name for path in files if not path.is_file()]
-        if missing:
-            raise CheckpointError(
-                f"{index} names shard files that are missing: {', '.join(missing)}"
-            )
-        return files
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [inside(single)]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no safetensors files in {model_dir}")
-    return [inside(path) for path in files]
-
-
-def text_name(name: str) -> str | None:
-    """Our parameter name for a checkpoint tensor name (the MTP head's as `mtp.*`); None for
-    tensors we skip."""
-    if name.startswith(SKIPPED_PREFIXES):
-        return None
-    if name.startswith(VLM_TEXT_PREFIX):
-        return "model." + name[len(VLM_TEXT_PREFIX) :]
-    if name.startswith(MTP_PREFIXES):
-        return "mtp." + name.split("mtp.", 1)[1]
-    return name
-
-
-def is_mtp(name: str) -> bool:
-    """Whether a text name is the MTP head's."""
-    return name.startswith(MTP_PREFIXES[0])
 
 
 def checkpoint_name(target: str, vlm_layout: bool) -> str:
@@ -353,54 +264,3 @@ def load_tensor(
     except (ValueError, IndexError) as e:
         raise CheckpointError(f"tensor {name!r} in {path.name}: {e}") from None
     loaded |= covers
-
-
-def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, config: ModelConfig) -> None:
-    """Raise CheckpointError unless `new_dir` (confined: checkpoint_files) holds the serving
-    checkpoint's text tensors, each
-    of the same shape and floating point (FP8 where the served one is), read from the files'
-    headers alone: a weight update checks this before any rank copies a tensor (a rank failing
-    half-way poisons the replica)."""
-    tie_word_embeddings = config.tie_word_embeddings
-
-    def tensors(model_dir: Path, confined: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        out = {}
-        try:
-            for path in checkpoint_files(model_dir, confined):
-                for entry in read_header(path):
-                    name = text_name(entry.name)
-                    if (
-                        name is not None
-                        and not is_mtp(name)  # optional in new weights (load_weights)
-                        and not (name == "lm_head.weight" and tie_word_embeddings)
-                    ):
-                        out[name] = (entry.shape, entry.dtype)
-        except (SafetensorsError, OSError) as e:
-            raise CheckpointError(f"{model_dir}: {e}") from None
-        return out
-
-    old, new = tensors(Path(serving_dir), False), tensors(Path(new_dir), True)
-    problems = [f"{name} missing" for name in sorted(old.keys() - new.keys())]
-    problems += [f"{name} unexpected" for name in sorted(new.keys() - old.keys())]
-    problems += [
-        f"{name} of shape {list(new[name][0])}, not {list(old[name][0])}"
-        for name in sorted(old.keys() & new.keys())
-        if new[name][0] != old[name][0]
-    ]
-
-    def foreign(
-        name: str, dtype: torch.dtype
-    ) -> bool:  # FP8 exactly where the served tensor is FP8
-        served = old.get(name, ((), None))[1]
-        return dtype != served and (dtype not in FLOAT_DTYPES or served in FP8_DTYPES)
-
-    problems += [
-        f"{name} of dtype {str(dtype).removeprefix('torch.')}"
-        for name, (_, dtype) in sorted(new.items())
-        if foreign(name, dtype)
-    ]
-    if problems:
-        shown = "; ".join(problems[:3]) + (
-            f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-        )
-        raise CheckpointError(f"{new_dir} does not hold the served model's tensors: {shown}")

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.cache import StateCache, cache_shapes
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.prompt_graphs import prefix_graph_keys, token_buckets
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.linear import WeightLoader, new_param, replicated_param, sharded_loader
 from deltaserve.engine.rank.mlp import MLP
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.parallel import all_reduce, tp_size
 from deltaserve.kernels.moe import experts, experts_and_shared, gemv_path, route
 

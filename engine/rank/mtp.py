@@ -27,11 +27,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.batch import MtpRows, SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.embedding import VocabParallelEmbedding
 from deltaserve.engine.rank.linear import RowParallelLinear
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.norm import RMSNorm
 from deltaserve.engine.rank.parallel import all_reduce, tp_rank, tp_size
 from deltaserve.engine.rank.qwen3_5 import DecoderLayer

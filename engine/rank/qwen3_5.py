@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.attention import GatedAttention
 from deltaserve.engine.rank.batch import StepBatch
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.deltanet import GatedDeltaNet
 from deltaserve.engine.rank.embedding import VocabParallelEmbedding
 from deltaserve.engine.rank.mlp import MLP
-from deltaserve.engine.rank.model_config import ModelConfig
 from deltaserve.engine.rank.moe import SparseMoeBlock
 from deltaserve.engine.rank.norm import RMSNorm
 from deltaserve.kernels.skinny_linear import SplitSum
@@ -144,6 +144,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         x = self.model.embed_tokens(
             batch.input_ids, batch.token_slots, cache.last_tokens
         )  # [T, hidden]
+        if batch.vision is not None:  # images' tokens: the vision tower's embeddings
+            x[batch.vision.rows] = batch.vision.embeds.to(x.dtype)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, batch, cache)

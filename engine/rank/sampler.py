@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltaserve.engine.rank.grammar_mask import GuideMatchers, apply_masks
+from deltaserve.engine.guided.masks import apply_masks
+from deltaserve.engine.rank.grammar_mask import GuideMatchers
 from deltaserve.engine.rank.transfer import to_device
 from deltaserve.ipc.messages import Sample, SamplingSpec
 from deltaserve.kernels.logit_stats import logsumexp_argmax

@@ -142,6 +142,7 @@ def with_step_meta(batch: StepBatch, device: torch.device) -> GpuStepBatch:
         spans=batch.spans,
         logits_index=batch.logits_index,
         token_slots=batch.token_slots,
+        vision=batch.vision,
         mtp=batch.mtp,
         stash=batch.stash,
         meta=build_step_meta(batch.spans, device),

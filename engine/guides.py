@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from deltaserve.engine.grammar_worker import GrammarWorker, Job, Outcome, Setup
-from deltaserve.engine.stop_regex import StopTemplate, stop_template
+from deltaserve.engine.guided.stop_regex import StopTemplate, stop_template
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 from deltaserve.ipc.messages import GuideLimits
 

@@ -3,10 +3,10 @@ any of them, the text kept through the token that completed it (SGLang trims a s
 not a regex match).
 
 Each pattern runs as llguidance's matcher of `(?s:.*)(?:pattern)` over the text's UTF-8
-bytes as they come (engine/guide_grammar.py's byte tokenizer): the same regex dialect as
+bytes as they come (runtime.py's byte tokenizer): the same regex dialect as
 guided_regex, in linear time (a lazily built DFA, its states bounded by max_lexer_states),
 where searching the text again after every token is quadratic. The compile worker checks
-each pattern first (engine/grammar_worker.py); engine/guided.py keeps one matcher per
+each pattern first (engine/grammar_worker.py); engine/guides.py keeps one matcher per
 pattern, which each request's watch copies (the copies share its DFA).
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from llguidance import LLMatcher
 
-from deltaserve.engine.guide_grammar import error_summary
+from deltaserve.engine.guided.runtime import byte_tokenizer, error_summary, parser_limits
 
 
 class StopRegexError(ValueError):
@@ -26,7 +26,7 @@ class StopRegexError(ValueError):
 
 @dataclass(eq=False, slots=True)
 class StopTemplate:
-    """A stop regex's matcher, which requests copy (engine/guided.py keeps one per pattern).
+    """A stop regex's matcher, which requests copy (engine/guides.py keeps one per pattern).
     `spent`: a copy hit the lexer's bound in the states they share; the next request gets a
     fresh one."""
 
@@ -46,8 +46,6 @@ def stop_regex_grammar(pattern: str) -> str:
 def stop_template(pattern: str, max_lexer_states: int) -> StopTemplate:
     """A pattern's matcher for requests to copy (its grammar checked by the worker first: here
     a ValueError only for a pattern that is no regex)."""
-    from deltaserve.engine.guide_grammar import byte_tokenizer, parser_limits
-
     limits = parser_limits(max_lexer_states)
     return StopTemplate(
         pattern, LLMatcher(byte_tokenizer(), stop_regex_grammar(pattern), limits=limits)

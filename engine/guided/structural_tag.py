@@ -18,7 +18,7 @@ follow it: its tag's end, the next trigger, or the string that starts the next e
 sequence (a lazy lexeme: llguidance's lexer takes the longest match otherwise, and would
 run past the end). It holds no trigger and no excluded string. Free text that nothing
 literal follows is refused unless it ends the output. JSON inside a tag takes the blanks
-engine/guide_grammar.py's WHITESPACE allows.
+grammar.py's WHITESPACE allows.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ import re
 from typing import Any
 
 from llguidance import LLMatcher
+
+from deltaserve.engine.guided.gbnf import lark_of
+from deltaserve.engine.guided.runtime import error_summary
 
 _REFUSED = {
     "token",
@@ -163,8 +166,6 @@ class _Lark:
         return _then(f"%json {json.dumps(schema)}", tail)
 
     def _grammar(self, f: dict, at: str, tail: str | None) -> str:
-        from deltaserve.engine.guide_grammar import lark_of
-
         _keys(f, {"type", "grammar"}, at)
         try:
             lark = lark_of(_string(f, "grammar", at))
@@ -408,8 +409,6 @@ def _slashed(pattern: str) -> str:
 
 def _check(grammar: str, at: str) -> None:
     """The part on its own must compile: its error then names where it is."""
-    from deltaserve.engine.guide_grammar import error_summary
-
     if error := LLMatcher.validate_grammar(grammar):
         raise StructuralTagError(f"{at}: {error_summary(error)}")
 
