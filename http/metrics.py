@@ -11,6 +11,8 @@ every series carries `model_name`:
 | vllm:prompt_tokens_total, vllm:generation_tokens_total | counter |
 | vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total (tokens) | counter |
 | vllm:request_success_total{finished_reason=stop/length/abort/error} | counter |
+| vllm:spec_decode_num_drafts_total, _num_draft_tokens_total, _num_accepted_tokens_total | counter |
+| vllm:spec_decode_num_accepted_tokens_per_pos_total{position=0..k-1} | counter |
 | deltaserve:steps_total, deltaserve:pipelined_steps_total | counter |
 | deltaserve:step_seconds_total, deltaserve:scheduler_seconds_total | counter |
 | vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds | histogram |
@@ -116,6 +118,7 @@ class EngineCollector(Collector):
         for reason, count in sorted(m.request_success_total.items()):
             finished.add_metric([self.model_name, reason], count)
         yield finished
+        yield from self.spec_decode(m)
         for name, help_text, histogram in (
             ("vllm:time_to_first_token_seconds", "Time to first token.", m.time_to_first_token_s),
             ("vllm:inter_token_latency_seconds", "Time between tokens.", m.inter_token_latency_s),
@@ -125,6 +128,43 @@ class EngineCollector(Collector):
             buckets = [(floatToGoString(le), count) for le, count in histogram.cumulative()]
             family.add_metric([self.model_name], buckets, histogram.total)
             yield family
+
+    def spec_decode(self, m: Any) -> Iterator[Metric]:
+        """Speculative decoding's counters, as vLLM's (only where the engine speculates):
+        verify steps of a request, the drafts they verified and accepted, and how often
+        each draft position was accepted."""
+        if not getattr(self.engine.config, "speculative", None):
+            return
+        for name, help_text, value in (
+            (
+                "vllm:spec_decode_num_drafts_total",
+                "Verifications of a request's drafts.",
+                m.spec_decode_num_drafts_total,
+            ),
+            (
+                "vllm:spec_decode_num_draft_tokens_total",
+                "Draft tokens verified.",
+                m.spec_decode_num_draft_tokens_total,
+            ),
+            (
+                "vllm:spec_decode_num_accepted_tokens_total",
+                "Draft tokens accepted.",
+                m.spec_decode_num_accepted_tokens_total,
+            ),
+        ):
+            counter = CounterMetricFamily(name, help_text, labels=[MODEL_LABEL])
+            counter.add_metric([self.model_name], value)
+            yield counter
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+            "Draft tokens accepted, by their position in the drafts.",
+            labels=[MODEL_LABEL, "position"],
+        )
+        k = self.engine.config.speculative.num_speculative_tokens
+        for position in range(k):
+            count = m.spec_decode_num_accepted_tokens_per_pos.get(position, 0)
+            per_position.add_metric([self.model_name, str(position)], count)
+        yield per_position
 
     def gauge(self, name: str, help_text: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, help_text, labels=[MODEL_LABEL])

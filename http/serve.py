@@ -318,6 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(engine/structured_config.py). backend auto and guidance: llguidance",
     )
     eng.add_argument(
+        "--speculative-config",
+        default=None,
+        help="vLLM's: speculative decoding with the checkpoint's MTP head, as JSON, e.g. "
+        '\'{"method": "mtp", "num_speculative_tokens": 3}\' (optional disable_by_batch_size: '
+        "no drafts in a step of more decoding requests; engine/speculative_config.py)",
+    )
+    eng.add_argument(
         "--monitor-endpoint",
         default="auto",
         help="ZeroMQ PUB endpoint for monitors (deltaserve monitor ENDPOINT; "
@@ -599,9 +606,11 @@ def _structured_defaults() -> str:
 
 def _engine_config(args: argparse.Namespace):  # -> EngineConfig
     from deltaserve.engine.config import EngineConfig
+    from deltaserve.engine.speculative_config import parse_speculative_config
     from deltaserve.engine.structured_config import StructuredOutputsConfig
 
     structured = args.structured_outputs_config
+    speculative = args.speculative_config
 
     return EngineConfig(
         model=args.model,
@@ -633,6 +642,7 @@ def _engine_config(args: argparse.Namespace):  # -> EngineConfig
         if structured
         else StructuredOutputsConfig(),
         media=_media_config(args),
+        speculative=parse_speculative_config(speculative) if speculative else None,
     )
 
 

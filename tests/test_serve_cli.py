@@ -14,6 +14,7 @@ import pytest
 from serve_helpers import DELTASERVE, get
 
 from deltaserve.engine.async_engine import AsyncEngine
+from deltaserve.engine.speculative_config import SpeculativeConfig
 from deltaserve.http import serve
 from deltaserve.http.server import ServerConfig
 
@@ -258,6 +259,10 @@ ACCEPTED = [
     (["--disable-uvicorn-access-log"], {}),  # no access log is written
     (["--no-enable-prefix-caching"], {"enable_prefix_caching": False}),  # the default
     (["--enable-prefix-caching"], {"enable_prefix_caching": True}),
+    (
+        ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'],
+        {"speculative": SpeculativeConfig("mtp", 2)},
+    ),
     (["--enable-prefix-caching", "--prefix-cache-states", "4"], {"prefix_cache_states": 4}),
     (["--enable-chunked-prefill"], {}),  # prompts are always prefilled in chunks
     (["--kv-cache-dtype", "auto"], {}),  # the model's dtype

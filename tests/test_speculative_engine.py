@@ -15,6 +15,8 @@ from engine_helpers import collect, engine_config, ids_of
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.speculative_config import SpeculativeConfig, parse_speculative_config
+from deltaserve.http.metrics import render_metrics
+from deltaserve.http.serve import _engine_config, parse_args
 from deltaserve.tools.make_model import make_model
 
 NUM_DRAFTS = 3
@@ -93,6 +95,7 @@ async def test_greedy_output_with_mtp_equals_output_without(agree_model_dir, tp_
         got = await scenario(engine, reference)
         await assert_nothing_held(engine)
         metrics, load = engine.metrics, engine.load()
+        exposition = render_metrics(engine, "m")[0].decode()
     for name, want, have in zip(
         ["batch", "next turn", "max_tokens", "stop ids", "stop string", "after an abort"],
         reference,
@@ -121,6 +124,13 @@ async def test_greedy_output_with_mtp_equals_output_without(agree_model_dir, tp_
         per_position.values(), reverse=True
     )  # a position is reached only through the ones before it
     assert load.spec_decode_num_accepted_tokens_total == accepted
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}.0' in (
+        exposition
+    )
+    assert (
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} '
+        f"{per_position.get(0, 0)}.0" in exposition
+    )
     assert load.spec_decode_accepted_per_position == [
         per_position.get(i, 0) for i in range(NUM_DRAFTS)
     ]
@@ -138,6 +148,12 @@ def test_speculative_config_is_parsed_as_vllm_spells_it():
     ]:
         with pytest.raises(ValueError, match=field):
             parse_speculative_config(bad)
+
+
+def test_the_serve_flag_is_refused_by_the_field_it_names(tmp_path):
+    args = parse_args([str(tmp_path), "--speculative-config", '{"method": "ngram"}'])
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        _engine_config(args)
 
 
 async def test_a_checkpoint_without_an_mtp_head_is_refused_by_name(tiny_model_dir):
