@@ -11,8 +11,8 @@ request's drafts are used by its next step or never (a step that ran without the
 them stale).
 
 Adaptive (never slower than without speculation by more than the probes cost): no drafts in
-a step whose decoding batch is past `SpeculativeConfig.max_batch` (verification would cost
-more than it saves, measured by tools/bench_spec_decode.py), and per draft position the
+a step whose decoding batch is at or above `SpeculativeConfig.off_at_batch` (verification
+would cost more than it saves, measured by tools/bench_mtp.py), and per draft position the
 running acceptance rate decides how many positions pay for themselves (`MIN_REACH`); with
 none paying, one step in PROBE_STEPS drafts one token to measure again. Since speculation
 never changes a token (the ranks emit what the target samples), turning it up or down is
@@ -20,6 +20,8 @@ free of any effect on the output.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.planner import PlannedChunk
@@ -29,7 +31,7 @@ from deltaserve.ipc.messages import Sample, SpecOutcome
 
 # The chance that a draft position is reached and accepted at which drafting it pays: a draft
 # step's cost (the head's layer and the lm_head read, ~1/5 of a 4B decode step at batch 1 by
-# the roofline) plus a verify row's, against a decode step. tools/bench_spec_decode.py
+# the roofline) plus a verify row's, against a decode step. tools/bench_mtp.py
 # reports the measured break-even; this is its roofline estimate until an H100 run sets it.
 MIN_REACH = 0.25
 PROBE_STEPS = 32  # with no position paying, one step in this many drafts one token
@@ -48,11 +50,29 @@ class Speculation:
         self._drafts: dict[int, list[int]] = {}  # request id -> drafts for its next step
         self._sent: dict[int, list[int]] = {}  # request id -> drafts its step in flight verifies
         self._steps_off = 0
+        self.forced_drafts: int | None = None  # benchmarks only (`force`)
+        self.proposer: Callable[[Request, int, list[int]], list[int]] | None = None
+
+    def force(
+        self,
+        num_drafts: int | None,
+        proposer: Callable[[Request, int, list[int]], list[int]] | None = None,
+    ) -> None:
+        """Benchmarks only (tools/bench_mtp.py): `num_drafts` per step whatever the batch and
+        the acceptance (None: adaptive again), and drafts replaced by `proposer(request,
+        first output index they stand for, the head's drafts)`. The head still runs: its cost
+        is measured; the output stays the target's whatever the drafts."""
+        if num_drafts is not None and not 0 <= num_drafts <= self.max_drafts:
+            raise ValueError(f"num_drafts {num_drafts} outside 0..{self.max_drafts}")
+        self.forced_drafts, self.proposer = num_drafts, proposer
 
     def choose(self, num_decoding: int) -> int:
         """Drafts per request for a step of `num_decoding` decoding requests."""
+        if self.forced_drafts is not None:
+            self.step_drafts = self.forced_drafts
+            return self.forced_drafts
         drafts = 0
-        if num_decoding <= self.config.max_batch:
+        if num_decoding < self.config.off_at_batch:
             reach = 1.0
             for rate in self.acceptance:
                 reach *= rate
@@ -94,7 +114,10 @@ class Speculation:
         the step's own), its next drafts kept; the counters and acceptance rates updated."""
         sent = self._sent.pop(request.request_id, [])
         accepted = outcome.accepted
-        self._drafts[request.request_id] = list(outcome.drafts)
+        drafts = list(outcome.drafts)
+        if self.proposer is not None and drafts:  # they stand for the tokens after this step's
+            drafts = self.proposer(request, request.num_output_tokens + accepted + 1, drafts)
+        self._drafts[request.request_id] = drafts
         if sent:
             metrics.spec_decode_num_drafts_total += 1
             metrics.spec_decode_num_draft_tokens_total += len(sent)

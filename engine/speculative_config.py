@@ -15,12 +15,13 @@ from dataclasses import dataclass
 # vLLM's names for the checkpoint's own MTP head ("qwen3_next_mtp" its older one)
 METHODS = ("mtp", "qwen3_next_mtp")
 MAX_SPECULATIVE_TOKENS = 8
-# Speculation is off for a step whose decoding batch is larger than this (vLLM's
-# disable_by_batch_size). Measured by tools/bench_spec_decode.py (its `max_batch`: the largest
-# concurrency at which the best k still beat MTP off at acceptance 0.7); until an H100 run
-# records it, this is the same tool's memory-roofline estimate for the random 4B in bf16
-# (the verify's rows and the drafts' lm_head reads against a decode step's bytes).
-DEFAULT_MAX_BATCH = 16
+# Speculation is off for a step whose decoding batch is at or above this (vLLM's
+# disable_by_batch_size). Measured by tools/bench_mtp.py (its `disable_by_batch_size`: the
+# smallest concurrency at which the best k no longer beats MTP off at acceptance 0.7); until
+# an H100 run records it, this is the memory-roofline estimate for the random 4B in bf16: at
+# batch 16 a verify's extra rows, the rollback's extra state read (~50 MB a request) and k
+# drafts' lm_head reads (1.27 GB each) cost about what acceptance 0.7 saves.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 # vLLM keys that ask for nothing else here when given these values (routers and launch
 # scripts send them); any other value of them is refused by name
 NEUTRAL_KEYS = {
@@ -36,7 +37,7 @@ NEUTRAL_KEYS = {
 class SpeculativeConfig:
     method: str = "mtp"
     num_speculative_tokens: int = 1  # drafts per step at most (k)
-    # speculate only in steps whose decoding batch is at most this; None: DEFAULT_MAX_BATCH
+    # no drafts in a step of this many decoding requests or more; None: the default above
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -60,11 +61,10 @@ class SpeculativeConfig:
             )
 
     @property
-    def max_batch(self) -> int:
-        """The largest decoding batch that speculates."""
-        return (
-            DEFAULT_MAX_BATCH if self.disable_by_batch_size is None else self.disable_by_batch_size
-        )
+    def off_at_batch(self) -> int:
+        """The smallest decoding batch that does not speculate."""
+        limit = self.disable_by_batch_size
+        return DEFAULT_DISABLE_BY_BATCH_SIZE if limit is None else limit
 
 
 def parse_speculative_config(value: str | dict) -> SpeculativeConfig:
