@@ -65,6 +65,8 @@ class Speculation:
         if num_drafts is not None and not 0 <= num_drafts <= self.max_drafts:
             raise ValueError(f"num_drafts {num_drafts} outside 0..{self.max_drafts}")
         self.forced_drafts, self.proposer = num_drafts, proposer
+        self.acceptance = [1.0] * self.max_drafts  # a new workload: measured afresh
+        self._steps_off = 0
 
     def choose(self, num_decoding: int) -> int:
         """Drafts per request for a step of `num_decoding` decoding requests."""
