@@ -7,6 +7,7 @@ also checks the DeltaNet, conv and KV rollback of the rejected positions."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -77,9 +78,15 @@ async def scenario(engine: AsyncEngine, reference: list | None) -> list:
             break
     await stream.aclose()
     after = await run_all(engine, [(PROMPTS[2], greedy(12))])
-    return [batch, again, limits, stop_ids, stops, after]
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, logprobs=2)
+    tokens, _ = await collect(engine.generate(PROMPTS[1], replace(seeded, ignore_eos=True)))
+    sampled = [(t.token_id, round(t.logprob, 3), [a for a, _ in t.top_logprobs]) for t in tokens]
+    choice = await engine.prepare(greedy(12, guided_choice=("hello world", "goodbye moon")))
+    guided = await run_all(engine, [(PROMPTS[0], choice)])
+    return [batch, again, limits, stop_ids, stops, after, sampled, guided]
 
 
+@pytest.mark.timeout(600)  # two engines and a dozen requests each: ~90 s on 2 idle cores
 @pytest.mark.parametrize("tp_size", [1, 2], ids=["tp1", "tp2"])
 async def test_greedy_output_with_mtp_equals_output_without(agree_model_dir, tp_size):
     """Token for token and text for text, with drafts both accepted and rejected; nothing
@@ -97,7 +104,16 @@ async def test_greedy_output_with_mtp_equals_output_without(agree_model_dir, tp_
         metrics, load = engine.metrics, engine.load()
         exposition = render_metrics(engine, "m")[0].decode()
     for name, want, have in zip(
-        ["batch", "next turn", "max_tokens", "stop ids", "stop string", "after an abort"],
+        [
+            "batch",
+            "next turn",
+            "max_tokens",
+            "stop ids",
+            "stop string",
+            "after an abort",
+            "seeded random, logprobs",
+            "guided",
+        ],
         reference,
         got,
         strict=True,
@@ -108,6 +124,7 @@ async def test_greedy_output_with_mtp_equals_output_without(agree_model_dir, tp_
     assert all(r[0] == batch[0][0][: len(r[0])] for r in limits)
     assert again[0][3] > 0, "the next turn started from a saved prefix"
     assert reference[3][0][2] == "stop" and reference[4][0][2] == "stop"
+    assert reference[7][0][1] in ("hello world", "goodbye moon")
     drafted, accepted = (
         metrics.spec_decode_num_draft_tokens_total,
         (metrics.spec_decode_num_accepted_tokens_total),
