@@ -196,11 +196,21 @@ class DataParallelEngine:
                 "step_decode_tokens",
                 "prompt_tokens_total",
                 "generation_tokens_total",
+                "step_draft_tokens",
+                "spec_decode_num_drafts_total",
+                "spec_decode_num_draft_tokens_total",
+                "spec_decode_num_accepted_tokens_total",
             )
         }
         state = max((load.state for load in loads), key=_STATE_ORDER.index)
+        per_position = [
+            sum(counts) for counts in zip(*(x.spec_decode_accepted_per_position for x in loads))
+        ]
         return LoadSnapshot(
-            state=state, step_duration_s=max(load.step_duration_s for load in loads), **added
+            state=state,
+            step_duration_s=max(load.step_duration_s for load in loads),
+            spec_decode_accepted_per_position=per_position,
+            **added,
         )
 
     def replica_loads(self) -> list[LoadSnapshot]:

@@ -118,7 +118,7 @@ class EngineCollector(Collector):
         for reason, count in sorted(m.request_success_total.items()):
             finished.add_metric([self.model_name, reason], count)
         yield finished
-        yield from self.spec_decode(m)
+        yield from self.spec_decode(m, len(load.spec_decode_accepted_per_position))
         for name, help_text, histogram in (
             ("vllm:time_to_first_token_seconds", "Time to first token.", m.time_to_first_token_s),
             ("vllm:inter_token_latency_seconds", "Time between tokens.", m.inter_token_latency_s),
@@ -129,11 +129,11 @@ class EngineCollector(Collector):
             family.add_metric([self.model_name], buckets, histogram.total)
             yield family
 
-    def spec_decode(self, m: Any) -> Iterator[Metric]:
-        """Speculative decoding's counters, as vLLM's (only where the engine speculates):
-        verify steps of a request, the drafts they verified and accepted, and how often
-        each draft position was accepted."""
-        if not getattr(self.engine.config, "speculative", None):
+    def spec_decode(self, m: Any, num_positions: int) -> Iterator[Metric]:
+        """Speculative decoding's counters, as vLLM's (only where the engine speculates: its
+        load lists `num_positions` draft positions): verify steps of a request, the drafts
+        they verified and accepted, and how often each draft position was accepted."""
+        if not num_positions:
             return
         for name, help_text, value in (
             (
@@ -160,8 +160,7 @@ class EngineCollector(Collector):
             "Draft tokens accepted, by their position in the drafts.",
             labels=[MODEL_LABEL, "position"],
         )
-        k = self.engine.config.speculative.num_speculative_tokens
-        for position in range(k):
+        for position in range(num_positions):
             count = m.spec_decode_num_accepted_tokens_per_pos.get(position, 0)
             per_position.add_metric([self.model_name, str(position)], count)
         yield per_position
