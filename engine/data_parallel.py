@@ -203,9 +203,8 @@ class DataParallelEngine:
             )
         }
         state = max((load.state for load in loads), key=_STATE_ORDER.index)
-        per_position = [
-            sum(counts) for counts in zip(*(x.spec_decode_accepted_per_position for x in loads))
-        ]
+        positions = (load.spec_decode_accepted_per_position for load in loads)
+        per_position = [sum(counts) for counts in zip(*positions, strict=True)]  # replicas' k
         return LoadSnapshot(
             state=state,
             step_duration_s=max(load.step_duration_s for load in loads),
