@@ -107,9 +107,7 @@ class EngineCollector(Collector):
             ),
             *self.front,
         ):
-            counter = CounterMetricFamily(name, help_text, labels=[MODEL_LABEL])
-            counter.add_metric([self.model_name], value)
-            yield counter
+            yield self.counter(name, help_text, value)
         finished = CounterMetricFamily(
             "vllm:request_success_total",
             "Finished requests by finish reason.",
@@ -152,9 +150,7 @@ class EngineCollector(Collector):
                 m.spec_decode_num_accepted_tokens_total,
             ),
         ):
-            counter = CounterMetricFamily(name, help_text, labels=[MODEL_LABEL])
-            counter.add_metric([self.model_name], value)
-            yield counter
+            yield self.counter(name, help_text, value)
         per_position = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos_total",
             "Draft tokens accepted, by their position in the drafts.",
@@ -164,6 +160,11 @@ class EngineCollector(Collector):
             count = m.spec_decode_num_accepted_tokens_per_pos.get(position, 0)
             per_position.add_metric([self.model_name, str(position)], count)
         yield per_position
+
+    def counter(self, name: str, help_text: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, help_text, labels=[MODEL_LABEL])
+        family.add_metric([self.model_name], value)
+        return family
 
     def gauge(self, name: str, help_text: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, help_text, labels=[MODEL_LABEL])

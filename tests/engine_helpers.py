@@ -84,3 +84,18 @@ class PlanLog:
 
     def request_ids(self) -> set[int]:
         return {c.request_id for p in self.plans for c in p.chunks}
+
+
+async def assert_ledger_is_every_ranks(engine: AsyncEngine) -> int:
+    """Idle: no request anywhere; the blocks the saved prefixes hold, by the ledger, are what
+    every rank has in use. Returns that count."""
+    for _ in range(250):
+        if engine.load().running == 0:
+            break
+        await asyncio.sleep(0.02)
+    load = engine.load()
+    assert (load.running, load.waiting, load.free_slots) == (0, 0, load.num_slots), load
+    held = load.num_blocks - load.free_blocks
+    for snap in await engine.rank_snapshots():
+        assert (snap.request_ids, snap.slots_used, snap.blocks_used) == ([], 0, held), snap
+    return held

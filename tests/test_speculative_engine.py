@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from engine_helpers import collect, engine_config, ids_of
+from engine_helpers import assert_ledger_is_every_ranks, collect, engine_config, ids_of
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.sampling_params import SamplingParams
@@ -28,20 +28,6 @@ PROMPTS = [list(range(100 + 11 * i, 150 + 13 * i)) for i in range(3)]  # 50 to 7
 def agree_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny, fp32, with an MTP head that agrees with the target often (not always)."""
     return make_model(tmp_path_factory.mktemp("agree"), preset="tiny", dtype="fp32", mtp="agree")
-
-
-async def assert_nothing_held(engine: AsyncEngine) -> None:
-    """Idle: no request, slot or block held anywhere but the saved prefixes' blocks, which
-    are what every rank has in use."""
-    for _ in range(250):
-        if engine.load().running == 0:
-            break
-        await asyncio.sleep(0.02)
-    load = engine.load()
-    assert (load.running, load.waiting, load.free_slots) == (0, 0, load.num_slots), load
-    held = load.num_blocks - load.free_blocks
-    for snap in await engine.rank_snapshots():
-        assert (snap.request_ids, snap.slots_used, snap.blocks_used) == ([], 0, held), snap
 
 
 def greedy(max_tokens: int, **fields) -> SamplingParams:
@@ -94,13 +80,13 @@ async def test_greedy_output_with_mtp_equals_output_without(agree_model_dir, tp_
     config = dict(device="cpu", tp_size=tp_size, enable_prefix_caching=True)
     async with await AsyncEngine.start(engine_config(agree_model_dir, **config)) as plain:
         reference = await scenario(plain, None)
-        await assert_nothing_held(plain)
+        await assert_ledger_is_every_ranks(plain)
     speculative = SpeculativeConfig(num_speculative_tokens=NUM_DRAFTS)
     async with await AsyncEngine.start(
         engine_config(agree_model_dir, speculative=speculative, **config)
     ) as engine:
         got = await scenario(engine, reference)
-        await assert_nothing_held(engine)
+        await assert_ledger_is_every_ranks(engine)
         metrics, load = engine.metrics, engine.load()
         exposition = render_metrics(engine, "m")[0].decode()
     for name, want, have in zip(
