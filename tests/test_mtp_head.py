@@ -122,3 +122,18 @@ def test_the_head_matches_the_published_architecture(mtp_model_dir):
             batch = draft_batch([SeqSpan(0, 1, p, 0, table, blocks)], [p], [kv_rows[p]], cpu)
             got = model.output_embedding.logits(head(x[p : p + 1], batch, cache))
             torch.testing.assert_close(got[0], want[p], atol=2e-4, rtol=1e-4)
+
+
+def test_an_moe_head_loads_from_the_released_layout(tmp_path):
+    """The MoE models' head (experts one by one, `mtp.*` beside `model.language_model.*`)
+    loads whole: a tensor missing or left over would raise."""
+    model_dir = make_model(tmp_path, preset="tiny-moe", dtype="fp32", mtp="random", vlm_names=True)
+    config = ModelConfig.from_model_dir(model_dir)
+    cpu = torch.device("cpu")
+    head = MultiTokenPredictor(config, torch.float32, cpu)
+    model = Qwen3_5ForCausalLM(config, torch.float32, cpu, head)
+    for param in head.parameters():
+        param.data.fill_(float("nan"))
+    load_weights(model, model_dir, config)
+    assert "layers.0.mlp.experts.gate_up_proj" in dict(head.named_parameters())
+    assert all(not param.isnan().any() for param in head.parameters())
