@@ -11,9 +11,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from engine_helpers import assert_ledger_is_every_ranks, collect, engine_config, ids_of
+from engine_helpers import assert_ledger_is_every_ranks, collect, drain, engine_config, ids_of
 
 from deltaserve.engine.async_engine import AsyncEngine
+from deltaserve.engine.events import TokenEvent
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 from deltaserve.http.metrics import render_metrics
@@ -67,9 +68,12 @@ async def scenario(engine: AsyncEngine, reference: list | None) -> list:
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, logprobs=2)
     tokens, _ = await collect(engine.generate(PROMPTS[1], replace(seeded, ignore_eos=True)))
     sampled = [(t.token_id, round(t.logprob, 3), [a for a, _ in t.top_logprobs]) for t in tokens]
+    pair = SamplingParams(max_tokens=10, temperature=1.5, seed=3, n=2, ignore_eos=True)
+    events = await asyncio.wait_for(drain(engine.generate(PROMPTS[2][:40], pair)), 60)
+    choices = sorted((e.index, e.token_id) for e in events if isinstance(e, TokenEvent))
     choice = await engine.prepare(greedy(12, guided_choice=("hello world", "goodbye moon")))
     guided = await run_all(engine, [(PROMPTS[0], choice)])
-    return [batch, again, limits, stop_ids, stops, after, sampled, guided]
+    return [batch, again, limits, stop_ids, stops, after, sampled, choices, guided]
 
 
 @pytest.mark.timeout(600)  # two engines and a dozen requests each: ~90 s on 2 idle cores
@@ -98,6 +102,7 @@ async def test_greedy_output_with_mtp_equals_output_without(agree_model_dir, tp_
             "stop string",
             "after an abort",
             "seeded random, logprobs",
+            "n=2",
             "guided",
         ],
         reference,
@@ -110,7 +115,8 @@ async def test_greedy_output_with_mtp_equals_output_without(agree_model_dir, tp_
     assert all(r[0] == batch[0][0][: len(r[0])] for r in limits)
     assert again[0][3] > 0, "the next turn started from a saved prefix"
     assert reference[3][0][2] == "stop" and reference[4][0][2] == "stop"
-    assert reference[7][0][1] in ("hello world", "goodbye moon")
+    assert len(reference[7]) == 20  # both choices' tokens
+    assert reference[8][0][1] in ("hello world", "goodbye moon")
     drafted, accepted = (
         metrics.spec_decode_num_draft_tokens_total,
         (metrics.spec_decode_num_accepted_tokens_total),

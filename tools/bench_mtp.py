@@ -152,7 +152,11 @@ def copy_bandwidth(device: str) -> float:
         dst.copy_(src)
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    return 2 * size * repeats / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    del src, dst
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # the ranks size their caches from the memory left
+    return 2 * size * repeats / seconds
 
 
 def step_costs(
@@ -273,6 +277,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         ),
                     )
                     (forced if k is not None else adaptive).append(result)
+                    save_partial(args.out, record, off, forced, adaptive)
                     print(
                         f"c={c} rate={rate} k={k or 'adaptive'}: "
                         f"{result['per_token_latency_ms']:.2f} ms/token "
@@ -293,6 +298,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     record["forced"] = forced
     record["adaptive"] = adaptive
     return record
+
+
+def save_partial(
+    out: str | None, record: dict, off: dict[int, dict], forced: list, adaptive: list
+) -> None:
+    """The runs so far (no outputs, no summary) at `out`: a run cut short keeps them."""
+    if out is None:
+        return
+    strip = [{k: v for k, v in r.items() if k != "outputs"} for r in off.values()]
+    partial = {**record, "partial": True, "off": strip, "forced": [], "adaptive": []}
+    for name, runs in (("forced", forced), ("adaptive", adaptive)):
+        partial[name] = [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(partial, indent=1) + "\n")
 
 
 def _git_commit() -> str | None:
