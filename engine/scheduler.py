@@ -609,7 +609,7 @@ class Scheduler:
                     if request.is_finished:  # a stop or max_tokens inside the accepted run
                         break
                     request.advance(1)
-                else:
+                else:  # the step's own sample, unless the run ended before it
                     self._commit_sample(entry, samples.sample(row), now)
 
     def _commit_sample(self, entry: Entry, sample: Sample, now: float) -> None:

@@ -256,6 +256,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 c: await measure(engine, prompts[:c], args.output_len) for c in args.concurrency
             }
     forced, adaptive = [], []
+    record["off_eager"] = (
+        [{k: v for k, v in r.items() if k != "outputs"} for r in eager.values()] if eager else []
+    )
+    save_partial(args.out, record, off, forced, adaptive)  # MTP off's, should MTP on fail
     k_max = max(args.drafts)
     vocab = ModelConfig.from_model_dir(args.model).vocab_size
     spec_config = SpeculativeConfig(num_speculative_tokens=k_max)
@@ -286,7 +290,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         flush=True,
                     )
         spec.force(None)
-    strip = [off[c] for c in off] + forced + adaptive + (list(eager.values()) if eager else [])
+    strip = [off[c] for c in off] + forced + adaptive
     first_eager = eager[min(eager)] if eager else None
     bandwidth = record["bandwidth_bytes_per_s"]
     record["costs"] = step_costs(off[min(off)], first_eager, forced, args.model, bandwidth)
@@ -294,7 +298,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for result in strip:
         result.pop("outputs")
     record["off"] = list(off.values())
-    record["off_eager"] = list(eager.values()) if eager else []
     record["forced"] = forced
     record["adaptive"] = adaptive
     return record
