@@ -259,11 +259,13 @@ class ModelConfig:
 
     def differences(self, other: ModelConfig) -> list[str]:
         """The fields in which `other` is another model (the weights' dtype may differ: they
-        are converted as they load)."""
+        are converted as they load; the MTP head may be absent: a trainer's save drops it,
+        and the served head keeps its weights)."""
         return [
             f.name
             for f in fields(self)
-            if f.name != "torch_dtype" and getattr(self, f.name) != getattr(other, f.name)
+            if f.name not in ("torch_dtype", "mtp_num_hidden_layers")
+            and getattr(self, f.name) != getattr(other, f.name)
         ]
 
     def __post_init__(self) -> None:
