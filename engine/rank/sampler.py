@@ -350,8 +350,9 @@ class Sampler:
         """Wait for a launch's results on the host; count the tokens in each request's state
         (its next seed, its penalties)."""
         samples = self.finish_rows(launch)
-        for sample in samples:
-            self.record(sample.request_id, sample.token_id)
+        for sample, state in zip(samples, launch.states, strict=True):
+            # the launch's state: a pipelined step may have dropped the request since
+            self._record(sample.request_id, state, sample.token_id)
         return samples
 
     def finish_rows(self, launch: SampleLaunch) -> list[Sample]:
@@ -375,7 +376,9 @@ class Sampler:
 
     def record(self, request_id: int, token: int) -> None:
         """A request's output token, in its state (its matcher takes it too)."""
-        state = self._state(request_id)
+        self._record(request_id, self._state(request_id), token)
+
+    def _record(self, request_id: int, state: _RequestState, token: int) -> None:
         if state.guided:
             self._guides.consume(request_id, token)
         state.record(token)
