@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from deltaserve.engine.config import EngineConfig, resolve_limits
+from deltaserve.engine.config import EngineConfig, EngineLimits, replica_config, resolve_limits
 from deltaserve.engine.events import (
     EngineDeadError,
     LoadSnapshot,
@@ -56,28 +56,30 @@ from deltaserve.engine.tokenizer import (
     load_tokenizer,
 )
 from deltaserve.engine.vision_config import VisionConfig
-from deltaserve.ipc.controller import ReplicaConfig, ReplicaController
+from deltaserve.ipc.controller import ReplicaController
 from deltaserve.ipc.messages import SLEEP_TAGS, SnapshotReply
 
 T = TypeVar("T")
 
 
 class AsyncEngine:
-    """Start with `await AsyncEngine.start(config)` (or `async with`), stop with `shutdown`."""
+    """Start with `await AsyncEngine.start(config)` (or `async with`), stop with `shutdown`.
+    One replica of the model; `config.data_parallel_size` replicas are a DataParallelEngine
+    (engine/interface.py `start_engine` starts either)."""
 
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, tokenizer: Any, max_model_len: int
+        self, config: EngineConfig, model_config: ModelConfig, limits: EngineLimits, replica: int
     ) -> None:
         """Holds the parts; `start` is the way in (it also launches the replica)."""
         self.config = config
+        self.replica = replica  # which of the config's data-parallel replicas this is
         self.model_config = model_config
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.tokenizer: Any = None  # loaded while the ranks start (`_launch`)
+        self._limits = limits
+        self.max_model_len = limits.max_model_len
+        # a request's logprobs and prompt_logprobs at most (--max-logprobs, -1 resolved)
+        self.max_logprobs = limits.max_logprobs
         self._media: MediaProcessor | None = None  # the checkpoint's processor, on first use
-        # a request's logprobs and prompt_logprobs at most (EngineConfig.max_logprobs; -1: the vocabulary)
-        self.max_logprobs = (
-            model_config.vocab_size if config.max_logprobs == -1 else config.max_logprobs
-        )
         self.eos_token_ids = eos_token_ids(config.model, model_config)
         self._next_request_id = itertools.count(1)
         self._streams: dict[str, EventSink] = {}  # client request id -> unresolved sink
@@ -94,11 +96,20 @@ class AsyncEngine:
         self.weights_dir = config.model  # where the weights served came from (update_weights)
 
     @classmethod
-    async def start(cls, config: EngineConfig) -> AsyncEngine:
+    async def start(cls, config: EngineConfig, replica: int | None = None) -> AsyncEngine:
+        """The engine of `config`, started; or of its replica `replica` (DataParallelEngine
+        starts each), which `config.data_parallel_size` > 1 needs."""
+        if replica is None:
+            if config.data_parallel_size > 1:
+                raise ValueError(
+                    f"data_parallel_size {config.data_parallel_size}: start a "
+                    "DataParallelEngine (engine/interface.py start_engine starts either)"
+                )
+            replica = 0
         t0 = time.monotonic()
         model_config = ModelConfig.from_model_dir(config.model)
         model_config.check_tp_size(config.tp_size)
-        if config.speculative is not None:
+        if config.speculative_config is not None:
             model_config.check_mtp_head()
         limits = resolve_limits(config, model_config)
         monitor = None
@@ -106,10 +117,10 @@ class AsyncEngine:
             monitor = MonitorPublisher(config.monitor_endpoint)  # "starting" from now on
         self = None
         try:
-            self = cls(config, model_config, None, limits.max_model_len)
+            self = cls(config, model_config, limits, replica)
             self._tokenizer_worker.start()  # the tokenizer loads in its thread while the ranks start
             self._monitor = monitor
-            await self._launch(limits.num_kv_blocks)
+            await self._launch()
         except BaseException as exc:
             if self is not None:
                 self._tokenizer_worker.close()
@@ -131,34 +142,12 @@ class AsyncEngine:
             )
         return self
 
-    async def _launch(self, num_kv_blocks: int | None) -> None:
-        """Start the replica, then take the tokenizer loaded meanwhile; `num_kv_blocks` None:
-        each rank sizes its KV cache from gpu_memory_utilization and the ranks agree on the
-        smallest (their Ready says)."""
+    async def _launch(self) -> None:
+        """Start the replica, then take the tokenizer loaded meanwhile. Without num_kv_blocks
+        on CUDA each rank sizes its KV cache from gpu_memory_utilization and the ranks agree
+        on the smallest (their Ready says)."""
         config = self.config
-        replica = ReplicaConfig(
-            model_dir=config.model,
-            tp_size=config.tp_size,
-            device=config.device,
-            device_ids=config.device_ids,
-            dtype=config.dtype,
-            block_size=config.block_size,
-            num_slots=config.max_num_seqs,
-            num_blocks=0 if num_kv_blocks is None else num_kv_blocks,
-            max_model_len=self.max_model_len,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            cuda_graphs=not config.enforce_eager,
-            prompt_graph_tokens=config.prompt_graph_tokens,
-            fp8_weights=config.fp8_weights,
-            max_logprobs=self.max_logprobs,
-            prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
-            max_drafts=config.speculative.num_speculative_tokens if config.speculative else 0,
-            overlap_steps=config.overlap_steps,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            startup_timeout_s=config.startup_timeout_s,
-            step_timeout_s=config.step_timeout_s,
-            fault=config.fault,
-        )
+        replica = replica_config(config, self._limits, self.replica)
         # The controller's poison callback is routed through the engine: the scheduler that
         # handles it needs the started controller.
         self._controller = await ReplicaController.start(replica, on_poison=self._on_poison)
@@ -172,10 +161,10 @@ class AsyncEngine:
                 StepBudget(config.max_num_batched_tokens, config.max_num_seqs),
                 self.max_model_len,
                 force_mixed=config.force_mixed_steps,
-                pipeline=config.pipeline_steps,
-                prefix_states=config.prefix_cache_states if config.enable_prefix_caching else 0,
+                pipeline=config.async_scheduling,
+                prefix_states=replica.executor.prefix_cache_states,
                 by_priority=config.scheduling_policy == "priority",
-                speculative=config.speculative,
+                speculative=config.speculative_config,
             )
         except BaseException:
             await self._controller.shutdown()
@@ -219,6 +208,11 @@ class AsyncEngine:
         is what this leaves after its prompt."""
         ledger = self._scheduler.ledger
         return min(self.max_model_len, ledger.num_blocks * ledger.block_size)
+
+    @property
+    def max_queued_requests(self) -> int:
+        """The most choices that may wait at once (--max-queued-requests)."""
+        return self.config.max_queued_requests
 
     @property
     def scheduler(self) -> Scheduler:
@@ -332,11 +326,11 @@ class AsyncEngine:
                 tokenizer_json=str(Path(self.config.model) / "tokenizer.json"),
                 vocab_size=self.model_config.vocab_size,
                 eos_ids=sorted(self.eos_token_ids),
-                max_lexer_states=self.config.structured_outputs.max_lexer_states,
-                max_mask_ms=self.config.structured_outputs.max_mask_ms,
+                max_lexer_states=self.config.structured_outputs_config.max_lexer_states,
+                max_mask_ms=self.config.structured_outputs_config.max_mask_ms,
                 parent_pid=os.getpid(),
             )
-            self._guides = Guides(setup, self.config.structured_outputs)
+            self._guides = Guides(setup, self.config.structured_outputs_config)
         return await self._guides.prepare(params)
 
     @property

@@ -1,6 +1,7 @@
 """Data parallelism (vLLM's --data-parallel-size): several replicas of the model, each an
 AsyncEngine on its own devices with its own ranks, scheduler and caches, behind the one
-interface the HTTP server and asyncio clients use.
+interface the HTTP server and asyncio clients use (engine/interface.py `Engine`). Replica i
+runs on the i-th tp_size of the config's device_ids (engine/config.py `replica_config`).
 
 A request goes to the replica holding the fewest unfinished requests (ties: the one picked
 longest ago), unless prefix caching is on and another replica holds a saved prefix of its
@@ -21,74 +22,98 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.events import EngineDeadError, LoadSnapshot
-from deltaserve.engine.media import MediaSource
-from deltaserve.engine.media_prompt import MultimodalPrompt
-from deltaserve.engine.metrics import EngineMetrics, summed_metrics
+from deltaserve.engine.metrics import summed_metrics
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.stream import RequestStream
-from deltaserve.ipc.messages import SnapshotReply
 
 log = logging.getLogger("deltaserve.engine")
-T = TypeVar("T")
 # the worst of the replicas' states is the engine's
 _STATE_ORDER = ("serving", "starting", "draining", "dead")
 
 
-def replica_configs(
-    config: EngineConfig, size: int, device_ids: tuple[int, ...] | None = None
-) -> list[EngineConfig]:
-    """Each replica's configuration: on CUDA replica i takes devices i * tp_size .. (i + 1) *
-    tp_size - 1 of `device_ids` (default 0, 1, ...); a monitor endpoint only as "auto" (each
-    replica publishes on its own)."""
-    if size < 1:
-        raise ValueError(f"data_parallel_size must be at least 1, got {size}")
-    if config.device_ids is not None:
-        raise ValueError(
-            "give a data-parallel engine's devices as device_ids (tp_size x data_parallel_size of them)"
-        )
-    if size > 1 and config.monitor_endpoint not in (None, "auto"):
-        raise ValueError(
-            f"monitor_endpoint {config.monitor_endpoint!r}: with data parallelism each replica "
-            "publishes on its own endpoint; use 'auto'"
-        )
-    tp = config.tp_size
-    if config.device != "cuda":
-        if device_ids is not None:
-            raise ValueError(
-                f"device_ids {device_ids} given with device {config.device!r}; they name CUDA devices"
-            )
-        return [config] * size
-    ids = tuple(range(tp * size)) if device_ids is None else tuple(device_ids)
-    if len(ids) != tp * size or len(set(ids)) != len(ids):
-        raise ValueError(
-            f"device_ids {ids}: need {tp * size} distinct devices (tp_size {tp} x data_parallel_size {size})"
-        )
-    return [dataclasses.replace(config, device_ids=ids[i * tp : (i + 1) * tp]) for i in range(size)]
+# ---- the fan-out: one of AsyncEngine's members over every replica, the answers combined ----
+
+
+def _concat(parts: list[list[Any]]) -> list[Any]:
+    return [x for part in parts for x in part]
+
+
+def _first(parts: list[Any]) -> Any:
+    return parts[0]
+
+
+def _nothing(parts: list[Any]) -> None:
+    return None
+
+
+def _joined(endpoints: list[str | None]) -> str | None:
+    return ", ".join(e for e in endpoints if e is not None) or None
+
+
+def _combined(name: str, combine: Callable[[list[Any]], Any]) -> property:
+    """A property: every replica's `name`, combined."""
+    return property(lambda self: combine([getattr(r, name) for r in self.replicas]))
+
+
+def _called(name: str, combine: Callable[[list[Any]], Any] = _nothing) -> Callable[..., Any]:
+    """A method: every replica's `name` called with the arguments given, in turn; the
+    results combined."""
+
+    def call(self: DataParallelEngine, *args: Any, **kwargs: Any) -> Any:
+        return combine([getattr(r, name)(*args, **kwargs) for r in self.replicas])
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def _awaited(name: str, combine: Callable[[list[Any]], Any] = _nothing) -> Callable[..., Any]:
+    """A coroutine method: every replica's `name` at once; once all are done, the first error
+    raised, else the results combined."""
+
+    async def call(self: DataParallelEngine, *args: Any, **kwargs: Any) -> Any:
+        calls = (getattr(r, name)(*args, **kwargs) for r in self.replicas)
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        if errors := [r for r in results if isinstance(r, BaseException)]:
+            raise errors[0]
+        return combine(results)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def _on_first(name: str) -> Callable[..., Any]:
+    """A coroutine method: replica 0's `name`, once the engine is alive (its tokenizer and its
+    compiled grammars serve every replica in this process)."""
+
+    async def call(self: DataParallelEngine, *args: Any, **kwargs: Any) -> Any:
+        self._check_alive()
+        return await getattr(self.replicas[0], name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
 class DataParallelEngine:
-    """Start with `await DataParallelEngine.start(config, size)`, stop with `shutdown`."""
+    """Start with `await DataParallelEngine.start(config)` (config.data_parallel_size
+    replicas), stop with `shutdown`. An Engine (engine/interface.py): each member means what
+    AsyncEngine's does, over the replicas; the table below says how each combines them."""
 
     def __init__(self, replicas: list[AsyncEngine]) -> None:
         self.replicas = replicas
-        first, n = replicas[0], len(replicas)
-        # the engine's queue bounds are all the replicas' (a call of more choices than one queue
-        # takes is taken, spread); the rest is each replica's
-        self.config = dataclasses.replace(
+        first = replicas[0]
+        self.config, self.model_config, self.tokenizer = (
             first.config,
-            max_queued_requests=n * first.config.max_queued_requests,
-            max_queued_tokens=n * first.config.max_queued_tokens,
+            first.model_config,
+            first.tokenizer,
         )
-        self.model_config, self.tokenizer = first.model_config, first.tokenizer
         self.max_model_len, self.max_logprobs, self.eos_token_ids = (
             first.max_model_len,
             first.max_logprobs,
@@ -99,13 +124,11 @@ class DataParallelEngine:
         self._watch = asyncio.get_running_loop().create_task(self._fail_together())
 
     @classmethod
-    async def start(
-        cls, config: EngineConfig, size: int, device_ids: tuple[int, ...] | None = None
-    ) -> DataParallelEngine:
+    async def start(cls, config: EngineConfig) -> DataParallelEngine:
         """Every replica started at once; if one fails, the others are shut down and its error raised."""
-        configs = replica_configs(config, size, device_ids)
+        replicas = range(config.data_parallel_size)
         started = await asyncio.gather(
-            *(AsyncEngine.start(c) for c in configs), return_exceptions=True
+            *(AsyncEngine.start(config, replica=i) for i in replicas), return_exceptions=True
         )
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
@@ -139,11 +162,38 @@ class DataParallelEngine:
                 *(r.shutdown() for r in self.replicas if r is not dead), return_exceptions=True
             )
 
-    # ---- state ------------------------------------------------------------------------------
+    # ---- every replica's, combined ----------------------------------------------------------
 
-    @property
-    def is_dead(self) -> bool:
-        return any(r.is_dead for r in self.replicas)
+    is_dead = _combined("is_dead", any)
+    is_sleeping = _combined("is_sleeping", any)
+    weights_dropped = _combined("weights_dropped", any)
+    is_paused = _combined("is_paused", _first)  # every replica pauses and resumes together
+    weights_dir = _combined("weights_dir", _first)  # ... and loads the same weights
+    longest_sequence = _combined("longest_sequence", min)
+    # a call of more choices than one queue takes is taken, spread
+    max_queued_requests = _combined("max_queued_requests", sum)
+    metrics = _combined("metrics", summed_metrics)
+    rank_pids = _combined("rank_pids", _concat)
+    # a monitor attaches to one replica: every replica's endpoint, comma-separated
+    monitor_endpoint = _combined("monitor_endpoint", _joined)
+    replica_loads = _called("load", list)
+    request_ids = _called("request_ids", _concat)
+    rank_snapshots = _awaited("rank_snapshots", _concat)
+    wait_closed = _awaited("wait_closed")
+    abort = _awaited("abort")
+    # what changes the engine goes to every replica
+    update_weights = _awaited("update_weights")
+    flush_cache = _awaited("flush_cache")
+    pause = _awaited("pause")
+    resume = _called("resume")
+    sleep = _awaited("sleep")
+    wake_up = _awaited("wake_up")
+    _shutdown_every = _awaited("shutdown")
+    # tokenization and compiles: replica 0's
+    run_tokenizer = _on_first("run_tokenizer")
+    encode = _on_first("encode")
+    media_prompt = _on_first("media_prompt")  # its processor too
+    prepare = _on_first("prepare")
 
     @property
     def dead_reason(self) -> str | None:
@@ -151,32 +201,6 @@ class DataParallelEngine:
             (f"replica {i}: {r.dead_reason}" for i, r in enumerate(self.replicas) if r.is_dead),
             None,
         )
-
-    @property
-    def is_paused(self) -> bool:
-        return self.replicas[0].is_paused
-
-    @property
-    def weights_dir(self) -> str:
-        return self.replicas[0].weights_dir
-
-    @property
-    def longest_sequence(self) -> int:
-        return min(r.longest_sequence for r in self.replicas)
-
-    @property
-    def monitor_endpoint(self) -> str | None:
-        """Every replica's endpoint, comma-separated (a monitor attaches to one replica)."""
-        endpoints = [r.monitor_endpoint for r in self.replicas if r.monitor_endpoint is not None]
-        return ", ".join(endpoints) or None
-
-    @property
-    def rank_pids(self) -> list[int]:
-        return [pid for r in self.replicas for pid in r.rank_pids]
-
-    @property
-    def metrics(self) -> EngineMetrics:
-        return summed_metrics([r.metrics for r in self.replicas])
 
     def load(self) -> LoadSnapshot:
         """The replicas' loads added up (step figures: the longest step's duration), in the
@@ -212,40 +236,11 @@ class DataParallelEngine:
             **added,
         )
 
-    def replica_loads(self) -> list[LoadSnapshot]:
-        return [r.load() for r in self.replicas]
-
-    async def rank_snapshots(self) -> list[SnapshotReply]:
-        return [snap for r in self.replicas for snap in await r.rank_snapshots()]
-
-    async def wait_closed(self) -> None:
-        await asyncio.gather(*(r.wait_closed() for r in self.replicas))
-
-    # ---- tokenization: replica 0's ----------------------------------------------------------
-
-    async def run_tokenizer(self, fn: Callable[[Any], T], size: int) -> T:
-        self._check_alive()
-        return await self.replicas[0].run_tokenizer(fn, size)
-
-    async def encode(self, text: str) -> list[int]:
-        self._check_alive()
-        return await self.replicas[0].encode(text)
-
-    async def media_prompt(self, text: str, sources: list[MediaSource]) -> MultimodalPrompt:
-        """As AsyncEngine.media_prompt: one replica's processor serves all."""
-        self._check_alive()
-        return await self.replicas[0].media_prompt(text, sources)
-
     def _check_alive(self) -> None:
         if (reason := self.dead_reason) is not None:
             raise EngineDeadError(f"engine is dead: {reason}")
 
     # ---- requests ---------------------------------------------------------------------------
-
-    async def prepare(self, params: SamplingParams) -> SamplingParams:
-        """As AsyncEngine.prepare: one replica compiles for all (the grammar and the stop
-        regexes' matchers serve any replica in this process)."""
-        return await self.replicas[0].prepare(params)
 
     def generate(
         self,
@@ -299,53 +294,11 @@ class DataParallelEngine:
             if mine := [k for k, route in enumerate(routes) if route == i]:
                 replica.check([prompts[k] for k in mine], [params[k] for k in mine], request_id)
 
-    def request_ids(self) -> list[str]:
-        return [rid for r in self.replicas for rid in r.request_ids()]
-
-    async def abort(self, request_id: str) -> None:
-        for replica in self.replicas:
-            await replica.abort(request_id)
-
-    # ---- every replica ----------------------------------------------------------------------
-
-    async def _each(self, call: Callable[[AsyncEngine], Any]) -> None:
-        """`call` on every replica at once; the first error raised once all are done."""
-        results = await asyncio.gather(*(call(r) for r in self.replicas), return_exceptions=True)
-        if errors := [r for r in results if isinstance(r, BaseException)]:
-            raise errors[0]
-
-    async def update_weights(self, model_dir: str, abort_running: bool = False) -> None:
-        await self._each(lambda r: r.update_weights(model_dir, abort_running=abort_running))
-
-    async def flush_cache(self) -> None:
-        await self._each(lambda r: r.flush_cache())
-
-    async def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        await self._each(lambda r: r.pause(mode, clear_cache))
-
-    def resume(self) -> None:
-        for replica in self.replicas:
-            replica.resume()
-
-    async def sleep(self, level: int = 1) -> None:
-        await self._each(lambda r: r.sleep(level))
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self._each(lambda r: r.wake_up(tags))
-
-    @property
-    def is_sleeping(self) -> bool:
-        return any(r.is_sleeping for r in self.replicas)
-
-    @property
-    def weights_dropped(self) -> bool:
-        return any(r.weights_dropped for r in self.replicas)
-
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """As AsyncEngine.shutdown, every replica at once."""
-        await self._each(lambda r: r.shutdown(drain_timeout_s))
+        await self._shutdown_every(drain_timeout_s)
         with contextlib.suppress(asyncio.CancelledError):
             await self._watch
 
 
-__all__ = ["DataParallelEngine", "replica_configs"]
+__all__ = ["DataParallelEngine"]

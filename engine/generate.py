@@ -1,104 +1,39 @@
-"""`deltaserve generate`: one request through the model in this process, no control plane.
+"""`deltaserve generate`: one prompt through the engine (AsyncEngine, its rank process
+started for it and stopped after), a quick way to look at a checkpoint from the shell.
 
-It is the plain path that the engine and the server are compared against, and a quick way to
-look at a checkpoint. With `--json` it prints one JSON object per generated token:
+With `--json` it prints one JSON object per generated token:
 {"token_id": int, "text": str, "logprob": float, "top_logprobs": [[token_id, logprob], ...]}.
 As `deltaserve serve` does, it samples with the settings of the model's generation_config.json
-where no flag gives one (`--generation-config vllm`: ignored); greedy where neither does.
+where no flag gives one (`--generation-config vllm`: ignored); greedy where neither gives a
+temperature. It stops where the engine does (max_tokens, an EOS unless --ignore-eos).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import random
 import sys
-from pathlib import Path
 
-import torch
+from deltaserve.engine.async_engine import AsyncEngine
+from deltaserve.engine.config import EngineConfig, default_device
+from deltaserve.engine.events import ErrorEvent, FinishedEvent, TokenEvent
+from deltaserve.engine.model_config import ConfigError
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.tokenizer import generation_sampling_defaults, load_tokenizer
+from deltaserve.ipc.messages import DTYPES
+from deltaserve.ipc.replica_config import ReplicaStartupError
 
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.model_config import ConfigError, ModelConfig
-from deltaserve.engine.rank.executor import Executor, ExecutorConfig
-from deltaserve.engine.sampling_params import SamplingParams, wire_seed
-from deltaserve.engine.tokenizer import eos_token_ids, generation_sampling_defaults
-from deltaserve.ipc.messages import NewRequest, Sample, StepItem
-
-
-def generate_tokens(
-    model_dir: str | Path,
-    prompt_ids: list[int],
-    max_tokens: int,
-    temperature: float = 0.0,
-    seed: int = 0,
-    num_logprobs: int = 0,
-    device: str = "cpu",
-    dtype: str = "auto",
-    ignore_eos: bool = False,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-) -> list[Sample]:
-    """Generate up to `max_tokens` tokens after `prompt_ids`; stops after an EOS token. The
-    sampling values are checked as the engine checks a request's (ValueError naming one)."""
-    if not prompt_ids:
-        raise ValueError("prompt is empty")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    total = len(prompt_ids) + max_tokens
-    context = ModelConfig.from_model_dir(model_dir).max_position_embeddings
-    if total > context:  # the engine refuses it too: positions past the model's context
-        raise ValueError(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-            f"the model's max_position_embeddings {context}"
-        )
-    block_size = 16
-    executor = Executor(
-        ExecutorConfig(
-            str(model_dir),
-            device=device,
-            dtype=dtype,
-            block_size=block_size,
-            num_slots=1,
-            num_blocks=-(-total // block_size),
-        )
-    )
-    vocab = executor.model_config.vocab_size
-    bad = [t for t in prompt_ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt token ids out of the vocabulary (size {vocab}): {bad[:5]}")
-    eos = (
-        frozenset() if ignore_eos else eos_token_ids(model_dir, executor.model_config)
-    )  # the engine's set
-    spec = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        logprobs=num_logprobs,
-    ).to_spec(seed)
-    samples = executor.run_step([StepItem(0, 0, list(prompt_ids), True, NewRequest(total, spec))])
-    while samples[-1].token_id not in eos and len(samples) < max_tokens:
-        position = len(prompt_ids) + len(samples) - 1
-        samples += executor.run_step([StepItem(0, position, [samples[-1].token_id], True)])
-    return samples
-
-
-# a sampling setting's value when neither a flag nor generation_config.json gives one: greedy,
-# nothing filtered
-_SAMPLING_FALLBACKS = {
-    "temperature": 0.0,
-    "top_k": 0,
-    "top_p": 1.0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-}
+# the sampling flags that generation_config.json may give defaults for
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+# the temperature when neither a flag nor generation_config.json gives one: greedy (a
+# request's default is vLLM's, 1.0)
+GREEDY = 0.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, and `args.params`: the request's SamplingParams (the engine's checks, each
+    error naming its flag)."""
     p = argparse.ArgumentParser(prog="deltaserve generate", description=__doc__.splitlines()[0])
     p.add_argument(
         "--model", required=True, help="HF model folder (config.json, safetensors, tokenizer)"
@@ -111,16 +46,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--temperature",
         type=float,
         default=None,
-        help="0 for greedy; default: generation_config.json's, else 0",
+        help=f"0 for greedy; default: generation_config.json's, else {GREEDY}",
     )
-    for flag, kind, off in (
-        ("--top-k", int, "0 (off)"),
-        ("--top-p", float, "1"),
-        ("--min-p", float, "0"),
-        ("--repetition-penalty", float, "1"),
+    for flag, kind in (
+        ("--top-k", int),
+        ("--top-p", float),
+        ("--min-p", float),
+        ("--repetition-penalty", float),
     ):
         p.add_argument(
-            flag, type=kind, default=None, help=f"default: generation_config.json's, else {off}"
+            flag, type=kind, default=None, help="default: generation_config.json's, else off"
         )
     p.add_argument(
         "--generation-config",
@@ -134,9 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--logprobs", type=int, default=0, help="alternatives to report per token")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument(
-        "--dtype", default="auto", choices=("auto", "float32", "fp32", "bfloat16", "bf16")
-    )
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--json", action="store_true", help="one JSON object per generated token")
     args = p.parse_args(argv)
@@ -147,31 +80,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ConfigError as exc:
         p.error(str(exc))
     args.file_defaults = {k: v for k, v in defaults.items() if getattr(args, k) is None}
-    for name, fallback in _SAMPLING_FALLBACKS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, args.file_defaults.get(name, fallback))
-    try:  # the engine's checks and messages: NaN or inf temperatures, seeds outside int64 were taken
-        SamplingParams(
+    given = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
+    try:
+        args.params = SamplingParams(
+            **{"temperature": GREEDY, **args.file_defaults, **given},
             max_tokens=args.max_tokens,
-            temperature=args.temperature,
             seed=args.seed,
             logprobs=args.logprobs,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
+            ignore_eos=args.ignore_eos,
         )
-    except ValueError as exc:
+    except ValueError as exc:  # NaN or inf temperatures, seeds outside int64, ...
         p.error(f"--{str(exc).replace('_', '-')}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: this torch sees no CUDA device")
+    kind, _, ordinal = args.device.partition(":")
+    if kind not in ("cpu", "cuda") or (ordinal and (kind == "cpu" or not ordinal.isdigit())):
+        p.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if kind == "cuda" and default_device() != "cuda":
+        p.error(f"--device {args.device}: this machine sees no CUDA device")
+    args.device_kind, args.device_ids = kind, (int(ordinal),) if ordinal else None
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from deltaserve.engine.tokenizer import load_tokenizer
-
     try:
         tokenizer = load_tokenizer(args.model)
     except (OSError, ValueError) as e:  # no folder, no tokenizer.json, a slow tokenizer
@@ -188,9 +118,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
-    seed = (
-        wire_seed(args.seed) if args.seed is not None else random.randrange(2**63)
-    )  # as the engine's
     if args.file_defaults:  # said, as serve says it: the output is no longer greedy by default
         print(
             "sampling defaults from the model's generation_config.json: "
@@ -199,44 +126,58 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     try:
-        samples = generate_tokens(
-            args.model,
-            prompt_ids,
-            args.max_tokens,
-            args.temperature,
-            seed,
-            args.logprobs,
-            args.device,
-            args.dtype,
-            args.ignore_eos,
-            args.top_k,
-            args.top_p,
-            args.min_p,
-            args.repetition_penalty,
+        config = EngineConfig(
+            model=args.model,
+            device=args.device_kind,
+            device_ids=args.device_ids,
+            dtype=args.dtype,
+            max_num_seqs=1,
+            max_model_len=max(2, len(prompt_ids) + args.max_tokens),  # this request's
+            max_logprobs=-1,  # --logprobs: any number of alternatives
         )
+        return asyncio.run(_generate(config, prompt_ids, args.params, args.json))
     except (OSError, ValueError) as e:  # a bad config.json or checkpoint, refused parameters
         print(f"error: {e}", file=sys.stderr)
         return 2
-    detok = IncrementalDetokenizer(tokenizer)
-    for i, sample in enumerate(samples):
-        text = detok.add(sample.token_id) + (detok.flush() if i == len(samples) - 1 else "")
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "token_id": sample.token_id,
-                        "text": text,
-                        "logprob": sample.logprob,
-                        "top_logprobs": [[t, lp] for t, lp in sample.top_logprobs],
-                    },
-                    ensure_ascii=False,
-                )
-            )
-        else:
-            print(text, end="", flush=True)
-    if not args.json:
-        print()
+    except ReplicaStartupError as e:  # a rank could not load the checkpoint
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+async def _generate(
+    config: EngineConfig, prompt_ids: list[int], params: SamplingParams, as_json: bool
+) -> int:
+    """Print the tokens as they come; 0 once the request finished, 1 if it failed."""
+    async with await AsyncEngine.start(config) as engine:
+        held: TokenEvent | None = None  # printed once the next event says whether text follows
+        async for event in engine.generate(prompt_ids, params):
+            if isinstance(event, TokenEvent):
+                _print(held, "", as_json)
+                held = event
+            elif isinstance(event, FinishedEvent):
+                _print(held, event.text, as_json)  # the text held back, flushed at the end
+                if not as_json:
+                    print()
+            elif isinstance(event, ErrorEvent):
+                _print(held, "", as_json)
+                print(f"\nerror: {event.message}", file=sys.stderr)
+                return 1
     return 0
+
+
+def _print(token: TokenEvent | None, tail: str, as_json: bool) -> None:
+    if token is None:
+        print(tail, end="", flush=True)
+    elif as_json:
+        row = {
+            "token_id": token.token_id,
+            "text": token.text + tail,
+            "logprob": token.logprob,
+            "top_logprobs": [[t, lp] for t, lp in token.top_logprobs],
+        }
+        print(json.dumps(row, ensure_ascii=False))
+    else:
+        print(token.text + tail, end="", flush=True)
 
 
 if __name__ == "__main__":

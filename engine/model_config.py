@@ -123,8 +123,6 @@ def token_ids(value: object, key: str) -> tuple[int, ...]:
 
 # an FP8 checkpoint's quant_method -> the suffix of its scale tensors' names (weight name + it)
 FP8_SCALE_SUFFIXES = {"fp8": "_scale_inv", "compressed-tensors": "_scale"}
-# what becomes of an FP8 checkpoint's projections: widened as they load, or kept FP8
-FP8_WEIGHTS = ("widen", "keep")
 
 
 def read_fp8(quant: object) -> tuple[tuple[int, int], str] | None:

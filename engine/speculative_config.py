@@ -4,13 +4,16 @@ such as `{"method": "mtp", "num_speculative_tokens": 3}`.
 The drafts come from the checkpoint's own multi-token-prediction head (engine/rank/mtp.py);
 the engine verifies them and keeps the target's tokens exactly (engine/rank/speculative.py),
 and turns speculation down where it would cost more than it saves (engine/speculation.py).
-Torch-free: the HTTP front parses the flag before anything loads.
+A leaf (tests/test_architecture.py): the ranks are given it inside their ExecutorConfig
+(ipc/messages.py), as a msgspec struct decoded strictly; torch-free, the HTTP front parses the
+flag before anything loads.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+
+import msgspec
 
 # vLLM's names for the checkpoint's own MTP head ("qwen3_next_mtp" its older one)
 METHODS = ("mtp", "qwen3_next_mtp")
@@ -33,8 +36,7 @@ NEUTRAL_KEYS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class SpeculativeConfig:
+class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     method: str = "mtp"
     num_speculative_tokens: int = 1  # drafts per step at most (k)
     # no drafts in a step of this many decoding requests or more; None: the default above

@@ -12,20 +12,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
-import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
-from dataclasses import fields
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-import deltaserve
-from deltaserve.engine.config import FP8_WEIGHTS
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.config_flags import add_engine_flags, engine_config
+from deltaserve.engine.interface import Engine, start_engine
 from deltaserve.http.access_flags import access_config, add_access_flags
 from deltaserve.http.listen import (
     Listen,
@@ -35,39 +33,33 @@ from deltaserve.http.listen import (
     remove_socket,
 )
 from deltaserve.http.reasoning import REASONING_PARSERS
+from deltaserve.http.server_config import (
+    DEFAULT_MAX_PENDING_STREAM_EVENTS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    ServerConfig,
+)
 from deltaserve.http.tool_parsers import TOOL_CALL_PARSERS
 from deltaserve.http.vllm_flags import (
     UVICORN_LOG_LEVELS,
     add_vllm_flags,
     check_quantization,
-    human_readable_int,
     refused_vllm_flag,
 )
 
 log = logging.getLogger("deltaserve.serve")
 
-DEMO_PRESET = "tiny"
-DEMO_MODEL_NAME = "deltaserve-demo-tiny"
 RUNNER_SHUTDOWN_TIMEOUT_S = 5.0  # handlers end by themselves once the engine ends the streams
 
 
-def _engine_default(name: str) -> object:
-    from deltaserve.engine.config import EngineConfig
+@dataclass(frozen=True, slots=True)
+class DemoCheckpoint:
+    """What `serve` runs when no MODEL is given (the CLI's is tools/demo_model.py): where it
+    is, the name it is served as, what it holds, and `make`, which makes it on first use."""
 
-    for f in fields(EngineConfig):
-        if f.name == name:
-            return f.default
-    raise KeyError(name)
-
-
-def _device_ids(text: str) -> tuple[int, ...]:
-    try:
-        ids = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--device-ids must be like 0,1 (got {text!r})") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("--device-ids is empty")
-    return ids
+    path: Path
+    served_name: str
+    description: str
+    make: Callable[[], object]
 
 
 def _port(text: str) -> int:
@@ -106,7 +98,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = _engine_default
     p = argparse.ArgumentParser(
         prog="deltaserve serve",
         description="Serve a Qwen3.5-family checkpoint over an OpenAI-compatible HTTP API.",
@@ -120,217 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="the checkpoint directory, as `vllm serve MODEL` takes it (or --model)",
     )
-    eng.add_argument(
-        "--model",
-        default=None,
-        help="checkpoint directory (HF layout); omitted: a tiny built-in demo "
-        "checkpoint, made once under ~/.cache/deltaserve",
-    )
-    eng.add_argument(
-        "--tp",
-        "--tensor-parallel-size",
-        "-tp",
-        dest="tp_size",
-        type=int,
-        default=d("tp_size"),
-        help="tensor-parallel size (one rank process per device)",
-    )
-    eng.add_argument(
-        "--data-parallel-size",
-        "-dp",
-        "--dp-size",
-        type=int,
-        default=1,
-        help="replicas of the model, each on its own tp-size devices with its own ranks and "
-        "caches; a request goes to the least busy (engine/data_parallel.py)",
-    )
-    eng.add_argument(
-        "--device",
-        choices=("cuda", "cpu"),
-        default=None,
-        help="device kind; default: cuda if available, else cpu",
-    )
-    eng.add_argument(
-        "--device-ids",
-        type=_device_ids,
-        default=d("device_ids"),
-        help="cuda ordinals, comma separated; default: 0..tp x dp - 1 (replica i: the i-th tp of them)",
-    )
-    eng.add_argument(
-        "--dtype",
-        choices=("auto", "float32", "fp32", "bfloat16", "bf16"),
-        default=d("dtype"),
-        help="weight/activation dtype; auto: the checkpoint's (float32 on cpu)",
-    )
-    eng.add_argument(
-        "--max-model-len",
-        type=human_readable_int,
-        default=d("max_model_len"),
-        help="longest prompt + completion in tokens; default: min(max_position_embeddings, 8192)",
-    )
-    eng.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=d("max_num_seqs"),
-        help="most requests running at once (DeltaNet state slots)",
-    )
-    eng.add_argument(
-        "--max-num-batched-tokens",
-        type=human_readable_int,
-        default=d("max_num_batched_tokens"),
-        help="token budget of one scheduler step (prefill chunks + decodes); "
-        "default: 8192 on cuda, 2048 on cpu",
-    )
-    eng.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=d("max_queued_requests"),
-        help="waiting requests beyond which new ones get HTTP 429",
-    )
-    eng.add_argument(
-        "--max-queued-tokens",
-        type=human_readable_int,
-        default=d("max_queued_tokens"),
-        help="prompt tokens of the waiting requests beyond which new ones get HTTP 429 "
-        "(one is taken past it while nothing else waits)",
-    )
-    eng.add_argument(
-        "--scheduling-policy",
-        choices=("fcfs", "priority"),
-        default=d("scheduling_policy"),
-        help="admission order: arrival (fcfs), or each request's priority (lower first), then "
-        "arrival; nothing running is preempted",
-    )
-    eng.add_argument(
-        "--block-size", type=int, default=d("block_size"), help="KV cache positions per block"
-    )
-    eng.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=d("num_kv_blocks"),
-        help="KV blocks; default: on cuda what --gpu-memory-utilization leaves, "
-        "on cpu max_num_seqs * max_model_len / block_size",
-    )
-    eng.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="cuda: run every step eagerly, capturing no CUDA graphs",
-    )
-    eng.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="a prompt that begins with a saved prompt (the last turn of its "
-        "conversation, a shared system prompt) skips that part's prefill "
-        "(engine/prefix_cache.py); off by default",
-    )
-    eng.add_argument(
-        "--limit-mm-per-prompt",
-        type=_json_object("--limit-mm-per-prompt"),
-        default=None,
-        metavar="JSON",
-        help='images and videos a prompt may hold, as vLLM\'s: \'{"image": 4, "video": 1}\' '
-        "(default: 16 images, 2 videos)",
-    )
-    eng.add_argument(
-        "--mm-processor-kwargs",
-        type=_json_object("--mm-processor-kwargs"),
-        default=None,
-        metavar="JSON",
-        help="the checkpoint's image and video processors' settings, as vLLM's: min_pixels, "
-        "max_pixels (each image and frame resized into them), fps, num_frames",
-    )
-    eng.add_argument(
-        "--allowed-local-media-path",
-        default="",
-        metavar="DIR",
-        help="file:// image and video urls may name files under DIR (default: none may)",
-    )
-    eng.add_argument(
-        "--prefix-cache-states",
-        type=int,
-        default=None,
-        metavar="N",
-        help="with --enable-prefix-caching: saved prompt states each rank keeps, each "
-        "the size of one request's DeltaNet state (default: --max-num-seqs)",
-    )
-    eng.add_argument(
-        "--prompt-graph-tokens",
-        type=int,
-        default=2048,
-        help="cuda: prompt steps of up to this many tokens replay a CUDA graph (a "
-        "short prompt's first token no longer waits on ~450 launches); 0: never",
-    )
-    eng.add_argument(
-        "--max-logprobs",
-        type=int,
-        default=20,
-        help="the most logprobs, top_logprobs or prompt_logprobs a request may ask for "
-        "(as vLLM's); -1: the whole vocabulary",
-    )
-    eng.add_argument(
-        "--fp8-weights",
-        choices=FP8_WEIGHTS,
-        default="widen",
-        help="an FP8 checkpoint's projections: widened to --dtype as they load, or kept FP8 "
-        "(half their memory; faster at one row, slower at more on the H200: docs/GPU.md)",
-    )
-    eng.add_argument(
-        "--no-pipelining",
-        action="store_true",
-        help="send each step only after the previous one's results are committed, "
-        "instead of planning the next decode step while one runs",
-    )
-    eng.add_argument(
-        "--no-overlap",
-        action="store_true",
-        help="cuda: each rank finishes a step (reads its samples) before it queues the "
-        "pipelined step behind it, instead of queueing that one first",
-    )
-    eng.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=d("gpu_memory_utilization"),
-        help="share (0, 1] of each GPU's total memory the engine may use: weights, "
-        "activations and CUDA graphs first, the request state (max_num_seqs "
-        "state slots, then as many KV blocks as fit) takes the rest; cuda only, "
-        "unused with --num-kv-blocks",
-    )
-    eng.add_argument(
-        "--step-timeout",
-        dest="step_timeout_s",
-        type=float,
-        default=d("step_timeout_s"),
-        help="seconds a step may take before the replica is declared dead",
-    )
-    eng.add_argument(
-        "--startup-timeout",
-        dest="startup_timeout_s",
-        type=float,
-        default=d("startup_timeout_s"),
-        help="seconds for every rank to load",
-    )
-    eng.add_argument(
-        "--structured-outputs-config",
-        default=None,
-        help="vLLM's: structured outputs' engine and bounds, as JSON or comma-separated "
-        f"key=value pairs; the fields and their defaults: {_structured_defaults()} "
-        "(engine/structured_config.py). backend auto and guidance: llguidance",
-    )
-    eng.add_argument(
-        "--speculative-config",
-        default=None,
-        help="vLLM's: speculative decoding with the checkpoint's MTP head, as JSON, e.g. "
-        '\'{"method": "mtp", "num_speculative_tokens": 3}\' (optional disable_by_batch_size: '
-        "no drafts in a step of more decoding requests; engine/speculative_config.py)",
-    )
-    eng.add_argument(
-        "--monitor-endpoint",
-        default="auto",
-        help="ZeroMQ PUB endpoint for monitors (deltaserve monitor ENDPOINT; "
-        "docs/MONITOR.md): auto (an ipc:// socket in a private 0700 folder), "
-        "ipc://PATH, tcp://HOST:PORT, or off",
-    )
+    add_engine_flags(eng)
     srv = p.add_argument_group("server")
     srv.add_argument(
         "--served-model-name",
@@ -338,9 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME",
         help="the model names clients may send (several: each accepted, the first "
-        "reported in metrics); default: MODEL (or --model) as given, "
-        f"{DEMO_MODEL_NAME} for the demo checkpoint. Give MODEL before it, "
-        "or as --model",
+        "reported in metrics); default: MODEL (or --model) as given, the demo's own name for "
+        "the demo checkpoint. Give MODEL before it, or as --model",
     )
     srv.add_argument(
         "--generation-config",
@@ -397,16 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--max-request-bytes",
         type=int,
-        default=8 * 2**20,
+        default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest accepted request body (HTTP 413 beyond)",
     )
     srv.add_argument(
         "--max-pending-stream-events",
         type=int,
-        default=None,
+        default=DEFAULT_MAX_PENDING_STREAM_EVENTS,
         metavar="N",
         help="a streamed request is aborted once over N events per choice wait for a client "
-        "that does not read them (counted in /metrics); default: 1024",
+        "that does not read them (counted in /metrics)",
     )
     srv.add_argument(
         "--log-level",
@@ -442,48 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def demo_name() -> str:
-    """The demo checkpoint's folder name. It changes with the package version and with the demo's
-    chat template: a demo made earlier would otherwise keep serving the template it was made with."""
-    from deltaserve.tools.tokenizer_files import CHATML_TEMPLATE
-
-    digest = hashlib.sha256(CHATML_TEMPLATE.encode()).hexdigest()[:8]
-    return f"demo-{deltaserve.__version__}-{digest}"
-
-
-def demo_model_dir() -> Path:
-    return Path.home() / ".cache" / "deltaserve" / demo_name()
-
-
-def ensure_demo_model() -> tuple[Path, bool]:
-    """The demo checkpoint's folder, made on first use (atomically: written beside, then
-    renamed), and whether it was made now."""
-    target = demo_model_dir()
-    if (target / "config.json").is_file():
-        return target, False
-    from deltaserve.tools.make_model import make_model
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
-    try:
-        make_model(tmp, preset=DEMO_PRESET, dtype="fp32", seed=0)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target, True
-
-
-def _default_device() -> str:
-    """cuda when this machine shows a GPU (read without importing torch: seconds of start-up)."""
-    from deltaserve.ipc.replica_config import cuda_device_count
-
-    return "cuda" if cuda_device_count() > 0 else "cpu"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The serve flags; the checkpoint given as MODEL or --model (both: they must agree)."""
     parser = build_parser()
@@ -507,7 +245,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def serve_main(argv: list[str] | None = None) -> int:
+def serve_main(argv: list[str] | None = None, demo: DemoCheckpoint | None = None) -> int:
+    """`deltaserve serve`; `demo`: what to serve when no MODEL is given (none: MODEL is
+    needed)."""
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level,
@@ -518,10 +258,13 @@ def serve_main(argv: list[str] | None = None) -> int:
         logging.getLogger("aiohttp").setLevel(UVICORN_LOG_LEVELS[args.uvicorn_log_level])
     # Every check before the first slow step (making the demo checkpoint, loading weights):
     # the flags (exit 2), then the listen address (exit 1).
-    demo = args.model is None
-    if demo:
-        args.model = str(demo_model_dir())
-        args.served_model_name = args.served_model_name or [DEMO_MODEL_NAME]
+    use_demo = args.model is None
+    if use_demo and demo is None:
+        print("deltaserve serve: error: no MODEL given (a checkpoint folder)", file=sys.stderr)
+        return 2
+    if use_demo:
+        args.model = str(demo.path)
+        args.served_model_name = args.served_model_name or [demo.served_name]
     elif not Path(args.model).is_dir():
         print(
             f"deltaserve serve: error: --model {args.model!r} is not a directory (a local "
@@ -531,14 +274,8 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 2
     try:
         listen = listen_config(args)
-        server_config, engine_config = _server_config(args), _engine_config(args)
-        if args.data_parallel_size != 1:
-            from deltaserve.engine.data_parallel import replica_configs
-
-            replica_configs(
-                engine_config, args.data_parallel_size, args.device_ids
-            )  # refused now, not at start
-        check_quantization(args.quantization, None if demo else args.model)
+        server_config, config = _server_config(args), engine_config(args)
+        check_quantization(args.quantization, None if use_demo else args.model)
         if server_config.generation_config == "auto":  # read again at start: refused now, not then
             from deltaserve.engine.tokenizer import generation_sampling_defaults
 
@@ -551,15 +288,14 @@ def serve_main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         log.error("cannot listen on %s: %s", args.uds or f"{args.host}:{args.port}", exc)
         return 1
-    if demo:
+    if use_demo:
         log.info(
-            "no --model given: serving the built-in demo checkpoint (random '%s' weights) "
-            "from %s%s",
-            DEMO_PRESET,
+            "no --model given: serving the built-in demo checkpoint (%s) from %s%s",
+            demo.description,
             args.model,
-            "" if (Path(args.model) / "config.json").is_file() else " (making it now, once)",
+            "" if (demo.path / "config.json").is_file() else " (making it now, once)",
         )
-        ensure_demo_model()
+        demo.make()
     try:
         import uvloop
 
@@ -567,21 +303,16 @@ def serve_main(argv: list[str] | None = None) -> int:
     except ImportError:  # windows
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_serve(args, listen, server_config, engine_config))
+        return runner.run(_serve(args, listen, server_config, config))
 
 
-def _server_config(args: argparse.Namespace):  # -> ServerConfig
+def _server_config(args: argparse.Namespace) -> ServerConfig:
     from deltaserve.engine.tokenizer import load_chat_template
-    from deltaserve.http.server import ServerConfig
 
-    stream_bound = (
-        {}
-        if args.max_pending_stream_events is None
-        else {"max_pending_stream_events": args.max_pending_stream_events}
-    )
     return ServerConfig(
         served_model_name=args.served_model_name or [args.model],
         max_request_bytes=args.max_request_bytes,
+        max_pending_stream_events=args.max_pending_stream_events,
         generation_config=args.generation_config,
         chat_template=args.chat_template and load_chat_template(args.chat_template),
         default_chat_template_kwargs=args.default_chat_template_kwargs or {},
@@ -592,108 +323,22 @@ def _server_config(args: argparse.Namespace):  # -> ServerConfig
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         **access_config(args),
-        **stream_bound,
     )
 
 
-def _structured_defaults() -> str:
-    from dataclasses import fields
-
-    from deltaserve.engine.structured_config import StructuredOutputsConfig
-
-    return ",".join(f"{f.name}={f.default}" for f in fields(StructuredOutputsConfig))
-
-
-def _engine_config(args: argparse.Namespace):  # -> EngineConfig
-    from deltaserve.engine.config import EngineConfig
-    from deltaserve.engine.speculative_config import parse_speculative_config
-    from deltaserve.engine.structured_config import StructuredOutputsConfig
-
-    structured = args.structured_outputs_config
-    speculative = args.speculative_config
-
-    return EngineConfig(
-        model=args.model,
-        tp_size=args.tp_size,
-        device=args.device or _default_device(),
-        device_ids=args.device_ids if args.data_parallel_size == 1 else None,  # else each replica's
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_queued_requests=args.max_queued_requests,
-        max_queued_tokens=args.max_queued_tokens,
-        scheduling_policy=args.scheduling_policy,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager,
-        prompt_graph_tokens=args.prompt_graph_tokens,
-        fp8_weights=args.fp8_weights,
-        max_logprobs=args.max_logprobs,
-        enable_prefix_caching=args.enable_prefix_caching,
-        prefix_cache_states=args.prefix_cache_states,
-        pipeline_steps=not args.no_pipelining,
-        overlap_steps=False if args.no_overlap else None,
-        step_timeout_s=args.step_timeout_s,
-        startup_timeout_s=args.startup_timeout_s,
-        monitor_endpoint=None if args.monitor_endpoint == "off" else args.monitor_endpoint,
-        structured_outputs=StructuredOutputsConfig.parse(structured)
-        if structured
-        else StructuredOutputsConfig(),
-        media=_media_config(args),
-        speculative=parse_speculative_config(speculative) if speculative else None,
-    )
-
-
-def _media_config(args: argparse.Namespace):  # -> MediaConfig
-    from deltaserve.engine.media import DEFAULT_LIMITS, MediaConfig
-
-    return MediaConfig(
-        limits={**DEFAULT_LIMITS, **(args.limit_mm_per_prompt or {})},
-        processor_kwargs=args.mm_processor_kwargs or {},
-        allowed_local_media_path=args.allowed_local_media_path,
-    )
-
-
-def _json_object(flag: str):
-    """An argparse type: a JSON object, else an error naming the flag."""
-
-    def parse(value: str) -> dict:
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            parsed = None
-        if not isinstance(parsed, dict):
-            raise argparse.ArgumentTypeError(f"{flag} takes a JSON object, got {value!r:.60}")
-        return parsed
-
-    return parse
-
-
-async def _start_engine(
-    config, stop: asyncio.Event, dp_size: int = 1, device_ids=None
-):  # -> engine | None
-    """Start the engine (`dp_size` replicas: a DataParallelEngine), saying every few seconds
-    that weights are still loading; None if a signal came first."""
-    from deltaserve.engine.async_engine import AsyncEngine
-    from deltaserve.engine.data_parallel import DataParallelEngine
-
+async def _start_engine(config: EngineConfig, stop: asyncio.Event) -> Engine | None:
+    """Start the engine (data_parallel_size replicas: a DataParallelEngine), saying every few
+    seconds that weights are still loading; None if a signal came first."""
     t0 = time.monotonic()
     log.info(
         "loading %s on %s (tp=%d, dp=%d, dtype=%s) ...",
         config.model,
         config.device,
         config.tp_size,
-        dp_size,
+        config.data_parallel_size,
         config.dtype,
     )
-    starting = (
-        AsyncEngine.start(config)
-        if dp_size == 1
-        else DataParallelEngine.start(config, dp_size, device_ids)
-    )
-    task = asyncio.ensure_future(starting)
+    task = asyncio.ensure_future(start_engine(config))
     stopped = asyncio.ensure_future(stop.wait())
     try:
         while not task.done():
@@ -715,7 +360,7 @@ async def _start_engine(
     return engine
 
 
-def _sizes(engine) -> tuple[str, str | None]:
+def _sizes(engine: Engine) -> tuple[str, str | None]:
     """What the ready line says of the limits, each with where it came from, and a warning
     when the KV cache holds fewer positions than max_model_len. Its max_model_len is what one
     request can use, as /v1/models reports it."""
@@ -754,7 +399,9 @@ def _sizes(engine) -> tuple[str, str | None]:
     return ready, short
 
 
-async def _serve(args: argparse.Namespace, listen: Listen, server_config, engine_config) -> int:
+async def _serve(
+    args: argparse.Namespace, listen: Listen, server_config: ServerConfig, config: EngineConfig
+) -> int:
     from deltaserve.http.listen import start_server
     from deltaserve.http.server import STATE, build_app
 
@@ -767,7 +414,7 @@ async def _serve(args: argparse.Namespace, listen: Listen, server_config, engine
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     try:
-        engine = await _start_engine(engine_config, stop, args.data_parallel_size, args.device_ids)
+        engine = await _start_engine(config, stop)
     except Exception as exc:
         log.error("the engine failed to start: %s", exc)
         return 1
@@ -835,7 +482,7 @@ async def _serve(args: argparse.Namespace, listen: Listen, server_config, engine
     return exit_code
 
 
-async def _drain(engine, timeout_s: float, force: asyncio.Event) -> None:
+async def _drain(engine: Engine, timeout_s: float, force: asyncio.Event) -> None:
     drain = asyncio.ensure_future(engine.shutdown(drain_timeout_s=timeout_s))
     forced = asyncio.ensure_future(force.wait())
     await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
@@ -846,7 +493,7 @@ async def _drain(engine, timeout_s: float, force: asyncio.Event) -> None:
     await drain
 
 
-async def _wait_stop_or_death(stop: asyncio.Event, engine) -> bool:
+async def _wait_stop_or_death(stop: asyncio.Event, engine: Engine) -> bool:
     """Wait for a stop signal or the engine's death; True if the engine died first."""
     while not stop.is_set():
         if engine.is_dead:

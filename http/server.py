@@ -1,4 +1,4 @@
-"""The aiohttp application: OpenAI-compatible routes over one `AsyncEngine`.
+"""The aiohttp application: OpenAI-compatible routes over one engine (engine/interface.py).
 
 Requests flow: read JSON -> parse (protocol.py) -> tokenize (`engine.encode` /
 `engine.run_tokenizer`: a large input in the engine's tokenizer thread, so the event loop
@@ -67,7 +67,7 @@ from deltaserve.http.structured_output import Guided, guided_error, refuse_in_re
 from deltaserve.http.tool_protocol import tool_call_reader
 
 if TYPE_CHECKING:
-    from deltaserve.engine.async_engine import AsyncEngine
+    from deltaserve.engine.interface import Engine
     from deltaserve.http.output_blocks import OutputBlocks
     from deltaserve.http.sglang_output import GenerateFormatter
 
@@ -79,7 +79,7 @@ _SAMPLING_FIELD_NAMES = frozenset(SamplingFields.__dataclass_fields__)
 class ServerState:
     """What the handlers share: the engine, the config, and whether we still admit."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         # logprobs' token strings; a request's return_tokens_as_token_ids: `.rendering`
@@ -134,7 +134,7 @@ class ServerState:
 STATE = web.AppKey("deltaserve_state", ServerState)
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> web.Application:
+def build_app(engine: Engine, config: ServerConfig) -> web.Application:
     """Serve it with `start_server` (or an AppRunner with handler_cancellation=True), so
     that a client's disconnect cancels its requests. The checks, in order: the Host
     (request_guard.py), CORS preflights (no key: a browser sends none, as in vLLM), the
@@ -300,7 +300,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         logprobs_param="logprobs",
         seeds=state.seeds,
     )
-    choices, bound = len(req.prompts) * params.n, state.engine.config.max_queued_requests
+    choices, bound = len(req.prompts) * params.n, state.engine.max_queued_requests
     if (
         choices > bound
     ):  # the queue could never take them all: not a 429 to retry (n alone: the engine's check)
@@ -484,7 +484,7 @@ def _param_of(
 
 
 async def _apply_chat_template(
-    engine: AsyncEngine,
+    engine: Engine,
     messages: Sequence[dict[str, Any]],
     kwargs: dict[str, Any],
     size: int,

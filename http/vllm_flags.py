@@ -2,16 +2,16 @@
 spelling accepted where deltaserve already does what the flag asks, the start refused with the
 reason where it cannot (never a flag silently dropped).
 
-The vLLM flags that set a config field are serve.py's own (--max-model-len, --seed,
---chat-template, ...); this module holds those that change nothing here and those refused,
-each with its reason, --uvicorn-log-level's levels, and vLLM's spelling of sizes (32k, 32K).
+The vLLM flags that set a config field are the field's own flag, spelled as vLLM does
+(engine/config_flags.py: --max-model-len, --enforce-eager, --async-scheduling, ...; serve.py:
+--seed, --chat-template, ...); this module holds those that change nothing here and those
+refused, each with its reason, and --uvicorn-log-level's levels.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import re
 
 from deltaserve.engine.model_config import FP8_SCALE_SUFFIXES
 
@@ -25,45 +25,6 @@ UVICORN_LOG_LEVELS = {
     "debug": logging.DEBUG,
     "trace": logging.DEBUG,
 }
-
-# vLLM's human_readable_int (vllm/engine/arg_utils.py): lower case k m g t are powers of
-# 1000, upper case K M G T powers of 1024; a decimal only before a lower case suffix
-_SUFFIXES = {
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-    "K": 2**10,
-    "M": 2**20,
-    "G": 2**30,
-    "T": 2**40,
-}
-_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
-
-
-def human_readable_int(text: str) -> int:
-    """An integer as vLLM's --max-model-len and --max-num-batched-tokens take one: 32768,
-    32k (32,000), 32K (32,768), 25.6k. vLLM's --max-model-len auto (or -1: as long as the
-    KV cache allows) is refused: here the default is the model's context capped at 8192."""
-    value = text.strip()
-    if value.lower() in ("auto", "-1"):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} (vLLM: as long as memory allows) is not supported: give a length, or "
-            "leave the flag out for min(max_position_embeddings, 8192)"
-        )
-    match = _HUMAN_INT.fullmatch(value)
-    if match is None:
-        raise argparse.ArgumentTypeError(
-            f"expected an integer such as 32768, 32k or 32K, got {text!r}"
-        )
-    number, suffix = match.groups()
-    if suffix.islower():
-        return int(float(number) * _SUFFIXES[suffix])
-    if "." in number:
-        raise argparse.ArgumentTypeError(
-            f"a decimal needs a lower case (power of 1000) suffix such as 25.6k, got {text!r}"
-        )
-    return int(number) * _SUFFIXES.get(suffix, 1)
 
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:

@@ -159,7 +159,7 @@ class ReplicaController:
     ) -> ReplicaController:
         """Check the config against the model and machine, spawn the ranks, wait for all of
         them to be Ready. On any failure everything started is torn down and this raises."""
-        model_config = ModelConfig.from_model_dir(config.model_dir)
+        model_config = ModelConfig.from_model_dir(config.executor.model)
         model_config.check_tp_size(config.tp_size)
         devices = config.rank_devices()
         self = cls(config, model_config, devices, on_poison)
@@ -222,7 +222,7 @@ class ReplicaController:
             drops,
             self.config.max_logprobs,
             saves,
-            self.config.max_drafts,
+            self.config.executor.num_speculative_tokens,
         )
         await self._acquire()
         return self._begin(
@@ -254,7 +254,7 @@ class ReplicaController:
             drops,
             self.config.max_logprobs,
             saves,
-            self.config.max_drafts,
+            self.config.executor.num_speculative_tokens,
         )
         if not self.can_follow:
             return None

@@ -1,8 +1,8 @@
 """Rank processes: the rank's whole configuration, the spawn, the kill; freeing a replica.
 
 A rank is `python -m deltaserve.ipc.rank_main` (ipc/rank_harness.py under a test's fault plan
-or journal), its `RankConfig` msgspec-encoded on stdin
-(no pickle, no fork of the event-loop process's state). The controller keeps a pidfd per rank
+or journal), its `RankConfig` msgspec-encoded on stdin (no pickle, no fork of the event-loop
+process's state). The controller keeps a pidfd per rank
 to notice its death from the event loop.
 """
 
@@ -21,13 +21,15 @@ import zmq
 from deltaserve.ipc.channels import close_context
 from deltaserve.ipc.faults import FaultPlan
 from deltaserve.ipc.gate import Doorbell, StartGate
+from deltaserve.ipc.messages import ExecutorConfig
 
 
 class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Everything a rank process needs, sent by the controller on the rank's stdin."""
+    """Everything a rank process needs, sent by the controller on the rank's stdin: what its
+    executor runs (`executor`, which holds the rank's place: rank, tp_size, device) and how
+    the process talks to the controller."""
 
-    rank: int
-    world_size: int
+    executor: ExecutorConfig
     parent_pid: int  # the rank exits if its parent changes (it also has PR_SET_PDEATHSIG)
     command_endpoint: str
     reply_endpoint: str
@@ -35,31 +37,27 @@ class RankConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     receipt_fd: int  # eventfd shared by all ranks: rung after recording a receipt
     release_fd: int  # eventfd of this rank: rung by the controller after a decision
     release_timeout_s: float  # longest wait for a gate decision
-    model_dir: str
-    device: str  # "cpu" or "cuda:N"
-    dtype: str
-    block_size: int
-    num_slots: int
-    num_blocks: int
     dist_init_method: str  # file:// in the run dir
     dist_timeout_s: float
-    max_model_len: int = 0  # longest request (sizes CUDA graphs); 0: the whole cache
-    gpu_memory_utilization: float = 0.9  # num_blocks 0: size the KV cache from this share
-    max_num_batched_tokens: int = 2048  # num_blocks 0: tokens of the profiling step
-    cuda_graphs: bool = True  # cuda: single-token items replay CUDA graphs
-    prompt_graph_tokens: int = 2048  # ... and prompt steps of up to this many tokens
-    fp8_weights: str = "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8
-    prefix_states: int = 0  # saved prefix states (prefix caching); 0: off
-    mtp: bool = False  # speculative decoding: load the MTP head and keep its KV (mtp.py)
     overlap_steps: bool = False  # queue a pipelined follower before finishing the step ahead
     noop_executor: bool = False  # benchmarks only
-    noop_step_s: float = (
-        0.0  # the no-op executor sleeps this long per step (a stand-in for the GPU)
-    )
+    noop_step_s: float = 0.0  # the no-op executor sleeps this long per step (a GPU stand-in)
     # tests only: either one starts the rank in the harness (ipc/rank_harness.py)
     journal_path: str | None = None  # append-only log of gated commands
     fault: FaultPlan | None = None
     log_level: int = 20  # the server's deltaserve logger level (logging.INFO by default)
+
+    @property
+    def rank(self) -> int:
+        return self.executor.rank
+
+    @property
+    def tp_size(self) -> int:
+        return self.executor.tp_size
+
+    @property
+    def device(self) -> str:
+        return self.executor.device
 
 
 rank_config_decoder = msgspec.msgpack.Decoder(RankConfig)

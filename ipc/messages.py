@@ -16,6 +16,8 @@ from typing import Literal
 
 import msgspec
 
+from deltaserve.engine.speculative_config import SpeculativeConfig
+
 RequestId = int
 
 
@@ -383,6 +385,77 @@ Reply = Ack | DropAck | StepResult | SnapshotReply | Failure
 
 
 # ---- rank start-up --------------------------------------------------------------------------
+
+
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")  # auto: the checkpoint's (fp32 on cpu)
+FP8_WEIGHTS = ("widen", "keep")  # an FP8 checkpoint's projections: widened as they load, or kept
+
+
+class ExecutorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one rank's executor runs (engine/rank/executor.py); sent inside the rank's
+    RankConfig at spawn (ipc/launch.py). A field named as an EngineConfig field is that
+    setting, named as its flag, passed on unchanged (engine/config.py `executor_config`); the
+    others are the rank's place and the limits resolved at start. The engine takes its
+    defaults for these settings from here: each is defined once."""
+
+    model: str  # the checkpoint folder
+    rank: int = 0
+    tp_size: int = 1
+    device: str = "cpu"  # "cpu", or "cuda:N" (a replica's every-rank view: "cuda")
+    dtype: str = "auto"  # one of DTYPES
+    block_size: int = 16  # KV cache positions per block
+    max_num_seqs: int = 16  # state slots: requests running at once
+    num_kv_blocks: int | None = None  # None: what gpu_memory_utilization leaves (CUDA only)
+    max_model_len: int = 0  # longest request in positions (sizes CUDA graphs); 0: the cache
+    gpu_memory_utilization: float = 0.9  # the device's share to use, when num_kv_blocks is None
+    max_num_batched_tokens: int = 2048  # a step's tokens: the profiling step, prompt graphs
+    enforce_eager: bool = False  # CUDA: never replay CUDA graphs
+    prompt_graph_tokens: int = 2048  # CUDA: prompt steps of up to this many replay graphs
+    fp8_weights: str = "widen"  # one of FP8_WEIGHTS (engine/rank/loader.py)
+    prefix_cache_states: int = 0  # saved prefix states (prefix caching); 0: off
+    # speculative decoding: the checkpoint's MTP head loads and keeps its KV (engine/rank/mtp.py)
+    speculative_config: SpeculativeConfig | None = None
+
+    @property
+    def keep_fp8(self) -> bool:
+        return self.fp8_weights == "keep"
+
+    @property
+    def mtp(self) -> bool:
+        """Speculative decoding is on: the MTP head is loaded and its KV kept."""
+        return self.speculative_config is not None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Drafts per step item at most; 0 without speculative decoding."""
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("rank", "max_model_len", "prompt_graph_tokens", "prefix_cache_states"):
+            _check_int(name, getattr(self, name), 0)
+        if self.rank >= self.tp_size:
+            raise ValueError(f"rank {self.rank} is outside tp_size {self.tp_size}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.num_kv_blocks is not None:  # None: CUDA only (engine/rank/memory_budget.py)
+            _check_int("num_kv_blocks", self.num_kv_blocks, 1)
+        util = self.gpu_memory_utilization
+        if type(util) not in (int, float) or not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
+        for name, allowed in (("dtype", DTYPES), ("fp8_weights", FP8_WEIGHTS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    """`value` is an int (not a bool) >= `low`; else ValueError naming `name`."""
+    if type(value) is not int or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 class Ready(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -8,17 +8,17 @@ from __future__ import annotations
 import time
 
 from deltaserve.engine.rank.executor import LaunchedStep, RankSnapshot
-from deltaserve.ipc.messages import Sample, StepItem
+from deltaserve.ipc.messages import ExecutorConfig, Sample, StepItem
 
 
 class NoopExecutor:
-    def __init__(
-        self, rank: int, num_slots: int, num_blocks: int, block_size: int, step_s: float = 0.0
-    ) -> None:
-        self.rank = rank
-        self.num_slots = num_slots
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+    def __init__(self, config: ExecutorConfig, step_s: float = 0.0) -> None:
+        if config.num_kv_blocks is None:
+            raise ValueError("the no-op executor sizes nothing from memory: give num_kv_blocks")
+        self.rank = config.rank
+        self.num_slots = config.max_num_seqs
+        self.num_blocks = config.num_kv_blocks
+        self.block_size = config.block_size
         self.step_s = step_s  # slept per step: a stand-in for the GPU
         self.held: set[int] = set()
 

@@ -141,7 +141,7 @@ class HarnessedRankServer(RankServer):
         """Send what the plan sends in place of `command`'s `reply`."""
         kind = self.fault.kind
         if kind in faults.REPLY_FAULTS:
-            for frame in faults.mangled_frames(kind, reply, self.config.world_size):
+            for frame in faults.mangled_frames(kind, reply, self.config.tp_size):
                 self.replies.send(frame)
             return
         if kind == "close_reply_socket":

@@ -113,9 +113,7 @@ def build_executor(config: RankConfig) -> object:
     if config.noop_executor:
         from deltaserve.ipc.noop_executor import NoopExecutor
 
-        return NoopExecutor(
-            config.rank, config.num_slots, config.num_blocks, config.block_size, config.noop_step_s
-        )
+        return NoopExecutor(config.executor, config.noop_step_s)
     started = time.monotonic()
     driver = warm_cuda_driver(config.device) if config.device.startswith("cuda") else None
     import torch
@@ -128,14 +126,14 @@ def build_executor(config: RankConfig) -> object:
         torch.cuda.init()  # the CUDA context, timed here rather than inside the model's build
         backend = "nccl"
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
         backend = "gloo"
-    if config.world_size > 1:
+    if config.tp_size > 1:
         dist.init_process_group(
             backend,
             init_method=config.dist_init_method,
             rank=config.rank,
-            world_size=config.world_size,
+            world_size=config.tp_size,
             timeout=timedelta(seconds=config.dist_timeout_s),
         )
     log.info(
@@ -144,28 +142,9 @@ def build_executor(config: RankConfig) -> object:
         config.device,
         time.monotonic() - started,
     )
-    from deltaserve.engine.rank.executor import Executor, ExecutorConfig
+    from deltaserve.engine.rank.executor import Executor
 
-    return Executor(
-        ExecutorConfig(
-            model_dir=config.model_dir,
-            rank=config.rank,
-            world_size=config.world_size,
-            device=config.device,
-            dtype=config.dtype,
-            block_size=config.block_size,
-            num_slots=config.num_slots,
-            num_blocks=config.num_blocks,
-            max_model_len=config.max_model_len,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            cuda_graphs=config.cuda_graphs,
-            prompt_graph_tokens=config.prompt_graph_tokens,
-            prefix_states=config.prefix_states,
-            fp8_weights=config.fp8_weights,
-            mtp=config.mtp,
-        )
-    )
+    return Executor(config.executor)
 
 
 @dataclass(slots=True)
@@ -487,7 +466,7 @@ def main(server: type[RankServer] = RankServer) -> int:
     replies = PushChannel(ctx, config.reply_endpoint, bind=False, linger_ms=REPLY_LINGER_MS)
     try:
         commands = PullChannel(ctx, config.command_endpoint, bind=False)
-        gate = StartGate.attach(config.gate_name, config.world_size)
+        gate = StartGate.attach(config.gate_name, config.tp_size)
         executor = build_executor(config)
     except Exception as exc:
         replies.send(

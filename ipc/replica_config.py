@@ -7,87 +7,79 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from deltaserve.ipc.faults import FaultPlan
 from deltaserve.ipc.launch import RankConfig
+from deltaserve.ipc.messages import ExecutorConfig
+from deltaserve.ipc.validate import MAX_LOGPROBS
 
-DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")
+# the controller's bounds by default (EngineConfig's defaults are these)
+STARTUP_TIMEOUT_S = 120.0  # every rank loaded and Ready by then
+STEP_TIMEOUT_S = 60.0  # a command's replies all in by then
+GATE_TIMEOUT_S = 10.0  # every rank must record receipt of a gated command by then
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaConfig:
-    model_dir: str
-    tp_size: int = 1
-    device: str = "cpu"  # "cpu" | "cuda"
+    """One replica's view of the engine's configuration (engine/config.py `replica_config`
+    derives it): what every rank's executor runs, which devices the ranks take, and the
+    controller's bounds. The rest is for tests and benchmarks."""
+
+    executor: ExecutorConfig  # every rank's, its device the kind; `rank_config` places each
     device_ids: tuple[int, ...] | None = None  # cuda ordinals, default range(tp_size)
-    dtype: str = "auto"
-    block_size: int = 16
-    num_slots: int = 8
-    num_blocks: int = 256  # 0: each rank sizes it from gpu_memory_utilization (cuda only)
-    max_model_len: int = 0  # longest request in positions (sizes CUDA graphs); 0: whole cache
-    gpu_memory_utilization: float = 0.9  # when num_blocks is 0: share of each device's memory
-    max_num_batched_tokens: int = 2048  # when num_blocks is 0: tokens of the profiling step
-    cuda_graphs: bool = True  # cuda: single-token items replay CUDA graphs
-    prompt_graph_tokens: int = 2048  # cuda, with cuda_graphs: prompt steps up to this size too
-    fp8_weights: str = "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8
-    max_logprobs: int = 20  # a step item's logprobs and prompt logprobs at most (ipc/validate.py)
-    prefix_states: int = 0  # saved prefix states each rank keeps (prefix caching); 0: off
-    max_drafts: int = 0  # speculative decoding's drafts per step item at most; 0: off (no MTP)
-    overlap_steps: bool | None = (
-        None  # ranks queue a follower before finishing the step; None: on cuda
-    )
-    startup_timeout_s: float = 120.0
-    step_timeout_s: float = 60.0
-    gate_timeout_s: float = 10.0  # every rank must record receipt of a gated command by then
+    max_logprobs: int = MAX_LOGPROBS  # a step item's logprobs and prompt logprobs at most
+    overlap_steps: bool | None = None  # ranks queue a follower before finishing the step ahead
+    startup_timeout_s: float = STARTUP_TIMEOUT_S
+    step_timeout_s: float = STEP_TIMEOUT_S
+    gate_timeout_s: float = GATE_TIMEOUT_S
     fault: FaultPlan | None = None  # tests only (ipc/faults.py)
     journal_dir: str | None = None  # tests: ranks log gated commands to DIR/rank{r}.log
     noop_executor: bool = False  # benchmarks only: ranks do no model work
     noop_step_s: float = 0.0  # ... and sleep this long per step (a stand-in for the GPU)
 
+    @property
+    def tp_size(self) -> int:
+        return self.executor.tp_size
+
+    @property
+    def device(self) -> str:
+        """The ranks' device kind: "cpu" or "cuda"."""
+        return self.executor.device
+
     def rank_config(self, rank: int, device: str, run_dir: str, **channels: object) -> RankConfig:
-        """What rank `rank` is started with: this replica's settings, its device, and the
-        `channels` the controller made for it (endpoints, gate name, doorbell fds)."""
+        """What rank `rank` is started with: this replica's executor settings placed on
+        `device`, and the `channels` the controller made for it (endpoints, gate name,
+        doorbell fds)."""
         journal = None if self.journal_dir is None else f"{self.journal_dir}/rank{rank}.log"
+        overlap = self.device == "cuda" if self.overlap_steps is None else self.overlap_steps
         return RankConfig(
-            rank=rank,
-            world_size=self.tp_size,
+            executor=msgspec.structs.replace(self.executor, rank=rank, device=device),
             parent_pid=os.getpid(),
             release_timeout_s=self.gate_timeout_s + 5.0,
-            model_dir=str(self.model_dir),
-            device=device,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            num_slots=self.num_slots,
-            num_blocks=self.num_blocks,
-            max_model_len=self.max_model_len,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            cuda_graphs=self.cuda_graphs,
-            prompt_graph_tokens=self.prompt_graph_tokens,
-            fp8_weights=self.fp8_weights,
-            prefix_states=self.prefix_states,
-            mtp=self.max_drafts > 0,
-            overlap_steps=(
-                self.device == "cuda" if self.overlap_steps is None else self.overlap_steps
-            )
-            and not self.noop_executor,
             dist_init_method=f"file://{run_dir}/dist-store",
             dist_timeout_s=max(self.startup_timeout_s, 2 * self.step_timeout_s),
+            overlap_steps=overlap and not self.noop_executor,
             noop_executor=self.noop_executor,
             noop_step_s=self.noop_step_s,
             journal_path=journal,
             fault=self.fault,
-            log_level=logging.getLogger(
-                "deltaserve"
-            ).getEffectiveLevel(),  # --log-level reaches ranks
+            # --log-level reaches the ranks
+            log_level=logging.getLogger("deltaserve").getEffectiveLevel(),
             **channels,
         )
 
     def __post_init__(self) -> None:
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.device not in ("cpu", "cuda"):
+        if self.executor.device not in ("cpu", "cuda") or self.executor.rank != 0:
             raise ValueError(
-                f"device must be 'cpu' or 'cuda', got {self.device!r} (pick GPUs with device_ids)"
+                f"a replica's executor settings name the device kind, 'cpu' or 'cuda' (pick "
+                f"GPUs with device_ids), and rank 0; got {self.executor.device!r}, rank "
+                f"{self.executor.rank}"
+            )
+        if self.executor.num_kv_blocks is None and self.device == "cpu":
+            raise ValueError(
+                "num_kv_blocks None sizes the KV cache from device memory: CUDA only; give "
+                "num_kv_blocks"
             )
         if self.device_ids is not None:
             if self.device == "cpu":
@@ -96,25 +88,13 @@ class ReplicaConfig:
                 )
             if len(self.device_ids) != self.tp_size:
                 raise ValueError(
-                    f"device_ids {self.device_ids} has {len(self.device_ids)} entries for tp_size {self.tp_size}"
+                    f"device_ids {self.device_ids} has {len(self.device_ids)} entries for "
+                    f"tp_size {self.tp_size}"
                 )
             if len(set(self.device_ids)) != len(self.device_ids):
                 raise ValueError(f"device_ids {self.device_ids} names a device twice")
             if min(self.device_ids) < 0:
                 raise ValueError(f"device_ids {self.device_ids} has a negative ordinal")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "num_slots", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks < 0 or (self.num_blocks == 0 and self.device != "cuda"):
-            raise ValueError(
-                f"num_blocks must be >= 1 (or 0 on cuda: size from memory), got {self.num_blocks}"
-            )
-        if self.num_blocks == 0 and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
         for name in ("startup_timeout_s", "step_timeout_s", "gate_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -1,17 +1,23 @@
 """What the engine tests share: an engine's config and placements, a stream's events
-collected, and the check that an engine is idle with nothing held on any rank."""
+collected, the checks that an engine is idle with nothing held on any rank (or only its saved
+prefixes, as the ledger says), and the plain path the engine is compared against
+(`reference_tokens`)."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.events import ErrorEvent, FinishedEvent, TokenEvent
+from deltaserve.engine.rank.executor import Executor
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.ipc.messages import ExecutorConfig, NewRequest, Sample, StepItem
 
 
 def engine_config(model: Path, **overrides) -> EngineConfig:
@@ -99,3 +105,27 @@ async def assert_ledger_is_every_ranks(engine: AsyncEngine) -> int:
     for snap in await engine.rank_snapshots():
         assert (snap.request_ids, snap.slots_used, snap.blocks_used) == ([], 0, held), snap
     return held
+
+
+def reference_tokens(
+    model_dir: Path | str,
+    prompt_ids: list[int],
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    num_logprobs: int = 0,
+) -> list[Sample]:
+    """The plain path the engine is compared against: the rank's executor in this process, no
+    control plane, no scheduler; exactly `max_tokens` tokens after `prompt_ids` (no EOS ends
+    them: the engine's requests it is held to ignore EOS)."""
+    total = len(prompt_ids) + max_tokens
+    config = ExecutorConfig(str(model_dir), max_num_seqs=1, num_kv_blocks=1)
+    blocks = -(-total // config.block_size)
+    executor = Executor(msgspec.structs.replace(config, num_kv_blocks=blocks))
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=num_logprobs)
+    first = StepItem(0, 0, list(prompt_ids), True, NewRequest(total, params.to_spec(seed)))
+    samples = executor.run_step([first])
+    while len(samples) < max_tokens:
+        position = len(prompt_ids) + len(samples) - 1
+        samples += executor.run_step([StepItem(0, position, [samples[-1].token_id], True)])
+    return samples

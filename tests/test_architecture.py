@@ -32,6 +32,7 @@ LEAVES = {  # module or package -> what it is
     "deltaserve": "the package root: the version",
     "deltaserve.ipc.messages": "the wire schema",
     "deltaserve.engine.model_config": "the checkpoint's config reader",
+    "deltaserve.engine.speculative_config": "speculative decoding's settings, read on both sides",
     "deltaserve.engine.checkpoint_files": "the checkpoint's files and headers",
     "deltaserve.engine.guided": "guided decoding's algorithms (a package)",
     "deltaserve.engine.vision_config": "the checkpoint's vision config reader",
@@ -43,12 +44,7 @@ NOT_PACKAGES = {"tests", "docs", "bench", "build", "dist", "__pycache__"}  # fol
 
 # Work in flight on other branches of issue 49's second wave: the lead empties these at merge
 # (test_in_flight_still_there fails once one is gone).
-IN_FLIGHT_ARROWS = {  # (module, import): the 49-config branch (generate on AsyncEngine, serve.py)
-    ("deltaserve.engine.generate", "deltaserve.engine.rank.executor"),
-    ("deltaserve.http.serve", "deltaserve.ipc.replica_config"),
-    ("deltaserve.http.serve", "deltaserve.tools.make_model"),
-    ("deltaserve.http.serve", "deltaserve.tools.tokenizer_files"),
-}
+IN_FLIGHT_ARROWS: set[tuple[str, str]] = set()  # (module, import); none left
 IN_FLIGHT_CYCLES = {  # the 49-http branch: the route modules take http/server.py's private names
     frozenset(
         f"deltaserve.http.{name}"

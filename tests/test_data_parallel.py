@@ -17,7 +17,8 @@ from engine_helpers import engine_config
 from serve_helpers import metric_samples, openai_client, serving
 from test_engine_faults import assert_gone
 
-from deltaserve.engine.data_parallel import DataParallelEngine, replica_configs
+from deltaserve.engine.config import EngineConfig, replica_device_ids
+from deltaserve.engine.data_parallel import DataParallelEngine
 from deltaserve.engine.events import (
     EngineDeadError,
     ErrorEvent,
@@ -25,6 +26,7 @@ from deltaserve.engine.events import (
     QueueFullError,
     TokenEvent,
 )
+from deltaserve.engine.interface import Engine
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http import serve
 from deltaserve.http.server import ServerConfig
@@ -36,7 +38,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_model_dir):
     engine = await serve._start_engine(
-        engine_config(tiny_model_dir), asyncio.Event(), dp_size=2
+        engine_config(tiny_model_dir, data_parallel_size=2), asyncio.Event()
     )  # `serve -dp 2`
     yield engine
     await engine.shutdown()
@@ -57,6 +59,7 @@ def tokens_of(events: list) -> list[int]:
 
 @module_loop
 async def test_requests_spread_over_the_replicas_and_answer_as_one_engine(engine):
+    assert isinstance(engine, Engine) and all(isinstance(r, Engine) for r in engine.replicas)
     prompts = [[100 + i, 200 + i, 300 + i] for i in range(3)]
     before = [r.metrics.generation_tokens_total for r in engine.replicas]
     # each prompt twice at once: the two go to different replicas, which answer alike
@@ -87,7 +90,7 @@ async def test_requests_spread_over_the_replicas_and_answer_as_one_engine(engine
     # a call of 12 prompts: more than one replica's queue (8) takes, as many as the two do
     many, params = [[7, 8, 9]] * 12, [GREEDY] * 12
     engine.check(many, params)
-    assert engine.config.max_queued_requests == 16  # the route's bound for one call: both queues
+    assert engine.max_queued_requests == 16  # the route's bound for one call: both queues
     with pytest.raises(QueueFullError):
         engine.replicas[0].check(many, params)
     with pytest.raises(QueueFullError):
@@ -163,7 +166,7 @@ async def test_a_conversations_next_turn_goes_where_its_prefix_is_saved(tiny_mod
     it (its FinishedEvent counts the cached tokens), though by load alone, both idle, the other
     replica's turn had come; an unrelated prompt still goes by load."""
     engine = await DataParallelEngine.start(
-        engine_config(tiny_model_dir, enable_prefix_caching=True), 2
+        engine_config(tiny_model_dir, enable_prefix_caching=True, data_parallel_size=2)
     )
     try:
         turn = [7 + i for i in range(40)]
@@ -190,18 +193,25 @@ async def test_a_conversations_next_turn_goes_where_its_prefix_is_saved(tiny_mod
         await engine.shutdown()
 
 
-def test_replica_configs_split_the_devices():
-    from deltaserve.engine.config import EngineConfig
-
-    cuda = EngineConfig(model="m", device="cuda", tp_size=2)
-    assert [c.device_ids for c in replica_configs(cuda, 2)] == [(0, 1), (2, 3)]
-    assert [c.device_ids for c in replica_configs(cuda, 2, (4, 5, 6, 7))] == [(4, 5), (6, 7)]
+def test_each_replica_takes_its_share_of_the_devices():
+    """Replica i runs on the i-th tp_size of device_ids (default 0, 1, ...); the config
+    refuses devices that do not make tp_size x data_parallel_size distinct ones, and a fixed
+    monitor endpoint that every replica would bind."""
+    cuda = EngineConfig(model="m", device="cuda", tp_size=2, data_parallel_size=2)
+    assert [replica_device_ids(cuda, i) for i in range(2)] == [(0, 1), (2, 3)]
+    given = EngineConfig(
+        model="m", device="cuda", tp_size=2, data_parallel_size=2, device_ids=(4, 5, 6, 7)
+    )
+    assert [replica_device_ids(given, i) for i in range(2)] == [(4, 5), (6, 7)]
+    assert replica_device_ids(EngineConfig(model="m", data_parallel_size=2), 1) is None  # cpu
     with pytest.raises(ValueError, match="need 4 distinct devices"):
-        replica_configs(cuda, 2, (0, 1, 2))
+        EngineConfig(
+            model="m", device="cuda", tp_size=2, data_parallel_size=2, device_ids=(0, 1, 2)
+        )
     with pytest.raises(ValueError, match="use 'auto'"):
-        replica_configs(EngineConfig(model="m", monitor_endpoint="ipc:///tmp/x"), 2)
-    with pytest.raises(ValueError, match="at least 1"):
-        replica_configs(EngineConfig(model="m"), 0)
+        EngineConfig(model="m", monitor_endpoint="ipc:///tmp/x", data_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
+        EngineConfig(model="m", data_parallel_size=0)
 
 
 async def test_a_dying_replica_takes_the_engine_down_every_request_ending_once(tiny_model_dir):
@@ -217,8 +227,8 @@ async def test_a_dying_replica_takes_the_engine_down_every_request_ending_once(t
             step_timeout_s=30.0,
             max_model_len=max_tokens + 8,
             num_kv_blocks=4 * (max_tokens + 8) // 16 + 8,  # 4 choices of a replica at the end
-        ),
-        2,
+            data_parallel_size=2,
+        )
     )
     pids = engine.rank_pids
     assert len(pids) == 4

@@ -155,9 +155,8 @@ def test_tools_in_the_system_turn_and_tool_results_as_one_user_turn(tokenizer):
 def test_demo_folder_changes_with_the_template(monkeypatch):
     """A demo made with an earlier template is not reused (its tokenizer_config.json holds the
     template it was made with): the folder's name follows the template."""
-    from deltaserve.http import serve
-    from deltaserve.tools import tokenizer_files
+    from deltaserve.tools import demo_model, tokenizer_files
 
-    before = serve.demo_name()
+    before = demo_model.demo_name()
     monkeypatch.setattr(tokenizer_files, "CHATML_TEMPLATE", tokenizer_files.CHATML_TEMPLATE + " ")
-    assert serve.demo_name() != before
+    assert demo_model.demo_name() != before

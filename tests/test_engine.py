@@ -22,6 +22,7 @@ from engine_helpers import (
     drain,
     engine_config,
     ids_of,
+    reference_tokens,
 )
 
 from deltaserve.engine.async_engine import AsyncEngine
@@ -31,7 +32,6 @@ from deltaserve.engine.events import (
     QueueFullError,
     TokenEvent,
 )
-from deltaserve.engine.generate import generate_tokens
 from deltaserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -116,12 +116,10 @@ class TestGreedy:
                 assert rid not in held
         assert seen == 4 and isinstance(event, FinishedEvent)
 
-    async def test_matches_in_process_generate(self, tiny_model_dir, prompts, reference):
-        """The engine agrees with `deltaserve generate` (one executor, no control plane)."""
+    async def test_matches_the_plain_path(self, tiny_model_dir, prompts, reference):
+        """The engine agrees with the plain path (one executor, no control plane)."""
         for p, ref in zip(prompts[1:3], reference[1:3], strict=True):
-            samples = await asyncio.to_thread(
-                generate_tokens, tiny_model_dir, p, MAX_TOKENS, ignore_eos=True
-            )
+            samples = await asyncio.to_thread(reference_tokens, tiny_model_dir, p, MAX_TOKENS)
             assert [s.token_id for s in samples] == ids_of(ref)
             for s, t in zip(samples, ref, strict=True):
                 assert s.logprob == pytest.approx(t.logprob, abs=1e-4)
@@ -256,7 +254,7 @@ class TestPipelining:
         before = engine.metrics.pipelined_steps_total
         pipelined = await run(engine)
         assert engine.metrics.pipelined_steps_total - before >= 5
-        sync = await AsyncEngine.start(engine_config(tiny_model_dir, pipeline_steps=False))
+        sync = await AsyncEngine.start(engine_config(tiny_model_dir, async_scheduling=False))
         try:
             unpipelined = await run(sync)
             assert strip_logprobs(unpipelined) == strip_logprobs(pipelined)

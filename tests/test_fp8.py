@@ -34,7 +34,7 @@ PROMPT = [random.Random(5).randrange(248044) for _ in range(90)]
 
 
 def logits_of(model_dir) -> torch.Tensor:
-    ex = Executor(ExecutorConfig(str(model_dir), num_slots=1, num_blocks=16))
+    ex = Executor(ExecutorConfig(str(model_dir), max_num_seqs=1, num_kv_blocks=16))
     item = StepItem(1, 0, PROMPT, True, NewRequest(len(PROMPT), SamplingSpec(seed=0)))
     return ex.forward([item], every_position=True)
 
@@ -185,7 +185,9 @@ def test_kept_fp8_weights_give_the_widened_logits(fp8_dir):
     their block scales; the DeltaNet's in_proj, whose b and a parts are bf16, is widened. On the
     CPU a kept weight is widened at each product, so the logits are the widened model's, bit
     for bit."""
-    ex = Executor(ExecutorConfig(str(fp8_dir), num_slots=1, num_blocks=16, fp8_weights="keep"))
+    ex = Executor(
+        ExecutorConfig(str(fp8_dir), max_num_seqs=1, num_kv_blocks=16, fp8_weights="keep")
+    )
     dtypes = {
         name: p.dtype for name, p in ex.model.named_parameters() if name.startswith("model.layers.")
     }
@@ -367,7 +369,9 @@ def test_new_fp8_weights_in_place(fp8_dir, tmp_path, fp8_weights):
 
     def executor(model_dir):
         return Executor(
-            ExecutorConfig(str(model_dir), num_slots=1, num_blocks=16, fp8_weights=fp8_weights)
+            ExecutorConfig(
+                str(model_dir), max_num_seqs=1, num_kv_blocks=16, fp8_weights=fp8_weights
+            )
         )
 
     updated, fresh = executor(fp8_dir), executor(other)
@@ -419,7 +423,7 @@ def test_quantization_flag_only_for_an_fp8_release(fp8_dir, tiny_model_dir, caps
 
 def greedy_tokens(model_dir, ids: list[int], steps: int) -> list[str]:
     """Our executor's greedy tokens, as `return_tokens_as_token_ids` names them."""
-    ex = Executor(ExecutorConfig(str(model_dir), num_slots=1, num_blocks=16))
+    ex = Executor(ExecutorConfig(str(model_dir), max_num_seqs=1, num_kv_blocks=16))
     tokens: list[int] = []
     logits = ex.forward(
         [StepItem(1, 0, ids, True, NewRequest(len(ids) + steps, SamplingSpec(seed=0)))]

@@ -1,4 +1,6 @@
-"""`deltaserve generate --json`: the shape other checks and users rely on."""
+"""`deltaserve generate`, the engine (AsyncEngine) from the shell: `--json`'s shape that other
+checks and users rely on, the engine's EOS and refusals, generation_config.json's defaults as
+serve takes them; the tokens are the plain path's (tests/engine_helpers.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from engine_helpers import reference_tokens
 from transformers import AutoTokenizer
 
 
@@ -59,18 +62,16 @@ def test_generate_refuses_out_of_vocab_ids(tiny_model_dir):
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "out of the vocabulary" in result.stderr and "999999999" in result.stderr
+    assert "prompt token 1 is 999999999: ids must be integers in [0, " in result.stderr
 
 
-def test_generate_stops_at_the_engines_eos_ids(tiny_model_dir, tmp_path):
-    """The plain path stops where the engine does: at any id of the model config's EOS set
-    joined with generation_config.json's (it read generation_config.json alone)."""
-    from deltaserve.engine.generate import generate_tokens
-
+def test_generate_stops_at_the_engines_eos_ids(tiny_model_dir, tmp_path, capsys):
+    """It stops where the engine does: at any id of the model config's EOS set joined with
+    generation_config.json's (a second engine's own check read generation_config.json alone)."""
     for f in tiny_model_dir.iterdir():
         (tmp_path / f.name).symlink_to(f)
-    prompt = [5, 6, 7]
-    tokens = [s.token_id for s in generate_tokens(tiny_model_dir, prompt, 6, ignore_eos=True)]
+    tokens = [s.token_id for s in reference_tokens(tiny_model_dir, [5, 6, 7], 8)]
+    assert _tokens(capsys, tiny_model_dir, "--temperature", "0") == tokens
     config = json.loads((tiny_model_dir / "config.json").read_text())
     text = config.get("text_config", config)
     eos = text.get("eos_token_id", config.get("eos_token_id"))
@@ -78,7 +79,8 @@ def test_generate_stops_at_the_engines_eos_ids(tiny_model_dir, tmp_path):
     (tmp_path / "config.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert tokens[2] not in tokens[:2], "pick a prompt whose third token is new"
-    assert [s.token_id for s in generate_tokens(tmp_path, prompt, 6)] == tokens[:3]
+    stopped = _tokens(capsys, tmp_path, "--temperature", "0", eos=True)
+    assert stopped == tokens[:3]
 
 
 @pytest.mark.parametrize(
@@ -120,15 +122,15 @@ def test_generate_refuses_what_the_engine_refuses(tiny_model_dir, capsys, bad):
     )
 
 
-def test_generate_refuses_positions_past_the_models_context(tiny_model_dir):
-    """prompt + max_tokens past max_position_embeddings ran on (the engine refuses it)."""
-    from deltaserve.engine.generate import generate_tokens
+def test_generate_refuses_positions_past_the_models_context(tiny_model_dir, capsys):
+    """prompt + max_tokens past max_position_embeddings: the engine refuses it, exit 2."""
+    from deltaserve.engine.generate import main
 
     context = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
-    with pytest.raises(
-        ValueError, match=f"= {context + 1} exceeds the model's max_position_embeddings {context}"
-    ):
-        generate_tokens(tiny_model_dir, [1, 2], context - 1)
+    argv = ["--model", str(tiny_model_dir), "--prompt-ids", "1,2", "--max-tokens", str(context)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"max_model_len {context + 2} exceeds the model's max_position_embeddings" in err
 
 
 def test_generate_names_a_missing_model_or_device(tmp_path, capsys):
@@ -145,29 +147,17 @@ def test_generate_names_a_missing_model_or_device(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(["--model", str(tmp_path), "--prompt", "hi", "--device", "cuda"])
         assert exit_info.value.code == 2 and "sees no CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(tmp_path), "--prompt", "hi", "--device", "cpu:1"])
+    assert exit_info.value.code == 2 and "cpu, cuda or cuda:N" in capsys.readouterr().err
 
 
-def _tokens(capsys, model, *flags: str) -> list[int]:
+def _tokens(capsys, model, *flags: str, eos: bool = False) -> list[int]:
+    """`deltaserve generate` after 5,6,7: 8 tokens (seed 3), or up to an EOS with `eos`."""
     from deltaserve.engine.generate import main
 
-    assert (
-        main(
-            [
-                "--model",
-                str(model),
-                "--prompt-ids",
-                "5,6,7",
-                "--max-tokens",
-                "8",
-                "--ignore-eos",
-                "--seed",
-                "3",
-                "--json",
-                *flags,
-            ]
-        )
-        == 0
-    )
+    argv = ["--model", str(model), "--prompt-ids", "5,6,7", "--max-tokens", "8", "--seed", "3"]
+    assert main([*argv, "--json", *([] if eos else ["--ignore-eos"]), *flags]) == 0
     return [json.loads(line)["token_id"] for line in capsys.readouterr().out.splitlines()]
 
 
@@ -175,7 +165,6 @@ def test_generate_samples_with_generation_config_defaults(tiny_model_dir, tmp_pa
     """As `deltaserve serve` does, generation_config.json's sampling settings are the defaults
     of those no flag gives (`--generation-config vllm`: ignored, as serve's); generate read
     greedily whatever the file said, so it sampled unlike the server it is compared against."""
-    from deltaserve.engine.generate import generate_tokens
     from deltaserve.engine.sampling_params import wire_seed
 
     for f in tiny_model_dir.iterdir():
@@ -183,12 +172,9 @@ def test_generate_samples_with_generation_config_defaults(tiny_model_dir, tmp_pa
             (tmp_path / f.name).symlink_to(f)
     gen = json.loads((tiny_model_dir / "generation_config.json").read_text())
     prompt, seed = [5, 6, 7], wire_seed(3)
-    greedy = [s.token_id for s in generate_tokens(tiny_model_dir, prompt, 8, ignore_eos=True)]
+    greedy = [s.token_id for s in reference_tokens(tiny_model_dir, prompt, 8)]
     hot = [
-        s.token_id
-        for s in generate_tokens(
-            tiny_model_dir, prompt, 8, temperature=1.5, seed=seed, ignore_eos=True
-        )
+        s.token_id for s in reference_tokens(tiny_model_dir, prompt, 8, temperature=1.5, seed=seed)
     ]
     assert hot != greedy
 

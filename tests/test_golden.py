@@ -41,7 +41,7 @@ def hf_model(tiny_model_dir):
 @pytest.fixture(scope="module")
 def executor(tiny_model_dir):
     return Executor(
-        ExecutorConfig(str(tiny_model_dir), num_slots=8, num_blocks=1024, block_size=16)
+        ExecutorConfig(str(tiny_model_dir), max_num_seqs=8, num_kv_blocks=1024, block_size=16)
     )
 
 

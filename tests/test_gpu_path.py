@@ -95,11 +95,11 @@ def _run_steps(
         model_dir,
         device=device,
         dtype=dtype,
-        num_slots=4,
-        num_blocks=64,
-        cuda_graphs=graphs,
+        max_num_seqs=4,
+        num_kv_blocks=64,
+        enforce_eager=not graphs,
         prompt_graph_tokens=prompt_graph_tokens,
-        prefix_states=prefix_states,
+        prefix_cache_states=prefix_states,
     )
     ex = Executor(config)
     assert (ex.graphs is not None) == (graphs and gpu_path(ex.cache.kv))
@@ -287,7 +287,7 @@ from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.kernels.triton_compat import report_late_compiles
 
-ex = Executor(ExecutorConfig(sys.argv[1], device="cuda", dtype="bfloat16", num_slots=8, num_blocks=0,
+ex = Executor(ExecutorConfig(sys.argv[1], device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=None,
                              max_model_len=512, max_num_batched_tokens=256, prompt_graph_tokens=64,
                              gpu_memory_utilization=0.05))
 late = []

@@ -109,7 +109,7 @@ async def test_a_request_past_its_bound_ends_alone(tiny_model_dir):
     (reported by rank 0 in its step result, not a replica error), dropped on every rank; the
     request beside it and the one after it finish; unprepared params are refused."""
     config = engine_config(
-        tiny_model_dir, structured_outputs=StructuredOutputsConfig(max_lexer_states=2000)
+        tiny_model_dir, structured_outputs_config=StructuredOutputsConfig(max_lexer_states=2000)
     )
     async with await AsyncEngine.start(config) as engine:
         with pytest.raises(ValueError, match="engine.prepare"):
@@ -139,18 +139,19 @@ class TestConfig:
     field; a backend not built in, an unknown field or a bad value is refused by name."""
 
     def test_from_the_command_line(self, tiny_model_dir):
+        from deltaserve.engine.config_flags import engine_config
         from deltaserve.http import serve
 
         args = serve.parse_args(
             [str(tiny_model_dir), "--structured-outputs-config", "backend=guidance,max_mask_ms=80"]
         )
-        config = serve._engine_config(args).structured_outputs
+        config = engine_config(args).structured_outputs_config
         assert (config.backend, config.max_mask_ms, config.max_stop_regexes) == (
             "guidance",
             80,
             16,
         )
-        assert serve._engine_config(serve.parse_args([str(tiny_model_dir)])).structured_outputs == (
+        assert engine_config(serve.parse_args([str(tiny_model_dir)])).structured_outputs_config == (
             StructuredOutputsConfig()
         )
         assert StructuredOutputsConfig.parse('{"max_lexer_states": 9}').max_lexer_states == 9

@@ -16,12 +16,12 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from engine_helpers import reference_tokens
 from serve_helpers import metric_samples, wait_idle
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.events import FinishedEvent, TokenEvent
-from deltaserve.engine.generate import generate_tokens
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http.listen import start_server
 from deltaserve.http.responses import TokenStrings
@@ -111,10 +111,10 @@ async def metrics(served: Served) -> dict[str, float]:
 
 async def test_completion_greedy_matches_engine_and_generate(served: Served):
     """Greedy tokens, logprobs (shape and values), text and usage equal the engine's own
-    generate and the plain single-process path (`deltaserve generate`)."""
+    generate and the plain single-process path (`reference_tokens`)."""
     n_tokens, k = 12, 3
     ids = prompt_ids(served, PROMPT)
-    ref = generate_tokens(served.model_dir, ids, n_tokens, num_logprobs=k, ignore_eos=True)
+    ref = reference_tokens(served.model_dir, ids, n_tokens, num_logprobs=k)
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, logprobs=k, ignore_eos=True)
     events = (await engine_run(served.engine, PROMPT, params))[0]
     assert [e.token_id for e in events if isinstance(e, TokenEvent)] == [s.token_id for s in ref]

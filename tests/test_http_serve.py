@@ -20,14 +20,14 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from engine_helpers import reference_tokens
 from serve_helpers import ServeProcess, get, metric_samples, rank_pids, wait_gone
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.generate import generate_tokens
-from deltaserve.http import serve
 from deltaserve.http.listen import start_server
 from deltaserve.http.server import ServerConfig, build_app
+from deltaserve.tools import demo_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 
@@ -132,9 +132,7 @@ async def test_serve_tp2_greedy_then_sigterm_drains(tiny_model_dir):
 
         # TP=2 greedy through HTTP == the single-process path.
         prompt_ids = await asyncio.to_thread(_tokenize, tiny_model_dir, PROMPT)
-        ref = await asyncio.to_thread(
-            generate_tokens, tiny_model_dir, prompt_ids, 8, ignore_eos=True
-        )
+        ref = await asyncio.to_thread(reference_tokens, tiny_model_dir, prompt_ids, 8)
         r = await client.completions.create(
             model="tiny2",
             prompt=PROMPT,
@@ -185,7 +183,7 @@ async def test_serve_demo_then_rank_sigkill_exits_nonzero(tiny_model_dir, tmp_pa
     cache here; `test_demo_model_made_once` covers making it). A rank SIGKILLed under load
     ends the open streams with an error event and the process with a non-zero code."""
     home = tmp_path / "home"
-    demo = home / ".cache" / "deltaserve" / serve.demo_name()
+    demo = home / ".cache" / "deltaserve" / demo_model.demo_name()
     shutil.copytree(tiny_model_dir, demo)
     env = dict(os.environ, HOME=str(home))
     server = await ServeProcess.start("--max-model-len", "4096", env=env)
@@ -193,10 +191,10 @@ async def test_serve_demo_then_rank_sigkill_exits_nonzero(tiny_model_dir, tmp_pa
     try:
         assert "demo checkpoint" in server.lines[0] and str(demo) in server.lines[0], server.log()
         models = await client.models.list()
-        assert [m.id for m in models.data] == [serve.DEMO_MODEL_NAME]
+        assert [m.id for m in models.data] == [demo_model.DEMO_MODEL_NAME]
         pids = rank_pids(server.proc.pid)
         assert len(pids) == 1
-        streams = [await open_stream(client, serve.DEMO_MODEL_NAME, 3000) for _ in range(2)]
+        streams = [await open_stream(client, demo_model.DEMO_MODEL_NAME, 3000) for _ in range(2)]
         os.kill(pids[0], signal.SIGKILL)
         for it, _ in streams:
             with pytest.raises(openai.APIError) as info:
@@ -214,11 +212,11 @@ async def test_serve_demo_then_rank_sigkill_exits_nonzero(tiny_model_dir, tmp_pa
 def test_demo_model_made_once(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(Path.home() / ".cache"))  # keep the tokenizer cache
     monkeypatch.setenv("HOME", str(tmp_path))
-    path, made = serve.ensure_demo_model()
-    assert made and path == tmp_path / ".cache" / "deltaserve" / serve.demo_name()
+    path, made = demo_model.ensure_demo_model()
+    assert made and path == tmp_path / ".cache" / "deltaserve" / demo_model.demo_name()
     assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left behind
-    assert serve.ensure_demo_model() == (path, False)
+    assert demo_model.ensure_demo_model() == (path, False)
 
 
 def test_model_positional_or_flag_and_twice_only_if_equal(capsys):

@@ -21,7 +21,6 @@ from transformers import Qwen3_5ForConditionalGeneration
 from vision_helpers import TEST_PROCESSOR_KWARGS, chat, hf_logprobs, image, processor
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.media import MediaConfig
 from deltaserve.engine.vision_config import VisionConfig
 from deltaserve.http.server import ServerConfig
 
@@ -51,11 +50,9 @@ async def server(tiny_vlm_model_dir, tmp_path_factory):
         model=str(tiny_vlm_model_dir),
         max_model_len=1024,
         max_num_seqs=4,
-        media=MediaConfig(
-            limits={"image": 2, "video": 1},
-            processor_kwargs=TEST_PROCESSOR_KWARGS,
-            allowed_local_media_path=str(local),
-        ),
+        limit_mm_per_prompt={"image": 2, "video": 1},
+        mm_processor_kwargs=TEST_PROCESSOR_KWARGS,
+        allowed_local_media_path=str(local),
     )
     async with in_process_server(config, ServerConfig(MODEL, api_key=KEY)) as s:
         s.local = local

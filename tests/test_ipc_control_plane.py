@@ -21,11 +21,11 @@ import psutil
 import pytest
 import pytest_asyncio
 import zmq
+from ipc_helpers import replica_config
 
 from deltaserve.ipc.channels import PullChannel, PushChannel, ipc_endpoint
 from deltaserve.ipc.controller import (
     PlanRejected,
-    ReplicaConfig,
     ReplicaController,
     ReplicaPoisoned,
     ReplicaStartupError,
@@ -34,6 +34,7 @@ from deltaserve.ipc.gate import Doorbell, StartGate
 from deltaserve.ipc.launch import RankConfig, spawn_rank
 from deltaserve.ipc.messages import (
     Ack,
+    ExecutorConfig,
     Failure,
     NewRequest,
     Ping,
@@ -110,7 +111,7 @@ async def run(controller: ReplicaController, items: list[StepItem]) -> dict[int,
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def tp1(tiny_model_dir: Path):
-    controller = await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), tp_size=1))
+    controller = await ReplicaController.start(replica_config(tiny_model_dir, tp_size=1))
     yield controller
     await controller.shutdown()
     assert controller.exit_codes == [0]
@@ -121,8 +122,8 @@ async def tp1(tiny_model_dir: Path):
 async def tp2(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """Overlapped steps (the CUDA default) on gloo; tp1 runs each step to its end."""
     journals = tmp_path_factory.mktemp("tp2_journal")
-    config = ReplicaConfig(
-        str(tiny_model_dir), tp_size=2, overlap_steps=True, journal_dir=str(journals)
+    config = replica_config(
+        tiny_model_dir, tp_size=2, overlap_steps=True, journal_dir=str(journals)
     )
     controller = await ReplicaController.start(config)
     yield controller
@@ -375,7 +376,7 @@ async def test_rank_local_mismatch_poisons(tiny_model_dir: Path) -> None:
     replica is poisoned, torn down, and every later call fails at once with the reason."""
     reasons: list[str] = []
     controller = await ReplicaController.start(
-        ReplicaConfig(str(tiny_model_dir)), on_poison=reasons.append
+        replica_config(tiny_model_dir), on_poison=reasons.append
     )
     try:
         with pytest.raises(
@@ -396,7 +397,7 @@ async def test_rank_local_mismatch_poisons(tiny_model_dir: Path) -> None:
 async def test_last_sample_without_a_sample_poisons(tiny_model_dir: Path) -> None:
     """An item without token_ids whose request's previous item sampled nothing has no input:
     every rank refuses it alike (none waits in the broadcast), and the replica is poisoned."""
-    controller = await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), tp_size=2))
+    controller = await ReplicaController.start(replica_config(tiny_model_dir, tp_size=2))
     try:
         await run(controller, [first(1, prompt(20), 40, sample=False)])
         with pytest.raises(
@@ -414,7 +415,7 @@ async def test_a_save_at_another_count_poisons(tiny_model_dir: Path) -> None:
     that holds another count refuses the save (a prefix of other positions would be reused
     silently wrong), on every rank alike."""
     controller = await ReplicaController.start(
-        ReplicaConfig(str(tiny_model_dir), tp_size=2, prefix_states=2)
+        replica_config(tiny_model_dir, tp_size=2, prefix_cache_states=2)
     )
     try:
         await run(controller, [first(1, prompt(20), 40)])
@@ -447,7 +448,7 @@ class TestPreload:
     ) -> None:
         before = child_pids()
         with pytest.raises(ValueError, match=message):
-            await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), **kwargs))
+            await ReplicaController.start(replica_config(tiny_model_dir, **kwargs))
         assert child_pids() == before
 
 
@@ -461,7 +462,7 @@ async def test_startup_failure_is_reported_and_cleaned_up(
     (broken / "config.json").write_text((tiny_model_dir / "config.json").read_text())
     before = child_pids()
     with pytest.raises(ReplicaStartupError, match="rank 0 failed to start: .*safetensors"):
-        await bounded(ReplicaController.start(ReplicaConfig(str(broken))))
+        await bounded(ReplicaController.start(replica_config(broken)))
     assert child_pids() == before
 
 
@@ -478,7 +479,7 @@ async def test_ranks_log_at_the_servers_level(
     old, logger.level = logger.level, level
     try:
         with pytest.raises(ReplicaStartupError):
-            await bounded(ReplicaController.start(ReplicaConfig(str(broken))))
+            await bounded(ReplicaController.start(replica_config(broken)))
     finally:
         logger.setLevel(old)
     assert ("rank 0: process up" in capfd.readouterr().err) == (level == logging.INFO)
@@ -488,7 +489,7 @@ async def test_startup_timeout(tiny_model_dir: Path) -> None:
     before = child_pids()
     t0 = time.monotonic()
     with pytest.raises(ReplicaStartupError, match="not ready within startup_timeout_s=0.3"):
-        await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), startup_timeout_s=0.3))
+        await ReplicaController.start(replica_config(tiny_model_dir, startup_timeout_s=0.3))
     assert time.monotonic() - t0 < 0.3 + 5.0
     assert child_pids() == before
 
@@ -496,9 +497,12 @@ async def test_startup_timeout(tiny_model_dir: Path) -> None:
 PARENT = textwrap.dedent("""
     import asyncio, sys
     from deltaserve.ipc.controller import ReplicaConfig, ReplicaController
+    from deltaserve.ipc.messages import ExecutorConfig
+    from deltaserve.ipc.messages import ExecutorConfig
 
     async def main():
-        controller = await ReplicaController.start(ReplicaConfig(sys.argv[1], tp_size=2))
+        config = ReplicaConfig(ExecutorConfig(sys.argv[1], tp_size=2, num_kv_blocks=64))
+        controller = await ReplicaController.start(config)
         print(controller.run_dir, *controller.rank_pids, flush=True)
         await asyncio.sleep(3600)
 
@@ -544,8 +548,7 @@ async def test_rank_answers_malformed_commands_and_keeps_serving() -> None:
     gate, receipt, release = StartGate.create(1), Doorbell(), Doorbell()
     proc = spawn_rank(
         RankConfig(
-            rank=0,
-            world_size=1,
+            executor=ExecutorConfig(run_dir, max_num_seqs=2, num_kv_blocks=16),
             parent_pid=os.getpid(),
             command_endpoint=commands.endpoint,
             reply_endpoint=replies.endpoint,
@@ -553,12 +556,6 @@ async def test_rank_answers_malformed_commands_and_keeps_serving() -> None:
             receipt_fd=receipt.fd,
             release_fd=release.fd,
             release_timeout_s=5.0,
-            model_dir=run_dir,
-            device="cpu",
-            dtype="auto",
-            block_size=16,
-            num_slots=2,
-            num_blocks=16,
             dist_init_method=f"file://{run_dir}/dist",
             dist_timeout_s=30.0,
             noop_executor=True,
@@ -611,6 +608,7 @@ async def test_rank_answers_malformed_commands_and_keeps_serving() -> None:
 UNCLEAN = textwrap.dedent("""
     import asyncio, gc, json, os, signal, sys
     from deltaserve.ipc.controller import ReplicaConfig, ReplicaController
+    from deltaserve.ipc.messages import ExecutorConfig
 
     class Owner:
         def on_poison(self, reason):
@@ -619,7 +617,8 @@ UNCLEAN = textwrap.dedent("""
     mode, model_dir = sys.argv[1], sys.argv[2]
     owner, loop = Owner(), asyncio.new_event_loop()
     owner.controller = c = loop.run_until_complete(ReplicaController.start(
-        ReplicaConfig(model_dir, tp_size=2, noop_executor=True), on_poison=owner.on_poison))
+        ReplicaConfig(ExecutorConfig(model_dir, tp_size=2, num_kv_blocks=64), noop_executor=True),
+        on_poison=owner.on_poison))
     print(json.dumps([c.run_dir, c.gate_name, c.rank_pids]), flush=True)
     if mode == "tearing_down":  # a rank that does not ack: the shutdown is still running at exit
         os.kill(c.rank_pids[0], signal.SIGSTOP)

@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from ipc_helpers import replica_config
 
-from deltaserve.ipc.controller import ReplicaConfig, ReplicaController, ReplicaPoisoned
+from deltaserve.ipc.controller import ReplicaController, ReplicaPoisoned
 from deltaserve.ipc.faults import FAULT_EXIT_CODE, FaultPlan
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 
@@ -87,8 +88,8 @@ async def start(
     reasons: list[str],
     overlap: bool = False,
 ) -> ReplicaController:
-    config = ReplicaConfig(
-        str(model_dir),
+    config = replica_config(
+        model_dir,
         tp_size=2,
         step_timeout_s=STEP_TIMEOUT_S,
         gate_timeout_s=GATE_TIMEOUT_S,
@@ -292,9 +293,7 @@ async def test_sampled_token_outside_the_vocabulary_poisons(
     a client (and, pipelined, the ranks' next step) as a token."""
     reasons: list[str] = []
     fault = FaultPlan(rank=0, kind="bad_token", at_step=FAULT_STEP)
-    config = ReplicaConfig(
-        str(tiny_model_dir), tp_size=1, step_timeout_s=STEP_TIMEOUT_S, fault=fault
-    )
+    config = replica_config(tiny_model_dir, tp_size=1, step_timeout_s=STEP_TIMEOUT_S, fault=fault)
     controller = await asyncio.wait_for(
         ReplicaController.start(config, on_poison=reasons.append), 120
     )

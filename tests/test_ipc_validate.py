@@ -8,8 +8,8 @@ import random
 
 import msgspec
 import pytest
+from ipc_helpers import replica_config
 
-from deltaserve.ipc.controller import ReplicaConfig
 from deltaserve.ipc.gate import CANCEL, EXECUTE, StartGate
 from deltaserve.ipc.messages import (
     Ack,
@@ -402,15 +402,17 @@ class TestReplicaConfig:
             ),
             ({"device": "cpu", "device_ids": (0,)}, "device_ids .* given with device 'cpu'"),
             ({"device": "cuda", "tp_size": 2, "device_ids": (0,)}, "has 1 entries for tp_size 2"),
-            ({"device": "cuda:1"}, "device must be 'cpu' or 'cuda'"),
-            ({"tp_size": 0}, "tp_size must be >= 1"),
-            ({"num_slots": 0}, "num_slots must be >= 1"),
+            ({"device": "cuda:1"}, "name the device kind, 'cpu' or 'cuda'"),
+            ({"device": "tpu"}, "device must be 'cpu' or 'cuda"),
+            ({"tp_size": 0}, "tp_size must be an integer >= 1"),
+            ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
+            ({"num_kv_blocks": None}, "num_kv_blocks None .*: CUDA only"),
             ({"step_timeout_s": 0}, "step_timeout_s must be > 0"),
         ],
     )
     def test_bad_config(self, kwargs: dict, message: str) -> None:
         with pytest.raises(ValueError, match=message):
-            ReplicaConfig("/nonexistent", **kwargs)
+            replica_config("/nonexistent", **kwargs)
 
 
 @pytest.mark.parametrize(

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import aiohttp
 import pytest
+from engine_helpers import reference_tokens
 from serve_helpers import in_process_server, record_long_figures, wait_idle
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.generate import generate_tokens
 from deltaserve.http.server import ServerConfig
 
 MODEL = "tiny-load"
@@ -145,9 +145,7 @@ async def test_streaming_load_with_disconnects(tiny_model_dir, size):
         tok = engine.tokenizer
         for k in range(len(TEXTS)):
             ids = tok.encode(TEXTS[k], add_special_tokens=False)
-            plain = await asyncio.to_thread(
-                generate_tokens, tiny_model_dir, ids, max_tokens, ignore_eos=True
-            )
+            plain = await asyncio.to_thread(reference_tokens, tiny_model_dir, ids, max_tokens)
             assert ref[k].text == tok.decode([s.token_id for s in plain], skip_special_tokens=True)
         for k, r in ref.items():
             assert (r.finish, r.completion_tokens) == ("length", max_tokens), (k, r)

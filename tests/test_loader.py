@@ -27,7 +27,7 @@ PROMPT = [(i * 7919) % 248044 for i in range(70)]
 
 
 def logits_of(model_dir) -> torch.Tensor:
-    ex = Executor(ExecutorConfig(str(model_dir), num_slots=1, num_blocks=8))
+    ex = Executor(ExecutorConfig(str(model_dir), max_num_seqs=1, num_kv_blocks=8))
     item = StepItem(1, 0, PROMPT, True, NewRequest(len(PROMPT), SamplingSpec(seed=0)))
     return ex.forward([item], every_position=True)
 

@@ -137,8 +137,8 @@ def graph_reserve(executor, peak: int) -> int:
 def executor(tiny_model_dir):
     config = ExecutorConfig(
         str(tiny_model_dir),
-        num_slots=4,
-        num_blocks=8,
+        max_num_seqs=4,
+        num_kv_blocks=8,
         max_model_len=64,
         max_num_batched_tokens=100,
         gpu_memory_utilization=0.5,
@@ -199,7 +199,11 @@ def test_size_kv_cache_refuses_too_little_naming_the_numbers(executor):
 
 def test_cpu_executor_wants_explicit_blocks(tiny_model_dir):
     with pytest.raises(ValueError, match="CUDA only"):
-        Executor(ExecutorConfig(str(tiny_model_dir), num_slots=1, num_blocks=0, max_model_len=32))
+        Executor(
+            ExecutorConfig(
+                str(tiny_model_dir), max_num_seqs=1, num_kv_blocks=None, max_model_len=32
+            )
+        )
 
 
 def _agree(rank: int, init: str, values: list[int], out: str) -> None:
@@ -252,20 +256,21 @@ def test_engine_config_and_limits(tiny_model_dir):
     )
 
 
-def test_replica_config_num_blocks_zero_is_cuda_only():
-    ReplicaConfig("/m", device="cuda", num_blocks=0, gpu_memory_utilization=0.8)
-    with pytest.raises(ValueError, match=r"num_blocks must be >= 1 \(or 0 on cuda"):
-        ReplicaConfig("/m", num_blocks=0)
+def test_replica_config_num_kv_blocks_none_is_cuda_only():
+    ReplicaConfig(ExecutorConfig("/m", device="cuda", gpu_memory_utilization=0.8))
+    with pytest.raises(ValueError, match=r"num_kv_blocks None sizes .*: CUDA only"):
+        ReplicaConfig(ExecutorConfig("/m"))
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        ReplicaConfig("/m", device="cuda", num_blocks=0, gpu_memory_utilization=1.5)
+        ExecutorConfig("/m", device="cuda", gpu_memory_utilization=1.5)
 
 
 def test_serve_flag():
-    from deltaserve.http.serve import _engine_config, build_parser
+    from deltaserve.engine.config_flags import engine_config
+    from deltaserve.http.serve import build_parser
 
     args = build_parser().parse_args(
         ["--model", "/m", "--device", "cpu", "--gpu-memory-utilization", "0.75"]
     )
-    assert _engine_config(args).gpu_memory_utilization == 0.75
+    assert engine_config(args).gpu_memory_utilization == 0.75
     args = build_parser().parse_args(["--model", "/m", "--device", "cpu"])
-    assert _engine_config(args).gpu_memory_utilization == 0.9
+    assert engine_config(args).gpu_memory_utilization == 0.9

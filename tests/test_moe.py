@@ -190,7 +190,7 @@ def test_stacked_experts_load_as_released_ones(tiny_moe_model_dir, tmp_path):
     ids = [random.Random(3).randrange(248044) for _ in range(20)]
 
     def logits(model_dir):
-        ex = Executor(ExecutorConfig(str(model_dir), num_slots=2, num_blocks=16))
+        ex = Executor(ExecutorConfig(str(model_dir), max_num_seqs=2, num_kv_blocks=16))
         return ex.forward(
             [StepItem(1, 0, ids, True, NewRequest(30, SamplingSpec(seed=0)))], every_position=True
         )
@@ -296,7 +296,7 @@ def test_released_layouts_load(tiny_moe_model_dir, tmp_path):
     ids = [random.Random(1).randrange(248044) for _ in range(30)]
 
     def logits(model_dir):
-        ex = Executor(ExecutorConfig(str(model_dir), num_slots=2, num_blocks=16))
+        ex = Executor(ExecutorConfig(str(model_dir), max_num_seqs=2, num_kv_blocks=16))
         return ex.forward(
             [StepItem(1, 0, ids, True, NewRequest(40, SamplingSpec(seed=0)))], every_position=True
         )

@@ -15,12 +15,17 @@ import asyncio
 
 import pytest
 import pytest_asyncio
-from engine_helpers import PLACEMENTS, assert_ledger_is_every_ranks, engine_config, start_placed
+from engine_helpers import (
+    PLACEMENTS,
+    assert_ledger_is_every_ranks,
+    engine_config,
+    reference_tokens,
+    start_placed,
+)
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.capacity import CapacityLedger
 from deltaserve.engine.events import FinishedEvent, TokenEvent
-from deltaserve.engine.generate import generate_tokens
 from deltaserve.engine.prefix_cache import PrefixCache, PromptPlan
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams
@@ -60,9 +65,7 @@ def assert_as_whole_prefill(
     engine: AsyncEngine, model_dir, prompt: list[int], tokens: list[TokenEvent]
 ) -> None:
     """The CPU's one forward over the whole prompt (CUDA: its kernels' rounding, fla's tf32)."""
-    reference = generate_tokens(
-        model_dir, prompt, PARAMS.max_tokens, num_logprobs=1, ignore_eos=True
-    )
+    reference = reference_tokens(model_dir, prompt, PARAMS.max_tokens, num_logprobs=1)
     assert [t.token_id for t in tokens] == [s.token_id for s in reference]
     for got, want in zip(tokens, reference, strict=True):
         assert got.logprob == pytest.approx(
@@ -159,7 +162,7 @@ async def test_the_next_turn_starts_where_a_generation_ended(engine, tiny_model_
     await next_turn(alone, tokens, len(alone) + 3)
 
     stopped = conversation(600)
-    greedy = [s.token_id for s in generate_tokens(tiny_model_dir, stopped, 6, ignore_eos=True)]
+    greedy = [s.token_id for s in reference_tokens(tiny_model_dir, stopped, 6)]
     k = next(k for k in range(2, 6) if greedy[k] not in greedy[:k])
     params = SamplingParams(
         max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True, stop_token_ids=[greedy[k]]

@@ -14,9 +14,11 @@ import pytest
 from serve_helpers import DELTASERVE, get
 
 from deltaserve.engine.async_engine import AsyncEngine
+from deltaserve.engine.config_flags import engine_config
 from deltaserve.engine.speculative_config import SpeculativeConfig
 from deltaserve.http import serve
 from deltaserve.http.server import ServerConfig
+from deltaserve.tools.demo_model import demo_checkpoint, demo_name
 
 
 def test_vllm_and_sglang_spellings():
@@ -111,11 +113,11 @@ def test_bad_host_fails_before_the_demo_model_is_made(tmp_path, monkeypatch, eng
     except OSError:
         pass
     monkeypatch.setenv("HOME", str(tmp_path))
-    code = serve.serve_main(["--host", "192.0.2.1", "--port", "8000"])
+    code = serve.serve_main(["--host", "192.0.2.1", "--port", "8000"], demo=demo_checkpoint())
     assert engine_starts == [], caplog.text
     assert code == 1
     assert "cannot listen on 192.0.2.1:8000" in caplog.text
-    assert not (tmp_path / ".cache" / "deltaserve" / serve.demo_name()).exists()
+    assert not (tmp_path / ".cache" / "deltaserve" / demo_name()).exists()
 
 
 def test_bad_flag_fails_before_the_demo_model_is_made(tmp_path, monkeypatch, engine_starts, capsys):
@@ -123,9 +125,10 @@ def test_bad_flag_fails_before_the_demo_model_is_made(tmp_path, monkeypatch, eng
     checkpoint made for nothing (that took seconds, and a first run made it); data-parallel
     replicas' devices are checked then too."""
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert serve.serve_main(["--max-num-seqs", "0"]) == 2
+    assert serve.serve_main(["--max-num-seqs", "0"], demo=demo_checkpoint()) == 2
     assert "error: max_num_seqs must be an integer >= 1, got 0" in capsys.readouterr().err
-    assert serve.serve_main(["-dp", "2", "--device", "cuda", "--device-ids", "0,1,2"]) == 2
+    flags = ["-dp", "2", "--device", "cuda", "--device-ids", "0,1,2"]
+    assert serve.serve_main(flags, demo=demo_checkpoint()) == 2
     assert "error: device_ids (0, 1, 2): need 2 distinct devices" in capsys.readouterr().err
     assert engine_starts == []
     assert not (tmp_path / ".cache" / "deltaserve").exists()
@@ -261,7 +264,7 @@ ACCEPTED = [
     (["--enable-prefix-caching"], {"enable_prefix_caching": True}),
     (
         ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'],
-        {"speculative": SpeculativeConfig("mtp", 2)},
+        {"speculative_config": SpeculativeConfig("mtp", 2)},
     ),
     (["--enable-prefix-caching", "--prefix-cache-states", "4"], {"prefix_cache_states": 4}),
     (["--enable-chunked-prefill"], {}),  # prompts are always prefilled in chunks
@@ -304,15 +307,19 @@ REFUSED = [
     ),
     (["--max-model-len", "1.5K"], "argument --max-model-len: a decimal needs a lower case"),
     (["--swap-space", "-1"], "--swap-space must be a number of GiB >= 0"),
+    (
+        ["--speculative-config", '{"method": "ngram"}'],
+        "argument --speculative-config: speculative_config.method 'ngram' is not supported",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("flags", "sets"), ACCEPTED)
 def test_vllm_flags_that_deltaserve_honours(tmp_path, flags, sets):
     args = serve.parse_args([str(tmp_path), *flags])
-    engine_config, server_config = serve._engine_config(args), serve._server_config(args)
+    config, server_config = engine_config(args), serve._server_config(args)
     for name, value in sets.items():
-        assert getattr(server_config if name == "seed" else engine_config, name) == value
+        assert getattr(server_config if name == "seed" else config, name) == value
 
 
 @pytest.mark.parametrize(("flags", "words"), REFUSED)

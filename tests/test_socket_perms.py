@@ -14,9 +14,10 @@ import stat
 from pathlib import Path
 
 import pytest
+from ipc_helpers import replica_config
 
 from deltaserve.http.serve import build_parser
-from deltaserve.ipc.controller import ReplicaConfig, ReplicaController
+from deltaserve.ipc.controller import ReplicaController
 
 TCP_LISTEN = "0A"
 
@@ -75,7 +76,7 @@ def private_folder(path: Path) -> None:
 
 
 async def test_replica_is_private_to_this_user(tiny_model_dir):
-    controller = await ReplicaController.start(ReplicaConfig(str(tiny_model_dir), tp_size=2))
+    controller = await ReplicaController.start(replica_config(tiny_model_dir, tp_size=2))
     try:
         run_dir = Path(controller.run_dir)
         private_folder(run_dir)

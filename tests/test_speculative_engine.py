@@ -18,7 +18,6 @@ from deltaserve.engine.events import TokenEvent
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 from deltaserve.http.metrics import render_metrics
-from deltaserve.http.serve import _engine_config, parse_args
 from deltaserve.tools.make_model import make_model
 
 NUM_DRAFTS = 3
@@ -87,7 +86,7 @@ async def test_greedy_output_with_mtp_equals_output_without(agree_model_dir, tp_
         await assert_ledger_is_every_ranks(plain)
     speculative = SpeculativeConfig(num_speculative_tokens=NUM_DRAFTS)
     async with await AsyncEngine.start(
-        engine_config(agree_model_dir, speculative=speculative, **config)
+        engine_config(agree_model_dir, speculative_config=speculative, **config)
     ) as engine:
         got = await scenario(engine, reference)
         await assert_ledger_is_every_ranks(engine)
@@ -159,14 +158,8 @@ def test_speculative_config_is_parsed_as_vllm_spells_it():
             parse_speculative_config(bad)
 
 
-def test_the_serve_flag_is_refused_by_the_field_it_names(tmp_path):
-    args = parse_args([str(tmp_path), "--speculative-config", '{"method": "ngram"}'])
-    with pytest.raises(ValueError, match="speculative_config.method"):
-        _engine_config(args)
-
-
 async def test_a_checkpoint_without_an_mtp_head_is_refused_by_name(tiny_model_dir):
     with pytest.raises(ValueError, match="mtp_num_hidden_layers"):
         await AsyncEngine.start(
-            engine_config(tiny_model_dir, device="cpu", speculative=SpeculativeConfig())
+            engine_config(tiny_model_dir, device="cpu", speculative_config=SpeculativeConfig())
         )

@@ -28,7 +28,7 @@ def run_rank(
     try:
         ex = Executor(
             ExecutorConfig(
-                model_dir, rank=rank, world_size=world, num_slots=2, num_blocks=64, **extra
+                model_dir, rank=rank, tp_size=world, max_num_seqs=2, num_kv_blocks=64, **extra
             )
         )
         spec = SamplingSpec(seed=0, num_logprobs=8)

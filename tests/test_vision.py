@@ -57,7 +57,7 @@ def media(tiny_vlm_model_dir):
 @pytest.fixture(scope="module")
 def executor(tiny_vlm_model_dir):
     return Executor(
-        ExecutorConfig(str(tiny_vlm_model_dir), num_slots=4, num_blocks=256, block_size=16)
+        ExecutorConfig(str(tiny_vlm_model_dir), max_num_seqs=4, num_kv_blocks=256, block_size=16)
     )
 
 

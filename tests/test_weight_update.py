@@ -1,7 +1,7 @@
 """New weights while serving (an RL loop's update: AsyncEngine.update_weights, SGLang's
 /update_weights_from_disk), on real rank processes at TP 1 and 2.
 
-The reference is the plain path (`generate_tokens`, one process, no control plane) on each
+The reference is the plain path (`reference_tokens`, one process, no control plane) on each
 checkpoint: before the update the engine answers as checkpoint A does, after it as B does (a
 second seed, in the released layout: other names, two shards), and the two differ. A request
 running when the update is asked for finishes on A; one that arrives meanwhile waits and runs
@@ -17,13 +17,19 @@ import shutil
 
 import aiohttp
 import pytest
-from engine_helpers import PLACEMENTS, assert_idle_and_empty, collect, ids_of, start_placed
+from engine_helpers import (
+    PLACEMENTS,
+    assert_idle_and_empty,
+    collect,
+    ids_of,
+    reference_tokens,
+    start_placed,
+)
 from safetensors.torch import load_file, save_file
 from serve_helpers import in_process_server
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.events import EngineDeadError, ErrorEvent
-from deltaserve.engine.generate import generate_tokens
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http.server import ServerConfig
 from deltaserve.tools.make_model import make_model
@@ -67,7 +73,7 @@ def model_b(tmp_path_factory):
 def refs(tiny_model_dir, model_b):
     """Each checkpoint's greedy tokens after PROMPT, on the plain path."""
     out = {
-        name: [s.token_id for s in generate_tokens(path, PROMPT, 40, ignore_eos=True)]
+        name: [s.token_id for s in reference_tokens(path, PROMPT, 40)]
         for name, path in (("a", tiny_model_dir), ("b", model_b))
     }
     assert out["a"][:8] != out["b"][:8]  # else the test could not tell them apart

@@ -138,37 +138,33 @@ FAULT_PLANS = st.builds(
     at_seq=st.just(1),
     at_step=st.none(),
 )
-_RANK_FIELDS = {f.name for f in msgspec.structs.fields(launch.RankConfig)}
-
-
-def rank_config_kwargs(**values: object) -> dict:
-    """Keep only fields RankConfig has (it grows: e.g. max_model_len)."""
-    return {k: v for k, v in values.items() if k in _RANK_FIELDS}
-
-
-RANK_CONFIGS = st.fixed_dictionaries(
-    rank_config_kwargs(
-        rank=st.integers(0, 3),
-        world_size=st.integers(1, 4),
-        parent_pid=st.integers(1, 2**22),
-        command_endpoint=st.text(max_size=20),
-        reply_endpoint=st.text(max_size=20),
-        gate_name=st.text(max_size=20),
-        receipt_fd=st.integers(0, 1000),
-        release_fd=st.integers(0, 1000),
-        release_timeout_s=st.floats(0.1, 100),
-        model_dir=st.text(max_size=20),
-        device=st.sampled_from(["cpu", "cuda:0"]),
-        dtype=st.sampled_from(["auto", "bfloat16"]),
-        block_size=st.integers(1, 64),
-        num_slots=st.integers(1, 64),
-        num_blocks=st.integers(1, 4096),
-        max_model_len=st.integers(0, 8192),
-        dist_init_method=st.text(max_size=20),
-        dist_timeout_s=st.floats(1, 100),
-        fault=st.none() | FAULT_PLANS,
-    )
-).map(lambda kw: launch.RankConfig(**kw))
+EXECUTOR_CONFIGS = st.builds(
+    messages.ExecutorConfig,
+    model=st.text(max_size=20),
+    tp_size=st.just(4),
+    rank=st.integers(0, 3),
+    device=st.sampled_from(["cpu", "cuda:0"]),
+    dtype=st.sampled_from(["auto", "bfloat16"]),
+    block_size=st.integers(1, 64),
+    max_num_seqs=st.integers(1, 64),
+    num_kv_blocks=st.none() | st.integers(1, 4096),
+    max_model_len=st.integers(0, 8192),
+    enforce_eager=st.booleans(),
+)
+RANK_CONFIGS = st.builds(
+    launch.RankConfig,
+    executor=EXECUTOR_CONFIGS,
+    parent_pid=st.integers(1, 2**22),
+    command_endpoint=st.text(max_size=20),
+    reply_endpoint=st.text(max_size=20),
+    gate_name=st.text(max_size=20),
+    receipt_fd=st.integers(0, 1000),
+    release_fd=st.integers(0, 1000),
+    release_timeout_s=st.floats(0.1, 100),
+    dist_init_method=st.text(max_size=20),
+    dist_timeout_s=st.floats(1, 100),
+    fault=st.none() | FAULT_PLANS,
+)
 
 
 def _tags(union: object) -> list[str]:
@@ -177,27 +173,19 @@ def _tags(union: object) -> list[str]:
 
 _SPEC = SamplingSpec(seed=3, temperature=0.7, top_k=5, num_logprobs=2)
 _CONFIG = launch.RankConfig(
-    **rank_config_kwargs(
-        rank=0,
-        world_size=2,
-        parent_pid=77,
-        command_endpoint="ipc:///tmp/x/cmd0",
-        reply_endpoint="ipc:///tmp/x/reply",
-        gate_name="gate",
-        receipt_fd=3,
-        release_fd=4,
-        release_timeout_s=15.0,
-        model_dir="/m",
-        device="cpu",
-        dtype="auto",
-        block_size=16,
-        num_slots=8,
-        num_blocks=256,
-        max_model_len=2048,
-        dist_init_method="file:///tmp/x/s",
-        dist_timeout_s=60.0,
-        fault=faults.FaultPlan(1, "stall", at_step=2),
-    )
+    executor=messages.ExecutorConfig(
+        "/m", rank=0, tp_size=2, max_num_seqs=8, num_kv_blocks=256, max_model_len=2048
+    ),
+    parent_pid=77,
+    command_endpoint="ipc:///tmp/x/cmd0",
+    reply_endpoint="ipc:///tmp/x/reply",
+    gate_name="gate",
+    receipt_fd=3,
+    release_fd=4,
+    release_timeout_s=15.0,
+    dist_init_method="file:///tmp/x/s",
+    dist_timeout_s=60.0,
+    fault=faults.FaultPlan(1, "stall", at_step=2),
 )
 # Valid frames of each kind, mutated by the fuzzer.
 VALID = {

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from safetensors.torch import save_file
 
 from deltaserve.engine.checkpoint_files import checkpoint_files, read_header
 from deltaserve.engine.rank.checkpoint_reader import READERS, CheckpointReader
-from deltaserve.tools.hardware import host_info
+from deltaserve.tools.hardware import git_commit, host_info
 
 
 def synthetic_checkpoint(folder: Path, size_mib: int) -> Path:
@@ -89,14 +88,6 @@ def timed(
     return time.perf_counter() - started
 
 
-def commit() -> str:
-    here = Path(__file__).resolve().parent.parent
-    out = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True
-    )
-    return out.stdout.strip() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a checkpoint folder; default: synthetic")
@@ -128,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             ["python -m tools.bench_checkpoint_read", *(sys.argv[1:] if argv is None else argv)]
         ),
         "hardware": {**host_info(), "torch": torch.__version__},
-        "commit": commit(),
+        "commit": git_commit(),
         "device": str(device),
         "readers": args.readers,
         "checkpoint": args.model or f"synthetic {args.size_mib} MiB bf16",

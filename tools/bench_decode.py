@@ -347,10 +347,10 @@ def bench_model(
         device=str(device),
         dtype=args.dtype,
         block_size=args.block_size,
-        num_slots=max_batch,
-        num_blocks=max_batch * blocks_per,
+        max_num_seqs=max_batch,
+        num_kv_blocks=max_batch * blocks_per,
         max_model_len=reserve,
-        cuda_graphs=not args.no_graphs,
+        enforce_eager=args.no_graphs,
     )
     started = time.monotonic()
     ex = Executor(config)  # loads the weights, captures the decode graphs
@@ -543,7 +543,7 @@ def bench_prefill(
     params_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
     rows, profiles = [], {}
     gen = torch.Generator().manual_seed(2)
-    batched = min(batched, ex.config.num_slots)
+    batched = min(batched, ex.config.max_num_seqs)
     shapes = [(1, n) for n in lengths] + (
         [(batched, min(lengths))] if batched > 1 and lengths else []
     )
@@ -614,7 +614,7 @@ async def bench_engine(
         tp_size=tp,
         max_model_len=context + new_tokens + 16,
         max_num_batched_tokens=8192,
-        pipeline_steps=pipelining != "off",
+        async_scheduling=pipelining != "off",
         overlap_steps=pipelining == "overlap",
     )
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
+import dataclasses
 import json
 import os
 import sys
@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from deltaserve.ipc.replica_config import ReplicaConfig
 from deltaserve.tools.hardware import host_info
 
 
@@ -30,16 +31,20 @@ async def run_streams(
     import deltaserve.engine.async_engine as async_engine
     from deltaserve.engine import AsyncEngine, EngineConfig, SamplingParams
 
-    # the engine builds its ReplicaConfig itself: have it ask for no-op ranks
-    real = async_engine.ReplicaConfig
-    async_engine.ReplicaConfig = functools.partial(real, noop_executor=True, noop_step_s=step_s)
+    # the engine derives its replica's config itself: have it ask for no-op ranks
+    real = async_engine.replica_config
+
+    def noop_replica(*args: object) -> ReplicaConfig:
+        return dataclasses.replace(real(*args), noop_executor=True, noop_step_s=step_s)
+
+    async_engine.replica_config = noop_replica
     try:
         config = EngineConfig(
             model=model,
             device="cpu",
             max_num_seqs=streams,
             max_model_len=64 + new_tokens,
-            pipeline_steps=pipeline,
+            async_scheduling=pipeline,
         )
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         async with await AsyncEngine.start(config) as engine:
@@ -62,7 +67,7 @@ async def run_streams(
                 "scheduler_ms": (m.scheduler_seconds_total - sched0) / steps * 1e3,
             }
     finally:
-        async_engine.ReplicaConfig = real
+        async_engine.replica_config = real
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,6 @@ import asyncio
 import json
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.events import FinishedEvent, TokenEvent
 from deltaserve.engine.sampling_params import SamplingParams
-from deltaserve.tools.hardware import host_info
+from deltaserve.tools.hardware import git_commit, host_info
 
 SCHEMA = {
     "type": "object",
@@ -159,15 +158,6 @@ def _valid(text: str, reason: str, guided: dict) -> bool:
     )
 
 
-def _commit() -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
-
-    return (git("rev-parse", "--short", "HEAD") or "unknown") + (
-        "+changes" if git("status", "--porcelain", "--untracked-files=no") else ""
-    )
-
-
 async def main(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     batches = [int(b) for b in args.batches.split(",")]
     engine = await AsyncEngine.start(
@@ -193,7 +183,7 @@ async def main(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         await engine.shutdown()
     return {
         "command": "python -m tools.bench_guided " + " ".join(argv),
-        "commit": _commit(),
+        "commit": git_commit(),
         "hardware": host_info(),
         "args": {k: str(v) for k, v in vars(args).items()},
         "rows": rows,

@@ -30,6 +30,7 @@ from deltaserve.ipc.channels import PullChannel, PushChannel, ipc_endpoint
 from deltaserve.ipc.controller import ReplicaConfig, ReplicaController
 from deltaserve.ipc.messages import (
     Ack,
+    ExecutorConfig,
     RunUnifiedStep,
     Sample,
     SampleColumns,
@@ -67,7 +68,10 @@ async def time_controller(
     model_dir: str, tp: int, sizes: list[int], iters: int, warmup: int
 ) -> dict[int, dict]:
     controller = await ReplicaController.start(
-        ReplicaConfig(model_dir, tp_size=tp, noop_executor=True)
+        ReplicaConfig(
+            ExecutorConfig(model_dir, tp_size=tp, max_num_seqs=8, num_kv_blocks=256),
+            noop_executor=True,
+        )
     )
     out = {}
     try:

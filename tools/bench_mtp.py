@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +38,7 @@ from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.speculative_config import SpeculativeConfig
-from deltaserve.tools.hardware import host_info
+from deltaserve.tools.hardware import git_commit, host_info
 
 GIB = 1 << 30
 
@@ -237,7 +235,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     record: dict[str, Any] = {
         "command": " ".join(["python -m tools.bench_mtp", *sys.argv[1:]]),
         "hardware": host_info(),
-        "commit": os.environ.get("DELTASERVE_COMMIT") or _git_commit(),
+        "commit": git_commit(),
         "model": args.model,
         "bandwidth_bytes_per_s": copy_bandwidth(args.device),
     }
@@ -263,7 +261,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     k_max = max(args.drafts)
     vocab = ModelConfig.from_model_dir(args.model).vocab_size
     spec_config = SpeculativeConfig(num_speculative_tokens=k_max)
-    async with await AsyncEngine.start(engine_config(args, speculative=spec_config)) as engine:
+    async with await AsyncEngine.start(
+        engine_config(args, speculative_config=spec_config)
+    ) as engine:
         spec = engine.scheduler.spec
         await measure(engine, prompts[:1], 4)
         for c in args.concurrency:
@@ -315,15 +315,6 @@ def save_partial(
         partial[name] = [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(partial, indent=1) + "\n")
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=5
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

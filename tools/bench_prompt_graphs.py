@@ -44,11 +44,11 @@ def executor(model: str, graph_tokens: int) -> Executor:
             device="cuda",
             dtype="bfloat16",
             block_size=16,
-            num_slots=8,
-            num_blocks=8 * 300,
+            max_num_seqs=8,
+            num_kv_blocks=8 * 300,
             max_model_len=4200,
             max_num_batched_tokens=8192,
-            cuda_graphs=True,
+            enforce_eager=False,
             prompt_graph_tokens=graph_tokens,
         )
     )

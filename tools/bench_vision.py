@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,18 +41,9 @@ from deltaserve.engine.rank.vision import build_tower
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.tokenizer import load_tokenizer
 from deltaserve.engine.vision_config import VisionConfig
-from deltaserve.tools.hardware import host_info
+from deltaserve.tools.hardware import git_commit, host_info
 
 TEXT = "Describe the picture in detail, then list every object you can see in it. "
-
-
-def _commit() -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()
-
-    return (git("rev-parse", "--short", "HEAD") or "unknown") + (
-        "+changes" if git("status", "--porcelain", "--untracked-files=no") else ""
-    )
 
 
 def _sync(device: torch.device) -> None:
@@ -239,7 +229,7 @@ async def main(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     preprocess_ms = (time.perf_counter() - started) / len(prompts) * 1e3
     record: dict[str, Any] = {
         "command": "python -m tools.bench_vision " + " ".join(argv),
-        "commit": _commit(),
+        "commit": git_commit(),
         "hardware": host_info(),
         "args": {k: str(v) for k, v in vars(args).items()},
         "prompt_tokens": len(prompts[0].ids),

@@ -13,7 +13,7 @@ import deltaserve
 
 SUBCOMMANDS = {
     "serve": (
-        "deltaserve.http.serve",
+        "deltaserve.tools.cli",
         "serve_main",
         "serve a model over an OpenAI-compatible HTTP API",
     ),
@@ -22,6 +22,15 @@ SUBCOMMANDS = {
 }
 
 USAGE = "usage: deltaserve {serve,generate,monitor} [options]  (deltaserve COMMAND --help)"
+
+
+def serve_main(argv: list[str]) -> int:
+    """`deltaserve serve`: http/serve.py's, handed the demo checkpoint (tools/demo_model.py)
+    to serve when no MODEL is given: the serving layers import nothing of tools/."""
+    from deltaserve.http.serve import serve_main as serve
+    from deltaserve.tools.demo_model import demo_checkpoint
+
+    return serve(argv, demo=demo_checkpoint())
 
 
 def _help() -> str:

@@ -140,10 +140,10 @@ def fp32_check(model_dir: str, device: str, cases: list) -> dict:
             model_dir,
             device=device,
             dtype="float32",
-            num_slots=2,
-            num_blocks=1024,
+            max_num_seqs=2,
+            num_kv_blocks=1024,
             max_model_len=4096 + DECODE_STEPS + 64,
-            cuda_graphs=False,
+            enforce_eager=True,
         )
     )
     ours = torch.cat(
@@ -256,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             args.model,
             device=args.device,
             dtype=args.dtype,
-            num_slots=4,
-            num_blocks=2048,
+            max_num_seqs=4,
+            num_kv_blocks=2048,
             max_model_len=4096 + DECODE_STEPS + 64,
         )
     )

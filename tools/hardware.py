@@ -40,3 +40,18 @@ def host_info() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         info["gpus"] = []
     return info
+
+
+def git_commit() -> str:
+    """The commit measured: $DELTASERVE_COMMIT where set (a copied tree's .git can be another
+    commit's, as on the GPU machine), else HEAD, "+changes" when tracked files differ."""
+    if os.environ.get("DELTASERVE_COMMIT"):
+        return os.environ["DELTASERVE_COMMIT"]
+    here = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True)
+        return out.stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+changes" if dirty else "")

@@ -45,10 +45,10 @@ def step_executor(model: str, max_batch: int, fp8_weights: str = "widen") -> Exe
             device="cuda",
             dtype="bfloat16",
             block_size=16,
-            num_slots=max_batch,
-            num_blocks=max_batch * 80,
+            max_num_seqs=max_batch,
+            num_kv_blocks=max_batch * 80,
             max_model_len=CONTEXT + 270,
-            cuda_graphs=True,
+            enforce_eager=False,
             fp8_weights=fp8_weights,
         )
     )

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from deltaserve.engine.checkpoint_files import CheckpointError
-from deltaserve.engine.model_config import FP8_WEIGHTS, ModelConfig
+from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs
@@ -41,7 +41,14 @@ from deltaserve.engine.rank.step_meta import with_step_meta
 from deltaserve.engine.rank.transfer import to_device
 from deltaserve.engine.rank.vision_inputs import MediaError, RankVision, RequestVision
 from deltaserve.engine.vision_config import VisionConfig
-from deltaserve.ipc.messages import PromptLogprobs, Sample, SaveOnDrop, SpecOutcome, StepItem
+from deltaserve.ipc.messages import (
+    ExecutorConfig,
+    PromptLogprobs,
+    Sample,
+    SaveOnDrop,
+    SpecOutcome,
+    StepItem,
+)
 from deltaserve.kernels.triton_compat import gpu_path, report_late_compiles
 
 log = logging.getLogger("deltaserve.rank")
@@ -76,45 +83,6 @@ def resolve_dtype(name: str, device: torch.device, config: ModelConfig) -> torch
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; use one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutorConfig:
-    model_dir: str
-    rank: int = 0
-    world_size: int = 1
-    device: str = "cpu"
-    dtype: str = "auto"
-    block_size: int = 16
-    num_slots: int = 8
-    num_blocks: int = 256  # 0: what gpu_memory_utilization leaves (CUDA; memory_budget.py)
-    max_model_len: int = 0  # longest request in positions; 0: the whole cache
-    gpu_memory_utilization: float = 0.9  # share of the device's memory, when num_blocks is 0
-    max_num_batched_tokens: int = 2048  # tokens of the profiling step, when num_blocks is 0
-    cuda_graphs: bool = (
-        True  # single-token items and short prompts replay CUDA graphs (CUDA, any TP size)
-    )
-    prompt_graph_tokens: int = (
-        2048  # largest prompt-graph bucket (capped by max_num_batched_tokens); 0: none
-    )
-    prefix_states: int = (
-        0  # saved prefix states of the prefix cache (engine/prefix_cache.py); 0: off
-    )
-    # an FP8 checkpoint's projections: "widen" them to the model's dtype as they load, or "keep"
-    # them FP8 (half the memory), read so by the skinny kernels (loader.py; not yet faster past
-    # one row on the H200, docs/GPU.md)
-    fp8_weights: str = "widen"
-    # speculative decoding: load the checkpoint's MTP head and keep its KV cache (mtp.py); the
-    # steps' items say what to verify and how many drafts to make (speculative.py)
-    mtp: bool = False
-
-    @property
-    def keep_fp8(self) -> bool:
-        if self.fp8_weights not in FP8_WEIGHTS:
-            raise ValueError(
-                f"fp8_weights {self.fp8_weights!r} is not one of {', '.join(FP8_WEIGHTS)}"
-            )
-        return self.fp8_weights == "keep"
 
 
 @dataclass(slots=True)
@@ -193,38 +161,36 @@ class LaunchedStep:
 
 class Executor:
     def __init__(self, config: ExecutorConfig) -> None:
-        if config.world_size != tp_size() or config.rank != tp_rank():
+        if config.tp_size != tp_size() or config.rank != tp_rank():
             raise ValueError(
-                f"executor for rank {config.rank} of {config.world_size}, but torch.distributed "
+                f"executor for rank {config.rank} of {config.tp_size}, but torch.distributed "
                 f"says rank {tp_rank()} of {tp_size()}"
             )
         self.config = config
         self.device = torch.device(config.device)
-        self.model_config = ModelConfig.from_model_dir(config.model_dir)
-        self.model_config.check_tp_size(config.world_size)
+        self.model_config = ModelConfig.from_model_dir(config.model)
+        self.model_config.check_tp_size(config.tp_size)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         started = time.monotonic()
         mtp = (
             MultiTokenPredictor(self.model_config, self.dtype, self.device) if config.mtp else None
         )
         self.model = Qwen3_5ForCausalLM(self.model_config, self.dtype, self.device, mtp)
-        kept = load_weights(self.model, config.model_dir, self.model_config, config.keep_fp8)
+        kept = load_weights(self.model, config.model, self.model_config, config.keep_fp8)
         log.info(
             "rank %d: weights loaded in %.1f s%s",
             config.rank,
             time.monotonic() - started,
             f"; {kept} projections kept FP8" if kept else "",
         )
-        vision_config = VisionConfig.from_model_dir(config.model_dir)
+        vision_config = VisionConfig.from_model_dir(config.model)
         self.vision = (
             None
             if vision_config is None
-            else RankVision(
-                config.model_dir, vision_config, self.model_config, self.dtype, self.device
-            )
+            else RankVision(config.model, vision_config, self.model_config, self.dtype, self.device)
         )
         self.sampler = (
-            Sampler(partial(load_tokenizer, config.model_dir, self.model_config.vocab_size))
+            Sampler(partial(load_tokenizer, config.model, self.model_config.vocab_size))
             if config.rank == 0
             else None
         )
@@ -232,20 +198,20 @@ class Executor:
         self.prefixes: dict[int, SavedPrefix] = {}  # saved prefix id -> its state and blocks
         self.graphs: DecodeGraphs | None = None
         self.prompt_graphs: PromptGraphs | None = None
-        num_blocks = config.num_blocks
-        if num_blocks == 0:  # profiles a step through run_step, then budgets (all ranks agree)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:  # profiles a step through run_step, then budgets (ranks agree)
             num_blocks = size_kv_cache(self).num_blocks
         elif self.device.type == "cuda":
             warm_up(self)  # the same steps, for their kernels' compiles
         self.cache = StateCache(
             self.model_config,
-            config.num_slots,
+            config.max_num_seqs,
             num_blocks,
             config.block_size,
-            config.world_size,
+            config.tp_size,
             self.dtype,
             self.device,
-            config.prefix_states,
+            config.prefix_cache_states,
             config.mtp,
         )
         self.speculator = (
@@ -258,19 +224,20 @@ class Executor:
         """The prompt and decode CUDA graphs over the model and cache as they are (start-up, and
         a wake-up from sleep mode: the cache's memory is new)."""
         config = self.config
-        if config.cuda_graphs and gpu_path(self.cache.kv):  # CUDA (or the interpreter, in tests)
+        # CUDA (or the Triton interpreter, in tests)
+        if not config.enforce_eager and gpu_path(self.cache.kv):
             started = time.monotonic()
             reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
             if (size := self.prompt_graph_size()) is not None:
                 keys = prefix_graph_keys(
-                    config.prefix_states,
+                    config.prefix_cache_states,
                     config.max_model_len or self.cache.num_blocks * config.block_size,
                 )
                 self.prompt_graphs = PromptGraphs(self.model, self.cache, *size, prefix_keys=keys)
                 self.prompt_graphs.capture()
             max_len = config.max_model_len or self.cache.num_blocks * config.block_size
             self.graphs = DecodeGraphs(
-                self.model, self.cache, config.num_slots, self.cache.blocks_for(max_len)
+                self.model, self.cache, config.max_num_seqs, self.cache.blocks_for(max_len)
             )
             if self.prompt_graphs is not None:  # one memory pool: no two graphs ever replay at once
                 self.graphs.pool = self.prompt_graphs.pool
@@ -295,12 +262,12 @@ class Executor:
         config = self.config
         tokens = min(config.prompt_graph_tokens, config.max_num_batched_tokens)
         if (
-            not config.cuda_graphs
+            config.enforce_eager
             or tokens < MIN_BUCKET
             or not capturable(self.model_config.head_dim, self.dtype, self.device)
         ):
             return None
-        return tokens, min(PROMPT_GRAPH_SEQS, config.num_slots)
+        return tokens, min(PROMPT_GRAPH_SEQS, config.max_num_seqs)
 
     @property
     def num_slots(self) -> int:

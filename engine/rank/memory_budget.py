@@ -1,7 +1,7 @@
 """The request state's size on CUDA from `gpu_memory_utilization` (vLLM's name and meaning:
 the share of the device's total memory this engine may use).
 
-When the executor gets `num_blocks=0`, `size_kv_cache` runs, after the weights are loaded
+When the executor gets no `num_kv_blocks`, `size_kv_cache` runs, after the weights are loaded
 and before the cache exists: one profiling step of `max_num_batched_tokens` prompt tokens
 over `max_num_seqs` requests (each sampled on rank 0), through the executor's own
 `run_step` on a small throw-away cache, measures the activation peak; then
@@ -191,27 +191,26 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
     if probe is None:
         if executor.device.type != "cuda":
             raise ValueError(
-                "num_blocks=0 sizes the KV cache from device memory: CUDA only; give num_blocks"
+                "num_kv_blocks None sizes the KV cache from device memory: CUDA only; give "
+                "num_kv_blocks"
             )
         probe = CudaMemory(executor.device)
-    if not 0 < config.gpu_memory_utilization <= 1:
-        raise ValueError(
-            f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}"
-        )
     if config.max_model_len < 1:
-        raise ValueError("num_blocks=0 (size the KV cache from memory) needs max_model_len")
+        raise ValueError("num_kv_blocks None (size the KV cache from memory) needs max_model_len")
     sizes = cache_sizes(
-        executor.model_config, config.world_size, executor.dtype, config.block_size, config.mtp
+        executor.model_config, config.tp_size, executor.dtype, config.block_size, config.mtp
     )
-    lengths = profile_lengths(config.max_num_batched_tokens, config.num_slots, config.max_model_len)
+    lengths = profile_lengths(
+        config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
+    )
     activations = _timed_profile(executor, lengths, probe)
     in_use, total = probe.in_use_and_total()
     reserve = 0
     # each captured bucket (1, 2, 4, ... max) keeps its fp32 logits and its rows' final hidden states
     row_bytes = executor.model_config.vocab_size * 4
     hidden_bytes = executor.model_config.hidden_size * executor.dtype.itemsize
-    if config.cuda_graphs:
-        reserve = GRAPH_POOL_RESERVE_BYTES + 2 * config.num_slots * (row_bytes + hidden_bytes)
+    if not config.enforce_eager:
+        reserve = GRAPH_POOL_RESERVE_BYTES + 2 * config.max_num_seqs * (row_bytes + hidden_bytes)
         # the prompt graphs' pool holds the activations of their largest bucket, which scale
         # with its tokens like the profiling step's; each bucket keeps its sampled rows' logits
         if (size := executor.prompt_graph_size()) is not None:
@@ -220,7 +219,7 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
             buckets = token_buckets(prompt_tokens)
             reserve += len(buckets) * seqs * row_bytes + sum(buckets) * hidden_bytes
             # with prefix caching, one layer's keys and values gathered for attention
-            keys = prefix_graph_keys(config.prefix_states, config.max_model_len)
+            keys = prefix_graph_keys(config.prefix_cache_states, config.max_model_len)
             if keys:
                 rows = prompt_tokens + keys + seqs * config.block_size
                 mc = executor.model_config
@@ -228,7 +227,7 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
                     2
                     * rows
                     * mc.num_key_value_heads
-                    // config.world_size
+                    // config.tp_size
                     * mc.head_dim
                     * executor.dtype.itemsize
                 )
@@ -237,7 +236,7 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
         for t in (*executor.model.parameters(), *executor.model.buffers())
     )
     budget = int(total * config.gpu_memory_utilization) - in_use - activations - reserve
-    state_slots = config.num_slots + config.prefix_states  # requests' and saved prefixes'
+    state_slots = config.max_num_seqs + config.prefix_cache_states  # requests' and saved prefixes'
     local = blocks_for_budget(budget, state_slots, sizes)
     result = MemoryBudget(
         total=total,
@@ -268,8 +267,8 @@ def warm_up(executor: Executor) -> None:
     there, not in a request's first step (fla's autotuning on a cold cache took longer than
     the step timeout)."""
     config = executor.config
-    max_len = config.max_model_len or config.num_blocks * config.block_size
-    lengths = profile_lengths(config.max_num_batched_tokens, config.num_slots, max_len)
+    max_len = config.max_model_len or config.num_kv_blocks * config.block_size
+    lengths = profile_lengths(config.max_num_batched_tokens, config.max_num_seqs, max_len)
     _timed_profile(executor, lengths, CudaMemory(executor.device))
 
 
@@ -294,7 +293,7 @@ def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
         len(lengths),
         max(sum(-(-n // block_size) for n in lengths), -(-warm_len // block_size)),
         block_size,
-        config.world_size,
+        config.tp_size,
         executor.dtype,
         executor.device,
         mtp=config.mtp,

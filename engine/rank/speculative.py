@@ -15,8 +15,8 @@ Rollback. The verify's DeltaNet layers read their slots' states but write no rec
 (`SeqSpan.verify`) and leave their inputs here (`VerifyStash`); once the accepted count a is
 known, every rank rolls each slot forward over the a + 1 accepted positions from those inputs
 (`_roll_forward`: one chunked DeltaNet call and a gather of conv columns per layer) and puts
-back the conv window the layers overwrote. Measured against keeping every position's state
-(tools/bench_rollback.py): on the GPU the recurrent state dominates a step's bytes at batch,
+back the conv window the layers overwrote. Weighed by bytes moved (not yet measured) against
+keeping every position's state: on the GPU the recurrent state dominates a step's bytes at batch,
 and this reads each state twice and writes it once (3 states), where keeping k + 1 states
 writes k + 1 and the next step reads one (k + 2). Rejected KV rows (the target's and the
 head's) are at or past the next step's first position, which writes them before any read.
