@@ -337,14 +337,19 @@ def align_samples(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
     return samples
 
 
-def _check_prompt_logprob_rows(samples: SampleColumns, plan: StepPlan) -> None:
-    got, want = samples.prompt_logprobs, plan.prompt_logprobs
+def _check_same_requests(got: dict, want: dict, what: str) -> None:
+    """Rank 0 returned `what` for exactly the requests that asked."""
     if got.keys() != want.keys():
         extra, missing = sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys())
         raise ReplyError(
-            f"rank 0 returned prompt logprobs for request(s) {extra} that asked none, "
+            f"rank 0 returned {what} for request(s) {extra} that asked none, "
             f"and none for {missing} that asked"
         )
+
+
+def _check_prompt_logprob_rows(samples: SampleColumns, plan: StepPlan) -> None:
+    got, want = samples.prompt_logprobs, plan.prompt_logprobs
+    _check_same_requests(got, want, "prompt logprobs")
     for rid, part in got.items():
         rows, k = want[rid]
         if len(part.logprobs) != rows or any(len(top) != k for top in part.top_logprobs):
@@ -365,12 +370,7 @@ def _check_speculative_outcomes(samples: SampleColumns, plan: StepPlan) -> None:
     than it verified, a logprob per accepted draft (and alternatives, if any, for each), no
     more drafts than it asked for, each in the vocabulary."""
     got, want = samples.speculative, plan.speculative
-    if got.keys() != want.keys():
-        extra, missing = sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys())
-        raise ReplyError(
-            f"rank 0 returned speculative outcomes for request(s) {extra} that asked none, "
-            f"and none for {missing} that asked"
-        )
+    _check_same_requests(got, want, "speculative outcomes")
     for rid, outcome in got.items():
         verified, asked = want[rid]
         accepted = outcome.accepted
