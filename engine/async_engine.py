@@ -45,7 +45,7 @@ from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.monitor import MonitorPublisher
 from deltaserve.engine.planner import StepBudget
 from deltaserve.engine.request import Request
-from deltaserve.engine.sampling_params import SamplingParams, wire_seed
+from deltaserve.engine.sampling_params import ParamError, SamplingParams, wire_seed
 from deltaserve.engine.scheduler import Scheduler
 from deltaserve.engine.stream import EventSink, RequestStream
 from deltaserve.engine.tick_records import Submission
@@ -353,11 +353,12 @@ class AsyncEngine:
         self._check_weights()
         with self._refusals_told(request_id):
             if type(priority) is not int:
-                raise ValueError(f"priority must be an integer, got {priority!r}")
+                raise ParamError("priority", f"priority must be an integer, got {priority!r}")
             if priority and self.config.scheduling_policy != "priority":
-                raise ValueError(
+                raise ParamError(
+                    "priority",
                     f"priority {priority} needs the priority scheduling policy "
-                    "(--scheduling-policy priority); this engine admits first come first served"
+                    "(--scheduling-policy priority); this engine admits first come first served",
                 )
             return self._submit(prompt, params, request_id, priority)
 
@@ -407,6 +408,7 @@ class AsyncEngine:
         encode = functools.partial(_encode_text, self.tokenizer)
         params = params.tokenize_bad_words(encode).resolve_thinking_end(self._think_end_id)
         prompt_ids = self._prompt_ids(prompt)
+        params = params.resolve_max_tokens(len(prompt_ids), self.longest_sequence)
         self._check_fits(prompt_ids, params)
         return prompt_ids, params
 
@@ -434,8 +436,9 @@ class AsyncEngine:
             request_id = f"req-{uuid.uuid4().hex}"
         elif (old := self._streams.get(request_id)) is not None:
             if not old.closed:
-                raise ValueError(
-                    f"request_id {request_id!r} is already in use by a running request"
+                raise ParamError(
+                    "request_id",
+                    f"request_id {request_id!r} is already in use by a running request",
                 )
             # its owner left (aclose, a cancelled consumer, the stream dropped): the id is free
             # at once, as after `abort`; the tick cancels the old choices
@@ -596,56 +599,58 @@ class AsyncEngine:
             ):
                 for i, t in enumerate(ids):
                     if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                        raise ValueError(
-                            f"prompt token {i} is {t!r}: ids must be integers in [0, {vocab})"
+                        raise ParamError(
+                            "prompt",
+                            f"prompt token {i} is {t!r}: ids must be integers in [0, {vocab})",
                         )
         else:
-            raise ValueError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            raise ParamError(
+                "prompt",
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
             )
         if not ids:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise ParamError("prompt", "prompt is empty: at least one token is needed")
         return tuple(ids)
 
     def _check_fits(self, prompt_ids: tuple[int, ...], params: SamplingParams) -> None:
+        """The limits of this engine's configuration (ParamError naming the field): logprobs,
+        token ids inside the vocabulary, and the one check that the prompt and max_tokens fit
+        a sequence (max_model_len and the KV cache)."""
         vocab = self.model_config.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):  # the words of the HTTP layer's check
+        for name in ("logprobs", "prompt_logprobs"):
             if (k := getattr(params, name)) is not None and k > self.max_logprobs:
-                raise ValueError(
-                    f"{name} must be in 0..{self.max_logprobs}, got {k} (--max-logprobs)"
+                raise ParamError(
+                    name, f"{name} must be in 0..{self.max_logprobs}, got {k} (--max-logprobs)"
                 )
         for t in params.stop_token_ids:
             if t >= vocab:
-                raise ValueError(f"stop_token_ids has {t}, outside the vocabulary [0, {vocab})")
-        outside = [t for t, _ in params.logit_bias if t >= vocab]  # as vLLM, every such id named
-        if outside:
-            raise ValueError(
-                f"logit_bias has token ids {outside}, outside the vocabulary [0, {vocab})"
-            )
+                raise ParamError(
+                    "stop_token_ids", f"stop_token_ids has {t}, outside the vocabulary [0, {vocab})"
+                )
         for name, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),  # as vLLM, every such id named
             ("allowed_token_ids", params.allowed_token_ids or ()),
             ("bad_words", {t for word in params.bad_words_token_ids or () for t in word}),
         ):
             if outside := sorted(t for t in ids if t >= vocab):
-                raise ValueError(
-                    f"{name} has token ids {outside}, outside the vocabulary [0, {vocab})"
+                raise ParamError(
+                    name, f"{name} has token ids {outside}, outside the vocabulary [0, {vocab})"
                 )
-        need = len(prompt_ids) + params.max_tokens
-        if need > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need} "
-                f"exceeds max_model_len {self.max_model_len}"
-            )
         if params.n > self.config.max_queued_requests:  # refused now, it would be refused forever
-            raise ValueError(
-                f"n ({params.n}) exceeds max_queued_requests ({self.config.max_queued_requests})"
+            raise ParamError(
+                "n",
+                f"n ({params.n}) exceeds max_queued_requests ({self.config.max_queued_requests})",
             )
+        need = len(prompt_ids) + params.max_tokens
+        sum_up = f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need}"
+        if need > self.max_model_len:
+            raise ParamError("prompt", f"{sum_up} exceeds max_model_len {self.max_model_len}")
         ledger = self._scheduler.ledger
         if not ledger.fits_ever(need):
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need} "
-                f"positions need {ledger.blocks_for(need)} KV blocks; the cache has {ledger.num_blocks} "
-                f"blocks of {ledger.block_size}"
+            raise ParamError(
+                "prompt",
+                f"{sum_up} positions need {ledger.blocks_for(need)} KV blocks; the cache has "
+                f"{ledger.num_blocks} blocks of {ledger.block_size}",
             )
 
     @staticmethod

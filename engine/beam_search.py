@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from deltaserve.engine.events import ErrorEvent, FinishedEvent, TokenEvent
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.sampling_params import ParamError, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +38,20 @@ class BeamSearchError(RuntimeError):
     """A step of the search failed in the engine (its ErrorEvent's message)."""
 
 
+def check_beam_search(engine: Any, prompt: list[int], width: int, max_tokens: int) -> None:
+    """Raise what would stop a search of `prompt` midway, before it starts: a ParamError for a
+    width past what the engine's max_logprobs leaves, or a prompt and max_tokens that do not
+    fit (`engine.check`, as for any request, which raises QueueFullError and EngineDeadError
+    too)."""
+    if not 1 <= 2 * width <= engine.max_logprobs:
+        raise ParamError(
+            "n",
+            f"n (the beam width) must be in 1..{engine.max_logprobs // 2}: each step asks for "
+            f"2 x n logprobs, at most --max-logprobs ({engine.max_logprobs})",
+        )
+    engine.check([prompt], [SamplingParams(max_tokens=max_tokens)])
+
+
 async def beam_search(
     engine: Any,
     prompt: list[int],
@@ -51,7 +65,8 @@ async def beam_search(
     request_id: str = "beam",
 ) -> list[Beam]:
     """The `width` best beams of `prompt`, best first. `engine`: an AsyncEngine (its
-    `generate`); ValueError from it (a prompt too long, ...) propagates."""
+    `generate`); refused up front as `check_beam_search` refuses."""
+    check_beam_search(engine, prompt, width, max_tokens)
     step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * width)
     live: list[tuple[tuple[int, ...], tuple[float, ...], float]] = [
         ((), (), 0.0)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from deltaserve.engine.grammar_worker import GrammarWorker, Job, Outcome, Setup
 from deltaserve.engine.guided.stop_regex import StopTemplate, stop_template
+from deltaserve.engine.sampling_params import ParamError
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 from deltaserve.ipc.messages import GuideLimits
 
@@ -43,7 +44,7 @@ class Guides:
 
     async def prepare(self, params: SamplingParams) -> SamplingParams:
         """`params` with their constraint compiled and their stop regexes' matchers; a
-        ValueError naming the field (then the bound, or what is wrong) where refused. Raises
+        ParamError naming the field (then the bound, or what is wrong) where refused. Raises
         WorkerFailed where no compile worker could start."""
         if params.is_prepared:
             return params
@@ -54,7 +55,7 @@ class Guides:
                 Job(constraint.kind, constraint.text, constraint.whitespace)
             )
             if outcome.error:
-                raise ValueError(f"{constraint.field}: {outcome.error}")
+                raise ParamError(constraint.field, f"{constraint.field}: {outcome.error}")
             grammar = outcome.grammar
         templates = await self._stop_regexes(params.stop_regex)
         limits = GuideLimits(self.config.max_lexer_states, self.config.max_mask_ms)
@@ -68,34 +69,38 @@ class Guides:
     def _check_size(self, field: str, text: str) -> None:
         config = self.config
         if (size := len(text.encode())) > config.max_grammar_bytes:
-            raise ValueError(
+            raise ParamError(
+                field,
                 f"{field}: {size} bytes; structured outputs take at most max_grammar_bytes "
-                f"({config.max_grammar_bytes})"
+                f"({config.max_grammar_bytes})",
             )
         if (depth := nesting_depth(text)) > config.max_nesting_depth:
-            raise ValueError(
+            raise ParamError(
+                field,
                 f"{field}: nested {depth} brackets deep; at most max_nesting_depth "
-                f"({config.max_nesting_depth})"
+                f"({config.max_nesting_depth})",
             )
 
     async def _stop_regexes(self, patterns: tuple[str, ...]) -> tuple[StopTemplate, ...]:
         config = self.config
         if len(patterns) > config.max_stop_regexes:
-            raise ValueError(
+            raise ParamError(
+                "stop_regex",
                 f"stop_regex: {len(patterns)} regexes; at most max_stop_regexes "
-                f"({config.max_stop_regexes})"
+                f"({config.max_stop_regexes})",
             )
         if (size := sum(len(p.encode()) for p in patterns)) > config.max_stop_regex_bytes:
-            raise ValueError(
+            raise ParamError(
+                "stop_regex",
                 f"stop_regex: {size} bytes together; at most max_stop_regex_bytes "
-                f"({config.max_stop_regex_bytes})"
+                f"({config.max_stop_regex_bytes})",
             )
         templates = []
         for pattern in patterns:
             self._check_size("stop_regex", pattern)
             outcome = await self._compile(Job("stop_regex", pattern))
             if outcome.error:
-                raise ValueError(f"stop_regex {pattern!r}: {outcome.error}")
+                raise ParamError("stop_regex", f"stop_regex {pattern!r}: {outcome.error}")
             templates.append(await self._stop_template(pattern))
         return tuple(templates)
 

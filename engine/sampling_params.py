@@ -1,10 +1,15 @@
 """Per-request sampling parameters, checked once at construction.
 
-Ranges follow vLLM's `SamplingParams` (presence/frequency penalties in [-2, 2], repetition
-penalty > 0; logprobs and prompt_logprobs up to the engine's max_logprobs, 20 by default, which
-`AsyncEngine.generate` checks). Conventions chosen here, and refused otherwise:
+Every refusal is a `ParamError` naming the field (the HTTP layer answers it as a 400 with
+that `param`). Ranges follow vLLM's `SamplingParams` (the float knobs' ranges: ipc/messages.py
+`SAMPLING_RANGES`); logprobs and prompt_logprobs up to the engine's max_logprobs (20 by
+default), which `AsyncEngine.generate` checks, as it checks that the prompt and max_tokens fit.
+Conventions chosen here, and refused otherwise:
+- `max_tokens` None: whatever the context leaves after the prompt (the engine resolves it,
+  `resolve_max_tokens`, as vLLM does for a chat that gives none).
 - `top_k = 0` disables top-k, and so does -1, as in vLLM (clients built for it send -1).
-- `temperature = 0` is greedy; `seed` only matters for random sampling.
+- a temperature near 0 is greedy (ipc/messages.py `is_greedy`, the rank's rule too); `seed`
+  only matters for random sampling.
 - `stop` is a sequence of non-empty strings (a bare string is refused: it is a common slip
   that would otherwise be read as one stop string per character).
 - `min_tokens` (<= max_tokens): until that many tokens were sampled the rank masks the EOS ids
@@ -48,13 +53,20 @@ import json
 import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
-from deltaserve.ipc.messages import GuideLimits, SamplingSpec
+from deltaserve.ipc.messages import (
+    SAMPLING_RANGES,
+    GuideLimits,
+    SamplingRange,
+    SamplingSpec,
+    is_greedy,
+)
 
 if TYPE_CHECKING:
     from deltaserve.engine.guided.stop_regex import StopTemplate
 
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 # A request's seed is any int64, as vLLM's (negative ones included).
@@ -66,7 +78,7 @@ MAX_SEED = 2**64 - 1
 # top_k at or above the vocabulary size means "off" on the rank; larger values are sent as
 # this (msgpack cannot carry ints past 2**64, and one such request used to kill the engine).
 MAX_WIRE_TOP_K = 2**31 - 1
-MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value, either sign
+LOGIT_BIAS_RANGE = SamplingRange(-100.0, 100.0)  # OpenAI's bound on a logit_bias value
 # Token ids past any vocabulary are refused here (the engine checks the model's own), so that
 # whatever these params hold can go on the wire (msgpack ints stop at 2**64).
 MAX_TOKEN_ID = 2**31 - 1
@@ -83,6 +95,16 @@ GUIDED_FIELDS = (  # SamplingParams' field of each constraint kind (engine/guide
     ("guided_grammar", "grammar"),
     ("guided_structural_tag", "structural_tag"),
 )
+
+
+class ParamError(ValueError):
+    """A request refused for one of its parameters: `param` names it (a SamplingParams field,
+    or "prompt", "priority", "request_id" for `generate`'s own arguments), the message says
+    why; the HTTP layer answers it as a 400 naming the field the client sent."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class Constraint(NamedTuple):
@@ -105,7 +127,7 @@ def _is_number(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: what the context leaves
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -161,74 +183,69 @@ class SamplingParams:
     stop_regex_templates: tuple[StopTemplate, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check_range("temperature", self.temperature, 0.0, math.inf)
-        _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            _refuse("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        for name, allowed in SAMPLING_RANGES.items():
+            _check_range(name, getattr(self, name), allowed)
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(
-                f"top_k must be an integer >= -1 (0 or -1 disables top-k), got {self.top_k!r}"
+            _refuse(
+                "top_k", f"must be an integer >= -1 (0 or -1 disables top-k), got {self.top_k!r}"
             )
-        _check_range("min_p", self.min_p, 0.0, 1.0)
-        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
         if self.seed is not None and (
             not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
         ):
-            raise ValueError(
-                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}"
+            _refuse(
+                "seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}"
             )
         if isinstance(self.stop, str) or not isinstance(self.stop, tuple | list):
-            raise ValueError(f"stop must be a list or tuple of strings, got {self.stop!r}")
+            _refuse("stop", f"must be a list or tuple of strings, got {self.stop!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(
-                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} allowed"
-            )
+            _refuse("stop", f"has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} allowed")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+                raise ParamError("stop", f"stop strings must be non-empty strings, got {s!r}")
         if isinstance(self.stop_regex, str):
             object.__setattr__(self, "stop_regex", (self.stop_regex,))
         if not isinstance(self.stop_regex, tuple | list):
-            raise ValueError(f"stop_regex must be a list of regexes, got {self.stop_regex!r}")
+            _refuse("stop_regex", f"must be a list of regexes, got {self.stop_regex!r}")
         for pattern in self.stop_regex:  # their number and size: the engine's bounds
             if not isinstance(pattern, str) or not pattern:
-                raise ValueError(f"stop_regex must hold non-empty strings, got {pattern!r}")
+                _refuse("stop_regex", f"must hold non-empty strings, got {pattern!r}")
         object.__setattr__(self, "stop_regex", tuple(self.stop_regex))
         if isinstance(self.stop_token_ids, str) or not isinstance(
             self.stop_token_ids, tuple | list
         ):
-            raise ValueError(
-                f"stop_token_ids must be a list or tuple of ints, got {self.stop_token_ids!r}"
+            _refuse(
+                "stop_token_ids", f"must be a list or tuple of ints, got {self.stop_token_ids!r}"
             )
         for t in self.stop_token_ids:
             if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
-                raise ValueError(
-                    f"stop_token_ids must hold token ids in [0, {MAX_TOKEN_ID}] (no vocabulary is "
-                    f"larger), got {t!r}"
+                _refuse(
+                    "stop_token_ids",
+                    f"must hold token ids in [0, {MAX_TOKEN_ID}] (no vocabulary is larger), "
+                    f"got {t!r}",
                 )
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # at most the engine's max_logprobs
             if (value := getattr(self, name)) is not None and (not _is_int(value) or value < 0):
-                raise ValueError(f"{name} must be an integer >= 0 or None, got {value!r}")
+                _refuse(name, f"must be an integer >= 0 or None, got {value!r}")
         if self.thinking_budget is not None and (
             not _is_int(self.thinking_budget) or self.thinking_budget < 0
         ):
-            raise ValueError(
-                f"thinking_budget must be an integer >= 0 or None, got {self.thinking_budget!r}"
+            _refuse(
+                "thinking_budget", f"must be an integer >= 0 or None, got {self.thinking_budget!r}"
             )
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
-                f"got {self.min_tokens!r}"
+            _refuse("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (
+            self.max_tokens or self.min_tokens
+        ):
+            _refuse(
+                "min_tokens",
+                f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
             )
-        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                _refuse(name, f"must be a bool, got {getattr(self, name)!r}")
         # Lists (and the bias dict) are accepted for convenience and frozen here into tuples.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -240,10 +257,9 @@ class SamplingParams:
             or not isinstance(self.bad_words, tuple | list)
             or not all(isinstance(w, str) for w in self.bad_words)
         ):
-            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
-        object.__setattr__(
-            self, "bad_words", tuple(dict.fromkeys(self.bad_words))
-        )  # as vLLM: once each
+            _refuse("bad_words", f"must be a list of strings, got {self.bad_words!r}")
+        # as vLLM: once each
+        object.__setattr__(self, "bad_words", tuple(dict.fromkeys(self.bad_words)))
         if self.bad_words_token_ids is not None:
             object.__setattr__(
                 self,
@@ -262,14 +278,16 @@ class SamplingParams:
             "guided_structural_tag",
         ):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise ValueError(f"{name} must be a string or None, got {getattr(self, name)!r}")
+                _refuse(name, f"must be a string or None, got {getattr(self, name)!r}")
         if not isinstance(self.guided_json_object, bool):
-            raise ValueError(f"guided_json_object must be a bool, got {self.guided_json_object!r}")
+            _refuse("guided_json_object", f"must be a bool, got {self.guided_json_object!r}")
         given = [name for name, _ in GUIDED_FIELDS if getattr(self, name)]
         if len(given) > 1:
-            raise ValueError(f"give one structured-output constraint, not {' and '.join(given)}")
+            raise ParamError(
+                given[1], f"give one structured-output constraint, not {' and '.join(given)}"
+            )
         if self.guided_whitespace is not None and not (self.guided_json or self.guided_json_object):
-            raise ValueError("guided_whitespace applies to guided_json and guided_json_object only")
+            _refuse("guided_whitespace", "applies to guided_json and guided_json_object only")
         if given:
             for name, used in (
                 ("allowed_token_ids", self.allowed_token_ids is not None),
@@ -278,8 +296,8 @@ class SamplingParams:
                 ("thinking_budget", self.thinking_budget is not None),
             ):
                 if used:
-                    raise ValueError(
-                        f"structured outputs (guided_*) cannot be combined with {name}"
+                    raise ParamError(
+                        given[0], f"structured outputs (guided_*) cannot be combined with {name}"
                     )
 
     def constraint(self) -> Constraint | None:
@@ -314,7 +332,10 @@ class SamplingParams:
         if self.thinking_budget is None or self.thinking_end_id is not None:
             return self
         if end_id is None:
-            raise ValueError("thinking_budget needs a </think> token, which this tokenizer lacks")
+            raise ParamError(
+                "thinking_budget",
+                "thinking_budget needs a </think> token, which this tokenizer lacks",
+            )
         return replace(self, thinking_end_id=end_id)
 
     def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> SamplingParams:
@@ -327,20 +348,32 @@ class SamplingParams:
         for word in self.bad_words:
             alone = tuple(encode(word.lstrip()))
             if not alone:
-                raise ValueError(f"bad_words entry {word!r} must tokenize to at least one token")
+                raise ParamError(
+                    "bad_words", f"bad_words entry {word!r} must tokenize to at least one token"
+                )
             spaced = tuple(encode(" " + word.lstrip()))
             sequences.append(alone)
             if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
                 sequences.append(spaced)
             if len(sequences) > MAX_BAD_WORD_SEQUENCES:
-                raise ValueError(
-                    f"bad_words give more than {MAX_BAD_WORD_SEQUENCES} token sequences; send fewer words"
+                raise ParamError(
+                    "bad_words",
+                    f"bad_words give more than {MAX_BAD_WORD_SEQUENCES} token sequences; "
+                    "send fewer words",
                 )
         return replace(self, bad_words_token_ids=tuple(sequences))
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return is_greedy(self.temperature)
+
+    def resolve_max_tokens(self, prompt_len: int, longest_sequence: int) -> SamplingParams:
+        """These params with max_tokens None resolved to what a sequence of at most
+        `longest_sequence` positions leaves after the prompt (at least 1: a prompt that leaves
+        none is then refused, naming it, by the engine's check that the two fit)."""
+        if self.max_tokens is not None:
+            return self
+        return replace(self, max_tokens=max(1, longest_sequence - prompt_len))
 
     def to_spec(self, seed: int, eos_token_ids: Collection[int] = ()) -> SamplingSpec:
         """The rank-side part of these parameters, with the seed resolved by the engine; the
@@ -386,14 +419,12 @@ def wire_seed(seed: int, index: int = 0) -> int:
 
 def _allowed(ids: object) -> tuple[int, ...]:
     if isinstance(ids, str) or not isinstance(ids, tuple | list):
-        raise ValueError(f"allowed_token_ids must be a list of token ids, got {ids!r}")
+        _refuse("allowed_token_ids", f"must be a list of token ids, got {ids!r}")
     if not ids:  # vLLM's "allowed_token_ids is not None and empty!"
-        raise ValueError("allowed_token_ids is empty: no token could be sampled")
+        _refuse("allowed_token_ids", "is empty: no token could be sampled")
     for t in ids:
         if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
-            raise ValueError(
-                f"allowed_token_ids must hold token ids in [0, {MAX_TOKEN_ID}], got {t!r}"
-            )
+            _refuse("allowed_token_ids", f"must hold token ids in [0, {MAX_TOKEN_ID}], got {t!r}")
     return tuple(sorted(set(ids)))
 
 
@@ -404,11 +435,11 @@ def _choices(value: object) -> tuple[str, ...]:
         or not isinstance(value, tuple | list)
         or not all(isinstance(c, str) and c for c in value)
     ):
-        raise ValueError(f"guided_choice must be a list of non-empty strings, got {value!r}")
+        _refuse("guided_choice", f"must be a list of non-empty strings, got {value!r}")
     choices = tuple(dict.fromkeys(value))
     if len(choices) > MAX_GUIDED_CHOICES:
-        raise ValueError(
-            f"guided_choice has {len(choices)} choices; at most {MAX_GUIDED_CHOICES} allowed"
+        _refuse(
+            "guided_choice", f"has {len(choices)} choices; at most {MAX_GUIDED_CHOICES} allowed"
         )
     return choices
 
@@ -420,53 +451,54 @@ def _json_text(value: object, name: str) -> str:
     try:
         return json.dumps(value)
     except RecursionError:
-        raise ValueError(f"{name} is nested too deep") from None
+        raise ParamError(name, f"{name} is nested too deep") from None
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{name} is not JSON: {exc}") from None
+        raise ParamError(name, f"{name} is not JSON: {exc}") from None
 
 
 def _sequences(value: object, name: str) -> tuple[tuple[int, ...], ...]:
-    """Token-id sequences as given (by `tokenize_bad_words`, or a caller of its own): each a non-empty run of token ids."""
+    """Token-id sequences as given (by `tokenize_bad_words`, or a caller of its own): each a
+    non-empty run of token ids."""
     if not isinstance(value, tuple | list) or not all(
         isinstance(seq, tuple | list)
         and seq
         and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in seq)
         for seq in value
     ):
-        raise ValueError(f"{name} must be non-empty lists of token ids, got {value!r}")
+        _refuse(name, f"must be non-empty lists of token ids, got {value!r}")
     return tuple(tuple(seq) for seq in value)
 
 
 def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
-    """`logit_bias` as (token id, bias) pairs in id order; ValueError naming the bad entry."""
+    """`logit_bias` as (token id, bias) pairs in id order; ParamError naming the bad entry."""
     if isinstance(bias, str) or not isinstance(bias, Mapping | tuple | list):
-        raise ValueError(f"logit_bias must map token ids to biases, got {bias!r}")
+        _refuse("logit_bias", f"must map token ids to biases, got {bias!r}")
     entries = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
     pairs = {}
     for entry in entries:
         if not isinstance(entry, tuple | list) or len(entry) != 2:
-            raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {entry!r}")
+            _refuse("logit_bias", f"entries must be (token id, bias) pairs, got {entry!r}")
         token_id, value = entry
         if not _is_int(token_id) or not 0 <= token_id <= MAX_TOKEN_ID:
-            raise ValueError(
-                f"logit_bias keys must be token ids in [0, {MAX_TOKEN_ID}] (no vocabulary is "
-                f"larger), got {token_id!r}"
+            _refuse(
+                "logit_bias",
+                f"keys must be token ids in [0, {MAX_TOKEN_ID}] (no vocabulary is larger), "
+                f"got {token_id!r}",
             )
         if token_id in pairs:
-            raise ValueError(f"logit_bias has token id {token_id} twice")
-        _check_range(f"logit_bias of token {token_id}", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            _refuse("logit_bias", f"has token id {token_id} twice")
+        _check_range(f"logit_bias of token {token_id}", value, LOGIT_BIAS_RANGE, "logit_bias")
         pairs[token_id] = float(value)
     return tuple(sorted(pairs.items()))
 
 
-def _check_range(
-    name: str, value: object, low: float, high: float, *, low_open: bool = False
-) -> None:
-    """Raise ValueError naming `name` unless low <= value <= high (low < value if low_open)."""
+def _refuse(name: str, why: str) -> NoReturn:
+    raise ParamError(name, f"{name} {why}")
+
+
+def _check_range(name: str, value: object, allowed: SamplingRange, param: str = "") -> None:
+    """Raise ParamError naming `param` (else `name`) unless `value` is a number `allowed`."""
     if not _is_number(value) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    below = value <= low if low_open else value < low
-    if below or value > high:
-        left = "(" if low_open else "["
-        right = ")" if high == math.inf else "]"
-        raise ValueError(f"{name} must be in {left}{low}, {high}{right}, got {value!r}")
+        raise ParamError(param or name, f"{name} must be a finite number, got {value!r}")
+    if not allowed.admits(value):
+        raise ParamError(param or name, f"{name} must be in {allowed}, got {value!r}")

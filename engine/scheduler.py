@@ -413,27 +413,11 @@ class Scheduler:
                 logger.exception("load listener failed")
 
     def _admit(self) -> None:
-        """In the waiting queue's order; stop at the first that does not fit now (none while maintenance holds)."""
+        """In the waiting queue's order; stop at the first that does not fit now (none while
+        maintenance holds). Each would fit an empty replica: AsyncEngine refused any other."""
         while self._waiting and self.maintenance.admits:
             entry = self._waiting.head()
             request = entry.request
-            reserve = request.reserve_tokens
-            if reserve > self.max_model_len or not self.ledger.fits_ever(reserve):
-                self._waiting.popleft()
-                request.finish("error")
-                del self._entries[request.request_id]
-                self._deliver(
-                    entry,
-                    ErrorEvent(
-                        request.index,
-                        (
-                            f"request needs {reserve} positions (prompt {request.prompt_len} + max_tokens "
-                            f"{request.params.max_tokens}); max_model_len is {self.max_model_len} and the "
-                            f"KV cache holds {self.ledger.num_blocks * self.ledger.block_size}"
-                        ),
-                    ),
-                )
-                continue
             first = self._running.get(entry.sink.request_ids[0]) if request.index else None
             if first is not None and self.prefix.saves_for_siblings(first.request):
                 return  # choice 0 of its call prefills toward the state it saves for the others

@@ -9,11 +9,11 @@ import asyncio
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from deltaserve.engine.beam_search import Beam, BeamSearchError, beam_search
+from deltaserve.engine.beam_search import Beam, BeamSearchError, beam_search, check_beam_search
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.events import (
     EngineDeadError,
@@ -22,13 +22,9 @@ from deltaserve.engine.events import (
     QueueFullError,
     TokenEvent,
 )
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.sampling_params import ParamError, SamplingParams
 from deltaserve.http import errors
-from deltaserve.http.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS,
-    CompletionRequest,
-    truncate_prompt,
-)
+from deltaserve.http.protocol import CompletionRequest, truncate_prompt
 
 
 async def _search(
@@ -37,30 +33,23 @@ async def _search(
     params: SamplingParams,
     length_penalty: float,
     request_id: str,
-    prompt_param: str,
+    names: Mapping[str, str],
     fit: Callable[[list[int]], list[int]] | None = None,
 ) -> tuple[list[list[int]], list[list[Beam]]]:
-    """Every prompt's token ids (a text encoded, then `fit`) and beams (n = params.n of them); an
-    ApiError for a prompt refused or that does not fit with max_tokens, a full queue or a dead
-    engine."""
-    max_tokens = params.max_tokens
+    """Every prompt's token ids (a text encoded, then `fit`) and beams (n = params.n of them),
+    each search checked before any starts; an ApiError for a refusal (naming the request's
+    field, through `names`), a full queue or a dead engine."""
     try:
         ids = [await engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         ids = [fit(i) for i in ids] if fit is not None else ids
-        if longest := max(
-            (len(i) for i in ids if len(i) + max_tokens > engine.max_model_len), default=0
-        ):
-            raise errors.bad_request(
-                f"a prompt of {longest} tokens + max_tokens ({max_tokens}) is more than "
-                f"max_model_len ({engine.max_model_len})",
-                "max_tokens",
-            )
+        for prompt in ids:
+            check_beam_search(engine, prompt, params.n, params.max_tokens)
         searches = [
             beam_search(
                 engine,
                 prompt,
                 params.n,
-                max_tokens,
+                params.max_tokens,
                 engine.eos_token_ids,
                 length_penalty=length_penalty,
                 ignore_eos=params.ignore_eos,
@@ -74,33 +63,28 @@ async def _search(
         raise errors.queue_full(str(e)) from None
     except (EngineDeadError, BeamSearchError) as e:
         raise errors.engine_dead(engine.dead_reason or str(e)) from None
-    except ValueError as e:
-        raise errors.bad_request(str(e), prompt_param) from None
+    except ParamError as e:
+        raise errors.refused_param(e, names) from None
 
 
 async def beam_completions(engine: Any, req: CompletionRequest, model: str) -> dict[str, Any]:
     """The completion body; an ApiError as `_search` raises them."""
     width = req.sampling.n
-    max_tokens = (
-        DEFAULT_COMPLETION_MAX_TOKENS
-        if req.sampling.max_tokens is None
-        else req.sampling.max_tokens
-    )
     fit = functools.partial(
         truncate_prompt,
         keep=req.truncate_prompt_tokens,
-        max_tokens=max_tokens,
+        max_tokens=req.sampling.max_tokens,
         max_model_len=engine.max_model_len,
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    params = SamplingParams(
-        n=width,
-        max_tokens=max_tokens,
-        ignore_eos=req.sampling.ignore_eos,
-        include_stop_str_in_output=req.sampling.include_stop_str_in_output,
-    )
     prompts, results = await _search(
-        engine, list(req.prompts), params, req.length_penalty, request_id, "prompt", fit
+        engine,
+        list(req.prompts),
+        req.sampling,
+        req.length_penalty,
+        request_id,
+        req.param_names,
+        fit,
     )
     skip = req.sampling.skip_special_tokens
     texts = await engine.run_tokenizer(
@@ -161,11 +145,11 @@ async def beam_chat_choices(
     params: SamplingParams,
     length_penalty: float,
     request_id: str,
+    names: Mapping[str, str],
 ) -> BeamChoices:
     """A chat request's params.n beams, best first; an ApiError as `_search` raises them."""
-    _, (beams,) = await _search(
-        engine, [prompt_ids], params, length_penalty, request_id, "messages"
-    )
+    params = params.resolve_max_tokens(len(prompt_ids), engine.longest_sequence)
+    _, (beams,) = await _search(engine, [prompt_ids], params, length_penalty, request_id, names)
     events = await engine.run_tokenizer(
         functools.partial(
             _beam_events,

@@ -1,16 +1,18 @@
 """OpenAI-shaped API errors: `{"error": {"message", "type", "param", "code"}}`.
 
-Raised anywhere in the request path (parsing, admission, the engine) and turned into a JSON
-response in one place (the server's error middleware). Free of aiohttp so that the request
-parser stays pure.
+Raised anywhere in the request path (parsing, admission, the engine's `ParamError`s through
+`refused_param`) and turned into a JSON response in one place (the server's error
+middleware). Free of aiohttp so that the request parser stays pure.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
+
+from deltaserve.engine.sampling_params import ParamError
 
 
 class ApiError(Exception):
@@ -57,6 +59,18 @@ def error_body(
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, type="invalid_request_error", param=param, code=None)
+
+
+def refused_param(exc: ParamError, names: Mapping[str, str] = {}) -> ApiError:
+    """The engine's refusal of a parameter as a 400 naming the field the client sent: `names`
+    maps the engine's name of a field (a SamplingParams field, "prompt") to the request's
+    (chat: "logprobs" -> "top_logprobs", "prompt" -> "messages"), in the message too where it
+    starts with it."""
+    param = names.get(exc.param, exc.param)
+    message = str(exc)
+    if param != exc.param and message.startswith(exc.param):
+        message = param + message[len(exc.param) :]
+    return bad_request(message, param)
 
 
 def unsupported(param: str, why: str) -> ApiError:

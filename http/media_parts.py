@@ -2,9 +2,11 @@
 `image_url` and `video_url` content parts (`{"url": ...}` or the URL as a string) and
 Anthropic `image` blocks (`source`: base64 with a media type, or a url).
 
-Each (an Anthropic block by way of the chat's `image_url`) becomes the chat template's part (`{"type": "image"}` or `{"type": "video"}`, as
-Qwen3.5's template takes them) carrying its source (`MediaSource`: the URL and the part's
-name for errors); the engine fetches and preprocesses them (AsyncEngine.media_prompt).
+The OpenAI parts are typed structs of the chat body (protocol.py); an Anthropic block becomes
+the chat's `image_url` part here. Each becomes the chat template's part (`{"type": "image"}`
+or `{"type": "video"}`, as Qwen3.5's template takes them) carrying its source (`MediaSource`:
+the URL and the part's name for errors); the engine fetches and preprocesses them
+(AsyncEngine.media_prompt).
 """
 
 from __future__ import annotations
@@ -18,32 +20,6 @@ from deltaserve.http.errors import bad_request, unsupported
 OPENAI_MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
 IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # Anthropic's
 SOURCE_KEY = "source"  # where a template part keeps its MediaSource
-
-
-def json_type(value: object) -> str:
-    return type(value).__name__ if value is not None else "null"
-
-
-def openai_part(part: dict[str, Any], at: str) -> dict[str, Any]:
-    """An `image_url` / `video_url` part as the template's part."""
-    kind = part["type"]
-    for key in part:
-        if key not in ("type", kind):
-            raise unsupported(f"{at}.{key}", f"{kind} parts carry only type and {kind}")
-    value = part.get(kind)
-    if isinstance(value, dict):
-        for key in value:
-            if key not in ("url", "detail"):
-                raise unsupported(f"{at}.{kind}.{key}", f"{kind} carries url (and detail)")
-        if value.get("detail", "auto") != "auto":
-            raise unsupported(
-                f"{at}.{kind}.detail",
-                "only 'auto': images are resized to the model's pixel budget (--mm-processor-kwargs)",
-            )
-        value = value.get("url")
-    if not isinstance(value, str) or not value:
-        raise bad_request(f"{at}.{kind}.url must be a non-empty string", "messages")
-    return template_part(OPENAI_MEDIA_PARTS[kind], value, f"{at}.{kind}")
 
 
 def anthropic_image(block: dict[str, Any], at: str) -> dict[str, Any]:

@@ -1,201 +1,250 @@
-"""Parse and check OpenAI `/v1/completions` and `/v1/chat/completions` request bodies.
+"""OpenAI `/v1/completions` and `/v1/chat/completions` request bodies: their typed structs,
+and the request each becomes.
 
-Pure (no aiohttp, no engine): a JSON value in, a frozen request description out, or an
-`ApiError` (400) that names the offending field. Every field is on an explicit list: fields we
-honour are parsed, fields we cannot honour are refused unless they carry their no-op value,
-and unknown fields are refused. Value ranges that the engine's `SamplingParams` checks are left
-to it (its ValueError names the field); the OpenAI-only limits are checked here.
+Pure (no aiohttp, no engine calls): a JSON value in, decoded by request_body.py (which holds
+the unknown-field policy: a field we take only at its default is declared `only(...)` here),
+and out a frozen request whose `sampling` is the engine's `SamplingParams`, or an `ApiError`
+(400) that names the offending field. SamplingParams checks the sampling fields' ranges (its
+`ParamError`, answered naming the field the request sent); the engine's own limits
+(max_logprobs, the context) are checked at submission; the OpenAI-only ones here.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from deltaserve.http.errors import ApiError, bad_request, unsupported
-from deltaserve.http.json_fields import (
-    is_int,
-    json_object,
-    json_type,
-    opt_bool,
-    opt_float,
-    opt_int,
-    opt_str,
-)
-from deltaserve.http.media_parts import OPENAI_MEDIA_PARTS, openai_part
+import msgspec
+
+from deltaserve.engine.sampling_params import DEFAULT_MAX_TOKENS, ParamError, SamplingParams
+from deltaserve.http.errors import bad_request, refused_param, unsupported
+from deltaserve.http.media_parts import OPENAI_MEDIA_PARTS, template_part
+from deltaserve.http.request_body import decode, expect, only
 from deltaserve.http.structured_output import STRUCTURED_OUTPUT_KEYS, Guided, parse_guided
-from deltaserve.http.tool_protocol import TOOL_MESSAGE_KEYS, parse_tool_fields, tool_message_fields
+from deltaserve.http.tool_protocol import history_tool_calls, parse_tool_fields
 
 if TYPE_CHECKING:
-    from deltaserve.engine.sampling_params import SamplingParams
-    from deltaserve.http.tool_protocol import ToolChoice, ToolFields
+    from deltaserve.http.tool_protocol import ToolChoice
 
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs (the engine's `max_logprobs` is passed in)
 TEXT_PART_SEPARATOR = "\n"  # between a message's text parts, as vLLM joins them
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# the engine's names of a chat's fields -> the chat's (its errors name those)
+_CHAT_NAMES = {"logprobs": "top_logprobs", "prompt": "messages"}
+# OpenAI's newer name for the system message (as vLLM, we take it): the template sees "system".
+_ROLE_ALIASES = {"developer": "system"}
 
-# Sampling fields shared by both endpoints (OpenAI names plus the vLLM extras).
-_SAMPLING_KEYS = frozenset(
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # usage in every chunk (with include_usage)
+
+
+class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    text: str
+
+
+Url = Annotated[str, expect("a non-empty string", min_length=1)]
+
+
+class MediaUrl(msgspec.Struct, forbid_unknown_fields=True):
+    url: Url
+    detail: Annotated[
+        str | None,
+        only(
+            "auto",
+            why="only 'auto': images are resized to the model's pixel budget "
+            "(--mm-processor-kwargs)",
+        ),
+    ] = None
+
+
+class ImagePart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknown_fields=True):
+    """An image (media_parts.py fetches it): `{"url": ...}` or the URL as a string."""
+
+    image_url: Url | MediaUrl
+
+
+class VideoPart(msgspec.Struct, tag_field="type", tag="video_url", forbid_unknown_fields=True):
+    video_url: Url | MediaUrl
+
+
+Content = str | list[TextPart | ImagePart | VideoPart]
+
+
+class _Message(msgspec.Struct, tag_field="role", kw_only=True, forbid_unknown_fields=True):
+    """A chat message. `name` is handed to the template, as vLLM hands it (Qwen's ignores it).
+    The fields the SDK's model_dump() of a reply carries (refusal, annotations, audio, ...)
+    come back null in history: accepted as any unknown null field is."""
+
+    content: Content
+    name: str | None = None
+    tool_calls: Annotated[
+        list[Any] | None,
+        only([], why="messages carry only role, content and name: an assistant's calls tools"),
+    ] = None
+
+
+class SystemMessage(_Message, tag="system"):
+    pass
+
+
+class DeveloperMessage(_Message, tag="developer"):
+    pass
+
+
+class UserMessage(_Message, tag="user"):
+    pass
+
+
+class AssistantMessage(_Message, tag="assistant"):
+    """Its thinking, as a reasoning parser returned it (`reasoning`, or its older name), goes
+    to the template under both names, as vLLM passes it (Qwen3.5's template renders
+    `reasoning_content` in the turns after the last user message)."""
+
+    content: Content | None = None  # OpenAI allows null; vLLM renders ""
+    tool_calls: list[Any] | None = None  # tool_protocol.py's history_tool_calls reads them
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+
+class ToolMessage(_Message, tag="tool"):
+    tool_call_id: str | None = None
+
+
+Message = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
+
+
+class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The fields both routes take: OpenAI's, vLLM's extras, and what routers send at their
+    defaults (sglang-router, vllm-router: they forward whole request structs)."""
+
+    model: str | None = None
+    user: str | None = None  # metadata, unused: still a string, as OpenAI's
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    # the sampling fields: their ranges are SamplingParams' checks
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: Annotated[str | list[str] | None, expect("a string or a list of strings")] = None
+    stop_regex: Annotated[str | list[str] | None, expect("a string or a list of strings")] = None
+    stop_token_ids: Annotated[list[TokenId] | None, expect("a list of token ids")] = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, Annotated[int | float, expect("a number")]] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    # vLLM's; it acts in slow (Python) tokenizers only; Qwen's fast one puts no space between
+    # special tokens either way (engine/detokenizer.py): taken, of its type, at any value
+    spaces_between_special_tokens: bool | None = None
+    allowed_token_ids: Annotated[list[TokenId] | None, expect("a list of token ids")] = None
+    bad_words: Annotated[list[str] | None, expect("a list of strings")] = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    thinking_budget: int | None = None
+    # structured outputs: each its own shape, read by structured_output.py
+    structured_outputs: Any = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
+    use_beam_search: bool | None = None  # vLLM's: http/beam_completions.py
+    length_penalty: float | None = None
+    return_tokens_as_token_ids: bool | None = None
+    priority: int | None = None
+    # SGLang's, as sglang-router sends them
+    no_stop_trim: Annotated[bool | None, only(False)] = None
+    return_hidden_states: Annotated[bool | None, only(False)] = None
+
+    def given(self) -> dict[str, Any]:
+        """The fields the body gives (not null)."""
+        return {
+            name: value
+            for name in self.__struct_fields__
+            if (value := getattr(self, name)) is not None
+        }
+
+    def structured(self) -> dict[str, Any]:
+        """The structured-output fields given, as structured_output.py reads them."""
+        return {name: getattr(self, name) for name in STRUCTURED_OUTPUT_KEYS}
+
+
+# With use_beam_search (vLLM's BeamSearchParams), the sampling fields a search does not use:
+# given, they are refused (it takes n, max_tokens, temperature, ignore_eos,
+# include_stop_str_in_output and skip_special_tokens).
+_UNUSED_BY_BEAMS = frozenset(
     {
-        "temperature",
         "top_p",
-        "n",
-        "seed",
-        "stop",
-        "presence_penalty",
-        "frequency_penalty",
         "top_k",
         "min_p",
         "repetition_penalty",
-        "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "stop",
+        "stop_regex",
         "stop_token_ids",
         "min_tokens",
         "logit_bias",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
         "spaces_between_special_tokens",
         "allowed_token_ids",
         "bad_words",
         "truncate_prompt_tokens",
         "prompt_logprobs",
         "thinking_budget",
-        "stop_regex",
+        "logprobs",
+        "top_logprobs",
         *STRUCTURED_OUTPUT_KEYS,
     }
 )
-# Harmless metadata: accepted and not used for generation.
-_METADATA_KEYS = frozenset({"user"})
-# vLLM's extra fields that clients send at their defaults, each the way this server works
-# anyway: accepted at that value (or null), refused at any other. add_special_tokens: vLLM
-# adds them to a completion's prompt, not to a rendered chat. The Qwen tokenizer adds none
-# when encoding, so the prompt is the same either way.
-_COMPLETION_DEFAULTS = {"add_special_tokens": True}
-_CHAT_DEFAULTS = {"add_special_tokens": False}
-_BEAM_SEARCH_KEYS = frozenset(
-    {"use_beam_search", "length_penalty"}
-)  # vLLM's: http/beam_completions.py
-_COMPLETION_KEYS = (
-    _SAMPLING_KEYS
-    | _METADATA_KEYS
-    | frozenset(_COMPLETION_DEFAULTS)
-    | _BEAM_SEARCH_KEYS
-    | {
-        "model",
-        "prompt",
-        "max_tokens",
-        "stream",
-        "stream_options",
-        "logprobs",
-        "echo",
-        "best_of",
-        "logit_bias",
-        "suffix",
-        "return_tokens_as_token_ids",
-        "priority",
-    }
-)
-# With use_beam_search (vLLM's BeamSearchParams): what a search uses; any other sampling field
-# given is refused, as the search would not honour it.
-_BEAM_KEYS = frozenset(
-    {
-        "use_beam_search",
-        "length_penalty",
-        "n",
-        "max_tokens",
-        "temperature",
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-    }
-)
-_CHAT_KEYS = (
-    _SAMPLING_KEYS
-    | _METADATA_KEYS
-    | frozenset(_CHAT_DEFAULTS)
-    | _BEAM_SEARCH_KEYS
-    | {
-        "model",
-        "messages",
-        "max_tokens",
-        "max_completion_tokens",
-        "stream",
-        "stream_options",
-        "logprobs",
-        "top_logprobs",
-        "logit_bias",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "chat_template_kwargs",
-        "include_reasoning",
-        "return_tokens_as_token_ids",
-        "add_generation_prompt",
-        "continue_final_message",
-        "priority",
-    }
-)
-_ROLES = ("system", "user", "assistant", "developer", "tool")
-# Message fields taken only when null (or []): tool calls, and what the SDK's model_dump() of
-# a reply carries (annotations, audio, ...) when a client sends it back as history.
-_NULL_MESSAGE_KEYS = frozenset({"tool_calls", "function_call", "refusal", "annotations", "audio"})
-# An assistant message's thinking, as a reasoning parser returned it (`reasoning`, or its
-# older name): the template gets it under both names, as vLLM passes it (Qwen3.5's template
-# renders `reasoning_content` in the turns after the last user message).
-_REASONING_KEYS = ("reasoning", "reasoning_content")
-# OpenAI's newer name for the system message (as vLLM, we take it): the template sees "system".
-_ROLE_ALIASES = {"developer": "system"}
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingFields:
-    """The sampling knobs of one request, type-checked, in `SamplingParams` terms.
-
-    `max_tokens` None means "whatever context is left after the prompt" (resolved by the
-    server once the prompt is tokenized)."""
-
-    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = ()
-    stop_regex: tuple[str, ...] = ()  # SGLang's (engine/stop_regex.py)
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
+class CompletionBody(_Body):
+    prompt: Annotated[
+        str | list[Any], expect("a string, a list of token ids, or a non-empty list of either")
+    ]
+    echo: bool | None = None
     logprobs: int | None = None
-    n: int = 1
-    min_tokens: int = 0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    allowed_token_ids: tuple[int, ...] | None = None
-    bad_words: tuple[str, ...] = ()
-    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
-    thinking_budget: int | None = (
-        None  # the most tokens the output thinks for (then </think> is forced)
-    )
-    guided: Guided = (
-        Guided()
-    )  # vLLM's structured outputs, forced tool calls (http/structured_output.py)
+    best_of: Annotated[
+        int | None, only(1, why="only best_of=1 is supported; use n for several samples")
+    ] = None
+    suffix: Annotated[str | None, only("", why="insertion (suffix) is not supported")] = None
+    # vLLM adds special tokens to a completion's prompt (not to a rendered chat): the Qwen
+    # tokenizer adds none when encoding, so the prompt is the same either way
+    add_special_tokens: Annotated[bool | None, only(True)] = None
+    include_reasoning: Annotated[bool | None, only(True)] = None  # vllm-router's
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Build the engine's params (which check ranges and raise ValueError naming the
-        field)."""
-        from deltaserve.engine.sampling_params import SamplingParams
 
-        knobs = {
-            name: getattr(self, name)
-            for name in self.__dataclass_fields__
-            if name not in ("max_tokens", "guided")
-        }
-        return SamplingParams(max_tokens=max_tokens, **knobs, **self.guided.params())
+class ChatBody(_Body):
+    messages: Annotated[list[Message], expect("a non-empty list of messages", min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: Any = None  # tool_protocol.py reads tools and tool_choice
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, expect("an object")] = None
+    include_reasoning: bool | None = None  # vLLM's: False leaves a reasoning parser's out
+    # vLLM's: the template's generation prompt, or the last message continued (an answer's
+    # start given, the output goes on from it)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    add_special_tokens: Annotated[bool | None, only(False)] = None  # see CompletionBody's
+    separate_reasoning: Annotated[bool | None, only(True)] = None  # SGLang's, as for the parser
+    stream_reasoning: Annotated[bool | None, only(True)] = None  # SGLang's: reasoning streamed
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,15 +254,17 @@ class CompletionRequest:
 
     model: str | None
     prompts: tuple[str | tuple[int, ...], ...]
-    sampling: SamplingFields
+    sampling: SamplingParams
+    guided: Guided = Guided()  # where sampling's constraint came from
+    # the engine's names of fields -> this request's (`errors.refused_param`)
+    param_names: dict[str, str] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
     truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens; -1: what fits
     echo: bool = False  # each choice's text (and logprobs) starts with its prompt's
-    return_tokens_as_token_ids: bool | None = (
-        None  # logprobs say "token_id:{id}"; None: the server's flag
-    )
+    # logprobs say "token_id:{id}"; None: the server's flag
+    return_tokens_as_token_ids: bool | None = None
     priority: int = 0  # vLLM's: lower is admitted first (--scheduling-policy priority)
     beam_search: bool = False  # vLLM's use_beam_search: n beams, engine/beam_search.py
     length_penalty: float = 1.0  # a beam's score: cumulative logprob / length ** length_penalty
@@ -221,29 +272,29 @@ class CompletionRequest:
 
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
-    """`messages` are normalised to `{"role", "content": str}` (and `"name"` when given, and
-    the tool fields of tool_protocol.py's `tool_message_fields`); `logprobs` asks for the chat
-    logprobs shape (then `sampling.logprobs` is the number of alternatives, 0..max_logprobs). `tools`
+    """`messages` are normalised to `{"role", "content": str}` (and `"name"`, an assistant's
+    reasoning and tool calls, a tool message's `tool_call_id`, when given); `logprobs` asks
+    for the chat logprobs shape (then `sampling.logprobs` is the number of alternatives).
+    `sampling.max_tokens` None: what the context leaves after the rendered prompt. `tools`
     (for the template) and `tool_choice`: tool_protocol.py's `ToolFields`."""
 
     model: str | None
     messages: tuple[dict[str, Any], ...]
-    sampling: SamplingFields
+    sampling: SamplingParams
+    guided: Guided = Guided()  # as CompletionRequest's
+    param_names: dict[str, str] = field(default_factory=dict)  # as CompletionRequest's
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
     truncate_prompt_tokens: int | None = None  # of the rendered template's tokens
     logprobs: bool = False
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    include_reasoning: bool = True  # vLLM's: False leaves a reasoning parser's reasoning out
+    include_reasoning: bool = True
     tools: tuple[dict[str, Any], ...] | None = None
-    tool_choice: ToolChoice = (
-        "none"  # "auto": the output read by the parser; "required", named: forced
-    )
+    # "auto": the output read by the parser; "required", named: forced
+    tool_choice: ToolChoice = "none"
     parallel_tool_calls: bool = True  # False: only the first call is returned (as vLLM)
     return_tokens_as_token_ids: bool | None = None  # as CompletionRequest's
-    # vLLM's: the template's generation prompt, or the last message continued (an answer's
-    # start given, the output goes on from it)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     priority: int = 0  # as CompletionRequest's
@@ -255,175 +306,105 @@ class ChatRequest:
 
 
 def parse_completion_request(
-    body: object, defaults: Mapping[str, float] | None = None, *, max_logprobs: int = MAX_LOGPROBS
+    body: object,
+    defaults: Mapping[str, float] | None = None,
+    *,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
 ) -> CompletionRequest:
     """`defaults`: sampling settings (temperature, top_p, top_k, min_p, repetition_penalty)
     taken where the body leaves them out or null: the model's generation_config.json, as
-    vLLM takes it. `max_logprobs`: the engine's bound on logprobs and prompt_logprobs."""
-    obj = json_object(body)
-    _refuse_unknown(obj, _COMPLETION_KEYS)
-    _refuse_non_defaults(obj, _COMPLETION_DEFAULTS)
-    opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
-    echo = opt_bool(obj, "echo", default=False)
-    if obj.get("best_of") not in (None, 1):
-        raise unsupported("best_of", "only best_of=1 is supported; use n for several samples")
-    if obj.get("suffix") not in (None, ""):
-        raise unsupported("suffix", "insertion (suffix) is not supported")
-    logprobs = opt_int(obj, "logprobs")
-    if logprobs is not None and not 0 <= logprobs <= max_logprobs:
-        raise bad_request(f"logprobs must be in 0..{max_logprobs}, got {logprobs}", "logprobs")
-    max_tokens = opt_int(obj, "max_tokens", default=DEFAULT_COMPLETION_MAX_TOKENS)
-    stream, include_usage, continuous = _stream(obj)
-    prompt_logprobs = _prompt_logprobs(obj, stream, max_logprobs)
-    if prompt_logprobs is None and echo:  # as vLLM: echoed logprobs cover the prompt's tokens too
-        prompt_logprobs = logprobs
-    beam_search, length_penalty = _beam_search(obj, max_logprobs)
+    vLLM takes it. `default_max_tokens`: where the body gives none (OpenAI's 16; None: what the
+    context leaves, SGLang's /generate)."""
+    b = decode(body, CompletionBody)
+    stream, include_usage, continuous = _stream(b)
+    prompt_logprobs = _prompt_logprobs(b, stream)
+    if prompt_logprobs is None and b.echo:  # as vLLM: echoed logprobs cover the prompt's too
+        prompt_logprobs = b.logprobs
+    beam_search, length_penalty = _beam_search(b)
+    guided = parse_guided(b.structured())
+    names = guided.param_names()
+    max_tokens = b.max_tokens if b.max_tokens is not None else default_max_tokens
     return CompletionRequest(
-        model=opt_str(obj, "model"),
-        prompts=_prompts(obj),
-        sampling=_sampling(
-            obj,
-            max_tokens=max_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            defaults=defaults,
-        ),
+        model=b.model,
+        prompts=_prompts(b.prompt),
+        sampling=_sampling(b, max_tokens, b.logprobs, prompt_logprobs, defaults, guided, names),
+        guided=guided,
+        param_names=names,
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous,
-        truncate_prompt_tokens=_truncate(obj),
-        echo=echo,
-        return_tokens_as_token_ids=opt_bool(obj, "return_tokens_as_token_ids", default=None),
-        priority=opt_int(obj, "priority", default=0),
+        truncate_prompt_tokens=_truncate(b),
+        echo=bool(b.echo),
+        return_tokens_as_token_ids=b.return_tokens_as_token_ids,
+        priority=b.priority or 0,
         beam_search=beam_search,
         length_penalty=length_penalty,
     )
 
 
-def _beam_search(obj: dict[str, Any], max_logprobs: int) -> tuple[bool, float]:
-    """vLLM's use_beam_search and length_penalty. A search takes n, max_tokens, temperature (no
-    effect: candidates come from raw logprobs, as vLLM's), ignore_eos, include_stop_str_in_output,
-    skip_special_tokens and length_penalty; its answer comes whole, without logprobs (chat's
-    `logprobs: false` is none)."""
-    length_penalty = opt_float(obj, "length_penalty", 1.0)
-    if not opt_bool(obj, "use_beam_search", default=False):
-        if length_penalty != 1.0:
-            raise unsupported("length_penalty", "it scores beams: only with use_beam_search")
-        return False, length_penalty
-    for key, value in obj.items():
-        given = value is not None and not (key == "logprobs" and value is False)
-        if (
-            given
-            and (key in _SAMPLING_KEYS or key in ("logprobs", "top_logprobs"))
-            and key not in _BEAM_KEYS
-        ):
-            raise unsupported(
-                key,
-                "beam search does not use it (use_beam_search takes n, max_tokens, temperature, "
-                "ignore_eos, include_stop_str_in_output, skip_special_tokens and length_penalty)",
-            )
-    for key, value in (("stream", False), ("echo", False), ("priority", 0)):
-        if obj.get(key) not in (None, value):
-            raise unsupported(
-                key,
-                "beam search answers whole, at priority 0 and without echo: "
-                f"{key} must be {str(value).lower()}",
-            )
-    if obj.get("max_tokens") is not None and opt_int(obj, "max_tokens") < 1:
-        raise bad_request("max_tokens must be at least 1 for a beam search", "max_tokens")
-    width = opt_int(obj, "n", default=1)
-    if width is None or not 1 <= 2 * width <= max_logprobs:
-        raise bad_request(
-            f"n (the beam width) must be in 1..{max_logprobs // 2}: each step asks for 2 x n "
-            f"logprobs, at most --max-logprobs ({max_logprobs})",
-            "n",
+def parse_chat_request(body: object, defaults: Mapping[str, float] | None = None) -> ChatRequest:
+    """`defaults`: as parse_completion_request's."""
+    b = decode(body, ChatBody)
+    tool_fields = parse_tool_fields(b.tools, b.tool_choice, b.parallel_tool_calls)
+    logprobs = bool(b.logprobs)
+    if b.top_logprobs is not None and not logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    given = {
+        k: v
+        for k, v in (
+            ("max_tokens", b.max_tokens),
+            ("max_completion_tokens", b.max_completion_tokens),
         )
-    return True, length_penalty
-
-
-def parse_chat_request(
-    body: object, defaults: Mapping[str, float] | None = None, *, max_logprobs: int = MAX_LOGPROBS
-) -> ChatRequest:
-    """`defaults`, `max_logprobs`: as parse_completion_request's."""
-    obj = json_object(body)
-    _refuse_unknown(obj, _CHAT_KEYS)
-    _refuse_non_defaults(obj, _CHAT_DEFAULTS)
-    opt_str(obj, "user")  # metadata, unused: still a string, as OpenAI's
-    tool_fields = parse_tool_fields(obj)
-    logprobs = opt_bool(obj, "logprobs", default=False)
-    top_logprobs = opt_int(obj, "top_logprobs")
-    if top_logprobs is not None:
-        if not logprobs:
-            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        if not 0 <= top_logprobs <= max_logprobs:
-            raise bad_request(
-                f"top_logprobs must be in 0..{max_logprobs}, got {top_logprobs}", "top_logprobs"
-            )
-    max_tokens = opt_int(obj, "max_tokens")
-    max_completion_tokens = opt_int(obj, "max_completion_tokens")
-    if (
-        max_completion_tokens is not None and max_completion_tokens < 1
-    ):  # else refused naming max_tokens
+        if v is not None
+    }
+    if len(set(given.values())) > 1:
         raise bad_request(
-            f"max_completion_tokens must be >= 1, got {max_completion_tokens}",
-            "max_completion_tokens",
-        )
-    if (
-        max_tokens is not None
-        and max_completion_tokens is not None
-        and max_tokens != max_completion_tokens
-    ):
-        raise bad_request(
-            f"max_tokens ({max_tokens}) and max_completion_tokens ({max_completion_tokens}) "
+            f"max_tokens ({b.max_tokens}) and max_completion_tokens ({b.max_completion_tokens}) "
             "disagree; send one",
             "max_completion_tokens",
         )
-    template_kwargs = obj.get("chat_template_kwargs")
-    if template_kwargs is None:
-        template_kwargs = {}
-    elif not isinstance(template_kwargs, dict):
-        raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
-    stream, include_usage, continuous = _stream(obj)
-    generation = opt_bool(obj, "add_generation_prompt", default=True)
-    continuation = opt_bool(obj, "continue_final_message", default=False)
-    if generation and continuation:  # vLLM's words
+    stream, include_usage, continuous = _stream(b)
+    generation = b.add_generation_prompt is not False
+    if generation and b.continue_final_message:  # vLLM's words
         raise bad_request(
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
             "continue_final_message",
         )
-    beam_search, length_penalty = _beam_search(obj, max_logprobs)
-    sampling = _sampling(
-        obj,
-        max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
-        logprobs=(top_logprobs or 0) if logprobs else None,
-        defaults=defaults,
-        tools=tool_fields,
-        prompt_logprobs=_prompt_logprobs(obj, stream, max_logprobs),
-    )
-    if beam_search and sampling.guided.param is not None:  # a forced tool call
+    beam_search, length_penalty = _beam_search(b)
+    guided = parse_guided(b.structured(), tool_fields)
+    if beam_search and guided.param is not None:  # a forced tool call
         raise unsupported(
-            sampling.guided.param,
+            guided.param,
             "beam search does not constrain its output; "
             "a forced tool call needs sampling (use_beam_search false)",
         )
+    names = {**_CHAT_NAMES, **guided.param_names()}
+    if b.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    top = (b.top_logprobs or 0) if logprobs else None
+    prompt_logprobs = _prompt_logprobs(b, stream)
     return ChatRequest(
-        model=opt_str(obj, "model"),
-        messages=_messages(obj),
-        sampling=sampling,
+        model=b.model,
+        messages=tuple(_message(m, f"messages[{i}]") for i, m in enumerate(b.messages)),
+        sampling=_sampling(
+            b, next(iter(given.values()), None), top, prompt_logprobs, defaults, guided, names
+        ),
+        guided=guided,
+        param_names=names,
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous,
-        truncate_prompt_tokens=_truncate(obj),
+        truncate_prompt_tokens=_truncate(b),
         logprobs=logprobs,
-        chat_template_kwargs=dict(template_kwargs),
-        include_reasoning=opt_bool(obj, "include_reasoning", default=True),
+        chat_template_kwargs=dict(b.chat_template_kwargs or {}),
+        include_reasoning=b.include_reasoning is not False,
         tools=tool_fields.tools,
         tool_choice=tool_fields.tool_choice,
         parallel_tool_calls=tool_fields.parallel_tool_calls,
-        return_tokens_as_token_ids=opt_bool(obj, "return_tokens_as_token_ids", default=None),
+        return_tokens_as_token_ids=b.return_tokens_as_token_ids,
         add_generation_prompt=generation,
-        continue_final_message=continuation,
-        priority=opt_int(obj, "priority", default=0),
+        continue_final_message=bool(b.continue_final_message),
+        priority=b.priority or 0,
         beam_search=beam_search,
         length_penalty=length_penalty,
     )
@@ -432,89 +413,107 @@ def parse_chat_request(
 # ---- pieces ------------------------------------------------------------------------------
 
 
-def _refuse_unknown(obj: dict[str, Any], known: frozenset[str]) -> None:
-    for key in obj:
-        if key not in known:
-            raise unsupported(key, "unknown or unsupported parameter")
+def _sampling(
+    b: _Body,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    defaults: Mapping[str, float] | None,
+    guided: Guided,
+    names: Mapping[str, str],
+) -> SamplingParams:
+    """The engine's params of the request (which check the ranges: a refusal names the
+    request's field, through `names`); `defaults` where the body gives none."""
+    knobs = {
+        name: value
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "n",
+            "seed",
+            "stop_token_ids",
+            "ignore_eos",
+            "min_tokens",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "allowed_token_ids",
+            "bad_words",
+            "thinking_budget",
+        )
+        if (value := getattr(b, name)) is not None
+    }
+    try:
+        return SamplingParams(
+            **{**(defaults or {}), **knobs},
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            stop=_strings(b.stop),
+            stop_regex=_strings(b.stop_regex),
+            logit_bias=_logit_bias(b.logit_bias),
+            **guided.params(),
+        )
+    except ParamError as exc:
+        raise refused_param(exc, names) from None
 
 
-def _refuse_non_defaults(obj: dict[str, Any], defaults: dict[str, Any]) -> None:
-    """Each field of `defaults` present must be null or its default, of the default's JSON
-    type (1 is not true, false is not 0)."""
-    for name, default in defaults.items():
-        value = obj.get(name)
-        if value is None:
-            continue
-        if isinstance(default, bool) or isinstance(value, bool):
-            same = value is default
-        else:
-            same = isinstance(value, int | float | list | str) and value == default
-        if not same:
-            shown = "null" if default is None else json.dumps(default)
-            raise unsupported(name, f"only its default ({name}={shown}) is supported")
+def _beam_search(b: _Body) -> tuple[bool, float]:
+    """vLLM's use_beam_search and length_penalty. A search takes n, max_tokens, temperature (no
+    effect: candidates come from raw logprobs, as vLLM's), ignore_eos, include_stop_str_in_output,
+    skip_special_tokens and length_penalty; its answer comes whole, without logprobs (chat's
+    `logprobs: false` is none). Its width's bound is the engine's (engine/beam_search.py)."""
+    length_penalty = 1.0 if b.length_penalty is None else b.length_penalty
+    if not b.use_beam_search:
+        if length_penalty != 1.0:
+            raise unsupported("length_penalty", "it scores beams: only with use_beam_search")
+        return False, length_penalty
+    for key, value in b.given().items():
+        if key in _UNUSED_BY_BEAMS and not (key == "logprobs" and value is False):
+            raise unsupported(
+                key,
+                "beam search does not use it (use_beam_search takes n, max_tokens, temperature, "
+                "ignore_eos, include_stop_str_in_output, skip_special_tokens and length_penalty)",
+            )
+    for key, value in (("stream", False), ("echo", False), ("priority", 0)):
+        if getattr(b, key, None) not in (None, value):
+            raise unsupported(
+                key,
+                "beam search answers whole, at priority 0 and without echo: "
+                f"{key} must be {str(value).lower()}",
+            )
+    return True, length_penalty
 
 
-def _logit_bias(obj: dict[str, Any]) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {token id as a string: bias}, as (id, bias) pairs; a bias past [-100, 100] is
-    clamped to it, as vLLM clamps it. Ids outside the vocabulary are the engine's check."""
-    value = obj.get("logit_bias")
-    if value is None:
-        return ()
-    if not isinstance(value, dict):
-        raise bad_request(f"logit_bias must be an object, got {json_type(value)}", "logit_bias")
-    pairs = []
-    for key, bias in value.items():
-        if not (key.isascii() and key.isdigit()) or len(key) > 12:  # int() refuses 4300 digits
-            raise bad_request(f"logit_bias key {key[:20]!r} is not a token id", "logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, int | float):
-            got = json_type(bias)
-            raise bad_request(f"logit_bias[{key!r}] must be a number, got {got}", "logit_bias")
-        if isinstance(bias, float) and not math.isfinite(bias):
-            raise bad_request(f"logit_bias[{key!r}] must be finite, got {bias}", "logit_bias")
-        pairs.append((int(key), float(min(100.0, max(-100.0, bias)))))  # ints of any size compare
-    return tuple(pairs)
-
-
-def _stream(obj: dict[str, Any]) -> tuple[bool, bool, bool]:
+def _stream(b: _Body) -> tuple[bool, bool, bool]:
     """stream, include_usage, continuous usage: as vLLM's should_include_usage, usage in every
     chunk only with include_usage too."""
-    stream = opt_bool(obj, "stream", default=False)
-    options = obj.get("stream_options")
+    stream, options = bool(b.stream), b.stream_options
     if options is None:
         return stream, False, False
     if not stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
-    if not isinstance(options, dict):
-        raise bad_request("stream_options must be an object", "stream_options")
-    for key in options:
-        if key not in ("include_usage", "continuous_usage_stats"):
-            raise unsupported(
-                f"stream_options.{key}",
-                "only include_usage and continuous_usage_stats are supported",
-            )
-        if options[key] is not None and not isinstance(options[key], bool):
-            raise bad_request(f"stream_options.{key} must be a boolean", f"stream_options.{key}")
-    include_usage = bool(options.get("include_usage"))
-    return stream, include_usage, include_usage and bool(options.get("continuous_usage_stats"))
+    include_usage = bool(options.include_usage)
+    return stream, include_usage, include_usage and bool(options.continuous_usage_stats)
 
 
-def _prompt_logprobs(obj: dict[str, Any], stream: bool, max_logprobs: int) -> int | None:
-    """vLLM's check (and words) for a stream, which has no field for them; its -1 (the whole
-    vocabulary) is past the engine's bound."""
-    k = opt_int(obj, "prompt_logprobs")
+def _prompt_logprobs(b: _Body, stream: bool) -> int | None:
+    """vLLM's check (and words) for a stream, which has no field for them (their range is the
+    engine's: its max_logprobs)."""
+    k = b.prompt_logprobs
     if k is not None and stream and (k > 0 or k == -1):
         raise bad_request(
             "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
         )
-    if k is not None and not 0 <= k <= max_logprobs:
-        raise bad_request(
-            f"prompt_logprobs must be in 0..{max_logprobs}, got {k}", "prompt_logprobs"
-        )
     return k
 
 
-def _truncate(obj: dict[str, Any]) -> int | None:
-    keep = opt_int(obj, "truncate_prompt_tokens")
+def _truncate(b: _Body) -> int | None:
+    keep = b.truncate_prompt_tokens
     if keep is not None and keep < 1 and keep != -1:  # vLLM's 0 leaves no prompt at all
         raise bad_request(
             f"truncate_prompt_tokens must be >= 1 or -1, got {keep}", "truncate_prompt_tokens"
@@ -541,100 +540,46 @@ def truncate_prompt(
     return ids[-keep:] if keep < len(ids) else ids
 
 
-def _sampling(
-    obj: dict[str, Any],
-    *,
-    max_tokens: int | None,
-    logprobs: int | None,
-    prompt_logprobs: int | None = None,
-    defaults: Mapping[str, float] | None = None,
-    tools: ToolFields | None = None,
-) -> SamplingFields:
-    d = SamplingFields(**(defaults or {}))
-    # vLLM's spaces_between_special_tokens acts in slow (Python) tokenizers only; Qwen's fast
-    # one puts no space between special tokens either way (engine/detokenizer.py): type only
-    opt_bool(obj, "spaces_between_special_tokens", default=True)
-    allowed = obj.get("allowed_token_ids")  # ids past the vocabulary: the engine's check
-    return SamplingFields(
-        max_tokens=max_tokens,
-        temperature=opt_float(obj, "temperature", d.temperature),
-        top_p=opt_float(obj, "top_p", d.top_p),
-        top_k=opt_int(obj, "top_k", default=d.top_k),
-        min_p=opt_float(obj, "min_p", d.min_p),
-        seed=opt_int(obj, "seed"),
-        presence_penalty=opt_float(obj, "presence_penalty", d.presence_penalty),
-        frequency_penalty=opt_float(obj, "frequency_penalty", d.frequency_penalty),
-        repetition_penalty=opt_float(obj, "repetition_penalty", d.repetition_penalty),
-        stop=_stop(obj),
-        stop_regex=_stop(obj, "stop_regex"),
-        stop_token_ids=_token_ids(obj.get("stop_token_ids") or [], "stop_token_ids", empty_ok=True),
-        ignore_eos=opt_bool(obj, "ignore_eos", default=False),
-        logprobs=logprobs,
-        n=opt_int(obj, "n", default=d.n),
-        min_tokens=opt_int(obj, "min_tokens", default=0),
-        logit_bias=_logit_bias(obj),
-        include_stop_str_in_output=opt_bool(obj, "include_stop_str_in_output", default=False),
-        skip_special_tokens=opt_bool(obj, "skip_special_tokens", default=True),
-        allowed_token_ids=None if allowed is None else _token_ids(allowed, "allowed_token_ids"),
-        bad_words=_strings(obj, "bad_words"),
-        prompt_logprobs=prompt_logprobs,
-        thinking_budget=opt_int(obj, "thinking_budget"),
-        guided=parse_guided(obj, tools),
-    )
-
-
-def _stop(obj: dict[str, Any], name: str = "stop") -> tuple[str, ...]:
-    """`stop` (strings) or SGLang's `stop_regex`: one string or a list of non-empty ones."""
-    value = obj.get(name)
+def _strings(value: str | list[str] | None) -> tuple[str, ...]:
+    """`stop` or SGLang's `stop_regex`: one string or a list (each non-empty: SamplingParams')."""
     if value is None:
         return ()
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list):
-        raise bad_request(
-            f"{name} must be a string or a list of strings, got {json_type(value)}", name
-        )
-    for i, s in enumerate(items):
-        if not isinstance(s, str):
-            raise bad_request(f"{name}[{i}] must be a string, got {json_type(s)}", name)
-        if not s:
-            raise bad_request(f"{name}[{i}] is an empty string", name)
-    return tuple(items)
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
-def _strings(obj: dict[str, Any], name: str) -> tuple[str, ...]:
-    value = obj.get(name)
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise bad_request(f"{name} must be a list of strings, got {json_type(value)}", name)
-    for i, s in enumerate(value):
-        if not isinstance(s, str):
-            raise bad_request(f"{name}[{i}] must be a string, got {json_type(s)}", name)
-    return tuple(value)
+def _logit_bias(value: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {token id as a string: bias}, as (id, bias) pairs; a bias past [-100, 100] is
+    clamped to it, as vLLM clamps it. Ids outside the vocabulary are the engine's check."""
+    pairs = []
+    for key, bias in (value or {}).items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:  # int() refuses 4300 digits
+            raise bad_request(f"logit_bias key {key[:20]!r} is not a token id", "logit_bias")
+        if isinstance(bias, float) and not math.isfinite(bias):  # clamping would hide it
+            raise bad_request(f"logit_bias[{key!r}] must be finite, got {bias}", "logit_bias")
+        pairs.append((int(key), float(min(100.0, max(-100.0, bias)))))  # ints of any size compare
+    return tuple(pairs)
 
 
-def _prompts(obj: dict[str, Any]) -> tuple[str | tuple[int, ...], ...]:
-    if "prompt" not in obj or obj["prompt"] is None:
-        raise bad_request("prompt is required", "prompt")
-    prompt = obj["prompt"]
+def _prompts(prompt: str | list[Any]) -> tuple[str | tuple[int, ...], ...]:
+    """One prompt (a text, or token ids) or a non-empty list of them."""
     if isinstance(prompt, str):
         return (_text_prompt(prompt, "prompt"),)
-    if not isinstance(prompt, list) or not prompt:
+    if not prompt:
         raise bad_request(
             "prompt must be a string, a list of token ids, or a non-empty list of either",
             "prompt",
         )
     if isinstance(prompt[0], int | float):  # one prompt as token ids
-        return (_token_ids(prompt, "prompt"),)
+        return (token_ids(prompt, "prompt"),)
     out: list[str | tuple[int, ...]] = []
     for i, item in enumerate(prompt):
         if isinstance(item, str):
             out.append(_text_prompt(item, f"prompt[{i}]"))
         elif isinstance(item, list):
-            out.append(_token_ids(item, f"prompt[{i}]"))
+            out.append(token_ids(item, f"prompt[{i}]"))
         else:
             raise bad_request(
-                f"prompt[{i}] must be a string or a list of token ids, got {json_type(item)}",
+                f"prompt[{i}] must be a string or a list of token ids, got {_kind(item)}",
                 "prompt",
             )
     return tuple(out)
@@ -646,111 +591,71 @@ def _text_prompt(text: str, name: str) -> str:
     return text
 
 
-def _token_ids(value: object, name: str, *, empty_ok: bool = False) -> tuple[int, ...]:
+def token_ids(value: list[Any], name: str, *, empty_ok: bool = False) -> tuple[int, ...]:
+    """A list of token ids as given (`name` in the errors; the param up to its index): each a
+    non-negative integer (the vocabulary's bound is the engine's)."""
     param = name.split("[")[0]
-    if not isinstance(value, list):
-        raise bad_request(f"{name} must be a list of token ids, got {json_type(value)}", param)
     if not value and not empty_ok:
         raise bad_request(f"{name} is an empty list of token ids", param)
     for i, t in enumerate(value):
-        if not is_int(t) or t < 0:
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             raise bad_request(
                 f"{name}[{i}] must be a non-negative integer token id, got {t!r}", param
             )
     return tuple(value)
 
 
-def _messages(obj: dict[str, Any]) -> tuple[dict[str, Any], ...]:
-    messages = obj.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"{where} must be an object, got {json_type(m)}", "messages")
-        role = m.get("role")
-        if role not in _ROLES:
-            raise bad_request(
-                f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", "messages"
-            )
-        for key, value in m.items():
-            if key in ("role", "content", "name") or (
-                key in _NULL_MESSAGE_KEYS and value in (None, [])
-            ):
-                continue
-            if key in _REASONING_KEYS and role == "assistant":
-                continue
-            if key in TOOL_MESSAGE_KEYS.get(role, ()):
-                continue
-            raise unsupported(f"{where}.{key}", "messages carry only role, content and name")
-        content = m.get("content")
-        if content is None and role == "assistant":  # OpenAI allows it; vLLM renders ""
-            content = ""
-        message = {"role": _ROLE_ALIASES.get(role, role), "content": _content(content, where)}
-        message.update(tool_message_fields(m, role, where))
-        name = m.get("name")
-        if name is not None:  # for the template, as vLLM passes it (Qwen's ignores it)
-            if not isinstance(name, str):
-                raise bad_request(
-                    f"{where}.name must be a string, got {json_type(name)}", "messages"
-                )
-            message["name"] = name
-        reasoning = m.get("reasoning")
-        if reasoning is None:
-            reasoning = m.get("reasoning_content")
-        if reasoning is not None:  # an assistant's: other roles' were refused above
-            if not isinstance(reasoning, str):
-                got = json_type(reasoning)
-                raise bad_request(f"{where}.reasoning must be a string, got {got}", "messages")
+def _message(m: _Message, where: str) -> dict[str, Any]:
+    """A message as the template takes it: text parts joined, developer as system."""
+    role = m.__struct_config__.tag
+    content = _content(m.content, where)
+    message: dict[str, Any] = {"role": _ROLE_ALIASES.get(role, role), "content": content}
+    if isinstance(m, ToolMessage) and m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if isinstance(m, AssistantMessage):
+        if m.tool_calls:
+            message["tool_calls"] = history_tool_calls(m.tool_calls, f"{where}.tool_calls")
+    if m.name is not None:
+        message["name"] = m.name
+    if isinstance(m, AssistantMessage):
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if reasoning is not None:
             message["reasoning"] = message["reasoning_content"] = reasoning
-        out.append(message)
-    return tuple(out)
+    return message
 
 
-def _content(content: object, where: str) -> str | list[dict[str, Any]]:
-    """A message's text; with images or video, its parts as the template takes them."""
+def _content(content: Content | None, where: str) -> str | list[dict[str, Any]]:
+    """A message's text parts joined; with images or video, its parts in order as the
+    template takes them (each carrying its source, named for errors)."""
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise bad_request(
-            f"{where}.content must be a string or a list of content parts, got "
-            f"{json_type(content)}",
-            "messages",
-        )
-    texts, parts = [], []
+    if all(isinstance(part, TextPart) for part in content):
+        return TEXT_PART_SEPARATOR.join(part.text for part in content)
+    parts = []
     for j, part in enumerate(content):
-        at = f"{where}.content[{j}]"
-        if not isinstance(part, dict):
-            raise bad_request(f"{at} must be an object, got {json_type(part)}", "messages")
-        if part.get("type") in OPENAI_MEDIA_PARTS:
-            parts.append(openai_part(part, at))
+        if isinstance(part, TextPart):
+            parts.append({"type": "text", "text": part.text})
             continue
-        if part.get("type") != "text":
-            raise unsupported(
-                f"{at}.type",
-                f"only text, image_url and video_url content parts are supported, got "
-                f"{part.get('type')!r}",
-            )
-        for key in part:
-            if key not in ("type", "text"):
-                raise unsupported(f"{at}.{key}", "text parts carry only type and text")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise bad_request(f"{at}.text must be a string, got {json_type(text)}", "messages")
-        texts.append(text)
-        parts.append({"type": "text", "text": text})
-    if len(parts) > len(texts):  # images or video: the parts, in order, for the template
-        return parts
-    return TEXT_PART_SEPARATOR.join(texts)
+        tag = part.__struct_config__.tag
+        media = part.image_url if isinstance(part, ImagePart) else part.video_url
+        url = media if isinstance(media, str) else media.url
+        parts.append(template_part(OPENAI_MEDIA_PARTS[tag], url, f"{where}.content[{j}].{tag}"))
+    return parts
+
+
+def _kind(value: object) -> str:
+    return "a list" if isinstance(value, list) else type(value).__name__
 
 
 __all__ = [
-    "ApiError",
+    "ChatBody",
     "ChatRequest",
+    "CompletionBody",
     "CompletionRequest",
-    "SamplingFields",
     "parse_chat_request",
     "parse_completion_request",
+    "token_ids",
     "truncate_prompt",
 ]

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from deltaserve.engine.sampling_params import GUIDED_FIELDS
 from deltaserve.http.errors import ApiError, bad_request, unsupported
 from deltaserve.http.tool_protocol import ToolFields, forced_tool_schema
 
@@ -80,6 +81,15 @@ class Guided:
         }
         return {name: value for name, value in fields.items() if value not in ((), None, False)}
 
+    def param_names(self) -> dict[str, str]:
+        """The request field each of the engine's guided_* fields came from, which the
+        engine's refusals of them name (`errors.refused_param`)."""
+        if self.param is None:
+            return {}
+        names = {name: self.param for name, _ in GUIDED_FIELDS}
+        names["guided_whitespace"] = self.whitespace_param or self.param
+        return names
+
 
 def parse_guided(obj: dict[str, Any], tools: ToolFields | None = None) -> Guided:
     """The request's constraint, from whichever field gives one (`tools`: a chat's, whose
@@ -103,21 +113,6 @@ def parse_guided(obj: dict[str, Any], tools: ToolFields | None = None) -> Guided
             second,
         )
     return given[0] if given else Guided()
-
-
-def guided_error(message: str, guided: Guided) -> ApiError | None:
-    """An engine ValueError about the constraint (its message names a guided_* field: a bad
-    schema or regex, a mask the constraint cannot be combined with), as a 400 naming the
-    request field it came from, in the message too where it starts with the engine's; None
-    for any other message."""
-    if guided.param is None or "guided_" not in message:
-        return None
-    first, space, rest = message.partition(" ")
-    field = first.rstrip(":")
-    param = (guided.whitespace_param if field == "guided_whitespace" else None) or guided.param
-    if field.startswith("guided_"):
-        message = param + first[len(field) :] + space + rest
-    return bad_request(message, param)
 
 
 def refuse_in_reasoning(guided: Guided) -> ApiError:

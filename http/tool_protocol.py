@@ -1,9 +1,9 @@
 """The tool-calling fields of a chat request, checked as vLLM checks them
 (vllm/entrypoints/openai/chat_completion/protocol.py `check_tool_usage`,
 vllm/entrypoints/chat_utils.py `_postprocess_messages`): `tools`, `tool_choice`,
-`parallel_tool_calls`, and the history a client sends back (an assistant's `tool_calls`, a
-`role: "tool"` message's `tool_call_id`). Pure, as protocol.py: a value in, the template's
-view of it out, or an `ApiError` naming the field.
+`parallel_tool_calls`, and the history a client sends back (an assistant's `tool_calls`).
+Pure, as protocol.py: the values its typed body decoded in, the template's view of them out,
+or an `ApiError` naming the field (in vLLM's words where vLLM has them).
 
 tool_choice "required" and a named function force calls, as vLLM forces them
 (vllm/tool_parsers/utils.py `get_json_schema_from_tools`, and the chat serving layer's reading
@@ -28,11 +28,6 @@ from deltaserve.http.tool_parsers import (
     make_tool_call_id,
 )
 
-# What a message of each role may carry beyond role, content and name.
-TOOL_MESSAGE_KEYS: dict[str, tuple[str, ...]] = {
-    "assistant": ("tool_calls",),
-    "tool": ("tool_call_id",),
-}
 # vLLM's words for a named tool_choice it cannot read
 _NAMED_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 # A function's parameters when it gives none, as vLLM's "required" schema takes them
@@ -58,9 +53,9 @@ class ToolFields(NamedTuple):
     parallel_tool_calls: bool
 
 
-def parse_tool_fields(obj: dict[str, Any]) -> ToolFields:
-    tools = _tools(obj.get("tools"))
-    choice = obj.get("tool_choice")
+def parse_tool_fields(tools: object, choice: object, parallel: bool | None) -> ToolFields:
+    """A chat's `tools`, `tool_choice` and `parallel_tool_calls` (a boolean, decoded)."""
+    tools = _tools(tools)
     if choice is None:  # null is the default, as OpenAI's (vLLM takes an explicit null as "none")
         choice = "auto" if tools else "none"
     if isinstance(choice, dict):
@@ -81,11 +76,6 @@ def parse_tool_fields(obj: dict[str, Any]) -> ToolFields:
                     "strict=true (arguments held to the "
                     "schema) needs tool_choice 'required' or a named function, not 'auto'",
                 )
-    parallel = obj.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise bad_request(
-            f"parallel_tool_calls must be a boolean, got {_kind(parallel)}", "parallel_tool_calls"
-        )
     return ToolFields(tools, choice, parallel is not False)
 
 
@@ -187,27 +177,10 @@ def _tool(tool: object, where: str) -> dict[str, Any]:
     return {"type": "function", "function": out}
 
 
-def tool_message_fields(message: dict[str, Any], role: str, where: str) -> dict[str, Any]:
-    """What the template gets of a history message's tool fields: an assistant's calls with
-    each `arguments` JSON text as an object (vLLM's `_postprocess_messages`: tool-use
-    templates iterate it), a tool message's `tool_call_id`. Null or [] calls are left out."""
-    if role == "tool" and message.get("tool_call_id") is not None:
-        call_id = message["tool_call_id"]
-        if not isinstance(call_id, str):
-            raise bad_request(
-                f"{where}.tool_call_id must be a string, got {_kind(call_id)}", "messages"
-            )
-        return {"tool_call_id": call_id}
-    calls = message.get("tool_calls")
-    if role != "assistant" or calls in (None, []):
-        return {}
-    if not isinstance(calls, list):
-        raise bad_request(f"{where}.tool_calls must be an array, got {_kind(calls)}", "messages")
-    return {
-        "tool_calls": [
-            _history_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)
-        ]
-    }
+def history_tool_calls(calls: list[Any], where: str) -> list[dict[str, Any]]:
+    """An assistant message's calls as the template gets them: each `arguments` JSON text as an
+    object (vLLM's `_postprocess_messages`: tool-use templates iterate it)."""
+    return [_history_call(call, f"{where}[{j}]") for j, call in enumerate(calls)]
 
 
 def _history_call(call: object, where: str) -> dict[str, Any]:

@@ -12,13 +12,52 @@ msgspec msgpack only, decoded strictly against these types; no pickle on any soc
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Literal, NamedTuple
 
 import msgspec
 
 from deltaserve.engine.speculative_config import SpeculativeConfig
 
 RequestId = int
+
+
+class SamplingRange(NamedTuple):
+    """The values a sampling knob takes: finite, above `low` (or at it, unless `low_open`), at
+    most `high`."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def admits(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        return math.isfinite(value) and above and value <= self.high
+
+    def __str__(self) -> str:
+        left = "(" if self.low_open else "["
+        right = ")" if self.high == math.inf else "]"
+        return f"{left}{self.low}, {self.high}{right}"
+
+
+# Each float knob's range, as vLLM's SamplingParams checks it: the engine refuses a request
+# outside it naming the field (engine/sampling_params.py), the controller a plan outside it
+# (ipc/validate.py).
+SAMPLING_RANGES = {
+    "temperature": SamplingRange(0.0, math.inf),
+    "top_p": SamplingRange(0.0, 1.0, low_open=True),
+    "min_p": SamplingRange(0.0, 1.0),
+    "presence_penalty": SamplingRange(-2.0, 2.0),
+    "frequency_penalty": SamplingRange(-2.0, 2.0),
+    "repetition_penalty": SamplingRange(0.0, math.inf, low_open=True),
+}
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing by them overflows.
+GREEDY_BELOW = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether a request samples greedily (argmax), on the engine and on the rank alike."""
+    return temperature < GREEDY_BELOW
 
 
 class GuideLimits(msgspec.Struct, frozen=True, array_like=True):
@@ -47,7 +86,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     """
 
     seed: int
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # greedy (`is_greedy`); the engine sends the request's
     top_k: int = 0  # 0 means off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -65,6 +104,10 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
     guide_limits: GuideLimits | None = None
     think_budget: int = -1  # -1: none
     think_end_id: int = -1
+
+    @property
+    def is_greedy(self) -> bool:
+        return is_greedy(self.temperature)
 
 
 class NewRequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

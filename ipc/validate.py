@@ -12,6 +12,7 @@ import math
 from typing import NamedTuple
 
 from deltaserve.ipc.messages import (
+    SAMPLING_RANGES,
     Ack,
     Command,
     DropAck,
@@ -170,27 +171,14 @@ def _check_new(rid: int, chunk_len: int, new: NewRequest, max_logprobs: int) -> 
             f"request {rid}: reserve_tokens {reserve} is less than its first chunk of {chunk_len}"
         )
     spec = new.sampling
-    # NaN compares false and would slip past every range check below; inf is no sampling value
-    for name in (
-        "temperature",
-        "top_p",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-    ):
-        if not math.isfinite(value := getattr(spec, name)):
+    for name, allowed in SAMPLING_RANGES.items():
+        value = getattr(spec, name)
+        if not math.isfinite(value):  # NaN would compare false; inf is no sampling value
             raise PlanRejected(f"request {rid}: {name} {value} is not a finite number")
-    if spec.temperature < 0:
-        raise PlanRejected(f"request {rid}: temperature {spec.temperature} < 0")
+        if not allowed.admits(value):
+            raise PlanRejected(f"request {rid}: {name} {value} outside {allowed}")
     if spec.top_k < 0:
         raise PlanRejected(f"request {rid}: top_k {spec.top_k} < 0")
-    if not 0 < spec.top_p <= 1:
-        raise PlanRejected(f"request {rid}: top_p {spec.top_p} outside (0, 1]")
-    if not 0 <= spec.min_p <= 1:
-        raise PlanRejected(f"request {rid}: min_p {spec.min_p} outside [0, 1]")
-    if spec.repetition_penalty <= 0:
-        raise PlanRejected(f"request {rid}: repetition_penalty {spec.repetition_penalty} <= 0")
     if not 0 <= spec.num_logprobs <= max_logprobs:
         raise PlanRejected(
             f"request {rid}: num_logprobs {spec.num_logprobs} outside 0..{max_logprobs}"

@@ -45,19 +45,7 @@ NOT_PACKAGES = {"tests", "docs", "bench", "build", "dist", "__pycache__"}  # fol
 # Work in flight on other branches of issue 49's second wave: the lead empties these at merge
 # (test_in_flight_still_there fails once one is gone).
 IN_FLIGHT_ARROWS: set[tuple[str, str]] = set()  # (module, import); none left
-IN_FLIGHT_CYCLES = {  # the 49-http branch: the route modules take http/server.py's private names
-    frozenset(
-        f"deltaserve.http.{name}"
-        for name in (
-            "server",
-            "anthropic_routes",
-            "responses_routes",
-            "rl_routes",
-            "sglang_routes",
-            "tokenize_routes",
-        )
-    )
-}
+IN_FLIGHT_CYCLES: set[frozenset[str]] = set()  # none left
 
 
 # ---- reading the imports -------------------------------------------------------------------

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from serve_helpers import get, in_process_server, wait_idle
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.sampling_params import MAX_SEED, SamplingParams
+from deltaserve.engine.sampling_params import MAX_SEED, ParamError, SamplingParams
 from deltaserve.http.errors import ApiError
 from deltaserve.http.protocol import parse_chat_request, parse_completion_request
 from deltaserve.http.server import ServerConfig, build_app
@@ -138,6 +138,14 @@ CASES = {
     "user not a string": (C, j({"prompt": "x", "user": 123}), 400, "user", "string"),
     "chat user not a string": (CHAT, j({"messages": USER, "user": ["u"]}), 400, "user", "string"),
     "huge logprobs": (C, j({"prompt": "x", "logprobs": HUGE}), 400, "logprobs", "0..20"),
+    "logprobs past max_logprobs": (C, j({"prompt": "x", "logprobs": 21}), 400, "logprobs", "0..20"),
+    "top_logprobs past max_logprobs": (
+        CHAT,
+        j({"messages": USER, "logprobs": True, "top_logprobs": 25}),
+        400,
+        "top_logprobs",
+        "0..20",
+    ),
     "huge top_logprobs": (
         CHAT,
         j({"messages": USER, "logprobs": True, "top_logprobs": HUGE}),
@@ -802,7 +810,7 @@ async def test_fuzz_raw_bytes(server, examples):
     "parse, required", [(parse_completion_request, "prompt"), (parse_chat_request, "messages")]
 )
 def test_fuzz_parsers_accept_only_encodable_params(request, parse, required):
-    """No server: whatever a parser accepts becomes SamplingParams (or a ValueError naming
+    """No server: whatever a parser accepts is SamplingParams (each refusal an ApiError naming
     the field) whose wire form the control plane can encode."""
     examples = 5 * (LONG_EXAMPLES if request.config.getoption("--long") else QUICK_EXAMPLES)
 
@@ -816,10 +824,10 @@ def test_fuzz_parsers_accept_only_encodable_params(request, parse, required):
         except ApiError as err:
             assert 400 <= err.status < 500 and err.message
             return
-        try:
-            params = req.sampling.to_sampling_params(req.sampling.max_tokens or 16)
-        except ValueError as exc:
-            assert str(exc)
+        try:  # a chat's max_tokens None: what the context leaves, as the engine resolves it
+            params = req.sampling.resolve_max_tokens(1, 17)
+        except ParamError as exc:  # min_tokens past it: the engine's refusal, naming it
+            assert exc.param == "min_tokens", exc
             return
         assert isinstance(params, SamplingParams)
         for seed in (0, MAX_SEED):  # the wire seeds' range

@@ -8,6 +8,7 @@ rank holding nothing (checked by an autouse fixture), so a leak is caught where 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ import openai
 import pytest
 import pytest_asyncio
 from engine_helpers import reference_tokens
+from router_structs import VLLM_ROUTER_CHAT, VLLM_ROUTER_COMPLETION
 from serve_helpers import metric_samples, wait_idle
 
 from deltaserve.engine.async_engine import AsyncEngine
@@ -424,7 +426,8 @@ def check_error(body: dict, param: str | None, words: str) -> None:
 @pytest.mark.parametrize(
     "call, param, words",
     [
-        (dict(prompt="x", extra_body={"prompt_logprobs": -1}), "prompt_logprobs", "0..20"),
+        (dict(prompt="x", extra_body={"prompt_logprobs": -1}), "prompt_logprobs", ">= 0"),
+        (dict(prompt="x", extra_body={"prompt_logprobs": 21}), "prompt_logprobs", "0..20"),
         (dict(prompt="x", best_of=2), "best_of", "best_of"),
         (dict(prompt="x", logit_bias={"248320": 3}), "logit_bias", "[248320]"),
         (dict(prompt="x", suffix="y"), "suffix", "suffix"),
@@ -479,6 +482,38 @@ async def test_400_chat(served: Served, call, param, words):
     with pytest.raises(openai.BadRequestError) as info:
         await served.client.chat.completions.create(model=MODEL, **body)
     check_error(info.value.response.json(), param, words)
+
+
+@pytest.mark.parametrize(
+    "path, routed, plain",
+    [
+        (
+            "/v1/chat/completions",
+            VLLM_ROUTER_CHAT,
+            {"messages": VLLM_ROUTER_CHAT["messages"], "max_completion_tokens": 8},
+        ),
+        ("/v1/completions", VLLM_ROUTER_COMPLETION, {"prompt": "x", "max_tokens": 8}),
+    ],
+)
+async def test_a_routers_forwarded_defaults_answer_as_the_plain_request(
+    served: Served, path, routed, plain
+):
+    """What sglang-router and vllm-router forward (their structs, every default filled in)
+    is answered as the client's plain request; a non-default value is a 400 naming it."""
+    greedy = {"model": MODEL, "temperature": 0}
+    status, answer = await post(served, path, json.dumps({**routed, **greedy}).encode())
+    _, expected = await post(served, path, json.dumps({**plain, **greedy}).encode())
+    assert status == 200, answer
+
+    def texts(body: dict) -> list[str]:
+        return [c["text"] if "text" in c else c["message"]["content"] for c in body["choices"]]
+
+    assert texts(answer) == texts(expected)
+    status, body = await post(
+        served, path, json.dumps({**routed, **greedy, "no_stop_trim": True}).encode()
+    )
+    assert status == 400
+    check_error(body, "no_stop_trim", "no_stop_trim")
 
 
 async def test_400_bad_json_404_413(served: Served):

@@ -184,7 +184,7 @@ async def test_a_beam_an_eos_ends_is_set_aside(server):
         ({"n": 11}, "n"),
         ({"echo": True}, "echo"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"max_tokens": 250}, "max_tokens"),  # + the prompt: past max_model_len
+        ({"max_tokens": 250}, "prompt"),  # + the prompt: past max_model_len (the engine's check)
     ],
 )
 async def test_what_a_search_would_not_honour_is_refused(client, extra, param):
@@ -267,7 +267,7 @@ async def test_chat_beams_are_the_rendered_prompts_beams(server, client):
             },
             "tool_choice",
         ),
-        ({"max_completion_tokens": 250}, "max_tokens"),  # + the prompt: past max_model_len
+        ({"max_completion_tokens": 250}, "messages"),  # + the prompt: past max_model_len
     ],
 )
 async def test_what_a_chat_search_would_not_honour_is_refused(client, extra, param):

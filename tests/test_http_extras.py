@@ -46,7 +46,7 @@ class TestParse:
             True,
             True,
         )
-        p = r.sampling.to_sampling_params(4)
+        p = r.sampling
         assert (p.allowed_token_ids, p.bad_words) == ((3, 7), ("no", " way"))
         c = parse_chat_request(
             {
@@ -83,11 +83,7 @@ class TestParse:
         count (vLLM's to_sampling_params); a stream takes 0 and echo's."""
 
         def asked(**body):
-            return (
-                parse_completion_request({"prompt": "x", **body})
-                .sampling.to_sampling_params(4)
-                .prompt_logprobs
-            )
+            return parse_completion_request({"prompt": "x", **body}).sampling.prompt_logprobs
 
         assert (asked(echo=True, logprobs=3), asked(echo=True, logprobs=3, prompt_logprobs=0)) == (
             3,

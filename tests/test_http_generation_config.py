@@ -17,7 +17,8 @@ from serve_helpers import in_process_server
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.http import serve
-from deltaserve.http.server import ServerConfig, ServerState
+from deltaserve.http.server import ServerConfig
+from deltaserve.http.state import ServerState
 
 MODEL = "tiny-gen"
 PROMPT = "The quick brown fox jumps over the lazy dog."

@@ -295,6 +295,7 @@ async def test_stop_sequence_tools_and_json(clients):
         ({"max_tokens": None}, "max_tokens is required"),
         ({"messages": [{"role": "system", "content": "x"}]}, "role 'user' or 'assistant'"),
         # refused by the chat route's checks, naming the Messages API's fields
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
         (
             {"tools": [{"name": "", "input_schema": {"type": "object"}}]},
             "tools[0].name must be a non-empty",

@@ -3,11 +3,18 @@ refused with a 400 naming the field. Pure: no server, no engine."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from router_structs import (
+    SGLANG_ROUTER_CHAT,
+    SGLANG_ROUTER_COMPLETION,
+    VLLM_ROUTER_CHAT,
+    VLLM_ROUTER_COMPLETION,
+)
 
 from deltaserve.http.errors import ApiError
 from deltaserve.http.protocol import parse_chat_request, parse_completion_request
@@ -92,8 +99,7 @@ class TestCompletionFields:
         assert (s.stop, s.logprobs, s.top_k, s.min_p) == (("\n",), 3, 4, 0.05)
         assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.1, -0.2, 1.1)
         assert (s.ignore_eos, s.stop_token_ids) == (True, (9,))
-        p = s.to_sampling_params(5)
-        assert p.stop == ("\n",) and p.n == 2 and p.logprobs == 3 and p.temperature == 0.0
+        assert s.stop == ("\n",) and s.n == 2 and s.logprobs == 3 and s.temperature == 0.0
 
     @pytest.mark.parametrize(
         "extra, param, words",
@@ -112,7 +118,6 @@ class TestCompletionFields:
             ({"suffix": "tail"}, "suffix", "suffix"),
             ({"frobnicate": 1}, "frobnicate", "unknown"),
             ({"messages": []}, "messages", "unknown"),
-            ({"logprobs": 21}, "logprobs", "0..20"),
             ({"logprobs": True}, "logprobs", "integer"),
             ({"max_tokens": "5"}, "max_tokens", "integer"),
             ({"max_tokens": 2.5}, "max_tokens", "integer"),
@@ -142,7 +147,7 @@ class TestCompletionFields:
         """min_tokens, logit_bias (ids as strings, biases clamped to [-100, 100] as vLLM
         clamps them), include_stop_str_in_output, skip_special_tokens and
         spaces_between_special_tokens (no effect with a fast tokenizer) reach SamplingParams;
-        on both endpoints."""
+        on both endpoints. Their ranges are SamplingParams' checks, refused naming the field."""
         extras = {
             "min_tokens": 3,
             "logit_bias": {"7": 2.5, "0012": -300, "5": 10**400},
@@ -152,16 +157,22 @@ class TestCompletionFields:
         }
         bodies = ((parse_completion_request, {"prompt": "x"}), (parse_chat_request, CHAT_BODY))
         for parse, body in bodies:
-            p = parse({**body, **extras}).sampling.to_sampling_params(5)
+            p = parse({**body, **extras, "max_tokens": 5}).sampling
             assert (p.min_tokens, p.logit_bias) == (3, ((5, 100.0), (7, 2.5), (12, -100.0)))
             assert (p.include_stop_str_in_output, p.skip_special_tokens) == (True, False)
             assert parse({**body, "spaces_between_special_tokens": True}) == parse(body)
-        s = parse_completion_request({"prompt": "x", "min_tokens": 6}).sampling
-        with pytest.raises(ValueError, match=r"^min_tokens must be .* \[0, max_tokens=5\]"):
-            s.to_sampling_params(5)  # as vLLM: min_tokens past max_tokens is refused
-        s = parse_completion_request({"prompt": "x", "logit_bias": {"12": 1, "012": 2}}).sampling
-        with pytest.raises(ValueError, match="^logit_bias has token id 12 twice"):
-            s.to_sampling_params(5)
+        err = refused(  # as vLLM: min_tokens past max_tokens is refused
+            parse_completion_request,
+            {"prompt": "x", "min_tokens": 6, "max_tokens": 5},
+            "min_tokens",
+        )
+        assert re.match(r"^min_tokens must be .* \[0, max_tokens=5\]", err.message), err.message
+        err = refused(
+            parse_completion_request,
+            {"prompt": "x", "logit_bias": {"12": 1, "012": 2}},
+            "logit_bias",
+        )
+        assert err.message.startswith("logit_bias has token id 12 twice"), err.message
 
     def test_no_op_values_vllm_accepts(self):
         """continuous_usage_stats=false is the default (usage only at the end); any int64
@@ -175,22 +186,24 @@ class TestCompletionFields:
             }
         )
         assert (r.stream, r.include_usage) == (True, False)
-        assert r.sampling.to_sampling_params(4).seed == -(2**63)
-        s = parse_completion_request({"prompt": "x", "seed": -(2**63) - 1}).sampling
-        with pytest.raises(ValueError, match="^seed must"):
-            s.to_sampling_params(4)
+        assert r.sampling.seed == -(2**63)
+        err = refused(parse_completion_request, {"prompt": "x", "seed": -(2**63) - 1}, "seed")
+        assert err.message.startswith("seed must"), err.message
 
     def test_body_must_be_object(self):
         refused(parse_completion_request, ["prompt"], None, "JSON object")
 
     def test_engine_ranges_name_the_field(self):
-        """Ranges are the engine's SamplingParams' job; its error names the field."""
-        s = parse_completion_request({"prompt": "x", "temperature": -1}).sampling
-        with pytest.raises(ValueError, match="^temperature"):
-            s.to_sampling_params(16)
-        s = parse_completion_request({"prompt": "x", "n": 0}).sampling
-        with pytest.raises(ValueError, match="^n must"):
-            s.to_sampling_params(16)
+        """Ranges are the engine's SamplingParams' job; its ParamError names the field, and
+        so does the 400 (in a chat, the field the chat sent: top_logprobs for logprobs). The
+        engine's own limits (max_logprobs) are checked at submission: tests/test_bad_input.py."""
+        err = refused(parse_completion_request, {"prompt": "x", "temperature": -1}, "temperature")
+        assert err.message.startswith("temperature"), err.message
+        err = refused(parse_completion_request, {"prompt": "x", "n": 0}, "n")
+        assert err.message.startswith("n must"), err.message
+        err = refused(parse_chat_request, {**CHAT_BODY, "max_completion_tokens": 0})
+        assert err.param == "max_completion_tokens", err.message
+        assert err.message.startswith("max_completion_tokens must be an integer >= 1"), err
 
 
 class TestChat:
@@ -269,7 +282,6 @@ class TestChat:
             ),
             ({"logit_bias": {"1": float("nan")}}, "logit_bias", "finite"),
             ({"top_logprobs": 3}, "top_logprobs", "logprobs=true"),
-            ({"logprobs": True, "top_logprobs": 25}, "top_logprobs", "0..20"),
             ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "disagree"),
             ({"prompt": "x"}, "prompt", "unknown"),
             ({"echo": True}, "echo", "unknown"),
@@ -290,7 +302,12 @@ class TestChat:
             (
                 [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
                 "messages",
-                "messages[0].content[0].image_url.url must be a non-empty string",
+                "messages[0].content[0].image_url.url is required",
+            ),
+            (
+                [{"role": "user", "content": [{"type": "video_url", "video_url": ""}]}],
+                "messages",
+                "messages[0].content[0].video_url must be a string of length >= 1",
             ),
             (
                 [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
@@ -437,7 +454,7 @@ def test_replayed_messages_render_as_vllm_renders_them(tmp_path):
     from openai.types.chat import ChatCompletionMessage
     from transformers import AutoTokenizer
 
-    from deltaserve.http.server import _apply_chat_template
+    from deltaserve.http.generation import apply_chat_template
     from deltaserve.tools.tokenizer_files import write_tokenizer_files
 
     write_tokenizer_files(tmp_path)
@@ -455,14 +472,14 @@ def test_replayed_messages_render_as_vllm_renders_them(tmp_path):
     ]
     req = parse_chat_request({"messages": messages})
 
-    class Engine:  # what _apply_chat_template uses of the engine
+    class Engine:  # what apply_chat_template uses of the engine
         tokenizer = tok
 
         @staticmethod
         async def run_tokenizer(fn, size):
             return fn(tok)
 
-    ours = asyncio.run(_apply_chat_template(Engine, req.messages, req.chat_template_kwargs, size=0))
+    ours = asyncio.run(apply_chat_template(Engine, req.messages, req.chat_template_kwargs, size=0))
     # vLLM's conversation: null content is "", text parts joined by "\n", name kept, the
     # response-only fields dropped
     conversation = [
@@ -482,3 +499,91 @@ def test_aiohttp_imports_from_repo_root():
     assert not (REPO / "http" / "__init__.py").exists()
     code = "import http, aiohttp, deltaserve.http.protocol; assert hasattr(http, 'HTTPStatus')"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+# what each field we do not honour asks for, away from its default
+ROUTER_REQUESTS = {
+    "no_stop_trim": True,
+    "separate_reasoning": False,
+    "stream_reasoning": False,
+    "return_hidden_states": True,
+}
+
+
+class TestRouterDefaults:
+    """A field at its default asks for nothing: the routers' full structs parse as the plain
+    request; a value that asks for what we would not do is refused, naming the field."""
+
+    @pytest.mark.parametrize(
+        "parse, routed, plain",
+        [
+            (
+                parse_chat_request,
+                SGLANG_ROUTER_CHAT,
+                {"model": "m", "messages": CHAT_BODY["messages"], "max_completion_tokens": 8},
+            ),
+            (
+                parse_chat_request,
+                VLLM_ROUTER_CHAT,
+                {"model": "m", "messages": CHAT_BODY["messages"], "max_completion_tokens": 8},
+            ),
+            (parse_completion_request, SGLANG_ROUTER_COMPLETION, {"model": "m", "prompt": "x"}),
+            (parse_completion_request, VLLM_ROUTER_COMPLETION, {"model": "m", "prompt": "x"}),
+        ],
+    )
+    def test_forwarded_defaults_are_the_plain_request(self, parse, routed, plain):
+        assert parse(routed) == parse({**plain, "max_tokens": 8} if "prompt" in plain else plain)
+
+    @pytest.mark.parametrize("routed", [VLLM_ROUTER_CHAT, VLLM_ROUTER_COMPLETION])
+    def test_other_values_refused(self, routed):
+        parse = parse_chat_request if "messages" in routed else parse_completion_request
+        for name, value in ROUTER_REQUESTS.items():
+            if name in routed:
+                refused(parse, {**routed, name: value}, name, name)
+        if "prompt" in routed:  # a completion has no reasoning to leave out
+            refused(parse, {**routed, "include_reasoning": False}, "include_reasoning")
+
+    def test_unknown_fields_null_only(self):
+        assert parse_chat_request({**VLLM_ROUTER_CHAT, "lora_path": None}) == parse_chat_request(
+            VLLM_ROUTER_CHAT
+        )
+        refused(parse_chat_request, {**VLLM_ROUTER_CHAT, "lora_path": "a"}, "lora_path")
+        refused(
+            parse_chat_request,
+            {**VLLM_ROUTER_CHAT, "messages": [{"role": "user", "content": "x", "extra": 1}]},
+            "messages[0].extra",
+            "carries only role, content and name",
+        )
+
+
+def test_each_default_only_field_allows_values_of_its_type():
+    """`only(default, why=...)`: a reason passed where a value goes would be allowed as a
+    value (a suffix of that text taken); every allowed value must be of the field's type."""
+    import msgspec
+    import msgspec.inspect as mi
+
+    from deltaserve.http import protocol
+    from deltaserve.http.dialects import (
+        anthropic_request,
+        responses_request,
+        rl_routes,
+        sglang_request,
+        tokenize_routes,
+    )
+
+    modules = (protocol, anthropic_request, responses_request, rl_routes, sglang_request)
+    structs = {
+        value
+        for module in (*modules, tokenize_routes)
+        for value in vars(module).values()
+        if isinstance(value, type) and issubclass(value, msgspec.Struct)
+    }
+    checked = 0
+    for struct in structs:
+        for field in msgspec.structs.fields(struct):
+            info = mi.type_info(field.type)
+            if isinstance(info, mi.Metadata) and "only" in (info.extra or {}):
+                for allowed in info.extra["only"]:
+                    msgspec.convert(allowed, field.type)  # raises if not of the field's type
+                    checked += 1
+    assert checked >= 20

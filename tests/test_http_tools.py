@@ -273,7 +273,7 @@ class TestToolHistory:
                 "messages",
                 "tool_call_id must be a string",
             ),
-            ({"role": "tool", "tool_call_id": "c"}, "messages", "messages[1].content must be"),
+            ({"role": "tool", "tool_call_id": "c"}, "messages", "messages[1].content is required"),
         ],
     )
     def test_refusals(self, message, param, words):

@@ -39,8 +39,6 @@ from deltaserve.engine.rank.transfer import to_device
 from deltaserve.ipc.messages import Sample, SamplingSpec
 from deltaserve.kernels.logit_stats import logsumexp_argmax
 
-# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing by them overflows.
-SAMPLING_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
 
 
@@ -319,7 +317,7 @@ class Sampler:
             for i, token in forced.items():  # the only token left
                 work[i].fill_(float("-inf"))[token] = 0.0
             tokens = work.argmax(dim=-1)  # greedy rows keep these
-        random_rows = [i for i, s in enumerate(states) if s.spec.temperature >= SAMPLING_EPS]
+        random_rows = [i for i, s in enumerate(states) if not s.spec.is_greedy]
         if random_rows:
             tokens = tokens.clone()
             drawn = self._sample_random(work, random_rows, [states[i] for i in random_rows])

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from deltaserve.http.dialects.output_blocks import CALL, REASONING, OutputBlocks
 from deltaserve.http.errors import ApiError
-from deltaserve.http.output_blocks import CALL, REASONING, OutputBlocks
 from deltaserve.http.responses import ChatFormatter, ChoiceState
 
 _DELTAS = {REASONING: ("thinking_delta", "thinking"), CALL: ("input_json_delta", "partial_json")}

@@ -14,21 +14,27 @@ import asyncio
 import json
 from pathlib import Path
 
+import msgspec
 from aiohttp import web
 
 import deltaserve
 from deltaserve.engine.events import ErrorEvent, FinishedEvent, QueueFullError
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.http import errors
+from deltaserve.http.dialects.sglang_output import GenerateFormatter
+from deltaserve.http.dialects.sglang_request import RENAMED, parse_generate_request
 from deltaserve.http.errors import renamed_fields
-from deltaserve.http.json_fields import opt_bool, opt_str
+from deltaserve.http.generation import open_streams, respond, seeded
 from deltaserve.http.protocol import parse_completion_request
-from deltaserve.http.request_body import read_json
-from deltaserve.http.server import STATE, _json, _open_streams, _params, _respond
-from deltaserve.http.sglang_output import GenerateFormatter
-from deltaserve.http.sglang_request import RENAMED, parse_generate_request
+from deltaserve.http.request_body import decode, read_json
+from deltaserve.http.state import STATE, json_response
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
+
+
+class AbortBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    rid: str | None = None
+    abort_all: bool | None = None
 
 
 def add_routes(app: web.Application) -> None:
@@ -47,9 +53,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     req = parse_generate_request(await read_json(request))
     with renamed_fields(RENAMED):
         parsed = [
-            parse_completion_request(
-                body, state.sampling_defaults, max_logprobs=state.engine.max_logprobs
-            )
+            parse_completion_request(body, state.sampling_defaults, default_max_tokens=None)
             for body in req.bodies
         ]
         state.check_admitting()
@@ -57,47 +61,33 @@ async def generate(request: web.Request) -> web.StreamResponse:
             await state.engine.encode(p) if isinstance(p, str) else list(p)
             for p in (c.prompts[0] for c in parsed)
         ]
-        params = []
-        for prompt, completion, limit in zip(prompts, parsed, req.max_new_tokens, strict=True):
+        for prompt in prompts:
             if req.return_logprob and req.logprob_start_len >= len(prompt):
                 raise errors.bad_request(
                     f"logprob_start_len ({req.logprob_start_len}) must be less than the "
                     f"prompt's length ({len(prompt)} tokens)",
                     "logprob_start_len",
                 )
-            # 0: the prompt alone (its logprobs), one token sampled and not returned; None: what fits
-            max_tokens = (
-                1 if limit == 0 else limit or max(1, state.engine.longest_sequence - len(prompt))
-            )
-            params.append(
-                _params(
-                    completion.sampling,
-                    max_tokens,
-                    logprobs_param="top_logprobs_num",
-                    seeds=state.seeds,
-                )
-            )
-        streams = await _open_streams(
+        params = [seeded(completion.sampling, state.seeds) for completion in parsed]
+        streams = await open_streams(
             state,
             prompts,
             params,
             req.rids[0],
             request_ids=req.rids,
-            guided=parsed[0].sampling.guided,
+            names=parsed[0].param_names,
             priority=parsed[0].priority,
         )
     formatter = GenerateFormatter(req, params[0].n, state.strings, lambda: state.weight_version)
-    return await _respond(request, formatter, streams, params[0].n, req.stream, include_usage=False)
+    return await respond(request, formatter, streams, params[0].n, req.stream, include_usage=False)
 
 
 async def abort_request(request: web.Request) -> web.Response:
     """SGLang's: `{"rid"}` cancels that request (and a batch's `{rid}_{i}`), `{"abort_all":
     true}` every request of this server; each answers with its abort. Unknown ids: nothing."""
     engine = request.app[STATE].engine
-    body = await read_json(request)
-    if not isinstance(body, dict) or set(body) - {"rid", "abort_all"}:
-        raise errors.bad_request("the body must be {'rid': str} or {'abort_all': true}")
-    rid, every = opt_str(body, "rid"), opt_bool(body, "abort_all", default=False)
+    body = decode(await read_json(request), AbortBody)
+    rid, every = body.rid, bool(body.abort_all)
     for active in engine.request_ids():
         if every or (rid and (active == rid or active.startswith(f"{rid}_"))):
             await engine.abort(active)
@@ -135,7 +125,7 @@ async def model_info(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.engine
     config = _checkpoint_config(engine.config.model)
-    return _json(
+    return json_response(
         {
             "model_path": engine.weights_dir,
             "tokenizer_path": engine.config.model,
@@ -155,7 +145,7 @@ async def server_info(request: web.Request) -> web.Response:
     SGLang's names, and each data-parallel replica's load as `internal_states`."""
     state = request.app[STATE]
     engine, load = state.engine, state.engine.load()
-    return _json(
+    return json_response(
         {
             "model_path": engine.weights_dir,
             "tokenizer_path": engine.config.model,

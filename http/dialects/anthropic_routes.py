@@ -10,12 +10,13 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from deltaserve.http.anthropic_events import MessagesFormatter
-from deltaserve.http.anthropic_request import RENAMED, parse_messages_request
+from deltaserve.http.dialects.anthropic_events import MessagesFormatter
+from deltaserve.http.dialects.anthropic_request import RENAMED, parse_messages_request
 from deltaserve.http.errors import ApiError, renamed_fields
+from deltaserve.http.generation import apply_chat_template, open_chat, respond
 from deltaserve.http.protocol import parse_chat_request
 from deltaserve.http.request_body import read_json
-from deltaserve.http.server import STATE, _apply_chat_template, _json, _respond, open_chat
+from deltaserve.http.state import STATE, json_response
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -30,7 +31,7 @@ def _anthropic_errors(handler: Handler) -> Handler:
         try:
             return await handler(request)
         except ApiError as err:
-            return _json(
+            return json_response(
                 {"type": "error", "error": {"type": err.type, "message": err.message}}, err.status
             )
 
@@ -41,12 +42,10 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_messages_request(await read_json(request))
     with renamed_fields(RENAMED):
-        chat = parse_chat_request(
-            req.chat, state.sampling_defaults, max_logprobs=state.engine.max_logprobs
-        )
+        chat = parse_chat_request(req.chat, state.sampling_defaults)
         formatter, streams = await open_chat(request, chat, req.message_id)
     messages = MessagesFormatter(formatter, req.message_id, req.stop_sequences)
-    return await _respond(request, messages, streams, 1, req.stream, include_usage=False)
+    return await respond(request, messages, streams, 1, req.stream, include_usage=False)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -54,12 +53,10 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse_messages_request(await read_json(request), count_only=True)
     with renamed_fields(RENAMED):
-        chat = parse_chat_request(
-            req.chat, state.sampling_defaults, max_logprobs=state.engine.max_logprobs
-        )
+        chat = parse_chat_request(req.chat, state.sampling_defaults)
     state.model_name(chat.model)
     kwargs = {**state.config.default_chat_template_kwargs, **chat.chat_template_kwargs}
-    ids = await _apply_chat_template(
+    ids = await apply_chat_template(
         state.engine,
         chat.messages,
         kwargs,
@@ -67,4 +64,4 @@ async def count_tokens(request: web.Request) -> web.Response:
         chat_template=state.config.chat_template,
         tools=chat.tools,
     )
-    return _json({"input_tokens": len(ids)})
+    return json_response({"input_tokens": len(ids)})

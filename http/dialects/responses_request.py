@@ -17,65 +17,16 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from deltaserve.http.errors import ApiError, bad_request, renamed_fields, unsupported
-from deltaserve.http.json_fields import json_object, opt_bool
 from deltaserve.http.protocol import TEXT_PART_SEPARATOR
+from deltaserve.http.request_body import decode, only
 
 RESPONSES_KEPT = 1024
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-_PASSED = (
-    "temperature",
-    "top_p",
-    "parallel_tool_calls",
-    "model",  # the chat route's names and checks
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "seed",
-    "stop",
-    "chat_template_kwargs",
-    "priority",
-)  # vLLM's extras
-_KEYS = frozenset(
-    {
-        *_PASSED,
-        "input",
-        "instructions",
-        "max_output_tokens",
-        "stream",
-        "tools",
-        "tool_choice",
-        "text",
-        "store",
-        "previous_response_id",
-        "metadata",
-        "user",
-        "top_logprobs",
-        "include",
-        "truncation",
-        "background",
-        "reasoning",
-        "service_tier",
-        "max_tool_calls",
-    }
-)
-# taken only at their defaults, with why not otherwise
-_ONLY = {
-    "background": ((None, False), "background responses are not supported"),
-    "truncation": (
-        (None, "disabled"),
-        "only 'disabled': a prompt longer than the context is refused",
-    ),
-    "reasoning": (
-        (None,),
-        "reasoning settings are not supported; thinking follows the chat template "
-        "(chat_template_kwargs, e.g. enable_thinking)",
-    ),
-    "service_tier": ((None, "auto", "default"), "service tiers are not supported"),
-    "max_tool_calls": ((None,), "max_tool_calls is not supported"),
-}
 # a chat field an error names -> the Responses field it came from, in its param and message
 _RENAMED = (
     (r"\bresponse_format\.json_schema\b", "text.format"),
@@ -93,6 +44,72 @@ _ITEM_KEYS = {  # each input item's fields (others only as null, as an SDK's dum
     "reasoning": {"type", "id", "summary", "content", "status", "encrypted_content"},
 }
 _TEXT_PARTS = {"input_text", "output_text", "text", "reasoning_text", "summary_text"}
+
+
+class ResponsesBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The Responses API's fields (unknown ones: request_body.py's policy)."""
+
+    # the chat route's names and checks (vLLM's extras among them)
+    model: Any = None
+    temperature: Any = None
+    top_p: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    seed: Any = None
+    stop: Any = None
+    parallel_tool_calls: Any = None
+    chat_template_kwargs: Any = None
+    priority: Any = None
+    # translated
+    input: Any = None  # `input_messages`
+    instructions: str | None = None
+    max_output_tokens: int | None = None  # the chat route checks it, as max_tokens
+    stream: bool | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    text: Any = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    top_logprobs: Any = None
+    include: Any = None
+    # taken only at their defaults
+    background: Annotated[
+        bool | None, only(False, why="background responses are not supported")
+    ] = None
+    truncation: Annotated[
+        str | None,
+        only("disabled", why="only 'disabled': a prompt longer than the context is refused"),
+    ] = None
+    reasoning: Annotated[
+        Any,
+        only(
+            why="reasoning settings are not supported; thinking follows the chat template "
+            "(chat_template_kwargs, e.g. enable_thinking)"
+        ),
+    ] = None
+    service_tier: Annotated[
+        str | None, only("auto", "default", why="service tiers are not supported")
+    ] = None
+    max_tool_calls: Annotated[Any, only(why="max_tool_calls is not supported")] = None
+
+
+# the fields passed to the chat route as they are
+_PASSED = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+    "priority",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,36 +156,24 @@ class ResponsesRequest:
 
 
 def parse_responses_request(body: object, store: ResponseStore) -> ResponsesRequest:
-    body = json_object(body)
-    for key in body:
-        if key not in _KEYS:
-            raise unsupported(key, f"'{key}' is not a Responses API field deltaserve supports")
-    for key, (allowed, why) in _ONLY.items():
-        if body.get(key) not in allowed:
-            raise unsupported(key, why)
-    stream, keep = opt_bool(body, "stream", default=False), opt_bool(body, "store", default=True)
-    history = _previous(body.get("previous_response_id"), store) + input_messages(body.get("input"))
-    chat: dict[str, Any] = {k: body[k] for k in _PASSED if body.get(k) is not None}
-    instructions = body.get("instructions")
-    if instructions is not None and not isinstance(instructions, str):
-        raise bad_request("instructions must be a string", "instructions")
+    b = decode(body, ResponsesBody)
+    stream, keep = bool(b.stream), b.store is not False
+    history = _previous(b.previous_response_id, store) + input_messages(b.input)
+    chat: dict[str, Any] = {k: v for k in _PASSED if (v := getattr(b, k)) is not None}
+    instructions = b.instructions
     chat["messages"] = (
         [{"role": "system", "content": instructions}] if instructions else []
     ) + history
     chat["stream"] = True  # the formatter reads tool calls as they stream, in both modes
-    limit = body.get("max_output_tokens")
+    limit = b.max_output_tokens
     if limit is not None:
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise bad_request(
-                f"max_output_tokens must be an integer >= 1, got {limit!r}", "max_output_tokens"
-            )
         chat["max_tokens"] = limit
-    tools = _tools(body.get("tools"))
+    tools = _tools(b.tools)
     if tools:
         chat["tools"] = tools
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    text = body.get("text") if body.get("text") is not None else {}
+    if b.tool_choice is not None:
+        chat["tool_choice"] = _tool_choice(b.tool_choice)
+    text = b.text if b.text is not None else {}
     if (
         not isinstance(text, dict)
         or set(text) - {"format", "verbosity"}
@@ -178,14 +183,7 @@ def parse_responses_request(body: object, store: ResponseStore) -> ResponsesRequ
     text_format = text.get("format") or {"type": "text"}
     if _response_format(text_format) is not None:
         chat["response_format"] = _response_format(text_format)
-    _logprobs(body, chat)
-    metadata = body.get("metadata")
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
-    ):
-        raise bad_request("metadata must be an object of strings", "metadata")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise bad_request("user must be a string", "user")
+    _logprobs(b, chat)
     skeleton = {
         "id": f"resp_{uuid.uuid4().hex}",
         "object": "response",
@@ -196,22 +194,22 @@ def parse_responses_request(body: object, store: ResponseStore) -> ResponsesRequ
         "instructions": instructions,
         "max_output_tokens": limit,
         "max_tool_calls": None,
-        "metadata": metadata or {},
+        "metadata": b.metadata or {},
         "output": [],
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "previous_response_id": body.get("previous_response_id"),
+        "parallel_tool_calls": True if b.parallel_tool_calls is None else b.parallel_tool_calls,
+        "previous_response_id": b.previous_response_id,
         "reasoning": None,
         "service_tier": "auto",
         "store": keep,
-        "temperature": body.get("temperature"),
+        "temperature": b.temperature,
         "text": {"format": text_format},
-        "tool_choice": body.get("tool_choice") or "auto",
-        "tools": body.get("tools") or [],
-        "top_logprobs": body.get("top_logprobs"),
-        "top_p": body.get("top_p"),
+        "tool_choice": b.tool_choice or "auto",
+        "tools": b.tools or [],
+        "top_logprobs": b.top_logprobs,
+        "top_p": b.top_p,
         "truncation": "disabled",
         "usage": None,
-        "user": body.get("user"),
+        "user": b.user,
     }
     return ResponsesRequest(chat, history, skeleton, stream, keep)
 
@@ -379,17 +377,17 @@ def _response_format(text_format: object) -> dict[str, Any] | None:
     raise unsupported("text.format.type", f"'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
-def _logprobs(body: dict[str, Any], chat: dict[str, Any]) -> None:
+def _logprobs(b: ResponsesBody, chat: dict[str, Any]) -> None:
     """Logprobs come back when `include` asks for them, with `top_logprobs` alternatives."""
-    include = body.get("include") or []
+    include = b.include or []
     if not isinstance(include, list) or any(x != LOGPROBS_INCLUDE for x in include):
         raise unsupported("include", f"only '{LOGPROBS_INCLUDE}' can be included")
     if not include:
-        if body.get("top_logprobs") is not None:
+        if b.top_logprobs is not None:
             raise bad_request(f"top_logprobs needs include ['{LOGPROBS_INCLUDE}']", "top_logprobs")
         return
     chat["logprobs"] = True
-    chat["top_logprobs"] = body.get("top_logprobs") or 0
+    chat["top_logprobs"] = b.top_logprobs or 0
 
 
 __all__ = [

@@ -14,25 +14,39 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 from aiohttp import web
 
 from deltaserve.engine.maintenance import PAUSE_MODES
 from deltaserve.http import errors
-from deltaserve.http.json_fields import json_object, opt_bool, opt_str
-from deltaserve.http.protocol import _refuse_non_defaults, _refuse_unknown
-from deltaserve.http.request_body import read_json
-from deltaserve.http.server import STATE, _json
+from deltaserve.http.request_body import decode, only, read_json
 from deltaserve.http.server_config import ServerConfig
+from deltaserve.http.state import STATE, json_response
 
-# update_weights_from_disk's fields taken only at the value that is how deltaserve works
-_UPDATE_DEFAULTS = {
-    "load_format": "auto",
-    "flush_cache": True,
-    "is_async": False,
-    "torch_empty_cache": False,
-}
+
+class UpdateWeightsBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's update_weights_from_disk; its other fields taken only at the value that is how
+    deltaserve works."""
+
+    model_path: str | None = None
+    abort_all_requests: bool | None = None
+    weight_version: str | None = None
+    load_format: Annotated[str | None, only("auto")] = None
+    flush_cache: Annotated[bool | None, only(True)] = None
+    is_async: Annotated[bool | None, only(False)] = None
+    torch_empty_cache: Annotated[bool | None, only(False)] = None
+
+
+class PauseGenerationBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    mode: str | None = None  # SGLang's "abort" (the default) or "in_place"
+
+
+class MemoryTagsBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    tags: list[str] | None = None  # SGLang's: "weights", "kv_cache"
+
+
 _SGLANG_PAUSE_MODES = {"abort": "abort", "in_place": "keep"}  # SGLang's "retract" has no equal here
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
@@ -69,12 +83,8 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     between requests; `weight_version` names them in later answers. `{"success", "message",
     "num_paused_requests"}`, 200, or 400 when the folder is not this model's (nothing changed)."""
     state = request.app[STATE]
-    body = json_object(await read_json(request))
-    _refuse_non_defaults(body, _UPDATE_DEFAULTS)
-    _refuse_unknown(
-        body, frozenset({"model_path", "abort_all_requests", "weight_version", *_UPDATE_DEFAULTS})
-    )
-    model_path, version = opt_str(body, "model_path"), opt_str(body, "weight_version")
+    body = decode(await read_json(request), UpdateWeightsBody)
+    model_path, version = body.model_path, body.weight_version
     if not model_path:
         raise errors.bad_request(
             "model_path is required: a checkpoint folder of the served model", "model_path"
@@ -88,13 +98,11 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         )
     state.check_alive()
     try:
-        await state.engine.update_weights(
-            model_path, abort_running=opt_bool(body, "abort_all_requests", default=False)
-        )
+        await state.engine.update_weights(model_path, abort_running=bool(body.abort_all_requests))
     except ValueError as exc:
-        return _json({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
+        return json_response({"success": False, "message": str(exc), "num_paused_requests": 0}, 400)
     state.weight_version = version or state.weight_version
-    return _json(
+    return json_response(
         {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
     )
 
@@ -133,24 +141,22 @@ async def pause(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.check_alive()
     await state.engine.pause(mode, clear_cache=clear == "true")
-    return _json({"status": "paused"})
+    return json_response({"status": "paused"})
 
 
 async def resume(request: web.Request) -> web.Response:
     request.app[STATE].engine.resume()
-    return _json({"status": "resumed"})
+    return json_response({"status": "resumed"})
 
 
 async def is_paused(request: web.Request) -> web.Response:
-    return _json({"is_paused": request.app[STATE].engine.is_paused})
+    return json_response({"is_paused": request.app[STATE].engine.is_paused})
 
 
 async def pause_generation(request: web.Request) -> web.Response:
     """SGLang's: `{"mode": "abort"}` (the default) or `"in_place"` (vLLM's "keep")."""
     body = await read_json(request) if request.can_read_body else {}
-    if not isinstance(body, dict) or set(body) - {"mode"}:
-        raise errors.bad_request("the body must be {'mode': 'abort' | 'in_place'}")
-    mode = body.get("mode") or "abort"
+    mode = decode(body, PauseGenerationBody).mode or "abort"
     if mode not in _SGLANG_PAUSE_MODES:
         raise errors.unsupported(
             "mode", f"'abort' or 'in_place' (running requests kept where they are), got {mode!r}"
@@ -158,12 +164,12 @@ async def pause_generation(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.check_alive()
     await state.engine.pause(_SGLANG_PAUSE_MODES[mode], clear_cache=False)
-    return _json({"message": "Generation paused successfully.", "status": "ok"})
+    return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     request.app[STATE].engine.resume()
-    return _json({"message": "Generation continued successfully.", "status": "ok"})
+    return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
 async def sleep(request: web.Request) -> web.Response:
@@ -186,7 +192,7 @@ async def wake_up(request: web.Request) -> web.Response:
 
 
 async def is_sleeping(request: web.Request) -> web.Response:
-    return _json({"is_sleeping": request.app[STATE].engine.is_sleeping})
+    return json_response({"is_sleeping": request.app[STATE].engine.is_sleeping})
 
 
 async def release_memory_occupation(request: web.Request) -> web.Response:
@@ -197,25 +203,19 @@ async def release_memory_occupation(request: web.Request) -> web.Response:
             "tags", "weights and the KV cache are released together (omit tags)"
         )
     await _maintain_or_400(request, lambda engine: engine.sleep(1), None)
-    return _json({"success": True, "message": "Succeeded to release memory occupation."})
+    return json_response({"success": True, "message": "Succeeded to release memory occupation."})
 
 
 async def resume_memory_occupation(request: web.Request) -> web.Response:
     """SGLang's: `{"tags": ["weights"]}`, then `["kv_cache"]`, or both at once (the default)."""
     tags = await _sglang_tags(request)
     await _maintain_or_400(request, lambda engine: engine.wake_up(tags), "tags")
-    return _json({"success": True, "message": "Succeeded to resume memory occupation."})
+    return json_response({"success": True, "message": "Succeeded to resume memory occupation."})
 
 
 async def _sglang_tags(request: web.Request) -> list[str] | None:
-    body = json_object(await read_json(request)) if request.can_read_body else {}
-    _refuse_unknown(body, frozenset({"tags"}))
-    tags = body.get("tags")
-    if tags is not None and (
-        not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)
-    ):
-        raise errors.bad_request("tags must be a list of strings", "tags")
-    return tags
+    body = await read_json(request) if request.can_read_body else {}
+    return decode(body, MemoryTagsBody).tags
 
 
 async def _maintain_or_400(

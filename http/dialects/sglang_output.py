@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from deltaserve.http.dialects.sglang_request import GenerateRequest
 from deltaserve.http.errors import ApiError
 from deltaserve.http.responses import SSE_DONE, ChoiceState, TokenStrings, clamp_logprob, sse
-from deltaserve.http.sglang_request import GenerateRequest
 
 
 class GenerateFormatter:

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from deltaserve.http.protocol import parse_chat_request
-from deltaserve.http.request_body import read_json
-from deltaserve.http.responses_events import ResponsesFormatter
-from deltaserve.http.responses_request import (
+from deltaserve.http.dialects.responses_events import ResponsesFormatter
+from deltaserve.http.dialects.responses_request import (
     ResponseStore,
     not_found,
     parse_responses_request,
     renamed_errors,
 )
-from deltaserve.http.server import STATE, _json, _respond, open_chat
+from deltaserve.http.generation import open_chat, respond
+from deltaserve.http.protocol import parse_chat_request
+from deltaserve.http.request_body import read_json
+from deltaserve.http.state import STATE, json_response
 
 STORE = web.AppKey("deltaserve_responses", ResponseStore)
 
@@ -32,9 +33,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     state, store = request.app[STATE], request.app[STORE]
     req = parse_responses_request(await read_json(request), store)
     with renamed_errors():
-        chat = parse_chat_request(
-            req.chat, state.sampling_defaults, max_logprobs=state.engine.max_logprobs
-        )
+        chat = parse_chat_request(req.chat, state.sampling_defaults)
         formatter, streams = await open_chat(request, chat, req.skeleton["id"])
 
     def keep(response: dict) -> None:
@@ -42,7 +41,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             store.put(req.history, response)
 
     responses = ResponsesFormatter(formatter, req.skeleton, keep)
-    return await _respond(request, responses, streams, 1, req.stream, include_usage=False)
+    return await respond(request, responses, streams, 1, req.stream, include_usage=False)
 
 
 async def retrieve_response(request: web.Request) -> web.Response:
@@ -50,11 +49,11 @@ async def retrieve_response(request: web.Request) -> web.Response:
     stored = request.app[STORE].get(response_id)
     if stored is None:
         raise not_found(response_id)
-    return _json(stored.response)
+    return json_response(stored.response)
 
 
 async def delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     if not request.app[STORE].delete(response_id):
         raise not_found(response_id)
-    return _json({"id": response_id, "object": "response", "deleted": True})
+    return json_response({"id": response_id, "object": "response", "deleted": True})

@@ -14,33 +14,15 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from deltaserve.http.errors import bad_request, unsupported
-from deltaserve.http.json_fields import json_object
 from deltaserve.http.media_parts import anthropic_image
 from deltaserve.http.protocol import TEXT_PART_SEPARATOR
+from deltaserve.http.request_body import decode, expect, only
 
-_KEYS = frozenset(
-    {
-        "model",
-        "messages",
-        "max_tokens",
-        "system",
-        "stop_sequences",
-        "stream",
-        "temperature",
-        "top_p",
-        "top_k",
-        "tools",
-        "tool_choice",
-        "metadata",
-        "thinking",
-        "service_tier",
-        "cache_control",
-        "output_config",
-    }
-)
 # thinking settings -> the chat template's enable_thinking ("adaptive": the model decides how
 # long to think, as Qwen3.5 does when thinking is on; "enabled": within budget_tokens)
 _THINKING = {"disabled": False, "adaptive": True, "enabled": True}
@@ -57,6 +39,33 @@ RENAMED = (
 )
 
 
+class MessagesBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The Messages API's fields (unknown ones: request_body.py's policy). The sampling fields
+    and the model pass to the chat route, which checks them."""
+
+    model: Any = None
+    messages: Any = None  # content blocks: `chat_messages`
+    max_tokens: int | None = None  # required, but by count_tokens
+    system: Any = None
+    stop_sequences: Annotated[
+        list[Annotated[str, msgspec.Meta(min_length=1)]] | None,
+        expect("an array of non-empty strings"),
+    ] = None
+    stream: bool | None = None
+    temperature: Any = None
+    top_p: Any = None
+    top_k: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    metadata: dict[str, Any] | None = None
+    thinking: Any = None
+    service_tier: Annotated[
+        str | None, only("auto", "standard_only", why="service tiers are not supported")
+    ] = None
+    cache_control: Any = None  # a hint: prefix caching, when on, needs none
+    output_config: Any = None
+
+
 @dataclass(frozen=True, slots=True)
 class MessagesRequest:
     chat: dict[str, Any]  # the chat request body that serves it
@@ -67,37 +76,23 @@ class MessagesRequest:
 
 def parse_messages_request(body: object, *, count_only: bool = False) -> MessagesRequest:
     """`count_only`: /v1/messages/count_tokens's body (no max_tokens)."""
-    body = json_object(body)
-    for key in body:
-        if key not in _KEYS:
-            raise unsupported(key, f"'{key}' is not a Messages API field deltaserve supports")
-    if body.get("service_tier") not in (None, "auto", "standard_only"):
-        raise unsupported("service_tier", "service tiers are not supported")
-    chat: dict[str, Any] = {
-        k: body[k] for k in ("model", "temperature", "top_p", "top_k") if body.get(k) is not None
-    }
-    chat["messages"] = _system(body.get("system")) + chat_messages(body.get("messages"))
+    b = decode(body, MessagesBody)
+    chat: dict[str, Any] = {"model": b.model, "temperature": b.temperature, "top_p": b.top_p}
+    chat["top_k"] = b.top_k
+    chat["messages"] = _system(b.system) + chat_messages(b.messages)
     if not count_only:
-        limit = body.get("max_tokens")
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise bad_request(
-                f"max_tokens is required, an integer >= 1; got {limit!r}", "max_tokens"
-            )
-        chat["max_tokens"] = limit
-    stops = body.get("stop_sequences") or []
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise bad_request("stop_sequences must be an array of non-empty strings", "stop_sequences")
+        if b.max_tokens is None:  # its range: the chat route's check
+            raise bad_request("max_tokens is required", "max_tokens")
+        chat["max_tokens"] = b.max_tokens
+    stops = b.stop_sequences or []
     if stops:
         chat["stop"] = stops
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad_request("stream must be a boolean", "stream")
     chat["stream"] = True  # the formatter reads tool calls as they stream, in both modes
-    if body.get("tools"):
-        chat["tools"] = _tools(body["tools"])
-    if body.get("tool_choice") is not None:
-        _tool_choice(body["tool_choice"], chat)
-    thinking = body.get("thinking")
+    if b.tools:
+        chat["tools"] = _tools(b.tools)
+    if b.tool_choice is not None:
+        _tool_choice(b.tool_choice, chat)
+    thinking = b.thinking
     if thinking is not None:
         kind = thinking.get("type") if isinstance(thinking, dict) else None
         if kind not in _THINKING or thinking.get("display") not in (None, "summarized"):
@@ -114,7 +109,7 @@ def parse_messages_request(body: object, *, count_only: bool = False) -> Message
                     f"thinking.budget_tokens must be an integer >= 1, got {budget!r}", "thinking"
                 )
             chat["thinking_budget"] = budget  # </think> forced once it is spent
-    output = body.get("output_config") or {}
+    output = b.output_config or {}
     if (
         not isinstance(output, dict)
         or output.get("effort") is not None
@@ -132,10 +127,8 @@ def parse_messages_request(body: object, *, count_only: bool = False) -> Message
             "type": "json_schema",
             "json_schema": {"name": "output", "schema": schema_format.get("schema")},
         }
-    metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise bad_request("metadata must be an object", "metadata")
-    return MessagesRequest(chat, f"msg_{uuid.uuid4().hex}", bool(stream), tuple(stops))
+    chat = {k: v for k, v in chat.items() if v is not None}
+    return MessagesRequest(chat, f"msg_{uuid.uuid4().hex}", bool(b.stream), tuple(stops))
 
 
 def chat_messages(value: object) -> list[dict[str, Any]]:

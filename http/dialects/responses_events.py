@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from deltaserve.http.output_blocks import CALL, REASONING, OutputBlocks
+from deltaserve.http.dialects.output_blocks import CALL, REASONING, OutputBlocks
 from deltaserve.http.responses import ChatFormatter, ChoiceState
 
 
