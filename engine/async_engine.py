@@ -37,6 +37,8 @@ from deltaserve.engine.events import (
 )
 from deltaserve.engine.grammar_worker import Setup
 from deltaserve.engine.guides import Guides
+from deltaserve.engine.kv_event_publisher import KVEventPublisher
+from deltaserve.engine.kv_events import BlockEvents
 from deltaserve.engine.maintenance import PAUSE_MODES, Kind, PauseMode
 from deltaserve.engine.media import MediaError, MediaFetcher, MediaProcessor, MediaSource
 from deltaserve.engine.media_prompt import MultimodalPrompt
@@ -89,6 +91,7 @@ class AsyncEngine:
         self._scheduler: Scheduler | None = None
         self._task: asyncio.Task | None = None
         self._monitor: MonitorPublisher | None = None
+        self._kv_events: KVEventPublisher | None = None  # --kv-events-config
         # loads the tokenizer (`start`) and tokenizes large inputs; the loop uses the same instance
         self._tokenizer_worker = TokenizerWorker(functools.partial(load_tokenizer, config.model))
         self._think_end_id: int | None = None  # the tokenizer's </think> (a thinking budget's end)
@@ -118,12 +121,18 @@ class AsyncEngine:
         self = None
         try:
             self = cls(config, model_config, limits, replica)
-            self._tokenizer_worker.start()  # the tokenizer loads in its thread while the ranks start
+            # the tokenizer loads in its thread while the ranks start
+            self._tokenizer_worker.start()
             self._monitor = monitor
+            events = config.kv_events_config
+            if events is not None and events.publishes:
+                self._kv_events = KVEventPublisher(events.for_replica(replica), replica)
             await self._launch()
         except BaseException as exc:
             if self is not None:
                 self._tokenizer_worker.close()
+                if self._kv_events is not None:
+                    await self._kv_events.aclose()
             if monitor is not None:
                 monitor.failed_to_start(f"start failed: {exc!r}")
                 await monitor.aclose()
@@ -165,12 +174,18 @@ class AsyncEngine:
                 prefix_states=replica.executor.prefix_cache_states,
                 by_priority=config.scheduling_policy == "priority",
                 speculative=config.speculative_config,
+                kv_watermark=config.kv_watermark,
+                reserve_lifetime=config.reserve_lifetime,
             )
         except BaseException:
             await self._controller.shutdown()
             raise
         if self._monitor is not None:
             self._monitor.attach(self._scheduler)
+        if self._kv_events is not None:
+            self._scheduler.prefix.events = BlockEvents(
+                self._controller.block_size, self._kv_events.publish
+            )
         if self._controller.poison_reason is not None:
             self._scheduler.on_poison(self._controller.poison_reason)
         self._task = asyncio.get_running_loop().create_task(
@@ -224,6 +239,14 @@ class AsyncEngine:
         await asyncio.shield(self._task)
         if self._shutdowns:
             await asyncio.wait(set(self._shutdowns))
+
+    @property
+    def kv_events_endpoints(self) -> tuple[str, str | None] | None:
+        """Where KV-event subscribers connect (PUB) and ask for replays (ROUTER, or None);
+        None without --kv-events-config."""
+        if self._kv_events is None:
+            return None
+        return self._kv_events.endpoint, self._kv_events.replay_endpoint
 
     @property
     def monitor_endpoint(self) -> str | None:
@@ -690,6 +713,8 @@ class AsyncEngine:
                 await self._guides.close()
             if self._monitor is not None:
                 await self._monitor.aclose()  # its last message: shut_down
+            if self._kv_events is not None:
+                await self._kv_events.aclose()
 
 
 def _encode_text(tokenizer: Any, text: str) -> list[int]:

@@ -25,9 +25,8 @@ from deltaserve.engine.sampling_params import ParamError, SamplingParams
 @dataclass(frozen=True, slots=True)
 class Beam:
     tokens: tuple[int, ...]  # the output's tokens (an ending EOS only where include_stop)
-    logprobs: tuple[
-        float, ...
-    ]  # each token's (an ending EOS's where it is not kept: only in cum_logprob)
+    # each token's (an ending EOS's where it is not kept: only in cum_logprob)
+    logprobs: tuple[float, ...]
     cum_logprob: float
     finish_reason: Literal["stop", "length"]
     score: float
@@ -68,9 +67,8 @@ async def beam_search(
     `generate`); refused up front as `check_beam_search` refuses."""
     check_beam_search(engine, prompt, width, max_tokens)
     step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * width)
-    live: list[tuple[tuple[int, ...], tuple[float, ...], float]] = [
-        ((), (), 0.0)
-    ]  # tokens, their logprobs, sum
+    # tokens, their logprobs, sum
+    live: list[tuple[tuple[int, ...], tuple[float, ...], float]] = [((), (), 0.0)]
     done: list[Beam] = []
 
     def scored(

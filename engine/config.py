@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from deltaserve.engine.kv_events import KVEventsConfig
 from deltaserve.engine.media import DEFAULT_LIMITS, MediaConfig
 from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.speculative_config import SpeculativeConfig
@@ -72,8 +73,17 @@ class EngineConfig:
     # taken past it while nothing else waits
     max_queued_tokens: int = 4 * 1024 * 1024
     # vLLM's: "fcfs" admits in arrival order; "priority" by each request's priority (lower
-    # first), then arrival. Nothing running is preempted for a waiting request.
+    # first), then arrival. When KV blocks run out, the running request preempted is the one
+    # with the highest priority value (fcfs: the latest arrival)
     scheduling_policy: str = "fcfs"
+    # a request is admitted with the KV blocks of its prompt and grows them as it decodes;
+    # when the running ones run out, the youngest are preempted and recomputed (vLLM's policy;
+    # engine/scheduler.py). While others run, admission leaves this share of the blocks free
+    # for their growth (vLLM's block manager watermark, 0.01)
+    kv_watermark: float = 0.01
+    # admit each request with its whole lifetime's blocks (prompt + max_tokens) instead: none
+    # is ever preempted, fewer run at once (what deltaserve did before preemption)
+    reserve_lifetime: bool = False
     block_size: int = RANK.block_size
     # None: on cuda what gpu_memory_utilization leaves, on cpu max_num_seqs * max_model_len
     # / block_size
@@ -83,6 +93,9 @@ class EngineConfig:
     prompt_graph_tokens: int = RANK.prompt_graph_tokens
     max_logprobs: int = MAX_LOGPROBS  # -1: the vocabulary
     fp8_weights: str = RANK.fp8_weights
+    mamba_ssm_cache_dtype: str = RANK.mamba_ssm_cache_dtype
+    kv_cache_dtype: str = RANK.kv_cache_dtype
+    calculate_kv_scales: bool = RANK.calculate_kv_scales
     enable_prefix_caching: bool = False
     prefix_cache_states: int | None = None  # None: max_num_seqs
     async_scheduling: bool = True
@@ -99,6 +112,9 @@ class EngineConfig:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     mm_processor_kwargs: dict[str, object] = field(default_factory=dict)
     allowed_local_media_path: str = ""
+    # the prefix cache's blocks published for routers (engine/kv_events.py); needs
+    # enable_prefix_caching; replica i publishes on the endpoints `for_replica(i)` names
+    kv_events_config: KVEventsConfig | None = None
     force_mixed_steps: bool = False  # tests: the planner staggers prefills beside decodes
     fault: FaultPlan | None = None  # tests only
 
@@ -137,6 +153,9 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so that every decode fits in a step"
             )
+        watermark = self.kv_watermark
+        if type(watermark) not in (int, float) or not 0 <= watermark < 1:
+            raise ValueError(f"kv_watermark must be a number in [0, 1), got {watermark!r}")
         for name in ("step_timeout_s", "startup_timeout_s"):
             value = getattr(self, name)
             if type(value) not in (int, float) or not value > 0 or not math.isfinite(value):
@@ -155,6 +174,7 @@ class EngineConfig:
                 f"{type(self.speculative_config).__name__}"
             )
         self._check_device_ids()
+        self._check_kv_events_config()
         for name in ("limit_mm_per_prompt", "mm_processor_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a JSON object, got {getattr(self, name)!r}")
@@ -183,6 +203,18 @@ class EngineConfig:
             raise ValueError(
                 f"monitor_endpoint {endpoint!r}: with data parallelism each replica publishes "
                 "on its own endpoint; use 'auto'"
+            )
+
+    def _check_kv_events_config(self) -> None:
+        events = self.kv_events_config
+        if events is not None and not isinstance(events, KVEventsConfig):
+            raise ValueError(
+                f"kv_events_config must be a KVEventsConfig, got {type(events).__name__}"
+            )
+        if events is not None and events.publishes and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_events_config: KV-cache events come from the prefix cache; "
+                "enable it too (--enable-prefix-caching)"
             )
 
     def _check_device_ids(self) -> None:

@@ -12,10 +12,16 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 
 from deltaserve.engine.config import DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, EngineConfig
+from deltaserve.engine.kv_events import KVEventsConfig
 from deltaserve.engine.media import DEFAULT_LIMITS, PROCESSOR_KWARGS
 from deltaserve.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 from deltaserve.engine.structured_config import StructuredOutputsConfig
-from deltaserve.ipc.messages import DTYPES, FP8_WEIGHTS
+from deltaserve.ipc.messages import (
+    DTYPES,
+    FP8_WEIGHTS,
+    KV_CACHE_DTYPES,
+    MAMBA_SSM_CACHE_DTYPES,
+)
 
 # EngineConfig fields that no flag sets: tests' only
 UNFLAGGED = frozenset({"fault", "force_mixed_steps"})
@@ -86,6 +92,13 @@ def _speculative(text: str) -> SpeculativeConfig:
         return parse_speculative_config(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.parse(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"--kv-events-config: {exc}") from None
 
 
 def _json_object(flag: str) -> Callable[[str], dict]:
@@ -198,7 +211,23 @@ def add_engine_flags(group: argparse._ActionsContainer) -> None:
         choices=("fcfs", "priority"),
         default=d("scheduling_policy"),
         help="admission order: arrival (fcfs), or each request's priority (lower first), then "
-        "arrival; nothing running is preempted",
+        "arrival; when KV blocks run out, the running request preempted is the one with the "
+        "highest priority value (fcfs: the latest arrival)",
+    )
+    add(
+        "--kv-watermark",
+        type=float,
+        default=d("kv_watermark"),
+        help="share of the KV blocks that admission leaves free for running requests' "
+        "growth while any run (vLLM's block manager watermark); when they still run out, "
+        "the youngest are preempted and recomputed",
+    )
+    add(
+        "--reserve-lifetime",
+        action="store_true",
+        default=d("reserve_lifetime"),
+        help="admit each request with the KV blocks of its whole lifetime (prompt + "
+        "max_tokens): none is ever preempted, but fewer run at once",
     )
     add("--block-size", type=int, default=d("block_size"), help="KV cache positions per block")
     add(
@@ -244,6 +273,28 @@ def add_engine_flags(group: argparse._ActionsContainer) -> None:
         default=d("fp8_weights"),
         help="an FP8 checkpoint's projections: widened to --dtype as they load, or kept FP8 "
         "(half their memory; faster at one row, slower at more on the H200: docs/GPU.md)",
+    )
+    add(
+        "--mamba-ssm-cache-dtype",
+        choices=MAMBA_SSM_CACHE_DTYPES,
+        default=d("mamba_ssm_cache_dtype"),
+        help="the DeltaNet recurrent states' dtype (vLLM's flag): auto is the checkpoint's "
+        "mamba_ssm_dtype (float32 for Qwen3.5); bfloat16 halves their memory and the bytes "
+        "a decode step moves for them",
+    )
+    add(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=d("kv_cache_dtype"),
+        help="the full-attention KV cache's dtype (vLLM's flag): auto is --dtype; fp8 (e4m3) "
+        "halves a bf16 cache, each layer's keys and values scaled per KV head",
+    )
+    add(
+        "--calculate-kv-scales",
+        action="store_true",
+        default=d("calculate_kv_scales"),
+        help="with --kv-cache-dtype fp8: the scales from the first prompt step's keys and "
+        "values (vLLM's flag); else 1.0",
     )
     add(
         "--enable-prefix-caching",
@@ -345,6 +396,15 @@ def add_engine_flags(group: argparse._ActionsContainer) -> None:
         '\'{"method": "mtp", "num_speculative_tokens": 3}\' (optional disable_by_batch_size: '
         "no drafts in a step of that many decoding requests or more; "
         "engine/speculative_config.py); default: off",
+    )
+    add(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=d("kv_events_config"),
+        metavar="JSON",
+        help="vLLM's: publish the prefix cache's blocks for routers (docs/ROUTING.md), e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv"}\'; needs --enable-prefix-caching',
     )
     add(
         "--monitor-endpoint",

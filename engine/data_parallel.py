@@ -125,7 +125,8 @@ class DataParallelEngine:
 
     @classmethod
     async def start(cls, config: EngineConfig) -> DataParallelEngine:
-        """Every replica started at once; if one fails, the others are shut down and its error raised."""
+        """Every replica started at once; if one fails, the others are shut down and its error
+        raised."""
         replicas = range(config.data_parallel_size)
         started = await asyncio.gather(
             *(AsyncEngine.start(config, replica=i) for i in replicas), return_exceptions=True
@@ -254,7 +255,8 @@ class DataParallelEngine:
         holder = next(
             (i for i, r in enumerate(self.replicas) if request_id in r.request_ids()), None
         )
-        # an id a replica still holds goes to it, which refuses it while its request runs, as one engine does
+        # an id a replica still holds goes to it, which refuses it while its request runs, as one
+        # engine does
         i = self._route([prompt])[0] if request_id is None or holder is None else holder
         self._picked[i] = next(self._picks)
         return self.replicas[i].generate(prompt, params, request_id=request_id, priority=priority)

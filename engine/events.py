@@ -109,6 +109,7 @@ class LoadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 Transition = Literal[
     "queued",
     "admitted",
+    "preempted",  # gave back its slot and blocks; waits to be admitted again
     "first_token",
     "finished",
     "rejected",

@@ -125,6 +125,9 @@ class EngineMetrics:
     # and of those, the ones a saved prefix held (vLLM's prefix_cache_queries / _hits)
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    # running requests preempted (their state dropped, to be recomputed): vLLM's
+    # num_preemptions
+    num_preemptions_total: int = 0
     request_success_total: dict[str, int] = field(
         default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0}
     )

@@ -121,6 +121,9 @@ def token_ids(value: object, key: str) -> tuple[int, ...]:
     return tuple(to_number(token, key, int) for token in listed)
 
 
+# the DeltaNet state dtypes a checkpoint's mamba_ssm_dtype may name
+MAMBA_SSM_DTYPES = ("float32", "bfloat16")
+
 # an FP8 checkpoint's quant_method -> the suffix of its scale tensors' names (weight name + it)
 FP8_SCALE_SUFFIXES = {"fp8": "_scale_inv", "compressed-tensors": "_scale"}
 
@@ -128,7 +131,8 @@ FP8_SCALE_SUFFIXES = {"fp8": "_scale_inv", "compressed-tensors": "_scale"}
 def read_fp8(quant: object) -> tuple[tuple[int, int], str] | None:
     """An FP8 checkpoint's scale blocks (a side of 0: the whole dimension) and the suffix of its
     scale tensors' names (engine/rank/fp8.py); None: no quantization_config. Anything else that
-    is quantized is refused by name: its tensors would otherwise fail obscurely or load as garbage."""
+    is quantized is refused by name: its tensors would otherwise fail obscurely or load as
+    garbage."""
     if not quant:
         return None
     method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
@@ -186,8 +190,8 @@ def read_compressed_tensors(quant: dict) -> tuple[int, int]:
         fmt = group.get("format") or quant.get("format")
         if (weights.get("type"), weights.get("num_bits"), fmt) != ("float", 8, "float-quantized"):
             raise ConfigError(
-                f"{at}: {weights.get('num_bits')}-bit {weights.get('type')} weights ({fmt}) are not "
-                f"supported, only FP8 (8-bit float, float-quantized)"
+                f"{at}: {weights.get('num_bits')}-bit {weights.get('type')} weights ({fmt}) are "
+                "not supported, only FP8 (8-bit float, float-quantized)"
             )
         if not weights.get("symmetric", True) or weights.get("dynamic"):
             raise ConfigError(f"{at}: only symmetric FP8 weights with stored scales are supported")
@@ -239,12 +243,13 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
-    fp8_block: tuple[int, int] | None = (
-        None  # an FP8 checkpoint's scale blocks (engine/rank/fp8.py)
-    )
-    fp8_scale_suffix: str = FP8_SCALE_SUFFIXES[
-        "fp8"
-    ]  # its scale tensors' names: weight name + this
+    # the DeltaNet recurrent state's dtype the checkpoint asks for (vLLM's `mamba_ssm_dtype`,
+    # what --mamba-ssm-cache-dtype auto takes; float32 in the released Qwen3.5 configs)
+    mamba_ssm_dtype: str = "float32"
+    # an FP8 checkpoint's scale blocks (engine/rank/fp8.py)
+    fp8_block: tuple[int, int] | None = None
+    # its scale tensors' names: weight name + this
+    fp8_scale_suffix: str = FP8_SCALE_SUFFIXES["fp8"]
     # mixture of experts (the qwen3_5_moe models): every layer's MLP is num_experts_per_tok of
     # num_experts routed experts plus a gated shared expert (engine/rank/moe.py); 0: dense
     num_experts: int = 0
@@ -257,12 +262,12 @@ class ModelConfig:
 
     def differences(self, other: ModelConfig) -> list[str]:
         """The fields in which `other` is another model (the weights' dtype may differ: they
-        are converted as they load; the MTP head may be absent: a trainer's save drops it,
-        and the served head keeps its weights)."""
+        are converted as they load; so may the state dtype asked for, chosen at start; the MTP
+        head may be absent: a trainer's save drops it, and the served head keeps its weights)."""
         return [
             f.name
             for f in fields(self)
-            if f.name not in ("torch_dtype", "mtp_num_hidden_layers")
+            if f.name not in ("torch_dtype", "mamba_ssm_dtype", "mtp_num_hidden_layers")
             and getattr(self, f.name) != getattr(other, f.name)
         ]
 
@@ -281,7 +286,8 @@ class ModelConfig:
             )
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(
-                f"num_experts_per_tok {self.num_experts_per_tok} is more than num_experts {self.num_experts}"
+                f"num_experts_per_tok {self.num_experts_per_tok} "
+                f"is more than num_experts {self.num_experts}"
             )
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
@@ -369,7 +375,8 @@ class ModelConfig:
         text_config = raw.get("text_config")
         if "text_config" in raw and not isinstance(text_config, dict):
             raise ConfigError(
-                f"text_config is {json_kind(text_config)}, not an object of the text model's settings"
+                f"text_config is {json_kind(text_config)}, "
+                "not an object of the text model's settings"
             )
         fp8 = read_fp8(
             raw.get("quantization_config") or (text_config or {}).get("quantization_config")
@@ -432,6 +439,11 @@ class ModelConfig:
             raise ConfigError(f"unsupported rope_type {rope_type!r} in {rope_key}")
         eos = text.get("eos_token_id", top_eos)
         eos_ids = token_ids(eos, "eos_token_id")
+        state_dtype = text.get("mamba_ssm_dtype", raw.get("mamba_ssm_dtype")) or "float32"
+        if state_dtype not in MAMBA_SSM_DTYPES:
+            raise ConfigError(
+                f"mamba_ssm_dtype is {state_dtype!r:.40}, not one of {', '.join(MAMBA_SSM_DTYPES)}"
+            )
         return cls(
             vocab_size=integer("vocab_size"),
             hidden_size=integer("hidden_size"),
@@ -453,6 +465,7 @@ class ModelConfig:
             tie_word_embeddings=bool(tie),
             eos_token_ids=eos_ids,
             torch_dtype=dtype or "bfloat16",
+            mamba_ssm_dtype=state_dtype,
             fp8_block=fp8 and fp8[0],
             fp8_scale_suffix=fp8[1] if fp8 else FP8_SCALE_SUFFIXES["fp8"],
             mtp_num_hidden_layers=to_number(

@@ -310,6 +310,12 @@ def _admitted(e: Lifecycle, f: dict) -> schema.Admitted:
     )
 
 
+def _preempted(e: Lifecycle, f: dict) -> schema.Preempted:
+    return schema.Preempted(
+        **f, request_id=_request_id(e), output_tokens=e.request.num_output_tokens
+    )
+
+
 def _first_token(e: Lifecycle, f: dict) -> schema.FirstToken:
     r = e.request
     return schema.FirstToken(
@@ -352,6 +358,7 @@ def _dropped(e: Lifecycle, f: dict) -> schema.Dropped:
 _REQUEST_MESSAGES: dict[str, Callable[[Lifecycle, dict], schema.MonitorMessage]] = {
     "queued": _queued,
     "admitted": _admitted,
+    "preempted": _preempted,
     "first_token": _first_token,
     "finished": _finished,
     "rejected": _rejected,

@@ -1,4 +1,4 @@
-"""The monitor wire schema, version 1: what an engine's ZeroMQ PUB endpoint publishes.
+"""The monitor wire schema, version 2: what an engine's ZeroMQ PUB endpoint publishes.
 
 The source of docs/MONITOR.md (tests/test_monitor.py checks that the doc's field tables name
 these fields, in this order). Imports only msgspec, so that a monitor process (tools/monitor.py)
@@ -9,7 +9,8 @@ Framing: every message is a two-frame ZeroMQ multipart [topic, body]. The topic 
 keyed by field name (msgspec's default layout, not array_like), whose first key `kind` names
 the message (a tagged union). Every body carries `schema_version`, `seq` and `time_s`.
 Fields may be added within a version (decoders ignore keys they do not know); anything else
-changes `schema_version`, which a decoder refuses when it does not know it.
+changes `schema_version`, which a decoder refuses when it does not know it. Version 2 added
+the `preempted` message (a new kind: a version-1 decoder would refuse it).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from typing import Literal
 
 import msgspec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 EngineState = Literal["starting", "serving", "draining", "dead"]
 
 
 class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     seq: int  # 0, 1, 2 ... per topic and publisher: a gap means this subscriber lost messages
     time_s: float  # wall clock (Unix seconds) at publication
 
@@ -62,6 +63,7 @@ class Load(_Message, frozen=True, kw_only=True, tag="load"):
 
 # ---- topic "request": one choice's life ------------------------------------------------
 # queued -> admitted -> first_token -> finished, or queued -> finished (abort while waiting);
+# admitted -> preempted -> admitted again (any number of times; first_token comes once);
 # queued -> rejected; any of these -> dropped (the engine failed). Exactly one of finished,
 # rejected, dropped ends every choice that was queued.
 
@@ -77,10 +79,18 @@ class Queued(_Message, frozen=True, kw_only=True, tag="queued"):
 
 
 class Admitted(_Message, frozen=True, kw_only=True, tag="admitted"):
-    """It holds a state slot and its KV blocks (prompt + max_tokens positions)."""
+    """It holds a state slot and the KV blocks of its prompt (more as it decodes)."""
 
     request_id: int
     queue_s: float  # arrival to admission
+
+
+class Preempted(_Message, frozen=True, kw_only=True, tag="preempted"):
+    """It gave back its slot and blocks (others' decodes needed the blocks) and waits again,
+    at the front; once admitted again it recomputes its prompt and output, and goes on."""
+
+    request_id: int
+    output_tokens: int  # tokens generated before it
 
 
 class FirstToken(_Message, frozen=True, kw_only=True, tag="first_token"):
@@ -155,6 +165,7 @@ MonitorMessage = (
     Load
     | Queued
     | Admitted
+    | Preempted
     | FirstToken
     | Finished
     | Rejected
@@ -167,7 +178,10 @@ MonitorMessage = (
 
 TOPICS: dict[type, bytes] = {
     Load: b"load",
-    **{cls: b"request" for cls in (Queued, Admitted, FirstToken, Finished, Rejected, Dropped)},
+    **{
+        cls: b"request"
+        for cls in (Queued, Admitted, Preempted, FirstToken, Finished, Rejected, Dropped)
+    },
     **{cls: b"replica" for cls in (Ready, Poisoned, Terminal, ShutDown)},
 }
 

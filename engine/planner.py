@@ -1,7 +1,7 @@
 """Step planning: which positions of which admitted requests the next unified step runs.
 
 A pure function of the admitted requests and a budget: no torch, no processes, no clocks;
-tested on its own. Admission (who holds a reservation) happens before, in the tick.
+tested on its own. Admission (who holds a slot and blocks) happens before, in the tick.
 
 Policy (vLLM v1's unified step with chunked prefill, written anew): every decoding request
 contributes one token, first, in admission order; the tokens left over go to prefill chunks,
@@ -9,6 +9,13 @@ first come first served: a request's prompt is chunked to fit, and a later reque
 tokens only when every earlier prompt has been scheduled to its end.
 
 A prompt's chunk never runs past its `split_at` (the prefix cache saves its state there).
+
+KV blocks: a chunk whose positions pass the blocks its request holds takes more (`grow`) from
+the free ones (`KvRoom`), never more than are free: a decode that cannot is left out of the
+step, a prompt chunk is cut at its blocks' end. The scheduler preempts before planning so that
+every decode fits (engine/scheduler.py); this rule makes a plan that runs a rank out of blocks
+impossible whatever it did. Speculative drafts (a decode's positions past its own token) come
+last, from the tokens and blocks every decode's own token left: they shrink, never a decode.
 
 Images and video count in the budget as what the vision tower encodes in the step: a chunk
 that holds a medium's first token also spends its patches; one that cannot afford them ends
@@ -33,9 +40,10 @@ class PlanInput:
     (its newest sampled token is then the next input, at position num_computed)."""
 
     request_id: int
-    prompt_len: int
+    prompt_len: int  # positions it computes before it decodes (Request.prefill_len)
     num_computed: int
     split_at: int = 0  # a position a prompt chunk must end at (engine/prefix_cache.py); 0: none
+    num_blocks: int = 0  # KV blocks it holds (read only with a KvRoom)
     media: tuple[tuple[int, int], ...] = ()  # (first token, patches) of each image or video
     num_drafts: int = 0  # speculative drafts its decode verifies (engine/speculation.py)
 
@@ -60,15 +68,29 @@ class StepBudget:
 
 
 @dataclass(frozen=True, slots=True)
+class KvRoom:
+    """The KV blocks a step may add to its requests' (those free now) and their size."""
+
+    free_blocks: int
+    block_size: int
+
+    def growth(self, req: PlanInput, end: int) -> int:
+        """Blocks `req` must add to hold positions up to `end`."""
+        return max(0, -(-end // self.block_size) - req.num_blocks)
+
+
+@dataclass(frozen=True, slots=True)
 class PlannedChunk:
-    """Positions start .. start+num_tokens-1 of one request; `sample` after the last. A decode
-    chunk of more than one token verifies num_tokens - 1 drafts (speculative decoding)."""
+    """Positions start .. start+num_tokens-1 of one request; `sample` after the last; `grow`
+    KV blocks added to its request's before it runs. A decode chunk of more than one token
+    verifies num_tokens - 1 drafts (speculative decoding)."""
 
     request_id: int
     start: int
     num_tokens: int
     is_decode: bool
     sample: bool
+    grow: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,22 +115,39 @@ class StepPlan:
 
 
 def plan_step(
-    admitted: Sequence[PlanInput], budget: StepBudget, force_mixed: bool = False
+    admitted: Sequence[PlanInput],
+    budget: StepBudget,
+    force_mixed: bool = False,
+    room: KvRoom | None = None,
 ) -> StepPlan:
-    """One ordered step: decode items (admission order; each with the drafts it verifies,
-    as many as the budget leaves after one token for every decode), then prefill chunks
-    (FCFS)."""
+    """One ordered step: decode items (admission order), then prefill chunks (FCFS). Each
+    decode verifies the drafts it holds, as many as the tokens and KV blocks left after one
+    token for every decode allow. `room` None: every request's blocks hold whatever is
+    planned (its lifetime's)."""
     chunks: list[PlannedChunk] = []
     tokens_left = budget.max_num_batched_tokens
-    decoding = [req for req in admitted if req.is_decoding][: budget.max_num_seqs]
-    spare = tokens_left - len(decoding)  # tokens for drafts, a decode's own token kept
-    for req in decoding:
-        if tokens_left == 0:
+    blocks_left = room.free_blocks if room is not None else 0
+    decoding: list[tuple[PlanInput, int]] = []  # (request, blocks its own token needs)
+    for req in admitted:
+        if not req.is_decoding:
+            continue
+        if len(decoding) == budget.max_num_seqs or tokens_left == 0:
             break
-        drafts = max(0, min(req.num_drafts, spare))
-        spare -= drafts
-        chunks.append(PlannedChunk(req.request_id, req.num_computed, 1 + drafts, True, True))
-        tokens_left -= 1 + drafts
+        grow = room.growth(req, req.num_computed + 1) if room is not None else 0
+        if grow > blocks_left:
+            continue  # no block for its next position: it waits (the scheduler preempts first)
+        decoding.append((req, grow))
+        tokens_left -= 1
+        blocks_left -= grow
+    for req, grow in decoding:  # drafts only from what every decode's own token left
+        drafts = min(req.num_drafts, tokens_left)
+        if room is not None:
+            own = grow
+            while (grow := room.growth(req, req.num_computed + 1 + drafts)) - own > blocks_left:
+                drafts -= 1
+            blocks_left -= grow - own
+        chunks.append(PlannedChunk(req.request_id, req.num_computed, 1 + drafts, True, True, grow))
+        tokens_left -= drafts
     for req in admitted:
         if req.is_decoding:
             continue
@@ -120,13 +159,20 @@ def plan_step(
             size = min(size, req.split_at - req.num_computed)
         if force_mixed:
             size = min(size, FORCED_CHUNK_TOKENS)
+        if room is not None:
+            held = (req.num_blocks + blocks_left) * room.block_size - req.num_computed
+            size = min(size, held)
+            if size < 1:
+                break
         size, encoded = fit_media(req, size, tokens_left)
         if size == 0:
             break  # its next image waits for a step with room for its patches
+        grow = room.growth(req, req.num_computed + size) if room is not None else 0
         chunks.append(
-            PlannedChunk(req.request_id, req.num_computed, size, False, size == remaining)
+            PlannedChunk(req.request_id, req.num_computed, size, False, size == remaining, grow)
         )
         tokens_left -= size + encoded
+        blocks_left -= grow
         if force_mixed or size < remaining:
             break  # FCFS: nothing later goes ahead of an unfinished prompt
     return StepPlan(tuple(chunks))

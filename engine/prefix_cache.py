@@ -16,14 +16,18 @@ cache and vLLM's hybrid prefix caching meet the same limit). So a prompt's state
   - one position short of its end, for a call of n > 1 choices: choice 0 prefills and saves
     there, the others wait to be admitted until it has, then start there (n prompts cost one
     prefill, as vLLM's parallel sampling shares its prefix blocks).
+  - where a preempted request stopped (`save_where_it_stands`), when the scheduler does not
+    need the blocks it holds (engine/scheduler.py): its recompute starts there. The prefix a
+    preempted request would start from is evicted after every other while it waits.
 A later prompt starts from the longest saved prefix that it begins with and that is shorter
 than itself (one position at least must run, for the logits): it shares the prefix's full KV
 blocks (the ledger counts their holders), the ranks copy the partly filled one, and its
 first chunk starts where the prefix ends (`NewRequest.prefix`).
 
 Not reused by requests with a repetition penalty (the ranks count the prompt's tokens for it,
-and would miss the prefix's) or with prompt logprobs (every prompt position's logits are needed). On CUDA a chunk that starts from a prefix replays a prompt graph
-as a first chunk does (engine/rank/prompt_graphs.py, `prefix_keys`).
+and would miss the prefix's) or with prompt logprobs (every prompt position's logits are needed). On
+CUDA a chunk that starts from a prefix replays a prompt graph as a first chunk does
+(engine/rank/prompt_graphs.py, `prefix_keys`).
 
 The same positions are saved once: a save of positions held already refreshes that prefix.
 
@@ -40,10 +44,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from deltaserve.engine.capacity import CapacityLedger
 from deltaserve.engine.request import Request
 from deltaserve.ipc.messages import SaveOnDrop
+
+if TYPE_CHECKING:
+    from deltaserve.engine.kv_events import BlockEvents
 
 SEEN_BLOCKS = 1 << 16  # block hashes of recent prompts kept to find shared prefixes
 
@@ -51,17 +59,15 @@ SEEN_BLOCKS = 1 << 16  # block hashes of recent prompts kept to find shared pref
 @dataclass(eq=False, slots=True)
 class SavedPrefix:
     prefix_id: int  # the ranks' prefix state slot
-    prompt: tuple[
-        int, ...
-    ]  # the ids it was saved from (a prompt, maybe an output): the first num_tokens count
+    # the ids it was saved from (a prompt, maybe an output): the first num_tokens count
+    prompt: tuple[int, ...]
     num_tokens: int
     blocks: list[int]  # the ledger's blocks of those positions, held for it
     key: int  # the chain hash of its full blocks
     shared: bool  # saved where prompts part (else where one ends): evicted last
     pins: int = 0  # admitted requests that start from it and are not yet sent
-    stale: bool = (
-        False  # pinned through a flush: the old weights' state, found by no one, evicted first
-    )
+    # pinned through a flush: the old weights' state, found by no one, evicted first
+    stale: bool = False
 
     def full_blocks(self, block_size: int, private_positions: int = 0) -> list[int]:
         """The blocks a request starting from it shares: full ones, but not those holding its
@@ -95,9 +101,8 @@ class PrefixCache:
         self.block_size = ledger.block_size
         self.private_positions = private_positions
         self._free_ids = list(range(num_prefixes - 1, -1, -1))
-        self._saved: OrderedDict[int, SavedPrefix] = (
-            OrderedDict()
-        )  # by prefix id, least recently used first
+        # by prefix id, least recently used first
+        self._saved: OrderedDict[int, SavedPrefix] = OrderedDict()
         self._by_hash: dict[
             int, list[SavedPrefix]
         ] = {}  # chain hash of its full blocks -> prefixes
@@ -105,15 +110,24 @@ class PrefixCache:
         self._plans: dict[int, PromptPlan] = {}  # admitted request id -> its plan
         self._evicted: list[int] = []  # prefix ids the ranks still hold: sent with the next step
         self._splitting: set[int] = set()  # chain hashes where an admitted request will save
+        # preempted request id -> the prefix its recompute would start from: evicted last
+        self._awaited: dict[int, int] = {}
+        # KV-cache events (engine/kv_events.py): told of saves
+        self.events: BlockEvents | None = None
 
     def __len__(self) -> int:
         return len(self._saved)
 
+    def saved_prefixes(self) -> list[SavedPrefix]:
+        """The saved prefixes a prompt can start from (not those a flush left pinned)."""
+        return [p for p in self._saved.values() if not p.stale]
+
     # ---- admission ----------------------------------------------------------------------
 
     def plan(self, request: Request) -> PromptPlan:
-        """Hash the request's prompt and find the prefix it could start from (not yet taken)."""
-        prompt, bs = request.cache_ids, self.block_size
+        """Hash the request's prefill (its prompt; after a preemption, with its output) and
+        find the prefix it could start from (not yet taken)."""
+        prompt, bs = request.prefill_cache_ids, self.block_size
         if not self.enabled:
             return PromptPlan([], None, 0)
         hashes = self._hashes(prompt)
@@ -124,6 +138,7 @@ class PrefixCache:
         if (
             request.index == 0
             and request.params.n > 1
+            and not request.output_ids  # its siblings have started: nothing to save for them
             and len(prompt) > bs
             and (plan.start is None or plan.start.num_tokens < len(prompt) - 1)
         ):
@@ -169,8 +184,9 @@ class PrefixCache:
                 return max(found, key=lambda p: p.num_tokens)
         return None
 
-    def make_room(self, request: Request, plan: PromptPlan) -> bool:
-        """Evict unpinned prefixes, least recently used first, until the request fits."""
+    def make_room(self, plan: PromptPlan, num_tokens: int, keep_free: int = 0) -> bool:
+        """Evict unpinned prefixes, least recently used first, until a request admitted with
+        `plan` and the blocks of `num_tokens` positions fits, `keep_free` blocks left over."""
         if self.ledger.free_slots < 1:
             return False  # no eviction frees a request slot
         shared = (
@@ -179,20 +195,31 @@ class PrefixCache:
             else 0
         )
         for prefix in self._victims():
-            if self.ledger.can_admit(request.reserve_tokens, shared):
+            if self.ledger.can_admit(num_tokens, shared, keep_free):
                 return True
             if prefix is not plan.start:
                 self._evict(prefix)
-        return self.ledger.can_admit(request.reserve_tokens, shared)
+        return self.ledger.can_admit(num_tokens, shared, keep_free)
 
-    def admit(self, request: Request, plan: PromptPlan) -> None:
-        """The request is admitted with `plan`: reserve its blocks, take its starting prefix."""
+    def evict_for_blocks(self) -> bool:
+        """Evict the first unpinned prefix, in eviction order, whose eviction frees a block
+        (a running request's growth needs one); False if none would."""
+        for prefix in self._victims():
+            if self.ledger.freed_by(prefix.blocks):
+                self._evict(prefix)
+                return True
+        return False
+
+    def admit(self, request: Request, plan: PromptPlan, num_tokens: int) -> None:
+        """The request is admitted with `plan`: take the blocks of its first `num_tokens`
+        positions, and its starting prefix."""
         start = plan.start
         self.ledger.admit(
             request.request_id,
-            request.reserve_tokens,
+            num_tokens,
             start.full_blocks(self.block_size, self.private_positions) if start else [],
         )
+        self._awaited.pop(request.request_id, None)
         if start is not None:
             start.pins += 1
             plan.pinned = True
@@ -247,15 +274,20 @@ class PrefixCache:
         if (
             plan is None
             or plan.stale
-            or end not in (plan.split_at, request.prompt_len)
+            or end not in (plan.split_at, request.prefill_len)
             or end < self.block_size
         ):
             return -1
         if end == plan.split_at:
             self._end_split(plan)
-        shared = end != request.prompt_len and not plan.for_siblings
+        shared = end != request.prefill_len and not plan.for_siblings
         return self._record(
-            request, request.cache_ids, end, plan.hashes[end // self.block_size - 1], shared, keep
+            request,
+            request.prefill_cache_ids,
+            end,
+            plan.hashes[end // self.block_size - 1],
+            shared,
+            keep,
         )
 
     def saves_at_end(self, requests: Iterable[Request]) -> list[SaveOnDrop]:
@@ -263,25 +295,33 @@ class PrefixCache:
         not cancelled, where it covers more than its prompt (which was saved where its prefill
         ended): a conversation's next turn begins with this one's prompt and output."""
         saves: list[SaveOnDrop] = []
-        bs = self.block_size
         for request in requests:
-            plan, end = self._plans.get(request.request_id), request.num_sent
-            if (
-                plan is None
-                or plan.stale
-                or end <= request.prompt_len
-                or end < bs
-                or request.finish_reason in ("abort", "error")
-                or (ids := request.sent_cache_ids) is None
+            if request.num_sent > request.prefill_len and request.finish_reason not in (
+                "abort",
+                "error",
             ):
-                continue
-            key = plan.hashes[-1] if plan.hashes else 0
-            for block in range(len(plan.hashes), end // bs):  # the output's full blocks
-                key = hash((key, ids[block * bs : (block + 1) * bs]))
-            prefix_id = self._record(request, ids, end, key, False, [s.prefix for s in saves])
-            if prefix_id >= 0:
-                saves.append(SaveOnDrop(request.request_id, prefix_id, end))
+                save = self.save_where_it_stands(request, [s.prefix for s in saves])
+                if save is not None:
+                    saves.append(save)
         return saves
+
+    def save_where_it_stands(self, request: Request, keep: Collection[int]) -> SaveOnDrop | None:
+        """Keep the state of a request the ranks drop next over the positions sent to them
+        (at the end of its generation, or preempted: its recompute then starts there), or
+        None (not cached, too short, not all its ids known, no id to take, or saved already);
+        eviction for its id passes over `keep`."""
+        plan, end, bs = self._plans.get(request.request_id), request.num_sent, self.block_size
+        if plan is None or plan.stale or end < bs or (ids := request.sent_cache_ids) is None:
+            return None
+        full = end // bs
+        if full <= len(plan.hashes):
+            key = plan.hashes[full - 1]
+        else:  # its output's full blocks, chained on from its prefill's
+            key = plan.hashes[-1] if plan.hashes else 0
+            for block in range(len(plan.hashes), full):
+                key = hash((key, ids[block * bs : (block + 1) * bs]))
+        prefix_id = self._record(request, ids, end, key, False, keep)
+        return SaveOnDrop(request.request_id, prefix_id, end) if prefix_id >= 0 else None
 
     def _record(
         self,
@@ -306,6 +346,8 @@ class PrefixCache:
         prefix = SavedPrefix(self._free_ids.pop(), ids, end, blocks, key, shared)
         self._saved[prefix.prefix_id] = prefix
         self._by_hash.setdefault(key, []).append(prefix)
+        if self.events is not None:
+            self.events.saved(prefix)
         return prefix.prefix_id
 
     def take_evicted(self) -> list[int]:
@@ -313,8 +355,20 @@ class PrefixCache:
         evicted, self._evicted = self._evicted, []
         return evicted
 
+    def await_resume(self, request: Request) -> None:
+        """A preempted request waits: the prefix its recompute would start from now (where it
+        stopped, or its prompt's) is evicted after every other, until it is admitted again."""
+        if self.enabled:
+            found = self._longest(
+                request.prefill_cache_ids, self._hashes(request.prefill_cache_ids)
+            )
+            if found is not None:
+                self._awaited[request.request_id] = found.prefix_id
+
     def forget(self, request_id: int) -> None:
-        """The request ended: drop its plan, and the pin of a prefix it never started from."""
+        """The request ended (or left the ranks): drop its plan, and the pin of a prefix it
+        never started from."""
+        self._awaited.pop(request_id, None)
         plan = self._plans.pop(request_id, None)
         if plan is not None:
             self._unpin(plan)
@@ -336,6 +390,8 @@ class PrefixCache:
         pause), which no later request finds and which are evicted first once unpinned. The
         ranks free the rest with the next command. Requests admitted already save nothing:
         their states are partly the old weights'."""
+        if self.events is not None:
+            self.events.cleared()
         for prefix in self._victims():
             self._evict(prefix)
         for prefix in self._saved.values():
@@ -361,14 +417,18 @@ class PrefixCache:
 
     def _victims(self) -> list[SavedPrefix]:
         """The unpinned prefixes in eviction order."""
-        ready = [p for p in self._saved.values() if p.pins == 0]
+        awaited = set(self._awaited.values())
+        ready = [p for p in self._saved.values() if p.pins == 0 and p.prefix_id not in awaited]
         return (
             [p for p in ready if p.stale]
             + [p for p in ready if not (p.shared or p.stale)]
             + [p for p in ready if p.shared and not p.stale]
+            + [p for p in self._saved.values() if p.pins == 0 and p.prefix_id in awaited]
         )
 
     def _evict(self, prefix: SavedPrefix) -> None:
+        for request_id in [r for r, p in self._awaited.items() if p == prefix.prefix_id]:
+            del self._awaited[request_id]
         del self._saved[prefix.prefix_id]
         group = self._by_hash[prefix.key]
         group.remove(prefix)
@@ -377,3 +437,5 @@ class PrefixCache:
         self.ledger.let_go(prefix.blocks)
         self._free_ids.append(prefix.prefix_id)
         self._evicted.append(prefix.prefix_id)
+        if self.events is not None:
+            self.events.evicted(prefix)

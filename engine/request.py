@@ -5,11 +5,17 @@ A request is a few stored counters; the rest is derived (nano-vllm `Sequence`, v
 lifecycle can be read in one place:
 
   WAITING --admit--> RUNNING --finish(stop|length|abort|error)--> FINISHED_*
-  WAITING --finish(abort|error)--> FINISHED_*         (never reached a rank)
+  RUNNING --preempt--> WAITING                        (its state left the ranks: recomputed)
+  WAITING --finish(abort|error)--> FINISHED_*         (never reached a rank, or left them)
+
+An admission prefills `prefill_len` positions before the request samples: its prompt, or
+after a preemption its prompt and every token sampled before it (vLLM's recompute), so its
+stream goes on where it stopped: the next sample is output index `num_output_tokens`, seeded
+as it would have been.
 
 Invariants: 0 <= num_computed <= num_tokens; while decoding, num_computed == num_tokens - 1
-(the newest sampled token is the next step's input); `on_ranks` once a first chunk was sent;
-num_computed <= num_sent (steps in flight have more of its positions).
+(the newest sampled token is the next step's input); `on_ranks` once a first chunk was sent
+since its admission; num_computed <= num_sent (steps in flight have more of its positions).
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0  # positions whose state the ranks hold
     num_cached: int = 0  # prompt positions taken from a saved prefix (engine/prefix_cache.py)
+    num_preemptions: int = 0  # times its state left the ranks to be recomputed
+    resume_len: int = 0  # after a preemption: positions its next admission prefills
     num_sent: int = 0  # positions sent to the ranks: their state covers these once the steps ran
     on_ranks: bool = False  # ranks hold (or are about to hold) state for it
     _output_ids: list[int] = field(default_factory=list)
@@ -87,13 +95,26 @@ class Request:
         return len(self.prompt_ids) + len(self._output_ids)
 
     @property
-    def reserve_tokens(self) -> int:
-        """Positions reserved for the whole lifetime: prompt + max_tokens."""
+    def lifetime_tokens(self) -> int:
+        """Positions of its whole lifetime: prompt + max_tokens."""
         return len(self.prompt_ids) + self.params.max_tokens
 
     @property
+    def prefill_len(self) -> int:
+        """Positions this admission computes before it samples: the prompt, or after a
+        preemption the prompt and the tokens sampled before it."""
+        return self.resume_len or len(self.prompt_ids)
+
+    @property
+    def prefill_ids(self) -> tuple[int, ...]:
+        """The ids at those positions."""
+        if not self.resume_len:
+            return self.prompt_ids
+        return (*self.prompt_ids, *self._output_ids)[: self.resume_len]
+
+    @property
     def is_prefilling(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
+        return self.num_computed < self.prefill_len
 
     @property
     def is_finished(self) -> bool:
@@ -122,9 +143,11 @@ class Request:
         self, start: int, num_tokens: int, is_decode: bool
     ) -> tuple[int, int]:
         """A chunk's (StepItem.prompt_logprobs, next_token): (-1, -1) unless it is a prompt
-        chunk of a request with prompt logprobs; the next token only if the prompt goes on."""
+        chunk of a request with prompt logprobs that has sampled nothing yet (a request
+        preempted after its first token has delivered them); the next token only if the
+        prompt goes on."""
         k = self.params.prompt_logprobs
-        if k is None or is_decode:
+        if k is None or is_decode or self._output_ids:
             return -1, -1
         end = start + num_tokens
         return k, self.prompt_ids[end] if end < len(self.prompt_ids) else -1
@@ -142,15 +165,36 @@ class Request:
     # ---- transitions -------------------------------------------------------------------
 
     def admit(self, num_cached: int = 0) -> None:
-        """Its first `num_cached` prompt positions come from a saved prefix: computed."""
+        """Its first `num_cached` positions come from a saved prefix: computed (counted as
+        cached prompt tokens at its first admission only)."""
         self._expect(RequestStatus.WAITING, "admit")
-        if not 0 <= num_cached < len(self.prompt_ids):
+        if not 0 <= num_cached < self.prefill_len:
             raise ValueError(
                 f"request {self.request_id}: {num_cached} cached positions of a "
-                f"{len(self.prompt_ids)}-token prompt"
+                f"{self.prefill_len}-token prefill"
             )
         self.status = RequestStatus.RUNNING
-        self.num_cached = self.num_computed = num_cached
+        self.num_computed = num_cached
+        if not self.num_preemptions:
+            self.num_cached = num_cached
+
+    def preempt(self) -> None:
+        """Its state left the ranks (no step of it in flight): it waits again, and its next
+        admission prefills its prompt and every token sampled so far. Prompt logprobs not yet
+        delivered are computed again."""
+        self._expect(RequestStatus.RUNNING, "preempt")
+        if self.on_ranks and self.num_sent != self.num_computed:
+            raise ValueError(
+                f"request {self.request_id}: preempted with {self.num_sent - self.num_computed} "
+                f"positions in flight"
+            )
+        self.status = RequestStatus.WAITING
+        self.resume_len = self.num_tokens
+        self.num_computed = self.num_sent = 0
+        self.on_ranks = False
+        self.num_preemptions += 1
+        if not self._output_ids:
+            self.prompt_logprob_parts.clear()
 
     def mark_sent(self, end: int) -> None:
         """A chunk through position `end` - 1 is going to the ranks: from now on they hold its
@@ -184,6 +228,13 @@ class Request:
         if self.num_sent > self.num_tokens:
             return None
         return (*self.cache_ids, *self._output_ids)[: self.num_sent]
+
+    @property
+    def prefill_cache_ids(self) -> tuple[int, ...]:
+        """`prefill_ids` as the prefix cache keys them (`cache_ids`, then the output)."""
+        if not self.resume_len:
+            return self.cache_ids
+        return (*self.cache_ids, *self._output_ids)[: self.resume_len]
 
     def advance(self, num_tokens: int) -> None:
         """A step ran `num_tokens` more of its positions."""

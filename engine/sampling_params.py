@@ -151,30 +151,25 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     # bad_words as token-id sequences: set by `tokenize_bad_words` (the engine calls it)
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
-    prompt_logprobs: int | None = (
-        None  # None: off; k: each prompt token's logprob and k alternatives
-    )
+    # None: off; k: each prompt token's logprob and k alternatives
+    prompt_logprobs: int | None = None
     guided_choice: tuple[str, ...] = ()  # empty: unconstrained; else the output is one of these
     guided_regex: str | None = None  # the whole output matches this regex
-    guided_json: str | None = (
-        None  # a JSON schema (JSON text, or a dict): the output is valid for it
-    )
+    # a JSON schema (JSON text, or a dict): the output is valid for it
+    guided_json: str | None = None
     guided_json_object: bool = False  # the output is a JSON object
-    guided_grammar: str | None = (
-        None  # a GBNF or Lark grammar (vLLM's grammar, SGLang's ebnf): the output is its root's
-    )
-    # a structural tag, JSON text {structures, triggers} (engine/structural_tag.py): free text whose triggers
-    # start tagged JSON structures
+    # a GBNF or Lark grammar (vLLM's grammar, SGLang's ebnf): the output is its root's
+    guided_grammar: str | None = None
+    # a structural tag, JSON text {structures, triggers} (engine/structural_tag.py): free text
+    # whose triggers start tagged JSON structures
     guided_structural_tag: str | None = None
-    guided_whitespace: str | None = (
-        None  # regex of the whitespace between JSON tokens; None: the default
-    )
+    # regex of the whitespace between JSON tokens; None: the default
+    guided_whitespace: str | None = None
     # the most tokens the output may think for: it starts inside a think block (the prompt
     # opened it), and once this many were sampled without </think>, </think> is forced
     thinking_budget: int | None = None
-    thinking_end_id: int | None = (
-        None  # the </think> token id: set by `resolve_thinking_end` (the engine calls it)
-    )
+    # the </think> token id: set by `resolve_thinking_end` (the engine calls it)
+    thinking_end_id: int | None = None
     # set by the engine's compile (`AsyncEngine.prepare`, engine/guided.py): the constraint's
     # llguidance grammar ("" for none; None: not compiled yet), the bounds rank 0 holds it to,
     # and each stop regex's matcher

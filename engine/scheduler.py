@@ -5,8 +5,11 @@ Each tick (DESIGN.md section 5):
   prune   cancel requests whose owner left (closed sink); drop what ranks hold (must_exist);
   publish the load snapshot (the one place load leaves the tick: `load_listeners`);
   maintain new weights, a cache flush, a pause (maintenance.py), once no step is in flight;
-  admit   first come first served while slots and KV blocks allow; refuse what never fits;
-  plan    one unified step (planner.py);
+  admit   first come first served while a slot and the KV blocks a request needs now allow
+          (its prompt's, a watermark left over); refuse what never fits;
+  make room   when the running requests' next positions need more KV blocks than are free:
+          evict saved prefixes, then preempt the youngest running requests (vLLM's recompute);
+  plan    one unified step (planner.py), its requests' new blocks (`StepItem.grow`) in it;
 then dispatch through the replica controller, await it, drain again (a cancellation that
 arrived during the step wins over its result), commit the results.
 
@@ -21,15 +24,25 @@ next tick starts by awaiting N+1's release. A request that ends at step N otherw
 token, a stop string, a cancellation) was in N+1 too: that sample is discarded and the
 request is dropped after N+1.
 
+Preemption (vLLM's recompute policy; `_make_room`): a request's blocks grow as it decodes, so
+the running ones can run out. Before a step is planned (none in flight), while their next
+positions need more blocks than are free, saved prefixes that free some are evicted, then the
+youngest running request (the highest priority value first under the priority policy, then the
+latest arrival) gives back its slot and blocks (`DropRequests`, with its state saved as a prefix
+where its blocks are not needed and prefix caching is on) and goes back to the front of the
+waiting queue; its next admission prefills its prompt and its output so far (`Request.preempt`)
+and its stream goes on where it stopped. Age wins: the oldest running request is never a victim
+while another runs, and one alone always fits (its lifetime fits the cache, or it was refused).
+
 Monitors hook in through `load_listeners` and `lifecycle_listeners` (engine/monitor.py):
 every request transition and the engine's failure pass through `_notify`, once each.
 
 Completion commit boundary: a request's last token and its FinishedEvent are delivered only
 after the all-rank drop of its state succeeded. A request that went past one of its own
 bounds (rank 0 reports it in `SampleColumns.failed`; a stop regex's matcher here) ends the
-same way with an ErrorEvent, alone: that is no replica error. Fail closed: a poisoned replica (or any
-error in the tick) ends every unresolved choice with exactly one ErrorEvent, publishes an idle
-terminal snapshot, and tears the replica down.
+same way with an ErrorEvent, alone: that is no replica error. Fail closed: a poisoned replica
+(or any error in the tick) ends every unresolved choice with exactly one ErrorEvent, publishes
+an idle terminal snapshot, and tears the replica down.
 """
 
 from __future__ import annotations
@@ -40,7 +53,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import msgspec
@@ -62,15 +75,23 @@ from deltaserve.engine.guided.stop_regex import StopRegexError
 from deltaserve.engine.maintenance import Maintenance
 from deltaserve.engine.media_prompt import chunk_media
 from deltaserve.engine.metrics import EngineMetrics
-from deltaserve.engine.planner import PlanInput, PlannedChunk, StepBudget, StepPlan, plan_step
+from deltaserve.engine.planner import (
+    KvRoom,
+    PlanInput,
+    PlannedChunk,
+    StepBudget,
+    StepPlan,
+    plan_step,
+)
 from deltaserve.engine.prefix_cache import PrefixCache
+from deltaserve.engine.request import Request
 from deltaserve.engine.speculation import Speculation
 from deltaserve.engine.speculative_config import SpeculativeConfig
 from deltaserve.engine.stop_check import check_stop, matched_stop
 from deltaserve.engine.tick_records import Cancellation, Entry, Step, Submission
 from deltaserve.engine.waiting_queue import WaitingQueue
 from deltaserve.ipc.controller import ReplicaPoisoned
-from deltaserve.ipc.messages import NewRequest, Sample, SampleColumns, StepItem
+from deltaserve.ipc.messages import NewRequest, Sample, SampleColumns, SaveOnDrop, StepItem
 from deltaserve.ipc.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
@@ -89,6 +110,8 @@ class Scheduler:
         prefix_states: int = 0,
         by_priority: bool = False,  # admission by request priority, then arrival (else arrival)
         speculative: SpeculativeConfig | None = None,  # MTP drafts (engine/speculation.py)
+        kv_watermark: float = 0.0,  # share of the KV blocks admission leaves free while others run
+        reserve_lifetime: bool = False,  # admit with prompt + max_tokens blocks: never preempts
     ) -> None:
         self._controller = controller
         self._tokenizer = tokenizer
@@ -105,6 +128,8 @@ class Scheduler:
         self.prefix = PrefixCache(
             prefix_states, self.ledger, private_positions=int(bool(self.spec))
         )
+        self._reserve_lifetime = reserve_lifetime
+        self._watermark_blocks = int(kv_watermark * self.ledger.num_blocks)  # vLLM's rounding
         self.encoder_index = EncoderCacheIndex()  # the images each rank keeps encoded, alike
         self.maintenance = Maintenance()  # new weights, a cache flush, pauses: between steps
         self.metrics = EngineMetrics()
@@ -227,7 +252,14 @@ class Scheduler:
                     continue  # the load it changed is published first
                 self._admit()
                 if self._inflight is None:
-                    plan = plan_step(self._plan_inputs(), self._budget, self._force_mixed)
+                    if not self.maintenance.frozen:
+                        await self._make_room()
+                    plan = plan_step(
+                        self._plan_inputs(),
+                        self._budget,
+                        self._force_mixed,
+                        KvRoom(self.ledger.free_blocks, self.ledger.block_size),
+                    )
                     if not plan.chunks:
                         self._flush_outbox()
                         self._results_at = None  # idle from here: not the scheduler's overhead
@@ -256,11 +288,12 @@ class Scheduler:
         return [
             PlanInput(
                 r.request_id,
-                r.prompt_len,
+                r.prefill_len,
                 r.num_computed,
                 self.prefix.split_at(r.request_id),
-                r.media_costs,
-                spec.num_drafts(r) if spec is not None and not r.is_prefilling else 0,
+                num_blocks=len(self.ledger.blocks(r.request_id)),
+                media=r.media_costs,
+                num_drafts=spec.num_drafts(r) if spec is not None and not r.is_prefilling else 0,
             )
             for r in running
         ]
@@ -315,6 +348,7 @@ class Scheduler:
             del self._running[rid]
         else:
             self._waiting.remove(entry)
+            self.prefix.forget(rid)  # a preempted one's awaited prefix
         request.finish("abort")
         event = FinishedEvent(
             request.index,
@@ -414,7 +448,13 @@ class Scheduler:
 
     def _admit(self) -> None:
         """In the waiting queue's order; stop at the first that does not fit now (none while
-        maintenance holds). Each would fit an empty replica: AsyncEngine refused any other."""
+        maintenance holds). Each would fit an empty replica: AsyncEngine refused any other. A
+        request takes a slot and the blocks of its prefill (of its lifetime with
+        `reserve_lifetime`), leaving free the blocks the running requests' next positions need
+        and, while any runs, the watermark."""
+        keep_free = 0
+        if not self._reserve_lifetime:
+            keep_free = self._growth() + (self._watermark_blocks if self._running else 0)
         while self._waiting and self.maintenance.admits:
             entry = self._waiting.head()
             request = entry.request
@@ -422,22 +462,86 @@ class Scheduler:
             if first is not None and self.prefix.saves_for_siblings(first.request):
                 return  # choice 0 of its call prefills toward the state it saves for the others
             plan = self.prefix.plan(request)
-            if not self.prefix.make_room(request, plan):
+            num_tokens = self._admit_tokens(request)
+            if not self.prefix.make_room(plan, num_tokens, keep_free):
                 return
-            self.prefix.admit(request, plan)  # reserves its slot and blocks
+            self.prefix.admit(request, plan, num_tokens)  # takes its slot and blocks
             request.admit(plan.start.num_tokens if plan.start else 0)
-            if self.prefix.enabled:
+            if self.prefix.enabled and not request.num_preemptions:
                 self.metrics.prefix_cache_queries_total += request.prompt_len
                 self.metrics.prefix_cache_hits_total += request.num_cached
             self._waiting.popleft()
             self._running[request.request_id] = entry
             self._notify("admitted", entry)
 
+    def _admit_tokens(self, request: Request) -> int:
+        """The positions whose blocks a request takes when admitted."""
+        return request.lifetime_tokens if self._reserve_lifetime else request.prefill_len
+
+    def _growth(self, leaving: Collection[int] = ()) -> int:
+        """The blocks the running requests (but `leaving`) must add for their next decode."""
+        return sum(
+            self.ledger.growth(rid, e.request.num_sent + 1)
+            for rid, e in self._running.items()
+            if e.request.num_sent >= e.request.prefill_len and rid not in leaving
+        )
+
+    async def _make_room(self) -> None:
+        """With no step in flight: while the running requests' next decodes need more blocks
+        than are free, evict a saved prefix that frees some, else pick the youngest running
+        request to preempt; then preempt those picked (see the module docstring)."""
+        victims: dict[int, Entry] = {}
+        released: list[int] = []  # the victims' blocks, once per holder
+        while self.ledger.free_blocks + self.ledger.freed_by(released) < self._growth(victims):
+            if self.prefix.evict_for_blocks():
+                continue
+            rid, entry = max(
+                ((rid, e) for rid, e in self._running.items() if rid not in victims),
+                key=lambda item: (item[1].request.priority, item[0]),
+            )
+            victims[rid] = entry
+            released += self.ledger.blocks(rid)
+        if victims:
+            await self._preempt(list(victims.values()), released)
+
+    async def _preempt(self, victims: list[Entry], released: list[int]) -> None:
+        """Give back the victims' slots and blocks (youngest first in `victims`; `released`
+        their blocks) and queue them again at the front. With prefix caching each keeps its
+        state where it stands, oldest first, where the blocks it holds are not needed."""
+        saves: list[SaveOnDrop] = []
+        if self.prefix.enabled:
+            need, kept = self._growth({e.request.request_id for e in victims}), []
+            for entry in reversed(victims):
+                rid = entry.request.request_id
+                hold = self.ledger.blocks(rid)[: self.ledger.blocks_for(entry.request.num_sent)]
+                free = self.ledger.free_blocks + self.ledger.freed_by(released, kept + hold)
+                if free < need:
+                    continue
+                save = self.prefix.save_where_it_stands(entry.request, [s.prefix for s in saves])
+                if save is not None:
+                    saves.append(save)
+                    kept += hold
+        on_ranks = [e.request.request_id for e in victims if e.request.on_ranks]
+        for entry in victims:
+            rid = entry.request.request_id
+            del self._running[rid]
+            self._release(rid)
+            entry.request.preempt()
+        if on_ranks:
+            await self._controller.drop(on_ranks, "must_exist", self.prefix.take_evicted(), saves)
+        for entry in victims:
+            self.prefix.await_resume(entry.request)
+        self._waiting.requeue(victims)
+        self.metrics.num_preemptions_total += len(victims)
+        for entry in victims:
+            self._notify("preempted", entry)
+
     async def _send(self, plan: StepPlan) -> Step:
         """Dispatch a planned step once the ranks are free."""
         items = []
         prefix = self.prefix
-        # saves first: they may evict, and the prefixes its requests start from are pinned until `start_of`
+        # saves first: they may evict, and the prefixes its requests start from are pinned until
+        # `start_of`
         saves = prefix.saves(
             [
                 (self._running[c.request_id].request, c.start + c.num_tokens)
@@ -458,11 +562,14 @@ class Scheduler:
             if not request.on_ranks:
                 spec = request.params.to_spec(request.seed, self._eos_token_ids)
                 new = NewRequest(
-                    request.reserve_tokens,
+                    self._admit_tokens(request),
                     spec,
                     prefix.start_of(chunk.request_id),
                     request.multimodal.vision_spans() if request.multimodal else [],
+                    request.output_ids,  # sampled before a preemption: the rank counts them
                 )
+            if chunk.grow:
+                self.ledger.grow(chunk.request_id, chunk.grow)
             media = chunk_media(request.multimodal, chunk, new is not None, self.encoder_index)
             request.mark_sent(chunk.start + chunk.num_tokens)
             items.append(
@@ -475,10 +582,13 @@ class Scheduler:
                     saves.get(chunk.request_id, -1),
                     *request.prompt_logprobs_fields(chunk.start, chunk.num_tokens, chunk.is_decode),
                     media,
+                    chunk.grow,
                     num_drafts=num_drafts,
                     propose=propose,
                 )
             )
+        if self.spec is not None:
+            items = self._grow_for_drafts(items)
         self._notify_plan(plan)
         sent_at = time.perf_counter()
         if self._results_at is not None:  # the ranks sat idle since the last step's results
@@ -486,6 +596,30 @@ class Scheduler:
         return Step(
             plan, await self._controller.send_step(items, (), prefix.take_evicted()), sent_at, {}
         )
+
+    def _grow_for_drafts(self, items: list[StepItem]) -> list[StepItem]:
+        """Items that ask for drafts: the MTP head writes its keys at the positions its drafts
+        stand for, up to `propose` - 1 past the item's last (engine/rank/speculative.py), so
+        the request's blocks grow to hold them, from those that no running request's next
+        decode needs; `propose` shrinks where they are not free (one draft needs none)."""
+        spare = max(0, self.ledger.free_blocks - self._growth())  # never negative: ends at 1
+        grown = []
+        for item in items:
+            if item.propose > 1:
+                end, propose = item.start + max(1, len(item.token_ids)), item.propose
+                # at 1 none: the item's own positions are in its blocks already
+                while (extra := self.ledger.growth(item.request_id, end + propose - 1)) > spare:
+                    propose -= 1
+                if extra:
+                    self.ledger.grow(item.request_id, extra)
+                    spare -= extra
+                if item.new is not None and extra:  # a first chunk takes its blocks with `new`
+                    new = msgspec.structs.replace(item.new, reserve_tokens=end + propose - 1)
+                    item = msgspec.structs.replace(item, new=new, propose=propose)
+                else:
+                    item = msgspec.structs.replace(item, grow=item.grow + extra, propose=propose)
+            grown.append(item)
+        return grown
 
     def _follow(self, step: Step) -> Step | None:
         """Plan and send the next step behind `step`, which the ranks are running, if it
@@ -500,7 +634,8 @@ class Scheduler:
         ):
             return None
         if self._waiting and (
-            self._pending_drop or self.ledger.can_admit(self._waiting.head().request.reserve_tokens)
+            self._pending_drop
+            or self.ledger.can_admit(self._admit_tokens(self._waiting.head().request))
         ):
             return None  # admission comes first
         chunks = []
@@ -515,14 +650,23 @@ class Scheduler:
             num_running += 1
             request = entry.request
             if request.num_output_tokens + 2 <= request.params.max_tokens:
-                chunks.append(
-                    PlannedChunk(chunk.request_id, chunk.start + chunk.num_tokens, 1, True, True)
-                )
+                position = chunk.start + chunk.num_tokens
+                grow = self.ledger.growth(chunk.request_id, position + 1)
+                chunks.append(PlannedChunk(chunk.request_id, position, 1, True, True, grow))
             else:
                 last.append(chunk.request_id)
-        if num_running != len(self._running) or not chunks:
-            return None  # someone admitted is not in `step`, or nobody decodes on
-        items = [StepItem(chunk.request_id, chunk.start, [], True) for chunk in chunks]
+        if (
+            num_running != len(self._running)
+            or not chunks
+            or sum(c.grow for c in chunks) > self.ledger.free_blocks
+        ):
+            return None  # someone admitted is not in `step`, nobody decodes on, or no room
+        for chunk in chunks:
+            if chunk.grow:
+                self.ledger.grow(chunk.request_id, chunk.grow)
+        items = [
+            StepItem(chunk.request_id, chunk.start, [], True, grow=chunk.grow) for chunk in chunks
+        ]
         # their events come when `step` commits (_hold_until_dropped)
         drops = {**self._pending_drop, **{rid: [] for rid in last}}
         saves = self.prefix.saves_at_end(self._entries[rid].request for rid in drops)
@@ -583,7 +727,7 @@ class Scheduler:
             ) is not None:  # the chunks that asked
                 request.prompt_logprob_parts.append(part)
             if chunk.sample:
-                if not chunk.is_decode:
+                if not chunk.is_decode and not request.output_ids:  # once, resumed or not
                     self.metrics.prompt_tokens_total += request.prompt_len
                 if (failure := samples.failed.get(chunk.request_id)) is not None:
                     self._end_failed(entry, failure)

@@ -4,10 +4,10 @@ checks, as vLLM's `check_stop` (vllm/v1/core/sched/utils.py) and its detokenizer
 In order: a stop token (an EOS id unless ignore_eos, or one of `stop_token_ids`) ends the
 request, its text left out unless `include_stop_str_in_output` (as vLLM's detokenizer skips a
 stop-terminated token only then); a guided-choice request's EOS ends it even with ignore_eos
-(the rank allows one only at a whole choice). Else a stop string or stop regex in the text; else a whole
-choice that no longer one extends ("stop", its last token's text kept); else max_tokens. Before
-min_tokens tokens the rank has masked every stop token, and the detokenizer looks for no
-stop string, so nothing here needs to count them.
+(the rank allows one only at a whole choice). Else a stop string or stop regex in the text; else a
+whole choice that no longer one extends ("stop", its last token's text kept); else max_tokens.
+Before min_tokens tokens the rank has masked every stop token, and the detokenizer looks for no stop
+string, so nothing here needs to count them.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ compile the issue's lazy regex, a schema 400 levels deep and 1,000 left-recursiv
 those in milliseconds (refusing the deep schema) and ends a request at its limits while it
 generates (lexer states, Earley items, lexer fuel), which is the per-request bound this
 server needs; where it is slow (a counted regex's masks, 0.2-0.9 s each; a schema of 10,000
-properties, which both took ~19 s to compile) the bounds above refuse the request first. Both could only
-be bounded in compile time from outside, hence the worker.
+properties, which both took ~19 s to compile) the bounds above refuse the request first. Both could
+only be bounded in compile time from outside, hence the worker.
 """
 
 from __future__ import annotations

@@ -78,11 +78,13 @@ class VisionConfig:
         side = round(self.num_position_embeddings**0.5)
         if side * side != self.num_position_embeddings:
             raise ConfigError(
-                f"vision_config.num_position_embeddings {self.num_position_embeddings} is not a square"
+                "vision_config.num_position_embeddings "
+                f"{self.num_position_embeddings} is not a square"
             )
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(
-                f"vision_config.hidden_act {self.hidden_act!r} is not one of {', '.join(ACTIVATIONS)}"
+                f"vision_config.hidden_act {self.hidden_act!r} "
+                f"is not one of {', '.join(ACTIVATIONS)}"
             )
 
     @property

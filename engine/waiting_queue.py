@@ -52,6 +52,20 @@ class WaitingQueue:
                     at -= 1
             self._entries.insert(at, entry)
 
+    def requeue(self, entries: list[Entry]) -> None:
+        """Preempted requests, youngest first in `entries`: each goes in front of every entry of
+        its priority or a higher value (the front, without priorities), the oldest foremost,
+        counted again."""
+        self.count(entry.request for entry in entries)
+        for entry in entries:
+            at = 0
+            if self.by_priority:
+                while at < len(self._entries) and (
+                    self._entries[at].request.priority < entry.request.priority
+                ):
+                    at += 1
+            self._entries.insert(at, entry)
+
     def popleft(self) -> Entry:
         entry = self._entries.popleft()
         self.forget((entry.request.request_id,))

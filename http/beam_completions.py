@@ -105,9 +105,8 @@ async def beam_completions(engine: Any, req: CompletionRequest, model: str) -> d
         for p, beams in enumerate(results)
         for i, beam in enumerate(beams)
     ]
-    prompt_tokens = sum(
-        len(ids) for ids in prompts
-    )  # each prompt once, as the completion route counts it
+    # each prompt once, as the completion route counts it
+    prompt_tokens = sum(len(ids) for ids in prompts)
     completion_tokens = sum(len(beam.tokens) for beams in results for beam in beams)
     return {
         "id": request_id,

@@ -75,7 +75,8 @@ def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     if args.ssl_cert_reqs != ssl.CERT_NONE and args.ssl_ca_certs is None:
         raise ValueError(
-            f"--ssl-cert-reqs {args.ssl_cert_reqs} needs --ssl-ca-certs to check client certificates with"
+            f"--ssl-cert-reqs {args.ssl_cert_reqs} needs "
+            "--ssl-ca-certs to check client certificates with"
         )
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:

@@ -13,6 +13,7 @@ every series carries `model_name`:
 | vllm:request_success_total{finished_reason=stop/length/abort/error} | counter |
 | vllm:spec_decode_num_drafts_total, _num_draft_tokens_total, _num_accepted_tokens_total | counter |
 | vllm:spec_decode_num_accepted_tokens_per_pos_total{position=0..k-1} | counter |
+| vllm:num_preemptions_total (running requests sent back to be recomputed) | counter |
 | deltaserve:steps_total, deltaserve:pipelined_steps_total | counter |
 | deltaserve:step_seconds_total, deltaserve:scheduler_seconds_total | counter |
 | vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds | histogram |
@@ -87,6 +88,11 @@ class EngineCollector(Collector):
                 "vllm:prefix_cache_hits_total",
                 "Prompt tokens found in the prefix cache.",
                 m.prefix_cache_hits_total,
+            ),
+            (
+                "vllm:num_preemptions_total",
+                "Running requests preempted (to be recomputed) for lack of KV blocks.",
+                m.num_preemptions_total,
             ),
             ("deltaserve:steps_total", "Steps run on the ranks.", m.steps_total),
             (

@@ -391,11 +391,13 @@ def _sizes(engine: Engine) -> tuple[str, str | None]:
             f"completion), as /v1/models says; raise --num-kv-blocks or lower --max-model-len"
         )
     ready = (
-        f"max_model_len={longest} ({why}), {load.num_slots} state slots (--max-num-seqs), {load.num_blocks} KV blocks "
-        f"of {config.block_size} = {kv_tokens} tokens of KV ({kv_why})"
+        f"max_model_len={longest} ({why}), {load.num_slots} state slots (--max-num-seqs), "
+        f"{load.num_blocks} KV blocks of {config.block_size} = {kv_tokens} tokens of KV "
+        f"({kv_why})"
     )
     if config.enable_prefix_caching:
-        ready += f"; prefix caching: {config.prefix_cache_states} saved prompt states (--prefix-cache-states)"
+        states = config.prefix_cache_states
+        ready += f"; prefix caching: {states} saved prompt states (--prefix-cache-states)"
     return ready, short
 
 

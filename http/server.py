@@ -1,6 +1,6 @@
 """The aiohttp application: the OpenAI core's routes (completions, chat, models, health,
-metrics, version) over one engine (engine/interface.py), the middleware, and the route modules beside the
-core (dialects/: Anthropic, Responses, SGLang, tokenize, RL/admin) added to it.
+metrics, version) over one engine (engine/interface.py), the middleware, and the route modules
+beside the core (dialects/: Anthropic, Responses, SGLang, tokenize, RL/admin) added to it.
 
 Requests flow: read JSON -> parse (protocol.py) -> tokenize (`engine.encode` /
 `engine.run_tokenizer`: a large input in the engine's tokenizer thread, so the event loop
@@ -25,6 +25,7 @@ from deltaserve.http.beam_completions import beam_completions
 from deltaserve.http.cors import Cors
 from deltaserve.http.dialects import (
     anthropic_routes,
+    render_routes,
     responses_routes,
     rl_routes,
     sglang_routes,
@@ -85,7 +86,8 @@ def build_app(engine: Engine, config: ServerConfig) -> web.Application:
     tokenize_routes.add_routes(app)  # /tokenize, /detokenize
     responses_routes.add_routes(app)  # /v1/responses
     anthropic_routes.add_routes(app)  # /v1/messages
-    sglang_routes.add_routes(app)  # SGLang's /generate, /abort_request, /get_model_info, ...
+    sglang_routes.add_routes(app)  # SGLang's /generate, /abort_request, /get_load, ...
+    render_routes.add_routes(app)  # vLLM's /v1/chat/completions/render, /v1/completions/render
     rl_routes.add_routes(app, config)  # new weights, pauses, a cache flush, sleep: opt-in
     return app
 

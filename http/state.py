@@ -82,7 +82,7 @@ class ServerState:
 STATE = web.AppKey("deltaserve_state", ServerState)
 
 
-def json_response(body: dict[str, Any], status: int = 200) -> web.Response:
+def json_response(body: dict[str, Any] | list[Any], status: int = 200) -> web.Response:
     return web.Response(body=_json_bytes(body), status=status, content_type="application/json")
 
 

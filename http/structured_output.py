@@ -61,9 +61,8 @@ class Guided:
     json: str | None = None
     json_object: bool = False
     grammar: str | None = None  # GBNF or Lark (engine/grammar.py)
-    structural_tag: str | None = (
-        None  # JSON text: {structures, triggers} (engine/structural_tag.py)
-    )
+    # JSON text: {structures, triggers} (engine/structural_tag.py)
+    structural_tag: str | None = None
     whitespace: str | None = None
     param: str | None = None
     whitespace_param: str | None = None

@@ -296,7 +296,8 @@ def tool_call_reader(
         return None
     if parser is None or not tools:
         raise bad_request(
-            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+            "set",
             "tool_choice",
         )
     return ToolCallReader(parser, tools, parallel_tool_calls)

@@ -78,26 +78,21 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         "prefilled in chunks of --max-num-batched-tokens); --no-... is refused",
     )
     g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        help="auto only: the KV cache is kept in the model's dtype (--dtype)",
-    )
-    g.add_argument(
         "--quantization",
         "-q",
         default=None,
         help="fp8 (Qwen's -FP8 releases) or compressed-tensors (llm-compressor's FP8), what the "
         "checkpoint is; it loads as such without it. Quantizing at load is refused",
     )
-    # vLLM swaps a preempted request's KV blocks to this much CPU memory; here a request is
-    # never preempted (its whole lifetime's blocks are reserved when it is admitted), so no
-    # swap space is ever needed: any size is honoured by using none of it.
+    # vLLM (v0) could swap a preempted request's KV blocks to this much CPU memory; here, as
+    # in vLLM v1, a preempted request is recomputed, so no swap space is ever needed: any size
+    # is honoured by using none of it.
     g.add_argument(
         "--swap-space",
         type=float,
         default=None,
         metavar="GiB",
-        help="accepted, no effect: no request is ever preempted, so nothing is swapped",
+        help="accepted, no effect: a preempted request is recomputed, nothing is swapped",
     )
 
 
@@ -113,15 +108,10 @@ def refused_vllm_flag(args: argparse.Namespace) -> str | None:
             "--no-enable-chunked-prefill: not supported: deltaserve always prefills a prompt "
             "in chunks of at most --max-num-batched-tokens tokens"
         )
-    if args.kv_cache_dtype != "auto":
-        return (
-            f"--kv-cache-dtype {args.kv_cache_dtype}: not supported: the KV cache is kept in "
-            "the model's dtype (--dtype); only auto"
-        )
     if args.quantization not in (None, *FP8_SCALE_SUFFIXES):
         return (
-            f"--quantization {args.quantization}: not supported: deltaserve loads unquantized (bf16/fp32) "
-            "checkpoints and FP8 ones (--quantization fp8 or compressed-tensors)"
+            f"--quantization {args.quantization}: not supported: deltaserve loads unquantized "
+            "(bf16/fp32) checkpoints and FP8 ones (--quantization fp8 or compressed-tensors)"
         )
     if args.swap_space is not None and not args.swap_space >= 0:
         return f"--swap-space must be a number of GiB >= 0, got {args.swap_space}"
@@ -141,9 +131,9 @@ def check_quantization(method: str | None, model_dir: str | None) -> None:
         raise ValueError(str(e)) from None
     if config is None or config.fp8_block is None:
         raise ValueError(
-            f"--quantization {method}: {model_dir or 'the demo checkpoint'} is not an FP8 checkpoint "
-            "(no FP8 quantization_config in its config.json), and quantizing a checkpoint as it "
-            "loads is not supported"
+            f"--quantization {method}: {model_dir or 'the demo checkpoint'} is not an FP8 "
+            "checkpoint (no FP8 quantization_config in its config.json), and quantizing a "
+            "checkpoint as it loads is not supported"
         )
     if config.fp8_scale_suffix != FP8_SCALE_SUFFIXES[method]:
         actual = next(

@@ -659,9 +659,8 @@ class ReplicaController:
             return
         self._closed = True
         self.trace.write()
-        self._flights.fail_all(
-            self._poison_reason or "replica is shut down"
-        )  # e.g. a Shutdown never acked
+        # e.g. a Shutdown never acked
+        self._flights.fail_all(self._poison_reason or "replica is shut down")
         errors, readers = [], (*self._pidfds, self._receipt_bell.fd)
         for step in [
             *(lambda fd=fd: self._loop.remove_reader(fd) for fd in readers),

@@ -1,7 +1,8 @@
 """Fault injection for tests: a `FaultPlan` handed to the ranks at spawn.
 
 One rank (`rank`) misbehaves in one way (`kind`) at one command: the command with sequence
-number `at_seq`, or the `at_step`-th RunUnifiedStep (1-based). A rank with a plan runs the
+number `at_seq`, the `at_step`-th RunUnifiedStep or the `at_drop`-th DropRequests (1-based;
+a preemption's drop, where nothing ended before it). A rank with a plan runs the
 test harness (ipc/rank_harness.py: the serve loop with the faults attached from outside); it
 checks each command (`fires`) and calls the helpers below when the plan fires.
 
@@ -61,30 +62,34 @@ MALFORMED_FRAME = b"\xc1 not msgpack"  # 0xc1 is never used by msgpack
 
 
 class FaultPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Which rank misbehaves, how, and at which command (exactly one of at_seq / at_step)."""
+    """Which rank misbehaves, how, and at which command (exactly one of at_seq / at_step /
+    at_drop)."""
 
     rank: int
     kind: FaultKind
     at_seq: int | None = None
     at_step: int | None = None
     stall_s: float = 600.0  # stall kinds: how long to sleep (the controller kills it first)
+    at_drop: int | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 0:
             raise ValueError(f"FaultPlan.rank must be >= 0, got {self.rank}")
-        if (self.at_seq is None) == (self.at_step is None):
-            raise ValueError("FaultPlan needs exactly one of at_seq and at_step")
-        when = self.at_seq if self.at_seq is not None else self.at_step
-        if when < 1:
-            raise ValueError(f"FaultPlan.at_seq/at_step must be >= 1, got {when}")
+        whens = [w for w in (self.at_seq, self.at_step, self.at_drop) if w is not None]
+        if len(whens) != 1:
+            raise ValueError("FaultPlan needs exactly one of at_seq, at_step and at_drop")
+        if whens[0] < 1:
+            raise ValueError(f"FaultPlan.at_seq/at_step/at_drop must be >= 1, got {whens[0]}")
         if self.stall_s <= 0:
             raise ValueError(f"FaultPlan.stall_s must be > 0, got {self.stall_s}")
 
-    def fires(self, seq: int, step_index: int) -> bool:
-        """True for the command this plan targets; `step_index` is the command's 1-based
-        count among RunUnifiedSteps, 0 for any other command."""
+    def fires(self, seq: int, step_index: int, drop_index: int = 0) -> bool:
+        """True for the command this plan targets; `step_index` (`drop_index`) is the
+        command's 1-based count among RunUnifiedSteps (DropRequests), 0 for another command."""
         if self.at_seq is not None:
             return seq == self.at_seq
+        if self.at_drop is not None:
+            return drop_index == self.at_drop
         return step_index == self.at_step
 
 

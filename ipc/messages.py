@@ -112,19 +112,26 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True, omit_defaults=T
 
 class NewRequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """Carried by a request's first chunk: the rank takes a state slot and KV blocks for
-    `reserve_tokens` positions (prompt + max_tokens) and keeps the sampling spec.
+    `reserve_tokens` positions (what it computes before it samples; its whole lifetime when
+    the engine reserves lifetimes; later items add blocks: `StepItem.grow`) and keeps the
+    sampling spec.
 
     `prefix` >= 0: its first positions are saved prefix `prefix` (a StepItem's `save`): the
     rank starts the slot from that state, shares its full KV blocks and copies its partial
     one, and the first chunk starts where the prefix ends.
     `vision_spans`: the prompt's image and video-frame placeholder runs, (first token index,
     height, width) in tokens, in order: the rotary positions of the request's tokens follow
-    from them (engine/rank/mrope.py); their embeddings come as `MediaInput`s."""
+    from them (engine/rank/mrope.py); their embeddings come as `MediaInput`s.
+    `output_ids`: a request preempted and admitted again (engine/scheduler.py) prefills its
+    prompt and these, the tokens it sampled before; the rank counts them as sampled (the next
+    sample's seed index, penalties, bad words, guided state, thinking budget), so the stream
+    goes on as if it had never stopped."""
 
     reserve_tokens: int
     sampling: SamplingSpec
     prefix: int = -1
     vision_spans: list[tuple[int, int, int]] = []
+    output_ids: tuple[int, ...] = ()
 
 
 class MediaInput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
@@ -159,6 +166,9 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     token_ids[1:], then `next_token` (the next chunk's first) unless the chunk samples.
     `media` (prompt chunks): the images and videos whose first token the chunk holds (or,
     for a first chunk, any it holds part of); the tower encodes them in this step.
+    `grow` > 0 (not on a first chunk): the rank adds that many free KV blocks to the request's
+    before the step runs, which then hold exactly its positions through this item's last; the
+    scheduler counted them free (engine/capacity.py), so a rank never runs out.
     Speculative decoding (engine/rank/speculative.py): `num_drafts` > 0 makes the last that
     many token ids drafts to verify (a decode item of 1 + num_drafts tokens): the ranks keep
     the positions up to the last accepted one and rank 0 reports the outcome
@@ -175,6 +185,7 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     prompt_logprobs: int = -1
     next_token: int = -1
     media: list[MediaInput] = []
+    grow: int = 0
     num_drafts: int = 0
     propose: int = 0
 
@@ -300,8 +311,8 @@ class SaveOnDrop(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 class RunUnifiedStep(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
     """First forget the saved prefixes `evict`, keep the states `saves` names, and free the
-    state of `drops` (every rank must hold each; none is in `items`), then run one forward over `items` (ordered, each request
-    at most once) and sample on rank 0.
+    state of `drops` (every rank must hold each; none is in `items`), then run one forward over
+    `items` (ordered, each request at most once) and sample on rank 0.
     Reply: rank 0 `StepResult` with one sample per item with `sample` set (in any order);
     others `Ack`. A pipelined step carries the drops of requests that ended while it was
     planned, so that they cost no command of their own.
@@ -432,6 +443,12 @@ Reply = Ack | DropAck | StepResult | SnapshotReply | Failure
 
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16")  # auto: the checkpoint's (fp32 on cpu)
 FP8_WEIGHTS = ("widen", "keep")  # an FP8 checkpoint's projections: widened as they load, or kept
+# the DeltaNet recurrent states' dtype (vLLM's --mamba-ssm-cache-dtype): auto is the
+# checkpoint's mamba_ssm_dtype (float32 for the released Qwen3.5)
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# the full-attention layers' KV cache (vLLM's --kv-cache-dtype): auto is the model's dtype;
+# fp8 (= fp8_e4m3) halves a bf16 cache (kernels/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 class ExecutorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -455,6 +472,13 @@ class ExecutorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enforce_eager: bool = False  # CUDA: never replay CUDA graphs
     prompt_graph_tokens: int = 2048  # CUDA: prompt steps of up to this many replay graphs
     fp8_weights: str = "widen"  # one of FP8_WEIGHTS (engine/rank/loader.py)
+    # bfloat16 halves the DeltaNet states' memory (more requests fit) and the bytes a decode
+    # step moves for them, at some accuracy (docs/RANK.md)
+    mamba_ssm_cache_dtype: str = "auto"  # one of MAMBA_SSM_CACHE_DTYPES
+    # fp8: keys and values stored as e4m3 with a scale per layer and KV head: 1.0, or with
+    # calculate_kv_scales set from the first prompt step's (vLLM's flags)
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    calculate_kv_scales: bool = False
     prefix_cache_states: int = 0  # saved prefix states (prefix caching); 0: off
     # speculative decoding: the checkpoint's MTP head loads and keeps its KV (engine/rank/mtp.py)
     speculative_config: SpeculativeConfig | None = None
@@ -488,11 +512,21 @@ class ExecutorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         util = self.gpu_memory_utilization
         if type(util) not in (int, float) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
-        for name, allowed in (("dtype", DTYPES), ("fp8_weights", FP8_WEIGHTS)):
+        choices = (
+            ("dtype", DTYPES),
+            ("fp8_weights", FP8_WEIGHTS),
+            ("mamba_ssm_cache_dtype", MAMBA_SSM_CACHE_DTYPES),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
+        )
+        for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ValueError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
                 )
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError(
+                "calculate_kv_scales sets the scales of an FP8 KV cache: give kv_cache_dtype fp8"
+            )
 
 
 def _check_int(name: str, value: object, low: int) -> None:

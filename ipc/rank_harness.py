@@ -25,6 +25,7 @@ from deltaserve.ipc.gate import CANCEL
 from deltaserve.ipc.messages import (
     DECODE_ERRORS,
     Command,
+    DropRequests,
     Failure,
     RunUnifiedStep,
     command_encoder,
@@ -44,6 +45,7 @@ class HarnessedRankServer(RankServer):
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
             self.journal_fd = os.open(self.config.journal_path, flags, 0o600)
         self.num_steps = 0  # RunUnifiedSteps decoded so far (FaultPlan.at_step counts them)
+        self.num_drops = 0  # DropRequests decoded so far (FaultPlan.at_drop counts them)
         self.armed: Command | None = None  # the command the plan fires on, until its reply
         self.unreplied: dict[int, str] = {}  # released gated commands by seq: their names
         self.receipt_fault = self.fault is not None and self.fault.kind in faults.RECEIPT_FAULTS
@@ -73,7 +75,10 @@ class HarnessedRankServer(RankServer):
         except DECODE_ERRORS:
             return
         is_step = type(header) is faults.StepHeader
-        if not self.fault.fires(header.seq, self.num_steps + 1 if is_step else 0):
+        is_drop = type(header) is faults.DropHeader
+        if not self.fault.fires(
+            header.seq, self.num_steps + 1 if is_step else 0, self.num_drops + 1 if is_drop else 0
+        ):
             return
         if self.fault.kind == "die_before_receipt":
             self.journal("die", header.seq, type(header).__name__)
@@ -88,9 +93,12 @@ class HarnessedRankServer(RankServer):
         if command is None:
             return None
         is_step = type(command) is RunUnifiedStep
-        if is_step:
-            self.num_steps += 1
-        if self.fault is not None and self.fault.fires(seq, self.num_steps if is_step else 0):
+        is_drop = type(command) is DropRequests
+        self.num_steps += is_step
+        self.num_drops += is_drop
+        if self.fault is not None and self.fault.fires(
+            seq, self.num_steps if is_step else 0, self.num_drops if is_drop else 0
+        ):
             self.armed = command
         return command
 

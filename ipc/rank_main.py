@@ -459,9 +459,8 @@ def main(server: type[RankServer] = RankServer) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("deltaserve").setLevel(config.log_level)
-    log.info(
-        "rank %d: process up", config.rank
-    )  # its time stamp against the server's marks the spawn
+    # its time stamp against the server's marks the spawn
+    log.info("rank %d: process up", config.rank)
     ctx = zmq.Context(io_threads=1)
     replies = PushChannel(ctx, config.reply_endpoint, bind=False, linger_ms=REPLY_LINGER_MS)
     try:

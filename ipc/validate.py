@@ -49,9 +49,8 @@ class StepPlan(NamedTuple):
     item_ids: set[int]  # every request in the step
     sampled_ids: list[int]  # those whose item asks for a sample, in step order: the result's
     vocab_size: int  # every sampled token (and alternative) must be an id below it
-    prompt_logprobs: dict[
-        int, tuple[int, int]
-    ]  # request -> (rows, alternatives) of the chunks that ask
+    # request -> (rows, alternatives) of the chunks that ask
+    prompt_logprobs: dict[int, tuple[int, int]]
     # request -> (drafts it verifies, drafts it asks for) of the items that speculate
     speculative: dict[int, tuple[int, int]] = {}
 
@@ -85,7 +84,8 @@ def check_plan(
         if len(tokens) == 1:
             if not 0 <= tokens[0] < vocab_size:
                 raise PlanRejected(
-                    f"request {rid}: token id {tokens[0]} outside the vocabulary 0..{vocab_size - 1}"
+                    f"request {rid}: token id {tokens[0]} "
+                    f"outside the vocabulary 0..{vocab_size - 1}"
                 )
         elif not tokens:
             if start == 0:
@@ -107,8 +107,18 @@ def check_plan(
             )
         else:
             _check_new(rid, start + len(tokens), item.new, max_logprobs)
+            outputs = item.new.output_ids
+            if outputs and (min(outputs) < 0 or max(outputs) >= vocab_size):
+                raise PlanRejected(
+                    f"request {rid}: an output id outside the vocabulary 0..{vocab_size - 1}"
+                )
         if item.save < -1:
             raise PlanRejected(f"request {rid}: save {item.save} names no saved prefix")
+        if item.grow < 0 or (item.grow and item.new is not None):
+            raise PlanRejected(
+                f"request {rid}: grow {item.grow}; a later item may add blocks (>= 0), a first "
+                f"chunk takes them with `new`"
+            )
         if item.prompt_logprobs != -1 or item.next_token != -1:
             _check_prompt_logprobs(item, vocab_size, max_logprobs)
             prompt_logprobs[rid] = (item.num_prompt_logprobs, item.prompt_logprobs)
@@ -155,7 +165,8 @@ def _check_prompt_logprobs(item: StepItem, vocab_size: int, max_logprobs: int) -
         raise PlanRejected(f"request {rid}: a chunk that samples has no next prompt token")
     if not item.sample and not 0 <= item.next_token < vocab_size:
         raise PlanRejected(
-            f"request {rid}: next_token {item.next_token} outside the vocabulary 0..{vocab_size - 1}"
+            f"request {rid}: next_token {item.next_token} "
+            f"outside the vocabulary 0..{vocab_size - 1}"
         )
 
 
@@ -193,11 +204,13 @@ def check_drop_plan(request_ids: list[int], expect: str, saves: list[SaveOnDrop]
     for save in saves:
         if expect != "must_exist" or save.request_id not in request_ids:
             raise PlanRejected(
-                f"request {save.request_id}: its state is saved, but it is not a drop that must exist"
+                f"request {save.request_id}: its state is saved, "
+                "but it is not a drop that must exist"
             )
         if save.prefix < 0 or save.num_tokens < 1:
             raise PlanRejected(
-                f"request {save.request_id}: saved prefix {save.prefix} of {save.num_tokens} positions"
+                f"request {save.request_id}: "
+                f"saved prefix {save.prefix} of {save.num_tokens} positions"
             )
     for ids, what in (
         ([s.request_id for s in saves], "request"),
@@ -429,7 +442,8 @@ def check_drop_acks(command: DropRequests, replies: list[DropAck]) -> None:
         if 0 < len(held) < len(replies):
             lacking = [r.rank for r in replies if not r.existed[i]]
             raise ReplyError(
-                f"ranks disagree on request {rid}: rank(s) {held} held it, rank(s) {lacking} did not"
+                f"ranks disagree on request {rid}: "
+                f"rank(s) {held} held it, rank(s) {lacking} did not"
             )
         if bool(held) != want:
             state = "no rank held it" if want else "every rank still held it"

@@ -24,7 +24,8 @@ from deltaserve.kernels.triton_compat import (
 def causal_conv1d(
     x: torch.Tensor,  # [L, C] pre-conv inputs of one sequence
     weight: torch.Tensor,  # [C, width]
-    state: torch.Tensor,  # [C, width - 1] inputs before x (zeros at a request's start); updated in place
+    # [C, width - 1] inputs before x (zeros at a request's start); updated in place
+    state: torch.Tensor,
 ) -> torch.Tensor:  # [L, C], SiLU applied
     length = x.shape[0]
     window = torch.cat([state.to(x.dtype), x.t()], dim=1)  # [C, width - 1 + L]
@@ -107,9 +108,8 @@ def _conv_update_kernel(
     in_window = m[:, None] & (taps < WIDTH - 1)
     window = state_ptr + slot * stride_slot + offs[:, None] * stride_channel + taps
     prev = read_ahead(window, in_window, 0.0)  # [BC, WP]
-    after = read_ahead(
-        window + 1, m[:, None] & (taps < WIDTH - 2), 0.0
-    )  # the window shifted by one
+    # the window shifted by one
+    after = read_ahead(window + 1, m[:, None] & (taps < WIDTH - 2), 0.0)
     w = read_ahead(w_ptr + offs[:, None] * stride_w + taps, m[:, None] & (taps < WIDTH), 0.0)
     wait_for_previous_grid(GDC_LATE)
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
@@ -254,9 +254,8 @@ def _conv_prefill_kernel(
             for t in tl.static_range(c + 1):
                 tap = tl.load(w_ptr + offs * stride_w + t, mask=m, other=0.0).to(tl.float32)
                 acc += tl.where((pos == c - t)[:, None], (tap * prev)[None, :], 0.0)
-    y = acc.to(x_ptr.dtype.element_ty).to(
-        tl.float32
-    )  # the conv output is rounded to the model dtype first
+    # the conv output is rounded to the model dtype first
+    y = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     out = out_ptr + offset * stride_out + pos[:, None] * stride_out + offs[None, :]
     tl.store(out, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=rows)
     if (

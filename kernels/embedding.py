@@ -64,9 +64,8 @@ def _embedding_kernel(
         slot = tl.maximum(tl.load(slots_ptr + r).to(tl.int64), 0)
         token = tl.where(token < 0, tl.load(last_ptr + slot).to(tl.int64), token)
     local = token - first
-    held = tl.where(
-        (local >= 0) & (local < rows_held), hidden, 0
-    )  # features to read: none outside the shard
+    # features to read: none outside the shard
+    held = tl.where((local >= 0) & (local < rows_held), hidden, 0)
     offs = tl.arange(0, BLOCK)
     row = tl.load(w_ptr + local * hidden + offs, mask=offs < held, other=0.0)
     tl.store(out_ptr + r * hidden + offs, row, mask=offs < hidden)

@@ -1,7 +1,8 @@
 """Gated delta rule: the DeltaNet recurrence, in a chunked form for prefill and a per-token
 form for decode. Plain torch references; the GPU kernels are checked against these.
 
-Per value head, with state S [dk, dv] (fp32), for each token t:
+Per value head, with state S [dk, dv] (kept fp32 or bf16; every update computed in fp32 and
+rounded to the state's dtype where it is stored), for each token t:
 
     S <- exp(g_t) S
     u_t = beta_t (v_t - S^T k_t)
@@ -38,7 +39,9 @@ from deltaserve.kernels.triton_compat import (
 )
 
 CHUNK_SIZE = 64
-# (block_v, warps) of every decode launch instead of the tuned rule (tools/bench_step_ab.py's dv modes)
+STATE_DTYPES = (torch.float32, torch.bfloat16)  # what the recurrent state may be kept in
+# (block_v, warps) of every decode launch instead of
+# the tuned rule (tools/bench_step_ab.py's dv modes)
 DECODE_TILE: tuple[int, int] | None = None
 
 
@@ -54,13 +57,13 @@ def recurrent_gated_delta(
     v: torch.Tensor,  # [B, nv, dv]
     g: torch.Tensor,  # [B, nv] log decay (<= 0)
     beta: torch.Tensor,  # [B, nv]
-    state: torch.Tensor,  # [B, nv, dk, dv] fp32, updated in place
+    state: torch.Tensor,  # [B, nv, dk, dv] fp32 or bf16, updated in place
 ) -> torch.Tensor:  # [B, nv, dv] fp32
     """One token for each of B sequences (the decode step)."""
     nv = v.shape[1]
     q = _expand_key_heads(q, nv).float()
     k = _expand_key_heads(k, nv).float()
-    s = state * g.float().exp()[..., None, None]
+    s = state.float() * g.float().exp()[..., None, None]
     predicted = torch.einsum("bhkv,bhk->bhv", s, k)
     u = beta.float()[..., None] * (v.float() - predicted)
     s = s + k[..., :, None] * u[..., None, :]
@@ -74,7 +77,7 @@ def chunk_gated_delta(
     v: torch.Tensor,  # [L, nv, dv]
     g: torch.Tensor,  # [L, nv]
     beta: torch.Tensor,  # [L, nv]
-    state: torch.Tensor,  # [nv, dk, dv] fp32, the state before token 0; updated in place
+    state: torch.Tensor,  # [nv, dk, dv] fp32 or bf16, the state before token 0; updated in place
     chunk_size: int = CHUNK_SIZE,
 ) -> torch.Tensor:  # [L, nv, dv] fp32
     """L tokens of one sequence, `chunk_size` at a time.
@@ -151,7 +154,7 @@ def gated_delta_decode_reference(
     b: torch.Tensor,  # [T, nv] in_proj_b output (raw)
     a_log: torch.Tensor,  # [nv]
     dt_bias: torch.Tensor,  # [nv]
-    state: torch.Tensor,  # [slots, nv, dk, dv] fp32, updated in place at `slots`
+    state: torch.Tensor,  # [slots, nv, dk, dv] fp32 or bf16, updated in place at `slots`
     rows: torch.Tensor,  # [D] token of each decode request
     slots: torch.Tensor,  # [D] its state slot
     out: torch.Tensor,  # [T, nv, dv]; rows `rows` are written
@@ -216,7 +219,7 @@ def _gated_delta_decode_kernel(
     smask = mk[:, None] & mv[None, :]
     # state first: the one big read, in flight while the small vectors arrive
     s_ptrs = state_ptr + slot * stride_slot + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-    s = tl.load(s_ptrs, mask=smask, other=0.0, eviction_policy=EVICT)
+    s = tl.load(s_ptrs, mask=smask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     kh = h // (NV // NK)
     base = mixed_ptr + row * stride_mixed
     q = tl.load(base + kh * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
@@ -238,7 +241,7 @@ def _gated_delta_decode_kernel(
     u = beta * (v - tl.sum(s * k[:, None], 0))  # [BV]
     s = s + k[:, None] * u[None, :]
     o = tl.sum(s * q[:, None], 0)
-    tl.store(s_ptrs, s, mask=smask, eviction_policy=EVICT)
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=smask, eviction_policy=EVICT)
     tl.store(out_ptr + row * stride_out + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
 
 
@@ -258,17 +261,18 @@ def gated_delta_decode(
     num_warps: int | None = None,
     evict_first: bool = False,
 ) -> None:
-    """Triton launch of `gated_delta_decode_reference` (same arguments): each request's fp32
-    state is read and written once, in place in its slot. Rows with slot < 0 are skipped.
+    """Triton launch of `gated_delta_decode_reference` (same arguments): each request's state
+    (fp32 or bf16, computed in fp32) is read and written once, in place in its slot. Rows with
+    slot < 0 are skipped.
     `block_v`, `num_warps`, `evict_first` override the tuned launch (tools/bench_decode.py)."""
     check_launchable(mixed, state)
     num_slots, nv, dk, dv = state.shape
     nk = num_k_heads
     if nk < 1 or nv % nk:
         raise ValueError(f"value heads {nv} are not a multiple of key heads {nk}")
-    if state.dtype != torch.float32 or state.stride()[1:] != (dk * dv, dv, 1):
+    if state.dtype not in STATE_DTYPES or state.stride()[1:] != (dk * dv, dv, 1):
         raise ValueError(
-            f"state: expected fp32 [slots, nv, dk, dv] with contiguous heads, got "
+            f"state: expected fp32 or bf16 [slots, nv, dk, dv] with contiguous heads, got "
             f"{state.dtype} strides {state.stride()}"
         )
     tokens = mixed.shape[0]
@@ -283,7 +287,8 @@ def gated_delta_decode(
     check_vector("dt_bias", dt_bias, nv)
     if out.dim() != 3 or out.shape[1:] != (nv, dv) or out.stride()[1:] != (dv, 1):
         raise ValueError(
-            f"out: expected [T, {nv}, {dv}] with contiguous heads, got {tuple(out.shape)} {out.stride()}"
+            f"out: expected [T, {nv}, {dv}] with contiguous heads, "
+            f"got {tuple(out.shape)} {out.stride()}"
         )
     num = rows.shape[0]
     check_index("rows", rows, num)
@@ -398,14 +403,16 @@ def compiler_disable_as_is() -> Iterator[None]:
 
 
 def gated_delta_prefill_reference(
-    mixed: torch.Tensor,  # [L, 2 * nk * dk + nv * dv] post-conv [q | k | v], sequences packed end to end
+    # [L, 2 * nk * dk + nv * dv] post-conv [q | k | v], sequences packed end to end
+    mixed: torch.Tensor,
     a: torch.Tensor,  # [L, nv] in_proj_a output (raw)
     b: torch.Tensor,  # [L, nv] in_proj_b output (raw)
     a_log: torch.Tensor,  # [nv]
     dt_bias: torch.Tensor,  # [nv]
-    state: torch.Tensor,  # [slots, nv, dk, dv] fp32; each sequence's slot updated in place
+    state: torch.Tensor,  # [slots, nv, dk, dv] fp32 or bf16; each sequence's slot updated in place
     slots: torch.Tensor,  # [n] each sequence's slot (-1: an empty padding sequence)
-    bounds: torch.Tensor,  # [n + 1] cumulative lengths over mixed's rows (rows past the last: padding)
+    # [n + 1] cumulative lengths over mixed's rows (rows past the last: padding)
+    bounds: torch.Tensor,
     num_k_heads: int,
     eps: float = 1e-6,
     store_slots: torch.Tensor | None = None,  # [n] where each final state goes (-1: nowhere)
@@ -451,7 +458,8 @@ def store_states(state: torch.Tensor, slots: torch.Tensor, final: torch.Tensor) 
     check_index("slots", slots, final.shape[0])
     if final.shape[1:] != state.shape[1:] or final.dtype != state.dtype:
         raise ValueError(
-            f"final {tuple(final.shape)} {final.dtype} does not fit state {tuple(state.shape)} {state.dtype}"
+            f"final {tuple(final.shape)} {final.dtype} "
+            f"does not fit state {tuple(state.shape)} {state.dtype}"
         )
     if not (state[0].is_contiguous() and final[0].is_contiguous()):
         raise ValueError("store_states needs each slot's state contiguous")
@@ -531,7 +539,8 @@ def fla_inputs(
     check_rows("b", b, nv)
     if nv % nk or b.shape[0] != length or mixed.shape[0] != length:
         raise ValueError(
-            f"fla_inputs: {nv} value heads over {nk} key heads, rows {mixed.shape[0]}/{length}/{b.shape[0]}"
+            f"fla_inputs: {nv} value heads over {nk} key heads, rows "
+            f"{mixed.shape[0]}/{length}/{b.shape[0]}"
         )
     new = functools.partial(torch.empty, dtype=mixed.dtype, device=mixed.device)
     q, k, v = new((length, nk, dk)), new((length, nk, dk)), new((length, nv, dv))
@@ -572,14 +581,16 @@ def gated_delta_prefill(
     state: torch.Tensor,
     slots: torch.Tensor,
     bounds: torch.Tensor,  # int32 on CUDA
-    chunks: torch.Tensor,  # [entries, 2] int32: (sequence, CHUNK_SIZE-token chunk), fla's chunk_indices
+    # [entries, 2] int32: (sequence, CHUNK_SIZE-token chunk), fla's chunk_indices
+    chunks: torch.Tensor,
     num_k_heads: int,
     eps: float = 1e-6,
     store_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`gated_delta_prefill_reference` (same arguments, plus the chunk table) in one call of
     fla's varlen chunk kernel on CUDA when fla is installed: q, k, v go in as the model dtype
-    (as HF's fla path does; the state stays fp32), and the L2 norms and the decay are computed
+    (as HF's fla path does; fla takes and gives fp32 states, rounded to a bf16 cache's dtype
+    as they are stored), and the L2 norms and the decay are computed
     inside fla's kernels instead of by a dozen elementwise passes here. Every grid is fixed
     by the sizes of `bounds` and `chunks`, so a CUDA graph can hold the call: padding entries
     of `chunks` name an empty sequence, whose programs return at once."""
@@ -597,7 +608,7 @@ def gated_delta_prefill(
         g=g[None],
         beta=beta[None],
         scale=dk**-0.5,
-        initial_state=state[slots.clamp(min=0)],
+        initial_state=state[slots.clamp(min=0)].float(),
         output_final_state=True,
         cu_seqlens=bounds,
         chunk_indices=chunks,
@@ -605,5 +616,5 @@ def gated_delta_prefill(
         A_log=a_log,
         dt_bias=dt_bias,  # made fp32 inside fla's gate kernel
     )
-    store_states(state, slots if store_slots is None else store_slots, final.float())
+    store_states(state, slots if store_slots is None else store_slots, final.to(state.dtype))
     return out[0].to(mixed.dtype)

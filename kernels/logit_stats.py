@@ -98,9 +98,8 @@ def _parts_kernel(
         # all -inf so far, or a +inf: exp(inf - inf) is NaN; torch's logsumexp gives -inf, +inf
         shift = tl.where((new_best == -float("inf")) | (new_best == float("inf")), 0.0, new_best)
         total = total * tl.exp(best - shift) + tl.sum(tl.exp(x - shift), axis=0)
-        arg = tl.where(
-            block_max > best, block_arg, arg
-        )  # strictly greater: the first maximum stays
+        # strictly greater: the first maximum stays
+        arg = tl.where(block_max > best, block_arg, arg)
         best = new_best
     tl.store(max_ptr + row * parts + part, best)
     tl.store(sum_ptr + row * parts + part, total)
@@ -136,9 +135,8 @@ def _combine_kernel(
     best = tl.max(part_max, axis=0)
     shift = tl.where((best == -float("inf")) | (best == float("inf")), 0.0, best)
     total = tl.sum(part_sum * tl.exp(part_max - shift), axis=0)
-    first = tl.argmax(
-        part_max, axis=0, tie_break_left=True
-    )  # the earliest part holding the maximum
+    # the earliest part holding the maximum
+    first = tl.argmax(part_max, axis=0, tie_break_left=True)
     arg = tl.sum(tl.where(offs == first, part_arg, 0), axis=0)
     lse = best + tl.log(total)
     tl.store(lse_ptr + row, lse)
@@ -212,9 +210,8 @@ def _launch(
     larger = torch.empty(rows, dtype=torch.int64, device=logits.device) if count else None
     if rows == 0:
         return lse, arg, greedy, larger
-    most_parts = triton.next_power_of_2(
-        min(target_programs, triton.cdiv(vocab, block))
-    )  # any row count's
+    # any row count's
+    most_parts = triton.next_power_of_2(min(target_programs, triton.cdiv(vocab, block)))
     parts = max(1, min(triton.cdiv(target_programs, rows), triton.cdiv(vocab, block)))
     part_len = triton.cdiv(triton.cdiv(vocab, parts), block) * block
     parts = triton.cdiv(vocab, part_len)

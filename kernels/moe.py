@@ -118,8 +118,8 @@ def experts_reference(
     weights: torch.Tensor,
     ids: torch.Tensor,
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * down[e] (silu(gate[e] x_t) * up[e] x_t) over e = ids[t, k], in fp32 [T, H].
-    gate_up [E, 2 I, H] (gate rows then up rows), down [E, H, I]; products in x's dtype."""
+    """sum_k weights[t, k] * down[e] (silu(gate[e] x_t) * up[e] x_t) over e = ids[t, k], in fp32
+    [T, H]. gate_up [E, 2 I, H] (gate rows then up rows), down [E, H, I]; products in x's dtype."""
     out = torch.zeros((x.shape[0], down.shape[1]), dtype=torch.float32, device=x.device)
     for expert in ids.unique().tolist():
         tokens, slots = (ids == expert).nonzero(as_tuple=True)
@@ -488,9 +488,8 @@ def experts_and_shared(
         **pdl_options(x),
     )
     bn = gemv_rows(tokens * hidden, sm_count(x))
-    sh, sw, sg = (
-        (shared_h, shared_down, shared_gate) if shared else (h, down[0], weights)
-    )  # unread without SHARED
+    # unread without SHARED
+    sh, sw, sg = (shared_h, shared_down, shared_gate) if shared else (h, down[0], weights)
     _down_sum_kernel[(tokens, triton.cdiv(hidden, bn))](
         h,
         down,

@@ -2,6 +2,8 @@
 
 The cache is flat: row `block * block_size + offset` holds one position of one request. A span
 of L queries at positions start .. start+L-1 attends to its request's positions 0 .. its own.
+An FP8 cache (kernels/kv_quant.py) comes with `kv_scale` [2, nkv] (the layer's key and value
+scales): its rows are multiplied back as they are read.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.kernels.activation import times_sigmoid
+from deltaserve.kernels.kv_quant import FP8, dequantize
 from deltaserve.kernels.triton_compat import (
     H200_SMS,
     INTERPRET,
@@ -51,6 +54,20 @@ def request_rows(block_table: torch.Tensor, block_size: int, num_positions: int)
     return (block_table[:, None] * block_size + offsets).flatten()[:num_positions]
 
 
+def read_rows(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of cache `rows`, in `dtype` (an FP8 cache's multiplied back)."""
+    k, v = k_cache[rows], v_cache[rows]
+    if k_cache.dtype != FP8:
+        return k, v
+    return dequantize(k, kv_scale[0], dtype), dequantize(v, kv_scale[1], dtype)
+
+
 def paged_attention(
     q: torch.Tensor,  # [L, nh, hd], one request's queries
     k_cache: torch.Tensor,  # [rows, nkv, hd]
@@ -59,10 +76,11 @@ def paged_attention(
     block_size: int,
     start: int,  # position of q[0]
     scale: float,
+    kv_scale: torch.Tensor | None = None,  # [2, nkv] of an FP8 cache
 ) -> torch.Tensor:  # [L, nh, hd]
     length, num_heads, _ = q.shape
     rows = request_rows(block_table, block_size, start + length)
-    k, v = k_cache[rows], v_cache[rows]  # [P, nkv, hd]
+    k, v = read_rows(k_cache, v_cache, rows, kv_scale, q.dtype)  # [P, nkv, hd]
     group = num_heads // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
@@ -104,7 +122,8 @@ def prefill_attention(
 
 
 def varlen_prefill_attention(
-    q: torch.Tensor,  # [T, nh, hd]: the first chunks of prompts, packed end to end (rows past bounds[-1]: padding)
+    # [T, nh, hd]: the first chunks of prompts, packed end to end (rows past bounds[-1]: padding)
+    q: torch.Tensor,
     k: torch.Tensor,  # [T, nkv, hd]
     v: torch.Tensor,
     bounds: torch.Tensor,  # [n + 1] int32: cumulative lengths (cu_seqlens); empty spans allowed
@@ -136,6 +155,7 @@ def gathered_prefill_attention(
     max_len: int,  # host bound on the chunk lengths
     block_size: int,
     scale: float,
+    kv_scale: torch.Tensor | None = None,  # [2, nkv] of an FP8 cache
 ) -> torch.Tensor:  # [T, nh, hd]; padding rows unwritten
     """Causal attention of chunks that may follow cached positions (prefix caching), every
     span in one launch and by sizes fixed on the host, so a prompt CUDA graph can hold it:
@@ -143,7 +163,7 @@ def gathered_prefill_attention(
     over them, each span using only its first `keys.lengths` keys (`seqused_k`; its causal
     mask is aligned to the last of them). `prefill_attention` span by span off flash."""
     rows = (keys.blocks[:, None] * block_size + torch.arange(block_size, device=q.device)).flatten()
-    k, v = k_cache[rows], v_cache[rows]
+    k, v = read_rows(k_cache, v_cache, rows, kv_scale, q.dtype)
     if flash_takes(q.device, q.dtype, q.shape[-1]):
         return torch.ops.aten._flash_attention_forward(
             q,
@@ -184,11 +204,12 @@ def paged_prefill_attention(
     block_size: int,
     start: int,
     scale: float,
+    kv_scale: torch.Tensor | None = None,  # [2, nkv] of an FP8 cache
 ) -> torch.Tensor:  # [L, nh, hd]
     """`paged_attention` by `prefill_attention` over the request's keys gathered from the
     cache (a later chunk of a prompt: the earlier chunks' keys are only there)."""
     rows = request_rows(block_table, block_size, start + q.shape[0])
-    return prefill_attention(q, k_cache[rows], v_cache[rows], start, scale)
+    return prefill_attention(q, *read_rows(k_cache, v_cache, rows, kv_scale, q.dtype), start, scale)
 
 
 # ---- decode step on the GPU: one query token per request, all requests in one launch ------
@@ -207,12 +228,13 @@ def paged_decode_attention_reference(
     block_size: int,
     scale: float,
     out: torch.Tensor,  # [T, nh, hd]; rows `rows` are written
+    kv_scale: torch.Tensor | None = None,  # [2, nkv] of an FP8 cache
 ) -> None:
     """`paged_attention` on one query per request, request by request."""
     for i, (row, length) in enumerate(zip(rows.tolist(), seq_lens.tolist(), strict=True)):
         table = block_tables[i, : -(-length // block_size)].long()
         out[row : row + 1] = paged_attention(
-            q[row : row + 1], k_cache, v_cache, table, block_size, length - 1, scale
+            q[row : row + 1], k_cache, v_cache, table, block_size, length - 1, scale, kv_scale
         )
 
 
@@ -228,6 +250,7 @@ def _paged_decode_kernel(
     part_ptr,
     lse_ptr,
     gate_ptr,
+    kv_scale_ptr,
     stride_q_row,
     stride_q_head,
     stride_k_row,
@@ -250,16 +273,23 @@ def _paged_decode_kernel(
     NUM_PARTS: tl.constexpr,
     EXACT: tl.constexpr,
     GATED: tl.constexpr,
+    FP8: tl.constexpr = False,
     GDC: tl.constexpr = False,
     GDC_LATE: tl.constexpr = False,
 ):
-    # program: (decode request i, KV head kvh, partition p of the context)
+    # program: (decode request i, KV head kvh, partition p of the context). FP8: the cache's
+    # keys and values are taken as q's dtype (e4m3 holds no value bf16 cannot), the head's key
+    # scale joins the softmax scale and its value scale multiplies the result
     wait_for_previous_grid(GDC)
     i = tl.program_id(0)
     kvh = tl.program_id(1)
     p = tl.program_id(2)
     seq_len = read_ahead(seq_lens_ptr + i)
     row = read_ahead(rows_ptr + i).to(tl.int64)
+    v_scale = 1.0
+    if FP8:
+        scale = scale * read_ahead(kv_scale_ptr + kvh)
+        v_scale = read_ahead(kv_scale_ptr + tl.num_programs(1) + kvh)
     wait_for_previous_grid(GDC_LATE)  # the keys and values: norm_rope has just written the last
     offs_g = tl.arange(0, BG)
     offs_d = tl.arange(0, BD)
@@ -294,6 +324,9 @@ def _paged_decode_kernel(
             mask=mkv,
             other=0.0,
         )
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if EXACT:  # fp32 model (or the interpreter, whose bf16 dot is wrong): fp32 products
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -311,7 +344,7 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     safe_l = tl.where(l_i > 0, l_i, 1.0)
-    result = acc / safe_l[:, None]  # an empty partition (or a padding row) gives zeros
+    result = acc / safe_l[:, None] * v_scale  # an empty partition (or a padding row): zeros
     if NUM_PARTS == 1:
         o_ptrs = out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + offs_d[None, :]
         g_ptrs = (
@@ -421,22 +454,37 @@ def paged_decode_attention(
     num_stages: int | None = None,
     parts_per_sm: int | None = None,
     gate: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Triton launch of `paged_decode_attention_reference` (same arguments) plus
     `max_seq_len`, a host-side bound on `seq_lens` that sizes the grid (a CUDA graph keeps
     it fixed). A request with seq_len 0 (a padding row) gets zeros. With `gate` (like q, rows
-    may be strided) the rows written are `sigmoid_gate(attention, gate)`'s. The other keyword
-    arguments override the tuned launch (tools/bench_decode.py)."""
+    may be strided) the rows written are `sigmoid_gate(attention, gate)`'s. An FP8 cache
+    needs `kv_scale` (fp32 [2, nkv], contiguous). The other keyword arguments override the
+    tuned launch (tools/bench_decode.py)."""
     check_launchable(q, k_cache)
     tokens, num_heads, hd = q.shape
     _, num_kv, _ = k_cache.shape
     if num_kv < 1 or num_heads % num_kv:
         raise ValueError(f"query heads {num_heads} are not a multiple of KV heads {num_kv}")
-    if k_cache.shape != v_cache.shape or k_cache.shape[2] != hd or k_cache.dtype != q.dtype:
+    fp8 = k_cache.dtype == FP8
+    if (
+        k_cache.shape != v_cache.shape
+        or k_cache.shape[2] != hd
+        or k_cache.dtype != v_cache.dtype
+        or k_cache.dtype not in (q.dtype, FP8)
+    ):
         raise ValueError(
             f"k/v cache {tuple(k_cache.shape)}/{tuple(v_cache.shape)} {k_cache.dtype} "
             f"do not fit queries {tuple(q.shape)} {q.dtype}"
         )
+    if fp8 and (
+        kv_scale is None
+        or kv_scale.shape != (2, num_kv)
+        or kv_scale.dtype != torch.float32
+        or not kv_scale.is_contiguous()
+    ):
+        raise ValueError(f"an FP8 cache needs kv_scale: fp32 [2, {num_kv}] contiguous")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if t.stride(2) != 1:
             raise ValueError(f"{name}: head_dim must be contiguous, got strides {t.stride()}")
@@ -487,6 +535,7 @@ def paged_decode_attention(
         part,
         lse,
         g,
+        kv_scale if fp8 else out,  # (unread without FP8)
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -509,6 +558,7 @@ def paged_decode_attention(
         NUM_PARTS=num_parts,
         EXACT=q.dtype == torch.float32 or INTERPRET,
         GATED=gate is not None,
+        FP8=fp8,
         num_warps=num_warps or 4,
         # tuned on the H200 (bench/results): two stages win once the grid is large
         num_stages=num_stages or (2 if num * num_kv >= 256 else 3),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.kernels.kv_quant import FP8, FP8_MAX, e4m3_values
 from deltaserve.kernels.rmsnorm import rms_norm_reference
 from deltaserve.kernels.triton_compat import (
     check_index,
@@ -51,12 +52,18 @@ def norm_rope_reference(
 class KVStore:
     """The paged cache rows that `norm_rope` also writes the step's keys and values to (the
     idea of nano-vllm's `store_kvcache`, here in the same launch): k normed and rotated, v as
-    it is. Caches [rows, nkv, hd] with contiguous rows; index [T], < 0 (padding) skipped."""
+    it is. Caches [rows, nkv, hd] with contiguous rows; index [T], < 0 (padding) skipped. An
+    FP8 cache (kernels/kv_quant.py) takes each head's k and v divided by its scale, saturated:
+    `kv_scale` fp32 [2, nkv]."""
 
     v: torch.Tensor  # [T, nkv, hd], rows may be strided
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     index: torch.Tensor
+    kv_scale: torch.Tensor | None = None
+
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit(do_not_specialize=["tokens"])  # one kernel for every token count (a prompt's are any)
@@ -73,6 +80,7 @@ def _norm_rope_kernel(
     k_out_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    kv_scale_ptr,
     stride_q_row,
     stride_q_head,
     stride_k_row,
@@ -89,6 +97,7 @@ def _norm_rope_kernel(
     BD: tl.constexpr,
     HALF: tl.constexpr,
     STORE: tl.constexpr,
+    FP8: tl.constexpr = False,
     ROWS: tl.constexpr = 1,
     GDC: tl.constexpr = False,
     GDC_LATE: tl.constexpr = False,
@@ -128,6 +137,8 @@ def _norm_rope_kernel(
     sin = tl.sin(angle).to(dtype).to(tl.float32)
     if STORE:
         dest = read_ahead(index_ptr + t, live, -1).to(tl.int64)
+        if FP8:  # this head's scale: k's at [0, hk], v's at [1, hv]
+            kv_scale = read_ahead(kv_scale_ptr + tl.where(is_v, KH + hv, hk))
     wait_for_previous_grid(GDC_LATE)
     x = tl.load(src + offs, mask=m & live, other=0.0)
     xf = x.to(tl.float32)
@@ -147,6 +158,9 @@ def _norm_rope_kernel(
         cache = tl.where(
             is_v, v_cache_ptr + row * stride_vc + hv * HD, k_cache_ptr + row * stride_kc + hk * HD
         )
+        if FP8:
+            scaled = tl.clamp(out.to(tl.float32) / kv_scale, -_FP8_MAX, _FP8_MAX)
+            out = e4m3_values(scaled).to(k_cache_ptr.dtype.element_ty)
         tl.store(cache + offs, out, mask=offs < tl.where(is_q | (dest < 0), 0, HD))
 
 
@@ -185,6 +199,7 @@ def norm_rope(
     v, k_cache, v_cache, index = (
         (store.v, store.k_cache, store.v_cache, store.index) if store else (k, k, k, positions)
     )
+    fp8 = store is not None and store.k_cache.dtype == FP8
     block = triton.next_power_of_2(hd)
     per_program = rows_per_program()
     _norm_rope_kernel[(triton.cdiv(tokens, per_program), num_q + num_k * (2 if store else 1))](
@@ -200,6 +215,7 @@ def norm_rope(
         k_out,
         k_cache,
         v_cache,
+        store.kv_scale if fp8 else q,  # (unread without FP8)
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -216,6 +232,7 @@ def norm_rope(
         BD=block,
         HALF=half,
         STORE=store is not None,
+        FP8=fp8,
         ROWS=per_program,
         num_warps=1 if block <= 256 else 2,
         **pdl_options(q, reads_ahead="attention"),
@@ -225,18 +242,31 @@ def norm_rope(
 
 def check_kv_store(store: KVStore, k: torch.Tensor) -> None:
     tokens, num_k, hd = k.shape
-    for name, t in (("v", store.v), ("k_cache", store.k_cache), ("v_cache", store.v_cache)):
+    cache_dtype = store.k_cache.dtype if store.k_cache.dtype == FP8 else k.dtype
+    for name, t, dtype in (
+        ("v", store.v, k.dtype),
+        ("k_cache", store.k_cache, cache_dtype),
+        ("v_cache", store.v_cache, cache_dtype),
+    ):
         if (
             t.dim() != 3
             or t.shape[1:] != (num_k, hd)
             or t.stride(2) != 1
             or t.stride(1) != hd
-            or t.dtype != k.dtype
+            or t.dtype != dtype
         ):
             raise ValueError(
-                f"{name}: expected [*, {num_k}, {hd}] {k.dtype} with contiguous rows, got "
+                f"{name}: expected [*, {num_k}, {hd}] {dtype} with contiguous rows, got "
                 f"{tuple(t.shape)} {t.dtype} strides {t.stride()}"
             )
+    scale = store.kv_scale
+    if cache_dtype == FP8 and (
+        scale is None
+        or scale.shape != (2, num_k)
+        or scale.dtype != torch.float32
+        or not scale.is_contiguous()
+    ):
+        raise ValueError(f"an FP8 cache needs kv_scale: fp32 [2, {num_k}] contiguous")
     if store.v.shape[0] != tokens:
         raise ValueError(f"k has {tokens} rows, v {store.v.shape[0]}")
     check_index("kv index", store.index, tokens)

@@ -38,7 +38,8 @@ from deltaserve.kernels.triton_compat import (
     wait_for_previous_grid,
 )
 
-# The most rows the skinny kernels take (above 32, the narrow outputs and TUNED shapes); 0: cuBLAS for all.
+# The most rows the skinny kernels take (above 32, the
+# narrow outputs and TUNED shapes); 0: cuBLAS for all.
 MAX_ROWS = 64
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 ONE_WAVE = True  # the split rule (tools/bench_step_ab.py's "even_splits" mode: the rule before it)
@@ -46,12 +47,10 @@ SILU_EPILOGUE = True  # gate_up's kernel makes silu(gate) * up (tools/bench_step
 SUM_IN_NORM = True  # split-K partial sums added by the next norm (`linear(unsummed=True)`; ditto)
 USE_TUNED = True  # the TUNED tiles below (tools/bench_step_ab.py's "untuned" mode turns them off)
 LM_HEAD_GEMV = True  # one row's logits by the whole-row GEMV (`logits`; ditto, "lm_cublas")
-CONV_EPILOGUE = (
-    True  # one row's in_proj GEMV makes the DeltaNet conv (`ConvEpilogue`; ditto, "conv_apart")
-)
-RULE_FIRST_AHEAD = (
-    True  # the rule's one-row GEMVs read their first K block before the wait (ditto, "rule_plain")
-)
+# one row's in_proj GEMV makes the DeltaNet conv (`ConvEpilogue`; ditto, "conv_apart")
+CONV_EPILOGUE = True
+# the rule's one-row GEMVs read their first K block before the wait (ditto, "rule_plain")
+RULE_FIRST_AHEAD = True
 # an FP8 weight's GEMV tile: this many times the bf16 tile's rows (one row's replay 2.316 ms against
 # 2.376 at 2x and 2.400 at 8x, step_ab_h200_fp8_gemv_rows_4b_b1.json; ditto, "fp8_rows1", ...)
 FP8_GEMV_ROWS = 4
@@ -94,9 +93,8 @@ class ConvEpilogue:
 
     weight: torch.Tensor  # [channels, width] conv taps
     state: torch.Tensor  # [slots, channels, width - 1] the windows, updated in place
-    rows: (
-        torch.Tensor
-    )  # [M] the step's token rows, 0 .. M-1 (for `causal_conv1d_update` when not fused)
+    # [M] the step's token rows, 0 .. M-1 (for `causal_conv1d_update` when not fused)
+    rows: torch.Tensor
     slots: torch.Tensor  # [M] each row's slot; -1: a padding row, no window touched
 
 
@@ -409,7 +407,8 @@ def _check_conv_epilogue(
     channels = conv.weight.shape[0]
     if conv.weight.shape != (channels, 4) or not conv.weight.is_contiguous() or channels > n:
         raise ValueError(
-            f"conv epilogue: taps must be contiguous [channels <= {n}, 4], got {tuple(conv.weight.shape)}"
+            f"conv epilogue: taps must be contiguous [channels <= {n}, 4], "
+            f"got {tuple(conv.weight.shape)}"
         )
     if (
         conv.state.dim() != 3
@@ -422,7 +421,8 @@ def _check_conv_epilogue(
         )
     if conv.slots.shape != (m,) or conv.slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(
-            f"conv epilogue: slots must be [{m}] int32/int64, got {tuple(conv.slots.shape)} {conv.slots.dtype}"
+            f"conv epilogue: slots must be [{m}] int32/int64, "
+            f"got {tuple(conv.slots.shape)} {conv.slots.dtype}"
         )
     if not (gemv and cfg.whole_rows) or silu_mul or (out is not None and out.dtype != dtype):
         raise ValueError(
@@ -601,12 +601,10 @@ def skinny_linear(
 TUNED = {
     # one row, whole rows read before the wait (replay 2.597 against 2.641 ms,
     # step_ab_h200_gemv_whole_rows_adopted_at_180c95a.json; for down or qkv: slower)
-    (1, 12352, 2560): SkinnyConfig(
-        2, 2560, 1, 4, 1, whole_rows=True
-    ),  # DeltaNet in_proj: 351 against 430
-    (1, 18432, 2560): SkinnyConfig(
-        2, 2560, 1, 2, 1, whole_rows=True
-    ),  # MLP gate_up + silu epilogue: 748 against 766
+    # DeltaNet in_proj: 351 against 430
+    (1, 12352, 2560): SkinnyConfig(2, 2560, 1, 4, 1, whole_rows=True),
+    # MLP gate_up + silu epilogue: 748 against 766
+    (1, 18432, 2560): SkinnyConfig(2, 2560, 1, 2, 1, whole_rows=True),
     # MLP down: 2 rows a program, its first block read before the wait (replay -1.0% with the rule's
     # one-row GEMVs so, step_ab_h200_first_block_ahead_down_tiles_4b_b1_at_7e91d54.json)
     (1, 2560, 9216): SkinnyConfig(2, 1024, 1, 4, 2, evict_first=True, first_ahead=True),
@@ -615,35 +613,28 @@ TUNED = {
     (1, 2560, 4096): SkinnyConfig(2, 1024, 1, 4, 2, first_ahead=True),
     # (out/o_proj and down at 2-64 rows, K in 3 parts, are the rule's: one wave of 120 programs)
     (64, 12352, 2560): SkinnyConfig(64, 64, 1, 4, 5),  # DeltaNet in_proj: 453 against cuBLAS's 482
-    (64, 18432, 2560): SkinnyConfig(
-        64, 64, 1, 4, 4
-    ),  # MLP gate_up + silu epilogue: step 5.467 ms against cuBLAS's 5.542
+    # MLP gate_up + silu epilogue: step 5.467 ms against cuBLAS's 5.542
+    (64, 18432, 2560): SkinnyConfig(64, 64, 1, 4, 4),
     # 9B (hidden 4096; step_tiles_h200_9b_at_01e2744.json). One row: every projection reads its
     # rows whole before the wait (replay 4.154 against the rule's 4.457 ms), down's K of 12288 too
-    (1, 12352, 4096): SkinnyConfig(
-        2, 4096, 1, 4, 1, evict_first=True, whole_rows=True
-    ),  # in_proj: 587 against 696
-    (1, 24576, 4096): SkinnyConfig(
-        4, 4096, 1, 8, 1, whole_rows=True
-    ),  # gate_up + silu epilogue: 1458 against 1670
+    # in_proj: 587 against 696
+    (1, 12352, 4096): SkinnyConfig(2, 4096, 1, 4, 1, evict_first=True, whole_rows=True),
+    # gate_up + silu epilogue: 1458 against 1670
+    (1, 24576, 4096): SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True),
     (1, 4096, 12288): SkinnyConfig(2, 12288, 1, 4, 1, whole_rows=True),  # down: 779 against 843
-    (1, 10240, 4096): SkinnyConfig(
-        2, 4096, 1, 4, 1, whole_rows=True
-    ),  # attention qkv: 148 against 164
+    # attention qkv: 148 against 164
+    (1, 10240, 4096): SkinnyConfig(2, 4096, 1, 4, 1, whole_rows=True),
     (1, 4096, 4096): SkinnyConfig(4, 4096, 1, 8, 1, whole_rows=True),  # out/o_proj: 296 against 342
-    (32, 4096, 12288): SkinnyConfig(
-        64, 128, 3, 4, 4
-    ),  # down: 825 against 1016 at 8 rows (the rule's 2 parts: 835)
+    # down: 825 against 1016 at 8 rows (the rule's 2 parts: 835)
+    (32, 4096, 12288): SkinnyConfig(64, 128, 3, 4, 4),
     # 2B (hidden 2048). One row: whole rows again (replay 1.280 against 1.312 ms,
     # step_ab_h200_2b_one_wave_at_01e2744-onewave.json; the shares from step_tiles at 01e2744)
     (1, 8224, 2048): SkinnyConfig(2, 2048, 1, 2, 1, whole_rows=True),  # in_proj: 168 against 182
-    (1, 12288, 2048): SkinnyConfig(
-        2, 2048, 1, 2, 1, whole_rows=True
-    ),  # gate_up + silu epilogue: 307 against 381
+    # gate_up + silu epilogue: 307 against 381
+    (1, 12288, 2048): SkinnyConfig(2, 2048, 1, 2, 1, whole_rows=True),
     (1, 2048, 6144): SkinnyConfig(4, 6144, 1, 8, 1, whole_rows=True),  # down: 157 against 185
-    (1, 5120, 2048): SkinnyConfig(
-        2, 2048, 1, 4, 1, whole_rows=True
-    ),  # attention qkv: 28 against 48
+    # attention qkv: 28 against 48
+    (1, 5120, 2048): SkinnyConfig(2, 2048, 1, 4, 1, whole_rows=True),
     (1, 2048, 2048): SkinnyConfig(2, 2048, 1, 4, 1, whole_rows=True),  # out/o_proj: 57 against 85
 }
 
@@ -758,7 +749,8 @@ def linear(
 def fp8_fits(
     cfg: SkinnyConfig, gemv: bool, block: tuple[int, int], silu_mul: bool, rows: int
 ) -> bool:
-    """Whether the kernel's tiles can read FP8 weights of these blocks (`fp8_args` refuses the others)."""
+    """Whether the kernel's tiles can read FP8 weights
+    of these blocks (`fp8_args` refuses the others)."""
     bm, bn = block
     tile_rows = cfg.block_n // 2 if silu_mul else cfg.block_n
     k_parts = (whole_row_parts(cfg.block_k) or (1, 1)) if cfg.whole_rows else (cfg.block_k, 0)

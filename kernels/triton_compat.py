@@ -45,11 +45,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Programmatic dependent launch (Hopper on): a decode kernel's programs are launched while the
 # kernel before it in the stream finishes, and wait in `wait_for_previous_grid` for its results,
 # so the launch and ramp-up of one kernel hide behind the tail of the last. On the H200 the
-# batch-1 decode step's replay fell from 2.93 to 2.72 ms (step_ab_h200_pdl_at_1b605c5.json; reading the first
-# weight tile, or the slice to L2, before the wait measured no better, or worse; a GEMV
+# batch-1 decode step's replay fell from 2.93 to 2.72 ms (step_ab_h200_pdl_at_1b605c5.json; reading
+# the first weight tile, or the slice to L2, before the wait measured no better, or worse; a GEMV
 # program's whole rows, read into registers before the wait, pays for in_proj and gate_up:
-# skinny_linear's TUNED).
-# DELTASERVE_PDL=0 turns it off.
+# skinny_linear's TUNED). DELTASERVE_PDL=0 turns it off.
 PDL = HAS_TRITON and os.environ.get("DELTASERVE_PDL", "1") != "0"
 # Kernels launched with `reads_ahead` in this set load what no kernel before them in the step
 # writes (slots, conv windows, positions: `read_ahead`) before the wait, and wait at GDC_LATE

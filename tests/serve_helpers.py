@@ -246,9 +246,8 @@ def source_tree() -> str:
             ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True
         ).stdout.strip()
 
-    changed = git(
-        "status", "--porcelain", "--", ".", f":!{LONG_FIGURES.relative_to(REPO_ROOT)}"
-    )  # not this record
+    # not this record
+    changed = git("status", "--porcelain", "--", ".", f":!{LONG_FIGURES.relative_to(REPO_ROOT)}")
     return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+changes" if changed else "")
 
 

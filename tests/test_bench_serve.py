@@ -157,9 +157,8 @@ async def test_bench_serve_random_and_multi_turn(tiny_model_dir, tmp_path):
         turns = m["turns_per_conversation"]
         assert len(turns) == 4 and all(2 <= t <= 5 for t in turns)
         assert m["conversations_completed"] == 4 and m["conversations_failed"] == 0
-        assert (
-            0 < m["total_cached_input_tokens"] < m["total_input_tokens"]
-        )  # later turns start after earlier ones
+        # later turns start after earlier ones
+        assert 0 < m["total_cached_input_tokens"] < m["total_input_tokens"]
         assert m["turns_completed"] == m["completed"] == m["turns_planned"] == sum(turns)
         assert m["output_lens"] == [4] * sum(turns)
         # each turn resends the history: prompts grow within a conversation

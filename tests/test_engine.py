@@ -448,9 +448,8 @@ class TestRefusals:
             first_seen = list(
                 dict.fromkeys(c.request_id for plan in log.plans for c in plan.chunks)
             )
-            expected = sorted(
-                range(len(order)), key=lambda i: (order[i], i)
-            )  # stable: arrival within a priority
+            # stable: arrival within a priority
+            expected = sorted(range(len(order)), key=lambda i: (order[i], i))
             assert first_seen == [
                 running.request_ids[0],
                 *(streams[i].request_ids[0] for i in expected),

@@ -56,9 +56,8 @@ def test_fp8_release_matches_transformers(fp8_dir, tiny_model_dir):
     machine without FP8 kernels) to the golden bound, and are not the unquantized model's."""
     tensors = load_file(str(fp8_dir / "model.safetensors"))
     fp8 = [name for name, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
-    assert (
-        len(fp8) == 3 * 6 + 1 * 7
-    )  # 3 DeltaNet layers: in_proj_qkv, z, out, the MLP's 3; 1 attention: q, k, v, o, MLP
+    # 3 DeltaNet layers: in_proj_qkv, z, out, the MLP's 3; 1 attention: q, k, v, o, MLP
+    assert len(fp8) == 3 * 6 + 1 * 7
     hf = Qwen3_5ForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32).eval()
     name = "model.layers.0.linear_attn.in_proj_qkv.weight"
     assert torch.equal(
@@ -70,9 +69,8 @@ def test_fp8_release_matches_transformers(fp8_dir, tiny_model_dir):
     ours = logits_of(fp8_dir)
     report = compare_logprobs(ours, reference)
     assert report.argmax_mismatches == 0 and report.max_abs_diff <= 1e-3, report
-    unquantized = compare_logprobs(
-        logits_of(tiny_model_dir), reference
-    )  # same seed, same values unrounded
+    # same seed, same values unrounded
+    unquantized = compare_logprobs(logits_of(tiny_model_dir), reference)
     assert unquantized.mean_abs_diff > 10 * report.mean_abs_diff, (unquantized, report)
 
 
@@ -234,7 +232,8 @@ def test_fp8_only_where_the_shards_are_whole_blocks():
 
 
 def test_dequantize_partial_blocks():
-    """Blocks at the right and bottom edges may be partial: each value takes its own block's scale."""
+    """Blocks at the right and bottom edges may be
+    partial: each value takes its own block's scale."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(70, 45, generator=gen).to(torch.float8_e4m3fn)
     scale = torch.rand(3, 2, generator=gen) + 0.5
@@ -264,7 +263,8 @@ TENSOR_FAULTS = {
     ),
     "scales of the wrong grid": (
         lambda t: t.__setitem__(DOWN + "_scale_inv", t[DOWN + "_scale_inv"][:, :1].clone()),
-        rf"FP8 weight {DOWN}: its scales have shape \[2, 1\], not \[2, 4\] \(weight \[64, 128\] in blocks of \[32, 32\]\)",
+        rf"FP8 weight {DOWN}: its scales have shape \[2, 1\], "
+        r"not \[2, 4\] \(weight \[64, 128\] in blocks of \[32, 32\]\)",
     ),
     "integer scales": (
         lambda t: t.__setitem__(DOWN + "_scale_inv", t[DOWN + "_scale_inv"].to(torch.int32)),
@@ -385,7 +385,8 @@ def test_new_fp8_weights_in_place(fp8_dir, tmp_path, fp8_weights):
 
 def test_weight_update_checks(fp8_dir, tiny_model_dir, tmp_path):
     """Another FP8 checkpoint of the model passes the update's header check; an unquantized
-    one is another config (its quantization), and an FP8 tensor where the served one is plain is refused."""
+    one is another config (its quantization), and an FP8 tensor where the served one is plain is
+    refused."""
     config = ModelConfig.from_model_dir(fp8_dir)
     other = make_model(tmp_path / "other", preset="tiny", dtype="fp8", fp8_block=BLOCK, seed=1)
     check_same_tensors(fp8_dir, other, config)

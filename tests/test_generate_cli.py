@@ -186,9 +186,8 @@ def test_generate_samples_with_generation_config_defaults(tiny_model_dir, tmp_pa
         json.dumps({**gen, "temperature": 1.5, "top_k": 1})
     )
     assert _tokens(capsys, tmp_path) == greedy  # top_k 1: the best token, sampled at 1.5
-    assert (
-        _tokens(capsys, tmp_path, "--top-k", "0") == hot
-    )  # the flag wins, the file's temperature stays
+    # the flag wins, the file's temperature stays
+    assert _tokens(capsys, tmp_path, "--top-k", "0") == hot
     from deltaserve.engine.generate import main
 
     assert main(["--model", str(tmp_path), "--prompt-ids", "5", "--max-tokens", "1"]) == 0
@@ -196,9 +195,8 @@ def test_generate_samples_with_generation_config_defaults(tiny_model_dir, tmp_pa
         "defaults from the model's generation_config.json: temperature=1.5, top_k=1"
         in capsys.readouterr().err
     )
-    (tmp_path / "generation_config.json").write_text(
-        json.dumps({**gen, "top_p": 2})
-    )  # as serve, refused
+    # as serve, refused
+    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "top_p": 2}))
     with pytest.raises(SystemExit) as info:
         main(["--model", str(tmp_path), "--prompt-ids", "5"])
     assert (

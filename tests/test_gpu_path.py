@@ -47,9 +47,8 @@ def _steps(vocab: int = 240000):
             StepItem(1, 90 + t, [9 + t] * given, True, None),
             StepItem(3, 1 + t, [10 + t] * given, True, None),
         ]
-        if (
-            t == 1
-        ):  # a new prompt beside decodes (with graphs: a prompt graph's replay beside a decode graph's)
+        # a new prompt beside decodes (with graphs: a prompt graph's replay beside a decode graph's)
+        if t == 1:
             step.insert(1, StepItem(4, 0, ids[4], True, NewRequest(200, spec), prompt_logprobs=1))
         elif t > 1:
             step.append(StepItem(4, 20 + t - 2, [11 + t] * given, True, None))
@@ -82,6 +81,7 @@ def _run_steps(
     prompt_graph_tokens: int = 2048,
     steps=_steps,
     prefix_states: int = 0,
+    **cache_fields: object,  # ExecutorConfig's cache dtypes
 ) -> tuple[list[torch.Tensor], int]:
     """Logits of every step of `_steps` through one executor, each with the step's prompt
     logprobs as an attribute, and how many of its steps ran prompts through a prompt graph:
@@ -100,6 +100,7 @@ def _run_steps(
         enforce_eager=not graphs,
         prompt_graph_tokens=prompt_graph_tokens,
         prefix_cache_states=prefix_states,
+        **cache_fields,
     )
     ex = Executor(config)
     assert (ex.graphs is not None) == (graphs and gpu_path(ex.cache.kv))
@@ -287,9 +288,10 @@ from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 from deltaserve.kernels.triton_compat import report_late_compiles
 
-ex = Executor(ExecutorConfig(sys.argv[1], device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=None,
-                             max_model_len=512, max_num_batched_tokens=256, prompt_graph_tokens=64,
-                             gpu_memory_utilization=0.05))
+config = ExecutorConfig(sys.argv[1], device="cuda", dtype="bfloat16", max_num_seqs=8,
+                        num_kv_blocks=None, max_model_len=512, max_num_batched_tokens=256,
+                        prompt_graph_tokens=64, gpu_memory_utilization=0.05)
+ex = Executor(config)
 late = []
 class Keep(logging.Handler):
     def emit(self, record):
@@ -318,8 +320,10 @@ for count, length in [(1, 100), (2, 37), (3, 70), (5, 21), (4, 130), (1, 9), (2,
             items.append(StepItem(rid, 0, tokens[:64], False, NewRequest(400, spec)))
             pending[rid] = tokens[64:]
         else:
-            asks = 1 if j == count - 1 > 0 else -1  # the last of several new prompts: prompt logprobs
-            items.append(StepItem(rid, 0, tokens, True, NewRequest(400, spec), prompt_logprobs=asks))
+            # the last of several new prompts: prompt logprobs
+            asks = 1 if j == count - 1 > 0 else -1
+            new = NewRequest(400, spec)
+            items.append(StepItem(rid, 0, tokens, True, new, prompt_logprobs=asks))
     ex.run_step(items)
     for item in items:
         held[item.request_id] = item.start + (len(item.token_ids) or 1)
@@ -327,7 +331,8 @@ print("LATE", len(late))
 for line in late:
     print(line)
 from deltaserve.kernels.activation import silu_and_mul_triton
-silu_and_mul_triton(torch.ones(3, 8, dtype=torch.float16, device="cuda"))  # fp16: a dtype the model never ran
+# fp16: a dtype the model never ran
+silu_and_mul_triton(torch.ones(3, 8, dtype=torch.float16, device="cuda"))
 print("CONTROL", sum("_silu_and_mul_kernel" in line for line in late))
 """
 
@@ -345,7 +350,8 @@ def test_serving_steps_compile_nothing_after_start_up(kernels, tiny_model_dir, t
     (1 to 5 prompts, eager and chunked, beside 1 to 8 decodes, sampled) use no Triton
     specialization that start-up did not: on a machine with an empty Triton cache each one
     would be compiled while its request waits (seconds of time to first token). On the 4B a
-    prompt's norms were (their row count specialized: bench/results/decode_h200_4b_at_cace8ac.json)."""
+    prompt's norms were (their row count specialized:
+    bench/results/decode_h200_4b_at_cace8ac.json)."""
     import subprocess
     import sys
 

@@ -231,9 +231,8 @@ async def test_stop_strings_and_stop_token_ids(served: Served):
     start = offsets[5] - 1
     stop = text[start : start + 3]
     cut = await served.client.completions.create(stop=[stop, "never-seen"], **kwargs)
-    assert (
-        cut.choices[0].finish_reason == "stop" and cut.choices[0].stop_reason == stop
-    )  # vLLM's field
+    # vLLM's field
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].stop_reason == stop
     assert cut.choices[0].text == text[: text.index(stop)]
     streamed = [
         c async for c in await served.client.completions.create(stream=True, stop=[stop], **kwargs)
@@ -728,9 +727,8 @@ async def test_chat_default_max_tokens_fits_a_cache_smaller_than_the_context(tin
             extra_body={"ignore_eos": True},
         )
         assert r.choices[0].finish_reason == "length"
-        assert (
-            r.usage.prompt_tokens + r.usage.completion_tokens == 4 * 16
-        )  # every position the cache has
+        # every position the cache has
+        assert r.usage.prompt_tokens + r.usage.completion_tokens == 4 * 16
         # /v1/models reports what a request can use, not the configured 256
         assert [m.max_model_len for m in (await client.models.list()).data] == [4 * 16]
         await client.close()

@@ -104,9 +104,8 @@ class TestParse:
         assert truncate_prompt(ids, None, 4, 64) == ids
         assert truncate_prompt(ids, 3, 4, 64) == [7, 8, 9]
         assert truncate_prompt(ids, 30, 4, 64) == ids
-        assert truncate_prompt(ids, -1, 56, 64) == list(
-            range(2, 10)
-        )  # newer vLLM: max_model_len - max_tokens
+        # newer vLLM: max_model_len - max_tokens
+        assert truncate_prompt(ids, -1, 56, 64) == list(range(2, 10))
         assert truncate_prompt(ids, -1, None, 64) == ids
         with pytest.raises(ApiError) as info:
             truncate_prompt(ids, 61, 4, 64)

@@ -217,9 +217,8 @@ async def test_thinking_block_as_chat_reasoning_and_its_budget(clients):
     assert reasoning.startswith(thinking.thinking) and 0 < len(thinking.thinking) < len(reasoning)
     assert text.type == "text" and text.text and budgeted.usage.output_tokens == 12
     with pytest.raises(openai.BadRequestError, match="think block") as info:
-        await chat(
-            gpt, user, extra_body={"thinking_budget": 3}
-        )  # the server's default: thinking off
+        # the server's default: thinking off
+        await chat(gpt, user, extra_body={"thinking_budget": 3})
     assert info.value.body["param"] == "thinking_budget"
 
 

@@ -30,6 +30,7 @@ SERIES = {
     "vllm:generation_tokens_total": ("counter", ("model_name",)),
     "vllm:prefix_cache_queries_total": ("counter", ("model_name",)),
     "vllm:prefix_cache_hits_total": ("counter", ("model_name",)),
+    "vllm:num_preemptions_total": ("counter", ("model_name",)),
     "vllm:request_success_total": ("counter", ("finished_reason", "model_name")),
     "deltaserve:steps_total": ("counter", ("model_name",)),
     "deltaserve:pipelined_steps_total": ("counter", ("model_name",)),

@@ -221,9 +221,8 @@ async def test_echo_logprobs_equal_the_outputs_of_the_same_tokens(served: Served
     out = await served.client.completions.create(
         model=MODEL, prompt=start, max_tokens=n, logprobs=1, **GREEDY
     )
-    assert out.choices[0].logprobs.tokens == [
-        served.strings.text(t) for t in greedy
-    ]  # the same tokens
+    # the same tokens
+    assert out.choices[0].logprobs.tokens == [served.strings.text(t) for t in greedy]
     prompt = start + greedy
     echo = await served.client.completions.create(
         model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=1, **GREEDY

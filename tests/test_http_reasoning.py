@@ -410,7 +410,8 @@ THINKING_TEMPLATE = (
     "{{- message['content'] + '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and not enable_thinking -%}{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
     "{%- else -%}{{- '<think>\\n' -}}{%- endif -%}"
     "{%- endif -%}"
 )

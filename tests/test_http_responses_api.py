@@ -28,7 +28,8 @@ MODEL = "tiny"
 # ChatML with thinking (as Qwen3.5's: `enable_thinking`, reasoning_content in history) and
 # tool calls and results written out, so that every message field reaches the prompt
 TEMPLATE = (
-    "{%- if tools -%}{{- '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' -}}{%- endif -%}"
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
     "{%- if message['role'] == 'tool' -%}{{- '[' + message['tool_call_id'] + '] ' -}}{%- endif -%}"
@@ -40,7 +41,8 @@ TEMPLATE = (
     "{{- '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and not enable_thinking -%}{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
     "{%- else -%}{{- '<think>\\n' -}}{%- endif -%}"
     "{%- endif -%}"
 )

@@ -3,8 +3,8 @@
 - a rank SIGKILLed under load, in-process: every open request ends with an error, /health
   turns 503, new requests get 503, the rank processes are gone;
 - the real `deltaserve serve` at TP=2: greedy output equal to the single-process path,
-  SIGTERM to the whole process group drains (a short request finishes, a long one ends with an error event at the
-  deadline), the listener closes, exit code 0, no rank left;
+  SIGTERM to the whole process group drains (a short request finishes, a long one ends with an error
+  event at the deadline), the listener closes, exit code 0, no rank left;
 - the real `deltaserve serve` with no --model (the demo checkpoint) and a rank SIGKILLed
   under load: open streams end with an error event, exit code non-zero, no rank left.
 """
@@ -150,9 +150,8 @@ async def test_serve_tp2_greedy_then_sigterm_drains(tiny_model_dir):
 
         short, _ = await open_stream(client, "tiny2", 12)
         long, _ = await open_stream(client, "tiny2", 4000)
-        os.killpg(
-            server.proc.pid, signal.SIGTERM
-        )  # the whole group, as systemd and `timeout` stop it
+        # the whole group, as systemd and `timeout` stop it
+        os.killpg(server.proc.pid, signal.SIGTERM)
         short_result = asyncio.ensure_future(drain(short))
         with pytest.raises(openai.APIError) as info:
             await asyncio.wait_for(drain(long), 30)

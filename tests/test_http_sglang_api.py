@@ -129,7 +129,8 @@ async def test_generate_equals_the_completion_route(server, gpt):
     assert "".join(e[2] for e in meta["output_token_logprobs"]) == out["text"]
     for top, ref_top in zip(meta["output_top_logprobs"], choice.logprobs.top_logprobs, strict=True):
         assert {f"token_id:{e[1]}": e[0] for e in top} == pytest.approx(ref_top, abs=1e-6)
-    # the prompt from position 2: entry 0 without a logprob (as SGLang's), then vLLM's prompt logprobs
+    # the prompt from position 2: entry 0 without a
+    # logprob (as SGLang's), then vLLM's prompt logprobs
     prompt_lps = choice.model_extra["prompt_logprobs"]
     assert [e[1] for e in meta["input_token_logprobs"]] == PROMPT[2:]
     assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
@@ -562,9 +563,8 @@ TOP = {
 async def test_fuzz_bodies_answer_or_refuse(server):
     """Random /generate bodies (known fields with values in range or anything): SGLang's
     answer or a 4xx naming the problem, never a 5xx; a stream always ends with [DONE]."""
-    limit = in_range_or_any(st.integers(0, 3)).filter(
-        lambda v: v is not None
-    )  # null: up to the context, slow
+    # null: up to the context, slow
+    limit = in_range_or_any(st.integers(0, 3)).filter(lambda v: v is not None)
     sampling = st.fixed_dictionaries(
         {"max_new_tokens": limit}, optional={k: in_range_or_any(v) for k, v in SAMPLING.items()}
     )

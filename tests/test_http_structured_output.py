@@ -29,7 +29,8 @@ aio = pytest.mark.asyncio(loop_scope="module")
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "How is the weather today?"}]
 PROMPT = "The weather today is"
-MAX_TOKENS = 320  # room for the JSON below, blanks and all (up to 20 a gap), from a model that picks at random
+# room for the JSON below, blanks and all (up to 20 a gap), from a model that picks at random
+MAX_TOKENS = 320
 # Small on purpose: enums, booleans, bounded strings and integers, so a random model ends it.
 SCHEMA = {
     "type": "object",

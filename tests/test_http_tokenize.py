@@ -96,7 +96,8 @@ async def test_health_answers_while_a_large_prompt_is_tokenized(server):
     assert max(latencies) < HEALTH_LIMIT_S, (max(latencies), took)
     assert took > 0.5 and len(latencies) >= 5, (took, latencies)  # the window was watched
     print(
-        f"completion: {took:.2f} s, {len(latencies)} /health calls, slowest {max(latencies) * 1e3:.0f} ms"
+        f"completion: {took:.2f} s, {len(latencies)} /health calls, "
+        f"slowest {max(latencies) * 1e3:.0f} ms"
     )
 
     text = big_text(2**19, seed=2)

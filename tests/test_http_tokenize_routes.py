@@ -126,9 +126,8 @@ async def test_detokenize_round_trips(server):
     assert status == 200 and text == {"prompt": TEXT}
     status, chat = await post(server.url + "/tokenize", {"messages": MESSAGES})
     status, text = await post(server.url + "/detokenize", {"tokens": chat["tokens"]})
-    assert text["prompt"].startswith(
-        "<|im_start|>system\nBe brief.<|im_end|>"
-    )  # special tokens kept
+    # special tokens kept
+    assert text["prompt"].startswith("<|im_start|>system\nBe brief.<|im_end|>")
     assert (await post(server.url + "/detokenize", {"tokens": []})) == (200, {"prompt": ""})
 
 

@@ -246,9 +246,8 @@ async def test_pipelined_steps_tp2(tp2: ReplicaController) -> None:
             [StepItem(311, len(pa) + step, [], True), StepItem(312, len(pb) + step, [], True)]
         )
         assert follower is not None
-        assert (
-            tp2.follow_step([StepItem(311, len(pa) + step + 1, [], True)]) is None
-        )  # two in flight
+        # two in flight
+        assert tp2.follow_step([StepItem(311, len(pa) + step + 1, [], True)]) is None
         flights.append(follower)
         await bounded(tp2.step_result(flights[-2]))
         assert await bounded(follower.gate) is True

@@ -2,8 +2,8 @@
 replica with the right reason, within its bound, exactly once; no rank runs a command the
 gate did not release to all; no process, socket folder or shared-memory segment is left.
 
-Ranks keep an append-only journal of gated commands (recv / exec / reply / cancel / die lines) in the
-test's folder: that is how a test sees that a surviving rank never ran the step."""
+Ranks keep an append-only journal of gated commands (recv / exec / reply / cancel / die lines) in
+the test's folder: that is how a test sees that a surviving rank never ran the step."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ MATRIX = {
     "die_after_release": (DIED, 2.0),
     "die_mid_step": (DIED, 2.0),
     "stall": (
-        rf"no reply from rank\(s\) \[0, 1\] to RunUnifiedStep seq {FAULT_SEQ} within step_timeout_s",
+        rf"no reply from rank\(s\) \[0, 1\] to RunUnifiedStep seq {FAULT_SEQ} "
+        r"within step_timeout_s",
         STEP_TIMEOUT_S + 2.0,
     ),
     "malformed_reply": (r"malformed reply frame", 2.0),
@@ -51,7 +52,8 @@ MATRIX = {
     ),
     # rank 1 forgets request 1 after step 2: its next step with request 1 fails on rank 1...
     "diverge": (
-        rf"rank 1 failed RunUnifiedStep seq {FAULT_SEQ + 1}: StepError: request 1 is not held by rank 1",
+        rf"rank 1 failed RunUnifiedStep seq {FAULT_SEQ + 1}: "
+        r"StepError: request 1 is not held by rank 1",
         2.0,
     ),
     # ...and a drop of request 1 gets a mixed answer
@@ -262,9 +264,8 @@ async def test_overlapped_follower_refused_by_the_ranks(
     controller = await start(tiny_model_dir, tmp_path, None, reasons, overlap=True)
     try:
         step1 = await asyncio.wait_for(controller.run_step([first(1, 24)]), 30)
-        ahead = await controller.send_step(
-            [StepItem(1, 24, [step1.by_id()[1].token_id], True)]
-        )  # seq 3
+        # seq 3
+        ahead = await controller.send_step([StepItem(1, 24, [step1.by_id()[1].token_id], True)])
         assert await asyncio.wait_for(ahead.gate, 10) is True
         behind = controller.follow_step([StepItem(1, 30, [], True)])  # seq 4: the ranks hold 25
         assert behind is not None

@@ -75,6 +75,12 @@ class TestPlan:
             (StepItem(9, 0, [1], True, new(top_p=0.0)), "top_p 0.0"),
             (StepItem(9, 0, [1], True, new(temperature=-1.0)), "temperature -1.0"),
             (StepItem(9, 0, [1], True, new(num_logprobs=21)), "num_logprobs 21"),
+            (StepItem(9, 3, [5], True, grow=-1), "request 9: grow -1"),
+            (StepItem(9, 0, [5], True, new(), grow=1), "request 9: grow 1; .* with `new`"),
+            (
+                StepItem(9, 0, [5], True, NewRequest(4, SPEC, output_ids=(3, VOCAB))),
+                "request 9: an output id outside the vocabulary",
+            ),
         ],
     )
     def test_rejected(self, item: StepItem, message: str) -> None:

@@ -22,9 +22,8 @@ def test_strided_vectors_are_refused_by_name():
     assert torch.equal(
         embedding.embedding_triton(ids[::2].contiguous(), weight, 0), weight[ids[::2]]
     )
-    assert torch.equal(
-        embedding.embedding_triton(ids[2:3], weight, 0), weight[2:3]
-    )  # one element: any stride
+    # one element: any stride
+    assert torch.equal(embedding.embedding_triton(ids[2:3], weight, 0), weight[2:3])
 
     logits = torch.randn(3, 64, device=DEVICE)
     slots = torch.tensor([5, 9, 0, 9, 2], device=DEVICE)[::2]  # 5, 0, 2

@@ -553,14 +553,17 @@ def test_chat_template_only_in_the_processors_file_is_used(tiny_vlm_model_dir, t
     tok_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     own = tok_config.pop("chat_template")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    template = (
+        "{% for m in messages %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}"
+    )
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     tokenizer = load_tokenizer(tmp_path)
     assert tokenizer.chat_template == template
     text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert text == "<|im_start|>user\nhi<|im_end|>\n"
-    tok_config["chat_template"] = (
-        own  # both files: the tokenizer's wins (a fine-tune edits that one)
-    )
+    # both files: the tokenizer's wins (a fine-tune edits that one)
+    tok_config["chat_template"] = own
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok_config))
     assert load_tokenizer(tmp_path).chat_template == own

@@ -32,14 +32,43 @@ from deltaserve.ipc.replica_config import ReplicaConfig
 MiB = 2**20
 
 
+@pytest.mark.parametrize(
+    ("state_dtype", "kv_dtype", "mtp"),
+    [
+        (torch.float32, None, False),
+        (torch.bfloat16, torch.float8_e4m3fn, False),
+        (torch.bfloat16, torch.float8_e4m3fn, True),
+    ],
+    ids=["default", "bf16_states_fp8_kv", "bf16_states_fp8_kv_mtp"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_cache_sizes_are_what_state_cache_allocates(tiny_model_dir, dtype, tp):
+def test_cache_sizes_are_what_state_cache_allocates(
+    tiny_model_dir, dtype, tp, state_dtype, kv_dtype, mtp
+):
+    """With an MTP head too: its KV layer in every block (in the cache's KV dtype) and its
+    hidden state row in every slot (one spare row besides, for padding rows' writes)."""
     config = ModelConfig.from_model_dir(tiny_model_dir)
-    sizes = cache_sizes(config, tp, dtype, block_size=16)
+    sizes = cache_sizes(config, tp, dtype, 16, state_dtype, kv_dtype, mtp)
     for slots, blocks in ((1, 1), (3, 7)):
-        cache = StateCache(config, slots, blocks, 16, tp, dtype, torch.device("cpu"))
+        cache = StateCache(
+            config,
+            slots,
+            blocks,
+            16,
+            tp,
+            dtype,
+            torch.device("cpu"),
+            0,
+            state_dtype,
+            kv_dtype,
+            mtp,
+        )
         state = cache.conv.nbytes + cache.recurrent.nbytes
+        if mtp:
+            spare = config.hidden_size * dtype.itemsize
+            state += cache.hidden.nbytes - spare
+            assert cache.kv.shape[0] == len(config.full_attention_layers) + 1
         assert state == slots * sizes.slot_bytes
         assert cache.kv.nbytes == blocks * sizes.block_bytes
 
@@ -73,6 +102,12 @@ def test_qwen35_4b_figures():
     assert cache_sizes(config, 2, torch.bfloat16, 16) == CacheSizes(
         sizes.slot_bytes // 2, sizes.block_bytes // 2
     )
+    # bf16 states (--mamba-ssm-cache-dtype bfloat16): half the recurrent state's bytes
+    half = cache_sizes(config, 1, torch.bfloat16, 16, state_dtype=torch.bfloat16)
+    assert half.slot_bytes == 24 * (32 * 128 * 128 * 2 + 8192 * 3 * 2)
+    # an FP8 KV cache (--kv-cache-dtype fp8): half a bf16 block's bytes
+    fp8 = cache_sizes(config, 1, torch.bfloat16, 16, kv_dtype=torch.float8_e4m3fn)
+    assert fp8.block_bytes == sizes.block_bytes // 2
 
 
 def test_blocks_for_budget():

@@ -135,9 +135,8 @@ def test_route_kernel_matches_reference(
     assert torch.allclose(
         weights, (chosen / chosen.sum(1, keepdim=True)).to(dtype).float(), rtol=rtol, atol=0
     )
-    logits[0] = float(
-        "nan"
-    )  # a graph's padding row may hold anything: its experts must still exist
+    # a graph's padding row may hold anything: its experts must still exist
+    logits[0] = float("nan")
     assert (route(logits, top_k, dtype)[1][0] < num_experts).all()
 
 

@@ -19,6 +19,7 @@ from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.loader import load_weights
 from deltaserve.engine.rank.mtp import MultiTokenPredictor, draft_batch
 from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
+from deltaserve.kernels.kv_quant import FP8
 from deltaserve.tools.make_model import make_model
 
 POSITIONS = 21  # past one KV block of 16
@@ -122,6 +123,32 @@ def test_the_head_matches_the_published_architecture(mtp_model_dir):
             batch = draft_batch([SeqSpan(0, 1, p, 0, table, blocks)], [p], [kv_rows[p]], cpu)
             got = model.output_embedding.logits(head(x[p : p + 1], batch, cache))
             torch.testing.assert_close(got[0], want[p], atol=2e-4, rtol=1e-4)
+
+
+def test_the_catch_up_stores_the_heads_keys_in_an_fp8_cache_as_its_attention_does(
+    mtp_model_dir,
+):
+    """--kv-cache-dtype fp8: the head's KV layer is the cache's like the target's. The
+    catch-up calibrates its scales in the step that calibrates, and stores a row's keys and
+    values quantized exactly as a draft step's attention stores the same row."""
+    config = ModelConfig.from_model_dir(mtp_model_dir)
+    cpu = torch.device("cpu")
+    model = Qwen3_5ForCausalLM(
+        config, torch.float32, cpu, MultiTokenPredictor(config, torch.float32, cpu)
+    )
+    load_weights(model, mtp_model_dir, config)
+    head = model.mtp
+    cache = StateCache(config, 1, 2, BLOCK_SIZE, 1, torch.float32, cpu, kv_dtype=FP8, mtp=True)
+    torch.manual_seed(0)
+    x = head.fuse(model.model.embed_tokens(torch.tensor([5])), torch.randn(1, config.hidden_size))
+    cache.calibrating = True  # as the executor sets it for the first prompt step
+    head.store_kv(x, torch.tensor([0]), torch.tensor([0]), cache)  # block 0's first row
+    cache.calibrating = False
+    assert (cache.kv_scale[head.kv_layer] != 1.0).all()
+    table = torch.tensor([1], dtype=torch.int64)
+    head(x, draft_batch([SeqSpan(0, 1, 0, 0, table, [1])], [0], [BLOCK_SIZE], cpu), cache)
+    stored = cache.kv[head.kv_layer].view(torch.uint8)  # [k|v, rows, heads, hd]
+    assert stored[:, 0].any() and torch.equal(stored[:, 0], stored[:, BLOCK_SIZE])
 
 
 def test_an_moe_head_loads_from_the_released_layout(tmp_path):

@@ -9,12 +9,15 @@ from hypothesis import strategies as st
 from deltaserve.engine.capacity import CapacityError, CapacityLedger
 from deltaserve.engine.planner import (
     FORCED_CHUNK_TOKENS,
+    KvRoom,
     PlanInput,
     StepBudget,
     plan_step,
 )
 from deltaserve.engine.request import FINISH_REASON, Request, RequestStatus
 from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.tick_records import Entry
+from deltaserve.engine.waiting_queue import WaitingQueue
 
 
 @st.composite
@@ -132,9 +135,8 @@ class TestPlanStep:
                 s[2] += c.num_tokens
                 if c.sample:
                     s[3] += 1
-                    assert (
-                        s[2] == s[0] + s[3] - 1
-                    )  # computed through the prompt and all but the newest
+                    # computed through the prompt and all but the newest
+                    assert s[2] == s[0] + s[3] - 1
                     if s[3] == s[1]:
                         order.remove(c.request_id)
                         ledger.release(c.request_id)
@@ -219,7 +221,7 @@ class TestRequestLifecycle:
 
     def test_counters_move_only_through_transitions(self):
         r = self._request()
-        assert (r.status, r.reserve_tokens, r.is_prefilling) == (RequestStatus.WAITING, 6, True)
+        assert (r.status, r.lifetime_tokens, r.is_prefilling) == (RequestStatus.WAITING, 6, True)
         with pytest.raises(ValueError, match="waiting"):
             r.advance(1)
         r.admit()
@@ -255,3 +257,131 @@ class TestRequestLifecycle:
             r.finish("stop")  # never ran
         r.finish("abort")
         assert FINISH_REASON[r.status] == "abort"
+
+
+class TestKvRoom:
+    """Admission by present need: a step's chunks take the blocks their positions pass
+    (`grow`), never more than are free."""
+
+    @settings(max_examples=300, deadline=None)
+    @given(admitted_and_budget(), st.integers(0, 8), st.sampled_from([1, 4, 16]), st.data())
+    def test_a_plan_never_runs_out(self, case, free_blocks, block_size, data):
+        admitted, budget = case
+        admitted = [  # each holds at least its computed positions' blocks, maybe more
+            PlanInput(
+                r.request_id,
+                r.prompt_len,
+                r.num_computed,
+                num_blocks=-(-r.num_computed // block_size) + data.draw(st.integers(0, 2)),
+                num_drafts=data.draw(st.integers(0, 3)),  # speculative drafts: blocks too
+            )
+            for r in admitted
+        ]
+        room = KvRoom(free_blocks, block_size)
+        plan = plan_step(admitted, budget, room=room)
+        by_id = {r.request_id: r for r in admitted}
+        assert sum(c.grow for c in plan.chunks) <= free_blocks
+        for c in plan.chunks:
+            held = by_id[c.request_id].num_blocks
+            end = c.start + c.num_tokens
+            assert end <= (held + c.grow) * block_size, "positions past its blocks"
+            assert c.grow == 0 or end > (held + c.grow - 1) * block_size, "a block not needed"
+        unbounded = plan_step(admitted, budget)
+        if free_blocks >= sum(-(-r.prompt_len // block_size) + 3 for r in admitted):
+            assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [
+                (c.request_id, c.num_tokens) for c in unbounded.chunks
+            ]  # room enough: the same step
+
+    def test_a_decode_without_a_block_waits_and_others_go_on(self):
+        admitted = [
+            PlanInput(1, 4, 4, num_blocks=1),  # position 4 needs a second block of 4
+            PlanInput(2, 3, 3, num_blocks=1),  # position 3 fits its block
+            PlanInput(3, 8, 8, num_blocks=2),  # position 8 needs a third
+            PlanInput(4, 12, 0, num_blocks=3),  # its prompt's blocks were taken at admission
+        ]
+        plan = plan_step(admitted, StepBudget(32, 8), room=KvRoom(1, 4))
+        assert [(c.request_id, c.num_tokens, c.grow) for c in plan.chunks] == [
+            (1, 1, 1),
+            (2, 1, 0),
+            (4, 12, 0),
+        ]
+
+    def test_drafts_shrink_to_the_blocks_left_never_a_decode(self):
+        """Every decode's own token is planned first; drafts take what blocks are left."""
+        admitted = [
+            PlanInput(1, 4, 7, num_blocks=2, num_drafts=3),  # 7..10: a third block for 8..10
+            PlanInput(2, 4, 8, num_blocks=2, num_drafts=3),  # its own token needs a block
+            PlanInput(3, 4, 5, num_blocks=2, num_drafts=2),  # 5..7 fit its blocks
+        ]
+        plan = plan_step(admitted, StepBudget(32, 8), room=KvRoom(1, 4))
+        assert [(c.request_id, c.num_tokens, c.grow) for c in plan.chunks] == [
+            (1, 1, 0),  # no block left for its drafts
+            (2, 4, 1),  # 8..11 in the block its token takes
+            (3, 3, 0),
+        ]
+        roomy = plan_step(admitted, StepBudget(32, 8), room=KvRoom(2, 4))
+        assert [(c.num_tokens, c.grow) for c in roomy.chunks] == [(4, 1), (4, 1), (3, 0)]
+
+
+class TestGrowthAndPreemption:
+    def test_ledger_grows_and_counts_what_a_release_frees(self):
+        ledger = CapacityLedger(num_slots=3, num_blocks=6, block_size=4)
+        ledger.admit(1, 5)  # 2 blocks
+        assert ledger.growth(1, 8) == 0 and ledger.growth(1, 9) == 1
+        ledger.grow(1, 1)
+        assert len(ledger.blocks(1)) == 3 and ledger.free_blocks == 3
+        with pytest.raises(CapacityError, match="4 blocks; 3 are free"):
+            ledger.grow(1, 4)
+        assert not ledger.can_admit(8, keep_free=2)  # 2 blocks + 2 kept > 3 free
+        ledger.admit(2, 8, shared=ledger.blocks(1)[:2])  # shares two of request 1's blocks
+        assert ledger.free_blocks == 3
+        assert ledger.freed_by(ledger.blocks(1)) == 1  # the two shared stay held by request 2
+        both = ledger.blocks(1) + ledger.blocks(2)
+        assert ledger.freed_by(both) == 3
+        assert ledger.freed_by(both, kept=ledger.blocks(2)[:1]) == 2
+        assert ledger.release(1) == [0, 1, 2] and ledger.free_blocks == 4
+
+    def test_a_preempted_request_prefills_its_output_and_keeps_its_usage(self):
+        r = Request(9, 0, (5, 6, 7), SamplingParams(max_tokens=5, prompt_logprobs=1), 0, 0.0)
+        r.admit(1)
+        assert r.num_cached == 1 and r.prompt_logprobs_fields(1, 2, False) == (1, -1)
+        r.mark_sent(3)
+        r.advance(2)
+        r.append_token(11, now_s=1.0)
+        r.mark_sent(4)
+        r.advance(1)
+        r.append_token(12, now_s=2.0)
+        r.preempt()
+        assert (r.status, r.num_computed, r.num_sent, r.on_ranks) == (
+            RequestStatus.WAITING,
+            0,
+            0,
+            False,
+        )
+        assert (r.prefill_len, r.prefill_ids, r.prompt_len) == (5, (5, 6, 7, 11, 12), 3)
+        r.admit(4)  # from a saved prefix of 4 positions: not counted as cached prompt tokens
+        assert r.num_cached == 1 and r.num_computed == 4 and r.is_prefilling
+        assert r.input_tokens(4, 1) == [12]
+        assert r.prompt_logprobs_fields(4, 1, False) == (-1, -1)  # delivered already
+        r.mark_sent(5)
+        r.advance(1)
+        r.append_token(13, now_s=3.0)
+        assert r.output_ids == (11, 12, 13) and not r.is_prefilling
+        with pytest.raises(ValueError, match="in flight"):
+            r.mark_sent(6)
+            r.preempt()
+
+    def test_preempted_requests_go_back_in_front_oldest_first(self):
+        def entry(rid: int, priority: int = 0) -> Entry:
+            request = Request(rid, 0, (1, 2), SamplingParams(), 0, 0.0, priority=priority)
+            return Entry(request, None, None)
+
+        queue = WaitingQueue()
+        queue.extend([entry(7), entry(8)])
+        queue.requeue([entry(5), entry(3)])  # youngest first, as the scheduler picks them
+        assert [queue.popleft().request.request_id for _ in range(4)] == [3, 5, 7, 8]
+        assert queue.num_choices == 0
+        ranked = WaitingQueue(by_priority=True)
+        ranked.extend([entry(7, priority=-1), entry(8, priority=2)])
+        ranked.requeue([entry(6, priority=2), entry(5, priority=0)])
+        assert [ranked.popleft().request.request_id for _ in range(4)] == [7, 5, 6, 8]

@@ -187,20 +187,18 @@ def test_a_prefix_an_admitted_request_waits_for_is_never_evicted():
     cache = PrefixCache(num_prefixes=1, ledger=ledger)
     first = Request(1, 0, tuple(range(8)), SamplingParams(max_tokens=1), 0, 0.0)
     plan = cache.plan(first)
-    cache.admit(first, plan)
+    cache.admit(first, plan, first.lifetime_tokens)
     assert cache.save(first, 8) == 0  # where its prompt ends: blocks 0-1 held for the prefix
     ledger.release(1)
     cache.forget(1)
     second = Request(2, 0, tuple(range(10)), SamplingParams(max_tokens=1), 0, 0.0)
     plan = cache.plan(second)
     assert plan.start is not None and plan.start.num_tokens == 8
-    cache.admit(second, plan)  # pins prefix 0; shares its 2 blocks
-    third = Request(
-        3, 0, (99,) * 12, SamplingParams(max_tokens=9), 0, 0.0
-    )  # 21 positions: 6 blocks
-    assert not cache.make_room(
-        third, cache.plan(third)
-    )  # 8 - 2 - 1 free: only the pinned prefix to evict
+    cache.admit(second, plan, second.lifetime_tokens)  # pins prefix 0; shares its 2 blocks
+    # 21 positions: 6 blocks
+    third = Request(3, 0, (99,) * 12, SamplingParams(max_tokens=9), 0, 0.0)
+    # 8 - 2 - 1 free: only the pinned prefix to evict
+    assert not cache.make_room(cache.plan(third), third.lifetime_tokens)
     assert cache.save(second, 10) == -1  # the one state slot is pinned too
     assert cache.start_of(2) == 0  # its first chunk is sent: unpinned
     assert cache.save(second, 10) == 0 and cache.take_evicted() == [0]  # evicted and reused at once
@@ -268,7 +266,7 @@ def test_shared_prefixes_are_split_once_and_outlive_whole_prompts():
 
     def admit(request: Request) -> PromptPlan:
         plan = cache.plan(request)
-        cache.admit(request, plan)
+        cache.admit(request, plan, request.lifetime_tokens)
         return plan
 
     admit(requests[0])  # shows blocks 0-1; saved whole (10 tokens)
@@ -281,9 +279,8 @@ def test_shared_prefixes_are_split_once_and_outlive_whole_prompts():
         1: 1,
         2: 0,
     } and cache.take_evicted() == [0]
-    assert cache.saves([(requests[1], 10)]) == {
-        1: 0
-    }  # evicts request 2's whole prompt, not the split
+    # evicts request 2's whole prompt, not the split
+    assert cache.saves([(requests[1], 10)]) == {1: 0}
     assert cache.take_evicted() == [0]
     assert cache.plan(requests[3]).start.num_tokens == 8
 
@@ -298,7 +295,7 @@ def test_a_generation_is_saved_where_it_ends_and_the_same_positions_once():
     def generate(request_id: int, prompt: tuple[int, ...], output: list[int]) -> Request:
         """Admitted, its prompt saved, `output` sampled; the ranks fed all but the last."""
         request = Request(request_id, 0, prompt, SamplingParams(max_tokens=8), 0, 0.0)
-        cache.admit(request, cache.plan(request))
+        cache.admit(request, cache.plan(request), request.lifetime_tokens)
         request.admit()
         request.mark_sent(len(prompt))
         request.advance(len(prompt))
@@ -326,9 +323,8 @@ def test_a_generation_is_saved_where_it_ends_and_the_same_positions_once():
     again = generate(3, prompt, [20, 21, 22, 23, 24])
     assert end(again) == [] and len(cache) == 2  # its prompt's save and its end's are held already
     assert end(generate(4, prompt, [20, 21, 22, 30]), "abort") == [] and len(cache) == 2
-    assert [s.num_tokens for s in end(generate(5, prompt, [20, 21, 22, 30]))] == [
-        13
-    ]  # other positions
+    # other positions
+    assert [s.num_tokens for s in end(generate(5, prompt, [20, 21, 22, 30]))] == [13]
     assert len(cache) == 3
 
 
@@ -341,14 +337,14 @@ def test_after_a_flush_no_old_state_is_reused_or_saved():
     cache = PrefixCache(num_prefixes=2, ledger=ledger)
     params = SamplingParams(max_tokens=4)
     first = Request(1, 0, tuple(range(8)), params, 0, 0.0)
-    cache.admit(first, cache.plan(first))
+    cache.admit(first, cache.plan(first), first.lifetime_tokens)
     assert cache.save(first, 8) == 0
     ledger.release(1)
     cache.forget(1)
     frozen = Request(2, 0, tuple(range(10)), params, 0, 0.0)
     plan = cache.plan(frozen)
     assert plan.start.prefix_id == 0
-    cache.admit(frozen, plan)
+    cache.admit(frozen, plan, frozen.lifetime_tokens)
     frozen.admit(8)
     cache.flush()
     assert cache.take_evicted() == [] and len(cache) == 1  # pinned: kept for the request
@@ -363,3 +359,43 @@ def test_after_a_flush_no_old_state_is_reused_or_saved():
         frozen.advance(1)
     frozen.finish("stop")
     assert cache.saves_at_end([frozen]) == [] and len(cache) == 1
+
+
+def test_a_preempted_request_is_saved_where_it_stopped_and_starts_there_again():
+    """Preempted with prefix caching, a request's state is kept over the positions the ranks
+    ran (its prompt and all but its newest token); its recompute, whose prefill is its prompt
+    and output, starts there and runs the one position left. While it waits, that prefix is
+    evicted after every other, and forgotten with it if it is cancelled."""
+    ledger = CapacityLedger(num_slots=4, num_blocks=32, block_size=4)
+    cache = PrefixCache(num_prefixes=4, ledger=ledger)
+    params = SamplingParams(max_tokens=16)
+    other = Request(1, 0, (90, 91, 92, 93, 94), params, 0, 0.0)
+    cache.admit(other, cache.plan(other), other.prefill_len)
+    assert cache.save(other, 5) == 0  # a whole prompt's save, least recently used
+    request = Request(2, 0, tuple(range(6)), params, 0, 0.0)
+    cache.admit(request, cache.plan(request), request.prefill_len)
+    request.admit()
+    request.mark_sent(6)
+    request.advance(6)
+    assert cache.save(request, 6) == 1  # its prompt, where its prefill ended
+    for token in (40, 41, 42, 43):
+        request.append_token(token, 0.0)
+        request.mark_sent(request.num_tokens)
+        request.advance(1)
+        ledger.grow(2, ledger.growth(2, request.num_tokens))
+    request.append_token(44, 0.0)  # sampled, not yet fed: 10 positions ran
+    save = cache.save_where_it_stands(request, ())
+    assert (save.request_id, save.prefix, save.num_tokens) == (2, 2, 10)
+    ledger.release(2)
+    cache.forget(2)
+    request.preempt()
+    cache.await_resume(request)
+    assert [p.prefix_id for p in cache._victims()] == [0, 1, 2]  # awaited: last
+    plan = cache.plan(request)
+    assert plan.start.prefix_id == 2 and plan.start.num_tokens == 10 == request.prefill_len - 1
+    cache.admit(request, plan, request.prefill_len)
+    request.admit(plan.start.num_tokens)
+    assert request.input_tokens(10, 1) == [44] and request.num_cached == 0
+    assert [p.prefix_id for p in cache._victims()] == [0, 1]  # pinned until its chunk is sent
+    cache.forget(2)
+    assert [p.prefix_id for p in cache._victims()] == [0, 1, 2]

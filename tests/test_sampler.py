@@ -470,9 +470,8 @@ class TestSamplingParams:
 
 
 CUDA = torch.cuda.is_available()
-KERNELS = (
-    CUDA or os.environ.get("TRITON_INTERPRET") == "1"
-)  # the interpreter: set for the whole session
+# the interpreter: set for the whole session
+KERNELS = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.mark.skipif(
@@ -527,9 +526,8 @@ def test_logsumexp_argmax_kernel(rows, vocab, programs):
     targets[0] = 3  # the row's best: rank 1
     t_lse, t_arg, t_logit, t_rank = logit_stats.target_stats(logits, targets, block=1024)
     want_logit = logits.gather(1, targets[:, None])[:, 0]
-    assert torch.allclose(t_lse, want_lse, rtol=1e-6, atol=1e-5), (
-        (t_lse - want_lse).abs().max()
-    )  # its own parts
+    # its own parts
+    assert torch.allclose(t_lse, want_lse, rtol=1e-6, atol=1e-5), (t_lse - want_lse).abs().max()
     assert torch.equal(t_arg, arg) and torch.equal(t_logit, want_logit)
     assert torch.equal(t_rank, (logits > want_logit[:, None]).sum(dim=-1) + 1) and t_rank[0] == 1, (
         t_rank

@@ -211,15 +211,18 @@ async def test_ready_line_says_what_a_request_can_use_and_why(tiny_model_dir, ca
     [
         (
             ["--chat-template", "templates/chatml.jinja"],
-            "--chat-template 'templates/chatml.jinja' looks like a file path, but it cannot be opened (No such file",
+            "--chat-template 'templates/chatml.jinja' looks like a file path, "
+            "but it cannot be opened (No such file",
         ),
         (
             ["--chat-template", "{{ messages }"],
-            "--chat-template (given inline): the chat template is not valid Jinja on line 1: unexpected '}'",
+            "--chat-template (given inline): "
+            "the chat template is not valid Jinja on line 1: unexpected '}'",
         ),
         (
             ["--chat-template", "FILE"],
-            "--chat-template 'FILE': the chat template is not valid Jinja on line 2: No filter named 'nosuch'",
+            "--chat-template 'FILE': the chat template is not "
+            "valid Jinja on line 2: No filter named 'nosuch'",
         ),
         (["--chat-template", "EMPTY"], "--chat-template 'EMPTY': the chat template is empty"),
         (
@@ -268,8 +271,13 @@ ACCEPTED = [
     ),
     (["--enable-prefix-caching", "--prefix-cache-states", "4"], {"prefix_cache_states": 4}),
     (["--enable-chunked-prefill"], {}),  # prompts are always prefilled in chunks
-    (["--kv-cache-dtype", "auto"], {}),  # the model's dtype
-    (["--swap-space", "16"], {}),  # nothing is ever preempted, so nothing swapped
+    (["--kv-cache-dtype", "auto"], {"kv_cache_dtype": "auto"}),  # the model's dtype
+    (["--kv-cache-dtype", "fp8"], {"kv_cache_dtype": "fp8", "calculate_kv_scales": False}),
+    (["--kv-cache-dtype", "fp8_e4m3", "--calculate-kv-scales"], {"calculate_kv_scales": True}),
+    (["--mamba-ssm-cache-dtype", "bfloat16"], {"mamba_ssm_cache_dtype": "bfloat16"}),
+    (["--kv-watermark", "0.05"], {"kv_watermark": 0.05}),
+    (["--reserve-lifetime"], {"reserve_lifetime": True}),
+    (["--swap-space", "16"], {}),  # a preempted request is recomputed, nothing swapped
     (["--uvicorn-log-level", "warning"], {}),
     (["--max-model-len", "32k"], {"max_model_len": 32000}),  # vLLM's human-readable sizes
     (["--max-model-len", "32K"], {"max_model_len": 32768}),
@@ -286,12 +294,13 @@ REFUSED = [
         "--no-enable-chunked-prefill: not supported: deltaserve always prefills",
     ),
     (
-        ["--kv-cache-dtype", "fp8"],
-        "--kv-cache-dtype fp8: not supported: the KV cache is kept in the model's dtype",
+        ["--kv-cache-dtype", "fp8_e5m2"],
+        "argument --kv-cache-dtype: invalid choice: 'fp8_e5m2'",
     ),
     (
         ["-q", "awq"],
-        "--quantization awq: not supported: deltaserve loads unquantized (bf16/fp32) checkpoints and FP8 ones",
+        "--quantization awq: not supported: "
+        "deltaserve loads unquantized (bf16/fp32) checkpoints and FP8 ones",
     ),
     (
         ["--enable-log-requests"],

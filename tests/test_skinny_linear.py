@@ -21,18 +21,15 @@ LINEAR_SHAPES = [  # (rows, N, K): the GEMV (narrow, wide), split K in 3 and 2, 
     pytest.param(5, 2560, 9216, marks=needs_cuda),  # 4B down
     pytest.param(32, 12352, 2560, marks=needs_cuda),  # 4B DeltaNet in_proj
     pytest.param(1, 12352, 2560, marks=needs_cuda),  # the TUNED tiles: in_proj's GEMV
-    pytest.param(
-        1, 2560, 9216, marks=needs_cuda
-    ),  # ... down's and out/o_proj's, first block before the wait
+    # ... down's and out/o_proj's, first block before the wait
+    pytest.param(1, 2560, 9216, marks=needs_cuda),
     pytest.param(1, 2560, 4096, marks=needs_cuda),
-    pytest.param(
-        1, 1024, 3584, marks=needs_cuda
-    ),  # the rule's one-row GEMV (0.8B down), first block so
+    # the rule's one-row GEMV (0.8B down), first block so
+    pytest.param(1, 1024, 3584, marks=needs_cuda),
     pytest.param(40, 12352, 2560, marks=needs_cuda),  # ... in_proj at 33-64 rows
     pytest.param(64, 2560, 9216, marks=needs_cuda),  # ... down at 33-64 rows, K split in 3
-    pytest.param(
-        16, 2560, 4096, marks=needs_cuda
-    ),  # ... out/o_proj, K in 3 uneven parts: at 9-32 rows
+    # ... out/o_proj, K in 3 uneven parts: at 9-32 rows
+    pytest.param(16, 2560, 4096, marks=needs_cuda),
     pytest.param(48, 2560, 4096, marks=needs_cuda),  # ... and at 33-64
     pytest.param(1, 4096, 12288, marks=needs_cuda),  # 9B down's GEMV: rows of 12288 read whole
     pytest.param(1, 24576, 4096, marks=needs_cuda),  # ... gate_up's: 4 whole rows a program
@@ -129,9 +126,8 @@ def test_fp8_weights(kernels, device, rows, n, k, silu_mul, tile):
     assert torch.equal(mod.skinny_linear(x, q, cfg, gemv, silu_mul=silu_mul, **fp8), got), (
         "not deterministic"
     )
-    widened = mod.linear(
-        x.cpu(), q.cpu(), silu_mul=silu_mul, scale=scale.cpu(), block=FP8_BLOCK
-    )  # CPU: widened first
+    # CPU: widened first
+    widened = mod.linear(x.cpu(), q.cpu(), silu_mul=silu_mul, scale=scale.cpu(), block=FP8_BLOCK)
     assert_close(widened, want.cpu(), torch.bfloat16, "the widened path")
     with pytest.raises(ValueError, match="an FP8 weight needs its block scales"):
         mod.skinny_linear(x, q, cfg, gemv, silu_mul=silu_mul)
@@ -146,9 +142,8 @@ def published_projection_shapes(tp: int = 1) -> set[tuple[int, int]]:
     for name, p in PRESETS.items():
         if name.startswith("tiny"):
             continue
-        inter = (
-            p.get("intermediate_size") or p["shared_expert_intermediate_size"]
-        )  # an MoE: its shared expert
+        # an MoE: its shared expert
+        inter = p.get("intermediate_size") or p["shared_expert_intermediate_size"]
         h, hd = p["hidden_size"], p["head_dim"]
         keys, values = (
             p["linear_num_key_heads"] * p["linear_key_head_dim"],
@@ -165,11 +160,11 @@ def published_projection_shapes(tp: int = 1) -> set[tuple[int, int]]:
 
 
 def test_every_decode_tile_fits_its_shape(kernels):
-    """Each TUNED tile and each tile the rule picks for the published shapes (at TP 1, 2, 4), at 1-64 rows,
-    on GPUs of 108, 132 and 142 SMs (an A100, the H200, an L40S), is one `skinny_linear` takes: K
-    in whole blocks, whole rows only for the GEMV and where K is a sum of two powers of two. One
-    that is not would fail a model's graph capture at start-up. And the rule's K splits make
-    one wave: no more programs than the GPU has SMs."""
+    """Each TUNED tile and each tile the rule picks for the published shapes (at TP 1, 2, 4), at
+    1-64 rows, on GPUs of 108, 132 and 142 SMs (an A100, the H200, an L40S), is one `skinny_linear`
+    takes: K in whole blocks, whole rows only for the GEMV and where K is a sum of two powers of
+    two. One that is not would fail a model's graph capture at start-up. And the rule's K splits
+    make one wave: no more programs than the GPU has SMs."""
     mod = kernels["skinny_linear"]
     assert {(n, k) for _, n, k in mod.TUNED} <= published_projection_shapes(), (
         "a TUNED tile for no published shape"
@@ -181,9 +176,8 @@ def test_every_decode_tile_fits_its_shape(kernels):
     )
     for (n, k), rows, sms in itertools.product(shapes, (1, 2, 8, 32, 33, 64), (108, 132, 142)):
         choice = mod.decode_config(rows, n, k, sms)
-        if (
-            choice is None
-        ):  # cuBLAS: above 32 rows, or a K our kernels' blocks do not divide (the 0.8B's down at TP 4)
+        # cuBLAS: above 32 rows, or a K our kernels' blocks do not divide (the 0.8B's down at TP 4)
+        if choice is None:
             assert rows > 32 or k % (256 if rows == 1 else 128), (
                 f"{rows} x [{n}, {k}] left to cuBLAS"
             )
@@ -258,9 +252,8 @@ def test_gemv_whole_rows(kernels, device, monkeypatch, n, k, silu_mul):
     assert not torch.isnan(got).any(), "the whole-row GEMV left an output unwritten"
     if silu_mul is None:
         want = x.double() @ w.double().T
-        monkeypatch.setattr(
-            "deltaserve.kernels.triton_compat.GPU_PATH_ON_CPU", True
-        )  # on CPU tensors too
+        # on CPU tensors too
+        monkeypatch.setattr("deltaserve.kernels.triton_compat.GPU_PATH_ON_CPU", True)
         assert torch.equal(mod.logits(x, w), got), "logits did not come from the whole-row GEMV"
     err = ((got.double() - want.double()).norm() / want.double().norm()).item()
     assert err < (1e-6 if silu_mul is None else 1e-2), (
@@ -308,9 +301,9 @@ SILU_MUL_SHAPES = [  # (rows, I, K): the GEMV, the tensor-core kernel, a partial
 @pytest.mark.parametrize("rows,inter,k", SILU_MUL_SHAPES)
 def test_skinny_linear_silu_mul_epilogue(kernels, device, rows, inter, k, monkeypatch):
     """The MLP's gate_up projection making silu(gate) * up in its epilogue gives, bit for bit
-    on the GPU, what the product followed by `silu_and_mul` gives (each checked against its reference
-    elsewhere here); `linear` routes decode rows to it, and without SILU_EPILOGUE to the two
-    kernels."""
+    on the GPU, what the product followed by `silu_and_mul` gives (each checked against its
+    reference elsewhere here); `linear` routes decode rows to it, and without SILU_EPILOGUE to the
+    two kernels."""
     mod, act = kernels["skinny_linear"], kernels["activation"]
     dtype = torch.bfloat16
     # small integers times 1/64: every sum is exact in fp32 in any order, so the bits must match
@@ -319,17 +312,15 @@ def test_skinny_linear_silu_mul_epilogue(kernels, device, rows, inter, k, monkey
     x = torch.randint(-3, 4, (rows, k), device=device).to(dtype)
     w = (torch.randint(-8, 9, (2 * inter, k), device=device) / 64).to(dtype)
     rule, gemv = mod.decode_config(rows, 2 * inter, k)
-    cfg = dataclasses.replace(
-        rule, split_k=1
-    )  # the epilogue needs whole sums (the 4B gate_up never splits)
+    # the epilogue needs whole sums (the 4B gate_up never splits)
+    cfg = dataclasses.replace(rule, split_k=1)
     got = mod.skinny_linear(
         x, w, cfg, gemv, out=poisoned((rows, inter), dtype, device), silu_mul=True
     )
     assert not torch.isnan(got).any(), "skinny_linear(silu_mul) left an output unwritten"
     unfused = act.silu_and_mul_triton(mod.skinny_linear(x, w, cfg, gemv))
-    two_kernels = act.silu_and_mul_triton(
-        mod.skinny_linear(x, w, rule, gemv)
-    )  # `linear` without the epilogue
+    # `linear` without the epilogue
+    two_kernels = act.silu_and_mul_triton(mod.skinny_linear(x, w, rule, gemv))
     assert torch.equal(got, unfused), (
         f"silu_mul epilogue {cfg}: max diff {(got.float() - unfused.float()).abs().max()}"
     )
@@ -337,24 +328,23 @@ def test_skinny_linear_silu_mul_epilogue(kernels, device, rows, inter, k, monkey
         mod.skinny_linear(x, w[:-1], cfg, gemv, silu_mul=True)
     from deltaserve.kernels import triton_compat
 
-    monkeypatch.setattr(
-        triton_compat, "GPU_PATH_ON_CPU", True
-    )  # `linear`'s GPU routing, on CPU too
+    # `linear`'s GPU routing, on CPU too
+    monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
     # the epilogue needs whole sums: a product the rule splits is summed, then silu_and_mul'd
     assert torch.equal(mod.linear(x, w, silu_mul=True), got if rule.split_k == 1 else two_kernels)
     monkeypatch.setattr(mod, "SILU_EPILOGUE", False)
     assert torch.equal(mod.linear(x, w, silu_mul=True), two_kernels)
 
 
-CONV_SHAPES = [  # (rows, conv channels, N, K): a partial last program; the 4B in_proj; more rows: two kernels
+# (rows, conv channels, N, K): a partial last program; the 4B in_proj; more rows: two kernels
+CONV_SHAPES = [
     (1, 41, 72, 256),
     (1, 64, 96, 512),
     (3, 64, 96, 128),
     pytest.param(1, 8192, 12352, 2560, marks=needs_cuda),
     pytest.param(64, 8192, 12352, 2560, marks=needs_cuda),
-    pytest.param(
-        1, 8192, 12352, 4096, marks=needs_cuda
-    ),  # the 9B in_proj (its TUNED GEMV evicts the weights)
+    # the 9B in_proj (its TUNED GEMV evicts the weights)
+    pytest.param(1, 8192, 12352, 4096, marks=needs_cuda),
 ]
 
 
@@ -399,9 +389,8 @@ def test_conv_epilogue(kernels, device, rows, channels, n, k, monkeypatch):
             mod.skinny_linear(x, w, cfg, gemv, conv=epilogue)
     from deltaserve.kernels import triton_compat
 
-    monkeypatch.setattr(
-        triton_compat, "GPU_PATH_ON_CPU", True
-    )  # `linear`'s GPU routing, on CPU too
+    # `linear`'s GPU routing, on CPU too
+    monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
     monkeypatch.setitem(mod.TUNED, (1, n, k), whole)  # one row on whole rows, as the 4B in_proj
     conv_launches = []  # the conv kernel's launches by `linear` (the same results either way)
     conv_kernel = mod.causal_conv1d_update

@@ -44,14 +44,12 @@ async def test_sleep_and_wake_up(placement, tiny_model_dir, model_b, refs):  # n
         with pytest.raises(ValueError, match="weights are asleep"):
             await engine.update_weights(model_b)
         await engine.wake_up(["weights"])
-        assert (
-            await still_waiting(engine, waiting) and engine.is_sleeping
-        )  # the cache is not back yet
+        # the cache is not back yet
+        assert await still_waiting(engine, waiting) and engine.is_sleeping
         await engine.wake_up(["kv_cache"])
         ids, end = await waiting
-        assert (
-            ids == refs["a"][:8] and end.cached_tokens == 0 and not engine.is_sleeping
-        )  # saved states: gone
+        # saved states: gone
+        assert ids == refs["a"][:8] and end.cached_tokens == 0 and not engine.is_sleeping
         # level 2: the weights are dropped; nothing is served from the memory they were in
         # (awake or not) until the next ones loaded (B's), which are served
         await engine.sleep(2)
@@ -69,9 +67,8 @@ async def test_sleep_and_wake_up(placement, tiny_model_dir, model_b, refs):  # n
         ):
             with pytest.raises(ValueError):
                 await bad()
-        await wait_idle(
-            engine, prefixes=True
-        )  # what the ranks hold is the saved prefixes, as the ledger says
+        # what the ranks hold is the saved prefixes, as the ledger says
+        await wait_idle(engine, prefixes=True)
     finally:
         await engine.shutdown()
 

@@ -183,7 +183,8 @@ async def test_engine_golden_with_prefix_caching(tp_size, tiny_vlm_model_dir, hf
         changed = build(media, [*parts[:3], image(48, 80, 99), parts[4]])
         assert first.ids == changed.ids and first.media[1].key != changed.media[1].key
         outcomes = []
-        # the second sight of a prompt saves its state where its full blocks end; the third starts there
+        # the second sight of a prompt saves its state
+        # where its full blocks end; the third starts there
         for prompt in (first, first, first, changed):
             tokens, finished = await collect(engine.generate(prompt, params))
             generated = [t.token_id for t in tokens]

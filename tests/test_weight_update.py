@@ -270,23 +270,20 @@ async def test_pause_modes_and_an_update_beside_frozen_requests(tiny_model_dir, 
             await asyncio.sleep(0.005)
         at_pause = len(events)  # more than 5 on a busy machine: the loop noticed late
         await engine.pause("keep")
-        await asyncio.sleep(
-            0.1
-        )  # the tokens of the steps in flight (two, pipelined), if any, have come
+        # the tokens of the steps in flight (two, pipelined), if any, have come
+        await asyncio.sleep(0.1)
         frozen_at = len(events)
         await asyncio.sleep(0.4)
-        assert (
-            len(events) == frozen_at <= at_pause + 2 and not consumer.done()
-        )  # nothing while paused
+        # nothing while paused
+        assert len(events) == frozen_at <= at_pause + 2 and not consumer.done()
         assert ids_of(events) == refs["a"][:frozen_at]
         await engine.update_weights(model_b)  # beside the frozen request
         assert len(events) == frozen_at
         engine.resume()
         await consumer
         assert events[-1].reason == "length" and len(events) == 41
-        assert (
-            ids_of(events[:-1])[frozen_at:] != refs["a"][frozen_at:40]
-        )  # it went on with B's weights
+        # it went on with B's weights
+        assert ids_of(events[:-1])[frozen_at:] != refs["a"][frozen_at:40]
         assert (await greedy(engine))[0] == refs["b"][:8]
         with pytest.raises(ValueError, match="pause mode"):
             await engine.pause("retract")

@@ -1,11 +1,11 @@
 """Property-based fuzzing of every msgspec decoder on the control plane and of the monitor
-schema's (skipped while engine/monitor_schema.py does not exist): commands, replies, start-up messages, the rank's RankConfig, the
-fault header. Whatever the bytes, a decoder returns a value of its declared types or raises
-one of `DECODE_ERRORS` (msgspec.DecodeError; UnicodeDecodeError for a string that is not
-UTF-8, which msgspec does not wrap), the errors every decode site catches; what it returns
-re-encodes to the same bytes. Decoded replies and
-plans then go through the controller's checks (ipc/validate.py), which answer only with
-ReplyError / PlanRejected. No processes: pure functions. `pytest --long`: 10x the examples.
+schema's (skipped while engine/monitor_schema.py does not exist): commands, replies, start-up
+messages, the rank's RankConfig, the fault header. Whatever the bytes, a decoder returns a value of
+its declared types or raises one of `DECODE_ERRORS` (msgspec.DecodeError; UnicodeDecodeError for a
+string that is not UTF-8, which msgspec does not wrap), the errors every decode site catches; what
+it returns re-encodes to the same bytes. Decoded replies and plans then go through the controller's
+checks (ipc/validate.py), which answer only with ReplyError / PlanRejected. No processes: pure
+functions. `pytest --long`: 10x the examples.
 """
 
 from __future__ import annotations

@@ -181,9 +181,8 @@ def compute_metrics(
         "failed": len(outputs) - len(ok),
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
-        "total_cached_input_tokens": sum(
-            o.cached_len for o in ok
-        ),  # 0 unless the usage has details
+        # 0 unless the usage has details
+        "total_cached_input_tokens": sum(o.cached_len for o in ok),
         "request_throughput": len(ok) / duration_s,
         "request_goodput": good / duration_s if goodput else None,
         "output_throughput": total_out / duration_s,
@@ -247,7 +246,7 @@ async def fetch_json(
     async with session.get(url, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"GET {url}: HTTP {resp.status} {_error_message(await resp.text())}")
-        return await resp.json()
+        return await resp.json(content_type=None)  # sglang-router's /v1/models says text/plain
 
 
 async def health_status(session: aiohttp.ClientSession, base_url: str) -> int | None:

@@ -1,9 +1,10 @@
 """Decode benchmark on one GPU: ceilings, kernels, the Executor's forward step, HF transformers.
 
 Reported gpt-fast style (STYLE.md): tokens/s beside achieved GB/s and the fraction of the
-memory roofline, i.e. the bytes a decode step must move (every weight read once, the fp32
-DeltaNet state and conv windows read and written once, the KV of every context position read
-once) over the copy bandwidth measured in the same run. HF transformers decodes the same
+memory roofline, i.e. the bytes a decode step must move (every weight read once, the DeltaNet
+state (fp32, or bf16 with --mamba-ssm-cache-dtype bfloat16) and conv windows read and written
+once, the KV of every context position read once, FP8 with --kv-cache-dtype fp8) over the copy
+bandwidth measured in the same run. HF transformers decodes the same
 random checkpoint in the same run.
 
     python -m tools.bench_decode --out /tmp/bench.json        # on the GPU machine
@@ -305,7 +306,15 @@ def idle_expert_params(config, experts_used: float) -> float:
     return config.num_hidden_layers * (config.num_experts - experts_used) * per_expert
 
 
-def step_bytes(config, params_bytes: int, batch: int, context: int, dtype: torch.dtype) -> int:
+def step_bytes(
+    config,
+    params_bytes: int,
+    batch: int,
+    context: int,
+    dtype: torch.dtype,
+    state_dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,
+) -> int:
     """Bytes one decode step must move: weights once (of an input embedding apart from the
     lm_head, the 9B's, only its rows of the step; of an MoE model's routed experts, those its
     tokens choose: E (1 - (1 - k/E)^batch) a layer, expected under even routing), each
@@ -313,7 +322,8 @@ def step_bytes(config, params_bytes: int, batch: int, context: int, dtype: torch
     position's K and V read (its own K and V written)."""
     from deltaserve.engine.rank.memory_budget import cache_sizes
 
-    per = cache_sizes(config, 1, dtype, block_size=1)  # block_bytes: K and V of one position
+    # block_bytes: K and V of one position
+    per = cache_sizes(config, 1, dtype, 1, state_dtype, kv_dtype)
     embedding = (
         0
         if config.tie_word_embeddings
@@ -351,6 +361,9 @@ def bench_model(
         num_kv_blocks=max_batch * blocks_per,
         max_model_len=reserve,
         enforce_eager=args.no_graphs,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.kv_cache_dtype != "auto",
     )
     started = time.monotonic()
     ex = Executor(config)  # loads the weights, captures the decode graphs
@@ -416,7 +429,9 @@ def bench_model(
                 times.append(time.perf_counter() - t0)
             step_s = statistics.median(times)
             context = ex.requests[0].num_tokens
-            nbytes = step_bytes(ex.model_config, params_bytes, batch, context, ex.dtype)
+            nbytes = step_bytes(
+                ex.model_config, params_bytes, batch, context, ex.dtype, ex.state_dtype, ex.kv_dtype
+            )
             row = {
                 "mode": mode,
                 "batch": batch,
@@ -735,6 +750,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--hf-steps", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        help="the DeltaNet states' dtype in the model runs (auto: the checkpoint's, fp32)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="the KV cache's in the model runs: auto (the model's) or fp8 (scales calculated)",
+    )
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument(
@@ -850,8 +875,8 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(report: dict) -> None:
     for row in report.get("kernels", []):
         print(
-            f"kernel {row['kernel']:24s} b={row['batch']:3d} {row['config']:18s} {row['us']:9.1f} us "
-            f"{row['GBps']:8.0f} GB/s {row['fraction_of_copy']:6.1%}"
+            f"kernel {row['kernel']:24s} b={row['batch']:3d} {row['config']:18s} {row['us']:9.1f} "
+            f"us {row['GBps']:8.0f} GB/s {row['fraction_of_copy']:6.1%}"
         )
     for row in report["model"]["decode"]:
         frac = row.get("fraction_of_roofline", math.nan)
@@ -859,7 +884,8 @@ def print_table(report: dict) -> None:
             f" (replay alone {row['graph_replay_ms']:.2f} ms)" if "graph_replay_ms" in row else ""
         )
         print(
-            f"model {row['mode']:17s} b={row['batch']:3d} ctx={row['context']:5d} {row['step_ms']:8.2f} ms "
+            f"model {row['mode']:17s} b={row['batch']:3d} ctx={row['context']:5d} "
+            f"{row['step_ms']:8.2f} ms "
             f"{row['tokens_per_s']:9.1f} tok/s {row['GBps']:7.0f} GB/s roofline {frac:6.1%}{replay}"
         )
     for name, prof in report["model"].get("profiles", {}).items():
@@ -867,8 +893,8 @@ def print_table(report: dict) -> None:
             print(f"profile {name}: {prof['error']}")
             continue
         print(
-            f"profile {name}: {prof['kernel_launches']} kernels, {prof['kernel_ms_total']:.2f} ms of kernel time "
-            f"in a {prof['wall_ms_profiled']:.2f} ms step; top: "
+            f"profile {name}: {prof['kernel_launches']} kernels, {prof['kernel_ms_total']:.2f} ms "
+            f"of kernel time in a {prof['wall_ms_profiled']:.2f} ms step; top: "
             + "; ".join(
                 f"{k['name'][:40]} x{k['count']} {k['us'] / 1e3:.2f} ms" for k in prof["top"][:6]
             )
@@ -876,7 +902,8 @@ def print_table(report: dict) -> None:
     for row in report["model"].get("prefill", []):
         frac = row.get("fraction_of_matmul", math.nan)
         print(
-            f"prefill {row.get('prompts', 1)} x {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s "
+            f"prefill {row.get('prompts', 1)} x {row['tokens']:6d} tokens "
+            f"{row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s "
             f"{row['model_TFLOPs']:6.1f} TFLOP/s = {frac:6.1%} of matmul"
         )
     for row in report.get("engine", []):
@@ -887,13 +914,15 @@ def print_table(report: dict) -> None:
             else "(batch not in --batches)"
         )
         print(
-            f"engine tp={row['tp']} {mode:9s} b={row['batch']:3d} {row['ms_per_output_token']:8.2f} ms/step {row['tokens_per_s']:9.1f} tok/s "
+            f"engine tp={row['tp']} {mode:9s} b={row['batch']:3d} "
+            f"{row['ms_per_output_token']:8.2f} ms/step {row['tokens_per_s']:9.1f} tok/s "
             f"{ratio}; steps {row['mean_step_ms']:.2f} ms on the ranks "
             f"+ {row['mean_scheduler_ms']:.2f} ms scheduler"
         )
     for row in report.get("hf_prefill", []):
         print(
-            f"hf prefill {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms {row['tokens_per_s']:9.0f} tok/s"
+            f"hf prefill {row['tokens']:6d} tokens {row['seconds'] * 1e3:8.1f} ms "
+            f"{row['tokens_per_s']:9.0f} tok/s"
         )
     for row in report.get("hf_transformers", []):
         print(f"hf b={row['batch']:3d} {row['step_ms']:8.2f} ms {row['tokens_per_s']:8.1f} tok/s")

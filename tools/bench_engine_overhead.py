@@ -94,9 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     for streams in args.streams:
         for mode in args.pipelining:
             with tempfile.TemporaryDirectory() as trace_dir:
-                step_trace.TRACE_DIR = os.environ["DELTASERVE_STEP_TRACE"] = (
-                    trace_dir  # ranks read the variable
-                )
+                # ranks read the variable
+                step_trace.TRACE_DIR = os.environ["DELTASERVE_STEP_TRACE"] = trace_dir
                 row = asyncio.run(
                     run_streams(
                         args.model, streams, args.step_ms / 1e3, args.new_tokens, mode == "on"
@@ -105,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                 row["hops_us"] = hop_table(load(Path(trace_dir))).get(streams, {})
             rows.append(row)
             print(
-                f"streams {streams:3d}, pipelining {mode:3s}: {row['step_ms']:.3f} ms per step with {args.step_ms} ms "
-                f"of (slept) model work: the engine adds {row['engine_overhead_ms']:.3f} ms "
-                f"({row['scheduler_ms']:.3f} ms scheduler)"
+                f"streams {streams:3d}, pipelining {mode:3s}: {row['step_ms']:.3f} ms per step "
+                f"with {args.step_ms} ms of (slept) model work: the engine adds "
+                f"{row['engine_overhead_ms']:.3f} ms ({row['scheduler_ms']:.3f} ms scheduler)"
             )
             for hop, us in row["hops_us"].items():
                 if hop != "steps":

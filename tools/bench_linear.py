@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name:13s} N={n:6d} K={k:5d} rows={rows:3d}  cublas {row['cublas_us']:7.1f} us "
                 f"{row['cublas_GBps']:6.0f} GB/s | best {best['us'] if best else 0:7.1f} us "
-                f"{best['GBps'] if best else 0:6.0f} GB/s {best['cfg'] if best else ''} gemv={best and best['gemv']}",
+                f"{best['GBps'] if best else 0:6.0f} GB/s {best['cfg'] if best else ''} "
+                f"gemv={best and best['gemv']}",
                 flush=True,
             )
         del weights
@@ -147,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         per_step[rows] = {"cublas_us": cub, "best_of_both_us": tri}
         print(
-            f"rows={rows:3d}: per-layer GEMMs per step: cuBLAS {cub:8.1f} us, best of both {tri:8.1f} us"
+            f"rows={rows:3d}: per-layer GEMMs per step: "
+            f"cuBLAS {cub:8.1f} us, best of both {tri:8.1f} us"
         )
     report = {
         "command": " ".join(sys.argv),

@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'tokens':>6} {'mode':>8} {'us/layer':>9} {'experts':>8} {'GB/s':>7} {'of copy':>8}")
     for r in rows:
         print(
-            f"{r['tokens']:6d} {r['mode']:>8} {r['us_per_layer']:9.1f} {r['distinct_experts']:8.1f} "
-            f"{r['GBps']:7.0f} {r['fraction_of_copy']:8.1%}"
+            f"{r['tokens']:6d} {r['mode']:>8} {r['us_per_layer']:9.1f} "
+            f"{r['distinct_experts']:8.1f} {r['GBps']:7.0f} {r['fraction_of_copy']:8.1%}"
         )
     return 0
 

@@ -16,9 +16,9 @@ publishing happens, is as large a share of a step as it gets.
 
 Then B alone, rounds alternating: no subscriber, and a new one that never reads, its queues
 filled (through B's publisher) before the round: same engine, same history, so only the
-stalled subscriber differs. Last: microseconds per published message with the stalled subscriber (load and
-lifecycle), and the scheduler hook's cost with no listener. Writes JSON with the command and
-hardware to `--out` (default bench/results/monitor_<device>.json).
+stalled subscriber differs. Last: microseconds per published message with the stalled subscriber
+(load and lifecycle), and the scheduler hook's cost with no listener. Writes JSON with the command
+and hardware to `--out` (default bench/results/monitor_<device>.json).
 """
 
 from __future__ import annotations
@@ -321,8 +321,8 @@ async def run(args: argparse.Namespace) -> dict:
     micro = await publish_costs(args.micro_messages)
     print(
         f"monitored / plain steps/s (medians): {engine['monitored_over_plain_steps_per_s']:.4f}; "
-        f"per step, monitored - plain: engine cpu {engine['monitor_engine_cpu_ms_per_step']:.4f} ms, "
-        f"tick overhead {engine['monitor_tick_overhead_ms_per_step']:.4f} ms"
+        f"per step, monitored - plain: engine cpu {engine['monitor_engine_cpu_ms_per_step']:.4f} "
+        f"ms, tick overhead {engine['monitor_tick_overhead_ms_per_step']:.4f} ms"
     )
     same = engine["same_engine"]["summary"]
     print(
@@ -332,7 +332,8 @@ async def run(args: argparse.Namespace) -> dict:
     )
     print(
         f"publish: load {micro['load_us_per_message']} us/msg, finished "
-        f"{micro['finished_us_per_message']} us/msg; no-listener hook {micro['no_listener_notify_ns']} ns"
+        f"{micro['finished_us_per_message']} us/msg; no-listener hook "
+        f"{micro['no_listener_notify_ns']} ns"
     )
     return {
         "model": model if args.model else "tiny preset, fp32 (made for this run)",

@@ -8,10 +8,10 @@
   only the prefix's tokens in common with them. Time to first token and wall time.
 - parallel sampling: one call of `--n` choices (seeded, temperature 1) of a fresh
   `--shared-len`-token prompt: time to every choice's first token, and wall time.
-Greedy with ignore_eos (but the parallel sampling), `--output-len` tokens each; the answers of the two runs are compared
-token by token. In bf16 a prefill split elsewhere rounds differently, and on random weights a
-greedy answer parts at the first token it tips: so a third run, prefix caching off and prompts
-chunked by `--baseline-chunk` tokens, measures how much that alone changes the answers.
+Greedy with ignore_eos (but the parallel sampling), `--output-len` tokens each; the answers of the
+two runs are compared token by token. In bf16 a prefill split elsewhere rounds differently, and on
+random weights a greedy answer parts at the first token it tips: so a third run, prefix caching off
+and prompts chunked by `--baseline-chunk` tokens, measures how much that alone changes the answers.
 
     python -m tools.bench_prefix --model DIR --device cuda --out bench/results/prefix_h200.json
 """
@@ -225,8 +225,8 @@ def main() -> None:
     )
     for row in result["conversation"]:
         print(
-            f"{row['turn']:>4} {row['prompt_len']:>7} {row['cached']:>7} {row['ttft_off_ms']:>12.1f} "
-            f"{row['ttft_on_ms']:>11.1f} {row['speedup']:>6.2f}"
+            f"{row['turn']:>4} {row['prompt_len']:>7} {row['cached']:>7} "
+            f"{row['ttft_off_ms']:>12.1f} {row['ttft_on_ms']:>11.1f} {row['speedup']:>6.2f}"
         )
     for name, s in result["shared"].items():
         print(
@@ -235,8 +235,8 @@ def main() -> None:
         )
     for name, r in result["parallel"].items():
         print(
-            f"parallel sampling {name}: n {r['n']}, every first token after {r['last_first_token_s']:.3f} s, "
-            f"wall {r['wall_s']:.2f} s, cached {r['cached']}"
+            f"parallel sampling {name}: n {r['n']}, every first token after "
+            f"{r['last_first_token_s']:.3f} s, wall {r['wall_s']:.2f} s, cached {r['cached']}"
         )
     for name in ("same_off_on", "same_off_chunked"):
         print(name, " ".join(f"{k} {v:.3f}" for k, v in result[name].items()))

@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for r in rows:
         print(
-            f"{r['prompts']:7d} {r['tokens']:6d} {r['graphs_wall_ms']:9.2f} {r['eager_wall_ms']:9.2f} "
+            f"{r['prompts']:7d} {r['tokens']:6d} {r['graphs_wall_ms']:9.2f} "
+            f"{r['eager_wall_ms']:9.2f} "
             f"{r['speedup']:7.2f} {r['graphs_host_ms']:10.2f} {r['eager_host_ms']:10.2f} "
             f"{r['max_abs_logprob_diff']:9.4f} {r['argmax_mismatches']:8d} {r['graph_replays']:7d}"
         )

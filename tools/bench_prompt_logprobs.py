@@ -157,8 +157,8 @@ def main() -> None:
     nan = float("nan")
     for r in rows:
         print(
-            f"{r['prompt_len']:>7} {r['ttft_off_ms']:>8.1f} {r['ttft_k1_ms']:>8.1f} {r['ttft_k20_ms']:>8.1f} "
-            f"{r.get('hf_ms', nan):>8.1f} {r.get('vs_hf', nan):>7.2f} "
+            f"{r['prompt_len']:>7} {r['ttft_off_ms']:>8.1f} {r['ttft_k1_ms']:>8.1f} "
+            f"{r['ttft_k20_ms']:>8.1f} {r.get('hf_ms', nan):>8.1f} {r.get('vs_hf', nan):>7.2f} "
             f"{r.get('ours_vs_hf_fp32_mean', nan):>9.4f}/{r.get('ours_vs_hf_fp32_max', nan):<9.4f} "
             f"{r.get('hf_vs_hf_fp32_mean', nan):>8.4f}/{r.get('hf_vs_hf_fp32_max', nan):<8.4f}"
         )

@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{mode}_device_ms"] = statistics.median(dev for _, dev in runs)
             rows_out.append(row)
             print(
-                f"rows {rows:3d} {name:7s}: span fused {row['fused_span_ms']:.3f} / torch {row['torch_span_ms']:.3f} ms;"
-                f" device fused {row['fused_device_ms']:.3f} / torch {row['torch_device_ms']:.3f} ms",
+                f"rows {rows:3d} {name:7s}: span fused {row['fused_span_ms']:.3f} / torch "
+                f"{row['torch_span_ms']:.3f} ms; device fused {row['fused_device_ms']:.3f} / torch "
+                f"{row['torch_device_ms']:.3f} ms",
                 flush=True,
             )
     sampler_module.logsumexp_argmax = logsumexp_argmax

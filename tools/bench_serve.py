@@ -52,7 +52,8 @@ def _endpoint(text: str) -> str:
         if text in (name, path):
             return name
     raise argparse.ArgumentTypeError(
-        f"--endpoint must be completions, chat, /v1/completions or /v1/chat/completions; got {text!r}"
+        "--endpoint must be completions, chat, "
+        f"/v1/completions or /v1/chat/completions; got {text!r}"
     )
 
 

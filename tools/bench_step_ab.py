@@ -17,7 +17,8 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
           split, and no merge kernel, from 33 requests on (4 KV heads)
   nosum   the default with split-K products summed by their own kernel before the norm
   o64, o64s8, o_cublas  out_proj / o_proj at 33-64 rows with K split in 4 (64x128 tiles) or 8
-          (64x64), or on cuBLAS (else K in 3 uneven parts, 64x128 tiles; the parts added by the norm)
+          (64x64), or on cuBLAS (else K in 3 uneven parts, 64x128 tiles; the parts added by the
+          norm)
   gu_cublas  the default with cuBLAS for gate_up at 33-64 rows (its TUNED tile removed)
   gu_64x128, gu_32x128, gu_128x64  the default with that gate_up tile (rows x K) at 33-64 rows
   loop1   the default with in_proj's and gate_up's GEMVs looping over K (their rows not read
@@ -41,8 +42,8 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
           only the kernels other than projections', only the projections', or all but the
           tensor-core kernel's
   rule_ahead, rule_plain  the default with the general rule's one-row GEMVs reading their first
-          K block before the wait, or not; before_ahead: rule_plain with the 4B's down and out/o_proj
-          at one row on their tiles before (4 rows, 8 warps, first block after the wait)
+          K block before the wait, or not; before_ahead: rule_plain with the 4B's down and
+          out/o_proj at one row on their tiles before (4 rows, 8 warps, first block after the wait)
   --tile-modes NAME=...  more modes, each the default with TUNED entries of its own (see
           `parse_tile_mode`), e.g. o2x512=1,2560,4096:2,512,1,4,2,a
   nopdl   the default kernels launched plainly (DELTASERVE_PDL=0)
@@ -56,8 +57,8 @@ random checkpoint a change of rounding alone moves the top-8 logprobs by up to ~
           tiles of 16 or 32 positions, 4 or 8 warps, that many pipeline stages (else 32, 4, and
           2 stages from 256 programs, 3 below; Triton gives K and V two buffers from 5 stages)
   fp8_keep, fp8_rows1  on an FP8 release, the default with the projections kept FP8 and read so by
-          the skinny kernels (else widened to bf16 as they load); fp8_rows1, fp8_rows4, fp8_rows8 with
-          the GEMVs on that many times the bf16 tiles' rows (else 4 times, FP8_GEMV_ROWS)
+          the skinny kernels (else widened to bf16 as they load); fp8_rows1, fp8_rows4, fp8_rows8
+          with the GEMVs on that many times the bf16 tiles' rows (else 4 times, FP8_GEMV_ROWS)
 """
 
 from __future__ import annotations
@@ -93,32 +94,26 @@ class Mode:
     sum_in_norm: bool = True  # split-K partial sums added by the next norm
     parts_per_sm: int = paged_attention.PARTS_PER_SM  # decode attention's split target
     tuned: bool = True  # the TUNED tiles
-    one_wave: bool = (
-        True  # K splits filling one wave of one program per SM (else dividing K's blocks)
-    )
-    tiles: tuple = ()  # ((rows class, N, K), SkinnyConfig or None) TUNED entries set (None: removed)
+    # K splits filling one wave of one program per SM (else dividing K's blocks)
+    one_wave: bool = True
+    # ((rows class, N, K), SkinnyConfig or None) TUNED entries set (None: removed)
+    tiles: tuple = ()
     conv_tile: tuple[int, int] = conv.UPDATE_TILE  # the conv update's (channels, warps) per program
     norm_warps: int = rmsnorm.WIDE_ROW_WARPS  # per RMSNorm row of the hidden size
-    decode_tile: tuple[int, int] | None = (
-        gated_delta.DECODE_TILE
-    )  # the DeltaNet decode's (block_v, warps)
-    attention_launch: tuple[int, int, int] | None = (
-        paged_attention.DECODE_LAUNCH
-    )  # (block_n, warps, stages)
-    read_ahead: frozenset[str] = (
-        triton_compat.READ_AHEAD
-    )  # kernels loading slots, positions before the wait
+    # the DeltaNet decode's (block_v, warps)
+    decode_tile: tuple[int, int] | None = gated_delta.DECODE_TILE
+    # (block_n, warps, stages)
+    attention_launch: tuple[int, int, int] | None = paged_attention.DECODE_LAUNCH
+    # kernels loading slots, positions before the wait
+    read_ahead: frozenset[str] = triton_compat.READ_AHEAD
     lm_head_gemv: bool = True  # one row's logits by our GEMV
     conv_epilogue: bool = True  # one row's DeltaNet conv in in_proj's GEMV
-    early_trigger: frozenset[str] = (
-        triton_compat.EARLY_TRIGGER
-    )  # kernel kinds letting the next launch before their wait
-    rule_first_ahead: bool = (
-        skinny.RULE_FIRST_AHEAD
-    )  # the rule's one-row GEMVs read their first block before the wait
-    fp8_weights: str = (
-        "widen"  # an FP8 checkpoint's projections widened as they load, or kept FP8 ("keep")
-    )
+    # kernel kinds letting the next launch before their wait
+    early_trigger: frozenset[str] = triton_compat.EARLY_TRIGGER
+    # the rule's one-row GEMVs read their first block before the wait
+    rule_first_ahead: bool = skinny.RULE_FIRST_AHEAD
+    # an FP8 checkpoint's projections widened as they load, or kept FP8 ("keep")
+    fp8_weights: str = "widen"
     fp8_gemv_rows: int = skinny.FP8_GEMV_ROWS  # an FP8 GEMV tile's rows over the bf16 tile's
 
 
@@ -203,7 +198,8 @@ MODES |= {
     "rule_ahead": Mode(rule_first_ahead=True),
     "rule_plain": Mode(rule_first_ahead=False),
     "before_ahead": Mode(
-        rule_first_ahead=False,  # rule_plain with the 4B's down and out/o_proj on their tiles before
+        # rule_plain with the 4B's down and out/o_proj on their tiles before
+        rule_first_ahead=False,
         tiles=(
             ((1, 2560, 9216), skinny.SkinnyConfig(4, 1024, 1, 8, 2, evict_first=True)),
             ((1, 2560, 4096), None),
@@ -338,9 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                     position[mode] += 1
                 step_ms[mode].append(statistics.median(times) * 1e3)
                 graph = ex.graphs.graphs[min(b for b in ex.graphs.graphs if b >= batch)][0]
-                replay_ms[mode].append(
-                    time_events(graph.replay, reps=20) * 1e3
-                )  # the last step's inputs again
+                # the last step's inputs again
+                replay_ms[mode].append(time_events(graph.replay, reps=20) * 1e3)
         for mode, ex in executors.items():
             ex.drop(ids)
             row = {
@@ -354,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             gap = numerics[mode]["max_abs_diff"] if mode in numerics else 0.0
             print(
-                f"{mode:7s} b={batch:3d} step {row['step_ms']:6.3f} ms  replay {row['replay_ms']:6.3f} ms  "
+                f"{mode:7s} b={batch:3d} step {row['step_ms']:6.3f} ms  replay "
+                f"{row['replay_ms']:6.3f} ms  "
                 f"rounds {row['replay_ms_rounds']}  top-8 logprob gap {gap:.4f}",
                 flush=True,
             )

@@ -170,14 +170,16 @@ async def decode_under_images(engine: AsyncEngine, args, prompts: list[Multimoda
     )
 
     async def decoder() -> None:
-        last = None
-        async for _event in engine.generate(text, params):
-            now = time.perf_counter()
-            if last is not None and phase["now"] in gaps:
-                gaps[phase["now"]].append(now - last)
-            last = now
-            if phase["now"] == "done":
-                break
+        # A decoder that reaches max_tokens starts again: only gaps within one request count.
+        while phase["now"] != "done":
+            last = None
+            async for _event in engine.generate(text, params):
+                now = time.perf_counter()
+                if last is not None and phase["now"] in gaps:
+                    gaps[phase["now"]].append(now - last)
+                last = now
+                if phase["now"] == "done":
+                    break
 
     tasks = [asyncio.ensure_future(decoder()) for _ in range(args.decoders)]
     await asyncio.sleep(args.window_s / 2)
@@ -185,7 +187,8 @@ async def decode_under_images(engine: AsyncEngine, args, prompts: list[Multimoda
     await asyncio.sleep(args.window_s)
     phase["now"] = "images"
     ttfts = await engine_ttft(engine, prompts)
-    while not gaps["images"]:  # the gap that spans the last image's encoding, at least
+    # The gap that spans the last image's encoding, at least; a decoder that failed says so.
+    while not gaps["images"] and not any(task.done() for task in tasks):
         await asyncio.sleep(0.01)
     phase["now"] = "done"
     await asyncio.gather(*tasks)

@@ -1,11 +1,12 @@
-"""An RL loop's weight update, measured and checked: how long `AsyncEngine.update_weights`
+r"""An RL loop's weight update, measured and checked: how long `AsyncEngine.update_weights`
 takes to put another checkpoint of the same model on every rank, and that the engine then
 answers exactly as a fresh engine started on that checkpoint (greedy, ignore_eos; on CUDA the
 same graphs replay the new weights), and as before once the first weights are back.
 
     python -m tools.make_model --preset 4b --out /tmp/a --seed 0 --device cuda --dtype bf16
     python -m tools.make_model --preset 4b --out /tmp/b --seed 1 --device cuda --dtype bf16
-    python -m tools.bench_weight_update --model /tmp/a --other /tmp/b --device cuda --out bench/results/x.json
+    python -m tools.bench_weight_update --model /tmp/a --other /tmp/b --device cuda \
+        --out bench/results/x.json
 """
 
 from __future__ import annotations

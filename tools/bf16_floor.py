@@ -1,6 +1,7 @@
-"""How far bf16 rounding alone moves a random checkpoint's logprobs, point by point.
+r"""How far bf16 rounding alone moves a random checkpoint's logprobs, point by point.
 
-    python -m tools.bf16_floor --preset 0.8b [--layers N] [--device cuda] [--out bench/results/X.json]
+    python -m tools.bf16_floor --preset 0.8b [--layers N] [--device cuda] \
+        [--out bench/results/X.json]
 
 The bf16 gate (GPU issue: mean <= 0.03, p99 <= 0.12 nat over the top-8 logprob differences
 against transformers in fp32) was set for trained checkpoints. On our random ones even HF in

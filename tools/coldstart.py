@@ -26,8 +26,8 @@ from deltaserve.tools.hardware import host_info
 
 # log lines that mark a start-up phase (server and ranks)
 PHASES = re.compile(
-    r"loading |process up|torch on|profiling step|weights loaded|memory budget|CUDA graphs captured|tokenizer loaded"
-    r"|engine ready|ready: serving"
+    r"loading |process up|torch on|profiling step|weights loaded|memory budget"
+    r"|CUDA graphs captured|tokenizer loaded|engine ready|ready: serving"
 )
 
 

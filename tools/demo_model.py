@@ -19,8 +19,9 @@ DEMO_MODEL_NAME = "deltaserve-demo-tiny"
 
 
 def demo_name() -> str:
-    """The demo checkpoint's folder name. It changes with the package version and with the demo's
-    chat template: a demo made earlier would otherwise keep serving the template it was made with."""
+    """The demo checkpoint's folder name. It changes with the package version and with the
+    demo's chat template: a demo made earlier would otherwise keep serving the template it was
+    made with."""
     from deltaserve.tools.tokenizer_files import CHATML_TEMPLATE
 
     digest = hashlib.sha256(CHATML_TEMPLATE.encode()).hexdigest()[:8]

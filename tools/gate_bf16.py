@@ -280,13 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     floor = result["golden"]["hf_bf16_vs_hf_fp32"]
     print(
-        f"HF bf16 vs HF fp32 (the floor): mean {floor['mean_abs_diff']:.4f} p99 {floor['p99_abs_diff']:.4f} "
-        f"regret {floor['max_regret']:.4f}"
+        f"HF bf16 vs HF fp32 (the floor): mean {floor['mean_abs_diff']:.4f} p99 "
+        f"{floor['p99_abs_diff']:.4f} regret {floor['max_regret']:.4f}"
     )
     if "ours_fp32_vs_hf_fp32" in result:
         print(f"ours fp32 vs HF fp32: {result['ours_fp32_vs_hf_fp32']}")
     print(
-        f"gate {'PASS' if result['golden']['passed'] else 'FAIL'}: mean {pooled['mean_abs_diff']:.4f} "
+        f"gate {'PASS' if result['golden']['passed'] else 'FAIL'}: mean "
+        f"{pooled['mean_abs_diff']:.4f} "
         f"p99 {pooled['p99_abs_diff']:.4f} regret {pooled['max_regret']:.4f} | graphs==eager "
         f"{result['graphs_vs_eager']['tokens_equal']} | engine==executor "
         f"{result['engine']['tokens_equal_executor']} startup {result['engine']['startup_s']:.1f}s "

@@ -307,9 +307,8 @@ def quantize_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.
     releases are made: each block's largest magnitude maps to FP8_MAX."""
     rows, cols = weight.shape
     padded = torch.nn.functional.pad(weight.float(), (0, -cols % block, 0, -rows % block))
-    blocks = padded.unflatten(0, (-1, block)).unflatten(
-        2, (-1, block)
-    )  # [row blocks, b, col blocks, b]
+    # [row blocks, b, col blocks, b]
+    blocks = padded.unflatten(0, (-1, block)).unflatten(2, (-1, block))
     scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
     values = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     return values.flatten(2, 3).flatten(0, 1)[:rows, :cols].to(torch.float8_e4m3fn), scale_inv

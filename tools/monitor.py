@@ -123,7 +123,8 @@ class MonitorView:
         head.add_row(
             f"[b]{self.endpoint}[/b]",
             f"state [{style}]{state}[/]",
-            f"messages {self.num_messages}  lost {self.num_lost}  undecodable {self.num_undecodable}",
+            f"messages {self.num_messages}  lost {self.num_lost}  undecodable "
+            f"{self.num_undecodable}",
         )
         if self.ready:
             r = self.ready
@@ -199,6 +200,8 @@ def describe(m: schema.MonitorMessage) -> str:
         return f"rejected  {rid}{m.client_id} ({m.reason}): {m.message}"
     if isinstance(m, schema.Dropped):
         return f"dropped   #{m.request_id} after {m.output_tokens} tokens: {m.message}"
+    if isinstance(m, schema.Preempted):
+        return f"preempted #{m.request_id} after {m.output_tokens} tokens"
     if isinstance(m, schema.Ready):
         return f"ready     {m.model} tp={m.tp_size} {m.num_slots} slots {m.num_blocks} blocks"
     if isinstance(m, schema.Poisoned | schema.Terminal):

@@ -1,7 +1,8 @@
-"""min_tokens, logit_bias, allowed_token_ids, bad words and guided decoding (choice, regex, JSON schema) through the engine on CUDA (graphs,
-pipelined and overlapped steps), nine requests at once: `python -m tools.sampling_check MODEL_DIR OUT.json` (exit 1 on a failed
-check). The CPU tests check the same rules exactly (tests/test_sampler.py,
-tests/test_engine_sampling.py); this runs them where the decode step is a graph replay."""
+"""min_tokens, logit_bias, allowed_token_ids, bad words and guided decoding (choice, regex, JSON
+schema) through the engine on CUDA (graphs, pipelined and overlapped steps), nine requests at once:
+`python -m tools.sampling_check MODEL_DIR OUT.json` (exit 1 on a failed check). The CPU tests check
+the same rules exactly (tests/test_sampler.py, tests/test_engine_sampling.py); this runs them where
+the decode step is a graph replay."""
 
 from __future__ import annotations
 

@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{c['length']}:{c['first_ms']:.1f}/{c['second_ms']:.2f}" for c in report[name]["calls"]
         )
         print(
-            f"{name:13s} first/second ms {cells}  steady 4096: {report[name]['steady_ms_at_4096']:.3f} ms"
+            f"{name:13s} first/second ms {cells}  steady 4096: "
+            f"{report[name]['steady_ms_at_4096']:.3f} ms"
         )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

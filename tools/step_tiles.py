@@ -73,7 +73,8 @@ DOT = [
     (32, 128, 8, 4, 3, False),
     (128, 128, 8, 8, 3, False),
     (64, 128, 2, 4, 4, False),
-    # K in 3 parts even where they differ by a block: 120 programs, one per SM (out/o_proj's TUNED tile)
+    # K in 3 parts even where they differ by a block:
+    # 120 programs, one per SM (out/o_proj's TUNED tile)
     (64, 128, 3, 4, 4, False),
     (64, 64, 3, 4, 4, False),
 ]
@@ -248,17 +249,18 @@ def main(argv: list[str] | None = None) -> int:
         for shape, (name, share) in row["picks"].items():
             rule = row["shares_us"][shape].get("rule", float("nan"))
             print(
-                f"b={batch:3d} {shape:11s} best {name:34s} {share:8.1f} us  (the rule {rule:.1f} us)",
+                f"b={batch:3d} {shape:11s} best {name:34s} "
+                f"{share:8.1f} us  (the rule {rule:.1f} us)",
                 flush=True,
             )
         print(
-            f"b={batch:3d} replay: rule {row['replay_ms']['rule']:.4f} ms, picks {row['replay_ms']['picks']:.4f} ms; "
+            f"b={batch:3d} replay: rule {row['replay_ms']['rule']:.4f} ms, picks "
+            f"{row['replay_ms']['picks']:.4f} ms; "
             f"top-8 logprob gap {row['picks_vs_rule_first_step']['max_abs_diff']:.3f}",
             flush=True,
         )
-        write_report(
-            args.out, "step_tiles", results=rows
-        )  # after every batch: a run cut short keeps it
+        # after every batch: a run cut short keeps it
+        write_report(args.out, "step_tiles", results=rows)
     return 0
 
 

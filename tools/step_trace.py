@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     table = hop_table(load(args.trace_dir))
     for size, hops in table.items():
         print(
-            f"steps of {size} items ({hops['steps']} steps, {hops['overlapped steps']} overlapped), median us:"
+            f"steps of {size} items ({hops['steps']} steps, "
+            f"{hops['overlapped steps']} overlapped), median us:"
         )
         for name, us in hops.items():
             if name not in ("steps", "overlapped steps"):

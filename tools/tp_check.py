@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         runs[label] = asyncio.run(engine_run(args.model, tp, args.device, dtype, graph_tokens))
         print(
-            f"{label} in {time.monotonic() - started:.1f} s ({runs[label]['pipelined_steps']} steps pipelined): "
-            f"{runs[label]['tokens']}",
+            f"{label} in {time.monotonic() - started:.1f} s ({runs[label]['pipelined_steps']} "
+            f"steps pipelined): {runs[label]['tokens']}",
             flush=True,
         )
     reference = plan[-1][0]
@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for pair, gap in gaps.items():
         print(
-            f"{pair}: next-token top-{TOP} logprob gap mean {gap['mean_gap']:.4f}, max {gap['max_gap']:.4f} nat; "
+            f"{pair}: next-token top-{TOP} logprob gap mean {gap['mean_gap']:.4f}, max "
+            f"{gap['max_gap']:.4f} nat; "
             f"best token agrees on {gap['argmax_agree']} of {gap['prefixes']}",
             flush=True,
         )

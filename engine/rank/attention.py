@@ -2,7 +2,10 @@
 
 q_proj yields, per head, [query | gate] (so it splits on head boundaries); per-head zero-centred
 q/k norms; RoPE (rotate-half) on the first `rotary_dim` dims only; causal GQA attention over the
-paged cache; output times sigmoid(gate), then the row-parallel o_proj.
+paged cache; output times sigmoid(gate), then the row-parallel o_proj. With an FP8 cache
+(kernels/kv_quant.py) keys and values are stored quantized, read back multiplied by their
+scales, and a prompt's fresh keys go through the same round trip: it attends to what a later
+chunk or a decode step reads from the cache.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from deltaserve.engine.rank.norm import RMSNorm
 from deltaserve.engine.rank.parallel import tp_size
 from deltaserve.engine.rank.step_meta import step_meta_of
 from deltaserve.kernels.activation import sigmoid_gate
+from deltaserve.kernels.kv_quant import quantize, round_trip
 from deltaserve.kernels.paged_attention import (
     gathered_prefill_attention,
     paged_attention,
@@ -108,8 +112,7 @@ class GatedAttention(nn.Module):
         positions = batch.positions if batch.vision is None else batch.vision.rope_positions
         q = self.rope(self.q_norm(q), positions)
         k = self.rope(self.k_norm(k), positions)
-        k_cache[batch.kv_index] = k
-        v_cache[batch.kv_index] = v
+        kv_scale = self.store(k, v, k_cache, v_cache, batch.kv_index, cache)
         out = torch.empty_like(q)
         for span in batch.spans:
             piece = slice(span.offset, span.offset + span.length)
@@ -121,8 +124,31 @@ class GatedAttention(nn.Module):
                 cache.block_size,
                 span.start,
                 self.head_dim**-0.5,
+                kv_scale,
             )
         return sigmoid_gate(out, gate)
+
+    def store(
+        self,
+        k: torch.Tensor,  # [T, nkv, hd], normed and rotated
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        kv_index: torch.Tensor,
+        cache: StateCache,
+    ) -> torch.Tensor | None:
+        """Keys and values into the cache rows (an FP8 cache's quantized, its scales first
+        calibrated on them if the step calibrates); returns this layer's scales, or None."""
+        kv_scale = cache.layer_kv_scale(self.cache_layer)
+        if kv_scale is None:
+            k_cache[kv_index] = k
+            v_cache[kv_index] = v
+            return None
+        if cache.calibrating:
+            cache.calibrate(self.cache_layer, k, v)
+        k_cache[kv_index] = quantize(k, kv_scale[0])
+        v_cache[kv_index] = quantize(v, kv_scale[1])
+        return kv_scale
 
     def _attend_cuda(
         self,
@@ -140,22 +166,21 @@ class GatedAttention(nn.Module):
         launch, else each prefill span through `prefill_attention` (flash on the GPU), each
         then gated by `sigmoid_gate`."""
         meta = step_meta_of(batch, q.device)
-        if batch.vision is None:
-            q, k = norm_rope(
-                q,
-                k,
-                self.q_norm.weight,
-                self.k_norm.weight,
-                batch.positions,
-                self.rope.inv_freq,
-                self.q_norm.eps,
-                KVStore(v, k_cache, v_cache, batch.kv_index),
-            )
-        else:  # three positions per token (MRoPE): the reference's ops, then the K/V store
+        kv_scale = cache.layer_kv_scale(self.cache_layer)
+        if batch.vision is not None:  # three positions per token (MRoPE): the reference's ops
             q = self.rope(self.q_norm(q), batch.vision.rope_positions)
             k = self.rope(self.k_norm(k), batch.vision.rope_positions)
-            k_cache[batch.kv_index] = k
-            v_cache[batch.kv_index] = v
+            self.store(k, v, k_cache, v_cache, batch.kv_index, cache)
+        else:
+            norms = (self.q_norm.weight, self.k_norm.weight, batch.positions, self.rope.inv_freq)
+            if cache.calibrating:  # one eager step: the scales from its keys, then the store
+                q, k = norm_rope(q, k, *norms, self.q_norm.eps)
+                self.store(k, v, k_cache, v_cache, batch.kv_index, cache)
+            else:
+                store = KVStore(v, k_cache, v_cache, batch.kv_index, kv_scale)
+                q, k = norm_rope(q, k, *norms, self.q_norm.eps, store)
+        if kv_scale is not None:  # fresh keys as the cache gives them back
+            k, v = round_trip(k, kv_scale[0]), round_trip(v, kv_scale[1])
         scale = self.head_dim**-0.5
         packed = meta.packed
         if (
@@ -170,6 +195,7 @@ class GatedAttention(nn.Module):
                 packed.max_len,
                 cache.block_size,
                 scale,
+                kv_scale,
             )
             return sigmoid_gate(attended, gate)
         if (
@@ -192,6 +218,7 @@ class GatedAttention(nn.Module):
                 out,
                 meta.max_seq_len,
                 gate=gate,
+                kv_scale=kv_scale,
             )
         for span in meta.prefill:
             piece = slice(span.offset, span.offset + span.length)
@@ -206,6 +233,7 @@ class GatedAttention(nn.Module):
                     cache.block_size,
                     span.start,
                     scale,
+                    kv_scale,
                 )
             out[piece] = sigmoid_gate(attended.contiguous(), gate[piece])
         return out

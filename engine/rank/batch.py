@@ -82,9 +82,8 @@ class StepPlan:
     prompt graph's static buffers)."""
 
     spans: list[SeqSpan] = field(default_factory=list)
-    ids: list[int] = field(
-        default_factory=list
-    )  # -1 where an item has no token (its slot's last sample)
+    # -1 where an item has no token (its slot's last sample)
+    ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     kv_rows: list[int] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)  # rows whose logits are returned

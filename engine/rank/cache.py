@@ -1,6 +1,11 @@
 """A rank's request state: paged KV for the full-attention layers and one DeltaNet state slot
-per live request (conv window + fp32 recurrent state for every DeltaNet layer), and the saved
-prefix states of the prefix cache (engine/prefix_cache.py) after them.
+per live request (conv window + recurrent state for every DeltaNet layer; the recurrent state
+fp32, or bf16 with --mamba-ssm-cache-dtype bfloat16: half the bytes a decode step moves), and
+the saved prefix states of the prefix cache (engine/prefix_cache.py) after them.
+
+The KV cache may be FP8 (--kv-cache-dtype fp8, kernels/kv_quant.py): then `kv_scale` holds
+each full-attention layer's key and value scale per KV head, 1.0 until the first prompt step
+calibrates them (--calculate-kv-scales: `calibrating` is set for that one eager step).
 
 Holds only this rank's heads. Who owns which slot and blocks is the executor's business; this
 class owns the memory, the free lists and the blocks' reference counts (a saved prefix shares
@@ -12,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.engine.model_config import ModelConfig
+from deltaserve.kernels.kv_quant import FP8, K_SCALE_RANGE, V_SCALE_RANGE, calibrated_scale
 
 
 def cache_shapes(
@@ -24,10 +30,10 @@ def cache_shapes(
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Shapes of a rank's request state (its share of the heads), for `StateCache` and the
     memory budget alike (`num_slots` counting the prefix states):
-    KV [layer, k|v, block * block_size + offset, head, head_dim] (model dtype), the MTP
-    head's layer last (`mtp`: speculative decoding, engine/rank/mtp.py);
+    KV [layer, k|v, block * block_size + offset, head, head_dim] (model dtype, or FP8), the
+    MTP head's layer last (`mtp`: speculative decoding, engine/rank/mtp.py);
     conv [layer, slot, channel, width - 1], the last pre-conv inputs (model dtype);
-    recurrent [layer, slot, value head, dk, dv] (fp32)."""
+    recurrent [layer, slot, value head, dk, dv] (the state dtype)."""
     n_full = len(config.full_attention_layers) + mtp
     n_linear = len(config.linear_attention_layers)
     kv = (
@@ -64,12 +70,14 @@ class StateCache:
         dtype: torch.dtype,
         device: torch.device,
         num_prefix_states: int = 0,
+        state_dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | None = None,  # None: the model's
         mtp: bool = False,
     ) -> None:
         if num_slots < 1 or num_blocks < 1 or block_size < 1 or num_prefix_states < 0:
             raise ValueError(
-                f"cache needs num_slots, num_blocks, block_size >= 1 and num_prefix_states >= 0, got "
-                f"{num_slots}, {num_blocks}, {block_size}, {num_prefix_states}"
+                "cache needs num_slots, num_blocks, block_size >= 1 and num_prefix_states >= 0, "
+                f"got {num_slots}, {num_blocks}, {block_size}, {num_prefix_states}"
             )
         self.num_slots = num_slots  # request slots; prefix state e is slot num_slots + e
         self.num_prefix_states = num_prefix_states
@@ -80,11 +88,12 @@ class StateCache:
         kv, conv, recurrent = cache_shapes(
             config, num_slots + num_prefix_states, num_blocks, block_size, tp_size, mtp
         )
-        self.kv = torch.zeros(kv, dtype=dtype, device=device)
+        self.kv = torch.zeros(kv, dtype=kv_dtype or dtype, device=device)
+        # [layer, k|v, head] of an FP8 cache: what each stored key or value was divided by
+        self.kv_scale = torch.ones((kv[0], 2, kv[3]), dtype=torch.float32, device=device)
+        self.calibrating = False  # the step running sets the scales from its keys and values
         self.conv = torch.zeros(conv, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(
-            recurrent, dtype=torch.float32, device=device
-        )  # whatever the model dtype
+        self.recurrent = torch.zeros(recurrent, dtype=state_dtype, device=device)
         # each slot's last sample, the input of a decode item sent without its token (a
         # pipelined step): rank 0's sampler writes it on the device, so the next step need not
         # wait for the host to read it; other ranks get it by broadcast when a step needs it
@@ -126,13 +135,19 @@ class StateCache:
                 f"{self.free_blocks} free blocks of {self.block_size}"
             )
         slot = self._free_slots.pop()
-        blocks = list(shared) + [
-            self._free_blocks.pop() for _ in range(self.blocks_for(num_tokens) - len(shared))
-        ]
-        self.hold(blocks)
+        self.hold(shared)
+        blocks = list(shared) + self.take_blocks(self.blocks_for(num_tokens) - len(shared))
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
         return slot, blocks
+
+    def take_blocks(self, num_blocks: int) -> list[int]:
+        """Hold `num_blocks` free blocks (a request's growth, or its first ones)."""
+        if num_blocks > self.free_blocks:
+            raise MemoryError(f"{num_blocks} blocks asked, {self.free_blocks} free")
+        blocks = [self._free_blocks.pop() for _ in range(num_blocks)]
+        self.hold(blocks)
+        return blocks
 
     def free(self, slot: int, blocks: list[int]) -> None:
         self._free_slots.append(slot)
@@ -150,6 +165,15 @@ class StateCache:
             self._refs[b] -= 1
             if self._refs[b] == 0:
                 self._free_blocks.append(b)
+
+    def layer_kv_scale(self, layer: int) -> torch.Tensor | None:
+        """Full-attention layer `layer`'s [2, heads] scales, or None: not an FP8 cache."""
+        return self.kv_scale[layer] if self.kv.dtype == FP8 else None
+
+    def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A layer's scales from its keys and values [T, heads, hd] of this step."""
+        self.kv_scale[layer, 0] = calibrated_scale(k, K_SCALE_RANGE)
+        self.kv_scale[layer, 1] = calibrated_scale(v, V_SCALE_RANGE)
 
     def copy_state(self, src: int, dst: int) -> None:
         """Slot `dst`'s DeltaNet state (conv window, recurrent state, every layer) := `src`'s,

@@ -43,9 +43,8 @@ class BucketGraphs:
         self.cache = cache
         self.device = cache.kv.device
         self.is_cuda = self.device.type == "cuda"
-        self.copied = (
-            torch.cuda.Event() if self.is_cuda else None
-        )  # the pinned host buffer is free again
+        # the pinned host buffer is free again
+        self.copied = torch.cuda.Event() if self.is_cuda else None
         # per bucket: the graph, its final hidden states (every row, normed) and fp32 logits
         self.graphs: dict[
             int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None, torch.Tensor | None]
@@ -147,9 +146,8 @@ class DecodeGraphs(BucketGraphs):
         self.slot_tables = torch.zeros(
             (cache.num_slots, max_blocks), dtype=torch.int64, device=self.device
         )
-        self.rows = torch.arange(
-            max_batch, dtype=torch.int32, device=self.device
-        )  # token rows, as the kernels take them
+        # token rows, as the kernels take them
+        self.rows = torch.arange(max_batch, dtype=torch.int32, device=self.device)
 
     def _input_rows(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The int64 [3, width] and int32 [3, width] rows of an input buffer (views)."""
@@ -214,9 +212,10 @@ class DecodeGraphs(BucketGraphs):
     ) -> torch.Tensor | None:
         """Replay the smallest bucket that holds the items (one `can_run`): each a token (-1:
         its slot's last sample) at a position, its slot and the KV row it writes; its rotary
-        position is `rope_positions`' where given (a request after images: engine/rank/mrope.py). Returns fp32
-        logits of the rows `sampled` on rank 0, None on the others; without `copy`, where every
-        row samples, rows of the graph's output buffer, which the next replay overwrites."""
+        position is `rope_positions`' where given (a request after images: engine/rank/mrope.py).
+        Returns fp32 logits of the rows `sampled` on rank 0, None on the others; without `copy`,
+        where every row samples, rows of the graph's output buffer, which the next replay
+        overwrites."""
         n = len(tokens)
         size = min(b for b in self.graphs if b >= n)
         pad = [0] * (self.width - n)

@@ -2,8 +2,9 @@
 
 in_proj_qkv rows are [Q all key heads | K all key heads | V all value heads]; each section is
 split by heads, so a rank holds matching Q, K, V (and conv channels, z, a, b, A_log, dt_bias)
-of its heads. Per request the layer keeps a conv window and an fp32 recurrent state in the
-request's slot of the StateCache.
+of its heads. Per request the layer keeps a conv window and a recurrent state (fp32, or bf16
+with --mamba-ssm-cache-dtype bfloat16; updated in fp32 either way) in the request's slot of the
+StateCache.
 """
 
 from __future__ import annotations
@@ -64,10 +65,9 @@ class GatedDeltaNet(nn.Module):
         self.num_k_heads, self.num_v_heads = nk // tp, nv // tp
         self.cache_layer = cache_layer
         sections = (config.linear_key_dim, config.linear_key_dim, config.linear_value_dim)
-        self.in_proj = (
-            ColumnParallelLinear(  # checkpoint in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
-                hidden, (sections, (config.linear_value_dim,), (nv,), (nv,)), dtype, device
-            )
+        # checkpoint in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+        self.in_proj = ColumnParallelLinear(
+            hidden, (sections, (config.linear_value_dim,), (nv,), (nv,)), dtype, device
         )
         self.conv1d = Conv1dWeight(sections, config.linear_conv_kernel_dim, dtype, device)
         self.A_log = new_param((nv // tp,), sharded_loader(None, 0, (nv,)), dtype, device)
@@ -138,9 +138,8 @@ class GatedDeltaNet(nn.Module):
             conv = ConvEpilogue(weight, conv_state, meta.rows, meta.slots)
             mixed, z, b, a = self.in_proj(x, conv=conv).split(self.in_proj.local_sizes, dim=-1)
         else:
-            qkv, z, b, a = self.in_proj(x).split(
-                self.in_proj.local_sizes, dim=-1
-            )  # b, a raw: in the kernel
+            # b, a raw: in the kernel
+            qkv, z, b, a = self.in_proj(x).split(self.in_proj.local_sizes, dim=-1)
             mixed = torch.empty_like(qkv)
             if meta.num_decodes:
                 causal_conv1d_update(qkv, weight, conv_state, meta.rows, meta.slots, mixed)

@@ -42,6 +42,7 @@ from deltaserve.engine.rank.transfer import to_device
 from deltaserve.engine.rank.vision_inputs import MediaError, RankVision, RequestVision
 from deltaserve.engine.vision_config import VisionConfig
 from deltaserve.ipc.messages import (
+    MAMBA_SSM_CACHE_DTYPES,
     ExecutorConfig,
     PromptLogprobs,
     Sample,
@@ -49,6 +50,7 @@ from deltaserve.ipc.messages import (
     SpecOutcome,
     StepItem,
 )
+from deltaserve.kernels.kv_quant import FP8
 from deltaserve.kernels.triton_compat import gpu_path, report_late_compiles
 
 log = logging.getLogger("deltaserve.rank")
@@ -59,6 +61,9 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+# what the DeltaNet states may be kept in: --mamba-ssm-cache-dtype's, but auto (vLLM's)
+STATE_DTYPES = tuple(name for name in MAMBA_SSM_CACHE_DTYPES if name != "auto")
+KV_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}  # --kv-cache-dtype's; None: the model's
 
 
 class StepError(ValueError):
@@ -85,6 +90,18 @@ def resolve_dtype(name: str, device: torch.device, config: ModelConfig) -> torch
     return DTYPES[name]
 
 
+def resolve_state_dtype(name: str, config: ModelConfig) -> torch.dtype:
+    """The DeltaNet recurrent state's dtype: --mamba-ssm-cache-dtype, auto being the
+    checkpoint's `mamba_ssm_dtype` (float32 when it names none), on every device."""
+    if name == "auto":
+        name = config.mamba_ssm_dtype
+    if name not in STATE_DTYPES:
+        raise ValueError(
+            f"mamba_ssm_cache_dtype {name!r} is not one of auto, {', '.join(STATE_DTYPES)}"
+        )
+    return DTYPES[name]
+
+
 @dataclass(slots=True)
 class LiveRequest:
     """A request this rank holds state for. Invariant: positions 0 .. num_tokens-1 are in the
@@ -93,7 +110,6 @@ class LiveRequest:
     slot: int
     blocks: list[int]
     block_table: torch.Tensor
-    capacity: int  # positions the blocks can hold (reserve_tokens)
     num_tokens: int = 0
     prompt_done: bool = False  # its last prompt chunk has run; later items are decode inputs
     sampled_through: int = 0  # num_tokens after its last item that sampled (every rank)
@@ -171,6 +187,9 @@ class Executor:
         self.model_config = ModelConfig.from_model_dir(config.model)
         self.model_config.check_tp_size(config.tp_size)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
+        self.state_dtype = resolve_state_dtype(config.mamba_ssm_cache_dtype, self.model_config)
+        self.kv_dtype = KV_DTYPES[config.kv_cache_dtype] or self.dtype
+        self.kv_scales_pending = False  # not while profiling: set once the cache is made
         started = time.monotonic()
         mtp = (
             MultiTokenPredictor(self.model_config, self.dtype, self.device) if config.mtp else None
@@ -212,11 +231,15 @@ class Executor:
             self.dtype,
             self.device,
             config.prefix_cache_states,
-            config.mtp,
+            mtp=config.mtp,
+            state_dtype=self.state_dtype,
+            kv_dtype=self.kv_dtype,
         )
         self.speculator = (
             Speculator(self.model, self.cache, self.sampler, self.device) if config.mtp else None
         )
+        # --calculate-kv-scales: the first step with a new request's prompt sets them
+        self.kv_scales_pending = config.calculate_kv_scales and self.kv_dtype == FP8
         self.asleep: Asleep | None = None  # sleep mode: what this rank gave back
         self._capture_graphs()
 
@@ -297,9 +320,10 @@ class Executor:
         evict: list[int] = (),
         saves: list[SaveOnDrop] = (),
     ) -> LaunchedStep:
-        """Evict `evict`, save and drop `drops` (`drop`) and queue the step's forward. The rank's serve loop queues step N+1
-        this way before it finishes N (`finish_step`), so the device never waits for the host
-        between pipelined steps; N+1's items without tokens read N's samples on the device."""
+        """Evict `evict`, save and drop `drops` (`drop`) and queue the step's forward. The rank's
+        serve loop queues step N+1 this way before it finishes N (`finish_step`), so the device
+        never waits for the host between pipelined steps; N+1's items without tokens read N's
+        samples on the device."""
         # the sampling, queued before the next step's replay, reads the graph's output in place
         step = LaunchedStep(items)
         step.logits = self.forward(
@@ -350,26 +374,32 @@ class Executor:
         prompt_logprobs: dict[int, PromptLogprobs] | None = None,
         saves: list[SaveOnDrop] = (),
     ) -> torch.Tensor | None:
-        """Evict `evict`, save and drop `drops` (`drop`), advance every item's request through the model, save
-        the prefixes items ask for; return fp32 logits on rank 0 of the positions that sample
-        (or of every position: golden tests), None elsewhere. `graph_output`: a decode graph's
-        logits may be its output buffer, which the next replay overwrites (else they are
-        copied out). Rank 0 puts the prompt logprobs items ask for into `prompt_logprobs`."""
+        """Evict `evict`, save and drop `drops` (`drop`), advance every item's request through the
+        model, save the prefixes items ask for; return fp32 logits on rank 0 of the positions
+        that sample (or of every position: golden tests), None elsewhere. `graph_output`: a
+        decode graph's logits may be its output buffer, which the next replay overwrites (else
+        they are copied out). Rank 0 puts the prompt logprobs items ask for into
+        `prompt_logprobs`."""
         self._admit_new(items, drops, evict, saves)
         self._share_last_samples(items)
         if self.vision is not None and any(item.media for item in items):
             self.vision.encode(
                 items, {i.request_id: self.requests[i.request_id].vision for i in items}
             )
+        calibrates = self.kv_scales_pending and any(item.new is not None for item in items)
+        self.cache.calibrating = calibrates  # eagerly: no graph holds the calibration
         singles = [item for item in items if len(item.token_ids) <= 1]
         if (
             not every_position
+            and not calibrates
             and self._decode_graph_fits(singles)
             and not any(self._holds_vision(item) for item in items)
         ):
             logits = self._run_with_graphs(items, singles, graph_output, prompt_logprobs)
         else:  # one forward of every item: a prompt graph's replay where they fit one
             logits = self._run_plan(items, every_position, prompt_logprobs)
+        if calibrates:
+            self.cache.calibrating = self.kv_scales_pending = False
         for item in items:
             req = self.requests[item.request_id]
             req.num_tokens = item.start + item_length(item)
@@ -496,6 +526,7 @@ class Executor:
         if (
             self.prompt_graphs is not None
             and not every_position
+            and not self.cache.calibrating
             and not plan.vision_rows
             and stash is None  # a verify span's state is not written (prompt graphs write it)
             and self.prompt_graphs.can_run(plan)
@@ -530,15 +561,25 @@ class Executor:
                 self.cache.copy_state(saved.slot, slot)
                 if len(saved.blocks) > len(shared):  # its partly filled block: a copy of our own
                     self.cache.copy_block(saved.blocks[-1], blocks[len(shared)])
-            table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-            if self.graphs is not None and len(blocks) <= self.graphs.max_blocks:
-                self.graphs.set_table(slot, table)
-            live = LiveRequest(slot, blocks, table, item.new.reserve_tokens, item.start)
+            live = LiveRequest(slot, blocks, self._block_table(slot, blocks), item.start)
             if self.vision is not None:
                 live.vision = self.vision.new_request(item.new.vision_spans)
             self.requests[item.request_id] = live
             if self.sampler is not None:
-                self.sampler.add(item.request_id, item.new.sampling)
+                self.sampler.add(item.request_id, item.new.sampling, item.new.output_ids)
+        for item in items:
+            if item.grow:
+                live = self.requests[item.request_id]
+                live.blocks += self.cache.take_blocks(item.grow)
+                live.block_table = self._block_table(live.slot, live.blocks)
+
+    def _block_table(self, slot: int, blocks: list[int]) -> torch.Tensor:
+        """The blocks as a device tensor, and the decode graphs' table of the slot, both
+        queued behind the steps ahead (an overlapped step may still read the old ones)."""
+        table = to_device(blocks, torch.int64, self.device)
+        if self.graphs is not None and len(blocks) <= self.graphs.max_blocks:
+            self.graphs.set_table(slot, table)
+        return table
 
     def _check_step(
         self, items: list[StepItem], drops: list[int], evict: list[int], saves: list[SaveOnDrop]
@@ -551,11 +592,14 @@ class Executor:
                 raise StepError(f"request {request_id} to drop is not held by rank {rank}")
         self._check_saves([item.save for item in items if item.save >= 0], evict, saves)
         self._check_media(items)
+        bs = self.cache.block_size
         for item in items:
             held = self.requests.get(item.request_id)
+            end = item.start + item_length(item)
+            reach = end + max(0, item.propose - 1)
             if item.new is not None:
-                if held is not None:
-                    raise StepError(f"request {item.request_id} is new but already held")
+                if held is not None or item.grow:
+                    raise StepError(f"request {item.request_id} is new but already held, or grows")
                 start = 0
                 if item.new.prefix >= 0:
                     saved = self.prefixes.get(item.new.prefix)
@@ -583,15 +627,22 @@ class Executor:
                     f"request {item.request_id} item starts at {item.start}, rank {rank} "
                     f"holds {held.num_tokens} positions"
                 )
-            elif item.start + item_length(item) > held.capacity:
+            elif not (
+                # its blocks, with those it adds, hold its positions and its drafts' head rows
+                # (speculative.py: up to end + propose - 2); an addition is all needed
+                reach <= (len(held.blocks) + item.grow) * bs
+                and (not item.grow or reach > (len(held.blocks) + item.grow - 1) * bs)
+            ):
                 raise StepError(
-                    f"request {item.request_id} runs past its {held.capacity} reserved positions"
+                    f"request {item.request_id} runs through position {reach - 1} with "
+                    f"{len(held.blocks)} blocks of {bs} and {item.grow} more"
                 )
             elif not item.token_ids and held.sampled_through != item.start:
                 raise StepError(
                     f"request {item.request_id} item has no token_ids, but its previous item "
                     f"did not sample"
                 )
+            new_blocks += item.grow
         freed = self._blocks_freed(evict)
         if new_count > self.cache.free_slots or new_blocks > self.cache.free_blocks + freed:
             raise StepError(
@@ -714,8 +765,8 @@ class Executor:
             held = self.requests.get(save.request_id)
             if held is None or held.num_tokens != save.num_tokens:
                 raise StepError(
-                    f"request {save.request_id} is saved at {save.num_tokens} positions; rank {rank} "
-                    f"holds {held.num_tokens if held else 'none'}"
+                    f"request {save.request_id} is saved at {save.num_tokens} positions; "
+                    f"rank {rank} holds {held.num_tokens if held else 'none'}"
                 )
 
     def drop(

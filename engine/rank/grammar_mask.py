@@ -6,11 +6,12 @@ a matcher is built for it the first time it comes (a template: the engine's work
 builds within the bounds) and each request copies it. The copies share the template's lexer,
 whose states the next requests reuse, under one lock: measured, eight copies filled at once
 in threads took five times as long as eight matchers of their own (and than filling the eight
-copies one after another). So a grammar's requests are spread over lanes, each a template of its own whose requests are filled one after another in one
-thread, the lanes in parallel (llguidance lets go of the GIL). A grammar gets another lane
-while its lanes hold LANE_REQUESTS requests each, up to MAX_LANES, where its template took no
-more than LANE_BUILD_MS to build (each lane is one more build). Grammars no request uses keep
-their lanes a while (GRAMMARS_KEPT), never a lane that went past a bound.
+copies one after another). So a grammar's requests are spread over lanes, each a template of its own
+whose requests are filled one after another in one thread, the lanes in parallel (llguidance lets go
+of the GIL). A grammar gets another lane while its lanes hold LANE_REQUESTS requests each, up to
+MAX_LANES, where its template took no more than LANE_BUILD_MS to build (each lane is one more
+build). Grammars no request uses keep their lanes a while (GRAMMARS_KEPT), never a lane that went
+past a bound.
 
 Each mask is timed: one longer than its request's `max_mask_ms` fails that request, and the
 step waits no longer than that per request of a lane (a late fill finishes in its thread, into

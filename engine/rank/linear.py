@@ -127,7 +127,8 @@ class ColumnParallelLinear(Fp8Weight):
         return load
 
     def keep_fp8(self, block: tuple[int, int]) -> bool:
-        """Hold the weight as FP8 (False: where a rank's shard of a section is not whole row blocks)."""
+        """Hold the weight as FP8 (False: where a rank's
+        shard of a section is not whole row blocks)."""
         bm, bn = block
         if any(section % (bm * tp_size()) for sections in self.parts for section in sections):
             return False

@@ -66,7 +66,8 @@ def packed_target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, i
 
 
 def expert_names(param_name: str, num_experts: int) -> set[str]:
-    """The released per-expert names a stacked expert parameter (`...mlp.experts.down_proj`) holds."""
+    """The released per-expert names a stacked expert
+    parameter (`...mlp.experts.down_proj`) holds."""
     prefix, stacked = param_name.rsplit(".", 1)
     modules = [module for module, (target, _) in EXPERT_PARTS.items() if target == stacked]
     return {
@@ -257,7 +258,8 @@ def load_tensor(
         )
         raise CheckpointError(
             f"tensor {name!r} in {path.name} has dtype {dtype} ({what}; a quantized checkpoint "
-            f"without its quantization_config?): only floating-point tensors (fp32, bf16, fp16, fp64) load"
+            "without its quantization_config?): only floating-point tensors (fp32, bf16, fp16, "
+            "fp64) load"
         )
     try:
         param.weight_loader(param, tensor, *args)

@@ -59,19 +59,29 @@ PROFILE_SAMPLING = SamplingSpec(
 class CacheSizes:
     """Bytes on one rank (its share of the heads) of one state slot and one KV block."""
 
-    slot_bytes: int  # every DeltaNet layer's conv window (model dtype) + recurrent state (fp32)
+    # every DeltaNet layer's conv window (model dtype) + recurrent state (+ the MTP head's row)
+    slot_bytes: int
     block_bytes: int  # every full-attention layer's K and V for block_size positions
 
 
 def cache_sizes(
-    config: ModelConfig, tp_size: int, dtype: torch.dtype, block_size: int, mtp: bool = False
+    config: ModelConfig,
+    tp_size: int,
+    dtype: torch.dtype,
+    block_size: int,
+    state_dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,  # None: the model's
+    mtp: bool = False,
 ) -> CacheSizes:
-    """What StateCache allocates per slot and per block (`mtp`: the MTP head's KV too)."""
+    """What StateCache allocates per slot and per block (`mtp`: the MTP head's KV layer in
+    each block, in the KV dtype, and its hidden state row in each slot)."""
     kv, conv, recurrent = cache_shapes(config, 1, 1, block_size, tp_size, mtp)
-    item = torch.empty((), dtype=dtype).element_size()
+    hidden = config.hidden_size * dtype.itemsize if mtp else 0
     return CacheSizes(
-        slot_bytes=math.prod(conv) * item + math.prod(recurrent) * 4,
-        block_bytes=math.prod(kv) * item,
+        slot_bytes=math.prod(conv) * dtype.itemsize
+        + math.prod(recurrent) * state_dtype.itemsize
+        + hidden,
+        block_bytes=math.prod(kv) * (kv_dtype or dtype).itemsize,
     )
 
 
@@ -86,7 +96,8 @@ def profile_lengths(num_tokens: int, num_seqs: int, max_len: int) -> list[int]:
     longer than `max_len`; like a real step, long prefill chunks beside one-token items."""
     if min(num_tokens, num_seqs, max_len) < 1:
         raise ValueError(
-            f"profile needs tokens, sequences and length >= 1, got {num_tokens}, {num_seqs}, {max_len}"
+            "profile needs tokens, sequences and length >= 1, "
+            f"got {num_tokens}, {num_seqs}, {max_len}"
         )
     num_seqs = min(num_seqs, num_tokens)
     lengths = [1] * num_seqs
@@ -155,15 +166,17 @@ class MemoryBudget:
             f"gpu_memory_utilization {self.utilization:g} of {self.total / GiB:.2f} GiB = "
             f"{self.total * self.utilization / GiB:.2f} GiB; in use {self.in_use / GiB:.2f} GiB "
             f"(weights {self.weights / GiB:.2f} GiB), activations {self.activations / GiB:.2f} GiB "
-            f"({self.profile_tokens} batched tokens), CUDA-graph reserve {self.reserve / GiB:.2f} GiB"
+            f"({self.profile_tokens} batched tokens), CUDA-graph reserve {self.reserve / GiB:.2f} "
+            "GiB"
         )
 
     def describe(self) -> str:
         return (
             f"memory budget: {self._accounts()} -> cache {self.cache_bytes / GiB:.2f} GiB: "
-            f"{self.num_slots} state slots ({self.num_slots * self.sizes.slot_bytes / GiB:.2f} GiB) + "
-            f"{self.num_blocks} KV blocks of {self.block_size} ({self.num_blocks * self.block_size} "
-            f"tokens of KV, {self.num_blocks * self.sizes.block_bytes / GiB:.2f} GiB)"
+            f"{self.num_slots} state slots ({self.num_slots * self.sizes.slot_bytes / GiB:.2f} "
+            f"GiB) + {self.num_blocks} KV blocks of {self.block_size} "
+            f"({self.num_blocks * self.block_size} tokens of KV, "
+            f"{self.num_blocks * self.sizes.block_bytes / GiB:.2f} GiB)"
         )
 
     def shortfall(self, rank: int, max_model_len: int, need_blocks: int) -> str:
@@ -174,12 +187,12 @@ class MemoryBudget:
         )
         return (
             f"not enough device memory for the request state on rank {rank}: {self._accounts()} "
-            f"leave {self.budget / GiB:.2f} GiB; {self.num_slots} state slots (max_num_seqs and prefix states) take "
-            f"{self.num_slots * self.sizes.slot_bytes / GiB:.2f} GiB and one max_model_len "
-            f"{max_model_len} request needs {need_blocks} KV blocks of {self.block_size} "
-            f"({need_blocks * self.sizes.block_bytes / GiB:.2f} GiB), but {self.num_blocks} fit{agreed}. "
-            f"Raise --gpu-memory-utilization, or lower --max-num-seqs, --max-model-len or "
-            f"--max-num-batched-tokens"
+            f"leave {self.budget / GiB:.2f} GiB; {self.num_slots} state slots (max_num_seqs and "
+            f"prefix states) take {self.num_slots * self.sizes.slot_bytes / GiB:.2f} GiB and one "
+            f"max_model_len {max_model_len} request needs {need_blocks} KV blocks of "
+            f"{self.block_size} ({need_blocks * self.sizes.block_bytes / GiB:.2f} GiB), but "
+            f"{self.num_blocks} fit{agreed}. Raise --gpu-memory-utilization, or lower "
+            "--max-num-seqs, --max-model-len or --max-num-batched-tokens"
         )
 
 
@@ -198,7 +211,13 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
     if config.max_model_len < 1:
         raise ValueError("num_kv_blocks None (size the KV cache from memory) needs max_model_len")
     sizes = cache_sizes(
-        executor.model_config, config.tp_size, executor.dtype, config.block_size, config.mtp
+        executor.model_config,
+        config.tp_size,
+        executor.dtype,
+        config.block_size,
+        executor.state_dtype,
+        executor.kv_dtype,
+        config.mtp,
     )
     lengths = profile_lengths(
         config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
@@ -206,7 +225,8 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
     activations = _timed_profile(executor, lengths, probe)
     in_use, total = probe.in_use_and_total()
     reserve = 0
-    # each captured bucket (1, 2, 4, ... max) keeps its fp32 logits and its rows' final hidden states
+    # each captured bucket (1, 2, 4, ... max) keeps its
+    # fp32 logits and its rows' final hidden states
     row_bytes = executor.model_config.vocab_size * 4
     hidden_bytes = executor.model_config.hidden_size * executor.dtype.itemsize
     if not config.enforce_eager:
@@ -296,6 +316,8 @@ def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
         config.tp_size,
         executor.dtype,
         executor.device,
+        state_dtype=executor.state_dtype,
+        kv_dtype=executor.kv_dtype,
         mtp=config.mtp,
     )
     base = 1 << 62  # request ids no real request has (the executor is fresh anyway)
@@ -322,13 +344,12 @@ def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
         executor.run_step(warm)
     except torch.OutOfMemoryError as exc:
         raise MemoryError(
-            f"the profiling step ({sum(lengths)} tokens, {len(lengths)} sequences) ran out of device "
-            f"memory: lower --max-num-batched-tokens or --max-num-seqs ({exc})"
+            f"the profiling step ({sum(lengths)} tokens, {len(lengths)} sequences) ran out of "
+            f"device memory: lower --max-num-batched-tokens or --max-num-seqs ({exc})"
         ) from None
     finally:
-        executor.drop(
-            [item.request_id for item in items + warm]
-        )  # those still held; the rest are no-ops
+        # those still held; the rest are no-ops
+        executor.drop([item.request_id for item in items + warm])
         executor.cache = saved
         if saved is None:
             del executor.cache

@@ -90,7 +90,8 @@ class MultiTokenPredictor(nn.Module):
         k = k.reshape(tokens, attn.num_kv_heads, hd)
         v = v.reshape(tokens, attn.num_kv_heads, hd)
         k_cache, v_cache = cache.kv[self.kv_layer, 0], cache.kv[self.kv_layer, 1]
-        if gpu_path(x):  # the attention's own kernel: norms, RoPE and the store (row -1: none)
+        kv_scale = cache.layer_kv_scale(self.kv_layer)  # an FP8 cache: stored as the layer's
+        if gpu_path(x) and not cache.calibrating:  # norms, RoPE and the store (row -1: none)
             q = q_and_gate.view(tokens, attn.num_heads, 2 * hd)[..., :hd]
             norm_rope(
                 q,
@@ -100,13 +101,14 @@ class MultiTokenPredictor(nn.Module):
                 positions,
                 attn.rope.inv_freq,
                 attn.q_norm.eps,
-                KVStore(v, k_cache, v_cache, kv_index),
+                KVStore(v, k_cache, v_cache, kv_index, kv_scale),
             )
             return
         kept = (kv_index >= 0).nonzero()[:, 0]
         k = attn.rope(attn.k_norm(k[kept]), positions[kept])
-        k_cache[kv_index[kept]] = k
-        v_cache[kv_index[kept]] = v[kept]
+        # the layer's own store: an FP8 cache's scales calibrated (the step that calibrates),
+        # the keys and values quantized as the decoder layer's attention stores them
+        attn.store(k, v[kept], k_cache, v_cache, kv_index[kept], cache)
 
     def catch_up(
         self,

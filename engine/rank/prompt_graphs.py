@@ -16,11 +16,11 @@ Only steps whose chunks are all their prompts' first qualify (attention then rea
 keys), unless the engine caches prefixes (`prefix_keys`): then a chunk may follow cached
 positions (its prompt's saved prefix, or its own earlier chunk), and attention gathers each
 span's KV blocks from position 0 (`KeyBlocks`, up to `prefix_keys` positions before the
-step's tokens in all) for flash's varlen kernel; others run eagerly. On CUDA the graphs need fla (the chunked DeltaNet's torch reference
-loops over the spans on the host) and a dtype flash takes; without them prompts run eagerly
-(`capturable`). Off CUDA (the GPU path under Triton's interpreter, in tests)
-nothing is captured and `run` runs the model on the same padded buffers eagerly, so CI covers
-the padding.
+step's tokens in all) for flash's varlen kernel; others run eagerly. On CUDA the graphs need fla
+(the chunked DeltaNet's torch reference loops over the spans on the host) and a dtype flash takes;
+without them prompts run eagerly (`capturable`). Off CUDA (the GPU path under Triton's interpreter,
+in tests) nothing is captured and `run` runs the model on the same padded buffers eagerly, so CI
+covers the padding.
 """
 
 from __future__ import annotations

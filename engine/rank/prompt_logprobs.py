@@ -60,16 +60,16 @@ def prompt_logprobs(
     rows = [r for w in wanted for r in w.rows]
     targets = [t for w in wanted for t in w.targets]
     k = max((w.num_alternatives for w in wanted), default=0)
-    packed = []  # per slice [rows, 2 + 2k] float64: logprob, rank, alternatives' ids, their logprobs
+    # per slice [rows, 2 + 2k] float64: logprob, rank, alternatives' ids, their logprobs
+    packed = []
     for first in range(0, len(rows), ROWS_PER_PASS):
         index = to_device(rows[first : first + ROWS_PER_PASS], torch.int64, hidden.device)
         logits = head.logits(hidden[index])
         if logits is None:  # not rank 0
             continue
         target_ids = to_device(targets[first : first + ROWS_PER_PASS], torch.int64, hidden.device)
-        normaliser, best, target, rank = (
-            t[:, None] for t in target_stats(logits, target_ids)
-        )  # one read
+        # one read
+        normaliser, best, target, rank = (t[:, None] for t in target_stats(logits, target_ids))
         if k == 1:  # lm-evaluation-harness's question: the argmax is the best alternative
             ids = best
             values = logits.gather(1, ids)
@@ -79,9 +79,8 @@ def prompt_logprobs(
         packed.append(torch.cat([p.double() for p in parts], dim=1))
     if tp_rank() != 0:
         return {}
-    table = (
-        torch.cat(packed).cpu().tolist() if packed else []
-    )  # one wait for the host, not one a slice
+    # one wait for the host, not one a slice
+    table = torch.cat(packed).cpu().tolist() if packed else []
     out, at = {}, 0
     for w in wanted:
         mine, at = table[at : at + len(w.rows)], at + len(w.rows)

@@ -141,9 +141,8 @@ class Qwen3_5ForCausalLM(nn.Module):
     @torch.inference_mode()
     def hidden_states(self, batch: StepBatch, cache: StateCache) -> torch.Tensor:
         """Run every layer over the step; every token's final hidden state [T, hidden], normed."""
-        x = self.model.embed_tokens(
-            batch.input_ids, batch.token_slots, cache.last_tokens
-        )  # [T, hidden]
+        # [T, hidden]
+        x = self.model.embed_tokens(batch.input_ids, batch.token_slots, cache.last_tokens)
         if batch.vision is not None:  # images' tokens: the vision tower's embeddings
             x[batch.vision.rows] = batch.vision.embeds.to(x.dtype)
         residual = None

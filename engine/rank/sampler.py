@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -77,27 +77,14 @@ class _RequestState:
     seen: set[int] = field(default_factory=set)  # prompt and output tokens (repetition)
     output_counts: dict[int, int] = field(default_factory=dict)  # output occurrences
     generator: torch.Generator | None = None
-    recent: list[int] = field(
-        default_factory=list
-    )  # the last output tokens a bad word's prefix spans
+    # the last output tokens a bad word's prefix spans
+    recent: list[int] = field(default_factory=list)
     allowed: torch.Tensor | None = None  # allowed_token_ids on the device, sent up once
     guided: bool = False  # its matcher is in the sampler's GuideMatchers
     thinking: bool = False  # inside the think block its budget counts (till think_end_id)
     # a speculative row's state (`advanced`): the drafts its output is taken to end with,
     # which its grammar's matcher takes before its mask
     drafts: tuple[int, ...] = ()
-
-    def record(self, token: int) -> None:
-        """Count an output token: the next one's seed, its penalties, bad words, budget."""
-        if self.thinking and token == self.spec.think_end_id:
-            self.thinking = False
-        self.num_sampled += 1
-        if self.spec.bad_words:  # as many last tokens as the longest prefix needs
-            self.recent.append(token)
-            del self.recent[: max(0, len(self.recent) - max(map(len, self.spec.bad_words)) + 1)]
-        if self.has_penalties:
-            self.seen.add(token)
-            self.output_counts[token] = self.output_counts.get(token, 0) + 1
 
     def advanced(self, drafts: tuple[int, ...]) -> _RequestState:
         """A copy whose output so far ends with `drafts` (speculative decoding's later rows),
@@ -111,8 +98,21 @@ class _RequestState:
             drafts=drafts,
         )
         for token in drafts:
-            state.record(token)
+            state.count(token)
         return state
+
+    def count(self, token: int) -> None:
+        """A token sampled for it: its next seed index, thinking budget, bad words' recent
+        tokens and penalties' history move on (its matcher is the sampler's: `Sampler._count`)."""
+        if self.thinking and token == self.spec.think_end_id:
+            self.thinking = False
+        self.num_sampled += 1
+        if self.spec.bad_words:  # as many last tokens as the longest prefix needs
+            self.recent.append(token)
+            del self.recent[: max(0, len(self.recent) - max(map(len, self.spec.bad_words)) + 1)]
+        if self.has_penalties:
+            self.seen.add(token)
+            self.output_counts[token] = self.output_counts.get(token, 0) + 1
 
     def thinking_spent(self) -> bool:
         """Its thinking budget is used up: </think> must come next."""
@@ -176,7 +176,9 @@ class Sampler:
     def __contains__(self, request_id: int) -> bool:
         return request_id in self._requests
 
-    def add(self, request_id: int, spec: SamplingSpec) -> None:
+    def add(self, request_id: int, spec: SamplingSpec, output_ids: Sequence[int] = ()) -> None:
+        """Hold a request; `output_ids` it sampled before a preemption count as sampled here
+        (its next seed index, penalties, bad words, guided state, thinking budget)."""
         if request_id in self._requests:
             raise ValueError(f"sampler already holds request {request_id}")
         ids = [
@@ -201,7 +203,7 @@ class Sampler:
                 )
             self._guides.add(request_id, spec.guide_grammar, spec.guide_end_ids, spec.guide_limits)
         adjusts = penalties or bool(spec.logit_bias) or bool(spec.allowed_token_ids) or guided
-        self._requests[request_id] = _RequestState(
+        state = _RequestState(
             spec,
             penalties,
             adjusts,
@@ -209,6 +211,15 @@ class Sampler:
             guided=guided,
             thinking=spec.think_budget >= 0,
         )
+        for token in output_ids:
+            self._count(request_id, state, token)
+        self._requests[request_id] = state
+
+    def _count(self, request_id: int, state: _RequestState, token: int) -> None:
+        """A token sampled for the request: its matcher takes it (guided), its state counts it."""
+        if state.guided:
+            self._guides.consume(request_id, token)
+        state.count(token)
 
     def remove(self, request_id: int) -> None:
         """Forget a request; idempotent."""
@@ -350,7 +361,7 @@ class Sampler:
         samples = self.finish_rows(launch)
         for sample, state in zip(samples, launch.states, strict=True):
             # the launch's state: a pipelined step may have dropped the request since
-            self._record(sample.request_id, state, sample.token_id)
+            self._count(sample.request_id, state, sample.token_id)
         return samples
 
     def finish_rows(self, launch: SampleLaunch) -> list[Sample]:
@@ -374,12 +385,7 @@ class Sampler:
 
     def record(self, request_id: int, token: int) -> None:
         """A request's output token, in its state (its matcher takes it too)."""
-        self._record(request_id, self._state(request_id), token)
-
-    def _record(self, request_id: int, state: _RequestState, token: int) -> None:
-        if state.guided:
-            self._guides.consume(request_id, token)
-        state.record(token)
+        self._count(request_id, self._state(request_id), token)
 
     def _adjust(
         self,
@@ -398,8 +404,9 @@ class Sampler:
         for i in rows:
             if states[i].max_token_id >= vocab:
                 raise ValueError(
-                    f"request {request_ids[i]}: token id {states[i].max_token_id} in its stop_token_ids, "
-                    f"logit_bias, allowed_token_ids, bad_words or guide_end_ids is outside the vocabulary [0, {vocab})"
+                    f"request {request_ids[i]}: token id {states[i].max_token_id} in its "
+                    "stop_token_ids, logit_bias, allowed_token_ids, bad_words or guide_end_ids is "
+                    f"outside the vocabulary [0, {vocab})"
                 )
         flat = work.view(-1)
         biased = tuple((i, request_ids[i]) for i in rows if states[i].spec.logit_bias)
@@ -570,9 +577,8 @@ def _draw(x: torch.Tensor, spec: SamplingSpec, generator: torch.Generator) -> to
         kept = _top_p_sorted(candidates, log_normaliser, spec.top_p)
         if candidates.shape[0] < vocab and not bool(torch.isinf(kept[-1])):
             # The last candidate is inside the nucleus, which may reach further: sort all.
-            candidates, ids = x.sort(
-                descending=True, stable=True
-            )  # ties in id order, as best_first
+            # ties in id order, as best_first
+            candidates, ids = x.sort(descending=True, stable=True)
             kept = _top_p_sorted(candidates, log_normaliser, spec.top_p)
         x = kept
     probs = torch.softmax(x, dim=-1)

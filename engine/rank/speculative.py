@@ -164,7 +164,9 @@ class Speculator:
             req.num_tokens = item.start + positions_run(item) - item.num_drafts + accepted
             req.sampled_through = req.num_tokens
             if item.propose and (result is None or item.request_id not in result.failed):
-                steps = min(item.propose, req.capacity - req.num_tokens + 1)
+                # head rows at num_tokens - 1 on: within its blocks (the scheduler grew them)
+                capacity = len(req.blocks) * self.cache.block_size
+                steps = min(item.propose, capacity - req.num_tokens + 1)
                 drafting.append(
                     Drafting(
                         item.request_id,

@@ -32,9 +32,8 @@ class PackedSpans:
     # starts 4n bytes on, 16-byte aligned or not by n: kernels reading them must not
     # specialize on alignment (`do_not_specialize_on_alignment`), or each n % 4 compiles anew
     index: torch.Tensor
-    bounds: (
-        torch.Tensor
-    )  # [n + 1] int32: cumulative lengths over the packed prompt rows (cu_seqlens)
+    # [n + 1] int32: cumulative lengths over the packed prompt rows (cu_seqlens)
+    bounds: torch.Tensor
     blocks: torch.Tensor  # [entries, 2] int32: (chunk, CHUNK_SIZE-token block), `span_blocks`
     max_len: int  # host-side bound on the lengths: sizes flash's grid
     fresh: bool  # every chunk is its prompt's first: attention reads no cached keys
@@ -76,9 +75,8 @@ class StepMeta:
     block_tables: torch.Tensor  # [D, max_blocks] int64, its KV blocks (padded with block 0)
     max_seq_len: int  # host-side bound on seq_lens: sizes the attention grid
     prefill: tuple[SeqSpan, ...]  # the step's spans of more than one token
-    prefill_rows: torch.Tensor | None = (
-        None  # [P] int64, their token rows, packed (only beside decodes)
-    )
+    # [P] int64, their token rows, packed (only beside decodes)
+    prefill_rows: torch.Tensor | None = None
     packed: PackedSpans | None = None  # them, for the kernels that take them all at once
 
     @property

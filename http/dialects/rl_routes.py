@@ -221,7 +221,8 @@ async def _sglang_tags(request: web.Request) -> list[str] | None:
 async def _maintain_or_400(
     request: web.Request, call: Callable[[Any], Awaitable[None]], param: str | None
 ) -> None:
-    """`call(engine)`; its ValueError (a tag unknown, asleep already, ...) is a 400 naming `param`."""
+    """`call(engine)`; its ValueError (a tag unknown,
+    asleep already, ...) is a 400 naming `param`."""
     state = request.app[STATE]
     state.check_alive()
     try:

@@ -2,8 +2,9 @@
 RL frameworks such as slime and AReaL): `POST /generate` (token ids in and out, logprobs,
 batches; served by the completion route's machinery, sglang_request.py and sglang_output.py),
 `POST /abort_request`, `GET /health_generate`, `GET /get_model_info` and `/get_server_info`
-(and SGLang's newer `/model_info`, `/server_info`). What an RL loop drives besides
-(weights, pauses): rl_routes.py.
+(and SGLang's newer `/model_info`, `/server_info`), and `GET /get_load`, which routers' load
+monitors poll (sglang-router's power_of_two and cache_aware's balance; vllm-router's too).
+What an RL loop drives besides (weights, pauses): rl_routes.py.
 
 Errors keep this server's shape (`{"error": {"message", ...}}`, SGLang's `error.message`).
 """
@@ -46,6 +47,7 @@ def add_routes(app: web.Application) -> None:
         app.router.add_get(path, model_info)
     for path in ("/get_server_info", "/server_info"):
         app.router.add_get(path, server_info)
+    app.router.add_get("/get_load", get_load)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -169,6 +171,26 @@ async def server_info(request: web.Request) -> web.Response:
             ],  # one per data-parallel replica, as SGLang's
             "version": deltaserve.__version__,
         }
+    )
+
+
+async def get_load(request: web.Request) -> web.Response:
+    """One entry per data-parallel replica, as SGLang answers one per DP rank: `num_reqs`
+    requests held (running and waiting), `num_waiting_reqs` of them not yet admitted,
+    `num_tokens` KV positions in use (blocks held x block size: saved prefixes count, as in
+    `/metrics`)."""
+    engine = request.app[STATE].engine
+    block_size = engine.config.block_size
+    return json_response(
+        [
+            {
+                "dp_rank": rank,
+                "num_reqs": load.running + load.waiting,
+                "num_waiting_reqs": load.waiting,
+                "num_tokens": (load.num_blocks - load.free_blocks) * block_size,
+            }
+            for rank, load in enumerate(engine.replica_loads())
+        ]
     )
 
 
