@@ -112,6 +112,8 @@ class AsyncEngine:
         t0 = time.monotonic()
         model_config = ModelConfig.from_model_dir(config.model)
         model_config.check_tp_size(config.tp_size)
+        if config.speculative_config is not None:
+            model_config.check_mtp_head()
         limits = resolve_limits(config, model_config)
         monitor = None
         if config.monitor_endpoint is not None:
@@ -171,6 +173,7 @@ class AsyncEngine:
                 pipeline=config.async_scheduling,
                 prefix_states=replica.executor.prefix_cache_states,
                 by_priority=config.scheduling_policy == "priority",
+                speculative=config.speculative_config,
                 kv_watermark=config.kv_watermark,
                 reserve_lifetime=config.reserve_lifetime,
             )

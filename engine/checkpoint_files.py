@@ -20,8 +20,10 @@ from safetensors import SafetensorError, safe_open
 
 from deltaserve.engine.model_config import ModelConfig
 
-SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+SKIPPED_PREFIXES = ("model.visual.",)
 VLM_TEXT_PREFIX = "model.language_model."
+# the multi-token-prediction head (engine/rank/mtp.py): loaded only into a model that has one
+MTP_PREFIXES = ("mtp.", "model.mtp.")
 DTYPES = {
     "BOOL": torch.bool,
     "U8": torch.uint8,
@@ -174,12 +176,20 @@ def checkpoint_files(model_dir: Path, confined: bool = False) -> list[Path]:
 
 
 def text_name(name: str) -> str | None:
-    """Our parameter name for a checkpoint tensor name; None for tensors we skip."""
+    """Our parameter name for a checkpoint tensor name (the MTP head's as `mtp.*`); None for
+    tensors we skip."""
     if name.startswith(SKIPPED_PREFIXES):
         return None
     if name.startswith(VLM_TEXT_PREFIX):
         return "model." + name[len(VLM_TEXT_PREFIX) :]
+    if name.startswith(MTP_PREFIXES):
+        return "mtp." + name.split("mtp.", 1)[1]
     return name
+
+
+def is_mtp(name: str) -> bool:
+    """Whether a text name is the MTP head's."""
+    return name.startswith(MTP_PREFIXES[0])
 
 
 def check_new_weights(serving_dir: str, new_dir: str, config: ModelConfig) -> None:
@@ -215,7 +225,11 @@ def check_same_tensors(serving_dir: str | Path, new_dir: str | Path, config: Mod
             for path in checkpoint_files(model_dir, confined):
                 for entry in read_header(path):
                     name = text_name(entry.name)
-                    if name is not None and not (name == "lm_head.weight" and tie_word_embeddings):
+                    if (
+                        name is not None
+                        and not is_mtp(name)  # optional in new weights (load_weights)
+                        and not (name == "lm_head.weight" and tie_word_embeddings)
+                    ):
                         out[name] = (entry.shape, entry.dtype)
         except (SafetensorsError, OSError) as e:
             raise CheckpointError(f"{model_dir}: {e}") from None

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from deltaserve.engine.kv_events import KVEventsConfig
 from deltaserve.engine.media import DEFAULT_LIMITS, MediaConfig
 from deltaserve.engine.model_config import ModelConfig
+from deltaserve.engine.speculative_config import SpeculativeConfig
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 from deltaserve.ipc.messages import ExecutorConfig
 from deltaserve.ipc.replica_config import (
@@ -103,6 +104,8 @@ class EngineConfig:
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     monitor_endpoint: str | None = None  # None: no monitor; "auto", ipc://PATH, tcp://HOST:PORT
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    # speculative decoding with the checkpoint's MTP head (engine/speculative_config.py); None: off
+    speculative_config: SpeculativeConfig | None = None
     # images and video (engine/media.py, whose view is `media`): images and videos a prompt
     # may hold (the kinds not named: DEFAULT_LIMITS'), the processors' settings, the folder
     # file:// urls may name ("": none)
@@ -162,6 +165,13 @@ class EngineConfig:
             raise ValueError(
                 "structured_outputs_config must be a StructuredOutputsConfig, got "
                 f"{type(self.structured_outputs_config).__name__}"
+            )
+        if self.speculative_config is not None and not isinstance(
+            self.speculative_config, SpeculativeConfig
+        ):
+            raise ValueError(
+                "speculative_config must be a SpeculativeConfig, got "
+                f"{type(self.speculative_config).__name__}"
             )
         self._check_device_ids()
         self._check_kv_events_config()

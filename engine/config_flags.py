@@ -14,6 +14,7 @@ from dataclasses import MISSING, fields
 from deltaserve.engine.config import DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_MODEL_LEN, EngineConfig
 from deltaserve.engine.kv_events import KVEventsConfig
 from deltaserve.engine.media import DEFAULT_LIMITS, PROCESSOR_KWARGS
+from deltaserve.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 from deltaserve.engine.structured_config import StructuredOutputsConfig
 from deltaserve.ipc.messages import (
     DTYPES,
@@ -82,6 +83,13 @@ def _monitor_endpoint(text: str) -> str | None:
 def _structured_outputs(text: str) -> StructuredOutputsConfig:
     try:
         return StructuredOutputsConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _speculative(text: str) -> SpeculativeConfig:
+    try:
+        return parse_speculative_config(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -378,6 +386,16 @@ def add_engine_flags(group: argparse._ActionsContainer) -> None:
         help="vLLM's: structured outputs' engine and bounds, as JSON or comma-separated "
         f"key=value pairs; the fields and their defaults: {structured} "
         "(engine/structured_config.py). backend auto and guidance: llguidance",
+    )
+    add(
+        "--speculative-config",
+        type=_speculative,
+        default=d("speculative_config"),
+        metavar="JSON",
+        help="vLLM's: speculative decoding with the checkpoint's MTP head, e.g. "
+        '\'{"method": "mtp", "num_speculative_tokens": 3}\' (optional disable_by_batch_size: '
+        "no drafts in a step of that many decoding requests or more; "
+        "engine/speculative_config.py); default: off",
     )
     add(
         "--kv-events-config",

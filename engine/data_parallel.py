@@ -221,11 +221,20 @@ class DataParallelEngine:
                 "step_decode_tokens",
                 "prompt_tokens_total",
                 "generation_tokens_total",
+                "step_draft_tokens",
+                "spec_decode_num_drafts_total",
+                "spec_decode_num_draft_tokens_total",
+                "spec_decode_num_accepted_tokens_total",
             )
         }
         state = max((load.state for load in loads), key=_STATE_ORDER.index)
+        positions = (load.spec_decode_accepted_per_position for load in loads)
+        per_position = [sum(counts) for counts in zip(*positions, strict=True)]  # replicas' k
         return LoadSnapshot(
-            state=state, step_duration_s=max(load.step_duration_s for load in loads), **added
+            state=state,
+            step_duration_s=max(load.step_duration_s for load in loads),
+            spec_decode_accepted_per_position=per_position,
+            **added,
         )
 
     def _check_alive(self) -> None:

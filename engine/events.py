@@ -90,9 +90,16 @@ class LoadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     steps_total: int
     step_prefill_tokens: int = 0
     step_decode_tokens: int = 0
+    step_draft_tokens: int = 0  # speculative decoding's drafts the step verified
     step_duration_s: float = 0.0  # dispatch to validated replies
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    # speculative decoding (engine/speculation.py): vLLM's counters, and how often each draft
+    # position was accepted
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_accepted_per_position: list[int] = []
 
     @property
     def is_dead(self) -> bool:

@@ -138,6 +138,12 @@ class EngineMetrics:
     pipelined_steps_total: int = 0  # of those, sent while the one before still ran
     step_seconds_total: float = 0.0
     scheduler_seconds_total: float = 0.0
+    # speculative decoding (engine/speculation.py), vLLM's counters: verify items, the drafts
+    # they verified, those accepted, and how often each draft position was accepted
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_per_pos: dict[int, int] = field(default_factory=dict)
     time_to_first_token_s: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
     inter_token_latency_s: Histogram = field(
         default_factory=lambda: Histogram(INTER_TOKEN_BUCKETS_S)

@@ -64,6 +64,7 @@ MOE_KEYS = (
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
 )
+MTP_LAYERS = 1  # mtp_num_hidden_layers that speculative decoding runs
 JSON_KINDS = {
     type(None): "null",
     bool: "a boolean",
@@ -255,14 +256,18 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # decoder layers of the multi-token-prediction head (`mtp.*`, engine/rank/mtp.py) the
+    # checkpoint declares; 0: none (transformers' text configs leave the key out)
+    mtp_num_hidden_layers: int = 0
 
     def differences(self, other: ModelConfig) -> list[str]:
         """The fields in which `other` is another model (the weights' dtype may differ: they
-        are converted as they load; so may the state dtype asked for, chosen at start)."""
+        are converted as they load; so may the state dtype asked for, chosen at start; the MTP
+        head may be absent: a trainer's save drops it, and the served head keeps its weights)."""
         return [
             f.name
             for f in fields(self)
-            if f.name not in ("torch_dtype", "mamba_ssm_dtype")
+            if f.name not in ("torch_dtype", "mamba_ssm_dtype", "mtp_num_hidden_layers")
             and getattr(self, f.name) != getattr(other, f.name)
         ]
 
@@ -275,6 +280,10 @@ class ModelConfig:
         ):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} is {getattr(self, key)}, not a positive integer")
+        if self.mtp_num_hidden_layers < 0:
+            raise ConfigError(
+                f"mtp_num_hidden_layers is {self.mtp_num_hidden_layers}, not an integer >= 0"
+            )
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(
                 f"num_experts_per_tok {self.num_experts_per_tok} "
@@ -323,6 +332,17 @@ class ModelConfig:
     @property
     def linear_attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    def check_mtp_head(self) -> None:
+        """ValueError naming `mtp_num_hidden_layers` unless the checkpoint declares the one MTP
+        layer speculative decoding runs (engine/rank/mtp.py; every release declares 1)."""
+        if self.mtp_num_hidden_layers != MTP_LAYERS:
+            what = "no MTP head" if self.mtp_num_hidden_layers == 0 else "MTP layers"
+            raise ValueError(
+                f"speculative decoding (method mtp) needs the checkpoint's MTP head: its config "
+                f"declares mtp_num_hidden_layers={self.mtp_num_hidden_layers} ({what}); only "
+                f"{MTP_LAYERS} is supported"
+            )
 
     def check_tp_size(self, tp_size: int) -> None:
         """Raise ValueError unless `tp_size` splits every head group evenly."""
@@ -448,6 +468,9 @@ class ModelConfig:
             mamba_ssm_dtype=state_dtype,
             fp8_block=fp8 and fp8[0],
             fp8_scale_suffix=fp8[1] if fp8 else FP8_SCALE_SUFFIXES["fp8"],
+            mtp_num_hidden_layers=to_number(
+                text.get("mtp_num_hidden_layers", 0), "mtp_num_hidden_layers", int
+            ),
             **({key: integer(key) for key in MOE_KEYS} if moe else {}),
         )
 

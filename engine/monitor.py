@@ -244,6 +244,11 @@ class MonitorPublisher:
                 step_duration_s=s.step_duration_s,
                 prompt_tokens_total=s.prompt_tokens_total,
                 generation_tokens_total=s.generation_tokens_total,
+                step_draft_tokens=s.step_draft_tokens,
+                spec_decode_num_drafts_total=s.spec_decode_num_drafts_total,
+                spec_decode_num_draft_tokens_total=s.spec_decode_num_draft_tokens_total,
+                spec_decode_num_accepted_tokens_total=s.spec_decode_num_accepted_tokens_total,
+                spec_decode_accepted_per_position=s.spec_decode_accepted_per_position,
             )
         )
         self._sent = self._latest

@@ -52,6 +52,13 @@ class Load(_Message, frozen=True, kw_only=True, tag="load"):
     step_duration_s: float  # ... and its time from dispatch to validated replies
     prompt_tokens_total: int  # prompt tokens prefilled since start
     generation_tokens_total: int  # tokens generated since start
+    # speculative decoding (engine/speculation.py; all 0 without it): the step's drafts
+    # verified, and vLLM's counters since start with acceptance per draft position
+    step_draft_tokens: int = 0
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_accepted_per_position: list[int] = []
 
 
 # ---- topic "request": one choice's life ------------------------------------------------

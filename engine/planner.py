@@ -14,7 +14,8 @@ KV blocks: a chunk whose positions pass the blocks its request holds takes more 
 the free ones (`KvRoom`), never more than are free: a decode that cannot is left out of the
 step, a prompt chunk is cut at its blocks' end. The scheduler preempts before planning so that
 every decode fits (engine/scheduler.py); this rule makes a plan that runs a rank out of blocks
-impossible whatever it did.
+impossible whatever it did. Speculative drafts (a decode's positions past its own token) come
+last, from the tokens and blocks every decode's own token left: they shrink, never a decode.
 
 Images and video count in the budget as what the vision tower encodes in the step: a chunk
 that holds a medium's first token also spends its patches; one that cannot afford them ends
@@ -44,6 +45,7 @@ class PlanInput:
     split_at: int = 0  # a position a prompt chunk must end at (engine/prefix_cache.py); 0: none
     num_blocks: int = 0  # KV blocks it holds (read only with a KvRoom)
     media: tuple[tuple[int, int], ...] = ()  # (first token, patches) of each image or video
+    num_drafts: int = 0  # speculative drafts its decode verifies (engine/speculation.py)
 
     @property
     def is_decoding(self) -> bool:
@@ -80,7 +82,8 @@ class KvRoom:
 @dataclass(frozen=True, slots=True)
 class PlannedChunk:
     """Positions start .. start+num_tokens-1 of one request; `sample` after the last; `grow`
-    KV blocks added to its request's before it runs."""
+    KV blocks added to its request's before it runs. A decode chunk of more than one token
+    verifies num_tokens - 1 drafts (speculative decoding)."""
 
     request_id: int
     start: int
@@ -117,22 +120,34 @@ def plan_step(
     force_mixed: bool = False,
     room: KvRoom | None = None,
 ) -> StepPlan:
-    """One ordered step: decode items (admission order), then prefill chunks (FCFS).
-    `room` None: every request's blocks hold whatever is planned (its lifetime's)."""
+    """One ordered step: decode items (admission order), then prefill chunks (FCFS). Each
+    decode verifies the drafts it holds, as many as the tokens and KV blocks left after one
+    token for every decode allow. `room` None: every request's blocks hold whatever is
+    planned (its lifetime's)."""
     chunks: list[PlannedChunk] = []
     tokens_left = budget.max_num_batched_tokens
     blocks_left = room.free_blocks if room is not None else 0
+    decoding: list[tuple[PlanInput, int]] = []  # (request, blocks its own token needs)
     for req in admitted:
         if not req.is_decoding:
             continue
-        if len(chunks) == budget.max_num_seqs or tokens_left == 0:
+        if len(decoding) == budget.max_num_seqs or tokens_left == 0:
             break
         grow = room.growth(req, req.num_computed + 1) if room is not None else 0
         if grow > blocks_left:
             continue  # no block for its next position: it waits (the scheduler preempts first)
-        chunks.append(PlannedChunk(req.request_id, req.num_computed, 1, True, True, grow))
+        decoding.append((req, grow))
         tokens_left -= 1
         blocks_left -= grow
+    for req, grow in decoding:  # drafts only from what every decode's own token left
+        drafts = min(req.num_drafts, tokens_left)
+        if room is not None:
+            own = grow
+            while (grow := room.growth(req, req.num_computed + 1 + drafts)) - own > blocks_left:
+                drafts -= 1
+            blocks_left -= grow - own
+        chunks.append(PlannedChunk(req.request_id, req.num_computed, 1 + drafts, True, True, grow))
+        tokens_left -= drafts
     for req in admitted:
         if req.is_decoding:
             continue

@@ -69,8 +69,10 @@ class SavedPrefix:
     # pinned through a flush: the old weights' state, found by no one, evicted first
     stale: bool = False
 
-    def full_blocks(self, block_size: int) -> list[int]:
-        return self.blocks[: self.num_tokens // block_size]
+    def full_blocks(self, block_size: int, private_positions: int = 0) -> list[int]:
+        """The blocks a request starting from it shares: full ones, but not those holding its
+        last `private_positions` (each request writes its own there: PrefixCache's)."""
+        return self.blocks[: (self.num_tokens - private_positions) // block_size]
 
 
 @dataclass(slots=True)
@@ -87,11 +89,17 @@ class PromptPlan:
 
 
 class PrefixCache:
-    def __init__(self, num_prefixes: int, ledger: CapacityLedger) -> None:
-        """`num_prefixes` 0: off (nothing hashed, saved or reused; `admit` only reserves)."""
+    def __init__(
+        self, num_prefixes: int, ledger: CapacityLedger, private_positions: int = 0
+    ) -> None:
+        """`num_prefixes` 0: off (nothing hashed, saved or reused; `admit` only reserves).
+        `private_positions`: a prefix's last positions whose KV rows each request starting
+        from it writes anew, in a copy of their block (with speculative decoding the MTP
+        head's keys there depend on the request's next token: engine/rank/mtp.py)."""
         self.enabled = num_prefixes > 0
         self.ledger = ledger
         self.block_size = ledger.block_size
+        self.private_positions = private_positions
         self._free_ids = list(range(num_prefixes - 1, -1, -1))
         # by prefix id, least recently used first
         self._saved: OrderedDict[int, SavedPrefix] = OrderedDict()
@@ -181,7 +189,11 @@ class PrefixCache:
         `plan` and the blocks of `num_tokens` positions fits, `keep_free` blocks left over."""
         if self.ledger.free_slots < 1:
             return False  # no eviction frees a request slot
-        shared = len(plan.start.full_blocks(self.block_size)) if plan.start else 0
+        shared = (
+            len(plan.start.full_blocks(self.block_size, self.private_positions))
+            if plan.start
+            else 0
+        )
         for prefix in self._victims():
             if self.ledger.can_admit(num_tokens, shared, keep_free):
                 return True
@@ -205,7 +217,7 @@ class PrefixCache:
         self.ledger.admit(
             request.request_id,
             num_tokens,
-            start.full_blocks(self.block_size) if start else [],
+            start.full_blocks(self.block_size, self.private_positions) if start else [],
         )
         self._awaited.pop(request.request_id, None)
         if start is not None:

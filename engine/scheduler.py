@@ -85,6 +85,8 @@ from deltaserve.engine.planner import (
 )
 from deltaserve.engine.prefix_cache import PrefixCache
 from deltaserve.engine.request import Request
+from deltaserve.engine.speculation import Speculation
+from deltaserve.engine.speculative_config import SpeculativeConfig
 from deltaserve.engine.stop_check import check_stop, matched_stop
 from deltaserve.engine.tick_records import Cancellation, Entry, Step, Submission
 from deltaserve.engine.waiting_queue import WaitingQueue
@@ -107,6 +109,7 @@ class Scheduler:
         pipeline: bool = True,
         prefix_states: int = 0,
         by_priority: bool = False,  # admission by request priority, then arrival (else arrival)
+        speculative: SpeculativeConfig | None = None,  # MTP drafts (engine/speculation.py)
         kv_watermark: float = 0.0,  # share of the KV blocks admission leaves free while others run
         reserve_lifetime: bool = False,  # admit with prompt + max_tokens blocks: never preempts
     ) -> None:
@@ -120,7 +123,11 @@ class Scheduler:
         self.ledger = CapacityLedger(
             controller.num_slots, controller.num_blocks, controller.block_size
         )
-        self.prefix = PrefixCache(prefix_states, self.ledger)  # prefix caching: off with no states
+        self.spec = None if speculative is None else Speculation(speculative)
+        # with an MTP head a saved prefix's last position is its sharers' own (mtp.py)
+        self.prefix = PrefixCache(
+            prefix_states, self.ledger, private_positions=int(bool(self.spec))
+        )
         self._reserve_lifetime = reserve_lifetime
         self._watermark_blocks = int(kv_watermark * self.ledger.num_blocks)  # vLLM's rounding
         self.encoder_index = EncoderCacheIndex()  # the images each rank keeps encoded, alike
@@ -248,17 +255,7 @@ class Scheduler:
                     if not self.maintenance.frozen:
                         await self._make_room()
                     plan = plan_step(
-                        [
-                            PlanInput(
-                                r,
-                                e.request.prefill_len,
-                                e.request.num_computed,
-                                self.prefix.split_at(r),
-                                num_blocks=len(self.ledger.blocks(r)),
-                                media=e.request.media_costs,
-                            )
-                            for r, e in (() if self.maintenance.frozen else self._running.items())
-                        ],  # frozen: no step
+                        self._plan_inputs(),
                         self._budget,
                         self._force_mixed,
                         KvRoom(self.ledger.free_blocks, self.ledger.block_size),
@@ -280,6 +277,26 @@ class Scheduler:
             await self._fail_closed(f"internal error in the scheduler: {exc!r}")
         finally:
             self._trace.write()
+
+    def _plan_inputs(self) -> list[PlanInput]:
+        """What the planner needs of every running request (none while frozen), with the
+        drafts each decoding one verifies (speculative decoding)."""
+        running = [] if self.maintenance.frozen else [e.request for e in self._running.values()]
+        spec = self.spec
+        if spec is not None:
+            spec.choose(sum(not r.is_prefilling for r in running))
+        return [
+            PlanInput(
+                r.request_id,
+                r.prefill_len,
+                r.num_computed,
+                self.prefix.split_at(r.request_id),
+                num_blocks=len(self.ledger.blocks(r.request_id)),
+                media=r.media_costs,
+                num_drafts=spec.num_drafts(r) if spec is not None and not r.is_prefilling else 0,
+            )
+            for r in running
+        ]
 
     async def _wait_for_work(self) -> None:
         self._wake_event.clear()
@@ -375,6 +392,8 @@ class Scheduler:
         """What the ranks held for an admitted request is free: its slot, blocks, cache plan."""
         self.ledger.release(request_id)
         self.prefix.forget(request_id)
+        if self.spec is not None:
+            self.spec.forget(request_id)
 
     def _state(self) -> EngineState:
         return (
@@ -389,6 +408,8 @@ class Scheduler:
         """Counts as they stand; once failed closed, idle (every reservation is void)."""
         plan, failed = self._last_plan, self.dead_reason is not None
         num_decodes = plan.num_decodes if plan else 0
+        decode_tokens = sum(c.num_tokens for c in plan.chunks if c.is_decode) if plan else 0
+        m = self.metrics
         dropping = len(self._inflight.drops) if self._inflight is not None else 0
         return LoadSnapshot(
             state=self._state(),
@@ -399,11 +420,19 @@ class Scheduler:
             num_slots=self.ledger.num_slots,
             num_blocks=self.ledger.num_blocks,
             steps_total=self.metrics.steps_total,
-            step_prefill_tokens=plan.num_tokens - num_decodes if plan else 0,
+            step_prefill_tokens=plan.num_tokens - decode_tokens if plan else 0,
             step_decode_tokens=num_decodes,
+            step_draft_tokens=decode_tokens - num_decodes,
             step_duration_s=self._last_step_s if plan else 0.0,
-            prompt_tokens_total=self.metrics.prompt_tokens_total,
-            generation_tokens_total=self.metrics.generation_tokens_total,
+            prompt_tokens_total=m.prompt_tokens_total,
+            generation_tokens_total=m.generation_tokens_total,
+            spec_decode_num_drafts_total=m.spec_decode_num_drafts_total,
+            spec_decode_num_draft_tokens_total=m.spec_decode_num_draft_tokens_total,
+            spec_decode_num_accepted_tokens_total=m.spec_decode_num_accepted_tokens_total,
+            spec_decode_accepted_per_position=[
+                m.spec_decode_num_accepted_tokens_per_pos.get(position, 0)
+                for position in range(self.spec.max_drafts if self.spec else 0)
+            ],
         )
 
     def _publish_load(self) -> None:
@@ -520,9 +549,15 @@ class Scheduler:
                 if not c.is_decode
             ]
         )
+        if self.spec is not None:
+            self.spec.begin_step()
         for chunk in plan.chunks:
             request = self._running[chunk.request_id].request
-            tokens = request.input_tokens(chunk.start, chunk.num_tokens)
+            num_drafts = propose = 0
+            if self.spec is None:
+                tokens = request.input_tokens(chunk.start, chunk.num_tokens)
+            else:  # a verify item carries its drafts
+                tokens, num_drafts, propose = self.spec.item_fields(request, chunk)
             new = None
             if not request.on_ranks:
                 spec = request.params.to_spec(request.seed, self._eos_token_ids)
@@ -548,8 +583,12 @@ class Scheduler:
                     *request.prompt_logprobs_fields(chunk.start, chunk.num_tokens, chunk.is_decode),
                     media,
                     chunk.grow,
+                    num_drafts=num_drafts,
+                    propose=propose,
                 )
             )
+        if self.spec is not None:
+            items = self._grow_for_drafts(items)
         self._notify_plan(plan)
         sent_at = time.perf_counter()
         if self._results_at is not None:  # the ranks sat idle since the last step's results
@@ -557,6 +596,30 @@ class Scheduler:
         return Step(
             plan, await self._controller.send_step(items, (), prefix.take_evicted()), sent_at, {}
         )
+
+    def _grow_for_drafts(self, items: list[StepItem]) -> list[StepItem]:
+        """Items that ask for drafts: the MTP head writes its keys at the positions its drafts
+        stand for, up to `propose` - 1 past the item's last (engine/rank/speculative.py), so
+        the request's blocks grow to hold them, from those that no running request's next
+        decode needs; `propose` shrinks where they are not free (one draft needs none)."""
+        spare = max(0, self.ledger.free_blocks - self._growth())  # never negative: ends at 1
+        grown = []
+        for item in items:
+            if item.propose > 1:
+                end, propose = item.start + max(1, len(item.token_ids)), item.propose
+                # at 1 none: the item's own positions are in its blocks already
+                while (extra := self.ledger.growth(item.request_id, end + propose - 1)) > spare:
+                    propose -= 1
+                if extra:
+                    self.ledger.grow(item.request_id, extra)
+                    spare -= extra
+                if item.new is not None and extra:  # a first chunk takes its blocks with `new`
+                    new = msgspec.structs.replace(item.new, reserve_tokens=end + propose - 1)
+                    item = msgspec.structs.replace(item, new=new, propose=propose)
+                else:
+                    item = msgspec.structs.replace(item, grow=item.grow + extra, propose=propose)
+            grown.append(item)
+        return grown
 
     def _follow(self, step: Step) -> Step | None:
         """Plan and send the next step behind `step`, which the ranks are running, if it
@@ -567,6 +630,7 @@ class Scheduler:
             or self._inbox
             or self.maintenance.frozen
             or not self._controller.can_follow
+            or (self.spec is not None and self.spec.active)  # its drafts or positions come back
         ):
             return None
         if self._waiting and (
@@ -650,17 +714,30 @@ class Scheduler:
             entry = self._entries.get(chunk.request_id)
             if entry is None or entry.request.is_finished:
                 continue
-            entry.request.advance(chunk.num_tokens)
+            request = entry.request
+            verified = chunk.num_tokens - 1 if chunk.is_decode else 0  # its drafts
+            accepted: list[Sample] = []  # the drafts it kept, emitted before its sample
+            if (outcome := samples.speculative.get(chunk.request_id)) is not None:
+                accepted = self.spec.outcome(request, outcome, self.metrics)
+            if verified:  # the ranks hold the positions up to the last draft taken
+                request.mark_sent(chunk.start + 1 + len(accepted))
+            request.advance(chunk.num_tokens - verified)
             if (
                 part := samples.prompt_logprobs.get(chunk.request_id)
             ) is not None:  # the chunks that asked
-                entry.request.prompt_logprob_parts.append(part)
+                request.prompt_logprob_parts.append(part)
             if chunk.sample:
-                if not chunk.is_decode and not entry.request.output_ids:  # once, resumed or not
-                    self.metrics.prompt_tokens_total += entry.request.prompt_len
+                if not chunk.is_decode and not request.output_ids:  # once, resumed or not
+                    self.metrics.prompt_tokens_total += request.prompt_len
                 if (failure := samples.failed.get(chunk.request_id)) is not None:
                     self._end_failed(entry, failure)
-                else:
+                    continue
+                for sample in accepted:
+                    self._commit_sample(entry, sample, now)
+                    if request.is_finished:  # a stop or max_tokens inside the accepted run
+                        break
+                    request.advance(1)
+                else:  # the step's own sample, unless the run ended before it
                     self._commit_sample(entry, samples.sample(row), now)
 
     def _commit_sample(self, entry: Entry, sample: Sample, now: float) -> None:
@@ -746,8 +823,8 @@ class Scheduler:
             listener(plan)
 
     def _deliver(self, entry: Entry, event: Event) -> None:
-        if self._outbox and not isinstance(event, TokenEvent):
-            self._flush_outbox()  # a request's tokens always reach its owner before its end
+        if self._outbox:  # a request's tokens, in order, before its last (held) one and its end
+            self._flush_outbox()
         if (
             isinstance(event, FinishedEvent) and event.reason == "abort"
         ):  # with its held-back text (vLLM too)

@@ -11,6 +11,8 @@ every series carries `model_name`:
 | vllm:prompt_tokens_total, vllm:generation_tokens_total | counter |
 | vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total (tokens) | counter |
 | vllm:request_success_total{finished_reason=stop/length/abort/error} | counter |
+| vllm:spec_decode_num_drafts_total, _num_draft_tokens_total, _num_accepted_tokens_total | counter |
+| vllm:spec_decode_num_accepted_tokens_per_pos_total{position=0..k-1} | counter |
 | vllm:num_preemptions_total (running requests sent back to be recomputed) | counter |
 | deltaserve:steps_total, deltaserve:pipelined_steps_total | counter |
 | deltaserve:step_seconds_total, deltaserve:scheduler_seconds_total | counter |
@@ -111,9 +113,7 @@ class EngineCollector(Collector):
             ),
             *self.front,
         ):
-            counter = CounterMetricFamily(name, help_text, labels=[MODEL_LABEL])
-            counter.add_metric([self.model_name], value)
-            yield counter
+            yield self.counter(name, help_text, value)
         finished = CounterMetricFamily(
             "vllm:request_success_total",
             "Finished requests by finish reason.",
@@ -122,6 +122,7 @@ class EngineCollector(Collector):
         for reason, count in sorted(m.request_success_total.items()):
             finished.add_metric([self.model_name, reason], count)
         yield finished
+        yield from self.spec_decode(m, len(load.spec_decode_accepted_per_position))
         for name, help_text, histogram in (
             ("vllm:time_to_first_token_seconds", "Time to first token.", m.time_to_first_token_s),
             ("vllm:inter_token_latency_seconds", "Time between tokens.", m.inter_token_latency_s),
@@ -131,6 +132,45 @@ class EngineCollector(Collector):
             buckets = [(floatToGoString(le), count) for le, count in histogram.cumulative()]
             family.add_metric([self.model_name], buckets, histogram.total)
             yield family
+
+    def spec_decode(self, m: Any, num_positions: int) -> Iterator[Metric]:
+        """Speculative decoding's counters, as vLLM's (only where the engine speculates: its
+        load lists `num_positions` draft positions): verify steps of a request, the drafts
+        they verified and accepted, and how often each draft position was accepted."""
+        if not num_positions:
+            return
+        for name, help_text, value in (
+            (
+                "vllm:spec_decode_num_drafts_total",
+                "Verifications of a request's drafts.",
+                m.spec_decode_num_drafts_total,
+            ),
+            (
+                "vllm:spec_decode_num_draft_tokens_total",
+                "Draft tokens verified.",
+                m.spec_decode_num_draft_tokens_total,
+            ),
+            (
+                "vllm:spec_decode_num_accepted_tokens_total",
+                "Draft tokens accepted.",
+                m.spec_decode_num_accepted_tokens_total,
+            ),
+        ):
+            yield self.counter(name, help_text, value)
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+            "Draft tokens accepted, by their position in the drafts.",
+            labels=[MODEL_LABEL, "position"],
+        )
+        for position in range(num_positions):
+            count = m.spec_decode_num_accepted_tokens_per_pos.get(position, 0)
+            per_position.add_metric([self.model_name, str(position)], count)
+        yield per_position
+
+    def counter(self, name: str, help_text: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, help_text, labels=[MODEL_LABEL])
+        family.add_metric([self.model_name], value)
+        return family
 
     def gauge(self, name: str, help_text: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, help_text, labels=[MODEL_LABEL])

@@ -216,12 +216,23 @@ class ReplicaController:
         """Send one unified step once no other command is in flight, and return without
         waiting for it: await `flight.gate` (released?) and `step_result(flight)`."""
         self._check_open()
-        plan = check_plan(
-            items, self.model_config.vocab_size, drops, self.config.max_logprobs, saves
-        )
+        plan = self._check_plan(items, drops, saves)
         await self._acquire()
         return self._begin(
             RunUnifiedStep(self._seq + 1, items, list(drops), list(evict), list(saves)), plan
+        )
+
+    def _check_plan(
+        self, items: list[StepItem], drops: list[int], saves: list[SaveOnDrop]
+    ) -> StepPlan:
+        """`check_plan` within this replica's vocabulary and bounds."""
+        return check_plan(
+            items,
+            self.model_config.vocab_size,
+            drops,
+            self.config.max_logprobs,
+            saves,
+            self.config.executor.num_speculative_tokens,
         )
 
     @property
@@ -243,9 +254,7 @@ class ReplicaController:
         Its items may leave `token_ids` empty: the ranks then use the token they sample in
         the step in flight."""
         self._check_open()
-        plan = check_plan(
-            items, self.model_config.vocab_size, drops, self.config.max_logprobs, saves
-        )
+        plan = self._check_plan(items, drops, saves)
         if not self.can_follow:
             return None
         return self._begin(

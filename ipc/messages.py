@@ -17,6 +17,8 @@ from typing import Literal, NamedTuple
 
 import msgspec
 
+from deltaserve.engine.speculative_config import SpeculativeConfig
+
 RequestId = int
 
 
@@ -167,6 +169,11 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     `grow` > 0 (not on a first chunk): the rank adds that many free KV blocks to the request's
     before the step runs, which then hold exactly its positions through this item's last; the
     scheduler counted them free (engine/capacity.py), so a rank never runs out.
+    Speculative decoding (engine/rank/speculative.py): `num_drafts` > 0 makes the last that
+    many token ids drafts to verify (a decode item of 1 + num_drafts tokens): the ranks keep
+    the positions up to the last accepted one and rank 0 reports the outcome
+    (`SpecOutcome`); `propose` > 0 (items that sample) asks for that many drafts after the
+    step's last accepted token, from the checkpoint's MTP head.
     """
 
     request_id: RequestId
@@ -179,6 +186,8 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True,
     next_token: int = -1
     media: list[MediaInput] = []
     grow: int = 0
+    num_drafts: int = 0
+    propose: int = 0
 
     @property
     def num_prompt_logprobs(self) -> int:
@@ -216,6 +225,18 @@ class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
             )
 
 
+class SpecOutcome(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One item's speculative outcome (`StepItem.num_drafts`, `propose`): `accepted` of its
+    drafts were taken, each emitted before the row's token (the one sampled after the last
+    accepted position), with its logprob and, if the request asked, its alternatives (one
+    list per accepted draft); `drafts` the next step may verify."""
+
+    accepted: int
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    drafts: list[int]
+
+
 class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Rank 0's samples of one step as parallel columns: row i is request_ids[i]'s token
     and logprob; `top_logprobs` holds alternatives only for requests that asked for some
@@ -234,6 +255,7 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
     top_logprobs: dict[RequestId, list[tuple[int, float]]]
     prompt_logprobs: dict[RequestId, PromptLogprobs] = {}  # of the chunks that asked
     failed: dict[RequestId, str] = {}
+    speculative: dict[RequestId, SpecOutcome] = {}  # of the items with drafts or `propose`
 
     def __post_init__(self) -> None:
         if not len(self.token_ids) == len(self.logprobs) == len(self.request_ids):
@@ -248,6 +270,7 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
         samples: list[Sample],
         prompt_logprobs: dict[RequestId, PromptLogprobs] | None = None,
         failed: dict[RequestId, str] | None = None,
+        speculative: dict[RequestId, SpecOutcome] | None = None,
     ) -> SampleColumns:
         return cls(
             [s.request_id for s in samples],
@@ -256,6 +279,7 @@ class SampleColumns(msgspec.Struct, frozen=True, array_like=True, gc=False):
             {s.request_id: s.top_logprobs for s in samples if s.top_logprobs},
             prompt_logprobs or {},
             failed or {},
+            speculative or {},
         )
 
     def __len__(self) -> int:
@@ -456,10 +480,23 @@ class ExecutorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     calculate_kv_scales: bool = False
     prefix_cache_states: int = 0  # saved prefix states (prefix caching); 0: off
+    # speculative decoding: the checkpoint's MTP head loads and keeps its KV (engine/rank/mtp.py)
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def keep_fp8(self) -> bool:
         return self.fp8_weights == "keep"
+
+    @property
+    def mtp(self) -> bool:
+        """Speculative decoding is on: the MTP head is loaded and its KV kept."""
+        return self.speculative_config is not None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Drafts per step item at most; 0 without speculative decoding."""
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "block_size", "max_num_seqs", "max_num_batched_tokens"):

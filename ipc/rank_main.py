@@ -316,7 +316,9 @@ class RankServer:
         samples = self.executor.finish_step(step)
         if self.rank != 0:
             return Ack(self.rank, seq)
-        columns = SampleColumns.from_samples(samples, step.prompt_logprobs, step.failed)
+        columns = SampleColumns.from_samples(
+            samples, step.prompt_logprobs, step.failed, step.speculative
+        )
         return StepResult(self.rank, seq, columns)
 
     def handle(self, frame: bytes, receipted: bool = False) -> bool:

@@ -51,6 +51,8 @@ class StepPlan(NamedTuple):
     vocab_size: int  # every sampled token (and alternative) must be an id below it
     # request -> (rows, alternatives) of the chunks that ask
     prompt_logprobs: dict[int, tuple[int, int]]
+    # request -> (drafts it verifies, drafts it asks for) of the items that speculate
+    speculative: dict[int, tuple[int, int]] = {}
 
 
 def check_plan(
@@ -59,14 +61,17 @@ def check_plan(
     drops: list[int] = (),
     max_logprobs: int = MAX_LOGPROBS,
     saves: list[SaveOnDrop] = (),
+    max_drafts: int = 0,
 ) -> StepPlan:
-    """Raise PlanRejected for anything wrong with the step that needs no rank state."""
+    """Raise PlanRejected for anything wrong with the step that needs no rank state;
+    `max_drafts`: speculative decoding's drafts per item at most (0: none)."""
     if not items:
         raise PlanRejected("step has no items")
     check_drop_plan(list(drops), "must_exist", saves)
     item_ids: set[int] = set()
     sampled_ids: list[int] = []
     prompt_logprobs: dict[int, tuple[int, int]] = {}
+    speculative: dict[int, tuple[int, int]] = {}
     for item in items:
         rid = item.request_id
         if rid in item_ids:
@@ -117,13 +122,35 @@ def check_plan(
         if item.prompt_logprobs != -1 or item.next_token != -1:
             _check_prompt_logprobs(item, vocab_size, max_logprobs)
             prompt_logprobs[rid] = (item.num_prompt_logprobs, item.prompt_logprobs)
+        if item.num_drafts or item.propose:
+            _check_speculative(item, max_drafts)
+            speculative[rid] = (item.num_drafts, item.propose)
     if drops and not item_ids.isdisjoint(drops):
         rid = min(item_ids.intersection(drops))
         raise PlanRejected(f"request {rid} is both dropped and run in one step")
     prefixes = [item.save for item in items if item.save >= 0] + [save.prefix for save in saves]
     if len(set(prefixes)) != len(prefixes):
         raise PlanRejected(f"saved prefix {first_duplicate(prefixes)} is saved twice in one step")
-    return StepPlan(item_ids, sampled_ids, vocab_size, prompt_logprobs)
+    return StepPlan(item_ids, sampled_ids, vocab_size, prompt_logprobs, speculative)
+
+
+def _check_speculative(item: StepItem, max_drafts: int) -> None:
+    rid = item.request_id
+    for name in ("num_drafts", "propose"):
+        if not 0 <= getattr(item, name) <= max_drafts:
+            raise PlanRejected(
+                f"request {rid}: {name} {getattr(item, name)} outside 0..{max_drafts} "
+                "(the speculative tokens configured)"
+            )
+    if not item.sample:
+        raise PlanRejected(f"request {rid}: drafts on an item that does not sample")
+    if item.num_drafts and (item.new is not None or len(item.token_ids) != 1 + item.num_drafts):
+        raise PlanRejected(
+            f"request {rid}: {item.num_drafts} drafts on an item of {len(item.token_ids)} tokens "
+            "(a verify item is a decode: its last sample, then the drafts)"
+        )
+    if item.num_drafts and item.prompt_logprobs != -1:
+        raise PlanRejected(f"request {rid}: drafts on a chunk that asks for prompt logprobs")
 
 
 def _check_prompt_logprobs(item: StepItem, vocab_size: int, max_logprobs: int) -> None:
@@ -293,6 +320,8 @@ def align_samples(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
         )
     if samples.prompt_logprobs or plan.prompt_logprobs:
         _check_prompt_logprob_rows(samples, plan)
+    if samples.speculative or plan.speculative:
+        _check_speculative_outcomes(samples, plan)
     if samples.failed and not samples.failed.keys() <= set(want):
         rid = min(samples.failed.keys() - set(want))
         raise ReplyError(f"rank 0 reported request {rid} failed, which has no sample in the step")
@@ -309,14 +338,19 @@ def align_samples(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
     return samples
 
 
-def _check_prompt_logprob_rows(samples: SampleColumns, plan: StepPlan) -> None:
-    got, want = samples.prompt_logprobs, plan.prompt_logprobs
+def _check_same_requests(got: dict, want: dict, what: str) -> None:
+    """Rank 0 returned `what` for exactly the requests that asked."""
     if got.keys() != want.keys():
         extra, missing = sorted(got.keys() - want.keys()), sorted(want.keys() - got.keys())
         raise ReplyError(
-            f"rank 0 returned prompt logprobs for request(s) {extra} that asked none, "
+            f"rank 0 returned {what} for request(s) {extra} that asked none, "
             f"and none for {missing} that asked"
         )
+
+
+def _check_prompt_logprob_rows(samples: SampleColumns, plan: StepPlan) -> None:
+    got, want = samples.prompt_logprobs, plan.prompt_logprobs
+    _check_same_requests(got, want, "prompt logprobs")
     for rid, part in got.items():
         rows, k = want[rid]
         if len(part.logprobs) != rows or any(len(top) != k for top in part.top_logprobs):
@@ -329,6 +363,33 @@ def _check_prompt_logprob_rows(samples: SampleColumns, plan: StepPlan) -> None:
         if any(not 0 <= t < plan.vocab_size for top in part.top_logprobs for t, _ in top):
             raise ReplyError(
                 f"rank 0 returned a prompt logprob for request {rid} outside the vocabulary"
+            )
+
+
+def _check_speculative_outcomes(samples: SampleColumns, plan: StepPlan) -> None:
+    """One outcome per item that speculated, within what it asked: no more drafts accepted
+    than it verified, a logprob per accepted draft (and alternatives, if any, for each), no
+    more drafts than it asked for, each in the vocabulary."""
+    got, want = samples.speculative, plan.speculative
+    _check_same_requests(got, want, "speculative outcomes")
+    for rid, outcome in got.items():
+        verified, asked = want[rid]
+        accepted = outcome.accepted
+        if not 0 <= accepted <= verified or len(outcome.logprobs) != accepted:
+            raise ReplyError(
+                f"rank 0 accepted {accepted} of request {rid}'s {verified} drafts, with "
+                f"{len(outcome.logprobs)} logprobs"
+            )
+        if len(outcome.top_logprobs) not in (0, accepted):
+            raise ReplyError(
+                f"rank 0 returned {len(outcome.top_logprobs)} lists of alternatives for request "
+                f"{rid}'s {accepted} accepted drafts"
+            )
+        tokens = [t for top in outcome.top_logprobs for t, _ in top] + outcome.drafts
+        if len(outcome.drafts) > asked or any(not 0 <= t < plan.vocab_size for t in tokens):
+            raise ReplyError(
+                f"rank 0 returned {len(outcome.drafts)} drafts for request {rid}, which asked "
+                f"for {asked}, or a token outside the vocabulary"
             )
 
 
@@ -359,6 +420,7 @@ def _reorder(samples: SampleColumns, plan: StepPlan) -> SampleColumns:
         samples.top_logprobs,
         samples.prompt_logprobs,
         samples.failed,
+        samples.speculative,
     )
 
 

@@ -415,19 +415,25 @@ def gated_delta_prefill_reference(
     bounds: torch.Tensor,
     num_k_heads: int,
     eps: float = 1e-6,
+    store_slots: torch.Tensor | None = None,  # [n] where each final state goes (-1: nowhere)
 ) -> torch.Tensor:  # [L, nv, dv] in mixed's dtype
-    """`chunk_gated_delta` sequence by sequence, on the inputs the decode kernel derives."""
+    """`chunk_gated_delta` sequence by sequence, on the inputs the decode kernel derives;
+    each sequence's final state written to its slot, or to `store_slots` where given."""
     q, k, v, g, beta = delta_rule_inputs(
         mixed, a, b, a_log, dt_bias, num_k_heads, state.shape[-1], eps
     )
     out = torch.zeros(v.shape, dtype=mixed.dtype, device=v.device)
     edges = bounds.tolist()
-    for slot, start, end in zip(slots.tolist(), edges[:-1], edges[1:], strict=True):
+    stores = slots.tolist() if store_slots is None else store_slots.tolist()
+    for slot, store, start, end in zip(slots.tolist(), stores, edges[:-1], edges[1:], strict=True):
         if end > start:
             piece = slice(start, end)
+            final = state[slot] if store == slot else state[slot].clone()
             out[piece] = chunk_gated_delta(
-                q[piece], k[piece], v[piece], g[piece], beta[piece], state[slot]
+                q[piece], k[piece], v[piece], g[piece], beta[piece], final
             )
+            if store not in (slot, -1):
+                state[store] = final
     return out
 
 
@@ -579,6 +585,7 @@ def gated_delta_prefill(
     chunks: torch.Tensor,
     num_k_heads: int,
     eps: float = 1e-6,
+    store_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`gated_delta_prefill_reference` (same arguments, plus the chunk table) in one call of
     fla's varlen chunk kernel on CUDA when fla is installed: q, k, v go in as the model dtype
@@ -590,7 +597,7 @@ def gated_delta_prefill(
     fla = fla_chunk_kernel() if mixed.is_cuda else None
     if fla is None:
         return gated_delta_prefill_reference(
-            mixed, a, b, a_log, dt_bias, state, slots, bounds, num_k_heads, eps
+            mixed, a, b, a_log, dt_bias, state, slots, bounds, num_k_heads, eps, store_slots
         )
     dk = state.shape[2]
     q, k, v, g, beta = fla_inputs(mixed, a, b, num_k_heads, dk, eps)
@@ -609,5 +616,5 @@ def gated_delta_prefill(
         A_log=a_log,
         dt_bias=dt_bias,  # made fp32 inside fla's gate kernel
     )
-    store_states(state, slots, final.to(state.dtype))
+    store_states(state, slots if store_slots is None else store_slots, final.to(state.dtype))
     return out[0].to(mixed.dtype)

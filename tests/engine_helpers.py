@@ -1,6 +1,7 @@
 """What the engine tests share: an engine's config and placements, a stream's events
-collected, the check that an engine is idle with nothing held on any rank, and the plain path
-the engine is compared against (`reference_tokens`)."""
+collected, the checks that an engine is idle with nothing held on any rank (or only its saved
+prefixes, as the ledger says), and the plain path the engine is compared against
+(`reference_tokens`)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,21 @@ class PlanLog:
 
     def request_ids(self) -> set[int]:
         return {c.request_id for p in self.plans for c in p.chunks}
+
+
+async def assert_ledger_is_every_ranks(engine: AsyncEngine) -> int:
+    """Idle: no request anywhere; the blocks the saved prefixes hold, by the ledger, are what
+    every rank has in use. Returns that count."""
+    for _ in range(250):
+        if engine.load().running == 0:
+            break
+        await asyncio.sleep(0.02)
+    load = engine.load()
+    assert (load.running, load.waiting, load.free_slots) == (0, 0, load.num_slots), load
+    held = load.num_blocks - load.free_blocks
+    for snap in await engine.rank_snapshots():
+        assert (snap.request_ids, snap.slots_used, snap.blocks_used) == ([], 0, held), snap
+    return held
 
 
 def reference_tokens(

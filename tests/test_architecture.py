@@ -32,6 +32,7 @@ LEAVES = {  # module or package -> what it is
     "deltaserve": "the package root: the version",
     "deltaserve.ipc.messages": "the wire schema",
     "deltaserve.engine.model_config": "the checkpoint's config reader",
+    "deltaserve.engine.speculative_config": "speculative decoding's settings, read on both sides",
     "deltaserve.engine.checkpoint_files": "the checkpoint's files and headers",
     "deltaserve.engine.guided": "guided decoding's algorithms (a package)",
     "deltaserve.engine.vision_config": "the checkpoint's vision config reader",

@@ -20,6 +20,7 @@ from deltaserve.engine.config import (
 )
 from deltaserve.engine.config_flags import UNFLAGGED, add_engine_flags, engine_config
 from deltaserve.engine.media import DEFAULT_LIMITS
+from deltaserve.engine.speculative_config import SpeculativeConfig
 from deltaserve.http import serve
 from deltaserve.ipc.launch import rank_config_decoder
 from deltaserve.ipc.messages import ExecutorConfig
@@ -76,8 +77,10 @@ def test_a_setting_reaches_the_rank_under_its_name():
     """--enforce-eager was `cuda_graphs` (inverted) on the rank, --max-num-seqs `num_slots`,
     --num-kv-blocks `num_blocks` (0 for none); each is now the flag's name, end to end, and
     the rank process decodes what it is sent strictly."""
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
     args = serve.parse_args(
         ["/m", "--device", "cpu", "--enforce-eager", "--max-num-seqs", "3", "--fp8-weights", "keep"]
+        + ["--speculative-config", spec]
     )
     config = engine_config(args, enable_prefix_caching=True, prefix_cache_states=5)
     replica = replica_config(config, LIMITS)
@@ -99,6 +102,8 @@ def test_a_setting_reaches_the_rank_under_its_name():
         3,
         "keep",
     )
+    assert executor.speculative_config == SpeculativeConfig("mtp", 2)
+    assert executor.num_speculative_tokens == 2
     # resolved at start, never written into the config
     assert (executor.max_model_len, executor.num_kv_blocks) == (512, 40)
     assert (config.max_model_len, config.num_kv_blocks) == (None, None)

@@ -33,22 +33,42 @@ MiB = 2**20
 
 
 @pytest.mark.parametrize(
-    ("state_dtype", "kv_dtype"),
-    [(torch.float32, None), (torch.bfloat16, torch.float8_e4m3fn)],
-    ids=["default", "bf16_states_fp8_kv"],
+    ("state_dtype", "kv_dtype", "mtp"),
+    [
+        (torch.float32, None, False),
+        (torch.bfloat16, torch.float8_e4m3fn, False),
+        (torch.bfloat16, torch.float8_e4m3fn, True),
+    ],
+    ids=["default", "bf16_states_fp8_kv", "bf16_states_fp8_kv_mtp"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_cache_sizes_are_what_state_cache_allocates(
-    tiny_model_dir, dtype, tp, state_dtype, kv_dtype
+    tiny_model_dir, dtype, tp, state_dtype, kv_dtype, mtp
 ):
+    """With an MTP head too: its KV layer in every block (in the cache's KV dtype) and its
+    hidden state row in every slot (one spare row besides, for padding rows' writes)."""
     config = ModelConfig.from_model_dir(tiny_model_dir)
-    sizes = cache_sizes(config, tp, dtype, 16, state_dtype, kv_dtype)
+    sizes = cache_sizes(config, tp, dtype, 16, state_dtype, kv_dtype, mtp)
     for slots, blocks in ((1, 1), (3, 7)):
         cache = StateCache(
-            config, slots, blocks, 16, tp, dtype, torch.device("cpu"), 0, state_dtype, kv_dtype
+            config,
+            slots,
+            blocks,
+            16,
+            tp,
+            dtype,
+            torch.device("cpu"),
+            0,
+            state_dtype,
+            kv_dtype,
+            mtp,
         )
         state = cache.conv.nbytes + cache.recurrent.nbytes
+        if mtp:
+            spare = config.hidden_size * dtype.itemsize
+            state += cache.hidden.nbytes - spare
+            assert cache.kv.shape[0] == len(config.full_attention_layers) + 1
         assert state == slots * sizes.slot_bytes
         assert cache.kv.nbytes == blocks * sizes.block_bytes
 

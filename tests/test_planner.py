@@ -273,6 +273,7 @@ class TestKvRoom:
                 r.prompt_len,
                 r.num_computed,
                 num_blocks=-(-r.num_computed // block_size) + data.draw(st.integers(0, 2)),
+                num_drafts=data.draw(st.integers(0, 3)),  # speculative drafts: blocks too
             )
             for r in admitted
         ]
@@ -286,7 +287,7 @@ class TestKvRoom:
             assert end <= (held + c.grow) * block_size, "positions past its blocks"
             assert c.grow == 0 or end > (held + c.grow - 1) * block_size, "a block not needed"
         unbounded = plan_step(admitted, budget)
-        if free_blocks >= sum(-(-r.prompt_len // block_size) + 2 for r in admitted):
+        if free_blocks >= sum(-(-r.prompt_len // block_size) + 3 for r in admitted):
             assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [
                 (c.request_id, c.num_tokens) for c in unbounded.chunks
             ]  # room enough: the same step
@@ -304,6 +305,22 @@ class TestKvRoom:
             (2, 1, 0),
             (4, 12, 0),
         ]
+
+    def test_drafts_shrink_to_the_blocks_left_never_a_decode(self):
+        """Every decode's own token is planned first; drafts take what blocks are left."""
+        admitted = [
+            PlanInput(1, 4, 7, num_blocks=2, num_drafts=3),  # 7..10: a third block for 8..10
+            PlanInput(2, 4, 8, num_blocks=2, num_drafts=3),  # its own token needs a block
+            PlanInput(3, 4, 5, num_blocks=2, num_drafts=2),  # 5..7 fit its blocks
+        ]
+        plan = plan_step(admitted, StepBudget(32, 8), room=KvRoom(1, 4))
+        assert [(c.request_id, c.num_tokens, c.grow) for c in plan.chunks] == [
+            (1, 1, 0),  # no block left for its drafts
+            (2, 4, 1),  # 8..11 in the block its token takes
+            (3, 3, 0),
+        ]
+        roomy = plan_step(admitted, StepBudget(32, 8), room=KvRoom(2, 4))
+        assert [(c.num_tokens, c.grow) for c in roomy.chunks] == [(4, 1), (4, 1), (3, 0)]
 
 
 class TestGrowthAndPreemption:

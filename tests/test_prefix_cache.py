@@ -15,7 +15,13 @@ import asyncio
 
 import pytest
 import pytest_asyncio
-from engine_helpers import PLACEMENTS, engine_config, reference_tokens, start_placed
+from engine_helpers import (
+    PLACEMENTS,
+    assert_ledger_is_every_ranks,
+    engine_config,
+    reference_tokens,
+    start_placed,
+)
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.capacity import CapacityLedger
@@ -65,21 +71,6 @@ def assert_as_whole_prefill(
         assert got.logprob == pytest.approx(
             want.logprob, abs=5e-2 if engine.config.device == "cuda" else 1e-4
         )
-
-
-async def assert_ledger_is_every_ranks(engine: AsyncEngine) -> int:
-    """Idle: no request anywhere; the blocks the saved prefixes hold, by the ledger, are what
-    every rank has in use. Returns that count."""
-    for _ in range(250):
-        if engine.load().running == 0:
-            break
-        await asyncio.sleep(0.02)
-    load = engine.load()
-    assert (load.running, load.waiting, load.free_slots) == (0, 0, load.num_slots), load
-    held = load.num_blocks - load.free_blocks
-    for snap in await engine.rank_snapshots():
-        assert (snap.request_ids, snap.slots_used, snap.blocks_used) == ([], 0, held), snap
-    return held
 
 
 @module_loop

@@ -15,6 +15,7 @@ from serve_helpers import DELTASERVE, get
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.config_flags import engine_config
+from deltaserve.engine.speculative_config import SpeculativeConfig
 from deltaserve.http import serve
 from deltaserve.http.server import ServerConfig
 from deltaserve.tools.demo_model import demo_checkpoint, demo_name
@@ -264,6 +265,10 @@ ACCEPTED = [
     (["--disable-uvicorn-access-log"], {}),  # no access log is written
     (["--no-enable-prefix-caching"], {"enable_prefix_caching": False}),  # the default
     (["--enable-prefix-caching"], {"enable_prefix_caching": True}),
+    (
+        ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'],
+        {"speculative_config": SpeculativeConfig("mtp", 2)},
+    ),
     (["--enable-prefix-caching", "--prefix-cache-states", "4"], {"prefix_cache_states": 4}),
     (["--enable-chunked-prefill"], {}),  # prompts are always prefilled in chunks
     (["--kv-cache-dtype", "auto"], {"kv_cache_dtype": "auto"}),  # the model's dtype
@@ -311,6 +316,10 @@ REFUSED = [
     ),
     (["--max-model-len", "1.5K"], "argument --max-model-len: a decimal needs a lower case"),
     (["--swap-space", "-1"], "--swap-space must be a number of GiB >= 0"),
+    (
+        ["--speculative-config", '{"method": "ngram"}'],
+        "argument --speculative-config: speculative_config.method 'ngram' is not supported",
+    ),
 ]
 
 

@@ -150,7 +150,7 @@ FP8_NOT_CONVERTED = [
     "in_proj_a",
     "in_proj_b",
     "visual",
-    "mtp",
+    "mtp.fc",
     "mlp.gate",
     "shared_expert_gate",
 ]
@@ -270,7 +270,7 @@ def init_tensor(
     device: str = "cpu",
     pool: ThreadPoolExecutor | None = None,
 ) -> torch.Tensor:
-    """The value of tensor `name` (its text-model HF name, or a visual/mtp dummy's).
+    """The value of tensor `name` (its text-model HF name, or a visual tensor's or the MTP head's).
 
     Matrices are drawn in fp32 blocks of rows, each from its own generator, then rounded
     to `dtype`: memory stays at the output plus one block, and blocks run in `pool`.
@@ -380,17 +380,69 @@ VIDEO_PROCESSOR = {
 }
 
 
-def _mtp_shapes(text: dict) -> dict[str, tuple[int, ...]]:
-    """A few of the released multi-token-prediction tensors: loaders must skip `mtp.*`."""
+MTP_HEADS = ("random", "agree")  # make_model's `mtp`: how the MTP head's values are drawn
+# An "agree" checkpoint's target is mostly a bigram model: its lm_head is its embedding with
+# the rows permuted (so the next token is mostly a function of this one) and its layers' output
+# projections are scaled by this (so the context moves the choice now and then: measured on
+# the tiny preset, 0.1 gave 94-100% acceptance, 0.2 29-50%, 0.03 100%).
+AGREE_LAYER_SCALE = 0.18
+AGREE_SCALED = re.compile(r"(o_proj|out_proj|down_proj)\.weight$")
+# an "agree" head's fc passes the normed next-token embedding, at the embeddings' scale
+AGREE_FC = "agree:fc"
+AGREE_LM_HEAD = "agree:lm_head"
+ZEROS = "zeros"
+
+
+def mtp_entries(text: dict, shapes: dict[str, tuple[int, ...]], head: str) -> list[tuple]:
+    """The released multi-token-prediction head `mtp.*` as (name, value name, shape): fc over
+    [normed embedding | normed hidden], a full-attention decoder layer of the model's shape
+    (its MLP or experts), a final norm. `head` "random" draws its own values; "agree" builds it
+    from the target's own last full-attention layer and final norm, its fc passing the next
+    token's normed embedding: with the target `agree_value` makes, its drafts often match the
+    target's tokens, not always (tests)."""
     h = text["hidden_size"]
-    return {
-        "mtp.fc.weight": (h, 2 * h),
-        "mtp.norm.weight": (h,),
-        "mtp.pre_fc_norm_embedding.weight": (h,),
-        "mtp.pre_fc_norm_hidden.weight": (h,),
-        "mtp.layers.0.input_layernorm.weight": (h,),
-        "mtp.layers.0.self_attn.k_proj.weight": (text["num_key_value_heads"] * text["head_dim"], h),
-    }
+    last = max(i for i, kind in enumerate(text["layer_types"]) if kind == "full_attention")
+    source = f"model.layers.{last}."
+    copy = head == "agree"
+    entries = [
+        ("mtp.fc.weight", AGREE_FC if copy else "mtp.fc.weight", (h, 2 * h)),
+        (
+            "mtp.pre_fc_norm_embedding.weight",
+            ZEROS if copy else "mtp.pre_fc_norm_embedding.weight",
+            (h,),
+        ),
+        ("mtp.pre_fc_norm_hidden.weight", ZEROS if copy else "mtp.pre_fc_norm_hidden.weight", (h,)),
+        ("mtp.norm.weight", "model.norm.weight" if copy else "mtp.norm.weight", (h,)),
+    ]
+    for name, shape in shapes.items():
+        if name.startswith(source):
+            part = name[len(source) :]
+            entries.append(
+                (f"mtp.layers.0.{part}", name if copy else f"mtp.layers.0.{part}", shape)
+            )
+    return entries
+
+
+def agree_value(
+    name: str, shape: tuple[int, ...], text: dict, seed: int, dtype: torch.dtype, device: str
+) -> torch.Tensor:
+    """A tensor of an "agree" checkpoint (`mtp_entries`): the head's own fc and pre-fc norms,
+    the permuted lm_head, the layers' scaled output projections, else `init_tensor`'s."""
+    if name == ZEROS:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if name == AGREE_FC:
+        h = text["hidden_size"]
+        fc = torch.zeros(shape, dtype=torch.float32, device=device)
+        fc[:, :h] = torch.eye(h, device=device) * EMBED_NORM / math.sqrt(h)
+        return fc.to(dtype)
+    if name == AGREE_LM_HEAD:
+        embedding = init_tensor("model.embed_tokens.weight", shape, text, seed, dtype, device)
+        tokens = qwen_special_tokens()[0][0]  # the permutation keeps the special tokens' rows
+        gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
+        order = torch.cat((torch.randperm(tokens, generator=gen), torch.arange(tokens, shape[0])))
+        return embedding[order.to(device)]
+    value = init_tensor(name, shape, text, seed, dtype, device)
+    return value * AGREE_LAYER_SCALE if AGREE_SCALED.search(name) else value
 
 
 def _experts_apart(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -416,20 +468,30 @@ def _experts_apart(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, .
 
 
 def checkpoint_layout(
-    text: dict, vlm_names: bool, vision_preset: str = "tiny"
+    text: dict, vlm_names: bool, mtp: str | None = None, vision_preset: str = "tiny"
 ) -> tuple[dict, list[tuple[str, str, tuple]]]:
-    """(config.json contents, [(file name, text name, shape)]) in HF's state_dict order; an
-    MoE model's experts one by one, as the releases store them (`_experts_apart`)."""
+    """(config.json contents, [(file name, value name, shape)]) in HF's state_dict order; an
+    MoE model's experts one by one, as the releases store them (`_experts_apart`). The MTP
+    head (`mtp_entries`) comes with `mtp`, and always in the VLM layout (random there unless
+    `mtp` says otherwise), as in the releases."""
     text_config_cls, causal_lm, vlm_config, vlm = hf_classes(is_moe(text))
     text_config = text_config_cls(**text)
     shapes = _experts_apart(_meta_state_shapes(causal_lm, text_config))
     tied = text["tie_word_embeddings"]
     if tied:
         del shapes["lm_head.weight"]  # released tied checkpoints do not store it
+    if mtp == "agree":
+        shapes["lm_head.weight"] = shapes.pop("lm_head.weight")  # untied: the permuted rows
+        names = {name: AGREE_LM_HEAD if name == "lm_head.weight" else name for name in shapes}
+    else:
+        names = {name: name for name in shapes}
+    head = mtp_entries(text, shapes, mtp or "random") if mtp or vlm_names else []
     if not vlm_names:
         config = text_config.to_dict()
         config["architectures"] = [causal_lm.__name__]
-        return config, [(n, n, s) for n, s in shapes.items()]
+        if head:
+            config["mtp_num_hidden_layers"] = 1
+        return config, [(n, names[n], s) for n, s in shapes.items()] + head
 
     full = vlm_config(
         text_config=text_config.to_dict(),
@@ -442,9 +504,9 @@ def checkpoint_layout(
         vlm_name = re.sub(r"^model\.", "model.language_model.", name)
         if full_shapes.get(vlm_name) != shape:
             raise RuntimeError(f"{vlm_name}: not in {vlm.__name__} as {shape}")
-        entries.append((vlm_name, name, shape))
+        entries.append((vlm_name, names[name], shape))
     entries += [(n, n, s) for n, s in full_shapes.items() if n.startswith("model.visual.")]
-    entries += [(n, n, s) for n, s in _mtp_shapes(text).items()]
+    entries += head
     config = full.to_dict()
     config["architectures"] = [vlm.__name__]
     rotary_half = int(text["head_dim"] * text["rope_parameters"]["partial_rotary_factor"]) // 2
@@ -491,20 +553,27 @@ def make_model(
     overrides: dict | None = None,
     device: str = "cpu",
     fp8_block: int = 128,
+    mtp: str | None = None,
 ) -> Path:
     """Write a random checkpoint of `preset` into `out_dir` (created) and return its path.
 
     Same seed, same values, whatever the naming, sharding or dtype (bf16 = fp32 rounded, fp8
     = fp32 quantized); values also depend on `device` (CPU and CUDA generators differ).
+    `mtp` ("random", "agree"; `mtp_entries`): with the multi-token-prediction head, which the
+    VLM layout always has.
     """
     from safetensors.torch import save_file
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if mtp is not None and mtp not in MTP_HEADS:
+        raise ValueError(f"mtp {mtp!r} is not one of {', '.join(MTP_HEADS)}")
     shard_bytes = None if shard_size is None else parse_size(shard_size)
     text = text_config_dict(preset, overrides)
     text["dtype"] = _DTYPE_NAMES[dtype]
-    config, entries = checkpoint_layout(text, vlm_names, preset)
+    if mtp == "agree":  # its lm_head is not its embedding (agree_value)
+        text["tie_word_embeddings"] = False
+    config, entries = checkpoint_layout(text, vlm_names, mtp, preset)
     config["dtype"] = config["torch_dtype"] = _DTYPE_NAMES[dtype]
     config["eos_token_id"] = list(EOS_TOKEN_IDS)
     if dtype == "fp8":  # as Qwen's FP8 releases say it (transformers' FineGrainedFP8Config)
@@ -539,14 +608,17 @@ def make_model(
         )
         tensors = {}
         for name, text_name, shape in shard:
-            if dtype == "fp8" and FP8_QUANTIZED.search(text_name):
-                value = init_tensor(text_name, shape, text, seed, torch.float32, device, pool)
+            quantized = dtype == "fp8" and FP8_QUANTIZED.search(text_name)
+            draw_dtype = torch.float32 if quantized else torch_dtype
+            if mtp == "agree":
+                value = agree_value(text_name, shape, text, seed, draw_dtype, device)
+            else:
+                value = init_tensor(text_name, shape, text, seed, draw_dtype, device, pool)
+            if quantized:
                 value, tensors[name + "_scale_inv"] = (
                     t.cpu() for t in quantize_fp8(value, fp8_block)
                 )
                 weight_map[name + "_scale_inv"] = file_name
-            else:
-                value = init_tensor(text_name, shape, text, seed, torch_dtype, device, pool)
             tensors[name] = value.cpu()
             weight_map[name] = file_name
             total_params += math.prod(shape)
@@ -614,6 +686,13 @@ def main(argv: list[str] | None = None) -> int:
         help="released VLM layout: model.language_model.* + visual/mtp tensors",
     )
     parser.add_argument("--shard-size", default=None, help="e.g. 50MB, 5GB: write shards + index")
+    parser.add_argument(
+        "--mtp",
+        choices=MTP_HEADS,
+        default=None,
+        help="with the MTP head (speculative decoding): random, or built from the target's "
+        "own last layers so that its drafts agree often (the VLM layout always has one)",
+    )
     parser.add_argument("--device", default="cpu", help="where to draw values (cpu, cuda)")
     parser.add_argument(
         "--layers",
@@ -637,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         shard_size=args.shard_size,
         device=args.device,
         fp8_block=args.fp8_block,
+        mtp=args.mtp,
         overrides=None if args.layers is None else {"num_hidden_layers": args.layers},
     )
     size_gb = sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e9

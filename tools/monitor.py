@@ -153,8 +153,9 @@ class MonitorView:
                 str(load.waiting),
                 f"{load.num_slots - load.free_slots}/{load.num_slots}",
                 f"{load.num_blocks - load.free_blocks}/{load.num_blocks}",
-                f"{load.step_prefill_tokens}p+{load.step_decode_tokens}d "
-                f"{load.step_duration_s * 1e3:.1f} ms",
+                f"{load.step_prefill_tokens}p+{load.step_decode_tokens}d"
+                + (f"+{load.step_draft_tokens}s" if load.step_draft_tokens else "")
+                + f" {load.step_duration_s * 1e3:.1f} ms",
                 f"{gen_rate:.1f}",
                 f"{prompt_rate:.1f}",
             )

@@ -112,7 +112,7 @@ class GatedAttention(nn.Module):
         positions = batch.positions if batch.vision is None else batch.vision.rope_positions
         q = self.rope(self.q_norm(q), positions)
         k = self.rope(self.k_norm(k), positions)
-        kv_scale = self._store(k, v, k_cache, v_cache, batch.kv_index, cache)
+        kv_scale = self.store(k, v, k_cache, v_cache, batch.kv_index, cache)
         out = torch.empty_like(q)
         for span in batch.spans:
             piece = slice(span.offset, span.offset + span.length)
@@ -128,7 +128,7 @@ class GatedAttention(nn.Module):
             )
         return sigmoid_gate(out, gate)
 
-    def _store(
+    def store(
         self,
         k: torch.Tensor,  # [T, nkv, hd], normed and rotated
         v: torch.Tensor,
@@ -175,7 +175,7 @@ class GatedAttention(nn.Module):
         norms = (self.q_norm.weight, self.k_norm.weight, positions, self.rope.inv_freq)
         if cache.calibrating:  # one eager step: the scales from its keys, then the store
             q, k = norm_rope(q, k, *norms, self.q_norm.eps, axis=axis)
-            self._store(k, v, k_cache, v_cache, batch.kv_index, cache)
+            self.store(k, v, k_cache, v_cache, batch.kv_index, cache)
         else:
             store = KVStore(v, k_cache, v_cache, batch.kv_index, kv_scale)
             q, k = norm_rope(q, k, *norms, self.q_norm.eps, store, axis)

@@ -21,6 +21,9 @@ class SeqSpan:
     slot: int  # DeltaNet state slot
     block_table: torch.Tensor  # [blocks] int64, KV blocks of the request in order
     blocks: tuple[int, ...] | list[int] = ()  # the same on the host (prompt graphs read it)
+    # speculative decoding's verify span: its DeltaNet recurrent state is read, not written,
+    # until the accepted positions are known (engine/rank/speculative.py)
+    verify: bool = False
 
     @property
     def end(self) -> int:
@@ -65,10 +68,29 @@ class StepBatch:
     # step, queued before the host knows the step before's samples: `cache.last_tokens`)
     token_slots: torch.Tensor | None = None
     vision: StepVision | None = None  # steps that hold images' or video frames' tokens
+    # with an MTP head (engine/rank/mtp.py): where each row's keys and values of the head go
+    mtp: MtpRows | None = None
+    # a step with verify spans: what their DeltaNet layers leave for the rollback
+    stash: object | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class MtpRows:
+    """The MTP head's catch-up over a step (engine/rank/mtp.py): row r of the step feeds the
+    head's position positions[r] - 1 (its token with the target's hidden state of the
+    position before), whose keys and values go to `kv_index[r]` (-1: none, a prompt's first
+    row), the hidden state from row `hidden_src[r]` of the step, or from the slot's saved one
+    where it is -1 - slot. `last_rows` / `last_slots` [S]: each span's last row, whose hidden
+    state the slot keeps for the next step (slot -1: padding, the cache's spare row)."""
+
+    kv_index: torch.Tensor  # [T] int64
+    hidden_src: torch.Tensor  # [T] int64
+    last_rows: torch.Tensor  # [S] int64
+    last_slots: torch.Tensor  # [S] int64
 
 
 @dataclass(slots=True)

@@ -21,14 +21,20 @@ from deltaserve.kernels.kv_quant import FP8, K_SCALE_RANGE, V_SCALE_RANGE, calib
 
 
 def cache_shapes(
-    config: ModelConfig, num_slots: int, num_blocks: int, block_size: int, tp_size: int
+    config: ModelConfig,
+    num_slots: int,
+    num_blocks: int,
+    block_size: int,
+    tp_size: int,
+    mtp: bool = False,
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Shapes of a rank's request state (its share of the heads), for `StateCache` and the
     memory budget alike (`num_slots` counting the prefix states):
-    KV [layer, k|v, block * block_size + offset, head, head_dim] (model dtype, or FP8);
+    KV [layer, k|v, block * block_size + offset, head, head_dim] (model dtype, or FP8), the
+    MTP head's layer last (`mtp`: speculative decoding, engine/rank/mtp.py);
     conv [layer, slot, channel, width - 1], the last pre-conv inputs (model dtype);
     recurrent [layer, slot, value head, dk, dv] (the state dtype)."""
-    n_full = len(config.full_attention_layers)
+    n_full = len(config.full_attention_layers) + mtp
     n_linear = len(config.linear_attention_layers)
     kv = (
         n_full,
@@ -66,6 +72,7 @@ class StateCache:
         num_prefix_states: int = 0,
         state_dtype: torch.dtype = torch.float32,
         kv_dtype: torch.dtype | None = None,  # None: the model's
+        mtp: bool = False,
     ) -> None:
         if num_slots < 1 or num_blocks < 1 or block_size < 1 or num_prefix_states < 0:
             raise ValueError(
@@ -79,7 +86,7 @@ class StateCache:
         self.kv_heads = config.num_key_value_heads // tp_size
         self.state_heads = config.linear_num_value_heads // tp_size
         kv, conv, recurrent = cache_shapes(
-            config, num_slots + num_prefix_states, num_blocks, block_size, tp_size
+            config, num_slots + num_prefix_states, num_blocks, block_size, tp_size, mtp
         )
         self.kv = torch.zeros(kv, dtype=kv_dtype or dtype, device=device)
         # [layer, k|v, head] of an FP8 cache: what each stored key or value was divided by
@@ -91,6 +98,16 @@ class StateCache:
         # pipelined step): rank 0's sampler writes it on the device, so the next step need not
         # wait for the host to read it; other ranks get it by broadcast when a step needs it
         self.last_tokens = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        # with an MTP head: each slot's final hidden state at its last position, which the
+        # head reads with the next token (engine/rank/mtp.py); a spare last row takes the
+        # writes of padding rows (slot -1)
+        self.hidden = (
+            torch.zeros(
+                (num_slots + num_prefix_states + 1, config.hidden_size), dtype=dtype, device=device
+            )
+            if mtp
+            else None
+        )
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._refs = [0] * num_blocks  # holders of each block: requests and saved prefixes
@@ -159,9 +176,12 @@ class StateCache:
         self.kv_scale[layer, 1] = calibrated_scale(v, V_SCALE_RANGE)
 
     def copy_state(self, src: int, dst: int) -> None:
-        """Slot `dst`'s DeltaNet state (conv window, recurrent state, every layer) := `src`'s."""
+        """Slot `dst`'s DeltaNet state (conv window, recurrent state, every layer) := `src`'s,
+        and its last hidden state (MTP)."""
         self.conv[:, dst] = self.conv[:, src]
         self.recurrent[:, dst] = self.recurrent[:, src]
+        if self.hidden is not None:
+            self.hidden[dst] = self.hidden[src]
 
     def copy_block(self, src: int, dst: int) -> None:
         """Block `dst`'s keys and values (every full-attention layer) := `src`'s."""

@@ -107,9 +107,17 @@ class GatedDeltaNet(nn.Module):
         for span in batch.spans:
             if span.length > 1:
                 piece = slice(span.offset, span.offset + span.length)
+                state = recurrent[span.slot]
                 core[piece] = chunk_gated_delta(
-                    q[piece], k[piece], v[piece], g[piece], beta[piece], recurrent[span.slot]
+                    q[piece],
+                    k[piece],
+                    v[piece],
+                    g[piece],
+                    beta[piece],
+                    state.clone() if span.verify else state,  # verify: rolled forward later
                 )
+        if batch.stash is not None:
+            batch.stash.keep(self.cache_layer, qkv, mixed, a, b)
         out = self.norm(core.to(x.dtype), z)
         return self.out_proj(out.reshape(tokens, nv * dv))
 
@@ -148,10 +156,13 @@ class GatedDeltaNet(nn.Module):
                 qkv, weight, conv_state, offsets, lengths, slots, packed.blocks, CHUNK_SIZE, mixed
             )
             prefill = (self.A_log, self.dt_bias, recurrent, slots, packed.bounds, packed.blocks, nk)
+            store = {"store_slots": packed.store_slots}  # verify spans' states: not written
             if meta.num_decodes:  # prompt rows packed apart from the decode rows
                 rows = meta.prefill_rows
-                core[rows] = gated_delta_prefill(mixed[rows], a[rows], b[rows], *prefill)
+                core[rows] = gated_delta_prefill(mixed[rows], a[rows], b[rows], *prefill, **store)
             else:  # every row is a prompt row, already packed (rows past the last span: padding)
-                core = gated_delta_prefill(mixed, a, b, *prefill)
+                core = gated_delta_prefill(mixed, a, b, *prefill, **store)
+            if batch.stash is not None:
+                batch.stash.keep(self.cache_layer, qkv, mixed, a, b)
         out = self.norm(core, z)
         return self.out_proj(out.reshape(tokens, nv * dv))

@@ -22,6 +22,7 @@ from deltaserve.engine.rank.cudagraph import DecodeGraphs
 from deltaserve.engine.rank.grammar_mask import load_tokenizer
 from deltaserve.engine.rank.loader import load_weights
 from deltaserve.engine.rank.memory_budget import size_kv_cache, warm_up
+from deltaserve.engine.rank.mtp import MultiTokenPredictor, mtp_rows
 from deltaserve.engine.rank.parallel import broadcast, tp_rank, tp_size
 from deltaserve.engine.rank.prompt_graphs import (
     MIN_BUCKET,
@@ -35,6 +36,7 @@ from deltaserve.engine.rank.prompt_logprobs import prompt_rows
 from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
 from deltaserve.engine.rank.sampler import SampleLaunch, Sampler
 from deltaserve.engine.rank.sleep_mode import Asleep, release_memory, restore_memory
+from deltaserve.engine.rank.speculative import SpecResult, Speculator, speculates
 from deltaserve.engine.rank.step_meta import with_step_meta
 from deltaserve.engine.rank.transfer import to_device
 from deltaserve.engine.rank.vision_inputs import MediaError, RankVision, RequestVision
@@ -45,6 +47,7 @@ from deltaserve.ipc.messages import (
     PromptLogprobs,
     Sample,
     SaveOnDrop,
+    SpecOutcome,
     StepItem,
 )
 from deltaserve.kernels.kv_quant import FP8
@@ -150,11 +153,20 @@ class LaunchedStep:
     done: torch.cuda.Event | None = None  # off rank 0 (CUDA): recorded after the forward
     # rank 0: the prompt logprobs its chunks asked for (already on the host)
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    # rank 0: a step that verified or drafted (speculative.py), sampled with its forward
+    speculated: SpecResult | None = None
 
     @property
     def failed(self) -> dict[int, str]:
         """Rank 0: the requests its sampling found past their own bounds (SampleColumns')."""
+        if self.speculated is not None:
+            return self.speculated.failed
         return {} if self.sampling is None else self.sampling.failed
+
+    @property
+    def speculative(self) -> dict[int, SpecOutcome]:
+        """Rank 0: the outcomes of the items that verified or drafted (SampleColumns')."""
+        return {} if self.speculated is None else self.speculated.outcomes
 
     def ready(self) -> bool:
         """Whether the device has finished it (a poll; never waits)."""
@@ -179,7 +191,10 @@ class Executor:
         self.kv_dtype = KV_DTYPES[config.kv_cache_dtype] or self.dtype
         self.kv_scales_pending = False  # not while profiling: set once the cache is made
         started = time.monotonic()
-        self.model = Qwen3_5ForCausalLM(self.model_config, self.dtype, self.device)
+        mtp = (
+            MultiTokenPredictor(self.model_config, self.dtype, self.device) if config.mtp else None
+        )
+        self.model = Qwen3_5ForCausalLM(self.model_config, self.dtype, self.device, mtp)
         kept = load_weights(self.model, config.model, self.model_config, config.keep_fp8)
         log.info(
             "rank %d: weights loaded in %.1f s%s",
@@ -216,8 +231,12 @@ class Executor:
             self.dtype,
             self.device,
             config.prefix_cache_states,
-            self.state_dtype,
-            self.kv_dtype,
+            mtp=config.mtp,
+            state_dtype=self.state_dtype,
+            kv_dtype=self.kv_dtype,
+        )
+        self.speculator = (
+            Speculator(self.model, self.cache, self.sampler, self.device) if config.mtp else None
         )
         # --calculate-kv-scales: the first step with a new request's prompt sets them
         self.kv_scales_pending = config.calculate_kv_scales and self.kv_dtype == FP8
@@ -330,19 +349,25 @@ class Executor:
         """Rank 0: queue the step's sampling, after `finish_step` of the step before (its
         samples count in this one's seeds and penalties), and write the tokens to their
         slots' `last_tokens` on the device."""
+        if self.sampler is not None:
+            for item in step.items:
+                req = self.requests[item.request_id]
+                if not req.prompt_done:  # decode inputs are the rank's own samples, already seen
+                    self.sampler.observe(item.request_id, item.token_ids, is_prompt=True)
+                req.prompt_done = req.prompt_done or item.sample
+        if self.speculator is not None and speculates(step.items):  # every rank: drafting
+            step.speculated = self.speculator.sample(step.items, step.logits, self.requests)
+            return
         if self.sampler is None:
             return
-        for item in step.items:
-            req = self.requests[item.request_id]
-            if not req.prompt_done:  # decode inputs are the rank's own samples, already seen
-                self.sampler.observe(item.request_id, item.token_ids, is_prompt=True)
-            req.prompt_done = req.prompt_done or item.sample
         sampled = [item.request_id for item in step.items if item.sample]
         slots = [self.requests[r].slot for r in sampled]
         step.sampling = self.sampler.launch(sampled, step.logits, slots, self.cache.last_tokens)
 
     def finish_step(self, step: LaunchedStep) -> list[Sample]:
         """Wait for the step's samples on the host (rank 0; [] elsewhere, at once)."""
+        if step.speculated is not None:
+            return step.speculated.samples
         return [] if step.sampling is None else self.sampler.finish(step.sampling)
 
     def forward(
@@ -419,7 +444,13 @@ class Executor:
         if item.new.prefix < 0:
             return None
         saved = self.prefixes[item.new.prefix]
-        return saved.blocks[: saved.num_tokens // self.cache.block_size], saved
+        return saved.blocks[: self._shared_blocks(saved.num_tokens)], saved
+
+    def _shared_blocks(self, num_tokens: int) -> int:
+        """Blocks a request starting from a saved prefix of `num_tokens` positions shares: the
+        full ones, but with an MTP head not the one of its last position, whose head keys the
+        request writes anew (they depend on its next token: mtp.py)."""
+        return (num_tokens - (self.model.mtp is not None)) // self.cache.block_size
 
     def _share_last_samples(self, items: list[StepItem]) -> None:
         """Items without token_ids take their slot's last sample (`cache.last_tokens`),
@@ -436,7 +467,11 @@ class Executor:
         """Whether a captured decode graph takes the step's single-token items: some, few
         enough, none asking for prompt logprobs (those come from a forward's hidden states,
         which a decode graph does not keep)."""
-        if self.graphs is None or any(item.prompt_logprobs >= 0 for item in singles):
+        if (
+            self.graphs is None
+            or self.model.mtp is not None  # TODO(mtp): the head's rows in the decode graphs
+            or any(item.prompt_logprobs >= 0 for item in singles)
+        ):
             return False
         num_blocks = max((len(self.requests[i.request_id].blocks) for i in singles), default=0)
         return self.graphs.can_run(len(singles), num_blocks)
@@ -470,14 +505,16 @@ class Executor:
         )
         if not chunks or decode_logits is None:  # decode-only, or not rank 0
             return decode_logits
-        # rows of [decode samples | chunk samples] back into the items' order
+        # rows of [decode samples | chunk samples] back into the items' order (a verify item,
+        # a chunk, samples each of its rows)
         first_chunk_row = sum(item.sample for item in singles)
         order, next_row = [], [0, first_chunk_row]
         for item in items:
             if item.sample:
                 kind = int(len(item.token_ids) > 1)
-                order.append(next_row[kind])
-                next_row[kind] += 1
+                rows = 1 + item.num_drafts
+                order.extend(range(next_row[kind], next_row[kind] + rows))
+                next_row[kind] += rows
         merged = torch.cat((decode_logits, chunk_logits))
         return merged[torch.tensor(order, device=merged.device)]
 
@@ -493,15 +530,17 @@ class Executor:
         `prompt_logprobs` on rank 0."""
         plan = self._plan(items, every_position)
         wanted = prompt_rows(items, [span.offset for span in plan.spans])
+        stash = None if self.speculator is None else self.speculator.begin(items, plan.spans)
         if (
             self.prompt_graphs is not None
             and not every_position
             and not self.cache.calibrating
+            and stash is None  # a verify span's state is not written (prompt graphs write it)
             and self.prompt_graphs.can_run(plan)
         ):
             hidden, logits = self.prompt_graphs.run(plan)
         else:
-            batch = self._eager_batch(self._plan_batch(plan))
+            batch = self._eager_batch(self._plan_batch(plan, stash))
             hidden = self.model.hidden_states(batch, self.cache)
             logits = self.model.logits(hidden, batch)
         if wanted:
@@ -564,6 +603,7 @@ class Executor:
         for item in items:
             held = self.requests.get(item.request_id)
             end = item.start + item_length(item)
+            reach = end + max(0, item.propose - 1)
             if item.new is not None:
                 if held is not None or item.grow:
                     raise StepError(f"request {item.request_id} is new but already held, or grows")
@@ -576,7 +616,7 @@ class Executor:
                             f"{item.new.prefix}, which rank {rank} does not hold"
                         )
                     start = saved.num_tokens
-                    new_blocks -= saved.num_tokens // self.cache.block_size
+                    new_blocks -= self._shared_blocks(saved.num_tokens)
                 if item.start != start:
                     raise StepError(
                         f"new request {item.request_id} starts at {item.start}, not {start}"
@@ -595,12 +635,13 @@ class Executor:
                     f"holds {held.num_tokens} positions"
                 )
             elif not (
-                # its blocks, with those it adds, hold its positions; an addition is all needed
-                end <= (len(held.blocks) + item.grow) * bs
-                and (not item.grow or end > (len(held.blocks) + item.grow - 1) * bs)
+                # its blocks, with those it adds, hold its positions and its drafts' head rows
+                # (speculative.py: up to end + propose - 2); an addition is all needed
+                reach <= (len(held.blocks) + item.grow) * bs
+                and (not item.grow or reach > (len(held.blocks) + item.grow - 1) * bs)
             ):
                 raise StepError(
-                    f"request {item.request_id} runs through position {end - 1} with "
+                    f"request {item.request_id} runs through position {reach - 1} with "
                     f"{len(held.blocks)} blocks of {bs} and {item.grow} more"
                 )
             elif not item.token_ids and held.sampled_through != item.start:
@@ -653,7 +694,15 @@ class Executor:
             req = self.requests[item.request_id]
             length = item_length(item)
             plan.spans.append(
-                SeqSpan(offset, length, item.start, req.slot, req.block_table, req.blocks)
+                SeqSpan(
+                    offset,
+                    length,
+                    item.start,
+                    req.slot,
+                    req.block_table,
+                    req.blocks,
+                    verify=item.num_drafts > 0,
+                )
             )
             plan.ids.extend(item.token_ids or [-1])
             if not item.token_ids:
@@ -670,15 +719,15 @@ class Executor:
             plan.kv_rows.extend(req.kv_row(p, bs) for p in positions)
             if every_position:
                 plan.sampled.extend(range(offset, offset + length))
-            elif item.sample:
-                plan.sampled.append(offset + length - 1)
+            elif item.sample:  # a verify item: its last sample's row and each draft's
+                plan.sampled.extend(range(offset + length - 1 - item.num_drafts, offset + length))
             offset += length
         return plan
 
     def _build_batch(self, items: list[StepItem], every_position: bool) -> StepBatch:
         return self._plan_batch(self._plan(items, every_position))
 
-    def _plan_batch(self, plan: StepPlan) -> StepBatch:
+    def _plan_batch(self, plan: StepPlan, stash: object | None = None) -> StepBatch:
         ids, positions, kv_index, logits_index = (
             to_device(values, torch.int64, self.device)
             for values in (plan.ids, plan.positions, plan.kv_rows, plan.sampled)
@@ -689,7 +738,19 @@ class Executor:
                 self.cache.last_tokens[slots]
             )
         vision = None if self.vision is None else self.vision.step_vision(plan)
-        return StepBatch(ids, positions, kv_index, tuple(plan.spans), logits_index, vision=vision)
+        mtp = None
+        if self.model.mtp is not None:  # the MTP head's keys and values of the step's rows
+            mtp = mtp_rows(plan, self.cache.block_size, self.device)
+        return StepBatch(
+            ids,
+            positions,
+            kv_index,
+            tuple(plan.spans),
+            logits_index,
+            vision=vision,
+            mtp=mtp,
+            stash=stash,
+        )
 
     def _check_saves(self, prefixes: list[int], evict: list[int], saves: list[SaveOnDrop]) -> None:
         """`evict` are held; the prefixes saved (`prefixes` by items, `saves` as requests are

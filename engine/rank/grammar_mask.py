@@ -149,10 +149,36 @@ class GuideMatchers:
                 g.lane.live -= 1
             self._trim()
 
-    def masks(self, request_ids: list[int], width: int) -> np.ndarray:
+    def masks(
+        self, request_ids: list[int], width: int, drafts: list[tuple[int, ...]] | None = None
+    ) -> np.ndarray:
         """Int32 [len(request_ids), ceil(width / 32)]: bit t of each row (word t // 32, bit
         t % 32) set where its request may sample token t next. A request that failed (now, or
-        before) gets a row of every token; `take_failures` says which."""
+        before) gets a row of every token; `take_failures` says which. With `drafts`
+        (speculative decoding), each request's mask after its drafts: its matcher takes them
+        first and is rolled back after; drafts it cannot take leave a row of every token (a
+        row never reached: the one before it could not sample the draft)."""
+        if drafts is None:
+            return self._masks(request_ids, width)
+        taken = []
+        for rid, tokens in zip(request_ids, drafts, strict=True):
+            g = self._requests[rid]
+            ok = g.failure is None and g.matcher.validate_tokens(list(tokens)) == len(tokens)
+            if ok:
+                g.matcher.consume_tokens(list(tokens))
+            taken.append(len(tokens) if ok else -1)
+        reached = [i for i, n in enumerate(taken) if n >= 0]
+        rows = np.full((len(request_ids), (width + 31) // 32), -1, dtype=np.int32)
+        try:
+            rows[reached] = self._masks([request_ids[i] for i in reached], width)
+        finally:
+            for i in reached:
+                g = self._requests[request_ids[i]]
+                if g.matcher is not None:  # a request that failed now has none
+                    g.matcher.rollback(taken[i])
+        return rows
+
+    def _masks(self, request_ids: list[int], width: int) -> np.ndarray:
         rows = np.full((len(request_ids), (width + 31) // 32), -1, dtype=np.int32)
         lanes: dict[int, list[tuple[int, _Guided]]] = {}  # id(lane) -> its (row, request)
         for i, rid in enumerate(request_ids):

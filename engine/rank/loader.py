@@ -1,8 +1,9 @@
 """Load an HF Qwen3.5 checkpoint folder into our model, one rank's shard at a time.
 
 Accepts both naming schemes: `model.language_model.*` of the released vision-language
-checkpoints (whose `model.visual.*` and `mtp.*` tensors are skipped) and `model.*` of text-only
-saves; single or sharded safetensors (`model.safetensors.index.json`); tied embeddings (no
+checkpoints (whose `model.visual.*` tensors are skipped, and `mtp.*` unless the model has an
+MTP head, engine/rank/mtp.py) and `model.*` of text-only saves; single or sharded safetensors
+(`model.safetensors.index.json`); tied embeddings (no
 `lm_head.weight`, or one we ignore); FP8 checkpoints (fp8.py), each FP8 weight widened with
 its scales as it loads, or, asked to (`keep_fp8`), loaded as it is into a projection that
 stays FP8 (linear.py). A missing tensor (named as the checkpoint's layout names it), a wrong
@@ -28,6 +29,7 @@ from deltaserve.engine.checkpoint_files import (
     CheckpointError,
     SafetensorsError,
     checkpoint_files,
+    is_mtp,
     read_header,
     text_name,
 )
@@ -102,7 +104,9 @@ def load_weights(
     confined: bool = False,
 ) -> int:
     """keep_fp8: an FP8 checkpoint's projections stay FP8 where they can (`keep_fp8_modules`);
-    else every FP8 weight is widened. `confined`: new weights (checkpoint_files). Returns how
+    else every FP8 weight is widened. `confined`: new weights (checkpoint_files), in which
+    the MTP head's tensors are optional (a trainer's save drops them: the head keeps its
+    weights). The `mtp.*` tensors load only into a model with an MTP head. Returns how
     many projections hold FP8."""
     model_dir = Path(model_dir)
     tie_word_embeddings = config.tie_word_embeddings
@@ -118,6 +122,7 @@ def load_weights(
     params = dict(model.named_parameters())
     kept = sum(param.dtype in FP8_DTYPES for param in params.values())
     device = next(iter(params.values())).device
+    has_mtp = any(is_mtp(name) for name in params)
 
     vlm_layout = False  # any `model.language_model.*` name: missing tensors are named so too
 
@@ -125,8 +130,13 @@ def load_weights(
         nonlocal vlm_layout
         vlm_layout = vlm_layout or name.startswith(VLM_TEXT_PREFIX)
         target = text_name(name)
-        return target is not None and not (
-            target.removesuffix(config.fp8_scale_suffix) == "lm_head.weight" and tie_word_embeddings
+        return (
+            target is not None
+            and (has_mtp or not is_mtp(target))
+            and not (
+                target.removesuffix(config.fp8_scale_suffix) == "lm_head.weight"
+                and tie_word_embeddings
+            )
         )
 
     reader = CheckpointReader(device)
@@ -149,7 +159,9 @@ def load_weights(
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the staging copies' blocks, which later allocations would pin
     missing = sorted(
-        checkpoint_name(name, vlm_layout) for name in expected_names(params, packed) - loaded
+        checkpoint_name(name, vlm_layout)
+        for name in expected_names(params, packed) - loaded
+        if not (confined and is_mtp(name))
     )
     if missing:
         shown = ", ".join(missing[:5]) + (

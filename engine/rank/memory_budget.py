@@ -59,7 +59,8 @@ PROFILE_SAMPLING = SamplingSpec(
 class CacheSizes:
     """Bytes on one rank (its share of the heads) of one state slot and one KV block."""
 
-    slot_bytes: int  # every DeltaNet layer's conv window (model dtype) + recurrent state
+    # every DeltaNet layer's conv window (model dtype) + recurrent state (+ the MTP head's row)
+    slot_bytes: int
     block_bytes: int  # every full-attention layer's K and V for block_size positions
 
 
@@ -70,11 +71,16 @@ def cache_sizes(
     block_size: int,
     state_dtype: torch.dtype = torch.float32,
     kv_dtype: torch.dtype | None = None,  # None: the model's
+    mtp: bool = False,
 ) -> CacheSizes:
-    """What StateCache allocates per slot and per block."""
-    kv, conv, recurrent = cache_shapes(config, 1, 1, block_size, tp_size)
+    """What StateCache allocates per slot and per block (`mtp`: the MTP head's KV layer in
+    each block, in the KV dtype, and its hidden state row in each slot)."""
+    kv, conv, recurrent = cache_shapes(config, 1, 1, block_size, tp_size, mtp)
+    hidden = config.hidden_size * dtype.itemsize if mtp else 0
     return CacheSizes(
-        slot_bytes=math.prod(conv) * dtype.itemsize + math.prod(recurrent) * state_dtype.itemsize,
+        slot_bytes=math.prod(conv) * dtype.itemsize
+        + math.prod(recurrent) * state_dtype.itemsize
+        + hidden,
         block_bytes=math.prod(kv) * (kv_dtype or dtype).itemsize,
     )
 
@@ -211,6 +217,7 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
         config.block_size,
         executor.state_dtype,
         executor.kv_dtype,
+        config.mtp,
     )
     lengths = profile_lengths(
         config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
@@ -313,6 +320,7 @@ def _profile(executor: Executor, lengths: list[int], probe: MemoryProbe) -> int:
         executor.device,
         state_dtype=executor.state_dtype,
         kv_dtype=executor.kv_dtype,
+        mtp=config.mtp,
     )
     base = 1 << 62  # request ids no real request has (the executor is fresh anyway)
     items = [

@@ -9,6 +9,8 @@ input run as one GEMM (`packed_modules`); the residual add runs inside the next 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -22,6 +24,9 @@ from deltaserve.engine.rank.mlp import MLP
 from deltaserve.engine.rank.moe import SparseMoeBlock
 from deltaserve.engine.rank.norm import RMSNorm
 from deltaserve.kernels.skinny_linear import SplitSum
+
+if TYPE_CHECKING:
+    from deltaserve.engine.rank.mtp import MultiTokenPredictor
 
 # checkpoint module -> (our merged module, part): one GEMM where HF runs several
 PACKED_MODULES: dict[str, tuple[str, int]] = {
@@ -39,17 +44,25 @@ PACKED_MODULES: dict[str, tuple[str, int]] = {
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        index: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_layer: int | None = None,
     ) -> None:
+        """Layer `index` of the model, or with `kv_layer` a full-attention layer whose keys and
+        values are that layer of the cache (the MTP head's, engine/rank/mtp.py)."""
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.is_linear = config.layer_types[index] == "linear_attention"
+        self.is_linear = kv_layer is None and config.layer_types[index] == "linear_attention"
         if self.is_linear:
             cache_layer = config.linear_attention_layers.index(index)
             self.linear_attn = GatedDeltaNet(config, cache_layer, dtype, device)
         else:
-            cache_layer = config.full_attention_layers.index(index)
-            self.self_attn = GatedAttention(config, cache_layer, dtype, device)
+            if kv_layer is None:
+                kv_layer = config.full_attention_layers.index(index)
+            self.self_attn = GatedAttention(config, kv_layer, dtype, device)
         if config.num_experts:
             self.mlp = SparseMoeBlock(config, dtype, device)
         else:
@@ -91,7 +104,15 @@ class Qwen3_5TextModel(nn.Module):
 class Qwen3_5ForCausalLM(nn.Module):
     packed_modules = PACKED_MODULES
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        mtp: MultiTokenPredictor | None = None,
+    ) -> None:
+        """`mtp`: the checkpoint's multi-token-prediction head (speculative decoding), loaded
+        as `mtp.*`; every forward then writes its keys and values of the step's rows."""
         super().__init__()
         self.config = config
         self.model = Qwen3_5TextModel(config, dtype, device)
@@ -99,6 +120,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             self.lm_head = VocabParallelEmbedding(
                 config.vocab_size, config.hidden_size, dtype, device
             )
+        self.mtp = mtp
 
     @property
     def output_embedding(self) -> VocabParallelEmbedding:
@@ -127,4 +149,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         for layer in self.model.layers:
             x, residual = layer(x, residual, batch, cache)
         x, _ = self.model.norm.add(x, residual)  # every row: x may be a projection's partial sums
+        if self.mtp is not None and batch.mtp is not None:
+            self.mtp.catch_up(self.model.embed_tokens, batch, cache, x)
+        if batch.stash is not None:  # a verify step's: the drafts' rows (speculative.py)
+            batch.stash.keep_hidden(x)
         return x

@@ -26,6 +26,7 @@ that true; a batch where no request uses them or penalties reads the logits once
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +82,24 @@ class _RequestState:
     allowed: torch.Tensor | None = None  # allowed_token_ids on the device, sent up once
     guided: bool = False  # its matcher is in the sampler's GuideMatchers
     thinking: bool = False  # inside the think block its budget counts (till think_end_id)
+    # a speculative row's state (`advanced`): the drafts its output is taken to end with,
+    # which its grammar's matcher takes before its mask
+    drafts: tuple[int, ...] = ()
+
+    def advanced(self, drafts: tuple[int, ...]) -> _RequestState:
+        """A copy whose output so far ends with `drafts` (speculative decoding's later rows),
+        with a generator of its own."""
+        state = dataclasses.replace(
+            self,
+            seen=set(self.seen),
+            output_counts=dict(self.output_counts),
+            recent=list(self.recent),
+            generator=None,
+            drafts=drafts,
+        )
+        for token in drafts:
+            state.count(token)
+        return state
 
     def count(self, token: int) -> None:
         """A token sampled for it: its next seed index, thinking budget, bad words' recent
@@ -235,13 +254,39 @@ class Sampler:
         memory), save the rare wide nucleus in `_sample_random`. With `slots`, each token is
         also written to `last_tokens[slots[i]]` on the device. `finish` must come before the
         next launch: the next tokens' seeds and penalties count this one."""
+        return self._launch(
+            request_ids, [self._state(r) for r in request_ids], logits, slots, last_tokens
+        )
+
+    def launch_speculative(
+        self, request_ids: list[int], drafts: list[list[int]], logits: torch.Tensor
+    ) -> SampleLaunch:
+        """Speculative decoding's verify: request i has 1 + len(drafts[i]) rows of `logits`,
+        in order, and its row j is sampled as its next output token j would be after
+        drafts[i][:j] (seed, penalties, masks and grammar all counting them). `finish_rows`
+        reads them; `record` counts the tokens kept."""
+        ids, states = [], []
+        for request_id, wanted in zip(request_ids, drafts, strict=True):
+            state = self._state(request_id)
+            for depth in range(len(wanted) + 1):
+                ids.append(request_id)
+                states.append(state if depth == 0 else state.advanced(tuple(wanted[:depth])))
+        return self._launch(ids, states, logits, None, None)
+
+    def _launch(
+        self,
+        request_ids: list[int],
+        states: list[_RequestState],
+        logits: torch.Tensor,
+        slots: list[int] | None,
+        last_tokens: torch.Tensor | None,
+    ) -> SampleLaunch:
         if self._in_flight:
             raise RuntimeError("sampler launch before the previous launch was finished")
         if logits.dim() != 2 or logits.shape[0] != len(request_ids):
             raise ValueError(
                 f"logits shape {tuple(logits.shape)} does not match {len(request_ids)} requests"
             )
-        states = [self._state(r) for r in request_ids]
         num_alternatives = max((s.spec.num_logprobs for s in states), default=0)
         if not request_ids:
             return SampleLaunch(
@@ -271,9 +316,15 @@ class Sampler:
             guided = [i for i in adjusted if states[i].guided]
             if guided:  # last: llguidance's masks (filled on the host while the device works)
                 ids = [request_ids[i] for i in guided]
-                masks = self._guides.masks(ids, work.shape[1])
-                apply_masks(work, to_device(guided, torch.int64, work.device), masks)
-                failed = self._guides.take_failures(ids)
+                for depth in sorted({len(states[i].drafts) for i in guided}):  # speculative rows
+                    rows = [i for i in guided if len(states[i].drafts) == depth]
+                    masks = self._guides.masks(
+                        [request_ids[i] for i in rows],
+                        work.shape[1],
+                        [states[i].drafts for i in rows] if depth else None,
+                    )
+                    apply_masks(work, to_device(rows, torch.int64, work.device), masks)
+                failed = self._guides.take_failures(list(dict.fromkeys(ids)))
             for i, token in forced.items():  # the only token left
                 work[i].fill_(float("-inf"))[token] = 0.0
             tokens = work.argmax(dim=-1)  # greedy rows keep these
@@ -307,6 +358,15 @@ class Sampler:
     def finish(self, launch: SampleLaunch) -> list[Sample]:
         """Wait for a launch's results on the host; count the tokens in each request's state
         (its next seed, its penalties)."""
+        samples = self.finish_rows(launch)
+        for sample, state in zip(samples, launch.states, strict=True):
+            # the launch's state: a pipelined step may have dropped the request since
+            self._count(sample.request_id, state, sample.token_id)
+        return samples
+
+    def finish_rows(self, launch: SampleLaunch) -> list[Sample]:
+        """Wait for a launch's results on the host, one Sample per row, counting nothing
+        (speculative rows: `record` then counts those kept)."""
         self._in_flight = False
         if launch.done is not None:
             launch.done.synchronize()
@@ -321,8 +381,11 @@ class Sampler:
                 for t, v in zip(row[2 : 2 + k], row[2 + k_max : 2 + k_max + k], strict=True)
             ]
             samples.append(Sample(request_id, token, row[1], alternatives))
-            self._count(request_id, state, token)
         return samples
+
+    def record(self, request_id: int, token: int) -> None:
+        """A request's output token, in its state (its matcher takes it too)."""
+        self._count(request_id, self._state(request_id), token)
 
     def _adjust(
         self,

@@ -23,7 +23,7 @@ from torch import nn
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.ipc.messages import SLEEP_TAGS
 
-CACHE_TENSORS = ("kv", "conv", "recurrent", "last_tokens")
+CACHE_TENSORS = ("kv", "conv", "recurrent", "last_tokens", "hidden")
 
 
 @dataclass
@@ -50,6 +50,8 @@ def release_memory(model: nn.Module, cache: StateCache, level: int) -> Asleep:
     shapes = {}
     for name in CACHE_TENSORS:
         tensor = getattr(cache, name)
+        if tensor is None:  # `hidden` without an MTP head
+            continue
         shapes[name] = (tensor.shape, tensor.dtype)
         setattr(cache, name, torch.empty(0, dtype=tensor.dtype, device=tensor.device))
     if pinned:

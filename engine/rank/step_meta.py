@@ -40,6 +40,9 @@ class PackedSpans:
     # the blocks attention gathers its keys from (a prompt graph of an engine with prefix
     # caching, whose chunks may follow cached positions); None: `fresh` decides
     keys: KeyBlocks | None = None
+    # [n] int32 where each chunk's final DeltaNet state goes: -1 for speculative decoding's
+    # verify spans (engine/rank/speculative.py); None: its slot
+    store_slots: torch.Tensor | None = None
 
     @classmethod
     def build(cls, spans: tuple[SeqSpan, ...], device: torch.device) -> PackedSpans:
@@ -49,12 +52,16 @@ class PackedSpans:
         )
         bounds = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         blocks = torch.tensor(span_blocks(lengths, CHUNK_SIZE), dtype=torch.int32).reshape(-1, 2)
+        store = None
+        if any(s.verify for s in spans):
+            store = torch.tensor([-1 if s.verify else s.slot for s in spans], dtype=torch.int32)
         return cls(
             index=host.to(device),
             bounds=bounds.to(device),
             blocks=blocks.to(device),
             max_len=max(lengths, default=0),
             fresh=all(s.start == 0 for s in spans),
+            store_slots=None if store is None else store.to(device),
         )
 
 
@@ -134,6 +141,8 @@ def with_step_meta(batch: StepBatch, device: torch.device) -> GpuStepBatch:
         logits_index=batch.logits_index,
         token_slots=batch.token_slots,
         vision=batch.vision,
+        mtp=batch.mtp,
+        stash=batch.stash,
         meta=build_step_meta(batch.spans, device),
     )
 
