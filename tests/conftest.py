@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from deltaserve.tools.make_model import make_model
+
+
+@pytest.fixture(autouse=True)
+def _seeded_torch(request: pytest.FixtureRequest) -> None:
+    """Each test draws the same random inputs on every run, whatever ran before it: a bf16
+    kernel's error against its reference varies by draw (tests/test_moe.py's experts: 0.7-1.8%
+    over 20 draws), and an unseeded one once crossed its bound in CI."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 @pytest.fixture(scope="module")

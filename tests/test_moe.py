@@ -92,9 +92,6 @@ def test_experts_kernel_matches_reference(
     from deltaserve.kernels.moe import experts_and_shared, experts_triton
 
     assert (tokens * top_k > GEMV_PAIRS) == (tokens >= 64), "a shape meant for the other kernel"
-    # fixed inputs: the reference rounds each expert's products to bf16 where the kernel keeps
-    # fp32: 0.7-1.8% apart over 20 draws at 1 token, and an unseeded one once came to 2.16e-2
-    torch.manual_seed(tokens * 1000 + hidden)
     x = torch.randn(tokens, hidden, device=device).to(dtype)
     gate_up = (torch.randn(num_experts, 2 * inter, hidden, device=device) / hidden**0.5).to(dtype)
     down = (torch.randn(num_experts, hidden, inter, device=device) / inter**0.5).to(dtype)
