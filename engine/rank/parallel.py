@@ -41,8 +41,7 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
         return x
     x = x.contiguous()
     if x.is_cuda:
-        parts = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(parts, x)
+        parts = all_gather(x)
         return torch.cat(parts.unbind(0), dim=-1) if tp_rank() == 0 else None
     parts = [torch.empty_like(x) for _ in range(size)] if tp_rank() == 0 else None
     dist.gather(x, parts, dst=0)
