@@ -114,6 +114,7 @@ class AsyncEngine:
         model_config.check_tp_size(config.tp_size)
         if config.speculative_config is not None:
             model_config.check_mtp_head()
+            config.speculative_config.draft_vocab(model_config.vocab_size)  # refused by name
         limits = resolve_limits(config, model_config)
         monitor = None
         if config.monitor_endpoint is not None:

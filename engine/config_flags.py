@@ -394,8 +394,8 @@ def add_engine_flags(group: argparse._ActionsContainer) -> None:
         metavar="JSON",
         help="vLLM's: speculative decoding with the checkpoint's MTP head, e.g. "
         '\'{"method": "mtp", "num_speculative_tokens": 3}\' (optional disable_by_batch_size: '
-        "no drafts in a step of that many decoding requests or more; "
-        "engine/speculative_config.py); default: off",
+        "no drafts in a step of that many decoding requests or more; draft_vocab_size: draft "
+        "among the first that many token ids; engine/speculative_config.py); default: off",
     )
     add(
         "--kv-events-config",

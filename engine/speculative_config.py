@@ -41,6 +41,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     num_speculative_tokens: int = 1  # drafts per step at most (k)
     # no drafts in a step of this many decoding requests or more; None: the default above
     disable_by_batch_size: int | None = None
+    # the head drafts among the first this many token ids only; None: the whole vocabulary
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -61,12 +63,30 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             raise ValueError(
                 f"speculative_config.disable_by_batch_size must be an integer >= 1, got {limit!r}"
             )
+        rows = self.draft_vocab_size
+        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
+            raise ValueError(
+                f"speculative_config.draft_vocab_size must be an integer >= 1, got {rows!r}"
+            )
 
     @property
     def off_at_batch(self) -> int:
         """The smallest decoding batch that does not speculate."""
         limit = self.disable_by_batch_size
         return DEFAULT_DISABLE_BY_BATCH_SIZE if limit is None else limit
+
+    def draft_vocab(self, vocab_size: int) -> int:
+        """How many of the model's `vocab_size` token ids the head drafts among: the first
+        `draft_vocab_size` (FR-Spec's frequent-token subset, engine/rank/speculative.py)."""
+        rows = self.draft_vocab_size
+        if rows is None:
+            return vocab_size
+        if rows > vocab_size:
+            raise ValueError(
+                f"speculative_config.draft_vocab_size {rows} is above the model's vocabulary "
+                f"of {vocab_size} tokens"
+            )
+        return rows
 
 
 def parse_speculative_config(value: str | dict) -> SpeculativeConfig:
@@ -82,7 +102,7 @@ def parse_speculative_config(value: str | dict) -> SpeculativeConfig:
             f"speculative_config must be a JSON object such as "
             f'{{"method": "mtp", "num_speculative_tokens": 3}}, got {type(value).__name__}'
         )
-    known = {"method", "num_speculative_tokens", "disable_by_batch_size"}
+    known = {"method", "num_speculative_tokens", "disable_by_batch_size", "draft_vocab_size"}
     for key, given in value.items():
         if key in known:
             continue

@@ -18,6 +18,7 @@ def test_bench_mtp_smoke(tmp_path):
             *("--model", str(model), "--device", "cpu", "--concurrency", "1"),
             *("--acceptance", "0", "1", "--drafts", "1", "2"),
             *("--prompt-len", "12", "--output-len", "6", "--no-eager-baseline"),
+            *("--draft-vocab-size", "124160"),
             *("--out", str(out)),
         ]
     )
@@ -37,4 +38,6 @@ def test_bench_mtp_smoke(tmp_path):
             assert run["measured_acceptance"] == run["rate"], run
     assert set(record["costs"]["measured"]) == {"decode_ms", "draft_ms", "verify_ms"}
     assert record["costs"]["bytes"]["mtp"] > 0
+    assert record["args"]["draft_vocab_size"] == 124160
+    assert record["costs"]["bytes"]["draft_lm_head"] * 2 == record["costs"]["bytes"]["lm_head"]
     assert "c1" in record["summary"]["best_k_speedup"]

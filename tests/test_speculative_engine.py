@@ -15,6 +15,7 @@ from engine_helpers import assert_ledger_is_every_ranks, collect, drain, engine_
 
 from deltaserve.engine.async_engine import AsyncEngine
 from deltaserve.engine.events import TokenEvent
+from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 from deltaserve.http.metrics import render_metrics
@@ -22,6 +23,9 @@ from deltaserve.tools.make_model import make_model
 
 NUM_DRAFTS = 3
 PROMPTS = [list(range(100 + 11 * i, 150 + 13 * i)) for i in range(3)]  # 50 to 76 tokens
+VOCAB_SIZE = 248320  # make_model's tiny preset
+TP1_DRAFT_VOCAB = 160_000  # the head drafts among these first ids only
+TP2_DRAFT_VOCAB = 130_000  # all of rank 0's shard (124160 ids) and the start of rank 1's
 
 
 @pytest.fixture(scope="module")
@@ -75,19 +79,41 @@ async def scenario(engine: AsyncEngine, reference: list | None) -> list:
     return [batch, again, limits, stop_ids, stops, after, sampled, choices, guided]
 
 
+def recording(drafted: list[int]):
+    """A proposer (`Speculation.force`) that keeps the head's drafts, noting them."""
+
+    def propose(request: Request, index: int, drafts: list[int]) -> list[int]:
+        drafted.extend(drafts)
+        return drafts
+
+    return propose
+
+
 @pytest.mark.timeout(600)  # two engines and a dozen requests each: ~90 s on 2 idle cores
-@pytest.mark.parametrize("tp_size", [1, 2], ids=["tp1", "tp2"])
-async def test_greedy_output_with_mtp_equals_output_without(agree_model_dir, tp_size):
+@pytest.mark.parametrize(
+    ("tp_size", "draft_vocab_size"),
+    [(1, TP1_DRAFT_VOCAB), (2, TP2_DRAFT_VOCAB)],
+    ids=["tp1", "tp2"],
+)
+async def test_greedy_output_with_mtp_equals_output_without(
+    agree_model_dir, tp_size, draft_vocab_size
+):
     """Token for token and text for text, with drafts both accepted and rejected; nothing
-    leaks; the counters are vLLM's."""
+    leaks; the counters are vLLM's. The head drafts among the first ids only (many of the
+    target's tokens are outside them; at TP 2 they reach into the second rank's vocabulary
+    shard); other tests (test_speculative_memory.py) draft over the whole vocabulary."""
     config = dict(device="cpu", tp_size=tp_size, enable_prefix_caching=True)
     async with await AsyncEngine.start(engine_config(agree_model_dir, **config)) as plain:
         reference = await scenario(plain, None)
         await assert_ledger_is_every_ranks(plain)
-    speculative = SpeculativeConfig(num_speculative_tokens=NUM_DRAFTS)
+    speculative = SpeculativeConfig(
+        num_speculative_tokens=NUM_DRAFTS, draft_vocab_size=draft_vocab_size
+    )
+    drafted: list[int] = []
     async with await AsyncEngine.start(
         engine_config(agree_model_dir, speculative_config=speculative, **config)
     ) as engine:
+        engine.scheduler.spec.force(None, recording(drafted))  # the adaptive policy, as served
         got = await scenario(engine, reference)
         await assert_ledger_is_every_ranks(engine)
         metrics, load = engine.metrics, engine.load()
@@ -116,14 +142,14 @@ async def test_greedy_output_with_mtp_equals_output_without(agree_model_dir, tp_
     assert reference[3][0][2] == "stop" and reference[4][0][2] == "stop"
     assert len(reference[7]) == 20  # both choices' tokens
     assert reference[8][0][1] in ("hello world", "goodbye moon")
-    drafted, accepted = (
+    drafted_total, accepted = (
         metrics.spec_decode_num_draft_tokens_total,
         (metrics.spec_decode_num_accepted_tokens_total),
     )
-    assert 0 < accepted < drafted, (accepted, drafted)  # some accepted, some rejected
+    assert 0 < accepted < drafted_total, (accepted, drafted_total)  # some taken, some not
     assert (
         metrics.spec_decode_num_drafts_total
-        <= drafted
+        <= drafted_total
         <= (NUM_DRAFTS * metrics.spec_decode_num_drafts_total)
     )
     per_position = metrics.spec_decode_num_accepted_tokens_per_pos
@@ -142,6 +168,11 @@ async def test_greedy_output_with_mtp_equals_output_without(agree_model_dir, tp_
     assert load.spec_decode_accepted_per_position == [
         per_position.get(i, 0) for i in range(NUM_DRAFTS)
     ]
+    assert len(drafted) >= drafted_total  # the head's, of which the verified
+    assert max(drafted) < draft_vocab_size
+    assert any(t >= draft_vocab_size for t in batch[0][0]), "the limit must bite"
+    if tp_size > 1:
+        assert max(drafted) >= VOCAB_SIZE // tp_size, "some drafts come from the second shard"
 
 
 def test_speculative_config_is_parsed_as_vllm_spells_it():

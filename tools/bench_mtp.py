@@ -15,6 +15,9 @@ matching: each run records its measured acceptance and how many requests parted.
 
     python -m tools.make_model --preset 4b --out /tmp/m4b --dtype bf16 --device cuda --mtp random
     python -m tools.bench_mtp --model /tmp/m4b --device cuda --out bench/results/mtp_h100.json
+
+`--draft-vocab-size N` drafts among the first N ids only (speculative_config.draft_vocab_size):
+a draft step then reads N of the lm_head's rows; a run with and one without compare the two.
 """
 
 from __future__ import annotations
@@ -158,16 +161,24 @@ def copy_bandwidth(device: str) -> float:
 
 
 def step_costs(
-    off: dict, eager: dict | None, forced: list[dict], model_dir: str, bandwidth: float
+    off: dict,
+    eager: dict | None,
+    forced: list[dict],
+    model_dir: str,
+    bandwidth: float,
+    draft_vocab_size: int | None = None,
 ) -> dict[str, Any]:
     """At concurrency 1: a decode step (graphs, eager) and, from MTP on at acceptance 0 with
     k = 1 and 2, one draft step (their difference) and one verify step of 2 rows (k = 1's step
-    less a draft), each in ms and as a share of the decode step's memory roofline."""
+    less a draft), each in ms and as a share of the decode step's memory roofline. A draft
+    reads the lm_head's rows of its `draft_vocab_size` first ids (None: all)."""
     config = ModelConfig.from_model_dir(model_dir)
     sizes, state = checkpoint_bytes(model_dir), state_bytes(config)
+    rows = config.vocab_size if draft_vocab_size is None else draft_vocab_size
+    sizes["draft_lm_head"] = sizes["lm_head"] * rows // config.vocab_size
     roofline = {
         "decode_ms": (sizes["target"] + 2 * state) / bandwidth * 1e3,
-        "draft_ms": (sizes["mtp"] + sizes["lm_head"]) / bandwidth * 1e3,
+        "draft_ms": (sizes["mtp"] + sizes["draft_lm_head"]) / bandwidth * 1e3,
         "verify_ms": (sizes["target"] + 3 * state) / bandwidth * 1e3,  # the rollback reads again
     }
     at = {(r["k"], r["rate"]): r["mean_step_ms"] for r in forced if r["concurrency"] == 1}
@@ -182,7 +193,9 @@ def step_costs(
     out["share_of_decode_roofline"] = {
         name: value / roofline["decode_ms"] for name, value in measured.items()
     }
-    out["lm_head_share_of_draft_bytes"] = sizes["lm_head"] / max(1, sizes["mtp"] + sizes["lm_head"])
+    out["lm_head_share_of_draft_bytes"] = sizes["draft_lm_head"] / max(
+        1, sizes["mtp"] + sizes["draft_lm_head"]
+    )
     return out
 
 
@@ -236,6 +249,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["python -m tools.bench_mtp", *sys.argv[1:]]),
         "hardware": host_info(),
         "commit": git_commit(),
+        "args": vars(args),
         "model": args.model,
         "bandwidth_bytes_per_s": copy_bandwidth(args.device),
     }
@@ -260,7 +274,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     save_partial(args.out, record, off, forced, adaptive)  # MTP off's, should MTP on fail
     k_max = max(args.drafts)
     vocab = ModelConfig.from_model_dir(args.model).vocab_size
-    spec_config = SpeculativeConfig(num_speculative_tokens=k_max)
+    spec_config = SpeculativeConfig(
+        num_speculative_tokens=k_max, draft_vocab_size=args.draft_vocab_size
+    )
     async with await AsyncEngine.start(
         engine_config(args, speculative_config=spec_config)
     ) as engine:
@@ -293,7 +309,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     strip = [off[c] for c in off] + forced + adaptive
     first_eager = eager[min(eager)] if eager else None
     bandwidth = record["bandwidth_bytes_per_s"]
-    record["costs"] = step_costs(off[min(off)], first_eager, forced, args.model, bandwidth)
+    record["costs"] = step_costs(
+        off[min(off)], first_eager, forced, args.model, bandwidth, args.draft_vocab_size
+    )
     record["summary"] = summarize(off, forced, adaptive)
     for result in strip:
         result.pop("outputs")
@@ -329,6 +347,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 3, 4], help="k values")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="the head drafts among the first N token ids (speculative_config's "
+        "draft_vocab_size); default: the whole vocabulary",
+    )
     p.add_argument(
         "--no-eager-baseline",
         dest="eager_baseline",

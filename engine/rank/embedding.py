@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from deltaserve.engine.rank.linear import new_param, sharded_loader
-from deltaserve.engine.rank.parallel import all_reduce, gather_last_dim, tp_rank, tp_size
+from deltaserve.engine.rank.parallel import (
+    all_gather,
+    all_reduce,
+    gather_last_dim,
+    tp_rank,
+    tp_size,
+)
 from deltaserve.kernels.embedding import embedding
 from deltaserve.kernels.skinny_linear import logits
 
@@ -37,3 +45,31 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary fp32 logits on rank 0 (None elsewhere; skinny_linear.logits)."""
         return gather_last_dim(logits(hidden, self.weight))
+
+    def argmax(self, hidden: torch.Tensor, rows: int) -> torch.Tensor:
+        """Each row's argmax token among the vocabulary's first `rows` ids, on every rank: each
+        rank reads only its shard's rows of those ids (a view, no copy), and the ranks swap a
+        (best logit, id) pair per row instead of gathering the logits."""
+        return best_of(all_gather(shard_best(hidden, self.weight, self.first, rows)))
+
+
+def shard_best(hidden: torch.Tensor, weight: torch.Tensor, first: int, rows: int) -> torch.Tensor:
+    """A shard's (ids first .. first + len(weight)) best logit among the vocabulary's first
+    `rows` ids for each row of `hidden`, and its id: [T, 2] float64, which holds an fp32 logit
+    and an id exactly; (-inf, 0) where the shard holds none of those ids."""
+    local = min(weight.shape[0], max(0, rows - first))
+    out = torch.zeros((hidden.shape[0], 2), dtype=torch.float64, device=hidden.device)
+    if local == 0:
+        out[:, 0] = -math.inf
+        return out
+    best, at = logits(hidden, weight[:local]).max(dim=-1)
+    out[:, 0] = best
+    out[:, 1] = at + first
+    return out
+
+
+def best_of(parts: torch.Tensor) -> torch.Tensor:
+    """The id [T] of each row's best logit over the shards' `shard_best` [ranks, T, 2]; on a
+    tie the lowest rank's, so the lowest id, as an argmax over the whole row picks."""
+    rank = parts[..., 0].argmax(dim=0)
+    return parts[..., 1].gather(0, rank[None]).squeeze(0).long()

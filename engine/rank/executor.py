@@ -236,7 +236,15 @@ class Executor:
             kv_dtype=self.kv_dtype,
         )
         self.speculator = (
-            Speculator(self.model, self.cache, self.sampler, self.device) if config.mtp else None
+            Speculator(
+                self.model,
+                self.cache,
+                self.sampler,
+                self.device,
+                config.speculative_config.draft_vocab(self.model_config.vocab_size),
+            )
+            if config.mtp
+            else None
         )
         # --calculate-kv-scales: the first step with a new request's prompt sets them
         self.kv_scales_pending = config.calculate_kv_scales and self.kv_dtype == FP8

@@ -41,12 +41,27 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
         return x
     x = x.contiguous()
     if x.is_cuda:
-        parts = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(parts, x)
+        parts = all_gather(x)
         return torch.cat(parts.unbind(0), dim=-1) if tp_rank() == 0 else None
     parts = [torch.empty_like(x) for _ in range(size)] if tp_rank() == 0 else None
     dist.gather(x, parts, dst=0)
     return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's `x` on every rank, stacked: [ranks, *x.shape] (gloo's list form on the
+    CPU, which has no all_gather_into_tensor)."""
+    size = tp_size()
+    if size == 1:
+        return x[None]
+    x = x.contiguous()
+    if x.is_cuda:
+        parts = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(parts, x)
+        return parts
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x)
+    return torch.stack(parts)
 
 
 def shard(full: torch.Tensor, sections: tuple[int, ...], dim: int = 0) -> torch.Tensor:

@@ -21,8 +21,20 @@ and this reads each state twice and writes it once (3 states), where keeping k +
 writes k + 1 and the next step reads one (k + 2). Rejected KV rows (the target's and the
 head's) are at or past the next step's first position, which writes them before any read.
 
-At TP > 1 rank 0 broadcasts each item's accepted count and next token on the device, then
-each draft; every rank runs the same roll-forward and head steps on its shard.
+At TP > 1 rank 0 broadcasts each item's accepted count and next token on the device; every
+rank runs the same roll-forward and head steps on its shard.
+
+Draft vocabulary (`draft_vocab_size`). A draft's argmax needs the lm_head's rows of every id it
+may pick: over the whole vocabulary that is the largest read of a draft step (248k rows, 1.27
+GB at the 4B's shapes). The head may draft among the first N ids only: BPE vocabularies such as
+Qwen's are ordered by merge rank, so the low ids are the frequent tokens (FR-Spec's idea,
+SGLang's `--speculative-token-map`, with the map being the first N ids). The rows are a view of
+the lm_head's, sharded as it is (`VocabParallelEmbedding.argmax`): each rank reads its shard's
+rows below N (a rank above N none), and the ranks all-gather one (best logit, id) pair per row,
+so every rank has the picks without a broadcast and without the full logits gathered on rank 0.
+No copy, so nothing for the memory budget to count, and nothing to go stale when the weights
+are reloaded or slept. Exactness does not depend on N: the verify keeps the target's tokens
+whatever was drafted; N only moves acceptance.
 """
 
 from __future__ import annotations
@@ -113,8 +125,11 @@ class Speculator:
         cache: StateCache,
         sampler: Sampler | None,
         device: torch.device,
+        draft_vocab: int,
     ) -> None:
+        """`draft_vocab`: the head drafts among the first this many token ids."""
         self.model = model
+        self.draft_vocab = draft_vocab
         self.cache = cache
         self.sampler = sampler
         self.device = device
@@ -279,15 +294,17 @@ class Speculator:
     def _draft(self, drafting: list[Drafting]) -> dict[int, list[int]]:
         """The MTP head's steps: each request's first from the target's hidden state at its
         last accepted position and its next token, each next one from the head's own output
-        and draft; the argmax drafts by request id (rank 0 picks, every rank follows)."""
+        and draft; the argmax drafts (among the first `draft_vocab` ids) by request id, read
+        to the host once after the last step (every rank has them: no broadcast)."""
         if not drafting:
             return {}
         mtp, cache, bs = self.model.mtp, self.cache, self.cache.block_size
         slots = to_device([d.slot for d in drafting], torch.int64, self.device)
         tokens = to_device([d.token for d in drafting], torch.int64, self.device)
         hidden = cache.hidden[slots]
-        out: dict[int, list[int]] = {d.request_id: [] for d in drafting}
-        for step in range(max(d.steps for d in drafting)):
+        longest = max(d.steps for d in drafting)
+        picks = torch.zeros((len(drafting), longest), dtype=torch.int64, device=self.device)
+        for step in range(longest):
             active = [i for i, d in enumerate(drafting) if d.steps > step]
             rows = to_device(active, torch.int64, self.device)
             spans, positions, kv_rows = [], [], []
@@ -300,15 +317,9 @@ class Speculator:
             batch = draft_batch(spans, positions, kv_rows, self.device)
             x = mtp.fuse(self.model.model.embed_tokens(tokens[rows]), hidden[rows])
             g = mtp(x, batch, cache)
-            logits = self.model.output_embedding.logits(g)
-            picked = (
-                logits.argmax(dim=-1)
-                if logits is not None
-                else torch.zeros(len(active), dtype=torch.int64, device=self.device)
-            )
-            picked = broadcast(picked)
+            picked = self.model.output_embedding.argmax(g, self.draft_vocab)
             tokens[rows] = picked
             hidden[rows] = g
-            for i, token in zip(active, picked.tolist(), strict=True):
-                out[drafting[i].request_id].append(token)
-        return out
+            picks[rows, step] = picked
+        table = picks.tolist()
+        return {d.request_id: table[i][: d.steps] for i, d in enumerate(drafting)}
