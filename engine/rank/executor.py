@@ -407,7 +407,7 @@ class Executor:
             not every_position
             and not calibrates
             and self._decode_graph_fits(singles)
-            and not any(self._holds_vision(item) for item in singles)
+            and (self.vision is None or not any(self._holds_vision(i) for i in singles))
         ):
             logits = self._run_with_graphs(items, singles, graph_output, prompt_logprobs)
         else:  # one forward of every item: a prompt graph's replay where they fit one
@@ -509,7 +509,9 @@ class Executor:
             ],
             [i for i, item in enumerate(singles) if item.sample],
             copy=not (graph_output or chunks),  # with chunks: copied into the merged rows below
-            rope_positions=[self._rope_position(item) for item in singles],
+            rope_positions=None
+            if self.vision is None
+            else [self._rope_position(item) for item in singles],
         )
         if not chunks or decode_logits is None:  # decode-only, or not rank 0
             return decode_logits
