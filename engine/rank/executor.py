@@ -475,11 +475,7 @@ class Executor:
         """Whether a captured decode graph takes the step's single-token items: some, few
         enough, none asking for prompt logprobs (those come from a forward's hidden states,
         which a decode graph does not keep)."""
-        if (
-            self.graphs is None
-            or self.model.mtp is not None  # TODO(mtp): the head's rows in the decode graphs
-            or any(item.prompt_logprobs >= 0 for item in singles)
-        ):
+        if self.graphs is None or any(item.prompt_logprobs >= 0 for item in singles):
             return False
         num_blocks = max((len(self.requests[i.request_id].blocks) for i in singles), default=0)
         return self.graphs.can_run(len(singles), num_blocks)
@@ -510,6 +506,7 @@ class Executor:
             [i for i, item in enumerate(singles) if item.sample],
             copy=not (graph_output or chunks),  # with chunks: copied into the merged rows below
             rope_positions=[self._rope_position(item) for item in singles],
+            head_kv_rows=self._head_kv_rows(singles, held),
         )
         if not chunks or decode_logits is None:  # decode-only, or not rank 0
             return decode_logits
@@ -525,6 +522,18 @@ class Executor:
                 next_row[kind] += rows
         merged = torch.cat((decode_logits, chunk_logits))
         return merged[torch.tensor(order, device=merged.device)]
+
+    def _head_kv_rows(self, singles: list[StepItem], held: list[LiveRequest]) -> list[int] | None:
+        """With an MTP head: the KV row of each single-token item's head keys, at the position
+        before its own (-1 at a prompt's first; mtp.py), which the decode graph's catch-up
+        writes."""
+        if self.model.mtp is None:
+            return None
+        bs = self.cache.block_size
+        return [
+            -1 if item.start == 0 else r.kv_row(item.start - 1, bs)
+            for item, r in zip(singles, held, strict=True)
+        ]
 
     def _run_plan(
         self,
