@@ -19,6 +19,7 @@ from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs
+from deltaserve.engine.rank.draft_graphs import DraftGraphs
 from deltaserve.engine.rank.grammar_mask import load_tokenizer
 from deltaserve.engine.rank.loader import load_weights
 from deltaserve.engine.rank.memory_budget import size_kv_cache, warm_up
@@ -279,16 +280,29 @@ class Executor:
             if self.prompt_graphs is not None:  # one memory pool: no two graphs ever replay at once
                 self.graphs.pool = self.prompt_graphs.pool
             self.graphs.capture()
+            if self.speculator is not None:  # the head's draft loop, per bucket and steps
+                self.speculator.graphs = DraftGraphs(
+                    self.model,
+                    self.cache,
+                    self.graphs,
+                    config.speculative_config.num_speculative_tokens,
+                    self.speculator.draft_vocab,
+                )
+                self.speculator.graphs.pool = self.graphs.pool
+                self.speculator.graphs.capture()
             held = (
                 torch.cuda.memory_reserved(self.device) - reserved
                 if self.device.type == "cuda"
                 else 0
             )
+            drafts = self.speculator.graphs if self.speculator is not None else None
             log.info(
-                "rank %d: %d prompt and %d decode CUDA graphs captured in %.1f s, holding %.2f GiB",
+                "rank %d: %d prompt, %d decode and %d draft CUDA graphs captured in %.1f s, "
+                "holding %.2f GiB",
                 config.rank,
                 len(self.prompt_graphs.graphs) if self.prompt_graphs else 0,
                 len(self.graphs.graphs),
+                len(drafts.graphs) if drafts else 0,
                 time.monotonic() - started,
                 held / 2**30,
             )
@@ -843,6 +857,8 @@ class Executor:
                 f"held{', already asleep' if self.asleep is not None else ''}"
             )
         self.graphs = self.prompt_graphs = None  # their memory pool and the cache's pointers
+        if self.speculator is not None:
+            self.speculator.graphs = None
         self.asleep = release_memory(self.model, self.cache, level)
         log.info("rank %d: asleep (level %d)", self.config.rank, level)
 

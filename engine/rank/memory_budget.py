@@ -231,6 +231,9 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
     hidden_bytes = executor.model_config.hidden_size * executor.dtype.itemsize
     if not config.enforce_eager:
         reserve = GRAPH_POOL_RESERVE_BYTES + 2 * config.max_num_seqs * (row_bytes + hidden_bytes)
+        if config.mtp:  # a draft graph's fp32 logits over the draft vocabulary (draft_graphs.py)
+            draft_vocab = config.speculative_config.draft_vocab(executor.model_config.vocab_size)
+            reserve += config.max_num_seqs * draft_vocab * 4 // config.tp_size
         # the prompt graphs' pool holds the activations of their largest bucket, which scale
         # with its tokens like the profiling step's; each bucket keeps its sampled rows' logits
         if (size := executor.prompt_graph_size()) is not None:
