@@ -26,21 +26,24 @@ from deltaserve.tools.make_model import make_model
 
 MAX_DRAFTS = 2
 # each request's drafts asked for at each step, the first its prompt's (0: a plain decode);
-# request 3 never drafts, request 2 drafts fewer than request 1 beside it
+# request 3 never drafts; a step's verify spans (the drafts of the step before) are of one k
+# (a verify graph's) or of two (eager)
 SCHEDULE = {
     1: [0, 0, 2, 2, 2, 0, 2, 2],
-    2: [0, 0, 1, 1, 0, 1, 1, 1],
+    2: [0, 0, 1, 2, 0, 2, 2, 1],
     3: [0, 0, 0, 0, 0, 0, 0, 0],
 }
 PROMPT_LENGTHS = {1: 20, 2: 7, 3: 33}
 
 
-@pytest.fixture(scope="module")
-def mtp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny, fp32, with a random MTP head: its drafts hang on every input it reads (the
-    saved hidden states and its own keys, which the catch-up writes), unlike make_model's
-    "agree" head (which reads no hidden state; tests/test_speculative_engine.py)."""
-    return make_model(tmp_path_factory.mktemp("mtp"), preset="tiny", dtype="fp32", mtp="random")
+@pytest.fixture(scope="module", params=["random", "agree"])
+def mtp_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny, fp32, with an MTP head: "random", whose drafts hang on every input it reads (the
+    saved hidden states and its own keys, which the catch-up writes) and are rejected; and
+    make_model's "agree", whose drafts (reading no hidden state) are often accepted, so that
+    the rollback keeps 1 to k + 1 positions."""
+    head = request.param
+    return make_model(tmp_path_factory.mktemp(head), preset="tiny", dtype="fp32", mtp=head)
 
 
 @dataclass
@@ -52,6 +55,7 @@ class Stream:
     drafts: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
     proposed: list[list[int]] = field(default_factory=list)  # every step's drafts
+    verified: list[tuple[int, int]] = field(default_factory=list)  # (accepted, of drafts)
 
 
 def _executor(model_dir: Path, device: str, graphs: bool, speculate: bool, dtype: str) -> Executor:
@@ -106,6 +110,8 @@ def _drive(ex: Executor, speculate: bool) -> dict[int, Stream]:
             stream = streams[item.request_id]
             outcome = outcomes.get(item.request_id)
             accepted = 0 if outcome is None else outcome.accepted
+            if item.num_drafts:
+                stream.verified.append((accepted, item.num_drafts))
             stream.emitted += [*stream.drafts[:accepted], sample.token_id]
             stream.start = item.start + (len(item.token_ids) or 1) - item.num_drafts + accepted
             stream.last = sample.token_id
@@ -122,12 +128,24 @@ def _assert_same_streams(got: dict[int, Stream], want: dict[int, Stream], what: 
 
 def _assert_graphs_ran(ex: Executor, prompt_replays: int) -> None:
     """Every step after the prompts replayed a decode graph (each holds single-token items),
-    every step that proposed a draft graph, the prompts `prompt_replays` prompt graphs."""
+    every step that proposed a draft graph, every step whose verify spans are all of one k a
+    verify graph and its rollback, the prompts `prompt_replays` prompt graphs."""
     steps = len(next(iter(SCHEDULE.values())))
-    drafting = sum(any(SCHEDULE[rid][s] for rid in SCHEDULE) for s in range(1, steps))
+    drafting = sum(any(SCHEDULE[rid][s] for rid in SCHEDULE) for s in range(steps))
+    verifying = 0
+    for s in range(1, steps + 1):
+        drafts = {SCHEDULE[rid][s - 1] for rid in SCHEDULE} - {0}
+        verifying += len(drafts) == 1
     prompts = 0 if ex.prompt_graphs is None else ex.prompt_graphs.replays
-    replays = (prompts, ex.graphs.replays, ex.speculator.graphs.replays)
-    assert replays == (prompt_replays, steps, drafting), f"(prompt, decode, draft): {replays}"
+    replays = (
+        prompts,
+        ex.graphs.replays,
+        ex.speculator.graphs.replays,
+        ex.verify_graphs.replays,
+    )
+    assert replays == (prompt_replays, steps, drafting, 2 * verifying), (
+        f"(prompt, decode, draft, verify and rollback) graph replays: {replays}"
+    )
 
 
 def _assert_emitted_as_without_speculation(streams: dict[int, Stream], plain: dict) -> None:
@@ -155,6 +173,10 @@ def test_mtp_graph_buffers_under_interpreter_match_cpu(kernels, mtp_model_dir, m
     cpu = _drive(_executor(mtp_model_dir, "cpu", False, True, "float32"), True)
     plain = _drive(_executor(mtp_model_dir, "cpu", False, False, "float32"), False)
     _assert_emitted_as_without_speculation(cpu, plain)
+    verified = [v for stream in cpu.values() for v in stream.verified]
+    assert any(a < n for a, n in verified)
+    if "agree" in mtp_model_dir.name:
+        assert any(0 < a for a, _ in verified), verified
     monkeypatch.setattr(triton_compat, "GPU_PATH_ON_CPU", True)
     ex = _executor(mtp_model_dir, "cpu", True, True, "float32")
     _assert_same_streams(_drive(ex, True), cpu, "graph buffers vs cpu")

@@ -182,6 +182,24 @@ class GatedAttention(nn.Module):
         if kv_scale is not None:  # fresh keys as the cache gives them back
             k, v = round_trip(k, kv_scale[0]), round_trip(v, kv_scale[1])
         scale = self.head_dim**-0.5
+        if meta.attend_rows is not None:  # a verify graph's rows, each to its own position
+            rows, seq_lens, tables = meta.attend_rows
+            out = torch.empty_like(q)
+            paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                tables,
+                seq_lens,
+                rows,
+                cache.block_size,
+                scale,
+                out,
+                meta.max_seq_len,
+                gate=gate,
+                kv_scale=kv_scale,
+            )
+            return out
         packed = meta.packed
         if (
             packed is not None and packed.keys is not None

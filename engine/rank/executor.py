@@ -40,6 +40,7 @@ from deltaserve.engine.rank.sleep_mode import Asleep, release_memory, restore_me
 from deltaserve.engine.rank.speculative import SpecResult, Speculator, speculates
 from deltaserve.engine.rank.step_meta import with_step_meta
 from deltaserve.engine.rank.transfer import to_device
+from deltaserve.engine.rank.verify_graphs import VerifyGraphs, verify_capturable
 from deltaserve.engine.rank.vision_inputs import MediaError, RankVision, RequestVision
 from deltaserve.engine.vision_config import VisionConfig
 from deltaserve.ipc.messages import (
@@ -218,6 +219,7 @@ class Executor:
         self.prefixes: dict[int, SavedPrefix] = {}  # saved prefix id -> its state and blocks
         self.graphs: DecodeGraphs | None = None
         self.prompt_graphs: PromptGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         num_blocks = config.num_kv_blocks
         if num_blocks is None:  # profiles a step through run_step, then budgets (ranks agree)
             num_blocks = size_kv_cache(self).num_blocks
@@ -290,6 +292,17 @@ class Executor:
                 )
                 self.speculator.graphs.pool = self.graphs.pool
                 self.speculator.graphs.capture()
+                if verify_capturable(self.device):  # verify steps and their rollback
+                    spec = config.speculative_config
+                    self.verify_graphs = VerifyGraphs(
+                        self.model,
+                        self.cache,
+                        self.graphs,
+                        min(config.max_num_seqs, spec.off_at_batch),
+                        spec.num_speculative_tokens,
+                    )
+                    self.verify_graphs.pool = self.graphs.pool
+                    self.verify_graphs.capture()
             held = (
                 torch.cuda.memory_reserved(self.device) - reserved
                 if self.device.type == "cuda"
@@ -297,12 +310,13 @@ class Executor:
             )
             drafts = self.speculator.graphs if self.speculator is not None else None
             log.info(
-                "rank %d: %d prompt, %d decode and %d draft CUDA graphs captured in %.1f s, "
-                "holding %.2f GiB",
+                "rank %d: %d prompt, %d decode, %d draft and %d verify CUDA graphs captured in "
+                "%.1f s, holding %.2f GiB",
                 config.rank,
                 len(self.prompt_graphs.graphs) if self.prompt_graphs else 0,
                 len(self.graphs.graphs),
                 len(drafts.graphs) if drafts else 0,
+                len(self.verify_graphs.graphs) if self.verify_graphs else 0,
                 time.monotonic() - started,
                 held / 2**30,
             )
@@ -561,8 +575,14 @@ class Executor:
         `prompt_logprobs` on rank 0."""
         plan = self._plan(items, every_position)
         wanted = prompt_rows(items, [span.offset for span in plan.spans])
-        stash = None if self.speculator is None else self.speculator.begin(items, plan.spans)
-        if (
+        verify = None if every_position or wanted else self._verify_graphs_fit(plan)
+        stash = None
+        if self.speculator is not None:
+            stash = self.speculator.begin(items, plan.spans, verify)
+        if verify is not None:  # verify spans of one k: every row samples
+            hidden = verify.run(plan)
+            logits = self.model.output_embedding.logits(hidden)
+        elif (
             self.prompt_graphs is not None
             and not every_position
             and not self.cache.calibrating
@@ -579,6 +599,14 @@ class Executor:
             if prompt_logprobs is not None:
                 prompt_logprobs.update(found)
         return logits
+
+    def _verify_graphs_fit(self, plan: StepPlan) -> VerifyGraphs | None:
+        """The verify graphs, where they take `plan` (verify spans of one k; not a step that
+        calibrates FP8 scales), else None."""
+        if self.verify_graphs is None or self.cache.calibrating:
+            return None
+        num_blocks = max((len(span.blocks) for span in plan.spans), default=0)
+        return self.verify_graphs if self.verify_graphs.fits(plan, num_blocks) else None
 
     def _admit_new(
         self, items: list[StepItem], drops: list[int], evict: list[int], saves: list[SaveOnDrop]
@@ -856,7 +884,7 @@ class Executor:
                 f"sleep with {len(self.requests)} requests and {len(self.prefixes)} saved prefixes "
                 f"held{', already asleep' if self.asleep is not None else ''}"
             )
-        self.graphs = self.prompt_graphs = None  # their memory pool and the cache's pointers
+        self.graphs = self.prompt_graphs = self.verify_graphs = None  # their pool, the cache's
         if self.speculator is not None:
             self.speculator.graphs = None
         self.asleep = release_memory(self.model, self.cache, level)

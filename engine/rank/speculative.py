@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from deltaserve.engine.rank.draft_graphs import DraftGraphs
     from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
     from deltaserve.engine.rank.sampler import Sampler
+    from deltaserve.engine.rank.verify_graphs import VerifyGraphs
 
 
 @dataclass(eq=False, slots=True)
@@ -69,9 +70,10 @@ class VerifyStash:
 
     request_ids: list[int]
     spans: list[SeqSpan]
-    windows: torch.Tensor
+    windows: torch.Tensor | None  # None: a verify graph's step, whose own buffers hold it all
     layers: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     hidden: torch.Tensor | None = None
+    graphs: VerifyGraphs | None = None  # the verify graphs that ran the step's forward
 
     def keep(
         self, layer: int, qkv: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor
@@ -143,20 +145,24 @@ class Speculator:
         self.graphs: DraftGraphs | None = None  # the executor's, once captured
         self.deltanets = [layer.linear_attn for layer in model.model.layers if layer.is_linear]
 
-    def begin(self, items: list[StepItem], spans: list[SeqSpan]) -> VerifyStash | None:
+    def begin(
+        self, items: list[StepItem], spans: list[SeqSpan], graphs: VerifyGraphs | None = None
+    ) -> VerifyStash | None:
         """Before a step's forward (`spans` its items' in order): a stash for its verify
-        spans, holding their conv windows, which the forward overwrites."""
+        spans, holding their conv windows, which the forward overwrites; or, where `graphs`
+        run the forward, naming them (they keep the stash and roll the spans forward)."""
         verify = [
             (item.request_id, span) for item, span in zip(items, spans, strict=True) if span.verify
         ]
         if not verify:
             self.stash = None
             return None
-        slots = to_device([span.slot for _, span in verify], torch.int64, self.device)
+        windows = None
+        if graphs is None:
+            slots = to_device([span.slot for _, span in verify], torch.int64, self.device)
+            windows = self.cache.conv[:, slots].clone()
         self.stash = VerifyStash(
-            [rid for rid, _ in verify],
-            [span for _, span in verify],
-            self.cache.conv[:, slots].clone(),
+            [rid for rid, _ in verify], [span for _, span in verify], windows, graphs=graphs
         )
         return self.stash
 
@@ -252,6 +258,9 @@ class Speculator:
         the verify did not write, and the stashed conv window) over its `accepted` + 1 first
         positions, from the inputs its layers stashed."""
         stash, cache = self.stash, self.cache
+        if stash.graphs is not None:
+            stash.graphs.roll_forward(accepted)
+            return
         spans = stash.spans
         lengths = [n + 1 for n in accepted]
         rows = [span.offset + i for span, n in zip(spans, lengths, strict=True) for i in range(n)]
