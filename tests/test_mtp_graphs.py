@@ -196,14 +196,40 @@ def test_mtp_graphs_on_cuda_match_eager(mtp_model_dir):
     _assert_emitted_as_without_speculation(eager, plain)
 
 
+def _after_prompts(ex: Executor) -> list[torch.Tensor]:
+    """The schedule's prompts in one step through `ex`; then each request's saved hidden
+    state and the head's keys of its prompt positions (the catch-up's)."""
+    gen = torch.Generator().manual_seed(3)
+    spec = SamplingSpec(seed=0)
+    items = [
+        StepItem(
+            rid,
+            0,
+            torch.randint(0, 200_000, (n,), generator=gen).tolist(),
+            True,
+            NewRequest(200, spec),
+        )
+        for rid, n in PROMPT_LENGTHS.items()
+    ]
+    ex.run_step(items)
+    keys = ex.cache.kv[ex.model.mtp.kv_layer, 0]
+    out = []
+    for rid, n in PROMPT_LENGTHS.items():
+        req = ex.requests[rid]
+        rows = [req.kv_row(p, ex.cache.block_size) for p in range(n - 1)]
+        out += [ex.cache.hidden[req.slot].float().cpu(), keys[rows].float().cpu()]
+    return out
+
+
 @needs_cuda
-def test_mtp_prompt_graphs_on_cuda_keep_the_heads_keys(kernels, mtp_model_dir):
-    """bf16 prompts replay a prompt graph with the head's catch-up inside: the drafts after
-    them are the eager path's."""
+def test_mtp_prompt_graphs_on_cuda_run_the_catch_up(kernels, mtp_model_dir):
+    """bf16 prompts replay a prompt graph with the head's catch-up inside: the saved hidden
+    states and the head's keys of the prompts are the eager path's (bf16 rounding apart)."""
     skip_without_fla(kernels["gated_delta"])
-    eager = _drive(_executor(mtp_model_dir, "cuda", False, True, "bfloat16"), True)
+    eager = _after_prompts(_executor(mtp_model_dir, "cuda", False, True, "bfloat16"))
     ex = _executor(mtp_model_dir, "cuda", True, True, "bfloat16")
-    graphs = _drive(ex, True)
+    graphs = _after_prompts(ex)
     assert ex.prompt_graphs.replays == 1
-    first = SCHEDULE[1].index(MAX_DRAFTS)  # the first drafts: from the prompt's catch-up on
-    assert eager[1].proposed[first] and graphs[1].proposed[first] == eager[1].proposed[first]
+    for ours, reference in zip(graphs, eager, strict=True):
+        assert reference.abs().amax() > 0
+        torch.testing.assert_close(ours, reference, atol=3e-2, rtol=3e-2)

@@ -282,27 +282,8 @@ class Executor:
             if self.prompt_graphs is not None:  # one memory pool: no two graphs ever replay at once
                 self.graphs.pool = self.prompt_graphs.pool
             self.graphs.capture()
-            if self.speculator is not None:  # the head's draft loop, per bucket and steps
-                self.speculator.graphs = DraftGraphs(
-                    self.model,
-                    self.cache,
-                    self.graphs,
-                    config.speculative_config.num_speculative_tokens,
-                    self.speculator.draft_vocab,
-                )
-                self.speculator.graphs.pool = self.graphs.pool
-                self.speculator.graphs.capture()
-                if verify_capturable(self.device):  # verify steps and their rollback
-                    spec = config.speculative_config
-                    self.verify_graphs = VerifyGraphs(
-                        self.model,
-                        self.cache,
-                        self.graphs,
-                        min(config.max_num_seqs, spec.off_at_batch),
-                        spec.num_speculative_tokens,
-                    )
-                    self.verify_graphs.pool = self.graphs.pool
-                    self.verify_graphs.capture()
+            if self.speculator is not None:
+                self._capture_speculative_graphs()
             held = (
                 torch.cuda.memory_reserved(self.device) - reserved
                 if self.device.type == "cuda"
@@ -320,6 +301,32 @@ class Executor:
                 time.monotonic() - started,
                 held / 2**30,
             )
+
+    def _capture_speculative_graphs(self) -> None:
+        """The MTP head's draft loops per (bucket, k); verify steps and their rollback per
+        (bucket, k) up to the batch that still speculates. In the decode graphs' pool (no two
+        graphs ever replay at once) and over their block tables."""
+        spec = self.config.speculative_config
+        drafts = DraftGraphs(
+            self.model,
+            self.cache,
+            self.graphs,
+            spec.num_speculative_tokens,
+            self.speculator.draft_vocab,
+        )
+        drafts.pool = self.graphs.pool
+        drafts.capture()
+        self.speculator.graphs = drafts
+        if verify_capturable(self.device):
+            self.verify_graphs = VerifyGraphs(
+                self.model,
+                self.cache,
+                self.graphs,
+                min(self.config.max_num_seqs, spec.off_at_batch),
+                spec.num_speculative_tokens,
+            )
+            self.verify_graphs.pool = self.graphs.pool
+            self.verify_graphs.capture()
 
     def prompt_graph_size(self) -> tuple[int, int] | None:
         """(tokens of the largest bucket, prompts per step) of the prompt graphs this executor
