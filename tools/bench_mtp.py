@@ -2,8 +2,10 @@
 acceptance rates, by concurrency and by k; the adaptive switch; the cost of one draft step and
 one verify step beside a decode step, as shares of the memory roofline.
 
-Three engines in turn: MTP off (CUDA graphs as served), MTP off eager (the MTP-on path runs
-eagerly: its verify and draft steps have no CUDA graphs yet), MTP on with the largest k. Each
+Three engines in turn: MTP off (no head loaded, CUDA graphs as served: the baseline), MTP off
+eager (a reference for the launch cost), MTP on with the largest k (decode, draft and verify
+steps replay CUDA graphs; a verify step above `disable_by_batch_size` spans, which only a
+forced k sends, runs eagerly). Each
 run sends `c` greedy requests (distinct random prompts, ignore_eos) at once. MTP off gives
 each prompt's continuation; with MTP on a benchmark-only proposer (`Speculation.force`)
 replaces the head's drafts by that continuation, each draft corrupted with probability

@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 FILES=(
   tests/test_gpu_path.py tests/test_kernels.py tests/test_moe.py tests/test_skinny_linear.py
   tests/test_prefix_cache.py tests/test_memory_budget.py tests/test_prompt_logprobs.py
-  tests/test_sleep_mode.py tests/test_sampler.py tests/test_loader.py
+  tests/test_sleep_mode.py tests/test_sampler.py tests/test_loader.py tests/test_mtp_graphs.py
 )
 python3 -m pytest -q -p no:cacheprovider -rfE --junitxml="$OUT/gpu_tests.xml" "${FILES[@]}" "$@" \
   2>&1 | tee "$OUT/gpu_tests.log" | tail -25

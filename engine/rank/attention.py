@@ -182,7 +182,8 @@ class GatedAttention(nn.Module):
         if kv_scale is not None:  # fresh keys as the cache gives them back
             k, v = round_trip(k, kv_scale[0]), round_trip(v, kv_scale[1])
         scale = self.head_dim**-0.5
-        packed = meta.packed
+        # a verify graph's rows attend as decode rows, each to its own position
+        packed = meta.packed if meta.attend_rows is None else None
         if (
             packed is not None and packed.keys is not None
         ):  # a prompt graph's chunks, maybe after cached positions
@@ -205,14 +206,18 @@ class GatedAttention(nn.Module):
                 varlen_prefill_attention(q, k, v, packed.bounds, packed.max_len, scale), gate
             )
         out = torch.empty_like(q)
-        if meta.num_decodes:  # gated in the kernel
+        decodes = meta.attend_rows
+        if decodes is None and meta.num_decodes:
+            decodes = (meta.rows, meta.seq_lens, meta.block_tables)
+        if decodes is not None:  # gated in the kernel
+            rows, seq_lens, tables = decodes
             paged_decode_attention(
                 q,
                 k_cache,
                 v_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.rows,
+                tables,
+                seq_lens,
+                rows,
                 cache.block_size,
                 scale,
                 out,

@@ -14,11 +14,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from deltaserve.engine.rank.batch import MtpRows
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.step_meta import GpuStepBatch, StepMeta
 from deltaserve.engine.rank.transfer import to_device
 
-INPUT_BYTES_PER_ITEM = 3 * 8 + 3 * 4  # a decode item's int64 and int32 inputs
+WIDE_ROWS = 4  # a decode item's int64 inputs: token, position, KV row, the MTP head's KV row
+NARROW_ROWS = 3  # its int32 inputs: slot, context length, block-table row
+INPUT_BYTES_PER_ITEM = WIDE_ROWS * 8 + NARROW_ROWS * 4
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -110,13 +113,16 @@ class DecodeGraphs(BucketGraphs):
     """One CUDA graph per batch bucket of single-token items over `model` and `cache`.
 
     A step's inputs are made on the host, where they are a few integers per item, and copied
-    to the GPU in one transfer from a pinned buffer: int64 rows [token | position | KV row]
-    and int32 rows [slot | context length | block-table row] (slot -1, KV row -1 and length
-    0 pad a bucket; token -1 is the slot's last sample, `cache.last_tokens`, which the
-    embedding kernel reads on the GPU). Inside the graph only the batch's block tables are
-    gathered (one kernel) from the per-slot tables kept on the GPU (`set_table` at admission):
-    index arithmetic in the graph cost a kernel per torch op, ~20 launches in a row before
-    the first layer. So a step costs Python one small copy and one launch.
+    to the GPU in one transfer from a pinned buffer: int64 rows [token | position | KV row |
+    head KV row] and int32 rows [slot | context length | block-table row] (slot -1, KV rows
+    -1 and length 0 pad a bucket; token -1 is the slot's last sample, `cache.last_tokens`,
+    which the embedding kernel reads on the GPU). With an MTP head (engine/rank/mtp.py) the
+    graph also runs the head's catch-up: each row's keys of the head at the position before
+    (the head KV row, -1: none), from the slot's saved hidden state, which it then replaces.
+    Inside the graph only the batch's block tables are gathered (one kernel) from the per-slot
+    tables kept on the GPU (`set_table` at admission): index arithmetic in the graph cost a
+    kernel per torch op, ~20 launches in a row before the first layer. So a step costs Python
+    one small copy and one launch.
 
     At TP > 1 every rank captures the same buckets in the same order at start-up and replays
     the same bucket each step (every rank runs every step), so the NCCL collectives inside
@@ -136,27 +142,29 @@ class DecodeGraphs(BucketGraphs):
         self.max_batch = max_batch
         self.max_blocks = max_blocks
         self.width = -(-max_batch // 4) * 4  # items per row: every row starts 16-byte aligned
-        # [token | position | KV row] int64, then [slot | length | table row] int32, padding's
+        # [token | position | KV row | head KV row] int64, then [slot | length | table row]
+        # int32, padding's
         self.inputs = torch.zeros(
             INPUT_BYTES_PER_ITEM * self.width, dtype=torch.uint8, device=self.device
         )
         self.host = torch.zeros(self.inputs.shape, dtype=torch.uint8, pin_memory=self.is_cuda)
         for buffer in (self.inputs, self.host):
             wide, narrow = self._input_rows(buffer)
-            wide[2].fill_(-1)
+            wide[2:].fill_(-1)
             narrow[0].fill_(-1)
         self.slot_tables = torch.zeros(
             (cache.num_slots, max_blocks), dtype=torch.int64, device=self.device
         )
         # token rows, as the kernels take them
         self.rows = torch.arange(max_batch, dtype=torch.int32, device=self.device)
+        self.rows_long = self.rows.long()  # the same, as the head's catch-up indexes
 
     def _input_rows(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int64 [3, width] and int32 [3, width] rows of an input buffer (views)."""
-        split = 3 * 8 * self.width
-        return buffer[:split].view(torch.int64).view(3, -1), buffer[split:].view(torch.int32).view(
-            3, -1
-        )
+        """The int64 [WIDE_ROWS, width] and int32 [NARROW_ROWS, width] rows of an input buffer
+        (views)."""
+        split = WIDE_ROWS * 8 * self.width
+        wide = buffer[:split].view(torch.int64).view(WIDE_ROWS, -1)
+        return wide, buffer[split:].view(torch.int32).view(NARROW_ROWS, -1)
 
     def set_table(self, slot: int, table: torch.Tensor) -> None:
         """The block table of the request now in `slot` (at most `max_blocks` blocks)."""
@@ -168,8 +176,12 @@ class DecodeGraphs(BucketGraphs):
         one op here, the tables' gather): padding items (slot -1) write KV row -1 and read
         nothing."""
         wide, narrow = self._input_rows(self.inputs)
-        tokens, positions, kv_index = wide[:, :size]
+        tokens, positions, kv_index, head_kv_index = wide[:, :size]
         slots, seq_lens, table_rows = narrow[:, :size]
+        mtp = None
+        if self.model.mtp is not None:  # each row's head keys from its slot's saved hidden state
+            slot_rows = slots.long()
+            mtp = MtpRows(head_kv_index, -1 - slot_rows, self.rows_long[:size], slot_rows)
         meta = StepMeta(
             rows=self.rows[:size],
             slots=slots,
@@ -185,6 +197,7 @@ class DecodeGraphs(BucketGraphs):
             spans=(),
             logits_index=None,
             token_slots=slots,
+            mtp=mtp,
             meta=meta,
         )
 
@@ -211,19 +224,24 @@ class DecodeGraphs(BucketGraphs):
         sampled: list[int],
         copy: bool = True,
         rope_positions: list[int] | None = None,
+        head_kv_rows: list[int] | None = None,
     ) -> torch.Tensor | None:
         """Replay the smallest bucket that holds the items (one `can_run`): each a token (-1:
         its slot's last sample) at a position, its slot and the KV row it writes; its rotary
-        position is `rope_positions`' where given (a request after images: engine/rank/mrope.py).
-        Returns fp32 logits of the rows `sampled` on rank 0, None on the others; without `copy`,
-        where every row samples, rows of the graph's output buffer, which the next replay
-        overwrites."""
+        position is `rope_positions`' where given (a request after images: engine/rank/mrope.py);
+        with an MTP head, `head_kv_rows` are the KV rows of the head's keys at the positions
+        before (-1: none). Returns fp32 logits of the rows `sampled` on rank 0, None on the
+        others; without `copy`, where every row samples, rows of the graph's output buffer,
+        which the next replay overwrites."""
         n = len(tokens)
         size = min(b for b in self.graphs if b >= n)
         pad = [0] * (self.width - n)
         no_slot = [-1] * (self.width - n)
         rotary = positions if rope_positions is None else rope_positions
-        wide = torch.tensor([tokens + pad, rotary + pad, kv_rows + no_slot], dtype=torch.int64)
+        head = [-1] * n if head_kv_rows is None else head_kv_rows
+        wide = torch.tensor(
+            [tokens + pad, rotary + pad, kv_rows + no_slot, head + no_slot], dtype=torch.int64
+        )
         narrow = torch.tensor(
             [slots + no_slot, [p + 1 for p in positions] + pad, slots + pad], dtype=torch.int32
         )

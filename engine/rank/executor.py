@@ -19,6 +19,7 @@ from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.batch import SeqSpan, StepBatch, StepPlan
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import DecodeGraphs
+from deltaserve.engine.rank.draft_graphs import DraftGraphs
 from deltaserve.engine.rank.grammar_mask import load_tokenizer
 from deltaserve.engine.rank.loader import load_weights
 from deltaserve.engine.rank.memory_budget import size_kv_cache, warm_up
@@ -39,6 +40,7 @@ from deltaserve.engine.rank.sleep_mode import Asleep, release_memory, restore_me
 from deltaserve.engine.rank.speculative import SpecResult, Speculator, speculates
 from deltaserve.engine.rank.step_meta import with_step_meta
 from deltaserve.engine.rank.transfer import to_device
+from deltaserve.engine.rank.verify_graphs import VerifyGraphs, verify_capturable
 from deltaserve.engine.rank.vision_inputs import MediaError, RankVision, RequestVision
 from deltaserve.engine.vision_config import VisionConfig
 from deltaserve.ipc.messages import (
@@ -217,6 +219,7 @@ class Executor:
         self.prefixes: dict[int, SavedPrefix] = {}  # saved prefix id -> its state and blocks
         self.graphs: DecodeGraphs | None = None
         self.prompt_graphs: PromptGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         num_blocks = config.num_kv_blocks
         if num_blocks is None:  # profiles a step through run_step, then budgets (ranks agree)
             num_blocks = size_kv_cache(self).num_blocks
@@ -279,19 +282,51 @@ class Executor:
             if self.prompt_graphs is not None:  # one memory pool: no two graphs ever replay at once
                 self.graphs.pool = self.prompt_graphs.pool
             self.graphs.capture()
+            if self.speculator is not None:
+                self._capture_speculative_graphs()
             held = (
                 torch.cuda.memory_reserved(self.device) - reserved
                 if self.device.type == "cuda"
                 else 0
             )
+            drafts = self.speculator.graphs if self.speculator is not None else None
             log.info(
-                "rank %d: %d prompt and %d decode CUDA graphs captured in %.1f s, holding %.2f GiB",
+                "rank %d: %d prompt, %d decode, %d draft and %d verify CUDA graphs captured in "
+                "%.1f s, holding %.2f GiB",
                 config.rank,
                 len(self.prompt_graphs.graphs) if self.prompt_graphs else 0,
                 len(self.graphs.graphs),
+                len(drafts.graphs) if drafts else 0,
+                len(self.verify_graphs.graphs) if self.verify_graphs else 0,
                 time.monotonic() - started,
                 held / 2**30,
             )
+
+    def _capture_speculative_graphs(self) -> None:
+        """The MTP head's draft loops per (bucket, k); verify steps and their rollback per
+        (bucket, k) up to the batch that still speculates. In the decode graphs' pool (no two
+        graphs ever replay at once) and over their block tables."""
+        spec = self.config.speculative_config
+        drafts = DraftGraphs(
+            self.model,
+            self.cache,
+            self.graphs,
+            spec.num_speculative_tokens,
+            self.speculator.draft_vocab,
+        )
+        drafts.pool = self.graphs.pool
+        drafts.capture()
+        self.speculator.graphs = drafts
+        if verify_capturable(self.device):
+            self.verify_graphs = VerifyGraphs(
+                self.model,
+                self.cache,
+                self.graphs,
+                min(self.config.max_num_seqs, spec.off_at_batch),
+                spec.num_speculative_tokens,
+            )
+            self.verify_graphs.pool = self.graphs.pool
+            self.verify_graphs.capture()
 
     def prompt_graph_size(self) -> tuple[int, int] | None:
         """(tokens of the largest bucket, prompts per step) of the prompt graphs this executor
@@ -475,11 +510,7 @@ class Executor:
         """Whether a captured decode graph takes the step's single-token items: some, few
         enough, none asking for prompt logprobs (those come from a forward's hidden states,
         which a decode graph does not keep)."""
-        if (
-            self.graphs is None
-            or self.model.mtp is not None  # TODO(mtp): the head's rows in the decode graphs
-            or any(item.prompt_logprobs >= 0 for item in singles)
-        ):
+        if self.graphs is None or any(item.prompt_logprobs >= 0 for item in singles):
             return False
         num_blocks = max((len(self.requests[i.request_id].blocks) for i in singles), default=0)
         return self.graphs.can_run(len(singles), num_blocks)
@@ -512,6 +543,7 @@ class Executor:
             rope_positions=None
             if self.vision is None
             else [self._rope_position(item) for item in singles],
+            head_kv_rows=self._head_kv_rows(singles, held),
         )
         if not chunks or decode_logits is None:  # decode-only, or not rank 0
             return decode_logits
@@ -528,6 +560,18 @@ class Executor:
         merged = torch.cat((decode_logits, chunk_logits))
         return merged[torch.tensor(order, device=merged.device)]
 
+    def _head_kv_rows(self, singles: list[StepItem], held: list[LiveRequest]) -> list[int] | None:
+        """With an MTP head: the KV row of each single-token item's head keys, at the position
+        before its own (-1 at a prompt's first; mtp.py), which the decode graph's catch-up
+        writes."""
+        if self.model.mtp is None:
+            return None
+        bs = self.cache.block_size
+        return [
+            -1 if item.start == 0 else r.kv_row(item.start - 1, bs)
+            for item, r in zip(singles, held, strict=True)
+        ]
+
     def _run_plan(
         self,
         items: list[StepItem],
@@ -540,8 +584,14 @@ class Executor:
         `prompt_logprobs` on rank 0."""
         plan = self._plan(items, every_position)
         wanted = prompt_rows(items, [span.offset for span in plan.spans])
-        stash = None if self.speculator is None else self.speculator.begin(items, plan.spans)
-        if (
+        verify = None if every_position or wanted else self._verify_graphs_fit(plan)
+        stash = None
+        if self.speculator is not None:
+            stash = self.speculator.begin(items, plan.spans, verify)
+        if verify is not None:  # verify spans of one k: every row samples
+            hidden = verify.run(plan)
+            logits = self.model.output_embedding.logits(hidden)
+        elif (
             self.prompt_graphs is not None
             and not every_position
             and not self.cache.calibrating
@@ -558,6 +608,14 @@ class Executor:
             if prompt_logprobs is not None:
                 prompt_logprobs.update(found)
         return logits
+
+    def _verify_graphs_fit(self, plan: StepPlan) -> VerifyGraphs | None:
+        """The verify graphs, where they take `plan` (verify spans of one k; not a step that
+        calibrates FP8 scales), else None."""
+        if self.verify_graphs is None or self.cache.calibrating:
+            return None
+        num_blocks = max((len(span.blocks) for span in plan.spans), default=0)
+        return self.verify_graphs if self.verify_graphs.fits(plan, num_blocks) else None
 
     def _admit_new(
         self, items: list[StepItem], drops: list[int], evict: list[int], saves: list[SaveOnDrop]
@@ -835,7 +893,9 @@ class Executor:
                 f"sleep with {len(self.requests)} requests and {len(self.prefixes)} saved prefixes "
                 f"held{', already asleep' if self.asleep is not None else ''}"
             )
-        self.graphs = self.prompt_graphs = None  # their memory pool and the cache's pointers
+        self.graphs = self.prompt_graphs = self.verify_graphs = None  # their pool, the cache's
+        if self.speculator is not None:
+            self.speculator.graphs = None
         self.asleep = release_memory(self.model, self.cache, level)
         log.info("rank %d: asleep (level %d)", self.config.rank, level)
 

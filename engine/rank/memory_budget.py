@@ -32,6 +32,7 @@ import torch.distributed as dist
 from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.rank.cache import StateCache, cache_shapes
 from deltaserve.engine.rank.prompt_graphs import prefix_graph_keys, token_buckets
+from deltaserve.engine.rank.verify_graphs import stash_bytes
 from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
 
 if TYPE_CHECKING:
@@ -231,6 +232,18 @@ def size_kv_cache(executor: Executor, probe: MemoryProbe | None = None) -> Memor
     hidden_bytes = executor.model_config.hidden_size * executor.dtype.itemsize
     if not config.enforce_eager:
         reserve = GRAPH_POOL_RESERVE_BYTES + 2 * config.max_num_seqs * (row_bytes + hidden_bytes)
+        if config.mtp:  # a draft graph's fp32 logits over the draft vocabulary (draft_graphs.py)
+            spec = config.speculative_config
+            draft_vocab = spec.draft_vocab(executor.model_config.vocab_size)
+            reserve += config.max_num_seqs * draft_vocab * 4 // config.tp_size
+            # and the verify graphs' stash (verify_graphs.py)
+            reserve += stash_bytes(
+                executor.model_config,
+                min(config.max_num_seqs, spec.off_at_batch),
+                spec.num_speculative_tokens,
+                config.tp_size,
+                executor.dtype,
+            )
         # the prompt graphs' pool holds the activations of their largest bucket, which scale
         # with its tokens like the profiling step's; each bucket keeps its sampled rows' logits
         if (size := executor.prompt_graph_size()) is not None:

@@ -136,7 +136,16 @@ class MultiTokenPredictor(nn.Module):
 
 
 def mtp_rows(plan: StepPlan, block_size: int, device: torch.device) -> MtpRows:
-    """`MtpRows` of an eager step from its plan: each span's first row takes the slot's saved
+    """`MtpRows` of an eager step from its plan (`mtp_row_lists`)."""
+    return MtpRows(
+        *(to_device(values, torch.int64, device) for values in mtp_row_lists(plan, block_size))
+    )
+
+
+def mtp_row_lists(
+    plan: StepPlan, block_size: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """`MtpRows`' fields of a step as host lists: each span's first row takes the slot's saved
     hidden state and writes the head's keys at position start - 1 (none at a prompt's start),
     the other rows the row before's."""
     kv_index, hidden_src, last_rows, last_slots = [], [], [], []
@@ -151,12 +160,7 @@ def mtp_rows(plan: StepPlan, block_size: int, device: torch.device) -> MtpRows:
         hidden_src.extend(r - 1 for r in rows)
         last_rows.append(span.offset + span.length - 1)
         last_slots.append(span.slot)
-    return MtpRows(
-        *(
-            to_device(values, torch.int64, device)
-            for values in (kv_index, hidden_src, last_rows, last_slots)
-        )
-    )
+    return kv_index, hidden_src, last_rows, last_slots
 
 
 def draft_batch(

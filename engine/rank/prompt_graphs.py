@@ -29,6 +29,10 @@ three rotary positions (mrope.py; a text token's three are equal: plain RoPE) ar
 inputs. So an image's chunk costs the decodes beside it what a text chunk of its length does,
 plus the tower's eager forward (they replay their own graph). A text-only model's graphs
 have neither input.
+
+With an MTP head (engine/rank/mtp.py) the graphs run the head's catch-up too: each row's head
+KV row and where its hidden state comes from, each span's last row and slot (`MtpRows`) are
+static inputs, padded with KV row -1 and the cache's spare hidden row.
 """
 
 from __future__ import annotations
@@ -38,9 +42,10 @@ import itertools
 import torch
 from torch import nn
 
-from deltaserve.engine.rank.batch import StepPlan, StepVision
+from deltaserve.engine.rank.batch import MtpRows, StepPlan, StepVision
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.cudagraph import BucketGraphs
+from deltaserve.engine.rank.mtp import mtp_row_lists
 from deltaserve.engine.rank.step_meta import GpuStepBatch, PackedSpans, StepMeta
 from deltaserve.kernels import gated_delta
 from deltaserve.kernels.causal_conv1d import span_blocks
@@ -145,6 +150,8 @@ class PromptGraphs(BucketGraphs):
         parts = [x, rotary, x, 3 * s, s + 1, 2 * self._entries(tokens), self.max_seqs]
         if self.prefix_keys:
             parts += [self._key_entries(tokens), s + 1, s]
+        if self.model.mtp is not None:  # MtpRows: head KV rows, hidden sources, last rows, slots
+            parts += [x, x, s, s]
         return parts if self.vision_axis is None else [*parts, x]
 
     def _layout_size(self, tokens: int) -> int:
@@ -158,6 +165,8 @@ class PromptGraphs(BucketGraphs):
         tokens, rotary, kv_index, index, bounds, blocks, sampled = parts[:7]
         i32 = torch.int32
         keys = KeyBlocks(parts[7], parts[8].to(i32), parts[9].to(i32)) if self.prefix_keys else None
+        first_mtp = 10 if self.prefix_keys else 7
+        mtp = MtpRows(*parts[first_mtp : first_mtp + 4]) if self.model.mtp is not None else None
         packed = PackedSpans(
             index.view(3, s).to(i32),
             bounds.to(i32),
@@ -183,7 +192,9 @@ class PromptGraphs(BucketGraphs):
             positions = rows[0]
             flags = parts[-1] != 0
             vision = StepVision(flags, self.vision_embeds[:size], rows, self.vision_axis)
-        return GpuStepBatch(tokens, positions, kv_index, (), sampled, meta=meta, vision=vision)
+        return GpuStepBatch(
+            tokens, positions, kv_index, (), sampled, meta=meta, vision=vision, mtp=mtp
+        )
 
     def _fill(self, size: int, plan: StepPlan) -> None:
         """Write `plan` padded to bucket `size` into the static inputs (one pinned copy)."""
@@ -210,6 +221,8 @@ class PromptGraphs(BucketGraphs):
         ]
         if self.prefix_keys:
             values += self._key_values(size, spans)
+        if self.model.mtp is not None:
+            values += self._mtp_values(size, plan)
         if self.vision_axis is not None:
             flags = [0] * size
             for row in plan.vision_rows:
@@ -221,6 +234,22 @@ class PromptGraphs(BucketGraphs):
             self.host[: len(values)],
             self.inputs[: len(values)],
         )
+
+    def _mtp_values(self, size: int, plan: StepPlan) -> list[int]:
+        """The head's catch-up rows (`mtp_row_lists`), padded: padding rows write no keys and
+        read row 0's hidden state; empty spans keep row 0's in the spare hidden row (slot -1)."""
+        kv_index, hidden_src, last_rows, last_slots = mtp_row_lists(plan, self.cache.block_size)
+        pad, empty = size - len(kv_index), self.spans - len(last_rows)
+        return [
+            *kv_index,
+            *[-1] * pad,
+            *hidden_src,
+            *[0] * pad,
+            *last_rows,
+            *[0] * empty,
+            *last_slots,
+            *[-1] * empty,
+        ]
 
     def _vision_positions(self, plan: StepPlan, pad: int) -> list[int]:
         """With a vision tower: every row's height position, then its width one (a text

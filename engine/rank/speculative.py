@@ -55,8 +55,10 @@ from deltaserve.kernels.gated_delta import CHUNK_SIZE, gated_delta_prefill
 
 if TYPE_CHECKING:
     from deltaserve.engine.rank.cache import StateCache
+    from deltaserve.engine.rank.draft_graphs import DraftGraphs
     from deltaserve.engine.rank.qwen3_5 import Qwen3_5ForCausalLM
     from deltaserve.engine.rank.sampler import Sampler
+    from deltaserve.engine.rank.verify_graphs import VerifyGraphs
 
 
 @dataclass(eq=False, slots=True)
@@ -68,9 +70,10 @@ class VerifyStash:
 
     request_ids: list[int]
     spans: list[SeqSpan]
-    windows: torch.Tensor
+    windows: torch.Tensor | None  # None: a verify graph's step, whose own buffers hold it all
     layers: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     hidden: torch.Tensor | None = None
+    graphs: VerifyGraphs | None = None  # the verify graphs that ran the step's forward
 
     def keep(
         self, layer: int, qkv: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor
@@ -104,6 +107,11 @@ class Drafting:
     blocks: list[int]
     block_table: torch.Tensor
 
+    def kv_row(self, step: int, block_size: int) -> int:
+        """The paged-cache row of the head's keys at draft step `step` (its position + step)."""
+        position = self.position + step
+        return self.blocks[position // block_size] * block_size + position % block_size
+
 
 def speculates(items: list[StepItem]) -> bool:
     """Whether a step verifies or drafts (else it samples as without speculation)."""
@@ -134,22 +142,27 @@ class Speculator:
         self.sampler = sampler
         self.device = device
         self.stash: VerifyStash | None = None  # the step's, between the forward and `sample`
+        self.graphs: DraftGraphs | None = None  # the executor's, once captured
         self.deltanets = [layer.linear_attn for layer in model.model.layers if layer.is_linear]
 
-    def begin(self, items: list[StepItem], spans: list[SeqSpan]) -> VerifyStash | None:
+    def begin(
+        self, items: list[StepItem], spans: list[SeqSpan], graphs: VerifyGraphs | None = None
+    ) -> VerifyStash | None:
         """Before a step's forward (`spans` its items' in order): a stash for its verify
-        spans, holding their conv windows, which the forward overwrites."""
+        spans, holding their conv windows, which the forward overwrites; or, where `graphs`
+        run the forward, naming them (they keep the stash and roll the spans forward)."""
         verify = [
             (item.request_id, span) for item, span in zip(items, spans, strict=True) if span.verify
         ]
         if not verify:
             self.stash = None
             return None
-        slots = to_device([span.slot for _, span in verify], torch.int64, self.device)
+        windows = None
+        if graphs is None:
+            slots = to_device([span.slot for _, span in verify], torch.int64, self.device)
+            windows = self.cache.conv[:, slots].clone()
         self.stash = VerifyStash(
-            [rid for rid, _ in verify],
-            [span for _, span in verify],
-            self.cache.conv[:, slots].clone(),
+            [rid for rid, _ in verify], [span for _, span in verify], windows, graphs=graphs
         )
         return self.stash
 
@@ -245,6 +258,9 @@ class Speculator:
         the verify did not write, and the stashed conv window) over its `accepted` + 1 first
         positions, from the inputs its layers stashed."""
         stash, cache = self.stash, self.cache
+        if stash.graphs is not None:
+            stash.graphs.roll_forward(accepted)
+            return
         spans = stash.spans
         lengths = [n + 1 for n in accepted]
         rows = [span.offset + i for span, n in zip(spans, lengths, strict=True) for i in range(n)]
@@ -298,11 +314,34 @@ class Speculator:
         to the host once after the last step (every rank has them: no broadcast)."""
         if not drafting:
             return {}
+        longest = max(d.steps for d in drafting)
+        widest = max(len(d.blocks) for d in drafting)
+        if self.graphs is not None and self.graphs.can_run(len(drafting), longest, widest):
+            table = self._replay_drafts(drafting, longest).tolist()
+        else:
+            table = self._run_drafts(drafting, longest).tolist()
+        return {d.request_id: table[i][: d.steps] for i, d in enumerate(drafting)}
+
+    def _replay_drafts(self, drafting: list[Drafting], longest: int) -> torch.Tensor:
+        """The head's `longest` steps in a draft graph's replay: a request past its own steps
+        runs on at its first step's context, writing no keys (its picks are not read)."""
+        bs = self.cache.block_size
+        positions, kv_rows, seq_lens = [], [], []
+        for step in range(longest):
+            positions.append([d.position + step for d in drafting])
+            kv_rows.append([d.kv_row(step, bs) if step < d.steps else -1 for d in drafting])
+            seq_lens.append([d.position + 1 + (step if step < d.steps else 0) for d in drafting])
+        return self.graphs.run(
+            [d.token for d in drafting], [d.slot for d in drafting], positions, kv_rows, seq_lens
+        )
+
+    def _run_drafts(self, drafting: list[Drafting], longest: int) -> torch.Tensor:
+        """The head's steps eagerly, each over the requests still drafting: picks [rows,
+        longest] (zeros past a request's steps)."""
         mtp, cache, bs = self.model.mtp, self.cache, self.cache.block_size
         slots = to_device([d.slot for d in drafting], torch.int64, self.device)
         tokens = to_device([d.token for d in drafting], torch.int64, self.device)
         hidden = cache.hidden[slots]
-        longest = max(d.steps for d in drafting)
         picks = torch.zeros((len(drafting), longest), dtype=torch.int64, device=self.device)
         for step in range(longest):
             active = [i for i, d in enumerate(drafting) if d.steps > step]
@@ -313,7 +352,7 @@ class Speculator:
                 position = d.position + step
                 spans.append(SeqSpan(row, 1, position, d.slot, d.block_table, d.blocks))
                 positions.append(position)
-                kv_rows.append(d.blocks[position // bs] * bs + position % bs)
+                kv_rows.append(d.kv_row(step, bs))
             batch = draft_batch(spans, positions, kv_rows, self.device)
             x = mtp.fuse(self.model.model.embed_tokens(tokens[rows]), hidden[rows])
             g = mtp(x, batch, cache)
@@ -321,5 +360,4 @@ class Speculator:
             tokens[rows] = picked
             hidden[rows] = g
             picks[rows, step] = picked
-        table = picks.tolist()
-        return {d.request_id: table[i][: d.steps] for i, d in enumerate(drafting)}
+        return picks

@@ -78,6 +78,10 @@ class StepMeta:
     # [P] int64, their token rows, packed (only beside decodes)
     prefill_rows: torch.Tensor | None = None
     packed: PackedSpans | None = None  # them, for the kernels that take them all at once
+    # a verify graph's (verify_graphs.py): every row attends as a decode row does, to its own
+    # position, [rows int32 | context lengths int32 | block tables int64 [rows, max_blocks]],
+    # while the DeltaNet layers take the spans `packed`
+    attend_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_decodes(self) -> int:
