@@ -16,6 +16,8 @@ import torch.multiprocessing as mp
 
 from deltaserve.engine.config import EngineConfig, resolve_limits
 from deltaserve.engine.model_config import ModelConfig
+from deltaserve.engine.rank import executor as executor_module
+from deltaserve.engine.rank import memory_budget
 from deltaserve.engine.rank.cache import StateCache
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.engine.rank.memory_budget import (
@@ -27,7 +29,9 @@ from deltaserve.engine.rank.memory_budget import (
     profile_lengths,
     size_kv_cache,
 )
+from deltaserve.engine.speculative_config import SpeculativeConfig
 from deltaserve.ipc.replica_config import ReplicaConfig
+from deltaserve.tools.make_model import make_model
 
 MiB = 2**20
 
@@ -309,3 +313,31 @@ def test_serve_flag():
     assert engine_config(args).gpu_memory_utilization == 0.75
     args = build_parser().parse_args(["--model", "/m", "--device", "cpu"])
     assert engine_config(args).gpu_memory_utilization == 0.9
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "mtp"])
+def test_executor_sizes_its_cache_at_start_up(tmp_path, monkeypatch, speculate):
+    """`Executor.__init__` runs the profiling step (CUDA: `size_kv_cache`, or `warm_up`)
+    before its cache and speculator exist: every attribute a step reads must be set by then.
+    A fake probe stands in for the device's memory so that the CPU runs the same path."""
+    model_dir = make_model(tmp_path / "m", preset="tiny", dtype="fp32", mtp="random")
+    real = memory_budget.size_kv_cache
+    budgets = []
+
+    def sized(executor):
+        budgets.append(real(executor, FakeProbe(executor, 1000 * MiB, 100 * MiB, 30 * MiB)))
+        return budgets[-1]
+
+    monkeypatch.setattr(executor_module, "size_kv_cache", sized)
+    spec = SpeculativeConfig(num_speculative_tokens=2) if speculate else None
+    config = ExecutorConfig(
+        str(model_dir),
+        max_num_seqs=2,
+        num_kv_blocks=None,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        speculative_config=spec,
+    )
+    ex = Executor(config)
+    assert len(budgets) == 1 and ex.cache.num_blocks == budgets[0].num_blocks > 0
+    assert (ex.speculator is not None) == speculate

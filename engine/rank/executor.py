@@ -192,6 +192,7 @@ class Executor:
         self.state_dtype = resolve_state_dtype(config.mamba_ssm_cache_dtype, self.model_config)
         self.kv_dtype = KV_DTYPES[config.kv_cache_dtype] or self.dtype
         self.kv_scales_pending = False  # not while profiling: set once the cache is made
+        self.speculator: Speculator | None = None  # likewise: it needs the cache
         started = time.monotonic()
         mtp = (
             MultiTokenPredictor(self.model_config, self.dtype, self.device) if config.mtp else None
