@@ -244,18 +244,26 @@ async def test_a_replica_that_fails_closed_leaves_the_router_the_other(workers, 
             )
             async for _ in running:  # its first token: it runs
                 break
+            # watched from before the kill: the failed-closed server may be gone by the time
+            # the stream's error arrives
+            statuses = set()
+            watch = asyncio.ensure_future(_watch_health(victim.url, statuses))
             os.kill(rank_pids(victim.serve.proc.pid)[0], signal.SIGKILL)
             with pytest.raises(openai.APIError):
                 await asyncio.wait_for(_drain(running), 30)
-        statuses = set()
-        while (status := await health(victim.url)) is not None:
-            statuses.add(status)
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(watch, 30)
         assert 503 in statuses and await victim.serve.wait(30) != 0
         await asyncio.sleep(3)  # three health intervals: the router has marked it down
         results = await asyncio.gather(*(openai_completion(url, f"Hi {i}") for i in range(6)))
         assert results == [0] * 6
         assert await health(survivor.url) == 200
+
+
+async def _watch_health(url: str, statuses: set[int]) -> None:
+    """`url`'s /health statuses into `statuses` until it answers no more."""
+    while (status := await health(url)) is not None:
+        statuses.add(status)
+        await asyncio.sleep(0.01)
 
 
 async def _drain(stream) -> None:
