@@ -367,7 +367,12 @@ async def test_deltaserve_monitor_json_against_a_live_server(tiny_model_dir):
             stat.S_IMODE(os.stat(folder).st_mode) == 0o700 and os.stat(folder).st_uid == os.getuid()
         )
         monitor = await asyncio.create_subprocess_exec(
-            DELTASERVE, "monitor", endpoint, "--json", stdout=asyncio.subprocess.PIPE
+            DELTASERVE,
+            "monitor",
+            endpoint,
+            "--json",
+            stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},
         )
         messages = []
 
@@ -400,9 +405,15 @@ async def test_deltaserve_monitor_json_against_a_live_server(tiny_model_dir):
         assert await asyncio.wait_for(serve.wait(), 30) == 0, "".join(log)
         assert not os.path.exists(endpoint.removeprefix("ipc://"))  # the socket file is gone
         monitor.send_signal(signal.SIGINT)
-        # communicate, not wait: on Python 3.11, wait() also waits for the stdout pipe's end
-        # (asyncio/base_subprocess.py), which communicate reads; wait() once ran past 30 s
-        await asyncio.wait_for(monitor.communicate(), 30)
+        # the process's exit, not its stdout's end: on Python 3.11, wait() waits for both
+        # (asyncio/base_subprocess.py), and in full CI runs the pipe's end twice came late
+        for _ in range(300):
+            if monitor.returncode is not None:
+                break
+            await asyncio.sleep(0.1)
+        else:  # its threads' stacks to the test's output (PYTHONFAULTHANDLER), then fail
+            monitor.send_signal(signal.SIGABRT)
+            await asyncio.sleep(1)
         assert monitor.returncode == 0
     finally:
         for proc in (serve, monitor):
