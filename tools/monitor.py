@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import signal
 import sys
 import time
 from datetime import datetime
@@ -263,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             "(serve's ready line names its monitor endpoint)",
             file=sys.stderr,
         )
+    # ^C and SIGTERM end the watch with status 0, also when our parent left SIGINT ignored
+    # (a shell's background job; Python then installs no KeyboardInterrupt handler itself)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if args.json:
             _print_json(sock, args.count)
