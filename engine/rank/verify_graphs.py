@@ -115,6 +115,8 @@ class VerifyGraphs(BucketGraphs):
         max_batch: int,
         max_drafts: int,
     ) -> None:
+        if model.mtp is None:  # speculation drafts with the MTP head, and verifies catch it up
+            raise ValueError("verify graphs need a model with an MTP head")
         if max_batch < 1 or max_drafts < 1:
             raise ValueError(
                 f"max_batch and max_drafts must be >= 1, got {max_batch}, {max_drafts}"
@@ -182,9 +184,7 @@ class VerifyGraphs(BucketGraphs):
             packed=packed,
             attend_rows=(self.rows[:rows].to(i32), context.to(i32), tables),
         )
-        mtp = None
-        if self.model.mtp is not None:
-            mtp = MtpRows(head_kv, head_src, last_rows, slots[:size])
+        mtp = MtpRows(head_kv, head_src, last_rows, slots[:size])
         batch = GpuStepBatch(
             tokens, positions, kv_index, (), None, mtp=mtp, stash=self.stash, meta=meta
         )
@@ -266,10 +266,7 @@ class VerifyGraphs(BucketGraphs):
         rows, real = size * (drafts + 1), len(plan.ids)
         pad, empty = rows - real, size + 1 - len(plan.spans)
         spans = plan.spans
-        if self.model.mtp is not None:
-            head_kv, head_src, last_rows, _ = mtp_row_lists(plan, self.cache.block_size)
-        else:
-            head_kv, head_src, last_rows = [-1] * real, [0] * real, [0] * len(spans)
+        head_kv, head_src, last_rows, _ = mtp_row_lists(plan, self.cache.block_size)
         lengths = [s.length for s in spans] + [0] * empty
         values = [
             *plan.ids,
