@@ -283,33 +283,45 @@ def test_gpu_path_under_interpreter_matches_cpu(kernels, tiny_moe_model_dir, mon
     _assert_steps_match(gpu_path, cpu, 2e-3, "GPU path under the interpreter vs cpu (moe)")
 
 
-def test_released_layouts_load(tiny_moe_model_dir, tmp_path):
-    """The MoE release's layouts: the vision-language one (`model.language_model.*`, vision
-    and MTP tensors skipped, sharded) gives the text-only checkpoint's logits, and an FP8
-    release (each expert's projections FP8 with block scales, widened as they load) gives
-    HF's on the same files."""
+def _logits_of(model_dir, ids: list[int]) -> torch.Tensor:
     from deltaserve.engine.rank.executor import Executor, ExecutorConfig
     from deltaserve.ipc.messages import NewRequest, SamplingSpec, StepItem
+
+    ex = Executor(ExecutorConfig(str(model_dir), max_num_seqs=2, num_kv_blocks=16))
+    return ex.forward(
+        [StepItem(1, 0, ids, True, NewRequest(40, SamplingSpec(seed=0)))], every_position=True
+    )
+
+
+RELEASE_IDS = [random.Random(1).randrange(248044) for _ in range(30)]
+
+
+def test_released_vlm_layout_loads(tiny_moe_model_dir, tmp_path):
+    """The MoE release's vision-language layout (`model.language_model.*`, vision and MTP
+    tensors skipped, sharded) gives the text-only checkpoint's logits."""
     from deltaserve.tools.make_model import make_model
-
-    ids = [random.Random(1).randrange(248044) for _ in range(30)]
-
-    def logits(model_dir):
-        ex = Executor(ExecutorConfig(str(model_dir), max_num_seqs=2, num_kv_blocks=16))
-        return ex.forward(
-            [StepItem(1, 0, ids, True, NewRequest(40, SamplingSpec(seed=0)))], every_position=True
-        )
 
     vlm = make_model(
         tmp_path / "vlm", preset="tiny-moe", dtype="fp32", seed=0, vlm_names=True, shard_size="2MB"
     )
     assert json.loads((vlm / "config.json").read_text())["model_type"] == "qwen3_5_moe"
-    assert torch.equal(logits(vlm), logits(tiny_moe_model_dir))
+    assert torch.equal(_logits_of(vlm, RELEASE_IDS), _logits_of(tiny_moe_model_dir, RELEASE_IDS))
+
+
+def test_fp8_release_matches_hf(tmp_path):
+    """An FP8 release (each expert's projections FP8 with block scales, widened as they load)
+    gives HF's logits on the same files."""
+    from deltaserve.tools.make_model import make_model
+
+    if HF_DEVICE == "cuda":
+        # transformers' FP8 layers on CUDA load their kernels through the `kernels` package
+        # (from the Hub); CI's CPU run holds this comparison at the 1e-3 gate
+        pytest.importorskip("kernels")
     fp8 = make_model(tmp_path / "fp8", preset="tiny-moe", dtype="fp8", seed=0, fp8_block=16)
     hf = hf_causal_lm(fp8).from_pretrained(fp8, dtype=torch.float32).to(HF_DEVICE).eval()
     with torch.inference_mode():
-        reference = hf(torch.tensor([ids], device=HF_DEVICE)).logits[0].float().cpu()
-    assert_golden(compare_logprobs(logits(fp8), reference), BOUNDS["prefill"])
+        reference = hf(torch.tensor([RELEASE_IDS], device=HF_DEVICE)).logits[0].float().cpu()
+    assert_golden(compare_logprobs(_logits_of(fp8, RELEASE_IDS), reference), BOUNDS["prefill"])
 
 
 def test_moe_config_is_read_and_checked(tiny_moe_model_dir):
