@@ -45,7 +45,7 @@ from deltaserve.engine.media_prompt import MultimodalPrompt
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.monitor import MonitorPublisher
-from deltaserve.engine.planner import StepBudget
+from deltaserve.engine.planner import StepBudget, medium_start_cost
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import ParamError, SamplingParams, wire_seed
 from deltaserve.engine.scheduler import Scheduler
@@ -606,10 +606,11 @@ class AsyncEngine:
         if isinstance(prompt, MultimodalPrompt):
             budget = self.config.max_num_batched_tokens
             for i, item in enumerate(prompt.media):
-                if item.num_patches > budget:
+                if medium_start_cost(item.num_patches) > budget:
                     raise ValueError(
-                        f"media {i}: {item.num_patches} patches, more than a step encodes "
-                        f"(max_num_batched_tokens {budget}); send it smaller or lower max_pixels"
+                        f"media {i}: {item.num_patches} patches and its first token, more than "
+                        f"a step encodes (max_num_batched_tokens {budget}); send it smaller or "
+                        "lower max_pixels"
                     )
             prompt = list(prompt.ids)
         if isinstance(prompt, str):

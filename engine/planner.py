@@ -178,6 +178,12 @@ def plan_step(
     return StepPlan(tuple(chunks))
 
 
+def medium_start_cost(patches: int) -> int:
+    """The least budget a step spends on a medium: the chunk of its first token alone, and its
+    patches. A medium costing more than max_num_batched_tokens could never be planned."""
+    return 1 + patches
+
+
 def fit_media(req: PlanInput, size: int, tokens_left: int) -> tuple[int, int]:
     """(chunk size, patches encoded): the chunk of `size` tokens from `req.num_computed`, cut
     before the first image whose patches it cannot afford with the chunk's tokens."""
@@ -186,7 +192,7 @@ def fit_media(req: PlanInput, size: int, tokens_left: int) -> tuple[int, int]:
     for first, patches in req.media:
         if not start <= first < start + size:
             continue
-        if first - start + 1 + encoded + patches > tokens_left:
+        if first - start + encoded + medium_start_cost(patches) > tokens_left:
             return first - start, encoded
         encoded += patches
         size = min(size, tokens_left - encoded)

@@ -12,6 +12,7 @@ from deltaserve.engine.planner import (
     KvRoom,
     PlanInput,
     StepBudget,
+    medium_start_cost,
     plan_step,
 )
 from deltaserve.engine.request import FINISH_REASON, Request, RequestStatus
@@ -161,6 +162,40 @@ class TestPlanStep:
             for c in plan.chunks:
                 state[c.request_id][1] += c.num_tokens
         assert any(mixed) == force_mixed
+
+
+class TestMedia:
+    @settings(max_examples=300, deadline=None)
+    @given(st.integers(2, 80), st.data())
+    def test_a_prompt_whose_media_a_step_can_start_is_planned_to_its_end(self, tokens, data):
+        """A lone prompt whose every image costs at most the budget to start (its first token
+        and its patches) is planned to its end, one chunk a step, each step's tokens and
+        patches within the budget, each image's patches spent in the step of its first token."""
+        budget = StepBudget(tokens, 1)
+        prompt_len = data.draw(st.integers(1, 120))
+        firsts = sorted(data.draw(st.sets(st.integers(0, prompt_len - 1), max_size=4)))
+        most = max(p for p in range(1, tokens) if medium_start_cost(p) <= tokens)
+        patches = [data.draw(st.integers(1, most)) for _ in firsts]
+        media = tuple(zip(firsts, patches, strict=True))
+        computed, encoded = 0, set()
+        for _ in range(prompt_len):
+            (chunk,) = plan_step([PlanInput(1, prompt_len, computed, media=media)], budget).chunks
+            assert chunk.start == computed
+            started = [(f, p) for f, p in media if computed <= f < computed + chunk.num_tokens]
+            assert chunk.num_tokens + sum(p for _, p in started) <= tokens
+            encoded.update(started)
+            computed += chunk.num_tokens
+            if computed == prompt_len:
+                break
+        assert computed == prompt_len and encoded == set(media)
+
+    def test_an_image_of_the_whole_budget_never_starts(self):
+        """Its first token and its patches are one more than the budget: the engine refuses
+        such an image (tests/test_vision.py), which would otherwise wait forever."""
+        plan = plan_step([PlanInput(1, 10, 0, media=((0, 16),))], StepBudget(16, 1))
+        assert plan.chunks == ()
+        plan = plan_step([PlanInput(1, 10, 0, media=((0, 15),))], StepBudget(16, 1))
+        assert [(c.start, c.num_tokens) for c in plan.chunks] == [(0, 1)]
 
 
 class TestCapacityLedger:

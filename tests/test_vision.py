@@ -7,6 +7,7 @@ miss)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from engine_helpers import PlanLog, collect, engine_config
 from transformers import Qwen3_5ForConditionalGeneration
 from vision_helpers import chat, hf_logprobs, image, processor, video
 
+from deltaserve.engine.events import FinishedEvent
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
 from deltaserve.engine.rank.vision import VisionTower
 from deltaserve.engine.sampling_params import SamplingParams
@@ -206,5 +208,86 @@ async def test_engine_golden_with_prefix_caching(tp_size, tiny_vlm_model_dir, hf
         held = load.num_blocks - load.free_blocks
         for snap in await engine.rank_snapshots():
             assert (snap.request_ids, snap.slots_used, snap.blocks_used) == ([], 0, held), snap
+    finally:
+        await engine.shutdown()
+
+
+def image_chats(media, n: int) -> list:
+    """n one-image chats, 24 and 36 patches (6 and 9 tokens) by turns."""
+    return [
+        build(media, [f"Picture {i}: ", image(96, 64 + 32 * (i % 2), i), " describe it."])
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["recompute", "prefix_cached"])
+async def test_image_chats_preempted_come_out_as_alone(tiny_vlm_model_dir, media, prefix_caching):
+    """Image chats whose lifetimes do not fit the cache together: admitted by present need,
+    the youngest are preempted and recomputed (their images encoded again), and each comes out
+    as it did alone: greedy and seeded tokens, logprobs within the recompute's rounding. Then
+    the ranks hold nothing but saved prefixes."""
+    from deltaserve.engine.async_engine import AsyncEngine
+
+    prompts = image_chats(media, 6)
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.8 * (i % 2), seed=100 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    budget = dict(max_model_len=4096, max_num_seqs=6, max_num_batched_tokens=40, block_size=4)
+
+    async def outputs(config, together: bool):
+        engine = await AsyncEngine.start(config)
+        try:
+            runs = [collect(engine.generate(p, sp)) for p, sp in zip(prompts, params, strict=True)]
+            out = await asyncio.gather(*runs) if together else [await run for run in runs]
+            return out, engine
+        finally:
+            await engine.shutdown()
+
+    alone, _ = await outputs(engine_config(tiny_vlm_model_dir, num_kv_blocks=256, **budget), False)
+    # 6 lifetimes of 16 or 17 blocks in 48 blocks
+    tight = engine_config(
+        tiny_vlm_model_dir,
+        num_kv_blocks=48,
+        kv_watermark=0.0,
+        enable_prefix_caching=prefix_caching,
+        **budget,
+    )
+    engine = await AsyncEngine.start(tight)
+    try:
+        together = await asyncio.gather(
+            *(collect(engine.generate(p, sp)) for p, sp in zip(prompts, params, strict=True))
+        )
+        assert engine.metrics.num_preemptions_total > 0
+        held = 0 if not prefix_caching else engine.load().num_blocks - engine.load().free_blocks
+        for snap in await engine.rank_snapshots():
+            assert (snap.request_ids, snap.slots_used, snap.blocks_used) == ([], 0, held), snap
+    finally:
+        await engine.shutdown()
+    for i, ((mine, end), (theirs, end_alone)) in enumerate(zip(together, alone, strict=True)):
+        assert [t.token_id for t in mine] == [t.token_id for t in theirs], f"chat {i}"
+        assert end.reason == end_alone.reason == "length"
+        for a, b in zip(mine, theirs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=2e-3), f"chat {i}"
+
+
+async def test_an_image_a_step_cannot_start_is_refused(tiny_vlm_model_dir, media):
+    """A step starts a medium with its first token and its patches: an image of as many
+    patches as max_num_batched_tokens could never be planned (it waited forever, and every
+    prompt behind it), so it is refused naming the medium; one patch less is served."""
+    from deltaserve.engine.async_engine import AsyncEngine
+
+    fits, too_big = (build(media, ["Look: ", image(96, w, 1), " now."]) for w in (64, 96))
+    assert [m.num_patches for m in (*fits.media, *too_big.media)] == [24, 36]
+    engine = await AsyncEngine.start(engine_config(tiny_vlm_model_dir, max_num_batched_tokens=25))
+    try:
+        tokens, end = await collect(engine.generate(fits, SamplingParams(max_tokens=2)))
+        assert isinstance(end, FinishedEvent) and len(tokens) == 2
+    finally:
+        await engine.shutdown()
+    engine = await AsyncEngine.start(engine_config(tiny_vlm_model_dir, max_num_batched_tokens=36))
+    try:
+        with pytest.raises(ValueError, match=r"media 0: 36 patches .*max_num_batched_tokens 36"):
+            engine.generate(too_big, SamplingParams(max_tokens=2))
     finally:
         await engine.shutdown()
