@@ -291,3 +291,50 @@ async def test_an_image_a_step_cannot_start_is_refused(tiny_vlm_model_dir, media
             engine.generate(too_big, SamplingParams(max_tokens=2))
     finally:
         await engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm_agree_dir(tmp_path_factory):
+    """The tiny VLM with make_model's "agree" MTP head, whose drafts are often accepted."""
+    from deltaserve.tools.make_model import make_model
+
+    return make_model(
+        tmp_path_factory.mktemp("vlm_agree"),
+        preset="tiny",
+        dtype="fp32",
+        vlm_names=True,
+        mtp="agree",
+    )
+
+
+@pytest.mark.parametrize("tp_size", [1, 2], ids=["tp1", "tp2"])
+async def test_image_chats_with_mtp_equal_them_without(tiny_vlm_agree_dir, media, tp_size):
+    """Speculative decoding with the checkpoint's MTP head over image prompts (the head's
+    catch-up runs over the image's positions): drafts are accepted, and greedy output equals
+    the output without speculation, token for token."""
+    from deltaserve.engine.async_engine import AsyncEngine
+    from deltaserve.engine.speculative_config import SpeculativeConfig
+
+    prompts = image_chats(media, 4)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs, accepted = [], 0
+    for speculative in (None, SpeculativeConfig(num_speculative_tokens=2)):
+        engine = await AsyncEngine.start(
+            engine_config(
+                tiny_vlm_agree_dir,
+                tp_size=tp_size,
+                max_model_len=1024,
+                max_num_batched_tokens=64,
+                num_kv_blocks=128,
+                enable_prefix_caching=True,
+                speculative_config=speculative,
+            )
+        )
+        try:
+            runs = await asyncio.gather(*(collect(engine.generate(p, params)) for p in prompts))
+            outputs.append([[t.token_id for t in tokens] for tokens, _ in runs])
+            accepted = engine.metrics.spec_decode_num_accepted_tokens_total
+        finally:
+            await engine.shutdown()
+    assert outputs[0] == outputs[1]
+    assert accepted > 0
