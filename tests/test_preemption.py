@@ -250,6 +250,45 @@ async def test_an_abort_of_a_preempted_request_ends_it_at_once(tiny_model_dir):
         await engine.shutdown()
 
 
+GUIDES = {
+    "guided_json": '{"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}',
+    "guided_regex": "[a-z ]{5,30}[.]",
+    "stop_regex": ("x[0-9]",),
+}
+
+
+@module_loop
+async def test_guided_requests_preempted_come_out_as_alone(tiny_model_dir):
+    """Requests under a JSON schema, a regex or a stop regex, greedy and seeded: preempted and
+    recomputed, their guides go on from the tokens already sampled (not rewound, not fed the
+    recompute's prompt), and each comes out as it does alone."""
+    kinds = list(GUIDES.items())
+    params = [
+        SamplingParams(
+            max_tokens=40, temperature=0.9 * (i % 2), seed=7 + i, **dict([kinds[i % len(kinds)]])
+        )
+        for i in range(6)
+    ]
+    prompts = [[500 + 3 * i + j for j in range(20)] for i in range(len(params))]
+    outputs = []
+    for blocks in (256, 30):  # room for every lifetime, then for about two
+        engine = await AsyncEngine.start(config(tiny_model_dir, num_kv_blocks=blocks))
+        try:
+            prepared = [await engine.prepare(p) for p in params]
+            streams = [engine.generate(p, sp) for p, sp in zip(prompts, prepared, strict=True)]
+            if blocks == 256:
+                runs = [await collect(s, WORKLOAD_TIMEOUT_S) for s in streams]  # one at a time
+            else:
+                runs = await asyncio.gather(*(collect(s, WORKLOAD_TIMEOUT_S) for s in streams))
+                assert engine.metrics.num_preemptions_total > 0
+            outputs.append([(ids_of(tokens), end.reason) for tokens, end in runs])
+            await wait_idle(engine)
+        finally:
+            await engine.shutdown()
+    assert outputs[1] == outputs[0]
+    assert {reason for _, reason in outputs[0]} == {"stop", "length"}
+
+
 @module_loop
 async def test_a_rank_death_in_a_preemption_fails_closed_once_per_owner(tiny_model_dir):
     """Rank 1 of two dies as the ranks carry out the first preemption (the first DropRequests:
