@@ -307,7 +307,12 @@ class AsyncEngine:
             )
         if self._media is None:
             self._media = MediaProcessor(
-                self.config.model, self.tokenizer, vision, self.config.media, self._media_dtype()
+                self.config.model,
+                self.tokenizer,
+                vision,
+                self.config.media,
+                self._media_dtype(),
+                max_patches=self.config.max_num_batched_tokens - medium_start_cost(0),
             )
         processor = self._media
         processor.check_counts(

@@ -256,10 +256,21 @@ class MediaProcessor:
     """The checkpoint's processor (transformers' Qwen3VLProcessor over its image and video
     processors, configured by the checkpoint's preprocessor files and `--mm-processor-kwargs`):
     a rendered chat prompt with the template's placeholders and the media, to token ids and
-    the media's pixels. Runs off the event loop (a worker thread)."""
+    the media's pixels. Runs off the event loop (a worker thread).
+
+    Without a max_pixels of the operator's, images are resized to at most `max_patches`
+    patches, what one step encodes (engine/planner.py), rather than refused: the released
+    checkpoints' own bound (16.7M pixels, 65,536 patches) passes a step's 8,192 tokens at
+    2560 x 1440."""
 
     def __init__(
-        self, model_dir: str, tokenizer: Any, vision: VisionConfig, config: MediaConfig, dtype: str
+        self,
+        model_dir: str,
+        tokenizer: Any,
+        vision: VisionConfig,
+        config: MediaConfig,
+        dtype: str,
+        max_patches: int | None = None,
     ) -> None:
         from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor
 
@@ -273,15 +284,21 @@ class MediaProcessor:
         video_kwargs["do_convert_rgb"] = False  # frames come decoded as RGB (decode_video)
         image = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
         video = pil_video_processor_class().from_pretrained(model_dir, **video_kwargs)
-        if size:
+        image_size = dict(size)
+        if max_patches is not None and "max_pixels" not in kwargs:
+            step_pixels = max_patches * vision.patch_size**2
+            if step_pixels < image.size.longest_edge:
+                image_size["longest_edge"] = step_pixels
+        if image_size:
             image = Qwen2VLImageProcessorPil.from_pretrained(
                 model_dir,
                 size={
                     "shortest_edge": image.size.shortest_edge,
                     "longest_edge": image.size.longest_edge,
-                    **size,
+                    **image_size,
                 },
             )
+        if size:
             video = pil_video_processor_class().from_pretrained(
                 model_dir,
                 size={
