@@ -259,9 +259,9 @@ class MediaProcessor:
     the media's pixels. Runs off the event loop (a worker thread).
 
     Without a max_pixels of the operator's, images are resized to at most `max_patches`
-    patches, what one step encodes (engine/planner.py), rather than refused: the released
-    checkpoints' own bound (16.7M pixels, 65,536 patches) passes a step's 8,192 tokens at
-    2560 x 1440."""
+    patches, what one step encodes (engine/planner.py), rather than refused: under the
+    released checkpoints' own bound (16.7M pixels, 65,536 patches) an image of 2560 x 1440
+    pixels is already more than a step of 8,192 tokens."""
 
     def __init__(
         self,
