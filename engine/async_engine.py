@@ -320,9 +320,22 @@ class AsyncEngine:
         )
         fetcher = MediaFetcher(self.config.media)
         loaded = [(source, await fetcher.fetch(source.url, source.part)) for source in sources]
-        return await self.run_tokenizer(
+        prompt = await self.run_tokenizer(
             lambda _: processor.prompt(text, loaded), INLINE_TOKENIZE_CHARS + 1
         )
+        self._check_media_fit(prompt, [source.part for source in sources])  # in prompt order
+        return prompt
+
+    def _check_media_fit(self, prompt: MultimodalPrompt, names: list[str]) -> None:
+        """Each medium one step can start (engine/planner.py), or a MediaError naming it."""
+        budget = self.config.max_num_batched_tokens
+        for name, item in zip(names, prompt.media, strict=True):
+            if medium_start_cost(item.num_patches) > budget:
+                raise MediaError(
+                    f"{name}: {item.num_patches} patches and its first token, more than a step "
+                    f"encodes (max_num_batched_tokens {budget}); send it smaller or lower "
+                    "max_pixels"
+                )
 
     def _media_dtype(self) -> str:
         """The dtype pixels travel in: the model's (the tower casts them to it anyway)."""
@@ -609,14 +622,7 @@ class AsyncEngine:
 
     def _prompt_ids(self, prompt: str | list[int] | MultimodalPrompt) -> tuple[int, ...]:
         if isinstance(prompt, MultimodalPrompt):
-            budget = self.config.max_num_batched_tokens
-            for i, item in enumerate(prompt.media):
-                if medium_start_cost(item.num_patches) > budget:
-                    raise ValueError(
-                        f"media {i}: {item.num_patches} patches and its first token, more than "
-                        f"a step encodes (max_num_batched_tokens {budget}); send it smaller or "
-                        "lower max_pixels"
-                    )
+            self._check_media_fit(prompt, [f"media {i}" for i in range(len(prompt.media))])
             prompt = list(prompt.ids)
         if isinstance(prompt, str):
             ids = _encode_text(self.tokenizer, prompt)

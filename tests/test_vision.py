@@ -352,9 +352,9 @@ def data_url(picture) -> str:
 async def test_an_image_past_a_step_is_resized_to_fit_unless_max_pixels_is_set(tiny_vlm_model_dir):
     """The checkpoint's own pixel bound lets an image have more patches than a step encodes:
     without an operator's max_pixels the engine resizes it to fit (and serves it); with one,
-    an image past the step is refused naming the medium."""
+    an image past the step is refused naming its part."""
     from deltaserve.engine.async_engine import AsyncEngine
-    from deltaserve.engine.media import MediaSource
+    from deltaserve.engine.media import MediaError, MediaSource
 
     text, _, _ = chat(["Look: ", image(8, 8, 0), " now."])
     source = MediaSource("image", data_url(image(512, 384, 3)), "messages[0].content[1]")
@@ -364,14 +364,12 @@ async def test_an_image_past_a_step_is_resized_to_fit_unless_max_pixels_is_set(t
             engine_config(tiny_vlm_model_dir, max_num_batched_tokens=64, mm_processor_kwargs=kwargs)
         )
         try:
-            prompt = await engine.media_prompt(text, [source])
-            patches = prompt.media[0].num_patches
             if kwargs:
-                assert patches == 512 * 384 // 16**2
-                with pytest.raises(ValueError, match=f"media 0: {patches} patches"):
-                    engine.generate(prompt, params)
+                with pytest.raises(MediaError, match=r"content\[1\]: 768 patches .* 64\)"):
+                    await engine.media_prompt(text, [source])
             else:
-                assert 36 <= patches <= 63  # resized to fit: 1 + patches <= 64
+                prompt = await engine.media_prompt(text, [source])
+                assert 36 <= prompt.media[0].num_patches <= 63  # resized: 1 + patches <= 64
                 tokens, end = await collect(engine.generate(prompt, params))
                 assert isinstance(end, FinishedEvent) and len(tokens) == 2
         finally:
