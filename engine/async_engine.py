@@ -45,7 +45,7 @@ from deltaserve.engine.media_prompt import MultimodalPrompt
 from deltaserve.engine.metrics import EngineMetrics
 from deltaserve.engine.model_config import ModelConfig
 from deltaserve.engine.monitor import MonitorPublisher
-from deltaserve.engine.planner import StepBudget, medium_start_cost
+from deltaserve.engine.planner import StepBudget, max_medium_patches, medium_start_cost
 from deltaserve.engine.request import Request
 from deltaserve.engine.sampling_params import ParamError, SamplingParams, wire_seed
 from deltaserve.engine.scheduler import Scheduler
@@ -312,7 +312,7 @@ class AsyncEngine:
                 vision,
                 self.config.media,
                 self._media_dtype(),
-                max_patches=self.config.max_num_batched_tokens - medium_start_cost(0),
+                max_patches=max_medium_patches(self.config.max_num_batched_tokens),
             )
         processor = self._media
         processor.check_counts(

@@ -184,6 +184,11 @@ def medium_start_cost(patches: int) -> int:
     return 1 + patches
 
 
+def max_medium_patches(max_num_batched_tokens: int) -> int:
+    """The most patches a medium may have for a step to start it (`medium_start_cost`)."""
+    return max_num_batched_tokens - medium_start_cost(0)
+
+
 def fit_media(req: PlanInput, size: int, tokens_left: int) -> tuple[int, int]:
     """(chunk size, patches encoded): the chunk of `size` tokens from `req.num_computed`, cut
     before the first image whose patches it cannot afford with the chunk's tokens."""

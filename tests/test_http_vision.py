@@ -7,7 +7,6 @@ stays healthy."""
 from __future__ import annotations
 
 import base64
-import io
 
 import aiohttp
 import anthropic
@@ -18,7 +17,15 @@ import torch
 from aiohttp import web
 from serve_helpers import in_process_server, wait_idle
 from transformers import Qwen3_5ForConditionalGeneration
-from vision_helpers import TEST_PROCESSOR_KWARGS, chat, hf_logprobs, image, processor
+from vision_helpers import (
+    TEST_PROCESSOR_KWARGS,
+    chat,
+    data_url,
+    hf_logprobs,
+    image,
+    png,
+    processor,
+)
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.vision_config import VisionConfig
@@ -31,15 +38,9 @@ QUESTION = "What is in this picture? Answer in one word."
 MAX_TOKENS = 5
 
 
-def png(picture) -> bytes:
-    out = io.BytesIO()
-    picture.save(out, format="PNG")
-    return out.getvalue()
-
-
 PICTURE = image(80, 64, 11)
 PNG = png(PICTURE)
-DATA_URL = "data:image/png;base64," + base64.b64encode(PNG).decode()
+DATA_URL = data_url(PICTURE)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -12,7 +12,7 @@ from deltaserve.engine.planner import (
     KvRoom,
     PlanInput,
     StepBudget,
-    medium_start_cost,
+    max_medium_patches,
     plan_step,
 )
 from deltaserve.engine.request import FINISH_REASON, Request, RequestStatus
@@ -174,8 +174,7 @@ class TestMedia:
         budget = StepBudget(tokens, 1)
         prompt_len = data.draw(st.integers(1, 120))
         firsts = sorted(data.draw(st.sets(st.integers(0, prompt_len - 1), max_size=4)))
-        most = max(p for p in range(1, tokens) if medium_start_cost(p) <= tokens)
-        patches = [data.draw(st.integers(1, most)) for _ in firsts]
+        patches = [data.draw(st.integers(1, max_medium_patches(tokens))) for _ in firsts]
         media = tuple(zip(firsts, patches, strict=True))
         computed, encoded = 0, set()
         for _ in range(prompt_len):

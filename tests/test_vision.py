@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine_helpers import PlanLog, collect, engine_config
 from transformers import Qwen3_5ForConditionalGeneration
-from vision_helpers import chat, hf_logprobs, image, processor, video
+from vision_helpers import chat, data_url, hf_logprobs, image, processor, video
 
 from deltaserve.engine.events import FinishedEvent
 from deltaserve.engine.rank.executor import Executor, ExecutorConfig
@@ -234,17 +234,13 @@ async def test_image_chats_preempted_come_out_as_alone(tiny_vlm_model_dir, media
         for i in range(len(prompts))
     ]
     budget = dict(max_model_len=4096, max_num_seqs=6, max_num_batched_tokens=40, block_size=4)
-
-    async def outputs(config, together: bool):
-        engine = await AsyncEngine.start(config)
-        try:
-            runs = [collect(engine.generate(p, sp)) for p, sp in zip(prompts, params, strict=True)]
-            out = await asyncio.gather(*runs) if together else [await run for run in runs]
-            return out, engine
-        finally:
-            await engine.shutdown()
-
-    alone, _ = await outputs(engine_config(tiny_vlm_model_dir, num_kv_blocks=256, **budget), False)
+    engine = await AsyncEngine.start(engine_config(tiny_vlm_model_dir, num_kv_blocks=256, **budget))
+    try:  # one at a time, in room for every lifetime
+        alone = [
+            await collect(engine.generate(p, sp)) for p, sp in zip(prompts, params, strict=True)
+        ]
+    finally:
+        await engine.shutdown()
     # 6 lifetimes of 16 or 17 blocks in 48 blocks
     tight = engine_config(
         tiny_vlm_model_dir,
@@ -259,7 +255,8 @@ async def test_image_chats_preempted_come_out_as_alone(tiny_vlm_model_dir, media
             *(collect(engine.generate(p, sp)) for p, sp in zip(prompts, params, strict=True))
         )
         assert engine.metrics.num_preemptions_total > 0
-        held = 0 if not prefix_caching else engine.load().num_blocks - engine.load().free_blocks
+        load = engine.load()
+        held = load.num_blocks - load.free_blocks if prefix_caching else 0
         for snap in await engine.rank_snapshots():
             assert (snap.request_ids, snap.slots_used, snap.blocks_used) == ([], 0, held), snap
     finally:
@@ -338,15 +335,6 @@ async def test_image_chats_with_mtp_equal_them_without(tiny_vlm_agree_dir, media
             await engine.shutdown()
     assert outputs[0] == outputs[1]
     assert accepted > 0
-
-
-def data_url(picture) -> str:
-    import base64
-    import io
-
-    buffer = io.BytesIO()
-    picture.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 async def test_an_image_past_a_step_is_resized_to_fit_unless_max_pixels_is_set(tiny_vlm_model_dir):

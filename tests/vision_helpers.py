@@ -3,6 +3,9 @@ checkpoint's processor (engine/media.py), and HF transformers' logits for it."""
 
 from __future__ import annotations
 
+import base64
+import io
+
 import numpy as np
 import torch
 from PIL import Image
@@ -25,6 +28,17 @@ TEST_PROCESSOR_KWARGS = {"min_pixels": 32 * 32, "max_pixels": 96 * 96}
 def image(height: int, width: int, seed: int) -> Image.Image:
     gen = np.random.default_rng(seed)
     return Image.fromarray(gen.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def png(picture: Image.Image) -> bytes:
+    out = io.BytesIO()
+    picture.save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(picture: Image.Image) -> str:
+    """The picture as a PNG `data:` URL, as a client sends it."""
+    return "data:image/png;base64," + base64.b64encode(png(picture)).decode()
 
 
 def video(frames: int, height: int, width: int, fps: float, seed: int) -> Video:
